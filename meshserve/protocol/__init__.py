@@ -1,0 +1,1 @@
+"""Protocol vocabulary shared by gateway and services: datatypes, tensors, errors, HTTP codec."""
