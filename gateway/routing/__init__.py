@@ -1,0 +1,1 @@
+"""Routing: model/version -> replicas (pure, no I/O)."""

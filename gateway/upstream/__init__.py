@@ -1,0 +1,1 @@
+"""Upstream services: channels, replicas, discovery."""

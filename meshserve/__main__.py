@@ -1,0 +1,3 @@
+from meshserve.cli import main
+
+main()

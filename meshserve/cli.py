@@ -1,0 +1,207 @@
+"""meshserve command line: `up`, `gateway`, `service KIND`, `check-repo`.
+
+The gateway and services are separate packages that this module never imports at module
+level (they are entry points, loaded only by the subcommand that runs them).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from meshserve.server.process import READY_MARKER
+
+SERVICE_KINDS = {
+    "onnx": "services.onnx.main",
+}
+PLANNED_KINDS = ("torchscript", "tensorrt", "sequence", "ensemble")
+DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+
+
+def _cmd_service(args: argparse.Namespace) -> None:
+    module = SERVICE_KINDS.get(args.kind)
+    if module is None:
+        raise SystemExit(f"meshserve service: kind '{args.kind}' is not available in this build "
+                         f"(available: {', '.join(SERVICE_KINDS)})")
+    importlib.import_module(module).main(args)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> None:
+    importlib.import_module("gateway.main").main(args)
+
+
+def _cmd_check_repo(args: argparse.Namespace) -> None:
+    from meshserve.repository.check import check_repository
+
+    report, ok = check_repository(args.path)
+    print(report)
+    raise SystemExit(0 if ok else 1)
+
+
+# ---- meshserve up ---------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """Child processes get SIGTERM if `meshserve up` dies, so nothing is orphaned."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     preexec_fn=_die_with_parent)
+        self.ports: dict[str, int] = {}
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(READY_MARKER):
+                for part in line.split()[2:]:
+                    key, _, value = part.partition("=")
+                    self.ports[key] = int(value)
+                self._ready.set()
+            else:
+                sys.stdout.write(line)
+        self._ready.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"meshserve up: {self.name} did not become ready within {timeout:.0f}s")
+        if not self.ports:
+            raise SystemExit(f"meshserve up: {self.name} exited with code {self.proc.wait()} before it was ready")
+
+
+def _stop_all(children: list[Child], timeout: float = 20.0) -> None:
+    for c in children:  # gateway first (listed first), then services
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+        try:
+            c.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def _cmd_up(args: argparse.Namespace) -> None:
+    from meshserve.repository import layout
+
+    repo: Path = args.repository
+    if repo.resolve() == DEFAULT_REPOSITORY.resolve():
+        from meshserve import examples
+
+        examples.ensure(repo, progress=lambda msg: print(f"meshserve up: {msg}", flush=True))
+    if not repo.is_dir():
+        raise SystemExit(f"meshserve up: model repository {repo} does not exist")
+    entries = layout.scan(repo)
+    kinds = sorted({e.kind for e in entries if e.kind})
+    for e in entries:
+        if e.error:
+            print(f"meshserve up: model '{e.name}' has a problem and will not load: {e.error}", flush=True)
+    runnable = [k for k in kinds if k in SERVICE_KINDS]
+    for k in kinds:
+        if k not in SERVICE_KINDS:
+            names = ", ".join(e.name for e in entries if e.kind == k)
+            print(f"meshserve up: {k} models ({names}) are skipped: no {k} service in this build", flush=True)
+    if not runnable:
+        raise SystemExit(f"meshserve up: no servable model in {repo} (run `meshserve check-repo {repo}`)")
+
+    py = [sys.executable, "-m", "meshserve"]
+    children: list[Child] = []
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    services: list[Child] = []
+    try:
+        for kind in runnable:
+            print(f"meshserve up: starting the {kind} service…", flush=True)
+            child = Child(f"{kind} service", [*py, "service", kind, "--repository", str(repo),
+                                              "--host", "127.0.0.1", "--grpc-port", "0",
+                                              "--log-level", args.log_level])
+            services.append(child)
+        for child in services:
+            child.wait_ready(args.timeout)
+        upstreams = [f"127.0.0.1:{c.ports['grpc']}" for c in services]
+        print("meshserve up: starting the gateway…", flush=True)
+        gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
+                                    "--grpc-port", str(args.grpc_port), "--log-level", args.log_level,
+                                    *sum((["--upstream", u] for u in upstreams), [])])
+        children = [gateway, *services]
+        gateway.wait_ready(args.timeout)
+        host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
+        http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
+        model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
+        print(f"""
+meshserve is up ({len(services)} service process(es) + gateway).
+  HTTP/REST  http://{host}:{http}/v2          (health: /v2/health/ready, metrics: /metrics)
+  gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
+Try:
+  curl -s http://{host}:{http}/v2/models/{model}
+  curl -s -X POST http://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
+Press Ctrl-C to stop.""", flush=True)
+        while not stopping.is_set():
+            for c in children:
+                if c.proc.poll() is not None:
+                    print(f"meshserve up: {c.name} exited with code {c.proc.returncode}; stopping", flush=True)
+                    stopping.set()
+            stopping.wait(0.5)
+    finally:
+        print("meshserve up: stopping…", flush=True)
+        _stop_all(children or services)
+        print("meshserve up: stopped", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the services and the gateway locally on one repository")
+    up.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    up.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--grpc-port", type=int, default=8001)
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each process")
+    up.add_argument("--log-level", default="WARNING")
+    up.set_defaults(func=_cmd_up)
+
+    gw = sub.add_parser("gateway", help="run the gateway")
+    importlib.import_module("gateway.main").add_arguments(gw)
+    gw.set_defaults(func=_cmd_gateway)
+
+    svc = sub.add_parser("service", help="run one backend service")
+    svc.add_argument("kind", choices=sorted([*SERVICE_KINDS, *PLANNED_KINDS]))
+    importlib.import_module("services.base.main").add_arguments(svc)
+    svc.set_defaults(func=_cmd_service)
+
+    chk = sub.add_parser("check-repo", help="validate a model repository and report each model")
+    chk.add_argument("path", type=Path)
+    chk.set_defaults(func=_cmd_check_repo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The protocol-free interface every meshserve process implements (gateway and services)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from meshserve._proto import grpc_service_pb2 as pb
+
+EXTENSIONS = (
+    "classification",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+    "model_repository",
+)
+
+
+class InferResult:
+    """An inference response held as a message, serialized bytes, or both (lazily converted).
+
+    The gateway passes upstream bytes through untouched; a service builds the message (and
+    may serialize it off the event loop). Each side converts only when a front end needs it.
+    """
+
+    __slots__ = ("_msg", "_raw")
+
+    def __init__(self, message: pb.ModelInferResponse | None = None, raw: bytes | None = None):
+        if message is None and raw is None:
+            raise ValueError("InferResult needs a message or raw bytes")
+        self._msg = message
+        self._raw = raw
+
+    def message(self) -> pb.ModelInferResponse:
+        if self._msg is None:
+            assert self._raw is not None
+            self._msg = pb.ModelInferResponse.FromString(self._raw)
+        return self._msg
+
+    def serialized(self) -> bytes:
+        if self._raw is None:
+            assert self._msg is not None
+            self._raw = self._msg.SerializeToString()
+        return self._raw
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Per-request facts the core needs beyond the message itself."""
+
+    protocol: str  # "grpc" | "http"
+    headers: dict[str, str] = field(default_factory=dict)  # lower-case names (HTTP headers / gRPC metadata)
+    deadline: float | None = None  # absolute time.monotonic() deadline, None = none
+    raw: bytes | None = None  # the serialized ModelInferRequest, when it arrived as one
+
+    def time_remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class V2Core(Protocol):
+    """KServe v2 / Triton operations, independent of the wire protocol."""
+
+    def live(self) -> bool: ...
+
+    def ready(self) -> bool: ...
+
+    def server_metadata(self) -> pb.ServerMetadataResponse: ...
+
+    async def model_ready(self, name: str, version: str) -> bool: ...
+
+    async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse: ...
+
+    async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse: ...
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult: ...
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse: ...
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse: ...
+
+    async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                         ctx: RequestContext) -> None: ...
+
+    async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                           ctx: RequestContext) -> None: ...
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        """Prometheus exposition (body, content type)."""
+        ...

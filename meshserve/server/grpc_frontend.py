@@ -1,0 +1,223 @@
+"""gRPC front end: inference.GRPCInferenceService over any V2Core.
+
+ModelInfer is registered with raw-bytes (de)serializers: the request is parsed once here
+and its original bytes travel on in RequestContext.raw, so the gateway can forward them
+without re-serializing; responses go out as whatever bytes the core produced.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import InferError
+from meshserve.server.core import RequestContext, V2Core
+from meshserve.server.health import HealthState, health_handler
+
+log = logging.getLogger("meshserve.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+# Triton's clients assume no message size limit; grpc's Python default is 4 MiB.
+MAX_MESSAGE_BYTES = 2**31 - 1
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> RequestContext:
+    remaining = context.time_remaining()
+    md = context.invocation_metadata() or ()
+    return RequestContext(
+        protocol="grpc",
+        headers={k: v for k, v in md if isinstance(v, str)},
+        deadline=None if remaining is None else time.monotonic() + remaining,
+        raw=raw,
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, InferError):
+        await context.abort(exc.grpc_status, exc.message)
+    log.exception("internal error while serving a gRPC call")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+           request_type: Any) -> grpc.RpcMethodHandler:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # mapped to a status, never a crash
+            await _abort(context, exc)
+
+    return grpc.unary_unary_rpc_method_handler(
+        handler, request_deserializer=request_type.FromString,
+        response_serializer=lambda m: m.SerializeToString())
+
+
+def _unimplemented(name: str, request_type: Any) -> grpc.RpcMethodHandler:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{name} is not implemented by meshserve yet")
+
+    return grpc.unary_unary_rpc_method_handler(
+        handler, request_deserializer=request_type.FromString,
+        response_serializer=lambda m: m.SerializeToString())
+
+
+def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
+    """The GRPCInferenceService method table for one core."""
+
+    async def server_live(req: pb.ServerLiveRequest, ctx: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=core.live())
+
+    async def server_ready(req: pb.ServerReadyRequest, ctx: grpc.aio.ServicerContext) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=core.ready())
+
+    async def model_ready(req: pb.ModelReadyRequest, ctx: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=await core.model_ready(req.name, req.version))
+
+    async def server_metadata(req: pb.ServerMetadataRequest, ctx: grpc.aio.ServicerContext
+                              ) -> pb.ServerMetadataResponse:
+        return core.server_metadata()
+
+    async def model_metadata(req: pb.ModelMetadataRequest, ctx: grpc.aio.ServicerContext
+                             ) -> pb.ModelMetadataResponse:
+        return await core.model_metadata(req.name, req.version)
+
+    async def model_config(req: pb.ModelConfigRequest, ctx: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
+        return await core.model_config(req.name, req.version)
+
+    async def model_statistics(req: pb.ModelStatisticsRequest, ctx: grpc.aio.ServicerContext
+                               ) -> pb.ModelStatisticsResponse:
+        return await core.statistics(req.name, req.version)
+
+    async def repository_index(req: pb.RepositoryIndexRequest, ctx: grpc.aio.ServicerContext
+                               ) -> pb.RepositoryIndexResponse:
+        return await core.repository_index(req.ready)
+
+    async def model_load(req: pb.RepositoryModelLoadRequest, ctx: grpc.aio.ServicerContext
+                         ) -> pb.RepositoryModelLoadResponse:
+        await core.load_model(req.model_name, dict(req.parameters), _context(ctx))
+        return pb.RepositoryModelLoadResponse()
+
+    async def model_unload(req: pb.RepositoryModelUnloadRequest, ctx: grpc.aio.ServicerContext
+                           ) -> pb.RepositoryModelUnloadResponse:
+        await core.unload_model(req.model_name, dict(req.parameters), _context(ctx))
+        return pb.RepositoryModelUnloadResponse()
+
+    async def model_infer(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            try:
+                request = pb.ModelInferRequest.FromString(raw)
+            except Exception as exc:
+                raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
+            result = await core.infer(request, _context(context, raw))
+            return result.serialized()
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+            raise  # unreachable: abort raises
+
+    async def model_stream_infer(requests: AsyncIterator[pb.ModelInferRequest],
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        # Requests on one stream run concurrently; responses are written as they complete
+        # (each carries its request id). Per-request errors travel in band.
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        pending: set[asyncio.Task[None]] = set()
+        base = _context(context)
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline)
+                result = await core.infer(request, ctx)
+                out.put_nowait(pb.ModelStreamInferResponse(infer_response=result.message()))
+            except InferError as exc:
+                out.put_nowait(pb.ModelStreamInferResponse(
+                    error_message=exc.message,
+                    infer_response=pb.ModelInferResponse(
+                        id=request.id, model_name=request.model_name, model_version=request.model_version)))
+            except Exception as exc:
+                log.exception("internal error in a streamed request")
+                out.put_nowait(pb.ModelStreamInferResponse(error_message=f"internal error: {exc}"))
+
+        async def reader() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.ensure_future(one(request))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                if pending:
+                    await asyncio.gather(*list(pending), return_exceptions=True)
+            finally:
+                out.put_nowait(None)
+
+        read_task = asyncio.ensure_future(reader())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            read_task.cancel()
+            for t in list(pending):
+                t.cancel()
+
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        "ServerLive": _unary(server_live, pb.ServerLiveRequest),
+        "ServerReady": _unary(server_ready, pb.ServerReadyRequest),
+        "ModelReady": _unary(model_ready, pb.ModelReadyRequest),
+        "ServerMetadata": _unary(server_metadata, pb.ServerMetadataRequest),
+        "ModelMetadata": _unary(model_metadata, pb.ModelMetadataRequest),
+        "ModelConfig": _unary(model_config, pb.ModelConfigRequest),
+        "ModelStatistics": _unary(model_statistics, pb.ModelStatisticsRequest),
+        "RepositoryIndex": _unary(repository_index, pb.RepositoryIndexRequest),
+        "RepositoryModelLoad": _unary(model_load, pb.RepositoryModelLoadRequest),
+        "RepositoryModelUnload": _unary(model_unload, pb.RepositoryModelUnloadRequest),
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+            model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=lambda m: m.SerializeToString()),
+    }
+    for name, req_type in (
+        ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),
+        ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest),
+        ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest),
+        ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest),
+        ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
+        ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
+        ("TraceSetting", pb.TraceSettingRequest),
+        ("LogSettings", pb.LogSettingsRequest),
+    ):
+        handlers[name] = _unimplemented(name, req_type)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthState,
+                            extra_options: list[tuple[str, Any]] | None = None) -> tuple[grpc.aio.Server, int]:
+    """Build, bind and start the gRPC server; returns (server, bound port)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS + (extra_options or []))
+    server.add_generic_rpc_handlers((inference_handler(core), health_handler(health)))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC port {host}:{port} (in use?)")
+    await server.start()
+    return server, bound

@@ -1,0 +1,82 @@
+"""Run one V2Core behind gRPC (+ optional HTTP) on one event loop, with a graceful drain.
+
+On SIGTERM/SIGINT: health turns NOT_SERVING, the servers stop accepting new calls and
+finish in-flight ones (grace period), then the core drains its queues and exits.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from meshserve.server.core import V2Core
+from meshserve.server.grpc_frontend import start_grpc_server
+from meshserve.server.health import NOT_SERVING, SERVING, HealthState
+from meshserve.server.http_frontend import start_http_server
+
+log = logging.getLogger("meshserve.process")
+
+READY_MARKER = "MESHSERVE_READY"  # printed once on stdout when serving; `meshserve up` waits for it
+
+
+class StoppableCore(V2Core, Protocol):
+    async def stop(self, drain: bool = True) -> None: ...
+
+
+@dataclass
+class Endpoints:
+    host: str
+    grpc_port: int
+    http_port: int | None
+
+
+async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, http_port: int | None,
+                grace_s: float = 10.0, on_ready: Callable[[Endpoints], Awaitable[None]] | None = None) -> None:
+    health = HealthState()
+    grpc_server, gport = await start_grpc_server(core, host, grpc_port, health)
+    runner = None
+    hport = None
+    if http_port is not None:
+        runner, hport = await start_http_server(core, host, http_port)
+    health.set("", SERVING)
+    endpoints = Endpoints(host, gport, hport)
+    print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else ""), flush=True)
+    log.info("%s serving: gRPC %s:%d%s", name, host, gport, f", HTTP {host}:{hport}" if hport else "")
+    if on_ready is not None:
+        await on_ready(endpoints)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s draining", name)
+    health.set("", NOT_SERVING)
+    stops: list[Awaitable[Any]] = [grpc_server.stop(grace_s)]
+    if runner is not None:
+        stops.append(runner.shutdown())
+    await asyncio.gather(*stops, return_exceptions=True)
+    await core.stop(drain=True)
+    if runner is not None:
+        await runner.cleanup()
+    log.info("%s stopped", name)
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run the process's main coroutine on uvloop when available."""
+    try:
+        import uvloop
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

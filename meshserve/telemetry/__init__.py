@@ -1,0 +1,1 @@
+"""Metrics and tracing shared by every process."""

@@ -1,0 +1,275 @@
+"""ServiceCore: the V2 operations of one backend service over its loaded models."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import datatypes
+from meshserve.protocol.errors import InferError, model_not_found
+from meshserve.repository import layout
+from meshserve.repository.config import ConfigError, load_model_config
+from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
+from meshserve.telemetry import metrics
+from services.base.model import ModelVersion
+from services.base.runtime import RuntimeAdapter, placements
+
+log = logging.getLogger("meshserve.service")
+
+SERVER_NAME = "meshserve"
+SERVER_VERSION = "0.1.0"
+
+
+@dataclass
+class HostedModel:
+    """A model of this service's kind, loaded or not."""
+
+    name: str
+    path: Path
+    config: mc.ModelConfig | None = None
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    state: str = "UNAVAILABLE"
+    reason: str = ""
+    metadata: pb.ModelMetadataResponse | None = None
+
+
+class ServiceCore:
+    """Hosts the repository's models of one kind (e.g. "onnx") and serves them."""
+
+    def __init__(self, kind: str, repository: Path, adapters: dict[str, RuntimeAdapter],
+                 gpu_available: bool = False):
+        self.kind = kind
+        self.repository = repository
+        self.adapters = adapters
+        self.gpu_available = gpu_available
+        self.models: dict[str, HostedModel] = {}
+        self._started = False
+        self._draining = False
+        self._load_lock = asyncio.Lock()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        """Scan the repository and load every model of our kind (versions per policy)."""
+        for entry in layout.scan(self.repository, gpu_available=self.gpu_available):
+            if entry.kind != self.kind and not (entry.config is None and entry.kind is None
+                                                 and _looks_like(entry.path, self.kind)):
+                continue
+            hosted = HostedModel(entry.name, entry.path, entry.config)
+            self.models[entry.name] = hosted
+            if entry.error or entry.config is None:
+                hosted.reason = entry.error or "config could not be loaded"
+                log.error("model '%s' not loaded: %s", entry.name, hosted.reason)
+                continue
+            await self._load_versions(hosted, entry.config, entry.versions)
+        self._started = True
+
+    async def _load_versions(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        loaded: dict[int, ModelVersion] = {}
+        try:
+            for v in versions:
+                t0 = time.monotonic()
+                mv = await loop.run_in_executor(None, self._build_version, hosted.path, config, v)
+                loaded[v] = mv
+                log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, time.monotonic() - t0)
+        except Exception as exc:
+            for mv in loaded.values():
+                await mv.close(drain=False)
+            hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
+            log.error("model '%s' failed to load: %s", hosted.name, exc)
+            raise
+        old = hosted.versions
+        hosted.config = config
+        hosted.versions = loaded
+        hosted.metadata = _metadata(config, sorted(loaded))
+        hosted.state, hosted.reason = ("READY", "") if loaded else ("UNAVAILABLE", "no versions selected")
+        for mv in old.values():  # load new, then retire old (drain its queue)
+            await mv.close(drain=True)
+
+    def _build_version(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
+        backend = config.backend
+        adapter = self.adapters.get(backend)
+        if adapter is None:
+            raise InferError.unavailable(
+                f"model '{config.name}': backend '{backend}' is not served by the {self.kind} service")
+        model_file = layout.model_file(path, config, version)
+        instances = [adapter.load(model_file, config, p) for p in placements(config, self.gpu_available)]
+        return ModelVersion(config, version, path, instances, config.platform or backend)
+
+    async def stop(self, drain: bool = True) -> None:
+        self._draining = True
+        for hosted in self.models.values():
+            for mv in hosted.versions.values():
+                await mv.close(drain=drain)
+
+    # ---- V2Core -----------------------------------------------------------------------
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self._started and not self._draining
+
+    def server_metadata(self) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
+
+    def _resolve(self, name: str, version: str) -> ModelVersion:
+        hosted = self.models.get(name)
+        if hosted is None or not hosted.versions:
+            raise model_not_found(name, version)
+        if not version:
+            for v in sorted(hosted.versions, reverse=True):
+                mv = hosted.versions[v]
+                if mv.ready:
+                    return mv
+            raise InferError.unavailable(f"model '{name}' has no ready version")
+        try:
+            mv = hosted.versions[int(version)]
+        except (ValueError, KeyError):
+            raise model_not_found(name, version) from None
+        if not mv.ready:
+            raise InferError.unavailable(f"model '{name}' version {version} is not ready")
+        return mv
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        try:
+            self._resolve(name, version)
+            return True
+        except InferError:
+            return False
+
+    async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        mv = self._resolve(name, version)
+        hosted = self.models[name]
+        assert hosted.metadata is not None
+        if not version:
+            return hosted.metadata
+        md = pb.ModelMetadataResponse()
+        md.CopyFrom(hosted.metadata)
+        del md.versions[:]
+        md.versions.append(mv.version_str)
+        return md
+
+    async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=self._resolve(name, version).config)
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        mv = self._resolve(request.model_name, request.model_version)
+        deadline_ns = None
+        if ctx.deadline is not None:
+            deadline_ns = int(ctx.deadline * 1e9)  # time.monotonic() and monotonic_ns share a clock
+        body = await mv.infer(request, deadline_ns)
+        return InferResult(raw=body)
+
+    def _all_versions(self) -> Iterator[ModelVersion]:
+        for hosted in self.models.values():
+            yield from hosted.versions.values()
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        if not name:
+            return pb.ModelStatisticsResponse(model_stats=[mv.stats.to_pb() for mv in self._all_versions()])
+        hosted = self.models.get(name)
+        if hosted is None or not hosted.versions:
+            raise InferError.invalid(f"requested model '{name}' is not available")
+        if version:
+            try:
+                mvs = [hosted.versions[int(version)]]
+            except (ValueError, KeyError):
+                raise InferError.invalid(f"requested model '{name}' version {version} is not available") from None
+        else:
+            mvs = [hosted.versions[v] for v in sorted(hosted.versions)]
+        return pb.ModelStatisticsResponse(model_stats=[mv.stats.to_pb() for mv in mvs])
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        out = pb.RepositoryIndexResponse()
+        for name in sorted(self.models):
+            hosted = self.models[name]
+            if hosted.versions:
+                for v in sorted(hosted.versions):
+                    out.models.add(name=name, version=str(v), state="READY")
+            elif not ready_only:
+                out.models.add(name=name, state=hosted.state, reason=hosted.reason)
+        return out
+
+    async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                         ctx: RequestContext) -> None:
+        """(Re)load a model from the repository: load new versions, then retire old ones."""
+        path = self.repository / name
+        if not (path / "config.pbtxt").exists() and not path.is_dir():
+            raise model_not_found(name)
+        override = parameters["config"].string_param if "config" in parameters else None
+        if any(k.startswith("file:") for k in parameters):
+            raise InferError.unsupported("loading model files through the load request is not supported yet")
+        async with self._load_lock:
+            try:
+                config = load_model_config(path, override_json=override, gpu_available=self.gpu_available)
+            except ConfigError as exc:
+                raise InferError.invalid(str(exc)) from None
+            kind = layout.service_kind(config)
+            if kind != self.kind:
+                raise InferError.invalid(f"model '{name}' is a {kind} model, not served by the {self.kind} service")
+            versions = layout.select_versions(config.version_policy, _numeric_dirs(path))
+            hosted = self.models.setdefault(name, HostedModel(name, path))
+            try:
+                await self._load_versions(hosted, config, versions)
+            except InferError:
+                raise
+            except Exception as exc:
+                raise InferError.invalid(f"failed to load '{name}': {exc}") from None
+
+    async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                           ctx: RequestContext) -> None:
+        hosted = self.models.get(name)
+        if hosted is None or not hosted.versions:
+            return  # Triton: unloading a model that is not loaded succeeds
+        old, hosted.versions = hosted.versions, {}
+        hosted.state, hosted.reason = "UNAVAILABLE", "unloaded"
+        for mv in old.values():
+            mv.ready = False
+        for mv in old.values():
+            await mv.close(drain=True)
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        samples = []
+        for mv in self._all_versions():
+            s = mv.stats
+            labels = {"model": mv.name, "version": mv.version_str}
+            samples += [
+                ("request_success", labels, s.success.count),
+                ("count", labels, s.inference_count),
+                ("exec_count", labels, s.execution_count),
+                ("request_duration_us", labels, (s.success.ns + s.fail.ns) // 1000),
+                ("queue_duration_us", labels, s.queue.ns // 1000),
+                ("compute_input_duration_us", labels, s.compute_input.ns // 1000),
+                ("compute_infer_duration_us", labels, s.compute_infer.ns // 1000),
+                ("compute_output_duration_us", labels, s.compute_output.ns // 1000),
+                ("pending_request_count", labels, s.pending),
+            ]
+            for reason, n in (s.fail_reasons or {"REJECTED": 0}).items():
+                samples.append(("request_failure", {**labels, "reason": reason}, n))
+        return metrics.render(samples, metrics.MODEL_FAMILIES), metrics.CONTENT_TYPE
+
+
+def _metadata(config: mc.ModelConfig, versions: list[int]) -> pb.ModelMetadataResponse:
+    batch = [-1] if config.max_batch_size > 0 else []
+    md = pb.ModelMetadataResponse(name=config.name, versions=[str(v) for v in versions],
+                                  platform=config.platform or config.backend)
+    for t in config.input:
+        md.inputs.add(name=t.name, datatype=datatypes.config_to_wire(t.data_type), shape=[*batch, *t.dims])
+    for o in config.output:
+        md.outputs.add(name=o.name, datatype=datatypes.config_to_wire(o.data_type), shape=[*batch, *o.dims])
+    return md
+
+
+def _numeric_dirs(path: Path) -> list[int]:
+    return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _looks_like(path: Path, kind: str) -> bool:
+    """A model whose config failed to parse: guess its kind from the files so that its error shows."""
+    suffix = {"onnx": ".onnx", "torchscript": ".pt", "tensorrt": ".plan"}.get(kind)
+    return bool(suffix) and any(path.glob(f"*/*{suffix}"))

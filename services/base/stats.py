@@ -1,0 +1,91 @@
+"""Per model-version statistics in Triton's shape (statistics extension + nv_* metrics).
+
+Updated only on the event loop (after a batch returns from its worker thread), so no locks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from meshserve._proto import grpc_service_pb2 as pb
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, n: int = 1) -> None:
+        self.count += n
+        self.ns += ns
+
+    def to_pb(self) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass(slots=True)
+class BatchDurations:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
+class ModelStats:
+    """Counters for one (model, version)."""
+
+    name: str
+    version: int
+    last_inference_ms: int = 0
+    inference_count: int = 0  # batch rows
+    execution_count: int = 0  # model executions
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batches: dict[int, BatchDurations] = field(default_factory=dict)
+    fail_reasons: dict[str, int] = field(default_factory=dict)
+    pending: int = 0
+
+    def record_batch(self, batch_rows: int, n_requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.execution_count += 1
+        self.inference_count += batch_rows
+        self.compute_input.add(input_ns * n_requests, n_requests)
+        self.compute_infer.add(infer_ns * n_requests, n_requests)
+        self.compute_output.add(output_ns * n_requests, n_requests)
+        b = self.batches.get(batch_rows)
+        if b is None:
+            b = self.batches[batch_rows] = BatchDurations()
+        b.compute_input.add(input_ns)
+        b.compute_infer.add(infer_ns)
+        b.compute_output.add(output_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def record_success(self, request_ns: int, queue_ns: int) -> None:
+        self.success.add(request_ns)
+        self.queue.add(queue_ns)
+
+    def record_failure(self, request_ns: int, reason: str) -> None:
+        self.fail.add(request_ns)
+        self.fail_reasons[reason] = self.fail_reasons.get(reason, 0) + 1
+
+    def to_pb(self) -> pb.ModelStatistics:
+        return pb.ModelStatistics(
+            name=self.name,
+            version=str(self.version),
+            last_inference=self.last_inference_ms,
+            inference_count=self.inference_count,
+            execution_count=self.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=self.success.to_pb(), fail=self.fail.to_pb(), queue=self.queue.to_pb(),
+                compute_input=self.compute_input.to_pb(), compute_infer=self.compute_infer.to_pb(),
+                compute_output=self.compute_output.to_pb(),
+                cache_hit=pb.StatisticDuration(), cache_miss=pb.StatisticDuration()),
+            batch_stats=[
+                pb.InferBatchStatistics(batch_size=size, compute_input=b.compute_input.to_pb(),
+                                        compute_infer=b.compute_infer.to_pb(),
+                                        compute_output=b.compute_output.to_pb())
+                for size, b in sorted(self.batches.items())],
+        )

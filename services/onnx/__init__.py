@@ -1,0 +1,1 @@
+"""ONNX Runtime service: hosts `onnxruntime_onnx` models."""

@@ -1,0 +1,117 @@
+"""Shared fixtures: real meshserve processes on free loopback ports."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = "MESHSERVE_READY"
+
+
+@dataclass
+class Proc:
+    """A meshserve process started by a test; ports parsed from its ready line."""
+
+    argv: list[str]
+    proc: subprocess.Popen[str]
+    ports: dict[str, int] = field(default_factory=dict)
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    def log(self) -> str:
+        return "".join(self.output[-200:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None) -> Proc:
+    """Start `python -m meshserve ARGS` and wait for its ready line."""
+    argv = [sys.executable, "-m", "meshserve", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True)
+    p = Proc(argv, proc)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            p.output.append(line)
+            if line.startswith(READY):
+                for part in line.split()[2:]:
+                    k, _, v = part.partition("=")
+                    p.ports[k] = int(v)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout) or not p.ports:
+        p.stop(signal.SIGKILL)
+        raise RuntimeError(f"{' '.join(args)} did not become ready in {timeout}s:\n{p.log()}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.models.generate import build
+
+    return build(tmp_path_factory.mktemp("models"))
+
+
+@dataclass
+class Stack:
+    service: Proc
+    gateway: Proc
+
+
+@pytest.fixture(scope="session")
+def stack(model_repo: Path) -> Iterator[Stack]:
+    """One ONNX service (gRPC + HTTP) and a gateway in front of it."""
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0"])
+    try:
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
+    except Exception:
+        service.stop()
+        raise
+    _wait_http_ready(gateway.http)
+    yield Stack(service, gateway)
+    gateway.stop()
+    service.stop()
+
+
+def _wait_http_ready(hostport: str, timeout: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{hostport}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{hostport} never became ready")

@@ -1,0 +1,330 @@
+"""The v2 protocol end to end: real tritonclient (HTTP + gRPC, sync + asyncio) against real
+processes — through the gateway, and straight at the ONNX service (itself a v2 server)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http as httpclient
+import tritonclient.http.aio as httpaio
+from google.protobuf.json_format import MessageToJson
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from tests.models.generate import DATATYPES, MAX_BATCH
+
+PROTOCOLS = ["http", "grpc"]
+
+
+def client(proto: str, url: str, concurrency: int = 1):  # noqa: ANN201
+    if proto == "http":
+        return httpclient.InferenceServerClient(url, concurrency=concurrency)
+    return grpcclient.InferenceServerClient(url)
+
+
+def mod(proto: str):  # noqa: ANN201
+    return httpclient if proto == "http" else grpcclient
+
+
+@pytest.fixture(params=["gateway", "service"])
+def target(request: pytest.FixtureRequest, stack) -> dict[str, str]:  # noqa: ANN001
+    proc = stack.gateway if request.param == "gateway" else stack.service
+    return {"http": proc.http, "grpc": proc.grpc, "name": request.param}
+
+
+def sample(dt: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if dt == "BYTES":
+        return np.array([f"s{i}-é".encode() for i in range(int(np.prod(shape)))], dtype=np.object_).reshape(shape)
+    if dt == "BOOL":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dt.startswith("FP"):
+        return rng.standard_normal(shape).astype({"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}[dt])
+    info = np.iinfo(np.dtype(dt.lower().replace("uint", "uint").replace("int", "int")))
+    return rng.integers(info.min, info.max, size=shape, dtype=np.dtype(dt.lower()), endpoint=True)
+
+
+def infer_one(proto: str, url: str, model: str, arrays: dict[str, np.ndarray], outputs: list[str] | None = None,
+              binary: bool = True, version: str = "") -> dict[str, np.ndarray]:
+    m = mod(proto)
+    inputs = []
+    for name, arr in arrays.items():
+        inp = m.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        if proto == "http":
+            inp.set_data_from_numpy(arr, binary_data=binary)
+        else:
+            inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    req_outputs = None
+    if outputs is not None:
+        req_outputs = [m.InferRequestedOutput(o, binary_data=binary) if proto == "http" else m.InferRequestedOutput(o)
+                       for o in outputs]
+    with client(proto, url) as c:
+        res = c.infer(model, inputs, outputs=req_outputs, model_version=version)
+        names = outputs or [o["name"] for o in (res.get_response()["outputs"] if proto == "http"
+                                                else [{"name": o.name} for o in res.get_response().outputs])]
+        return {n: res.as_numpy(n) for n in names}
+
+
+# ---- health / metadata / config ------------------------------------------------------------
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_health_and_metadata(proto: str, target: dict[str, str]) -> None:
+    with client(proto, target[proto]) as c:
+        assert c.is_server_live()
+        assert c.is_server_ready()
+        assert c.is_model_ready("add_sub")
+        assert not c.is_model_ready("no_such_model")
+        assert not c.is_model_ready("add_sub", "7")
+        md = c.get_server_metadata()
+        exts = md["extensions"] if proto == "http" else list(md.extensions)
+        assert "binary_tensor_data" in exts and "statistics" in exts
+        mm = c.get_model_metadata("add_sub")
+        if proto == "grpc":
+            mm = json.loads(MessageToJson(mm, preserving_proto_field_name=True))
+        assert mm["name"] == "add_sub"
+        assert [i["name"] for i in mm["inputs"]] == ["INPUT0", "INPUT1"]
+        assert [int(d) for d in mm["inputs"][0]["shape"]] == [-1, 16]  # perf_analyzer drops the -1
+        cfg = c.get_model_config("add_sub")
+        cfg = cfg if proto == "http" else json.loads(MessageToJson(cfg.config, preserving_proto_field_name=True))
+        assert int(cfg["max_batch_size"]) == MAX_BATCH
+        assert "dynamic_batching" in cfg and "sequence_batching" not in cfg
+
+
+def test_autocompleted_config(stack) -> None:  # noqa: ANN001
+    with httpclient.InferenceServerClient(stack.gateway.http) as c:
+        cfg = c.get_model_config("autocomplete")
+    assert cfg["max_batch_size"] == 4
+    assert [i["name"] for i in cfg["input"]] == ["INPUT0", "INPUT1"]
+    assert cfg["input"][0]["data_type"] == "TYPE_INT32" and cfg["input"][0]["dims"] == [16]
+
+
+# ---- inference -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+@pytest.mark.parametrize("dt", list(DATATYPES))
+def test_every_datatype_round_trips(proto: str, dt: str, target: dict[str, str]) -> None:
+    arr = sample(dt, (2, 5), np.random.default_rng(1))
+    out = infer_one(proto, target[proto], f"identity_{dt.lower()}", {"INPUT0": arr})["OUTPUT0"]
+    assert out.shape == arr.shape
+    if dt == "BYTES":
+        assert out.tolist() == arr.tolist()
+    else:
+        assert out.dtype == arr.dtype
+        np.testing.assert_array_equal(out, arr)
+
+
+@pytest.mark.parametrize("dt", ["INT32", "FP32", "BOOL", "BYTES", "FP64", "UINT64"])
+def test_json_tensors_round_trip(dt: str, stack) -> None:  # noqa: ANN001
+    arr = sample(dt, (1, 3), np.random.default_rng(2))
+    if dt.startswith("FP"):
+        arr = np.round(arr, 3)
+    out = infer_one("http", stack.gateway.http, f"identity_{dt.lower()}", {"INPUT0": arr}, ["OUTPUT0"],
+                    binary=False)["OUTPUT0"]
+    if dt == "BYTES":  # JSON carries text: tritonclient returns str elements (as with Triton)
+        assert out.tolist() == [[v.decode() for v in row] for row in arr.tolist()]
+    else:
+        np.testing.assert_allclose(out.astype(np.float64), arr.astype(np.float64))
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+@pytest.mark.parametrize("batch", list(range(1, MAX_BATCH + 1)))
+def test_add_sub_every_batch_size(proto: str, batch: int, stack) -> None:  # noqa: ANN001
+    rng = np.random.default_rng(batch)
+    a = rng.standard_normal((batch, 16)).astype(np.float32)
+    b = rng.standard_normal((batch, 16)).astype(np.float32)
+    out = infer_one(proto, getattr(stack.gateway, proto), "add_sub", {"INPUT0": a, "INPUT1": b})
+    np.testing.assert_allclose(out["OUTPUT0"], a + b, rtol=1e-6)
+    np.testing.assert_allclose(out["OUTPUT1"], a - b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_requested_output_subset(proto: str, stack) -> None:  # noqa: ANN001
+    a = np.ones((1, 16), np.float32)
+    b = np.full((1, 16), 3, np.float32)
+    m = mod(proto)
+    inputs = [m.InferInput("INPUT0", [1, 16], "FP32"), m.InferInput("INPUT1", [1, 16], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    with client(proto, getattr(stack.gateway, proto)) as c:
+        res = c.infer("add_sub", inputs, outputs=[m.InferRequestedOutput("OUTPUT1")])
+        np.testing.assert_array_equal(res.as_numpy("OUTPUT1"), a - b)
+        assert res.as_numpy("OUTPUT0") is None
+
+
+def test_mixed_binary_and_json_outputs(stack) -> None:  # noqa: ANN001
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "FP32"), httpclient.InferInput("INPUT1", [1, 16], "FP32")]
+    inputs[0].set_data_from_numpy(a, binary_data=False)
+    inputs[1].set_data_from_numpy(a, binary_data=True)
+    outs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=True),
+            httpclient.InferRequestedOutput("OUTPUT1", binary_data=False)]
+    with httpclient.InferenceServerClient(stack.gateway.http) as c:
+        res = c.infer("add_sub", inputs, outputs=outs)
+    np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), a * 2)
+    np.testing.assert_array_equal(res.as_numpy("OUTPUT1"), a * 0)
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_versions(proto: str, stack) -> None:  # noqa: ANN001
+    x = np.ones((1, 4), np.float32)
+    url = getattr(stack.gateway, proto)
+    assert infer_one(proto, url, "scale", {"INPUT0": x}, version="1")["OUTPUT0"].tolist() == [[1.0] * 4]
+    assert infer_one(proto, url, "scale", {"INPUT0": x}, version="2")["OUTPUT0"].tolist() == [[2.0] * 4]
+    assert infer_one(proto, url, "scale", {"INPUT0": x})["OUTPUT0"].tolist() == [[2.0] * 4]  # highest
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_non_batching_model(proto: str, stack) -> None:  # noqa: ANN001
+    a = np.arange(4, dtype=np.float32)
+    out = infer_one(proto, getattr(stack.gateway, proto), "fixed_add", {"INPUT0": a, "INPUT1": a})
+    np.testing.assert_array_equal(out["OUTPUT0"], a * 2)
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_64_concurrent_requests_each_get_their_own_answer(proto: str, stack) -> None:  # noqa: ANN001
+    url = getattr(stack.gateway, proto)
+
+    def one(i: int) -> bool:
+        a = np.full((1, 16), i, np.float32)
+        b = np.arange(16, dtype=np.float32).reshape(1, 16)
+        out = infer_one(proto, url, "add_sub", {"INPUT0": a, "INPUT1": b})
+        return bool(np.array_equal(out["OUTPUT0"], a + b) and np.array_equal(out["OUTPUT1"], a - b))
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    assert all(results)
+
+
+async def test_asyncio_clients(stack) -> None:  # noqa: ANN001
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    b = np.ones((1, 16), np.float32)
+
+    async def via_http(i: int) -> np.ndarray:
+        inputs = [httpaio.InferInput("INPUT0", [1, 16], "FP32"), httpaio.InferInput("INPUT1", [1, 16], "FP32")]
+        inputs[0].set_data_from_numpy(a + i)
+        inputs[1].set_data_from_numpy(b)
+        res = await hc.infer("add_sub", inputs)
+        return res.as_numpy("OUTPUT0")
+
+    async def via_grpc(i: int) -> np.ndarray:
+        inputs = [grpcaio.InferInput("INPUT0", [1, 16], "FP32"), grpcaio.InferInput("INPUT1", [1, 16], "FP32")]
+        inputs[0].set_data_from_numpy(a + i)
+        inputs[1].set_data_from_numpy(b)
+        res = await gc.infer("add_sub", inputs)
+        return res.as_numpy("OUTPUT0")
+
+    hc = httpaio.InferenceServerClient(stack.gateway.http)
+    gc = grpcaio.InferenceServerClient(stack.gateway.grpc)
+    try:
+        assert await hc.is_server_ready() and await gc.is_server_ready()
+        outs = await asyncio.gather(*(via_http(i) for i in range(16)), *(via_grpc(i) for i in range(16)))
+        for i, out in enumerate(outs):
+            np.testing.assert_array_equal(out, a + (i % 16) + b)
+    finally:
+        await hc.close()
+        await gc.close()
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def _expect_error(proto: str, url: str, model: str, inputs: list, status_http: str, status_grpc: str,
+                  fragment: str, outputs: list | None = None) -> None:
+    with client(proto, url) as c, pytest.raises(InferenceServerException) as err:
+        c.infer(model, inputs, outputs=outputs)
+    want = status_http if proto == "http" else status_grpc
+    assert err.value.status() == want, err.value
+    assert fragment in err.value.message(), err.value.message()
+
+
+def _fp32_inputs(m, shapes: dict[str, tuple[int, ...]], dt: str = "FP32") -> list:  # noqa: ANN001
+    out = []
+    for name, shape in shapes.items():
+        inp = m.InferInput(name, list(shape), dt)
+        inp.set_data_from_numpy(np.zeros(shape, dtype=np.float32 if dt == "FP32" else np.int32))
+        out.append(inp)
+    return out
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_error_statuses(proto: str, target: dict[str, str]) -> None:
+    m, url = mod(proto), target[proto]
+    ok = {"INPUT0": (1, 16), "INPUT1": (1, 16)}
+    _expect_error(proto, url, "nope", _fp32_inputs(m, ok), "404", "StatusCode.NOT_FOUND", "'nope'")
+    # wrong shape, wrong dtype, missing input, extra input, batch too large, unknown output
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, {"INPUT0": (1, 16), "INPUT1": (1, 8)}),
+                  "400", "StatusCode.INVALID_ARGUMENT", "INPUT1")
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, ok, "INT32"), "400", "StatusCode.INVALID_ARGUMENT",
+                  "expects 'FP32'")
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, {"INPUT0": (1, 16)}), "400",
+                  "StatusCode.INVALID_ARGUMENT", "INPUT1")
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, {**ok, "BOGUS": (1, 16)}), "400",
+                  "StatusCode.INVALID_ARGUMENT", "BOGUS")
+    big = {"INPUT0": (MAX_BATCH + 1, 16), "INPUT1": (MAX_BATCH + 1, 16)}
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, big), "400", "StatusCode.INVALID_ARGUMENT",
+                  f"<= {MAX_BATCH}")
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, ok), "400", "StatusCode.INVALID_ARGUMENT", "NOPE",
+                  outputs=[m.InferRequestedOutput("NOPE")])
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_unknown_version(proto: str, target: dict[str, str]) -> None:
+    m = mod(proto)
+    inputs = _fp32_inputs(m, {"INPUT0": (1, 4)})
+    with client(proto, target[proto]) as c, pytest.raises(InferenceServerException) as err:
+        c.infer("scale", inputs, model_version="7")
+    assert err.value.status() == ("404" if proto == "http" else "StatusCode.NOT_FOUND")
+    assert "version 7" in err.value.message()
+
+
+def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("body,fragment", [
+    (b"{not json", "JSON"),
+    (b'{"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1, 2]}]}', "16"),
+    (b'{"inputs": 5}', "inputs"),
+])
+def test_bad_http_bodies_are_400_not_500(body: bytes, fragment: str, target: dict[str, str]) -> None:
+    status, err = _post(f"http://{target['http']}/v2/models/add_sub/infer", body)
+    assert status == 400, err
+    assert fragment in err["error"]
+
+
+def test_binary_size_mismatch_is_400(target: dict[str, str]) -> None:
+    header = json.dumps({"inputs": [
+        {"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": {"binary_data_size": 64}},
+        {"name": "INPUT1", "shape": [1, 16], "datatype": "FP32", "parameters": {"binary_data_size": 64}}]}).encode()
+    status, err = _post(f"http://{target['http']}/v2/models/add_sub/infer", header + b"\0" * 100,
+                        {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400, err
+
+
+def test_backend_down_is_unavailable(model_repo) -> None:  # noqa: ANN001
+    from tests.conftest import start
+
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"])
+    gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
+                     "--discovery-interval", "60"])
+    try:
+        a = np.zeros((1, 16), np.float32)
+        assert infer_one("grpc", gateway.grpc, "add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].shape == (1, 16)
+        service.stop()
+        for proto, status in (("http", "503"), ("grpc", "StatusCode.UNAVAILABLE")):
+            m = mod(proto)
+            with client(proto, getattr(gateway, proto)) as c, pytest.raises(InferenceServerException) as err:
+                c.infer("add_sub", _fp32_inputs(m, {"INPUT0": (1, 16), "INPUT1": (1, 16)}))
+            assert err.value.status() == status, err.value
+    finally:
+        gateway.stop()
+        service.stop()

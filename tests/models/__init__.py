@@ -1,0 +1,1 @@
+"""Generators of the real ONNX models the tests serve."""
