@@ -5,7 +5,7 @@ Plus the BYTES codec: each element is a 4-byte little-endian length followed by 
 from __future__ import annotations
 
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

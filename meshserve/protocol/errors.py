@@ -79,31 +79,31 @@ class InferError(Exception):
 
     # Constructors for the common cases keep call sites short and consistent.
     @classmethod
-    def invalid(cls, message: str) -> "InferError":
+    def invalid(cls, message: str) -> InferError:
         return cls(Code.INVALID_ARG, message)
 
     @classmethod
-    def not_found(cls, message: str) -> "InferError":
+    def not_found(cls, message: str) -> InferError:
         return cls(Code.NOT_FOUND, message)
 
     @classmethod
-    def unavailable(cls, message: str) -> "InferError":
+    def unavailable(cls, message: str) -> InferError:
         return cls(Code.UNAVAILABLE, message)
 
     @classmethod
-    def internal(cls, message: str) -> "InferError":
+    def internal(cls, message: str) -> InferError:
         return cls(Code.INTERNAL, message)
 
     @classmethod
-    def unsupported(cls, message: str) -> "InferError":
+    def unsupported(cls, message: str) -> InferError:
         return cls(Code.UNSUPPORTED, message)
 
     @classmethod
-    def exhausted(cls, message: str, retry_after_s: float | None = None) -> "InferError":
+    def exhausted(cls, message: str, retry_after_s: float | None = None) -> InferError:
         return cls(Code.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s)
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, details: str | None, hop: str = "") -> "InferError":
+    def from_grpc(cls, code: grpc.StatusCode, details: str | None, hop: str = "") -> InferError:
         """Map a status received from an upstream hop back into our vocabulary."""
         msg = details or code.name
         if hop and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,

@@ -24,6 +24,7 @@ from services.base.runtime import RuntimeInstance
 from services.base.scheduling.dynamic import DynamicBatcher
 from services.base.scheduling.errors import (
     DeadlineExceededError,
+    InternalBatchError,
     QueueFullError,
     UnavailableError,
 )
@@ -219,6 +220,8 @@ class ModelVersion:
                 raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
             except UnavailableError as exc:
                 raise InferError.unavailable(str(exc)) from None
+            except InternalBatchError as exc:
+                raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
         finally:
             self.stats.pending -= 1
 

@@ -1,0 +1,916 @@
+"""The HTTP/REST body codec: KServe v2 JSON + Triton's binary tensor extension <-> protobuf.
+
+This is the only place in meshserve that parses or renders HTTP bodies. The internal
+representation is the gRPC message (`ModelInferRequest` / `ModelInferResponse`) with every
+tensor in `raw_input_contents` / `raw_output_contents`: little-endian, row-major, BYTES as
+4-byte little-endian length + bytes per element.
+
+Binary tensors are sliced from the body straight into the protobuf (no numpy on that path);
+JSON `data` is converted to raw bytes exactly once. Every client mistake becomes an
+`InferError` (INVALID_ARG -> 400) naming the input, never a bare Python exception; a response
+that contradicts itself (sizes vs shape) is INTERNAL.
+
+Compression (`Content-Encoding` / `Accept-Encoding`) is applied to the whole body, outside
+this framing: frontends call `decode_body` before `parse_infer_request` and `encode_body`
+after `render_infer_response`; `Inference-Header-Content-Length` always counts the
+uncompressed JSON part (that is what tritonclient expects).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import datatypes
+from meshserve.protocol.errors import InferError
+
+__all__ = [
+    "HEADER_LENGTH",
+    "decode_body",
+    "encode_body",
+    "error_body",
+    "model_config_to_json",
+    "model_metadata_to_json",
+    "parse_header_length",
+    "parse_infer_request",
+    "parse_load_request",
+    "parse_unload_request",
+    "render_infer_response",
+    "repository_index_to_json",
+    "server_metadata_to_json",
+    "statistics_to_json",
+]
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+
+# Parameter names of the binary tensor and classification extensions (PROTOCOL.md §2.3, §3.3).
+BINARY_DATA_SIZE = "binary_data_size"
+BINARY_DATA = "binary_data"
+BINARY_DATA_OUTPUT = "binary_data_output"
+CLASSIFICATION = "classification"
+_SHM_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_UINT64_MAX = 2**64 - 1
+_LEN = struct.Struct("<I")
+
+
+# --- JSON -------------------------------------------------------------------------------
+# stdlib json on purpose: orjson (installed, not a declared dependency) is ~7x faster on
+# headers and ~10x on large JSON `data`, but it turns NaN/Infinity into null and refuses
+# them on input, and the binary path (what perf_analyzer and tritonclient use by default)
+# only encodes a few hundred bytes of header. Swap here if JSON `data` ever becomes hot.
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode("ascii")
+
+
+def _loads(data: bytes | bytearray | memoryview, what: str) -> Any:
+    if isinstance(data, memoryview):
+        data = bytes(data)
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        raise InferError.invalid(f"failed to parse the {what} JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise InferError.invalid(f"failed to parse the {what} JSON: not valid UTF-8 ({e})") from None
+    except RecursionError:
+        raise InferError.invalid(f"failed to parse the {what} JSON: nested too deeply") from None
+
+
+def _show(value: Any) -> str:
+    """A short JSON rendering of a client value for error messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _shape_str(shape: Iterable[int]) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+# --- parameters -------------------------------------------------------------------------
+
+def _set_infer_param(target: pb.InferParameter, value: Any, where: str) -> None:
+    """JSON value -> InferParameter (bool, int64 / uint64 by range, double, string)."""
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        if _INT64_MIN <= value <= _INT64_MAX:
+            target.int64_param = value
+        elif 0 <= value <= _UINT64_MAX:
+            target.uint64_param = value
+        else:
+            raise InferError.invalid(f"{where}: integer {value} does not fit in 64 bits")
+    elif isinstance(value, float):
+        target.double_param = value
+    elif isinstance(value, str):
+        target.string_param = value
+    else:
+        raise InferError.invalid(
+            f"{where}: unsupported JSON {_json_type(value)} value {_show(value)}; "
+            "expected a string, number or boolean")
+
+
+def _param_value(p: pb.InferParameter) -> Any:
+    """InferParameter -> JSON value, None when no member is set."""
+    which = p.WhichOneof("parameter_choice")
+    return None if which is None else getattr(p, which)
+
+
+def _param_flag(params: Mapping[str, pb.InferParameter], key: str, default: bool) -> bool:
+    """Read a boolean parameter leniently (a gRPC caller may use an int or a string)."""
+    p = params.get(key)
+    if p is None:
+        return default
+    value = _param_value(p)
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1")
+    return bool(value)
+
+
+def _check_no_shared_memory(params: Mapping[str, Any], where: str) -> None:
+    for key in _SHM_PARAMS:
+        if key in params:
+            raise InferError.unsupported(
+                f"{where}: shared-memory tensors ('{key}') are not supported by meshserve; "
+                "send the tensor in the request body (JSON 'data' or binary_data_size)")
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InferError.invalid(f"{where} must be a JSON object, got {_json_type(value)}")
+    return value
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise InferError.invalid(f"{where} must be a string, got {_json_type(value)} {_show(value)}")
+    return value
+
+
+# --- inference request ------------------------------------------------------------------
+
+def parse_header_length(value: str | None) -> int | None:
+    """Parse the `Inference-Header-Content-Length` header value (None when absent)."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit():
+        raise InferError.invalid(
+            f"{HEADER_LENGTH} must be a non-negative integer, got '{value[:40]}'")
+    return int(text)
+
+
+def parse_infer_request(
+    body: bytes | bytearray | memoryview,
+    header_length: int | None,
+    model_name: str,
+    model_version: str = "",
+) -> pb.ModelInferRequest:
+    """Parse a (decompressed) v2 inference request body into a `ModelInferRequest`.
+
+    `header_length` is the `Inference-Header-Content-Length` value (None: the whole body is
+    JSON). Binary inputs are sliced, in input order, from the bytes after the JSON header;
+    JSON `data` is converted to raw little-endian bytes. Every input ends up in
+    `raw_input_contents`. Raises `InferError` (INVALID_ARG, or UNSUPPORTED for shared memory).
+    """
+    view = memoryview(body)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    total = len(view)
+    if header_length is None:
+        header = view
+    elif header_length == 0:
+        raise InferError.invalid(
+            f"raw binary requests ({HEADER_LENGTH}: 0) are not supported by meshserve; "
+            "send a JSON header describing the input followed by its binary data")
+    elif header_length < 0 or header_length > total:
+        raise InferError.invalid(
+            f"{HEADER_LENGTH} is {header_length} but the request body has only {total} bytes")
+    else:
+        header = view[:header_length]
+    json_end = len(header)
+
+    # whole-body JSON: hand bytes/bytearray to the parser as they are (no copy)
+    doc = _loads(body if header is view and isinstance(body, (bytes, bytearray)) else header, "request")
+    if not isinstance(doc, dict):
+        raise InferError.invalid(f"the request JSON must be an object, got {_json_type(doc)}")
+
+    req = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
+    if "id" in doc:
+        req.id = _string(doc["id"], "request 'id'")
+    for key, value in _object(doc.get("parameters"), "request 'parameters'").items():
+        if key == BINARY_DATA_OUTPUT and not isinstance(value, bool):
+            raise InferError.invalid(
+                f"request parameter '{BINARY_DATA_OUTPUT}' must be a boolean, got {_show(value)}")
+        _set_infer_param(req.parameters[key], value, f"request parameter '{key}'")
+
+    if "inputs" not in doc:
+        raise InferError.invalid("the request JSON has no 'inputs'")
+    inputs = doc["inputs"]
+    if not isinstance(inputs, list):
+        raise InferError.invalid(f"request 'inputs' must be a JSON array, got {_json_type(inputs)}")
+
+    offset = json_end  # next unread byte of the binary section
+    last_binary = ""
+    seen: set[str] = set()
+    raw = req.raw_input_contents
+    for index, item in enumerate(inputs):
+        if not isinstance(item, dict):
+            raise InferError.invalid(f"request input {index} must be a JSON object, got {_json_type(item)}")
+        if "name" not in item:
+            raise InferError.invalid(f"request input {index} has no 'name'")
+        name = _string(item["name"], f"request input {index} 'name'")
+        if name in seen:
+            raise InferError.invalid(f"input '{name}' appears more than once in the request")
+        seen.add(name)
+        where = f"input '{name}'"
+        datatype, shape = _parse_tensor_spec(item, where)
+
+        tensor = req.inputs.add(name=name, datatype=datatype, shape=shape)
+        params = _object(item.get("parameters"), f"{where} 'parameters'")
+        _check_no_shared_memory(params, where)
+        binary_size: int | None = None
+        for key, value in params.items():
+            if key == BINARY_DATA_SIZE:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InferError.invalid(
+                        f"{where}: '{BINARY_DATA_SIZE}' must be a non-negative integer, got {_show(value)}")
+                binary_size = value
+            else:
+                _set_infer_param(tensor.parameters[key], value, f"{where} parameter '{key}'")
+
+        count = datatypes.element_count(shape)
+        if binary_size is not None:
+            if "data" in item:
+                raise InferError.invalid(
+                    f"{where} has both 'data' and a '{BINARY_DATA_SIZE}' parameter; send one of them")
+            size = datatypes.element_size(datatype)
+            if size and binary_size != count * size:
+                raise InferError.invalid(
+                    f"{where}: {BINARY_DATA_SIZE} is {binary_size} bytes but shape {_shape_str(shape)} "
+                    f"of {datatype} needs {count * size}")
+            if header_length is None and binary_size:
+                raise InferError.invalid(
+                    f"{where} has {BINARY_DATA_SIZE} {binary_size} but the request has no "
+                    f"{HEADER_LENGTH} header, so the whole body was read as JSON")
+            if offset + binary_size > total:
+                raise InferError.invalid(
+                    f"{where}: {BINARY_DATA_SIZE} is {binary_size} bytes but only {total - offset} "
+                    f"bytes of binary data are left in the request body (truncated body?)")
+            raw.append(bytes(view[offset:offset + binary_size]))
+            offset += binary_size
+            last_binary = name
+        elif "data" in item:
+            raw.append(_json_data_to_raw(where, datatype, shape, count, item["data"]))
+        else:
+            raise InferError.invalid(
+                f"{where} has neither 'data' nor a '{BINARY_DATA_SIZE}' parameter")
+
+    if offset != total:
+        extra = total - offset
+        if last_binary:
+            raise InferError.invalid(
+                f"the request body has {extra} bytes after the binary data of the last binary "
+                f"input '{last_binary}'; the {BINARY_DATA_SIZE} values do not add up to the body")
+        raise InferError.invalid(
+            f"the request body has {extra} bytes after the JSON header but no input has a "
+            f"'{BINARY_DATA_SIZE}' parameter")
+
+    outputs = doc.get("outputs")
+    if outputs is not None:
+        _parse_requested_outputs(req, outputs)
+    return req
+
+
+def _parse_tensor_spec(item: dict[str, Any], where: str) -> tuple[str, list[int]]:
+    if "datatype" not in item:
+        raise InferError.invalid(f"{where} has no 'datatype'")
+    datatype = _string(item["datatype"], f"{where} 'datatype'")
+    if not datatypes.is_valid(datatype):
+        raise InferError.invalid(
+            f"{where}: unknown datatype '{datatype}'; expected one of {', '.join(datatypes.DATATYPES)}")
+    if "shape" not in item:
+        raise InferError.invalid(f"{where} has no 'shape'")
+    shape = item["shape"]
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in shape):
+        raise InferError.invalid(
+            f"{where}: 'shape' must be an array of non-negative integers, got {_show(shape)}")
+    return datatype, shape
+
+
+def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any) -> None:
+    if not isinstance(outputs, list):
+        raise InferError.invalid(f"request 'outputs' must be a JSON array, got {_json_type(outputs)}")
+    seen: set[str] = set()
+    for index, item in enumerate(outputs):
+        if not isinstance(item, dict):
+            raise InferError.invalid(f"requested output {index} must be a JSON object, got {_json_type(item)}")
+        if "name" not in item:
+            raise InferError.invalid(f"requested output {index} has no 'name'")
+        name = _string(item["name"], f"requested output {index} 'name'")
+        if name in seen:
+            raise InferError.invalid(f"output '{name}' is requested more than once")
+        seen.add(name)
+        where = f"output '{name}'"
+        params = _object(item.get("parameters"), f"{where} 'parameters'")
+        _check_no_shared_memory(params, where)
+        out = req.outputs.add(name=name)
+        for key, value in params.items():
+            if key == BINARY_DATA and not isinstance(value, bool):
+                raise InferError.invalid(f"{where}: '{BINARY_DATA}' must be a boolean, got {_show(value)}")
+            if key == CLASSIFICATION and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise InferError.invalid(
+                    f"{where}: '{CLASSIFICATION}' must be a non-negative integer, got {_show(value)}")
+            _set_infer_param(out.parameters[key], value, f"{where} parameter '{key}'")
+
+
+# --- JSON data -> raw bytes -------------------------------------------------------------
+
+def _flatten(data: list[Any]) -> list[Any]:
+    """Row-major leaves of a nested JSON array (iterative: no recursion limit)."""
+    leaves: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            leaves.append(item)
+        else:
+            stack.pop()
+    return leaves
+
+
+def _check_count(where: str, shape: list[int], count: int, got: int) -> None:
+    if got != count:
+        raise InferError.invalid(
+            f"{where}: shape {_shape_str(shape)} needs {count} elements, got {got} in 'data'")
+
+
+def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, data: Any) -> bytes:
+    if not isinstance(data, list):
+        raise InferError.invalid(f"{where}: 'data' must be a JSON array, got {_json_type(data)}")
+    if datatype == "BYTES":
+        leaves = _flatten(data)
+        _check_count(where, shape, count, len(leaves))
+        return _strings_to_raw(where, leaves)
+    if datatype == "BF16":
+        raise InferError.invalid(f"{where}: BF16 tensors must be sent as binary data, not JSON 'data'")
+
+    # Fast path: let numpy infer a regular array and accept it when its kind fits the
+    # datatype; anything unusual (ragged nesting, nulls, strings, floats for an integer
+    # type, out-of-range values) goes through the element-wise path for a precise message.
+    target = datatypes.numpy_dtype(datatype)
+    try:
+        arr: np.ndarray | None = np.array(data)
+    except (ValueError, TypeError, OverflowError):
+        arr = None
+    if arr is None or arr.dtype.kind not in "biuf":
+        leaves = _flatten(data)
+        _check_count(where, shape, count, len(leaves))
+        return _leaves_to_raw(where, datatype, target, leaves)
+    _check_count(where, shape, count, arr.size)
+    if count == 0:
+        return b""
+    kind = arr.dtype.kind
+    if datatype == "BOOL":
+        if kind == "b":
+            return arr.astype(target, copy=False).tobytes()
+    elif target.kind in "iu":
+        if kind in "iu":
+            info = np.iinfo(target)
+            if arr.min() >= info.min and arr.max() <= info.max:
+                return arr.astype(target).tobytes()
+    elif kind in "iuf":
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = arr.astype(target)
+        if datatype != "FP64":
+            _check_float_range(where, datatype, arr, out)
+        return out.tobytes()
+    return _leaves_to_raw(where, datatype, target, _flatten(data))
+
+
+def _leaves_to_raw(where: str, datatype: str, target: np.dtype, leaves: list[Any]) -> bytes:
+    """Element-wise validation + conversion; raises naming the first offending element."""
+    if datatype == "BOOL":
+        for i, v in enumerate(leaves):
+            if not isinstance(v, bool):
+                raise InferError.invalid(
+                    f"{where}: element {i} of 'data' is {_show(v)}; BOOL data must be true/false")
+    elif target.kind in "iu":
+        info = np.iinfo(target)
+        lo, hi = int(info.min), int(info.max)
+        for i, v in enumerate(leaves):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InferError.invalid(
+                    f"{where}: element {i} of 'data' is {_show(v)}; {datatype} data must be integers")
+            if not lo <= v <= hi:
+                raise InferError.invalid(
+                    f"{where}: element {i} of 'data' ({v}) is out of range for {datatype} [{lo}, {hi}]")
+    else:
+        for i, v in enumerate(leaves):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InferError.invalid(
+                    f"{where}: element {i} of 'data' is {_show(v)}; {datatype} data must be numbers")
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            arr = np.array(leaves, dtype=np.float64 if target.kind == "f" else target)
+            out = arr.astype(target)
+    except OverflowError as e:  # a Python int beyond float64
+        raise InferError.invalid(f"{where}: a value in 'data' is out of range for {datatype} ({e})") from None
+    if target.kind == "f" and datatype != "FP64":
+        _check_float_range(where, datatype, arr, out)
+    return out.tobytes()
+
+
+def _check_float_range(where: str, datatype: str, src: np.ndarray, out: np.ndarray) -> None:
+    """Reject finite values that overflow to +-inf when narrowed (FP16/FP32)."""
+    overflow = np.isinf(out) & ~np.isinf(src)
+    if overflow.any():
+        i = int(np.flatnonzero(overflow.ravel())[0])
+        raise InferError.invalid(
+            f"{where}: element {i} of 'data' ({src.ravel()[i].item()}) is out of range for {datatype}")
+
+
+def _strings_to_raw(where: str, leaves: list[Any]) -> bytes:
+    parts: list[bytes] = []
+    pack = _LEN.pack
+    for i, v in enumerate(leaves):
+        if not isinstance(v, str):
+            raise InferError.invalid(
+                f"{where}: element {i} of 'data' is {_show(v)}; BYTES data must be JSON strings")
+        try:
+            b = v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InferError.invalid(
+                f"{where}: element {i} of 'data' is not valid Unicode (lone surrogate escape)") from None
+        parts.append(pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+# --- inference response -----------------------------------------------------------------
+
+# datatype -> InferTensorContents field holding it (FP16/BF16 have none: raw only)
+_CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def render_infer_response(
+    response: pb.ModelInferResponse, request: pb.ModelInferRequest
+) -> tuple[bytes, dict[str, str]]:
+    """Render a `ModelInferResponse` as an HTTP body plus the headers it needs.
+
+    Per output, binary vs JSON follows the requested output's `binary_data` parameter, else
+    the request's `binary_data_output` (default false). Binary outputs carry only
+    `parameters.binary_data_size` and follow the JSON in output order, with
+    `Inference-Header-Content-Length`; JSON-only bodies carry no output `parameters`.
+    Reads `raw_output_contents` or, when that is empty, typed `contents`.
+    """
+    default_binary = _param_flag(request.parameters, BINARY_DATA_OUTPUT, False)
+    requested = {o.name: o for o in request.outputs}
+    raws = list(response.raw_output_contents)
+    outputs = response.outputs
+    if raws and len(raws) != len(outputs):
+        raise InferError.internal(
+            f"response of model '{response.model_name}' has {len(outputs)} outputs but "
+            f"{len(raws)} raw_output_contents")
+
+    rendered: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for i, out in enumerate(outputs):
+        binary = default_binary
+        req_out = requested.get(out.name)
+        if req_out is not None:
+            binary = _param_flag(req_out.parameters, BINARY_DATA, default_binary)
+        shape = list(out.shape)
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": shape}
+        where = f"output '{out.name}'"
+        if binary:
+            data = raws[i] if raws else _contents_to_raw(where, out)
+            _check_raw_size(where, out.datatype, shape, data)
+            entry["parameters"] = {BINARY_DATA_SIZE: len(data)}
+            blobs.append(data)
+        else:
+            entry["data"] = _raw_to_json(where, out.datatype, shape, raws[i]) if raws \
+                else _contents_to_json(where, out)
+        rendered.append(entry)
+
+    doc: dict[str, Any] = {
+        "model_name": response.model_name or request.model_name,
+        "model_version": response.model_version or request.model_version,
+    }
+    rid = response.id or request.id
+    if rid:
+        doc["id"] = rid
+    params = {k: v for k, p in response.parameters.items() if (v := _param_value(p)) is not None}
+    if params:
+        doc["parameters"] = params
+    doc["outputs"] = rendered
+
+    header = _dumps(doc)
+    if not blobs:
+        return header, {"Content-Type": JSON_CONTENT_TYPE}
+    return b"".join([header, *blobs]), {
+        HEADER_LENGTH: str(len(header)),
+        "Content-Type": BINARY_CONTENT_TYPE,
+    }
+
+
+def _check_raw_size(where: str, datatype: str, shape: list[int], data: bytes) -> None:
+    if not datatypes.is_valid(datatype):
+        raise InferError.internal(f"{where} has unknown datatype '{datatype}'")
+    size = datatypes.element_size(datatype)
+    if size:
+        need = datatypes.element_count(shape) * size
+        if len(data) != need:
+            raise InferError.internal(
+                f"{where} holds {len(data)} bytes but shape {_shape_str(shape)} of {datatype} needs {need}")
+
+
+def _raw_to_json(where: str, datatype: str, shape: list[int], data: bytes) -> list[Any]:
+    _check_raw_size(where, datatype, shape, data)
+    if datatype == "BYTES":
+        try:
+            elements = datatypes.deserialize_bytes(data, datatypes.element_count(shape))
+        except InferError as e:
+            raise InferError.internal(f"{where}: {e.message}") from None
+        return _decode_strings(where, elements)
+    if datatype == "BF16":
+        # bfloat16 is the top half of a float32: widen exactly.
+        return (np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4").tolist()
+    return np.frombuffer(data, datatypes.numpy_dtype(datatype)).tolist()
+
+
+def _decode_strings(where: str, elements: Iterable[bytes]) -> list[str]:
+    strings: list[str] = []
+    for i, b in enumerate(elements):
+        try:
+            strings.append(b.decode("utf-8"))
+        except UnicodeDecodeError:
+            # Triton writes such bytes into the JSON as-is and tritonclient then fails with
+            # "use binary_data=True"; say that here, before sending an undecodable body.
+            raise InferError.invalid(
+                f"{where}: element {i} is not valid UTF-8 and cannot be returned as JSON; "
+                "request this output with binary_data=true") from None
+    return strings
+
+
+def _contents_field(where: str, out: pb.ModelInferResponse.InferOutputTensor) -> Any:
+    field = _CONTENTS_FIELD.get(out.datatype)
+    if field is None:
+        raise InferError.internal(
+            f"{where}: {out.datatype} output has no raw_output_contents and no typed contents field")
+    values = getattr(out.contents, field)
+    count = datatypes.element_count(out.shape)
+    if len(values) != count:
+        raise InferError.internal(
+            f"{where} holds {len(values)} elements in contents.{field} but shape "
+            f"{_shape_str(out.shape)} needs {count}")
+    return values
+
+
+def _contents_to_json(where: str, out: pb.ModelInferResponse.InferOutputTensor) -> list[Any]:
+    values = _contents_field(where, out)
+    if out.datatype == "BYTES":
+        return _decode_strings(where, values)
+    return list(values)
+
+
+def _contents_to_raw(where: str, out: pb.ModelInferResponse.InferOutputTensor) -> bytes:
+    values = _contents_field(where, out)
+    if out.datatype == "BYTES":
+        return datatypes.serialize_bytes(values)
+    target = datatypes.numpy_dtype(out.datatype)
+    try:
+        return np.array(values, dtype=target).tobytes()
+    except OverflowError as e:
+        raise InferError.internal(f"{where}: contents out of range for {out.datatype} ({e})") from None
+
+
+# --- other endpoints --------------------------------------------------------------------
+
+_INT64_TYPES = frozenset({
+    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
+})
+
+
+def _int64_to_numbers(descriptor: Descriptor, obj: dict[str, Any]) -> None:
+    """Undo MessageToDict's int64-as-string rendering in place, guided by the descriptor."""
+    for key, value in obj.items():
+        field = descriptor.fields_by_name.get(key)
+        if field is None:
+            continue
+        msg_type = field.message_type
+        if msg_type is not None and msg_type.GetOptions().map_entry:
+            value_field = msg_type.fields_by_name["value"]
+            if value_field.message_type is not None:
+                for item in value.values():
+                    _int64_to_numbers(value_field.message_type, item)
+            elif value_field.type in _INT64_TYPES:
+                for k in value:
+                    value[k] = int(value[k])
+        elif msg_type is not None:
+            for item in value if isinstance(value, list) else (value,):
+                _int64_to_numbers(msg_type, item)
+        elif field.type in _INT64_TYPES:
+            obj[key] = [int(v) for v in value] if isinstance(value, list) else int(value)
+
+
+def model_config_to_json(cfg: mc.ModelConfig) -> dict[str, Any]:
+    """ModelConfig as Triton's `/config` JSON (PROTOCOL.md §5.3).
+
+    snake_case names, enum names, scalar/repeated/map defaults included, unset messages
+    omitted (so only the set `scheduling_choice` member appears), int64 as JSON numbers.
+    """
+    doc = json_format.MessageToDict(
+        cfg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _int64_to_numbers(cfg.DESCRIPTOR, doc)
+    return doc
+
+
+def _tensor_metadata(t: pb.ModelMetadataResponse.TensorMetadata) -> dict[str, Any]:
+    return {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+
+
+def model_metadata_to_json(md: pb.ModelMetadataResponse) -> dict[str, Any]:
+    """Model metadata JSON: name, versions (strings), platform, inputs, outputs."""
+    return {
+        "name": md.name,
+        "versions": list(md.versions),
+        "platform": md.platform,
+        "inputs": [_tensor_metadata(t) for t in md.inputs],
+        "outputs": [_tensor_metadata(t) for t in md.outputs],
+    }
+
+
+def server_metadata_to_json(md: pb.ServerMetadataResponse) -> dict[str, Any]:
+    """Server metadata JSON: `{"name", "version", "extensions": [...]}`."""
+    return {"name": md.name, "version": md.version, "extensions": list(md.extensions)}
+
+
+_INFER_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer",
+                    "compute_output", "cache_hit", "cache_miss")
+_BATCH_DURATIONS = ("compute_input", "compute_infer", "compute_output")
+_RESPONSE_DURATIONS = ("compute_infer", "compute_output", "success", "fail",
+                       "empty_response", "cancel")
+
+
+def _durations(msg: Any, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for name in names:
+        d = getattr(msg, name)
+        out[name] = {"count": d.count, "ns": d.ns}
+    return out
+
+
+def statistics_to_json(stats: pb.ModelStatisticsResponse) -> dict[str, Any]:
+    """Statistics JSON (PROTOCOL.md §3.6): every duration member present, integers throughout."""
+    model_stats: list[dict[str, Any]] = []
+    for s in stats.model_stats:
+        model_stats.append({
+            "name": s.name,
+            "version": s.version,
+            "last_inference": s.last_inference,
+            "inference_count": s.inference_count,
+            "execution_count": s.execution_count,
+            "inference_stats": _durations(s.inference_stats, _INFER_DURATIONS),
+            "response_stats": {
+                key: _durations(r, _RESPONSE_DURATIONS) for key, r in sorted(s.response_stats.items())
+            },
+            "batch_stats": [
+                {"batch_size": b.batch_size, **_durations(b, _BATCH_DURATIONS)} for b in s.batch_stats
+            ],
+            "memory_usage": [
+                {"type": m.type, "id": m.id, "byte_size": m.byte_size} for m in s.memory_usage
+            ],
+        })
+    return {"model_stats": model_stats}
+
+
+def repository_index_to_json(idx: pb.RepositoryIndexResponse) -> list[dict[str, str]]:
+    """Repository index JSON array; like Triton, `version`/`reason` appear only when non-empty."""
+    entries: list[dict[str, str]] = []
+    for m in idx.models:
+        entry = {"name": m.name}
+        if m.version:
+            entry["version"] = m.version
+        entry["state"] = m.state
+        if m.reason:
+            entry["reason"] = m.reason
+        entries.append(entry)
+    return entries
+
+
+def error_body(message: str) -> bytes:
+    """The JSON error body every non-200 response carries: `{"error": "<message>"}`."""
+    return _dumps({"error": message})
+
+
+def _repository_parameters(body: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
+    if not bytes(body).strip():
+        return {}
+    doc = _loads(body, f"{what} request")
+    if not isinstance(doc, dict):
+        raise InferError.invalid(f"the {what} request JSON must be an object, got {_json_type(doc)}")
+    return _object(doc.get("parameters"), f"{what} request 'parameters'")
+
+
+def _set_repository_param(target: pb.ModelRepositoryParameter, value: Any, where: str) -> None:
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX:
+        target.int64_param = value
+    elif isinstance(value, str):
+        target.string_param = value
+    else:
+        raise InferError.invalid(
+            f"{where}: unsupported value {_show(value)}; expected a string, boolean or 64-bit integer")
+
+
+def parse_load_request(body: bytes | bytearray | memoryview) -> dict[str, pb.ModelRepositoryParameter]:
+    """Parse a `/v2/repository/models/{m}/load` body (empty allowed).
+
+    `config` (a JSON string, validated later by the repository) -> string_param;
+    `file:<version>/<path>` (base64) -> decoded bytes_param; other values by JSON type.
+    """
+    out: dict[str, pb.ModelRepositoryParameter] = {}
+    for key, value in _repository_parameters(body, "load").items():
+        where = f"load parameter '{key}'"
+        param = pb.ModelRepositoryParameter()
+        if key == "config":
+            param.string_param = _string(value, where)
+        elif key.startswith("file:"):
+            try:
+                param.bytes_param = base64.b64decode(_string(value, where), validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise InferError.invalid(f"{where} is not valid base64 ({e})") from None
+        else:
+            _set_repository_param(param, value, where)
+        out[key] = param
+    return out
+
+
+def parse_unload_request(body: bytes | bytearray | memoryview) -> dict[str, pb.ModelRepositoryParameter]:
+    """Parse a `/v2/repository/models/{m}/unload` body (empty allowed); `unload_dependents` is a bool."""
+    out: dict[str, pb.ModelRepositoryParameter] = {}
+    for key, value in _repository_parameters(body, "unload").items():
+        where = f"unload parameter '{key}'"
+        param = pb.ModelRepositoryParameter()
+        if key == "unload_dependents":
+            if not isinstance(value, bool):
+                raise InferError.invalid(f"{where} must be a boolean, got {_show(value)}")
+            param.bool_param = value
+        else:
+            _set_repository_param(param, value, where)
+        out[key] = param
+    return out
+
+
+# --- compression ------------------------------------------------------------------------
+
+_GZIP_WBITS = 16 + zlib.MAX_WBITS
+_ZLIB_WBITS = zlib.MAX_WBITS
+_RAW_DEFLATE_WBITS = -zlib.MAX_WBITS
+
+
+def _inflate(data: bytes, wbits: int, coding: str, max_size: int | None) -> bytes:
+    chunks: list[bytes] = []
+    produced = 0
+    while True:
+        d = zlib.decompressobj(wbits)
+        limit = 0 if max_size is None else max_size - produced + 1
+        try:
+            chunk = d.decompress(data, limit)
+        except zlib.error as e:
+            raise InferError.invalid(f"malformed {coding} request body ({e})") from None
+        chunks.append(chunk)
+        produced += len(chunk)
+        if max_size is not None and (produced > max_size or d.unconsumed_tail):
+            raise InferError.invalid(f"the {coding}-decompressed request body exceeds {max_size} bytes")
+        if not d.eof:
+            raise InferError.invalid(f"truncated {coding} request body")
+        data = d.unused_data
+        if not data:
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if wbits != _GZIP_WBITS:
+            raise InferError.invalid(f"{len(data)} stray bytes after the {coding} stream")
+        # gzip allows several members back to back: keep going.
+
+
+def decode_body(
+    body: bytes | bytearray | memoryview, content_encoding: str | None, *, max_size: int | None = None
+) -> bytes:
+    """Undo `Content-Encoding` (gzip, deflate = zlib stream (raw deflate accepted), identity).
+
+    Unknown codings are INVALID_ARG. `max_size` bounds the decompressed size (zip bombs).
+    """
+    data = body if isinstance(body, bytes) else bytes(body)
+    if not content_encoding:
+        return data
+    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+    for coding in reversed(codings):  # listed in the order they were applied
+        if coding == "identity":
+            continue
+        if coding in ("gzip", "x-gzip"):
+            data = _inflate(data, _GZIP_WBITS, "gzip", max_size)
+        elif coding == "deflate":
+            # HTTP "deflate" is a zlib stream (what tritonclient sends); some clients send raw
+            # deflate, so fall back to that when the zlib header is absent or does not decode.
+            zlib_header = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] * 256 + data[1]) % 31 == 0
+            try:
+                data = _inflate(data, _ZLIB_WBITS if zlib_header else _RAW_DEFLATE_WBITS, "deflate", max_size)
+            except InferError as zlib_error:
+                if not zlib_header:
+                    raise
+                try:
+                    data = _inflate(data, _RAW_DEFLATE_WBITS, "deflate", max_size)
+                except InferError:
+                    raise zlib_error from None
+        else:
+            raise InferError.invalid(
+                f"unsupported Content-Encoding '{coding}'; meshserve accepts gzip, deflate and identity")
+    return data
+
+
+def _accepted_codings(accept_encoding: str) -> dict[str, float]:
+    q: dict[str, float] = {}
+    for item in accept_encoding.split(","):
+        token, _, rest = item.partition(";")
+        token = token.strip().lower()
+        if not token:
+            continue
+        weight = 1.0
+        for param in rest.split(";"):
+            k, _, v = param.partition("=")
+            if k.strip().lower() == "q":
+                try:
+                    weight = float(v)
+                except ValueError:
+                    weight = 0.0
+        q[token] = weight
+    return q
+
+
+def encode_body(body: bytes, accept_encoding: str | None) -> tuple[bytes, str | None]:
+    """Compress a response body for the client's `Accept-Encoding`.
+
+    Returns (body, coding) with coding "gzip", "deflate" (zlib stream) or None (identity).
+    Highest q-value wins; gzip on a tie; `*` counts as gzip.
+    """
+    if not accept_encoding:
+        return body, None
+    q = _accepted_codings(accept_encoding)
+    star = q.get("*", 0.0)
+    gzip_q = q.get("gzip", q.get("x-gzip", star))
+    deflate_q = q.get("deflate", star)
+    if gzip_q <= 0 and deflate_q <= 0:
+        return body, None
+    if gzip_q >= deflate_q:
+        c = zlib.compressobj(6, zlib.DEFLATED, _GZIP_WBITS)  # gzip framing, mtime 0: deterministic
+        return c.compress(body) + c.flush(), "gzip"
+    return zlib.compress(body, 6), "deflate"

@@ -1,0 +1,1 @@
+"""Model-serving services: one process per backend kind (onnx, torchscript, tensorrt, sequence)."""

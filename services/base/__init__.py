@@ -1,0 +1,1 @@
+"""Shared service machinery: the core, the generic servicer, scheduling and the runtime protocol."""

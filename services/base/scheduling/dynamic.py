@@ -1,0 +1,371 @@
+"""Dynamic batching with Triton's semantics (``src/dynamic_batch_scheduler.cc``).
+
+Two parts: :func:`next_action`, a pure decision over the row counts at the head of the
+queue, and :class:`DynamicBatcher`, the asyncio loop that applies it, keeps at most
+``instance_count`` batches in flight and makes sure every queued request resolves once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from .errors import (
+    DeadlineExceededError,
+    InternalBatchError,
+    QueueFullError,
+    UnavailableError,
+)
+from .policy import BatchingPolicy
+from .request import QueuedRequest
+
+__all__ = ["IDLE", "Action", "DynamicBatcher", "Idle", "Run", "Wait", "next_action"]
+
+_log = logging.getLogger(__name__)
+_NEVER = sys.maxsize
+_TIMER_SLACK_NS = 1_000_000  # wait the final millisecond by yielding, not on a timer
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Take the first ``count`` queued requests as one batch, now."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to run yet: sleep until ``until_ns`` unless more requests arrive."""
+
+    until_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """The queue is empty."""
+
+
+IDLE = Idle()
+Action = Run | Wait | Idle
+
+
+def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
+                policy: BatchingPolicy) -> Action:
+    """Decide what to do with the queue whose head requests have ``queued_rows`` rows.
+
+    Mirrors Triton's ``GetDynamicBatch``, evaluated when an instance is free:
+
+    * requests join in FIFO order while the batch stays within ``max_batch_size`` rows; the
+      first request that would overflow it stays queued (and makes the batch ready now);
+    * each prefix whose rows equal a preferred size is remembered; so is the prefix just
+      before the rows would pass the largest preferred size (Triton treats a batch that
+      cannot reach a larger preferred size as ready);
+    * before the delay expires, a remembered prefix runs now; otherwise the batch runs now
+      if it is full (≥ the largest preferred size, or ``max_batch_size`` without preferred
+      sizes), else the batcher waits until ``oldest_arrival_ns + max_queue_delay_ns``;
+    * once the delay from the *oldest* request has expired, everything that fits runs (as
+      in Triton: the preferred prefix is not preferred any more);
+    * with ``max_queue_delay_ns == 0`` nothing ever waits: the remembered preferred prefix
+      runs if there is one, else everything that fits;
+    * with batching disabled each request runs alone.
+
+    ``queued_rows`` may be a bounded prefix: only requests up to the first one that
+    overflows ``max_batch_size`` are looked at.
+    """
+    n = len(queued_rows)
+    if n == 0:
+        return IDLE
+    max_batch = policy.max_batch_size
+    if max_batch == 0:
+        return Run(1)
+    preferred = policy.preferred_set
+    max_preferred = policy.max_preferred
+
+    # The first request always joins (even one larger than max_batch_size: it runs alone).
+    total = queued_rows[0]
+    count = 1
+    best = 1 if total in preferred else 0  # a request count, 0 = none
+    full = False
+    for i in range(1, n):
+        grown = total + queued_rows[i]
+        if grown > max_preferred and best == 0:
+            best = count
+        if grown > max_batch:
+            full = True
+            break
+        total = grown
+        count += 1
+        if total in preferred:
+            best = count
+
+    delay = policy.max_queue_delay_ns
+    expired = delay != 0 and now_ns - oldest_arrival_ns >= delay
+    if best and not expired:
+        return Run(best)
+    if full or expired or delay == 0 or total >= max_preferred:
+        return Run(count)
+    return Wait(oldest_arrival_ns + delay)
+
+
+class DynamicBatcher:
+    """Queue requests for one model and run them in batches on ``instance_count`` instances.
+
+    ``execute(batch)`` runs one batch and sets each member's future. At most
+    ``instance_count`` calls are in flight; while they run the loop keeps queueing, so the
+    next batch grows until an instance is free (which is what makes batching pay off under
+    load). Every request resolves exactly once: cancelled requests are skipped, expired ones
+    fail with :class:`DeadlineExceededError`, members left unresolved by ``execute`` (or by
+    an ``execute`` that raised) get :class:`InternalBatchError`, and if the loop itself fails,
+    the queue fails with :class:`UnavailableError` and so do later enqueues.
+
+    Build it explicitly at model load and call :meth:`stop` before unloading. ``enqueue``
+    must be called from the event loop the batcher runs on; the loop task starts lazily.
+    """
+
+    def __init__(self, policy: BatchingPolicy,
+                 execute: Callable[[list[QueuedRequest]], Awaitable[None]],
+                 instance_count: int = 1,
+                 clock: Callable[[], int] = time.monotonic_ns,
+                 name: str = "model") -> None:
+        if instance_count < 1:
+            raise ValueError(f"model '{name}': instance_count must be >= 1, got {instance_count}")
+        self.policy = policy
+        self.name = name
+        self._execute = execute
+        self._clock = clock
+        self.instance_count = instance_count
+        self._free_slots = instance_count
+        self._queue: deque[QueuedRequest] = deque()
+        self._queued_rows = 0  # rows of everything in _queue, cancelled entries included
+        self._executing = 0  # requests in batches that are running
+        self._batches: set[asyncio.Task[None]] = set()
+        self._held: list[QueuedRequest] | None = None  # popped by the loop, not yet placed
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop sleeps on a bare future; enqueue wakes it only once the queued rows reach
+        # _wake_rows, so arrivals that cannot change the decision cost no wake-up.
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_rows = _NEVER
+        self._closed_reason: str | None = None  # set once enqueue must refuse
+        self._stopping = False
+
+    # -- scheduler interface -------------------------------------------------------------
+
+    def enqueue(self, req: QueuedRequest) -> None:
+        """Queue ``req``; its future resolves when its batch finishes or it is failed.
+
+        Raises :class:`QueueFullError` when ``max_queue_size`` requests are queued and
+        :class:`UnavailableError` once the batcher is stopping or has failed.
+        """
+        if self._closed_reason is not None:
+            raise UnavailableError(self._closed_reason)
+        limit = self.policy.max_queue_size
+        if limit and len(self._queue) >= limit:
+            raise QueueFullError(self.name, limit)
+        if req.rows < 1:
+            raise ValueError(f"model '{self.name}': a request needs at least 1 row, got {req.rows}")
+        if self._task is None:
+            self._start()
+        self._queue.append(req)
+        self._queued_rows += req.rows
+        if self._queued_rows >= self._wake_rows:
+            self._wake()
+
+    def inflight(self) -> int:
+        """Requests queued or executing (cancelled ones count until the loop drops them)."""
+        return len(self._queue) + self._executing
+
+    async def stop(self, drain: bool = True) -> None:
+        """Refuse new requests, then finish.
+
+        ``drain=True`` runs every queued request (no more waiting for the delay) and returns
+        once all batches are done. ``drain=False`` fails the queued requests with
+        :class:`UnavailableError` and waits only for the batches already executing. Either way
+        ``execute`` is not running when this returns, so the runtime can be unloaded.
+        """
+        if self._closed_reason is None:
+            self._closed_reason = f"model '{self.name}' is stopping; the scheduler accepts no new requests"
+        self._stopping = True
+        if not drain:
+            self._fail_queue("stopped before it ran")
+        self._wake()
+        if self._task is not None:
+            await asyncio.wait([self._task])
+        while self._batches:
+            await asyncio.wait(list(self._batches))
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name=f"dynamic-batcher:{self.name}")
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            self._wake_rows = _NEVER
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _sleep(self, wake_rows: int, until_ns: int | None) -> None:
+        """Sleep until woken (enqueue reaching ``wake_rows``, a free slot, stop) or ``until_ns``."""
+        assert self._loop is not None
+        waiter = self._loop.create_future()
+        self._waiter = waiter
+        self._wake_rows = wake_rows
+        timer: asyncio.Handle | None = None
+        if until_ns is not None:
+            remaining = until_ns - self._clock()
+            if remaining > _TIMER_SLACK_NS:
+                timer = self._loop.call_later((remaining - _TIMER_SLACK_NS) / 1e9, self._wake)
+            else:
+                # Event-loop timers are millisecond-grained (epoll rounds up, libuv rounds
+                # down), so a 100 µs delay would become ~1 ms: yield once per loop pass
+                # instead for the last stretch. Other callbacks keep running meanwhile.
+                timer = self._loop.call_soon(self._wake)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            self._wake_rows = _NEVER
+            if timer is not None:
+                timer.cancel()
+
+    async def _run(self) -> None:
+        try:
+            await self._serve()
+        except BaseException as exc:  # the loop must never die with requests left queued
+            if not isinstance(exc, asyncio.CancelledError):
+                _log.exception("model '%s': dynamic batcher loop failed", self.name)
+            reason = f"model '{self.name}': the scheduler failed ({exc!r})"
+            self._closed_reason = reason
+            held, self._held = self._held, None
+            for req in held or ():
+                if not req.future.done():
+                    req.future.set_exception(UnavailableError(reason))
+            self._fail_queue("the scheduler failed", cause=exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    async def _serve(self) -> None:
+        queue = self._queue
+        policy = self.policy
+        clock = self._clock
+        limit = policy.max_batch_size or 1  # rows to look at: one more request overflows
+        delay = policy.max_queue_delay_ns
+        preferred = policy.preferred_batch_sizes
+        while True:
+            if not queue:
+                if self._stopping:
+                    return
+                await self._sleep(1, None)
+                continue
+            if self._free_slots == 0:
+                await self._sleep(_NEVER, None)  # a finishing batch wakes us
+                continue
+
+            now = clock()
+            # Pop the bounded prefix, dropping cancelled and expired requests on the way.
+            held: list[QueuedRequest] = []
+            self._held = held
+            rows: list[int] = []
+            total = 0
+            min_deadline = _NEVER
+            while queue and total < limit:
+                req = queue.popleft()
+                fut = req.future
+                if fut.done():
+                    self._queued_rows -= req.rows
+                    continue
+                deadline = req.deadline_ns
+                if deadline is not None:
+                    if deadline <= now:
+                        self._queued_rows -= req.rows
+                        fut.set_exception(DeadlineExceededError(
+                            f"model '{self.name}': request deadline exceeded after "
+                            f"{(now - req.arrival_ns) / 1e6:.3f} ms in the queue"))
+                        continue
+                    if deadline < min_deadline:
+                        min_deadline = deadline
+                held.append(req)
+                rows.append(req.rows)
+                total += req.rows
+            if not held:
+                self._held = None
+                continue
+
+            oldest = held[0].arrival_ns
+            if self._stopping and delay:
+                now = max(now, oldest + delay)  # draining: do not wait for more requests
+            action = next_action(rows, oldest, now, policy)
+
+            if isinstance(action, Run):
+                count = action.count
+                if count < len(held):
+                    queue.extendleft(reversed(held[count:]))
+                    batch = held[:count]
+                    batch_rows = sum(rows[:count])
+                else:
+                    batch = held
+                    batch_rows = total
+                self._queued_rows -= batch_rows
+                self._dispatch(batch)
+                self._held = None
+                continue
+
+            # Wait: everything queued fits (else it would run), so queued rows == total.
+            queue.extendleft(reversed(held))
+            self._held = None
+            assert isinstance(action, Wait)
+            # Only an arrival that reaches the next preferred size (or the max batch) can
+            # turn this Wait into a Run; earlier arrivals do not wake the loop.
+            i = bisect_right(preferred, total)
+            wake_rows = preferred[i] if i < len(preferred) else policy.max_batch_size
+            await self._sleep(wake_rows, min(action.until_ns, min_deadline))
+
+    def _dispatch(self, batch: list[QueuedRequest]) -> None:
+        assert self._loop is not None
+        self._free_slots -= 1
+        self._executing += len(batch)
+        task = self._loop.create_task(self._run_batch(batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _run_batch(self, batch: list[QueuedRequest]) -> None:
+        try:
+            await self._execute(batch)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                _log.exception("model '%s': batch of %d requests failed", self.name, len(batch))
+            for req in batch:
+                if not req.future.done():
+                    err = InternalBatchError(f"model '{self.name}': batch execution failed: {exc!r}")
+                    err.__cause__ = exc
+                    req.future.set_exception(err)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            for req in batch:
+                if not req.future.done():
+                    req.future.set_exception(InternalBatchError(
+                        f"model '{self.name}': batch finished without a result for this request"))
+            self._executing -= len(batch)
+            self._free_slots += 1
+            if self._free_slots == 1 and self._queue:
+                self._wake()  # the loop may be waiting for this slot
+
+    def _fail_queue(self, what: str, cause: BaseException | None = None) -> None:
+        queue = self._queue
+        while queue:
+            req = queue.popleft()
+            if not req.future.done():
+                err = UnavailableError(f"model '{self.name}': request {what}")
+                err.__cause__ = cause
+                req.future.set_exception(err)
+        self._queued_rows = 0

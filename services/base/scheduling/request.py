@@ -1,0 +1,28 @@
+"""The unit the schedulers queue: an opaque payload, its row count and its result future."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class QueuedRequest:
+    """One inference request waiting for (or running in) a batch.
+
+    ``rows`` is the batch dimension the request contributes (≥ 1); ``arrival_ns`` and
+    ``deadline_ns`` use the scheduler's clock (``time.monotonic_ns`` by default).
+    ``payload`` is opaque to the scheduler. ``future`` carries the result: the executor
+    sets it, or the scheduler fails it (deadline, shutdown, failed batch). Cancelling the
+    future (the client went away) removes the request before it joins a batch.
+    """
+
+    rows: int
+    arrival_ns: int
+    payload: object
+    future: asyncio.Future[object]
+    priority: int = 0
+    deadline_ns: int | None = None
+
+    def done(self) -> bool:
+        """True once the result, an error, or a cancellation is set."""
+        return self.future.done()

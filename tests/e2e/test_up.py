@@ -1,0 +1,84 @@
+"""`meshserve up` on the bundled example repository, driven with tritonclient; Ctrl-C stops all."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.conftest import ROOT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_up_serves_examples_and_stops_cleanly() -> None:
+    http_port, grpc_port = _free_port(), _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--http-port", str(http_port),
+                             "--grpc-port", str(grpc_port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        text = "".join(lines)
+        assert "Press Ctrl-C" in text, text
+        assert f"http://localhost:{http_port}/v2" in text and "curl" in text
+        children = _children(proc.pid)
+        assert len(children) == 2  # the onnx service + the gateway
+
+        with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as c:
+            assert c.is_server_ready()
+            a = np.ones((2, 16), np.float32)
+            inputs = [httpclient.InferInput("INPUT0", [2, 16], "FP32"), httpclient.InferInput("INPUT1", [2, 16], "FP32")]
+            for i in inputs:
+                i.set_data_from_numpy(a)
+            np.testing.assert_array_equal(c.infer("add_sub", inputs).as_numpy("OUTPUT0"), a * 2)
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as c:
+            x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
+            inp = grpcclient.InferInput("INPUT0", [3, 512], "FP32")
+            inp.set_data_from_numpy(x)
+            assert c.infer("mlp", [inp]).as_numpy("OUTPUT0").shape == (3, 512)
+            xi = np.arange(16, dtype=np.int32).reshape(1, 16)
+            ins = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+            for i in ins:
+                i.set_data_from_numpy(xi)
+            np.testing.assert_array_equal(c.infer("add_sub_int32", ins).as_numpy("OUTPUT1"), xi * 0)
+            v = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+            v.set_data_from_numpy(np.ones((1, 4), np.float32))
+            assert c.infer("scale", [v], model_version="1").as_numpy("OUTPUT0").tolist() == [[1.0] * 4]
+            assert c.infer("scale", [v]).as_numpy("OUTPUT0").tolist() == [[2.0] * 4]
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for pid in children:  # no orphans
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            assert not alive, f"child {pid} survived meshserve up"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

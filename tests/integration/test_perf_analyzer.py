@@ -1,0 +1,31 @@
+"""Triton's own load generator, unmodified, against the gateway (HTTP and gRPC)."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[3] / "shared" / "tools" / "perf_analyzer"
+
+pytestmark = pytest.mark.skipif(not TOOL.exists() and not os.environ.get("CI"),
+                                reason=f"perf_analyzer wrapper not found at {TOOL}")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> None:  # noqa: ANN001
+    url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http
+    report = tmp_path / "pa.csv"
+    cmd = [str(TOOL), "-m", "small_mlp", "-u", url, "-i", protocol, "--concurrency-range", "1:16:5",
+           "--measurement-interval", "500", "--stability-percentage", "100", "--max-trials", "4",
+           "-f", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(report.open()))
+    assert [int(r["Concurrency"]) for r in rows] == [1, 6, 11, 16]
+    for r in rows:
+        assert float(r["Inferences/Second"]) > 10
+        # sane latencies: p99 under a second on a 64->256->64 MLP
+        assert 0 < int(r["p99 latency"]) < 1_000_000
