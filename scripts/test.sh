@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs on a fresh Debian machine (as root), then runs it.
+# README's second quickstart command; .ci/run calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d' || need+=(libb64-0d)   # perf_analyzer
+if [ ${#need[@]} -gt 0 ]; then
+  echo "test.sh: apt-get install ${need[*]}"
+  apt-get install -y -qq "${need[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null && apt-get install -y -qq "${need[@]}" >/dev/null; }
+fi
+[ -x scripts/ci-deps-deploy.sh ] && scripts/ci-deps-deploy.sh
+
+echo "test.sh: pip install -e .[dev]"
+python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+python3 protos/generate.py --check >/dev/null
+exec python3 -m pytest "$@"
