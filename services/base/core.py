@@ -61,11 +61,16 @@ class ServiceCore:
                 continue
             hosted = HostedModel(entry.name, entry.path, entry.config)
             self.models[entry.name] = hosted
-            if entry.error or entry.config is None:
+            if entry.config is None or not entry.loadable_versions:
                 hosted.reason = entry.error or "config could not be loaded"
                 log.error("model '%s' not loaded: %s", entry.name, hosted.reason)
                 continue
-            await self._load_versions(hosted, entry.config, entry.versions)
+            if entry.error:
+                log.warning("model '%s': %s", entry.name, entry.error)
+            try:
+                await self._load_versions(hosted, entry.config, entry.loadable_versions)
+            except Exception:
+                continue  # recorded on the model (index shows UNAVAILABLE + reason); others still load
         self._started = True
 
     async def _load_versions(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int]) -> None:
@@ -212,7 +217,10 @@ class ServiceCore:
             kind = layout.service_kind(config)
             if kind != self.kind:
                 raise InferError.invalid(f"model '{name}' is a {kind} model, not served by the {self.kind} service")
-            versions = layout.select_versions(config.version_policy, _numeric_dirs(path))
+            try:
+                versions = layout.select_versions(config.version_policy, layout.available_versions(path))
+            except ConfigError as exc:
+                raise InferError.invalid(str(exc)) from None
             hosted = self.models.setdefault(name, HostedModel(name, path))
             try:
                 await self._load_versions(hosted, config, versions)
@@ -263,10 +271,6 @@ def _metadata(config: mc.ModelConfig, versions: list[int]) -> pb.ModelMetadataRe
     for o in config.output:
         md.outputs.add(name=o.name, datatype=datatypes.config_to_wire(o.data_type), shape=[*batch, *o.dims])
     return md
-
-
-def _numeric_dirs(path: Path) -> list[int]:
-    return sorted(int(p.name) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def _looks_like(path: Path, kind: str) -> bool:

@@ -1,0 +1,179 @@
+"""Triton repository layout: scan ``<repo>/<model>/{config.pbtxt,<version>/<file>}``.
+
+Also maps each model to the meshserve service kind that hosts it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.repository.config import (
+    CONFIG_FILENAME,
+    DEFAULT_MODEL_FILENAMES,
+    ENSEMBLE_PLATFORM,
+    PLATFORM_TO_BACKEND,
+    ConfigError,
+    config_errors,
+    prepare_config,
+)
+from meshserve.repository.versions import available_versions, select_versions
+
+__all__ = [
+    "SERVICE_KINDS",
+    "ModelEntry",
+    "available_versions",
+    "model_file",
+    "scan",
+    "scan_model",
+    "select_versions",
+    "service_kind",
+]
+
+SERVICE_KINDS: tuple[str, ...] = ("onnx", "torchscript", "tensorrt", "sequence", "ensemble")
+_KIND_BY_BACKEND = {"onnxruntime": "onnx", "pytorch": "torchscript", "tensorrt": "tensorrt"}
+_SEQUENCE_BACKENDS = ("onnxruntime", "pytorch")
+
+
+@dataclass
+class ModelEntry:
+    """One model directory of a repository, as found by ``scan``.
+
+    ``config`` is the effective (autocompleted, normalized, validated) config or None when it
+    could not be built. ``problems`` lists everything wrong, each naming file, model and field;
+    ``error`` joins them (None when there are none). ``version_errors`` maps a selected version
+    to what is wrong with it alone (e.g. its model file is missing), so the other versions
+    can still be served.
+    """
+
+    name: str
+    path: Path
+    config: mc.ModelConfig | None = None
+    error: str | None = None
+    available_versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    kind: str | None = None
+    problems: list[str] = field(default_factory=list)
+    version_errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when the model has no problems at all."""
+        return not self.problems
+
+    @property
+    def loadable_versions(self) -> list[int]:
+        """Selected versions without a version-specific problem (empty when config is None)."""
+        if self.config is None:
+            return []
+        return [v for v in self.versions if v not in self.version_errors]
+
+
+def _backend(config: mc.ModelConfig) -> str:
+    return config.backend or PLATFORM_TO_BACKEND.get(config.platform, "")
+
+
+def service_kind(config: mc.ModelConfig) -> str | None:
+    """The meshserve service that hosts this model, or None when none can.
+
+    ``"ensemble"`` for platform ensemble (run by the gateway); ``"sequence"`` for ONNX and
+    TorchScript models with ``sequence_batching``; else ``"onnx"``, ``"torchscript"`` or
+    ``"tensorrt"`` by backend. The python backend (and TensorRT with sequence batching) → None.
+    """
+    if config.platform == ENSEMBLE_PLATFORM:
+        return "ensemble"
+    backend = _backend(config)
+    if config.HasField("sequence_batching"):
+        return "sequence" if backend in _SEQUENCE_BACKENDS else None
+    return _KIND_BY_BACKEND.get(backend)
+
+
+def model_file(entry_or_dir: ModelEntry | str | Path, config: mc.ModelConfig, version: int) -> Path:
+    """``<model dir>/<version>/<default_model_filename>``, or the backend's default file name
+    (model.onnx, model.pt, model.plan, model.py). Raises ValueError for ensembles and models
+    whose backend has no known file name."""
+    base = entry_or_dir.path if isinstance(entry_or_dir, ModelEntry) else Path(entry_or_dir)
+    if config.platform == ENSEMBLE_PLATFORM:
+        raise ValueError(f"model '{config.name}': an ensemble has no model file")
+    filename = config.default_model_filename or DEFAULT_MODEL_FILENAMES.get(_backend(config), "")
+    if not filename:
+        raise ValueError(f"model '{config.name}': no model file name known for "
+                         f"platform '{config.platform}' backend '{config.backend}'")
+    return base / str(version) / filename
+
+
+def scan_model(model_dir: str | Path, *, override_json: str | None = None,
+               gpu_available: bool = False) -> ModelEntry:
+    """Build the entry of one model directory. Never raises for a broken model: what is wrong
+    ends up in ``problems``/``error``. ``override_json`` as in ``load_model_config``."""
+    model_dir = Path(model_dir)
+    entry = ModelEntry(name=model_dir.name, path=model_dir)
+    try:
+        entry.available_versions = available_versions(model_dir)
+        _fill(entry, override_json, gpu_available)
+    except ConfigError as e:
+        entry.problems.append(str(e))
+    except Exception as e:  # one unreadable model must not stop the scan
+        entry.problems.append(f"{model_dir}: model '{entry.name}': {type(e).__name__}: {e}")
+    entry.error = "; ".join(entry.problems) if entry.problems else None
+    return entry
+
+
+def _fill(entry: ModelEntry, override_json: str | None, gpu_available: bool) -> None:
+    config, source = prepare_config(entry.path, override_json=override_json, gpu_available=gpu_available)
+    invalid = config_errors(config, source, entry.name)
+    if invalid:  # report them all; a model with an invalid config gets no config
+        entry.problems.extend(map(str, invalid))
+        return
+    entry.config = config
+    entry.kind = service_kind(config)
+    config_path = entry.path / CONFIG_FILENAME
+    config_file = str(config_path if config_path.is_file() else entry.path)
+
+    def problem(fld: str, message: str, file: str | Path = config_file) -> str:
+        text = str(ConfigError(file, entry.name, fld, message))
+        entry.problems.append(text)
+        return text
+
+    if entry.kind is None:
+        backend = _backend(config) or config.platform
+        if config.HasField("sequence_batching") and backend not in _SEQUENCE_BACKENDS:
+            problem("sequence_batching", f"sequence batching is served for onnxruntime and pytorch "
+                    f"models only, not '{backend}'")
+        else:
+            problem("backend", f"'{backend}' is not served by meshserve "
+                    "(served: onnxruntime, pytorch, tensorrt, ensemble)")
+
+    try:
+        entry.versions = select_versions(config.version_policy, entry.available_versions)
+    except ConfigError as e:
+        entry.problems.append(str(e.located(config_file, entry.name)))
+        return
+    if not entry.versions:
+        shown = ", ".join(map(str, entry.available_versions)) or "none"
+        problem("version_policy", f"selects no version (version directories: {shown}); "
+                "at least one version must be available")
+        return
+
+    if config.platform == ENSEMBLE_PLATFORM or entry.kind is None:
+        return  # ensembles need only an (empty) version directory
+    for version in entry.versions:
+        path = model_file(entry, config, version)
+        if not path.exists():
+            entry.version_errors[version] = problem("", f"version {version}: model file not found", path)
+
+
+def scan(repo: str | Path, gpu_available: bool = False) -> list[ModelEntry]:
+    """Every model directory of a repository, sorted by name.
+
+    Files and hidden directories are ignored. A broken model becomes an entry with ``error``
+    set; only a missing repository raises (FileNotFoundError / NotADirectoryError naming it).
+    """
+    repo = Path(repo)
+    if not repo.exists():
+        raise FileNotFoundError(f"model repository '{repo}' does not exist")
+    if not repo.is_dir():
+        raise NotADirectoryError(f"model repository '{repo}' is not a directory")
+    model_dirs = sorted((p for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                        key=lambda p: p.name)
+    return [scan_model(d, gpu_available=gpu_available) for d in model_dirs]
