@@ -10,10 +10,13 @@ from typing import TypeVar
 import grpc
 
 from gateway.routing.table import pick
+from gateway.upstream.coalesce import Coalescer, ModelShape, merge_key
 from gateway.upstream.discovery import Discovery
 from gateway.upstream.replica import Replica
+from gateway.upstream.stream import NotSent
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol.errors import InferError, model_not_found
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol.errors import Code, InferError, model_not_found
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.telemetry import metrics
 
@@ -36,13 +39,17 @@ GATEWAY_FAMILIES = {
 
 
 class GatewayCore:
-    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0):
+    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2):
         if not upstreams:
             raise ValueError("the gateway needs at least one --upstream")
         self.replicas = [Replica(u) for u in upstreams]
         self.discovery = Discovery(self.replicas, discovery_interval_s)
         self._draining = False
         self.request_counts: Counter[tuple[str, str]] = Counter()
+        # Merged requests in flight per model and healthy replica (0 disables coalescing).
+        self.coalesce_inflight = coalesce_inflight
+        self.coalescer = Coalescer(self._send, self._max_inflight)
+        self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
 
     async def start(self) -> None:
         await self.discovery.refresh()
@@ -69,17 +76,23 @@ class GatewayCore:
             replica.outstanding += 1
             try:
                 return await fn(replica)
-            except grpc.aio.AioRpcError as exc:
-                replica.errors += 1
-                code = exc.code()
-                # Retry elsewhere only if the call never reached a model: the channel could not
-                # connect (UNAVAILABLE while the channel is not READY).
-                if code == grpc.StatusCode.UNAVAILABLE and _not_connected(replica):
+            except (grpc.aio.AioRpcError, InferError, NotSent) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    err = InferError.from_grpc(exc.code(), exc.details(), hop=f"service {replica.endpoint}")
+                elif isinstance(exc, NotSent):
+                    err = InferError.unavailable(f"service {replica.endpoint}: stream unavailable")
+                else:
+                    err = exc
+                if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
+                    replica.errors += 1
+                # Retry elsewhere only if the request never reached a model: it was never
+                # written, or the channel could not connect at all.
+                if isinstance(exc, NotSent) or (err.code == Code.UNAVAILABLE and _not_connected(replica)):
                     self.discovery.mark_unhealthy(replica)
                     replicas.remove(replica)
                     if replicas:
                         continue
-                raise InferError.from_grpc(code, exc.details(), hop=f"service {replica.endpoint}") from None
+                raise err from None
             finally:
                 replica.outstanding -= 1
 
@@ -109,18 +122,46 @@ class GatewayCore:
         return await self._call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
 
+    async def _send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None
+                    ) -> pb.ModelInferResponse:
+        body = raw if raw is not None else request.SerializeToString()
+        return await self._call(request.model_name, request.model_version,
+                                lambda r: r.streams.infer(body, request.id, timeout))
+
+    def _max_inflight(self) -> int:
+        return self.coalesce_inflight * max(1, sum(1 for r in self.replicas if r.healthy))
+
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         name = request.model_name
-        raw = ctx.raw if ctx.raw is not None else request.SerializeToString()
         timeout = ctx.time_remaining()
         try:
-            body = await self._call(name, request.model_version,
-                                    lambda r: r.infer_raw(raw, timeout=timeout))
+            plan = self._merge_plan(request)
+            if plan is None:
+                response = await self._send(request, ctx.raw, timeout)
+            else:
+                key, rows, max_batch = plan
+                response = await self.coalescer.submit(key, request, ctx.raw, rows, max_batch, timeout)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             raise
         self.request_counts[(name, "OK")] += 1
-        return InferResult(raw=body)
+        return InferResult(message=response)
+
+    def _merge_plan(self, request: pb.ModelInferRequest) -> tuple[tuple, int, int] | None:
+        if not self.coalesce_inflight:
+            return None
+        config = self.discovery.config_for(request.model_name, request.model_version)
+        if config is None:
+            return None
+        shape = self._shapes.get(id(config))
+        if shape is None or shape[0] is not config:
+            shape = self._shapes[id(config)] = (config, ModelShape.of(config))
+        if shape[1] is None:
+            return None
+        found = merge_key(request, shape[1])
+        if found is None:
+            return None
+        return found[0], found[1], shape[1].max_batch_size
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         if name:

@@ -14,6 +14,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--upstream", action="append", default=[], metavar="HOST:PORT",
                     help="a service's gRPC endpoint (repeat for each service / replica)")
     ap.add_argument("--discovery-interval", type=float, default=2.0, metavar="SECONDS")
+    ap.add_argument("--coalesce-inflight", type=int, default=2, metavar="N",
+                    help="merge concurrently pending requests for a batchable model while N merged "
+                         "requests per replica are in flight (0 = never merge)")
     ap.add_argument("--log-level", default="INFO")
 
 
@@ -23,7 +26,7 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT")
 
     async def amain() -> None:
-        core = GatewayCore(args.upstream, args.discovery_interval)
+        core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight)
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port)
 

@@ -9,6 +9,7 @@ import grpc
 from gateway.routing.table import RoutingTable
 from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
 
 log = logging.getLogger("meshserve.gateway.discovery")
 
@@ -36,6 +37,7 @@ class Discovery:
         self.replicas = replicas
         self.interval_s = interval_s
         self.table: RoutingTable[Replica] = RoutingTable()
+        self.configs: dict[tuple[str, int], mc.ModelConfig] = {}
         self.first_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._refresh_lock = asyncio.Lock()
@@ -52,7 +54,33 @@ class Discovery:
                 for name, version in hosted or ():
                     entries.append((name, version, replica))
             self.table = RoutingTable(entries)
+            await self._fetch_configs(entries)
             self.first_done.set()
+
+    async def _fetch_configs(self, entries: list[tuple[str, int, Replica]]) -> None:
+        """Keep each served (model, version)'s config (the coalescer validates against it)."""
+        wanted: dict[tuple[str, int], Replica] = {}
+        for name, version, replica in entries:
+            wanted.setdefault((name, version), replica)
+        for key in [k for k in self.configs if k not in wanted]:
+            del self.configs[key]
+        missing = [(k, r) for k, r in wanted.items() if k not in self.configs]
+        results = await asyncio.gather(*(r.model_config(pb.ModelConfigRequest(name=k[0], version=str(k[1])),
+                                                        timeout=PROBE_TIMEOUT_S) for k, r in missing),
+                                       return_exceptions=True)
+        for (key, _), res in zip(missing, results, strict=True):
+            if isinstance(res, pb.ModelConfigResponse):
+                self.configs[key] = res.config
+
+    def config_for(self, name: str, version: str) -> mc.ModelConfig | None:
+        """Config of the version a request for (name, version) is routed to, if known."""
+        routes = self.table.models.get(name)
+        if routes is None:
+            return None
+        if version:
+            return self.configs.get((name, int(version))) if version.isdigit() else None
+        healthy = [v for v, rs in routes.versions.items() if any(r.healthy for r in rs)]
+        return self.configs.get((name, max(healthy))) if healthy else None
 
     def mark_unhealthy(self, replica: Replica) -> None:
         if replica.healthy:

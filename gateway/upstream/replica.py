@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import grpc
 
+from gateway.upstream.stream import StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -32,8 +33,8 @@ class Replica:
         self.endpoint = endpoint
         self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         ch = self.channel
-        # Infer travels as bytes: the gateway never re-serializes a request or a response.
-        self.infer_raw = ch.unary_unary(_SERVICE + "ModelInfer")
+        # Infer travels as request bytes over long-lived streams (see stream.py).
+        self.streams = StreamPool(ch, endpoint)
         self.server_ready = _typed(ch, "ServerReady", pb.ServerReadyRequest, pb.ServerReadyResponse)
         self.model_ready = _typed(ch, "ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse)
         self.model_metadata = _typed(ch, "ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse)
@@ -52,4 +53,5 @@ class Replica:
         return f"Replica({self.endpoint}, healthy={self.healthy}, outstanding={self.outstanding})"
 
     async def close(self) -> None:
+        await self.streams.close()
         await self.channel.close()

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.health import HealthState, health_handler
@@ -137,10 +138,11 @@ def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
             raise  # unreachable: abort raises
 
     async def model_stream_infer(requests: AsyncIterator[pb.ModelInferRequest],
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         # Requests on one stream run concurrently; responses are written as they complete
-        # (each carries its request id). Per-request errors travel in band.
-        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        # (each carries its request id). Per-request errors travel in band, with their status
+        # code in an infer_response parameter so a gateway can map them back to a status.
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         base = _context(context)
 
@@ -148,15 +150,17 @@ def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline)
                 result = await core.infer(request, ctx)
-                out.put_nowait(pb.ModelStreamInferResponse(infer_response=result.message()))
-            except InferError as exc:
-                out.put_nowait(pb.ModelStreamInferResponse(
+                out.put_nowait(wire.stream_response(result.serialized()))
+            except Exception as exc:
+                if not isinstance(exc, InferError):
+                    log.exception("internal error in a streamed request")
+                    exc = InferError.internal(f"internal error: {type(exc).__name__}: {exc}")
+                err = pb.ModelStreamInferResponse(
                     error_message=exc.message,
                     infer_response=pb.ModelInferResponse(
-                        id=request.id, model_name=request.model_name, model_version=request.model_version)))
-            except Exception as exc:
-                log.exception("internal error in a streamed request")
-                out.put_nowait(pb.ModelStreamInferResponse(error_message=f"internal error: {exc}"))
+                        id=request.id, model_name=request.model_name, model_version=request.model_version))
+                err.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param = exc.code.value
+                out.put_nowait(err.SerializeToString())
 
         async def reader() -> None:
             try:
@@ -194,8 +198,7 @@ def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
         "RepositoryModelUnload": _unary(model_unload, pb.RepositoryModelUnloadRequest),
         "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
         "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-            model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
-            response_serializer=lambda m: m.SerializeToString()),
+            model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString),
     }
     for name, req_type in (
         ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),

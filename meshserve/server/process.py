@@ -67,12 +67,19 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:
-    """Run the process's main coroutine on uvloop when available."""
-    try:
-        import uvloop
-        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        factory = None
+    """Run the process's main coroutine on uvloop (MESHSERVE_LOOP=asyncio for the stdlib loop)."""
+    import os
+
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if os.environ.get("MESHSERVE_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop
+            factory = uvloop.new_event_loop
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            factory = None
+    interval = os.environ.get("MESHSERVE_SWITCH_INTERVAL")
+    if interval:
+        sys.setswitchinterval(float(interval))
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main)
 

@@ -32,6 +32,7 @@ from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import QueuedRequest
 from services.base.stats import ModelStats
 
+MERGED_PARAMETER = "meshserve_merged_requests"  # set by the gateway's coalescer
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -83,6 +84,7 @@ class Pending:
     outputs: list[tuple[str, int]]  # (output name, classification k or 0)
     rows: int
     signature: tuple  # shapes of non-batch dims; only equal signatures share a batch
+    requests: int = 1  # client requests this one carries (a gateway may merge several)
 
 
 class ModelVersion:
@@ -195,7 +197,12 @@ class ModelVersion:
                         raise InferError.invalid(f"output '{o.name}': classification count must be >= 0")
                 outputs.append((o.name, k))
         rows = batch if mbs > 0 else 1
-        return Pending(request, inputs, outputs, rows, tuple(sig))
+        merged = 1
+        if MERGED_PARAMETER in request.parameters:
+            merged = _int_param(request.parameters[MERGED_PARAMETER])
+            if merged < 1 or merged > rows:
+                raise InferError.invalid(f"parameter '{MERGED_PARAMETER}' must be in 1..{rows}, got {merged}")
+        return Pending(request, inputs, outputs, rows, tuple(sig), merged)
 
     # ---- scheduling ------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None,
@@ -248,14 +255,14 @@ class ModelVersion:
                 err = out if isinstance(out, InferError) else InferError.internal(
                     f"model '{self.name}' version {self.version} failed to execute: {type(out).__name__}: {out}")
                 for q in group:
-                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND")
+                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                     if not q.future.done():
                         q.future.set_exception(err)
                 continue
             rows = sum(q.rows for q in group)
-            stats.record_batch(rows, len(group), t_in, t_infer, t_out)
+            stats.record_batch(rows, sum(q.payload.requests for q in group), t_in, t_infer, t_out)
             for q, body in zip(group, out, strict=True):
-                stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns)
+                stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
                 if not q.future.done():
                     q.future.set_result(body)
 

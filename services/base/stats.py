@@ -63,13 +63,13 @@ class ModelStats:
         b.compute_output.add(output_ns)
         self.last_inference_ms = int(time.time() * 1000)
 
-    def record_success(self, request_ns: int, queue_ns: int) -> None:
-        self.success.add(request_ns)
-        self.queue.add(queue_ns)
+    def record_success(self, request_ns: int, queue_ns: int, requests: int = 1) -> None:
+        self.success.add(request_ns * requests, requests)
+        self.queue.add(queue_ns * requests, requests)
 
-    def record_failure(self, request_ns: int, reason: str) -> None:
-        self.fail.add(request_ns)
-        self.fail_reasons[reason] = self.fail_reasons.get(reason, 0) + 1
+    def record_failure(self, request_ns: int, reason: str, requests: int = 1) -> None:
+        self.fail.add(request_ns * requests, requests)
+        self.fail_reasons[reason] = self.fail_reasons.get(reason, 0) + requests
 
     def to_pb(self) -> pb.ModelStatistics:
         return pb.ModelStatistics(

@@ -54,6 +54,15 @@ def session_options(config: mc.ModelConfig) -> ort.SessionOptions:
     pattern = _int_param(config, "enable_mem_pattern")
     if pattern is not None:
         so.enable_mem_pattern = bool(pattern)
+    # Any `session.*` / `memory.*` parameter is an onnxruntime session config entry (as in
+    # Triton's onnxruntime backend). meshserve turns intra-op spin-waiting off by default:
+    # spinning threads burn the cores the gateway and the other services share.
+    entries = {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
+    for key, param in config.parameters.items():
+        if key.startswith(("session.", "memory.")):
+            entries[key] = param.string_value
+    for key, value in entries.items():
+        so.add_session_config_entry(key, value)
     level = config.optimization.graph.level if config.HasField("optimization") else 0
     so.graph_optimization_level = _LEVELS.get(level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     return so

@@ -150,6 +150,7 @@ class DynamicBatcher:
         # The loop sleeps on a bare future; enqueue wakes it only once the queued rows reach
         # _wake_rows, so arrivals that cannot change the decision cost no wake-up.
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.Handle | None = None
         self._wake_rows = _NEVER
         self._closed_reason: str | None = None  # set once enqueue must refuse
         self._stopping = False
@@ -206,6 +207,9 @@ class DynamicBatcher:
         self._task = self._loop.create_task(self._run(), name=f"dynamic-batcher:{self.name}")
 
     def _wake(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -219,23 +223,32 @@ class DynamicBatcher:
         waiter = self._loop.create_future()
         self._waiter = waiter
         self._wake_rows = wake_rows
-        timer: asyncio.Handle | None = None
+        self._timer = None
         if until_ns is not None:
             remaining = until_ns - self._clock()
             if remaining > _TIMER_SLACK_NS:
-                timer = self._loop.call_later((remaining - _TIMER_SLACK_NS) / 1e9, self._wake)
+                self._timer = self._loop.call_later((remaining - _TIMER_SLACK_NS) / 1e9, self._tick, until_ns)
             else:
-                # Event-loop timers are millisecond-grained (epoll rounds up, libuv rounds
-                # down), so a 100 µs delay would become ~1 ms: yield once per loop pass
-                # instead for the last stretch. Other callbacks keep running meanwhile.
-                timer = self._loop.call_soon(self._wake)
+                self._tick(until_ns)
         try:
             await waiter
         finally:
             self._waiter = None
             self._wake_rows = _NEVER
-            if timer is not None:
-                timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _tick(self, until_ns: int) -> None:
+        # Event-loop timers are millisecond-grained (epoll rounds up, libuv rounds down), so
+        # a 100 µs delay would become ~1 ms: for the last stretch, re-check the clock once per
+        # loop pass. A pass costs one clock read; the full decision runs only when time is up.
+        assert self._loop is not None
+        if self._clock() >= until_ns:
+            self._timer = None
+            self._wake()
+        else:
+            self._timer = self._loop.call_soon(self._tick, until_ns)
 
     async def _run(self) -> None:
         try:

@@ -1,0 +1,229 @@
+"""Request coalescing on the gateway -> service hop.
+
+Under load, requests for the same batchable model that are pending at the same moment are
+merged into one v2 request (batch dimension concatenated, bytes only) and the response is
+split back by rows. The internal hop then carries fewer, larger messages: per-message gRPC
+cost, not compute, is what a Python hop pays most for (see load/README.md). No delay is
+added: a request waits only while `max_inflight` merged requests for its model are already
+on their way, which is exactly when the service could not start it any sooner.
+
+Only requests validated here against the model config are merged (names, datatypes,
+shapes, byte sizes, no parameters that change semantics), so a malformed request is sent
+alone and gets its own precise error; it never fails the requests it would have joined.
+The merged request carries `meshserve_merged_requests` so the service's statistics still
+count client requests.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import datatypes
+from meshserve.protocol.errors import InferError
+
+MERGED_PARAMETER = "meshserve_merged_requests"
+# Request parameters that do not change how a request is scheduled or computed.
+_NEUTRAL_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
+
+Key = tuple  # (model, version, inner shapes, requested outputs)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the merge check needs from a config, precomputed once per config."""
+
+    max_batch_size: int
+    inputs: dict[str, tuple[str, tuple[int, ...], int]]  # name -> (datatype, dims, element size)
+    outputs: frozenset[str]
+
+    @classmethod
+    def of(cls, config: mc.ModelConfig) -> ModelShape | None:
+        if config.max_batch_size <= 0 or config.WhichOneof("scheduling_choice") in (
+                "sequence_batching", "ensemble_scheduling"):
+            return None
+        inputs = {}
+        for t in config.input:
+            dt = datatypes.config_to_wire(t.data_type)
+            size = datatypes.element_size(dt)
+            if not size or t.optional or t.allow_ragged_batch:
+                return None
+            inputs[t.name] = (dt, tuple(t.dims), size)
+        for o in config.output:
+            if not datatypes.element_size(datatypes.config_to_wire(o.data_type)):
+                return None
+        return cls(config.max_batch_size, inputs, frozenset(o.name for o in config.output))
+
+
+def merge_key(request: pb.ModelInferRequest, shape: ModelShape) -> tuple[Key, int] | None:
+    """(group key, rows) if the request is valid and safe to merge, else None."""
+    if len(request.inputs) != len(shape.inputs) or len(request.raw_input_contents) != len(request.inputs):
+        return None
+    for k in request.parameters:
+        if k not in _NEUTRAL_PARAMETERS:
+            return None
+    batch = -1
+    inner_shapes = []
+    for t, raw in zip(request.inputs, request.raw_input_contents, strict=True):
+        spec = shape.inputs.get(t.name)
+        if spec is None or t.datatype != spec[0] or t.parameters:
+            return None
+        dims = spec[1]
+        s = t.shape
+        if len(s) != len(dims) + 1:
+            return None
+        b = s[0]
+        if b < 1 or b > shape.max_batch_size or (batch != -1 and b != batch):
+            return None
+        batch = b
+        count = b
+        for got, want in zip(s[1:], dims, strict=True):
+            if got < 0 or (want != -1 and got != want):
+                return None
+            count *= got
+        if len(raw) != count * spec[2]:
+            return None
+        inner_shapes.append((t.name, tuple(s[1:])))
+    outputs = []
+    for o in request.outputs:
+        if o.name not in shape.outputs or o.parameters:
+            return None
+        outputs.append(o.name)
+    if len(set(outputs)) != len(outputs):
+        return None
+    key = (request.model_name, request.model_version, tuple(sorted(inner_shapes)), tuple(sorted(outputs)))
+    return key, batch
+
+
+def merge(requests: list[pb.ModelInferRequest], rows: list[int]) -> pb.ModelInferRequest:
+    """One request whose batch is the concatenation of `requests` (same key)."""
+    first = requests[0]
+    total = sum(rows)
+    merged = pb.ModelInferRequest(model_name=first.model_name, model_version=first.model_version)
+    merged.parameters[MERGED_PARAMETER].int64_param = len(requests)
+    order = [t.name for t in first.inputs]
+    for i, name in enumerate(order):
+        t = first.inputs[i]
+        merged.inputs.add(name=name, datatype=t.datatype, shape=[total, *t.shape[1:]])
+        parts = []
+        for r in requests:
+            idx = i if r.inputs[i].name == name else next(j for j, x in enumerate(r.inputs) if x.name == name)
+            parts.append(r.raw_input_contents[idx])
+        merged.raw_input_contents.append(b"".join(parts))
+    for o in first.outputs:
+        merged.outputs.add(name=o.name)
+    return merged
+
+
+def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int]
+          ) -> list[pb.ModelInferResponse]:
+    """Cut a merged response back into one response per original request."""
+    total = sum(rows)
+    raws = response.raw_output_contents
+    if len(raws) != len(response.outputs):
+        raise InferError.internal(f"model '{response.model_name}': merged response lacks raw output contents")
+    per_row = []
+    for o, raw in zip(response.outputs, raws, strict=True):
+        if not o.shape or o.shape[0] != total or len(raw) % total:
+            raise InferError.internal(
+                f"model '{response.model_name}': output '{o.name}' of shape {list(o.shape)} cannot be split "
+                f"into {len(requests)} requests of {rows} rows")
+        per_row.append(len(raw) // total)
+    out = []
+    start = 0
+    for req, n in zip(requests, rows, strict=True):
+        resp = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version,
+                                     id=req.id)
+        for o, raw, size in zip(response.outputs, raws, per_row, strict=True):
+            resp.outputs.add(name=o.name, datatype=o.datatype, shape=[n, *o.shape[1:]])
+            resp.raw_output_contents.append(raw[start * size:(start + n) * size])
+        out.append(resp)
+        start += n
+    return out
+
+
+@dataclass
+class _Group:
+    pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None]] = \
+        field(default_factory=deque)
+    inflight: int = 0
+    scheduled: bool = False
+
+
+# send(request, its serialized bytes if already known, timeout) -> response
+Send = Callable[[pb.ModelInferRequest, bytes | None, float | None], Awaitable[pb.ModelInferResponse]]
+
+
+class Coalescer:
+    """Merges concurrently pending requests per key; at most `max_inflight` sends per key."""
+
+    def __init__(self, send: Send, max_inflight: Callable[[], int]):
+        self._send_fn = send
+        self._max_inflight = max_inflight
+        self._groups: dict[Key, _Group] = {}
+        self.merged_sends = 0
+        self.merged_requests = 0
+
+    async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
+                     max_batch: int, timeout: float | None) -> pb.ModelInferResponse:
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group()
+        if group.inflight < self._max_inflight() and not group.pending:
+            # Fast path: nothing to merge with and a free slot: send it now, alone.
+            group.inflight += 1
+            try:
+                return await self._send_fn(request, raw, timeout)
+            finally:
+                group.inflight -= 1
+                self._drain(key, group, max_batch)
+        fut: asyncio.Future[pb.ModelInferResponse] = asyncio.get_running_loop().create_future()
+        group.pending.append((request, rows, fut, timeout))  # raw is dropped: a merge rebuilds
+        self._drain(key, group, max_batch)
+        return await fut
+
+    def _drain(self, key: Key, group: _Group, max_batch: int) -> None:
+        while group.pending and group.inflight < self._max_inflight():
+            chunk = []
+            total = 0
+            while group.pending and total + group.pending[0][1] <= max_batch:
+                item = group.pending.popleft()
+                if item[2].done():  # the client went away
+                    continue
+                chunk.append(item)
+                total += item[1]
+            if not chunk:
+                continue
+            group.inflight += 1
+            asyncio.ensure_future(self._send_chunk(key, group, chunk, max_batch))
+        if not group.pending and not group.inflight:
+            self._groups.pop(key, None)
+
+    async def _send_chunk(self, key: Key, group: _Group, chunk: list, max_batch: int) -> None:
+        try:
+            requests = [c[0] for c in chunk]
+            rows = [c[1] for c in chunk]
+            timeouts = [c[3] for c in chunk if c[3] is not None]
+            timeout = min(timeouts) if timeouts else None
+            try:
+                if len(chunk) == 1:
+                    responses = [await self._send_fn(requests[0], None, timeout)]
+                else:
+                    self.merged_sends += 1
+                    self.merged_requests += len(chunk)
+                    merged = merge(requests, rows)
+                    responses = split(await self._send_fn(merged, None, timeout), requests, rows)
+            except BaseException as exc:  # noqa: BLE001 - every member gets the outcome
+                for _, _, fut, _ in chunk:
+                    if not fut.done():
+                        fut.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
+                return
+            for (_, _, fut, _), resp in zip(chunk, responses, strict=True):
+                if not fut.done():
+                    fut.set_result(resp)
+        finally:
+            group.inflight -= 1
+            self._drain(key, group, max_batch)

@@ -1,0 +1,33 @@
+"""Small protobuf wire-format helpers for byte-level passthrough (no message parse)."""
+from __future__ import annotations
+
+# Field numbers from grpc_service.proto.
+INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
+STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
+ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def length_delimited(tag: bytes, payload: bytes) -> bytes:
+    return tag + varint(len(payload)) + payload
+
+
+def with_request_id(raw_request: bytes, request_id: str) -> bytes:
+    """A serialized ModelInferRequest with `id` replaced: a singular field's last occurrence wins."""
+    return raw_request + length_delimited(INFER_REQUEST_ID_TAG, request_id.encode())
+
+
+def stream_response(raw_infer_response: bytes) -> bytes:
+    """Serialize ModelStreamInferResponse{infer_response} around already-serialized bytes."""
+    return length_delimited(STREAM_RESPONSE_INFER_TAG, raw_infer_response)

@@ -1,0 +1,134 @@
+"""Gateway request coalescing: merge/split are exact, and only valid requests ever merge."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from gateway.upstream.coalesce import MERGED_PARAMETER, Coalescer, ModelShape, merge, merge_key, split
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+
+CONFIG = text_format.Parse("""
+name: "add_sub" max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { }
+""", mc.ModelConfig())
+SHAPE = ModelShape.of(CONFIG)
+
+
+def request(a: np.ndarray, b: np.ndarray, rid: str = "", order: tuple[str, str] = ("INPUT0", "INPUT1")
+            ) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="add_sub", id=rid)
+    data = {"INPUT0": a, "INPUT1": b}
+    for name in order:
+        r.inputs.add(name=name, datatype="FP32", shape=list(data[name].shape))
+        r.raw_input_contents.append(data[name].astype(np.float32).tobytes())
+    return r
+
+
+def fake_service(req: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    arrays = {t.name: np.frombuffer(raw, np.float32).reshape(t.shape)
+              for t, raw in zip(req.inputs, req.raw_input_contents, strict=True)}
+    a, b = arrays["INPUT0"], arrays["INPUT1"]
+    resp = pb.ModelInferResponse(model_name=req.model_name, model_version="1", id=req.id)
+    for name, value in (("OUTPUT0", a + b), ("OUTPUT1", a - b)):
+        resp.outputs.add(name=name, datatype="FP32", shape=list(value.shape))
+        resp.raw_output_contents.append(value.tobytes())
+    return resp
+
+
+def test_merge_then_split_is_exact() -> None:
+    rng = np.random.default_rng(0)
+    reqs, rows = [], [1, 3, 2]
+    for i, n in enumerate(rows):
+        order = ("INPUT1", "INPUT0") if i == 1 else ("INPUT0", "INPUT1")  # input order may differ
+        reqs.append(request(rng.standard_normal((n, 16)), rng.standard_normal((n, 16)), f"id{i}", order))
+    merged = merge(reqs, rows)
+    assert merged.parameters[MERGED_PARAMETER].int64_param == 3
+    assert [list(t.shape) for t in merged.inputs] == [[6, 16], [6, 16]]
+    outs = split(fake_service(merged), reqs, rows)
+    for req, out in zip(reqs, outs, strict=True):
+        want = fake_service(req)
+        assert out.id == req.id
+        assert [list(o.shape) for o in out.outputs] == [list(o.shape) for o in want.outputs]
+        assert list(out.raw_output_contents) == list(want.raw_output_contents)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda r: r.inputs[1].__setattr__("datatype", "INT32"),         # wrong dtype
+    lambda r: r.inputs[1].shape.__setitem__(1, 8),                  # wrong shape
+    lambda r: r.raw_input_contents.__setitem__(1, b"\0" * 10),      # wrong byte size
+    lambda r: r.inputs[1].__setattr__("name", "BOGUS"),             # unknown input
+    lambda r: r.parameters["priority"].__setattr__("uint64_param", 1),  # semantics-changing parameter
+    lambda r: r.outputs.add(name="NOPE"),                           # unknown output
+    lambda r: r.outputs.add(name="OUTPUT0").parameters["classification"].__setattr__("int64_param", 2),
+])
+def test_anything_unusual_is_never_merged(mutate) -> None:  # noqa: ANN001
+    r = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    assert merge_key(r, SHAPE) is not None
+    mutate(r)
+    assert merge_key(r, SHAPE) is None
+
+
+def test_batch_over_max_and_unbatchable_models() -> None:
+    assert merge_key(request(np.zeros((9, 16)), np.zeros((9, 16))), SHAPE) is None
+    nobatch = mc.ModelConfig()
+    nobatch.CopyFrom(CONFIG)
+    nobatch.max_batch_size = 0
+    assert ModelShape.of(nobatch) is None
+    strings = mc.ModelConfig()
+    strings.CopyFrom(CONFIG)
+    strings.input[0].data_type = mc.TYPE_STRING
+    assert ModelShape.of(strings) is None
+
+
+async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
+    sent: list[int] = []
+    gate = asyncio.Event()
+
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
+        sent.append(req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1)
+        await gate.wait()
+        return fake_service(req)
+
+    c = Coalescer(send, lambda: 1)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
+
+    async def one(r: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        key, rows = merge_key(r, SHAPE)
+        return await c.submit(key, r, None, rows, 8, None)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+    await asyncio.sleep(0.01)
+    assert sent == [1]  # the first goes alone; the rest wait for the one slot
+    gate.set()
+    outs = await asyncio.gather(*tasks)
+    assert sent == [1, 5]  # then the five pending ones travel as one merged request
+    for i, out in enumerate(outs):
+        assert out.id == f"r{i}"
+        np.testing.assert_array_equal(np.frombuffer(out.raw_output_contents[0], np.float32), np.full(16, i + 1.0))
+
+
+async def test_a_failing_merged_send_fails_only_its_members() -> None:
+    calls = 0
+
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+        if MERGED_PARAMETER in req.parameters:
+            raise RuntimeError("backend failed")
+        return fake_service(req)
+
+    c = Coalescer(send, lambda: 1)
+    reqs = [request(np.zeros((1, 16)), np.zeros((1, 16)), f"r{i}") for i in range(3)]
+    results = await asyncio.gather(*(c.submit(merge_key(r, SHAPE)[0], r, None, 1, 8, None) for r in reqs),
+                                   return_exceptions=True)
+    assert not isinstance(results[0], Exception)
+    assert all(isinstance(r, RuntimeError) for r in results[1:])
+    # the coalescer keeps serving afterwards
+    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, 8, None)).id == "r0"
