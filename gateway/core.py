@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import grpc
@@ -164,9 +164,10 @@ class GatewayCore:
         return found[0], found[1], shape[1].max_batch_size
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        replicas: Iterable[Replica]
         if name:
             routes = await self._routes(name)
-            replicas = {id(r): r for rs in routes.versions.values() for r in rs}.values()
+            replicas = list({id(r): r for rs in routes.versions.values() for r in rs}.values())
         else:
             replicas = [r for r in self.replicas if r.healthy]
         req = pb.ModelStatisticsRequest(name=name, version=version)

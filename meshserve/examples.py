@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,7 @@ IR_VERSION = 8
 MLP_DIMS = (512, 2048, 2048, 512)
 
 
-def _save(model: object, path: Path) -> None:
+def _save(model: Any, path: Path) -> None:
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)

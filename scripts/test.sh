@@ -16,4 +16,7 @@ fi
 echo "test.sh: pip install -e .[dev]"
 python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
 python3 protos/generate.py --check >/dev/null
+echo "test.sh: ruff + mypy"
+python3 -m ruff check . --quiet
+python3 -m mypy
 exec python3 -m pytest "$@"

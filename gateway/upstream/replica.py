@@ -1,6 +1,8 @@
 """One upstream service replica: a gRPC channel with raw-bytes infer and typed control calls."""
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from gateway.upstream.stream import StreamPool
@@ -21,7 +23,7 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def _typed(channel: grpc.aio.Channel, method: str, req_type: type, resp_type: type) -> grpc.aio.UnaryUnaryMultiCallable:
+def _typed(channel: grpc.aio.Channel, method: str, req_type: Any, resp_type: Any) -> grpc.aio.UnaryUnaryMultiCallable:
     return channel.unary_unary(_SERVICE + method, request_serializer=req_type.SerializeToString,
                                response_deserializer=resp_type.FromString)
 

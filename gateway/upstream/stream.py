@@ -112,7 +112,7 @@ class StreamPool:
         fut = stream.send(raw_request)
         try:
             msg = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stream.forget(fut)
             raise InferError(Code.DEADLINE_EXCEEDED,
                              f"deadline exceeded waiting for service {self.endpoint}") from None

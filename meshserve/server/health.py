@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -17,16 +18,16 @@ class HealthState:
     """Serving status per service name ("" = the whole server), with change notification."""
 
     def __init__(self) -> None:
-        self._status: dict[str, int] = {"": NOT_SERVING}
+        self._status: dict[str, Any] = {"": NOT_SERVING}
         self._changed = asyncio.Event()
 
-    def set(self, service: str, status: int) -> None:
+    def set(self, service: str, status: Any) -> None:
         if self._status.get(service) != status:
             self._status[service] = status
             self._changed.set()
             self._changed = asyncio.Event()
 
-    def get(self, service: str) -> int:
+    def get(self, service: str) -> Any:
         return self._status.get(service, SERVICE_UNKNOWN)
 
     async def wait_change(self) -> None:

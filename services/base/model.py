@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -209,7 +210,7 @@ class ModelVersion:
                     priority: int = 0) -> bytes:
         pending = self.prepare(request)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bytes] = loop.create_future()
+        fut: asyncio.Future[object] = loop.create_future()
         queued = QueuedRequest(rows=pending.rows, arrival_ns=time.monotonic_ns(), priority=priority,
                                deadline_ns=deadline_ns, payload=pending, future=fut)
         self.stats.pending += 1
@@ -221,7 +222,7 @@ class ModelVersion:
             except UnavailableError as exc:
                 raise InferError.unavailable(str(exc)) from None
             try:
-                return await fut
+                return cast(bytes, await fut)
             except DeadlineExceededError as exc:
                 self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
                 raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
@@ -240,6 +241,7 @@ class ModelVersion:
         try:
             groups = _group_by_signature(batch)
             results: list[tuple[list[QueuedRequest], list[bytes] | BaseException, tuple[int, int, int]]] = []
+            out: list[bytes] | BaseException
             for group in groups:
                 try:
                     out, timing = await loop.run_in_executor(self._pool, self._run_group, instance, group)
@@ -255,14 +257,14 @@ class ModelVersion:
                 err = out if isinstance(out, InferError) else InferError.internal(
                     f"model '{self.name}' version {self.version} failed to execute: {type(out).__name__}: {out}")
                 for q in group:
-                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
+                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", cast(Pending, q.payload).requests)
                     if not q.future.done():
                         q.future.set_exception(err)
                 continue
             rows = sum(q.rows for q in group)
-            stats.record_batch(rows, sum(q.payload.requests for q in group), t_in, t_infer, t_out)
+            stats.record_batch(rows, sum(cast(Pending, q.payload).requests for q in group), t_in, t_infer, t_out)
             for q, body in zip(group, out, strict=True):
-                stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
+                stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, cast(Pending, q.payload).requests)
                 if not q.future.done():
                     q.future.set_result(body)
 
