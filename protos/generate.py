@@ -57,8 +57,8 @@ def _rewrite(text: str, src: str) -> str:
 
 
 def generate(out: Path) -> dict[str, str]:
-    from grpc_tools import protoc  # build-time dependency ([dev] extra)
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency ([dev] extra)
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
