@@ -11,6 +11,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="also serve Prometheus /metrics on this port (always on the HTTP port too)")
     ap.add_argument("--upstream", action="append", default=[], metavar="HOST:PORT",
                     help="a service's gRPC endpoint (repeat for each service / replica)")
     ap.add_argument("--discovery-interval", type=float, default=2.0, metavar="SECONDS")
@@ -28,6 +30,7 @@ def main(args: argparse.Namespace) -> None:
     async def amain() -> None:
         core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight)
         await core.start()
-        await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port)
+        await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                    metrics_port=args.metrics_port)
 
     run(amain())

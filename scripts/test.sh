@@ -11,7 +11,7 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -qq "${need[@]}" >/dev/null 2>&1 \
     || { apt-get update -qq >/dev/null && apt-get install -y -qq "${need[@]}" >/dev/null; }
 fi
-[ -x scripts/ci-deps-deploy.sh ] && scripts/ci-deps-deploy.sh
+PYTHON=python3 bash scripts/ci-deps-deploy.sh   # docker-compose, kubectl, promtool, envoy, …
 
 echo "test.sh: pip install -e .[dev]"
 python3 -m pip install -q --disable-pip-version-check -e ".[dev]"

@@ -180,10 +180,24 @@ class HttpFrontend:
         raise InferError.not_found(f"no route for {request.method} {request.path}")
 
 
+async def start_metrics_server(core: V2Core, host: str, port: int) -> tuple[web.BaseRunner, int]:
+    """A /metrics-only endpoint (Triton's :8002 equivalent)."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path.rstrip("/") != "/metrics":
+            return web.Response(status=404, text="only /metrics is served on this port")
+        body, ctype = core.metrics_text()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    return await _start(web.Server(handle, access_log=None), host, port)
+
+
 async def start_http_server(core: V2Core, host: str, port: int) -> tuple[web.BaseRunner, int]:
     """Start the REST server on the running loop; returns (runner, bound port)."""
-    frontend = HttpFrontend(core)
-    server = web.Server(frontend.handle, access_log=None)
+    return await _start(web.Server(HttpFrontend(core).handle, access_log=None), host, port)
+
+
+async def _start(server: web.Server, host: str, port: int) -> tuple[web.BaseRunner, int]:
     runner = web.ServerRunner(server, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)

