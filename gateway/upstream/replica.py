@@ -7,10 +7,10 @@ import grpc
 
 from gateway.upstream.stream import StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.server.grpc_frontend import MAX_MESSAGE_BYTES
 
 _SERVICE = "/inference.GRPCInferenceService/"
-MAX_MESSAGE_BYTES = 2**31 - 1
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [  # same message size limit as every server hop
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),

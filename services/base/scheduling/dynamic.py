@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from . import timer
 from .errors import (
     DeadlineExceededError,
     InternalBatchError,
@@ -151,6 +152,7 @@ class DynamicBatcher:
         # _wake_rows, so arrivals that cannot change the decision cost no wake-up.
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.Handle | None = None
+        self._precise: timer.PreciseTimer | None = None
         self._wake_rows = _NEVER
         self._closed_reason: str | None = None  # set once enqueue must refuse
         self._stopping = False
@@ -199,17 +201,26 @@ class DynamicBatcher:
             await asyncio.wait([self._task])
         while self._batches:
             await asyncio.wait(list(self._batches))
+        if self._precise is not None:
+            precise, self._precise = self._precise, None
+            precise.close()
 
     # -- loop ------------------------------------------------------------------------------
 
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # The real clock gets a timerfd (µs precision, no spinning); an injected clock (tests)
+        # or a platform without timerfd falls back to loop timers + per-pass clock checks.
+        if self._clock is time.monotonic_ns and timer.available():
+            self._precise = timer.PreciseTimer(self._loop, self._wake)
         self._task = self._loop.create_task(self._run(), name=f"dynamic-batcher:{self.name}")
 
     def _wake(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._precise is not None:
+            self._precise.disarm()
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -224,7 +235,9 @@ class DynamicBatcher:
         self._waiter = waiter
         self._wake_rows = wake_rows
         self._timer = None
-        if until_ns is not None:
+        if until_ns is not None and self._precise is not None:
+            self._precise.arm(until_ns)
+        elif until_ns is not None:
             remaining = until_ns - self._clock()
             if remaining > _TIMER_SLACK_NS:
                 self._timer = self._loop.call_later((remaining - _TIMER_SLACK_NS) / 1e9, self._tick, until_ns)
@@ -238,6 +251,8 @@ class DynamicBatcher:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
+            if self._precise is not None:
+                self._precise.disarm()
 
     def _tick(self, until_ns: int) -> None:
         # Event-loop timers are millisecond-grained (epoll rounds up, libuv rounds down), so
