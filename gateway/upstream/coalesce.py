@@ -42,8 +42,16 @@ class ModelShape:
 
     @classmethod
     def of(cls, config: mc.ModelConfig) -> ModelShape | None:
-        if config.max_batch_size <= 0 or config.WhichOneof("scheduling_choice") in (
-                "sequence_batching", "ensemble_scheduling"):
+        """None when merging could change what the model's own scheduler does: no dynamic
+        batching (Triton runs each request alone), nothing to merge (max_batch_size < 2), or
+        priorities / queue limits / queue timeouts (the service's queue must see every request)."""
+        if config.max_batch_size < 2 or config.WhichOneof("scheduling_choice") != "dynamic_batching":
+            return None
+        dyn = config.dynamic_batching
+        if dyn.priority_levels or dyn.priority_queue_policy:
+            return None
+        if dyn.HasField("default_queue_policy") and (
+                dyn.default_queue_policy.max_queue_size or dyn.default_queue_policy.default_timeout_microseconds):
             return None
         inputs = {}
         for t in config.input:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import Code, InferError
+from meshserve.telemetry import tracing
+from services.base import batch_trace
 from services.base.runtime import RuntimeInstance
 from services.base.scheduling.dynamic import DynamicBatcher
 from services.base.scheduling.errors import (
@@ -86,6 +88,7 @@ class Pending:
     rows: int
     signature: tuple  # shapes of non-batch dims; only equal signatures share a batch
     requests: int = 1  # client requests this one carries (a gateway may merge several)
+    span: Any = None  # the request's sampled span (tracing on), for queue/batch spans
 
 
 class ModelVersion:
@@ -208,16 +211,25 @@ class ModelVersion:
     # ---- scheduling ------------------------------------------------------------------
     async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None,
                     priority: int = 0) -> bytes:
-        pending = self.prepare(request)
+        try:
+            pending = self.prepare(request)
+        except InferError:
+            self.stats.record_failure(0, "OTHER")  # invalid request (counted in stats and /metrics)
+            raise
+        if tracing.enabled:
+            pending.span = tracing.current_span()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
-        queued = QueuedRequest(rows=pending.rows, arrival_ns=time.monotonic_ns(), priority=priority,
-                               deadline_ns=deadline_ns, payload=pending, future=fut)
+        arrival = time.monotonic_ns()
+        level, deadline_ns, delay_at = self._schedule_policy(request, arrival, deadline_ns, priority)
+        queued = QueuedRequest(rows=pending.rows, arrival_ns=arrival, priority=level,
+                               deadline_ns=deadline_ns, delay_at_ns=delay_at, payload=pending, future=fut)
         self.stats.pending += 1
         try:
             try:
                 self.batcher.enqueue(queued)
             except QueueFullError as exc:
+                self.stats.record_failure(0, "REJECTED")
                 raise InferError.exhausted(str(exc)) from None
             except UnavailableError as exc:
                 raise InferError.unavailable(str(exc)) from None
@@ -232,6 +244,37 @@ class ModelVersion:
                 raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
         finally:
             self.stats.pending -= 1
+
+    def _schedule_policy(self, request: pb.ModelInferRequest, arrival: int, deadline_ns: int | None,
+                         priority: int) -> tuple[int, int | None, int | None]:
+        """(queue level, REJECT deadline, DELAY time) from Triton's schedule-policy extension:
+        request parameters `priority` (1 = highest, 0 = default) and `timeout` (µs), the
+        model's priority levels and queue policies, and the transport deadline (gRPC)."""
+        params = request.parameters
+        if "priority" in params:
+            priority = _int_param(params["priority"])
+        policy = self.policy
+        try:
+            level = policy.level_for(priority)
+        except ValueError as exc:
+            raise InferError.invalid(f"model '{self.name}': {exc}") from None
+        qp = policy.queue_policy(level)
+        timeout_ns = qp.default_timeout_ns
+        if "timeout" in params:
+            requested = _int_param(params["timeout"])
+            if requested < 0:
+                raise InferError.invalid(f"model '{self.name}': timeout must be >= 0 µs, got {requested}")
+            # Triton: a request's timeout replaces the default when the policy allows it, or
+            # when the model sets no default timeout at all.
+            if requested and (qp.allow_timeout_override or not qp.default_timeout_ns):
+                timeout_ns = requested * 1000
+        delay_at = None
+        if timeout_ns:
+            if qp.delay_on_timeout:
+                delay_at = arrival + timeout_ns
+            else:
+                deadline_ns = arrival + timeout_ns if deadline_ns is None else min(deadline_ns, arrival + timeout_ns)
+        return level, deadline_ns, delay_at
 
     async def _execute(self, batch: list[QueuedRequest]) -> None:
         """Run one batch on a free instance (worker thread); resolve every member future."""
@@ -251,6 +294,9 @@ class ModelVersion:
         finally:
             self._free.append(instance)
         end_ns = time.monotonic_ns()
+        if tracing.enabled:
+            batch_trace.record(self.name, self.version_str, self._instances.index(instance), batch, results,
+                               start_ns, end_ns)
         stats = self.stats
         for group, out, (t_in, t_infer, t_out) in results:
             if isinstance(out, BaseException):

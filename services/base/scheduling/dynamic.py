@@ -12,7 +12,7 @@ import sys
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from . import timer
@@ -113,6 +113,53 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
     return Wait(oldest_arrival_ns + delay)
 
 
+class LevelQueue:
+    """FIFO queues per priority level (index 0 = level 1, the highest) plus a tail of
+    requests whose DELAY timeout passed. ``popleft`` serves the highest non-empty level
+    first, so a batch fills with high-priority requests before lower ones join it."""
+
+    __slots__ = ("_levels", "_delayed", "_len")
+
+    def __init__(self, levels: int = 1):
+        self._levels: list[deque[QueuedRequest]] = [deque() for _ in range(max(1, levels))]
+        self._delayed: deque[QueuedRequest] = deque()
+        self._len = 0
+
+    def _queue_of(self, req: QueuedRequest) -> deque[QueuedRequest]:
+        if req.delayed:
+            return self._delayed
+        return self._levels[max(req.priority, 1) - 1]
+
+    def append(self, req: QueuedRequest) -> None:
+        self._queue_of(req).append(req)
+        self._len += 1
+
+    def popleft(self) -> QueuedRequest:
+        for q in self._levels:
+            if q:
+                self._len -= 1
+                return q.popleft()
+        if self._delayed:
+            self._len -= 1
+            return self._delayed.popleft()
+        raise IndexError("pop from an empty LevelQueue")
+
+    def extendleft(self, reqs: Iterable[QueuedRequest]) -> None:
+        """Push requests back to the front of their own queues (pass them in reverse order)."""
+        for req in reqs:
+            self._queue_of(req).appendleft(req)
+            self._len += 1
+
+    def level_len(self, level: int) -> int:
+        return len(self._levels[max(level, 1) - 1])
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+
 class DynamicBatcher:
     """Queue requests for one model and run them in batches on ``instance_count`` instances.
 
@@ -141,7 +188,7 @@ class DynamicBatcher:
         self._clock = clock
         self.instance_count = instance_count
         self._free_slots = instance_count
-        self._queue: deque[QueuedRequest] = deque()
+        self._queue = LevelQueue(policy.levels)
         self._queued_rows = 0  # rows of everything in _queue, cancelled entries included
         self._executing = 0  # requests in batches that are running
         self._batches: set[asyncio.Task[None]] = set()
@@ -167,9 +214,15 @@ class DynamicBatcher:
         """
         if self._closed_reason is not None:
             raise UnavailableError(self._closed_reason)
-        limit = self.policy.max_queue_size
-        if limit and len(self._queue) >= limit:
-            raise QueueFullError(self.name, limit)
+        policy = self.policy
+        if policy.priority_levels:
+            limit = policy.queue_policy(req.priority).max_queue_size
+            if limit and self._queue.level_len(req.priority) >= limit:
+                raise QueueFullError(self.name, limit)
+        else:
+            limit = policy.max_queue_size
+            if limit and len(self._queue) >= limit:
+                raise QueueFullError(self.name, limit)
         if req.rows < 1:
             raise ValueError(f"model '{self.name}': a request needs at least 1 row, got {req.rows}")
         if self._task is None:
@@ -310,6 +363,11 @@ class DynamicBatcher:
                 fut = req.future
                 if fut.done():
                     self._queued_rows -= req.rows
+                    continue
+                delay_at = req.delay_at_ns
+                if delay_at is not None and delay_at <= now and not req.delayed:
+                    req.delayed = True  # DELAY policy: behind everything that has not timed out
+                    queue.append(req)
                     continue
                 deadline = req.deadline_ns
                 if deadline is not None:

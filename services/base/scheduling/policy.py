@@ -7,6 +7,30 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    """Triton's ``ModelQueuePolicy`` for one priority level.
+
+    ``default_timeout_ns`` (0 = none) bounds the time a request may wait in the queue; when
+    it passes, ``delay_on_timeout`` False (REJECT) fails the request, True (DELAY) moves it
+    behind every request that has not timed out. ``allow_timeout_override`` lets a request's
+    own ``timeout`` parameter replace the default. ``max_queue_size`` (0 = unbounded) counts
+    this level's queued requests.
+    """
+
+    max_queue_size: int = 0
+    default_timeout_ns: int = 0
+    delay_on_timeout: bool = False
+    allow_timeout_override: bool = False
+
+    @classmethod
+    def from_config(cls, policy: Any) -> QueuePolicy:
+        return cls(max_queue_size=int(policy.max_queue_size),
+                   default_timeout_ns=int(policy.default_timeout_microseconds) * 1000,
+                   delay_on_timeout=int(policy.timeout_action) == 1,  # ModelQueuePolicy.DELAY
+                   allow_timeout_override=bool(policy.allow_timeout_override))
+
+
+@dataclass(frozen=True, slots=True)
 class BatchingPolicy:
     """How a :class:`~services.base.scheduling.dynamic.DynamicBatcher` forms batches.
 
@@ -24,6 +48,11 @@ class BatchingPolicy:
     max_queue_delay_ns: int = 0
     max_queue_size: int = 0
     preserve_ordering: bool = False
+    # Priorities (Triton): levels 1..priority_levels, 1 is the highest; 0 levels = one queue.
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicy = field(default_factory=QueuePolicy)
+    priority_queue_policies: tuple[tuple[int, QueuePolicy], ...] = ()
     # Derived once so that the per-decision code does set lookups, not tuple scans.
     preferred_set: frozenset[int] = field(init=False, repr=False, compare=False)
     max_preferred: int = field(init=False, repr=False, compare=False)
@@ -43,10 +72,44 @@ class BatchingPolicy:
                 raise ValueError(
                     f"preferred_batch_size {size} must be between 1 and max_batch_size "
                     f"{self.max_batch_size}")
+        if self.priority_levels < 0:
+            raise ValueError(f"priority_levels must be >= 0, got {self.priority_levels}")
+        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError(f"default_priority_level {self.default_priority_level} must be between 1 and "
+                             f"priority_levels {self.priority_levels}")
+        for level, _ in self.priority_queue_policies:
+            if not 1 <= level <= max(1, self.priority_levels):
+                raise ValueError(f"priority_queue_policy level {level} is outside 1..{self.priority_levels}")
+        if self.max_queue_size and not self.default_queue_policy.max_queue_size:
+            object.__setattr__(self, "default_queue_policy", QueuePolicy(
+                self.max_queue_size, self.default_queue_policy.default_timeout_ns,
+                self.default_queue_policy.delay_on_timeout, self.default_queue_policy.allow_timeout_override))
         object.__setattr__(self, "preferred_batch_sizes", preferred)
         object.__setattr__(self, "preferred_set", frozenset(preferred))
         # Triton normalises an empty preferred list to [max_batch_size]; this is the same.
         object.__setattr__(self, "max_preferred", preferred[-1] if preferred else self.max_batch_size)
+
+    @property
+    def levels(self) -> int:
+        """Number of queues (priority levels; 1 when priorities are off)."""
+        return max(1, self.priority_levels)
+
+    def level_for(self, priority: int) -> int:
+        """Queue level (1-based) of a request's ``priority`` parameter (0 = the default)."""
+        if self.priority_levels == 0:
+            return 1
+        if priority == 0:
+            return self.default_priority_level
+        if not 1 <= priority <= self.priority_levels:
+            raise ValueError(f"priority {priority} is outside 1..{self.priority_levels} "
+                             "(1 is the highest; 0 means the model's default)")
+        return priority
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        for lvl, qp in self.priority_queue_policies:
+            if lvl == level:
+                return qp
+        return self.default_queue_policy
 
     @property
     def batching(self) -> bool:
@@ -67,11 +130,21 @@ class BatchingPolicy:
         if dynamic_batching is None:
             return cls()
         max_queue_size = 0
+        default_qp = QueuePolicy()
         if dynamic_batching.HasField("default_queue_policy"):
-            max_queue_size = int(dynamic_batching.default_queue_policy.max_queue_size)
+            default_qp = QueuePolicy.from_config(dynamic_batching.default_queue_policy)
+            max_queue_size = default_qp.max_queue_size
+        levels = int(dynamic_batching.priority_levels)
+        priorities: dict[str, Any] = dict(
+            priority_levels=levels,
+            default_priority_level=int(dynamic_batching.default_priority_level) or (levels and 1),
+            default_queue_policy=default_qp,
+            priority_queue_policies=tuple(sorted(
+                (int(k), QueuePolicy.from_config(v)) for k, v in dynamic_batching.priority_queue_policy.items())),
+        )
         preserve_ordering = bool(dynamic_batching.preserve_ordering)
         if max_batch_size == 0:
-            return cls(max_queue_size=max_queue_size, preserve_ordering=preserve_ordering)
+            return cls(max_queue_size=max_queue_size, preserve_ordering=preserve_ordering, **priorities)
         preferred: Iterable[int] = dynamic_batching.preferred_batch_size
         return cls(
             max_batch_size=max_batch_size,
@@ -79,4 +152,5 @@ class BatchingPolicy:
             max_queue_delay_ns=int(dynamic_batching.max_queue_delay_microseconds) * 1000,
             max_queue_size=max_queue_size,
             preserve_ordering=preserve_ordering,
+            **priorities,
         )

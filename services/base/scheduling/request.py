@@ -20,8 +20,10 @@ class QueuedRequest:
     arrival_ns: int
     payload: object
     future: asyncio.Future[object]
-    priority: int = 0
-    deadline_ns: int | None = None
+    priority: int = 0  # queue level, 1 = highest (0/1 when the model has no priorities)
+    deadline_ns: int | None = None  # fail with DeadlineExceededError once passed (REJECT)
+    delay_at_ns: int | None = None  # once passed, move behind all other requests (DELAY)
+    delayed: bool = False
 
     def done(self) -> bool:
         """True once the result, an error, or a cancellation is set."""

@@ -132,3 +132,23 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
     assert all(isinstance(r, RuntimeError) for r in results[1:])
     # the coalescer keeps serving afterwards
     assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, 8, None)).id == "r0"
+
+
+@pytest.mark.parametrize("extra", [
+    'priority_levels: 2 default_priority_level: 1',
+    'default_queue_policy { max_queue_size: 4 }',
+    'default_queue_policy { default_timeout_microseconds: 1000 }',
+    'priority_queue_policy { key: 1 value { max_queue_size: 1 } }',
+])
+def test_models_with_queue_policies_are_never_coalesced(extra: str) -> None:
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    text_format.Parse(extra, config.dynamic_batching)
+    assert ModelShape.of(config) is None
+
+
+def test_models_without_dynamic_batching_are_never_coalesced() -> None:
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    config.ClearField("dynamic_batching")
+    assert ModelShape.of(config) is None

@@ -1,0 +1,171 @@
+"""Schedule-policy semantics through the gateway with the real tritonclient: priority levels,
+queue-full, queue timeouts (REJECT), observed through responses and the statistics extension.
+
+The model is deliberately slow (~150 ms a request, one instance, no batching across requests)
+so that requests sent while it runs really wait in the service's queue.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from onnx import TensorProto, helper, numpy_helper
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import Proc, start
+
+N, LAYERS = 2048, 800
+CONFIG = """name: "slow"
+platform: "onnxruntime_onnx"
+max_batch_size: 1
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2048 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 2048 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+optimization { graph { level: 2 } }
+parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 2
+  default_queue_policy { max_queue_size: 3 }
+  priority_queue_policy { key: 1 value { max_queue_size: 3 allow_timeout_override: true } }
+}
+"""
+
+
+def slow_model() -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.eye(N, dtype=np.float32), "W")  # identity: values stay finite
+    nodes, prev = [], "INPUT0"
+    for i in range(LAYERS):
+        out = "OUTPUT0" if i == LAYERS - 1 else f"h{i}"
+        nodes.append(helper.make_node("MatMul", [prev, "W"], [out]))
+        prev = out
+    g = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["b", N])],
+                          [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["b", N])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    repo = tmp_path_factory.mktemp("sched")
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "config.pbtxt").write_text(CONFIG)
+    onnx.save(slow_model(), str(repo / "slow" / "1" / "model.onnx"))
+    service = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0"])
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
+    yield gw
+    gw.stop()
+    service.stop()
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.errors: dict[str, InferenceServerException] = {}
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def send(self, gw: Proc, name: str, protocol: str = "grpc", **kw: object) -> None:
+        def run() -> None:
+            x = np.full((1, N), 1.0, np.float32)
+            try:
+                if protocol == "grpc":
+                    with grpcclient.InferenceServerClient(gw.grpc) as c:
+                        inp = grpcclient.InferInput("INPUT0", [1, N], "FP32")
+                        inp.set_data_from_numpy(x)
+                        c.infer("slow", [inp], **kw)  # type: ignore[arg-type]
+                else:
+                    with httpclient.InferenceServerClient(gw.http) as c:
+                        inp = httpclient.InferInput("INPUT0", [1, N], "FP32")
+                        inp.set_data_from_numpy(x)
+                        c.infer("slow", [inp], **kw)  # type: ignore[arg-type]
+                with self.lock:
+                    self.order.append(name)
+            except InferenceServerException as exc:
+                with self.lock:
+                    self.errors[name] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        self.threads.append(t)
+
+    def wait(self) -> None:
+        for t in self.threads:
+            t.join(60)
+
+
+def _stats(gw: Proc) -> dict:
+    with httpclient.InferenceServerClient(gw.http) as c:
+        return c.get_inference_statistics("slow")["model_stats"][0]["inference_stats"]
+
+
+def test_higher_priority_overtakes_queued_requests(gateway: Proc) -> None:
+    o = Outcomes()
+    o.send(gateway, "blocker")
+    time.sleep(0.02)  # the blocker is executing; the rest queue behind it
+    for i in range(3):
+        o.send(gateway, f"low{i}")
+    time.sleep(0.02)
+    o.send(gateway, "high0", priority=1)
+    o.send(gateway, "high1", priority=1)
+    o.wait()
+    assert not o.errors, o.errors
+    assert o.order[0] == "blocker"
+    assert set(o.order[1:3]) == {"high0", "high1"}, o.order
+    assert set(o.order[3:]) == {"low0", "low1", "low2"}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
+    o = Outcomes()
+    o.send(gateway, "blocker")
+    time.sleep(0.02)
+    for i in range(3):  # fill the default level's queue (max_queue_size 3)
+        o.send(gateway, f"queued{i}")
+    time.sleep(0.03)
+    o.send(gateway, "overflow", protocol)
+    o.wait()
+    assert set(o.errors) == {"overflow"}, (o.order, o.errors)
+    err = o.errors["overflow"]
+    assert err.status() == ("StatusCode.RESOURCE_EXHAUSTED" if protocol == "grpc" else "429")
+    assert "queue" in err.message()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_queue_timeout_rejects_and_is_counted(gateway: Proc, protocol: str) -> None:
+    before = _stats(gateway)
+    o = Outcomes()
+    o.send(gateway, "blocker")
+    time.sleep(0.02)
+    o.send(gateway, "impatient", protocol, priority=1, timeout=5000)  # 5 ms in the queue at most
+    o.send(gateway, "patient", protocol, priority=1)
+    o.wait()
+    assert set(o.errors) == {"impatient"}, (o.order, o.errors)
+    err = o.errors["impatient"]
+    assert err.status() == ("StatusCode.DEADLINE_EXCEEDED" if protocol == "grpc" else "504")
+    assert "deadline" in err.message()
+    after = _stats(gateway)
+    assert after["fail"]["count"] - before["fail"]["count"] == 1
+    assert after["success"]["count"] - before["success"]["count"] == 2
+
+
+def test_the_model_is_slow_enough_for_these_tests(gateway: Proc) -> None:
+    stats = _stats(gateway)
+    per_request_ms = stats["compute_infer"]["ns"] / max(1, stats["compute_infer"]["count"]) / 1e6
+    assert per_request_ms > 60, f"the test model runs in {per_request_ms:.1f} ms: timing assumptions break"
+
+
+def test_priority_outside_the_levels_is_invalid(gateway: Proc) -> None:
+    o = Outcomes()
+    o.send(gateway, "bad", priority=5)
+    o.wait()
+    assert o.errors["bad"].status() == "StatusCode.INVALID_ARGUMENT"
+    assert "priority 5" in o.errors["bad"].message()

@@ -1,0 +1,114 @@
+"""Priority levels and queue policies (Triton's schedule-policy semantics) in the batcher."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.base.scheduling import BatchingPolicy, DynamicBatcher, QueuedRequest, QueueFullError
+from services.base.scheduling.errors import DeadlineExceededError
+from services.base.scheduling.policy import QueuePolicy
+
+
+def req(loop: asyncio.AbstractEventLoop, name: str, level: int, **kw: object) -> QueuedRequest:
+    return QueuedRequest(rows=1, arrival_ns=kw.pop("arrival_ns", 0), payload=name,  # type: ignore[arg-type]
+                         future=loop.create_future(), priority=level, **kw)  # type: ignore[arg-type]
+
+
+async def _run_order(policy: BatchingPolicy, reqs: list[QueuedRequest], loop: asyncio.AbstractEventLoop
+                     ) -> list[list[str]]:
+    batches: list[list[str]] = []
+    gate = asyncio.Event()
+
+    async def execute(batch: list[QueuedRequest]) -> None:
+        batches.append([str(q.payload) for q in batch])
+        if len(batches) == 1:
+            await gate.wait()  # hold the only instance while the rest queue up
+        for q in batch:
+            q.future.set_result(q.payload)
+
+    b = DynamicBatcher(policy, execute)
+    blocker = req(loop, "blocker", policy.levels)
+    b.enqueue(blocker)
+    await asyncio.sleep(0.01)
+    for r in reqs:
+        b.enqueue(r)
+    gate.set()
+    await asyncio.gather(*(r.future for r in [blocker, *reqs]), return_exceptions=True)
+    await b.stop()
+    return batches
+
+
+async def test_higher_priority_runs_first_and_fills_the_batch_first() -> None:
+    loop = asyncio.get_running_loop()
+    policy = BatchingPolicy(max_batch_size=2, priority_levels=2, default_priority_level=2)
+    reqs = [req(loop, "low1", 2), req(loop, "low2", 2), req(loop, "high1", 1), req(loop, "low3", 2),
+            req(loop, "high2", 1)]
+    batches = await _run_order(policy, reqs, loop)
+    assert batches[1:] == [["high1", "high2"], ["low1", "low2"], ["low3"]]
+
+
+async def test_level_for_maps_zero_to_the_default_and_rejects_out_of_range() -> None:
+    policy = BatchingPolicy(max_batch_size=4, priority_levels=3, default_priority_level=2)
+    assert [policy.level_for(p) for p in (0, 1, 3)] == [2, 1, 3]
+    with pytest.raises(ValueError, match="outside 1..3"):
+        policy.level_for(4)
+    assert BatchingPolicy(max_batch_size=4).level_for(7) == 1  # no priorities: one queue
+
+
+async def test_max_queue_size_per_level() -> None:
+    loop = asyncio.get_running_loop()
+    policy = BatchingPolicy(max_batch_size=1, priority_levels=2, default_priority_level=2,
+                            priority_queue_policies=((1, QueuePolicy(max_queue_size=1)),))
+    gate = asyncio.Event()
+
+    async def execute(batch: list[QueuedRequest]) -> None:
+        await gate.wait()
+        for q in batch:
+            q.future.set_result(None)
+
+    b = DynamicBatcher(policy, execute)
+    b.enqueue(req(loop, "running", 2))
+    await asyncio.sleep(0.01)
+    b.enqueue(req(loop, "h1", 1))
+    with pytest.raises(QueueFullError):
+        b.enqueue(req(loop, "h2", 1))
+    for i in range(5):  # level 2 has no limit
+        b.enqueue(req(loop, f"l{i}", 2))
+    gate.set()
+    await b.stop()
+
+
+async def test_delay_action_moves_timed_out_requests_behind_the_others() -> None:
+    loop = asyncio.get_running_loop()
+    policy = BatchingPolicy(max_batch_size=1)
+    # "late" timed out (delay_at in the past): it runs after "fresh" although it arrived first
+    reqs = [req(loop, "late", 1, delay_at_ns=1), req(loop, "fresh", 1)]
+    batches = await _run_order(policy, reqs, loop)
+    assert batches[1:] == [["fresh"], ["late"]]
+
+
+async def test_reject_action_fails_timed_out_requests() -> None:
+    loop = asyncio.get_running_loop()
+    policy = BatchingPolicy(max_batch_size=1)
+    reqs = [req(loop, "expired", 1, deadline_ns=1), req(loop, "ok", 1)]
+    batches = await _run_order(policy, reqs, loop)
+    assert batches[1:] == [["ok"]]
+    with pytest.raises(DeadlineExceededError):
+        reqs[0].future.result()
+
+
+def test_policy_from_config_reads_priorities_and_queue_policies() -> None:
+    from google.protobuf import text_format
+
+    from meshserve._proto import model_config_pb2 as mc
+
+    dyn = text_format.Parse("""
+      priority_levels: 3 default_priority_level: 2
+      default_queue_policy { max_queue_size: 4 default_timeout_microseconds: 100 timeout_action: DELAY }
+      priority_queue_policy { key: 1 value { max_queue_size: 1 allow_timeout_override: true } }
+    """, mc.ModelDynamicBatching())
+    p = BatchingPolicy.from_config(8, dyn)
+    assert (p.priority_levels, p.default_priority_level) == (3, 2)
+    assert p.queue_policy(2) == QueuePolicy(4, 100_000, True, False)
+    assert p.queue_policy(1) == QueuePolicy(1, 0, False, True)
