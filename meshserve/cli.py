@@ -1,4 +1,4 @@
-"""meshserve command line: `up`, `gateway`, `service KIND`, `check-repo`.
+"""meshserve command line: `up`, `gateway`, `service KIND`, `build-trt`, `check-repo`.
 
 The gateway and services are separate packages that this module never imports at module
 level (they are entry points, loaded only by the subcommand that runs them).
@@ -20,8 +20,12 @@ from meshserve.server.process import READY_MARKER
 
 SERVICE_KINDS = {
     "onnx": "services.onnx.main",
+    "torchscript": "services.torchscript.main",
+    "tensorrt": "services.tensorrt.main",
+    "sequence": "services.sequence.main",
 }
-PLANNED_KINDS = ("torchscript", "tensorrt", "sequence", "ensemble")
+PLANNED_KINDS = ("ensemble",)
+_LOAD_COMMANDS = {"load": "load.cli", "tune": "load.tune"}  # load/ package, imported on use
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
 
@@ -35,6 +39,10 @@ def _cmd_service(args: argparse.Namespace) -> None:
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
     importlib.import_module("gateway.main").main(args)
+
+
+def _cmd_build_trt(args: argparse.Namespace) -> None:
+    importlib.import_module("services.tensorrt.build").main(args)
 
 
 def _cmd_check_repo(args: argparse.Namespace) -> None:
@@ -135,6 +143,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
             print(f"meshserve up: starting the {kind} service…", flush=True)
             child = Child(f"{kind} service", [*py, "service", kind, "--repository", str(repo),
                                               "--host", "127.0.0.1", "--grpc-port", "0",
+                                              "--model-control-mode", "explicit", "--load-model", "*",
                                               "--log-level", args.log_level])
             services.append(child)
         for child in services:
@@ -191,14 +200,37 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("services.base.main").add_arguments(svc)
     svc.set_defaults(func=_cmd_service)
 
+    trt = sub.add_parser("build-trt", help="build a TensorRT plan (model.plan) from an ONNX model")
+    trt.add_argument("onnx", type=Path, metavar="MODEL.onnx")
+    trt.add_argument("-o", "--output", type=Path, default=Path("model.plan"), help="plan file to write")
+    trt.add_argument("--fp16", action="store_true", help="allow FP16 kernels")
+    trt.add_argument("--min-batch", type=int, default=1, help="optimization profile: smallest batch")
+    trt.add_argument("--opt-batch", type=int, default=None, help="batch to tune for (default: max)")
+    trt.add_argument("--max-batch", type=int, default=8, help="optimization profile: largest batch")
+    trt.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit")
+    trt.set_defaults(func=_cmd_build_trt)
+
     chk = sub.add_parser("check-repo", help="validate a model repository and report each model")
     chk.add_argument("path", type=Path)
     chk.set_defaults(func=_cmd_check_repo)
+
+    # load generator and tuning (load/): imported only when the subcommand runs
+    lg = sub.add_parser("load", help="load generator (see `meshserve load --help`)", add_help=False)
+    lg.add_argument("rest", nargs=argparse.REMAINDER)
+    lg.set_defaults(func=lambda a: importlib.import_module(_LOAD_COMMANDS["load"]).main(a.rest))
+    tn = sub.add_parser("tune", help="sweep batching settings for a p99 target (see `meshserve tune --help`)",
+                        add_help=False)
+    tn.add_argument("rest", nargs=argparse.REMAINDER)
+    tn.set_defaults(func=lambda a: importlib.import_module(_LOAD_COMMANDS["tune"]).main(a.rest))
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _LOAD_COMMANDS:  # own argument parsers (argparse REMAINDER drops leading flags)
+        importlib.import_module(_LOAD_COMMANDS[argv[0]]).main(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     args.func(args)
 

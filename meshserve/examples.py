@@ -91,9 +91,11 @@ def builders() -> dict[str, Callable[[], object]]:
     }
 
 
-def ensure(repo: Path, progress: Callable[[str], None] = print, force: bool = False) -> None:
-    """Generate any missing model file of the example repository."""
-    todo = [(rel, build) for rel, build in builders().items() if force or not (repo / rel).exists()]
+def ensure(repo: Path, progress: Callable[[str], None] = print, force: bool = False,
+           only: set[str] | None = None) -> None:
+    """Generate any missing model file of the example repository (`only`: these models)."""
+    todo = [(rel, build) for rel, build in builders().items()
+            if (force or not (repo / rel).exists()) and (only is None or rel.split("/")[0] in only)]
     for i, (rel, build) in enumerate(todo, 1):
         progress(f"generating example model {rel} ({i}/{len(todo)})")
         _save(build(), repo / rel)

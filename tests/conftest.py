@@ -90,7 +90,8 @@ class Stack:
 @pytest.fixture(scope="session")
 def stack(model_repo: Path) -> Iterator[Stack]:
     """One ONNX service (gRPC + HTTP) and a gateway in front of it."""
-    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0"])
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
+                     "--model-control-mode", "explicit", "--load-model", "*"])
     try:
         gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
     except Exception:

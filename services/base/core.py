@@ -16,6 +16,7 @@ from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.telemetry import metrics
+from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion
 from services.base.runtime import RuntimeAdapter, placements
 
@@ -51,6 +52,9 @@ class ServiceCore:
         self._started = False
         self._draining = False
         self._load_lock = asyncio.Lock()
+        self.control = ModelControl()
+        self._fingerprints: dict[str, tuple] = {}
+        self._poller: asyncio.Task[None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -61,6 +65,10 @@ class ServiceCore:
                 continue
             hosted = HostedModel(entry.name, entry.path, entry.config)
             self.models[entry.name] = hosted
+            self._fingerprints[entry.name] = fingerprint(entry.path)
+            if not self.control.loads_at_start(entry.name):
+                hosted.reason = "not loaded (explicit model control)"
+                continue
             if entry.config is None or not entry.loadable_versions:
                 hosted.reason = entry.error or "config could not be loaded"
                 log.error("model '%s' not loaded: %s", entry.name, hosted.reason)
@@ -72,6 +80,8 @@ class ServiceCore:
             except Exception:
                 continue  # recorded on the model (index shows UNAVAILABLE + reason); others still load
         self._started = True
+        if self.control.mode == "poll":
+            self._poller = asyncio.ensure_future(self._poll_repository())
 
     async def _load_versions(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int]) -> None:
         loop = asyncio.get_running_loop()
@@ -108,6 +118,8 @@ class ServiceCore:
 
     async def stop(self, drain: bool = True) -> None:
         self._draining = True
+        if self._poller is not None:
+            self._poller.cancel()
         for hosted in self.models.values():
             for mv in hosted.versions.values():
                 await mv.close(drain=drain)
@@ -203,6 +215,12 @@ class ServiceCore:
     async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                          ctx: RequestContext) -> None:
         """(Re)load a model from the repository: load new versions, then retire old ones."""
+        refused = self.control.api_error()
+        if refused:
+            raise InferError.unsupported(refused)
+        await self._load(name, parameters)
+
+    async def _load(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter]) -> None:
         path = self.repository / name
         if not (path / "config.pbtxt").exists() and not path.is_dir():
             raise model_not_found(name)
@@ -231,6 +249,12 @@ class ServiceCore:
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
+        refused = self.control.api_error()
+        if refused:
+            raise InferError.unsupported(refused)
+        await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
         hosted = self.models.get(name)
         if hosted is None or not hosted.versions:
             return  # Triton: unloading a model that is not loaded succeeds
@@ -241,8 +265,34 @@ class ServiceCore:
         for mv in old.values():
             await mv.close(drain=True)
 
+    async def _poll_repository(self) -> None:
+        """poll mode: reload models whose files changed, load new ones, unload removed ones."""
+        while True:
+            await asyncio.sleep(self.control.poll_secs)
+            try:
+                entries = {e.name: e for e in layout.scan(self.repository, gpu_available=self.gpu_available)}
+            except Exception:
+                log.exception("repository poll failed")
+                continue
+            for name, entry in entries.items():
+                if entry.kind != self.kind:
+                    continue
+                fp = fingerprint(entry.path)
+                if self._fingerprints.get(name) == fp and name in self.models:
+                    continue
+                self._fingerprints[name] = fp
+                log.info("repository poll: model '%s' changed; reloading", name)
+                try:
+                    await self._load(name, {})
+                except Exception as exc:  # the old versions keep serving
+                    log.error("repository poll: reloading model '%s' failed: %s", name, exc)
+            for name in [n for n in self.models if n not in entries]:
+                log.info("repository poll: model '%s' was removed; unloading", name)
+                self._fingerprints.pop(name, None)
+                await self._unload(name)
+
     def metrics_text(self) -> tuple[bytes, str]:
-        samples = []
+        samples: list[tuple[str, dict[str, str], float | metrics.Histogram]] = []
         for mv in self._all_versions():
             s = mv.stats
             labels = {"model": mv.name, "version": mv.version_str}
@@ -256,6 +306,10 @@ class ServiceCore:
                 ("compute_infer_duration_us", labels, s.compute_infer.ns // 1000),
                 ("compute_output_duration_us", labels, s.compute_output.ns // 1000),
                 ("pending_request_count", labels, s.pending),
+                ("request_duration_hist", labels, s.request_hist),
+                ("queue_duration_hist", labels, s.queue_hist),
+                ("compute_duration_hist", labels, s.compute_hist),
+                ("batch_size_hist", labels, s.batch_hist),
             ]
             for reason, n in (s.fail_reasons or {"REJECTED": 0}).items():
                 samples.append(("request_failure", {**labels, "reason": reason}, n))

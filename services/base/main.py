@@ -5,6 +5,8 @@ import argparse
 from pathlib import Path
 
 from meshserve.server.process import run, serve, setup_logging
+from meshserve.telemetry import tracing
+from services.base.control import MODES, ModelControl
 from services.base.core import ServiceCore
 from services.base.runtime import RuntimeAdapter
 
@@ -16,16 +18,30 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--http-port", type=int, default=None, help="also serve v2 REST on this port")
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--model-control-mode", choices=MODES, default="none",
+                    help="none: load all, API refused (Triton's default); explicit: load --load-model "
+                         "names, then load/unload through the API; poll: reload changed models")
+    ap.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                    help="explicit mode: a model to load at start ('*' = all); repeatable")
+    ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="json: one JSON object per log line (request id and trace id as keys)")
 
 
 def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespace,
-         gpu_available: bool = False) -> None:
-    setup_logging(args.log_level)
+         gpu_available: bool = False, core_cls: type[ServiceCore] = ServiceCore) -> None:
+    setup_logging(args.log_level, args.log_format)
+    tracing.configure(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default
     if not args.repository.is_dir():
         raise SystemExit(f"meshserve service {kind}: model repository {args.repository} does not exist")
+    try:
+        control = ModelControl(args.model_control_mode, frozenset(args.load_model), args.repository_poll_secs)
+    except ValueError as exc:
+        raise SystemExit(f"meshserve service {kind}: {exc}") from None
 
     async def amain() -> None:
-        core = ServiceCore(kind, args.repository, adapters, gpu_available=gpu_available)
+        core = core_cls(kind, args.repository, adapters, gpu_available=gpu_available)
+        core.control = control
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
                     http_port=args.http_port, metrics_port=args.metrics_port)

@@ -1,0 +1,152 @@
+"""Live model control through the gateway: explicit load/unload (with a config override),
+poll mode picking up a new version, the API refused in 'none' mode, and a reload under
+16 concurrent clients with zero failed requests."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from meshserve import examples
+from tests.conftest import Proc, start
+
+
+def _repo(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("add_sub", "scale"):
+        shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "model_repository" / name, root / name,
+                        dirs_exist_ok=True)
+    examples.ensure(root, progress=lambda _: None, only={"add_sub", "scale"})
+    return root
+
+
+@pytest.fixture()
+def explicit(tmp_path: Path) -> Iterator[tuple[Proc, Proc, Path]]:
+    repo = _repo(tmp_path / "repo")
+    svc = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0",
+                 "--model-control-mode", "explicit", "--load-model", "add_sub"])
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc,
+                "--discovery-interval", "0.5"])
+    yield svc, gw, repo
+    gw.stop()
+    svc.stop()
+
+
+def _add_sub(c: object, mod: object) -> np.ndarray:
+    a = np.ones((1, 16), np.float32)
+    ins = [mod.InferInput("INPUT0", [1, 16], "FP32"), mod.InferInput("INPUT1", [1, 16], "FP32")]  # type: ignore[attr-defined]
+    for i in ins:
+        i.set_data_from_numpy(a)
+    return c.infer("add_sub", ins).as_numpy("OUTPUT0")  # type: ignore[attr-defined]
+
+
+def test_explicit_load_and_unload(explicit: tuple[Proc, Proc, Path]) -> None:
+    _, gw, _ = explicit
+    with httpclient.InferenceServerClient(gw.http) as c:
+        assert c.is_model_ready("add_sub")
+        assert not c.is_model_ready("scale")
+        index = {m["name"]: m for m in c.get_model_repository_index()}
+        assert index["scale"]["state"] == "UNAVAILABLE"
+        c.load_model("scale")  # blocks until loaded, as Triton's load does
+        assert c.is_model_ready("scale")
+        c.unload_model("scale")
+    deadline = time.monotonic() + 5
+    with grpcclient.InferenceServerClient(gw.grpc) as c:
+        while c.is_model_ready("scale") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not c.is_model_ready("scale")
+        with pytest.raises(InferenceServerException) as err:
+            c.load_model("no_such_model")
+        assert err.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_load_with_config_override(explicit: tuple[Proc, Proc, Path]) -> None:
+    _, gw, repo = explicit
+    with httpclient.InferenceServerClient(gw.http) as c:
+        config = c.get_model_config("add_sub")
+        assert config["max_batch_size"] == 64
+        config["max_batch_size"] = 4
+        with pytest.raises(InferenceServerException) as err:  # preferred [64] no longer fits
+            c.load_model("add_sub", config=json.dumps(config))
+        assert err.value.status() == "400" and "preferred_batch_size" in err.value.message()
+        assert c.get_model_config("add_sub")["max_batch_size"] == 64  # the old version still serves
+        config["dynamic_batching"]["preferred_batch_size"] = [4]
+        c.load_model("add_sub", config=json.dumps(config))
+        assert c.get_model_config("add_sub")["max_batch_size"] == 4
+        assert _add_sub(c, httpclient).shape == (1, 16)
+
+
+def test_api_refused_in_none_mode(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    svc = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"])
+    try:
+        with httpclient.InferenceServerClient(svc.http) as c, pytest.raises(InferenceServerException) as err:
+            c.load_model("scale")
+        assert err.value.status() == "501"
+        assert "--model-control-mode explicit" in err.value.message()
+    finally:
+        svc.stop()
+
+
+def test_poll_mode_picks_up_a_new_version(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    (repo / "scale" / "config.pbtxt").write_text(
+        (repo / "scale" / "config.pbtxt").read_text().replace("version_policy: { all { } }", ""))
+    shutil.rmtree(repo / "scale" / "2")
+    svc = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                 "--model-control-mode", "poll", "--repository-poll-secs", "0.3"])
+    try:
+        with httpclient.InferenceServerClient(svc.http) as c:
+            assert c.get_model_metadata("scale")["versions"] == ["1"]
+            examples._save(examples.scale(2.0), repo / "scale" / "2" / "model.onnx")
+            deadline = time.monotonic() + 10
+            while c.get_model_metadata("scale")["versions"] != ["2"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.get_model_metadata("scale")["versions"] == ["2"]  # latest 1: v2 replaced v1
+    finally:
+        svc.stop()
+
+
+def test_reload_under_16_concurrent_clients_fails_no_request(explicit: tuple[Proc, Proc, Path]) -> None:
+    _, gw, _ = explicit
+    stop = threading.Event()
+    failures: list[str] = []
+    counts = [0] * 16
+
+    def client(i: int) -> None:
+        with grpcclient.InferenceServerClient(gw.grpc) as c:
+            while not stop.is_set():
+                try:
+                    out = _add_sub(c, grpcclient)
+                    assert out.tolist() == [[2.0] * 16]
+                    counts[i] += 1
+                except Exception as exc:  # noqa: BLE001 - any failure fails the test
+                    failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        with httpclient.InferenceServerClient(gw.http) as c:
+            for delay in (100, 2000, 500):  # three reloads, each a new config
+                config = c.get_model_config("add_sub")
+                config["dynamic_batching"]["max_queue_delay_microseconds"] = delay
+                c.load_model("add_sub", config=json.dumps(config))
+                time.sleep(0.3)
+            assert c.get_model_config("add_sub")["dynamic_batching"]["max_queue_delay_microseconds"] == 500
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert failures == []
+    assert all(n > 0 for n in counts)
