@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+import zlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,15 +20,21 @@ import grpc
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway.stream")
 
 _METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _CODES = {c.value: c for c in Code}
+_STREAM_METADATA = ((tracing.HOP_HEADER, tracing.HOP_GATEWAY),)
 
 
 class NotSent(Exception):
     """The request was not written to any stream (safe to retry on another replica)."""
+
+
+class StreamBroken(InferError):
+    """An answered stream broke with requests in flight: they may have run, so never retry them."""
 
 
 class _Stream:
@@ -36,7 +44,9 @@ class _Stream:
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._ids = itertools.count(1)
         self.broken = False
-        self._call = channel.stream_stream(_METHOD)(self._requests())
+        self.answered = False  # a response arrived: the stream reached the service
+        # the marker tells the service that requests without trace parameters were not sampled
+        self._call = channel.stream_stream(_METHOD)(self._requests(), metadata=_STREAM_METADATA)
         self._reader = asyncio.ensure_future(self._read())
 
     async def _requests(self) -> AsyncIterator[bytes]:
@@ -51,6 +61,7 @@ class _Stream:
         try:
             async for raw in self._call:
                 msg = pb.ModelStreamInferResponse.FromString(raw)
+                self.answered = True
                 fut = self.pending.pop(msg.infer_response.id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -65,8 +76,9 @@ class _Stream:
             self.broken = True
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error or "stream closed")
             for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(InferError.unavailable(f"{self.name}: stream to the service broke: {detail}"))
+                if not fut.done():  # a stream that never answered never connected: safe to retry
+                    fut.set_exception(StreamBroken(Code.UNAVAILABLE, f"{self.name}: stream to the service "
+                                                   f"broke: {detail}") if self.answered else NotSent(self.name))
             self.pending.clear()
 
     def send(self, raw_request: bytes) -> asyncio.Future[pb.ModelStreamInferResponse]:
@@ -99,17 +111,23 @@ class StreamPool:
         self.size = streams
         self._streams: list[_Stream | None] = [None] * streams
         self._rr = itertools.count()
+        self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
 
-    def _stream(self) -> _Stream:
-        i = next(self._rr) % self.size
+    def _stream(self, affinity: str | None = None) -> _Stream:
+        # One sequence always uses the same stream, so its requests reach the service in order.
+        i = (zlib.crc32(affinity.encode()) if affinity is not None else next(self._rr)) % self.size
         s = self._streams[i]
         if s is None or s.broken:
             s = self._streams[i] = _Stream(self.channel, f"service {self.endpoint}")
         return s
 
-    async def infer(self, raw_request: bytes, client_id: str, timeout: float | None) -> pb.ModelInferResponse:
-        stream = self._stream()
+    async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
+                    affinity: str | None = None) -> pb.ModelInferResponse:
+        stream = self._stream(affinity)
+        if timeout is not None:  # streams carry no per-message deadline: tell the service in band
+            raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
         fut = stream.send(raw_request)
+        t0 = time.perf_counter_ns()
         try:
             msg = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
         except TimeoutError:
@@ -119,6 +137,8 @@ class StreamPool:
         except asyncio.CancelledError:
             stream.forget(fut)
             raise
+        finally:
+            self.latency.observe((time.perf_counter_ns() - t0) / 1000)
         resp = msg.infer_response
         if msg.error_message:
             code = _CODES.get(resp.parameters[wire.ERROR_CODE_PARAMETER].string_param, Code.UNKNOWN) \

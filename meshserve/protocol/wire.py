@@ -5,6 +5,8 @@ from __future__ import annotations
 INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
 ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
+DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
+_REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entries, length-delimited)
 
 
 def varint(n: int) -> bytes:
@@ -26,6 +28,14 @@ def length_delimited(tag: bytes, payload: bytes) -> bytes:
 def with_request_id(raw_request: bytes, request_id: str) -> bytes:
     """A serialized ModelInferRequest with `id` replaced: a singular field's last occurrence wins."""
     return raw_request + length_delimited(INFER_REQUEST_ID_TAG, request_id.encode())
+
+
+def with_int_parameter(raw_request: bytes, key: str, value: int) -> bytes:
+    """A serialized ModelInferRequest with parameters[key].int64_param = value (appended map
+    entry; for maps the last entry of a key wins)."""
+    param = b"\x10" + varint(value & 0xFFFFFFFFFFFFFFFF)  # InferParameter.int64_param = 2 (varint)
+    entry = length_delimited(b"\x0a", key.encode()) + length_delimited(b"\x12", param)
+    return raw_request + length_delimited(_REQUEST_PARAMETERS_TAG, entry)
 
 
 def stream_response(raw_infer_response: bytes) -> bytes:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
@@ -19,11 +19,16 @@ from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion
 from services.base.runtime import RuntimeAdapter, placements
+from services.base.warmup import run_warmup
 
 log = logging.getLogger("meshserve.service")
 
 SERVER_NAME = "meshserve"
 SERVER_VERSION = "0.1.0"
+# Triton's nv_inference_request_failure reasons, always rendered (0 until one happens). We use
+# OTHER for invalid requests, REJECTED for a full queue, BACKEND for failed executions, and
+# also TIMEOUT (queue deadline) when it occurs.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
 
 @dataclass
@@ -114,6 +119,7 @@ class ServiceCore:
                 f"model '{config.name}': backend '{backend}' is not served by the {self.kind} service")
         model_file = layout.model_file(path, config, version)
         instances = [adapter.load(model_file, config, p) for p in placements(config, self.gpu_available)]
+        run_warmup(config, instances, path)  # before the version can be marked ready
         return ModelVersion(config, version, path, instances, config.platform or backend)
 
     async def stop(self, drain: bool = True) -> None:
@@ -179,6 +185,9 @@ class ServiceCore:
         deadline_ns = None
         if ctx.deadline is not None:
             deadline_ns = int(ctx.deadline * 1e9)  # time.monotonic() and monotonic_ns share a clock
+        if wire.DEADLINE_PARAMETER in request.parameters:  # set by a gateway on its stream hop
+            hop = time.monotonic_ns() + request.parameters[wire.DEADLINE_PARAMETER].int64_param * 1000
+            deadline_ns = hop if deadline_ns is None else min(deadline_ns, hop)
         body = await mv.infer(request, deadline_ns)
         return InferResult(raw=body)
 
@@ -311,8 +320,8 @@ class ServiceCore:
                 ("compute_duration_hist", labels, s.compute_hist),
                 ("batch_size_hist", labels, s.batch_hist),
             ]
-            for reason, n in (s.fail_reasons or {"REJECTED": 0}).items():
-                samples.append(("request_failure", {**labels, "reason": reason}, n))
+            for reason in (*FAILURE_REASONS, *(r for r in s.fail_reasons if r not in FAILURE_REASONS)):
+                samples.append(("request_failure", {**labels, "reason": reason}, s.fail_reasons.get(reason, 0)))
         return metrics.render(samples, metrics.MODEL_FAMILIES), metrics.CONTENT_TYPE
 
 

@@ -114,6 +114,7 @@ class ModelVersion:
         self._pool = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"{self.name}-{version}")
         dyn = config.dynamic_batching if config.HasField("dynamic_batching") else None
         self.policy = BatchingPolicy.from_config(config.max_batch_size, dyn)
+        self._order_tail: asyncio.Future[None] | None = None
         self.batcher = DynamicBatcher(self.policy, self._execute, instance_count=len(instances),
                                       name=f"{self.name}:{version}")
         self.ready = True
@@ -234,6 +235,8 @@ class ModelVersion:
             except UnavailableError as exc:
                 raise InferError.unavailable(str(exc)) from None
             try:
+                if self.policy.preserve_ordering:
+                    return cast(bytes, await self._in_order(fut))
                 return cast(bytes, await fut)
             except DeadlineExceededError as exc:
                 self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
@@ -244,6 +247,22 @@ class ModelVersion:
                 raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
         finally:
             self.stats.pending -= 1
+
+    async def _in_order(self, fut: asyncio.Future[object]) -> object:
+        """preserve_ordering: a response leaves only after every earlier-enqueued one has
+        (batches on several instances can finish out of order). Called right after enqueue,
+        so the chain follows enqueue order."""
+        prev, done = self._order_tail, asyncio.get_running_loop().create_future()
+        self._order_tail = done
+        try:
+            try:
+                return await fut
+            finally:
+                if prev is not None and not prev.done():
+                    await asyncio.shield(prev)
+        finally:
+            if not done.done():
+                done.set_result(None)
 
     def _schedule_policy(self, request: pb.ModelInferRequest, arrival: int, deadline_ns: int | None,
                          priority: int) -> tuple[int, int | None, int | None]:

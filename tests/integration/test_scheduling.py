@@ -168,3 +168,21 @@ def test_priority_outside_the_levels_is_invalid(gateway: Proc) -> None:
     o.wait()
     assert o.errors["bad"].status() == "StatusCode.INVALID_ARGUMENT"
     assert "priority 5" in o.errors["bad"].message()
+
+
+def test_a_client_deadline_expires_the_request_in_the_service_queue(gateway: Proc) -> None:
+    """The gRPC deadline crosses the gateway's stream hop: the expired request never runs."""
+    with httpclient.InferenceServerClient(gateway.http) as c:
+        before = c.get_inference_statistics("slow")["model_stats"][0]
+    o = Outcomes()
+    o.send(gateway, "blocker")
+    time.sleep(0.02)
+    o.send(gateway, "hasty", client_timeout=0.03)  # expires while the blocker runs
+    o.send(gateway, "follower")
+    o.wait()
+    assert set(o.errors) == {"hasty"}, (o.order, o.errors)
+    assert o.errors["hasty"].status() == "StatusCode.DEADLINE_EXCEEDED"
+    with httpclient.InferenceServerClient(gateway.http) as c:
+        after = c.get_inference_statistics("slow")["model_stats"][0]
+    assert after["execution_count"] - before["execution_count"] == 2  # blocker + follower only
+    assert after["inference_stats"]["fail"]["count"] - before["inference_stats"]["fail"]["count"] == 1
