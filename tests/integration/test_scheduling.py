@@ -60,6 +60,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     onnx.save(slow_model(), str(repo / "slow" / "1" / "model.onnx"))
     service = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0"])
     gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
+    gw.upstream = service  # type: ignore[attr-defined]
     yield gw
     gw.stop()
     service.stop()
@@ -186,3 +187,29 @@ def test_a_client_deadline_expires_the_request_in_the_service_queue(gateway: Pro
         after = c.get_inference_statistics("slow")["model_stats"][0]
     assert after["execution_count"] - before["execution_count"] == 2  # blocker + follower only
     assert after["inference_stats"]["fail"]["count"] - before["inference_stats"]["fail"]["count"] == 1
+
+
+def test_client_cancellation_removes_queued_work(gateway: Proc) -> None:
+    """A request cancelled by its client while queued never reaches the model (service direct:
+    over the gateway's shared stream a cancel cannot reach the service)."""
+    service: Proc = gateway.upstream  # type: ignore[attr-defined]
+    with httpclient.InferenceServerClient(gateway.http) as c:
+        before = c.get_inference_statistics("slow")["model_stats"][0]["execution_count"]
+    o = Outcomes()
+    o.send(gateway, "blocker0")
+    o.send(gateway, "blocker1")  # the cancelled request waits behind both: >= 150 ms of margin
+    time.sleep(0.02)
+    done = threading.Event()
+    with grpcclient.InferenceServerClient(service.grpc) as c:
+        inp = grpcclient.InferInput("INPUT0", [1, N], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, N), np.float32))
+        call = c.async_infer("slow", [inp], callback=lambda result, error: done.set())
+        time.sleep(0.02)
+        call.cancel()
+        assert done.wait(10)
+    o.send(gateway, "follower")
+    o.wait()
+    assert not o.errors
+    with httpclient.InferenceServerClient(gateway.http) as c:
+        after = c.get_inference_statistics("slow")["model_stats"][0]["execution_count"]
+    assert after - before == 3  # two blockers + follower; the cancelled request never ran
