@@ -17,8 +17,10 @@ import grpc
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
+from meshserve.server import observe
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.health import HealthState, health_handler
+from meshserve.telemetry.tracing import TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
 
@@ -81,6 +83,11 @@ def _unimplemented(name: str, request_type: Any) -> grpc.RpcMethodHandler:
 
 
 def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
+    """The GRPCInferenceService method table for one core, as a generic handler."""
+    return grpc.method_handlers_generic_handler(SERVICE, inference_methods(core))
+
+
+def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
     """The GRPCInferenceService method table for one core."""
 
     async def server_live(req: pb.ServerLiveRequest, ctx: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
@@ -127,7 +134,9 @@ def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            result = await core.infer(request, _context(context, raw))
+            result, trace_parent = await observe.infer(core, request, _context(context, raw))
+            if trace_parent is not None:
+                context.set_trailing_metadata(((TRACEPARENT, trace_parent),))
             return result.serialized()
         except asyncio.CancelledError:
             raise
@@ -149,7 +158,7 @@ def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
         async def one(request: pb.ModelInferRequest) -> None:
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline)
-                result = await core.infer(request, ctx)
+                result, _ = await observe.infer(core, request, ctx)
                 out.put_nowait(wire.stream_response(result.serialized()))
             except Exception as exc:
                 if not isinstance(exc, InferError):
@@ -211,14 +220,19 @@ def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
         ("LogSettings", pb.LogSettingsRequest),
     ):
         handlers[name] = _unimplemented(name, req_type)
-    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+    return handlers
 
 
 async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthState,
                             extra_options: list[tuple[str, Any]] | None = None) -> tuple[grpc.aio.Server, int]:
     """Build, bind and start the gRPC server; returns (server, bound port)."""
     server = grpc.aio.server(options=SERVER_OPTIONS + (extra_options or []))
-    server.add_generic_rpc_handlers((inference_handler(core), health_handler(health)))
+    if hasattr(server, "add_registered_method_handlers"):
+        # Registered methods are matched once at registration, not by name on every call.
+        server.add_registered_method_handlers(SERVICE, inference_methods(core))
+        server.add_generic_rpc_handlers((health_handler(health),))
+    else:  # grpcio < 1.62
+        server.add_generic_rpc_handlers((inference_handler(core), health_handler(health)))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port} (in use?)")
