@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
@@ -9,16 +10,21 @@ from typing import TypeVar
 
 import grpc
 
-from gateway.routing.table import pick
+from gateway.auth import Admission
+from gateway.ensemble.catalog import EnsembleCatalog
+from gateway.routes import RouteTable
+from gateway.routing.table import pick, pick_pinned, sequence_affinity
+from gateway.upstream import traced
 from gateway.upstream.coalesce import Coalescer, ModelShape, merge_key
 from gateway.upstream.discovery import Discovery
+from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.replica import Replica
-from gateway.upstream.stream import NotSent
+from gateway.upstream.stream import NotSent, StreamBroken
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError, model_not_found
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
-from meshserve.telemetry import metrics
+from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -27,6 +33,10 @@ SERVER_NAME = "meshserve"
 SERVER_VERSION = "0.1.0"
 
 GATEWAY_FAMILIES = {
+    "route_requests": metrics.Family("meshserve_gateway_route_requests_total", "counter",
+                                     "Requests to an A/B route by the arm that answered and outcome"),
+    "shadow_requests": metrics.Family("meshserve_gateway_shadow_requests_total", "counter",
+                                      "Shadow copies of A/B route requests by target model and outcome"),
     "requests": metrics.Family("meshserve_gateway_requests_total", "counter",
                                "Inference requests through the gateway by model and outcome"),
     "upstream_errors": metrics.Family("meshserve_gateway_upstream_errors_total", "counter",
@@ -35,29 +45,49 @@ GATEWAY_FAMILIES = {
                                       "1 if the replica is in the pool"),
     "replica_outstanding": metrics.Family("meshserve_gateway_replica_outstanding", "gauge",
                                           "Requests in flight to the replica"),
+    "upstream_duration": metrics.Family("meshserve_gateway_upstream_duration_us", "histogram",
+                                        "Upstream infer round trip (sent on the stream to response) by "
+                                        "replica, in microseconds"),
 }
 
 
 class GatewayCore:
-    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2):
-        if not upstreams:
-            raise ValueError("the gateway needs at least one --upstream")
-        self.replicas = [Replica(u) for u in upstreams]
-        self.discovery = Discovery(self.replicas, discovery_interval_s)
+    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2,
+                 admission: Admission | None = None, pool: ReplicaPool | None = None,
+                 routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None):
+        # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica).
+        self.pool = pool if pool is not None else ReplicaPool(upstreams)
+        self.replicas = self.pool.replicas  # one list, updated in place as replicas come and go
+        self.discovery = Discovery(self.pool, discovery_interval_s)
         self._draining = False
         self.request_counts: Counter[tuple[str, str]] = Counter()
         # Merged requests in flight per model and healthy replica (0 disables coalescing).
         self.coalesce_inflight = coalesce_inflight
         self.coalescer = Coalescer(self._send, self._max_inflight)
         self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
+        # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
+        self.admission = admission
+        # A/B routes (--routes): route names addressable like models.
+        self.routes = routes
+        if routes is not None:
+            routes.bind(self._send)
+        # Ensembles of --repository, run here as DAGs over the services.
+        self.ensembles = ensembles
+        if ensembles is not None:
+            ensembles.bind(lambda req, timeout: self._send(req, None, timeout), self.discovery.config_for)
 
     async def start(self) -> None:
+        await self.discovery.resolve()
         await self.discovery.refresh()
         self.discovery.start()
 
     async def stop(self, drain: bool = True) -> None:
         self._draining = True
         await self.discovery.stop()
+        if self.admission is not None:
+            await self.admission.store.close()
+        if self.routes is not None:
+            await self.routes.stop()
 
     # ---- helpers ----------------------------------------------------------------------
     async def _routes(self, name: str):  # noqa: ANN202
@@ -67,12 +97,15 @@ class GatewayCore:
             table = self.discovery.table
         return table.lookup(name)
 
-    async def _call(self, name: str, version: str, fn: Callable[[Replica], Awaitable[T]]) -> T:
-        """Call one replica hosting (name, version); on a connection failure try the others."""
+    async def _call(self, name: str, version: str, fn: Callable[[Replica], Awaitable[T]],
+                    affinity: str | None = None) -> T:
+        """Call one replica hosting (name, version); on a connection failure try the others.
+        With ``affinity`` (a sequence's correlation id) the replica is chosen by rendezvous
+        hashing, so every request of the sequence lands on the same healthy replica."""
         routes = await self._routes(name)
         replicas = list(routes.replicas_for(version))
         while True:
-            replica = pick(replicas)
+            replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
             replica.outstanding += 1
             try:
                 return await fn(replica)
@@ -87,7 +120,9 @@ class GatewayCore:
                     replica.errors += 1
                 # Retry elsewhere only if the request never reached a model: it was never
                 # written, or the channel could not connect at all.
-                if isinstance(exc, NotSent) or (err.code == Code.UNAVAILABLE and _not_connected(replica)):
+                # A broken stream had the request in flight: it may have run, so it is not retried.
+                if isinstance(exc, NotSent) or (err.code == Code.UNAVAILABLE and not isinstance(exc, StreamBroken)
+                                                and _not_connected(replica)):
                     self.discovery.mark_unhealthy(replica)
                     replicas.remove(replica)
                     if replicas:
@@ -106,7 +141,19 @@ class GatewayCore:
     def server_metadata(self) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
 
+    def _route_target(self, name: str) -> tuple[str, str] | None:
+        """An A/B route answers metadata/config/ready as its heaviest target."""
+        route = self.routes.lookup(name) if self.routes is not None else None
+        if route is None:
+            return None
+        target = max(route.targets, key=lambda t: t.weight)
+        return target.model, target.version
+
     async def model_ready(self, name: str, version: str) -> bool:
+        if (target := self._route_target(name)) is not None:
+            return not version and await self.model_ready(*target)
+        if self.ensembles is not None and name in self.ensembles:
+            return self.ensembles.ready(name, version)
         try:
             resp = await self._call(name, version, lambda r: r.model_ready(
                 pb.ModelReadyRequest(name=name, version=version)))
@@ -115,27 +162,76 @@ class GatewayCore:
         return resp.ready
 
     async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        if (target := self._route_target(name)) is not None and not version:
+            md = await self.model_metadata(*target)
+            md.name = name
+            return md
+        if self.ensembles is not None and name in self.ensembles:
+            return self.ensembles.model_metadata(name, version)
         return await self._call(name, version, lambda r: r.model_metadata(
             pb.ModelMetadataRequest(name=name, version=version)))
 
     async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        if (target := self._route_target(name)) is not None and not version:
+            resp = await self.model_config(*target)
+            resp.config.name = name
+            return resp
+        if self.ensembles is not None and name in self.ensembles:
+            return self.ensembles.model_config(name, version)
         return await self._call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
 
     async def _send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None
                     ) -> pb.ModelInferResponse:
         body = raw if raw is not None else request.SerializeToString()
+        affinity = sequence_affinity(request.parameters)
+        if tracing.enabled and (span := tracing.current_span()) is not None:
+            return await traced.send(functools.partial(self._call, affinity=affinity), request, body,
+                                     lambda r, b: r.streams.infer(b, request.id, timeout, affinity), span)
         return await self._call(request.model_name, request.model_version,
-                                lambda r: r.streams.infer(body, request.id, timeout))
+                                lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
 
     def _max_inflight(self) -> int:
         return self.coalesce_inflight * max(1, sum(1 for r in self.replicas if r.healthy))
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        if self.admission is None and self.routes is None and self.ensembles is None:
+            return await self._infer(request, ctx)
+        admitted = None
+        if self.admission is not None:  # tenants see route names, not the arms behind them
+            try:
+                admitted = await self.admission.admit(request, ctx)
+            except InferError as exc:
+                self.request_counts[(request.model_name, exc.code.value)] += 1
+                raise
+        try:
+            route = self.routes.lookup(request.model_name) if self.routes is not None else None
+            if route is None or self.routes is None:
+                return await self._dispatch(request, ctx)
+            return await self.routes.infer(route, request, ctx, self._dispatch)
+        finally:
+            if self.admission is not None:
+                await self.admission.release(admitted)
+
+    async def _dispatch(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        """An ensemble runs here in the gateway; any other model goes to its service."""
+        if self.ensembles is None or request.model_name not in self.ensembles:
+            return await self._infer(request, ctx)
+        name = request.model_name
+        try:
+            response = await self.ensembles.infer(request, ctx.time_remaining())
+        except InferError as exc:
+            self.request_counts[(name, exc.code.value)] += 1
+            raise
+        self.request_counts[(name, "OK")] += 1
+        return InferResult(message=response)
+
+    async def _infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         name = request.model_name
         timeout = ctx.time_remaining()
         try:
-            plan = self._merge_plan(request)
+            # a sampled request carries its trace context upstream: never merged
+            plan = None if tracing.enabled and tracing.current_span() else self._merge_plan(request)
             if plan is None:
                 response = await self._send(request, ctx.raw, timeout)
             else:
@@ -211,6 +307,8 @@ class GatewayCore:
             if not key[1] and key[0] in ready_names:
                 continue  # an unloaded entry from one replica while another serves it
             out.models.append(m)
+        if self.ensembles is not None:
+            out.models.extend(self.ensembles.index(ready_only))
         return out
 
     async def _owners(self, name: str) -> list[Replica]:
@@ -222,6 +320,8 @@ class GatewayCore:
 
     async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                          ctx: RequestContext) -> None:
+        if self.admission is not None:
+            self.admission.require_admin(ctx, f"loading model '{name}'")
         owners = await self._owners(name)
         if not owners:
             raise model_not_found(name)
@@ -231,6 +331,8 @@ class GatewayCore:
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
+        if self.admission is not None:
+            self.admission.require_admin(ctx, f"unloading model '{name}'")
         owners = await self._owners(name)
         req = pb.RepositoryModelUnloadRequest(model_name=name, parameters=parameters)
         await self._fan_out(owners, lambda r: r.unload(req, timeout=600))
@@ -245,7 +347,7 @@ class GatewayCore:
                 raise InferError.internal(f"service {r.endpoint}: {res}")
 
     def metrics_text(self) -> tuple[bytes, str]:
-        samples: list[tuple[str, dict[str, str], float]] = []
+        samples: list[tuple[str, dict[str, str], float | metrics.Histogram]] = []
         for (model, outcome), n in sorted(self.request_counts.items()):
             samples.append(("requests", {"model": model, "outcome": outcome}, n))
         for r in self.replicas:
@@ -253,6 +355,12 @@ class GatewayCore:
             samples.append(("upstream_errors", labels, r.errors))
             samples.append(("replica_healthy", labels, 1 if r.healthy else 0))
             samples.append(("replica_outstanding", labels, r.outstanding))
+            samples.append(("upstream_duration", labels, r.streams.latency))
+        if self.routes is not None:
+            for (route, arm, outcome), n in sorted(self.routes.arm_counts.items()):
+                samples.append(("route_requests", {"route": route, "arm": arm, "outcome": outcome}, n))
+            for (route, model, outcome), n in sorted(self.routes.shadow_counts.items()):
+                samples.append(("shadow_requests", {"route": route, "model": model, "outcome": outcome}, n))
         return metrics.render(samples, GATEWAY_FAMILIES), metrics.CONTENT_TYPE
 
 

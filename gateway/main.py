@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.auth import Admission, QuotaStore, TenantDirectory
 from gateway.core import GatewayCore
+from gateway.ensemble.catalog import EnsembleCatalog
+from gateway.quotas.memory import MemoryQuotaStore
+from gateway.quotas.redis import RedisQuotaStore
+from gateway.routes import RouteTable
+from gateway.upstream.pool import ReplicaPool
 from meshserve.server.process import run, serve, setup_logging
+from meshserve.telemetry import tracing
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -14,23 +21,78 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="also serve Prometheus /metrics on this port (always on the HTTP port too)")
     ap.add_argument("--upstream", action="append", default=[], metavar="HOST:PORT",
-                    help="a service's gRPC endpoint (repeat for each service / replica)")
+                    help="a service's gRPC endpoint (repeat for each service / replica); a DNS name is "
+                         "re-resolved periodically and every address it resolves to is a replica")
+    ap.add_argument("--discovery", default=None, metavar="FILE",
+                    help="discovery YAML: services: [{kind, endpoints: [HOST:PORT, ...]}], resolve_interval_s "
+                         "(re-read when it changes); adds to --upstream")
+    ap.add_argument("--resolve-interval", type=float, default=10.0, metavar="SECONDS",
+                    help="how often DNS names among the upstreams are resolved again")
     ap.add_argument("--discovery-interval", type=float, default=2.0, metavar="SECONDS")
     ap.add_argument("--coalesce-inflight", type=int, default=2, metavar="N",
                     help="merge concurrently pending requests for a batchable model while N merged "
                          "requests per replica are in flight (0 = never merge)")
+    ap.add_argument("--tenants", default=None, metavar="PATH",
+                    help="tenants.yaml: API keys, per-tenant rate/burst/concurrency, allowed models "
+                         "(re-read when it changes; without it every request is anonymous and unmetered)")
+    ap.add_argument("--quota-store", default="memory", metavar="URL",
+                    help="where quota state lives: 'memory' (this process) or redis://HOST:PORT[/DB] "
+                         "(shared by every gateway replica)")
+    ap.add_argument("--routes", default=None, metavar="PATH",
+                    help="routes.yaml: A/B routes addressable like models (weights, sticky header, shadow); "
+                         "re-read when it changes")
+    ap.add_argument("--repository", default=None, metavar="PATH",
+                    help="the model repository: the gateway runs its platform \"ensemble\" models itself "
+                         "(their steps go to the services)")
+    ap.add_argument("--ensemble-max-inflight-steps", type=int, default=256, metavar="N",
+                    help="ensemble step requests in flight at once across all ensembles")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text",
+                    help="json: one JSON object per log line (request id and trace id as keys)")
 
 
 def main(args: argparse.Namespace) -> None:
-    setup_logging(args.log_level)
-    if not args.upstream:
-        raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT")
+    setup_logging(args.log_level, args.log_format)
+    tracing.configure("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
+    if not args.upstream and not args.discovery:
+        raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")
+    try:
+        pool = ReplicaPool(args.upstream, args.discovery, args.resolve_interval)
+    except ValueError as exc:
+        raise SystemExit(f"meshserve gateway: {exc}") from None
+    admission = _admission(args.tenants, args.quota_store)
+    try:
+        routes = RouteTable(args.routes) if args.routes else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"meshserve gateway: --routes: {exc}") from None
+    try:
+        ensembles = EnsembleCatalog(args.repository, args.ensemble_max_inflight_steps) if args.repository else None
+    except OSError as exc:
+        raise SystemExit(f"meshserve gateway: --repository: {exc}") from None
 
     async def amain() -> None:
-        core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight)
+        core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
+                           pool=pool, routes=routes,
+                           ensembles=ensembles)
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                     metrics_port=args.metrics_port)
 
     run(amain())
+
+
+def _admission(tenants: str | None, store_url: str) -> Admission | None:
+    if tenants is None:
+        return None
+    try:
+        directory = TenantDirectory(tenants)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"meshserve gateway: --tenants: {exc}") from None
+    store: QuotaStore
+    if store_url == "memory":
+        store = MemoryQuotaStore()
+    elif store_url.startswith(("redis://", "rediss://", "unix://")):
+        store = RedisQuotaStore(store_url)
+    else:
+        raise SystemExit(f"meshserve gateway: --quota-store '{store_url}': expected 'memory' or redis://HOST:PORT")
+    return Admission(directory, store)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -35,6 +36,18 @@ def _cmd_service(args: argparse.Namespace) -> None:
         raise SystemExit(f"meshserve service: kind '{args.kind}' is not available in this build "
                          f"(available: {', '.join(SERVICE_KINDS)})")
     importlib.import_module(module).main(args)
+
+
+# service kind -> (module its runtime needs, the extra that installs it)
+_RUNTIME_MODULES = {"torchscript": ("torch", "torch"), "tensorrt": ("tensorrt", "tensorrt")}
+
+
+def _missing_runtime(kind: str) -> str | None:
+    """Why the service of `kind` cannot start here (its runtime is not installed), or None."""
+    module, extra = _RUNTIME_MODULES.get(kind, ("", ""))
+    if module and importlib.util.find_spec(module) is None:
+        return f"`{module}` is not installed (pip install 'meshserve[{extra}]')"
+    return None
 
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
@@ -116,15 +129,17 @@ def _cmd_up(args: argparse.Namespace) -> None:
     if not repo.is_dir():
         raise SystemExit(f"meshserve up: model repository {repo} does not exist")
     entries = layout.scan(repo)
-    kinds = sorted({e.kind for e in entries if e.kind})
+    # Ensembles run in the gateway (it gets the repository), not in a service of their own.
+    kinds = sorted({e.kind for e in entries if e.kind and e.kind != "ensemble"})
     for e in entries:
         if e.error:
             print(f"meshserve up: model '{e.name}' has a problem and will not load: {e.error}", flush=True)
-    runnable = [k for k in kinds if k in SERVICE_KINDS]
+    runnable = [k for k in kinds if k in SERVICE_KINDS and _missing_runtime(k) is None]
     for k in kinds:
-        if k not in SERVICE_KINDS:
+        if k not in runnable:
             names = ", ".join(e.name for e in entries if e.kind == k)
-            print(f"meshserve up: {k} models ({names}) are skipped: no {k} service in this build", flush=True)
+            why = f"no {k} service in this build" if k not in SERVICE_KINDS else _missing_runtime(k)
+            print(f"meshserve up: {k} models ({names}) are skipped: {why}", flush=True)
     if not runnable:
         raise SystemExit(f"meshserve up: no servable model in {repo} (run `meshserve check-repo {repo}`)")
 
@@ -152,6 +167,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: starting the gateway…", flush=True)
         gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
                                     "--grpc-port", str(args.grpc_port), "--log-level", args.log_level,
+                                    "--repository", str(repo),
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 
 need=()
 ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d' || need+=(libb64-0d)   # perf_analyzer
+command -v redis-server >/dev/null || need+=(redis-server)               # gateway quota store tests
 if [ ${#need[@]} -gt 0 ]; then
   echo "test.sh: apt-get install ${need[*]}"
   apt-get install -y -qq "${need[@]}" >/dev/null 2>&1 \
@@ -13,8 +14,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 PYTHON=python3 bash scripts/ci-deps-deploy.sh   # docker-compose, kubectl, promtool, envoy, …
 
-echo "test.sh: pip install -e .[dev]"
-python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
+echo "test.sh: pip install -e .[dev,torch]"
+python3 -m pip install -q --disable-pip-version-check -e ".[dev,torch]"
 python3 protos/generate.py --check >/dev/null
 echo "test.sh: ruff + mypy"
 python3 -m ruff check . --quiet

@@ -1,11 +1,13 @@
 """The routing table: model -> version -> replicas hosting it. Pure data, no I/O."""
 from __future__ import annotations
 
+import hashlib
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import InferError, model_not_found
 
 
@@ -70,3 +72,48 @@ class RoutingTable(Generic[R]):
 
     def __contains__(self, name: str) -> bool:
         return name in self.models
+
+
+# ---- sequence pinning -------------------------------------------------------------------
+
+class Endpoint(Protocol):
+    endpoint: str
+
+
+E = TypeVar("E", bound=Endpoint)
+_SEQUENCE_ID = "sequence_id"
+
+
+def sequence_affinity(parameters: Mapping[str, pb.InferParameter]) -> str | None:
+    """The pinning key of a request that belongs to a sequence, else None.
+
+    Integer ids arrive as int64 (tritonclient, perf_analyzer), uint64 (HTTP JSON above
+    2**63) or, rarely, an integral double; all map to the same unsigned key. 0 / "" = no
+    sequence."""
+    p = parameters.get(_SEQUENCE_ID)
+    if p is None:
+        return None
+    which = p.WhichOneof("parameter_choice")
+    if which == "string_param":
+        return f"s:{p.string_param}" if p.string_param else None
+    if which in ("int64_param", "uint64_param"):
+        value = int(getattr(p, which)) % (1 << 64)
+    elif which == "double_param" and float(p.double_param).is_integer():
+        value = int(p.double_param) % (1 << 64)
+    else:
+        return None
+    return f"i:{value}" if value else None
+
+
+def rendezvous_score(key: str, endpoint: str) -> int:
+    """Stable across processes (every gateway replica agrees), unlike hash()."""
+    digest = hashlib.blake2b(f"{key}\x00{endpoint}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def pick_pinned(replicas: Sequence[E], key: str) -> E:
+    """Rendezvous (highest random weight) hashing: the replica with the highest score for
+    ``key``. Removing a replica moves only the sequences it held; adding one takes ~1/n."""
+    if not replicas:
+        raise ValueError("pick_pinned needs at least one replica")
+    return max(replicas, key=lambda r: rendezvous_score(key, r.endpoint))

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 
 import grpc
 
 from gateway.routing.table import RoutingTable
+from gateway.upstream.health import HealthWatch
+from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -31,27 +35,65 @@ async def probe(replica: Replica) -> list[tuple[str, int]] | None:
 
 
 class Discovery:
-    """Keeps the routing table current: periodic probes plus refresh-on-demand."""
+    """Keeps the routing table current: periodic probes (model lists), refresh-on-demand, DNS
+    re-resolution of the pool, and a grpc.health.v1 Watch per replica (ejects at once)."""
 
-    def __init__(self, replicas: list[Replica], interval_s: float = 2.0):
-        self.replicas = replicas
+    def __init__(self, pool: ReplicaPool, interval_s: float = 2.0):
+        self.pool = pool
+        self.replicas = pool.replicas  # updated in place by the pool
         self.interval_s = interval_s
+        self.watches: dict[str, HealthWatch] = {}
+        self._resolved_at = float("-inf")
+        self._pending_refresh: asyncio.Task[None] | None = None
         self.table: RoutingTable[Replica] = RoutingTable()
         self.configs: dict[tuple[str, int], mc.ModelConfig] = {}
         self.first_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._refresh_lock = asyncio.Lock()
+        # What each replica hosted when last reachable: a down replica's versions stay in the
+        # table (with no healthy replica) so requests for them get 503 naming the version, not 404.
+        self._last_hosted: dict[str, list[tuple[str, int]]] = {}
+
+    async def resolve(self) -> None:
+        """Re-resolve the pool's names; start a health watch on each new replica."""
+        self._resolved_at = time.monotonic()
+        added, removed = await self.pool.resolve()
+        for r in removed:
+            watch = self.watches.pop(r.endpoint, None)
+            if watch is not None:
+                await watch.stop()
+            self._last_hosted.pop(r.endpoint, None)
+            r.healthy = False
+            await r.close()
+        for r in added:
+            self.watches[r.endpoint] = HealthWatch(r.channel, r.endpoint, functools.partial(self._on_health, r))
+
+    def _on_health(self, replica: Replica, serving: bool) -> None:
+        if not serving:
+            if replica.healthy:
+                log.warning("replica %s left the pool: health watch says not serving", replica.endpoint)
+            replica.healthy = False
+            return
+        # Serving again: probe now (its models may have changed) rather than at the next interval.
+        if self._pending_refresh is None or self._pending_refresh.done():
+            self._pending_refresh = asyncio.ensure_future(self.refresh())
 
     async def refresh(self) -> None:
         async with self._refresh_lock:
-            results = await asyncio.gather(*(probe(r) for r in self.replicas))
+            replicas = list(self.replicas)
+            results = await asyncio.gather(*(probe(r) for r in replicas))
             entries: list[tuple[str, int, Replica]] = []
-            for replica, hosted in zip(self.replicas, results, strict=True):
+            for replica, hosted in zip(replicas, results, strict=True):
+                watch = self.watches.get(replica.endpoint)  # NOT_SERVING beats a probe that raced it
                 was = replica.healthy
-                replica.healthy = hosted is not None
+                replica.healthy = hosted is not None and (watch is None or watch.serving is not False)
                 if was != replica.healthy:
                     log.info("replica %s is %s", replica.endpoint, "healthy" if replica.healthy else "unhealthy")
-                for name, version in hosted or ():
+                if hosted is None:
+                    hosted = self._last_hosted.get(replica.endpoint, [])
+                else:
+                    self._last_hosted[replica.endpoint] = hosted
+                for name, version in hosted:
                     entries.append((name, version, replica))
             self.table = RoutingTable(entries)
             await self._fetch_configs(entries)
@@ -61,7 +103,8 @@ class Discovery:
         """Keep each served (model, version)'s config (the coalescer validates against it)."""
         wanted: dict[tuple[str, int], Replica] = {}
         for name, version, replica in entries:
-            wanted.setdefault((name, version), replica)
+            if replica.healthy:
+                wanted.setdefault((name, version), replica)
         for key in [k for k in self.configs if k not in wanted]:
             del self.configs[key]
         missing = [(k, r) for k, r in wanted.items() if k not in self.configs]
@@ -90,6 +133,8 @@ class Discovery:
     async def _loop(self) -> None:
         while True:
             try:
+                if time.monotonic() - self._resolved_at >= self.pool.resolve_interval_s:
+                    await self.resolve()
                 await self.refresh()
             except Exception:  # keep discovering whatever happens
                 log.exception("discovery refresh failed")
@@ -101,5 +146,7 @@ class Discovery:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for watch in self.watches.values():
+            await watch.stop()
         for r in self.replicas:
             await r.close()

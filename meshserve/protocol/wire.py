@@ -6,6 +6,8 @@ INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
 ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
+ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)
+ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response header
 _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entries, length-delimited)
 
 

@@ -90,8 +90,8 @@ def service_kind(config: mc.ModelConfig) -> str | None:
 
 def model_file(entry_or_dir: ModelEntry | str | Path, config: mc.ModelConfig, version: int) -> Path:
     """``<model dir>/<version>/<default_model_filename>``, or the backend's default file name
-    (model.onnx, model.pt, model.plan, model.py). Raises ValueError for ensembles and models
-    whose backend has no known file name."""
+    (model.onnx, model.pt, model.plan, model.py; model.pt2 when a version holds only that).
+    Raises ValueError for ensembles and models whose backend has no known file name."""
     base = entry_or_dir.path if isinstance(entry_or_dir, ModelEntry) else Path(entry_or_dir)
     if config.platform == ENSEMBLE_PLATFORM:
         raise ValueError(f"model '{config.name}': an ensemble has no model file")
@@ -99,7 +99,10 @@ def model_file(entry_or_dir: ModelEntry | str | Path, config: mc.ModelConfig, ve
     if not filename:
         raise ValueError(f"model '{config.name}': no model file name known for "
                          f"platform '{config.platform}' backend '{config.backend}'")
-    return base / str(version) / filename
+    path = base / str(version) / filename
+    if filename == "model.pt" and not path.exists() and path.with_suffix(".pt2").exists():
+        return path.with_suffix(".pt2")  # a torch.export archive in place of TorchScript
+    return path
 
 
 def scan_model(model_dir: str | Path, *, override_json: str | None = None,

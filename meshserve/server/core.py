@@ -9,6 +9,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 
 EXTENSIONS = (
     "classification",
+    "sequence",
     "model_configuration",
     "binary_tensor_data",
     "parameters",

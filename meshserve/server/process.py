@@ -91,6 +91,10 @@ def run(main: Coroutine[Any, Any, None]) -> None:
         runner.run(main)
 
 
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """stderr logging at `level`; fmt "text" (default) or "json" (one object per line)."""
+    from meshserve.telemetry.logs import formatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])

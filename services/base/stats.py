@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.telemetry.metrics import BATCH_SIZE_BUCKETS, Histogram
 
 
 @dataclass(slots=True)
@@ -48,6 +49,11 @@ class ModelStats:
     batches: dict[int, BatchDurations] = field(default_factory=dict)
     fail_reasons: dict[str, int] = field(default_factory=dict)
     pending: int = 0
+    # /metrics histograms (microseconds; batch size in rows), updated with the counters above
+    request_hist: Histogram = field(default_factory=Histogram)
+    queue_hist: Histogram = field(default_factory=Histogram)
+    compute_hist: Histogram = field(default_factory=Histogram)
+    batch_hist: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BUCKETS))
 
     def record_batch(self, batch_rows: int, n_requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         self.execution_count += 1
@@ -61,15 +67,20 @@ class ModelStats:
         b.compute_input.add(input_ns)
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
+        self.compute_hist.observe((input_ns + infer_ns + output_ns) / 1000)
+        self.batch_hist.observe(batch_rows)
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_success(self, request_ns: int, queue_ns: int, requests: int = 1) -> None:
         self.success.add(request_ns * requests, requests)
         self.queue.add(queue_ns * requests, requests)
+        self.request_hist.observe(request_ns / 1000, requests)
+        self.queue_hist.observe(queue_ns / 1000, requests)
 
     def record_failure(self, request_ns: int, reason: str, requests: int = 1) -> None:
         self.fail.add(request_ns * requests, requests)
         self.fail_reasons[reason] = self.fail_reasons.get(reason, 0) + requests
+        self.request_hist.observe(request_ns / 1000, requests)
 
     def to_pb(self) -> pb.ModelStatistics:
         return pb.ModelStatistics(

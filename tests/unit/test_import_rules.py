@@ -66,3 +66,12 @@ def test_gateway_pure_modules_do_no_io() -> None:
     for path in (ROOT / "gateway" / "routing").rglob("*.py"):
         mods = _imports(path)
         assert not any(m.startswith(("grpc", "asyncio", "aiohttp", "socket", "redis")) for m in mods), path
+
+
+def test_gateway_quota_maths_and_ensemble_plan_do_no_io() -> None:
+    pure = [ROOT / "gateway" / "quotas" / "bucket.py", ROOT / "gateway" / "quotas" / "memory.py",
+            ROOT / "gateway" / "ensemble" / "plan.py", ROOT / "gateway" / "routing" / "ab.py"]
+    for path in pure:
+        mods = _imports(path)
+        assert not any(m.startswith(("grpc", "asyncio", "aiohttp", "socket", "redis", "os", "pathlib",
+                                     "meshserve.server")) for m in mods), (path, mods)

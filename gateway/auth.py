@@ -1,0 +1,198 @@
+"""Tenants: API key → tenant, what the tenant may call, its limits; and admission per request.
+
+`tenants.yaml` (pydantic-validated, re-read when its mtime changes, checked at most once a second):
+
+    anonymous: false          # requests without a key; default: allowed only when no tenants are listed
+    tenants:
+      - name: acme
+        keys_sha256: [<sha256 hex of the API key>]
+        rate: 50              # requests per second (token bucket refill)
+        burst: 100            # bucket size
+        max_concurrency: 8    # optional
+        models: ["add_sub", "scale*"]   # fnmatch patterns over model / route names; default ["*"]
+        priority: 1           # optional default `priority` request parameter
+        admin: false          # may load/unload models
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.quotas.bucket import Decision, Limits
+from gateway.watched import WatchedFile
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import Code, InferError
+from meshserve.server.core import RequestContext
+
+log = logging.getLogger("meshserve.gateway.auth")
+
+class TenantSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    keys_sha256: list[str] = Field(min_length=1)
+    rate: float = Field(gt=0)
+    burst: float = Field(ge=1)
+    max_concurrency: int | None = Field(default=None, ge=1)
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    priority: int | None = Field(default=None, ge=0)
+    admin: bool = False
+
+    @field_validator("keys_sha256")
+    @classmethod
+    def _hex_digests(cls, keys: list[str]) -> list[str]:
+        out = []
+        for k in keys:
+            k = k.strip().lower()
+            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+                raise ValueError(f"'{k}' is not a sha256 hex digest (64 hex characters)")
+            out.append(k)
+        return out
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(rate=self.rate, burst=self.burst, max_concurrency=self.max_concurrency)
+
+    def may_call(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+class TenantsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    anonymous: bool | None = None
+    tenants: list[TenantSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> TenantsFile:
+        names: set[str] = set()
+        keys: dict[str, str] = {}
+        for t in self.tenants:
+            if t.name in names:
+                raise ValueError(f"tenant '{t.name}' is listed twice")
+            names.add(t.name)
+            for k in t.keys_sha256:
+                if k in keys:
+                    raise ValueError(f"a key of tenant '{t.name}' is also a key of tenant '{keys[k]}'")
+                keys[k] = t.name
+        return self
+
+    @property
+    def anonymous_allowed(self) -> bool:
+        return self.anonymous if self.anonymous is not None else not self.tenants
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_tenants(text: str, source: str = "tenants.yaml") -> TenantsFile:
+    """Parse and validate; errors name the file and the offending field."""
+    try:
+        data = yaml.safe_load(text) or {}
+        return TenantsFile.model_validate(data)
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+class Tenants:
+    """A validated snapshot: key digest → tenant."""
+
+    def __init__(self, spec: TenantsFile):
+        self.spec = spec
+        self.by_key = {k: t for t in spec.tenants for k in t.keys_sha256}
+
+    def authenticate(self, headers: dict[str, str]) -> TenantSpec | None:
+        """The caller's tenant; None = anonymous (when allowed). Raises 401 otherwise."""
+        key = api_key(headers)
+        if key is None:
+            if self.spec.anonymous_allowed:
+                return None
+            raise InferError(Code.UNAUTHENTICATED, "an API key is required "
+                             "('Authorization: Bearer <key>' or 'x-api-key: <key>')")
+        tenant = self.by_key.get(hash_key(key))
+        if tenant is None:
+            raise InferError(Code.UNAUTHENTICATED, "unknown API key")
+        return tenant
+
+
+def api_key(headers: dict[str, str]) -> str | None:
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None
+
+
+class TenantDirectory(WatchedFile[Tenants]):
+    """tenants.yaml, reloaded without restart when it changes (an invalid edit keeps the old one)."""
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.monotonic):
+        super().__init__(path, lambda text, source: Tenants(parse_tenants(text, source)), clock)
+
+
+class QuotaStore(Protocol):
+    async def acquire(self, tenant: str, limits: Limits, lease_s: float = 0.0) -> tuple[Decision, str]: ...
+
+    async def release(self, tenant: str, ticket: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Admitted:
+    tenant: str
+    ticket: str
+
+
+class Admission:
+    """authenticate → authorize the model/route → take quota. The core calls it before routing."""
+
+    def __init__(self, directory: TenantDirectory, store: QuotaStore):
+        self.directory = directory
+        self.store = store
+
+    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Admitted | None:
+        tenant = self.directory.get().authenticate(ctx.headers)
+        if tenant is None:
+            return None
+        if not tenant.may_call(request.model_name):
+            raise InferError(Code.PERMISSION_DENIED,
+                             f"tenant '{tenant.name}' may not call model '{request.model_name}'")
+        lease = ctx.time_remaining() or 0.0
+        try:
+            decision, ticket = await self.store.acquire(tenant.name, tenant.limits, lease)
+        except Exception as exc:  # the store is down: refuse rather than run unmetered
+            raise InferError.unavailable(f"quota store unavailable: {exc}") from None
+        if not decision.allowed:
+            what = "rate limit" if decision.reason == "rate" else "concurrency limit"
+            raise InferError.exhausted(f"tenant '{tenant.name}' is over its {what}",
+                                       retry_after_s=decision.retry_after_s)
+        if tenant.priority is not None and "priority" not in request.parameters:
+            request.parameters["priority"].uint64_param = tenant.priority
+            ctx.raw = None  # the forwarded bytes must carry the new parameter
+        return Admitted(tenant.name, ticket)
+
+    async def release(self, admitted: Admitted | None) -> None:
+        if admitted is not None and admitted.ticket:
+            try:
+                await self.store.release(admitted.tenant, admitted.ticket)
+            except Exception as exc:  # a lease expires on its own in Redis
+                log.warning("quota release for tenant '%s' failed: %s", admitted.tenant, exc)
+
+    def require_admin(self, ctx: RequestContext, action: str) -> None:
+        tenant = self.directory.get().authenticate(ctx.headers)
+        if tenant is None or not tenant.admin:
+            who = "anonymous callers" if tenant is None else f"tenant '{tenant.name}'"
+            raise InferError(Code.PERMISSION_DENIED, f"{action} needs an admin API key; {who} may not")

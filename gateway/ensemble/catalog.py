@@ -1,0 +1,121 @@
+"""The ensembles of a model repository (`--repository`): their configs are read once at start;
+each is compiled against the step models' configs the services report, again whenever those
+change. A plan that does not compile makes the ensemble UNAVAILABLE with the step-naming error."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from gateway.ensemble.executor import EnsembleExecutor, Send
+from gateway.ensemble.plan import EnsembleError, Plan, compile_plan
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol.datatypes import config_to_wire
+from meshserve.protocol.errors import InferError, model_not_found
+from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_model_config, parse_config
+
+log = logging.getLogger("meshserve.gateway.ensemble")
+
+Lookup = Callable[[str, str], "mc.ModelConfig | None"]
+
+
+def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], dict[str, str]]:
+    """(name → validated config, name → load error) for every `platform: "ensemble"` model."""
+    configs: dict[str, mc.ModelConfig] = {}
+    errors: dict[str, str] = {}
+    for d in sorted(p for p in Path(repository).iterdir() if p.is_dir() and not p.name.startswith(".")):
+        cfg_file = d / "config.pbtxt"
+        if not cfg_file.is_file():
+            continue
+        try:
+            if parse_config(cfg_file).platform != ENSEMBLE_PLATFORM:
+                continue
+            configs[d.name] = load_model_config(d)
+        except ConfigError as exc:
+            errors[d.name] = str(exc)
+    return configs, errors
+
+
+class EnsembleCatalog:
+    def __init__(self, repository: str | Path, max_inflight_steps: int = 256):
+        self.repository = Path(repository)
+        self.configs, self.errors = read_ensembles(self.repository)
+        self.max_inflight_steps = max_inflight_steps
+        self.executor: EnsembleExecutor | None = None
+        self._lookup: Lookup = lambda model, version: None
+        self._plans: dict[str, tuple[tuple[int, ...], Plan | EnsembleError]] = {}
+        for name, err in self.errors.items():
+            log.error("ensemble %s not loaded: %s", name, err)
+
+    def bind(self, send: Send, lookup: Lookup) -> None:
+        self.executor = EnsembleExecutor(send, self.max_inflight_steps)
+        self._lookup = lookup
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.configs or name in self.errors
+
+    def plan(self, name: str, version: str = "") -> Plan:
+        """The compiled plan; InferError UNAVAILABLE naming the step when it does not compile."""
+        if name in self.errors:
+            raise InferError.unavailable(f"ensemble '{name}' failed to load: {self.errors[name]}")
+        config = self.configs[name]
+        if version and version != "1":
+            raise model_not_found(name, version)
+        steps = config.ensemble_scheduling.step
+        found = [self._lookup(s.model_name, "" if s.model_version < 0 else str(s.model_version)) for s in steps]
+        key = tuple(id(c) for c in found)
+        cached = self._plans.get(name)
+        if cached is None or cached[0] != key:
+            try:
+                result: Plan | EnsembleError = compile_plan(config, self._lookup)
+            except EnsembleError as exc:
+                log.error("%s", exc)
+                result = exc
+            cached = self._plans[name] = (key, result)
+        if isinstance(cached[1], EnsembleError):
+            raise InferError.unavailable(str(cached[1]))
+        return cached[1]
+
+    async def infer(self, request: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+        plan = self.plan(request.model_name, request.model_version)
+        assert self.executor is not None, "EnsembleCatalog.bind() was not called"
+        return await self.executor.run(plan, request, timeout)
+
+    def ready(self, name: str, version: str) -> bool:
+        try:
+            self.plan(name, version)
+        except InferError:
+            return False
+        return True
+
+    def index(self, ready_only: bool) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        """Repository index entries for the ensembles (READY when the plan compiles)."""
+        out = []
+        for name in sorted({*self.configs, *self.errors}):
+            try:
+                self.plan(name)
+            except InferError as exc:
+                if not ready_only:
+                    out.append(pb.RepositoryIndexResponse.ModelIndex(name=name, state="UNAVAILABLE",
+                                                                     reason=exc.message))
+                continue
+            out.append(pb.RepositoryIndexResponse.ModelIndex(name=name, version="1", state="READY"))
+        return out
+
+    def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        if name in self.errors:
+            raise InferError.unavailable(f"ensemble '{name}' failed to load: {self.errors[name]}")
+        if version and version != "1":
+            raise model_not_found(name, version)
+        return pb.ModelConfigResponse(config=self.configs[name])
+
+    def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        config = self.model_config(name, version).config
+        md = pb.ModelMetadataResponse(name=name, versions=["1"], platform=ENSEMBLE_PLATFORM)
+        batch = [-1] if config.max_batch_size > 0 else []
+        for t in config.input:
+            md.inputs.add(name=t.name, datatype=config_to_wire(t.data_type), shape=batch + list(t.dims))
+        for t in config.output:
+            md.outputs.add(name=t.name, datatype=config_to_wire(t.data_type), shape=batch + list(t.dims))
+        return md

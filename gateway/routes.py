@@ -1,0 +1,93 @@
+"""A/B routes at request time: pick the arm (routing/ab.py), forward, mark the answer with the
+arm, mirror a share to the shadow target without ever delaying or failing the reply."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from gateway.routing.ab import Route, Routes, parse_routes
+from gateway.watched import WatchedFile
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import InferError
+from meshserve.protocol.wire import ROUTE_ARM_PARAMETER
+from meshserve.server.core import InferResult, RequestContext
+
+log = logging.getLogger("meshserve.gateway.routes")
+
+MAX_SHADOWS_IN_FLIGHT = 64  # beyond this, shadow copies are dropped (and counted), never queued
+
+Infer = Callable[[pb.ModelInferRequest, RequestContext], Awaitable[InferResult]]
+Send = Callable[[pb.ModelInferRequest, bytes | None, float | None], Awaitable[pb.ModelInferResponse]]
+
+
+class RouteTable:
+    """routes.yaml (reloaded when it changes) plus per-arm and shadow counters for /metrics."""
+
+    def __init__(self, path: str | Path):
+        self.file = WatchedFile(path, lambda text, source: Routes(parse_routes(text, source)))
+        self.arm_counts: Counter[tuple[str, str, str]] = Counter()  # (route, arm, outcome)
+        self.shadow_counts: Counter[tuple[str, str, str]] = Counter()  # (route, model, outcome)
+        self._shadows: set[asyncio.Task[None]] = set()
+        self._send: Send | None = None
+
+    def lookup(self, name: str) -> Route | None:
+        return self.file.get().get(name)
+
+    async def infer(self, route: Route, request: pb.ModelInferRequest, ctx: RequestContext,
+                    infer: Infer) -> InferResult:
+        if request.model_version:
+            raise InferError.invalid(f"route '{route.name}' chooses the model version; "
+                                     f"call it without one (got version {request.model_version})")
+        choice = route.choose(ctx.headers, random.random(), random.random())
+        target = choice.target
+        if choice.shadow is not None:
+            self._mirror(route.name, choice.shadow.model, choice.shadow.version, request, ctx)
+        request.model_name = target.model
+        request.model_version = target.version
+        ctx.raw = None  # the forwarded bytes must name the target
+        try:
+            result = await infer(request, ctx)
+        except InferError as exc:
+            self.arm_counts[(route.name, target.name, exc.code.value)] += 1
+            raise
+        self.arm_counts[(route.name, target.name, "OK")] += 1
+        msg = result.message()
+        msg.parameters[ROUTE_ARM_PARAMETER].string_param = target.name
+        return InferResult(message=msg)
+
+    def _mirror(self, route: str, model: str, version: str, request: pb.ModelInferRequest,
+                ctx: RequestContext) -> None:
+        if len(self._shadows) >= MAX_SHADOWS_IN_FLIGHT:
+            self.shadow_counts[(route, model, "DROPPED")] += 1
+            return
+        copy = pb.ModelInferRequest()
+        copy.CopyFrom(request)
+        copy.model_name = model
+        copy.model_version = version
+        task = asyncio.ensure_future(self._shadow(route, copy, ctx.time_remaining()))
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
+    async def _shadow(self, route: str, request: pb.ModelInferRequest, timeout: float | None) -> None:
+        outcome = "OK"
+        try:
+            assert self._send is not None, "RouteTable.bind() was not called"
+            await self._send(request, None, timeout)
+        except InferError as exc:
+            outcome = exc.code.value
+        except Exception as exc:  # a shadow never fails anything; count and move on
+            log.debug("shadow request for route %s failed: %s", route, exc)
+            outcome = "UNKNOWN"
+        self.shadow_counts[(route, request.model_name, outcome)] += 1
+
+    def bind(self, send: Send) -> None:
+        """Where shadow copies go (the core's upstream send; no coalescing, no quota)."""
+        self._send = send
+
+    async def stop(self) -> None:
+        for task in list(self._shadows):
+            task.cancel()

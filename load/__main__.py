@@ -1,0 +1,3 @@
+from load.cli import main
+
+main()

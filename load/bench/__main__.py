@@ -1,0 +1,484 @@
+"""Benchmark suite: `python -m load.bench [--quick]` writes load/results/<date>-<host>.md (+ .json).
+
+Sections: generator ceiling, serving efficiency (raw onnxruntime vs direct vs gateway), hop cost,
+batching, quotas (noisy neighbour), scale-out, and the same hop/efficiency cells with Triton's
+perf_analyzer. Models: the team's bench models (`../shared/bench/gen_models.py`, BENCH_ORT_THREADS=2).
+Long (minutes): never part of the test suite. Run it on a quiet machine (`uptime` load < 1).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime as dt
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from load.bench import procs
+from load.cli import run_scenario, run_sync
+from load.scenario import Scenario, Target
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared"
+PA = SHARED / "tools" / "perf_analyzer"
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace):
+        self.a = args
+        self.step = min(2.0, args.step_s) if args.quick else args.step_s
+        self.warm = 0.5
+        stamp = dt.datetime.now(dt.UTC)
+        self.out_md = Path(args.out_dir) / f"{stamp:%Y-%m-%d}-{socket.gethostname()}.md"
+        self.out_json = self.out_md.with_suffix(".json")
+        self.logdir = Path(tempfile.mkdtemp(prefix="load-bench-"))
+        self.doc: dict[str, Any] = {"started": stamp.isoformat(timespec="seconds"), "sections": {}}
+        self.md: list[str] = []
+        self.servers: list[procs.Server] = []
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    def start(self, srv: procs.Server) -> procs.Server:
+        self.servers.append(srv)
+        return srv
+
+    def stop_all(self) -> None:
+        for s in reversed(self.servers):
+            s.stop()
+        self.servers.clear()
+
+    def cell(self, name: str, http: str, grpc: str, model: str, protocol: str, conc: int, batch: int = 1,
+             pids: list[int] | None = None, mode: str = "closed", rate: float | None = None,
+             http_client: str = "raw") -> dict[str, Any]:
+        sc = Scenario(name=name, http=http, grpc=grpc, mode=mode, rate=rate, concurrency=conc,  # type: ignore[arg-type]
+                      http_client=http_client,  # type: ignore[arg-type]
+                      duration_s=self.step, warmup_s=self.warm,
+                      targets=[Target(model=model, protocol=protocol, batch=batch)])  # type: ignore[arg-type]
+        cpu0 = sum(procs.proc_tree_cpu_s(p) for p in pids or [])
+        t0 = time.perf_counter()
+        res = run_sync(sc)
+        wall = time.perf_counter() - t0
+        cpu1 = sum(procs.proc_tree_cpu_s(p) for p in pids or [])
+        return summarize_cell(res, (cpu1 - cpu0) / wall if pids else None)
+
+    def wait_quiet(self) -> float:
+        deadline = time.monotonic() + self.a.quiet_wait
+        load = os.getloadavg()[0]
+        while load >= 1.0 and time.monotonic() < deadline:
+            time.sleep(5)
+            load = os.getloadavg()[0]
+        return load
+
+    def section(self, key: str, title: str, body: list[str], data: Any) -> None:
+        self.doc["sections"][key] = data
+        self.md += [f"## {title}", "", *body, ""]
+        self.flush()
+
+    def flush(self) -> None:
+        self.out_md.parent.mkdir(parents=True, exist_ok=True)
+        self.out_md.write_text("\n".join(self.header() + self.md) + "\n")
+        self.out_json.write_text(json.dumps(self.doc, indent=1))
+
+    def header(self) -> list[str]:
+        env = self.doc.get("env", {})
+        return [f"# Load benchmark: {self.doc['started']} on {socket.gethostname()}", "",
+                "Written by `python -m load.bench" + (" --quick" if self.a.quick else "") + "` (load/README.md "
+                "explains every figure). Client = meshserve's Python load generator unless a table says "
+                "perf_analyzer. Client and servers share the same machine: every throughput is "
+                "*server + load generator on these cores*, not server capacity alone.", "",
+                f"- machine: {env.get('cpus')} CPUs, load average at start {env.get('loadavg_start')}, "
+                f"at end {env.get('loadavg_end', '(running)')}; python {sys.version.split()[0]}",
+                f"- models: {env.get('models')} (BENCH_ORT_THREADS={env.get('ort_threads')}), "
+                f"{self.step:g} s measured + {self.warm:g} s warm-up per cell", ""]
+
+    # ---- sections --------------------------------------------------------------------------
+    def models(self) -> Path:
+        models = Path(self.a.models)
+        if not (models / "onnx_repo" / "mlp").is_dir():
+            self.log(f"generating bench models into {models}")
+            subprocess.run([sys.executable, str(SHARED / "bench" / "gen_models.py"), str(models)], check=True,
+                           env={**os.environ, "BENCH_ORT_THREADS": "2"}, stdout=subprocess.DEVNULL)
+        threads = "?"
+        cfg = (models / "onnx_repo" / "mlp" / "config.pbtxt").read_text()
+        if '"intra_op_thread_count" value: { string_value: "' in cfg:
+            threads = cfg.split('"intra_op_thread_count" value: { string_value: "')[1].split('"')[0]
+        self.doc["env"] = {"cpus": os.cpu_count(), "loadavg_start": round(self.wait_quiet(), 2),
+                           "models": str(models / "onnx_repo"), "ort_threads": threads}
+        return models
+
+    def raw_ort(self, models: Path, batches: list[int]) -> dict[int, dict[str, float]]:
+        import numpy as np
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        so.inter_op_num_threads = 1
+        sess = ort.InferenceSession(str(models / "onnx_repo" / "mlp" / "1" / "model.onnx"), so,
+                                    providers=["CPUExecutionProvider"])
+        name = sess.get_inputs()[0].name
+        out = {}
+        for b in batches:
+            x = np.random.default_rng(0).uniform(-1, 1, (b, 512)).astype(np.float32)
+            times = []
+            end = time.perf_counter() + (0.5 if self.a.quick else 1.5)
+            sess.run(None, {name: x})
+            while time.perf_counter() < end:
+                t = time.perf_counter()
+                sess.run(None, {name: x})
+                times.append(time.perf_counter() - t)
+            med = statistics.median(times)
+            out[b] = {"ms_per_call": round(med * 1e3, 3), "rows_per_s": round(b / med, 1)}
+        return out
+
+    def generator_ceiling(self, svc: procs.Server) -> None:
+        self.log("generator ceiling")
+        rows = []
+        for proto in ("grpc", "grpc-stream", "http-binary", "http-json"):
+            c = self.cell(f"gen-{proto}", svc.http, svc.grpc, "add_sub", proto, 64, pids=[svc.pid])
+            rows.append({"protocol": proto, **c})
+        a = self.cell("gen-aiohttp", svc.http, svc.grpc, "add_sub", "http-binary", 64, pids=[svc.pid],
+                      http_client="aiohttp")
+        rows.append({"protocol": "http-binary (aiohttp client)", **a})
+        o = self.cell("gen-open", svc.http, svc.grpc, "add_sub", "grpc", 1, pids=[svc.pid], mode="open",
+                      rate=3000)
+        rows.append({"protocol": "grpc open 3000/s", **o})
+        body = ["add_sub direct to the ONNX service, closed loop c=64 (and open loop at 3000/s): how fast the "
+                "Python generator itself can go on this box. `client µs/req` is the generator's own CPU per "
+                "request (os.times); `1e6/µs` is the rate one fully used client core could drive if the server "
+                "were free. Compare with perf_analyzer's own µs/req in the perf_analyzer section.", "",
+                "| protocol | goodput /s | p50 ms | p99 ms | client cores | client µs/req | ≈ max req/s per client core | server cores |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            us = r["client_us_per_req"]
+            body.append(f"| {r['protocol']} | {r['goodput']} | {r['p50']} | {r['p99']} | {r['client_cores']} | "
+                        f"{us} | {int(1e6 / us) if us else '-'} | {r['server_cores']} |")
+        if "send_lag_p99" in o:
+            body.append(f"\nOpen loop at 3000/s: achieved {o['achieved_rate']}/s, send lag p99 {o['send_lag_p99']} ms.")
+        self.section("generator", "Generator ceiling", body, rows)
+
+    def efficiency(self, models: Path, svc: procs.Server, gw: procs.Server) -> None:
+        batches = [1, 8, 64] if self.a.quick else [1, 2, 4, 8, 16, 32, 64]
+        self.log("raw onnxruntime")
+        raw = self.raw_ort(models, batches)
+        rows: list[dict[str, Any]] = []
+        for b in batches:
+            for conc in (1, 4):
+                d = self.cell(f"eff-direct-b{b}-c{conc}", svc.http, svc.grpc, "mlp", "grpc", conc, b, [svc.pid])
+                g = self.cell(f"eff-gw-b{b}-c{conc}", gw.http, gw.grpc, "mlp", "grpc", conc, b,
+                              [svc.pid, gw.pid])
+                rows.append({"batch": b, "conc": conc, "raw": raw[b], "direct": d, "gateway": g})
+                self.log(f"efficiency b{b} c{conc}: raw {raw[b]['rows_per_s']} direct {d['rows_s']} gw {g['rows_s']}")
+        body = ["mlp (512→…→512, FP32), gRPC, each request carries `batch` rows; c = client concurrency. "
+                "raw = one onnxruntime session in this process (2 intra-op threads), median call; direct = the "
+                "ONNX service; gateway = through the gateway to the same service (same run). rows/s of the "
+                "served paths over raw rows/s at the same request batch = fraction of the physical limit "
+                "(at c=4 the server can merge requests into larger batches than `batch`, so >1 is possible).",
+                "", "| batch | c | raw ms/call | raw rows/s | direct rows/s | direct p50 ms | gateway rows/s | "
+                "gateway p50 ms | direct/raw | gateway/raw | gateway/direct |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            raw_r, d, g = r["raw"]["rows_per_s"], r["direct"]["rows_s"], r["gateway"]["rows_s"]
+            body.append(f"| {r['batch']} | {r['conc']} | {r['raw']['ms_per_call']} | {raw_r} | {d} | {r['direct']['p50']} | "
+                        f"{g} | {r['gateway']['p50']} | {ratio(d, raw_r)} | {ratio(g, raw_r)} | {ratio(g, d)} |")
+        self.section("efficiency", "Serving efficiency (mlp)", body, rows)
+
+    def hop(self, svc: procs.Server, gw: procs.Server) -> None:
+        rows: list[dict[str, Any]] = []
+        for proto in ("http-binary", "grpc"):
+            for conc in (1, 8, 32):
+                d = self.cell(f"hop-direct-{proto}-c{conc}", svc.http, svc.grpc, "add_sub", proto, conc,
+                              pids=[svc.pid])
+                g = self.cell(f"hop-gw-{proto}-c{conc}", gw.http, gw.grpc, "add_sub", proto, conc,
+                              pids=[svc.pid, gw.pid])
+                rows.append({"protocol": proto, "conc": conc, "direct": d, "gateway": g})
+                self.log(f"hop {proto} c{conc}: direct p50 {d['p50']} gw p50 {g['p50']}")
+        body = ["add_sub, batch 1, closed loop. `added` = gateway − direct: the cost of one extra hop (client → "
+                "gateway → service vs client → service), measured back to back in the same run.", "",
+                "| protocol | c | direct /s | gateway /s | direct p50 | gateway p50 | added p50 ms | direct p99 | "
+                "gateway p99 | added p99 ms | server cores direct / gw path |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            d, g = r["direct"], r["gateway"]
+            body.append(f"| {r['protocol']} | {r['conc']} | {d['goodput']} | {g['goodput']} | {d['p50']} | {g['p50']} | "
+                        f"{diff(g['p50'], d['p50'])} | {d['p99']} | {g['p99']} | {diff(g['p99'], d['p99'])} | "
+                        f"{d['server_cores']} / {g['server_cores']} |")
+        self.section("hop", "Hop cost (add_sub, gateway vs direct)", body, rows)
+
+    def batching(self, svc: procs.Server) -> None:
+        import aiohttp
+
+        from load.tune import _get, _post_load
+
+        async def reload(delay: int | None) -> None:
+            async with aiohttp.ClientSession() as s:
+                if delay is None:
+                    await _post_load(s, svc.http, "mlp", None)
+                    return
+                cfg = await _get(s, f"http://{svc.http}/v2/models/mlp/config")
+                cfg.setdefault("dynamic_batching", {})["max_queue_delay_microseconds"] = delay
+                await _post_load(s, svc.http, "mlp", cfg)
+
+        rows = []
+        try:
+            asyncio.run(reload(1000))
+        except SystemExit as exc:
+            self.section("batching", "Batching (mlp: queue delay × concurrency)", [f"not run: {exc}"], {})
+            return
+        for delay in (0, 500, 1000, 4000):
+            asyncio.run(reload(delay))
+            for conc in (1, 8, 32):
+                c = self.cell(f"batch-d{delay}-c{conc}", svc.http, svc.grpc, "mlp", "grpc", conc, pids=[svc.pid])
+                rows.append({"delay_us": delay, "conc": conc, **c})
+                self.log(f"batching d{delay} c{conc}: {c['goodput']}/s p99 {c['p99']} rows/exec {c['rows_exec']}")
+        asyncio.run(reload(None))
+        body = ["mlp direct to the ONNX service over gRPC, batch 1 per request; `max_queue_delay_microseconds` set "
+                "per row by reloading the model with a config override (repository extension), max_batch_size 64. "
+                "Batch sizes: executions per batch size from the statistics extension (`batch_stats`), warm-up included.",
+                "", "| queue delay µs | c | goodput /s | p50 ms | p99 ms | rows/exec | batch sizes (size:executions) |",
+                "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            bs = " ".join(f"{k}:{v}" for k, v in sorted(r["batch_sizes"].items(), key=lambda kv: int(kv[0])))
+            body.append(f"| {r['delay_us']} | {r['conc']} | {r['goodput']} | {r['p50']} | {r['p99']} | {r['rows_exec']} | {bs} |")
+        self.section("batching", "Batching (mlp: queue delay × concurrency)", body, rows)
+
+    def quotas(self, svc: procs.Server) -> None:
+        helptext = subprocess.run([sys.executable, "-m", "meshserve", "gateway", "--help"], capture_output=True,
+                                  text=True, cwd=ROOT).stdout
+        scen = ROOT / "load" / "scenarios" / "noisy_neighbour.yaml"
+        if "--tenants" not in helptext:
+            self.section("quotas", "Quotas (noisy neighbour)", [
+                f"**not available: issue #4** (the gateway has no tenants/quotas). Scenario ready: `{scen.relative_to(ROOT)}`."],
+                {"available": False})
+            return
+        try:
+            rows = self._noisy_neighbour(svc)
+        except Exception as exc:  # noqa: BLE001 - the tenants feature is in flux (issue #4)
+            self.section("quotas", "Quotas (noisy neighbour)", [
+                f"not available: issue #4 — the gateway has `--tenants` but the run failed: `{exc}`. "
+                f"Scenario: `{scen.relative_to(ROOT)}`."], {"available": False, "error": str(exc)})
+            return
+        body = ["add_sub over gRPC through one gateway with per-tenant quotas (`--tenants`): the quiet tenant "
+                "sends 100/s (open loop) alone, then while the noisy tenant floods (closed loop c=32, "
+                "rate-limited to 200/s by its quota). Noisy rejections are the quota at work.", "",
+                "| phase | quiet goodput /s | quiet p50 ms | quiet p99 ms | quiet errors | noisy goodput /s | noisy errors |",
+                "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            q, n = r["quiet"], r.get("noisy")
+            body.append(f"| {r['phase']} | {q['goodput']} | {q['p50']} | {q['p99']} | {q['errors'] or 0} | "
+                        f"{n['goodput'] if n else '-'} | {fmt_errors(n) if n else '-'} |")
+        self.section("quotas", "Quotas (noisy neighbour)", body, rows)
+
+    def _noisy_neighbour(self, svc: procs.Server) -> list[dict[str, Any]]:
+        import hashlib
+
+        try:
+            from gateway.auth import hash_key
+        except ImportError:
+            def hash_key(key: str) -> str:
+                return hashlib.sha256(key.encode()).hexdigest()
+        tfile = self.logdir / "tenants.yaml"
+        tfile.write_text(f"""tenants:
+  - name: noisy
+    keys_sha256: ["{hash_key('noisy-key')}"]
+    rate: 200
+    burst: 50
+  - name: quiet
+    keys_sha256: ["{hash_key('quiet-key')}"]
+    rate: 1000
+    burst: 200
+""")
+        gw = self.start(procs.gateway([svc.grpc], self.logdir / "gateway-tenants.log", ["--tenants", str(tfile)]))
+        tenants = {"noisy": {"api_key": "noisy-key"}, "quiet": {"api_key": "quiet-key"}}
+        quiet = Scenario.model_validate({"name": "quiet", "http": gw.http, "grpc": gw.grpc, "mode": "open",
+                                         "rate": 100, "duration_s": self.step * 2, "warmup_s": self.warm,
+                                         "tenants": tenants,
+                                         "targets": [{"model": "add_sub", "protocol": "grpc", "tenant": "quiet"}]})
+        noisy = quiet.model_copy(update={"name": "noisy", "mode": "closed", "concurrency": 32,
+                                         "targets": [Target(model="add_sub", protocol="grpc", tenant="noisy")]})
+
+        async def both() -> list[dict[str, Any]]:
+            return list(await asyncio.gather(run_scenario(quiet), run_scenario(noisy)))
+
+        alone = summarize_cell(run_sync(quiet), None)
+        q, n = asyncio.run(both())
+        gw.stop()
+        self.servers.remove(gw)
+        return [{"phase": "quiet alone", "quiet": alone},
+                {"phase": "quiet + noisy", "quiet": summarize_cell(q, None), "noisy": summarize_cell(n, None)}]
+
+    def scale_out(self, models: Path, svc: procs.Server, gw: procs.Server) -> None:
+        self.log("scale-out")
+        rows = []
+
+        def split(name: str, gws: list[procs.Server], model: str, conc: int, pids: list[int]) -> dict[str, Any]:
+            scs = [Scenario(name=f"{name}-{i}", http=g.http, grpc=g.grpc, concurrency=conc // len(gws),
+                            duration_s=self.step, warmup_s=self.warm, targets=[Target(model=model, protocol="grpc")])
+                   for i, g in enumerate(gws)]
+
+            async def all_() -> list[dict[str, Any]]:
+                return list(await asyncio.gather(*(run_scenario(s) for s in scs)))
+
+            cpu0 = sum(procs.proc_tree_cpu_s(p) for p in pids)
+            t0 = time.perf_counter()
+            res = asyncio.run(all_())
+            cores = (sum(procs.proc_tree_cpu_s(p) for p in pids) - cpu0) / (time.perf_counter() - t0)
+            cells = [summarize_cell(r, None) for r in res]
+            return {"goodput": round(sum(c["goodput"] for c in cells), 1),
+                    "p50": max(c["p50"] or 0 for c in cells), "p99": max(c["p99"] or 0 for c in cells),
+                    "errors": sum(c["errors"] for c in cells), "server_cores": round(cores, 2),
+                    "client_cores": round(sum(c["client_cores"] or 0 for c in cells), 2)}
+
+        gw2 = self.start(procs.gateway([svc.grpc], self.logdir / "gateway2.log"))
+        for model in ("add_sub", "mlp"):
+            rows.append({"setup": "1 gateway, 1 service", "model": model,
+                         **split("g1", [gw], model, 32, [svc.pid, gw.pid])})
+            rows.append({"setup": "2 gateways, 1 service", "model": model,
+                         **split("g2", [gw, gw2], model, 32, [svc.pid, gw.pid, gw2.pid])})
+        svc2 = self.start(procs.service(models / "onnx_repo", self.logdir / "service2.log"))
+        gw3 = self.start(procs.gateway([svc.grpc, svc2.grpc], self.logdir / "gateway3.log"))
+        for model in ("add_sub", "mlp"):
+            rows.append({"setup": "1 gateway, 2 services", "model": model,
+                         **split("s2", [gw3], model, 32, [svc.pid, svc2.pid, gw3.pid])})
+        body = [f"gRPC, batch 1, total client concurrency 32 (split evenly over the gateways). This machine has "
+                f"{os.cpu_count()} cores shared by the client, every gateway and every service: adding processes "
+                "adds scheduling and hop overhead but no cores, so on this box scale-out **cannot** show a "
+                "throughput gain — what it can show is that the mesh stays correct (no errors) and how much the "
+                "extra processes cost. Real gains need the processes on separate cores/machines "
+                "(deploy/compose.yaml, k8s).", "",
+                "| setup | model | goodput /s | p50 ms (worst) | p99 ms (worst) | errors | server cores | client cores |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            body.append(f"| {r['setup']} | {r['model']} | {r['goodput']} | {r['p50']} | {r['p99']} | {r['errors']} | "
+                        f"{r['server_cores']} | {r['client_cores']} |")
+        self.section("scale_out", "Scale-out (1 vs 2 gateways, 1 vs 2 service replicas)", body, rows)
+
+    def perf_analyzer(self, models: Path, svc: procs.Server, gw: procs.Server) -> None:
+        if not PA.exists():
+            self.section("perf_analyzer", "perf_analyzer", ["not run: /work/shared/tools/perf_analyzer missing"], {})
+            return
+        rows = []
+        concs = (1, 8, 32)
+        for model in ("add_sub", "mlp"):
+            for mode in ("http", "grpc"):
+                for conc in concs:
+                    for label, srv in (("direct", svc), ("gateway", gw)):
+                        r = self._pa(srv, model, mode, conc, models)
+                        rows.append({"model": model, "mode": mode, "conc": conc, "path": label, **r})
+                        self.log(f"pa {model} {mode} c{conc} {label}: {r}")
+        body = ["Triton's perf_analyzer (C++, `-i http` binary tensors / `-i grpc`, batch 1, "
+                f"`--measurement-interval {int(self.step * 1000)}`, file inputs from perf_data/), same servers, "
+                "same run. Compare with the Python generator's hop/efficiency tables above: the difference in "
+                "throughput at c=32 is mostly client cost (client cores column).", "",
+                "| model | mode | c | direct /s | gateway /s | direct p50 ms | gateway p50 ms | added p50 ms | "
+                "direct p99 ms | gateway p99 ms | added p99 ms | pa cores (direct / gw) | pa µs/req (direct) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for i in range(0, len(rows), 2):
+            d, g = rows[i], rows[i + 1]
+            us = round(d["client_cores"] / d["rps"] * 1e6, 1) if d.get("rps") and d.get("client_cores") else "-"
+            body.append(f"| {d['model']} | {d['mode']} | {d['conc']} | {d.get('rps')} | {g.get('rps')} | {d.get('p50')} | "
+                        f"{g.get('p50')} | {diff(g.get('p50'), d.get('p50'))} | {d.get('p99')} | {g.get('p99')} | "
+                        f"{diff(g.get('p99'), d.get('p99'))} | {d.get('client_cores')} / {g.get('client_cores')} | {us} |")
+        self.section("perf_analyzer", "Same cells with perf_analyzer", body, rows)
+
+    def _pa(self, srv: procs.Server, model: str, mode: str, conc: int, models: Path) -> dict[str, Any]:
+        csv_path = self.logdir / f"pa-{model}-{mode}-{conc}-{srv.pid}.csv"
+        url = srv.http if mode == "http" else srv.grpc
+        cmd = [str(PA), "-m", model, "-u", url, "-i", mode, "--concurrency-range", str(conc),
+               "--measurement-interval", str(int(self.step * 1000)), "--stability-percentage", "999",
+               "--max-trials", "3", "--input-data", str(models / "perf_data" / f"{model}.json"), "-f", str(csv_path)]
+        t0 = os.times()
+        w0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return {"error": "timeout"}
+        t1 = os.times()
+        cores = round((t1.children_user + t1.children_system - t0.children_user - t0.children_system)
+                      / (time.perf_counter() - w0), 2)
+        if p.returncode != 0 or not csv_path.exists():
+            return {"error": (p.stdout + p.stderr).strip().splitlines()[-1:] or ["failed"]}
+        row = next(csv.DictReader(csv_path.open()))
+        return {"rps": round(float(row["Inferences/Second"]), 1), "p50": round(int(row["p50 latency"]) / 1e3, 2),
+                "p99": round(int(row["p99 latency"]) / 1e3, 2), "client_cores": cores}
+
+    # ---- driver ----------------------------------------------------------------------------
+    def run(self) -> Path:
+        models = self.models()
+        only = set(self.a.only.split(",")) if self.a.only else None
+
+        def want(k: str) -> bool:
+            return only is None or k in only
+
+        try:
+            svc = self.start(procs.service(models / "onnx_repo", self.logdir / "service.log",
+                                           procs.explicit_control_args()))
+            gw = self.start(procs.gateway([svc.grpc], self.logdir / "gateway.log"))
+            for key, fn in (("generator", lambda: self.generator_ceiling(svc)),
+                            ("efficiency", lambda: self.efficiency(models, svc, gw)),
+                            ("hop", lambda: self.hop(svc, gw)),
+                            ("batching", lambda: self.batching(svc)),
+                            ("quotas", lambda: self.quotas(svc)),
+                            ("perf_analyzer", lambda: self.perf_analyzer(models, svc, gw) if not self.a.no_pa else None),
+                            ("scale_out", lambda: self.scale_out(models, svc, gw))):
+                if want(key):
+                    fn()
+        finally:
+            self.stop_all()
+            self.doc["env"]["loadavg_end"] = round(os.getloadavg()[0], 2)
+            self.flush()
+        shutil.rmtree(self.logdir, ignore_errors=True) if not self.a.keep_logs else None
+        return self.out_md
+
+
+def fmt_errors(cell: dict[str, Any]) -> str:
+    kinds = cell.get("error_kinds") or {}
+    return ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) or "0"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def diff(a: float | None, b: float | None) -> str:
+    return f"{a - b:+.2f}" if a is not None and b is not None else "-"
+
+
+def summarize_cell(res: dict[str, Any], server_cores: float | None) -> dict[str, Any]:
+    lat = res["latency_ms"]
+    ss: dict[str, Any] = next(iter(res["server_stats"].values()), {})
+    out = {"goodput": res["goodput_rps"], "rows_s": res["rows_per_s"], "p50": lat["p50"], "p99": lat["p99"],
+           "errors": res["failed"], "error_kinds": res["errors"], "rows_exec": ss.get("rows_per_execution"),
+           "batch_sizes": ss.get("batch_sizes", {}), "client_cores": res["client_cpu"]["cores"],
+           "client_us_per_req": res["client_cpu"]["us_per_request"],
+           "server_cores": round(server_cores, 2) if server_cores is not None else None}
+    if "open_loop" in res:
+        out["achieved_rate"] = res["open_loop"]["achieved_rate"]
+        out["send_lag_p99"] = res["open_loop"]["send_lag_ms"]["p99"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__.splitlines()[0] if __doc__ else "")
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 3 minutes)")
+    ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
+    ap.add_argument("--models", default="/tmp/bench-models", help="gen_models.py output (generated if missing)")
+    ap.add_argument("--out-dir", default=str(ROOT / "load" / "results"))
+    ap.add_argument("--only", default="", help="comma list: generator,efficiency,hop,batching,quotas,perf_analyzer,scale_out")
+    ap.add_argument("--no-pa", action="store_true", help="skip the perf_analyzer cells")
+    ap.add_argument("--quiet-wait", type=float, default=120, help="max seconds to wait for load average < 1")
+    ap.add_argument("--keep-logs", action="store_true")
+    out = Suite(ap.parse_args(argv)).run()
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

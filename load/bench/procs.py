@@ -1,0 +1,113 @@
+"""Start and stop meshserve processes for the benchmark suite (ports from the ready line)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+READY = "MESHSERVE_READY"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path, timeout: float = 120):
+        self.argv = [sys.executable, "-m", "meshserve", *args]
+        self.logf = open(log, "a")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
+                                     cwd=ROOT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.ports: dict[str, int] = {}
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.logf.write(line)
+                if line.startswith(READY):
+                    for part in line.split()[2:]:
+                        k, _, v = part.partition("=")
+                        self.ports[k] = int(v)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(timeout) or not self.ports:
+            self.stop()
+            raise RuntimeError(f"{' '.join(args)} did not become ready (log: {log})")
+        wait_ready(self.http)
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.logf.close()
+
+
+def wait_ready(hostport: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{hostport}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{hostport} never became ready")
+
+
+def explicit_control_args() -> list[str]:
+    """Flags that let the repository extension reload models (tune, the batching section), where the
+    service has model control modes; none otherwise."""
+    out = subprocess.run([sys.executable, "-m", "meshserve", "service", "onnx", "--help"], capture_output=True,
+                         text=True, cwd=ROOT).stdout
+    return ["--model-control-mode", "explicit", "--load-model", "*"] if "--model-control-mode" in out else []
+
+
+def service(repo: Path, log: Path, control: list[str] | None = None) -> Server:
+    return Server(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                   "--log-level", "WARNING", *(control or [])], log)
+
+
+def gateway(upstreams: list[str], log: Path, extra: list[str] | None = None) -> Server:
+    ups = sum((["--upstream", u] for u in upstreams), [])
+    return Server(["gateway", "--grpc-port", "0", "--http-port", "0", "--log-level", "WARNING", *ups,
+                   *(extra or [])], log)
+
+
+def proc_tree_cpu_s(pid: int) -> float:
+    """user+sys seconds of a process and its descendants (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for t in Path(f"/proc/{p}/task").iterdir():
+                kids = (t / "children").read_text().split()
+                todo.extend(int(k) for k in kids)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total

@@ -1,0 +1,293 @@
+"""Closed-loop and open-loop drivers and the per-request record.
+
+Closed loop: `concurrency` workers, each sends its next request when the previous one answers.
+Open loop: arrival times drawn in advance from a Poisson process at `rate`; every request's
+latency is measured from its *scheduled* send time, so time a request waits because the client
+or the server fell behind counts (no coordinated omission).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import grpc.aio
+import numpy as np
+
+from load.inputs import ModelInfo, Payload, build_payloads, model_info
+from load.rawhttp import HttpPool
+from load.scenario import Scenario, Target
+from load.transport import OK, GrpcSender, HttpSender, RawHttpSender, StreamSender
+
+
+class Sender(Protocol):
+    async def send(self, p: Payload) -> str: ...
+
+
+@dataclass
+class Record:
+    """Columnar per-request results (lists: cheap appends on the hot path)."""
+
+    sched: list[float] = field(default_factory=list)  # scheduled (open) / actual (closed) send, s from start
+    latency: list[float] = field(default_factory=list)  # s, from `sched` to the answer
+    lag: list[float] = field(default_factory=list)  # s, actual send - scheduled send (open loop)
+    target: list[int] = field(default_factory=list)
+    status: list[str] = field(default_factory=list)
+    warm: list[bool] = field(default_factory=list)  # sent during warm-up: excluded from figures
+    rows: list[int] = field(default_factory=list)
+
+    def add(self, sched: float, latency: float, lag: float, target: int, status: str, warm: bool,
+            rows: int) -> None:
+        self.sched.append(sched)
+        self.latency.append(latency)
+        self.lag.append(lag)
+        self.target.append(target)
+        self.status.append(status)
+        self.warm.append(warm)
+        self.rows.append(rows)
+
+
+@dataclass
+class RunState:
+    record: Record
+    start: float = 0.0  # perf_counter at t=0
+    warmup_end: float = 0.0  # s from start
+    end: float = float("inf")  # s from start; sending stops
+    budget: int | None = None  # measured requests still to send (request-count mode)
+    inflight: int = 0
+    done: bool = False
+
+
+async def http_get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as r:
+        if r.status != 200:
+            raise RuntimeError(f"GET {url}: HTTP {r.status}: {(await r.text())[:300]}")
+        return await r.json(content_type=None)
+
+
+async def fetch_model_info(session: aiohttp.ClientSession, http: str, model: str, version: str = "") -> ModelInfo:
+    v = f"/versions/{version}" if version else ""
+    md = await http_get_json(session, f"http://{http}/v2/models/{model}{v}")
+    cfg = await http_get_json(session, f"http://{http}/v2/models/{model}{v}/config")
+    return model_info(md, cfg)
+
+
+async def fetch_stats(session: aiohttp.ClientSession, http: str, model: str) -> dict[str, Any] | None:
+    try:
+        return await http_get_json(session, f"http://{http}/v2/models/{model}/stats")  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a server without the statistics extension
+        return None
+
+
+def _uses_grpc(t: Target) -> bool:
+    return t.protocol.startswith("grpc")
+
+
+class Driver:
+    """Builds payloads and senders for a scenario and runs it once."""
+
+    def __init__(self, sc: Scenario, on_tick: Callable[[RunState, float], None] | None = None,
+                 tick_s: float = 1.0):
+        self.sc = sc
+        self.on_tick = on_tick
+        self.tick_s = tick_s
+        self.payloads: list[list[Payload]] = []
+        self.senders: list[Sender] = []
+        self.infos: dict[str, ModelInfo] = {}
+        self.stats_before: dict[str, Any] = {}
+        self.stats_after: dict[str, Any] = {}
+        self.cpu: dict[str, float] = {}
+        self.wall_s = 0.0
+        self.setup_errors: list[str] = []
+        self.pool: HttpPool | None = None
+
+    async def _prepare(self, session: aiohttp.ClientSession, channel: grpc.aio.Channel | None) -> None:
+        sc = self.sc
+        for i, t in enumerate(sc.targets):
+            key = f"{t.model}/{t.version}"
+            try:
+                if key not in self.infos:
+                    self.infos[key] = await fetch_model_info(session, sc.http, t.model, t.version)
+                info = self.infos[key]
+                pl = build_payloads(t.model, t.version, info, t.batch, input_file=t.input_file, seed=sc.seed + i)
+            except Exception as exc:  # noqa: BLE001 - an unknown model is a target whose requests fail
+                self.setup_errors.append(f"{t.label}: {exc}")
+                info = ModelInfo(t.model, 0, [], [])
+                pl = build_payloads(t.model, t.version, info, 1, variants=1)
+            self.payloads.append(pl)
+            key_ = sc.tenants[t.tenant].api_key if t.tenant else None
+            if t.protocol.startswith("http") and sc.http_client == "raw":
+                if self.pool is None:
+                    host, _, port = sc.http.rpartition(":")
+                    self.pool = HttpPool(host, int(port))
+                self.senders.append(RawHttpSender(self.pool, sc.http, t, key_, sc.timeout_s))
+            elif t.protocol.startswith("http"):
+                self.senders.append(HttpSender(session, sc.http, t, key_, sc.timeout_s))
+            elif t.protocol == "grpc":
+                assert channel is not None
+                self.senders.append(GrpcSender(channel, t, key_, sc.timeout_s))
+            else:
+                assert channel is not None
+                self.senders.append(StreamSender(channel, t, key_, sc.timeout_s))
+
+    async def run(self) -> RunState:
+        sc = self.sc
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        channel = None
+        if any(_uses_grpc(t) for t in sc.targets):
+            channel = grpc.aio.insecure_channel(sc.grpc, options=[
+                ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+        async with aiohttp.ClientSession(connector=conn) as session:
+            await self._prepare(session, channel)
+            models = sorted({t.model for t in sc.targets})
+            for m in models:
+                snap = await fetch_stats(session, sc.http, m)
+                if snap is not None:
+                    self.stats_before[m] = snap
+            st = RunState(Record())
+            st.warmup_end = sc.warmup_s
+            if sc.requests is None:
+                assert sc.duration_s is not None
+                st.end = sc.warmup_s + sc.duration_s
+            else:
+                st.budget = sc.requests
+            t0 = os.times()
+            st.start = time.perf_counter()
+            ticker = asyncio.create_task(self._tick(st)) if self.on_tick else None
+            try:
+                if sc.mode == "closed":
+                    await self._closed(st)
+                else:
+                    await self._open(st)
+            finally:
+                st.done = True
+                if ticker:
+                    ticker.cancel()
+            self.wall_s = time.perf_counter() - st.start
+            t1 = os.times()
+            self.cpu = {"user_s": t1.user - t0.user, "sys_s": t1.system - t0.system}
+            for s in self.senders:
+                if isinstance(s, StreamSender):
+                    await s.close()
+            if self.pool is not None:
+                self.pool.close()
+            for m in models:
+                if m in self.stats_before:
+                    self.stats_after[m] = await fetch_stats(session, sc.http, m)
+        if channel is not None:
+            await channel.close()
+        if self.on_tick:
+            self.on_tick(st, time.perf_counter() - st.start)
+        return st
+
+    async def _tick(self, st: RunState) -> None:
+        assert self.on_tick is not None
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.on_tick(st, time.perf_counter() - st.start)
+
+    def _target_picker(self) -> Callable[[], int]:
+        weights = [t.weight for t in self.sc.targets]
+        if len(weights) == 1:
+            return lambda: 0
+        rng = random.Random(self.sc.seed)
+        idx = list(range(len(weights)))
+        return lambda: rng.choices(idx, weights)[0]
+
+    def _claim(self, st: RunState, now: float) -> bool:
+        """May another request be sent at `now` (s from start)? Counts the request budget."""
+        if now >= st.end:
+            return False
+        if st.budget is not None and now >= st.warmup_end:
+            if st.budget <= 0:
+                return False
+            st.budget -= 1
+        return True
+
+    async def _closed(self, st: RunState) -> None:
+        pick = self._target_picker()
+        rec, payloads, senders, clock, start = st.record, self.payloads, self.senders, time.perf_counter, st.start
+
+        async def worker(w: int) -> None:
+            n = w
+            while True:
+                t_send = clock() - start
+                if not self._claim(st, t_send):
+                    return
+                i = pick()
+                pl = payloads[i]
+                p = pl[n % len(pl)]
+                n += 1
+                status = await senders[i].send(p)
+                rec.add(t_send, clock() - start - t_send, 0.0, i, status, t_send < st.warmup_end, p.rows)
+
+        await asyncio.gather(*(worker(w) for w in range(self.sc.concurrency)))
+
+    def _arrivals(self, st: RunState, rng: np.random.Generator) -> Iterator[float]:
+        """Poisson arrivals at `rate`. With a fixed window (warm-up, measurement) the process is drawn
+        conditioned on its expected count: N = rate x window arrivals placed uniformly at random in the
+        window (the inter-arrival gaps are still exponential-like), so the offered rate is exact and
+        only the client or server falling behind makes the achieved rate differ."""
+        rate = self.sc.rate
+        assert rate is not None
+        windows = [(0.0, st.warmup_end)]
+        if self.sc.duration_s is not None:
+            windows.append((st.warmup_end, st.warmup_end + self.sc.duration_s))
+        else:
+            assert self.sc.requests is not None
+            windows.append((st.warmup_end, st.warmup_end + self.sc.requests / rate))
+        for a, b in windows:
+            n = int(round(rate * (b - a)))
+            yield from np.sort(rng.uniform(a, b, n)).tolist()
+        if self.sc.requests is not None:  # budget not used up (cannot happen unless rounding): keep going
+            t = windows[-1][1]
+            while True:
+                t += float(rng.exponential(1.0 / rate))
+                yield t
+
+    async def _open(self, st: RunState) -> None:
+        sc = self.sc
+        assert sc.rate is not None
+        pick = self._target_picker()
+        rng = np.random.default_rng(sc.seed)
+        rec, payloads, senders, clock, start = st.record, self.payloads, self.senders, time.perf_counter, st.start
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(t_sched: float, i: int, p: Payload) -> None:
+            t_send = clock() - start
+            status = await senders[i].send(p)
+            rec.add(t_sched, clock() - start - t_sched, t_send - t_sched, i, status, t_sched < st.warmup_end, p.rows)
+            st.inflight -= 1
+
+        n = 0
+        for t_next in self._arrivals(st, rng):
+            if not self._claim(st, t_next):
+                break
+            delay = t_next - (clock() - start)
+            if delay > 0.0005:
+                await asyncio.sleep(delay)
+            elif n % 16 == 0:
+                await asyncio.sleep(0)  # behind schedule: still let responses be read
+            i = pick()
+            pl = payloads[i]
+            p = pl[n % len(pl)]
+            n += 1
+            if st.inflight >= sc.max_inflight:
+                # the client cannot hold more outstanding requests: count it, do not hide it
+                rec.add(t_next, 0.0, 0.0, i, "client max_inflight", t_next < st.warmup_end, p.rows)
+                continue
+            st.inflight += 1
+            task = asyncio.create_task(one(t_next, i, p))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*list(tasks))
+
+
+def is_ok(status: str) -> bool:
+    return status == OK

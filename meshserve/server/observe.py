@@ -1,0 +1,115 @@
+"""Per-request observability around V2Core.infer, shared by the gRPC and HTTP front ends.
+
+The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
+the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
+(the gateway -> service hop) or header/metadata (direct clients). Every error is logged once
+at WARNING with the request id and trace id (a stack trace only for internal errors) and
+is turned into an InferError, so the front ends do not log it again.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import InferError
+from meshserve.server.core import InferResult, RequestContext, V2Core
+from meshserve.telemetry import tracing
+
+log = logging.getLogger("meshserve.request")
+
+
+async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, str | None]:
+    """core.infer with span, logs and error mapping; returns (result, traceparent to echo or None)."""
+    if tracing.enabled:
+        return await _infer_traced(core, request, ctx)
+    if not log.isEnabledFor(logging.DEBUG):
+        try:
+            return await core.infer(request, ctx), None
+        except Exception as exc:
+            raise _log_error(request, ctx, exc, "", 0) from None
+    t0 = time.perf_counter_ns()
+    try:
+        result = await core.infer(request, ctx)
+    except Exception as exc:
+        raise _log_error(request, ctx, exc, "", t0) from None
+    _log_ok(request, ctx, "", t0)
+    return result, None
+
+
+async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
+                        ) -> tuple[InferResult, str | None]:
+    params = request.parameters
+    if tracing.TRACEPARENT in params:
+        tp: str | None = params[tracing.TRACEPARENT].string_param
+        ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
+    else:
+        headers = ctx.headers
+        tp = headers.get(tracing.TRACEPARENT)
+        if tp is None and headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
+            # the gateway did not sample this request: no root trace of our own
+            return await _infer_untraced(core, request, ctx)
+        ts = headers.get(tracing.TRACESTATE)
+    parent, parent_trace_id = tracing.parent_context(tp, ts)
+    span = tracing.start_server_span(f"{tracing.role}.request", parent, parent_trace_id)
+    if span is None:
+        return await _infer_untraced(core, request, ctx)
+    span.set_attributes({"meshserve.model": request.model_name, "meshserve.model_version": request.model_version,
+                         "meshserve.request_id": request.id, "rpc.system": ctx.protocol})
+    token = tracing.activate(span)
+    t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
+    tid = tracing.trace_id(span)
+    try:
+        result = await core.infer(request, ctx)
+    except Exception as exc:
+        err = _log_error(request, ctx, exc, tid, t0)
+        tracing.set_error(span, err)
+        raise err from None
+    finally:
+        tracing.deactivate(token)
+        span.end()
+    if t0:
+        _log_ok(request, ctx, tid, t0)
+    return result, tracing.traceparent(span)
+
+
+async def _infer_untraced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
+                          ) -> tuple[InferResult, str | None]:
+    t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
+    try:
+        result = await core.infer(request, ctx)
+    except Exception as exc:
+        raise _log_error(request, ctx, exc, "", t0) from None
+    if t0:
+        _log_ok(request, ctx, "", t0)
+    return result, None
+
+
+def _log_ok(request: pb.ModelInferRequest, ctx: RequestContext, trace_id: str, t0: int) -> None:
+    ms = (time.perf_counter_ns() - t0) / 1e6
+    log.debug("infer %s/%s id=%s trace=%s %s OK %.3fms", request.model_name, request.model_version or "-",
+              request.id or "-", trace_id or "-", ctx.protocol, ms,
+              extra={"model": request.model_name, "version": request.model_version, "request_id": request.id,
+                     "trace_id": trace_id, "protocol": ctx.protocol, "status": "OK", "duration_ms": round(ms, 3)})
+
+
+def _log_error(request: pb.ModelInferRequest, ctx: RequestContext, exc: Exception, trace_id: str,
+               t0: int) -> InferError:
+    """Log one line for a failed request; returns the InferError the front end reports."""
+    internal = not isinstance(exc, InferError)
+    err = InferError.internal(f"internal error: {type(exc).__name__}: {exc}") if internal else exc
+    assert isinstance(err, InferError)
+    if not log.isEnabledFor(logging.WARNING):
+        return err
+    if not trace_id and tracing.enabled:
+        span = tracing.current_span()
+        trace_id = tracing.trace_id(span)
+    ms = (time.perf_counter_ns() - t0) / 1e6 if t0 else None
+    stack = internal  # client mistakes and mapped statuses: one line, no stack trace
+    log.warning("infer %s/%s id=%s trace=%s %s %s: %s", request.model_name, request.model_version or "-",
+                request.id or "-", trace_id or "-", ctx.protocol, err.code.value, err.message,
+                exc_info=exc if stack else None,
+                extra={"model": request.model_name, "version": request.model_version, "request_id": request.id,
+                       "trace_id": trace_id, "protocol": ctx.protocol, "status": err.code.value,
+                       **({"duration_ms": round(ms, 3)} if ms is not None else {})})
+    return err

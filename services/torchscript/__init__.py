@@ -1,0 +1,1 @@
+"""PyTorch service: hosts `pytorch_libtorch` (TorchScript) and torch.export models."""

@@ -1,0 +1,87 @@
+"""A stand-in v2 service for timing tests: models `sleep_a` and `sleep_b` (FP32 [4], max batch 8)
+echo their input after sleeping `--delay-ms`. Run: python -m tests.integration.slow_service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from google.protobuf import text_format
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
+from meshserve.server.process import run, serve
+
+MODELS = ("sleep_a", "sleep_b")
+
+
+def _config(name: str) -> mc.ModelConfig:
+    return text_format.Parse(f'name: "{name}" platform: "onnxruntime_onnx" max_batch_size: 8 '
+                             'input [{name: "IN" data_type: TYPE_FP32 dims: [4]}] '
+                             'output [{name: "OUT" data_type: TYPE_FP32 dims: [4]}]', mc.ModelConfig())
+
+
+class SlowCore:
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return True
+
+    def server_metadata(self) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="slow", version="0", extensions=EXTENSIONS)
+
+    async def model_ready(self, name: str, version: str) -> bool:
+        return name in MODELS
+
+    async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        return pb.ModelMetadataResponse(name=name, versions=["1"])
+
+    async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=_config(name))
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        await asyncio.sleep(self.delay_s)
+        resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        resp.outputs.add(name="OUT", datatype="FP32", shape=list(request.inputs[0].shape))
+        resp.raw_output_contents.append(request.raw_input_contents[0])
+        return InferResult(message=resp)
+
+    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        return pb.ModelStatisticsResponse()
+
+    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
+        out = pb.RepositoryIndexResponse()
+        for m in MODELS:
+            out.models.add(name=m, version="1", state="READY")
+        return out
+
+    async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                         ctx: RequestContext) -> None:
+        return None
+
+    async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                           ctx: RequestContext) -> None:
+        return None
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        return b"", "text/plain"
+
+    async def stop(self, drain: bool = True) -> None:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--grpc-port", type=int, default=0)
+    ap.add_argument("--delay-ms", type=float, default=100)
+    args = ap.parse_args()
+    run(serve(SlowCore(args.delay_ms / 1000), name="slow", host="127.0.0.1", grpc_port=args.grpc_port,
+              http_port=None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Ensembles run by the gateway over real services, through the real tritonclient."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import Proc, _wait_http_ready, start
+
+# S = X + X (add_sub) ; then independently: C = identity(S) and T = S + X (add_sub)
+SUM3 = """
+name: "sum3"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "T" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "C" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "add_sub" model_version: -1
+    input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
+    output_map { key: "OUTPUT0" value: "S" } },
+  { model_name: "identity_fp32" model_version: -1
+    input_map { key: "INPUT0" value: "S" } output_map { key: "OUTPUT0" value: "C" } },
+  { model_name: "add_sub" model_version: 1
+    input_map { key: "INPUT0" value: "S" } input_map { key: "INPUT1" value: "X" }
+    output_map { key: "OUTPUT0" value: "T" } }
+] }
+"""
+BROKEN = """
+name: "broken"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 16 ] } ]
+ensemble_scheduling { step [
+  { model_name: "add_sub" model_version: -1
+    input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
+    output_map { key: "OUTPUT0" value: "S" } },
+  { model_name: "no_such_model" model_version: -1
+    input_map { key: "INPUT0" value: "S" } output_map { key: "OUTPUT0" value: "Y" } }
+] }
+"""
+MODULES = {"http": httpclient, "grpc": grpcclient}
+
+
+@pytest.fixture(scope="module")
+def gateway(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    ens = tmp_path_factory.mktemp("ensembles")
+    for name, text in (("sum3", SUM3), ("broken", BROKEN)):
+        (ens / name / "1").mkdir(parents=True)
+        (ens / name / "config.pbtxt").write_text(text)
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"])
+    g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
+               "--repository", str(ens)])
+    _wait_http_ready(g.http)
+    yield g
+    g.stop()
+    service.stop()
+
+
+def run(proto: str, url: str, model: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    m = MODULES[proto]
+    inp = m.InferInput("X", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with m.InferenceServerClient(url) as c:
+        res = c.infer(model, [inp])
+        return {n: res.as_numpy(n) for n in ("T", "C")}
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_ensemble_runs_through_the_gateway(proto: str, gateway: Proc) -> None:
+    url = getattr(gateway, proto)
+    m = MODULES[proto]
+    with m.InferenceServerClient(url) as c:
+        assert c.is_model_ready("sum3")
+        md = c.get_model_metadata("sum3")
+        names = [i["name"] for i in md["inputs"]] if proto == "http" else [i.name for i in md.inputs]
+        assert names == ["X"]
+        cfg = c.get_model_config("sum3")
+        assert (cfg["platform"] if proto == "http" else cfg.config.platform) == "ensemble"
+        assert not c.is_model_ready("broken")
+        index = c.get_model_repository_index()
+        index = index if proto == "http" else [{"name": m.name, "state": m.state} for m in index.models]
+        states = {m["name"]: m["state"] for m in index}
+        assert states["sum3"] == "READY" and states["broken"] == "UNAVAILABLE" and states["add_sub"] == "READY"
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    out = run(proto, url, "sum3", x)
+    np.testing.assert_allclose(out["T"], 3 * x, rtol=1e-6)
+    np.testing.assert_allclose(out["C"], 2 * x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_ensemble_errors_name_the_step(proto: str, gateway: Proc) -> None:
+    url = getattr(gateway, proto)
+    with pytest.raises(InferenceServerException) as err:
+        run(proto, url, "broken", np.ones((1, 16), np.float32))
+    assert str(err.value.status()) in ("503", "StatusCode.UNAVAILABLE")
+    assert "step 1 (model 'no_such_model')" in (err.value.message() or "")
+    # a step the service refuses: batch 9 > add_sub's max_batch_size 8
+    with pytest.raises(InferenceServerException) as err:
+        run(proto, url, "sum3", np.ones((9, 16), np.float32))
+    assert str(err.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert "ensemble 'sum3' step 0 (model 'add_sub')" in (err.value.message() or ""), err.value.message()
+
+
+PARALLEL = """
+name: "parallel"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "sleep_a" model_version: -1 input_map { key: "IN" value: "X" } output_map { key: "OUT" value: "A" } },
+  { model_name: "sleep_b" model_version: -1 input_map { key: "IN" value: "X" } output_map { key: "OUT" value: "B" } }
+] }
+"""
+
+
+def test_two_independent_100ms_steps_finish_in_about_100ms(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "parallel" / "1").mkdir(parents=True)
+    (tmp_path / "parallel" / "config.pbtxt").write_text(PARALLEL)
+    slow = subprocess.Popen([sys.executable, "-m", "tests.integration.slow_service", "--delay-ms", "100"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port: list[int] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert slow.stdout is not None
+        for line in slow.stdout:
+            if line.startswith("MESHSERVE_READY"):
+                port.append(int(line.split("grpc=")[1].split()[0]))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(30) and port, "slow service did not start"
+        g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", f"127.0.0.1:{port[0]}",
+                   "--repository", str(tmp_path), "--coalesce-inflight", "0"])
+        try:
+            _wait_http_ready(g.http)
+            x = np.arange(8, dtype=np.float32).reshape(2, 4)
+            with grpcclient.InferenceServerClient(g.grpc) as c:
+                inp = grpcclient.InferInput("X", [2, 4], "FP32")
+                inp.set_data_from_numpy(x)
+                times = []
+                for _ in range(6):
+                    t0 = time.monotonic()
+                    res = c.infer("parallel", [inp])
+                    times.append(time.monotonic() - t0)
+                np.testing.assert_array_equal(res.as_numpy("A"), x)
+                np.testing.assert_array_equal(res.as_numpy("B"), x)
+            best = sorted(times)[len(times) // 2]
+            assert 0.1 <= best < 0.16, times  # serial would be >= 0.2
+        finally:
+            g.stop()
+    finally:
+        slow.terminate()
+        slow.wait(10)

@@ -1,0 +1,113 @@
+"""Replica pools: two service replicas behind one gateway; one is killed under load and comes back."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import _wait_http_ready, start
+
+MODULES = {"http": httpclient, "grpc": grpcclient}
+UNAVAILABLE = {"503", "StatusCode.UNAVAILABLE"}
+
+
+def _inputs(proto: str) -> list:
+    m = MODULES[proto]
+    out = []
+    for name in ("INPUT0", "INPUT1"):
+        inp = m.InferInput(name, [1, 16], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+        out.append(inp)
+    return out
+
+
+def _served_by(service_grpc: str) -> int:
+    with grpcclient.InferenceServerClient(service_grpc) as c:
+        stats = c.get_inference_statistics("add_sub")
+    return sum(s.inference_count for s in stats.model_stats)
+
+
+def _replica_healthy(gateway_http: str, endpoint: str) -> bool:
+    with urllib.request.urlopen(f"http://{gateway_http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return f'meshserve_gateway_replica_healthy{{replica="{endpoint}"}} 1' in text
+
+
+def test_killed_replica_fails_fast_then_pool_heals(model_repo: Path) -> None:
+    repo = str(model_repo)
+    a = start(["service", "onnx", "--repository", repo, "--grpc-port", "0"])
+    b = start(["service", "onnx", "--repository", repo, "--grpc-port", "0"])
+    port_a = a.ports["grpc"]
+    # a long probe interval: leaving and rejoining must come from the health watch, not the probe
+    g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", a.grpc, "--upstream", b.grpc,
+               "--discovery-interval", "30"])
+    results: list[tuple[float, float, str]] = []  # (start, duration, "OK" | status)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def load(proto: str) -> None:
+        m, url = MODULES[proto], getattr(g, proto)
+        inputs = _inputs(proto)
+        with m.InferenceServerClient(url) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    if proto == "grpc":
+                        c.infer("add_sub", inputs, client_timeout=20)
+                    else:
+                        c.infer("add_sub", inputs)
+                    outcome = "OK"
+                except InferenceServerException as e:
+                    outcome = str(e.status())
+                with lock:
+                    results.append((t0, time.monotonic() - t0, outcome))
+
+    threads = [threading.Thread(target=load, args=(p,)) for p in ("grpc", "http") * 4]
+    try:
+        _wait_http_ready(g.http)
+        deadline = time.monotonic() + 20
+        while not (_replica_healthy(g.http, a.grpc) and _replica_healthy(g.http, b.grpc)):
+            assert time.monotonic() < deadline, "both replicas never joined"
+            time.sleep(0.2)
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        assert _served_by(a.grpc) > 0 and _served_by(b.grpc) > 0, "load was not spread over both replicas"
+        killed_at = time.monotonic()
+        a.stop(signal.SIGKILL)
+        time.sleep(3.0)
+        assert not _replica_healthy(g.http, a.grpc)
+
+        # back on the same port: it rejoins the pool and gets traffic again
+        a = start(["service", "onnx", "--repository", repo, "--grpc-port", str(port_a)])
+        deadline = time.monotonic() + 20
+        while _served_by(a.grpc) == 0:
+            assert time.monotonic() < deadline, "the restarted replica never got traffic"
+            time.sleep(0.2)
+        assert _replica_healthy(g.http, a.grpc)
+        back_at = time.monotonic()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            if t.is_alive():
+                t.join(30)
+        g.stop()
+        a.stop()
+        b.stop()
+
+    failures = [r for r in results if r[2] != "OK"]
+    assert all(r[2] in UNAVAILABLE for r in failures), failures[:5]
+    assert all(r[1] < 2.0 for r in failures), f"a failing request hung: {max(r[1] for r in failures)}s"
+    after_kill = [r for r in results if killed_at + 0.5 <= r[0] < back_at]
+    assert len(after_kill) > 20
+    assert all(r[2] == "OK" for r in after_kill), [r for r in after_kill if r[2] != "OK"][:5]
+    assert all(r[2] == "OK" for r in results if r[0] >= back_at)
+    print(f"pool: {len(results)} requests, {len(failures)} failed fast (in flight on the killed replica)")

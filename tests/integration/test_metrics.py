@@ -1,0 +1,114 @@
+"""Prometheus /metrics on the gateway and the service move as known traffic says, and agree
+with the statistics extension."""
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = {"model": "add_sub", "version": "1"}
+
+
+def _scrape(hostport: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(f"http://{hostport}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out: dict[tuple[str, frozenset], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+            if family.type == "counter" and s.name == family.name + "_total":
+                # the parser appends _total to counters named without it (Triton's nv_* names)
+                out[(family.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _get(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    want = set(labels.items())
+    found = [v for (n, lab), v in samples.items() if n == name and want <= lab]
+    assert found, f"no sample {name}{labels}"
+    return sum(found)
+
+
+def _stats(hostport: str) -> dict:
+    with httpclient.InferenceServerClient(hostport) as c:
+        return c.get_inference_statistics("add_sub", "1")["model_stats"][0]
+
+
+def _inputs(cols: int = 16) -> list[grpcclient.InferInput]:
+    out = []
+    for name in ("INPUT0", "INPUT1"):
+        inp = grpcclient.InferInput(name, [1, cols], "FP32")
+        inp.set_data_from_numpy(np.ones((1, cols), dtype=np.float32))
+        out.append(inp)
+    return out
+
+
+def test_counters_and_histograms_follow_known_traffic(stack) -> None:  # noqa: ANN001
+    svc0, gw0 = _scrape(stack.service.http), _scrape(stack.gateway.http)
+    with grpcclient.InferenceServerClient(stack.gateway.grpc) as c:
+        for _ in range(10):
+            c.infer("add_sub", _inputs())
+        with pytest.raises(Exception, match="shape"):
+            c.infer("add_sub", _inputs(cols=15))  # invalid: rejected by the service's validation
+    svc1, gw1 = _scrape(stack.service.http), _scrape(stack.gateway.http)
+
+    def delta(name: str, **labels: str) -> float:
+        return _get(svc1, name, **MODEL, **labels) - _get(svc0, name, **MODEL, **labels)
+
+    executions = delta("nv_inference_exec_count")
+    assert delta("nv_inference_request_success") == 10
+    assert delta("nv_inference_request_failure", reason="OTHER") == 1
+    assert delta("nv_inference_count") == 10
+    assert 1 <= executions <= 10
+    assert delta("nv_inference_request_duration_us") > 0
+    assert delta("nv_inference_compute_infer_duration_us") > 0
+    # histograms: request (successes and failures), queue (successes), per execution compute and batch size
+    assert delta("nv_inference_request_duration_histogram_us_count") == 11
+    assert delta("nv_inference_request_duration_histogram_us_bucket", le="+Inf") == 11
+    assert delta("nv_inference_queue_duration_histogram_us_count") == 10
+    assert delta("nv_inference_compute_duration_histogram_us_count") == executions
+    assert delta("nv_inference_batch_size_count") == executions
+    assert delta("nv_inference_batch_size_sum") == 10
+    assert delta("nv_inference_batch_size_bucket", le="1") <= executions
+    # buckets are cumulative
+    b = [_get(svc1, "nv_inference_request_duration_histogram_us_bucket", **MODEL, le=le)
+         for le in ("100", "1000", "10000", "+Inf")]
+    assert b == sorted(b)
+    assert _get(svc1, "nv_inference_pending_request_count", **MODEL) == 0
+
+    # gateway: outcomes by model, upstream latency by replica
+    def gdelta(name: str, **labels: str) -> float:
+        before = [v for (n, lab), v in gw0.items() if n == name and set(labels.items()) <= lab]
+        return _get(gw1, name, **labels) - sum(before)
+
+    assert gdelta("meshserve_gateway_requests_total", model="add_sub", outcome="OK") == 10
+    assert gdelta("meshserve_gateway_requests_total", model="add_sub", outcome="INVALID_ARG") == 1
+    replica = {"replica": stack.service.grpc}
+    assert gdelta("meshserve_gateway_upstream_duration_us_count", **replica) >= 11
+    assert _get(gw1, "meshserve_gateway_replica_healthy", **replica) == 1
+
+
+def test_metrics_agree_with_the_statistics_extension(stack) -> None:  # noqa: ANN001
+    with grpcclient.InferenceServerClient(stack.gateway.grpc) as c:
+        c.infer("add_sub", _inputs())
+    samples = _scrape(stack.service.http)
+    stats = _stats(stack.service.http)
+    inf = stats["inference_stats"]
+    assert _get(samples, "nv_inference_request_success", **MODEL) == inf["success"]["count"]
+    assert _get(samples, "nv_inference_request_failure", **MODEL) == inf["fail"]["count"]
+    assert _get(samples, "nv_inference_count", **MODEL) == stats["inference_count"]
+    assert _get(samples, "nv_inference_exec_count", **MODEL) == stats["execution_count"]
+    assert _get(samples, "nv_inference_queue_duration_us", **MODEL) == int(inf["queue"]["ns"]) // 1000
+    assert _get(samples, "nv_inference_compute_infer_duration_us", **MODEL) == \
+        int(inf["compute_infer"]["ns"]) // 1000
+    assert _get(samples, "nv_inference_request_duration_histogram_us_count", **MODEL) == \
+        inf["success"]["count"] + inf["fail"]["count"]
+    assert _get(samples, "nv_inference_batch_size_count", **MODEL) == stats["execution_count"]
+    assert _get(samples, "nv_inference_batch_size_sum", **MODEL) == stats["inference_count"]
+    per_size = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
+    assert sum(per_size.values()) == stats["execution_count"]

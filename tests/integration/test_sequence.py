@@ -1,0 +1,365 @@
+"""The sequence service through the gateway: real processes, real tritonclient, perf_analyzer.
+
+Models (tests/models/sequence.py): ``seq_accum`` (implicit state, oldest), ``seq_ctl``
+(START/END/READY/CORRID controls + state, direct), ``seq_idle`` (300 ms idle timeout).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.conftest import Proc, _wait_http_ready, start
+
+TOOL = Path(__file__).resolve().parents[3] / "shared" / "tools" / "perf_analyzer"
+
+
+@dataclass
+class SeqStack:
+    services: list[Proc]
+    gateway: Proc
+
+
+def _stack(repo: Path, replicas: int) -> SeqStack:
+    services: list[Proc] = []
+    try:
+        for _ in range(replicas):
+            services.append(start(["service", "sequence", "--repository", str(repo), "--grpc-port", "0",
+                                   "--http-port", "0"]))
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0",
+                         *sum((["--upstream", s.grpc] for s in services), [])])
+    except Exception:
+        for s in services:
+            s.stop()
+        raise
+    _wait_http_ready(gateway.http)
+    return SeqStack(services, gateway)
+
+
+@pytest.fixture(scope="module")
+def seq_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.models.sequence import build
+
+    return build(tmp_path_factory.mktemp("seqmodels"))
+
+
+@pytest.fixture(scope="module")
+def seq(seq_repo: Path) -> Iterator[SeqStack]:
+    stack = _stack(seq_repo, 1)
+    yield stack
+    stack.gateway.stop()
+    for s in stack.services:
+        s.stop()
+
+
+def _input(module: Any, value: float) -> Any:
+    inp = module.InferInput("INPUT", [1, 1], "FP32")
+    inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+    return inp
+
+
+def _value(result: Any, name: str = "OUTPUT") -> float:
+    return float(result.as_numpy(name).reshape(-1)[0])
+
+
+# ---- gRPC streaming ------------------------------------------------------------------------
+
+def test_grpc_stream_two_interleaved_sequences_keep_separate_state(seq: SeqStack) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(seq.gateway.grpc)
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    a_values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    b_values = [10.0, 20.0, 30.0, 40.0, 50.0]
+    n = len(a_values)
+    try:
+        for i in range(n):  # sent back to back, never waiting: the service must keep the order
+            for sid, values in ((1001, a_values), (1002, b_values)):
+                client.async_stream_infer("seq_accum", [_input(grpcclient, values[i])], request_id=f"{sid}-{i}",
+                                          sequence_id=sid, sequence_start=i == 0, sequence_end=i == n - 1)
+        got: dict[str, float] = {}
+        for _ in range(2 * n):
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            got[result.get_response().id] = _value(result)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert [got[f"1001-{i}"] for i in range(n)] == list(np.cumsum(a_values))
+    assert [got[f"1002-{i}"] for i in range(n)] == list(np.cumsum(b_values))
+
+
+def test_grpc_stream_control_inputs_and_corrid(seq: SeqStack) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(seq.gateway.grpc)
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    sids = (2**62 + 11, 12, 13)
+    try:
+        for i in range(4):
+            for k, sid in enumerate(sids):
+                client.async_stream_infer("seq_ctl", [_input(grpcclient, float(k + 1))], request_id=f"{sid}-{i}",
+                                          sequence_id=sid, sequence_start=i == 0, sequence_end=i == 3)
+        got = {}
+        for _ in range(12):
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            resp_id = result.get_response().id
+            got[resp_id] = (_value(result), int(result.as_numpy("END_SEEN")[0, 0]),
+                            int(result.as_numpy("CORRID_OUT")[0, 0]))
+    finally:
+        client.stop_stream()
+        client.close()
+    for k, sid in enumerate(sids):
+        assert [got[f"{sid}-{i}"][0] for i in range(4)] == [(k + 1) * (i + 1) for i in range(4)]
+        assert [got[f"{sid}-{i}"][1] for i in range(4)] == [0, 0, 0, 1]
+        assert {got[f"{sid}-{i}"][2] for i in range(4)} == {sid}
+
+
+def test_direct_filler_rows_leave_state_untouched(seq: SeqStack) -> None:
+    """Sequences in slots 0 and 1; only slot 1 sends: slot 0 becomes a READY=0 row."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(seq.gateway.http)
+    client.infer("seq_ctl", [_input(httpclient, 5.0)], sequence_id=31, sequence_start=True)
+    client.infer("seq_ctl", [_input(httpclient, 7.0)], sequence_id=32, sequence_start=True)
+    for _ in range(3):
+        r = client.infer("seq_ctl", [_input(httpclient, 1.0)], sequence_id=32)
+    assert _value(r) == 10.0
+    r = client.infer("seq_ctl", [_input(httpclient, 1.0)], sequence_id=31, sequence_end=True)
+    assert _value(r) == 6.0, "READY=0 filler executions must not change another sequence's state"
+    client.infer("seq_ctl", [_input(httpclient, 0.0)], sequence_id=32, sequence_end=True)
+    client.close()
+
+
+# ---- HTTP unary, string ids, mixing protocols ------------------------------------------------
+
+def test_http_unary_sequence_with_string_id_and_mixed_protocols(seq: SeqStack) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    http = httpclient.InferenceServerClient(seq.gateway.http)
+    grpc = grpcclient.InferenceServerClient(seq.gateway.grpc)
+    r = http.infer("seq_accum", [_input(httpclient, 2.0)], sequence_id="user-42", sequence_start=True)
+    assert _value(r) == 2.0
+    r = grpc.infer("seq_accum", [_input(grpcclient, 3.0)], sequence_id="user-42")
+    assert _value(r) == 5.0
+    r = http.infer("seq_accum", [_input(httpclient, 4.0)], sequence_id=42, sequence_start=True)
+    assert _value(r) == 4.0, "string id 'user-42' and integer id 42 are different sequences"
+    r = http.infer("seq_accum", [_input(httpclient, 5.0)], sequence_id="user-42", sequence_end=True)
+    assert _value(r) == 10.0
+    r = http.infer("seq_accum", [_input(httpclient, 1.0)], sequence_id=42, sequence_end=True)
+    assert _value(r) == 5.0
+    # A new START resets the state of a correlation id.
+    r = http.infer("seq_accum", [_input(httpclient, 9.0)], sequence_id=42, sequence_start=True, sequence_end=True)
+    assert _value(r) == 9.0
+    http.close()
+    grpc.close()
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def test_request_without_start_is_rejected(seq: SeqStack) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    http = httpclient.InferenceServerClient(seq.gateway.http)
+    with pytest.raises(InferenceServerException) as info:
+        http.infer("seq_accum", [_input(httpclient, 1.0)], sequence_id=777)
+    assert info.value.status() == "400"
+    assert "sequence 777" in info.value.message()
+    assert "must specify the START flag on the first request of the sequence" in info.value.message()
+    # ... also after the sequence ended.
+    http.infer("seq_accum", [_input(httpclient, 1.0)], sequence_id=778, sequence_start=True, sequence_end=True)
+    with pytest.raises(InferenceServerException, match="START flag"):
+        http.infer("seq_accum", [_input(httpclient, 1.0)], sequence_id=778)
+    http.close()
+    grpc = grpcclient.InferenceServerClient(seq.gateway.grpc)
+    with pytest.raises(InferenceServerException) as ginfo:
+        grpc.infer("seq_accum", [_input(grpcclient, 1.0)], sequence_id="never-started")
+    assert ginfo.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "sequence never-started" in ginfo.value.message()
+    grpc.close()
+
+
+def test_request_without_sequence_id_is_rejected(seq: SeqStack) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    http = httpclient.InferenceServerClient(seq.gateway.http)
+    with pytest.raises(InferenceServerException) as info:
+        http.infer("seq_accum", [_input(httpclient, 1.0)])
+    assert info.value.status() == "400"
+    assert "must specify a non-zero or non-empty correlation ID" in info.value.message()
+    http.close()
+    grpc = grpcclient.InferenceServerClient(seq.gateway.grpc)
+    with pytest.raises(InferenceServerException) as ginfo:
+        grpc.infer("seq_ctl", [_input(grpcclient, 1.0)], sequence_id=0, sequence_start=True)
+    assert ginfo.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "correlation ID" in ginfo.value.message()
+    grpc.close()
+
+
+def test_control_and_state_inputs_are_not_client_visible(seq: SeqStack) -> None:
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    http = httpclient.InferenceServerClient(seq.gateway.http)
+    md = http.get_model_metadata("seq_ctl")
+    assert [i["name"] for i in md["inputs"]] == ["INPUT"]
+    assert [o["name"] for o in md["outputs"]] == ["OUTPUT", "END_SEEN", "CORRID_OUT"]
+    assert "sequence" in http.get_server_metadata()["extensions"]
+    config = http.get_model_config("seq_ctl")
+    assert "sequence_batching" in config and "dynamic_batching" not in config
+    start_in = httpclient.InferInput("START", [1, 1], "FP32")
+    start_in.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="unexpected inference input 'START'"):
+        http.infer("seq_ctl", [_input(httpclient, 1.0), start_in], sequence_id=5, sequence_start=True)
+    http.close()
+
+
+def test_idle_sequence_expires(seq: SeqStack) -> None:
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    http = httpclient.InferenceServerClient(seq.gateway.http)
+    assert _value(http.infer("seq_idle", [_input(httpclient, 1.0)], sequence_id=55, sequence_start=True)) == 1.0
+    assert _value(http.infer("seq_idle", [_input(httpclient, 1.0)], sequence_id=55)) == 2.0  # < 300 ms idle
+    time.sleep(0.8)  # max_sequence_idle_microseconds: 300000
+    with pytest.raises(InferenceServerException) as info:
+        http.infer("seq_idle", [_input(httpclient, 1.0)], sequence_id=55, sequence_end=True)
+    assert info.value.status() == "400" and "START flag" in info.value.message()
+    # The id can start over, from a fresh state.
+    assert _value(http.infer("seq_idle", [_input(httpclient, 4.0)], sequence_id=55, sequence_start=True,
+                             sequence_end=True)) == 4.0
+    http.close()
+
+
+# ---- TorchScript -----------------------------------------------------------------------------
+
+def test_torchscript_sequence_model(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import tritonclient.grpc as grpcclient
+
+    from tests.models.sequence import build_torch
+
+    stack = _stack(build_torch(tmp_path / "models"), 1)
+    try:
+        client = grpcclient.InferenceServerClient(stack.gateway.grpc)
+        outs = []
+        for sid in (1, 2):
+            for i, v in enumerate((1.0, 2.0, 3.0)):
+                r = client.infer("seq_accum_pt", [_input(grpcclient, v * sid)], sequence_id=sid,
+                                 sequence_start=i == 0, sequence_end=i == 2)
+                outs.append(_value(r))
+        assert outs == [1.0, 3.0, 6.0, 2.0, 6.0, 12.0]
+        client.close()
+    finally:
+        stack.gateway.stop()
+        for s in stack.services:
+            s.stop()
+
+
+# ---- tracing -------------------------------------------------------------------------------
+
+def test_sequence_batches_are_traced(seq_repo: Path) -> None:
+    pytest.importorskip("opentelemetry.proto")
+    import secrets
+    from concurrent import futures
+
+    import grpc
+    import tritonclient.grpc as grpcclient
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from tests.integration.test_tracing import Receiver
+
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": ""}
+    service = start(["service", "sequence", "--repository", str(seq_repo), "--grpc-port", "0"], env=env)
+    try:
+        trace_id = secrets.token_hex(16)
+        with grpcclient.InferenceServerClient(service.grpc) as c:
+            r = c.infer("seq_accum", [_input(grpcclient, 2.0)], sequence_id=9, sequence_start=True,
+                        sequence_end=True, headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+        assert _value(r) == 2.0
+        want = {"service.queue", "service.batch", "service.compute"}
+        spans = receiver.wait(lambda spans: want <= {s.name for s in spans if s.trace_id == trace_id})
+        assert want <= {s.name for s in spans if s.trace_id == trace_id}
+    finally:
+        service.stop()
+        server.stop(0)
+
+
+# ---- pinning across replicas ---------------------------------------------------------------
+
+def test_gateway_pins_each_sequence_to_one_replica(seq_repo: Path) -> None:
+    import tritonclient.grpc as grpcclient
+
+    stack = _stack(seq_repo, 2)
+    try:
+        client = grpcclient.InferenceServerClient(stack.gateway.grpc)
+        direct = [grpcclient.InferenceServerClient(s.grpc) for s in stack.services]
+
+        def successes() -> list[int]:
+            return [c.get_inference_statistics("seq_accum").model_stats[0].inference_stats.success.count
+                    for c in direct]
+
+        used = set()
+        for sid in range(5000, 5012):
+            before = successes()
+            total = 0.0
+            for i in range(6):
+                r = client.infer("seq_accum", [_input(grpcclient, float(i))], sequence_id=sid,
+                                 sequence_start=i == 0, sequence_end=i == 5)
+                total += i
+                assert _value(r) == total
+            delta = [a - b for a, b in zip(successes(), before, strict=True)]
+            assert sorted(delta) == [0, 6], f"sequence {sid} was split across replicas: {delta}"
+            used.add(delta.index(6))
+        assert used == {0, 1}, "12 sequences all hashed to one replica"
+        for c in (client, *direct):
+            c.close()
+    finally:
+        stack.gateway.stop()
+        for s in stack.services:
+            s.stop()
+
+
+# ---- perf_analyzer -------------------------------------------------------------------------
+
+@pytest.mark.skipif(not TOOL.exists() and not os.environ.get("CI"), reason=f"perf_analyzer not found at {TOOL}")
+@pytest.mark.parametrize("streaming", [False, True], ids=["grpc", "grpc-streaming"])
+def test_perf_analyzer_sequences(seq: SeqStack, streaming: bool, tmp_path: Path) -> None:
+    cmd = [str(TOOL), "-m", "seq_accum", "-u", seq.gateway.grpc, "-i", "grpc", "--sequence-length", "20",
+           "--concurrency-range", "4", "--measurement-interval", "500", "--stability-percentage", "999",
+           "--max-trials", "6", "-f", str(tmp_path / "pa.csv")]
+    if streaming:
+        cmd.append("--streaming")
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(seq.gateway.grpc)
+    failed_before = client.get_inference_statistics("seq_accum").model_stats[0].inference_stats.fail.count
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Inferences/Second" in (tmp_path / "pa.csv").read_text()
+    stats = client.get_inference_statistics("seq_accum").model_stats[0]
+    client.close()
+    assert stats.inference_stats.fail.count == failed_before and stats.inference_stats.success.count >= 20

@@ -1,0 +1,233 @@
+"""One trace across client -> gateway -> service -> batch, exported over OTLP to a real receiver.
+
+The test runs a small OTLP/gRPC TraceService (the collector's protocol, from opentelemetry-proto)
+and starts a gateway and an ONNX service as separate processes that export to it.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from meshserve._proto import grpc_service_pb2 as pb
+from tests.conftest import Proc, _wait_http_ready, start
+
+
+@dataclass
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent: str
+    kind: int
+    links: list[tuple[str, str]]
+    attributes: dict[str, object]
+    status: int
+
+
+@dataclass
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    spans: list[Span] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def Export(self, request, context):  # noqa: ANN001, ANN201, N802 - the collector's RPC name
+        got = []
+        for rs in request.resource_spans:
+            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    attrs = {}
+                    for a in s.attributes:
+                        v = a.value
+                        attrs[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+                    got.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                                    s.kind, [(lk.trace_id.hex(), lk.span_id.hex()) for lk in s.links], attrs,
+                                    s.status.code))
+        with self.lock:
+            self.spans.extend(got)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self.lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def wait(self, pred, timeout: float = 15) -> list[Span]:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                spans = list(self.spans)
+            if pred(spans) or time.monotonic() > deadline:
+                return spans
+            time.sleep(0.1)
+
+
+@dataclass
+class TracedStack:
+    receiver: Receiver
+    service: Proc
+    gateway: Proc
+
+
+@pytest.fixture(scope="module")
+def traced(model_repo: Path) -> Iterator[TracedStack]:
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": ""}
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0"],
+                    env=env)
+    try:
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
+                         "--log-format", "json"], env=env)
+    except Exception:
+        service.stop()
+        server.stop(0)
+        raise
+    _wait_http_ready(gateway.http)
+    yield TracedStack(receiver, service, gateway)
+    gateway.stop()
+    service.stop()
+    server.stop(0)
+
+
+def _traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def _mlp_input(i: int = 1) -> grpcclient.InferInput:
+    inp = grpcclient.InferInput("INPUT0", [1, 64], "FP32")
+    inp.set_data_from_numpy(np.full((1, 64), float(i), dtype=np.float32))
+    return inp
+
+
+def _complete(trace_id: str):  # noqa: ANN202
+    names = {"gateway.request", "gateway.route", "gateway.upstream", "service.request", "service.queue",
+             "service.batch", "service.compute"}
+    return lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}
+
+
+def test_one_trace_client_gateway_service_batch(traced: TracedStack) -> None:
+    tp, trace_id, client_span = _traceparent()
+    with grpcclient.InferenceServerClient(traced.gateway.grpc) as c:
+        out = c.infer("small_mlp", [_mlp_input()], headers={"traceparent": tp}).as_numpy("OUTPUT0")
+    assert out.shape == (1, 64)
+    traced.receiver.wait(_complete(trace_id))
+    spans = {s.name: s for s in traced.receiver.trace(trace_id)}
+    assert set(spans) >= {"gateway.request", "gateway.route", "gateway.upstream", "service.request",
+                          "service.queue", "service.batch", "service.compute"}, spans
+    gw, route, up = spans["gateway.request"], spans["gateway.route"], spans["gateway.upstream"]
+    svc, queue, batch, compute = (spans[n] for n in ("service.request", "service.queue", "service.batch",
+                                                     "service.compute"))
+    # two processes, one trace id, named per process
+    assert {gw.service, route.service, up.service} == {"meshserve-gateway"}
+    assert {svc.service, queue.service, batch.service, compute.service} == {"meshserve-onnx"}
+    # parent/child edges: client -> gateway -> upstream call -> service -> queue/batch -> compute
+    assert gw.parent == client_span and gw.kind == 2  # SPAN_KIND_SERVER
+    assert route.parent == gw.span_id and route.attributes["meshserve.model"] == "small_mlp"
+    assert "meshserve.model_version" in route.attributes
+    assert up.parent == gw.span_id and up.kind == 3  # SPAN_KIND_CLIENT
+    assert svc.parent == up.span_id and svc.kind == 2
+    assert queue.parent == svc.span_id
+    assert batch.parent == svc.span_id and (trace_id, svc.span_id) in batch.links
+    assert batch.attributes["meshserve.batch.size"] == 1 and "meshserve.instance" in batch.attributes
+    assert compute.parent == batch.span_id
+
+
+def test_batch_span_links_every_request_that_shared_it(traced: TracedStack) -> None:
+    for _attempt in range(3):  # the 8 must land within small_mlp's 5 ms queue delay
+        parents = [_traceparent() for _ in range(8)]
+        done: list[object] = []
+        with grpcclient.InferenceServerClient(traced.gateway.grpc) as c:
+            for i, (tp, _, _) in enumerate(parents):
+                c.async_infer("small_mlp", [_mlp_input(i)], lambda result, error, out=done: out.append(error),
+                              headers={"traceparent": tp})
+            deadline = time.monotonic() + 20
+            while len(done) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert done == [None] * 8
+        trace_ids = {t for _, t, _ in parents}
+        spans = traced.receiver.wait(lambda ss, ids=trace_ids: all(_complete(t)(ss) for t in ids))
+        requests = {s.trace_id: s for s in spans if s.name == "service.request" and s.trace_id in trace_ids}
+        assert set(requests) == trace_ids
+        wanted = {(s.trace_id, s.span_id) for s in requests.values()}
+        batches = [s for s in spans if s.name == "service.batch" and set(s.links) & wanted]
+        full = [b for b in batches if wanted <= set(b.links)]
+        if full:
+            assert full[0].attributes["meshserve.batch.size"] == 8
+            assert full[0].attributes["meshserve.batch.requests"] == 8
+            return
+        # every request is linked from exactly one batch span even when they were split
+        assert sorted(lk for b in batches for lk in b.links if lk in wanted) == sorted(wanted)
+    raise AssertionError("8 concurrent requests never shared one batch in 3 attempts")
+
+
+def test_trace_id_returned_http_header_and_grpc_trailer(traced: TracedStack) -> None:
+    tp, trace_id, _ = _traceparent()
+    body = b'{"inputs":[{"name":"INPUT0","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'
+    req = urllib.request.Request(f"http://{traced.gateway.http}/v2/models/scale/infer", data=body,
+                                 headers={"traceparent": tp, "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+        returned = r.headers["traceparent"]
+    assert returned.split("-")[1] == trace_id
+    tp, trace_id, _ = _traceparent()
+    request = pb.ModelInferRequest(model_name="scale")
+    t = request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    t.contents.fp32_contents.extend([1, 2, 3, 4])
+    with grpc.insecure_channel(traced.gateway.grpc) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                              request_serializer=pb.ModelInferRequest.SerializeToString,
+                              response_deserializer=pb.ModelInferResponse.FromString)
+        _, info = call.with_call(request, metadata=(("traceparent", tp),), timeout=10)
+        trailer = dict(info.trailing_metadata())
+    assert trailer["traceparent"].split("-")[1] == trace_id
+
+
+def _settled(receiver: Receiver) -> int:
+    """The span count once earlier tests' exports stopped arriving."""
+    count = -1
+    while count != len(receiver.spans):
+        count = len(receiver.spans)
+        time.sleep(0.6)  # > OTEL_BSP_SCHEDULE_DELAY
+    return count
+
+
+def test_unsampled_requests_leave_no_spans(traced: TracedStack) -> None:
+    before = _settled(traced.receiver)
+    with grpcclient.InferenceServerClient(traced.gateway.grpc) as c:
+        for i in range(5):
+            c.infer("small_mlp", [_mlp_input(i)])  # no traceparent; the sampler is parentbased_always_off
+        tp = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"  # client says: not sampled
+        c.infer("small_mlp", [_mlp_input()], headers={"traceparent": tp})
+    assert _settled(traced.receiver) == before
+
+
+def test_failed_request_marks_spans_as_errors(traced: TracedStack) -> None:
+    tp, trace_id, _ = _traceparent()
+    bad = grpcclient.InferInput("INPUT0", [1, 63], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 63), dtype=np.float32))
+    with grpcclient.InferenceServerClient(traced.gateway.grpc) as c, pytest.raises(Exception, match="shape"):
+        c.infer("small_mlp", [bad], headers={"traceparent": tp})
+    spans = traced.receiver.wait(
+        lambda ss: {"gateway.request", "service.request"} <= {s.name for s in ss if s.trace_id == trace_id})
+    by_name = {s.name: s for s in spans if s.trace_id == trace_id}
+    assert by_name["gateway.request"].status == 2  # STATUS_CODE_ERROR
+    assert by_name["service.request"].status == 2
+    assert by_name["gateway.upstream"].status == 2

@@ -1,0 +1,177 @@
+"""Ensembles: compile-time validation naming the step, and the executor's DAG scheduling
+(independent steps concurrently, failures naming the step, the in-flight bound), with a fake
+upstream (no sockets)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from gateway.ensemble.executor import EnsembleExecutor
+from gateway.ensemble.plan import EnsembleError, compile_plan
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol.errors import Code, InferError
+
+MODELS = {
+    "double": 'name: "double" max_batch_size: 8 input [{name: "IN" data_type: TYPE_FP32 dims: [4]}] '
+              'output [{name: "OUT" data_type: TYPE_FP32 dims: [4]}]',
+    "triple": 'name: "triple" max_batch_size: 8 input [{name: "IN" data_type: TYPE_FP32 dims: [4]}] '
+              'output [{name: "OUT" data_type: TYPE_FP32 dims: [4]}]',
+    "add": 'name: "add" max_batch_size: 8 input [{name: "A" data_type: TYPE_FP32 dims: [4]}, '
+           '{name: "B" data_type: TYPE_FP32 dims: [4]}] output [{name: "SUM" data_type: TYPE_FP32 dims: [4]}]',
+    "ints": 'name: "ints" max_batch_size: 8 input [{name: "IN" data_type: TYPE_INT32 dims: [4]}] '
+            'output [{name: "OUT" data_type: TYPE_INT32 dims: [4]}]',
+    "wide": 'name: "wide" max_batch_size: 8 input [{name: "IN" data_type: TYPE_FP32 dims: [8]}] '
+            'output [{name: "OUT" data_type: TYPE_FP32 dims: [8]}]',
+}
+CONFIGS = {k: text_format.Parse(v, mc.ModelConfig()) for k, v in MODELS.items()}
+
+# X -> double -> D ; X -> triple -> T ; (D, T) -> add -> Y   (double and triple are independent)
+DIAMOND = """
+name: "diamond" platform: "ensemble" max_batch_size: 8
+input [{name: "X" data_type: TYPE_FP32 dims: [4]}]
+output [{name: "Y" data_type: TYPE_FP32 dims: [4]}, {name: "D" data_type: TYPE_FP32 dims: [4]}]
+ensemble_scheduling { step [
+  {model_name: "double" model_version: -1 input_map {key: "IN" value: "X"} output_map {key: "OUT" value: "D"}},
+  {model_name: "triple" model_version: -1 input_map {key: "IN" value: "X"} output_map {key: "OUT" value: "T"}},
+  {model_name: "add" model_version: -1 input_map [{key: "A" value: "D"}, {key: "B" value: "T"}]
+   output_map {key: "SUM" value: "Y"}}
+] }
+"""
+
+
+def lookup(model: str, version: str) -> mc.ModelConfig | None:
+    return CONFIGS.get(model)
+
+
+def ensemble(text: str = DIAMOND) -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+def test_diamond_compiles_in_dependency_order() -> None:
+    plan = compile_plan(ensemble(), lookup)
+    assert plan.order.index(2) > plan.order.index(0) and plan.order.index(2) > plan.order.index(1)
+    assert set(plan.inputs) == {"X"} and set(plan.outputs) == {"Y", "D"}
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (('model_name: "triple"', 'model_name: "nope"'), "step 1 (model 'nope'): unknown model 'nope'"),
+    (('value: "T"}]', 'value: "Q"}]'), "step 2 (model 'add'): input 'B' reads tensor 'Q', which is neither"),
+    (('{key: "IN" value: "X"} output_map {key: "OUT" value: "D"}',
+      '{key: "IN" value: "Y"} output_map {key: "OUT" value: "D"}'), "form a cycle"),
+    (('model_name: "triple"', 'model_name: "ints"'), "step 1 (model 'ints'): input 'IN' of model 'ints' expects "
+                                                    "INT32[-1, 4] but tensor 'X' is FP32[-1, 4]"),
+    (('model_name: "triple"', 'model_name: "wide"'), "step 1 (model 'wide'): input 'IN' of model 'wide' "
+                                                    "expects FP32[-1, 8]"),
+    (('input_map [{key: "A" value: "D"}, {key: "B" value: "T"}]', 'input_map [{key: "A" value: "D"}]'),
+     "step 2 (model 'add'): input 'B' of model 'add' is not mapped"),
+    (('{key: "IN" value: "X"} output_map {key: "OUT" value: "T"}',
+      '{key: "IN" value: "X"} output_map {key: "OUT" value: "D"}'), "step 1 (model 'triple'): tensor 'D' is also"),
+    (('{key: "SUM" value: "Y"}', '{key: "SUM" value: "Z"}'), "output 'Y' is not produced by any step"),
+    (('{key: "A" value: "D"}', '{key: "C" value: "D"}'), "model 'add' has no input 'C'"),
+])
+def test_invalid_ensembles_name_the_step(change: tuple[str, str], fragment: str) -> None:
+    text = DIAMOND.replace(*change)
+    assert text != DIAMOND
+    with pytest.raises(EnsembleError) as err:
+        compile_plan(ensemble(text), lookup)
+    assert "ensemble 'diamond'" in str(err.value)
+    assert fragment in str(err.value), str(err.value)
+
+
+def fake_upstream(delay_s: float = 0.1, fail: dict[str, InferError] | None = None):  # noqa: ANN201
+    calls: list[tuple[str, float, float]] = []
+
+    async def send(req: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+        t0 = time.monotonic()
+        await asyncio.sleep(delay_s)
+        calls.append((req.model_name, t0, time.monotonic()))
+        if fail and req.model_name in fail:
+            raise fail[req.model_name]
+        x = {t.name: np.frombuffer(raw, np.float32) for t, raw in zip(req.inputs, req.raw_input_contents,
+                                                                      strict=True)}
+        out = {"double": lambda: x["IN"] * 2, "triple": lambda: x["IN"] * 3,
+               "add": lambda: x["A"] + x["B"]}[req.model_name]()
+        resp = pb.ModelInferResponse(model_name=req.model_name)
+        resp.outputs.add(name=req.outputs[0].name, datatype="FP32", shape=list(req.inputs[0].shape))
+        resp.raw_output_contents.append(out.astype(np.float32).tobytes())
+        return resp
+
+    return send, calls
+
+
+def request(x: np.ndarray) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="diamond", id="r1")
+    req.inputs.add(name="X", datatype="FP32", shape=list(x.shape))
+    req.raw_input_contents.append(x.astype(np.float32).tobytes())
+    return req
+
+
+async def test_independent_steps_run_concurrently() -> None:
+    send, calls = fake_upstream(0.1)
+    plan = compile_plan(ensemble(), lookup)
+    executor = EnsembleExecutor(send)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    t0 = time.monotonic()
+    resp = await executor.run(plan, request(x), timeout=5)
+    elapsed = time.monotonic() - t0
+    # two ~100 ms branches side by side, then the ~100 ms join: ~200 ms, not ~300 ms
+    assert elapsed < 0.27, elapsed
+    starts = {m: t for m, t, _ in calls}
+    assert abs(starts["double"] - starts["triple"]) < 0.03
+    assert resp.id == "r1" and resp.model_name == "diamond"
+    out = {o.name: np.frombuffer(raw, np.float32).reshape(o.shape)
+           for o, raw in zip(resp.outputs, resp.raw_output_contents, strict=True)}
+    np.testing.assert_array_equal(out["Y"], x * 5)
+    np.testing.assert_array_equal(out["D"], x * 2)
+
+
+async def test_two_independent_100ms_steps_take_100ms_not_200ms() -> None:
+    two = """
+name: "two" platform: "ensemble" max_batch_size: 8
+input [{name: "X" data_type: TYPE_FP32 dims: [4]}]
+output [{name: "T" data_type: TYPE_FP32 dims: [4]}, {name: "D" data_type: TYPE_FP32 dims: [4]}]
+ensemble_scheduling { step [
+  {model_name: "double" model_version: -1 input_map {key: "IN" value: "X"} output_map {key: "OUT" value: "D"}},
+  {model_name: "triple" model_version: -1 input_map {key: "IN" value: "X"} output_map {key: "OUT" value: "T"}}
+] }
+"""
+    plan = compile_plan(ensemble(two), lookup)
+    send, _ = fake_upstream(0.1)
+    t0 = time.monotonic()
+    await EnsembleExecutor(send).run(plan, request(np.ones((1, 4))), timeout=None)
+    assert time.monotonic() - t0 < 0.17
+    # with one step in flight at a time the same plan takes twice as long: the bound holds
+    t0 = time.monotonic()
+    await EnsembleExecutor(send, max_inflight_steps=1).run(plan, request(np.ones((1, 4))), timeout=None)
+    assert time.monotonic() - t0 >= 0.2
+
+
+async def test_a_failing_step_fails_the_request_with_its_model_and_status() -> None:
+    send, calls = fake_upstream(0.05, fail={"triple": InferError(Code.RESOURCE_EXHAUSTED, "queue full")})
+    plan = compile_plan(ensemble(), lookup)
+    with pytest.raises(InferError) as err:
+        await EnsembleExecutor(send).run(plan, request(np.ones((1, 4))), timeout=5)
+    assert err.value.code == Code.RESOURCE_EXHAUSTED
+    assert "ensemble 'diamond' step 1 (model 'triple'): queue full" in err.value.message
+    assert "add" not in [m for m, _, _ in calls]  # the join never ran
+
+
+async def test_bad_inputs_are_client_errors() -> None:
+    send, _ = fake_upstream(0.0)
+    plan = compile_plan(ensemble(), lookup)
+    bad = pb.ModelInferRequest(model_name="diamond")
+    bad.inputs.add(name="NOPE", datatype="FP32", shape=[1, 4])
+    bad.raw_input_contents.append(b"\0" * 16)
+    for req in (bad, pb.ModelInferRequest(model_name="diamond")):
+        with pytest.raises(InferError) as err:
+            await EnsembleExecutor(send).run(plan, req, timeout=5)
+        assert err.value.code == Code.INVALID_ARG
+    req = request(np.ones((1, 4)))
+    req.outputs.add(name="NOPE")
+    with pytest.raises(InferError, match="no output 'NOPE'"):
+        await EnsembleExecutor(send).run(plan, req, timeout=5)

@@ -1,0 +1,153 @@
+"""Token-bucket maths (fake clock, no sleeping), the in-process store, and tenants.yaml."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import Admission, TenantDirectory, hash_key, parse_tenants
+from gateway.quotas.bucket import Limits, take
+from gateway.quotas.memory import MemoryQuotaStore
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import Code, InferError
+from meshserve.server.core import RequestContext
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_bucket_starts_full_then_refills_at_rate() -> None:
+    limits = Limits(rate=2.0, burst=3.0)
+    b = None
+    allowed = 0
+    for _ in range(5):
+        b, d = take(b, limits, now=0.0)
+        allowed += d.allowed
+    assert allowed == 3
+    assert not d.allowed and d.reason == "rate" and d.retry_after_s == pytest.approx(0.5)
+    b, d = take(b, limits, now=0.5)
+    assert d.allowed
+    b, d = take(b, limits, now=0.5)
+    assert not d.allowed
+    # a long idle period refills only up to burst
+    b, _ = take(b, limits, now=100.0)
+    assert b.tokens == pytest.approx(2.0)
+
+
+def test_bucket_long_run_rate_and_backwards_clock() -> None:
+    limits = Limits(rate=10.0, burst=5.0)
+    b = None
+    allowed = 0
+    for i in range(3000):  # 30 requests/s for 10 s
+        b, d = take(b, limits, now=i / 300)
+        allowed += d.allowed
+    assert abs(allowed - (10.0 * 10 + 5)) <= 2
+    assert b is not None
+    before = b.tokens
+    b, _ = take(b, limits, now=0.0)  # clock skew never refills
+    assert b.tokens <= before
+
+
+async def test_memory_store_rate_and_concurrency() -> None:
+    clock = Clock()
+    store = MemoryQuotaStore(clock)
+    limits = Limits(rate=1.0, burst=2.0, max_concurrency=2)
+    d1, t1 = await store.acquire("a", limits)
+    d2, t2 = await store.acquire("a", limits)
+    assert d1.allowed and d2.allowed
+    d3, _ = await store.acquire("a", limits)
+    assert not d3.allowed and d3.reason == "concurrency"
+    await store.release("a", t1)
+    d4, _ = await store.acquire("a", limits)
+    assert not d4.allowed and d4.reason == "rate" and d4.retry_after_s == pytest.approx(1.0)
+    clock.t += 1.0
+    d5, _ = await store.acquire("a", limits)
+    assert d5.allowed
+    other, _ = await store.acquire("b", limits)  # tenants do not share buckets
+    assert other.allowed
+
+
+TENANTS = """
+tenants:
+  - name: acme
+    keys_sha256: [{acme}]
+    rate: 1
+    burst: 1
+    models: ["add_sub", "scale*"]
+    priority: 3
+  - name: ops
+    keys_sha256: [{ops}]
+    rate: 100
+    burst: 100
+    admin: true
+""".format(acme=hash_key("acme-key"), ops=hash_key("ops-key"))
+
+
+def test_tenants_validation_names_the_problem() -> None:
+    with pytest.raises(ValueError, match="sha256"):
+        parse_tenants("tenants: [{name: a, keys_sha256: [nothex], rate: 1, burst: 1}]")
+    with pytest.raises(ValueError, match="rate"):
+        parse_tenants(f"tenants: [{{name: a, keys_sha256: [{hash_key('k')}], rate: 0, burst: 1}}]")
+    with pytest.raises(ValueError, match="listed twice"):
+        parse_tenants(f"tenants: [{{name: a, keys_sha256: [{hash_key('k')}], rate: 1, burst: 1}},"
+                      f" {{name: a, keys_sha256: [{hash_key('j')}], rate: 1, burst: 1}}]")
+    with pytest.raises(ValueError, match="extra"):
+        parse_tenants("tenants: []\nbogus: 1")
+    assert parse_tenants("").anonymous_allowed
+    assert not parse_tenants(TENANTS).anonymous_allowed
+    assert parse_tenants("anonymous: true\n" + TENANTS).anonymous_allowed
+
+
+async def test_admission_keys_models_quota_priority(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANTS)
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock), MemoryQuotaStore(clock))
+
+    async def admit(model: str, headers: dict[str, str]) -> tuple[pb.ModelInferRequest, RequestContext]:
+        req, ctx = pb.ModelInferRequest(model_name=model), RequestContext("grpc", headers, raw=b"x")
+        await adm.admit(req, ctx)
+        return req, ctx
+
+    for headers, code in (({}, Code.UNAUTHENTICATED), ({"x-api-key": "nope"}, Code.UNAUTHENTICATED),
+                          ({"authorization": "Bearer acme-key"}, None)):
+        if code is None:
+            req, ctx = await admit("scale", headers)
+            assert req.parameters["priority"].uint64_param == 3 and ctx.raw is None
+        else:
+            with pytest.raises(InferError) as e:
+                await admit("scale", headers)
+            assert e.value.code == code
+    with pytest.raises(InferError) as e:
+        await admit("small_mlp", {"x-api-key": "acme-key"})
+    assert e.value.code == Code.PERMISSION_DENIED and "small_mlp" in e.value.message
+    with pytest.raises(InferError) as e:
+        await admit("add_sub", {"x-api-key": "acme-key"})
+    assert e.value.code == Code.RESOURCE_EXHAUSTED and e.value.retry_after_s == pytest.approx(1.0)
+    # a client-set priority is kept
+    clock.t += 1
+    req = pb.ModelInferRequest(model_name="add_sub")
+    req.parameters["priority"].uint64_param = 7
+    await adm.admit(req, RequestContext("http", {"x-api-key": "acme-key"}))
+    assert req.parameters["priority"].uint64_param == 7
+    # admin
+    with pytest.raises(InferError) as e:
+        adm.require_admin(RequestContext("http", {"x-api-key": "acme-key"}), "loading model 'x'")
+    assert e.value.code == Code.PERMISSION_DENIED
+    adm.require_admin(RequestContext("http", {"x-api-key": "ops-key"}), "loading model 'x'")
+
+    # reload on change without restart; an invalid edit keeps the previous tenants
+    path.write_text(TENANTS.replace('models: ["add_sub", "scale*"]', 'models: ["*"]'))
+    os.utime(path, ns=(1, 10**18))
+    clock.t += 2
+    await admit("small_mlp", {"x-api-key": "acme-key"})
+    path.write_text("tenants: [")
+    os.utime(path, ns=(1, 2 * 10**18))
+    clock.t += 2
+    assert adm.directory.get().by_key  # still the previous, valid file

@@ -1,0 +1,123 @@
+"""tracing.py and observe.py without sockets: env switches, sampling, parameter injection."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import InferError
+from meshserve.server import observe
+from meshserve.server.core import InferResult, RequestContext
+from meshserve.telemetry import tracing
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+PARENT = "b7ad6b7169203331"
+
+
+@pytest.mark.parametrize(("env", "on"), [
+    ({}, False),
+    ({"OTEL_TRACES_SAMPLER": "always_on"}, False),  # a sampler alone exports nothing
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, True),
+    ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+    ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, False),
+    ({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}, False),
+])
+def test_exporter_configured(env: dict[str, str], on: bool) -> None:
+    assert tracing.exporter_configured(env) is on
+
+
+def test_off_by_default_leaves_the_sdk_alone() -> None:
+    assert tracing.configure("meshserve-test", "service", env={}) is False
+    assert tracing.enabled is False
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "_tracer", "_provider", "_sampler", "_ids", "_otel")}
+    env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+           "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    assert tracing.configure("meshserve-test", "gateway", env=env)
+    provider = tracing._provider
+    provider._active_span_processor._span_processors = ()  # no console output in tests
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    provider.shutdown()
+    for k, v in saved.items():
+        setattr(tracing, k, v)
+
+
+def test_sampled_roots_keep_the_trace_id_the_sampler_judged(spans: InMemorySpanExporter) -> None:
+    made = [tracing.start_server_span("gateway.request", None, 0) for _ in range(400)]
+    sampled = [s for s in made if s is not None]
+    assert 120 < len(sampled) < 280  # ratio 0.5
+    bound = round(0.5 * (1 << 64))
+    for s in sampled:
+        assert s.get_span_context().trace_id & ((1 << 64) - 1) < bound  # TraceIdRatioBased's rule
+        s.end()
+
+
+def test_remote_parent_decides(spans: InMemorySpanExporter) -> None:
+    parent, tid = tracing.parent_context(f"00-{TRACE}-{PARENT}-01")
+    span = tracing.start_server_span("x", parent, tid)
+    assert span is not None and f"{span.get_span_context().trace_id:032x}" == TRACE
+    parent, tid = tracing.parent_context(f"00-{TRACE}-{PARENT}-00")
+    assert tracing.start_server_span("x", parent, tid) is None
+    assert tracing.parent_context("garbage") == (None, 0)
+    assert tracing.parent_context(f"00-{'0' * 32}-{PARENT}-01") == (None, 0)
+
+
+def test_inject_parameters_last_entry_wins(spans: InMemorySpanExporter) -> None:
+    request = pb.ModelInferRequest(model_name="m", id="r1")
+    request.parameters["traceparent"].string_param = "00-client-old-01"
+    parent, tid = tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v")
+    span = tracing.start_server_span("x", parent, tid)
+    assert span is not None
+    out = pb.ModelInferRequest.FromString(tracing.inject_parameters(request.SerializeToString(), span))
+    assert out.parameters["traceparent"].string_param == tracing.traceparent(span)
+    assert out.parameters["tracestate"].string_param == "k=v"
+    assert out.id == "r1" and out.model_name == "m"
+
+
+class _Core:
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        if self.fail:
+            raise InferError.invalid("bad shape")
+        return InferResult(raw=b"")
+
+
+def test_observe_server_span_from_header_and_error_status(spans: InMemorySpanExporter) -> None:
+    req = pb.ModelInferRequest(model_name="m", model_version="1", id="abc")
+    ctx = RequestContext("http", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
+    _, returned = asyncio.run(observe.infer(_Core(), req, ctx))  # type: ignore[arg-type]
+    assert returned is not None and returned.split("-")[1] == TRACE
+    with pytest.raises(InferError):
+        asyncio.run(observe.infer(_Core(fail=True), req, ctx))  # type: ignore[arg-type]
+    ok, failed = spans.get_finished_spans()
+    assert ok.name == "gateway.request" and ok.parent is not None and f"{ok.parent.span_id:016x}" == PARENT
+    assert ok.attributes is not None and ok.attributes["meshserve.request_id"] == "abc"
+    assert not ok.status.is_ok or ok.status.status_code.name == "UNSET"
+    assert failed.status.status_code.name == "ERROR"
+
+
+def test_observe_skips_gateway_hop_requests_without_context(spans: InMemorySpanExporter) -> None:
+    req = pb.ModelInferRequest(model_name="m")
+    ctx = RequestContext("grpc", {tracing.HOP_HEADER: tracing.HOP_GATEWAY})
+    for _ in range(20):
+        assert asyncio.run(observe.infer(_Core(), req, ctx))[1] is None  # type: ignore[arg-type]
+    assert spans.get_finished_spans() == ()
+
+
+def test_observe_off_returns_no_trace_header() -> None:
+    assert tracing.enabled is False
+    ctx = RequestContext("grpc", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
+    result, returned = asyncio.run(observe.infer(_Core(), pb.ModelInferRequest(), ctx))  # type: ignore[arg-type]
+    assert returned is None
