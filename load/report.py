@@ -106,3 +106,19 @@ def write_report(results: list[dict[str, Any]], out: Path, title: str = "Load re
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m load.report OUT_DIR RESULT.json...`: one report over several runs (e.g. a concurrency sweep)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m load.report", description=main.__doc__)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("results", type=Path, nargs="+")
+    a = ap.parse_args(argv)
+    print(write_report([json.loads(p.read_text()) for p in a.results], a.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -468,7 +468,7 @@ def summarize_cell(res: dict[str, Any], server_cores: float | None) -> dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__.splitlines()[0] if __doc__ else "")
-    ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 5 minutes)")
     ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
     ap.add_argument("--models", default="/tmp/bench-models", help="gen_models.py output (generated if missing)")
     ap.add_argument("--out-dir", default=str(ROOT / "load" / "results"))

@@ -196,18 +196,20 @@ def test_client_cancellation_removes_queued_work(gateway: Proc) -> None:
     with httpclient.InferenceServerClient(gateway.http) as c:
         before = c.get_inference_statistics("slow")["model_stats"][0]["execution_count"]
     o = Outcomes()
-    o.send(gateway, "blocker0")
-    o.send(gateway, "blocker1")  # the cancelled request waits behind both: >= 150 ms of margin
-    time.sleep(0.02)
+    # Every request goes straight to the service, so none can overtake another on a slower
+    # path; the blockers get a head start and the cancelled request waits behind both.
+    o.send(service, "blocker0")
+    o.send(service, "blocker1")
+    time.sleep(0.1)
     done = threading.Event()
     with grpcclient.InferenceServerClient(service.grpc) as c:
         inp = grpcclient.InferInput("INPUT0", [1, N], "FP32")
         inp.set_data_from_numpy(np.zeros((1, N), np.float32))
         call = c.async_infer("slow", [inp], callback=lambda result, error: done.set())
-        time.sleep(0.02)
+        time.sleep(0.05)
         call.cancel()
         assert done.wait(10)
-    o.send(gateway, "follower")
+    o.send(service, "follower")
     o.wait()
     assert not o.errors
     with httpclient.InferenceServerClient(gateway.http) as c:

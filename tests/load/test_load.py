@@ -206,3 +206,54 @@ async def test_raw_http_parser_content_length_chunked_and_split_reads() -> None:
     c.waiter = loop.create_future()
     c.data_received(b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
     assert c.waiter.result() == 200 and not c.keep_alive and not c.buf
+
+
+async def test_open_loop_latency_counts_client_stall() -> None:
+    """No coordinated omission: a 300 ms stall of the client's event loop shows up in the latency of
+    the requests scheduled during it (measured from their scheduled send time)."""
+    import time as _time
+
+    import numpy as np
+
+    from load.results import summarize
+    from load.runner import Driver, RunState
+
+    async def meta(request: web.Request) -> web.Response:
+        if request.path.endswith("/config"):
+            return web.json_response({"max_batch_size": 0})
+        return web.json_response({"name": "m", "inputs": [{"name": "X", "datatype": "FP32", "shape": [2]}],
+                                  "outputs": [{"name": "Y"}]})
+
+    async def infer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/v2/models/m", meta)
+    app.router.add_get("/v2/models/m/config", meta)
+    app.router.add_post("/v2/models/m/infer", infer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    stalled: list[bool] = []
+
+    def stall(st: RunState, now: float) -> None:
+        if not stalled and not st.done:
+            stalled.append(True)
+            _time.sleep(0.3)  # the client's loop is blocked: nothing is sent or read
+
+    try:
+        sc = Scenario(http=f"127.0.0.1:{port}", mode="open", rate=200, duration_s=1.5, warmup_s=0,
+                      targets=[Target(model="m", protocol="http-json")])
+        drv = Driver(sc, on_tick=stall, tick_s=0.5)
+        st = await drv.run()
+    finally:
+        await runner.cleanup()
+    res = summarize(drv, st)
+    assert stalled and res["failed"] == 0 and res["sent"] == 300
+    lat, lag = np.asarray(st.record.latency), np.asarray(st.record.lag)
+    assert lag.max() >= 0.25 and lat.max() >= 0.25  # the stall is in the figures, not hidden
+    assert (lat >= lag).all()
+    assert res["latency_ms"]["max"] >= 250
