@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
+from meshserve.telemetry import tracing
 
 Send = Callable[[pb.ModelInferRequest, "float | None"], Awaitable[pb.ModelInferResponse]]
 
@@ -37,6 +38,12 @@ class EnsembleExecutor:
             if name not in plan.outputs:
                 raise InferError.invalid(f"ensemble '{plan.name}' has no output '{name}' "
                                          f"(outputs: {sorted(plan.outputs)})")
+        with tracing.child_span("gateway.ensemble", {"meshserve.ensemble": plan.name,
+                                                     "meshserve.ensemble.steps": len(plan.steps)}):
+            return await self._run(plan, request, timeout, tensors, wanted)
+
+    async def _run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
+                   tensors: dict[str, _Tensor], wanted: list[str]) -> pb.ModelInferResponse:
         deadline = None if timeout is None else time.monotonic() + timeout
         needs = {s.index: {t for _, t in s.inputs} for s in plan.steps}
         started: set[int] = set()
@@ -83,7 +90,10 @@ class EnsembleExecutor:
             if timeout is not None and timeout <= 0:
                 raise InferError(Code.DEADLINE_EXCEEDED, f"ensemble '{plan.name}' {step.label}: deadline exceeded")
             try:
-                resp = await self._send(req, timeout)
+                with tracing.child_span("gateway.ensemble.step", {"meshserve.ensemble": plan.name,
+                                                                  "meshserve.step": step.index,
+                                                                  "meshserve.model": step.model}):
+                    resp = await self._send(req, timeout)
             except InferError as exc:
                 raise InferError(exc.code, f"ensemble '{plan.name}' {step.label}: {exc.message}",
                                  retry_after_s=exc.retry_after_s) from None

@@ -80,8 +80,22 @@ class TracedStack:
     gateway: Proc
 
 
+# Two independent branches over small_mlp: both steps are children of the ensemble span.
+PAIR = """
+name: "mlp_pair"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 64 ] } ]
+output [ { name: "A" data_type: TYPE_FP32 dims: [ 64 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 64 ] } ]
+ensemble_scheduling { step [
+  { model_name: "small_mlp" model_version: -1 input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "A" } },
+  { model_name: "small_mlp" model_version: -1 input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "B" } }
+] }
+"""
+
+
 @pytest.fixture(scope="module")
-def traced(model_repo: Path) -> Iterator[TracedStack]:
+def traced(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedStack]:
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
@@ -93,8 +107,11 @@ def traced(model_repo: Path) -> Iterator[TracedStack]:
     service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0"],
                     env=env)
     try:
+        ens = tmp_path_factory.mktemp("traced-ensembles")
+        (ens / "mlp_pair" / "1").mkdir(parents=True)
+        (ens / "mlp_pair" / "config.pbtxt").write_text(PAIR)
         gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
-                         "--log-format", "json"], env=env)
+                         "--log-format", "json", "--repository", str(ens)], env=env)
     except Exception:
         service.stop()
         server.stop(0)
@@ -231,3 +248,31 @@ def test_failed_request_marks_spans_as_errors(traced: TracedStack) -> None:
     assert by_name["gateway.request"].status == 2  # STATUS_CODE_ERROR
     assert by_name["service.request"].status == 2
     assert by_name["gateway.upstream"].status == 2
+
+
+def test_ensemble_steps_are_children_of_the_ensemble_span(traced: TracedStack) -> None:
+    tp, trace_id, _ = _traceparent()
+    inp = grpcclient.InferInput("X", [1, 64], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 64), dtype=np.float32))
+    with grpcclient.InferenceServerClient(traced.gateway.grpc) as c:
+        res = c.infer("mlp_pair", [inp], headers={"traceparent": tp})
+    assert res.as_numpy("A").shape == (1, 64) and res.as_numpy("B").shape == (1, 64)
+
+    def done(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return sum(s.name == "service.request" for s in mine) == 2 and any(s.name == "gateway.ensemble" for s in mine)
+
+    traced.receiver.wait(done)
+    spans = traced.receiver.trace(trace_id)
+    by_id = {s.span_id: s for s in spans}
+    (request,) = [s for s in spans if s.name == "gateway.request"]
+    (ensemble,) = [s for s in spans if s.name == "gateway.ensemble"]
+    steps = [s for s in spans if s.name == "gateway.ensemble.step"]
+    assert ensemble.parent == request.span_id and ensemble.attributes["meshserve.ensemble"] == "mlp_pair"
+    assert sorted(s.attributes["meshserve.step"] for s in steps) == [0, 1]
+    assert all(s.parent == ensemble.span_id for s in steps)
+    # each step's upstream call, and the service work under it, hang below that step
+    upstreams = [s for s in spans if s.name == "gateway.upstream"]
+    assert sorted(by_id[u.parent].attributes["meshserve.step"] for u in upstreams) == [0, 1]
+    services = [s for s in spans if s.name == "service.request"]
+    assert {by_id[s.parent].name for s in services} == {"gateway.upstream"}
