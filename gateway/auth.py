@@ -19,6 +19,7 @@ import fnmatch
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,7 @@ class Admission:
     """authenticate → authorize the model/route → take quota. The core calls it before routing."""
 
     def __init__(self, directory: TenantDirectory, store: QuotaStore):
+        self.rejections: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
         self.directory = directory
         self.store = store
 
@@ -177,6 +179,8 @@ class Admission:
             raise InferError.unavailable(f"quota store unavailable: {exc}") from None
         if not decision.allowed:
             what = "rate limit" if decision.reason == "rate" else "concurrency limit"
+            # labels: tenants from the config and two reasons: bounded cardinality
+            self.rejections[(tenant.name, "rate" if decision.reason == "rate" else "concurrency")] += 1
             raise InferError.exhausted(f"tenant '{tenant.name}' is over its {what}",
                                        retry_after_s=decision.retry_after_s)
         if tenant.priority is not None and "priority" not in request.parameters:

@@ -37,6 +37,8 @@ GATEWAY_FAMILIES = {
                                      "Requests to an A/B route by the arm that answered and outcome"),
     "shadow_requests": metrics.Family("meshserve_gateway_shadow_requests_total", "counter",
                                       "Shadow copies of A/B route requests by target model and outcome"),
+    "quota_rejections": metrics.Family("meshserve_gateway_quota_rejections_total", "counter",
+                                       "Requests refused by a tenant's quota, by tenant and reason (rate, concurrency)"),
     "requests": metrics.Family("meshserve_gateway_requests_total", "counter",
                                "Inference requests through the gateway by model and outcome"),
     "upstream_errors": metrics.Family("meshserve_gateway_upstream_errors_total", "counter",
@@ -350,6 +352,9 @@ class GatewayCore:
         samples: list[tuple[str, dict[str, str], float | metrics.Histogram]] = []
         for (model, outcome), n in sorted(self.request_counts.items()):
             samples.append(("requests", {"model": model, "outcome": outcome}, n))
+        if self.admission is not None:
+            for (tenant, reason), n in sorted(self.admission.rejections.items()):
+                samples.append(("quota_rejections", {"tenant": tenant, "reason": reason}, n))
         for r in self.replicas:
             labels = {"replica": r.endpoint}
             samples.append(("upstream_errors", labels, r.errors))

@@ -48,11 +48,17 @@ def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> Req
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Set the call's error status. The handler then returns normally: grpc.aio drops the
+    response of a call whose code is not OK, and this avoids context.abort()'s exception
+    machinery, which matters when rejections come by the thousand (quota floods)."""
     if isinstance(exc, InferError):
-        await context.abort(exc.grpc_status, exc.message)
+        context.set_code(exc.grpc_status)
+        context.set_details(exc.message)
+        return
     log.exception("internal error while serving a gRPC call")
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    context.set_code(grpc.StatusCode.INTERNAL)
+    context.set_details(f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
@@ -65,7 +71,8 @@ def _unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # mapped to a status, never a crash
-            await _abort(context, exc)
+            _fail(context, exc)
+            return None
 
     return grpc.unary_unary_rpc_method_handler(
         handler, request_deserializer=request_type.FromString,
@@ -143,8 +150,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc)
-            raise  # unreachable: abort raises
+            _fail(context, exc)
+            return b""  # discarded: the status is not OK
 
     async def model_stream_infer(requests: AsyncIterator[pb.ModelInferRequest],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:

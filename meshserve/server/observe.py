@@ -12,7 +12,7 @@ import logging
 import time
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol.errors import InferError
+from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.telemetry import tracing
 
@@ -106,7 +106,12 @@ def _log_error(request: pb.ModelInferRequest, ctx: RequestContext, exc: Exceptio
         trace_id = tracing.trace_id(span)
     ms = (time.perf_counter_ns() - t0) / 1e6 if t0 else None
     stack = internal  # client mistakes and mapped statuses: one line, no stack trace
-    log.warning("infer %s/%s id=%s trace=%s %s %s: %s", request.model_name, request.model_version or "-",
+    # Quota rejections come by the thousand under a flood: DEBUG (the gateway counts them per
+    # tenant in meshserve_gateway_quota_rejections_total); every other error at WARNING.
+    level = logging.DEBUG if err.code is Code.RESOURCE_EXHAUSTED else logging.WARNING
+    if level == logging.DEBUG and not log.isEnabledFor(logging.DEBUG):
+        return err
+    log.log(level, "infer %s/%s id=%s trace=%s %s %s: %s", request.model_name, request.model_version or "-",
                 request.id or "-", trace_id or "-", ctx.protocol, err.code.value, err.message,
                 exc_info=exc if stack else None,
                 extra={"model": request.model_name, "version": request.model_version, "request_id": request.id,

@@ -134,6 +134,9 @@ def test_http_429_has_retry_after_and_reload(service: Proc, tmp_path: Path) -> N
         assert post("/v2/models/add_sub/infer", "acme-key")[0] == 200
         status, headers = post("/v2/models/add_sub/infer", "acme-key")
         assert status == 429 and 1 <= int(headers["Retry-After"]) <= 4, headers
+        with urllib.request.urlopen(f"http://{g.http}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'meshserve_gateway_quota_rejections_total{tenant="acme",reason="rate"} 1' in text, text[-2000:]
         # model control needs an admin key (HTTP and gRPC)
         assert post("/v2/repository/models/scale/load", "acme-key", b"{}")[0] == 403
         # the admin passes the gateway; the service then answers per its --model-control-mode

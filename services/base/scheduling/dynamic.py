@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from bisect import bisect_right
@@ -264,7 +265,7 @@ class DynamicBatcher:
         self._loop = asyncio.get_running_loop()
         # The real clock gets a timerfd (µs precision, no spinning); an injected clock (tests)
         # or a platform without timerfd falls back to loop timers + per-pass clock checks.
-        if self._clock is time.monotonic_ns and timer.available():
+        if self._clock is time.monotonic_ns and timer.available() and os.environ.get("MESHSERVE_TIMERFD", "1") != "0":
             self._precise = timer.PreciseTimer(self._loop, self._wake)
         self._task = self._loop.create_task(self._run(), name=f"dynamic-batcher:{self.name}")
 
