@@ -106,6 +106,12 @@ class ModelVersion:
         self.inputs = {t.name: _spec_from_input(t) for t in config.input}
         self.outputs = {t.name: _spec_from_output(t) for t in config.output}
         self.required_inputs = [s.name for s in self.inputs.values() if not s.optional]
+        # Ragged batching (Triton): ragged inputs are concatenated into one 1-D tensor; batch
+        # inputs describe the batch to the model; batch outputs are scattered back per request.
+        self.ragged = frozenset(t.name for t in config.input if t.allow_ragged_batch)
+        self.batch_inputs = list(config.batch_input)
+        self.scatter = {name: b.source_input[0] for b in config.batch_output for name in b.target_name
+                        if b.source_input}
         self.all_outputs = [(name, 0) for name in self.outputs]
         self.stats = ModelStats(self.name, version)
         self._labels: dict[str, list[str]] = {}
@@ -180,7 +186,7 @@ class ModelVersion:
                         f"input '{t.name}' for model '{name}': shape {list(shape)} needs {count} BYTES "
                         f"elements, got {got}")
             inputs[t.name] = InputData(spec, shape, data)
-            sig.append(shape[1:] if mbs > 0 else shape)
+            sig.append(() if t.name in self.ragged else (shape[1:] if mbs > 0 else shape))
         if len(inputs) < len(self.inputs):
             missing = [n for n in self.required_inputs if n not in inputs]
             if missing:
@@ -351,21 +357,38 @@ class ModelVersion:
             else:
                 arr = np.array([v for p in payloads for v in datatypes.deserialize_bytes(p.inputs[name].data)],
                                dtype=np.object_)
+            if name in self.ragged:
+                feeds[name] = arr.reshape(-1)  # the requests' elements back to back
+                continue
             model_inner = spec.reshape if spec.reshape is not None else inner
             feeds[name] = arr.reshape((total_rows, *model_inner) if batched else model_inner)
+        for b in self.batch_inputs:
+            value = batch_input_value(b, [p.inputs[b.source_input[0]].shape for p in payloads]
+                                      if b.source_input else [], datatypes.numpy_dtype(datatypes.config_to_wire(b.data_type)))
+            for target in b.target_name:
+                feeds[target] = value
         wanted = sorted({n for p in payloads for n, _ in p.outputs})
         t1 = time.perf_counter_ns()
         produced = instance.run(feeds, wanted)
         t2 = time.perf_counter_ns()
         bodies: list[bytes] = []
         row = 0
-        for p in payloads:
+        scattered: dict[str, list[np.ndarray]] = {}
+        for out_name, source in self.scatter.items():
+            if out_name in produced:
+                shapes = [p.inputs[source].shape for p in payloads]
+                ends = np.cumsum([datatypes.element_count(s) for s in shapes])[:-1]
+                flat = produced[out_name].reshape(-1)
+                scattered[out_name] = [part.reshape(s) for part, s in zip(np.split(flat, ends), shapes, strict=True)]
+        for i, p in enumerate(payloads):
             resp = pb.ModelInferResponse(model_name=self.name, model_version=self.version_str, id=p.request.id)
             for out_name, k in p.outputs:
                 spec = self.outputs[out_name]
                 full = produced[out_name]
                 part = full[row:row + p.rows] if batched else full
-                if batched and spec.reshape is not None:
+                if out_name in scattered:
+                    part = scattered[out_name][i]
+                elif batched and spec.reshape is not None:
                     part = part.reshape((p.rows, *spec.dims))
                 elif not batched and spec.reshape is not None:
                     part = part.reshape(spec.dims)
@@ -465,3 +488,23 @@ def _group_by_signature(batch: list[QueuedRequest]) -> list[list[QueuedRequest]]
     for q in batch:
         groups.setdefault(q.payload.signature, []).append(q)  # type: ignore[attr-defined]
     return list(groups.values())
+
+
+def batch_input_value(b: mc.BatchInput, shapes: list[tuple[int, ...]], dtype: np.dtype) -> np.ndarray:
+    """The tensor Triton generates for a `batch_input` from the source input's per-request shapes."""
+    counts = [datatypes.element_count(s) for s in shapes]
+    kind = b.kind
+    if kind == mc.BatchInput.BATCH_ELEMENT_COUNT:
+        return np.asarray(counts, dtype=dtype)
+    if kind == mc.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT:
+        return np.cumsum(counts).astype(dtype)
+    if kind == mc.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO:
+        return np.concatenate([[0], np.cumsum(counts)]).astype(dtype)
+    if kind == mc.BatchInput.BATCH_MAX_ELEMENT_COUNT_AS_SHAPE:
+        return np.zeros((max(counts, default=0),), dtype=dtype)
+    items = [s[1:] for s in shapes]  # each request's shape without its batch dimension
+    if kind == mc.BatchInput.BATCH_ITEM_SHAPE:
+        return np.asarray(items, dtype=dtype).reshape(len(items), -1)
+    if kind == mc.BatchInput.BATCH_ITEM_SHAPE_FLATTEN:
+        return np.asarray(items, dtype=dtype).reshape(-1)
+    raise InferError.unsupported(f"batch_input kind {kind} is not supported")
