@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,19 +240,21 @@ class ModelVersion:
                 raise InferError.exhausted(str(exc)) from None
             except UnavailableError as exc:
                 raise InferError.unavailable(str(exc)) from None
-            try:
-                if self.policy.preserve_ordering:
-                    return cast(bytes, await self._in_order(fut))
-                return cast(bytes, await fut)
-            except DeadlineExceededError as exc:
-                self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
-                raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
-            except UnavailableError as exc:
-                raise InferError.unavailable(str(exc)) from None
-            except InternalBatchError as exc:
-                raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
+            return await self._result(queued, self._in_order(fut) if self.policy.preserve_ordering else fut)
         finally:
             self.stats.pending -= 1
+
+    async def _result(self, queued: QueuedRequest, outcome: Awaitable[object]) -> bytes:
+        """Await a queued request's outcome, mapping scheduler errors to protocol errors."""
+        try:
+            return cast(bytes, await outcome)
+        except DeadlineExceededError as exc:
+            self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
+            raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
+        except UnavailableError as exc:
+            raise InferError.unavailable(str(exc)) from None
+        except InternalBatchError as exc:
+            raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
 
     async def _in_order(self, fut: asyncio.Future[object]) -> object:
         """preserve_ordering: a response leaves only after every earlier-enqueued one has

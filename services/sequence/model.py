@@ -20,12 +20,12 @@ import numpy as np
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
-from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.errors import InferError
 from meshserve.telemetry import tracing
 from services.base import batch_trace
 from services.base.model import InputData, ModelVersion, Pending
 from services.base.runtime import RuntimeInstance
-from services.base.scheduling.errors import DeadlineExceededError, InternalBatchError, UnavailableError
+from services.base.scheduling.errors import UnavailableError
 from services.base.scheduling.request import QueuedRequest
 from services.base.scheduling.sequence import (
     BatchRow,
@@ -230,15 +230,7 @@ class SequenceModelVersion(ModelVersion):
                 raise InferError.invalid(str(exc)) from None
             except UnavailableError as exc:
                 raise InferError.unavailable(str(exc)) from None
-            try:
-                return cast(bytes, await fut)
-            except DeadlineExceededError as exc:
-                self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
-                raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
-            except UnavailableError as exc:
-                raise InferError.unavailable(str(exc)) from None
-            except InternalBatchError as exc:
-                raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
+            return await self._result(queued, fut)
         finally:
             self.stats.pending -= 1
 
