@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshserve.server.process import READY_MARKER
+from meshserve.server.process import parse_ready_line
 
 SERVICE_KINDS = {
     "onnx": "services.onnx.main",
@@ -89,10 +89,9 @@ class Child:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(READY_MARKER):
-                for part in line.split()[2:]:
-                    key, _, value = part.partition("=")
-                    self.ports[key] = int(value)
+            ports = parse_ready_line(line)
+            if ports is not None:
+                self.ports.update(ports)
                 self._ready.set()
             else:
                 sys.stdout.write(line)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from meshserve.server.process import parse_ready_line
+
 ROOT = Path(__file__).resolve().parent.parent
-READY = "MESHSERVE_READY"
 
 
 @dataclass
@@ -60,10 +61,9 @@ def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = Non
         assert proc.stdout is not None
         for line in proc.stdout:
             p.output.append(line)
-            if line.startswith(READY):
-                for part in line.split()[2:]:
-                    k, _, v = part.partition("=")
-                    p.ports[k] = int(v)
+            ports = parse_ready_line(line)
+            if ports is not None:
+                p.ports.update(ports)
                 ready.set()
         ready.set()
 

@@ -10,7 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-READY = "MESHSERVE_READY"
+from meshserve.server.process import parse_ready_line
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,10 +28,9 @@ class Server:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.logf.write(line)
-                if line.startswith(READY):
-                    for part in line.split()[2:]:
-                        k, _, v = part.partition("=")
-                        self.ports[k] = int(v)
+                ports = parse_ready_line(line)
+                if ports is not None:
+                    self.ports.update(ports)
                     ready.set()
             ready.set()
 

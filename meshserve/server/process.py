@@ -23,6 +23,17 @@ log = logging.getLogger("meshserve.process")
 READY_MARKER = "MESHSERVE_READY"  # printed once on stdout when serving; `meshserve up` waits for it
 
 
+def parse_ready_line(line: str) -> dict[str, int] | None:
+    """Ports from a `MESHSERVE_READY <name> grpc=N [http=N] [metrics=N]` line, else None."""
+    if not line.startswith(READY_MARKER):
+        return None
+    ports = {}
+    for part in line.split()[2:]:
+        key, _, value = part.partition("=")
+        ports[key] = int(value)
+    return ports
+
+
 class StoppableCore(V2Core, Protocol):
     async def stop(self, drain: bool = True) -> None: ...
 

@@ -22,6 +22,7 @@ from .errors import (
     InternalBatchError,
     QueueFullError,
     UnavailableError,
+    fail_unresolved,
 )
 from .policy import BatchingPolicy
 from .request import QueuedRequest
@@ -430,11 +431,7 @@ class DynamicBatcher:
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 _log.exception("model '%s': batch of %d requests failed", self.name, len(batch))
-            for req in batch:
-                if not req.future.done():
-                    err = InternalBatchError(f"model '{self.name}': batch execution failed: {exc!r}")
-                    err.__cause__ = exc
-                    req.future.set_exception(err)
+            fail_unresolved((req.future for req in batch), self.name, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:

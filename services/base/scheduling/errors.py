@@ -6,6 +6,9 @@ DEADLINE_EXCEEDED, UnavailableError → UNAVAILABLE, InternalBatchError → INTE
 """
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+
 
 class SchedulingError(Exception):
     """Base class of every error the scheduler produces."""
@@ -34,3 +37,12 @@ class UnavailableError(SchedulingError):
 
 class InternalBatchError(SchedulingError):
     """The batch the request belonged to failed, or finished without resolving the request."""
+
+
+def fail_unresolved(futures: Iterable[asyncio.Future[object]], model: str, exc: BaseException) -> None:
+    """An ``execute`` that raised fails only its own members: every one not yet resolved."""
+    for fut in futures:
+        if not fut.done():
+            err = InternalBatchError(f"model '{model}': batch execution failed: {exc!r}")
+            err.__cause__ = exc
+            fut.set_exception(err)

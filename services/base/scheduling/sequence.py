@@ -31,7 +31,13 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .dynamic import IDLE, Action, Run, Wait, next_action
-from .errors import DeadlineExceededError, InternalBatchError, SchedulingError, UnavailableError
+from .errors import (
+    DeadlineExceededError,
+    InternalBatchError,
+    SchedulingError,
+    UnavailableError,
+    fail_unresolved,
+)
 from .policy import BatchingPolicy
 from .request import QueuedRequest
 
@@ -454,11 +460,7 @@ class SequenceBatcher:
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 _log.exception("model '%s': sequence batch failed", self.name)
-            for req in batch.requests:
-                if not req.future.done():
-                    err = InternalBatchError(f"model '{self.name}': batch execution failed: {exc!r}")
-                    err.__cause__ = exc
-                    req.future.set_exception(err)
+            fail_unresolved((req.future for req in batch.requests), self.name, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
