@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import logging
 import time
@@ -92,6 +93,7 @@ class TenantsFile(BaseModel):
         return self.anonymous if self.anonymous is not None else not self.tenants
 
 
+@functools.lru_cache(maxsize=4096)  # per request otherwise; bounded against random keys
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

@@ -36,7 +36,7 @@ class Replica:
         self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         ch = self.channel
         # Infer travels as request bytes over long-lived streams (see stream.py).
-        self.streams = StreamPool(ch, endpoint)
+        self.streams = StreamPool(endpoint)
         self.server_ready = _typed(ch, "ServerReady", pb.ServerReadyRequest, pb.ServerReadyResponse)
         self.model_ready = _typed(ch, "ModelReady", pb.ModelReadyRequest, pb.ModelReadyResponse)
         self.model_metadata = _typed(ch, "ModelMetadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse)

@@ -280,11 +280,8 @@ class Suite:
     def _noisy_neighbour(self, svc: procs.Server) -> list[dict[str, Any]]:
         import hashlib
 
-        try:
-            from gateway.auth import hash_key
-        except ImportError:
-            def hash_key(key: str) -> str:
-                return hashlib.sha256(key.encode()).hexdigest()
+        def hash_key(key: str) -> str:  # as gateway.auth.hash_key: tenants.yaml stores SHA-256 digests
+            return hashlib.sha256(key.encode()).hexdigest()
         tfile = self.logdir / "tenants.yaml"
         tfile.write_text(f"""tenants:
   - name: noisy

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.server import observe
 from meshserve.server.core import RequestContext, V2Core
+from meshserve.server.h2grpc import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
 from meshserve.telemetry.tracing import TRACEPARENT
 
@@ -231,8 +233,22 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
 
 
 async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthState,
-                            extra_options: list[tuple[str, Any]] | None = None) -> tuple[grpc.aio.Server, int]:
-    """Build, bind and start the gRPC server; returns (server, bound port)."""
+                            extra_options: list[tuple[str, Any]] | None = None) -> tuple[Any, int]:
+    """Build, bind and start the gRPC server; returns (server, bound port).
+
+    The server is meshserve's own HTTP/2 implementation (h2grpc: ~3-4x less CPU per call
+    than grpc.aio here); `MESHSERVE_GRPC_SERVER=aio` selects grpc.aio instead."""
+    if os.environ.get("MESHSERVE_GRPC_SERVER", "h2") != "aio":
+        h2 = H2GrpcServer(max_receive_message_length=dict(SERVER_OPTIONS + (extra_options or []))
+                          ["grpc.max_receive_message_length"])
+        h2.add_registered_method_handlers(SERVICE, inference_methods(core))
+        h2.add_generic_rpc_handlers((health_handler(health),))
+        try:
+            bound = await h2.bind(host, port)
+        except OSError as exc:
+            raise OSError(f"cannot bind gRPC port {host}:{port}: {exc}") from None
+        await h2.start()
+        return h2, bound
     server = grpc.aio.server(options=SERVER_OPTIONS + (extra_options or []))
     if hasattr(server, "add_registered_method_handlers"):
         # Registered methods are matched once at registration, not by name on every call.

@@ -1,0 +1,271 @@
+"""Long-lived gRPC streaming calls over our own HTTP/2 client connection.
+
+The gateway → service hop keeps a few ModelStreamInfer calls open per replica and writes one
+message per request. With grpc.aio each message cost a queue hop, an async generator step and
+the channel's poller thread; here a message is one DATA frame appended to the connection's
+write buffer, and a response message is handed to a callback straight from the frame loop.
+Framing, flow control and HPACK decoding are shared with the server (h2grpc.H2Endpoint).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from meshserve.server.h2grpc import (
+    CANCEL,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PREFACE,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    REFUSED_STREAM,
+    RST_STREAM,
+    H2Endpoint,
+    _ConnectionError,
+    _frame,
+    _frame_header,
+    _literal,
+    _md_value,
+)
+
+UNAVAILABLE, UNKNOWN, INTERNAL, UNIMPLEMENTED = 14, 2, 13, 12
+_HTTP_TO_GRPC = {400: INTERNAL, 401: 16, 403: 7, 404: UNIMPLEMENTED, 429: UNAVAILABLE, 502: UNAVAILABLE,
+                 503: UNAVAILABLE, 504: UNAVAILABLE}
+
+
+def _percent_decode(value: bytes) -> str:
+    if b"%" not in value:
+        return value.decode("utf-8", "replace")
+    out = bytearray()
+    i = 0
+    while i < len(value):
+        if value[i] == 0x25 and i + 2 < len(value):
+            try:
+                out.append(int(value[i + 1:i + 3], 16))
+                i += 3
+                continue
+            except ValueError:
+                pass
+        out.append(value[i])
+        i += 1
+    return out.decode("utf-8", "replace")
+
+
+def _parse_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any, ...]:
+    """(HTTP status, grpc-status or None, grpc-message, grpc-encoding) of a response block."""
+    status = code = encoding = None
+    message = ""
+    for k, v in headers:
+        if k == b":status":
+            status = int(v) if v.isdigit() else 0
+        elif k == b"grpc-status":
+            code = int(v) if v.isdigit() else UNKNOWN
+        elif k == b"grpc-message":
+            message = _percent_decode(v)
+        elif k == b"grpc-encoding":
+            encoding = v
+    return status, code, message, encoding
+
+
+OnMessage = Callable[[bytes], None]
+OnClose = Callable[[int, str], None]  # (grpc status code, details); 0 = OK
+
+
+class ClientStream:
+    """One streaming call: `send` writes a request message, responses go to `on_message`,
+    the end (trailers, reset, lost connection) to `on_close` exactly once."""
+
+    __slots__ = ("conn", "sid", "send_window", "out", "closed", "recv_unacked", "buf", "on_message",
+                 "on_close", "header_block", "header_flags", "got_headers", "encoding")
+
+    def __init__(self, conn: H2ClientConnection, sid: int, on_message: OnMessage, on_close: OnClose):
+        self.conn = conn
+        self.sid = sid
+        self.send_window = conn.peer_initial_window
+        self.out: collections.deque[tuple[int, Any]] = collections.deque()
+        self.closed = False
+        self.recv_unacked = 0
+        self.buf = bytearray()
+        self.on_message = on_message
+        self.on_close = on_close
+        self.header_block: bytearray | None = None
+        self.header_flags = 0
+        self.got_headers = False
+        self.encoding: bytes | None = None
+
+    def send(self, payload: bytes) -> None:
+        if self.closed:
+            raise ConnectionError("stream closed")
+        conn = self.conn
+        n = len(payload)
+        header = b"\x00" + n.to_bytes(4, "big")
+        if not self.out and n + 5 <= conn.send_window and n + 5 <= self.send_window \
+                and n + 5 <= conn.peer_max_frame:
+            conn.send_window -= n + 5
+            self.send_window -= n + 5
+            conn._write(_frame_header(DATA, 0, self.sid, n + 5) + header)
+            conn._write(payload)
+            return
+        self.out.append((DATA, header))
+        if payload:
+            self.out.append((DATA, memoryview(payload)))
+        conn._drain(self)
+
+    def cancel(self) -> None:
+        """RST_STREAM(CANCEL); on_close is not called."""
+        if not self.closed:
+            self.closed = True
+            self.conn.streams.pop(self.sid, None)
+            self.conn.blocked.discard(self)
+            self.conn._write(_frame(RST_STREAM, 0, self.sid, CANCEL.to_bytes(4, "big")))
+
+
+class H2ClientConnection(H2Endpoint):
+    def __init__(self, authority: str):
+        super().__init__()
+        self.authority = authority.encode()
+        self.next_sid = 1
+
+    @property
+    def usable(self) -> bool:
+        return not self.closed and not self.going_away and self.next_sid < 2**31 - 2
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.peername = transport.get_extra_info("peername")
+        transport.write(PREFACE + self._preamble())  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        reason = f"connection to {self.authority.decode()} lost" + (f": {exc}" if exc else "")
+        for st in list(self.streams.values()):
+            self._end(st, UNAVAILABLE, reason)
+        self.streams.clear()
+        self.blocked.clear()
+
+    def open_stream(self, path: str, metadata: Iterable[tuple[str, Any]], on_message: OnMessage,
+                    on_close: OnClose) -> ClientStream:
+        if not self.usable:
+            raise ConnectionError(f"connection to {self.authority.decode()} is closing")
+        sid = self.next_sid
+        self.next_sid += 2
+        st = ClientStream(self, sid, on_message, on_close)
+        self.streams[sid] = st
+        block = (_literal(b":method", b"POST") + _literal(b":scheme", b"http") + _literal(b":path", path.encode())
+                 + _literal(b":authority", self.authority) + _literal(b"content-type", b"application/grpc")
+                 + _literal(b"te", b"trailers"))
+        for k, v in metadata:
+            block += _literal(k.lower().encode(), _md_value(k, v))
+        if len(block) > self.peer_max_frame:
+            raise ValueError("request metadata too large for one HEADERS frame")
+        self._write(_frame(HEADERS, END_HEADERS, sid, block))
+        return st
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # ---- frames from the server ------------------------------------------------------------
+    def _end(self, st: ClientStream, code: int, details: str) -> None:
+        if st.closed:
+            return
+        st.closed = True
+        self.streams.pop(st.sid, None)
+        self.blocked.discard(st)
+        st.on_close(code, details)
+
+    def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
+        st = self.streams.get(sid)
+        start, end = self._unpad(flags, payload, 0, len(payload))
+        if flags & PRIORITY_FLAG:
+            start += 5
+        block = payload[start:end]
+        if st is None:  # a stream we cancelled: keep the HPACK table in step
+            if sid % 2 == 0 or sid >= self.next_sid:
+                raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS on unknown stream {sid}")
+            st = ClientStream(self, sid, lambda m: None, lambda c, d: None)
+            st.closed = True
+        self._header_block(st, flags, block)
+
+    def _headers_complete(self, st: ClientStream, flags: int, block: bytes) -> None:
+        parsed = self.hcache.get(block) or self._decode(block, _parse_response_headers)
+        if st.closed:
+            return
+        status, code, message, encoding = parsed
+        if not st.got_headers:
+            st.got_headers = True
+            st.encoding = encoding
+            if status != 200:
+                self._end(st, _HTTP_TO_GRPC.get(status or 0, UNKNOWN), f"HTTP status {status} from the server")
+                return
+        if code is not None or flags & END_STREAM:
+            if code is None:
+                code, message = INTERNAL, "stream ended without grpc-status"
+            self._end(st, code, message)
+
+    def _on_data(self, flags: int, sid: int, data: bytes, start: int, end: int) -> None:
+        st = self.streams.get(sid)
+        if st is None or st.closed:
+            self._replenish(None, end - start, True)
+            return
+        self._replenish(st, end - start, bool(flags & END_STREAM))
+        start, end = self._unpad(flags, data, start, end)
+        buf = st.buf
+        if not buf and end - start >= 5 and int.from_bytes(data[start + 1:start + 5], "big") == end - start - 5 \
+                and not data[start]:
+            st.on_message(data[start + 5:end])  # one whole message in the frame: no buffering
+        elif start < end:
+            buf += memoryview(data)[start:end]
+            pos = 0
+            while len(buf) - pos >= 5:
+                size = int.from_bytes(buf[pos + 1:pos + 5], "big")
+                if len(buf) - pos - 5 < size:
+                    break
+                msg = bytes(buf[pos + 5:pos + 5 + size])
+                if buf[pos]:
+                    try:
+                        msg = zlib.decompress(msg, 16 + zlib.MAX_WBITS if st.encoding == b"gzip" else zlib.MAX_WBITS)
+                    except zlib.error as exc:
+                        self._end(st, INTERNAL, f"cannot decompress a response: {exc}")
+                        self._write(_frame(RST_STREAM, 0, st.sid, CANCEL.to_bytes(4, "big")))
+                        return
+                pos += 5 + size
+                st.on_message(msg)
+                if st.closed:
+                    return
+            if pos:
+                del buf[:pos]
+        if flags & END_STREAM and not st.closed:
+            self._end(st, INTERNAL, "stream ended without trailers")
+
+    def _on_reset(self, sid: int, code: int) -> None:
+        st = self.streams.get(sid)
+        if st is not None:
+            what = "refused the stream" if code == REFUSED_STREAM else f"reset the stream (HTTP/2 error {code})"
+            self._end(st, UNAVAILABLE, f"{self.authority.decode()} {what}")
+
+    def _on_goaway(self, last_sid: int, code: int) -> None:
+        self.going_away = True
+        for sid, st in list(self.streams.items()):
+            if sid > last_sid:
+                self._end(st, UNAVAILABLE, f"{self.authority.decode()} is going away (stream not processed)")
+
+    def _closed(self, st: Any) -> None:  # we never send END_STREAM HEADERS from the client
+        pass
+
+
+async def connect(endpoint: str, timeout: float = 5.0) -> H2ClientConnection:
+    """Open an HTTP/2 (prior knowledge) connection to `host:port`."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if host.startswith("dns:///"):
+        host = host[len("dns:///"):]
+    loop = asyncio.get_running_loop()
+    _, proto = await asyncio.wait_for(
+        loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port)), timeout)
+    return proto
