@@ -26,6 +26,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=float, dest="warmup_s")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--input-file", type=Path, help="perf_analyzer-style JSON input data")
+    ap.add_argument("--grpc-client", choices=("h2", "aio"),
+                    help="unary gRPC implementation (default h2: meshserve's own HTTP/2 client; aio: grpc.aio)")
     ap.add_argument("--http-client", choices=("raw", "aiohttp"),
                     help="HTTP implementation (default raw: the generator's own keep-alive client)")
     ap.add_argument("--api-key", help="Bearer key for every request (without --scenario)")
@@ -37,7 +39,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     overrides: dict[str, Any] = {k: getattr(args, k) for k in
                                  ("http", "grpc", "mode", "concurrency", "rate", "duration_s", "requests",
-                                  "warmup_s", "http_client")}
+                                  "warmup_s", "http_client", "grpc_client")}
     if args.rate is not None and args.mode is None:
         overrides["mode"] = "open"
     if args.requests is not None and args.duration_s is None:

@@ -22,7 +22,8 @@ import numpy as np
 from load.inputs import ModelInfo, Payload, build_payloads, model_info
 from load.rawhttp import HttpPool
 from load.scenario import Scenario, Target
-from load.transport import OK, GrpcSender, HttpSender, RawHttpSender, StreamSender
+from load.transport import OK, GrpcSender, H2GrpcSender, HttpSender, RawHttpSender, StreamSender
+from meshserve.server import h2client
 
 
 class Sender(Protocol):
@@ -105,6 +106,7 @@ class Driver:
         self.wall_s = 0.0
         self.setup_errors: list[str] = []
         self.pool: HttpPool | None = None
+        self.h2: h2client.Channel | None = None
 
     async def _prepare(self, session: aiohttp.ClientSession, channel: grpc.aio.Channel | None) -> None:
         sc = self.sc
@@ -128,6 +130,10 @@ class Driver:
                 self.senders.append(RawHttpSender(self.pool, sc.http, t, key_, sc.timeout_s))
             elif t.protocol.startswith("http"):
                 self.senders.append(HttpSender(session, sc.http, t, key_, sc.timeout_s))
+            elif t.protocol == "grpc" and sc.grpc_client == "h2":
+                if self.h2 is None:
+                    self.h2 = h2client.Channel(sc.grpc)
+                self.senders.append(H2GrpcSender(self.h2, t, key_, sc.timeout_s))
             elif t.protocol == "grpc":
                 assert channel is not None
                 self.senders.append(GrpcSender(channel, t, key_, sc.timeout_s))
@@ -176,6 +182,8 @@ class Driver:
                     await s.close()
             if self.pool is not None:
                 self.pool.close()
+            if self.h2 is not None:
+                self.h2.close()
             for m in models:
                 if m in self.stats_before:
                     self.stats_after[m] = await fetch_stats(session, sc.http, m)

@@ -65,6 +65,8 @@ class Scenario(BaseModel):
     timeout_s: float = Field(default=30.0, gt=0)
     http_client: Literal["raw", "aiohttp"] = Field(
         default="raw", description="raw: the generator's own keep-alive HTTP/1.1 client (cheap); aiohttp")
+    grpc_client: Literal["h2", "aio"] = Field(
+        default="h2", description="unary gRPC: h2 = meshserve's own HTTP/2 client (cheap); aio = grpc.aio")
     seed: int = 0
     tenants: dict[str, Tenant] = Field(default_factory=dict)
     targets: list[Target] = Field(min_length=1)

@@ -102,28 +102,18 @@ class StreamPool:
         self.size = streams
         self._streams: list[_Stream | None] = [None] * streams
         self._rr = itertools.count()
-        self._conn: h2client.H2ClientConnection | None = None
-        self._connecting = asyncio.Lock()
+        self._channel = h2client.Channel(endpoint, _CONNECT_TIMEOUT_S)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
-
-    async def _connection(self) -> h2client.H2ClientConnection:
-        async with self._connecting:
-            conn = self._conn
-            if conn is None or not conn.usable:
-                try:
-                    conn = self._conn = await h2client.connect(self.endpoint, _CONNECT_TIMEOUT_S)
-                except (OSError, TimeoutError) as exc:
-                    raise NotSent(f"service {self.endpoint}: cannot connect: {exc}") from None
-            return conn
 
     async def _stream(self, affinity: str | None = None) -> _Stream:
         # One sequence always uses the same stream, so its requests reach the service in order.
         i = (zlib.crc32(affinity.encode()) if affinity is not None else next(self._rr)) % self.size
         s = self._streams[i]
         if s is None or s.broken:
-            conn = self._conn
-            if conn is None or not conn.usable:
-                conn = await self._connection()
+            try:
+                conn = await self._channel.get()
+            except (OSError, TimeoutError) as exc:
+                raise NotSent(f"service {self.endpoint}: cannot connect: {exc}") from None
             s = self._streams[i]
             if s is None or s.broken:
                 s = self._streams[i] = _Stream(conn, f"service {self.endpoint}")
@@ -159,5 +149,4 @@ class StreamPool:
         for s in self._streams:
             if s is not None:
                 await s.close()
-        if self._conn is not None:
-            self._conn.close()
+        self._channel.close()

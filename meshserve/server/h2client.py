@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,9 +18,8 @@ from typing import Any
 from meshserve.server.h2grpc import (
     CANCEL,
     DATA,
-    END_HEADERS,
+    END_DATA,
     END_STREAM,
-    HEADERS,
     PREFACE,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
@@ -32,6 +32,8 @@ from meshserve.server.h2grpc import (
     _literal,
     _md_value,
 )
+
+log = logging.getLogger("meshserve.grpc.h2client")
 
 UNAVAILABLE, UNKNOWN, INTERNAL, UNIMPLEMENTED = 14, 2, 13, 12
 _HTTP_TO_GRPC = {400: INTERNAL, 401: 16, 403: 7, 404: UNIMPLEMENTED, 429: UNAVAILABLE, 502: UNAVAILABLE,
@@ -72,6 +74,24 @@ def _parse_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any
     return status, code, message, encoding
 
 
+class GrpcError(Exception):
+    """A call ended with a non-OK status."""
+
+    def __init__(self, code: int, details: str):
+        super().__init__(f"gRPC status {code}: {details}")
+        self.code = code
+        self.details = details
+
+
+def grpc_timeout(seconds: float) -> str:
+    """A `grpc-timeout` value (at most 8 digits) for a deadline `seconds` from now."""
+    for unit, scale in (("u", 1e6), ("m", 1e3), ("S", 1.0)):
+        value = int(seconds * scale)
+        if value < 100_000_000:
+            return f"{max(value, 1)}{unit}"
+    return "99999999S"
+
+
 OnMessage = Callable[[bytes], None]
 OnClose = Callable[[int, str], None]  # (grpc status code, details); 0 = OK
 
@@ -98,7 +118,8 @@ class ClientStream:
         self.got_headers = False
         self.encoding: bytes | None = None
 
-    def send(self, payload: bytes) -> None:
+    def send(self, payload: bytes, end_stream: bool = False) -> None:
+        """Write one message; `end_stream` half-closes the call after it (unary requests)."""
         if self.closed:
             raise ConnectionError("stream closed")
         conn = self.conn
@@ -108,12 +129,14 @@ class ClientStream:
                 and n + 5 <= conn.peer_max_frame:
             conn.send_window -= n + 5
             self.send_window -= n + 5
-            conn._write(_frame_header(DATA, 0, self.sid, n + 5) + header)
+            conn._write(_frame_header(DATA, END_STREAM if end_stream else 0, self.sid, n + 5) + header)
             conn._write(payload)
             return
         self.out.append((DATA, header))
         if payload:
             self.out.append((DATA, memoryview(payload)))
+        if end_stream:
+            self.out.append((END_DATA, b""))
         conn._drain(self)
 
     def cancel(self) -> None:
@@ -133,7 +156,8 @@ class H2ClientConnection(H2Endpoint):
 
     @property
     def usable(self) -> bool:
-        return not self.closed and not self.going_away and self.next_sid < 2**31 - 2
+        return (not self.closed and not self.going_away and self.next_sid < 2**31 - 2
+                and (self.transport is None or not self.transport.is_closing()))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -152,19 +176,46 @@ class H2ClientConnection(H2Endpoint):
                     on_close: OnClose) -> ClientStream:
         if not self.usable:
             raise ConnectionError(f"connection to {self.authority.decode()} is closing")
-        sid = self.next_sid
-        self.next_sid += 2
-        st = ClientStream(self, sid, on_message, on_close)
-        self.streams[sid] = st
         block = (_literal(b":method", b"POST") + _literal(b":scheme", b"http") + _literal(b":path", path.encode())
                  + _literal(b":authority", self.authority) + _literal(b"content-type", b"application/grpc")
                  + _literal(b"te", b"trailers"))
         for k, v in metadata:
             block += _literal(k.lower().encode(), _md_value(k, v))
-        if len(block) > self.peer_max_frame:
-            raise ValueError("request metadata too large for one HEADERS frame")
-        self._write(_frame(HEADERS, END_HEADERS, sid, block))
+        sid = self.next_sid
+        self.next_sid += 2
+        st = ClientStream(self, sid, on_message, on_close)
+        self.streams[sid] = st
+        self._write(self._headers(sid, 0, block))  # split into CONTINUATION frames when large
         return st
+
+    async def unary(self, path: str, payload: bytes, metadata: Iterable[tuple[str, Any]] = (),
+                    timeout: float | None = None) -> bytes:
+        """One unary call: the response message, or GrpcError (4 = DEADLINE_EXCEEDED on timeout)."""
+        fut: asyncio.Future[tuple[int, str]] = self.loop.create_future()
+        messages: list[bytes] = []
+
+        def on_close(code: int, details: str) -> None:
+            if not fut.done():
+                fut.set_result((code, details))
+
+        md = tuple(metadata)
+        if timeout is not None:
+            md += (("grpc-timeout", grpc_timeout(timeout)),)
+        st = self.open_stream(path, md, messages.append, on_close)
+        st.send(payload, end_stream=True)
+        try:
+            code, details = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
+        except TimeoutError:
+            st.cancel()
+            raise GrpcError(4, "Deadline Exceeded") from None
+        except asyncio.CancelledError:
+            st.cancel()
+            raise
+        if code:
+            raise GrpcError(code, details)
+        if len(messages) != 1:
+            raise GrpcError(INTERNAL, f"a unary call answered {len(messages)} messages")
+        return messages[0]
 
     def close(self) -> None:
         if self.transport is not None:
@@ -177,7 +228,10 @@ class H2ClientConnection(H2Endpoint):
         st.closed = True
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
-        st.on_close(code, details)
+        try:
+            st.on_close(code, details)
+        except Exception:  # one stream's callback must not keep the others from ending
+            log.exception("on_close callback failed")
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         st = self.streams.get(sid)
@@ -261,11 +315,34 @@ class H2ClientConnection(H2Endpoint):
 
 async def connect(endpoint: str, timeout: float = 5.0) -> H2ClientConnection:
     """Open an HTTP/2 (prior knowledge) connection to `host:port`."""
+    endpoint = endpoint.removeprefix("dns:///")  # also the :authority, which must not carry it
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
-    if host.startswith("dns:///"):
-        host = host[len("dns:///"):]
     loop = asyncio.get_running_loop()
     _, proto = await asyncio.wait_for(
         loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port)), timeout)
     return proto
+
+
+class Channel:
+    """A lazily connected, reconnected-when-broken client connection to one endpoint."""
+
+    def __init__(self, endpoint: str, connect_timeout: float = 5.0):
+        self.endpoint = endpoint
+        self.connect_timeout = connect_timeout
+        self._conn: H2ClientConnection | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> H2ClientConnection:
+        conn = self._conn
+        if conn is not None and conn.usable:
+            return conn
+        async with self._lock:
+            conn = self._conn
+            if conn is None or not conn.usable:
+                conn = self._conn = await connect(self.endpoint, self.connect_timeout)
+            return conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()

@@ -43,6 +43,7 @@ logging.getLogger("hpack").setLevel(logging.WARNING)  # it logs every header it 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM = 0x1
+END_DATA = -1  # in a stream's send queue: an empty DATA frame with END_STREAM (client half-close)
 ACK = 0x1
 END_HEADERS = 0x4
 PADDED = 0x8
@@ -123,7 +124,7 @@ def _md_value(key: str, value: Any) -> bytes:
     if key.endswith("-bin"):
         raw = value if isinstance(value, bytes) else str(value).encode()
         return base64.b64encode(raw).rstrip(b"=")
-    return value.encode() if isinstance(value, str) else bytes(value)
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 @functools.lru_cache(maxsize=1024)  # rejections repeat the same few messages
@@ -581,6 +582,10 @@ class H2Endpoint(asyncio.Protocol):
                 self._write(self._headers(st.sid, END_STREAM, item))
                 self._closed(st)
                 return
+            if kind == END_DATA:
+                out.popleft()
+                self._write(_frame(DATA, END_STREAM, st.sid))
+                continue
             size = len(item)
             while size:
                 n = min(size, self.send_window, st.send_window, self.peer_max_frame)

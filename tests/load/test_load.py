@@ -19,10 +19,11 @@ def _scenario(stack: Stack, via: str = "gateway", **kw: object) -> Scenario:
     return Scenario.model_validate({"http": proc.http, "grpc": proc.grpc, "warmup_s": 0.2, **kw})
 
 
-@pytest.mark.parametrize("protocol", ["http-binary", "http-json", "grpc", "grpc-stream"])
+@pytest.mark.parametrize("protocol", ["http-binary", "http-json", "grpc", "grpc-aio", "grpc-stream"])
 async def test_counts_match_server_statistics(stack: Stack, protocol: str) -> None:
-    sc = _scenario(stack, concurrency=4, duration_s=None, requests=300,
-                   targets=[{"model": "add_sub", "protocol": protocol}])
+    client = {"grpc_client": "aio"} if protocol == "grpc-aio" else {}  # grpc.aio instead of our h2 client
+    sc = _scenario(stack, concurrency=4, duration_s=None, requests=300, **client,
+                   targets=[{"model": "add_sub", "protocol": protocol.removesuffix("-aio")}])
     res = await run_scenario(sc)
     assert res["failed"] == 0, res["errors"]
     assert res["sent"] == 300 and res["succeeded"] == 300
