@@ -195,7 +195,7 @@ class Suite:
     def hop(self, svc: procs.Server, gw: procs.Server) -> None:
         rows: list[dict[str, Any]] = []
         for proto in ("http-binary", "grpc"):
-            for conc in (1, 8, 32):
+            for conc in (1, 8, 16, 32):
                 d = self.cell(f"hop-direct-{proto}-c{conc}", svc.http, svc.grpc, "add_sub", proto, conc,
                               pids=[svc.pid])
                 g = self.cell(f"hop-gw-{proto}-c{conc}", gw.http, gw.grpc, "add_sub", proto, conc,
@@ -249,6 +249,78 @@ class Suite:
             bs = " ".join(f"{k}:{v}" for k, v in sorted(r["batch_sizes"].items(), key=lambda kv: int(kv[0])))
             body.append(f"| {r['delay_us']} | {r['conc']} | {r['goodput']} | {r['p50']} | {r['p99']} | {r['rows_exec']} | {bs} |")
         self.section("batching", "Batching (mlp: queue delay × concurrency)", body, rows)
+
+    def tracing(self, models: Path) -> None:
+        """Issue #5's overhead figure: add_sub over gRPC at c=16 through gateway + service, tracing
+        off vs on with 10% sampling (OTLP/gRPC to a local sink), alternating, twice."""
+        self.log("tracing overhead")
+        sink = procs.OtlpSink()
+        traced = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink.port}",
+                  "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                  "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+        rows = []
+        try:
+            for i in (1, 2):
+                for label, env in (("off", {"OTEL_TRACES_EXPORTER": "none"}), ("10% sampled", traced)):
+                    svc = procs.service(models / "onnx_repo", self.logdir / f"svc-trace-{label}.log", env=env)
+                    gw = procs.gateway([svc.grpc], self.logdir / f"gw-trace-{label}.log", env=env)
+                    try:
+                        c = self.cell(f"trace-{label}-{i}", gw.http, gw.grpc, "add_sub", "grpc", 16,
+                                      pids=[svc.pid, gw.pid])
+                    finally:
+                        gw.stop()
+                        svc.stop()
+                    rows.append({"tracing": label, "repeat": i, **c})
+                    self.log(f"tracing {label} ({i}): {c['goodput']}/s")
+        finally:
+            sink.stop()
+        off = [r["goodput"] for r in rows if r["tracing"] == "off"]
+        on = [r["goodput"] for r in rows if r["tracing"] != "off"]
+        cost = 1 - (sum(on) / len(on)) / (sum(off) / len(off)) if off and on and all(off) else None
+        body = ["add_sub over gRPC, concurrency 16, through gateway + ONNX service started fresh per row; "
+                "tracing off (`OTEL_TRACES_EXPORTER=none`) vs on with `parentbased_traceidratio` 0.1, OTLP/gRPC "
+                "to a bare in-process sink (its CPU counts too). Alternating, twice.", "",
+                "| tracing | repeat | goodput /s | p50 ms | p99 ms | server cores | server µs/req |",
+                "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            us = round(r["server_cores"] / r["goodput"] * 1e6) if r["goodput"] and r["server_cores"] else "-"
+            body.append(f"| {r['tracing']} | {r['repeat']} | {r['goodput']} | {r['p50']} | {r['p99']} | "
+                        f"{r['server_cores']} | {us} |")
+        if cost is not None:
+            body.append(f"\nThroughput cost of 10% sampling (mean of repeats): **{cost:.1%}** "
+                        f"(OTLP bytes received by the sink: {sink.spans_bytes}).")
+        self.section("tracing", "Tracing overhead (10% sampling)", body, {"rows": rows, "cost": cost})
+
+    def profile(self, svc: procs.Server, gw: procs.Server) -> None:
+        """Where the time goes: py-spy on each server process during one cell (self time by area)."""
+        pyspy = shutil.which("py-spy")
+        if pyspy is None:
+            self.section("profile", "Where the time goes (py-spy)",
+                         ["not run: py-spy is not installed (`pip install py-spy`, part of the [load] extra)"], {})
+            return
+        cells = [("gateway", gw, "add_sub gRPC c=16 through the gateway", gw, "add_sub", 16, 1),
+                 ("service", svc, "add_sub gRPC c=16 through the gateway", gw, "add_sub", 16, 1),
+                 ("service", svc, "mlp gRPC batch 64 c=2 direct", svc, "mlp", 2, 64)]
+        rows = []
+        for who, proc, what, via, model, conc, batch in cells:
+            out = self.logdir / f"profile-{who}-{model}.txt"
+            spy = subprocess.Popen([pyspy, "record", "-p", str(proc.pid), "-d", str(max(2, int(self.step))),
+                                    "-r", "200", "-f", "raw", "-o", str(out), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            c = self.cell(f"profile-{who}-{model}", via.http, via.grpc, model, "grpc", conc, batch, [proc.pid])
+            spy.wait(timeout=60)
+            areas, top = summarize_profile(out) if out.exists() else ({}, [])
+            rows.append({"process": who, "load": what, "goodput": c["goodput"], "areas": areas, "top": top})
+        body = ["py-spy (`record -r 200 --nonblocking`, raw stacks) on one process while the load in the second "
+                "column runs; each sample is charged to the innermost frame (self time), grouped by area. "
+                "`event loop (native)` is uvloop + sockets (syscalls) seen from Python; `runtime` is "
+                "onnxruntime's run call; `ingress` is meshserve's HTTP/2 gRPC server/client.", ""]
+        for r in rows:
+            body += [f"**{r['process']}** under {r['load']} ({r['goodput']}/s):", "",
+                     "| area | share of samples |", "|---|---|"]
+            body += [f"| {k} | {v:.1%} |" for k, v in r["areas"].items()]
+            body += ["", "Top frames: " + "; ".join(f"`{f}` {v:.1%}" for f, v in r["top"]), ""]
+        self.section("profile", "Where the time goes (py-spy)", body, rows)
 
     def quotas(self, svc: procs.Server) -> None:
         helptext = subprocess.run([sys.executable, "-m", "meshserve", "gateway", "--help"], capture_output=True,
@@ -442,6 +514,8 @@ class Suite:
                             ("hop", lambda: self.hop(svc, gw)),
                             ("batching", lambda: self.batching(svc)),
                             ("quotas", lambda: self.quotas(svc)),
+                            ("tracing", lambda: self.tracing(models)),
+                            ("profile", lambda: self.profile(svc, gw)),
                             ("perf_analyzer", lambda: self.perf_analyzer(models, svc, gw) if not self.a.no_pa else None),
                             ("scale_out", lambda: self.scale_out(models, svc, gw))):
                 if want(key):
@@ -452,6 +526,38 @@ class Suite:
             self.flush()
         shutil.rmtree(self.logdir, ignore_errors=True) if not self.a.keep_logs else None
         return self.out_md
+
+
+_AREAS = (("ingress (meshserve/server/h2*)", ("meshserve/server/h2",)),
+          ("runtime (onnxruntime)", ("onnxruntime",)),
+          ("gateway logic", ("gateway/",)),
+          ("service logic", ("services/",)),
+          ("meshserve common", ("meshserve/",)),
+          ("protobuf / grpc python", ("google/protobuf", "grpc/")),
+          ("threads (executor, idle waits)", ("threading.py", "concurrent/futures")),
+          ("event loop (native)", ("asyncio/runners.py",)))
+
+
+def summarize_profile(path: Path) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """py-spy raw output -> (self-time share per area, top 8 innermost frames)."""
+    from collections import Counter
+
+    frames: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        frames[stack.split(";")[-1]] += int(n)
+    if not total:
+        return {}, []
+    areas: Counter[str] = Counter()
+    for frame, count in frames.items():
+        area = next((name for name, keys in _AREAS if any(k in frame for k in keys)), "other")
+        areas[area] += count
+    return ({k: v / total for k, v in areas.most_common()},
+            [(f, c / total) for f, c in frames.most_common(8)])
 
 
 def fmt_errors(cell: dict[str, Any]) -> str:
@@ -487,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
     ap.add_argument("--models", default="/tmp/bench-models", help="gen_models.py output (generated if missing)")
     ap.add_argument("--out-dir", default=str(ROOT / "load" / "results"))
-    ap.add_argument("--only", default="", help="comma list: generator,efficiency,hop,batching,quotas,perf_analyzer,scale_out")
+    ap.add_argument("--only", default="", help="comma list: generator,efficiency,hop,batching,quotas,tracing,profile,perf_analyzer,scale_out")
     ap.add_argument("--no-pa", action="store_true", help="skip the perf_analyzer cells")
     ap.add_argument("--quiet-wait", type=float, default=120, help="max seconds to wait for load average < 1")
     ap.add_argument("--keep-logs", action="store_true")

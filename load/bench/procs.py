@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Server:
-    def __init__(self, args: list[str], log: Path, timeout: float = 120):
+    def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None):
         self.argv = [sys.executable, "-m", "meshserve", *args]
         self.logf = open(log, "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
-                                     cwd=ROOT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     cwd=ROOT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.ports: dict[str, int] = {}
         ready = threading.Event()
 
@@ -84,15 +85,42 @@ def explicit_control_args() -> list[str]:
     return ["--model-control-mode", "explicit", "--load-model", "*"] if "--model-control-mode" in out else []
 
 
-def service(repo: Path, log: Path, control: list[str] | None = None) -> Server:
+def service(repo: Path, log: Path, control: list[str] | None = None, env: dict[str, str] | None = None) -> Server:
     return Server(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                   "--log-level", "WARNING", *(control or [])], log)
+                   "--log-level", "WARNING", *(control or [])], log, env=env)
 
 
-def gateway(upstreams: list[str], log: Path, extra: list[str] | None = None) -> Server:
+def gateway(upstreams: list[str], log: Path, extra: list[str] | None = None,
+            env: dict[str, str] | None = None) -> Server:
     ups = sum((["--upstream", u] for u in upstreams), [])
     return Server(["gateway", "--grpc-port", "0", "--http-port", "0", "--log-level", "WARNING", *ups,
-                   *(extra or [])], log)
+                   *(extra or [])], log, env=env)
+
+
+class OtlpSink:
+    """A bare OTLP/gRPC trace receiver (TraceService/Export, answers an empty response): what a
+    collector costs the sender, without a collector's own CPU on these cores."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+
+        self.spans_bytes = 0
+
+        def export(request: bytes, context: object) -> bytes:
+            self.spans_bytes += len(request)
+            return b""
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.unary_unary_rpc_method_handler(export)}),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(0)
 
 
 def proc_tree_cpu_s(pid: int) -> float:
