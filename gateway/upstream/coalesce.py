@@ -16,16 +16,17 @@ count client requests.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError
 
-MERGED_PARAMETER = "meshserve_merged_requests"
+MERGED_PARAMETER = wire.MERGED_PARAMETER
 # Request parameters that do not change how a request is scheduled or computed.
 _NEUTRAL_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
 
@@ -155,7 +156,8 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
 
 @dataclass
 class _Group:
-    pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None]] = \
+    # (request, rows, future, timeout s, monotonic ns when it started waiting here)
+    pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int]] = \
         field(default_factory=deque)
     inflight: int = 0
     scheduled: bool = False
@@ -189,7 +191,7 @@ class Coalescer:
                 group.inflight -= 1
                 self._drain(key, group, max_batch)
         fut: asyncio.Future[pb.ModelInferResponse] = asyncio.get_running_loop().create_future()
-        group.pending.append((request, rows, fut, timeout))  # raw is dropped: a merge rebuilds
+        group.pending.append((request, rows, fut, timeout, time.monotonic_ns()))  # raw dropped: a merge rebuilds
         self._drain(key, group, max_batch)
         return await fut
 
@@ -216,20 +218,26 @@ class Coalescer:
             rows = [c[1] for c in chunk]
             timeouts = [c[3] for c in chunk if c[3] is not None]
             timeout = min(timeouts) if timeouts else None
+            # The service's max_queue_delay counts from the oldest member's arrival here, as
+            # Triton times it from the oldest request's arrival: the wait in this queue counts.
+            waited_us = (time.monotonic_ns() - min(c[4] for c in chunk)) // 1000
             try:
                 if len(chunk) == 1:
-                    responses = [await self._send_fn(requests[0], None, timeout)]
+                    single = requests[0]
+                    single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                    responses = [await self._send_fn(single, None, timeout)]
                 else:
                     self.merged_sends += 1
                     self.merged_requests += len(chunk)
                     merged = merge(requests, rows)
+                    merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
                     responses = split(await self._send_fn(merged, None, timeout), requests, rows)
             except BaseException as exc:  # noqa: BLE001 - every member gets the outcome
-                for _, _, fut, _ in chunk:
+                for _, _, fut, _, _ in chunk:
                     if not fut.done():
                         fut.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
                 return
-            for (_, _, fut, _), resp in zip(chunk, responses, strict=True):
+            for (_, _, fut, _, _), resp in zip(chunk, responses, strict=True):
                 if not fut.done():
                     fut.set_result(resp)
         finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
 ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
+MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how many client requests it holds
+QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a gateway's coalescer (µs)
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
 ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)
 ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response header
@@ -12,6 +14,8 @@ _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entri
 
 
 def varint(n: int) -> bytes:
+    if n < 0x80:  # the common case: one byte
+        return bytes((n,))
     out = bytearray()
     while True:
         b = n & 0x7F

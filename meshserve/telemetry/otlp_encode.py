@@ -11,6 +11,8 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from meshserve.protocol.wire import varint
+
 _F64 = struct.Struct("<Q")
 _D = struct.Struct("<d")
 _F32 = struct.Struct("<I")
@@ -18,20 +20,9 @@ HAS_IS_REMOTE = 0x100  # SpanFlags: the is_remote bit below is meaningful
 IS_REMOTE = 0x200
 
 
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return bytes((n,))
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _ld(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (wire type 2) of a small field number."""
-    return bytes(((tag << 3) | 2,)) + _varint(len(payload)) + payload
+    return bytes(((tag << 3) | 2,)) + varint(len(payload)) + payload
 
 
 def _any_value(v: Any) -> bytes:
@@ -40,7 +31,7 @@ def _any_value(v: Any) -> bytes:
     if isinstance(v, bool):
         return b"\x10" + (b"\x01" if v else b"\x00")
     if isinstance(v, int):
-        return b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)
+        return b"\x18" + varint(v & 0xFFFFFFFFFFFFFFFF)
     if isinstance(v, float):
         return b"\x21" + _D.pack(v)
     if isinstance(v, bytes):
@@ -65,36 +56,36 @@ def _span(span: Any) -> bytes:
     if parent is not None:
         out.append(_ld(4, parent.span_id.to_bytes(8, "big")))
     out.append(_ld(5, span.name.encode()))
-    out.append(b"\x30" + _varint(span.kind.value + 1))  # proto SpanKind = SDK SpanKind + 1
+    out.append(b"\x30" + varint(span.kind.value + 1))  # proto SpanKind = SDK SpanKind + 1
     out.append(b"\x39" + _F64.pack(span.start_time or 0))
     out.append(b"\x41" + _F64.pack(span.end_time or 0))
     out.append(_attributes(9, span.attributes))
     if span.dropped_attributes:
-        out.append(b"\x50" + _varint(span.dropped_attributes))
+        out.append(b"\x50" + varint(span.dropped_attributes))
     for ev in span.events:
         body = b"\x09" + _F64.pack(ev.timestamp) + _ld(2, ev.name.encode()) + _attributes(3, ev.attributes)
         if ev.dropped_attributes:
-            body += b"\x20" + _varint(ev.dropped_attributes)
+            body += b"\x20" + varint(ev.dropped_attributes)
         out.append(_ld(11, body))
     if span.dropped_events:
-        out.append(b"\x60" + _varint(span.dropped_events))
+        out.append(b"\x60" + varint(span.dropped_events))
     for link in span.links:
         lc = link.context
         body = _ld(1, lc.trace_id.to_bytes(16, "big")) + _ld(2, lc.span_id.to_bytes(8, "big"))
         body += _attributes(4, link.attributes)
         if link.dropped_attributes:
-            body += b"\x28" + _varint(link.dropped_attributes)
+            body += b"\x28" + varint(link.dropped_attributes)
         body += b"\x35" + _F32.pack(HAS_IS_REMOTE | (IS_REMOTE if lc.is_remote else 0))
         out.append(_ld(13, body))
     if span.dropped_links:
-        out.append(b"\x70" + _varint(span.dropped_links))
+        out.append(b"\x70" + varint(span.dropped_links))
     status = span.status
     if status is not None:
         st = b""
         if status.description:
             st += _ld(2, status.description.encode())
         if status.status_code.value:
-            st += b"\x18" + _varint(status.status_code.value)
+            st += b"\x18" + varint(status.status_code.value)
         out.append(_ld(15, st))
     flags = HAS_IS_REMOTE | (IS_REMOTE if parent is not None and parent.is_remote else 0)
     out.append(b"\x85\x01" + _F32.pack(flags))  # field 16, fixed32

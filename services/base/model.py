@@ -19,7 +19,7 @@ import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 from services.base import batch_trace
@@ -35,7 +35,7 @@ from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import QueuedRequest
 from services.base.stats import ModelStats
 
-MERGED_PARAMETER = "meshserve_merged_requests"  # set by the gateway's coalescer
+MERGED_PARAMETER = wire.MERGED_PARAMETER  # set by the gateway's coalescer
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -231,6 +231,8 @@ class ModelVersion:
         level, deadline_ns, delay_at = self._schedule_policy(request, arrival, deadline_ns, priority)
         queued = QueuedRequest(rows=pending.rows, arrival_ns=arrival, priority=level,
                                deadline_ns=deadline_ns, delay_at_ns=delay_at, payload=pending, future=fut)
+        if wire.QUEUED_PARAMETER in request.parameters:  # waited in a gateway's coalescer (≤ 10 s counts)
+            queued.waited_ns = max(0, min(_int_param(request.parameters[wire.QUEUED_PARAMETER]), 10_000_000)) * 1000
         self.stats.pending += 1
         try:
             try:

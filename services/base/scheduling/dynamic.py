@@ -231,8 +231,8 @@ class DynamicBatcher:
             self._start()
         self._queue.append(req)
         self._queued_rows += req.rows
-        if self._queued_rows >= self._wake_rows:
-            self._wake()
+        if self._queued_rows >= self._wake_rows or req.waited_ns:
+            self._wake()  # enough rows, or a request older than its arrival: its delay may be due
 
     def inflight(self) -> int:
         """Requests queued or executing (cancelled ones count until the loop drops them)."""
@@ -360,6 +360,7 @@ class DynamicBatcher:
             rows: list[int] = []
             total = 0
             min_deadline = _NEVER
+            oldest = _NEVER
             while queue and total < limit:
                 req = queue.popleft()
                 fut = req.future
@@ -381,6 +382,9 @@ class DynamicBatcher:
                         continue
                     if deadline < min_deadline:
                         min_deadline = deadline
+                since = req.arrival_ns - req.waited_ns
+                if since < oldest:
+                    oldest = since
                 held.append(req)
                 rows.append(req.rows)
                 total += req.rows
@@ -388,7 +392,6 @@ class DynamicBatcher:
                 self._held = None
                 continue
 
-            oldest = held[0].arrival_ns
             if self._stopping and delay:
                 now = max(now, oldest + delay)  # draining: do not wait for more requests
             action = next_action(rows, oldest, now, policy)

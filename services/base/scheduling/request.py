@@ -24,6 +24,9 @@ class QueuedRequest:
     deadline_ns: int | None = None  # fail with DeadlineExceededError once passed (REJECT)
     delay_at_ns: int | None = None  # once passed, move behind all other requests (DELAY)
     delayed: bool = False
+    # time already spent queued before this scheduler saw it (a gateway's coalescer): the
+    # batcher's max_queue_delay is timed from the request's arrival at the front door
+    waited_ns: int = 0
 
     def done(self) -> bool:
         """True once the result, an error, or a cancellation is set."""

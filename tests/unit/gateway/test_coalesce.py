@@ -10,6 +10,7 @@ from google.protobuf import text_format
 from gateway.upstream.coalesce import MERGED_PARAMETER, Coalescer, ModelShape, merge, merge_key, split
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import wire
 
 CONFIG = text_format.Parse("""
 name: "add_sub" max_batch_size: 8
@@ -88,10 +89,13 @@ def test_batch_over_max_and_unbatchable_models() -> None:
 
 async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
     sent: list[int] = []
+    waited: list[int | None] = []
     gate = asyncio.Event()
 
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
         sent.append(req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1)
+        waited.append(req.parameters[wire.QUEUED_PARAMETER].int64_param
+                      if wire.QUEUED_PARAMETER in req.parameters else None)
         await gate.wait()
         return fake_service(req)
 
@@ -108,6 +112,8 @@ async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
     gate.set()
     outs = await asyncio.gather(*tasks)
     assert sent == [1, 5]  # then the five pending ones travel as one merged request
+    # ... telling the service how long its oldest member already waited here (>= the 10 ms above)
+    assert waited[0] is None and waited[1] is not None and waited[1] >= 10_000
     for i, out in enumerate(outs):
         assert out.id == f"r{i}"
         np.testing.assert_array_equal(np.frombuffer(out.raw_output_contents[0], np.float32), np.full(16, i + 1.0))

@@ -148,6 +148,28 @@ async def test_delay_is_measured_from_the_oldest_request() -> None:
     await b.stop()
 
 
+async def test_delay_counts_time_already_waited_upstream() -> None:
+    """A request that waited in a gateway's coalescer (waited_ns) is as old as its arrival
+    there: max_queue_delay is timed from the front door, so no second full delay is paid."""
+    clock = FakeClock(100 * MS)
+    ex = Executor()
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    fresh = request("fresh", arrival_ns=100 * MS)
+    b.enqueue(fresh)
+    await asyncio.sleep(0.025)
+    assert ex.batches == []  # a fresh request waits for its delay
+    clock.now = 105 * MS
+    waited = request("waited", arrival_ns=105 * MS)
+    waited.waited_ns = 19 * MS  # arrived at the gateway at 86 ms: older than "fresh"
+    b.enqueue(waited)
+    await asyncio.sleep(0.025)
+    assert ex.batches == []  # due at 86 + 20 = 106 ms, not yet
+    clock.now = 106 * MS
+    await asyncio.wait_for(asyncio.gather(fresh.future, waited.future), 1.0)
+    assert ex.batches == [["fresh", "waited"]]
+    await b.stop()
+
+
 async def test_reaching_a_preferred_size_wakes_the_batcher_before_the_delay() -> None:
     ex = Executor()
     b = batcher(BatchingPolicy(max_batch_size=8, preferred_batch_sizes=(4,),
