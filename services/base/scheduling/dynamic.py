@@ -190,6 +190,7 @@ class DynamicBatcher:
         self._clock = clock
         self.instance_count = instance_count
         self._free_slots = instance_count
+        self._released: set[int] = set()  # batches whose slot release() already freed
         self._queue = LevelQueue(policy.levels)
         self._queued_rows = 0  # rows of everything in _queue, cancelled entries included
         self._executing = 0  # requests in batches that are running
@@ -428,6 +429,17 @@ class DynamicBatcher:
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
+    def release(self, batch: list[QueuedRequest]) -> None:
+        """The executor is done with its instance for `batch` (compute finished) though the
+        batch's results are not delivered yet: the next batch may start now. Optional and
+        idempotent; without it the slot frees when the batch's execute returns."""
+        if id(batch) in self._released:
+            return
+        self._released.add(id(batch))
+        self._free_slots += 1
+        if self._free_slots == 1 and self._queue:
+            self._wake()
+
     async def _run_batch(self, batch: list[QueuedRequest]) -> None:
         try:
             await self._execute(batch)
@@ -443,9 +455,12 @@ class DynamicBatcher:
                     req.future.set_exception(InternalBatchError(
                         f"model '{self.name}': batch finished without a result for this request"))
             self._executing -= len(batch)
-            self._free_slots += 1
-            if self._free_slots == 1 and self._queue:
-                self._wake()  # the loop may be waiting for this slot
+            if id(batch) in self._released:
+                self._released.discard(id(batch))
+            else:
+                self._free_slots += 1
+                if self._free_slots == 1 and self._queue:
+                    self._wake()  # the loop may be waiting for this slot
 
     def _fail_queue(self, what: str, cause: BaseException | None = None) -> None:
         queue = self._queue

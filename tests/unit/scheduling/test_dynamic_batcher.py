@@ -381,3 +381,30 @@ async def test_request_needs_at_least_one_row() -> None:
 def test_instance_count_must_be_positive() -> None:
     with pytest.raises(ValueError, match="instance_count"):
         DynamicBatcher(BatchingPolicy(), Executor(), instance_count=0)
+
+
+async def test_release_lets_the_next_batch_start_before_results_are_delivered() -> None:
+    """An executor that calls release() when its compute is done frees the instance slot: with
+    one instance, the next batch starts while the first is still delivering its results."""
+    delivered = asyncio.Event()
+    started: list[list[object]] = []
+    b: DynamicBatcher
+
+    async def execute(batch: list[QueuedRequest]) -> None:
+        started.append([r.payload for r in batch])
+        b.release(batch)
+        b.release(batch)  # idempotent
+        if len(started) == 1:
+            await delivered.wait()  # the first batch is slow to deliver
+        for r in batch:
+            r.future.set_result(r.payload)
+
+    b = DynamicBatcher(BatchingPolicy(max_batch_size=1), execute, instance_count=1, clock=FakeClock(), name="m")
+    first, second = request("a"), request("b")
+    b.enqueue(first)
+    b.enqueue(second)
+    await wait_until(lambda: len(started) == 2)  # "b" started though "a" has not finished
+    assert not first.future.done()
+    delivered.set()
+    assert await asyncio.wait_for(asyncio.gather(first.future, second.future), 1.0) == ["a", "b"]
+    await b.stop()
