@@ -54,7 +54,7 @@ GATEWAY_FAMILIES = {
 
 
 class GatewayCore:
-    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2,
+    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
                  routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica).

@@ -29,7 +29,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--resolve-interval", type=float, default=10.0, metavar="SECONDS",
                     help="how often DNS names among the upstreams are resolved again")
     ap.add_argument("--discovery-interval", type=float, default=2.0, metavar="SECONDS")
-    ap.add_argument("--coalesce-inflight", type=int, default=2, metavar="N",
+    ap.add_argument("--coalesce-inflight", type=int, default=4, metavar="N",
                     help="merge concurrently pending requests for a batchable model while N merged "
                          "requests per replica are in flight (0 = never merge)")
     ap.add_argument("--tenants", default=None, metavar="PATH",
