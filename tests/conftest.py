@@ -6,13 +6,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from load.bench.procs import wait_ready
 from meshserve.server.process import parse_ready_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,15 +104,4 @@ def stack(model_repo: Path) -> Iterator[Stack]:
 
 
 def _wait_http_ready(hostport: str, timeout: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{hostport}/v2/health/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{hostport} never became ready")
+    wait_ready(hostport, timeout)  # the load bench's readiness poll (GET /v2/health/ready)

@@ -73,7 +73,7 @@ def wait_ready(hostport: str, timeout: float = 60) -> None:
                     return
         except OSError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.1)
     raise RuntimeError(f"{hostport} never became ready")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +22,6 @@ from meshserve.server.h2grpc import (
     END_DATA,
     END_STREAM,
     PREFACE,
-    PRIORITY_FLAG,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
     RST_STREAM,
@@ -41,21 +41,7 @@ _HTTP_TO_GRPC = {400: INTERNAL, 401: 16, 403: 7, 404: UNIMPLEMENTED, 429: UNAVAI
 
 
 def _percent_decode(value: bytes) -> str:
-    if b"%" not in value:
-        return value.decode("utf-8", "replace")
-    out = bytearray()
-    i = 0
-    while i < len(value):
-        if value[i] == 0x25 and i + 2 < len(value):
-            try:
-                out.append(int(value[i + 1:i + 3], 16))
-                i += 3
-                continue
-            except ValueError:
-                pass
-        out.append(value[i])
-        i += 1
-    return out.decode("utf-8", "replace")
+    return urllib.parse.unquote_to_bytes(value).decode("utf-8", "replace")
 
 
 def _parse_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any, ...]:
@@ -235,10 +221,7 @@ class H2ClientConnection(H2Endpoint):
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         st = self.streams.get(sid)
-        start, end = self._unpad(flags, payload, 0, len(payload))
-        if flags & PRIORITY_FLAG:
-            start += 5
-        block = payload[start:end]
+        block = self._fragment(flags, payload)
         if st is None:  # a stream we cancelled: keep the HPACK table in step
             if sid % 2 == 0 or sid >= self.next_sid:
                 raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS on unknown stream {sid}")

@@ -98,7 +98,6 @@ RESPONSE_HEADERS = (_STATUS_200 + _literal(b"content-type", b"application/grpc")
 TRAILERS_OK = _literal(b"grpc-status", b"0")
 
 _TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def parse_timeout(value: bytes) -> float | None:
@@ -187,7 +186,7 @@ _EOF = object()
 class _Stream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "timer",
-                 "ctx", "header_block", "header_flags", "cancelled")
+                 "header_block", "header_flags", "cancelled")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -206,7 +205,6 @@ class _Stream:
         self.handler: grpc.RpcMethodHandler | None = None
         self.headers_sent = False
         self.timer: asyncio.TimerHandle | None = None
-        self.ctx: ServicerContext | None = None
         self.header_block: bytearray | None = None
         self.header_flags = 0
         self.cancelled = False  # ended by RST_STREAM, a lost connection or the deadline
@@ -367,6 +365,15 @@ class H2Endpoint(asyncio.Protocol):
             if not ended and st.recv_unacked >= LOCAL_STREAM_WINDOW // 2:
                 self.wbuf.append(_frame(WINDOW_UPDATE, 0, st.sid, _U32.pack(st.recv_unacked)))
                 st.recv_unacked = 0
+
+    def _fragment(self, flags: int, payload: bytes) -> bytes:
+        """The header block fragment of a HEADERS frame: without padding and priority fields."""
+        start, end = self._unpad(flags, payload, 0, len(payload))
+        if flags & PRIORITY_FLAG:
+            start += 5
+        if start > end:
+            raise _ConnectionError(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
+        return payload[start:end]
 
     @staticmethod
     def _unpad(flags: int, data: bytes, start: int, end: int) -> tuple[int, int]:
@@ -670,17 +677,7 @@ class _Connection(H2Endpoint):
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0 or sid % 2 == 0:
             raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {sid}")
-        start, end = 0, len(payload)
-        if flags & PADDED:
-            if not payload:
-                raise _ConnectionError(PROTOCOL_ERROR, "empty padded HEADERS")
-            end -= payload[0]
-            start = 1
-        if flags & PRIORITY_FLAG:
-            start += 5
-        if start > end:
-            raise _ConnectionError(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
-        block = payload[start:end]
+        block = self._fragment(flags, payload)
         st = self.streams.get(sid)
         if st is None:
             if sid <= self.last_sid:
@@ -754,12 +751,7 @@ class _Connection(H2Endpoint):
             if end - start - 5 > self.server.max_receive:
                 self._fail_too_large(st, end - start - 5)
                 return
-            msg: bytes | None = data[start + 5:end]
-            if data[start]:
-                msg = self._decompress(st, msg)  # type: ignore[arg-type]
-                if msg is None:
-                    return
-            st.task = self.loop.create_task(self._run(st, msg))
+            self._start_unary(st, data[start + 5:end], data[start])
             return
         if start < end:
             st.buf += memoryview(data)[start:end]
@@ -841,12 +833,16 @@ class _Connection(H2Endpoint):
             self._finish(st, grpc.StatusCode.INTERNAL.value[0],
                          "a unary call needs exactly one request message")
             return
-        msg: bytes | None = bytes(memoryview(buf)[5:])
         st.buf = bytearray()
-        if buf[0]:
-            msg = self._decompress(st, msg)  # type: ignore[arg-type]
-            if msg is None:
+        self._start_unary(st, bytes(memoryview(buf)[5:]), buf[0])
+
+    def _start_unary(self, st: _Stream, msg: bytes, compressed: int) -> None:
+        """Run a unary-request call on its (size-checked) message."""
+        if compressed:
+            plain = self._decompress(st, msg)
+            if plain is None:
                 return
+            msg = plain
         st.task = self.loop.create_task(self._run(st, msg))
 
     # ---- calling handlers ------------------------------------------------------------------
@@ -862,7 +858,7 @@ class _Connection(H2Endpoint):
     async def _run(self, st: _Stream, message: bytes | None) -> None:
         handler = st.handler
         assert handler is not None
-        ctx = st.ctx = ServicerContext(self, st)
+        ctx = ServicerContext(self, st)
         try:
             if handler.request_streaming:
                 request: Any = self._requests(st)
@@ -1122,11 +1118,3 @@ class H2GrpcServer:
                 await asyncio.wait_for(s.wait_closed(), 1.0)
             except TimeoutError:
                 pass
-
-    async def wait_for_termination(self, timeout: float | None = None) -> bool:
-        waits = [s.wait_closed() for s in self._servers]
-        try:
-            await asyncio.wait_for(asyncio.gather(*waits), timeout)
-        except TimeoutError:
-            return False
-        return True
