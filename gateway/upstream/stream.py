@@ -7,6 +7,11 @@ loop). Requests are matched to responses by a gateway-assigned id appended to th
 bytes (protobuf: the last occurrence of a singular field wins); the client's own id is
 restored on the response. Requests that never reached the stream are safe to retry
 elsewhere (NotSent).
+
+Requests leave in the order they were handed to the pool: a stream is made at once, and
+what is sent while its connection is still opening waits in order and is written when it is
+up. A sequence's requests (pinned to one stream) reach the service in the order the client
+sent them, also on a gateway's first requests and after a reconnect.
 """
 from __future__ import annotations
 
@@ -39,21 +44,51 @@ class StreamBroken(InferError):
 
 
 class _Stream:
-    def __init__(self, conn: h2client.H2ClientConnection, name: str):
+    """One ModelStreamInfer call. Made without waiting: requests sent before its connection and
+    call are open wait in ``_backlog`` (in order) and are written the moment the call opens, so
+    ``send`` never suspends and never lets a later request overtake an earlier one."""
+
+    def __init__(self, channel: h2client.Channel, name: str):
         self.name = name
         self.pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
         self._ids = itertools.count(1)
         self.broken = False
         self.answered = False  # a response arrived: the stream reached the service
-        # the marker tells the service that requests without trace parameters were not sampled
-        self._call = conn.open_stream(_METHOD, _STREAM_METADATA, self._on_message, self._on_close)
+        self._call: h2client.ClientStream | None = None
+        self._backlog: list[tuple[str, bytes]] = []  # (id, request) sent while opening
+        self._opening: asyncio.Task[None] | None = asyncio.ensure_future(self._open(channel))
+
+    async def _open(self, channel: h2client.Channel) -> None:
+        try:
+            conn = await channel.get()
+            if self.broken:  # closed while connecting
+                return
+            # the marker tells the service that requests without trace parameters were not sampled
+            call = conn.open_stream(_METHOD, _STREAM_METADATA, self._on_message, self._on_close)
+        except Exception as exc:  # connect refused / timed out, connection closing: nothing was sent
+            self._on_close(h2client.UNAVAILABLE, f"cannot connect: {exc}" if str(exc) else
+                           f"cannot connect: {type(exc).__name__}")
+            return
+        finally:
+            self._opening = None
+        self._call = call
+        backlog, self._backlog = self._backlog, []
+        for cid, raw in backlog:  # in order, in this one step: nothing can come between
+            if cid not in self.pending:  # timed out or cancelled while waiting: never sent
+                continue
+            try:
+                call.send(raw)
+            except ConnectionError:
+                self._on_close(h2client.UNAVAILABLE, "stream closed while opening")
+                return
 
     def _on_message(self, raw: bytes) -> None:
         try:
             msg = pb.ModelStreamInferResponse.FromString(raw)
         except Exception as exc:  # keep the gateway alive; fail this stream's requests
             log.error("stream %s: undecodable response: %s", self.name, exc)
-            self._call.cancel()
+            if self._call is not None:
+                self._call.cancel()
             self._on_close(13, f"undecodable response: {exc}")
             return
         self.answered = True
@@ -63,23 +98,29 @@ class _Stream:
 
     def _on_close(self, code: int, detail: str) -> None:
         self.broken = True
-        detail = detail or "stream closed"
+        self._backlog.clear()
+        detail = detail or f"the service ended the stream (gRPC status {code})"
         for fut in self.pending.values():
             if not fut.done():  # a stream that never answered never connected: safe to retry
                 fut.set_exception(StreamBroken(Code.UNAVAILABLE, f"{self.name}: stream to the service "
-                                               f"broke: {detail}") if self.answered else NotSent(self.name))
+                                               f"broke: {detail}") if self.answered
+                                  else NotSent(f"{self.name}: {detail}"))
         self.pending.clear()
 
     def send(self, raw_request: bytes) -> asyncio.Future[pb.ModelStreamInferResponse]:
         if self.broken:
-            raise NotSent(self.name)
+            raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = asyncio.get_running_loop().create_future()
-        try:
-            self._call.send(wire.with_request_id(raw_request, cid))
-        except ConnectionError:
-            self.broken = True
-            raise NotSent(self.name) from None
+        raw = wire.with_request_id(raw_request, cid)
+        if self._call is None:
+            self._backlog.append((cid, raw))
+        else:
+            try:
+                self._call.send(raw)
+            except ConnectionError:
+                self.broken = True
+                raise NotSent(f"{self.name}: stream closed") from None
         self.pending[cid] = fut
         return fut
 
@@ -90,7 +131,10 @@ class _Stream:
                 break
 
     async def close(self) -> None:
-        self._call.cancel()
+        if self._opening is not None:
+            self._opening.cancel()
+        if self._call is not None:
+            self._call.cancel()
         self._on_close(1, "stream closed by the gateway")
 
 
@@ -105,23 +149,18 @@ class StreamPool:
         self._channel = h2client.Channel(endpoint, _CONNECT_TIMEOUT_S)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
 
-    async def _stream(self, affinity: str | None = None) -> _Stream:
+    def _stream(self, affinity: str | None = None) -> _Stream:
         # One sequence always uses the same stream, so its requests reach the service in order.
+        # Never awaits: a request waiting here for a connection could be overtaken by a later one.
         i = (zlib.crc32(affinity.encode()) if affinity is not None else next(self._rr)) % self.size
         s = self._streams[i]
         if s is None or s.broken:
-            try:
-                conn = await self._channel.get()
-            except (OSError, TimeoutError) as exc:
-                raise NotSent(f"service {self.endpoint}: cannot connect: {exc}") from None
-            s = self._streams[i]
-            if s is None or s.broken:
-                s = self._streams[i] = _Stream(conn, f"service {self.endpoint}")
+            s = self._streams[i] = _Stream(self._channel, f"service {self.endpoint}")
         return s
 
     async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
                     affinity: str | None = None) -> pb.ModelInferResponse:
-        stream = await self._stream(affinity)
+        stream = self._stream(affinity)
         if timeout is not None:  # streams carry no per-message deadline: tell the service in band
             raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
         fut = stream.send(raw_request)
@@ -138,10 +177,10 @@ class StreamPool:
         finally:
             self.latency.observe((time.perf_counter_ns() - t0) / 1000)
         resp = msg.infer_response
-        if msg.error_message:
+        if msg.error_message or wire.ERROR_CODE_PARAMETER in resp.parameters:
             code = _CODES.get(resp.parameters[wire.ERROR_CODE_PARAMETER].string_param, Code.UNKNOWN) \
                 if wire.ERROR_CODE_PARAMETER in resp.parameters else Code.UNKNOWN
-            raise InferError(code, msg.error_message)
+            raise InferError(code, msg.error_message or f"{code.value} from service {self.endpoint} (no details)")
         resp.id = client_id
         return resp
 

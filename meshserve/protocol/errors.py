@@ -61,6 +61,7 @@ class InferError(Exception):
     """An error that travels to the client with a status code and a clear message."""
 
     def __init__(self, code: Code, message: str, *, retry_after_s: float | None = None):
+        message = message or f"{code.value} (no details given)"  # a client sees only this text
         super().__init__(message)
         self.code = code
         self.message = message

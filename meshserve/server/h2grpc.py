@@ -126,9 +126,14 @@ def _md_value(key: str, value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
+_STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
 @functools.lru_cache(maxsize=1024)  # rejections repeat the same few messages
 def _status_block(code: int, details: str | None) -> bytes:
     block = TRAILERS_OK if code == 0 else _literal(b"grpc-status", str(code).encode())
+    if code and not details:  # an error always says something: a client shows only this text
+        details = f"{_STATUS_NAMES.get(code, f'gRPC status {code}')} (the server gave no details)"
     if details:
         block += _literal(b"grpc-message", percent_encode(details[:4096]))
     return block

@@ -89,7 +89,7 @@ def test_grpc_stream_two_interleaved_sequences_keep_separate_state(seq: SeqStack
         got: dict[str, float] = {}
         for _ in range(2 * n):
             result, error = results.get(timeout=30)
-            assert error is None, error
+            assert error is None, str(error)  # the exception's repr omits its message
             got[result.get_response().id] = _value(result)
     finally:
         client.stop_stream()
@@ -113,7 +113,7 @@ def test_grpc_stream_control_inputs_and_corrid(seq: SeqStack) -> None:
         got = {}
         for _ in range(12):
             result, error = results.get(timeout=30)
-            assert error is None, error
+            assert error is None, str(error)  # the exception's repr omits its message
             resp_id = result.get_response().id
             got[resp_id] = (_value(result), int(result.as_numpy("END_SEEN")[0, 0]),
                             int(result.as_numpy("CORRID_OUT")[0, 0]))

@@ -547,6 +547,14 @@ async def test_error_details_arrive_intact(env: Env, details: str) -> None:
     assert err.details() == details
 
 
+async def test_an_error_without_details_still_says_what_it_is(env: Env) -> None:
+    """A client shows only the details (tritonclient's InferenceServerException prints nothing
+    else): a status set without any still arrives with its name."""
+    err = await rpc_error(env.unary("Details")(b"", timeout=10))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == "FAILED_PRECONDITION (the server gave no details)"
+
+
 async def test_errors_after_streamed_messages(env: Env) -> None:
     call = env.unary_stream("PartialAbort")(b"", timeout=10)
     got = [await call.read() for _ in range(3)]

@@ -1,0 +1,74 @@
+"""gateway.upstream.stream.StreamPool against an H2GrpcServer on 127.0.0.1 port 0.
+
+The pool's first requests go out while its connection is still opening; they must reach the
+service in the order they were handed to the pool (a sequence's START ... END sent back to
+back), and requests that come in once the connection is up must not overtake them.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from gateway.upstream.stream import NotSent, StreamPool
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.server.h2grpc import H2GrpcServer
+
+
+def _request(i: int) -> bytes:
+    return pb.ModelInferRequest(model_name=f"m{i}", id=f"client-{i}").SerializeToString()
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[tuple[str, list[str]]]:
+    """A ModelStreamInfer that answers every request at once and records the arrival order."""
+    seen: list[str] = []
+
+    async def stream_infer(requests: AsyncIterator[bytes], ctx: object) -> AsyncIterator[bytes]:
+        async for raw in requests:
+            req = pb.ModelInferRequest.FromString(raw)
+            seen.append(req.model_name)
+            yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(
+                id=req.id, model_name=req.model_name)).SerializeToString()
+
+    server = H2GrpcServer()
+    server.add_registered_method_handlers(
+        "inference.GRPCInferenceService", {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(stream_infer)})
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", seen
+    finally:
+        await server.stop(None)
+
+
+async def test_requests_keep_their_order_across_the_first_connect(service: tuple[str, list[str]]) -> None:
+    endpoint, seen = service
+    pool = StreamPool(endpoint)
+    try:
+        calls = []
+        for i in range(60):  # one per loop turn: some while connecting, some once connected
+            calls.append(asyncio.ensure_future(pool.infer(_request(i), f"client-{i}", 10, affinity="1001")))
+            await asyncio.sleep(0)
+        responses = await asyncio.gather(*calls)
+    finally:
+        await pool.close()
+    assert [r.id for r in responses] == [f"client-{i}" for i in range(60)]  # the client's ids restored
+    assert seen == [f"m{i}" for i in range(60)]
+
+
+async def test_a_refused_connect_fails_the_waiting_requests_as_not_sent() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = StreamPool(f"127.0.0.1:{port}")
+    try:
+        calls = [asyncio.ensure_future(pool.infer(_request(i), f"client-{i}", 10)) for i in range(3)]
+        for call in calls:
+            with pytest.raises(NotSent, match=f"service 127.0.0.1:{port}: cannot connect: .+"):
+                await call
+    finally:
+        await pool.close()
