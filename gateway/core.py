@@ -4,8 +4,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -115,7 +116,7 @@ class GatewayCore:
                 if isinstance(exc, grpc.aio.AioRpcError):
                     err = InferError.from_grpc(exc.code(), exc.details(), hop=f"service {replica.endpoint}")
                 elif isinstance(exc, NotSent):
-                    err = InferError.unavailable(f"service {replica.endpoint}: stream unavailable")
+                    err = InferError.unavailable(str(exc) or f"service {replica.endpoint}: stream unavailable")
                 else:
                     err = exc
                 if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
@@ -183,10 +184,14 @@ class GatewayCore:
         return await self._call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
 
-    async def _send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None
-                    ) -> pb.ModelInferResponse:
+    async def _send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                    members: Sequence[traced.Member] = ()) -> pb.ModelInferResponse:
+        """Forward one request (``members``: the traced client requests a merged one carries)."""
         body = raw if raw is not None else request.SerializeToString()
         affinity = sequence_affinity(request.parameters)
+        if members:
+            return await traced.send_merged(functools.partial(self._call, affinity=affinity), request, body,
+                                            lambda r, b: r.streams.infer(b, request.id, timeout, affinity), members)
         if tracing.enabled and (span := tracing.current_span()) is not None:
             return await traced.send(functools.partial(self._call, affinity=affinity), request, body,
                                      lambda r, b: r.streams.infer(b, request.id, timeout, affinity), span)
@@ -201,11 +206,19 @@ class GatewayCore:
             return await self._infer(request, ctx)
         admitted = None
         if self.admission is not None:  # tenants see route names, not the arms behind them
+            span = tracing.current_span() if tracing.enabled else None
+            started = time.time_ns() if span is not None else 0
             try:
                 admitted = await self.admission.admit(request, ctx)
             except InferError as exc:
                 self.request_counts[(request.model_name, exc.code.value)] += 1
+                if span is not None:
+                    tracing.emit_span("gateway.admission", span, started, time.time_ns(),
+                                      {"meshserve.error_code": exc.code.value}, error=f"{exc.code.value}: {exc}")
                 raise
+            if span is not None:
+                tracing.emit_span("gateway.admission", span, started, time.time_ns(),
+                                  {"meshserve.tenant": admitted.tenant if admitted is not None else "(anonymous)"})
         try:
             route = self.routes.lookup(request.model_name) if self.routes is not None else None
             if route is None or self.routes is None:
@@ -232,8 +245,7 @@ class GatewayCore:
         name = request.model_name
         timeout = ctx.time_remaining()
         try:
-            # a sampled request carries its trace context upstream: never merged
-            plan = None if tracing.enabled and tracing.current_span() else self._merge_plan(request)
+            plan = self._merge_plan(request)  # a sampled request may be merged too: see traced.send_merged
             if plan is None:
                 response = await self._send(request, ctx.raw, timeout)
             else:

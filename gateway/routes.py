@@ -15,6 +15,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.wire import ROUTE_ARM_PARAMETER
 from meshserve.server.core import InferResult, RequestContext
+from meshserve.telemetry import tracing
 
 log = logging.getLogger("meshserve.gateway.routes")
 
@@ -44,6 +45,9 @@ class RouteTable:
                                      f"call it without one (got version {request.model_version})")
         choice = route.choose(ctx.headers, random.random(), random.random())
         target = choice.target
+        if tracing.enabled and (span := tracing.current_span()) is not None:
+            # the route decision: gateway.route (gateway/upstream/traced.py) copies these
+            span.attributes.update({"meshserve.route": route.name, "meshserve.arm": target.name})
         if choice.shadow is not None:
             self._mirror(route.name, choice.shadow.model, choice.shadow.version, request, ctx)
         request.model_name = target.model

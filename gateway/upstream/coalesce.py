@@ -11,11 +11,13 @@ Only requests validated here against the model config are merged (names, datatyp
 shapes, byte sizes, no parameters that change semantics), so a malformed request is sent
 alone and gets its own precise error; it never fails the requests it would have joined.
 The merged request carries `meshserve_merged_requests` so the service's statistics still
-count client requests.
+count client requests, and, when some members are sampled for tracing, `meshserve_traceparents`
+(one line per member) so each keeps its own trace through the service.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -25,6 +27,8 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError
+from meshserve.telemetry import tracing
+from meshserve.telemetry.spans import Span
 
 MERGED_PARAMETER = wire.MERGED_PARAMETER
 # Request parameters that do not change how a request is scheduled or computed.
@@ -157,14 +161,15 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
 @dataclass
 class _Group:
     # (request, rows, future, timeout s, monotonic ns when it started waiting here)
-    pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int]] = \
-        field(default_factory=deque)
+    # (request, rows, future, timeout, enqueued monotonic ns, the request's sampled span or None)
+    pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int,
+                         Span | None]] = field(default_factory=deque)
     inflight: int = 0
     scheduled: bool = False
 
 
-# send(request, its serialized bytes if already known, timeout) -> response
-Send = Callable[[pb.ModelInferRequest, bytes | None, float | None], Awaitable[pb.ModelInferResponse]]
+# send(request, its serialized bytes if already known, timeout, traced members of a merge) -> response
+Send = Callable[..., Awaitable[pb.ModelInferResponse]]
 
 
 class Coalescer:
@@ -191,7 +196,8 @@ class Coalescer:
                 group.inflight -= 1
                 self._drain(key, group, max_batch)
         fut: asyncio.Future[pb.ModelInferResponse] = asyncio.get_running_loop().create_future()
-        group.pending.append((request, rows, fut, timeout, time.monotonic_ns()))  # raw dropped: a merge rebuilds
+        group.pending.append((request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
+                              tracing.current_span() if tracing.enabled else None))
         self._drain(key, group, max_batch)
         return await fut
 
@@ -208,7 +214,10 @@ class Coalescer:
             if not chunk:
                 continue
             group.inflight += 1
-            asyncio.ensure_future(self._send_chunk(key, group, chunk, max_batch))
+            # a context of its own: the task must not inherit the trace context of whichever
+            # member's request happened to drain the queue
+            asyncio.get_running_loop().create_task(self._send_chunk(key, group, chunk, max_batch),
+                                                   context=contextvars.Context())
         if not group.pending and not group.inflight:
             self._groups.pop(key, None)
 
@@ -225,19 +234,26 @@ class Coalescer:
                 if len(chunk) == 1:
                     single = requests[0]
                     single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                    if (span := chunk[0][5]) is not None:
+                        tracing.activate(span)  # this task's own context: sent as the member's request
                     responses = [await self._send_fn(single, None, timeout)]
                 else:
                     self.merged_sends += 1
                     self.merged_requests += len(chunk)
                     merged = merge(requests, rows)
                     merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                    responses = split(await self._send_fn(merged, None, timeout), requests, rows)
+                    members = [(i, c[5], c[4]) for i, c in enumerate(chunk) if c[5] is not None]
+                    if members:
+                        response = await self._send_fn(merged, None, timeout, members)
+                    else:
+                        response = await self._send_fn(merged, None, timeout)
+                    responses = split(response, requests, rows)
             except BaseException as exc:  # noqa: BLE001 - every member gets the outcome
-                for _, _, fut, _, _ in chunk:
+                for _, _, fut, _, _, _ in chunk:
                     if not fut.done():
                         fut.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
                 return
-            for (_, _, fut, _, _), resp in zip(chunk, responses, strict=True):
+            for (_, _, fut, _, _, _), resp in zip(chunk, responses, strict=True):
                 if not fut.done():
                     fut.set_result(resp)
         finally:

@@ -1,38 +1,85 @@
 """The traced variant of the gateway's upstream send (only for sampled requests).
 
-Spans: ``gateway.route`` (the replica choice: model, version, replica; from the start of the
-send to the moment a replica is picked, per attempt) and ``gateway.upstream`` (CLIENT, one
+Spans: ``gateway.route`` (the route decision: A/B route and arm when there is one, model,
+version, replica; from the start of the send to the moment a replica is picked, per attempt) and ``gateway.upstream`` (CLIENT, one
 per attempt), whose context travels to the service as ``traceparent``/``tracestate``
 request parameters appended to the forwarded bytes.
+
+A request the coalescer merged from several clients' requests gets these spans once per traced
+member, under that member's request span: ``gateway.route`` from the member's arrival in the
+coalescer, and a ``gateway.upstream`` for the shared call; the members' contexts travel as
+one ``meshserve_traceparents`` parameter (a line per member, empty for untraced ones).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
 from meshserve.telemetry import tracing
+from meshserve.telemetry.spans import CLIENT, Span
 
 Attempt = Callable[[Replica], Awaitable[pb.ModelInferResponse]]
 Call = Callable[[str, str, Attempt], Awaitable[pb.ModelInferResponse]]
 Forward = Callable[[Replica, bytes], Awaitable[pb.ModelInferResponse]]
+Member = tuple[int, Span, int]  # (index in a merged request, the member's request span, enqueued monotonic ns)
+_ROUTE_KEYS = ("meshserve.route", "meshserve.arm")  # set on the request span by an A/B route (gateway/routes.py)
 
 
 async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: Forward,
-               parent: object) -> pb.ModelInferResponse:
+               parent: Span) -> pb.ModelInferResponse:
     """``call`` is GatewayCore._call (replica choice, retries); ``forward(replica, body)`` sends
     the request bytes on the replica's streams; ``parent`` is the sampled gateway request span."""
     name, version = request.model_name, request.model_version
     started = time.time_ns()
+    decided = {k: v for k in _ROUTE_KEYS if (v := parent.attributes.get(k)) is not None}
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
         attrs = {"meshserve.model": name, "meshserve.model_version": version, "meshserve.replica": replica.endpoint}
-        tracing.emit_span("gateway.route", parent, started, time.time_ns(), attrs)  # type: ignore[arg-type]
+        tracing.emit_span("gateway.route", parent, started, time.time_ns(), {**decided, **attrs})
         started = time.time_ns()
         with tracing.client_span("gateway.upstream", {**attrs, "rpc.system": "grpc",
                                                       "server.address": replica.endpoint}) as span:
             return await forward(replica, tracing.inject_parameters(body, span))
+
+    return await call(name, version, attempt)
+
+
+async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, forward: Forward,
+                      members: Sequence[Member]) -> pb.ModelInferResponse:
+    """Send a merged request (``body``) whose ``members`` are sampled client requests."""
+    name, version = request.model_name, request.model_version
+    count = request.parameters[wire.MERGED_PARAMETER].int64_param
+    off = tracing.epoch_offset_ns()
+    starts = [enqueued + off for _, _, enqueued in members]
+
+    async def attempt(replica: Replica) -> pb.ModelInferResponse:
+        attrs = {"meshserve.model": name, "meshserve.model_version": version, "meshserve.replica": replica.endpoint,
+                 "meshserve.merged_requests": count}
+        now = time.time_ns()
+        spans = []
+        lines = [""] * count
+        for k, (index, parent, _) in enumerate(members):
+            decided = {key: v for key in _ROUTE_KEYS if (v := parent.attributes.get(key)) is not None}
+            tracing.emit_span("gateway.route", parent, starts[k], now, {**decided, **attrs})
+            span = tracing.start_span("gateway.upstream", parent, CLIENT,
+                                      {**attrs, "meshserve.member": index, "rpc.system": "grpc",
+                                       "server.address": replica.endpoint})
+            spans.append(span)
+            lines[index] = tracing.member_line(span)
+            starts[k] = now  # a retry's route span starts where this attempt's decision ended
+        try:
+            return await forward(replica, body + tracing.string_param_entry(wire.TRACEPARENTS_PARAMETER,
+                                                                            "\n".join(lines)))
+        except BaseException as exc:
+            for span in spans:
+                tracing.set_error(span, exc)
+            raise
+        finally:
+            for span in spans:
+                tracing.end(span)
 
     return await call(name, version, attempt)

@@ -99,28 +99,47 @@ def gateway(upstreams: list[str], log: Path, extra: list[str] | None = None,
 
 class OtlpSink:
     """A bare OTLP/gRPC trace receiver (TraceService/Export, answers an empty response): what a
-    collector costs the sender, without a collector's own CPU on these cores."""
+    collector costs the sender, without a collector's own CPU on these cores. It runs as its own
+    process, so it never takes the GIL from the load generator in the bench process."""
 
     def __init__(self) -> None:
-        from concurrent import futures
-
-        import grpc
-
         self.spans_bytes = 0
-
-        def export(request: bytes, context: object) -> bytes:
-            self.spans_bytes += len(request)
-            return b""
-
-        self.server = grpc.server(futures.ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "opentelemetry.proto.collector.trace.v1.TraceService",
-            {"Export": grpc.unary_unary_rpc_method_handler(export)}),))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+        self.proc = subprocess.Popen([sys.executable, "-m", "load.bench.procs", "otlp-sink"], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("port "):
+            self.proc.kill()
+            raise RuntimeError(f"the OTLP sink did not start: {line!r}")
+        self.port = int(line.split()[1])
 
     def stop(self) -> None:
-        self.server.stop(0)
+        """Stops the sink; ``spans_bytes`` then holds the request bytes it received."""
+        out, _ = self.proc.communicate("stop\n", timeout=10)
+        self.spans_bytes = int(out.split()[-1]) if out.split() else 0
+
+
+def _otlp_sink_main() -> None:
+    from concurrent import futures
+
+    import grpc
+
+    received = [0]
+
+    def export(request: bytes, context: object) -> bytes:
+        received[0] += len(request)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.trace.v1.TraceService",
+        {"Export": grpc.unary_unary_rpc_method_handler(export)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"port {port}", flush=True)
+    sys.stdin.readline()  # "stop", or EOF when the bench process dies
+    server.stop(0)
+    print(received[0], flush=True)
 
 
 def proc_tree_cpu_s(pid: int) -> float:
@@ -139,3 +158,7 @@ def proc_tree_cpu_s(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue
     return total
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["otlp-sink"]:
+    _otlp_sink_main()

@@ -6,6 +6,8 @@ INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
 ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
 MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how many client requests it holds
+# the traced members of a gateway-merged request: one line per member, "traceparent[\ttracestate]" or empty
+TRACEPARENTS_PARAMETER = "meshserve_traceparents"
 QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a gateway's coalescer (µs)
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
 ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)

@@ -2,7 +2,8 @@
 
 The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
-(the gateway -> service hop) or header/metadata (direct clients). Every error is logged once
+(the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
+from several clients' requests gets one per traced member (``meshserve_traceparents``). Every error is logged once
 at WARNING with the request id and trace id (a stack trace only for internal errors) and
 is turned into an InferError, so the front ends do not log it again.
 """
@@ -12,6 +13,7 @@ import logging
 import time
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.telemetry import tracing
@@ -40,6 +42,8 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
 async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
                         ) -> tuple[InferResult, str | None]:
     params = request.parameters
+    if wire.TRACEPARENTS_PARAMETER in params:  # a gateway-merged request with traced members
+        return await _infer_members_traced(core, request, ctx)
     if tracing.TRACEPARENT in params:
         tp: str | None = params[tracing.TRACEPARENT].string_param
         ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
@@ -50,12 +54,11 @@ async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: Reques
             # the gateway did not sample this request: no root trace of our own
             return await _infer_untraced(core, request, ctx)
         ts = headers.get(tracing.TRACESTATE)
-    parent, parent_trace_id = tracing.parent_context(tp, ts)
-    span = tracing.start_server_span(f"{tracing.role}.request", parent, parent_trace_id)
+    span = tracing.start_server_span(f"{tracing.role}.request", tracing.parent_context(tp, ts))
     if span is None:
         return await _infer_untraced(core, request, ctx)
-    span.set_attributes({"meshserve.model": request.model_name, "meshserve.model_version": request.model_version,
-                         "meshserve.request_id": request.id, "rpc.system": ctx.protocol})
+    span.attributes.update({"meshserve.model": request.model_name, "meshserve.model_version": request.model_version,
+                            "meshserve.request_id": request.id, "rpc.system": ctx.protocol})
     token = tracing.activate(span)
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
     tid = tracing.trace_id(span)
@@ -67,10 +70,48 @@ async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: Reques
         raise err from None
     finally:
         tracing.deactivate(token)
-        span.end()
+        tracing.end(span)
     if t0:
         _log_ok(request, ctx, tid, t0)
     return result, tracing.traceparent(span)
+
+
+async def _infer_members_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
+                                ) -> tuple[InferResult, str | None]:
+    """One SERVER span per traced member of a merged request, each the child of that member's
+    upstream span in the gateway; the queue and batch spans hang off all of them."""
+    params = request.parameters
+    count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
+    parents = tracing.parse_member_lines(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count))
+    name = f"{tracing.role}.request"
+    spans = []
+    for i, parent in enumerate(parents):
+        if parent is not None and (span := tracing.start_server_span(name, parent)) is not None:
+            span.attributes.update({"meshserve.model": request.model_name,
+                                    "meshserve.model_version": request.model_version,
+                                    "meshserve.request_id": request.id, "rpc.system": ctx.protocol,
+                                    "meshserve.merged_requests": count, "meshserve.member": i})
+            spans.append(span)
+    if not spans:
+        return await _infer_untraced(core, request, ctx)
+    token, members = tracing.activate(spans[0]), tracing.activate_members(spans)
+    t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
+    tid = tracing.trace_id(spans[0])
+    try:
+        result = await core.infer(request, ctx)
+    except Exception as exc:
+        err = _log_error(request, ctx, exc, tid, t0)
+        for span in spans:
+            tracing.set_error(span, err)
+        raise err from None
+    finally:
+        tracing.deactivate_members(members)
+        tracing.deactivate(token)
+        for span in spans:
+            tracing.end(span)
+    if t0:
+        _log_ok(request, ctx, tid, t0)
+    return result, None
 
 
 async def _infer_untraced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext

@@ -5,6 +5,13 @@ Off unless an exporter is configured (``OTEL_TRACES_EXPORTER=otlp|console``, or 
 ``OTEL_TRACES_EXPORTER=none`` turn it off. While off, ``enabled`` is False and callers skip
 every tracing call (one attribute check per request), and the SDK is never imported.
 
+Spans are meshserve's own light records (spans.py), sampled by the ``OTEL_TRACES_SAMPLER``
+rules and exported in batches (``OTEL_BSP_*``): to a plaintext OTLP/gRPC endpoint from the
+event loop itself (otlp_loop.py; ``MESHSERVE_OTLP_EXPORTER=sdk`` opts out), otherwise by a
+thread through the SDK's exporters (TLS, compression, OTLP/HTTP, console); the current span
+lives in a ContextVar, so asyncio tasks started under a span inherit it. Resource attributes
+come from the SDK's ``Resource.create`` (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``).
+
 Context travels as W3C ``traceparent``/``tracestate``: HTTP headers and gRPC metadata from
 clients, and request *parameters* (``string_param``) on the gateway -> service hop, whose
 long-lived streams cannot carry per-request metadata. Only sampled requests get the
@@ -13,18 +20,20 @@ start a fresh root trace for the gateway's unsampled requests.
 """
 from __future__ import annotations
 
+import atexit
+import contextvars
 import logging
 import os
-import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
+from meshserve.telemetry.spans import CLIENT, INTERNAL, SERVER, ExportQueue, Sampler, Scope, Span, new_id
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span, SpanContext, Tracer
+    from meshserve.telemetry.otlp_loop import LoopExportQueue
 
 log = logging.getLogger("meshserve.tracing")
 
@@ -35,13 +44,23 @@ HOP_GATEWAY = "gateway"
 
 enabled = False  # read on the hot path: `if tracing.enabled:`
 role = "service"  # "gateway" | "service": prefixes span names
-_tracer: Tracer | None = None
-_provider: Any = None
-_sampler: Any = None
-_ids: Any = None  # _PresetIdGenerator
-_otel: Any = None  # (opentelemetry.context, opentelemetry.trace, SpanKind.SERVER), bound by configure()
+_sampler: Sampler | None = None
+_queue: ExportQueue | LoopExportQueue | None = None
+_scope: Scope | None = None
+_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
+# a gateway-merged request with several traced members: one server span per member
+_members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("meshserve_member_spans", default=())
 
 _PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entry, length-delimited)
+
+
+class Remote(NamedTuple):
+    """A parent span in another process, from a W3C traceparent (+ tracestate)."""
+
+    trace_id: int
+    span_id: int
+    flags: int
+    state: str
 
 
 def exporter_configured(env: Mapping[str, str] = os.environ) -> bool:
@@ -54,66 +73,77 @@ def exporter_configured(env: Mapping[str, str] = os.environ) -> bool:
     return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
-def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.environ) -> bool:
-    """Set up the SDK for this process if the environment configures an exporter.
+def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.environ,
+              exporters: Sequence[Any] | None = None) -> bool:
+    """Set up tracing for this process if the environment configures an exporter.
 
     ``service_name`` (e.g. ``meshserve-gateway``) applies unless OTEL_SERVICE_NAME or
-    OTEL_RESOURCE_ATTRIBUTES names the service. Returns whether tracing is on.
+    OTEL_RESOURCE_ATTRIBUTES names the service. ``exporters`` replaces the ones the
+    environment names (tests). Returns whether tracing is on.
     """
-    global enabled, role, _tracer, _provider
+    global enabled, role, _sampler, _queue, _scope
     role = process_role
     if not exporter_configured(env):
         enabled = False
         return False
-    from opentelemetry import context as otel_context
-    from opentelemetry import trace as otel_trace
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    class _PresetIdGenerator(RandomIdGenerator):
-        """Hands out a trace id chosen before the span (see start_server_span); random otherwise."""
+    from meshserve.telemetry import otlp_loop
+    from meshserve.telemetry.otlp_encode import encode_span, encode_spans
 
-        preset = 0
-
-        def generate_trace_id(self) -> int:
-            tid, self.preset = self.preset, 0
-            return tid or super().generate_trace_id()
-
-    global _sampler, _ids, _otel
     attrs: dict[str, str] = {}
     if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
         attrs["service.name"] = service_name
-    _ids = _PresetIdGenerator()
-    provider = TracerProvider(sampler=_sampler_from(env), resource=Resource.create(attrs), id_generator=_ids)
-    _sampler = provider.sampler
-    _otel = (otel_context, otel_trace, otel_trace.SpanKind.SERVER)
+    resource = Resource.create(attrs)
     names = [e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").lower().split(",") if e.strip()]
+    if _queue is not None:
+        _queue.shutdown()
+    else:
+        atexit.register(shutdown)
+    target = None
+    if exporters is None and names == ["otlp"] and _otlp_protocol(env) == "grpc" \
+            and env.get("MESHSERVE_OTLP_EXPORTER", "loop").strip().lower() != "sdk":
+        target = otlp_loop.target_from_env(env)
+    if target is not None:  # plaintext OTLP/gRPC: sent from the event loop, no exporter thread
+        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_spans)
+        described = [f"otlp/grpc {target.endpoint} (event loop)"]
+    else:
+        chosen = list(exporters) if exporters is not None else _exporters(names, env)
+        fast = bool(chosen) and all(getattr(e, "meshserve_encoded", False) for e in chosen)
+        _queue = ExportQueue(chosen, env, encode=encode_span if fast else None)
+        described = [type(e).__name__ for e in chosen]
+    _scope = Scope(resource, InstrumentationScope("meshserve"))
+    _sampler = Sampler.from_env(env)
+    enabled = True
+    log.info("tracing on: service %s, exporters %s, sampler %s", resource.attributes.get("service.name"),
+             described, _sampler.description())
+    return True
+
+
+def _otlp_protocol(env: Mapping[str, str]) -> str:
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    return "http" if protocol.strip().lower().startswith("http") else "grpc"
+
+
+def _exporters(names: list[str], env: Mapping[str, str]) -> list[Any]:
+    out: list[Any] = []
     for name in names:
-        exporter: SpanExporter
         if name == "console":
-            exporter = ConsoleSpanExporter()
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            out.append(ConsoleSpanExporter(formatter=lambda span: span.to_json() + os.linesep))
         elif name == "otlp":
-            protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-            if protocol.startswith("http"):
+            if _otlp_protocol(env) == "http":
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
                     OTLPSpanExporter as HttpExporter,
                 )
-                exporter = HttpExporter()
+                out.append(HttpExporter())  # reads our spans through their SDK-shaped properties
             else:
-                exporter = _fast_grpc_exporter()
-        else:
-            if name != "none":
-                log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none)", name)
-            continue
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    _provider = provider
-    _tracer = provider.get_tracer("meshserve")
-    enabled = True
-    log.info("tracing on: service %s, exporters %s, sampler %s", provider.resource.attributes.get("service.name"),
-             names, provider.sampler.get_description())
-    return True
+                out.append(_fast_grpc_exporter())
+        elif name != "none":
+            log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none)", name)
+    return out
 
 
 def _fast_grpc_exporter() -> Any:
@@ -125,120 +155,150 @@ def _fast_grpc_exporter() -> Any:
     from meshserve.telemetry.otlp_encode import encode_spans
 
     class FastOTLPSpanExporter(OTLPSpanExporter):
+        meshserve_encoded = True  # spans may arrive already encoded (ExportQueue.encode)
+
         def _translate_data(self, data: Sequence[Any]) -> ExportTraceServiceRequest:
             return ExportTraceServiceRequest.FromString(encode_spans(data))
 
     return FastOTLPSpanExporter()
 
 
-def _sampler_from(env: Mapping[str, str]) -> Any:
-    """OTEL_TRACES_SAMPLER[_ARG] as the SDK reads them (default parentbased_always_on)."""
-    from opentelemetry.sdk.trace import sampling
-
-    name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
-    try:
-        ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
-    except ValueError:
-        ratio = 1.0
-    roots = {"always_on": sampling.ALWAYS_ON, "always_off": sampling.ALWAYS_OFF}
-    base = name.removeprefix("parentbased_")
-    root = roots.get(base) or (sampling.TraceIdRatioBased(ratio) if base == "traceidratio" else None)
-    if root is None:
-        log.warning("OTEL_TRACES_SAMPLER=%s is not supported; using parentbased_always_on", name)
-        return sampling.ParentBased(sampling.ALWAYS_ON)
-    return sampling.ParentBased(root) if name.startswith("parentbased_") else root
-
-
 def shutdown() -> None:
     """Flush and stop the exporters (also runs at interpreter exit)."""
-    global enabled
-    if _provider is not None:
-        enabled = False
-        _provider.shutdown()
+    global enabled, _queue
+    enabled = False
+    if _queue is not None:
+        _queue.shutdown()
+        _queue = None
 
 
-def tracer() -> Tracer:
-    assert _tracer is not None, "tracing.configure() enabled no tracer"
-    return _tracer
+def force_flush(timeout_s: float = 30.0) -> bool:
+    return _queue.force_flush(timeout_s) if _queue is not None else True
 
 
 # ---- context propagation ---------------------------------------------------------------
-def _parse_traceparent(value: str) -> tuple[int, int, int] | None:
+def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) from a W3C traceparent, None if malformed."""
     parts = value.strip().split("-")
     if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16:
         return None
+    if parts[0] == "00" and len(parts) != 4:
+        return None
     try:
+        int(parts[0], 16)
         trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3][:2], 16)
     except ValueError:
         return None
-    if not trace_id or not span_id:
+    if not trace_id or not span_id or len(parts[3]) < 2:
         return None
     return trace_id, span_id, flags
 
 
-def parent_context(traceparent: str | None, tracestate: str | None = None) -> tuple[Any, int]:
-    """(OTel Context holding the remote parent, its trace id), or (None, 0): no/invalid traceparent."""
+def _clean_state(value: str | None) -> str:
+    """A tracestate header as list members (W3C: at most 32, empty members dropped)."""
+    if not value:
+        return ""
+    members = [m.strip() for m in value.split(",") if "=" in m]
+    return ",".join(members[:32]) if len(members) <= 32 and all(members) else ""
+
+
+def parent_context(traceparent: str | None, tracestate: str | None = None) -> Remote | None:
+    """The remote parent a traceparent names, or None: no/invalid traceparent."""
     if not traceparent:
-        return None, 0
-    parsed = _parse_traceparent(traceparent)
-    if parsed is None:
-        return None, 0
-    from opentelemetry import trace
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
-
-    state = TraceState.from_header([tracestate]) if tracestate else None
-    sc = SpanContext(parsed[0], parsed[1], is_remote=True, trace_flags=TraceFlags(parsed[2] & 1),
-                     trace_state=state)
-    return trace.set_span_in_context(NonRecordingSpan(sc)), parsed[0]
-
-
-def start_server_span(name: str, parent: Any, parent_trace_id: int) -> Span | None:
-    """A sampled SERVER span, or None when the sampler drops the request.
-
-    The sampler is asked first, with a trace id chosen here, so a dropped request costs ~1 us
-    instead of the SDK building a non-recording span (~9 us); a sampled root then gets that id.
-    """
-    tid = parent_trace_id or random.getrandbits(128)
-    if not _sampler.should_sample(parent, tid, name, _otel[2]).decision.is_sampled():
         return None
-    if not parent_trace_id:
-        _ids.preset = tid
-    return tracer().start_span(name, context=parent, kind=_otel[2])
+    parsed = parse_traceparent(traceparent)
+    if parsed is None:
+        return None
+    return Remote(parsed[0], parsed[1], parsed[2], _clean_state(tracestate))
 
 
-def activate(span: Span) -> object:
+def start_server_span(name: str, parent: Remote | None) -> Span | None:
+    """A sampled SERVER span, or None when the sampler drops the request (~1 µs)."""
+    assert _sampler is not None and _scope is not None and _queue is not None, "tracing.configure() not run"
+    if parent is None:
+        tid = new_id(128)
+        if not _sampler.sample(tid, None):
+            return None
+        return Span(name, tid, new_id(64), 0, False, SERVER, time.time_ns(), None, _scope, _queue.on_end)
+    if not _sampler.sample(parent.trace_id, parent.flags):
+        return None
+    return Span(name, parent.trace_id, new_id(64), parent.span_id, True, SERVER, time.time_ns(), None, _scope,
+                _queue.on_end, flags=(parent.flags & 0xFF) | 1, trace_state=parent.state)
+
+
+def start_span(name: str, parent: Span, kind: int = INTERNAL, attributes: dict[str, Any] | None = None,
+               start_ns: int | None = None, links: Sequence[Span] = ()) -> Span:
+    """A child of ``parent`` (a sampled span of this process)."""
+    assert _queue is not None
+    return Span(name, parent.trace_id, new_id(64), parent.span_id, False, kind,
+                time.time_ns() if start_ns is None else start_ns, attributes, parent._scope, _queue.on_end,
+                flags=parent.flags, trace_state=parent.trace_state,
+                links=[(s.trace_id, s.span_id) for s in links] if links else None)
+
+
+def activate(span: Span) -> contextvars.Token[Span | None]:
     """Make ``span`` current (asyncio tasks started under it inherit it); returns a token."""
-    return _otel[0].attach(_otel[1].set_span_in_context(span))
+    return _current.set(span)
 
 
-def deactivate(token: object) -> None:
-    _otel[0].detach(token)
+def deactivate(token: contextvars.Token[Span | None]) -> None:
+    _current.reset(token)
+
+
+def end(span: Span) -> None:
+    span.end(time.time_ns())
 
 
 def traceparent(span: Span) -> str:
-    sc = span.get_span_context()
-    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+    return span.traceparent()
 
 
 def trace_id(span: Span | None) -> str:
-    if span is None:
-        return ""
-    sc = span.get_span_context()
-    return f"{sc.trace_id:032x}" if sc.is_valid else ""
+    return f"{span.trace_id:032x}" if span is not None else ""
 
 
 def current_span() -> Span | None:
-    """The current span if it is being recorded (sampled), else None."""
+    """The current span if the request is sampled, else None."""
+    return _current.get() if enabled else None
+
+
+def request_spans() -> tuple[Span, ...]:
+    """The sampled spans of the request being served: its own, or one per traced member of a
+    gateway-merged request (empty when nothing is sampled)."""
     if not enabled:
-        return None
-    from opentelemetry import trace
+        return ()
+    members = _members.get()
+    if members:
+        return members
+    span = _current.get()
+    return (span,) if span is not None else ()
 
-    span = trace.get_current_span()
-    return span if span.is_recording() else None
+
+def activate_members(spans: Sequence[Span]) -> contextvars.Token[tuple[Span, ...]]:
+    return _members.set(tuple(spans))
 
 
-def _string_param_entry(key: str, value: str) -> bytes:
+def deactivate_members(token: contextvars.Token[tuple[Span, ...]]) -> None:
+    _members.reset(token)
+
+
+def member_line(span: Span) -> str:
+    """One member's entry in the merged-request TRACEPARENTS parameter."""
+    return f"{span.traceparent()}\t{span.trace_state}" if span.trace_state else span.traceparent()
+
+
+def parse_member_lines(value: str, members: int) -> list[Remote | None]:
+    """The TRACEPARENTS parameter of a merged request of ``members`` requests: a remote parent
+    per member (None: that member is not traced or its entry is malformed)."""
+    out: list[Remote | None] = []
+    for line in value.split("\n")[:members]:
+        tp, _, ts = line.partition("\t")
+        out.append(parent_context(tp, ts) if tp else None)
+    return out
+
+
+def string_param_entry(key: str, value: str) -> bytes:
+    """A ModelInferRequest.parameters entry {key: string_param value}, to append to request bytes."""
     param = wire.length_delimited(b"\x1a", value.encode())  # InferParameter.string_param = 3
     entry = wire.length_delimited(b"\x0a", key.encode()) + wire.length_delimited(b"\x12", param)
     return wire.length_delimited(_PARAMETERS_TAG, entry)
@@ -246,64 +306,63 @@ def _string_param_entry(key: str, value: str) -> bytes:
 
 def inject_parameters(raw_request: bytes, span: Span) -> bytes:
     """A serialized ModelInferRequest with traceparent/tracestate parameters appended (map: last wins)."""
-    out = raw_request + _string_param_entry(TRACEPARENT, traceparent(span))
-    state = span.get_span_context().trace_state
-    if state:
-        out += _string_param_entry(TRACESTATE, state.to_header())
+    out = raw_request + string_param_entry(TRACEPARENT, span.traceparent())
+    if span.trace_state:
+        out += string_param_entry(TRACESTATE, span.trace_state)
     return out
 
 
 # ---- spans -----------------------------------------------------------------------------
 @contextmanager
 def client_span(name: str, attributes: dict[str, Any]) -> Iterator[Span]:
-    """A CLIENT span around one upstream call; an exception marks it failed."""
-    from opentelemetry.trace import SpanKind
-
-    with tracer().start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes,
-                                        record_exception=False, set_status_on_exception=False) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            set_error(span, exc)
-            raise
+    """A CLIENT span (current while open) around one upstream call under the current span;
+    an exception marks it failed."""
+    parent = _current.get()
+    assert parent is not None, "client_span needs a sampled current span"
+    with _open_span(name, parent, CLIENT, attributes) as span:
+        yield span
 
 
 @contextmanager
 def child_span(name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
     """An INTERNAL span under the current sampled span, made current (tasks started inside
     inherit it); yields None, at the cost of one check, when the request is not sampled."""
-    if current_span() is None:
+    parent = current_span()
+    if parent is None:
         yield None
         return
-    with tracer().start_as_current_span(name, attributes=attributes, record_exception=False,
-                                        set_status_on_exception=False) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            set_error(span, exc)
-            raise
+    with _open_span(name, parent, INTERNAL, attributes) as span:
+        yield span
+
+
+@contextmanager
+def _open_span(name: str, parent: Span, kind: int, attributes: dict[str, Any]) -> Iterator[Span]:
+    span = start_span(name, parent, kind, attributes)
+    token = _current.set(span)
+    try:
+        yield span
+    except BaseException as exc:
+        set_error(span, exc)
+        raise
+    finally:
+        _current.reset(token)
+        span.end(time.time_ns())
 
 
 def set_error(span: Span, exc: BaseException) -> None:
-    from opentelemetry.trace import Status, StatusCode
-
     code = getattr(exc, "code", None)
-    span.set_status(Status(StatusCode.ERROR, f"{getattr(code, 'value', type(exc).__name__)}: {exc}"))
+    span.set_error(f"{getattr(code, 'value', type(exc).__name__)}: {exc}")
     if code is not None:
         span.set_attribute("meshserve.error_code", getattr(code, "value", str(code)))
 
 
 def emit_span(name: str, parent: Span, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
-              links: Sequence[SpanContext] = (), error: str | None = None) -> Span:
+              links: Sequence[Span] = (), error: str | None = None) -> Span:
     """A span recorded after the fact (explicit epoch-ns times) under ``parent``."""
-    from opentelemetry import trace
-    from opentelemetry.trace import Link, Status, StatusCode
-
-    span = tracer().start_span(name, context=trace.set_span_in_context(parent), attributes=attributes,
-                               links=[Link(sc) for sc in links], start_time=start_ns)
+    span = start_span(name, parent, INTERNAL, attributes, start_ns, links)
     if error is not None:
-        span.set_status(Status(StatusCode.ERROR, error))
-    span.end(end_time=max(start_ns, end_ns))
+        span.set_error(error)
+    span.end(end_ns)
     return span
 
 

@@ -1,7 +1,7 @@
 """Spans for one executed batch, recorded after the fact from timestamps the batch already takes.
 
 Only called when tracing is on and at least one member request is sampled. Per sampled
-request: ``service.queue`` (arrival to batch start, child of the request span). Per batch:
+request (a gateway-merged request brings one span per traced client request): ``service.queue`` (arrival to batch start, child of the request span). Per batch:
 ``service.batch`` (child of the first sampled member, *linked* to every sampled member's
 request span; attributes batch size in rows, request count, instance index). Per executed
 group: ``service.compute`` (the runtime's run call, child of the batch span).
@@ -20,7 +20,7 @@ Timing = tuple[int, int, int]  # (input, infer, output) ns
 def record(model: str, version: str, instance: int, batch: Sequence[QueuedRequest],
            results: Sequence[tuple[Sequence[QueuedRequest], Any, Timing]], start_ns: int, end_ns: int) -> None:
     """``start_ns``/``end_ns``: monotonic ns around the batch; results: (group, bodies or exception, timing)."""
-    members = [(q, span) for q in batch if (span := getattr(q.payload, "span", None)) is not None]
+    members = [(q, span) for q in batch for span in getattr(q.payload, "spans", ())]
     if not members:
         return
     off = tracing.epoch_offset_ns()
@@ -31,9 +31,10 @@ def record(model: str, version: str, instance: int, batch: Sequence[QueuedReques
     error = f"{type(failures[0]).__name__}: {failures[0]}" if failures else None
     batch_span = tracing.emit_span(
         "service.batch", members[0][1], start_ns + off, end_ns + off,
-        {**base, "meshserve.batch.size": sum(q.rows for q in batch), "meshserve.batch.requests": len(batch),
+        {**base, "meshserve.batch.size": sum(q.rows for q in batch),
+         "meshserve.batch.requests": sum(getattr(q.payload, "requests", 1) for q in batch),  # client requests
          "meshserve.instance": instance},
-        links=[span.get_span_context() for _, span in members], error=error)
+        links=[span for _, span in members], error=error)
     cursor = end_ns  # groups ran one after another; walk back from the end of the batch
     for group, out, (t_in, t_infer, t_out) in reversed(results):
         compute_end = cursor - t_out

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class Pending:
     rows: int
     signature: tuple  # shapes of non-batch dims; only equal signatures share a batch
     requests: int = 1  # client requests this one carries (a gateway may merge several)
-    span: Any = None  # the request's sampled span (tracing on), for queue/batch spans
+    spans: tuple = ()  # the request's sampled spans (tracing on; several for a merged request)
 
 
 class ModelVersion:
@@ -224,7 +224,7 @@ class ModelVersion:
             self.stats.record_failure(0, "OTHER")  # invalid request (counted in stats and /metrics)
             raise
         if tracing.enabled:
-            pending.span = tracing.current_span()
+            pending.spans = tracing.request_spans()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
         arrival = time.monotonic_ns()
@@ -328,9 +328,9 @@ class ModelVersion:
         # written (measured: ~1 ms of idle instance per mlp batch-64 request otherwise).
         self.batcher.release(batch)
         await asyncio.sleep(0)
-        if tracing.enabled:
-            batch_trace.record(self.name, self.version_str, self._instances.index(instance), batch, results,
-                               start_ns, end_ns)
+        if tracing.enabled:  # after the results below are on their way (call_soon runs behind them)
+            loop.call_soon(batch_trace.record, self.name, self.version_str, self._instances.index(instance), batch,
+                           results, start_ns, end_ns)
         stats = self.stats
         for group, out, (t_in, t_infer, t_out) in results:
             if isinstance(out, BaseException):

@@ -216,7 +216,7 @@ class SequenceModelVersion(ModelVersion):
             self.stats.record_failure(0, "OTHER")  # invalid request (counted in stats and /metrics)
             raise
         if tracing.enabled:
-            pending.span = tracing.current_span()
+            pending.spans = tracing.request_spans()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
         queued = QueuedRequest(rows=1, arrival_ns=time.monotonic_ns(), priority=priority,
@@ -265,7 +265,8 @@ class SequenceModelVersion(ModelVersion):
             traced = [([r.request for r in rows if r.request is not None],
                        res if isinstance(res, BaseException) else None, (0, 0, 0) if isinstance(res, BaseException)
                        else res[2]) for rows, res in results]
-            batch_trace.record(self.name, self.version_str, batch.instance, batch.requests, traced, start_ns, end_ns)
+            loop.call_soon(batch_trace.record, self.name, self.version_str, batch.instance, batch.requests, traced,
+                           start_ns, end_ns)  # runs behind the results delivered below
         stats = self.stats
         for rows, res in results:
             real = [r for r in rows if r.request is not None]

@@ -5,6 +5,7 @@ and starts a gateway and an ONNX service as separate processes that export to it
 """
 from __future__ import annotations
 
+import hashlib
 import secrets
 import threading
 import time
@@ -22,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from meshserve._proto import grpc_service_pb2 as pb
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.integration.test_gateway_routes import ROUTES
 
 
 @dataclass
@@ -78,6 +80,7 @@ class TracedStack:
     receiver: Receiver
     service: Proc
     gateway: Proc
+    endpoint: str  # the receiver's OTLP endpoint
 
 
 # Two independent branches over small_mlp: both steps are children of the ensemble span.
@@ -94,6 +97,20 @@ ensemble_scheduling { step [
 """
 
 
+def _otel_env(endpoint: str) -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": ""}
+
+
+def _extra_gateway(traced: TracedStack, *args: str) -> Proc:
+    """Another gateway over the same service, exporting to the same receiver."""
+    gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", traced.service.grpc, *args],
+                    env=_otel_env(traced.endpoint))
+    _wait_http_ready(gateway.http)
+    return gateway
+
+
 @pytest.fixture(scope="module")
 def traced(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedStack]:
     receiver = Receiver()
@@ -101,26 +118,45 @@ def traced(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-           "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_TRACES_SAMPLER": "parentbased_always_off",
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": ""}
+    env = _otel_env(f"http://127.0.0.1:{port}")
     service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0"],
                     env=env)
     try:
         ens = tmp_path_factory.mktemp("traced-ensembles")
         (ens / "mlp_pair" / "1").mkdir(parents=True)
         (ens / "mlp_pair" / "config.pbtxt").write_text(PAIR)
+        # coalescing off: concurrent requests reach the service's batcher as they are sent
+        # (the merging gateway below covers traces through the coalescer)
         gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
-                         "--log-format", "json", "--repository", str(ens)], env=env)
+                         "--log-format", "json", "--repository", str(ens), "--coalesce-inflight", "0"], env=env)
     except Exception:
         service.stop()
         server.stop(0)
         raise
     _wait_http_ready(gateway.http)
-    yield TracedStack(receiver, service, gateway)
+    yield TracedStack(receiver, service, gateway, f"http://127.0.0.1:{port}")
     gateway.stop()
     service.stop()
     server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def gated(traced: TracedStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A second gateway, with tenants and an A/B route, exporting to the same receiver."""
+    d = tmp_path_factory.mktemp("traced-gated")
+    (d / "routes.yaml").write_text(ROUTES)  # scale-ab: scale versions 1 and 2, arms v1 and v2
+    key = hashlib.sha256(b"acme-key").hexdigest()
+    (d / "tenants.yaml").write_text(f"""
+tenants:
+  - name: acme
+    keys_sha256: ["{key}"]
+    rate: 1000
+    burst: 1000
+    models: ["scale-ab"]
+""")
+    gateway = _extra_gateway(traced, "--routes", str(d / "routes.yaml"), "--tenants", str(d / "tenants.yaml"))
+    yield gateway
+    gateway.stop()
 
 
 def _traceparent() -> tuple[str, str, str]:
@@ -138,6 +174,35 @@ def _complete(trace_id: str):  # noqa: ANN202
     names = {"gateway.request", "gateway.route", "gateway.upstream", "service.request", "service.queue",
              "service.batch", "service.compute"}
     return lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}
+
+
+def _burst(url: str, n: int = 8) -> set[str]:
+    """``n`` concurrent small_mlp requests, each with a sampled traceparent of its own; their trace ids."""
+    parents = [_traceparent() for _ in range(n)]
+    done: list[object] = []
+    with grpcclient.InferenceServerClient(url) as c:
+        for i, (tp, _, _) in enumerate(parents):
+            c.async_infer("small_mlp", [_mlp_input(i)], lambda result, error, out=done: out.append(error),
+                          headers={"traceparent": tp})
+        deadline = time.monotonic() + 20
+        while len(done) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert done == [None] * n
+    return {t for _, t, _ in parents}
+
+
+def _all_batched(trace_ids: set[str]):  # noqa: ANN202
+    """Every request's spans are in, and a batch span links each one's service span (the batch
+    and compute spans themselves belong to the trace of one member only)."""
+    names = {"gateway.request", "gateway.route", "gateway.upstream", "service.request", "service.queue"}
+
+    def done(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id in trace_ids]
+        if any(not names <= {s.name for s in mine if s.trace_id == t} for t in trace_ids):
+            return False
+        linked = {lk for s in spans if s.name == "service.batch" for lk in s.links}
+        return all((s.trace_id, s.span_id) in linked for s in mine if s.name == "service.request")
+    return done
 
 
 def test_one_trace_client_gateway_service_batch(traced: TracedStack) -> None:
@@ -169,18 +234,8 @@ def test_one_trace_client_gateway_service_batch(traced: TracedStack) -> None:
 
 def test_batch_span_links_every_request_that_shared_it(traced: TracedStack) -> None:
     for _attempt in range(3):  # the 8 must land within small_mlp's 5 ms queue delay
-        parents = [_traceparent() for _ in range(8)]
-        done: list[object] = []
-        with grpcclient.InferenceServerClient(traced.gateway.grpc) as c:
-            for i, (tp, _, _) in enumerate(parents):
-                c.async_infer("small_mlp", [_mlp_input(i)], lambda result, error, out=done: out.append(error),
-                              headers={"traceparent": tp})
-            deadline = time.monotonic() + 20
-            while len(done) < 8 and time.monotonic() < deadline:
-                time.sleep(0.01)
-        assert done == [None] * 8
-        trace_ids = {t for _, t, _ in parents}
-        spans = traced.receiver.wait(lambda ss, ids=trace_ids: all(_complete(t)(ss) for t in ids))
+        trace_ids = _burst(traced.gateway.grpc)
+        spans = traced.receiver.wait(_all_batched(trace_ids))
         requests = {s.trace_id: s for s in spans if s.name == "service.request" and s.trace_id in trace_ids}
         assert set(requests) == trace_ids
         wanted = {(s.trace_id, s.span_id) for s in requests.values()}
@@ -276,3 +331,80 @@ def test_ensemble_steps_are_children_of_the_ensemble_span(traced: TracedStack) -
     assert sorted(by_id[u.parent].attributes["meshserve.step"] for u in upstreams) == [0, 1]
     services = [s for s in spans if s.name == "service.request"]
     assert {by_id[s.parent].name for s in services} == {"gateway.upstream"}
+
+
+def _scale_input() -> grpcclient.InferInput:
+    inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+    return inp
+
+
+def test_admission_and_route_decision_spans(traced: TracedStack, gated: Proc) -> None:
+    tp, trace_id, _ = _traceparent()
+    with grpcclient.InferenceServerClient(gated.grpc) as c:
+        res = c.infer("scale-ab", [_scale_input()], headers={"traceparent": tp, "x-api-key": "acme-key"})
+    arm = res.get_response().parameters["meshserve_route_arm"].string_param
+    assert arm in ("v1", "v2")
+    spans = traced.receiver.wait(
+        lambda ss: {"gateway.admission", "gateway.route", "service.request"} <= {s.name for s in ss
+                                                                                   if s.trace_id == trace_id})
+    by_name = {s.name: s for s in spans if s.trace_id == trace_id}
+    request, admission, route = by_name["gateway.request"], by_name["gateway.admission"], by_name["gateway.route"]
+    assert admission.parent == request.span_id and admission.attributes["meshserve.tenant"] == "acme"
+    assert admission.status == 0  # STATUS_CODE_UNSET
+    assert route.parent == request.span_id
+    assert route.attributes["meshserve.route"] == "scale-ab" and route.attributes["meshserve.arm"] == arm
+    assert route.attributes["meshserve.model"] == "scale"
+    assert route.attributes["meshserve.model_version"] == arm.removeprefix("v")
+    assert request.attributes["meshserve.arm"] == arm
+
+
+def test_rejected_admission_is_an_error_span(traced: TracedStack, gated: Proc) -> None:
+    tp, trace_id, _ = _traceparent()
+    with grpcclient.InferenceServerClient(gated.grpc) as c, pytest.raises(Exception, match="may not call"):
+        c.infer("scale", [_scale_input()], headers={"traceparent": tp, "x-api-key": "acme-key"})
+    spans = traced.receiver.wait(lambda ss: any(s.name == "gateway.admission" and s.trace_id == trace_id
+                                                for s in ss))
+    by_name = {s.name: s for s in spans if s.trace_id == trace_id}
+    admission = by_name["gateway.admission"]
+    assert admission.status == 2 and admission.attributes["meshserve.error_code"] == "PERMISSION_DENIED"
+    assert "service.request" not in by_name and "gateway.upstream" not in by_name
+
+
+@pytest.fixture(scope="module")
+def merging(traced: TracedStack) -> Iterator[Proc]:
+    """A gateway whose coalescer sends one request at a time: the rest of a burst is merged."""
+    gateway = _extra_gateway(traced, "--coalesce-inflight", "1")
+    yield gateway
+    gateway.stop()
+
+
+def test_merged_requests_keep_one_trace_each(traced: TracedStack, merging: Proc) -> None:
+    for _attempt in range(3):  # the burst must reach the coalescer while the first request is out
+        trace_ids = _burst(merging.grpc)
+        spans = traced.receiver.wait(_all_batched(trace_ids))
+        by_trace: dict[str, dict[str, Span]] = {t: {} for t in trace_ids}
+        for s in spans:
+            if s.trace_id in by_trace:
+                by_trace[s.trace_id][s.name] = s
+        # every client request keeps its own trace: gateway -> upstream -> service -> queue
+        for t, mine in by_trace.items():
+            assert mine["gateway.upstream"].parent == mine["gateway.request"].span_id, t
+            assert mine["gateway.route"].parent == mine["gateway.request"].span_id, t
+            assert mine["service.request"].parent == mine["gateway.upstream"].span_id, t
+            assert mine["service.queue"].parent == mine["service.request"].span_id, t
+        merged = [m for m in by_trace.values() if m["gateway.upstream"].attributes.get("meshserve.merged_requests")]
+        if not merged:
+            continue
+        count = merged[0]["gateway.upstream"].attributes["meshserve.merged_requests"]
+        assert isinstance(count, int) and count >= 2
+        members = {m["service.request"].attributes["meshserve.member"] for m in merged
+                   if m["service.request"].attributes.get("meshserve.merged_requests") == count}
+        assert members <= set(range(count)) and len(members) >= 2
+        # the batch that ran a merged request links the service span of each member in it
+        wanted = {(m["service.request"].trace_id, m["service.request"].span_id) for m in merged}
+        batches = [s for s in spans if s.name == "service.batch" and set(s.links) & wanted]
+        assert sorted(lk for b in batches for lk in b.links if lk in wanted) == sorted(wanted)
+        assert max(b.attributes["meshserve.batch.requests"] for b in batches) >= count
+        return
+    raise AssertionError("no burst of 8 was merged by a gateway with --coalesce-inflight 1 in 3 attempts")

@@ -3,50 +3,35 @@ from __future__ import annotations
 
 import time
 
-from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from meshserve.telemetry.otlp_encode import encode_spans
-
-
-class _Keep(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list = []
-
-    def export(self, spans):  # type: ignore[no-untyped-def]
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
+from meshserve.telemetry import spans as sp
+from meshserve.telemetry.otlp_encode import encode_span, encode_spans
 
 
-def _spans() -> list:
-    keep = _Keep()
-    provider = TracerProvider(resource=Resource.create({"service.name": "t", "n": 3, "f": 0.5, "b": True,
-                                                        "l": ["a", "b"]}))
-    provider.add_span_processor(SimpleSpanProcessor(keep))
-    tracer = provider.get_tracer("meshserve", "1.2.3")
-    other = provider.get_tracer("other")  # a second instrumentation scope
-    remote = SpanContext(trace_id=0x1234, span_id=0x99, is_remote=True, trace_flags=TraceFlags(1),
-                         trace_state=TraceState([("k", "v")]))
-    with tracer.start_as_current_span("root", context=trace.set_span_in_context(trace.NonRecordingSpan(remote)),
-                                      kind=SpanKind.SERVER, attributes={"s": "ü", "i": -5, "big": 2**62, "d": 1.25,
-                                                                        "t": True, "arr": [1, 2], "farr": [0.5]}) as root:
-        root.add_event("ev", {"x": 1})
-        root.set_status(Status(StatusCode.ERROR, "broke: ✓"))
-        with tracer.start_as_current_span("child", kind=SpanKind.CLIENT):
-            pass
-        ctx = root.get_span_context()
-    other.start_span("batch", links=[Link(ctx, {"why": "member"}), Link(remote)], kind=SpanKind.INTERNAL,
-                     start_time=time.time_ns()).end()
-    tracer.start_span("ok").end()
-    s = tracer.start_span("okstatus")
-    s.set_status(Status(StatusCode.OK))
-    s.end()
-    return keep.spans
+def _spans() -> list[sp.Span]:
+    ended: list[sp.Span] = []
+    resource = Resource.create({"service.name": "t", "n": 3, "f": 0.5, "b": True, "l": ["a", "b"]})
+    scope = sp.Scope(resource, InstrumentationScope("meshserve", "1.2.3"))
+    other = sp.Scope(resource, InstrumentationScope("other"))  # a second instrumentation scope
+    now = time.time_ns()
+    root = sp.Span("root", 0x1234, 0xABC, 0x99, True, sp.SERVER, now,
+                   {"s": "ü", "i": -5, "big": 2**62, "d": 1.25, "t": True, "arr": [1, 2], "farr": [0.5]},
+                   scope, ended.append, flags=1, trace_state="k=v,x=y")
+    root.set_error("broke: ✓")
+    child = sp.Span("child", 0x1234, 0xDEF, 0xABC, False, sp.CLIENT, now + 5, None, scope, ended.append)
+    child.end(now + 10)
+    root.end(now + 20)
+    sp.Span("batch", 0x1234, 0x77, 0xABC, False, sp.INTERNAL, now, {"meshserve.batch.size": 8}, other, ended.append,
+            links=[(0x1234, 0xABC), (0x5678, 0x42)]).end(now + 3)
+    sp.Span("ok", 0x9, 0x8, 0, False, sp.INTERNAL, now, None, scope, ended.append).end(now)
+    okstatus = sp.Span("okstatus", 0x9, 0x7, 0, False, sp.INTERNAL, now, None, scope, ended.append)
+    okstatus.status_code = sp.OK
+    okstatus.end(now - 5)  # an end before the start is clamped to the start
+    return ended
 
 
 def test_same_message_as_the_sdk_encoder() -> None:
@@ -54,6 +39,14 @@ def test_same_message_as_the_sdk_encoder() -> None:
     ours = ExportTraceServiceRequest.FromString(encode_spans(spans))
     theirs = sdk_encode(spans)
     assert ours == theirs, f"ours:\n{ours}\nsdk:\n{theirs}"
+
+
+def test_encoded_at_end_is_the_same_message() -> None:
+    spans = _spans()
+    plain = encode_spans(spans)
+    for span in spans:
+        span.encoded = encode_span(span)
+    assert encode_spans(spans) == plain
 
 
 def test_empty_batch() -> None:

@@ -5,7 +5,6 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from meshserve._proto import grpc_service_pb2 as pb
@@ -38,22 +37,19 @@ def test_off_by_default_leaves_the_sdk_alone() -> None:
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "_tracer", "_provider", "_sampler", "_ids", "_otel")}
+    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "_sampler", "_queue", "_scope")}
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-           "OTEL_TRACES_SAMPLER_ARG": "0.5"}
-    assert tracing.configure("meshserve-test", "gateway", env=env)
-    provider = tracing._provider
-    provider._active_span_processor._span_processors = ()  # no console output in tests
+           "OTEL_TRACES_SAMPLER_ARG": "0.5", "OTEL_BSP_SCHEDULE_DELAY": "50"}
     exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert tracing.configure("meshserve-test", "gateway", env=env, exporters=[exporter])
     yield exporter
-    provider.shutdown()
+    tracing.shutdown()
     for k, v in saved.items():
         setattr(tracing, k, v)
 
 
 def test_sampled_roots_keep_the_trace_id_the_sampler_judged(spans: InMemorySpanExporter) -> None:
-    made = [tracing.start_server_span("gateway.request", None, 0) for _ in range(400)]
+    made = [tracing.start_server_span("gateway.request", None) for _ in range(400)]
     sampled = [s for s in made if s is not None]
     assert 120 < len(sampled) < 280  # ratio 0.5
     bound = round(0.5 * (1 << 64))
@@ -63,20 +59,18 @@ def test_sampled_roots_keep_the_trace_id_the_sampler_judged(spans: InMemorySpanE
 
 
 def test_remote_parent_decides(spans: InMemorySpanExporter) -> None:
-    parent, tid = tracing.parent_context(f"00-{TRACE}-{PARENT}-01")
-    span = tracing.start_server_span("x", parent, tid)
+    span = tracing.start_server_span("x", tracing.parent_context(f"00-{TRACE}-{PARENT}-01"))
     assert span is not None and f"{span.get_span_context().trace_id:032x}" == TRACE
-    parent, tid = tracing.parent_context(f"00-{TRACE}-{PARENT}-00")
-    assert tracing.start_server_span("x", parent, tid) is None
-    assert tracing.parent_context("garbage") == (None, 0)
-    assert tracing.parent_context(f"00-{'0' * 32}-{PARENT}-01") == (None, 0)
+    assert f"{span.parent.span_id:016x}" == PARENT and span.parent.is_remote
+    assert tracing.start_server_span("x", tracing.parent_context(f"00-{TRACE}-{PARENT}-00")) is None
+    assert tracing.parent_context("garbage") is None
+    assert tracing.parent_context(f"00-{'0' * 32}-{PARENT}-01") is None
 
 
 def test_inject_parameters_last_entry_wins(spans: InMemorySpanExporter) -> None:
     request = pb.ModelInferRequest(model_name="m", id="r1")
     request.parameters["traceparent"].string_param = "00-client-old-01"
-    parent, tid = tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v")
-    span = tracing.start_server_span("x", parent, tid)
+    span = tracing.start_server_span("x", tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v"))
     assert span is not None
     out = pb.ModelInferRequest.FromString(tracing.inject_parameters(request.SerializeToString(), span))
     assert out.parameters["traceparent"].string_param == tracing.traceparent(span)
@@ -101,6 +95,7 @@ def test_observe_server_span_from_header_and_error_status(spans: InMemorySpanExp
     assert returned is not None and returned.split("-")[1] == TRACE
     with pytest.raises(InferError):
         asyncio.run(observe.infer(_Core(fail=True), req, ctx))  # type: ignore[arg-type]
+    assert tracing.force_flush(5)
     ok, failed = spans.get_finished_spans()
     assert ok.name == "gateway.request" and ok.parent is not None and f"{ok.parent.span_id:016x}" == PARENT
     assert ok.attributes is not None and ok.attributes["meshserve.request_id"] == "abc"
@@ -113,6 +108,7 @@ def test_observe_skips_gateway_hop_requests_without_context(spans: InMemorySpanE
     ctx = RequestContext("grpc", {tracing.HOP_HEADER: tracing.HOP_GATEWAY})
     for _ in range(20):
         assert asyncio.run(observe.infer(_Core(), req, ctx))[1] is None  # type: ignore[arg-type]
+    assert tracing.force_flush(5)
     assert spans.get_finished_spans() == ()
 
 
