@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from meshserve.protocol.wire import varint
-from meshserve.telemetry.spans import Span
+from meshserve.telemetry.spans import Scope, Span
 
 _F64 = struct.Struct("<Q")
 _D = struct.Struct("<d")
@@ -124,16 +124,20 @@ def _scope(scope: Any) -> bytes:
 def encode_spans(spans: Iterable[Span]) -> bytes:
     """Serialized ExportTraceServiceRequest for finished spans (encoded at end if they were),
     grouped by resource and instrumentation scope as the SDK's encoder does."""
+    return encode_encoded((span._scope, span.encoded or encode_span(span)) for span in spans)
+
+
+def encode_encoded(items: Iterable[tuple[Scope, bytes]]) -> bytes:
+    """The same request from spans already encoded (``encode_span``), each with its Scope."""
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
-    for span in spans:
-        res_group = groups.setdefault(id(span.resource), (span.resource, {}))
-        scope = span.instrumentation_scope
-        res_group[1].setdefault(id(scope), (scope, []))[1].append(span.encoded or encode_span(span))
+    for where, encoded in items:
+        resource, scope = where.resource, where.instrumentation_scope
+        groups.setdefault(id(resource), (resource, {}))[1].setdefault(id(scope), (scope, []))[1].append(encoded)
     out = []
     for resource, scopes in groups.values():
         rs = _ld(1, _attributes(1, resource.attributes))
-        for scope, encoded in scopes.values():
-            ss = _ld(1, _scope(scope)) + b"".join(_ld(2, s) for s in encoded)
+        for scope, encoded_spans in scopes.values():
+            ss = _ld(1, _scope(scope)) + b"".join(_ld(2, e) for e in encoded_spans)
             if scope is not None and scope.schema_url:
                 ss += _ld(3, scope.schema_url.encode())
             rs += _ld(2, ss)

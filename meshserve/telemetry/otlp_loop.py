@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshserve.telemetry.spans import Span, env_int
+from meshserve.telemetry.spans import Scope, Span, env_int
 
 if TYPE_CHECKING:
     from meshserve.server.h2client import Channel
@@ -93,7 +93,7 @@ class LoopExportQueue:
     drops spans and counts them (never blocks or grows without bound)."""
 
     def __init__(self, target: Target, env: Mapping[str, str], encode: Callable[[Span], bytes],
-                 encode_batch: Callable[[Sequence[Span]], bytes]):
+                 encode_batch: Callable[[Sequence[tuple[Scope, bytes]]], bytes]):
         self.target = target
         self.encode = encode
         self.encode_batch = encode_batch
@@ -103,7 +103,9 @@ class LoopExportQueue:
         self.exit_timeout_s = min(env_int(env, "OTEL_BSP_EXPORT_TIMEOUT", 30000) / 1000, 10.0)
         self.dropped = 0  # queue full, or a batch given up after retries
         self.exported = 0
-        self._spans: list[Span] = []
+        # only the encoded bytes wait for export: the span and its attribute dict are freed when it
+        # ends (measured: holding 512 span objects per batch cost the request path cache misses)
+        self._spans: list[tuple[Scope, bytes]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -117,8 +119,7 @@ class LoopExportQueue:
         if self._stopped or len(self._spans) >= self.max_queue:
             self.dropped += 1
             return
-        span.encoded = self.encode(span)
-        self._spans.append(span)
+        self._spans.append((span._scope, self.encode(span)))
         loop = self._loop
         if loop is None:
             try:
@@ -154,14 +155,14 @@ class LoopExportQueue:
         # a context of its own: the export must not run as part of whichever request ended the span
         self._loop.create_task(self._send(batch), context=contextvars.Context())
 
-    async def _send(self, batch: list[Span]) -> None:
+    async def _send(self, batch: list[tuple[Scope, bytes]]) -> None:
         try:
             await self._export(batch)
         finally:
             self._sending = False
             self._poke()
 
-    async def _export(self, batch: Sequence[Span], channel: Channel | None = None) -> bool:
+    async def _export(self, batch: Sequence[tuple[Scope, bytes]], channel: Channel | None = None) -> bool:
         from meshserve.server.h2client import Channel, GrpcError
 
         body = self.encode_batch(batch)

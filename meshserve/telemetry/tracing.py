@@ -90,7 +90,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     from meshserve.telemetry import otlp_loop
-    from meshserve.telemetry.otlp_encode import encode_span, encode_spans
+    from meshserve.telemetry.otlp_encode import encode_encoded, encode_span
 
     attrs: dict[str, str] = {}
     if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
@@ -106,7 +106,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
             and env.get("MESHSERVE_OTLP_EXPORTER", "loop").strip().lower() != "sdk":
         target = otlp_loop.target_from_env(env)
     if target is not None:  # plaintext OTLP/gRPC: sent from the event loop, no exporter thread
-        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_spans)
+        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded)
         described = [f"otlp/grpc {target.endpoint} (event loop)"]
     else:
         chosen = list(exporters) if exporters is not None else _exporters(names, env)
