@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
@@ -34,16 +35,12 @@ async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: 
     the request bytes on the replica's streams; ``parent`` is the sampled gateway request span."""
     name, version = request.model_name, request.model_version
     started = time.time_ns()
-    decided = {k: v for k in _ROUTE_KEYS if (v := parent.attributes.get(k)) is not None}
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
-        attrs = {"meshserve.model": name, "meshserve.model_version": version, "meshserve.replica": replica.endpoint}
-        tracing.emit_span("gateway.route", parent, started, time.time_ns(), {**decided, **attrs})
+        span = _route_and_upstream(parent, started, time.time_ns(), _attributes(name, version, replica))
         started = time.time_ns()
-        with tracing.client_span("gateway.upstream", {**attrs, "rpc.system": "grpc",
-                                                      "server.address": replica.endpoint}) as span:
-            return await forward(replica, tracing.inject_parameters(body, span))
+        return await _forward_under([span], forward, replica, tracing.inject_parameters(body, span))
 
     return await call(name, version, attempt)
 
@@ -57,29 +54,45 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
     starts = [enqueued + off for _, _, enqueued in members]
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
-        attrs = {"meshserve.model": name, "meshserve.model_version": version, "meshserve.replica": replica.endpoint,
-                 "meshserve.merged_requests": count}
+        attrs = {**_attributes(name, version, replica), "meshserve.merged_requests": count}
         now = time.time_ns()
         spans = []
         lines = [""] * count
         for k, (index, parent, _) in enumerate(members):
-            decided = {key: v for key in _ROUTE_KEYS if (v := parent.attributes.get(key)) is not None}
-            tracing.emit_span("gateway.route", parent, starts[k], now, {**decided, **attrs})
-            span = tracing.start_span("gateway.upstream", parent, CLIENT,
-                                      {**attrs, "meshserve.member": index, "rpc.system": "grpc",
-                                       "server.address": replica.endpoint})
+            span = _route_and_upstream(parent, starts[k], now, attrs, {"meshserve.member": index})
             spans.append(span)
             lines[index] = tracing.member_line(span)
             starts[k] = now  # a retry's route span starts where this attempt's decision ended
-        try:
-            return await forward(replica, body + tracing.string_param_entry(wire.TRACEPARENTS_PARAMETER,
-                                                                            "\n".join(lines)))
-        except BaseException as exc:
-            for span in spans:
-                tracing.set_error(span, exc)
-            raise
-        finally:
-            for span in spans:
-                tracing.end(span)
+        return await _forward_under(spans, forward, replica, body + tracing.string_param_entry(
+            wire.TRACEPARENTS_PARAMETER, "\n".join(lines)))
 
     return await call(name, version, attempt)
+
+
+def _attributes(name: str, version: str, replica: Replica) -> dict[str, Any]:
+    return {"meshserve.model": name, "meshserve.model_version": version, "meshserve.replica": replica.endpoint}
+
+
+def _route_and_upstream(parent: Span, started_ns: int, decided_ns: int, attrs: dict[str, Any],
+                        upstream_only: dict[str, Any] | None = None) -> Span:
+    """Record the route decision (``started_ns`` to ``decided_ns``) under ``parent`` and start the
+    CLIENT span of the upstream call that follows it."""
+    decided = {key: v for key in _ROUTE_KEYS if (v := parent.attributes.get(key)) is not None}
+    tracing.emit_span("gateway.route", parent, started_ns, decided_ns, {**decided, **attrs})
+    return tracing.start_span("gateway.upstream", parent, CLIENT,
+                              {**attrs, **(upstream_only or {}), "rpc.system": "grpc",
+                               "server.address": attrs["meshserve.replica"]})
+
+
+async def _forward_under(spans: Sequence[Span], forward: Forward, replica: Replica,
+                         body: bytes) -> pb.ModelInferResponse:
+    """``forward`` with the upstream spans open around it; an exception marks them failed."""
+    try:
+        return await forward(replica, body)
+    except BaseException as exc:
+        for span in spans:
+            tracing.set_error(span, exc)
+        raise
+    finally:
+        for span in spans:
+            tracing.end(span)

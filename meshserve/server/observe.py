@@ -17,6 +17,7 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.telemetry import tracing
+from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
 
@@ -42,59 +43,28 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
 async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
                         ) -> tuple[InferResult, str | None]:
     params = request.parameters
-    if wire.TRACEPARENTS_PARAMETER in params:  # a gateway-merged request with traced members
-        return await _infer_members_traced(core, request, ctx)
-    if tracing.TRACEPARENT in params:
-        tp: str | None = params[tracing.TRACEPARENT].string_param
-        ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
+    merged = wire.TRACEPARENTS_PARAMETER in params
+    if merged:  # a gateway-merged request with traced members: one SERVER span per member
+        spans = _member_spans(request, ctx)
     else:
-        headers = ctx.headers
-        tp = headers.get(tracing.TRACEPARENT)
-        if tp is None and headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
-            # the gateway did not sample this request: no root trace of our own
-            return await _infer_untraced(core, request, ctx)
-        ts = headers.get(tracing.TRACESTATE)
-    span = tracing.start_server_span(f"{tracing.role}.request", tracing.parent_context(tp, ts))
-    if span is None:
-        return await _infer_untraced(core, request, ctx)
-    span.attributes.update({"meshserve.model": request.model_name, "meshserve.model_version": request.model_version,
-                            "meshserve.request_id": request.id, "rpc.system": ctx.protocol})
-    token = tracing.activate(span)
-    t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
-    tid = tracing.trace_id(span)
-    try:
-        result = await core.infer(request, ctx)
-    except Exception as exc:
-        err = _log_error(request, ctx, exc, tid, t0)
-        tracing.set_error(span, err)
-        raise err from None
-    finally:
-        tracing.deactivate(token)
-        tracing.end(span)
-    if t0:
-        _log_ok(request, ctx, tid, t0)
-    return result, tracing.traceparent(span)
-
-
-async def _infer_members_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
-                                ) -> tuple[InferResult, str | None]:
-    """One SERVER span per traced member of a merged request, each the child of that member's
-    upstream span in the gateway; the queue and batch spans hang off all of them."""
-    params = request.parameters
-    count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
-    parents = tracing.parse_member_lines(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count))
-    name = f"{tracing.role}.request"
-    spans = []
-    for i, parent in enumerate(parents):
-        if parent is not None and (span := tracing.start_server_span(name, parent)) is not None:
-            span.attributes.update({"meshserve.model": request.model_name,
-                                    "meshserve.model_version": request.model_version,
-                                    "meshserve.request_id": request.id, "rpc.system": ctx.protocol,
-                                    "meshserve.merged_requests": count, "meshserve.member": i})
-            spans.append(span)
+        if tracing.TRACEPARENT in params:
+            tp: str | None = params[tracing.TRACEPARENT].string_param
+            ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
+        else:
+            headers = ctx.headers
+            tp = headers.get(tracing.TRACEPARENT)
+            if tp is None and headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
+                # the gateway did not sample this request: no root trace of our own
+                return await _infer_untraced(core, request, ctx)
+            ts = headers.get(tracing.TRACESTATE)
+        span = tracing.start_server_span(f"{tracing.role}.request", tracing.parent_context(tp, ts))
+        spans = [] if span is None else [span]
+        if span is not None:
+            span.attributes.update(_span_attributes(request, ctx))
     if not spans:
         return await _infer_untraced(core, request, ctx)
-    token, members = tracing.activate(spans[0]), tracing.activate_members(spans)
+    token = tracing.activate(spans[0])
+    members = tracing.activate_members(spans) if merged else None
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
     tid = tracing.trace_id(spans[0])
     try:
@@ -105,13 +75,35 @@ async def _infer_members_traced(core: V2Core, request: pb.ModelInferRequest, ctx
             tracing.set_error(span, err)
         raise err from None
     finally:
-        tracing.deactivate_members(members)
+        if members is not None:
+            tracing.deactivate_members(members)
         tracing.deactivate(token)
         for span in spans:
             tracing.end(span)
     if t0:
         _log_ok(request, ctx, tid, t0)
-    return result, None
+    return result, None if merged else tracing.traceparent(spans[0])
+
+
+def _span_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> dict[str, str]:
+    return {"meshserve.model": request.model_name, "meshserve.model_version": request.model_version,
+            "meshserve.request_id": request.id, "rpc.system": ctx.protocol}
+
+
+def _member_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Span]:
+    """A sampled SERVER span per traced member of a merged request, each the child of that
+    member's upstream span in the gateway; the queue and batch spans hang off all of them."""
+    params = request.parameters
+    count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
+    parents = tracing.parse_member_lines(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count))
+    name = f"{tracing.role}.request"
+    spans = []
+    for i, parent in enumerate(parents):
+        if parent is not None and (span := tracing.start_server_span(name, parent)) is not None:
+            span.attributes.update({**_span_attributes(request, ctx), "meshserve.merged_requests": count,
+                                    "meshserve.member": i})
+            spans.append(span)
+    return spans
 
 
 async def _infer_untraced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext

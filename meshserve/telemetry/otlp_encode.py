@@ -43,21 +43,16 @@ def _any_value(v: Any) -> bytes:
     return _ld(1, str(v).encode())
 
 
-def _attributes(tag: int, attrs: Mapping[str, Any] | None) -> bytes:
-    if not attrs:
-        return b""
-    return b"".join(_ld(tag, _ld(1, k.encode()) + _ld(2, _any_value(v))) for k, v in attrs.items())
-
-
-_NAMES: dict[str, bytes] = {}  # span name -> encoded field 5
 _KEYS: dict[str, bytes] = {}  # attribute key -> encoded KeyValue.key
-
-
+_NAMES: dict[str, bytes] = {}  # span name -> encoded field 5
 _LEN = [bytes((n,)) for n in range(128)]  # one-byte varints
 
 
-def _fast_attributes(attrs: dict[str, Any]) -> bytes:
-    """Span.attributes (field 9) entries; str values (nearly all of ours) inline."""
+def _attributes(tag: int, attrs: Mapping[str, Any] | None) -> bytes:
+    """KeyValue entries as field ``tag``: keys cached, str values (nearly all of ours) inline."""
+    if not attrs:
+        return b""
+    head = bytes(((tag << 3) | 2,))
     out = []
     for k, v in attrs.items():
         key = _KEYS.get(k)
@@ -74,7 +69,7 @@ def _fast_attributes(attrs: dict[str, Any]) -> bytes:
         n = len(value)
         kv = key + ((b"\x12" + _LEN[n] + value) if n < 128 else _ld(2, value))
         n = len(kv)
-        out.append((b"\x4a" + _LEN[n] + kv) if n < 128 else _ld(9, kv))
+        out.append((head + _LEN[n] + kv) if n < 128 else _ld(tag, kv))
     return b"".join(out)
 
 
@@ -93,7 +88,7 @@ def encode_span(span: Span) -> bytes:
     out += (name, b"\x30", bytes((span._kind + 1,)),  # proto SpanKind = SDK SpanKind + 1
             b"\x39", _F64.pack(span.start_time), b"\x41", _F64.pack(span.end_time or span.start_time))
     if span.attributes:
-        out.append(_fast_attributes(span.attributes))
+        out.append(_attributes(9, span.attributes))
     for trace_id, span_id in span.link_ids:
         out.append(b"\x6a\x21\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
                    + b"\x35" + _LOCAL_FLAGS)  # field 13: 2+16 + 2+8 + 1+4 = 33 bytes

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
-from meshserve.telemetry.spans import CLIENT, INTERNAL, SERVER, ExportQueue, Sampler, Scope, Span, new_id
+from meshserve.telemetry.spans import INTERNAL, SERVER, ExportQueue, Sampler, Scope, Span, new_id
 
 if TYPE_CHECKING:
     from meshserve.telemetry.otlp_loop import LoopExportQueue
@@ -132,7 +132,7 @@ def _exporters(names: list[str], env: Mapping[str, str]) -> list[Any]:
         if name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            out.append(ConsoleSpanExporter(formatter=lambda span: span.to_json() + os.linesep))
+            out.append(ConsoleSpanExporter())  # its formatter calls Span.to_json()
         elif name == "otlp":
             if _otlp_protocol(env) == "http":
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
@@ -314,16 +314,6 @@ def inject_parameters(raw_request: bytes, span: Span) -> bytes:
 
 # ---- spans -----------------------------------------------------------------------------
 @contextmanager
-def client_span(name: str, attributes: dict[str, Any]) -> Iterator[Span]:
-    """A CLIENT span (current while open) around one upstream call under the current span;
-    an exception marks it failed."""
-    parent = _current.get()
-    assert parent is not None, "client_span needs a sampled current span"
-    with _open_span(name, parent, CLIENT, attributes) as span:
-        yield span
-
-
-@contextmanager
 def child_span(name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
     """An INTERNAL span under the current sampled span, made current (tasks started inside
     inherit it); yields None, at the cost of one check, when the request is not sampled."""
@@ -331,13 +321,7 @@ def child_span(name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
     if parent is None:
         yield None
         return
-    with _open_span(name, parent, INTERNAL, attributes) as span:
-        yield span
-
-
-@contextmanager
-def _open_span(name: str, parent: Span, kind: int, attributes: dict[str, Any]) -> Iterator[Span]:
-    span = start_span(name, parent, kind, attributes)
+    span = start_span(name, parent, INTERNAL, attributes)
     token = _current.set(span)
     try:
         yield span

@@ -24,29 +24,24 @@ import pytest
 
 from meshserve.server.h2client import Channel, ClientStream, GrpcError, H2ClientConnection, connect
 from meshserve.server.h2grpc import H2GrpcServer
+from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 SERVICE = "t.Client"
-MiB = 1 << 20
 OK, UNKNOWN, FAILED_PRECONDITION, UNIMPLEMENTED, UNAVAILABLE = 0, 2, 9, 12, 14
 GRPC_AIO_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 DETAILS = "100% sure, %41 is not A, %zz — ünïcødé ✓ 日本語 🚀, trailing %"
 
 
 def path(name: str) -> str:
-    return f"/{SERVICE}/{name}"
+    return method_path(SERVICE, name)
 
 
 # ---- test handlers (stream_stream on raw bytes) ------------------------------------------------
-class Probe:
-    """What the handlers saw: a test waits on these instead of sleeping."""
-
+class Probe(BaseProbe):
     def __init__(self) -> None:
-        self.started = asyncio.Event()
-        self.cancelled = asyncio.Event()  # CancelledError reached a handler
-        self.closed = asyncio.Event()  # a handler's finally ran
+        super().__init__()
         self.finished = asyncio.Event()  # a handler returned normally
         self.calls = 0  # Echo calls that reached the handler
-        self.metadata: list[tuple[tuple[str, Any], ...]] = []
 
 
 def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:

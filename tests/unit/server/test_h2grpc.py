@@ -30,6 +30,7 @@ import pytest
 from meshserve._proto import health_pb2
 from meshserve.server.h2grpc import H2GrpcServer
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState, health_handler
+from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 try:
     import h2.config
@@ -48,23 +49,17 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.enable_retries", 0),
 ]
-MiB = 1 << 20
 
 
 def path(name: str) -> str:
-    return f"/{SERVICE}/{name}"
+    return method_path(SERVICE, name)
 
 
 # ---- test handlers ---------------------------------------------------------------------------
-class Probe:
-    """What the handlers saw: a test waits on these instead of sleeping."""
-
+class Probe(BaseProbe):
     def __init__(self) -> None:
-        self.started = asyncio.Event()
-        self.cancelled = asyncio.Event()  # CancelledError reached a handler
-        self.cancelled_in: list[str] = []  # ... which one
-        self.closed = asyncio.Event()  # a streaming handler's finally ran (generator closed)
-        self.metadata: list[tuple[tuple[str, Any], ...]] = []
+        super().__init__()
+        self.cancelled_in: list[str] = []  # which handler saw the CancelledError
         self.time_remaining: list[float | None] = []
         self.peers: list[str] = []
         self.received: list[Any] = []
