@@ -12,6 +12,7 @@ one ``meshserve_traceparents`` parameter (a line per member, empty for untraced 
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: 
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
-        span = _route_and_upstream(parent, started, time.time_ns(), _attributes(name, version, replica))
+        span = _route_and_upstream(parent, started, time.time_ns(), name, version, replica.endpoint, None)
         started = time.time_ns()
         return await _forward_under([span], forward, replica, tracing.inject_parameters(body, span))
 
@@ -54,12 +55,12 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
     starts = [enqueued + off for _, _, enqueued in members]
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
-        attrs = {**_attributes(name, version, replica), "meshserve.merged_requests": count}
         now = time.time_ns()
         spans = []
         lines = [""] * count
         for k, (index, parent, _) in enumerate(members):
-            span = _route_and_upstream(parent, starts[k], now, attrs, {"meshserve.member": index})
+            span = _route_and_upstream(parent, starts[k], now, name, version, replica.endpoint,
+                                       {"meshserve.merged_requests": count, "meshserve.member": index})
             spans.append(span)
             lines[index] = tracing.member_line(span)
             starts[k] = now  # a retry's route span starts where this attempt's decision ended
@@ -69,19 +70,23 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
     return await call(name, version, attempt)
 
 
-def _attributes(name: str, version: str, replica: Replica) -> dict[str, Any]:
-    return {"meshserve.model": name, "meshserve.model_version": version, "meshserve.replica": replica.endpoint}
-
-
-def _route_and_upstream(parent: Span, started_ns: int, decided_ns: int, attrs: dict[str, Any],
-                        upstream_only: dict[str, Any] | None = None) -> Span:
+def _route_and_upstream(parent: Span, started_ns: int, decided_ns: int, name: str, version: str, endpoint: str,
+                        upstream_only: dict[str, Any] | None) -> Span:
     """Record the route decision (``started_ns`` to ``decided_ns``) under ``parent`` and start the
     CLIENT span of the upstream call that follows it."""
-    decided = {key: v for key in _ROUTE_KEYS if (v := parent.attributes.get(key)) is not None}
-    tracing.emit_span("gateway.route", parent, started_ns, decided_ns, {**decided, **attrs})
-    return tracing.start_span("gateway.upstream", parent, CLIENT,
-                              {**attrs, **(upstream_only or {}), "rpc.system": "grpc",
-                               "server.address": attrs["meshserve.replica"]})
+    attrs = parent.attributes
+    decided = {key: v for key in _ROUTE_KEYS if (v := attrs.get(key)) is not None} if attrs else None
+    route, upstream = _fixed(name, version, endpoint)
+    tracing.emit_span("gateway.route", parent, started_ns, decided_ns, decided, fixed=route)
+    return tracing.start_span("gateway.upstream", parent, CLIENT, upstream_only, fixed=upstream)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fixed(name: str, version: str, endpoint: str) -> tuple[tracing.Attrs, tracing.Attrs]:
+    """The attributes the route and upstream spans of one (model, version, replica) share."""
+    common = (("meshserve.model", name), ("meshserve.model_version", version), ("meshserve.replica", endpoint))
+    return (tracing.fixed_attributes(*common),
+            tracing.fixed_attributes(*common, ("rpc.system", "grpc"), ("server.address", endpoint)))
 
 
 async def _forward_under(spans: Sequence[Span], forward: Forward, replica: Replica,

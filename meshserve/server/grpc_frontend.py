@@ -143,9 +143,9 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            result, trace_parent = await observe.infer(core, request, _context(context, raw))
-            if trace_parent is not None:
-                context.set_trailing_metadata(((TRACEPARENT, trace_parent),))
+            result, span = await observe.infer(core, request, _context(context, raw))
+            if span is not None:
+                context.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
             return result.serialized()
         except asyncio.CancelledError:
             raise

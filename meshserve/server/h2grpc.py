@@ -87,6 +87,76 @@ def _hpack_int(n: int, prefix_bits: int = 7) -> bytes:
     return bytes(out)
 
 
+_STATIC = hpack.table.HeaderTable.STATIC_TABLE  # RFC 7541 Appendix A, index 1..61
+
+
+def _read_int(block: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
+    """An HPACK integer (RFC 7541 5.1) starting at block[i]: (value, next offset)."""
+    limit = (1 << prefix_bits) - 1
+    n = block[i] & limit
+    i += 1
+    if n < limit:
+        return n, i
+    shift = 0
+    while True:
+        b = block[i]  # IndexError on a truncated block: the caller falls back to hpack
+        i += 1
+        n += (b & 127) << shift
+        if b < 128:
+            return n, i
+        shift += 7
+        if shift > 28:
+            raise IndexError("HPACK integer too long")
+
+
+def _plain_decode(block: bytes) -> list[tuple[bytes, bytes]] | None:
+    """Decode a header block made only of representations that leave the dynamic table alone
+    and need no Huffman table: static-table indexes and literals without indexing / never
+    indexed with plain strings (what meshserve itself sends, e.g. trailers carrying a
+    traceparent). None for anything else, which the hpack decoder then handles: a block
+    like that is usually unique, so it would miss the cache and cost a pure-Python decode."""
+    out = []
+    i = 0
+    end = len(block)
+    size = 0
+    try:
+        while i < end:
+            b = block[i]
+            if b & 0x80:  # indexed field
+                index, i = _read_int(block, i, 7)
+                if not 0 < index <= 61:
+                    return None
+                field = _STATIC[index - 1]
+            elif b & 0xE0 == 0:  # literal without indexing (0000) or never indexed (0001)
+                index, i = _read_int(block, i, 4)
+                if index:
+                    if index > 61:
+                        return None
+                    name = _STATIC[index - 1][0]
+                else:
+                    if block[i] & 0x80:
+                        return None  # Huffman-coded name
+                    n, i = _read_int(block, i, 7)
+                    name = block[i:i + n]
+                    i += n
+                if block[i] & 0x80:
+                    return None  # Huffman-coded value
+                n, i = _read_int(block, i, 7)
+                field = (name, block[i:i + n])
+                i += n
+                if i > end:
+                    return None
+            else:  # incremental indexing or a table size update: changes the dynamic table
+                return None
+            size += len(field[0]) + len(field[1]) + 32
+            if size > MAX_HEADER_BLOCK:
+                return None
+            out.append(field)
+    except IndexError:
+        return None
+    return out
+
+
 def _literal(name: bytes, value: bytes) -> bytes:
     """HPACK literal header field without indexing, new name (RFC 7541 6.2.2): stateless."""
     return b"\x00" + _hpack_int(len(name)) + name + _hpack_int(len(value)) + value
@@ -559,6 +629,11 @@ class H2Endpoint(asyncio.Protocol):
         it was (a repeat request whose fields are all indexed: every gRPC call after the first
         on a connection) is cached, and the cache is dropped whenever a block changes the
         table, since indexes then shift."""
+        plain = _plain_decode(block)
+        if plain is not None:  # the table is untouched: no need for the hpack decoder
+            parsed = parse(plain)
+            self._cache(block, parsed)
+            return parsed
         table = self.decoder.header_table.dynamic_entries
         before = (len(table), table[0] if table else None)
         try:
@@ -568,9 +643,14 @@ class H2Endpoint(asyncio.Protocol):
         parsed = parse(headers)
         if len(table) != before[0] or (table[0] if table else None) is not before[1]:
             self.hcache.clear()
-        elif len(self.hcache) < 256:
-            self.hcache[block] = parsed
+        else:
+            self._cache(block, parsed)
         return parsed
+
+    def _cache(self, block: bytes, parsed: tuple[Any, ...]) -> None:
+        if len(self.hcache) >= 256:  # mostly one-off blocks (a trace id each): start afresh
+            self.hcache.clear()
+        self.hcache[block] = parsed
 
     # ---- writing (flow-controlled) ---------------------------------------------------------
     def _headers(self, sid: int, flags: int, block: bytes) -> bytes:

@@ -146,13 +146,13 @@ class HttpFrontend:
             raise InferError.invalid(f"Inference-Header-Content-Length '{hlen}' is not an integer") from None
         infer_request = http_codec.parse_infer_request(body, header_length, name, version)
         ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()})
-        result, trace_parent = await observe.infer(self.core, infer_request, ctx)
+        result, span = await observe.infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
         arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
         if arm is not None:
             headers[wire.ROUTE_ARM_HEADER] = arm.string_param
-        if trace_parent is not None:
-            headers["traceparent"] = trace_parent
+        if span is not None:
+            headers["traceparent"] = span.traceparent()
         accept = request.headers.get("Accept-Encoding")
         if accept:
             out_body, encoding = http_codec.encode_body(out_body, accept)

@@ -22,8 +22,9 @@ from meshserve.telemetry.spans import Span
 log = logging.getLogger("meshserve.request")
 
 
-async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, str | None]:
-    """core.infer with span, logs and error mapping; returns (result, traceparent to echo or None)."""
+async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
+    """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
+    span, whose traceparent a unary response echoes, or None)."""
     if tracing.enabled:
         return await _infer_traced(core, request, ctx)
     if not log.isEnabledFor(logging.DEBUG):
@@ -41,7 +42,7 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
 
 
 async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
-                        ) -> tuple[InferResult, str | None]:
+                        ) -> tuple[InferResult, Span | None]:
     params = request.parameters
     merged = wire.TRACEPARENTS_PARAMETER in params
     if merged:  # a gateway-merged request with traced members: one SERVER span per member
@@ -57,20 +58,20 @@ async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: Reques
                 # the gateway did not sample this request: no root trace of our own
                 return await _infer_untraced(core, request, ctx)
             ts = headers.get(tracing.TRACESTATE)
-        span = tracing.start_server_span(f"{tracing.role}.request", tracing.parent_context(tp, ts))
+        span = tracing.start_server_span(f"{tracing.role}.request", tracing.parent_context(tp, ts),
+                                         _fixed_attributes(request, ctx))
         spans = [] if span is None else [span]
-        if span is not None:
-            span.attributes.update(_span_attributes(request, ctx))
+        if span is not None and request.id:
+            span.attributes["meshserve.request_id"] = request.id
     if not spans:
         return await _infer_untraced(core, request, ctx)
     token = tracing.activate(spans[0])
     members = tracing.activate_members(spans) if merged else None
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
-    tid = tracing.trace_id(spans[0])
     try:
         result = await core.infer(request, ctx)
     except Exception as exc:
-        err = _log_error(request, ctx, exc, tid, t0)
+        err = _log_error(request, ctx, exc, tracing.trace_id(spans[0]), t0)
         for span in spans:
             tracing.set_error(span, err)
         raise err from None
@@ -81,13 +82,13 @@ async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: Reques
         for span in spans:
             tracing.end(span)
     if t0:
-        _log_ok(request, ctx, tid, t0)
-    return result, None if merged else tracing.traceparent(spans[0])
+        _log_ok(request, ctx, tracing.trace_id(spans[0]), t0)
+    return result, None if merged else spans[0]
 
 
-def _span_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> dict[str, str]:
-    return {"meshserve.model": request.model_name, "meshserve.model_version": request.model_version,
-            "meshserve.request_id": request.id, "rpc.system": ctx.protocol}
+def _fixed_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> tracing.Attrs:
+    return tracing.fixed_attributes(("meshserve.model", request.model_name),
+                                    ("meshserve.model_version", request.model_version), ("rpc.system", ctx.protocol))
 
 
 def _member_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Span]:
@@ -97,17 +98,17 @@ def _member_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Sp
     count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
     parents = tracing.parse_member_lines(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count))
     name = f"{tracing.role}.request"
+    fixed = _fixed_attributes(request, ctx)
     spans = []
     for i, parent in enumerate(parents):
-        if parent is not None and (span := tracing.start_server_span(name, parent)) is not None:
-            span.attributes.update({**_span_attributes(request, ctx), "meshserve.merged_requests": count,
-                                    "meshserve.member": i})
+        if parent is not None and (span := tracing.start_server_span(name, parent, fixed)) is not None:
+            span.attributes.update({"meshserve.merged_requests": count, "meshserve.member": i})
             spans.append(span)
     return spans
 
 
 async def _infer_untraced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
-                          ) -> tuple[InferResult, str | None]:
+                          ) -> tuple[InferResult, Span | None]:
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
     try:
         result = await core.infer(request, ctx)

@@ -73,37 +73,53 @@ def _attributes(tag: int, attrs: Mapping[str, Any] | None) -> bytes:
     return b"".join(out)
 
 
+_IDS = struct.Struct(">HQQHQ")  # trace_id (field 1, 16 bytes) and span_id (field 2, 8 bytes), tags included
+_PARENT = struct.Struct(">HQ")  # parent_span_id (field 4)
+_TIMES = struct.Struct("<BQBQ")  # start/end_time_unix_nano (fields 7, 8: fixed64)
+_KINDS = [b"\x30" + bytes((k + 1,)) for k in range(5)]  # field 6; proto SpanKind = SDK SpanKind + 1
+_M64 = (1 << 64) - 1
+
+
 def encode_span(span: Span) -> bytes:
     """One ``Span`` message (the body of ScopeSpans.spans) for a meshserve span."""
-    out = [b"\x0a\x10", span.trace_id.to_bytes(16, "big"), b"\x12\x08", span.span_id.to_bytes(8, "big")]
+    tid = span.trace_id
+    head = _IDS.pack(0x0A10, tid >> 64, tid & _M64, 0x1208, span.span_id)
     if span.trace_state:
-        out.append(_ld(3, span.trace_state.encode()))
+        head += _ld(3, span.trace_state.encode())
     if span.parent_id:
-        out += (b"\x22\x08", span.parent_id.to_bytes(8, "big"))
+        head += _PARENT.pack(0x2208, span.parent_id)
     name = _NAMES.get(span.name)
     if name is None:
         name = _ld(5, span.name.encode())
         if len(_NAMES) < 1024:
             _NAMES[span.name] = name
-    out += (name, b"\x30", bytes((span._kind + 1,)),  # proto SpanKind = SDK SpanKind + 1
-            b"\x39", _F64.pack(span.start_time), b"\x41", _F64.pack(span.end_time or span.start_time))
+    out = [head, name, _KINDS[span._kind], _TIMES.pack(0x39, span.start_time, 0x41, span.end_time or span.start_time)]
+    fixed = span.fixed
+    if fixed is not None:
+        blob = fixed.encoded
+        if blob is None:
+            blob = fixed.encoded = _attributes(9, fixed.items)
+        out.append(blob)
     if span.attributes:
         out.append(_attributes(9, span.attributes))
     for trace_id, span_id in span.link_ids:
         out.append(b"\x6a\x21\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
                    + b"\x35" + _LOCAL_FLAGS)  # field 13: 2+16 + 2+8 + 1+4 = 33 bytes
-    st = b""
-    if span.status_description:
-        st = _ld(2, span.status_description.encode())
-    if span.status_code:
-        st += b"\x18" + varint(span.status_code)
-    out.append(_ld(15, st))
-    out += (b"\x85\x01", _REMOTE_FLAGS if span.parent_id and span.parent_remote else _LOCAL_FLAGS)  # field 16
+    if span.status_code or span.status_description:
+        st = _ld(2, span.status_description.encode()) if span.status_description else b""
+        if span.status_code:
+            st += b"\x18" + varint(span.status_code)
+        out.append(_ld(15, st))
+    else:
+        out.append(b"\x7a\x00")  # field 15: an empty Status
+    out.append(_REMOTE_TAIL if span.parent_id and span.parent_remote else _LOCAL_TAIL)  # field 16: flags
     return b"".join(out)
 
 
 _LOCAL_FLAGS = _F32.pack(HAS_IS_REMOTE)
 _REMOTE_FLAGS = _F32.pack(HAS_IS_REMOTE | IS_REMOTE)
+_LOCAL_TAIL = b"\x85\x01" + _LOCAL_FLAGS
+_REMOTE_TAIL = b"\x85\x01" + _REMOTE_FLAGS
 
 
 def _scope(scope: Any) -> bytes:

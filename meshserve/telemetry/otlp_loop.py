@@ -39,6 +39,9 @@ log = logging.getLogger("meshserve.tracing")
 EXPORT_PATH = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 RETRYABLE = frozenset({1, 4, 8, 10, 11, 14, 15})  # the OTLP spec's transient gRPC codes
 BACKOFF_S = (1.0, 2.0, 4.0)
+# Ended spans wait this long to be encoded, in one go: by then the responses of the requests
+# that ended them are written, and the loop is most likely waiting (on a batch's queue delay).
+ENCODE_DELAY_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class LoopExportQueue:
         # only the encoded bytes wait for export: the span and its attribute dict are freed when it
         # ends (measured: holding 512 span objects per batch cost the request path cache misses)
         self._spans: list[tuple[Scope, bytes]] = []
+        self._ended: list[Span] = []  # ended, not yet encoded (see on_end)
+        self._encode_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -116,21 +121,40 @@ class LoopExportQueue:
 
     # ---- on the loop ------------------------------------------------------------------------
     def on_end(self, span: Span) -> None:
-        if self._stopped or len(self._spans) >= self.max_queue:
+        """Queue an ended span. It is encoded ``ENCODE_DELAY_S`` later, with the others that
+        ended meanwhile: not while the request that ended it still has its response to write
+        (and, in a merged request, the other members theirs)."""
+        if self._stopped or len(self._spans) + len(self._ended) >= self.max_queue:
             self.dropped += 1
             return
-        self._spans.append((span._scope, self.encode(span)))
         loop = self._loop
-        if loop is None:
+        if loop is None or loop.is_closed():
             try:
                 loop = self._loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # no loop yet: sent by a later flush, or at exit
+            except RuntimeError:  # no loop (yet): sent by a later flush, or at exit
+                self._spans.append((span._scope, self.encode(span)))
+                return
             self._loop_thread = threading.get_ident()
         if threading.get_ident() != self._loop_thread:
-            loop.call_soon_threadsafe(self._poke)
+            loop.call_soon_threadsafe(self._queue_ended, span)
         else:
-            self._poke()
+            self._queue_ended(span)
+
+    def _queue_ended(self, span: Span) -> None:
+        self._ended.append(span)
+        if not self._encode_pending and self._loop is not None:
+            self._encode_pending = True
+            self._loop.call_later(ENCODE_DELAY_S, self._encode_and_poke)
+
+    def _encode_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        self._encode_pending = False
+        encode = self.encode
+        self._spans += [(span._scope, encode(span)) for span in ended]
+
+    def _encode_and_poke(self) -> None:
+        self._encode_ended()
+        self._poke()
 
     def _poke(self) -> None:
         if self._sending or not self._spans or self._loop is None or self._loop.is_closed():
@@ -197,12 +221,13 @@ class LoopExportQueue:
     # ---- from anywhere ----------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         """Start sending what is queued (on the loop); True when nothing was queued."""
-        if self._loop is not None and not self._loop.is_closed() and self._spans:
+        if self._loop is not None and not self._loop.is_closed() and (self._spans or self._ended):
             self._loop.call_soon_threadsafe(self._flush_now)
             return False
-        return not self._spans
+        return not self._spans and not self._ended
 
     def _flush_now(self) -> None:
+        self._encode_ended()
         if self._spans and not self._sending:
             self._start_send()
 
@@ -213,6 +238,7 @@ class LoopExportQueue:
         self._stopped = True
         if self._timer is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._timer.cancel)
+        self._encode_ended()
         left, self._spans = self._spans, []
         if not left:
             return

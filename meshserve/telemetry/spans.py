@@ -40,18 +40,33 @@ class Scope:
         self.instrumentation_scope = instrumentation_scope
 
 
+class Attrs:
+    """Span attributes that many spans share (model, version, replica, ...). Where spans are
+    encoded to OTLP as they end, these are encoded once (``encoded``, filled in by the encoder)
+    instead of once per span; a span's own ``attributes`` hold only what varies per span."""
+
+    __slots__ = ("items", "encoded")
+
+    def __init__(self, items: Mapping[str, Any]):
+        self.items = dict(items)
+        self.encoded: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"Attrs({self.items!r})"
+
+
 class Span:
     """One span. ``start``/``end`` times are epoch nanoseconds; links hold member spans'
     (trace id, span id). Ends once: ``end()`` hands it to ``on_end`` (the export queue)."""
 
     __slots__ = ("name", "trace_id", "span_id", "flags", "trace_state", "parent_id", "parent_remote", "_kind",
                  "start_time", "end_time", "attributes", "_links", "status_code", "status_description",
-                 "_scope", "_on_end", "encoded")
+                 "_scope", "_on_end", "encoded", "fixed")
 
     def __init__(self, name: str, trace_id: int, span_id: int, parent_id: int, parent_remote: bool, kind: int,
                  start_time: int, attributes: dict[str, Any] | None, scope: Scope,
                  on_end: Callable[[Span], None] | None, flags: int = 1, trace_state: str = "",
-                 links: list[tuple[int, int]] | None = None):
+                 links: list[tuple[int, int]] | None = None, fixed: Attrs | None = None):
         self.name = name
         self.trace_id = trace_id
         self.span_id = span_id
@@ -69,6 +84,7 @@ class Span:
         self._scope = scope
         self._on_end = on_end
         self.encoded: bytes | None = None
+        self.fixed = fixed  # shared attributes, encoded before the span's own (see Attrs)
 
     # ---- what meshserve calls ----------------------------------------------------------
     def set_attribute(self, key: str, value: Any) -> None:
@@ -159,8 +175,9 @@ class Span:
         """The SDK's ReadableSpan with the same content (console output)."""
         from opentelemetry.sdk.trace import ReadableSpan
 
+        attributes = {**self.fixed.items, **self.attributes} if self.fixed is not None else self.attributes
         return ReadableSpan(name=self.name, context=self.context, parent=self.parent, resource=self.resource,
-                            attributes=self.attributes, events=(), links=self.links, kind=self.kind,
+                            attributes=attributes, events=(), links=self.links, kind=self.kind,
                             status=self.status, start_time=self.start_time, end_time=self.end_time,
                             instrumentation_scope=self.instrumentation_scope)
 

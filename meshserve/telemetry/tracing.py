@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
-from meshserve.telemetry.spans import INTERNAL, SERVER, ExportQueue, Sampler, Scope, Span, new_id
+from meshserve.telemetry.spans import INTERNAL, SERVER, Attrs, ExportQueue, Sampler, Scope, Span, new_id
 
 if TYPE_CHECKING:
     from meshserve.telemetry.otlp_loop import LoopExportQueue
@@ -46,10 +47,15 @@ enabled = False  # read on the hot path: `if tracing.enabled:`
 role = "service"  # "gateway" | "service": prefixes span names
 _sampler: Sampler | None = None
 _queue: ExportQueue | LoopExportQueue | None = None
+_encoded = False  # spans are encoded by meshserve as they end: shared Attrs stay apart from a span's own
 _scope: Scope | None = None
 _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
 # a gateway-merged request with several traced members: one server span per member
 _members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("meshserve_member_spans", default=())
+
+# Spans recorded after the fact from a batch's timestamps wait this long, so that the batch's
+# responses are written first (the span export encodes ended spans after the same delay).
+DEFER_S = 0.002
 
 _PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entry, length-delimited)
 
@@ -81,7 +87,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     OTEL_RESOURCE_ATTRIBUTES names the service. ``exporters`` replaces the ones the
     environment names (tests). Returns whether tracing is on.
     """
-    global enabled, role, _sampler, _queue, _scope
+    global enabled, role, _sampler, _queue, _scope, _encoded
     role = process_role
     if not exporter_configured(env):
         enabled = False
@@ -113,6 +119,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
         fast = bool(chosen) and all(getattr(e, "meshserve_encoded", False) for e in chosen)
         _queue = ExportQueue(chosen, env, encode=encode_span if fast else None)
         described = [type(e).__name__ for e in chosen]
+    _encoded = _queue.encode is not None
     _scope = Scope(resource, InstrumentationScope("meshserve"))
     _sampler = Sampler.from_env(env)
     enabled = True
@@ -212,28 +219,45 @@ def parent_context(traceparent: str | None, tracestate: str | None = None) -> Re
     return Remote(parsed[0], parsed[1], parsed[2], _clean_state(tracestate))
 
 
-def start_server_span(name: str, parent: Remote | None) -> Span | None:
+def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = None) -> Span | None:
     """A sampled SERVER span, or None when the sampler drops the request (~1 µs)."""
     assert _sampler is not None and _scope is not None and _queue is not None, "tracing.configure() not run"
     if parent is None:
         tid = new_id(128)
         if not _sampler.sample(tid, None):
             return None
-        return Span(name, tid, new_id(64), 0, False, SERVER, time.time_ns(), None, _scope, _queue.on_end)
-    if not _sampler.sample(parent.trace_id, parent.flags):
-        return None
-    return Span(name, parent.trace_id, new_id(64), parent.span_id, True, SERVER, time.time_ns(), None, _scope,
-                _queue.on_end, flags=(parent.flags & 0xFF) | 1, trace_state=parent.state)
+        parent_id, remote, flags, state = 0, False, 1, ""
+    else:
+        if not _sampler.sample(parent.trace_id, parent.flags):
+            return None
+        tid, parent_id, remote, flags, state = parent.trace_id, parent.span_id, True, (parent.flags & 0xFF) | 1, \
+            parent.state
+    attributes = None
+    if fixed is not None and not _encoded:
+        attributes, fixed = dict(fixed.items), None
+    return Span(name, tid, new_id(64), parent_id, remote, SERVER, time.time_ns(), attributes, _scope, _queue.on_end,
+                flags=flags, trace_state=state, fixed=fixed)
+
+
+@functools.lru_cache(maxsize=1024)
+def fixed_attributes(*pairs: tuple[str, Any]) -> Attrs:
+    """The shared attribute set of ``(key, value)`` pairs (one object per distinct set, so its
+    OTLP encoding is made once); pass it as ``fixed`` to the span functions."""
+    return Attrs(dict(pairs))
 
 
 def start_span(name: str, parent: Span, kind: int = INTERNAL, attributes: dict[str, Any] | None = None,
-               start_ns: int | None = None, links: Sequence[Span] = ()) -> Span:
-    """A child of ``parent`` (a sampled span of this process)."""
+               start_ns: int | None = None, links: Sequence[Span] = (), fixed: Attrs | None = None) -> Span:
+    """A child of ``parent`` (a sampled span of this process); its attributes are ``fixed``'s
+    and then ``attributes`` (the two must not share keys)."""
     assert _queue is not None
+    if fixed is not None and not _encoded:  # SDK exporters read one attribute dict
+        attributes = {**fixed.items, **attributes} if attributes else dict(fixed.items)
+        fixed = None
     return Span(name, parent.trace_id, new_id(64), parent.span_id, False, kind,
                 time.time_ns() if start_ns is None else start_ns, attributes, parent._scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
-                links=[(s.trace_id, s.span_id) for s in links] if links else None)
+                links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)
 
 
 def activate(span: Span) -> contextvars.Token[Span | None]:
@@ -341,9 +365,9 @@ def set_error(span: Span, exc: BaseException) -> None:
 
 
 def emit_span(name: str, parent: Span, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
-              links: Sequence[Span] = (), error: str | None = None) -> Span:
+              links: Sequence[Span] = (), error: str | None = None, fixed: Attrs | None = None) -> Span:
     """A span recorded after the fact (explicit epoch-ns times) under ``parent``."""
-    span = start_span(name, parent, INTERNAL, attributes, start_ns, links)
+    span = start_span(name, parent, INTERNAL, attributes, start_ns, links, fixed)
     if error is not None:
         span.set_error(error)
     span.end(end_ns)

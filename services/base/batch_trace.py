@@ -24,21 +24,23 @@ def record(model: str, version: str, instance: int, batch: Sequence[QueuedReques
     if not members:
         return
     off = tracing.epoch_offset_ns()
-    base = {"meshserve.model": model, "meshserve.model_version": version}
+    base = tracing.fixed_attributes(("meshserve.model", model), ("meshserve.model_version", version))
+    queued_at = start_ns + off
     for q, span in members:
-        tracing.emit_span("service.queue", span, q.arrival_ns + off, start_ns + off, base)
+        tracing.emit_span("service.queue", span, q.arrival_ns + off, queued_at, fixed=base)
     failures = [out for _, out, _ in results if isinstance(out, BaseException)]
     error = f"{type(failures[0]).__name__}: {failures[0]}" if failures else None
     batch_span = tracing.emit_span(
         "service.batch", members[0][1], start_ns + off, end_ns + off,
-        {**base, "meshserve.batch.size": sum(q.rows for q in batch),
+        {"meshserve.batch.size": sum(q.rows for q in batch),
          "meshserve.batch.requests": sum(getattr(q.payload, "requests", 1) for q in batch),  # client requests
          "meshserve.instance": instance},
-        links=[span for _, span in members], error=error)
+        links=[span for _, span in members], error=error, fixed=base)
     cursor = end_ns  # groups ran one after another; walk back from the end of the batch
     for group, out, (t_in, t_infer, t_out) in reversed(results):
         compute_end = cursor - t_out
         tracing.emit_span("service.compute", batch_span, compute_end - t_infer + off, compute_end + off,
-                          {**base, "meshserve.batch.size": sum(q.rows for q in group)},
-                          error=f"{type(out).__name__}: {out}" if isinstance(out, BaseException) else None)
+                          {"meshserve.batch.size": sum(q.rows for q in group)},
+                          error=f"{type(out).__name__}: {out}" if isinstance(out, BaseException) else None,
+                          fixed=base)
         cursor -= t_in + t_infer + t_out

@@ -328,9 +328,10 @@ class ModelVersion:
         # written (measured: ~1 ms of idle instance per mlp batch-64 request otherwise).
         self.batcher.release(batch)
         await asyncio.sleep(0)
-        if tracing.enabled:  # after the results below are on their way (call_soon runs behind them)
-            loop.call_soon(batch_trace.record, self.name, self.version_str, self._instances.index(instance), batch,
-                           results, start_ns, end_ns)
+        if tracing.enabled and any(getattr(q.payload, "spans", ()) for q in batch):
+            # after the results below are written: spans are not what clients wait for
+            loop.call_later(tracing.DEFER_S, batch_trace.record, self.name, self.version_str,
+                            self._instances.index(instance), batch, results, start_ns, end_ns)
         stats = self.stats
         for group, out, (t_in, t_infer, t_out) in results:
             if isinstance(out, BaseException):

@@ -265,8 +265,9 @@ class SequenceModelVersion(ModelVersion):
             traced = [([r.request for r in rows if r.request is not None],
                        res if isinstance(res, BaseException) else None, (0, 0, 0) if isinstance(res, BaseException)
                        else res[2]) for rows, res in results]
-            loop.call_soon(batch_trace.record, self.name, self.version_str, batch.instance, batch.requests, traced,
-                           start_ns, end_ns)  # runs behind the results delivered below
+            # after the results delivered below are written: spans are not what clients wait for
+            loop.call_later(tracing.DEFER_S, batch_trace.record, self.name, self.version_str, batch.instance,
+                            batch.requests, traced, start_ns, end_ns)
         stats = self.stats
         for rows, res in results:
             real = [r for r in rows if r.request is not None]

@@ -51,3 +51,23 @@ def test_encoded_at_end_is_the_same_message() -> None:
 
 def test_empty_batch() -> None:
     assert encode_spans([]) == b"" == sdk_encode([]).SerializeToString()
+
+
+def test_shared_attributes_encode_as_if_they_were_the_spans_own() -> None:
+    """A span's ``fixed`` Attrs (encoded once, reused by every span that shares them) come out as
+    the same KeyValues the SDK writes for one dict holding both sets."""
+    ended: list[sp.Span] = []
+    scope = sp.Scope(Resource.create({"service.name": "t"}), InstrumentationScope("meshserve"))
+    shared = sp.Attrs({"meshserve.model": "add_sub", "meshserve.model_version": "", "n": 7})
+    now = time.time_ns()
+    for i, own in enumerate(({"meshserve.member": 1}, None, {"s": "x" * 200})):
+        sp.Span(f"s{i}", 0x1234, 0x10 + i, 0xABC, True, sp.CLIENT, now, own, scope, ended.append,
+                fixed=shared).end(now + 7)
+    merged = [sp.Span(s.name, s.trace_id, s.span_id, s.parent_id, s.parent_remote, s._kind, s.start_time,
+                      {**shared.items, **s.attributes}, scope, None) for s in ended]
+    for m, s in zip(merged, ended, strict=True):
+        m.end_time = s.end_time
+    ours = ExportTraceServiceRequest.FromString(encode_spans(ended))
+    assert shared.encoded is not None  # made for the first span, reused by the others
+    assert ours == sdk_encode(merged), f"ours:\n{ours}\nsdk:\n{sdk_encode(merged)}"
+    assert list(ours.resource_spans[0].scope_spans[0].spans[2].attributes)[-1].value.string_value == "x" * 200

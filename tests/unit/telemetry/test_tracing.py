@@ -92,13 +92,14 @@ def test_observe_server_span_from_header_and_error_status(spans: InMemorySpanExp
     req = pb.ModelInferRequest(model_name="m", model_version="1", id="abc")
     ctx = RequestContext("http", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
     _, returned = asyncio.run(observe.infer(_Core(), req, ctx))  # type: ignore[arg-type]
-    assert returned is not None and returned.split("-")[1] == TRACE
+    assert returned is not None and returned.traceparent().split("-")[1] == TRACE
     with pytest.raises(InferError):
         asyncio.run(observe.infer(_Core(fail=True), req, ctx))  # type: ignore[arg-type]
     assert tracing.force_flush(5)
     ok, failed = spans.get_finished_spans()
     assert ok.name == "gateway.request" and ok.parent is not None and f"{ok.parent.span_id:016x}" == PARENT
     assert ok.attributes is not None and ok.attributes["meshserve.request_id"] == "abc"
+    assert ok.attributes["meshserve.model"] == "m" and ok.attributes["rpc.system"] == "http"
     assert not ok.status.is_ok or ok.status.status_code.name == "UNSET"
     assert failed.status.status_code.name == "ERROR"
 
