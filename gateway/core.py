@@ -14,7 +14,8 @@ import grpc
 from gateway.auth import Admission
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.routes import RouteTable
-from gateway.routing.table import pick, pick_pinned, sequence_affinity
+from gateway.routing.table import SEQUENCE_ID, pick, pick_pinned, sequence_affinity
+from gateway.routing.turns import SequenceTurns
 from gateway.upstream import traced
 from gateway.upstream.coalesce import Coalescer, ModelShape, merge_key
 from gateway.upstream.discovery import Discovery
@@ -67,6 +68,7 @@ class GatewayCore:
         # Merged requests in flight per model and healthy replica (0 disables coalescing).
         self.coalesce_inflight = coalesce_inflight
         self.coalescer = Coalescer(self._send, self._max_inflight)
+        self.turns = SequenceTurns()
         self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
@@ -202,6 +204,13 @@ class GatewayCore:
         return self.coalesce_inflight * max(1, sum(1 for r in self.replicas if r.healthy))
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        params = request.parameters
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            # a sequence's requests reach the service in the order they arrived (routing/turns.py)
+            return await self.turns.run((request.model_name, sequence), lambda: self._infer_admitted(request, ctx))
+        return await self._infer_admitted(request, ctx)
+
+    async def _infer_admitted(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         if self.admission is None and self.routes is None and self.ensembles is None:
             return await self._infer(request, ctx)
         admitted = None

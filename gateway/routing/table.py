@@ -81,7 +81,7 @@ class Endpoint(Protocol):
 
 
 E = TypeVar("E", bound=Endpoint)
-_SEQUENCE_ID = "sequence_id"
+SEQUENCE_ID = "sequence_id"
 
 
 def sequence_affinity(parameters: Mapping[str, pb.InferParameter]) -> str | None:
@@ -90,7 +90,7 @@ def sequence_affinity(parameters: Mapping[str, pb.InferParameter]) -> str | None
     Integer ids arrive as int64 (tritonclient, perf_analyzer), uint64 (HTTP JSON above
     2**63) or, rarely, an integral double; all map to the same unsigned key. 0 / "" = no
     sequence."""
-    p = parameters.get(_SEQUENCE_ID)
+    p = parameters.get(SEQUENCE_ID)
     if p is None:
         return None
     which = p.WhichOneof("parameter_choice")

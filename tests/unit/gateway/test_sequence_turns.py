@@ -1,0 +1,118 @@
+"""A sequence's requests leave the gateway in the order they arrived, whatever they wait on
+inside it (tenant admission in Redis, a discovery refresh): gateway/routing/turns.py and its
+use in GatewayCore.infer."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gateway.core import GatewayCore
+from gateway.routing.turns import SequenceTurns
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.server.core import InferResult, RequestContext
+
+
+async def test_a_slow_first_request_is_not_overtaken() -> None:
+    turns = SequenceTurns()
+    order: list[str] = []
+
+    async def step(name: str, delay: float) -> str:
+        await asyncio.sleep(delay)
+        order.append(name)
+        return name
+
+    results = await asyncio.gather(turns.run("s", lambda: step("start", 0.05)), turns.run("s", lambda: step("mid", 0)),
+                                   turns.run("s", lambda: step("end", 0)))
+    assert results == ["start", "mid", "end"] and order == ["start", "mid", "end"]
+    assert len(turns) == 0  # nothing kept once the sequence's requests are done
+
+
+async def test_other_sequences_do_not_wait() -> None:
+    turns = SequenceTurns()
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def blocked() -> None:
+        await release.wait()
+        order.append("a1")
+
+    async def quick(name: str) -> None:
+        order.append(name)
+
+    first = asyncio.ensure_future(turns.run("a", blocked))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(turns.run("b", lambda: quick("b1")), 1)  # a's pending turn does not hold b
+    release.set()
+    await first
+    assert order == ["b1", "a1"]
+
+
+async def test_an_error_or_a_cancelled_waiter_keeps_the_order() -> None:
+    turns = SequenceTurns()
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def first() -> None:
+        await release.wait()
+        order.append("1")
+        raise RuntimeError("request 1 failed")
+
+    async def record(name: str) -> None:
+        order.append(name)
+
+    one = asyncio.ensure_future(turns.run("s", first))
+    await asyncio.sleep(0)
+    two = asyncio.ensure_future(turns.run("s", lambda: record("2")))  # its client goes away while it waits
+    three = asyncio.ensure_future(turns.run("s", lambda: record("3")))
+    await asyncio.sleep(0.01)
+    two.cancel()
+    await asyncio.sleep(0.01)
+    assert order == [] and not three.done()  # 3 still waits for 1, although 2 is gone
+    release.set()
+    with pytest.raises(RuntimeError):
+        await one
+    await three
+    assert order == ["1", "3"] and two.cancelled()
+    assert len(turns) == 0
+
+
+class _SlowFirstAdmission:
+    """Tenant admission whose first call takes longest (a slow Redis round trip)."""
+
+    def __init__(self) -> None:
+        self.delays = [0.05, 0.0, 0.02]
+
+    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Any:
+        await asyncio.sleep(self.delays.pop(0))
+        return None
+
+    async def release(self, admitted: Any) -> None:
+        return None
+
+
+def _request(sequence_id: int, flags: str) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="acc", id=flags)
+    req.parameters["sequence_id"].int64_param = sequence_id
+    return req
+
+
+async def test_gateway_forwards_a_sequence_in_arrival_order_despite_admission_delays() -> None:
+    core = GatewayCore(["127.0.0.1:1"], admission=_SlowFirstAdmission())  # type: ignore[arg-type]
+    sent: list[str] = []
+
+    async def dispatch(request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        sent.append(request.id)
+        return InferResult(message=pb.ModelInferResponse(id=request.id))
+
+    core._dispatch = dispatch  # type: ignore[method-assign]  # the upstream half is not under test here
+    ctx = RequestContext("grpc", {})
+    out = await asyncio.gather(*(core.infer(_request(7, flags), ctx) for flags in ("start", "mid", "end")))
+    assert sent == ["start", "mid", "end"]
+    assert [r.message().id for r in out] == ["start", "mid", "end"]
+    # without a sequence id nothing is held: the fast admission overtakes the slow one
+    core.admission = _SlowFirstAdmission()  # type: ignore[assignment]
+    sent.clear()
+    await asyncio.gather(*(core.infer(pb.ModelInferRequest(model_name="acc", id=i), ctx) for i in ("a", "b", "c")))
+    assert sent == ["b", "c", "a"]
