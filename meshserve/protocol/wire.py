@@ -18,6 +18,8 @@ _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entri
 def varint(n: int) -> bytes:
     if n < 0x80:  # the common case: one byte
         return bytes((n,))
+    if n < 0x4000:  # two bytes: lengths of spans, small messages
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while True:
         b = n & 0x7F

@@ -64,6 +64,8 @@ def _attributes(tag: int, attrs: Mapping[str, Any] | None) -> bytes:
             vb = v.encode()
             n = len(vb)
             value = (b"\x0a" + _LEN[n] + vb) if n < 128 else _ld(1, vb)  # AnyValue.string_value
+        elif v.__class__ is int and 0 <= v < 128:  # batch sizes, indexes: AnyValue.int_value
+            value = b"\x18" + _LEN[v]
         else:
             value = _any_value(v)
         n = len(value)
@@ -102,7 +104,7 @@ def encode_span(span: Span) -> bytes:
         out.append(blob)
     if span.attributes:
         out.append(_attributes(9, span.attributes))
-    for trace_id, span_id in span.link_ids:
+    for trace_id, span_id in span._links:
         out.append(b"\x6a\x21\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
                    + b"\x35" + _LOCAL_FLAGS)  # field 13: 2+16 + 2+8 + 1+4 = 33 bytes
     if span.status_code or span.status_description:
@@ -141,14 +143,21 @@ def encode_spans(spans: Iterable[Span]) -> bytes:
 def encode_encoded(items: Iterable[tuple[Scope, bytes]]) -> bytes:
     """The same request from spans already encoded (``encode_span``), each with its Scope."""
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
+    last: Scope | None = None
+    bucket: list[bytes] = []
     for where, encoded in items:
-        resource, scope = where.resource, where.instrumentation_scope
-        groups.setdefault(id(resource), (resource, {}))[1].setdefault(id(scope), (scope, []))[1].append(encoded)
+        if where is not last:  # a process's spans nearly all share one Scope: look it up once per run
+            resource, scope = where.resource, where.instrumentation_scope
+            bucket = groups.setdefault(id(resource), (resource, {}))[1].setdefault(id(scope), (scope, []))[1]
+            last = where
+        bucket.append(b"\x12")  # ScopeSpans.spans (field 2), then its length and the span
+        bucket.append(varint(len(encoded)))
+        bucket.append(encoded)
     out = []
     for resource, scopes in groups.values():
         rs = _ld(1, _attributes(1, resource.attributes))
         for scope, encoded_spans in scopes.values():
-            ss = _ld(1, _scope(scope)) + b"".join(_ld(2, e) for e in encoded_spans)
+            ss = _ld(1, _scope(scope)) + b"".join(encoded_spans)
             if scope is not None and scope.schema_url:
                 ss += _ld(3, scope.schema_url.encode())
             rs += _ld(2, ss)

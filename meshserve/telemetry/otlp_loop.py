@@ -124,10 +124,15 @@ class LoopExportQueue:
         """Queue an ended span. It is encoded ``ENCODE_DELAY_S`` later, with the others that
         ended meanwhile: not while the request that ended it still has its response to write
         (and, in a merged request, the other members theirs)."""
-        if self._stopped or len(self._spans) + len(self._ended) >= self.max_queue:
+        ended = self._ended
+        if self._stopped or len(self._spans) + len(ended) >= self.max_queue:
             self.dropped += 1
             return
         loop = self._loop
+        if loop is not None and self._encode_pending and threading.get_ident() == self._loop_thread \
+                and not loop.is_closed():
+            ended.append(span)  # the usual case: an encode is already scheduled on this loop
+            return
         if loop is None or loop.is_closed():
             try:
                 loop = self._loop = asyncio.get_running_loop()
@@ -135,6 +140,7 @@ class LoopExportQueue:
                 self._spans.append((span._scope, self.encode(span)))
                 return
             self._loop_thread = threading.get_ident()
+            self._encode_pending = False  # a closed loop's timer never fires: schedule on this one
         if threading.get_ident() != self._loop_thread:
             loop.call_soon_threadsafe(self._queue_ended, span)
         else:

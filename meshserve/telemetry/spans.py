@@ -100,7 +100,9 @@ class Span:
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is not None:
             return
-        self.end_time = max(time.time_ns() if end_time is None else end_time, self.start_time)
+        if end_time is None:
+            end_time = time.time_ns()
+        self.end_time = end_time if end_time > self.start_time else self.start_time
         if self._on_end is not None:
             self._on_end(self)
 

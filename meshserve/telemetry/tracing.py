@@ -25,6 +25,7 @@ import contextvars
 import functools
 import logging
 import os
+import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -57,6 +58,7 @@ _members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("mes
 # responses are written first (the span export encodes ended spans after the same delay).
 DEFER_S = 0.002
 
+_getrandbits = random.getrandbits  # span ids: 64 random bits, never 0
 _PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entry, length-delimited)
 
 
@@ -254,7 +256,7 @@ def start_span(name: str, parent: Span, kind: int = INTERNAL, attributes: dict[s
     if fixed is not None and not _encoded:  # SDK exporters read one attribute dict
         attributes = {**fixed.items, **attributes} if attributes else dict(fixed.items)
         fixed = None
-    return Span(name, parent.trace_id, new_id(64), parent.span_id, False, kind,
+    return Span(name, parent.trace_id, _getrandbits(64) or 1, parent.span_id, False, kind,
                 time.time_ns() if start_ns is None else start_ns, attributes, parent._scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
                 links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)

@@ -168,6 +168,25 @@ def test_a_span_ended_off_the_loop_thread_is_still_sent(receiver: tuple[_Receive
     asyncio.run(main())
 
 
+def test_spans_ended_on_a_later_loop_are_sent_from_it(receiver: tuple[_Receiver, int]) -> None:
+    """A process may run more than one event loop in turn (tests, a CLI): spans that end on the
+    second loop, while an encode was still due on the first (now closed), go out from the second."""
+    servicer, port = receiver
+    queue = _queue(port, OTEL_BSP_SCHEDULE_DELAY="20")
+
+    async def first() -> None:
+        _end(queue, 1)  # schedules an encode on this loop, which closes before it is due
+
+    async def second() -> None:
+        _end(queue, 2)
+        _end(queue, 3)
+        await _until(lambda: len(servicer.names()) == 3)
+
+    asyncio.run(first())
+    asyncio.run(second())
+    assert queue.dropped == 0
+
+
 class socket_bound:  # noqa: N801 - a context manager named for what it holds
     """A bound, not listening, TCP port: connections to it are refused."""
 
