@@ -39,8 +39,9 @@ async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: 
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
-        span = _route_and_upstream(parent, started, time.time_ns(), name, version, replica.endpoint, None)
-        started = time.time_ns()
+        decided = time.time_ns()
+        span = _route_and_upstream(parent, started, decided, name, version, replica.endpoint, None)
+        started = decided  # a retry's route span starts where this attempt's decision ended
         return await _forward_under([span], forward, replica, tracing.inject_parameters(body, span))
 
     return await call(name, version, attempt)
@@ -78,7 +79,7 @@ def _route_and_upstream(parent: Span, started_ns: int, decided_ns: int, name: st
     decided = {key: v for key in _ROUTE_KEYS if (v := attrs.get(key)) is not None} if attrs else None
     route, upstream = _fixed(name, version, endpoint)
     tracing.emit_span("gateway.route", parent, started_ns, decided_ns, decided, fixed=route)
-    return tracing.start_span("gateway.upstream", parent, CLIENT, upstream_only, fixed=upstream)
+    return tracing.start_span("gateway.upstream", parent, CLIENT, upstream_only, decided_ns, fixed=upstream)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -80,6 +80,7 @@ _PARENT = struct.Struct(">HQ")  # parent_span_id (field 4)
 _TIMES = struct.Struct("<BQBQ")  # start/end_time_unix_nano (fields 7, 8: fixed64)
 _KINDS = [b"\x30" + bytes((k + 1,)) for k in range(5)]  # field 6; proto SpanKind = SDK SpanKind + 1
 _M64 = (1 << 64) - 1
+_LINK = struct.Struct(">IQQHQB4s")  # a whole Link entry; its flags (fixed32, little-endian) as 4 bytes
 
 
 def encode_span(span: Span) -> bytes:
@@ -104,9 +105,8 @@ def encode_span(span: Span) -> bytes:
         out.append(blob)
     if span.attributes:
         out.append(_attributes(9, span.attributes))
-    for trace_id, span_id in span._links:
-        out.append(b"\x6a\x21\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
-                   + b"\x35" + _LOCAL_FLAGS)  # field 13: 2+16 + 2+8 + 1+4 = 33 bytes
+    for trace_id, span_id in span._links:  # field 13, 33 bytes: trace_id, span_id, flags
+        out.append(_LINK.pack(0x6A210A10, trace_id >> 64, trace_id & _M64, 0x1208, span_id, 0x35, _LOCAL_FLAGS))
     if span.status_code or span.status_description:
         st = _ld(2, span.status_description.encode()) if span.status_description else b""
         if span.status_code:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -188,13 +187,6 @@ class Span:
 
     def __repr__(self) -> str:
         return f"Span({self.name!r}, trace={self.trace_id:032x}, span={self.span_id:016x})"
-
-
-def new_id(bits: int) -> int:
-    while True:
-        value = random.getrandbits(bits)
-        if value:
-            return value
 
 
 class Sampler:

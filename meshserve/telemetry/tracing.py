@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
-from meshserve.telemetry.spans import INTERNAL, SERVER, Attrs, ExportQueue, Sampler, Scope, Span, new_id
+from meshserve.telemetry.spans import INTERNAL, SERVER, Attrs, ExportQueue, Sampler, Scope, Span
 
 if TYPE_CHECKING:
     from meshserve.telemetry.otlp_loop import LoopExportQueue
@@ -58,7 +58,7 @@ _members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("mes
 # responses are written first (the span export encodes ended spans after the same delay).
 DEFER_S = 0.002
 
-_getrandbits = random.getrandbits  # span ids: 64 random bits, never 0
+_getrandbits = random.getrandbits  # trace and span ids: random bits, never 0
 _PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entry, length-delimited)
 
 
@@ -225,7 +225,7 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
     """A sampled SERVER span, or None when the sampler drops the request (~1 µs)."""
     assert _sampler is not None and _scope is not None and _queue is not None, "tracing.configure() not run"
     if parent is None:
-        tid = new_id(128)
+        tid = _getrandbits(128) or 1
         if not _sampler.sample(tid, None):
             return None
         parent_id, remote, flags, state = 0, False, 1, ""
@@ -237,7 +237,8 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
     attributes = None
     if fixed is not None and not _encoded:
         attributes, fixed = dict(fixed.items), None
-    return Span(name, tid, new_id(64), parent_id, remote, SERVER, time.time_ns(), attributes, _scope, _queue.on_end,
+    return Span(name, tid, _getrandbits(64) or 1, parent_id, remote, SERVER, time.time_ns(), attributes, _scope,
+                _queue.on_end,
                 flags=flags, trace_state=state, fixed=fixed)
 
 
