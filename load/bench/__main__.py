@@ -263,7 +263,7 @@ class Suite:
         traced = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink.port}",
                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
                   "OTEL_TRACES_SAMPLER_ARG": "0.1"}
-        generations = 2 if self.a.quick else 5
+        generations = 2 if self.a.quick else 8
         pairs_n = 2 * generations
         rows = []
         try:
