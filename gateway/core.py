@@ -15,7 +15,7 @@ from gateway.auth import Admission
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.routes import RouteTable
 from gateway.routing.table import SEQUENCE_ID, pick, pick_pinned, sequence_affinity
-from gateway.routing.turns import SequenceTurns
+from gateway.turns import SequenceTurns
 from gateway.upstream import traced
 from gateway.upstream.coalesce import Coalescer, ModelShape, merge_key
 from gateway.upstream.discovery import Discovery
@@ -206,7 +206,7 @@ class GatewayCore:
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         params = request.parameters
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
-            # a sequence's requests reach the service in the order they arrived (routing/turns.py)
+            # a sequence's requests reach the service in the order they arrived (gateway/turns.py)
             return await self.turns.run((request.model_name, sequence), lambda: self._infer_admitted(request, ctx))
         return await self._infer_admitted(request, ctx)
 

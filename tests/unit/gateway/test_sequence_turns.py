@@ -1,5 +1,5 @@
 """A sequence's requests leave the gateway in the order they arrived, whatever they wait on
-inside it (tenant admission in Redis, a discovery refresh): gateway/routing/turns.py and its
+inside it (tenant admission in Redis, a discovery refresh): gateway/turns.py and its
 use in GatewayCore.infer."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.core import GatewayCore
-from gateway.routing.turns import SequenceTurns
+from gateway.turns import SequenceTurns
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server.core import InferResult, RequestContext
 
