@@ -160,8 +160,7 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
 
 @dataclass
 class _Group:
-    # (request, rows, future, timeout s, monotonic ns when it started waiting here)
-    # (request, rows, future, timeout, enqueued monotonic ns, the request's sampled span or None)
+    # (request, rows, future, timeout s, enqueued monotonic ns, the request's sampled span or None)
     pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int,
                          Span | None]] = field(default_factory=deque)
     inflight: int = 0

@@ -1,9 +1,9 @@
 """The traced variant of the gateway's upstream send (only for sampled requests).
 
 Spans: ``gateway.route`` (the route decision: A/B route and arm when there is one, model,
-version, replica; from the start of the send to the moment a replica is picked, per attempt) and ``gateway.upstream`` (CLIENT, one
-per attempt), whose context travels to the service as ``traceparent``/``tracestate``
-request parameters appended to the forwarded bytes.
+version, replica; from the start of the send to the moment a replica is picked, per attempt)
+and ``gateway.upstream`` (CLIENT, one per attempt), whose context travels to the service as
+``traceparent``/``tracestate`` request parameters appended to the forwarded bytes.
 
 A request the coalescer merged from several clients' requests gets these spans once per traced
 member, under that member's request span: ``gateway.route`` from the member's arrival in the
@@ -65,8 +65,8 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
             spans.append(span)
             lines[index] = tracing.member_line(span)
             starts[k] = now  # a retry's route span starts where this attempt's decision ended
-        return await _forward_under(spans, forward, replica, body + tracing.string_param_entry(
-            wire.TRACEPARENTS_PARAMETER, "\n".join(lines)))
+        return await _forward_under(spans, forward, replica, wire.with_string_parameter(
+            body, wire.TRACEPARENTS_PARAMETER, "\n".join(lines)))
 
     return await call(name, version, attempt)
 

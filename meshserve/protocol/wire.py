@@ -43,7 +43,16 @@ def with_request_id(raw_request: bytes, request_id: str) -> bytes:
 def with_int_parameter(raw_request: bytes, key: str, value: int) -> bytes:
     """A serialized ModelInferRequest with parameters[key].int64_param = value (appended map
     entry; for maps the last entry of a key wins)."""
-    param = b"\x10" + varint(value & 0xFFFFFFFFFFFFFFFF)  # InferParameter.int64_param = 2 (varint)
+    return _with_parameter(raw_request, key, b"\x10" + varint(value & 0xFFFFFFFFFFFFFFFF))  # int64_param = 2
+
+
+def with_string_parameter(raw_request: bytes, key: str, value: str) -> bytes:
+    """The same with parameters[key].string_param = value."""
+    return _with_parameter(raw_request, key, length_delimited(b"\x1a", value.encode()))  # string_param = 3
+
+
+def _with_parameter(raw_request: bytes, key: str, param: bytes) -> bytes:
+    """``raw_request`` + a parameters map entry {key: InferParameter ``param`` (serialized)}."""
     entry = length_delimited(b"\x0a", key.encode()) + length_delimited(b"\x12", param)
     return raw_request + length_delimited(_REQUEST_PARAMETERS_TAG, entry)
 

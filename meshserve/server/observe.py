@@ -3,9 +3,9 @@
 The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
 (the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
-from several clients' requests gets one per traced member (``meshserve_traceparents``). Every error is logged once
-at WARNING with the request id and trace id (a stack trace only for internal errors) and
-is turned into an InferError, so the front ends do not log it again.
+from several clients' requests gets one per traced member (``meshserve_traceparents``). Every
+error is logged once at WARNING with the request id and trace id (a stack trace only for
+internal errors) and is turned into an InferError, so the front ends do not log it again.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 The SDK's own encoder (opentelemetry-exporter-otlp-proto-common) builds a protobuf object per
 span, attribute and link in Python: ~28 µs per span here, more than creating the span. This
-writes the same message straight to bytes (~3 µs per span, with name and key encodings
-cached); tests compare the result field by field with the SDK's encoder run on the same spans.
+writes the same message straight to bytes (~0.7 µs for a span whose attributes are all shared
+Attrs, encoded once; ~2.6 µs with five attributes of its own); tests compare the result field
+by field with the SDK's encoder run on the same spans.
 Used by the OTLP/gRPC exporter (tracing.py).
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 from meshserve.protocol.wire import varint
 from meshserve.telemetry.spans import Scope, Span
 
-_F64 = struct.Struct("<Q")
 _D = struct.Struct("<d")
 _F32 = struct.Struct("<I")
 HAS_IS_REMOTE = 0x100  # SpanFlags: the is_remote bit below is meaningful

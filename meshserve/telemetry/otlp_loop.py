@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshserve.telemetry.spans import Scope, Span, env_int
+from meshserve.telemetry.spans import DEFER_S, Scope, Span, env_int
 
 if TYPE_CHECKING:
     from meshserve.server.h2client import Channel
@@ -39,9 +39,6 @@ log = logging.getLogger("meshserve.tracing")
 EXPORT_PATH = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 RETRYABLE = frozenset({1, 4, 8, 10, 11, 14, 15})  # the OTLP spec's transient gRPC codes
 BACKOFF_S = (1.0, 2.0, 4.0)
-# Ended spans wait this long to be encoded, in one go: by then the responses of the requests
-# that ended them are written, and the loop is most likely waiting (on a batch's queue delay).
-ENCODE_DELAY_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,7 @@ class LoopExportQueue:
 
     # ---- on the loop ------------------------------------------------------------------------
     def on_end(self, span: Span) -> None:
-        """Queue an ended span. It is encoded ``ENCODE_DELAY_S`` later, with the others that
+        """Queue an ended span. It is encoded ``DEFER_S`` later, with the others that
         ended meanwhile: not while the request that ended it still has its response to write
         (and, in a merged request, the other members theirs)."""
         ended = self._ended
@@ -150,7 +147,7 @@ class LoopExportQueue:
         self._ended.append(span)
         if not self._encode_pending and self._loop is not None:
             self._encode_pending = True
-            self._loop.call_later(ENCODE_DELAY_S, self._encode_and_poke)
+            self._loop.call_later(DEFER_S, self._encode_and_poke)
 
     def _encode_ended(self) -> None:
         ended, self._ended = self._ended, []

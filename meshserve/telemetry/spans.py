@@ -24,6 +24,9 @@ from typing import Any
 
 log = logging.getLogger("meshserve.tracing")
 
+# Work that clients do not wait for waits this long: encoding ended spans (otlp_loop.py) and
+# recording a batch's spans from its timestamps (services), so the responses are written first.
+DEFER_S = 0.002
 INTERNAL, SERVER, CLIENT = 0, 1, 2  # the SDK's SpanKind values
 UNSET, OK, ERROR = 0, 1, 2  # StatusCode values
 _MASK64 = (1 << 64) - 1
@@ -149,10 +152,6 @@ class Span:
         from opentelemetry.trace import Link, SpanContext, TraceFlags
 
         return [Link(SpanContext(t, s, is_remote=False, trace_flags=TraceFlags(1))) for t, s in self._links]
-
-    @property
-    def link_ids(self) -> Sequence[tuple[int, int]]:
-        return self._links
 
     @property
     def events(self) -> Sequence[Any]:

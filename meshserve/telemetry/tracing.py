@@ -54,12 +54,7 @@ _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserv
 # a gateway-merged request with several traced members: one server span per member
 _members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("meshserve_member_spans", default=())
 
-# Spans recorded after the fact from a batch's timestamps wait this long, so that the batch's
-# responses are written first (the span export encodes ended spans after the same delay).
-DEFER_S = 0.002
-
 _getrandbits = random.getrandbits  # trace and span ids: random bits, never 0
-_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entry, length-delimited)
 
 
 class Remote(NamedTuple):
@@ -234,12 +229,17 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
             return None
         tid, parent_id, remote, flags, state = parent.trace_id, parent.span_id, True, (parent.flags & 0xFF) | 1, \
             parent.state
-    attributes = None
-    if fixed is not None and not _encoded:
-        attributes, fixed = dict(fixed.items), None
+    attributes, fixed = _unshared(None, fixed)
     return Span(name, tid, _getrandbits(64) or 1, parent_id, remote, SERVER, time.time_ns(), attributes, _scope,
-                _queue.on_end,
-                flags=flags, trace_state=state, fixed=fixed)
+                _queue.on_end, flags=flags, trace_state=state, fixed=fixed)
+
+
+def _unshared(attributes: dict[str, Any] | None, fixed: Attrs | None) -> tuple[dict[str, Any] | None, Attrs | None]:
+    """(attributes, fixed) as the span keeps them: apart where meshserve encodes the spans,
+    folded into one dict where SDK exporters read them."""
+    if fixed is None or _encoded:
+        return attributes, fixed
+    return ({**fixed.items, **attributes} if attributes else dict(fixed.items)), None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -254,9 +254,7 @@ def start_span(name: str, parent: Span, kind: int = INTERNAL, attributes: dict[s
     """A child of ``parent`` (a sampled span of this process); its attributes are ``fixed``'s
     and then ``attributes`` (the two must not share keys)."""
     assert _queue is not None
-    if fixed is not None and not _encoded:  # SDK exporters read one attribute dict
-        attributes = {**fixed.items, **attributes} if attributes else dict(fixed.items)
-        fixed = None
+    attributes, fixed = _unshared(attributes, fixed)
     return Span(name, parent.trace_id, _getrandbits(64) or 1, parent.span_id, False, kind,
                 time.time_ns() if start_ns is None else start_ns, attributes, parent._scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
@@ -324,18 +322,11 @@ def parse_member_lines(value: str, members: int) -> list[Remote | None]:
     return out
 
 
-def string_param_entry(key: str, value: str) -> bytes:
-    """A ModelInferRequest.parameters entry {key: string_param value}, to append to request bytes."""
-    param = wire.length_delimited(b"\x1a", value.encode())  # InferParameter.string_param = 3
-    entry = wire.length_delimited(b"\x0a", key.encode()) + wire.length_delimited(b"\x12", param)
-    return wire.length_delimited(_PARAMETERS_TAG, entry)
-
-
 def inject_parameters(raw_request: bytes, span: Span) -> bytes:
     """A serialized ModelInferRequest with traceparent/tracestate parameters appended (map: last wins)."""
-    out = raw_request + string_param_entry(TRACEPARENT, span.traceparent())
+    out = wire.with_string_parameter(raw_request, TRACEPARENT, span.traceparent())
     if span.trace_state:
-        out += string_param_entry(TRACESTATE, span.trace_state)
+        out = wire.with_string_parameter(out, TRACESTATE, span.trace_state)
     return out
 
 

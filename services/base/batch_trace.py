@@ -1,7 +1,8 @@
 """Spans for one executed batch, recorded after the fact from timestamps the batch already takes.
 
 Only called when tracing is on and at least one member request is sampled. Per sampled
-request (a gateway-merged request brings one span per traced client request): ``service.queue`` (arrival to batch start, child of the request span). Per batch:
+request (a gateway-merged request brings one span per traced client request):
+``service.queue`` (arrival to batch start, child of the request span). Per batch:
 ``service.batch`` (child of the first sampled member, *linked* to every sampled member's
 request span; attributes batch size in rows, request count, instance index). Per executed
 group: ``service.compute`` (the runtime's run call, child of the batch span).

@@ -22,6 +22,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
+from meshserve.telemetry.spans import DEFER_S
 from services.base import batch_trace
 from services.base.runtime import RuntimeInstance
 from services.base.scheduling.dynamic import DynamicBatcher
@@ -330,7 +331,7 @@ class ModelVersion:
         await asyncio.sleep(0)
         if tracing.enabled and any(getattr(q.payload, "spans", ()) for q in batch):
             # after the results below are written: spans are not what clients wait for
-            loop.call_later(tracing.DEFER_S, batch_trace.record, self.name, self.version_str,
+            loop.call_later(DEFER_S, batch_trace.record, self.name, self.version_str,
                             self._instances.index(instance), batch, results, start_ns, end_ns)
         stats = self.stats
         for group, out, (t_in, t_infer, t_out) in results:
