@@ -25,8 +25,9 @@ log = logging.getLogger("meshserve.request")
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
     """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
     span, whose traceparent a unary response echoes, or None)."""
-    if tracing.enabled:
-        return await _infer_traced(core, request, ctx)
+    if tracing.enabled and (spans := _sampled_spans(request, ctx)):
+        return await _infer_traced(core, request, ctx, spans)
+    # not sampled (most requests at a low ratio): exactly the path of tracing off
     if not log.isEnabledFor(logging.DEBUG):
         try:
             return await core.infer(request, ctx), None
@@ -41,30 +42,33 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     return result, None
 
 
-async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
-                        ) -> tuple[InferResult, Span | None]:
+def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Span] | None:
+    """The request's sampled SERVER span(s), or None: the sampler is asked first, so an
+    unsampled request costs a few lookups and (for a root) one random trace id."""
     params = request.parameters
-    merged = wire.TRACEPARENTS_PARAMETER in params
-    if merged:  # a gateway-merged request with traced members: one SERVER span per member
-        spans = _member_spans(request, ctx)
+    if wire.TRACEPARENTS_PARAMETER in params:  # a gateway-merged request with traced members
+        return _member_spans(request, ctx) or None
+    if tracing.TRACEPARENT in params:
+        tp: str | None = params[tracing.TRACEPARENT].string_param
+        ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
     else:
-        if tracing.TRACEPARENT in params:
-            tp: str | None = params[tracing.TRACEPARENT].string_param
-            ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
-        else:
-            headers = ctx.headers
-            tp = headers.get(tracing.TRACEPARENT)
-            if tp is None and headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
-                # the gateway did not sample this request: no root trace of our own
-                return await _infer_untraced(core, request, ctx)
-            ts = headers.get(tracing.TRACESTATE)
-        span = tracing.start_server_span(f"{tracing.role}.request", tracing.parent_context(tp, ts),
-                                         _fixed_attributes(request, ctx))
-        spans = [] if span is None else [span]
-        if span is not None and request.id:
-            span.attributes["meshserve.request_id"] = request.id
-    if not spans:
-        return await _infer_untraced(core, request, ctx)
+        headers = ctx.headers
+        tp = headers.get(tracing.TRACEPARENT)
+        if tp is None and headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
+            return None  # the gateway did not sample this request: no root trace of our own
+        ts = headers.get(tracing.TRACESTATE) if tp is not None else None
+    span = tracing.start_server_span(tracing.role + ".request", tracing.parent_context(tp, ts) if tp else None)
+    if span is None:
+        return None
+    tracing.share(span, _fixed_attributes(request, ctx))
+    if request.id:
+        span.attributes["meshserve.request_id"] = request.id
+    return [span]
+
+
+async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext, spans: list[Span]
+                        ) -> tuple[InferResult, Span | None]:
+    merged = wire.TRACEPARENTS_PARAMETER in request.parameters
     token = tracing.activate(spans[0])
     members = tracing.activate_members(spans) if merged else None
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
@@ -105,18 +109,6 @@ def _member_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Sp
             span.attributes.update({"meshserve.merged_requests": count, "meshserve.member": i})
             spans.append(span)
     return spans
-
-
-async def _infer_untraced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
-                          ) -> tuple[InferResult, Span | None]:
-    t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
-    try:
-        result = await core.infer(request, ctx)
-    except Exception as exc:
-        raise _log_error(request, ctx, exc, "", t0) from None
-    if t0:
-        _log_ok(request, ctx, "", t0)
-    return result, None
 
 
 def _log_ok(request: pb.ModelInferRequest, ctx: RequestContext, trace_id: str, t0: int) -> None:

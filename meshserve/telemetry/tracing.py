@@ -242,6 +242,15 @@ def _unshared(attributes: dict[str, Any] | None, fixed: Attrs | None) -> tuple[d
     return ({**fixed.items, **attributes} if attributes else dict(fixed.items)), None
 
 
+def share(span: Span, fixed: Attrs) -> None:
+    """Give a span (that has none yet) the shared attribute set ``fixed``, as ``start_span``'s
+    ``fixed`` does: for spans whose sampling is decided before their attributes are known."""
+    if _encoded:
+        span.fixed = fixed
+    else:
+        span.attributes = {**fixed.items, **span.attributes}
+
+
 @functools.lru_cache(maxsize=1024)
 def fixed_attributes(*pairs: tuple[str, Any]) -> Attrs:
     """The shared attribute set of ``(key, value)`` pairs (one object per distinct set, so its

@@ -113,6 +113,17 @@ def test_observe_skips_gateway_hop_requests_without_context(spans: InMemorySpanE
     assert spans.get_finished_spans() == ()
 
 
+def test_observe_unsampled_request_gets_no_span_and_its_errors_still_map(spans: InMemorySpanExporter) -> None:
+    req = pb.ModelInferRequest(model_name="m", id="abc")
+    ctx = RequestContext("grpc", {"traceparent": f"00-{TRACE}-{PARENT}-00"})  # the client did not sample it
+    assert asyncio.run(observe.infer(_Core(), req, ctx))[1] is None  # type: ignore[arg-type]
+    with pytest.raises(InferError) as caught:
+        asyncio.run(observe.infer(_Core(fail=True), req, ctx))  # type: ignore[arg-type]
+    assert caught.value.code.value == "INVALID_ARG" and "bad shape" in caught.value.message
+    assert tracing.force_flush(5)
+    assert spans.get_finished_spans() == ()
+
+
 def test_observe_off_returns_no_trace_header() -> None:
     assert tracing.enabled is False
     ctx = RequestContext("grpc", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
