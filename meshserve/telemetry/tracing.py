@@ -245,10 +245,8 @@ def _unshared(attributes: dict[str, Any] | None, fixed: Attrs | None) -> tuple[d
 def share(span: Span, fixed: Attrs) -> None:
     """Give a span (that has none yet) the shared attribute set ``fixed``, as ``start_span``'s
     ``fixed`` does: for spans whose sampling is decided before their attributes are known."""
-    if _encoded:
-        span.fixed = fixed
-    else:
-        span.attributes = {**fixed.items, **span.attributes}
+    attributes, span.fixed = _unshared(span.attributes, fixed)
+    span.attributes = attributes if attributes is not None else {}
 
 
 @functools.lru_cache(maxsize=1024)

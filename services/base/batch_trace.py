@@ -18,6 +18,11 @@ from services.base.scheduling.request import QueuedRequest
 Timing = tuple[int, int, int]  # (input, infer, output) ns
 
 
+def traced(batch: Sequence[QueuedRequest]) -> bool:
+    """Whether any request of ``batch`` is sampled (the batch then gets its spans)."""
+    return any(getattr(q.payload, "spans", ()) for q in batch)
+
+
 def record(model: str, version: str, instance: int, batch: Sequence[QueuedRequest],
            results: Sequence[tuple[Sequence[QueuedRequest], Any, Timing]], start_ns: int, end_ns: int) -> None:
     """``start_ns``/``end_ns``: monotonic ns around the batch; results: (group, bodies or exception, timing)."""

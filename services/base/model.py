@@ -329,7 +329,7 @@ class ModelVersion:
         # written (measured: ~1 ms of idle instance per mlp batch-64 request otherwise).
         self.batcher.release(batch)
         await asyncio.sleep(0)
-        if tracing.enabled and any(getattr(q.payload, "spans", ()) for q in batch):
+        if tracing.enabled and batch_trace.traced(batch):
             # after the results below are written: spans are not what clients wait for
             loop.call_later(DEFER_S, batch_trace.record, self.name, self.version_str,
                             self._instances.index(instance), batch, results, start_ns, end_ns)

@@ -262,7 +262,7 @@ class SequenceModelVersion(ModelVersion):
             except BaseException as exc:  # noqa: BLE001 - a failing group fails only its members
                 results.append((rows, exc))
         end_ns = time.monotonic_ns()
-        if tracing.enabled:
+        if tracing.enabled and batch_trace.traced(batch.requests):
             traced = [([r.request for r in rows if r.request is not None],
                        res if isinstance(res, BaseException) else None, (0, 0, 0) if isinstance(res, BaseException)
                        else res[2]) for rows, res in results]
