@@ -194,7 +194,7 @@ class GatewayCore:
         if members:
             return await traced.send_merged(functools.partial(self._call, affinity=affinity), request, body,
                                             lambda r, b: r.streams.infer(b, request.id, timeout, affinity), members)
-        if tracing.enabled and (span := tracing.current_span()) is not None:
+        if tracing.enabled and (span := tracing.current_var.get()) is not None:
             return await traced.send(functools.partial(self._call, affinity=affinity), request, body,
                                      lambda r, b: r.streams.infer(b, request.id, timeout, affinity), span)
         return await self._call(request.model_name, request.model_version,

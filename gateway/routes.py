@@ -45,7 +45,7 @@ class RouteTable:
                                      f"call it without one (got version {request.model_version})")
         choice = route.choose(ctx.headers, random.random(), random.random())
         target = choice.target
-        if tracing.enabled and (span := tracing.current_span()) is not None:
+        if tracing.enabled and (span := tracing.current_var.get()) is not None:
             # the route decision: gateway.route (gateway/upstream/traced.py) copies these
             span.attributes.update({"meshserve.route": route.name, "meshserve.arm": target.name})
         if choice.shadow is not None:

@@ -196,7 +196,7 @@ class Coalescer:
                 self._drain(key, group, max_batch)
         fut: asyncio.Future[pb.ModelInferResponse] = asyncio.get_running_loop().create_future()
         group.pending.append((request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
-                              tracing.current_span() if tracing.enabled else None))
+                              tracing.current_var.get() if tracing.enabled else None))
         self._drain(key, group, max_batch)
         return await fut
 

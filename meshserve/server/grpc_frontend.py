@@ -155,7 +155,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
             _fail(context, exc)
             return b""  # discarded: the status is not OK
 
-    async def model_stream_infer(requests: AsyncIterator[pb.ModelInferRequest],
+    async def model_stream_infer(requests: AsyncIterator[bytes],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         # Requests on one stream run concurrently; responses are written as they complete
         # (each carries its request id). Per-request errors travel in band, with their status
@@ -164,9 +164,11 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         pending: set[asyncio.Task[None]] = set()
         base = _context(context)
 
-        async def one(request: pb.ModelInferRequest) -> None:
+        failed: list[str] = []
+
+        async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
             try:
-                ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline)
+                ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
                 result, _ = await observe.infer(core, request, ctx)
                 out.put_nowait(wire.stream_response(result.serialized()))
             except Exception as exc:
@@ -182,8 +184,13 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
 
         async def reader() -> None:
             try:
-                async for request in requests:
-                    task = asyncio.ensure_future(one(request))
+                async for raw in requests:  # bytes: parsed here, so each request keeps its own (RequestContext.raw)
+                    try:
+                        request = pb.ModelInferRequest.FromString(raw)
+                    except Exception as exc:  # what a failed deserializer reports on a unary call
+                        failed.append(f"Exception deserializing request: {exc}")
+                        break
+                    task = asyncio.ensure_future(one(request, raw))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 if pending:
@@ -198,6 +205,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if item is None:
                     break
                 yield item
+            if failed:
+                await context.abort(grpc.StatusCode.INTERNAL, failed[0])
         finally:
             read_task.cancel()
             for t in list(pending):
@@ -215,8 +224,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         "RepositoryModelLoad": _unary(model_load, pb.RepositoryModelLoadRequest),
         "RepositoryModelUnload": _unary(model_unload, pb.RepositoryModelUnloadRequest),
         "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
-        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-            model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(model_stream_infer),
     }
     for name, req_type in (
         ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),

@@ -157,6 +157,9 @@ def _plain_decode(block: bytes) -> list[tuple[bytes, bytes]] | None:
     return out
 
 
+_TRACE_FIELD = b"traceparent"  # a header field whose value is new on every request or response
+
+
 def _literal(name: bytes, value: bytes) -> bytes:
     """HPACK literal header field without indexing, new name (RFC 7541 6.2.2): stateless."""
     return b"\x00" + _hpack_int(len(name)) + name + _hpack_int(len(value)) + value
@@ -648,7 +651,9 @@ class H2Endpoint(asyncio.Protocol):
         return parsed
 
     def _cache(self, block: bytes, parsed: tuple[Any, ...]) -> None:
-        if len(self.hcache) >= 256:  # mostly one-off blocks (a trace id each): start afresh
+        if _TRACE_FIELD in block:  # a trace id each (a sampled response's trailers): never repeats
+            return
+        if len(self.hcache) >= 256:  # other one-off blocks: start afresh
             self.hcache.clear()
         self.hcache[block] = parsed
 

@@ -25,8 +25,8 @@ log = logging.getLogger("meshserve.request")
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
     """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
     span, whose traceparent a unary response echoes, or None)."""
-    if tracing.enabled and (spans := _sampled_spans(request, ctx)):
-        return await _infer_traced(core, request, ctx, spans)
+    if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
+        return await _infer_traced(core, request, ctx, *sampled)
     # not sampled (most requests at a low ratio): exactly the path of tracing off
     if not log.isEnabledFor(logging.DEBUG):
         try:
@@ -42,33 +42,40 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     return result, None
 
 
-def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Span] | None:
-    """The request's sampled SERVER span(s), or None: the sampler is asked first, so an
-    unsampled request costs a few lookups and (for a root) one random trace id."""
+def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[list[Span], bool] | None:
+    """The request's sampled SERVER span(s) and whether it is a gateway-merged request, or None.
+    An unsampled request costs a few map and header lookups and (for a root) one random draw:
+    the sampler judges a root before anything else is built."""
     params = request.parameters
-    if wire.TRACEPARENTS_PARAMETER in params:  # a gateway-merged request with traced members
-        return _member_spans(request, ctx) or None
-    if tracing.TRACEPARENT in params:
-        tp: str | None = params[tracing.TRACEPARENT].string_param
-        ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
-    else:
-        headers = ctx.headers
-        tp = headers.get(tracing.TRACEPARENT)
-        if tp is None and headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
+    if params:  # a context in the parameters wins over one in the headers
+        if wire.TRACEPARENTS_PARAMETER in params:  # a gateway-merged request with traced members
+            return (spans, True) if (spans := _member_spans(request, ctx)) else None
+        if tracing.TRACEPARENT in params:
+            ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
+            return _server_span(request, ctx, tracing.parent_context(params[tracing.TRACEPARENT].string_param, ts))
+    headers = ctx.headers
+    tp = headers.get(tracing.TRACEPARENT)
+    if tp is None:
+        if headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
             return None  # the gateway did not sample this request: no root trace of our own
-        ts = headers.get(tracing.TRACESTATE) if tp is not None else None
-    span = tracing.start_server_span(tracing.role + ".request", tracing.parent_context(tp, ts) if tp else None)
+        low = tracing.random_bits(64)  # the sampler's verdict on a root, before any call
+        return None if low >= tracing.root_bound else _server_span(request, ctx, None, low)
+    return _server_span(request, ctx, tracing.parent_context(tp, headers.get(tracing.TRACESTATE)))
+
+
+def _server_span(request: pb.ModelInferRequest, ctx: RequestContext, parent: tracing.Remote | None,
+                 low: int | None = None) -> tuple[list[Span], bool] | None:
+    span = tracing.start_server_span(tracing.request_span_name, parent, low=low)
     if span is None:
         return None
     tracing.share(span, _fixed_attributes(request, ctx))
     if request.id:
         span.attributes["meshserve.request_id"] = request.id
-    return [span]
+    return [span], False
 
 
-async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext, spans: list[Span]
-                        ) -> tuple[InferResult, Span | None]:
-    merged = wire.TRACEPARENTS_PARAMETER in request.parameters
+async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext, spans: list[Span],
+                        merged: bool) -> tuple[InferResult, Span | None]:
     token = tracing.activate(spans[0])
     members = tracing.activate_members(spans) if merged else None
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
@@ -101,7 +108,7 @@ def _member_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Sp
     params = request.parameters
     count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
     parents = tracing.parse_member_lines(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count))
-    name = f"{tracing.role}.request"
+    name = tracing.request_span_name
     fixed = _fixed_attributes(request, ctx)
     spans = []
     for i, parent in enumerate(parents):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from meshserve.protocol.wire import varint
-from meshserve.telemetry.spans import Scope, Span
+from meshserve.telemetry.spans import Attrs, Record, Scope, Span
 
 _D = struct.Struct("<d")
 _F32 = struct.Struct("<I")
@@ -85,36 +85,50 @@ _LINK = struct.Struct(">IQQHQB4s")  # a whole Link entry; its flags (fixed32, li
 
 def encode_span(span: Span) -> bytes:
     """One ``Span`` message (the body of ScopeSpans.spans) for a meshserve span."""
-    tid = span.trace_id
-    head = _IDS.pack(0x0A10, tid >> 64, tid & _M64, 0x1208, span.span_id)
-    if span.trace_state:
-        head += _ld(3, span.trace_state.encode())
-    if span.parent_id:
-        head += _PARENT.pack(0x2208, span.parent_id)
-    name = _NAMES.get(span.name)
-    if name is None:
-        name = _ld(5, span.name.encode())
+    return encode_fields(span.trace_id, span.span_id, span.trace_state, span.parent_id, span.name, span._kind,
+                         span.start_time, span.end_time or span.start_time, span.fixed, span.attributes, span._links,
+                         span.status_code, span.status_description, span.parent_remote)
+
+
+def encode_record(record: Record) -> bytes:
+    """The ``Span`` message of a span recorded without a Span object (tracing.emit_span)."""
+    return encode_fields(*record[1])
+
+
+def encode_fields(tid: int, span_id: int, trace_state: str, parent_id: int, name: str, kind: int, start: int,
+                  end: int, fixed: Attrs | None, attributes: Mapping[str, Any] | None,
+                  links: Sequence[tuple[int, int]] | None, status_code: int, status_description: str,
+                  parent_remote: bool) -> bytes:
+    """One ``Span`` message from its fields (``parent_id`` 0: a root; ``links``: (trace id, span id))."""
+    head = _IDS.pack(0x0A10, tid >> 64, tid & _M64, 0x1208, span_id)
+    if trace_state:
+        head += _ld(3, trace_state.encode())
+    if parent_id:
+        head += _PARENT.pack(0x2208, parent_id)
+    encoded_name = _NAMES.get(name)
+    if encoded_name is None:
+        encoded_name = _ld(5, name.encode())
         if len(_NAMES) < 1024:
-            _NAMES[span.name] = name
-    out = [head, name, _KINDS[span._kind], _TIMES.pack(0x39, span.start_time, 0x41, span.end_time or span.start_time)]
-    fixed = span.fixed
+            _NAMES[name] = encoded_name
+    out = [head, encoded_name, _KINDS[kind], _TIMES.pack(0x39, start, 0x41, end)]
     if fixed is not None:
         blob = fixed.encoded
         if blob is None:
             blob = fixed.encoded = _attributes(9, fixed.items)
         out.append(blob)
-    if span.attributes:
-        out.append(_attributes(9, span.attributes))
-    for trace_id, span_id in span._links:  # field 13, 33 bytes: trace_id, span_id, flags
-        out.append(_LINK.pack(0x6A210A10, trace_id >> 64, trace_id & _M64, 0x1208, span_id, 0x35, _LOCAL_FLAGS))
-    if span.status_code or span.status_description:
-        st = _ld(2, span.status_description.encode()) if span.status_description else b""
-        if span.status_code:
-            st += b"\x18" + varint(span.status_code)
+    if attributes:
+        out.append(_attributes(9, attributes))
+    if links:
+        for trace_id, linked in links:  # field 13, 33 bytes: trace_id, span_id, flags
+            out.append(_LINK.pack(0x6A210A10, trace_id >> 64, trace_id & _M64, 0x1208, linked, 0x35, _LOCAL_FLAGS))
+    if status_code or status_description:
+        st = _ld(2, status_description.encode()) if status_description else b""
+        if status_code:
+            st += b"\x18" + varint(status_code)
         out.append(_ld(15, st))
     else:
         out.append(b"\x7a\x00")  # field 15: an empty Status
-    out.append(_REMOTE_TAIL if span.parent_id and span.parent_remote else _LOCAL_TAIL)  # field 16: flags
+    out.append(_REMOTE_TAIL if parent_id and parent_remote else _LOCAL_TAIL)  # field 16: flags
     return b"".join(out)
 
 

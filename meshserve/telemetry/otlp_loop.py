@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshserve.telemetry.spans import DEFER_S, Scope, Span, env_int
+from meshserve.telemetry.spans import DEFER_S, Record, Scope, Span, env_int
 
 if TYPE_CHECKING:
     from meshserve.server.h2client import Channel
@@ -93,9 +93,11 @@ class LoopExportQueue:
     drops spans and counts them (never blocks or grows without bound)."""
 
     def __init__(self, target: Target, env: Mapping[str, str], encode: Callable[[Span], bytes],
-                 encode_batch: Callable[[Sequence[tuple[Scope, bytes]]], bytes]):
+                 encode_batch: Callable[[Sequence[tuple[Scope, bytes]]], bytes],
+                 encode_record: Callable[[Record], bytes]):
         self.target = target
         self.encode = encode
+        self.encode_record = encode_record
         self.encode_batch = encode_batch
         self.delay_s = env_int(env, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self.max_queue = env_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)
@@ -106,7 +108,7 @@ class LoopExportQueue:
         # only the encoded bytes wait for export: the span and its attribute dict are freed when it
         # ends (measured: holding 512 span objects per batch cost the request path cache misses)
         self._spans: list[tuple[Scope, bytes]] = []
-        self._ended: list[Span] = []  # ended, not yet encoded (see on_end)
+        self._ended: list[Span | Record] = []  # ended, not yet encoded (see on_end)
         self._encode_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -117,24 +119,25 @@ class LoopExportQueue:
         self._warned_at = 0.0
 
     # ---- on the loop ------------------------------------------------------------------------
-    def on_end(self, span: Span) -> None:
-        """Queue an ended span. It is encoded ``DEFER_S`` later, with the others that
-        ended meanwhile: not while the request that ended it still has its response to write
-        (and, in a merged request, the other members theirs)."""
+    def on_end(self, span: Span | Record) -> None:
+        """Queue an ended span (or a Record: a span recorded without a Span object). It is
+        encoded ``DEFER_S`` later, with the others that ended meanwhile: not while the request
+        that ended it still has its response to write (and, in a merged request, the other
+        members theirs)."""
         ended = self._ended
         if self._stopped or len(self._spans) + len(ended) >= self.max_queue:
             self.dropped += 1
             return
-        loop = self._loop
-        if loop is not None and self._encode_pending and threading.get_ident() == self._loop_thread \
-                and not loop.is_closed():
+        if self._encode_pending and threading.get_ident() == self._loop_thread \
+                and not self._loop.is_closed():  # type: ignore[union-attr]  # pending: the loop is set
             ended.append(span)  # the usual case: an encode is already scheduled on this loop
             return
+        loop = self._loop
         if loop is None or loop.is_closed():
             try:
                 loop = self._loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (yet): sent by a later flush, or at exit
-                self._spans.append((span._scope, self.encode(span)))
+                self._spans.append(self._encoded(span))
                 return
             self._loop_thread = threading.get_ident()
             self._encode_pending = False  # a closed loop's timer never fires: schedule on this one
@@ -143,7 +146,12 @@ class LoopExportQueue:
         else:
             self._queue_ended(span)
 
-    def _queue_ended(self, span: Span) -> None:
+    on_record = on_end
+
+    def _encoded(self, span: Span | Record) -> tuple[Scope, bytes]:
+        return (span._scope, self.encode(span)) if isinstance(span, Span) else (span[0], self.encode_record(span))
+
+    def _queue_ended(self, span: Span | Record) -> None:
         self._ended.append(span)
         if not self._encode_pending and self._loop is not None:
             self._encode_pending = True
@@ -152,8 +160,9 @@ class LoopExportQueue:
     def _encode_ended(self) -> None:
         ended, self._ended = self._ended, []
         self._encode_pending = False
-        encode = self.encode
-        self._spans += [(span._scope, encode(span)) for span in ended]
+        encode, encode_record = self.encode, self.encode_record
+        self._spans += [(span._scope, encode(span)) if isinstance(span, Span) else (span[0], encode_record(span))
+                        for span in ended]
 
     def _encode_and_poke(self) -> None:
         self._encode_ended()

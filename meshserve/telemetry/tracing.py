@@ -27,12 +27,24 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
-from meshserve.telemetry.spans import INTERNAL, SERVER, Attrs, ExportQueue, Sampler, Scope, Span
+from meshserve.telemetry.spans import (
+    ERROR,
+    INTERNAL,
+    SERVER,
+    UNSET,
+    Attrs,
+    ExportQueue,
+    Record,
+    Ref,
+    Sampler,
+    Scope,
+    Span,
+)
 
 if TYPE_CHECKING:
     from meshserve.telemetry.otlp_loop import LoopExportQueue
@@ -47,14 +59,20 @@ HOP_GATEWAY = "gateway"
 enabled = False  # read on the hot path: `if tracing.enabled:`
 role = "service"  # "gateway" | "service": prefixes span names
 _sampler: Sampler | None = None
+root_bound = 0  # _sampler.root_bound: a root is sampled when the low 64 bits of its trace id are below
+request_span_name = "service.request"  # role + ".request": every request's SERVER span
 _queue: ExportQueue | LoopExportQueue | None = None
 _encoded = False  # spans are encoded by meshserve as they end: shared Attrs stay apart from a span's own
+# where the event-loop OTLP queue exports, emit_span hands it a Record (no Span object) here
+_on_record: Callable[[Record], None] | None = None
 _scope: Scope | None = None
 _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
+current_var = _current  # hot paths that already checked `enabled`: `tracing.current_var.get()`
 # a gateway-merged request with several traced members: one server span per member
 _members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("meshserve_member_spans", default=())
 
 _getrandbits = random.getrandbits  # trace and span ids: random bits, never 0
+random_bits = _getrandbits
 
 
 class Remote(NamedTuple):
@@ -84,8 +102,9 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     OTEL_RESOURCE_ATTRIBUTES names the service. ``exporters`` replaces the ones the
     environment names (tests). Returns whether tracing is on.
     """
-    global enabled, role, _sampler, _queue, _scope, _encoded
+    global enabled, role, request_span_name, _sampler, root_bound, _queue, _scope, _encoded, _on_record
     role = process_role
+    request_span_name = f"{process_role}.request"
     if not exporter_configured(env):
         enabled = False
         return False
@@ -93,7 +112,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     from meshserve.telemetry import otlp_loop
-    from meshserve.telemetry.otlp_encode import encode_encoded, encode_span
+    from meshserve.telemetry.otlp_encode import encode_encoded, encode_record, encode_span
 
     attrs: dict[str, str] = {}
     if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
@@ -109,7 +128,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
             and env.get("MESHSERVE_OTLP_EXPORTER", "loop").strip().lower() != "sdk":
         target = otlp_loop.target_from_env(env)
     if target is not None:  # plaintext OTLP/gRPC: sent from the event loop, no exporter thread
-        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded)
+        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record)
         described = [f"otlp/grpc {target.endpoint} (event loop)"]
     else:
         chosen = list(exporters) if exporters is not None else _exporters(names, env)
@@ -117,8 +136,10 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
         _queue = ExportQueue(chosen, env, encode=encode_span if fast else None)
         described = [type(e).__name__ for e in chosen]
     _encoded = _queue.encode is not None
+    _on_record = _queue.on_record if isinstance(_queue, otlp_loop.LoopExportQueue) else None
     _scope = Scope(resource, InstrumentationScope("meshserve"))
     _sampler = Sampler.from_env(env)
+    root_bound = _sampler.root_bound
     enabled = True
     log.info("tracing on: service %s, exporters %s, sampler %s", resource.attributes.get("service.name"),
              described, _sampler.description())
@@ -183,6 +204,12 @@ def force_flush(timeout_s: float = 30.0) -> bool:
 # ---- context propagation ---------------------------------------------------------------
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) from a W3C traceparent, None if malformed."""
+    if len(value) == 55 and value[:3] == "00-" and value[35] == "-" and value[52] == "-":  # the usual form
+        try:
+            trace_id, span_id, flags = int(value[3:35], 16), int(value[36:52], 16), int(value[53:], 16)
+        except ValueError:
+            return None
+        return (trace_id, span_id, flags) if trace_id > 0 and span_id > 0 and flags >= 0 else None
     parts = value.strip().split("-")
     if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16:
         return None
@@ -216,13 +243,20 @@ def parent_context(traceparent: str | None, tracestate: str | None = None) -> Re
     return Remote(parsed[0], parsed[1], parsed[2], _clean_state(tracestate))
 
 
-def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = None) -> Span | None:
-    """A sampled SERVER span, or None when the sampler drops the request (~1 µs)."""
+def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = None, low: int | None = None
+                      ) -> Span | None:
+    """A sampled SERVER span, or None when the sampler drops the request. For a root, ``low``
+    may be the low 64 bits of its trace id, drawn (``random_bits(64)``) and judged against
+    ``root_bound`` by a caller that wanted to know before calling."""
     assert _sampler is not None and _scope is not None and _queue is not None, "tracing.configure() not run"
     if parent is None:
-        tid = _getrandbits(128) or 1
-        if not _sampler.sample(tid, None):
+        # a root: the sampler judges the low 64 bits of the trace id (TraceIdRatioBased), so
+        # they are drawn first and an unsampled request costs one draw and one comparison
+        if low is None:
+            low = _getrandbits(64)
+        if low >= root_bound:
             return None
+        tid = (_getrandbits(64) << 64 | low) or 1
         parent_id, remote, flags, state = 0, False, 1, ""
     else:
         if not _sampler.sample(parent.trace_id, parent.flags):
@@ -256,14 +290,14 @@ def fixed_attributes(*pairs: tuple[str, Any]) -> Attrs:
     return Attrs(dict(pairs))
 
 
-def start_span(name: str, parent: Span, kind: int = INTERNAL, attributes: dict[str, Any] | None = None,
-               start_ns: int | None = None, links: Sequence[Span] = (), fixed: Attrs | None = None) -> Span:
+def start_span(name: str, parent: Span | Ref, kind: int = INTERNAL, attributes: dict[str, Any] | None = None,
+               start_ns: int | None = None, links: Sequence[Span | Ref] = (), fixed: Attrs | None = None) -> Span:
     """A child of ``parent`` (a sampled span of this process); its attributes are ``fixed``'s
     and then ``attributes`` (the two must not share keys)."""
-    assert _queue is not None
+    assert _queue is not None and _scope is not None
     attributes, fixed = _unshared(attributes, fixed)
     return Span(name, parent.trace_id, _getrandbits(64) or 1, parent.span_id, False, kind,
-                time.time_ns() if start_ns is None else start_ns, attributes, parent._scope, _queue.on_end,
+                time.time_ns() if start_ns is None else start_ns, attributes, _scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
                 links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)
 
@@ -286,7 +320,7 @@ def traceparent(span: Span) -> str:
 
 
 def trace_id(span: Span | None) -> str:
-    return f"{span.trace_id:032x}" if span is not None else ""
+    return span.trace_id.to_bytes(16, "big").hex() if span is not None else ""
 
 
 def current_span() -> Span | None:
@@ -365,9 +399,19 @@ def set_error(span: Span, exc: BaseException) -> None:
         span.set_attribute("meshserve.error_code", getattr(code, "value", str(code)))
 
 
-def emit_span(name: str, parent: Span, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
-              links: Sequence[Span] = (), error: str | None = None, fixed: Attrs | None = None) -> Span:
-    """A span recorded after the fact (explicit epoch-ns times) under ``parent``."""
+def emit_span(name: str, parent: Span | Ref, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
+              links: Sequence[Span | Ref] = (), error: str | None = None, fixed: Attrs | None = None) -> Span | Ref:
+    """A span recorded after the fact (explicit epoch-ns times) under ``parent``. Where the
+    event-loop OTLP queue exports, it is queued as a Record and no Span object is made: the
+    returned Ref can parent further spans and be linked to."""
+    if _on_record is not None:
+        span_id = _getrandbits(64) or 1
+        assert _scope is not None
+        _on_record((_scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, INTERNAL,
+                                   start_ns, end_ns if end_ns > start_ns else start_ns, fixed, attributes,
+                                   [(s.trace_id, s.span_id) for s in links] if links else None,
+                                   ERROR if error is not None else UNSET, error or "", False)))
+        return Ref(parent.trace_id, span_id, parent.flags, parent.trace_state)
     span = start_span(name, parent, INTERNAL, attributes, start_ns, links, fixed)
     if error is not None:
         span.set_error(error)

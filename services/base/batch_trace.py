@@ -20,7 +20,10 @@ Timing = tuple[int, int, int]  # (input, infer, output) ns
 
 def traced(batch: Sequence[QueuedRequest]) -> bool:
     """Whether any request of ``batch`` is sampled (the batch then gets its spans)."""
-    return any(getattr(q.payload, "spans", ()) for q in batch)
+    for q in batch:  # a loop, not any(<generator>): this runs for every batch while tracing is on
+        if getattr(q.payload, "spans", None):
+            return True
+    return False
 
 
 def record(model: str, version: str, instance: int, batch: Sequence[QueuedRequest],

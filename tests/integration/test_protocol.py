@@ -281,6 +281,33 @@ def test_unknown_version(proto: str, target: dict[str, str]) -> None:
     assert "version 7" in err.value.message()
 
 
+def test_stream_answers_each_request_and_a_malformed_message_ends_the_stream_with_an_error(
+        target: dict[str, str]) -> None:
+    """ModelStreamInfer over a plain grpc channel: good requests answered in band; a message
+    that is not a ModelInferRequest ends the call with INTERNAL, as a unary call's does."""
+    import grpc
+
+    from meshserve._proto import grpc_service_pb2 as pb
+
+    good = pb.ModelInferRequest(model_name="add_sub", id="ok-1")
+    for name in ("INPUT0", "INPUT1"):
+        good.inputs.add(name=name, datatype="FP32", shape=[1, 16])
+        good.raw_input_contents.append(np.arange(16, dtype=np.float32).tobytes())
+    with grpc.insecure_channel(target["grpc"]) as channel:
+        call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                     request_serializer=None, response_deserializer=None)
+        answers = call(iter([good.SerializeToString()]), timeout=30)
+        first = pb.ModelStreamInferResponse.FromString(next(answers))
+        assert first.error_message == "" and first.infer_response.id == "ok-1"
+        out = np.frombuffer(first.infer_response.raw_output_contents[0], dtype=np.float32)
+        assert np.array_equal(out, 2 * np.arange(16, dtype=np.float32))
+        bad = call(iter([good.SerializeToString(), b"\xff\xff\xff"]), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            list(bad)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "deserializing" in (err.value.details() or "")
+
+
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
     try:

@@ -72,3 +72,17 @@ def test_a_connection_keeps_its_dynamic_table_in_step() -> None:
         return [endpoint._decode(b, list) for b in blocks]
 
     assert asyncio.run(decode_all()) == [list(e) for e in expected]
+
+
+def test_blocks_with_a_trace_id_are_not_cached() -> None:
+    """A sampled response's trailers carry a new trace id each time: caching them would only
+    push out the blocks that do repeat (and force a clear every 256 of them)."""
+    traced = TRAILERS_OK + _literal(b"traceparent", TRACEPARENT)
+
+    async def decode() -> dict[bytes, object]:
+        endpoint = H2Endpoint()
+        for block in (TRAILERS_OK, traced, RESPONSE_HEADERS):
+            assert endpoint._decode(block, tuple) == tuple(hpack.Decoder().decode(block, raw=True))
+        return endpoint.hcache
+
+    assert set(asyncio.run(decode())) == {TRAILERS_OK, RESPONSE_HEADERS}

@@ -16,7 +16,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from meshserve.telemetry import otlp_loop
 from meshserve.telemetry import spans as sp
-from meshserve.telemetry.otlp_encode import encode_encoded, encode_span
+from meshserve.telemetry.otlp_encode import encode_encoded, encode_record, encode_span
 
 
 @pytest.mark.parametrize(("env", "want"), [
@@ -77,7 +77,7 @@ SCOPE = sp.Scope(Resource.create({"service.name": "t"}), InstrumentationScope("m
 
 def _queue(port: int, **env: str) -> otlp_loop.LoopExportQueue:
     target = otlp_loop.Target(f"127.0.0.1:{port}", (("x-key", "k"),), 5.0)
-    return otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded)
+    return otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record)
 
 
 def _end(queue: otlp_loop.LoopExportQueue, i: int) -> None:

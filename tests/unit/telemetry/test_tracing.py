@@ -37,7 +37,8 @@ def test_off_by_default_leaves_the_sdk_alone() -> None:
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
-    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "_sampler", "_queue", "_scope")}
+    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "_sampler", "root_bound",
+                                              "_queue", "_scope", "_encoded", "_on_record")}
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
            "OTEL_TRACES_SAMPLER_ARG": "0.5", "OTEL_BSP_SCHEDULE_DELAY": "50"}
     exporter = InMemorySpanExporter()
@@ -129,3 +130,55 @@ def test_observe_off_returns_no_trace_header() -> None:
     ctx = RequestContext("grpc", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
     result, returned = asyncio.run(observe.infer(_Core(), pb.ModelInferRequest(), ctx))  # type: ignore[arg-type]
     assert returned is None
+
+
+def test_observe_prefers_the_parameter_context_to_the_header(spans: InMemorySpanExporter) -> None:
+    """A traceparent request parameter (the gateway -> service hop) wins over a header; without
+    one (or without any parameters) the header is the parent."""
+    other = "1" * 16
+    req = pb.ModelInferRequest(model_name="m", id="p")
+    req.parameters["traceparent"].string_param = f"00-{TRACE}-{PARENT}-01"
+    header = {"traceparent": f"00-{TRACE}-{other}-01"}
+    _, by_param = asyncio.run(observe.infer(_Core(), req, RequestContext("grpc", header, raw=req.SerializeToString())))  # type: ignore[arg-type]
+    plain = pb.ModelInferRequest(model_name="m", id="h")
+    _, by_header = asyncio.run(observe.infer(_Core(), plain, RequestContext("grpc", header, raw=plain.SerializeToString())))  # type: ignore[arg-type]
+    assert by_param is not None and by_param.parent_id == int(PARENT, 16)
+    assert by_header is not None and by_header.parent_id == int(other, 16)
+
+
+def test_emitted_spans_are_records_that_encode_like_spans() -> None:
+    """Where the event-loop OTLP queue exports, emit_span queues a Record (no Span object); its
+    bytes are those of the same span made the Span way, and the Ref it returns parents and links."""
+    from meshserve.telemetry.otlp_encode import encode_span
+    from meshserve.telemetry.spans import ERROR, INTERNAL, Span
+
+    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "_sampler", "root_bound",
+                                              "_queue", "_scope", "_encoded", "_on_record")}
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "always_on"}
+    assert tracing.configure("meshserve-test", "service", env=env)
+    queue = tracing._queue
+    try:
+        assert tracing._on_record is not None
+        parent = tracing.start_server_span("service.request", tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v"))
+        assert parent is not None
+        fixed = tracing.fixed_attributes(("meshserve.model", "m"))
+        batch = tracing.emit_span("service.batch", parent, 100, 200, {"meshserve.batch.size": 3}, links=[parent],
+                                  error="RuntimeError: boom", fixed=fixed)
+        compute = tracing.emit_span("service.compute", batch, 150, 120, None, fixed=fixed)  # end before start
+        assert not isinstance(batch, Span) and batch.trace_id == parent.trace_id
+        got = [blob for _, blob in queue._spans]  # no running loop: encoded at once  # type: ignore[union-attr]
+        want_batch = Span("service.batch", parent.trace_id, batch.span_id, parent.span_id, False, INTERNAL, 100,
+                          {"meshserve.batch.size": 3}, parent._scope, None, trace_state="k=v",
+                          links=[(parent.trace_id, parent.span_id)], fixed=fixed)
+        want_batch.set_error("RuntimeError: boom")
+        want_batch.end(200)
+        want_compute = Span("service.compute", parent.trace_id, compute.span_id, batch.span_id, False, INTERNAL,
+                            150, None, parent._scope, None, trace_state="k=v", fixed=fixed)
+        want_compute.end(120)
+        assert want_batch.status_code == ERROR and want_compute.end_time == 150
+        assert got == [encode_span(want_batch), encode_span(want_compute)]
+    finally:
+        queue._spans.clear()  # type: ignore[union-attr]  # nothing to send to the dead endpoint
+        tracing.shutdown()
+        for k, v in saved.items():
+            setattr(tracing, k, v)
