@@ -39,6 +39,9 @@ SERVER_OPTIONS = [
 ]
 
 
+STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or awaiting their write
+
+
 def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> RequestContext:
     remaining = context.time_remaining()
     md = context.invocation_metadata() or ()
@@ -160,10 +163,13 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # Requests on one stream run concurrently; responses are written as they complete
         # (each carries its request id). Per-request errors travel in band, with their status
         # code in an infer_response parameter so a gateway can map them back to a status.
+        # At most STREAM_INFLIGHT requests of a stream are in progress or answered but not yet
+        # written: beyond that the next message is not read, so HTTP/2 flow control stops a
+        # client that sends faster than the models answer (or than it reads its answers).
         out: asyncio.Queue[bytes | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         base = _context(context)
-
+        slots = asyncio.Semaphore(STREAM_INFLIGHT)
         failed: list[str] = []
 
         async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
@@ -185,6 +191,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         async def reader() -> None:
             try:
                 async for raw in requests:  # bytes: parsed here, so each request keeps its own (RequestContext.raw)
+                    await slots.acquire()  # given back when its answer is written
                     try:
                         request = pb.ModelInferRequest.FromString(raw)
                     except Exception as exc:  # what a failed deserializer reports on a unary call
@@ -205,6 +212,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if item is None:
                     break
                 yield item
+                slots.release()
             if failed:
                 await context.abort(grpc.StatusCode.INTERNAL, failed[0])
         finally:

@@ -54,6 +54,7 @@ FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 6, 7, 8, 9
 # Our receive side: big windows (replenished as data arrives) and frames up to 1 MiB, so a
 # large tensor arrives in few frames; the peer's limits govern what we send.
 LOCAL_STREAM_WINDOW = 1 << 24
+STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handler may leave unread
 LOCAL_CONN_WINDOW = 1 << 30
 LOCAL_MAX_FRAME = 1 << 20
 LOCAL_HEADER_TABLE = 4096
@@ -264,7 +265,7 @@ _EOF = object()
 class _Stream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "timer",
-                 "header_block", "header_flags", "cancelled")
+                 "header_block", "header_flags", "cancelled", "queued", "owed")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -280,6 +281,8 @@ class _Stream:
         self.remote_ended = False
         self.closed = False
         self.recv_unacked = 0
+        self.queued = 0  # request streaming: wire bytes of messages queued, not yet taken by the handler
+        self.owed = 0  # request streaming: bytes received and not yet given back to the window
         self.handler: grpc.RpcMethodHandler | None = None
         self.headers_sent = False
         self.timer: asyncio.TimerHandle | None = None
@@ -832,8 +835,13 @@ class _Connection(H2Endpoint):
         if st is None or st.closed or st.handler is None:  # refused or already answered: drop
             self._replenish(None, end - start, True)
             return
-        self._replenish(st, end - start, bool(flags & END_STREAM))
-        start, end = self._unpad(flags, data, start, end)
+        if st.queue is None:  # unary: the whole message is taken at the end, give the window back now
+            self._replenish(st, end - start, bool(flags & END_STREAM))
+            start, end = self._unpad(flags, data, start, end)
+        else:  # request streaming: the stream's window comes back unless its handler lags (_settle)
+            self._replenish(None, end - start, True)
+            st.owed += end - start
+            start, end = self._unpad(flags, data, start, end)
         if (flags & END_STREAM and st.queue is None and not st.buf and end - start >= 5
                 and _U32.unpack_from(data, start + 1)[0] == end - start - 5):
             # the common unary case: the whole message in one frame; one copy, no buffering
@@ -847,6 +855,8 @@ class _Connection(H2Endpoint):
             st.buf += memoryview(data)[start:end]
             if not self._messages(st):
                 return
+        if st.queue is not None:
+            self._settle(st)
         if flags & END_STREAM:
             self._remote_end(st)
 
@@ -876,10 +886,23 @@ class _Connection(H2Endpoint):
                 if plain is None:
                     return False
                 msg = plain
-            st.queue.put_nowait(msg)
+            st.queue.put_nowait((msg, 5 + size))
+            st.queued += 5 + size
         if pos:
             del buf[:pos]
         return True
+
+    def _settle(self, st: _Stream) -> None:
+        """Give a request-streaming call's received bytes back to its window (in big increments),
+        unless its handler has more than STREAM_BACKLOG bytes of messages not yet taken: then
+        the client is stopped once its window is spent, and goes on as the handler catches up.
+        A message larger than the window still arrives: its partial bytes are no backlog."""
+        if st.owed and st.queued <= STREAM_BACKLOG:
+            st.recv_unacked += st.owed
+            st.owed = 0
+            if st.recv_unacked >= LOCAL_STREAM_WINDOW // 2 and not st.remote_ended and not st.closed:
+                self._write(_frame(WINDOW_UPDATE, 0, st.sid, _U32.pack(st.recv_unacked)))
+                st.recv_unacked = 0
 
     def _fail_too_large(self, st: _Stream, size: int) -> None:
         self._finish(st, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
@@ -943,7 +966,10 @@ class _Connection(H2Endpoint):
             item = await st.queue.get()
             if item is _EOF:
                 return
-            yield deser(item) if deser else item
+            msg, size = item
+            st.queued -= size
+            self._settle(st)
+            yield deser(msg) if deser else msg
 
     async def _run(self, st: _Stream, message: bytes | None) -> None:
         handler = st.handler

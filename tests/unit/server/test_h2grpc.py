@@ -64,6 +64,7 @@ class Probe(BaseProbe):
         self.peers: list[str] = []
         self.received: list[Any] = []
         self.done_cancelled: list[bool] = []
+        self.release = asyncio.Event()  # lets the Hold handler read on
 
     def cancel(self, handler: str) -> None:
         self.cancelled_in.append(handler)
@@ -203,6 +204,16 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
             return b"first:" + m
         return b"none"
 
+    async def hold(reqs: AsyncIterator[bytes], ctx: Any) -> bytes:
+        """Reads one message, then nothing until released; answers how many it read."""
+        n = 0
+        async for _ in reqs:
+            n += 1
+            if n == 1:
+                p.started.set()
+                await p.release.wait()
+        return b"%d" % n
+
     async def bidi(reqs: AsyncIterator[bytes], ctx: Any) -> AsyncIterator[bytes]:
         p.started.set()
         try:
@@ -222,7 +233,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
         "Count": us(count), "Write": us(write), "BigStream": us(big_stream), "Forever": us(forever),
         "Firehose": us(firehose), "SlowStream": us(slow_stream), "PartialAbort": us(partial_abort),
         "PartialRaise": us(partial_raise),
-        "Concat": su(concat), "First": su(first),
+        "Concat": su(concat), "First": su(first), "Hold": su(hold),
         "Bidi": ss(bidi),
     }
 
@@ -1387,3 +1398,41 @@ def test_sync_client_against_a_server_on_its_own_loop(loop_factory: Callable[[],
             ch.unary_unary(path("Raise"))(b"", timeout=10)
         assert info.value.code() == grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
         assert echo(b"after", timeout=10) == b"after"
+
+
+@needs_h2
+async def test_h2_request_stream_window_comes_back_only_as_the_handler_reads(env: Env) -> None:
+    """A request-streaming call's window is given back as its handler takes messages, not as
+    they arrive: a client that outruns its handler is stopped by flow control once the window
+    is spent, and goes on when the handler reads again; nothing is lost."""
+    async def pump(c: H2Client, seconds: float) -> None:  # read what the server sends meanwhile
+        with contextlib.suppress(AssertionError):
+            await c.until(lambda: False, seconds)
+
+    c = await H2Client.connect(env.port)
+    try:
+        await c.until(lambda: c.conn.remote_settings.initial_window_size > 65535, 5)
+        sid = c.request("Hold", b"first", end_stream=False)
+        await waited(env.probe.started)
+        chunk = grpc_message(b"x" * (256 * 1024))
+        sent = 1
+        while c.conn.local_flow_control_window(sid) >= len(chunk) and sent < 200:  # 16 MiB is 64
+            c.conn.send_data(sid, chunk)
+            c.flush()
+            sent += 1
+            await pump(c, 0.001)
+        await pump(c, 0.5)  # time for a WINDOW_UPDATE that must not come
+        spent = c.conn.local_flow_control_window(sid)
+        assert spent < len(chunk) and sent > 32  # window + backlog (~24 MiB) taken; the handler read one
+        env.probe.release.set()
+        await c.until(lambda: c.conn.local_flow_control_window(sid) > spent)
+        assert c.conn.local_flow_control_window(sid) >= len(chunk)  # room again: one more goes
+        c.conn.send_data(sid, chunk)
+        sent += 1
+        c.conn.end_stream(sid)
+        c.flush()
+        await c.until(lambda: c.streams[sid].ended)
+        assert c.streams[sid].trailers[b"grpc-status"] == b"0"
+        assert grpc_messages(c.streams[sid].data) == [b"%d" % sent]
+    finally:
+        c.close()

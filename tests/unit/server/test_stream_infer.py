@@ -1,0 +1,60 @@
+"""ModelStreamInfer's own limit: at most STREAM_INFLIGHT requests of one call in progress or
+awaiting their write; the next message waits unread (and HTTP/2 flow control then holds the
+client), and every request is still answered."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.server import grpc_frontend
+from meshserve.server.core import InferResult, RequestContext
+from meshserve.server.h2grpc import H2GrpcServer
+
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+class _HeldCore:
+    """Answers nothing until released; counts the requests in progress."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.inflight = 0
+        self.most = 0
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        try:
+            await self.release.wait()
+        finally:
+            self.inflight -= 1
+        return InferResult(message=pb.ModelInferResponse(id=request.id, model_name=request.model_name))
+
+
+async def test_a_stream_has_at_most_its_limit_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grpc_frontend, "STREAM_INFLIGHT", 8)
+    core = _HeldCore()
+    server = H2GrpcServer()
+    server.add_registered_method_handlers("inference.GRPCInferenceService",
+                                          grpc_frontend.inference_methods(core))  # type: ignore[arg-type]
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream(STREAM)(
+                iter([pb.ModelInferRequest(model_name="m", id=f"r{i}").SerializeToString() for i in range(20)]))
+            for _ in range(200):  # until the first eight are in
+                if core.inflight == 8:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # time for a ninth that must not start
+            assert core.inflight == 8 and core.most == 8
+            core.release.set()
+            answers = [pb.ModelStreamInferResponse.FromString(raw) async for raw in call]
+        assert sorted(a.infer_response.id for a in answers) == sorted(f"r{i}" for i in range(20))
+        assert all(not a.error_message for a in answers) and core.most == 8
+    finally:
+        await server.stop(None)
