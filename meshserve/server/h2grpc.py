@@ -442,10 +442,14 @@ class H2Endpoint(asyncio.Protocol):
             self.wbuf.append(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
             self.recv_unacked = 0
         if st is not None:
-            st.recv_unacked += length
-            if not ended and st.recv_unacked >= LOCAL_STREAM_WINDOW // 2:
-                self.wbuf.append(_frame(WINDOW_UPDATE, 0, st.sid, _U32.pack(st.recv_unacked)))
-                st.recv_unacked = 0
+            self._credit_stream(st, length, ended)
+
+    def _credit_stream(self, st: Any, length: int, ended: bool) -> None:
+        """Give ``length`` bytes back to a stream's window, in big increments (none once ended)."""
+        st.recv_unacked += length
+        if not ended and st.recv_unacked >= LOCAL_STREAM_WINDOW // 2:
+            self._write(_frame(WINDOW_UPDATE, 0, st.sid, _U32.pack(st.recv_unacked)))
+            st.recv_unacked = 0
 
     def _fragment(self, flags: int, payload: bytes) -> bytes:
         """The header block fragment of a HEADERS frame: without padding and priority fields."""
@@ -837,11 +841,10 @@ class _Connection(H2Endpoint):
             return
         if st.queue is None:  # unary: the whole message is taken at the end, give the window back now
             self._replenish(st, end - start, bool(flags & END_STREAM))
-            start, end = self._unpad(flags, data, start, end)
         else:  # request streaming: the stream's window comes back unless its handler lags (_settle)
             self._replenish(None, end - start, True)
             st.owed += end - start
-            start, end = self._unpad(flags, data, start, end)
+        start, end = self._unpad(flags, data, start, end)
         if (flags & END_STREAM and st.queue is None and not st.buf and end - start >= 5
                 and _U32.unpack_from(data, start + 1)[0] == end - start - 5):
             # the common unary case: the whole message in one frame; one copy, no buffering
@@ -898,11 +901,8 @@ class _Connection(H2Endpoint):
         the client is stopped once its window is spent, and goes on as the handler catches up.
         A message larger than the window still arrives: its partial bytes are no backlog."""
         if st.owed and st.queued <= STREAM_BACKLOG:
-            st.recv_unacked += st.owed
-            st.owed = 0
-            if st.recv_unacked >= LOCAL_STREAM_WINDOW // 2 and not st.remote_ended and not st.closed:
-                self._write(_frame(WINDOW_UPDATE, 0, st.sid, _U32.pack(st.recv_unacked)))
-                st.recv_unacked = 0
+            owed, st.owed = st.owed, 0
+            self._credit_stream(st, owed, st.remote_ended or st.closed)
 
     def _fail_too_large(self, st: _Stream, size: int) -> None:
         self._finish(st, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],

@@ -160,9 +160,8 @@ class LoopExportQueue:
     def _encode_ended(self) -> None:
         ended, self._ended = self._ended, []
         self._encode_pending = False
-        encode, encode_record = self.encode, self.encode_record
-        self._spans += [(span._scope, encode(span)) if isinstance(span, Span) else (span[0], encode_record(span))
-                        for span in ended]
+        encoded = self._encoded
+        self._spans += [encoded(span) for span in ended]
 
     def _encode_and_poke(self) -> None:
         self._encode_ended()

@@ -225,11 +225,7 @@ class Sampler:
         """``parent_flags``: the parent's trace flags, None for a root."""
         if self.parent_based and parent_flags is not None:
             return bool(parent_flags & 1)
-        if self.root == "on":
-            return True
-        if self.root == "off":
-            return False
-        return trace_id & _MASK64 < self.bound
+        return trace_id & _MASK64 < self.root_bound
 
     def description(self) -> str:
         root = {"on": "AlwaysOnSampler", "off": "AlwaysOffSampler"}.get(self.root) if isinstance(self.root, str) \

@@ -66,13 +66,12 @@ _encoded = False  # spans are encoded by meshserve as they end: shared Attrs sta
 # where the event-loop OTLP queue exports, emit_span hands it a Record (no Span object) here
 _on_record: Callable[[Record], None] | None = None
 _scope: Scope | None = None
-_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
-current_var = _current  # hot paths that already checked `enabled`: `tracing.current_var.get()`
+# the current sampled span; hot paths that already checked `enabled` read it as `tracing.current_var.get()`
+current_var: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
 # a gateway-merged request with several traced members: one server span per member
 _members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("meshserve_member_spans", default=())
 
-_getrandbits = random.getrandbits  # trace and span ids: random bits, never 0
-random_bits = _getrandbits
+random_bits = random.getrandbits  # trace and span ids: random bits, never 0
 
 
 class Remote(NamedTuple):
@@ -253,10 +252,10 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
         # a root: the sampler judges the low 64 bits of the trace id (TraceIdRatioBased), so
         # they are drawn first and an unsampled request costs one draw and one comparison
         if low is None:
-            low = _getrandbits(64)
+            low = random_bits(64)
         if low >= root_bound:
             return None
-        tid = (_getrandbits(64) << 64 | low) or 1
+        tid = (random_bits(64) << 64 | low) or 1
         parent_id, remote, flags, state = 0, False, 1, ""
     else:
         if not _sampler.sample(parent.trace_id, parent.flags):
@@ -264,7 +263,7 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
         tid, parent_id, remote, flags, state = parent.trace_id, parent.span_id, True, (parent.flags & 0xFF) | 1, \
             parent.state
     attributes, fixed = _unshared(None, fixed)
-    return Span(name, tid, _getrandbits(64) or 1, parent_id, remote, SERVER, time.time_ns(), attributes, _scope,
+    return Span(name, tid, random_bits(64) or 1, parent_id, remote, SERVER, time.time_ns(), attributes, _scope,
                 _queue.on_end, flags=flags, trace_state=state, fixed=fixed)
 
 
@@ -296,7 +295,7 @@ def start_span(name: str, parent: Span | Ref, kind: int = INTERNAL, attributes: 
     and then ``attributes`` (the two must not share keys)."""
     assert _queue is not None and _scope is not None
     attributes, fixed = _unshared(attributes, fixed)
-    return Span(name, parent.trace_id, _getrandbits(64) or 1, parent.span_id, False, kind,
+    return Span(name, parent.trace_id, random_bits(64) or 1, parent.span_id, False, kind,
                 time.time_ns() if start_ns is None else start_ns, attributes, _scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
                 links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)
@@ -304,11 +303,11 @@ def start_span(name: str, parent: Span | Ref, kind: int = INTERNAL, attributes: 
 
 def activate(span: Span) -> contextvars.Token[Span | None]:
     """Make ``span`` current (asyncio tasks started under it inherit it); returns a token."""
-    return _current.set(span)
+    return current_var.set(span)
 
 
 def deactivate(token: contextvars.Token[Span | None]) -> None:
-    _current.reset(token)
+    current_var.reset(token)
 
 
 def end(span: Span) -> None:
@@ -325,7 +324,7 @@ def trace_id(span: Span | None) -> str:
 
 def current_span() -> Span | None:
     """The current span if the request is sampled, else None."""
-    return _current.get() if enabled else None
+    return current_var.get() if enabled else None
 
 
 def request_spans() -> tuple[Span, ...]:
@@ -336,7 +335,7 @@ def request_spans() -> tuple[Span, ...]:
     members = _members.get()
     if members:
         return members
-    span = _current.get()
+    span = current_var.get()
     return (span,) if span is not None else ()
 
 
@@ -381,14 +380,14 @@ def child_span(name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
         yield None
         return
     span = start_span(name, parent, INTERNAL, attributes)
-    token = _current.set(span)
+    token = current_var.set(span)
     try:
         yield span
     except BaseException as exc:
         set_error(span, exc)
         raise
     finally:
-        _current.reset(token)
+        current_var.reset(token)
         span.end(time.time_ns())
 
 
@@ -405,7 +404,7 @@ def emit_span(name: str, parent: Span | Ref, start_ns: int, end_ns: int, attribu
     event-loop OTLP queue exports, it is queued as a Record and no Span object is made: the
     returned Ref can parent further spans and be linked to."""
     if _on_record is not None:
-        span_id = _getrandbits(64) or 1
+        span_id = random_bits(64) or 1
         assert _scope is not None
         _on_record((_scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, INTERNAL,
                                    start_ns, end_ns if end_ns > start_ns else start_ns, fixed, attributes,

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -35,18 +37,27 @@ def test_off_by_default_leaves_the_sdk_alone() -> None:
     assert tracing.enabled is False
 
 
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
+@contextlib.contextmanager
+def configured(role: str, env: dict[str, str], exporters: list[Any] | None = None) -> Iterator[None]:
+    """tracing configured for one test; its module state as it was afterwards."""
     saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "_sampler", "root_bound",
                                               "_queue", "_scope", "_encoded", "_on_record")}
+    assert tracing.configure("meshserve-test", role, env=env, exporters=exporters)
+    try:
+        yield
+    finally:
+        tracing.shutdown()
+        for k, v in saved.items():
+            setattr(tracing, k, v)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
            "OTEL_TRACES_SAMPLER_ARG": "0.5", "OTEL_BSP_SCHEDULE_DELAY": "50"}
     exporter = InMemorySpanExporter()
-    assert tracing.configure("meshserve-test", "gateway", env=env, exporters=[exporter])
-    yield exporter
-    tracing.shutdown()
-    for k, v in saved.items():
-        setattr(tracing, k, v)
+    with configured("gateway", env, [exporter]):
+        yield exporter
 
 
 def test_sampled_roots_keep_the_trace_id_the_sampler_judged(spans: InMemorySpanExporter) -> None:
@@ -150,35 +161,32 @@ def test_emitted_spans_are_records_that_encode_like_spans() -> None:
     """Where the event-loop OTLP queue exports, emit_span queues a Record (no Span object); its
     bytes are those of the same span made the Span way, and the Ref it returns parents and links."""
     from meshserve.telemetry.otlp_encode import encode_span
+    from meshserve.telemetry.otlp_loop import LoopExportQueue
     from meshserve.telemetry.spans import ERROR, INTERNAL, Span
 
-    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "_sampler", "root_bound",
-                                              "_queue", "_scope", "_encoded", "_on_record")}
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "always_on"}
-    assert tracing.configure("meshserve-test", "service", env=env)
-    queue = tracing._queue
-    try:
-        assert tracing._on_record is not None
-        parent = tracing.start_server_span("service.request", tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v"))
-        assert parent is not None
-        fixed = tracing.fixed_attributes(("meshserve.model", "m"))
-        batch = tracing.emit_span("service.batch", parent, 100, 200, {"meshserve.batch.size": 3}, links=[parent],
-                                  error="RuntimeError: boom", fixed=fixed)
-        compute = tracing.emit_span("service.compute", batch, 150, 120, None, fixed=fixed)  # end before start
-        assert not isinstance(batch, Span) and batch.trace_id == parent.trace_id
-        got = [blob for _, blob in queue._spans]  # no running loop: encoded at once  # type: ignore[union-attr]
-        want_batch = Span("service.batch", parent.trace_id, batch.span_id, parent.span_id, False, INTERNAL, 100,
-                          {"meshserve.batch.size": 3}, parent._scope, None, trace_state="k=v",
-                          links=[(parent.trace_id, parent.span_id)], fixed=fixed)
-        want_batch.set_error("RuntimeError: boom")
-        want_batch.end(200)
-        want_compute = Span("service.compute", parent.trace_id, compute.span_id, batch.span_id, False, INTERNAL,
-                            150, None, parent._scope, None, trace_state="k=v", fixed=fixed)
-        want_compute.end(120)
-        assert want_batch.status_code == ERROR and want_compute.end_time == 150
-        assert got == [encode_span(want_batch), encode_span(want_compute)]
-    finally:
-        queue._spans.clear()  # type: ignore[union-attr]  # nothing to send to the dead endpoint
-        tracing.shutdown()
-        for k, v in saved.items():
-            setattr(tracing, k, v)
+    with configured("service", env):
+        queue = tracing._queue
+        assert isinstance(queue, LoopExportQueue)
+        try:
+            assert tracing._on_record is not None
+            parent = tracing.start_server_span("service.request", tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v"))
+            assert parent is not None
+            fixed = tracing.fixed_attributes(("meshserve.model", "m"))
+            batch = tracing.emit_span("service.batch", parent, 100, 200, {"meshserve.batch.size": 3}, links=[parent],
+                                      error="RuntimeError: boom", fixed=fixed)
+            compute = tracing.emit_span("service.compute", batch, 150, 120, None, fixed=fixed)  # end before start
+            assert not isinstance(batch, Span) and batch.trace_id == parent.trace_id
+            got = [blob for _, blob in queue._spans]  # no running loop: encoded at once
+            want_batch = Span("service.batch", parent.trace_id, batch.span_id, parent.span_id, False, INTERNAL, 100,
+                              {"meshserve.batch.size": 3}, parent._scope, None, trace_state="k=v",
+                              links=[(parent.trace_id, parent.span_id)], fixed=fixed)
+            want_batch.set_error("RuntimeError: boom")
+            want_batch.end(200)
+            want_compute = Span("service.compute", parent.trace_id, compute.span_id, batch.span_id, False, INTERNAL,
+                                150, None, parent._scope, None, trace_state="k=v", fixed=fixed)
+            want_compute.end(120)
+            assert want_batch.status_code == ERROR and want_compute.end_time == 150
+            assert got == [encode_span(want_batch), encode_span(want_compute)]
+        finally:
+            queue._spans.clear()  # nothing to send to the dead endpoint
