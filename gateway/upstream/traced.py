@@ -3,7 +3,9 @@
 Spans: ``gateway.route`` (the route decision: A/B route and arm when there is one, model,
 version, replica; from the start of the send to the moment a replica is picked, per attempt)
 and ``gateway.upstream`` (CLIENT, one per attempt), whose context travels to the service as
-``traceparent``/``tracestate`` request parameters appended to the forwarded bytes.
+``traceparent``/``tracestate`` request parameters appended to the forwarded bytes. Both are
+recorded after the call (``tracing.defer``, with the spans the export queue encodes next):
+during it, the request path only draws the upstream span's id and captures times.
 
 A request the coalescer merged from several clients' requests gets these spans once per traced
 member, under that member's request span: ``gateway.route`` from the member's arrival in the
@@ -21,7 +23,7 @@ from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.telemetry import tracing
-from meshserve.telemetry.spans import CLIENT, Span
+from meshserve.telemetry.spans import CLIENT, Ref, Span
 
 Attempt = Callable[[Replica], Awaitable[pb.ModelInferResponse]]
 Call = Callable[[str, str, Attempt], Awaitable[pb.ModelInferResponse]]
@@ -40,9 +42,11 @@ async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
         decided = time.time_ns()
-        span = _route_and_upstream(parent, started, decided, name, version, replica.endpoint, None)
+        upstream = Ref(parent.trace_id, tracing.random_bits(64) or 1, parent.flags, parent.trace_state)
+        calls: list[_Call] = [(parent, upstream.span_id, started, None)]
         started = decided  # a retry's route span starts where this attempt's decision ended
-        return await _forward_under([span], forward, replica, tracing.inject_parameters(body, span))
+        return await _forward_under(calls, decided, name, version, forward, replica,
+                                    tracing.inject_parameters(body, upstream))
 
     return await call(name, version, attempt)
 
@@ -57,29 +61,52 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         now = time.time_ns()
-        spans = []
+        calls: list[_Call] = []
         lines = [""] * count
         for k, (index, parent, _) in enumerate(members):
-            span = _route_and_upstream(parent, starts[k], now, name, version, replica.endpoint,
-                                       {"meshserve.merged_requests": count, "meshserve.member": index})
-            spans.append(span)
-            lines[index] = tracing.member_line(span)
+            upstream = Ref(parent.trace_id, tracing.random_bits(64) or 1, parent.flags, parent.trace_state)
+            calls.append((parent, upstream.span_id, starts[k], {"meshserve.merged_requests": count,
+                                                               "meshserve.member": index}))
+            lines[index] = tracing.member_line(upstream)
             starts[k] = now  # a retry's route span starts where this attempt's decision ended
-        return await _forward_under(spans, forward, replica, wire.with_string_parameter(
+        return await _forward_under(calls, now, name, version, forward, replica, wire.with_string_parameter(
             body, wire.TRACEPARENTS_PARAMETER, "\n".join(lines)))
 
     return await call(name, version, attempt)
 
 
-def _route_and_upstream(parent: Span, started_ns: int, decided_ns: int, name: str, version: str, endpoint: str,
-                        upstream_only: dict[str, Any] | None) -> Span:
-    """Record the route decision (``started_ns`` to ``decided_ns``) under ``parent`` and start the
-    CLIENT span of the upstream call that follows it."""
-    attrs = parent.attributes
-    decided = {key: v for key in _ROUTE_KEYS if (v := attrs.get(key)) is not None} if attrs else None
+# an upstream call of one traced client request: (its request span, the upstream span's id,
+# when the route decision began, the upstream span's own attributes)
+_Call = tuple[Span, int, int, dict[str, Any] | None]
+
+
+async def _forward_under(calls: list[_Call], decided_ns: int, name: str, version: str, forward: Forward,
+                         replica: Replica, body: bytes) -> pb.ModelInferResponse:
+    """``forward``, then its spans recorded (``_record``: after the response is on its way)."""
+    error: BaseException | None = None
+    try:
+        return await forward(replica, body)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        tracing.defer(_record, calls, decided_ns, time.time_ns(), error, name, version, replica.endpoint)
+
+
+def _record(calls: list[_Call], decided_ns: int, end_ns: int, error: BaseException | None, name: str,
+            version: str, endpoint: str) -> None:
+    """Per traced client request: the route decision (to ``decided_ns``) and the upstream
+    call's CLIENT span (whose id its traceparent already carried to the service)."""
     route, upstream = _fixed(name, version, endpoint)
-    tracing.emit_span("gateway.route", parent, started_ns, decided_ns, decided, fixed=route)
-    return tracing.start_span("gateway.upstream", parent, CLIENT, upstream_only, decided_ns, fixed=upstream)
+    description, code = tracing.error_fields(error) if error is not None else (None, None)
+    for parent, span_id, started_ns, own in calls:
+        attrs = parent.attributes
+        decided = {key: v for key in _ROUTE_KEYS if (v := attrs.get(key)) is not None} if attrs else None
+        tracing.emit_span("gateway.route", parent, started_ns, decided_ns, decided, fixed=route)
+        if code is not None:
+            own = {**own, "meshserve.error_code": code} if own else {"meshserve.error_code": code}
+        tracing.emit_span("gateway.upstream", parent, decided_ns, end_ns, own, error=description, fixed=upstream,
+                          kind=CLIENT, span_id=span_id)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -88,17 +115,3 @@ def _fixed(name: str, version: str, endpoint: str) -> tuple[tracing.Attrs, traci
     common = (("meshserve.model", name), ("meshserve.model_version", version), ("meshserve.replica", endpoint))
     return (tracing.fixed_attributes(*common),
             tracing.fixed_attributes(*common, ("rpc.system", "grpc"), ("server.address", endpoint)))
-
-
-async def _forward_under(spans: Sequence[Span], forward: Forward, replica: Replica,
-                         body: bytes) -> pb.ModelInferResponse:
-    """``forward`` with the upstream spans open around it; an exception marks them failed."""
-    try:
-        return await forward(replica, body)
-    except BaseException as exc:
-        for span in spans:
-            tracing.set_error(span, exc)
-        raise
-    finally:
-        for span in spans:
-            tracing.end(span)

@@ -3,7 +3,9 @@
 The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
 (the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
-from several clients' requests gets one per traced member (``meshserve_traceparents``). Every
+from several clients' requests gets one per traced member (``meshserve_traceparents``). In a
+service, the spans of requests the gateway forwarded are recorded when the request ends
+(``tracing.LateSpans``): nothing is parsed or built for them while the request runs. Every
 error is logged once at WARNING with the request id and trace id (a stack trace only for
 internal errors) and is turned into an InferError, so the front ends do not log it again.
 """
@@ -26,7 +28,9 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
     span, whose traceparent a unary response echoes, or None)."""
     if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
-        return await _infer_traced(core, request, ctx, *sampled)
+        if sampled.__class__ is tracing.LateSpans:
+            return await _infer_late(core, request, ctx, sampled), None  # type: ignore[arg-type]
+        return await _infer_traced(core, request, ctx, sampled)  # type: ignore[arg-type]
     # not sampled (most requests at a low ratio): exactly the path of tracing off
     if not log.isEnabledFor(logging.DEBUG):
         try:
@@ -42,17 +46,24 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     return result, None
 
 
-def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[list[Span], bool] | None:
-    """The request's sampled SERVER span(s) and whether it is a gateway-merged request, or None.
-    An unsampled request costs a few map and header lookups and (for a root) one random draw:
-    the sampler judges a root before anything else is built."""
+def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span | tracing.LateSpans | None:
+    """The request's sampled SERVER span, the LateSpans of a request the gateway forwarded
+    with its context in the parameters, or None. An unsampled request costs a few map and
+    header lookups and (for a root) one random draw: the sampler judges a root before anything
+    else is built."""
     params = request.parameters
     if params:  # a context in the parameters wins over one in the headers
-        if wire.TRACEPARENTS_PARAMETER in params:  # a gateway-merged request with traced members
-            return (spans, True) if (spans := _member_spans(request, ctx)) else None
+        if wire.TRACEPARENTS_PARAMETER in params and tracing.late_spans:  # merged by the gateway
+            count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
+            return tracing.LateSpans(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count),
+                                     _fixed_attributes(request, ctx))
         if tracing.TRACEPARENT in params:
-            ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else None
-            return _server_span(request, ctx, tracing.parent_context(params[tracing.TRACEPARENT].string_param, ts))
+            tp = params[tracing.TRACEPARENT].string_param
+            ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else ""
+            if tracing.late_spans and ctx.headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:  # no echo
+                return tracing.LateSpans(f"{tp}\t{ts}" if ts else tp, 0, _fixed_attributes(request, ctx),
+                                         request.id)
+            return _server_span(request, ctx, tracing.parent_context(tp, ts))
     headers = ctx.headers
     tp = headers.get(tracing.TRACEPARENT)
     if tp is None:
@@ -64,58 +75,56 @@ def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[
 
 
 def _server_span(request: pb.ModelInferRequest, ctx: RequestContext, parent: tracing.Remote | None,
-                 low: int | None = None) -> tuple[list[Span], bool] | None:
+                 low: int | None = None) -> Span | None:
     span = tracing.start_server_span(tracing.request_span_name, parent, low=low)
     if span is None:
         return None
     tracing.share(span, _fixed_attributes(request, ctx))
     if request.id:
         span.attributes["meshserve.request_id"] = request.id
-    return [span], False
+    return span
 
 
-async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext, spans: list[Span],
-                        merged: bool) -> tuple[InferResult, Span | None]:
-    token = tracing.activate(spans[0])
-    members = tracing.activate_members(spans) if merged else None
+async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext,
+                        span: Span) -> tuple[InferResult, Span | None]:
+    token = tracing.activate(span)
     t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
     try:
         result = await core.infer(request, ctx)
     except Exception as exc:
-        err = _log_error(request, ctx, exc, tracing.trace_id(spans[0]), t0)
-        for span in spans:
-            tracing.set_error(span, err)
+        err = _log_error(request, ctx, exc, tracing.trace_id(span), t0)
+        tracing.set_error(span, err)
         raise err from None
     finally:
-        if members is not None:
-            tracing.deactivate_members(members)
         tracing.deactivate(token)
-        for span in spans:
-            tracing.end(span)
+        tracing.end(span)
     if t0:
-        _log_ok(request, ctx, tracing.trace_id(spans[0]), t0)
-    return result, None if merged else spans[0]
+        _log_ok(request, ctx, tracing.trace_id(span), t0)
+    return result, span
+
+
+async def _infer_late(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext,
+                      late: tracing.LateSpans) -> InferResult:
+    """A request the gateway forwarded: its span(s) are recorded when it ends (LateSpans)."""
+    token = tracing.activate_late(late)
+    t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
+    error: InferError | None = None
+    try:
+        result = await core.infer(request, ctx)
+    except Exception as exc:
+        error = _log_error(request, ctx, exc, late.trace_id(), t0)
+        raise error from None
+    finally:
+        tracing.deactivate_late(token)
+        late.finish(error)
+    if t0:
+        _log_ok(request, ctx, late.trace_id(), t0)
+    return result
 
 
 def _fixed_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> tracing.Attrs:
     return tracing.fixed_attributes(("meshserve.model", request.model_name),
                                     ("meshserve.model_version", request.model_version), ("rpc.system", ctx.protocol))
-
-
-def _member_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> list[Span]:
-    """A sampled SERVER span per traced member of a merged request, each the child of that
-    member's upstream span in the gateway; the queue and batch spans hang off all of them."""
-    params = request.parameters
-    count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
-    parents = tracing.parse_member_lines(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count))
-    name = tracing.request_span_name
-    fixed = _fixed_attributes(request, ctx)
-    spans = []
-    for i, parent in enumerate(parents):
-        if parent is not None and (span := tracing.start_server_span(name, parent, fixed)) is not None:
-            span.attributes.update({"meshserve.merged_requests": count, "meshserve.member": i})
-            spans.append(span)
-    return spans
 
 
 def _log_ok(request: pb.ModelInferRequest, ctx: RequestContext, trace_id: str, t0: int) -> None:

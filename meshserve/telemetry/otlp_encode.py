@@ -50,29 +50,47 @@ _LEN = [bytes((n,)) for n in range(128)]  # one-byte varints
 
 def _attributes(tag: int, attrs: Mapping[str, Any] | None) -> bytes:
     """KeyValue entries as field ``tag``: keys cached, str values (nearly all of ours) inline."""
-    if not attrs:
-        return b""
-    head = bytes(((tag << 3) | 2,))
+    return b"".join(_key_value(tag, k, v) for k, v in attrs.items()) if attrs else b""
+
+
+def _span_attributes(attrs: Mapping[str, Any]) -> bytes:
+    """A span's own KeyValue entries (field 9); one with an int value (batch sizes, indexes,
+    counts: few distinct ones) is encoded once and then reused."""
     out = []
-    for k, v in attrs.items():
-        key = _KEYS.get(k)
-        if key is None:
-            key = _ld(1, k.encode())
-            if len(_KEYS) < 4096:
-                _KEYS[k] = key
-        if v.__class__ is str:
-            vb = v.encode()
-            n = len(vb)
-            value = (b"\x0a" + _LEN[n] + vb) if n < 128 else _ld(1, vb)  # AnyValue.string_value
-        elif v.__class__ is int and 0 <= v < 128:  # batch sizes, indexes: AnyValue.int_value
-            value = b"\x18" + _LEN[v]
+    for item in attrs.items():
+        if item[1].__class__ is int:  # not bool: True == 1 as a dict key
+            kv = _KV.get(item)
+            if kv is None:
+                if len(_KV) >= 4096:
+                    _KV.clear()
+                kv = _KV[item] = _key_value(9, *item)
         else:
-            value = _any_value(v)
-        n = len(value)
-        kv = key + ((b"\x12" + _LEN[n] + value) if n < 128 else _ld(2, value))
-        n = len(kv)
-        out.append((head + _LEN[n] + kv) if n < 128 else _ld(tag, kv))
+            kv = _key_value(9, *item)
+        out.append(kv)
     return b"".join(out)
+
+
+_KV: dict[tuple[str, int], bytes] = {}  # (key, int value) -> encoded KeyValue entry (field 9 of Span)
+
+
+def _key_value(tag: int, k: str, v: Any) -> bytes:
+    key = _KEYS.get(k)
+    if key is None:
+        key = _ld(1, k.encode())
+        if len(_KEYS) < 4096:
+            _KEYS[k] = key
+    if v.__class__ is str:
+        vb = v.encode()
+        n = len(vb)
+        value = (b"\x0a" + _LEN[n] + vb) if n < 128 else _ld(1, vb)  # AnyValue.string_value
+    elif v.__class__ is int and 0 <= v < 128:  # batch sizes, indexes: AnyValue.int_value
+        value = b"\x18" + _LEN[v]
+    else:
+        value = _any_value(v)
+    n = len(value)
+    kv = key + ((b"\x12" + _LEN[n] + value) if n < 128 else _ld(2, value))
+    n = len(kv)
+    return (bytes(((tag << 3) | 2,)) + _LEN[n] + kv) if n < 128 else _ld(tag, kv)
 
 
 _IDS = struct.Struct(">HQQHQ")  # trace_id (field 1, 16 bytes) and span_id (field 2, 8 bytes), tags included
@@ -117,7 +135,7 @@ def encode_fields(tid: int, span_id: int, trace_state: str, parent_id: int, name
             blob = fixed.encoded = _attributes(9, fixed.items)
         out.append(blob)
     if attributes:
-        out.append(_attributes(9, attributes))
+        out.append(_span_attributes(attributes))
     if links:
         for trace_id, linked in links:  # field 13, 33 bytes: trace_id, span_id, flags
             out.append(_LINK.pack(0x6A210A10, trace_id >> 64, trace_id & _M64, 0x1208, linked, 0x35, _LOCAL_FLAGS))

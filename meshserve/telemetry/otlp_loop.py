@@ -27,7 +27,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshserve.telemetry.spans import DEFER_S, Record, Scope, Span, env_int
 
@@ -39,6 +39,7 @@ log = logging.getLogger("meshserve.tracing")
 EXPORT_PATH = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 RETRYABLE = frozenset({1, 4, 8, 10, 11, 14, 15})  # the OTLP spec's transient gRPC codes
 BACKOFF_S = (1.0, 2.0, 4.0)
+
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class LoopExportQueue:
         # ends (measured: holding 512 span objects per batch cost the request path cache misses)
         self._spans: list[tuple[Scope, bytes]] = []
         self._ended: list[Span | Record] = []  # ended, not yet encoded (see on_end)
+        self._jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # deferred span recording (defer)
         self._encode_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -148,6 +150,19 @@ class LoopExportQueue:
 
     on_record = on_end
 
+    def defer(self, job: Callable[..., None], *args: Any) -> None:
+        """Run ``job(*args)`` (on this loop: it records spans) just before the spans that ended
+        meanwhile are encoded, ``DEFER_S`` from now at the latest: one timer and one pass for
+        all the tracing work that clients do not wait for."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or threading.get_ident() != self._loop_thread:
+            asyncio.get_running_loop().call_later(DEFER_S, job, *args)  # no span has ended on this loop yet
+            return
+        self._jobs.append((job, args))
+        if not self._encode_pending:
+            self._encode_pending = True
+            loop.call_later(DEFER_S, self._encode_and_poke)
+
     def _encoded(self, span: Span | Record) -> tuple[Scope, bytes]:
         return (span._scope, self.encode(span)) if isinstance(span, Span) else (span[0], self.encode_record(span))
 
@@ -158,6 +173,13 @@ class LoopExportQueue:
             self._loop.call_later(DEFER_S, self._encode_and_poke)
 
     def _encode_ended(self) -> None:
+        if self._jobs:
+            jobs, self._jobs = self._jobs, []
+            for job, args in jobs:
+                try:
+                    job(*args)
+                except Exception:  # noqa: BLE001 - a tracing bug must not stop the other spans
+                    log.exception("recording spans failed")
         ended, self._ended = self._ended, []
         self._encode_pending = False
         encoded = self._encoded

@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 
 log = logging.getLogger("meshserve.tracing")
 
-# Work that clients do not wait for waits this long: encoding ended spans (otlp_loop.py) and
-# recording a batch's spans from its timestamps (services), so the responses are written first.
+# Work that clients do not wait for waits this long, so the responses are written first: encoding
+# ended spans (otlp_loop.py) and recording spans from the times a request or batch already took
+# (tracing.defer: a batch's spans, a forwarded request's LateSpans, the gateway's upstream calls).
 DEFER_S = 0.002
 INTERNAL, SERVER, CLIENT = 0, 1, 2  # the SDK's SpanKind values
 UNSET, OK, ERROR = 0, 1, 2  # StatusCode values
@@ -57,14 +58,24 @@ class Attrs:
         return f"Attrs({self.items!r})"
 
 
+def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
+    # bytes.hex: about twice as fast as formatting the 128-bit int with :032x
+    flag = "01" if flags == 1 else f"{flags & 0xFF:02x}"
+    return f"00-{trace_id.to_bytes(16, 'big').hex()}-{span_id.to_bytes(8, 'big').hex()}-{flag}"
+
+
 class Ref(NamedTuple):
     """A span recorded after the fact without a Span object (``tracing.emit_span`` where
-    meshserve encodes): what a child span or a link needs of it."""
+    meshserve encodes), or one still to be recorded: what a child span, a link or a
+    traceparent needs of it."""
 
     trace_id: int
     span_id: int
     flags: int
     trace_state: str
+
+    def traceparent(self) -> str:
+        return format_traceparent(self.trace_id, self.span_id, self.flags)
 
 
 # (scope, the arguments of otlp_encode.encode_fields): an ended span waiting to be encoded
@@ -126,9 +137,7 @@ class Span:
         return self.end_time is None
 
     def traceparent(self) -> str:
-        # bytes.hex: about twice as fast as formatting the 128-bit int with :032x
-        flags = "01" if self.flags == 1 else f"{self.flags & 0xFF:02x}"
-        return f"00-{self.trace_id.to_bytes(16, 'big').hex()}-{self.span_id.to_bytes(8, 'big').hex()}-{flags}"
+        return format_traceparent(self.trace_id, self.span_id, self.flags)
 
     # ---- what the SDK's exporters read (built on demand, off the hot path) -----------------
     @property

@@ -20,6 +20,7 @@ start a fresh root trace for the gateway's unsampled requests.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextvars
 import functools
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
 from meshserve.telemetry.spans import (
+    DEFER_S,
     ERROR,
     INTERNAL,
     SERVER,
@@ -61,6 +63,9 @@ role = "service"  # "gateway" | "service": prefixes span names
 _sampler: Sampler | None = None
 root_bound = 0  # _sampler.root_bound: a root is sampled when the low 64 bits of its trace id are below
 request_span_name = "service.request"  # role + ".request": every request's SERVER span
+# a service's request spans parent only its batches' spans, so those of requests the gateway
+# forwarded can be recorded late (LateSpans); a gateway's parent the spans it makes as it goes
+late_spans = True
 _queue: ExportQueue | LoopExportQueue | None = None
 _encoded = False  # spans are encoded by meshserve as they end: shared Attrs stay apart from a span's own
 # where the event-loop OTLP queue exports, emit_span hands it a Record (no Span object) here
@@ -68,8 +73,8 @@ _on_record: Callable[[Record], None] | None = None
 _scope: Scope | None = None
 # the current sampled span; hot paths that already checked `enabled` read it as `tracing.current_var.get()`
 current_var: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
-# a gateway-merged request with several traced members: one server span per member
-_members: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("meshserve_member_spans", default=())
+# the request being served is one the gateway forwarded: its SERVER span(s) are recorded late
+_late: contextvars.ContextVar[LateSpans | None] = contextvars.ContextVar("meshserve_late_spans", default=None)
 
 random_bits = random.getrandbits  # trace and span ids: random bits, never 0
 
@@ -101,9 +106,10 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     OTEL_RESOURCE_ATTRIBUTES names the service. ``exporters`` replaces the ones the
     environment names (tests). Returns whether tracing is on.
     """
-    global enabled, role, request_span_name, _sampler, root_bound, _queue, _scope, _encoded, _on_record
+    global enabled, role, request_span_name, late_spans, _sampler, root_bound, _queue, _scope, _encoded, _on_record
     role = process_role
     request_span_name = f"{process_role}.request"
+    late_spans = process_role == "service"
     if not exporter_configured(env):
         enabled = False
         return False
@@ -290,12 +296,13 @@ def fixed_attributes(*pairs: tuple[str, Any]) -> Attrs:
 
 
 def start_span(name: str, parent: Span | Ref, kind: int = INTERNAL, attributes: dict[str, Any] | None = None,
-               start_ns: int | None = None, links: Sequence[Span | Ref] = (), fixed: Attrs | None = None) -> Span:
+               start_ns: int | None = None, links: Sequence[Span | Ref] = (), fixed: Attrs | None = None,
+               span_id: int = 0) -> Span:
     """A child of ``parent`` (a sampled span of this process); its attributes are ``fixed``'s
-    and then ``attributes`` (the two must not share keys)."""
+    and then ``attributes`` (the two must not share keys). ``span_id``: one drawn before (0: draw)."""
     assert _queue is not None and _scope is not None
     attributes, fixed = _unshared(attributes, fixed)
-    return Span(name, parent.trace_id, random_bits(64) or 1, parent.span_id, False, kind,
+    return Span(name, parent.trace_id, span_id or random_bits(64) or 1, parent.span_id, False, kind,
                 time.time_ns() if start_ns is None else start_ns, attributes, _scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
                 links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)
@@ -327,27 +334,99 @@ def current_span() -> Span | None:
     return current_var.get() if enabled else None
 
 
-def request_spans() -> tuple[Span, ...]:
-    """The sampled spans of the request being served: its own, or one per traced member of a
-    gateway-merged request (empty when nothing is sampled)."""
+def request_spans() -> tuple[Span, ...] | LateSpans:
+    """The sampled spans of the request being served, to parent and link its batch's spans:
+    its own, or the LateSpans of a request the gateway forwarded (empty when nothing is sampled)."""
     if not enabled:
         return ()
-    members = _members.get()
-    if members:
-        return members
+    late = _late.get()
+    if late is not None:
+        return late
     span = current_var.get()
     return (span,) if span is not None else ()
 
 
-def activate_members(spans: Sequence[Span]) -> contextvars.Token[tuple[Span, ...]]:
-    return _members.set(tuple(spans))
+def activate_late(late: LateSpans) -> contextvars.Token[LateSpans | None]:
+    return _late.set(late)
 
 
-def deactivate_members(token: contextvars.Token[tuple[Span, ...]]) -> None:
-    _members.reset(token)
+def deactivate_late(token: contextvars.Token[LateSpans | None]) -> None:
+    _late.reset(token)
 
 
-def member_line(span: Span) -> str:
+class LateSpans:
+    """The SERVER span(s) of a request the gateway forwarded with its context in request
+    parameters: one per traced member of a merged request (``merged`` > 0), or the one of a
+    request sent alone. They are recorded after the fact (``finish``), in the deferred pass
+    that encodes ended spans: the request path pays for this small object only, and the
+    contexts are parsed and the span ids drawn when first needed (iterating gives the spans as
+    ``Ref``s, to parent and link a batch's spans) or when the request's end is recorded."""
+
+    __slots__ = ("lines", "merged", "fixed", "request_id", "start_ns", "_members")
+
+    def __init__(self, lines: str, merged: int, fixed: Attrs, request_id: str = ""):
+        self.lines = lines  # traceparent[\ttracestate] per member, "\n"-separated; "" for an untraced one
+        self.merged = merged  # members of a merged request; 0: a request sent alone
+        self.fixed = fixed
+        self.request_id = request_id
+        self.start_ns = time.time_ns()
+        self._members: list[tuple[int, Remote, Ref]] | None = None
+
+    def members(self) -> list[tuple[int, Remote, Ref]]:
+        """(member index, remote parent, this process's span) per sampled member."""
+        if self._members is None:
+            assert _sampler is not None
+            out = []
+            for i, parent in enumerate(parse_member_lines(self.lines, max(1, self.merged))):
+                if parent is not None and _sampler.sample(parent.trace_id, parent.flags):
+                    out.append((i, parent, Ref(parent.trace_id, random_bits(64) or 1, (parent.flags & 0xFF) | 1,
+                                               parent.state)))
+            self._members = out
+        return self._members
+
+    def __iter__(self) -> Iterator[Ref]:
+        return iter([ref for _, _, ref in self.members()])
+
+    def trace_id(self) -> str:
+        """The first sampled member's trace id as hex (log lines), "" when none is sampled."""
+        members = self.members()
+        return members[0][2].trace_id.to_bytes(16, "big").hex() if members else ""
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The request has ended (``error``: how it failed): its spans are recorded soon."""
+        end_ns = time.time_ns()
+        try:
+            defer(self._record, end_ns, error)
+        except RuntimeError:  # no running loop (a request served outside asyncio): record now
+            self._record(end_ns, error)
+
+    def _record(self, end_ns: int, error: BaseException | None) -> None:
+        name, start, fixed = request_span_name, self.start_ns, self.fixed
+        end = end_ns if end_ns > start else start
+        status, description, code = UNSET, "", None
+        if error is not None:
+            status = ERROR
+            description, code = error_fields(error)
+        for i, parent, ref in self.members():
+            attributes: dict[str, Any] = {"meshserve.merged_requests": self.merged, "meshserve.member": i} \
+                if self.merged else ({"meshserve.request_id": self.request_id} if self.request_id else {})
+            if code is not None:
+                attributes["meshserve.error_code"] = code
+            if _on_record is not None:
+                assert _scope is not None
+                _on_record((_scope, (ref.trace_id, ref.span_id, ref.trace_state, parent.span_id, name, SERVER,
+                                     start, end, fixed, attributes, None, status, description, True)))
+                continue
+            assert _queue is not None and _scope is not None
+            own, shared = _unshared(attributes, fixed)
+            span = Span(name, ref.trace_id, ref.span_id, parent.span_id, True, SERVER, start, own, _scope,
+                        _queue.on_end, flags=ref.flags, trace_state=ref.trace_state, fixed=shared)
+            if status == ERROR:
+                span.set_error(description)
+            span.end(end)
+
+
+def member_line(span: Span | Ref) -> str:
     """One member's entry in the merged-request TRACEPARENTS parameter."""
     return f"{span.traceparent()}\t{span.trace_state}" if span.trace_state else span.traceparent()
 
@@ -362,7 +441,7 @@ def parse_member_lines(value: str, members: int) -> list[Remote | None]:
     return out
 
 
-def inject_parameters(raw_request: bytes, span: Span) -> bytes:
+def inject_parameters(raw_request: bytes, span: Span | Ref) -> bytes:
     """A serialized ModelInferRequest with traceparent/tracestate parameters appended (map: last wins)."""
     out = wire.with_string_parameter(raw_request, TRACEPARENT, span.traceparent())
     if span.trace_state:
@@ -391,31 +470,49 @@ def child_span(name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
         span.end(time.time_ns())
 
 
-def set_error(span: Span, exc: BaseException) -> None:
+def error_fields(exc: BaseException) -> tuple[str, str | None]:
+    """A failed span's status description and ``meshserve.error_code`` (None: the exception has no code)."""
     code = getattr(exc, "code", None)
-    span.set_error(f"{getattr(code, 'value', type(exc).__name__)}: {exc}")
+    return f"{getattr(code, 'value', type(exc).__name__)}: {exc}", \
+        (getattr(code, "value", str(code)) if code is not None else None)
+
+
+def set_error(span: Span, exc: BaseException) -> None:
+    description, code = error_fields(exc)
+    span.set_error(description)
     if code is not None:
-        span.set_attribute("meshserve.error_code", getattr(code, "value", str(code)))
+        span.set_attribute("meshserve.error_code", code)
 
 
 def emit_span(name: str, parent: Span | Ref, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
-              links: Sequence[Span | Ref] = (), error: str | None = None, fixed: Attrs | None = None) -> Span | Ref:
-    """A span recorded after the fact (explicit epoch-ns times) under ``parent``. Where the
-    event-loop OTLP queue exports, it is queued as a Record and no Span object is made: the
-    returned Ref can parent further spans and be linked to."""
+              links: Sequence[Span | Ref] = (), error: str | None = None, fixed: Attrs | None = None,
+              kind: int = INTERNAL, span_id: int = 0) -> Span | Ref:
+    """A span recorded after the fact (explicit epoch-ns times) under ``parent`` (``span_id``:
+    one drawn before, 0: draw). Where the event-loop OTLP queue exports, it is queued as a
+    Record and no Span object is made: the returned Ref can parent further spans and be linked to."""
     if _on_record is not None:
-        span_id = random_bits(64) or 1
+        span_id = span_id or random_bits(64) or 1
         assert _scope is not None
-        _on_record((_scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, INTERNAL,
+        _on_record((_scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, kind,
                                    start_ns, end_ns if end_ns > start_ns else start_ns, fixed, attributes,
                                    [(s.trace_id, s.span_id) for s in links] if links else None,
                                    ERROR if error is not None else UNSET, error or "", False)))
         return Ref(parent.trace_id, span_id, parent.flags, parent.trace_state)
-    span = start_span(name, parent, INTERNAL, attributes, start_ns, links, fixed)
+    span = start_span(name, parent, kind, attributes, start_ns, links, fixed, span_id)
     if error is not None:
         span.set_error(error)
     span.end(end_ns)
     return span
+
+
+def defer(job: Callable[..., None], *args: Any) -> None:
+    """Run ``job(*args)`` on the running loop soon (``DEFER_S``), after the responses being
+    written now: for spans recorded after the fact, which clients do not wait for. Where the
+    event-loop OTLP queue exports, it runs with that queue's encoding pass (no timer of its own)."""
+    if _on_record is not None:
+        _queue.defer(job, *args)  # type: ignore[union-attr]  # _on_record set: a LoopExportQueue
+    else:
+        asyncio.get_running_loop().call_later(DEFER_S, job, *args)
 
 
 def epoch_offset_ns() -> int:

@@ -22,7 +22,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
-from meshserve.telemetry.spans import DEFER_S
+from meshserve.telemetry.spans import Span
 from services.base import batch_trace
 from services.base.runtime import RuntimeInstance
 from services.base.scheduling.dynamic import DynamicBatcher
@@ -89,7 +89,9 @@ class Pending:
     rows: int
     signature: tuple  # shapes of non-batch dims; only equal signatures share a batch
     requests: int = 1  # client requests this one carries (a gateway may merge several)
-    spans: tuple = ()  # the request's sampled spans (tracing on; several for a merged request)
+    # the request's sampled spans, which its batch's spans hang off (tracing on; a request the
+    # gateway forwarded has LateSpans: one per traced member of a merged request)
+    spans: tuple[Span, ...] | tracing.LateSpans = ()
 
 
 class ModelVersion:
@@ -331,8 +333,8 @@ class ModelVersion:
         await asyncio.sleep(0)
         if tracing.enabled and batch_trace.traced(batch):
             # after the results below are written: spans are not what clients wait for
-            loop.call_later(DEFER_S, batch_trace.record, self.name, self.version_str,
-                            self._instances.index(instance), batch, results, start_ns, end_ns)
+            tracing.defer(batch_trace.record, self.name, self.version_str,
+                          self._instances.index(instance), batch, results, start_ns, end_ns)
         stats = self.stats
         for group, out, (t_in, t_infer, t_out) in results:
             if isinstance(out, BaseException):

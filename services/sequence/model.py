@@ -22,7 +22,6 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.telemetry import tracing
-from meshserve.telemetry.spans import DEFER_S
 from services.base import batch_trace
 from services.base.model import InputData, ModelVersion, Pending
 from services.base.runtime import RuntimeInstance
@@ -267,8 +266,8 @@ class SequenceModelVersion(ModelVersion):
                        res if isinstance(res, BaseException) else None, (0, 0, 0) if isinstance(res, BaseException)
                        else res[2]) for rows, res in results]
             # after the results delivered below are written: spans are not what clients wait for
-            loop.call_later(DEFER_S, batch_trace.record, self.name, self.version_str, batch.instance,
-                            batch.requests, traced, start_ns, end_ns)
+            tracing.defer(batch_trace.record, self.name, self.version_str, batch.instance,
+                          batch.requests, traced, start_ns, end_ns)
         stats = self.stats
         for rows, res in results:
             real = [r for r in rows if r.request is not None]

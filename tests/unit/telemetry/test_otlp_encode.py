@@ -71,3 +71,18 @@ def test_shared_attributes_encode_as_if_they_were_the_spans_own() -> None:
     assert shared.encoded is not None  # made for the first span, reused by the others
     assert ours == sdk_encode(merged), f"ours:\n{ours}\nsdk:\n{sdk_encode(merged)}"
     assert list(ours.resource_spans[0].scope_spans[0].spans[2].attributes)[-1].value.string_value == "x" * 200
+
+
+def test_reused_int_entries_stay_apart_from_bools_and_other_values() -> None:
+    """Int-valued entries are encoded once and reused: a bool or float equal to a cached int
+    (True == 1 == 1.0 as dict keys) must still come out as a bool or a double."""
+    ended: list[sp.Span] = []
+    scope = sp.Scope(Resource.create({"service.name": "t"}), InstrumentationScope("meshserve"))
+    now = time.time_ns()
+    for i, own in enumerate(({"v": 1}, {"v": True}, {"v": 1.0}, {"v": 1}, {"v": 2}, {"v": 300})):
+        sp.Span(f"s{i}", 0x1234, 0x10 + i, 0xABC, False, sp.INTERNAL, now, own, scope, ended.append).end(now + 1)
+    ours = ExportTraceServiceRequest.FromString(encode_spans(ended))
+    assert ours == sdk_encode(ended), f"ours:\n{ours}\nsdk:\n{sdk_encode(ended)}"
+    values = [s.attributes[0].value for s in ours.resource_spans[0].scope_spans[0].spans]
+    assert [v.WhichOneof("value") for v in values] == ["int_value", "bool_value", "double_value", "int_value",
+                                                       "int_value", "int_value"]

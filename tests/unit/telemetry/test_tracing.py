@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.server import observe
 from meshserve.server.core import InferResult, RequestContext
@@ -40,8 +42,8 @@ def test_off_by_default_leaves_the_sdk_alone() -> None:
 @contextlib.contextmanager
 def configured(role: str, env: dict[str, str], exporters: list[Any] | None = None) -> Iterator[None]:
     """tracing configured for one test; its module state as it was afterwards."""
-    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "_sampler", "root_bound",
-                                              "_queue", "_scope", "_encoded", "_on_record")}
+    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "late_spans", "_sampler",
+                                              "root_bound", "_queue", "_scope", "_encoded", "_on_record")}
     assert tracing.configure("meshserve-test", role, env=env, exporters=exporters)
     try:
         yield
@@ -190,3 +192,132 @@ def test_emitted_spans_are_records_that_encode_like_spans() -> None:
             assert got == [encode_span(want_batch), encode_span(want_compute)]
         finally:
             queue._spans.clear()  # nothing to send to the dead endpoint
+
+
+@pytest.fixture
+def service_spans() -> Iterator[InMemorySpanExporter]:
+    env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+           "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    exporter = InMemorySpanExporter()
+    with configured("service", env, [exporter]):
+        yield exporter
+
+
+class _SpyCore(_Core):
+    """Keeps what the model layer would see of the request's spans (the batch's parents)."""
+
+    seen: list[Any]
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        self.seen = list(tracing.request_spans())
+        return await super().infer(request, ctx)
+
+
+def _served(core: _Core, req: pb.ModelInferRequest, ctx: RequestContext) -> Any:
+    async def main() -> Any:
+        try:
+            return await observe.infer(core, req, ctx)  # type: ignore[arg-type]
+        finally:
+            await asyncio.sleep(0.02)  # the spans are recorded a moment after the request ends
+    return asyncio.run(main())
+
+
+def test_requests_the_gateway_forwarded_get_their_server_spans_late(service_spans: InMemorySpanExporter) -> None:
+    """A merged request: a SERVER span per traced member (parent: that member's upstream span,
+    sampled by the parent's flag), recorded after the request ends, with the ids the batch's
+    spans were given while it ran; a request sent alone gets one, with its request id."""
+    other_trace, other_parent = "1" * 32, "2" * 16
+    merged = pb.ModelInferRequest(model_name="m", model_version="1")
+    merged.parameters[wire.MERGED_PARAMETER].int64_param = 4
+    merged.parameters[wire.TRACEPARENTS_PARAMETER].string_param = "\n".join([
+        f"00-{TRACE}-{PARENT}-01", "", f"00-{other_trace}-{other_parent}-01\tk=v", f"00-{TRACE}-{'3' * 16}-00"])
+    hop = {tracing.HOP_HEADER: tracing.HOP_GATEWAY}
+    core = _SpyCore()
+    result, echoed = _served(core, merged, RequestContext("grpc", hop))
+    assert echoed is None  # nothing to echo on the gateway's stream
+    assert [(f"{r.trace_id:032x}", r.trace_state) for r in core.seen] == [(TRACE, ""), (other_trace, "k=v")]
+    alone = pb.ModelInferRequest(model_name="m", model_version="1", id="solo")
+    alone.parameters["traceparent"].string_param = f"00-{other_trace}-{PARENT}-01"
+    with pytest.raises(InferError):
+        _served(_Core(fail=True), alone, RequestContext("grpc", hop))
+    tracing.force_flush(5)
+    time.sleep(0.3)  # the exporter thread's batch delay
+    got = {(f"{s.context.trace_id:032x}", f"{s.parent.span_id:016x}"): s for s in service_spans.get_finished_spans()}
+    assert set(got) == {(TRACE, PARENT), (other_trace, other_parent), (other_trace, PARENT)}
+    for ref in core.seen:  # the ids the batch's spans would hang off are the spans' own
+        assert any(s.context.span_id == ref.span_id for s in got.values())
+    first, third, failed = got[(TRACE, PARENT)], got[(other_trace, other_parent)], got[(other_trace, PARENT)]
+    for s in (first, third, failed):
+        assert s.name == "service.request" and s.kind.name == "SERVER" and s.parent.is_remote
+        assert s.attributes["meshserve.model"] == "m" and s.attributes["rpc.system"] == "grpc"
+        assert s.start_time <= s.end_time
+    assert first.attributes["meshserve.member"] == 0 and first.attributes["meshserve.merged_requests"] == 4
+    assert third.attributes["meshserve.member"] == 2 and third.context.trace_state.to_header() == "k=v"
+    assert first.status.status_code.name == "UNSET"
+    assert failed.attributes["meshserve.request_id"] == "solo" and "meshserve.member" not in failed.attributes
+    assert failed.status.status_code.name == "ERROR" and "bad shape" in failed.status.description
+    assert failed.attributes["meshserve.error_code"] == "INVALID_ARG"
+
+
+def test_late_server_spans_encode_like_spans_and_wait_for_the_deferred_pass() -> None:
+    """Where the event-loop OTLP queue exports, a late SERVER span is a Record recorded by a job
+    that runs with the queue's next encoding pass; its bytes are those of the same Span."""
+    from meshserve.telemetry.otlp_encode import encode_span
+    from meshserve.telemetry.otlp_loop import LoopExportQueue
+    from meshserve.telemetry.spans import SERVER, Span
+
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+    with configured("service", env):
+        queue = tracing._queue
+        assert isinstance(queue, LoopExportQueue)
+        fixed = tracing.fixed_attributes(("meshserve.model", "m"))
+
+        async def main() -> tuple[tracing.LateSpans, int]:
+            tracing.emit_span("warm-up", tracing.Ref(1, 1, 1, ""), 1, 2)  # binds the queue to this loop
+            await asyncio.sleep(0.01)
+            late = tracing.LateSpans(f"00-{TRACE}-{PARENT}-01\tk=v", 0, fixed, "r9")
+            late.finish(InferError.invalid("bad shape"))
+            waiting = len(queue._jobs)
+            await asyncio.sleep(0.02)
+            return late, waiting
+
+        try:
+            late, waiting = asyncio.run(main())
+            assert waiting == 1 and not queue._jobs and len(queue._spans) == 2  # the warm-up span and this one
+            late._record(late.start_ns + 5, InferError.invalid("bad shape"))  # no loop now: encoded at once
+            ((_, _, ref),) = late.members()
+            want = Span("service.request", ref.trace_id, ref.span_id, int(PARENT, 16), True, SERVER, late.start_ns,
+                        {"meshserve.request_id": "r9", "meshserve.error_code": "INVALID_ARG"}, queue_scope(),
+                        None, trace_state="k=v", fixed=fixed)
+            want.set_error("INVALID_ARG: bad shape")
+            want.end(late.start_ns + 5)
+            assert queue._spans[2][1] == encode_span(want)
+            assert len(queue._spans[1][1]) == len(queue._spans[2][1])  # the deferred one: same span, its own end
+        finally:
+            queue._spans.clear()  # nothing to send to the dead endpoint
+
+
+def queue_scope() -> Any:
+    assert tracing._scope is not None
+    return tracing._scope
+
+
+def test_a_span_recorded_late_keeps_the_id_its_traceparent_carried(spans: InMemorySpanExporter) -> None:
+    """The gateway draws an upstream span's id before the call (its traceparent goes upstream)
+    and records the CLIENT span after it, failed calls with the error's status and code."""
+    from meshserve.telemetry.spans import CLIENT
+
+    parent = tracing.start_server_span("gateway.request", tracing.parent_context(f"00-{TRACE}-{PARENT}-01"))
+    assert parent is not None
+    upstream = tracing.Ref(parent.trace_id, 0x1234, parent.flags, parent.trace_state)
+    assert upstream.traceparent() == f"00-{TRACE}-{0x1234:016x}-01"
+    description, code = tracing.error_fields(InferError.unavailable("replica gone"))
+    tracing.emit_span("gateway.upstream", parent, 100, 200, {"meshserve.error_code": code}, error=description,
+                      kind=CLIENT, span_id=upstream.span_id)
+    parent.end()
+    tracing.force_flush(5)
+    time.sleep(0.3)  # the exporter thread's batch delay
+    (got,) = [s for s in spans.get_finished_spans() if s.name == "gateway.upstream"]
+    assert got.context.span_id == 0x1234 and got.parent.span_id == parent.span_id and got.kind.name == "CLIENT"
+    assert got.status.status_code.name == "ERROR" and got.status.description == "UNAVAILABLE: replica gone"
+    assert got.attributes["meshserve.error_code"] == "UNAVAILABLE"
