@@ -55,6 +55,8 @@ FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 6, 7, 8, 9
 # large tensor arrives in few frames; the peer's limits govern what we send.
 LOCAL_STREAM_WINDOW = 1 << 24
 STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handler may leave unread
+# ... and at most this many of them (a flood of empty messages is bytes-cheap, each one not)
+STREAM_MAX_QUEUED = 4096
 LOCAL_CONN_WINDOW = 1 << 30
 LOCAL_MAX_FRAME = 1 << 20
 LOCAL_HEADER_TABLE = 4096
@@ -265,7 +267,7 @@ _EOF = object()
 class _Stream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "timer",
-                 "header_block", "header_flags", "cancelled", "queued", "owed")
+                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -283,6 +285,7 @@ class _Stream:
         self.recv_unacked = 0
         self.queued = 0  # request streaming: wire bytes of messages queued, not yet taken by the handler
         self.owed = 0  # request streaming: bytes received and not yet given back to the window
+        self.parked = False  # request streaming: STREAM_MAX_QUEUED queued; what follows waits in buf
         self.handler: grpc.RpcMethodHandler | None = None
         self.headers_sent = False
         self.timer: asyncio.TimerHandle | None = None
@@ -875,7 +878,12 @@ class _Connection(H2Endpoint):
                     return False
             return True
         pos = 0
+        queue = st.queue
+        st.parked = False
         while len(buf) - pos >= 5:
+            if queue.qsize() >= STREAM_MAX_QUEUED:  # the rest stays raw until the handler reads on
+                st.parked = True
+                break
             compressed, size = _MSG.unpack_from(buf, pos)
             if size > self.server.max_receive:
                 self._fail_too_large(st, size)
@@ -889,7 +897,7 @@ class _Connection(H2Endpoint):
                 if plain is None:
                     return False
                 msg = plain
-            st.queue.put_nowait((msg, 5 + size))
+            queue.put_nowait((msg, 5 + size))
             st.queued += 5 + size
         if pos:
             del buf[:pos]
@@ -897,10 +905,11 @@ class _Connection(H2Endpoint):
 
     def _settle(self, st: _Stream) -> None:
         """Give a request-streaming call's received bytes back to its window (in big increments),
-        unless its handler has more than STREAM_BACKLOG bytes of messages not yet taken: then
-        the client is stopped once its window is spent, and goes on as the handler catches up.
-        A message larger than the window still arrives: its partial bytes are no backlog."""
-        if st.owed and st.queued <= STREAM_BACKLOG:
+        unless its handler has more than STREAM_BACKLOG bytes, or STREAM_MAX_QUEUED messages,
+        not yet taken: then the client is stopped once its window is spent, and goes on as the
+        handler catches up. A message larger than the window still arrives: its partial bytes
+        are no backlog."""
+        if st.owed and not st.parked and st.queued <= STREAM_BACKLOG:
             owed, st.owed = st.owed, 0
             self._credit_stream(st, owed, st.remote_ended or st.closed)
 
@@ -936,6 +945,8 @@ class _Connection(H2Endpoint):
         if st.closed or st.handler is None:
             return
         if st.queue is not None:
+            if st.parked:
+                return  # messages still wait in buf: _requests ends the stream once they are queued
             if st.buf:
                 self._finish(st, grpc.StatusCode.INTERNAL.value[0], "incomplete message at end of stream")
                 return
@@ -968,6 +979,8 @@ class _Connection(H2Endpoint):
                 return
             msg, size = item
             st.queued -= size
+            if st.parked and not st.closed and self._messages(st) and not st.parked and st.remote_ended:
+                self._remote_end(st)  # the last parked messages are queued: now the end of the stream
             self._settle(st)
             yield deser(msg) if deser else msg
 

@@ -1401,6 +1401,35 @@ def test_sync_client_against_a_server_on_its_own_loop(loop_factory: Callable[[],
 
 
 @needs_h2
+async def test_h2_a_flood_of_empty_request_messages_waits_unparsed(env: Env) -> None:
+    """Empty messages cost 5 bytes each on the wire but an object each once parsed: past
+    STREAM_MAX_QUEUED unread ones the rest stay raw bytes (bounded by the window) and the window
+    is not given back; as the handler reads on they are queued, and the stream ends after the
+    last of them; nothing is lost."""
+    from meshserve.server.h2grpc import STREAM_MAX_QUEUED
+
+    flood = STREAM_MAX_QUEUED * 3
+    c = await H2Client.connect(env.port)
+    try:
+        await c.until(lambda: c.conn.remote_settings.initial_window_size > 65535, 5)
+        sid = c.request("Hold", b"first", end_stream=False)
+        await waited(env.probe.started)
+        c.conn.send_data(sid, grpc_message(b"") * flood, end_stream=True)
+        c.flush()
+        (conn,) = env.server._conns
+        await c.until(lambda: sid in conn.streams and conn.streams[sid].remote_ended, 5)
+        st = conn.streams[sid]
+        assert st.parked and st.queue.qsize() <= STREAM_MAX_QUEUED  # the rest waits as bytes
+        assert len(st.buf) >= 5 * (flood - STREAM_MAX_QUEUED - 1)
+        env.probe.release.set()
+        await c.until(lambda: c.streams[sid].ended, 10)
+        assert c.streams[sid].trailers[b"grpc-status"] == b"0"
+        assert grpc_messages(c.streams[sid].data) == [b"%d" % (flood + 1)]
+    finally:
+        c.close()
+
+
+@needs_h2
 async def test_h2_request_stream_window_comes_back_only_as_the_handler_reads(env: Env) -> None:
     """A request-streaming call's window is given back as its handler takes messages, not as
     they arrive: a client that outruns its handler is stopped by flow control once the window
