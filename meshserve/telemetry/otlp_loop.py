@@ -268,10 +268,10 @@ class LoopExportQueue:
         """Send what is still queued from a loop of its own (the serving loop is gone at exit)."""
         if self._stopped:
             return
-        self._stopped = True
         if self._timer is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._timer.cancel)
-        self._encode_ended()
+        self._encode_ended()  # deferred jobs first: the spans they record are sent too
+        self._stopped = True
         left, self._spans = self._spans, []
         if not left:
             return
