@@ -42,7 +42,7 @@ async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
         decided = time.time_ns()
-        upstream = Ref(parent.trace_id, tracing.random_bits(64) or 1, parent.flags, parent.trace_state)
+        upstream = _upstream_span(parent)
         calls: list[_Call] = [(parent, upstream.span_id, started, None)]
         started = decided  # a retry's route span starts where this attempt's decision ended
         return await _forward_under(calls, decided, name, version, forward, replica,
@@ -64,7 +64,7 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
         calls: list[_Call] = []
         lines = [""] * count
         for k, (index, parent, _) in enumerate(members):
-            upstream = Ref(parent.trace_id, tracing.random_bits(64) or 1, parent.flags, parent.trace_state)
+            upstream = _upstream_span(parent)
             calls.append((parent, upstream.span_id, starts[k], {"meshserve.merged_requests": count,
                                                                "meshserve.member": index}))
             lines[index] = tracing.member_line(upstream)
@@ -73,6 +73,12 @@ async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, fo
             body, wire.TRACEPARENTS_PARAMETER, "\n".join(lines)))
 
     return await call(name, version, attempt)
+
+
+def _upstream_span(parent: Span) -> Ref:
+    """The upstream call's CLIENT span under ``parent``, its id drawn now (the traceparent the
+    call carries names it); recorded when the call is over (``_record``)."""
+    return Ref(parent.trace_id, tracing.random_bits(64) or 1, parent.flags, parent.trace_state)
 
 
 # an upstream call of one traced client request: (its request span, the upstream span's id,

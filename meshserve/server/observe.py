@@ -28,9 +28,9 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
     span, whose traceparent a unary response echoes, or None)."""
     if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
-        if sampled.__class__ is tracing.LateSpans:
-            return await _infer_late(core, request, ctx, sampled), None  # type: ignore[arg-type]
-        return await _infer_traced(core, request, ctx, sampled)  # type: ignore[arg-type]
+        if isinstance(sampled, tracing.LateSpans):
+            return await _infer_late(core, request, ctx, sampled), None
+        return await _infer_traced(core, request, ctx, sampled)
     # not sampled (most requests at a low ratio): exactly the path of tracing off
     if not log.isEnabledFor(logging.DEBUG):
         try:

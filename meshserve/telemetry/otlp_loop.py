@@ -41,7 +41,6 @@ RETRYABLE = frozenset({1, 4, 8, 10, 11, 14, 15})  # the OTLP spec's transient gR
 BACKOFF_S = (1.0, 2.0, 4.0)
 
 
-
 @dataclass(frozen=True)
 class Target:
     """Where and how to send: ``host:port``, request metadata, per-call timeout."""

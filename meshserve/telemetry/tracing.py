@@ -297,12 +297,13 @@ def fixed_attributes(*pairs: tuple[str, Any]) -> Attrs:
 
 def start_span(name: str, parent: Span | Ref, kind: int = INTERNAL, attributes: dict[str, Any] | None = None,
                start_ns: int | None = None, links: Sequence[Span | Ref] = (), fixed: Attrs | None = None,
-               span_id: int = 0) -> Span:
-    """A child of ``parent`` (a sampled span of this process); its attributes are ``fixed``'s
-    and then ``attributes`` (the two must not share keys). ``span_id``: one drawn before (0: draw)."""
+               span_id: int = 0, remote_parent: bool = False) -> Span:
+    """A child of ``parent`` (a sampled span of this process, or one in another process:
+    ``remote_parent``); its attributes are ``fixed``'s and then ``attributes`` (the two must
+    not share keys). ``span_id``: one drawn before (0: draw)."""
     assert _queue is not None and _scope is not None
     attributes, fixed = _unshared(attributes, fixed)
-    return Span(name, parent.trace_id, span_id or random_bits(64) or 1, parent.span_id, False, kind,
+    return Span(name, parent.trace_id, span_id or random_bits(64) or 1, parent.span_id, remote_parent, kind,
                 time.time_ns() if start_ns is None else start_ns, attributes, _scope, _queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
                 links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)
@@ -401,29 +402,16 @@ class LateSpans:
             self._record(end_ns, error)
 
     def _record(self, end_ns: int, error: BaseException | None) -> None:
-        name, start, fixed = request_span_name, self.start_ns, self.fixed
-        end = end_ns if end_ns > start else start
-        status, description, code = UNSET, "", None
-        if error is not None:
-            status = ERROR
-            description, code = error_fields(error)
+        description, code = error_fields(error) if error is not None else (None, None)
         for i, parent, ref in self.members():
             attributes: dict[str, Any] = {"meshserve.merged_requests": self.merged, "meshserve.member": i} \
                 if self.merged else ({"meshserve.request_id": self.request_id} if self.request_id else {})
             if code is not None:
                 attributes["meshserve.error_code"] = code
-            if _on_record is not None:
-                assert _scope is not None
-                _on_record((_scope, (ref.trace_id, ref.span_id, ref.trace_state, parent.span_id, name, SERVER,
-                                     start, end, fixed, attributes, None, status, description, True)))
-                continue
-            assert _queue is not None and _scope is not None
-            own, shared = _unshared(attributes, fixed)
-            span = Span(name, ref.trace_id, ref.span_id, parent.span_id, True, SERVER, start, own, _scope,
-                        _queue.on_end, flags=ref.flags, trace_state=ref.trace_state, fixed=shared)
-            if status == ERROR:
-                span.set_error(description)
-            span.end(end)
+            # the remote parent, in the trace as this process continues it (sampled flag, tracestate)
+            remote = Ref(parent.trace_id, parent.span_id, ref.flags, ref.trace_state)
+            emit_span(request_span_name, remote, self.start_ns, end_ns, attributes, error=description,
+                      fixed=self.fixed, kind=SERVER, span_id=ref.span_id, remote_parent=True)
 
 
 def member_line(span: Span | Ref) -> str:
@@ -486,19 +474,20 @@ def set_error(span: Span, exc: BaseException) -> None:
 
 def emit_span(name: str, parent: Span | Ref, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
               links: Sequence[Span | Ref] = (), error: str | None = None, fixed: Attrs | None = None,
-              kind: int = INTERNAL, span_id: int = 0) -> Span | Ref:
+              kind: int = INTERNAL, span_id: int = 0, remote_parent: bool = False) -> Span | Ref:
     """A span recorded after the fact (explicit epoch-ns times) under ``parent`` (``span_id``:
-    one drawn before, 0: draw). Where the event-loop OTLP queue exports, it is queued as a
-    Record and no Span object is made: the returned Ref can parent further spans and be linked to."""
+    one drawn before, 0: draw; ``remote_parent``: the parent is in another process). Where the
+    event-loop OTLP queue exports, it is queued as a Record and no Span object is made: the
+    returned Ref can parent further spans and be linked to."""
     if _on_record is not None:
         span_id = span_id or random_bits(64) or 1
         assert _scope is not None
         _on_record((_scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, kind,
                                    start_ns, end_ns if end_ns > start_ns else start_ns, fixed, attributes,
                                    [(s.trace_id, s.span_id) for s in links] if links else None,
-                                   ERROR if error is not None else UNSET, error or "", False)))
+                                   ERROR if error is not None else UNSET, error or "", remote_parent)))
         return Ref(parent.trace_id, span_id, parent.flags, parent.trace_state)
-    span = start_span(name, parent, kind, attributes, start_ns, links, fixed, span_id)
+    span = start_span(name, parent, kind, attributes, start_ns, links, fixed, span_id, remote_parent)
     if error is not None:
         span.set_error(error)
     span.end(end_ns)
