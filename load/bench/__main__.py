@@ -306,11 +306,17 @@ class Suite:
             us = round(r["server_cores"] / r["goodput"] * 1e6) if r["goodput"] and r["server_cores"] else "-"
             body.append(f"| {r['tracing']} | {r['repeat']} | {r['goodput']} | {r['p50']} | {r['p99']} | "
                         f"{r['server_cores']} | {us} |")
+        error = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None
         if cost is not None:
             body.append(f"\nThroughput cost of 10% sampling: **{cost:.1%}** (mean throughput on vs off); median of "
                         f"the per-pair costs {statistics.median(pairs):.1%} (pairs: {', '.join(f'{c:.1%}' for c in pairs)}; "
                         f"OTLP bytes received by the sink: {sink.spans_bytes}).")
-        self.section("tracing", "Tracing overhead (10% sampling)", body, {"rows": rows, "cost": cost, "pairs": pairs})
+            if error is not None:
+                body.append(f"Mean of the per-pair costs {statistics.mean(pairs):.1%}, standard error {error:.1%}: "
+                            f"one run's figure is good to about ±{1.96 * error:.1%} (95%); pool several runs to "
+                            "compare with a threshold.")
+        self.section("tracing", "Tracing overhead (10% sampling)", body,
+                     {"rows": rows, "cost": cost, "pairs": pairs, "pair_standard_error": error})
 
     def profile(self, svc: procs.Server, gw: procs.Server) -> None:
         """Where the time goes: py-spy on each server process during one cell (self time by area)."""
