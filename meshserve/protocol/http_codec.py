@@ -708,6 +708,30 @@ def _durations(msg: Any, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     return out
 
 
+def parse_trace_settings(body: bytes) -> dict[str, list[str] | None]:
+    """A trace/setting POST body: ``{name: "value" | ["value", ...] | null}`` (numbers taken as
+    their text; null clears a model's setting)."""
+    try:
+        obj = json.loads(body) if body.strip() else {}
+    except ValueError as exc:
+        raise InferError.invalid(f"trace setting body is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InferError.invalid("trace setting body must be a JSON object of setting names and values")
+    out: dict[str, list[str] | None] = {}
+    for key, value in obj.items():
+        items = value if isinstance(value, list) else [value] if value is not None else None
+        if items is not None and not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in items):
+            raise InferError.invalid(f"trace setting '{key}': a value must be a string, an integer or a list of "
+                                     f"them, got {json.dumps(value)}")
+        out[key] = [str(v) for v in items] if items is not None else None
+    return out
+
+
+def trace_settings_to_json(settings: dict[str, list[str]]) -> dict[str, Any]:
+    """Trace settings as Triton's HTTP API gives them: trace_level a list, the others a string."""
+    return {key: values if key == "trace_level" else (values[0] if values else "") for key, values in settings.items()}
+
+
 def statistics_to_json(stats: pb.ModelStatisticsResponse) -> dict[str, Any]:
     """Statistics JSON (PROTOCOL.md §3.6): every duration member present, integers throughout."""
     model_stats: list[dict[str, Any]] = []

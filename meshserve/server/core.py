@@ -15,6 +15,7 @@ EXTENSIONS = (
     "parameters",
     "statistics",
     "model_repository",
+    "trace",
 )
 
 

@@ -126,6 +126,15 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                                ) -> pb.ModelStatisticsResponse:
         return await core.statistics(req.name, req.version)
 
+    async def trace_setting(req: pb.TraceSettingRequest, ctx: grpc.aio.ServicerContext) -> pb.TraceSettingResponse:
+        # no settings: a read (tritonclient's get_trace_settings); an empty value list clears a model's key
+        changes = {key: list(v.value) or None for key, v in req.settings.items()}
+        settings = await observe.trace_setting(core, req.model_name, changes)
+        response = pb.TraceSettingResponse()
+        for key, values in settings.items():
+            response.settings[key].value.extend(values)
+        return response
+
     async def repository_index(req: pb.RepositoryIndexRequest, ctx: grpc.aio.ServicerContext
                                ) -> pb.RepositoryIndexResponse:
         return await core.repository_index(req.ready)
@@ -228,6 +237,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         "ModelMetadata": _unary(model_metadata, pb.ModelMetadataRequest),
         "ModelConfig": _unary(model_config, pb.ModelConfigRequest),
         "ModelStatistics": _unary(model_statistics, pb.ModelStatisticsRequest),
+        "TraceSetting": _unary(trace_setting, pb.TraceSettingRequest),
         "RepositoryIndex": _unary(repository_index, pb.RepositoryIndexRequest),
         "RepositoryModelLoad": _unary(model_load, pb.RepositoryModelLoadRequest),
         "RepositoryModelUnload": _unary(model_unload, pb.RepositoryModelUnloadRequest),
@@ -241,7 +251,6 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest),
         ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
         ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
-        ("TraceSetting", pb.TraceSettingRequest),
         ("LogSettings", pb.LogSettingsRequest),
     ):
         handlers[name] = _unimplemented(name, req_type)

@@ -93,6 +93,8 @@ class HttpFrontend:
             return await self._models(request, parts[2:])
         if head == "repository":
             return await self._repository(request, parts[2:])
+        if head == "trace" and parts[2:] == ["setting"]:
+            return await self._trace_setting(request, "")
         raise InferError.not_found(f"no route for {method} {path}")
 
     @staticmethod
@@ -114,6 +116,8 @@ class HttpFrontend:
             if not version.isdigit():
                 raise InferError.invalid(f"model '{name}': version '{version}' is not a number")
         action = tail[0] if tail else ""
+        if tail == ["trace", "setting"] and not version:
+            return await self._trace_setting(request, name)
         if len(tail) > 1:
             raise InferError.not_found(f"no route for {request.method} {request.path}")
         if action == "infer":
@@ -159,6 +163,13 @@ class HttpFrontend:
             if encoding:
                 headers["Content-Encoding"] = encoding
         return web.Response(body=out_body, headers=headers)
+
+    async def _trace_setting(self, request: web.BaseRequest, model: str) -> web.StreamResponse:
+        """GET/POST /v2[/models/{m}]/trace/setting (the trace extension)."""
+        self._method(request, "GET", "POST")
+        changes = http_codec.parse_trace_settings(await _read_body(request)) if request.method == "POST" else None
+        return _json_response(http_codec.trace_settings_to_json(
+            await observe.trace_setting(self.core, model, changes)))
 
     async def _repository(self, request: web.BaseRequest, rest: list[str]) -> web.StreamResponse:
         # /v2/repository[/{repo}]/index and /v2/repository[/{repo}]/models/{m}/load|unload

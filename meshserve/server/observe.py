@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult, RequestContext, V2Core
-from meshserve.telemetry import tracing
+from meshserve.telemetry import trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
@@ -51,6 +52,9 @@ def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span |
     with its context in the parameters, or None. An unsampled request costs a few map and
     header lookups and (for a root) one random draw: the sampler judges a root before anything
     else is built."""
+    settings = trace_settings.active
+    if settings is not None and settings.off(request.model_name):
+        return None  # trace_level OFF (the trace extension): no spans here, whatever the context says
     params = request.parameters
     if params:  # a context in the parameters wins over one in the headers
         if wire.TRACEPARENTS_PARAMETER in params and tracing.late_spans:  # merged by the gateway
@@ -70,7 +74,11 @@ def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span |
         if headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
             return None  # the gateway did not sample this request: no root trace of our own
         low = tracing.random_bits(64)  # the sampler's verdict on a root, before any call
-        return None if low >= tracing.root_bound else _server_span(request, ctx, None, low)
+        if settings is None:
+            return None if low >= tracing.root_bound else _server_span(request, ctx, None, low)
+        if low >= settings.root_bound(request.model_name) or not settings.take_root(request.model_name):
+            return None  # trace_rate / trace_count of the trace extension
+        return _server_span(request, ctx, None, low)
     return _server_span(request, ctx, tracing.parent_context(tp, headers.get(tracing.TRACESTATE)))
 
 
@@ -120,6 +128,18 @@ async def _infer_late(core: V2Core, request: pb.ModelInferRequest, ctx: RequestC
     if t0:
         _log_ok(request, ctx, late.trace_id(), t0)
     return result
+
+
+async def trace_setting(core: V2Core, model: str, changes: Mapping[str, Sequence[str] | None] | None
+                        ) -> dict[str, list[str]]:
+    """The trace extension for both front ends: read (``changes`` empty) or update this process's
+    trace settings, global (``model`` "") or one model's (which must exist here: NOT_FOUND)."""
+    if model:
+        await core.model_metadata(model, "")  # an unknown model is NOT_FOUND, as for any other route
+    try:
+        return tracing.trace_setting(model, changes)
+    except trace_settings.SettingError as exc:
+        raise InferError.invalid(f"trace setting{f' of model {model!r}' if model else ''}: {exc}") from None
 
 
 def _fixed_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> tracing.Attrs:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
+from meshserve.telemetry import trace_settings
 from meshserve.telemetry.spans import (
     DEFER_S,
     ERROR,
@@ -108,6 +109,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     """
     global enabled, role, request_span_name, late_spans, _sampler, root_bound, _queue, _scope, _encoded, _on_record
     role = process_role
+    trace_settings.active = None  # the OTEL_* sampler rules until a trace/setting update
     request_span_name = f"{process_role}.request"
     late_spans = process_role == "service"
     if not exporter_configured(env):
@@ -206,6 +208,21 @@ def force_flush(timeout_s: float = 30.0) -> bool:
     return _queue.force_flush(timeout_s) if _queue is not None else True
 
 
+def trace_setting(model: str = "", changes: Mapping[str, Sequence[str] | None] | None = None
+                  ) -> dict[str, list[str]]:
+    """Triton's trace extension: this process's settings for ``model`` ("" for the global ones)
+    after applying ``changes`` (none: a read); raises trace_settings.SettingError."""
+    settings = trace_settings.active
+    if settings is None:
+        ratio = None if _sampler is None or _sampler.root == "on" else \
+            0.0 if _sampler.root == "off" else float(_sampler.root)
+        settings = trace_settings.TraceSettings(enabled, ratio)
+    if changes:
+        settings.update(model, changes)
+        trace_settings.active = settings  # from now on root sampling follows the settings
+    return settings.effective(model)
+
+
 # ---- context propagation ---------------------------------------------------------------
 def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     """(trace id, span id, flags) from a W3C traceparent, None if malformed."""
@@ -252,15 +269,15 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
                       ) -> Span | None:
     """A sampled SERVER span, or None when the sampler drops the request. For a root, ``low``
     may be the low 64 bits of its trace id, drawn (``random_bits(64)``) and judged against
-    ``root_bound`` by a caller that wanted to know before calling."""
+    the bound in force by a caller that wanted to know before calling (and then is not judged again)."""
     assert _sampler is not None and _scope is not None and _queue is not None, "tracing.configure() not run"
     if parent is None:
         # a root: the sampler judges the low 64 bits of the trace id (TraceIdRatioBased), so
         # they are drawn first and an unsampled request costs one draw and one comparison
         if low is None:
             low = random_bits(64)
-        if low >= root_bound:
-            return None
+            if low >= root_bound:
+                return None
         tid = (random_bits(64) << 64 | low) or 1
         parent_id, remote, flags, state = 0, False, 1, ""
     else:

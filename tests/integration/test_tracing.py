@@ -9,6 +9,7 @@ import hashlib
 import secrets
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
@@ -408,3 +409,68 @@ def test_merged_requests_keep_one_trace_each(traced: TracedStack, merging: Proc)
         assert max(b.attributes["meshserve.batch.requests"] for b in batches) >= count
         return
     raise AssertionError("no burst of 8 was merged by a gateway with --coalesce-inflight 1 in 3 attempts")
+
+
+def _roots(receiver: Receiver, model: str) -> set[str]:
+    """Trace ids of the gateway's root request spans (no parent) for ``model``."""
+    with receiver.lock:
+        return {s.trace_id for s in receiver.spans if s.name == "gateway.request" and not s.parent
+                and s.attributes.get("meshserve.model") == model}
+
+
+def test_trace_extension_settings_steer_sampling(traced: TracedStack) -> None:
+    """Triton's trace extension (tritonclient's get/update_trace_settings, HTTP and gRPC): the
+    settings describe this process's sampler, a model's trace_rate/trace_count start and stop
+    root traces for that model only, trace_level OFF stops even a client's sampled trace, and
+    bad settings get 400 / INVALID_ARGUMENT naming the setting."""
+    from tritonclient.http import InferenceServerClient as HttpClient
+    from tritonclient.utils import InferenceServerException
+
+    gw = traced.gateway
+    http = HttpClient(gw.http)
+    assert "trace" in http.get_server_metadata()["extensions"]
+    assert http.get_trace_settings() == {  # parentbased_always_off: roots never sampled
+        "trace_file": "", "trace_level": ["TIMESTAMPS"], "trace_rate": "0", "trace_count": "-1",
+        "log_frequency": "0", "trace_mode": "opentelemetry"}
+    try:
+        with grpcclient.InferenceServerClient(gw.grpc) as c:
+            got = c.update_trace_settings("small_mlp", {"trace_rate": "1", "trace_count": "2"}, as_json=True)
+            assert got["settings"]["trace_rate"]["value"] == ["1"] and got["settings"]["trace_count"]["value"] == ["2"]
+            assert c.get_trace_settings(as_json=True)["settings"]["trace_rate"]["value"] == ["0"]  # global unchanged
+            before = _settled(traced.receiver)
+            mlp_before, scale_before = _roots(traced.receiver, "small_mlp"), _roots(traced.receiver, "scale")
+            for i in range(5):  # no traceparent: roots; two of them are traced, then the count is spent
+                c.infer("small_mlp", [_mlp_input(i)])
+            scale = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+            scale.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+            c.infer("scale", [scale])  # no override: the global rate 0 holds
+            assert _settled(traced.receiver) > before
+            assert len(_roots(traced.receiver, "small_mlp") - mlp_before) == 2
+            assert _roots(traced.receiver, "scale") == scale_before
+            assert c.get_trace_settings("small_mlp", as_json=True)["settings"]["trace_count"]["value"] == ["0"]
+
+            assert http.update_trace_settings(settings={"trace_level": ["OFF"]})["trace_level"] == ["OFF"]
+            before = _settled(traced.receiver)
+            tp, trace_id, _ = _traceparent()  # the client sampled it; level OFF still traces nothing
+            c.infer("small_mlp", [_mlp_input()], headers={"traceparent": tp})
+            assert _settled(traced.receiver) == before and not traced.receiver.trace(trace_id)
+
+            with pytest.raises(InferenceServerException, match="TENSORS is not supported"):
+                http.update_trace_settings(settings={"trace_level": ["TENSORS"]})
+            with pytest.raises(InferenceServerException, match="trace_rate must be at least 1") as caught:
+                c.update_trace_settings(settings={"trace_rate": "0"})
+            assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+            with pytest.raises(InferenceServerException, match="'trace_file' cannot be updated"):
+                http.update_trace_settings("small_mlp", {"trace_file": "/tmp/x.json"})
+            with pytest.raises(InferenceServerException, match="no_such_model") as caught:
+                c.get_trace_settings("no_such_model")
+            assert caught.value.status() == "StatusCode.NOT_FOUND"
+            req = urllib.request.Request(f"http://{gw.http}/v2/trace/setting", data=b"[1]", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as bad:
+                urllib.request.urlopen(req, timeout=10)
+            assert bad.value.code == 400 and b"JSON object" in bad.value.read()
+    finally:
+        http.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+        cleared = http.update_trace_settings("small_mlp", {"trace_rate": None, "trace_count": None})
+        http.close()
+    assert cleared["trace_rate"] == "0" and cleared["trace_count"] == "-1" and cleared["trace_level"] == ["TIMESTAMPS"]
