@@ -6,6 +6,7 @@ and starts a gateway and an ONNX service as separate processes that export to it
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import threading
 import time
@@ -474,3 +475,31 @@ def test_trace_extension_settings_steer_sampling(traced: TracedStack) -> None:
         cleared = http.update_trace_settings("small_mlp", {"trace_rate": None, "trace_count": None})
         http.close()
     assert cleared["trace_rate"] == "0" and cleared["trace_count"] == "-1" and cleared["trace_level"] == ["TIMESTAMPS"]
+
+
+def test_perf_analyzer_trace_flags_set_the_settings(traced: TracedStack) -> None:
+    """perf_analyzer's --trace-* flags go through TraceSetting before it measures."""
+    import subprocess
+
+    from tritonclient.http import InferenceServerClient as HttpClient
+
+    from tests.integration.test_perf_analyzer import TOOL
+
+    if not TOOL.exists() and not os.environ.get("CI"):  # as test_perf_analyzer.py: CI must have it
+        pytest.skip(f"perf_analyzer wrapper not found at {TOOL}")
+    gw = traced.gateway
+    http = HttpClient(gw.http)
+    before = _roots(traced.receiver, "small_mlp")
+    try:
+        proc = subprocess.run([str(TOOL), "-m", "small_mlp", "-u", gw.grpc, "-i", "grpc", "--concurrency-range", "1",
+                               "--measurement-interval", "500", "--stability-percentage", "100", "--max-trials", "4",
+                               "--trace-level", "TIMESTAMPS", "--trace-rate", "1", "--trace-count", "3",
+                               "--log-frequency", "7"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        settings = http.get_trace_settings()
+        assert (settings["trace_rate"], settings["trace_count"], settings["log_frequency"]) == ("1", "0", "7")
+        _settled(traced.receiver)
+        assert len(_roots(traced.receiver, "small_mlp") - before) == 3  # every root until the count ran out
+    finally:
+        http.update_trace_settings(settings={"trace_rate": "1000", "trace_count": "0", "log_frequency": "0"})
+        http.close()
