@@ -708,15 +708,21 @@ def _durations(msg: Any, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     return out
 
 
-def parse_trace_settings(body: bytes) -> dict[str, list[str] | None]:
-    """A trace/setting POST body: ``{name: "value" | ["value", ...] | null}`` (numbers taken as
-    their text; null clears a model's setting)."""
+def parse_json_object(body: bytes, what: str) -> dict[str, Any]:
+    """A settings POST body: a JSON object of setting names and values (empty: no changes)."""
     try:
         obj = json.loads(body) if body.strip() else {}
     except ValueError as exc:
-        raise InferError.invalid(f"trace setting body is not JSON: {exc}") from None
+        raise InferError.invalid(f"{what} body is not JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise InferError.invalid("trace setting body must be a JSON object of setting names and values")
+        raise InferError.invalid(f"{what} body must be a JSON object of setting names and values")
+    return obj
+
+
+def parse_trace_settings(body: bytes) -> dict[str, list[str] | None]:
+    """A trace/setting POST body: ``{name: "value" | ["value", ...] | null}`` (numbers taken as
+    their text; null clears a model's setting)."""
+    obj = parse_json_object(body, "trace setting")
     out: dict[str, list[str] | None] = {}
     for key, value in obj.items():
         items = value if isinstance(value, list) else [value] if value is not None else None

@@ -16,6 +16,7 @@ EXTENSIONS = (
     "statistics",
     "model_repository",
     "trace",
+    "logging",
 )
 
 

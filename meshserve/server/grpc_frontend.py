@@ -135,6 +135,24 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
             response.settings[key].value.extend(values)
         return response
 
+    async def log_settings(req: pb.LogSettingsRequest, ctx: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
+        changes = {}  # no settings: a read (tritonclient's get_log_settings)
+        for key, v in req.settings.items():
+            kind = v.WhichOneof("parameter_choice")
+            if kind is None:
+                raise InferError.invalid(f"log setting '{key}' has no value")
+            changes[key] = getattr(v, kind)
+        response = pb.LogSettingsResponse()
+        for key, value in observe.log_setting(changes).items():
+            entry = response.settings[key]
+            if isinstance(value, bool):
+                entry.bool_param = value
+            elif isinstance(value, int):
+                entry.uint32_param = value
+            else:
+                entry.string_param = value
+        return response
+
     async def repository_index(req: pb.RepositoryIndexRequest, ctx: grpc.aio.ServicerContext
                                ) -> pb.RepositoryIndexResponse:
         return await core.repository_index(req.ready)
@@ -238,6 +256,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         "ModelConfig": _unary(model_config, pb.ModelConfigRequest),
         "ModelStatistics": _unary(model_statistics, pb.ModelStatisticsRequest),
         "TraceSetting": _unary(trace_setting, pb.TraceSettingRequest),
+        "LogSettings": _unary(log_settings, pb.LogSettingsRequest),
         "RepositoryIndex": _unary(repository_index, pb.RepositoryIndexRequest),
         "RepositoryModelLoad": _unary(model_load, pb.RepositoryModelLoadRequest),
         "RepositoryModelUnload": _unary(model_unload, pb.RepositoryModelUnloadRequest),
@@ -251,7 +270,6 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest),
         ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
         ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
-        ("LogSettings", pb.LogSettingsRequest),
     ):
         handlers[name] = _unimplemented(name, req_type)
     return handlers

@@ -95,6 +95,11 @@ class HttpFrontend:
             return await self._repository(request, parts[2:])
         if head == "trace" and parts[2:] == ["setting"]:
             return await self._trace_setting(request, "")
+        if head == "logging" and n == 2:  # the logging extension
+            self._method(request, "GET", "POST")
+            changes = http_codec.parse_json_object(await _read_body(request), "log settings") \
+                if request.method == "POST" else None
+            return _json_response(observe.log_setting(changes))
         raise InferError.not_found(f"no route for {method} {path}")
 
     @staticmethod

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult, RequestContext, V2Core
-from meshserve.telemetry import trace_settings, tracing
+from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
@@ -140,6 +141,17 @@ async def trace_setting(core: V2Core, model: str, changes: Mapping[str, Sequence
         return tracing.trace_setting(model, changes)
     except trace_settings.SettingError as exc:
         raise InferError.invalid(f"trace setting{f' of model {model!r}' if model else ''}: {exc}") from None
+
+
+def log_setting(changes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The logging extension for both front ends: this process's log settings after ``changes``."""
+    settings = log_settings.active
+    if settings is None:
+        raise InferError.unavailable("log settings: this process's logging was not set up by meshserve")
+    try:
+        return settings.update(changes) if changes else settings.current()
+    except log_settings.SettingError as exc:
+        raise InferError.invalid(str(exc)) from None
 
 
 def _fixed_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> tracing.Attrs:

@@ -104,8 +104,11 @@ def run(main: Coroutine[Any, Any, None]) -> None:
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     """stderr logging at `level`; fmt "text" (default) or "json" (one object per line)."""
+    from meshserve.telemetry import log_settings
     from meshserve.telemetry.logs import formatter
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(fmt))
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+    numeric = getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=numeric, handlers=[handler])
+    log_settings.install(handler, numeric, fmt)  # what /v2/logging (Triton's logging extension) changes

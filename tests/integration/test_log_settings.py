@@ -1,0 +1,80 @@
+"""Triton's logging extension on a gateway process, through tritonclient (HTTP and gRPC)."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import Proc, _wait_http_ready, start
+
+
+@pytest.fixture
+def gateway(stack) -> Iterator[Proc]:  # noqa: ANN001
+    """A gateway of its own (its log settings change) over the shared service, at INFO."""
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc])
+    _wait_http_ready(gw.http)
+    yield gw
+    gw.stop()
+
+
+def _infer(c: grpcclient.InferenceServerClient, width: int = 64) -> None:
+    inp = grpcclient.InferInput("INPUT0", [1, width], "FP32")
+    inp.set_data_from_numpy(np.ones((1, width), dtype=np.float32))
+    if width == 64:
+        c.infer("small_mlp", [inp])
+    else:
+        with pytest.raises(InferenceServerException):
+            c.infer("small_mlp", [inp])
+
+
+def _new_lines(gw: Proc, since: int, needle: str) -> list[str]:
+    time.sleep(0.3)  # the pump thread reads the process's output
+    return [line for line in gw.output[since:] if needle in line]
+
+
+def test_log_settings_switch_request_lines_and_formats(gateway: Proc) -> None:
+    http = httpclient.InferenceServerClient(gateway.http)
+    assert "logging" in http.get_server_metadata()["extensions"]
+    assert http.get_log_settings() == {"log_file": "", "log_info": True, "log_warning": True, "log_error": True,
+                                       "log_verbose_level": 0, "log_format": "default"}
+    with grpcclient.InferenceServerClient(gateway.grpc) as c:
+        mark = len(gateway.output)
+        _infer(c)
+        assert _new_lines(gateway, mark, "infer small_mlp") == []  # INFO: no line per request
+        got = c.update_log_settings({"log_verbose_level": 1}, as_json=True)["settings"]
+        assert got["log_verbose_level"] == {"uint32_param": 1} and got["log_info"] == {"bool_param": True}
+        mark = len(gateway.output)
+        _infer(c)
+        assert len(_new_lines(gateway, mark, "infer small_mlp")) == 1  # DEBUG: one line per request
+
+        assert http.update_log_settings({"log_verbose_level": 0, "log_format": "json"})["log_format"] == "json"
+        mark = len(gateway.output)
+        _infer(c, width=63)  # a client error: one WARNING line, as JSON now
+        (line,) = _new_lines(gateway, mark, "small_mlp")
+        record = json.loads(line)
+        assert record["level"] == "WARNING" and record["model"] == "small_mlp" and record["status"] == "INVALID_ARG"
+
+        c.update_log_settings({"log_warning": False})
+        mark = len(gateway.output)
+        _infer(c, width=63)
+        assert _new_lines(gateway, mark, "small_mlp") == []  # warnings off: the same error leaves no line
+
+        with pytest.raises(InferenceServerException, match="'log_info' must be a boolean"):
+            http.update_log_settings({"log_info": "yes"})
+        with pytest.raises(InferenceServerException, match="'log_file' cannot be set") as caught:
+            c.update_log_settings({"log_file": "/tmp/meshserve.log"})
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        req = urllib.request.Request(f"http://{gateway.http}/v2/logging", data=b"[]", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(req, timeout=10)
+        assert bad.value.code == 400 and b"JSON object" in bad.value.read()
+        assert c.get_log_settings(as_json=True)["settings"]["log_warning"] == {"bool_param": False}
+    http.close()
