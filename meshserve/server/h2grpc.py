@@ -979,8 +979,10 @@ class _Connection(H2Endpoint):
                 return
             msg, size = item
             st.queued -= size
-            if st.parked and not st.closed and self._messages(st) and not st.parked and st.remote_ended:
-                self._remote_end(st)  # the last parked messages are queued: now the end of the stream
+            if st.parked and not st.closed:  # room in the queue: take messages still waiting in buf
+                unparked = self._messages(st) and not st.parked
+                if unparked and st.remote_ended:
+                    self._remote_end(st)  # the last parked messages are queued: now the end of the stream
             self._settle(st)
             yield deser(msg) if deser else msg
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshserve.telemetry.logs import formatter
+from meshserve.telemetry.logs import TEXT_FORMAT, formatter
 
 KEYS = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
 FORMATS = ("default", "ISO8601", "json")
@@ -92,7 +92,7 @@ class LogSettings:
 
 def _formatter(fmt: str) -> logging.Formatter:
     if fmt == "ISO8601":
-        iso = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%SZ")
+        iso = logging.Formatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%SZ")
         iso.converter = time.gmtime
         return iso
     return formatter("json" if fmt == "json" else "text")

@@ -72,15 +72,15 @@ class TraceSettings:
         """Level OFF for this model: not even a client's sampled context gets spans here."""
         if not self._off:
             return False
-        return model in self._off if model in self.models and "trace_level" in self.models[model] \
-            else "" in self._off
+        own = self.models.get(model)
+        return (model if own is not None and "trace_level" in own else "") in self._off
 
     def take_root(self, model: str) -> bool:
         """A root of ``model`` passed the ratio: count it against trace_count; False when none is left."""
         if not self.counting:
             return True
-        scope = self.models.get(model) if model in self.models and "trace_count" in self.models[model] else None
-        values = scope if scope is not None else self.globals
+        own = self.models.get(model)
+        values = own if own is not None and "trace_count" in own else self.globals
         left = int(values["trace_count"][0])
         if left < 0:
             return True
