@@ -10,6 +10,7 @@ from gateway.quotas.memory import MemoryQuotaStore
 from gateway.quotas.redis import RedisQuotaStore
 from gateway.routes import RouteTable
 from gateway.upstream.pool import ReplicaPool
+from meshserve.server import limits as server_limits
 from meshserve.server.process import run, serve, setup_logging
 from meshserve.telemetry import tracing
 
@@ -49,10 +50,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    server_limits.add_arguments(ap)
 
 
 def main(args: argparse.Namespace) -> None:
     setup_logging(args.log_level, args.log_format)
+    limits = server_limits.from_args(args)
     tracing.configure("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
     if not args.upstream and not args.discovery:
         raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")
@@ -76,7 +79,7 @@ def main(args: argparse.Namespace) -> None:
                            ensembles=ensembles)
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                    metrics_port=args.metrics_port)
+                    metrics_port=args.metrics_port, limits=limits)
 
     run(amain())
 

@@ -22,6 +22,7 @@ from meshserve.server import observe
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2grpc import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
+from meshserve.server.limits import ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
@@ -276,7 +277,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
 
 
 async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthState,
-                            extra_options: list[tuple[str, Any]] | None = None) -> tuple[Any, int]:
+                            extra_options: list[tuple[str, Any]] | None = None,
+                            limits: ServerLimits | None = None) -> tuple[Any, int]:
     """Build, bind and start the gRPC server; returns (server, bound port).
 
     The server is meshserve's own HTTP/2 implementation (h2grpc: ~3-4x less CPU per call

@@ -17,6 +17,7 @@ from meshserve.protocol import http_codec, wire
 from meshserve.protocol.errors import InferError
 from meshserve.server import observe
 from meshserve.server.core import RequestContext, V2Core
+from meshserve.server.limits import ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
@@ -214,7 +215,8 @@ async def start_metrics_server(core: V2Core, host: str, port: int) -> tuple[web.
     return await _start(web.Server(handle, access_log=None), host, port)
 
 
-async def start_http_server(core: V2Core, host: str, port: int) -> tuple[web.BaseRunner, int]:
+async def start_http_server(core: V2Core, host: str, port: int,
+                            limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
     """Start the REST server on the running loop; returns (runner, bound port)."""
     return await _start(web.Server(HttpFrontend(core).handle, access_log=None), host, port)
 

@@ -17,6 +17,7 @@ from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
 from meshserve.server.http_frontend import start_http_server, start_metrics_server
+from meshserve.server.limits import ServerLimits
 
 log = logging.getLogger("meshserve.process")
 
@@ -47,13 +48,15 @@ class Endpoints:
 
 async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, http_port: int | None,
                 metrics_port: int | None = None, grace_s: float = 10.0,
-                on_ready: Callable[[Endpoints], Awaitable[None]] | None = None) -> None:
+                on_ready: Callable[[Endpoints], Awaitable[None]] | None = None,
+                limits: ServerLimits | None = None) -> None:
+    limits = limits if limits is not None else ServerLimits()
     health = HealthState()
-    grpc_server, gport = await start_grpc_server(core, host, grpc_port, health)
+    grpc_server, gport = await start_grpc_server(core, host, grpc_port, health, limits=limits)
     runner = None
     hport = None
     if http_port is not None:
-        runner, hport = await start_http_server(core, host, http_port)
+        runner, hport = await start_http_server(core, host, http_port, limits)
     metrics_runner = None
     if metrics_port is not None:
         metrics_runner, mport = await start_metrics_server(core, host, metrics_port)

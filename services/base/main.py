@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshserve.server import limits as server_limits
 from meshserve.server.process import run, serve, setup_logging
 from meshserve.telemetry import tracing
 from services.base.control import MODES, ModelControl
@@ -26,11 +27,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    server_limits.add_arguments(ap)
 
 
 def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespace,
          gpu_available: bool = False, core_cls: type[ServiceCore] = ServiceCore) -> None:
     setup_logging(args.log_level, args.log_format)
+    limits = server_limits.from_args(args)
     tracing.configure(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default
     if not args.repository.is_dir():
         raise SystemExit(f"meshserve service {kind}: model repository {args.repository} does not exist")
@@ -44,6 +47,6 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
         core.control = control
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
-                    http_port=args.http_port, metrics_port=args.metrics_port)
+                    http_port=args.http_port, metrics_port=args.metrics_port, limits=limits)
 
     run(amain())

@@ -1,0 +1,86 @@
+"""The limits every front door enforces (gateway and services alike), as one record.
+
+Each field is a command-line flag of `meshserve gateway` and `meshserve service` (see
+`add_arguments`); docs/security.md lists them with their defaults and what a client sees when
+it crosses one. The defaults follow the hardened HTTP/2 stacks (grpc C-core, nghttp2, Go's
+net/http2) where those have one, and are sized so that one request may still carry a real
+tensor (a batch of 1024x1024 RGB FP32 images is 12 MiB per image).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    # ---- one request -----------------------------------------------------------------
+    # Largest gRPC message and largest HTTP body (after decompression) a client may send.
+    max_request_bytes: int = 64 * MiB
+    # ---- admission (the whole process) -------------------------------------------------
+    # Inference requests admitted and not yet answered; beyond it: 429 + Retry-After /
+    # RESOURCE_EXHAUSTED, at once. 0 = unbounded.
+    max_inflight: int = 512
+    # Bytes of admitted, unanswered inference requests (their serialized size).
+    max_inflight_bytes: int = 512 * MiB
+    # ---- HTTP/2 (gRPC) -----------------------------------------------------------------
+    max_concurrent_streams: int = 1024  # SETTINGS_MAX_CONCURRENT_STREAMS; excess: REFUSED_STREAM
+    # Rapid reset (CVE-2023-44487): client RST_STREAMs (and refused streams) as a token bucket;
+    # an empty bucket ends the connection with GOAWAY(ENHANCE_YOUR_CALM). nghttp2's numbers.
+    stream_reset_burst: int = 1000
+    stream_reset_rate: float = 33.0  # per second
+    # Received bytes a connection may hold that no handler has taken yet (window budget).
+    conn_receive_buffer_bytes: int = 96 * MiB
+    # Response bytes a connection may hold that the peer's flow-control window or the socket
+    # has not taken yet; beyond it the connection is closed.
+    conn_send_buffer_bytes: int = 64 * MiB
+    # Control frames (PING/SETTINGS ACKs) queued while the peer does not read; beyond: GOAWAY.
+    max_pending_control_frames: int = 1000
+    # ---- timeouts (both protocols) -----------------------------------------------------
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this after it starts
+    read_timeout_s: float = 60.0  # a started body/message must keep arriving: max silence
+    idle_timeout_s: float = 300.0  # a connection with nothing in flight is closed after this
+    keepalive_interval_s: float = 60.0  # HTTP/2: PING a silent connection this often ...
+    keepalive_timeout_s: float = 20.0  # ... and close it if the ACK takes longer than this
+
+
+_HELP = {
+    "max_request_bytes": "largest gRPC message / HTTP body (decompressed) a client may send",
+    "max_inflight": "inference requests in progress at once in this process; more get 429 / "
+                    "RESOURCE_EXHAUSTED (0 = unbounded)",
+    "max_inflight_bytes": "bytes of inference requests in progress at once (0 = unbounded)",
+    "max_concurrent_streams": "HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; excess streams are refused",
+    "stream_reset_burst": "HTTP/2 rapid-reset guard: resets a connection may make in a burst",
+    "stream_reset_rate": "HTTP/2 rapid-reset guard: resets per second refilled",
+    "conn_receive_buffer_bytes": "HTTP/2: received bytes one connection may hold unread by handlers",
+    "conn_send_buffer_bytes": "HTTP/2: response bytes one connection may hold unsent; more closes it",
+    "max_pending_control_frames": "HTTP/2: queued PING/SETTINGS replies before GOAWAY",
+    "header_timeout_s": "seconds for a request's headers to arrive",
+    "read_timeout_s": "seconds a started request body may stay silent",
+    "idle_timeout_s": "seconds an idle connection is kept",
+    "keepalive_interval_s": "HTTP/2: seconds of silence before the server PINGs",
+    "keepalive_timeout_s": "HTTP/2: seconds to wait for the PING's ACK",
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """One flag per ServerLimits field (e.g. --max-request-bytes), defaults from the record."""
+    group = ap.add_argument_group("limits (docs/security.md)")
+    for f in fields(ServerLimits):
+        default = f.default
+        group.add_argument(flag(f.name), dest=f"limit_{f.name}", type=type(default), default=default,
+                           metavar="N", help=f"{_HELP[f.name]} (default {default})")
+
+
+def from_args(args: argparse.Namespace) -> ServerLimits:
+    values = {f.name: getattr(args, f"limit_{f.name}") for f in fields(ServerLimits)}
+    for name, value in values.items():
+        if value < 0:
+            raise SystemExit(f"{flag(name)}: must be >= 0, got {value}")
+    return ServerLimits(**values)
