@@ -23,7 +23,7 @@ from load.inputs import ModelInfo, Payload, build_payloads, model_info
 from load.rawhttp import HttpPool
 from load.scenario import Scenario, Target
 from load.transport import OK, GrpcSender, H2GrpcSender, HttpSender, RawHttpSender, StreamSender
-from meshserve.server import h2client
+from meshserve.server import h2
 
 
 class Sender(Protocol):
@@ -106,7 +106,7 @@ class Driver:
         self.wall_s = 0.0
         self.setup_errors: list[str] = []
         self.pool: HttpPool | None = None
-        self.h2: h2client.Channel | None = None
+        self.h2: h2.Channel | None = None
 
     async def _prepare(self, session: aiohttp.ClientSession, channel: grpc.aio.Channel | None) -> None:
         sc = self.sc
@@ -132,7 +132,7 @@ class Driver:
                 self.senders.append(HttpSender(session, sc.http, t, key_, sc.timeout_s))
             elif t.protocol == "grpc" and sc.grpc_client == "h2":
                 if self.h2 is None:
-                    self.h2 = h2client.Channel(sc.grpc)
+                    self.h2 = h2.Channel(sc.grpc)
                 self.senders.append(H2GrpcSender(self.h2, t, key_, sc.timeout_s))
             elif t.protocol == "grpc":
                 assert channel is not None

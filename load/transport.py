@@ -19,7 +19,7 @@ from load.rawhttp import HttpPool, build_request
 from load.scenario import Target
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
-from meshserve.server import h2client
+from meshserve.server import h2
 
 OK = "ok"
 _INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -115,7 +115,7 @@ class H2GrpcSender:
     """Unary ModelInfer on meshserve's own HTTP/2 client: the same bytes on the wire as grpc.aio's
     unary call, at a fraction of its client CPU (which on a small machine competes with the server)."""
 
-    def __init__(self, channel: h2client.Channel, target: Target, api_key: str | None, timeout_s: float):
+    def __init__(self, channel: h2.Channel, target: Target, api_key: str | None, timeout_s: float):
         self.channel = channel
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.timeout = timeout_s
@@ -125,7 +125,7 @@ class H2GrpcSender:
             conn = await self.channel.get()
             await conn.unary(_INFER, p.grpc, self.metadata, self.timeout)
             return OK
-        except h2client.GrpcError as exc:
+        except h2.GrpcError as exc:
             return f"grpc {_STATUS_NAMES.get(exc.code, str(exc.code))}"
         except Exception as exc:  # noqa: BLE001
             return _exc_label(exc)

@@ -1,7 +1,7 @@
 """Infer requests multiplexed over a few long-lived ModelStreamInfer calls per replica.
 
 A message on an open stream costs far less than a unary call, so the gateway -> service hop
-uses streams, on meshserve's own HTTP/2 client (meshserve/server/h2client.py: a request is one
+uses streams, on meshserve's own HTTP/2 client (meshserve/server/h2/client.py: a request is one
 DATA frame in the connection's write buffer, a response goes to a callback from the frame
 loop). Requests are matched to responses by a gateway-assigned id appended to the request
 bytes (protobuf: the last occurrence of a singular field wins); the client's own id is
@@ -24,7 +24,7 @@ import zlib
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server import h2client
+from meshserve.server import h2
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway.stream")
@@ -48,17 +48,17 @@ class _Stream:
     call are open wait in ``_backlog`` (in order) and are written the moment the call opens, so
     ``send`` never suspends and never lets a later request overtake an earlier one."""
 
-    def __init__(self, channel: h2client.Channel, name: str):
+    def __init__(self, channel: h2.Channel, name: str):
         self.name = name
         self.pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
         self._ids = itertools.count(1)
         self.broken = False
         self.answered = False  # a response arrived: the stream reached the service
-        self._call: h2client.ClientStream | None = None
+        self._call: h2.ClientStream | None = None
         self._backlog: list[tuple[str, bytes]] = []  # (id, request) sent while opening
         self._opening: asyncio.Task[None] | None = asyncio.ensure_future(self._open(channel))
 
-    async def _open(self, channel: h2client.Channel) -> None:
+    async def _open(self, channel: h2.Channel) -> None:
         try:
             conn = await channel.get()
             if self.broken:  # closed while connecting
@@ -66,7 +66,7 @@ class _Stream:
             # the marker tells the service that requests without trace parameters were not sampled
             call = conn.open_stream(_METHOD, _STREAM_METADATA, self._on_message, self._on_close)
         except Exception as exc:  # connect refused / timed out, connection closing: nothing was sent
-            self._on_close(h2client.UNAVAILABLE, f"cannot connect: {exc}" if str(exc) else
+            self._on_close(h2.Status.UNAVAILABLE, f"cannot connect: {exc}" if str(exc) else
                            f"cannot connect: {type(exc).__name__}")
             return
         finally:
@@ -79,7 +79,7 @@ class _Stream:
             try:
                 call.send(raw)
             except ConnectionError:
-                self._on_close(h2client.UNAVAILABLE, "stream closed while opening")
+                self._on_close(h2.Status.UNAVAILABLE, "stream closed while opening")
                 return
 
     def _on_message(self, raw: bytes) -> None:
@@ -146,7 +146,7 @@ class StreamPool:
         self.size = streams
         self._streams: list[_Stream | None] = [None] * streams
         self._rr = itertools.count()
-        self._channel = h2client.Channel(endpoint, _CONNECT_TIMEOUT_S)
+        self._channel = h2.Channel(endpoint, _CONNECT_TIMEOUT_S)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
 
     def _stream(self, affinity: str | None = None) -> _Stream:

@@ -20,7 +20,7 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.server import observe
 from meshserve.server.core import RequestContext, V2Core
-from meshserve.server.h2grpc import H2GrpcServer
+from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT
@@ -281,7 +281,7 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
                             limits: ServerLimits | None = None) -> tuple[Any, int]:
     """Build, bind and start the gRPC server; returns (server, bound port).
 
-    The server is meshserve's own HTTP/2 implementation (h2grpc: ~3-4x less CPU per call
+    The server is meshserve's own HTTP/2 implementation (meshserve.server.h2: ~3-4x less CPU per call
     than grpc.aio here); `MESHSERVE_GRPC_SERVER=aio` selects grpc.aio instead."""
     if os.environ.get("MESHSERVE_GRPC_SERVER", "h2") != "aio":
         h2 = H2GrpcServer(max_receive_message_length=dict(SERVER_OPTIONS + (extra_options or []))

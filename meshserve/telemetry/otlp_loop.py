@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from meshserve.telemetry.spans import DEFER_S, Record, Scope, Span, env_int
 
 if TYPE_CHECKING:
-    from meshserve.server.h2client import Channel
+    from meshserve.server.h2 import Channel
 
 log = logging.getLogger("meshserve.tracing")
 
@@ -219,7 +219,7 @@ class LoopExportQueue:
             self._poke()
 
     async def _export(self, batch: Sequence[tuple[Scope, bytes]], channel: Channel | None = None) -> bool:
-        from meshserve.server.h2client import Channel, GrpcError
+        from meshserve.server.h2 import Channel, GrpcError
 
         body = self.encode_batch(batch)
         if channel is None:
@@ -276,7 +276,7 @@ class LoopExportQueue:
             return
 
         async def final() -> None:
-            from meshserve.server.h2client import Channel
+            from meshserve.server.h2 import Channel
 
             channel = Channel(self.target.endpoint, connect_timeout=min(2.0, self.target.timeout_s))
             try:

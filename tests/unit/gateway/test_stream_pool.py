@@ -15,7 +15,7 @@ import pytest
 
 from gateway.upstream.stream import NotSent, StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.server.h2grpc import H2GrpcServer
+from meshserve.server.h2 import H2GrpcServer
 
 
 def _request(i: int) -> bytes:

@@ -1,4 +1,4 @@
-"""h2client (our HTTP/2 client for long-lived gRPC streams) against our H2GrpcServer and a real
+"""meshserve.server.h2.client (our HTTP/2 client for long-lived gRPC streams) against our H2GrpcServer and a real
 grpc.aio server, both on 127.0.0.1 port 0 inside the test's own event loop.
 
 Every call is a bidi stream on raw bytes (the gateway's ModelStreamInfer use): `open_stream`,
@@ -22,8 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
-from meshserve.server.h2client import Channel, ClientStream, GrpcError, H2ClientConnection, connect
-from meshserve.server.h2grpc import H2GrpcServer
+from meshserve.server.h2 import Channel, ClientStream, GrpcError, H2ClientConnection, H2GrpcServer, connect
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 SERVICE = "t.Client"

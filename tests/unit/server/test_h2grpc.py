@@ -1,4 +1,4 @@
-"""h2grpc.H2GrpcServer conformance: the real grpcio client (aio and sync), a strict HTTP/2
+"""meshserve.server.h2.H2GrpcServer conformance: the real grpcio client (aio and sync), a strict HTTP/2
 client (the `h2` package) and hand-built frames against small test handlers.
 
 Every server listens on 127.0.0.1 port 0 inside the test's own event loop (the thread-based
@@ -28,7 +28,7 @@ import hpack
 import pytest
 
 from meshserve._proto import health_pb2
-from meshserve.server.h2grpc import H2GrpcServer
+from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState, health_handler
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
@@ -1406,7 +1406,7 @@ async def test_h2_a_flood_of_empty_request_messages_waits_unparsed(env: Env) -> 
     STREAM_MAX_QUEUED unread ones the rest stay raw bytes (bounded by the window) and the window
     is not given back; as the handler reads on they are queued, and the stream ends after the
     last of them; nothing is lost."""
-    from meshserve.server.h2grpc import STREAM_MAX_QUEUED
+    from meshserve.server.h2 import STREAM_MAX_QUEUED
 
     flood = STREAM_MAX_QUEUED * 3
     c = await H2Client.connect(env.port)

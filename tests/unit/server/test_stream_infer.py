@@ -11,7 +11,7 @@ import pytest
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server import grpc_frontend
 from meshserve.server.core import InferResult, RequestContext
-from meshserve.server.h2grpc import H2GrpcServer
+from meshserve.server.h2 import H2GrpcServer
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 

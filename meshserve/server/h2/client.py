@@ -4,7 +4,7 @@ The gateway → service hop keeps a few ModelStreamInfer calls open per replica 
 message per request. With grpc.aio each message cost a queue hop, an async generator step and
 the channel's poller thread; here a message is one DATA frame appended to the connection's
 write buffer, and a response message is handed to a callback straight from the frame loop.
-Framing, flow control and HPACK decoding are shared with the server (h2grpc.H2Endpoint).
+Framing, flow control and HPACK decoding are shared with the server (connection.H2Endpoint).
 """
 from __future__ import annotations
 
@@ -16,28 +16,28 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from meshserve.server.h2grpc import (
-    CANCEL,
+from meshserve.server.h2.connection import H2Endpoint
+from meshserve.server.h2.frames import (
     DATA,
     END_DATA,
     END_STREAM,
     PREFACE,
-    PROTOCOL_ERROR,
-    REFUSED_STREAM,
     RST_STREAM,
-    H2Endpoint,
-    _ConnectionError,
-    _frame,
-    _frame_header,
-    _literal,
-    _md_value,
+    U32,
+    ErrorCode,
+    H2ConnectionError,
+    Status,
+    frame,
+    frame_header,
+    literal,
+    md_value,
 )
 
 log = logging.getLogger("meshserve.grpc.h2client")
 
-UNAVAILABLE, UNKNOWN, INTERNAL, UNIMPLEMENTED = 14, 2, 13, 12
-_HTTP_TO_GRPC = {400: INTERNAL, 401: 16, 403: 7, 404: UNIMPLEMENTED, 429: UNAVAILABLE, 502: UNAVAILABLE,
-                 503: UNAVAILABLE, 504: UNAVAILABLE}
+_HTTP_TO_GRPC = {400: Status.INTERNAL, 401: Status.UNAUTHENTICATED, 403: Status.PERMISSION_DENIED,
+                 404: Status.UNIMPLEMENTED, 429: Status.UNAVAILABLE, 502: Status.UNAVAILABLE,
+                 503: Status.UNAVAILABLE, 504: Status.UNAVAILABLE}
 
 
 def _percent_decode(value: bytes) -> str:
@@ -52,7 +52,7 @@ def _parse_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any
         if k == b":status":
             status = int(v) if v.isdigit() else 0
         elif k == b"grpc-status":
-            code = int(v) if v.isdigit() else UNKNOWN
+            code = int(v) if v.isdigit() else Status.UNKNOWN
         elif k == b"grpc-message":
             message = _percent_decode(v)
         elif k == b"grpc-encoding":
@@ -87,7 +87,7 @@ class ClientStream:
     the end (trailers, reset, lost connection) to `on_close` exactly once."""
 
     __slots__ = ("conn", "sid", "send_window", "out", "closed", "recv_unacked", "buf", "on_message",
-                 "on_close", "header_block", "header_flags", "got_headers", "encoding")
+                 "on_close", "header_block", "header_flags", "got_headers", "encoding", "waiter")
 
     def __init__(self, conn: H2ClientConnection, sid: int, on_message: OnMessage, on_close: OnClose):
         self.conn = conn
@@ -103,6 +103,7 @@ class ClientStream:
         self.header_flags = 0
         self.got_headers = False
         self.encoding: bytes | None = None
+        self.waiter: asyncio.Future[None] | None = None  # unused: sends are not awaited
 
     def send(self, payload: bytes, end_stream: bool = False) -> None:
         """Write one message; `end_stream` half-closes the call after it (unary requests)."""
@@ -115,7 +116,7 @@ class ClientStream:
                 and n + 5 <= conn.peer_max_frame:
             conn.send_window -= n + 5
             self.send_window -= n + 5
-            conn._write(_frame_header(DATA, END_STREAM if end_stream else 0, self.sid, n + 5) + header)
+            conn._write(frame_header(DATA, END_STREAM if end_stream else 0, self.sid, n + 5) + header)
             conn._write(payload)
             return
         self.out.append((DATA, header))
@@ -126,12 +127,12 @@ class ClientStream:
         conn._drain(self)
 
     def cancel(self) -> None:
-        """RST_STREAM(CANCEL); on_close is not called."""
+        """RST_STREAM(ErrorCode.CANCEL); on_close is not called."""
         if not self.closed:
             self.closed = True
             self.conn.streams.pop(self.sid, None)
             self.conn.blocked.discard(self)
-            self.conn._write(_frame(RST_STREAM, 0, self.sid, CANCEL.to_bytes(4, "big")))
+            self.conn._write(frame(RST_STREAM, 0, self.sid, U32.pack(ErrorCode.CANCEL)))
 
 
 class H2ClientConnection(H2Endpoint):
@@ -154,7 +155,7 @@ class H2ClientConnection(H2Endpoint):
         self.closed = True
         reason = f"connection to {self.authority.decode()} lost" + (f": {exc}" if exc else "")
         for st in list(self.streams.values()):
-            self._end(st, UNAVAILABLE, reason)
+            self._end(st, Status.UNAVAILABLE, reason)
         self.streams.clear()
         self.blocked.clear()
 
@@ -162,11 +163,11 @@ class H2ClientConnection(H2Endpoint):
                     on_close: OnClose) -> ClientStream:
         if not self.usable:
             raise ConnectionError(f"connection to {self.authority.decode()} is closing")
-        block = (_literal(b":method", b"POST") + _literal(b":scheme", b"http") + _literal(b":path", path.encode())
-                 + _literal(b":authority", self.authority) + _literal(b"content-type", b"application/grpc")
-                 + _literal(b"te", b"trailers"))
+        block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", path.encode())
+                 + literal(b":authority", self.authority) + literal(b"content-type", b"application/grpc")
+                 + literal(b"te", b"trailers"))
         for k, v in metadata:
-            block += _literal(k.lower().encode(), _md_value(k, v))
+            block += literal(k.lower().encode(), md_value(k, v))
         sid = self.next_sid
         self.next_sid += 2
         st = ClientStream(self, sid, on_message, on_close)
@@ -193,14 +194,14 @@ class H2ClientConnection(H2Endpoint):
             code, details = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
         except TimeoutError:
             st.cancel()
-            raise GrpcError(4, "Deadline Exceeded") from None
+            raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:
             st.cancel()
             raise
         if code:
             raise GrpcError(code, details)
         if len(messages) != 1:
-            raise GrpcError(INTERNAL, f"a unary call answered {len(messages)} messages")
+            raise GrpcError(Status.INTERNAL, f"a unary call answered {len(messages)} messages")
         return messages[0]
 
     def close(self) -> None:
@@ -224,7 +225,7 @@ class H2ClientConnection(H2Endpoint):
         block = self._fragment(flags, payload)
         if st is None:  # a stream we cancelled: keep the HPACK table in step
             if sid % 2 == 0 or sid >= self.next_sid:
-                raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS on unknown stream {sid}")
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"HEADERS on unknown stream {sid}")
             st = ClientStream(self, sid, lambda m: None, lambda c, d: None)
             st.closed = True
         self._header_block(st, flags, block)
@@ -238,11 +239,11 @@ class H2ClientConnection(H2Endpoint):
             st.got_headers = True
             st.encoding = encoding
             if status != 200:
-                self._end(st, _HTTP_TO_GRPC.get(status or 0, UNKNOWN), f"HTTP status {status} from the server")
+                self._end(st, _HTTP_TO_GRPC.get(status or 0, Status.UNKNOWN), f"HTTP status {status} from the server")
                 return
         if code is not None or flags & END_STREAM:
             if code is None:
-                code, message = INTERNAL, "stream ended without grpc-status"
+                code, message = Status.INTERNAL, "stream ended without grpc-status"
             self._end(st, code, message)
 
     def _on_data(self, flags: int, sid: int, data: bytes, start: int, end: int) -> None:
@@ -268,8 +269,8 @@ class H2ClientConnection(H2Endpoint):
                     try:
                         msg = zlib.decompress(msg, 16 + zlib.MAX_WBITS if st.encoding == b"gzip" else zlib.MAX_WBITS)
                     except zlib.error as exc:
-                        self._end(st, INTERNAL, f"cannot decompress a response: {exc}")
-                        self._write(_frame(RST_STREAM, 0, st.sid, CANCEL.to_bytes(4, "big")))
+                        self._end(st, Status.INTERNAL, f"cannot decompress a response: {exc}")
+                        self._write(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.CANCEL)))
                         return
                 pos += 5 + size
                 st.on_message(msg)
@@ -278,19 +279,19 @@ class H2ClientConnection(H2Endpoint):
             if pos:
                 del buf[:pos]
         if flags & END_STREAM and not st.closed:
-            self._end(st, INTERNAL, "stream ended without trailers")
+            self._end(st, Status.INTERNAL, "stream ended without trailers")
 
     def _on_reset(self, sid: int, code: int) -> None:
         st = self.streams.get(sid)
         if st is not None:
-            what = "refused the stream" if code == REFUSED_STREAM else f"reset the stream (HTTP/2 error {code})"
-            self._end(st, UNAVAILABLE, f"{self.authority.decode()} {what}")
+            what = "refused the stream" if code == ErrorCode.REFUSED_STREAM else f"reset the stream (HTTP/2 error {code})"
+            self._end(st, Status.UNAVAILABLE, f"{self.authority.decode()} {what}")
 
     def _on_goaway(self, last_sid: int, code: int) -> None:
         self.going_away = True
         for sid, st in list(self.streams.items()):
             if sid > last_sid:
-                self._end(st, UNAVAILABLE, f"{self.authority.decode()} is going away (stream not processed)")
+                self._end(st, Status.UNAVAILABLE, f"{self.authority.decode()} is going away (stream not processed)")
 
     def _closed(self, st: Any) -> None:  # we never send END_STREAM HEADERS from the client
         pass

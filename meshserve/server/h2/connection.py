@@ -1,0 +1,409 @@
+"""The HTTP/2 connection layer shared by our server and client: the frame loop, SETTINGS,
+PING, flow control both ways, CONTINUATION, HPACK decoding with a cache, write batching."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import hpack
+
+from meshserve.server.h2.frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_DATA,
+    END_HEADERS,
+    END_STREAM,
+    FRAME_HEADER,
+    GOAWAY,
+    HEADERS,
+    LOCAL_CONN_WINDOW,
+    LOCAL_HEADER_TABLE,
+    LOCAL_MAX_FRAME,
+    LOCAL_STREAM_WINDOW,
+    MAX_HEADER_BLOCK,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    TRACE_FIELD,
+    U32,
+    WINDOW_UPDATE,
+    ErrorCode,
+    H2ConnectionError,
+    frame,
+    frame_header,
+    plain_decode,
+)
+
+log = logging.getLogger("meshserve.grpc.h2")
+logging.getLogger("hpack").setLevel(logging.WARNING)  # it logs every header it decodes at DEBUG
+
+
+class H2Endpoint(asyncio.Protocol):
+    """HTTP/2 framing shared by our server and client connections: the frame loop, SETTINGS,
+    PING, flow control both ways, CONTINUATION, write batching. Subclasses handle HEADERS,
+    DATA, RST_STREAM and GOAWAY for their side of the streams."""
+
+    expect_preface = False
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.peername: Any = None
+        self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
+        self.decoder.max_allowed_table_size = LOCAL_HEADER_TABLE
+        self.streams: dict[int, Any] = {}
+        self.preface = not self.expect_preface
+        self.chunks: list[bytes] = []
+        self.chunks_len = 0
+        self.need = 0
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.peer_max_frame = 16384
+        self.send_window = DEFAULT_WINDOW
+        self.recv_unacked = 0
+        self.last_sid = 0
+        self.wbuf: list[bytes] = []
+        self.flush_scheduled = False
+        self.blocked: set[Any] = set()
+        self.going_away = False
+        self.continuation: Any = None
+        self.closed = False
+        self.hcache: dict[bytes, tuple[Any, ...]] = {}
+
+    def _preamble(self) -> bytes:
+        """Our SETTINGS and a connection window big enough for large tensors."""
+        settings = b"".join(struct.pack(">HI", k, v) for k, v in (
+            (0x1, LOCAL_HEADER_TABLE), (0x2, 0), (0x4, LOCAL_STREAM_WINDOW), (0x5, LOCAL_MAX_FRAME)))
+        return (frame(SETTINGS, 0, 0, settings)
+                + frame(WINDOW_UPDATE, 0, 0, U32.pack(LOCAL_CONN_WINDOW - DEFAULT_WINDOW)))
+
+    # hooks for the two sides
+    def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _headers_complete(self, st: Any, flags: int, block: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_data(self, flags: int, sid: int, data: bytes, start: int, end: int) -> None:
+        raise NotImplementedError
+
+    def _on_reset(self, sid: int, code: int) -> None:
+        raise NotImplementedError
+
+    def _on_goaway(self, last_sid: int, code: int) -> None:
+        self.going_away = True
+
+    def _closed(self, st: Any) -> None:
+        """The stream's final frame (END_STREAM HEADERS) was written."""
+        raise NotImplementedError
+
+    def _replenish(self, st: Any, length: int, ended: bool) -> None:
+        """Receive-side flow control: give back what a DATA frame used, in big increments."""
+        self.recv_unacked += length
+        if self.recv_unacked >= LOCAL_CONN_WINDOW // 2:
+            self.wbuf.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
+            self.recv_unacked = 0
+        if st is not None:
+            self._credit_stream(st, length, ended)
+
+    def _credit_stream(self, st: Any, length: int, ended: bool) -> None:
+        """Give ``length`` bytes back to a stream's window, in big increments (none once ended)."""
+        st.recv_unacked += length
+        if not ended and st.recv_unacked >= LOCAL_STREAM_WINDOW // 2:
+            self._write(frame(WINDOW_UPDATE, 0, st.sid, U32.pack(st.recv_unacked)))
+            st.recv_unacked = 0
+
+    def _fragment(self, flags: int, payload: bytes) -> bytes:
+        """The header block fragment of a HEADERS frame: without padding and priority fields."""
+        start, end = self._unpad(flags, payload, 0, len(payload))
+        if flags & PRIORITY_FLAG:
+            start += 5
+        if start > end:
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
+        return payload[start:end]
+
+    @staticmethod
+    def _unpad(flags: int, data: bytes, start: int, end: int) -> tuple[int, int]:
+        if flags & PADDED:
+            if end == start or data[start] >= end - start:
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "padding exceeds the frame")
+            return start + 1, end - data[start]
+        return start, end
+
+    # ---- reading ---------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self.chunks:
+            self.chunks.append(data)
+            self.chunks_len += len(data)
+            if self.chunks_len < self.need:
+                return
+            data = b"".join(self.chunks)
+            self.chunks.clear()
+            self.chunks_len = 0
+        try:
+            pos = 0
+            if not self.preface:
+                if len(data) < 24:
+                    if not PREFACE.startswith(data):
+                        raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "not an HTTP/2 prior-knowledge connection")
+                    self._keep(data, 24)
+                    return
+                if data[:24] != PREFACE:
+                    raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "not an HTTP/2 prior-knowledge connection")
+                self.preface = True
+                pos = 24
+            n = len(data)
+            while n - pos >= 9:
+                hi, lo, typ, flags, sid = FRAME_HEADER.unpack_from(data, pos)
+                length = hi << 16 | lo
+                end = pos + 9 + length
+                if length > LOCAL_MAX_FRAME:
+                    raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, f"frame of {length} bytes exceeds {LOCAL_MAX_FRAME}")
+                if end > n:
+                    break
+                sid &= 0x7FFFFFFF
+                if self.continuation is not None and typ != CONTINUATION:
+                    raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "expected CONTINUATION")
+                if typ == DATA:
+                    self._on_data(flags, sid, data, pos + 9, end)
+                elif typ == HEADERS:
+                    self._on_headers(flags, sid, data[pos + 9:end])
+                elif typ == CONTINUATION:
+                    self._on_continuation(flags, sid, data[pos + 9:end])
+                elif typ == SETTINGS:
+                    self._on_settings(flags, sid, data[pos + 9:end])
+                elif typ == WINDOW_UPDATE:
+                    self._on_window_update(sid, data[pos + 9:end])
+                elif typ == PING:
+                    if length != 8:
+                        raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
+                    if not flags & ACK:
+                        self.wbuf.append(frame(PING, ACK, 0, data[pos + 9:end]))
+                elif typ == RST_STREAM:
+                    if length != 4:
+                        raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM payload must be 4 bytes")
+                    self._on_reset(sid, U32.unpack_from(data, pos + 9)[0])
+                elif typ == GOAWAY:
+                    if length < 8:
+                        raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "GOAWAY payload too short")
+                    self._on_goaway(U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF,
+                                    U32.unpack_from(data, pos + 13)[0])
+                elif typ == PUSH_PROMISE:
+                    raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "clients must not push")
+                # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
+                pos = end
+            if pos < n:
+                rest = data[pos:]
+                need = 9
+                if len(rest) >= 9:
+                    hi, lo = rest[0], int.from_bytes(rest[1:3], "big")
+                    need = 9 + (hi << 16 | lo)
+                self._keep(rest, need)
+        except H2ConnectionError as exc:
+            self._fatal(exc.code, str(exc))
+            return
+        except Exception as exc:  # never let one connection's bug take the loop down
+            log.exception("HTTP/2 connection error")
+            self._fatal(ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
+            return
+        self._flush()
+
+    def _keep(self, data: bytes, need: int) -> None:
+        self.chunks = [data]
+        self.chunks_len = len(data)
+        self.need = need
+
+    def _fatal(self, code: int, message: str) -> None:
+        log.debug("closing HTTP/2 connection from %s: %s", self.peername, message)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_sid) + U32.pack(code)
+                                        + message.encode()[:256]))
+            self.transport.close()
+
+    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            return
+        if len(payload) % 6:
+            raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+        grown = False
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == 0x4:
+                if value > 0x7FFFFFFF:
+                    raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE too large")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for st in self.streams.values():
+                    st.send_window += delta
+                grown = grown or delta > 0
+            elif key == 0x5:
+                if not 16384 <= value <= 16777215:
+                    raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
+                self.peer_max_frame = value
+        # The ACK goes out before any DATA the new settings allow: grpc core (and h2) count a
+        # larger INITIAL_WINDOW_SIZE only once it is acknowledged, and grpc fails the stream
+        # ("frame of size N overflows local window") on DATA that arrives before the ACK.
+        self.wbuf.append(frame(SETTINGS, ACK, 0))
+        if grown:
+            self._unblock_all()
+
+    def _on_window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
+        inc = U32.unpack(payload)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if inc == 0 or self.send_window + inc > 0x7FFFFFFF:
+                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR if inc == 0 else ErrorCode.FLOW_CONTROL_ERROR,
+                                       "invalid connection WINDOW_UPDATE")
+            self.send_window += inc
+            self._unblock_all()
+            return
+        st = self.streams.get(sid)
+        if st is not None:
+            st.send_window += inc
+            if st in self.blocked:
+                self.blocked.discard(st)
+                self._drain(st)
+
+    def _unblock_all(self) -> None:
+        if self.blocked:
+            waiting = list(self.blocked)
+            self.blocked.clear()
+            for st in waiting:
+                self._drain(st)
+
+    def _on_continuation(self, flags: int, sid: int, payload: bytes) -> None:
+        st = self.continuation
+        if st is None or st.sid != sid or st.header_block is None:
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "unexpected CONTINUATION")
+        st.header_block += payload
+        if len(st.header_block) > MAX_HEADER_BLOCK:
+            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "header block too large")
+        if flags & END_HEADERS:
+            self.continuation = None
+            block, st.header_block = bytes(st.header_block), None
+            self._headers_complete(st, st.header_flags, block)
+
+    def _header_block(self, st: Any, flags: int, block: bytes) -> None:
+        """A HEADERS frame's fragment: complete, or the start of a CONTINUATION sequence."""
+        if not flags & END_HEADERS:
+            st.header_block = bytearray(block)
+            st.header_flags = flags
+            self.continuation = st
+            return
+        self._headers_complete(st, flags, block)
+
+    def _decode(self, block: bytes, parse: Callable[[Any], tuple[Any, ...]]
+                ) -> tuple[Any, ...]:
+        """HPACK-decode a header block and `parse` it. A block that leaves the dynamic table as
+        it was (a repeat request whose fields are all indexed: every gRPC call after the first
+        on a connection) is cached, and the cache is dropped whenever a block changes the
+        table, since indexes then shift."""
+        plain = plain_decode(block)
+        if plain is not None:  # the table is untouched: no need for the hpack decoder
+            parsed = parse(plain)
+            self._cache(block, parsed)
+            return parsed
+        table = self.decoder.header_table.dynamic_entries
+        before = (len(table), table[0] if table else None)
+        try:
+            headers = self.decoder.decode(block, raw=True)
+        except Exception as exc:
+            raise H2ConnectionError(ErrorCode.COMPRESSION_ERROR, f"HPACK: {exc}") from None
+        parsed = parse(headers)
+        if len(table) != before[0] or (table[0] if table else None) is not before[1]:
+            self.hcache.clear()
+        else:
+            self._cache(block, parsed)
+        return parsed
+
+    def _cache(self, block: bytes, parsed: tuple[Any, ...]) -> None:
+        if TRACE_FIELD in block:  # a trace id each (a sampled response's trailers): never repeats
+            return
+        if len(self.hcache) >= 256:  # other one-off blocks: start afresh
+            self.hcache.clear()
+        self.hcache[block] = parsed
+
+    # ---- writing (flow-controlled) ---------------------------------------------------------
+    def _headers(self, sid: int, flags: int, block: bytes) -> bytes:
+        """A header block as HEADERS (+ CONTINUATION) frames no larger than the peer's
+        MAX_FRAME_SIZE (RFC 9113 4.2, 6.10). `flags` may hold END_STREAM; END_HEADERS goes on
+        the last frame. The frames must be written together (nothing may come between them)."""
+        limit = self.peer_max_frame
+        if len(block) <= limit:
+            return frame(HEADERS, flags | END_HEADERS, sid, block)
+        last = (len(block) - 1) // limit * limit  # offset of the final piece
+        return b"".join([frame(HEADERS, flags & ~END_HEADERS, sid, block[:limit])]
+                        + [frame(CONTINUATION, END_HEADERS if i == last else 0, sid, block[i:i + limit])
+                           for i in range(limit, len(block), limit)])
+
+    def _drain(self, st: Any) -> None:
+        out = st.out
+        while out:
+            kind, item = out[0]
+            if kind == HEADERS:
+                out.popleft()
+                self._write(self._headers(st.sid, END_STREAM, item))
+                self._closed(st)
+                return
+            if kind == END_DATA:
+                out.popleft()
+                self._write(frame(DATA, END_STREAM, st.sid))
+                continue
+            size = len(item)
+            while size:
+                n = min(size, self.send_window, st.send_window, self.peer_max_frame)
+                if n <= 0:
+                    self.blocked.add(st)
+                    self._schedule_flush()
+                    if st.waiter is not None:
+                        self._wake(st)
+                    return
+                self.send_window -= n
+                st.send_window -= n
+                self._write(frame_header(DATA, 0, st.sid, n))
+                if n == size:
+                    self._write(item)
+                    size = 0
+                else:
+                    mv = memoryview(item)
+                    self._write(mv[:n])
+                    item = mv[n:]
+                    size -= n
+                    out[0] = (DATA, item)
+            out.popleft()
+        if st.waiter is not None:
+            self._wake(st)
+
+    @staticmethod
+    def _wake(st: Any) -> None:
+        """Wake the task waiting for room in the stream's send queue (it checks again)."""
+        waiter = st.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self.wbuf.append(data)  # type: ignore[arg-type]
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        if self.wbuf:
+            buf, self.wbuf = self.wbuf, []
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.writelines(buf)
