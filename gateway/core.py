@@ -26,6 +26,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError, model_not_found
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
+from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway")
@@ -58,7 +59,8 @@ GATEWAY_FAMILIES = {
 class GatewayCore:
     def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
-                 routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None):
+                 routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None,
+                 max_request_bytes: int = ServerLimits().max_request_bytes):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica).
         self.pool = pool if pool is not None else ReplicaPool(upstreams)
         self.replicas = self.pool.replicas  # one list, updated in place as replicas come and go
@@ -67,7 +69,8 @@ class GatewayCore:
         self.request_counts: Counter[tuple[str, str]] = Counter()
         # Merged requests in flight per model and healthy replica (0 disables coalescing).
         self.coalesce_inflight = coalesce_inflight
-        self.coalescer = Coalescer(self._send, self._max_inflight)
+        # A merge stays within the services' message limit (assumed the same as ours: --max-request-bytes).
+        self.coalescer = Coalescer(self._send, self._max_inflight, max_request_bytes)
         self.turns = SequenceTurns()
         self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.

@@ -75,8 +75,8 @@ def main(args: argparse.Namespace) -> None:
 
     async def amain() -> None:
         core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
-                           pool=pool, routes=routes,
-                           ensembles=ensembles)
+                           pool=pool, routes=routes, ensembles=ensembles,
+                           max_request_bytes=limits.max_request_bytes)
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                     metrics_port=args.metrics_port, limits=limits)

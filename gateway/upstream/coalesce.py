@@ -27,6 +27,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError
+from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
 
@@ -158,11 +159,18 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
     return out
 
 
+# What a merged request carries besides its tensors' bytes (names, shapes, parameters), per member:
+# a generous bound, so the merge stays under the byte limit however the fields are encoded.
+_MEMBER_OVERHEAD = 4096
+_DEFAULT_MAX_BYTES = ServerLimits().max_request_bytes
+
+
 @dataclass
 class _Group:
-    # (request, rows, future, timeout s, enqueued monotonic ns, the request's sampled span or None)
+    # (request, rows, future, timeout s, enqueued monotonic ns, the request's sampled span or None,
+    #  its tensor bytes)
     pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int,
-                         Span | None]] = field(default_factory=deque)
+                         Span | None, int]] = field(default_factory=deque)
     inflight: int = 0
     scheduled: bool = False
 
@@ -172,11 +180,14 @@ Send = Callable[..., Awaitable[pb.ModelInferResponse]]
 
 
 class Coalescer:
-    """Merges concurrently pending requests per key; at most `max_inflight` sends per key."""
+    """Merges concurrently pending requests per key; at most `max_inflight` sends per key, and
+    a merge never grows past `max_bytes` (the services' --max-request-bytes: a larger merged
+    message would be refused with RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, send: Send, max_inflight: Callable[[], int]):
+    def __init__(self, send: Send, max_inflight: Callable[[], int], max_bytes: int = _DEFAULT_MAX_BYTES):
         self._send_fn = send
         self._max_inflight = max_inflight
+        self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
         self.merged_sends = 0
         self.merged_requests = 0
@@ -196,20 +207,23 @@ class Coalescer:
                 self._drain(key, group, max_batch)
         fut: asyncio.Future[pb.ModelInferResponse] = asyncio.get_running_loop().create_future()
         group.pending.append((request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
-                              tracing.current_var.get() if tracing.enabled else None))
+                              tracing.current_var.get() if tracing.enabled else None,
+                              sum(map(len, request.raw_input_contents)) + _MEMBER_OVERHEAD))
         self._drain(key, group, max_batch)
         return await fut
 
     def _drain(self, key: Key, group: _Group, max_batch: int) -> None:
         while group.pending and group.inflight < self._max_inflight():
-            chunk = []
-            total = 0
-            while group.pending and total + group.pending[0][1] <= max_batch:
+            chunk: list[tuple] = []
+            total = size = 0
+            while group.pending and total + group.pending[0][1] <= max_batch and (
+                    not chunk or size + group.pending[0][6] <= self.max_bytes):
                 item = group.pending.popleft()
                 if item[2].done():  # the client went away
                     continue
                 chunk.append(item)
                 total += item[1]
+                size += item[6]
             if not chunk:
                 continue
             group.inflight += 1
@@ -248,11 +262,11 @@ class Coalescer:
                         response = await self._send_fn(merged, None, timeout)
                     responses = split(response, requests, rows)
             except BaseException as exc:  # noqa: BLE001 - every member gets the outcome
-                for _, _, fut, _, _, _ in chunk:
+                for _, _, fut, _, _, _, _ in chunk:
                     if not fut.done():
                         fut.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
                 return
-            for (_, _, fut, _, _, _), resp in zip(chunk, responses, strict=True):
+            for (_, _, fut, _, _, _, _), resp in zip(chunk, responses, strict=True):
                 if not fut.done():
                     fut.set_result(resp)
         finally:

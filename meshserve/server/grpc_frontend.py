@@ -281,11 +281,15 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
                             limits: ServerLimits | None = None) -> tuple[Any, int]:
     """Build, bind and start the gRPC server; returns (server, bound port).
 
-    The server is meshserve's own HTTP/2 implementation (meshserve.server.h2: ~3-4x less CPU per call
+    `limits` (default ServerLimits()) bound it: message size, HTTP/2 streams, resets, buffers
+    and timeouts (docs/security.md). The server is meshserve's own HTTP/2 implementation (meshserve.server.h2: ~3-4x less CPU per call
     than grpc.aio here); `MESHSERVE_GRPC_SERVER=aio` selects grpc.aio instead."""
+    limits = limits or ServerLimits()
+    max_receive = limits.max_request_bytes or MAX_MESSAGE_BYTES
+    options = SERVER_OPTIONS + [("grpc.max_receive_message_length", max_receive)] + (extra_options or [])
     if os.environ.get("MESHSERVE_GRPC_SERVER", "h2") != "aio":
-        h2 = H2GrpcServer(max_receive_message_length=dict(SERVER_OPTIONS + (extra_options or []))
-                          ["grpc.max_receive_message_length"])
+        h2 = H2GrpcServer(max_receive_message_length=dict(options)["grpc.max_receive_message_length"],
+                          limits=limits)
         h2.add_registered_method_handlers(SERVICE, inference_methods(core))
         h2.add_generic_rpc_handlers((health_handler(health),))
         try:
@@ -294,7 +298,7 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
             raise OSError(f"cannot bind gRPC port {host}:{port}: {exc}") from None
         await h2.start()
         return h2, bound
-    server = grpc.aio.server(options=SERVER_OPTIONS + (extra_options or []))
+    server = grpc.aio.server(options=options)
     if hasattr(server, "add_registered_method_handlers"):
         # Registered methods are matched once at registration, not by name on every call.
         server.add_registered_method_handlers(SERVICE, inference_methods(core))

@@ -120,6 +120,7 @@ class ClientStream:
             conn._write(payload)
             return
         self.out.append((DATA, header))
+        conn.queued_out += n + 5
         if payload:
             self.out.append((DATA, memoryview(payload)))
         if end_stream:
@@ -132,14 +133,21 @@ class ClientStream:
             self.closed = True
             self.conn.streams.pop(self.sid, None)
             self.conn.blocked.discard(self)
+            self.conn._discard_out(self)
             self.conn._write(frame(RST_STREAM, 0, self.sid, U32.pack(ErrorCode.CANCEL)))
 
 
+# The largest response message the client takes (the services are a trusted hop, and outputs may
+# be large, but one message must not grow a buffer without end).
+MAX_RESPONSE_BYTES = 1 << 30
+
+
 class H2ClientConnection(H2Endpoint):
-    def __init__(self, authority: str):
+    def __init__(self, authority: str, max_receive: int = MAX_RESPONSE_BYTES):
         super().__init__()
         self.authority = authority.encode()
         self.next_sid = 1
+        self.max_receive = max_receive
 
     @property
     def usable(self) -> bool:
@@ -215,6 +223,7 @@ class H2ClientConnection(H2Endpoint):
         st.closed = True
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
+        self._discard_out(st)
         try:
             st.on_close(code, details)
         except Exception:  # one stream's callback must not keep the others from ending
@@ -262,6 +271,12 @@ class H2ClientConnection(H2Endpoint):
             pos = 0
             while len(buf) - pos >= 5:
                 size = int.from_bytes(buf[pos + 1:pos + 5], "big")
+                if size > self.max_receive:
+                    self._end(st, Status.RESOURCE_EXHAUSTED,
+                              f"response message larger than max ({size} vs. {self.max_receive})")
+                    self._write(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.CANCEL)))
+                    st.buf = bytearray()
+                    return
                 if len(buf) - pos - 5 < size:
                     break
                 msg = bytes(buf[pos + 5:pos + 5 + size])

@@ -33,6 +33,10 @@ from meshserve.server.h2.frames import (
     PUSH_PROMISE,
     RST_STREAM,
     SETTINGS,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_HEADER_TABLE_SIZE,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
     TRACE_FIELD,
     U32,
     WINDOW_UPDATE,
@@ -53,6 +57,9 @@ class H2Endpoint(asyncio.Protocol):
     DATA, RST_STREAM and GOAWAY for their side of the streams."""
 
     expect_preface = False
+    # Our receive window for the whole connection. The server sets it to its receive budget
+    # (ServerLimits.conn_receive_buffer_bytes) and gives bytes back only as handlers take them.
+    conn_window = LOCAL_CONN_WINDOW
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -68,22 +75,31 @@ class H2Endpoint(asyncio.Protocol):
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = 16384
         self.send_window = DEFAULT_WINDOW
-        self.recv_unacked = 0
+        self.recv_unacked = 0  # released bytes not yet given back with a WINDOW_UPDATE
+        self.recv_window = self.conn_window  # what the peer may still send us (enforced)
+        self.window_update_at = self.conn_window // 8
         self.last_sid = 0
         self.wbuf: list[bytes] = []
         self.flush_scheduled = False
         self.blocked: set[Any] = set()
         self.going_away = False
         self.continuation: Any = None
+        self.continuation_since = 0.0
         self.closed = False
         self.hcache: dict[bytes, tuple[Any, ...]] = {}
+        self.paused = False  # the transport's write buffer is over its high-water mark
+        self.queued_out = 0  # bytes of DATA waiting in streams' send queues (the peer's windows)
+        self.heard = False  # bytes arrived since the last timer tick (keepalive)
+
+    def _settings(self) -> tuple[tuple[int, int], ...]:
+        return ((SETTINGS_HEADER_TABLE_SIZE, LOCAL_HEADER_TABLE), (SETTINGS_ENABLE_PUSH, 0),
+                (SETTINGS_INITIAL_WINDOW_SIZE, LOCAL_STREAM_WINDOW), (SETTINGS_MAX_FRAME_SIZE, LOCAL_MAX_FRAME))
 
     def _preamble(self) -> bytes:
         """Our SETTINGS and a connection window big enough for large tensors."""
-        settings = b"".join(struct.pack(">HI", k, v) for k, v in (
-            (0x1, LOCAL_HEADER_TABLE), (0x2, 0), (0x4, LOCAL_STREAM_WINDOW), (0x5, LOCAL_MAX_FRAME)))
+        settings = b"".join(struct.pack(">HI", k, v) for k, v in self._settings())
         return (frame(SETTINGS, 0, 0, settings)
-                + frame(WINDOW_UPDATE, 0, 0, U32.pack(LOCAL_CONN_WINDOW - DEFAULT_WINDOW)))
+                + frame(WINDOW_UPDATE, 0, 0, U32.pack(self.conn_window - DEFAULT_WINDOW)))
 
     # hooks for the two sides
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
@@ -106,13 +122,21 @@ class H2Endpoint(asyncio.Protocol):
         raise NotImplementedError
 
     def _replenish(self, st: Any, length: int, ended: bool) -> None:
-        """Receive-side flow control: give back what a DATA frame used, in big increments."""
-        self.recv_unacked += length
-        if self.recv_unacked >= LOCAL_CONN_WINDOW // 2:
-            self.wbuf.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
-            self.recv_unacked = 0
+        """Receive-side flow control: give back what a DATA frame used (the connection's part
+        in big increments, or at once when the peer's window runs low)."""
+        self._release(length)
         if st is not None:
             self._credit_stream(st, length, ended)
+
+    def _release(self, length: int) -> None:
+        """``length`` received bytes are no longer held: give them back to the connection window."""
+        self.recv_unacked += length
+        if self.recv_unacked >= self.window_update_at or self.recv_window < self.window_update_at:
+            if self.recv_unacked:
+                self.wbuf.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
+                self.recv_window += self.recv_unacked
+                self.recv_unacked = 0
+                self._schedule_flush()
 
     def _credit_stream(self, st: Any, length: int, ended: bool) -> None:
         """Give ``length`` bytes back to a stream's window, in big increments (none once ended)."""
@@ -140,6 +164,7 @@ class H2Endpoint(asyncio.Protocol):
 
     # ---- reading ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         if self.chunks:
             self.chunks.append(data)
             self.chunks_len += len(data)
@@ -173,6 +198,10 @@ class H2Endpoint(asyncio.Protocol):
                 if self.continuation is not None and typ != CONTINUATION:
                     raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "expected CONTINUATION")
                 if typ == DATA:
+                    self.recv_window -= length
+                    if self.recv_window < 0:
+                        raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR,
+                                                f"DATA beyond the connection window ({-self.recv_window} bytes over)")
                     self._on_data(flags, sid, data, pos + 9, end)
                 elif typ == HEADERS:
                     self._on_headers(flags, sid, data[pos + 9:end])
@@ -186,7 +215,10 @@ class H2Endpoint(asyncio.Protocol):
                     if length != 8:
                         raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
                     if not flags & ACK:
+                        self._control_reply()
                         self.wbuf.append(frame(PING, ACK, 0, data[pos + 9:end]))
+                    else:
+                        self._on_ping_ack(data[pos + 9:end])
                 elif typ == RST_STREAM:
                     if length != 4:
                         raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM payload must be 4 bytes")
@@ -223,10 +255,28 @@ class H2Endpoint(asyncio.Protocol):
 
     def _fatal(self, code: int, message: str) -> None:
         log.debug("closing HTTP/2 connection from %s: %s", self.peername, message)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_sid) + U32.pack(code)
-                                        + message.encode()[:256]))
-            self.transport.close()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            self.wbuf.clear()
+            transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_sid) + U32.pack(code)
+                                  + message.encode()[:256]))
+            if self.paused:  # the peer does not read: drop what it has not taken, free it now
+                transport.abort()
+            else:
+                transport.close()
+
+    # ---- write-side backpressure -------------------------------------------------------------
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+
+    def _control_reply(self) -> None:
+        """A PING or SETTINGS ACK is about to be queued (the server caps them; see there)."""
+
+    def _on_ping_ack(self, payload: bytes) -> None:
+        """The peer acknowledged a PING of ours."""
 
     def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
         if sid != 0:
@@ -253,6 +303,7 @@ class H2Endpoint(asyncio.Protocol):
         # The ACK goes out before any DATA the new settings allow: grpc core (and h2) count a
         # larger INITIAL_WINDOW_SIZE only once it is acknowledged, and grpc fails the stream
         # ("frame of size N overflows local window") on DATA that arrives before the ACK.
+        self._control_reply()
         self.wbuf.append(frame(SETTINGS, ACK, 0))
         if grown:
             self._unblock_all()
@@ -300,6 +351,7 @@ class H2Endpoint(asyncio.Protocol):
             st.header_block = bytearray(block)
             st.header_flags = flags
             self.continuation = st
+            self.continuation_since = self.loop.time()
             return
         self._headers_complete(st, flags, block)
 
@@ -371,6 +423,7 @@ class H2Endpoint(asyncio.Protocol):
                     return
                 self.send_window -= n
                 st.send_window -= n
+                self.queued_out -= n
                 self._write(frame_header(DATA, 0, st.sid, n))
                 if n == size:
                     self._write(item)
@@ -384,6 +437,12 @@ class H2Endpoint(asyncio.Protocol):
             out.popleft()
         if st.waiter is not None:
             self._wake(st)
+
+    def _discard_out(self, st: Any) -> None:
+        """Drop what a finished stream still had queued to send (and its count)."""
+        if st.out:
+            self.queued_out -= sum(len(item) for kind, item in st.out if kind == DATA)
+            st.out.clear()
 
     @staticmethod
     def _wake(st: Any) -> None:
@@ -407,3 +466,9 @@ class H2Endpoint(asyncio.Protocol):
             buf, self.wbuf = self.wbuf, []
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.writelines(buf)
+                if self.paused:
+                    self._over_send_budget()
+
+    def _over_send_budget(self) -> bool:
+        """The server closes a connection that holds too much unsent output (see there)."""
+        return False

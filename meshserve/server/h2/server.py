@@ -42,10 +42,13 @@ from meshserve.server.h2.frames import (
     END_STREAM,
     GOAWAY,
     HEADERS,
+    LOCAL_MAX_FRAME,
     LOCAL_STREAM_WINDOW,
     MESSAGE_PREFIX,
+    PING,
     RESPONSE_HEADERS,
     RST_STREAM,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
     TRAILERS_OK,
     U32,
     ErrorCode,
@@ -58,6 +61,7 @@ from meshserve.server.h2.frames import (
     parse_timeout,
     percent_encode,
 )
+from meshserve.server.limits import ServerLimits
 
 log = logging.getLogger("meshserve.grpc.h2")
 
@@ -66,6 +70,11 @@ STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handl
 STREAM_MAX_QUEUED = 4096
 # response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window
 STREAM_SEND_QUEUE = 64
+# The connection receive budget is full when less than this is left of it (a frame or so): the
+# newest partly received message is then failed so that the others can complete.
+RECEIVE_SLACK = 1 << 16
+MAX_WINDOW = 2**31 - 1  # the largest HTTP/2 flow-control window
+MAX_MESSAGE = 2**31 - 1  # gRPC's own ceiling (a 32-bit length prefix, as grpc's int limit)
 
 _STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
@@ -127,7 +136,7 @@ _EOF = object()
 class ServerStream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "timer",
-                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter")
+                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -153,6 +162,7 @@ class ServerStream:
         self.header_flags = 0
         self.cancelled = False  # ended by RST_STREAM, a lost connection or the deadline
         self.waiter: asyncio.Future[None] | None = None  # a handler waiting for room in `out`
+        self.held = 0  # received message bytes not yet taken by the handler (connection window)
 
 
 class ServicerContext:
@@ -240,28 +250,206 @@ class ServicerContext:
     def disable_next_message_compression(self) -> None:
         pass
 
+
+KEEPALIVE_PING = b"meshkeep"
+
+
 class ServerConnection(H2Endpoint):
-    """The server side of one client connection."""
+    """The server side of one client connection, with the limits of ServerLimits (docs/grpc.md
+    "Limits"): concurrent streams, a rapid-reset budget, a receive budget (the connection window
+    comes back only as handlers take what arrived), a send budget, a cap on control-frame
+    replies the peer does not read, and header / idle / keepalive timeouts on one timer."""
 
     expect_preface = True
 
     def __init__(self, server: H2GrpcServer):
+        self.conn_window = server.conn_window  # before H2Endpoint sizes the receive window by it
         super().__init__()
         self.server = server
+        limits = server.limits
+        self.max_streams = limits.max_concurrent_streams
+        self.reset_burst = limits.stream_reset_burst
+        self.reset_rate = limits.stream_reset_rate
+        self.reset_tokens = float(self.reset_burst)
+        self.reset_at = 0.0
+        self.send_budget = limits.conn_send_buffer_bytes
+        self.max_control = limits.max_pending_control_frames
+        self.control_backlog = 0
+        self.held = 0  # bytes of request messages received and not yet taken by handlers
+        self.timer: asyncio.TimerHandle | None = None
+        self.started_at = 0.0
+        self.idle_since: float | None = None
+        self.idle_sid = -1
+        self.silent_since = 0.0
+        self.ping_sent: float | None = None
+        self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
+
+    def _settings(self) -> tuple[tuple[int, int], ...]:
+        settings = super()._settings()
+        if self.max_streams:
+            settings += ((SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams),)
+        return settings
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
         self.peername = transport.get_extra_info("peername")
         self.server._conns.add(self)
         transport.write(self._preamble())  # type: ignore[attr-defined]
+        self.started_at = self.silent_since = self.reset_at = self.loop.time()
+        if self.server.tick:
+            self.timer = self.loop.call_later(self.server.tick, self._on_tick)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server._conns.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         for st in list(self.streams.values()):
             self._abandon(st)
         self.streams.clear()
         self.blocked.clear()
+        self.wbuf.clear()
+        self.chunks.clear()
+        self.queued_out = 0
+
+    # ---- limits --------------------------------------------------------------------------------
+    def _charge_reset(self) -> None:
+        """Rapid reset (CVE-2023-44487): each client RST_STREAM and each refused stream takes a
+        token; the bucket holds stream_reset_burst and refills at stream_reset_rate per second.
+        Empty: GOAWAY(ENHANCE_YOUR_CALM) and close."""
+        burst = self.reset_burst
+        if not burst:
+            return
+        now = self.loop.time()
+        tokens = min(float(burst), self.reset_tokens + (now - self.reset_at) * self.reset_rate) - 1.0
+        self.reset_at = now
+        self.reset_tokens = tokens
+        if tokens < 0:
+            raise H2ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
+                                    f"too many stream resets (more than {burst} at once, "
+                                    f"--stream-reset-burst / --stream-reset-rate {self.reset_rate:g}/s)")
+
+    def _control_reply(self) -> None:
+        """PING and SETTINGS ACKs queued while the peer does not read (the socket's buffer is
+        over its high-water mark): more than max_pending_control_frames is a flood."""
+        if self.paused and self.max_control:
+            self.control_backlog += 1
+            if self.control_backlog > self.max_control:
+                raise H2ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
+                                        f"more than {self.max_control} PING/SETTINGS replies queued that the "
+                                        f"peer does not read (--max-pending-control-frames)")
+
+    def _on_ping_ack(self, payload: bytes) -> None:
+        if payload == KEEPALIVE_PING:
+            self.ping_sent = None
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self.control_backlog = 0
+        for st in list(self.streams.values()):
+            if st.waiter is not None:
+                self._wake(st)
+
+    def _over_send_budget(self) -> bool:
+        """Close the connection when what it holds unsent (in streams' queues for the peer's
+        windows, and in the socket's buffer) exceeds conn_send_buffer_bytes; True when closed.
+        Checked before a new message is queued, so one message larger than the budget still
+        goes to a peer that reads."""
+        budget = self.send_budget
+        if not budget or self.transport is None:
+            return False
+        pending = self.queued_out + self.transport.get_write_buffer_size()
+        if pending <= budget:
+            return False
+        log.info("closing HTTP/2 connection from %s: %d response bytes unsent, over --conn-send-buffer-bytes %d",
+                 self.peername, pending, budget)
+        self.paused = True  # do not wait for the peer: drop what it has not taken (abort)
+        self._fatal(ErrorCode.ENHANCE_YOUR_CALM,
+                    f"{pending} response bytes unsent, over the connection's send budget of {budget} bytes")
+        for st in list(self.streams.values()):
+            self._abandon(st)
+        self.streams.clear()
+        self.blocked.clear()
+        self.queued_out = 0
+        return True
+
+    def _unhold(self, st: ServerStream, n: int) -> None:
+        """`n` received bytes of `st` were taken by its handler (or dropped): the connection
+        window gets them back."""
+        st.held -= n
+        self.held -= n
+        self._release(n)
+
+    def _receive_budget_full(self) -> None:
+        """The connection window is (nearly) all held by messages that have not yet arrived
+        whole, so nothing can complete: fail the newest stream that holds a partial message
+        (RESOURCE_EXHAUSTED) so the others can go on."""
+        partial = [st for st in self.streams.values() if st.buf and st.held]
+        if not partial:
+            return  # held by complete messages that handlers will take: flow control waits for them
+        st = max(partial, key=lambda s: s.sid)
+        self._finish(st, Status.RESOURCE_EXHAUSTED,
+                     f"connection receive buffer full: {self.held} bytes of partly received messages held "
+                     f"(--conn-receive-buffer-bytes {self.conn_window}); send large messages one at a time "
+                     f"or on separate connections")
+
+    def _on_tick(self) -> None:
+        """One timer per connection, every `tick` seconds: header, idle and keepalive timeouts.
+        Nothing on the request path but a flag (`heard`) set in data_received."""
+        self.timer = None
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        limits = self.server.limits
+        now = self.loop.time()
+        header_timeout = limits.header_timeout_s
+        if header_timeout:
+            if not self.preface and now - self.started_at >= header_timeout:
+                self._fatal(ErrorCode.PROTOCOL_ERROR, f"no HTTP/2 preface within {header_timeout:g} s "
+                                                      f"(--header-timeout-s)")
+                return
+            if self.continuation is not None and now - self.continuation_since >= header_timeout:
+                self._fatal(ErrorCode.PROTOCOL_ERROR, f"header block not completed within {header_timeout:g} s "
+                                                      f"(--header-timeout-s)")
+                return
+        if self.chunks:  # an incomplete frame: headers must complete in header_timeout, DATA keep coming
+            first = self.chunks[0]
+            if self.partial is None or self.partial[0] is not first:
+                self.partial = (first, now)
+            else:
+                typ = first[3] if len(first) > 3 else HEADERS
+                limit = header_timeout if typ != DATA else limits.read_timeout_s
+                if limit and now - self.partial[1] >= limit:
+                    self._fatal(ErrorCode.PROTOCOL_ERROR, f"a frame not completed within {limit:g} s "
+                                                          f"(--header-timeout-s / --read-timeout-s)")
+                    return
+        else:
+            self.partial = None
+        idle = limits.idle_timeout_s
+        if idle:
+            if self.streams:
+                self.idle_since = None
+            elif self.idle_since is None or self.idle_sid != self.last_sid:
+                self.idle_since, self.idle_sid = now, self.last_sid
+            elif now - self.idle_since >= idle:
+                self._fatal(ErrorCode.NO_ERROR, f"idle for {idle:g} s (--idle-timeout-s)")
+                return
+        interval = limits.keepalive_interval_s
+        if interval:
+            if self.heard:
+                self.heard = False
+                self.silent_since = now
+                self.ping_sent = None
+            elif self.ping_sent is not None:
+                if now - self.ping_sent >= limits.keepalive_timeout_s:
+                    log.debug("closing HTTP/2 connection from %s: keepalive PING not answered", self.peername)
+                    self.paused = True  # a silent peer: abort, do not wait for it to read
+                    self._fatal(ErrorCode.NO_ERROR, "keepalive PING not answered (--keepalive-timeout-s)")
+                    return
+            elif now - self.silent_since >= interval:
+                self.ping_sent = now
+                self._write(frame(PING, 0, 0, KEEPALIVE_PING))
+        self.timer = self.loop.call_later(self.server.tick, self._on_tick)
 
     def _abandon(self, st: ServerStream) -> None:
         """The peer is gone or reset the stream: stop its work, send nothing more."""
@@ -276,6 +464,9 @@ class ServerConnection(H2Endpoint):
             st.queue.put_nowait(_EOF)
         self.blocked.discard(st)
         self._wake(st)
+        self._discard_out(st)
+        if st.held:
+            self._unhold(st, st.held)
         if st.handler is not None:
             self.server._stream_done()
 
@@ -283,6 +474,7 @@ class ServerConnection(H2Endpoint):
         st = self.streams.pop(sid, None)
         if st is not None:
             self._abandon(st)
+        self._charge_reset()
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0 or sid % 2 == 0:
@@ -298,6 +490,14 @@ class ServerConnection(H2Endpoint):
                     return
                 st = ServerStream(sid, 0)
                 st.closed = True
+            elif self.max_streams and len(self.streams) >= self.max_streams:
+                # over SETTINGS_MAX_CONCURRENT_STREAMS: refused (its block is still decoded, to
+                # keep the HPACK table in step); refusals count as resets (rapid reset)
+                self.last_sid = sid
+                st = ServerStream(sid, 0)
+                st.closed = True
+                self.wbuf.append(frame(RST_STREAM, 0, sid, U32.pack(ErrorCode.REFUSED_STREAM)))
+                self._charge_reset()
             else:
                 self.last_sid = sid
                 st = ServerStream(sid, self.peer_initial_window)
@@ -348,29 +548,44 @@ class ServerConnection(H2Endpoint):
     def _on_data(self, flags: int, sid: int, data: bytes, start: int, end: int) -> None:
         if sid == 0:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+        length = end - start
         st = self.streams.get(sid)
         if st is None or st.closed or st.handler is None:  # refused or already answered: drop
-            self._replenish(None, end - start, True)
+            self._release(length)
             return
-        if st.queue is None:  # unary: the whole message is taken at the end, give the window back now
-            self._replenish(st, end - start, bool(flags & END_STREAM))
-        else:  # request streaming: the stream's window comes back unless its handler lags (_settle)
-            self._replenish(None, end - start, True)
-            st.owed += end - start
+        # The stream's window: a unary call's comes back as data arrives (its one message is
+        # bounded by max_receive from its length prefix on); a request-streaming call's as its
+        # handler keeps up (_settle). The connection's comes back only as handlers take the
+        # messages (_unhold): what a connection holds stays within conn_receive_buffer_bytes.
+        if st.queue is not None:
+            st.owed += length
+        elif not flags & END_STREAM:  # (an ended stream's window is never needed again)
+            self._credit_stream(st, length, False)
         start, end = self._unpad(flags, data, start, end)
         if (flags & END_STREAM and st.queue is None and not st.buf and end - start >= 5
                 and U32.unpack_from(data, start + 1)[0] == end - start - 5):
             # the common unary case: the whole message in one frame; one copy, no buffering
+            self.recv_unacked += length  # _release(length), inlined on the hot path
+            if self.recv_unacked >= self.window_update_at or self.recv_window < self.window_update_at:
+                self._release(0)
             st.remote_ended = True
             if end - start - 5 > self.server.max_receive:
                 self._fail_too_large(st, end - start - 5)
                 return
             self._start_unary(st, data[start + 5:end], data[start])
             return
+        if length != end - start:  # padding: nothing to hold
+            self._release(length - (end - start))
         if start < end:
+            st.held += end - start
+            self.held += end - start
             st.buf += memoryview(data)[start:end]
             if not self._messages(st):
                 return
+            if self.held > self.conn_window - RECEIVE_SLACK:
+                self._receive_budget_full()
+                if st.closed:
+                    return
         if st.queue is not None:
             self._settle(st)
         if flags & END_STREAM:
@@ -380,11 +595,14 @@ class ServerConnection(H2Endpoint):
         """Move complete messages out of the stream buffer (into its queue, for request-streaming
         calls). False when the stream was failed (message too large, bad compression)."""
         buf = st.buf
-        if st.queue is None:  # unary request: only the size check, the message is taken at the end
+        if st.queue is None:  # unary request: only the size checks, the message is taken at the end
             if len(buf) >= 5:
                 size = U32.unpack_from(buf, 1)[0]
                 if size > self.server.max_receive:
                     self._fail_too_large(st, size)
+                    return False
+                if len(buf) > 5 + size:
+                    self._finish(st, Status.INTERNAL, "a unary call needs exactly one request message")
                     return False
             return True
         pos = 0
@@ -468,6 +686,8 @@ class ServerConnection(H2Endpoint):
                          "a unary call needs exactly one request message")
             return
         st.buf = bytearray()
+        if st.held:
+            self._unhold(st, st.held)
         self._start_unary(st, bytes(memoryview(buf)[5:]), buf[0])
 
     def _start_unary(self, st: ServerStream, msg: bytes, compressed: int) -> None:
@@ -489,6 +709,8 @@ class ServerConnection(H2Endpoint):
                 return
             msg, size = item
             st.queued -= size
+            if st.held:
+                self._unhold(st, min(size, st.held))
             if st.parked and not st.closed:  # room in the queue: take messages still waiting in buf
                 unparked = self._messages(st) and not st.parked
                 if unparked and st.remote_ended:
@@ -520,7 +742,7 @@ class ServerConnection(H2Endpoint):
                             if st.closed:
                                 return
                             self._send_message(st, ser(item) if ser else item)
-                            if len(st.out) > STREAM_SEND_QUEUE:  # the peer is not reading: wait for its window
+                            if len(st.out) > STREAM_SEND_QUEUE or self.paused:  # the peer is not reading: wait for its window
                                 await self._writable(st)
                     finally:
                         if hasattr(result, "aclose"):
@@ -565,7 +787,7 @@ class ServerConnection(H2Endpoint):
     async def _writable(self, st: ServerStream) -> None:
         """Wait until the stream's unsent messages fit again (the peer's WINDOW_UPDATE let
         _drain write them) or the stream or connection ends: a future, woken by _wake."""
-        while len(st.out) > STREAM_SEND_QUEUE and not st.closed and not self.closed:
+        while (len(st.out) > STREAM_SEND_QUEUE or self.paused) and not st.closed and not self.closed:
             st.waiter = self.loop.create_future()
             try:
                 await st.waiter
@@ -593,6 +815,8 @@ class ServerConnection(H2Endpoint):
     def _reply(self, st: ServerStream, payload: bytes, ctx: ServicerContext) -> None:
         """Unary success: HEADERS, one message, trailers — one write when the windows allow."""
         n = len(payload) + 5
+        if self.paused and self._over_send_budget():
+            return
         trailers = _trailers_block(0, None, ctx._trailing) if ctx._trailing else TRAILERS_OK
         if (not st.headers_sent and not st.out and n <= self.send_window and n <= st.send_window
                 and n <= self.peer_max_frame):
@@ -610,10 +834,11 @@ class ServerConnection(H2Endpoint):
         self._drain(st)
 
     def _send_message(self, st: ServerStream, payload: bytes) -> None:
-        if st.closed:
+        if st.closed or ((self.paused or self.queued_out) and self._over_send_budget()):
             return
         if not st.headers_sent:
             self._send_headers(st)
+        self.queued_out += len(payload) + 5
         st.out.append((DATA, MESSAGE_PREFIX.pack(0, len(payload))))
         if payload:
             st.out.append((DATA, memoryview(payload)))
@@ -661,6 +886,8 @@ class ServerConnection(H2Endpoint):
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
         self._wake(st)
+        if st.held:
+            self._unhold(st, st.held)
         if not st.remote_ended:
             # the client is still sending (e.g. an early error): tell it to stop
             self._write(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.NO_ERROR)))
@@ -685,8 +912,20 @@ class ServerConnection(H2Endpoint):
 class H2GrpcServer:
     """Drop-in for the parts of grpc.aio.Server meshserve uses."""
 
-    def __init__(self, max_receive_message_length: int = 2**31 - 1):
-        self.max_receive = max_receive_message_length
+    def __init__(self, max_receive_message_length: int | None = None, limits: ServerLimits | None = None):
+        """`limits` (default: ServerLimits()'s defaults) bound every connection;
+        `max_receive_message_length`, when given, overrides limits.max_request_bytes."""
+        self.limits = limits = limits or ServerLimits()
+        if max_receive_message_length is None:
+            max_receive_message_length = limits.max_request_bytes or MAX_MESSAGE
+        self.max_receive = min(max_receive_message_length, MAX_MESSAGE)
+        # The receive budget is the connection window; it always fits one largest message.
+        self.conn_window = min(MAX_WINDOW, max(limits.conn_receive_buffer_bytes or MAX_WINDOW,
+                                               self.max_receive + 5 + 2 * LOCAL_MAX_FRAME + RECEIVE_SLACK))
+        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s, limits.idle_timeout_s,
+                                limits.keepalive_interval_s, limits.keepalive_timeout_s) if t > 0]
+        # the connection timer's period: a quarter of the shortest timeout, within [10 ms, 1 s]
+        self.tick = min(1.0, max(0.01, min(timeouts) / 4)) if timeouts else 0.0
         self._methods: dict[str, grpc.RpcMethodHandler | None] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
         self._conns: set[ServerConnection] = set()

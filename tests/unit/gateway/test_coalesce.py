@@ -87,6 +87,11 @@ def test_batch_over_max_and_unbatchable_models() -> None:
     assert ModelShape.of(strings) is None
 
 
+async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    key, rows = merge_key(r, SHAPE)
+    return await c.submit(key, r, None, rows, 8, None)
+
+
 async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
     sent: list[int] = []
     waited: list[int | None] = []
@@ -117,6 +122,34 @@ async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
     for i, out in enumerate(outs):
         assert out.id == f"r{i}"
         np.testing.assert_array_equal(np.frombuffer(out.raw_output_contents[0], np.float32), np.full(16, i + 1.0))
+
+
+async def test_a_merge_stops_at_the_byte_limit() -> None:
+    """A merged message must stay within the services' --max-request-bytes: the merge stops
+    growing there (the rest go in the next one), even when max_batch_size would allow more."""
+    sent: list[tuple[int, int]] = []
+    gate = asyncio.Event()
+
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
+        sent.append((req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1,
+                     req.ByteSize()))
+        await gate.wait()
+        return fake_service(req)
+
+    per_request = 2 * 16 * 4 + 4096  # two FP32 [1, 16] tensors + what the merge assumes for the rest
+    limit = 2 * per_request + 100
+    c = Coalescer(send, lambda: 1, max_bytes=limit)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    for _ in range(1000):  # until the first is sent and the other five wait (no clock involved)
+        if sent and sum(len(g.pending) for g in c._groups.values()) == 5:
+            break
+        await asyncio.sleep(0)
+    gate.set()
+    outs = await asyncio.gather(*tasks)
+    assert [n for n, _ in sent] == [1, 2, 2, 1]  # without the limit: [1, 5]
+    assert all(size <= limit for _, size in sent)
+    assert [o.id for o in outs] == [f"r{i}" for i in range(6)]
 
 
 async def test_a_failing_merged_send_fails_only_its_members() -> None:
