@@ -602,7 +602,7 @@ class ServerConnection(H2Endpoint):
                     self._fail_too_large(st, size)
                     return False
                 if len(buf) > 5 + size:
-                    self._finish(st, Status.INTERNAL, "a unary call needs exactly one request message")
+                    self._finish(st, Status.INVALID_ARGUMENT, "a unary call needs exactly one request message")
                     return False
             return True
         pos = 0
@@ -665,7 +665,7 @@ class ServerConnection(H2Endpoint):
                 raise zlib.error("incomplete or truncated stream")
             return plain
         except (zlib.error, ValueError) as exc:
-            self._finish(st, Status.INTERNAL, f"cannot decompress the request: {exc}")
+            self._finish(st, Status.INVALID_ARGUMENT, f"cannot decompress the request: {exc}")
             return None
 
     def _remote_end(self, st: ServerStream) -> None:
@@ -676,13 +676,13 @@ class ServerConnection(H2Endpoint):
             if st.parked:
                 return  # messages still wait in buf: _requests ends the stream once they are queued
             if st.buf:
-                self._finish(st, Status.INTERNAL, "incomplete message at end of stream")
+                self._finish(st, Status.INVALID_ARGUMENT, "incomplete message at end of stream")
                 return
             st.queue.put_nowait(_EOF)
             return
         buf = st.buf
         if len(buf) < 5 or len(buf) != 5 + U32.unpack_from(buf, 1)[0]:
-            self._finish(st, Status.INTERNAL,
+            self._finish(st, Status.INVALID_ARGUMENT,
                          "a unary call needs exactly one request message")
             return
         st.buf = bytearray()
@@ -729,7 +729,7 @@ class ServerConnection(H2Endpoint):
                 try:
                     request = handler.request_deserializer(message) if handler.request_deserializer else message
                 except Exception as exc:
-                    self._finish(st, Status.INTERNAL, f"Exception deserializing request: {exc}")
+                    self._finish(st, Status.INVALID_ARGUMENT, f"Exception deserializing request: {exc}")
                     return
             fn = (handler.unary_unary or handler.stream_unary) if not handler.response_streaming else \
                 (handler.unary_stream or handler.stream_stream)

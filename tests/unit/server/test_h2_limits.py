@@ -18,6 +18,7 @@ import pytest
 
 from meshserve.server.h2 import ErrorCode
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
+from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import ServerLimits
 from tests.unit.server.h2_support import MiB
 from tests.unit.server.test_h2grpc import (
@@ -421,3 +422,31 @@ async def test_20_mib_messages_and_streams_work_with_the_default_limits() -> Non
         await env.unary("Sleep")(b"0.01", timeout=10)
         await waited(env.probe.started)
         assert path("Echo").startswith("/")
+
+
+# ---- client mistakes are client errors (INVALID_ARGUMENT, never INTERNAL/UNKNOWN) ----------------------
+async def test_malformed_requests_are_invalid_argument() -> None:
+    async with serving() as env:
+        health = HealthState()
+        env.server.add_generic_rpc_handlers((health_handler(health),))
+        raw = await RawConn.open(env.port)
+        enc = hpack.Encoder()
+        check = [(":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Check"),
+                 (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")]
+        raw.send(PREFACE + settings()
+                 # two messages on a unary call
+                 + frame(HEADERS, END_HEADERS, 1, request_headers(enc, "Echo"))
+                 + frame(DATA, END_STREAM, 1, grpc_message(b"one") + grpc_message(b"two"))
+                 # a message cut short by END_STREAM
+                 + frame(HEADERS, END_HEADERS, 3, request_headers(enc, "Echo"))
+                 + frame(DATA, 0, 3, struct.pack(">BI", 0, 100) + b"short")
+                 + frame(DATA, END_STREAM, 3, b"")
+                 # no message at all
+                 + frame(HEADERS, END_HEADERS | END_STREAM, 5, request_headers(enc, "Echo"))
+                 # bytes that are not the method's request message
+                 + frame(HEADERS, END_HEADERS, 7, enc.encode(check))
+                 + frame(DATA, END_STREAM, 7, grpc_message(b"\xff\xff\xff not a protobuf")))
+        got = await raw.read_until(lambda fs: all(stream_ended(s)(fs) for s in (1, 3, 5, 7)))
+        blocks, _ = responses(got)
+        assert {sid: b[-1][b"grpc-status"] for sid, b in blocks.items()} == {1: b"3", 3: b"3", 5: b"3", 7: b"3"}
+        raw.close()
