@@ -47,6 +47,8 @@ from meshserve.server.h2.frames import (
     plain_decode,
 )
 
+MAX_SETTINGS = 32  # entries in one SETTINGS frame (nghttp2's max_settings)
+
 log = logging.getLogger("meshserve.grpc.h2")
 logging.getLogger("hpack").setLevel(logging.WARNING)  # it logs every header it decodes at DEBUG
 
@@ -285,6 +287,9 @@ class H2Endpoint(asyncio.Protocol):
             return
         if len(payload) % 6:
             raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+        if len(payload) > 6 * MAX_SETTINGS:  # each INITIAL_WINDOW_SIZE entry touches every stream
+            raise H2ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
+                                    f"more than {MAX_SETTINGS} entries in one SETTINGS frame")
         grown = False
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)

@@ -342,6 +342,17 @@ async def test_a_ping_flood_that_is_not_read_gets_goaway_enhance_your_calm() -> 
         await still_serving(env)
 
 
+async def test_a_settings_frame_with_too_many_entries_is_enhance_your_calm() -> None:
+    """Each INITIAL_WINDOW_SIZE entry walks every stream: 32 entries per frame at most (nghttp2)."""
+    async with serving() as env:
+        raw = await RawConn.open(env.port)
+        entries = b"".join(struct.pack(">HI", 4, 65535 + i) for i in range(33))
+        raw.send(PREFACE + settings() + frame(SETTINGS, 0, 0, entries))
+        got = await raw.read_to_eof(5.0)
+        assert raw.eof and goaway_code(got) == ENHANCE_YOUR_CALM
+        await still_serving(env)
+
+
 async def test_pings_that_are_read_are_answered() -> None:
     async with serving(limits=limits(max_pending_control_frames=10)) as env:
         raw = await RawConn.open(env.port)
