@@ -1,0 +1,189 @@
+"""Decode large HTTP request bodies in a worker process, so the event loop never waits on them.
+
+A 64 MiB JSON body takes seconds to decode (json, then numpy on the `data` lists), in C calls
+that hold the GIL throughout: in a thread it would stall the event loop just the same. So a
+body whose JSON part exceeds OFFLOAD_BYTES goes to one worker process (started on first use)
+that runs the same `http_codec` function and sends back its result; the event loop only waits
+on a pipe. Smaller bodies, the common case, are decoded in place as before.
+
+Measured on a 64 MiB JSON infer body (FP32 `data`; tests/integration/test_http_limits.py):
+inline, the loop stalls for the whole decode; offloaded, a concurrent small request's latency
+stays within a few milliseconds (the pipe copies run in a thread with the GIL released; what
+remains on the loop's side is unpickling the decoded request, a memcpy-speed protobuf parse).
+
+The worker decodes one body at a time, and restarts itself when its resident memory exceeds
+WORKER_RSS_LIMIT after a job, so the memory a huge JSON document needed is given back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+from meshserve.protocol import http_codec
+from meshserve.protocol.errors import Code, InferError
+
+log = logging.getLogger("meshserve.http")
+
+OFFLOAD_BYTES = 64 * 1024  # JSON larger than this is decoded in the worker
+WORKER_RSS_LIMIT = 256 << 20  # the worker exits after a job that left it larger than this
+
+# What a worker may run: pure functions of (body, *args) returning picklable values.
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    fn.__name__: fn
+    for fn in (
+        http_codec.parse_infer_request,
+        http_codec.parse_json_object,
+        http_codec.parse_trace_settings,
+        http_codec.parse_load_request,
+        http_codec.parse_unload_request,
+        http_codec.parse_index_request,
+    )
+}
+_FRAME = struct.Struct("<QQ")  # header length, body length (request) / result length, 0 (reply)
+
+
+def _read_exact(stream: IO[bytes], n: int) -> bytearray | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = stream.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            return None
+        got += k
+    return buf
+
+
+def _write_all(stream: IO[bytes], data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[stream.write(view) or 0:]
+
+
+class BodyWorker:
+    """The parent's side: one worker process, one job at a time, started on first use."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = asyncio.Lock()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="meshserve-body-worker")
+        self._guard = threading.Lock()
+
+    async def call(self, fn_name: str, body: bytes, *args: Any) -> Any:
+        """FUNCTIONS[fn_name](body, *args) in the worker; its InferError is raised here."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._io, self._call_sync, fn_name, body, args)
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        root = str(Path(__file__).resolve().parents[2])  # the tree this meshserve runs from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        return subprocess.Popen([sys.executable, "-m", "meshserve.server.body_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env, cwd=root, bufsize=0)
+
+    def _call_sync(self, fn_name: str, body: bytes, args: tuple[Any, ...]) -> Any:
+        with self._guard:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                proc = self._proc = self._start()
+            assert proc.stdin is not None and proc.stdout is not None
+            head = pickle.dumps((fn_name, args))
+            try:
+                _write_all(proc.stdin, _FRAME.pack(len(head), len(body)) + head)
+                _write_all(proc.stdin, body)  # unbuffered pipe: straight from `body`, GIL released
+                frame = _read_exact(proc.stdout, _FRAME.size)
+                reply = _read_exact(proc.stdout, _FRAME.unpack(frame)[0]) if frame else None
+            except OSError:
+                reply = None
+            if reply is None:
+                proc.kill()
+                proc.wait()
+                self._proc = None
+                raise InferError.unavailable("the HTTP body decoder process exited; retry the request")
+            status, value = pickle.loads(reply)
+            if status == "exit":  # it answered, then left to give its memory back
+                proc.wait()
+                self._proc = None
+                status, value = value
+        if status == "ok":
+            return value
+        code, message = value
+        raise InferError(Code(code), message)
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._io.shutdown(wait=False)
+
+
+_worker: BodyWorker | None = None
+
+
+def worker() -> BodyWorker:
+    """The process's worker (shared by every HTTP front end of the process)."""
+    global _worker
+    if _worker is None:
+        _worker = BodyWorker()
+    return _worker
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    while True:
+        frame = _read_exact(stdin, _FRAME.size)
+        if frame is None:
+            return  # the parent closed the pipe (or exited)
+        head_len, body_len = _FRAME.unpack(frame)
+        head = _read_exact(stdin, head_len)
+        body = _read_exact(stdin, body_len)
+        if head is None or body is None:
+            return
+        fn_name, args = pickle.loads(head)
+        try:
+            result: tuple[str, Any] = ("ok", FUNCTIONS[fn_name](body, *args))
+        except InferError as exc:
+            result = ("err", (exc.code.value, exc.message))
+        except Exception as exc:  # a decoder bug: report it like the in-process path would
+            log.exception("internal error decoding a request body in the worker")
+            result = ("err", (Code.INTERNAL.value, f"internal error: {type(exc).__name__}: {exc}"))
+        del body
+        leave = _rss_bytes() > WORKER_RSS_LIMIT
+        reply = pickle.dumps(("exit", result) if leave else result, protocol=pickle.HIGHEST_PROTOCOL)
+        del result
+        stdout.write(_FRAME.pack(len(reply), 0))
+        stdout.write(reply)
+        stdout.flush()
+        if leave:
+            return
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but replies on the pipe
+    logging.basicConfig(level=logging.WARNING)
+    _serve(stdin, stdout)
+
+
+if __name__ == "__main__":
+    main()
