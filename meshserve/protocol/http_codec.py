@@ -769,7 +769,7 @@ def _durations(msg: Any, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     return out
 
 
-def parse_json_object(body: bytes, what: str) -> dict[str, Any]:
+def parse_json_object(body: bytes | bytearray, what: str) -> dict[str, Any]:
     """A settings POST body: a JSON object of setting names and values (empty: no changes)."""
     obj = _loads(body, what) if body.strip() else {}
     if not isinstance(obj, dict):
@@ -777,7 +777,7 @@ def parse_json_object(body: bytes, what: str) -> dict[str, Any]:
     return obj
 
 
-def parse_index_request(body: bytes) -> bool:
+def parse_index_request(body: bytes | bytearray) -> bool:
     """A `/v2/repository/index` POST body (empty allowed): its `ready` flag."""
     if not body.strip():
         return False
@@ -787,7 +787,7 @@ def parse_index_request(body: bytes) -> bool:
     return bool(doc.get("ready", False))
 
 
-def parse_trace_settings(body: bytes) -> dict[str, list[str] | None]:
+def parse_trace_settings(body: bytes | bytearray) -> dict[str, list[str] | None]:
     """A trace/setting POST body: ``{name: "value" | ["value", ...] | null}`` (numbers taken as
     their text; null clears a model's setting)."""
     obj = parse_json_object(body, "trace setting")
