@@ -108,6 +108,14 @@ def _append(body: bytes | bytearray, chunk: bytes) -> bytes | bytearray:
     return body
 
 
+def _context_headers(request: web.BaseRequest) -> dict[str, str]:
+    """The request's headers for the core, as valid text: aiohttp keeps bytes that are not UTF-8
+    as lone surrogates, which no gRPC metadata or protobuf field can carry (a `tracestate` of
+    such bytes was a 500 on a tracing gateway); they become U+FFFD."""
+    return {k.lower(): v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            for k, v in request.headers.items()}
+
+
 async def _decode(fn: Any, body: bytes | bytearray, *args: Any, size: int | None = None) -> Any:
     """fn(body, *args) (an http_codec parser): in place when the JSON to decode (`size`, default
     the whole body) is small, else in the body worker process, off this event loop."""
@@ -230,7 +238,7 @@ class HttpFrontend:
         body = await self._body(request)
         infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
                                       size=header_length)
-        ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()})
+        ctx = RequestContext(protocol="http", headers=_context_headers(request))
         result, span = await observe.infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
         arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
@@ -258,7 +266,7 @@ class HttpFrontend:
         self._method(request, "POST")
         if rest and rest[0] not in ("index", "models"):
             rest = rest[1:]  # a repository name; meshserve serves one repository per process
-        ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()})
+        ctx = RequestContext(protocol="http", headers=_context_headers(request))
         if rest == ["index"]:
             ready = await _decode(http_codec.parse_index_request, await self._body(request))
             idx = await self.core.repository_index(ready)

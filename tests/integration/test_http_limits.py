@@ -360,3 +360,22 @@ def test_compressed_request_sizes_count_after_decompression(proc: Proc) -> None:
                            ("gzip", gzip.compress(body)), ("identity", body)):
         status, _, out = post(proc.http, "/v2/models/add_sub/infer", data, {"Content-Encoding": encoding})
         assert status == 200, (encoding, out)
+
+
+def test_undecodable_header_bytes_are_not_a_500_on_a_tracing_gateway(limited: dict[str, Proc]) -> None:
+    """aiohttp hands header bytes that are not UTF-8 on as lone surrogates; a tracing gateway put
+    the `tracestate` into the upstream request and answered 500 UnicodeEncodeError."""
+    gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", limited["service"].grpc],
+                    env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "always_on"})
+    try:
+        _wait_http_ready(gateway.http)
+        body = add_sub_body()
+        for extra in (b"tracestate: a=\x8e\xff\r\n", b"tracestate: \xc3\xa9=1\r\n", b"x-custom: \xff\xfe\r\n"):
+            with connect(gateway.http) as sock:
+                sock.sendall(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                             b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n%s\r\n%s"
+                             % (len(body), extra, body))
+                head = read_head(sock)
+                assert head.startswith(b"HTTP/1.1 200"), (extra, head)
+    finally:
+        gateway.stop()
