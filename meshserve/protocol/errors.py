@@ -23,6 +23,10 @@ class Code(enum.Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNKNOWN = "UNKNOWN"
+    # HTTP-only refinements of a client mistake about the request body itself: HTTP tells them
+    # apart (413, 415), gRPC folds them into RESOURCE_EXHAUSTED / INVALID_ARGUMENT.
+    TOO_LARGE = "TOO_LARGE"
+    UNSUPPORTED_MEDIA_TYPE = "UNSUPPORTED_MEDIA_TYPE"
 
 
 HTTP_STATUS: dict[Code, int] = {
@@ -38,6 +42,8 @@ HTTP_STATUS: dict[Code, int] = {
     Code.UNAUTHENTICATED: 401,
     Code.PERMISSION_DENIED: 403,
     Code.UNKNOWN: 500,
+    Code.TOO_LARGE: 413,
+    Code.UNSUPPORTED_MEDIA_TYPE: 415,
 }
 
 GRPC_STATUS: dict[Code, grpc.StatusCode] = {
@@ -53,8 +59,11 @@ GRPC_STATUS: dict[Code, grpc.StatusCode] = {
     Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     Code.UNKNOWN: grpc.StatusCode.UNKNOWN,
+    Code.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.UNSUPPORTED_MEDIA_TYPE: grpc.StatusCode.INVALID_ARGUMENT,
 }
-_FROM_GRPC: dict[grpc.StatusCode, Code] = {v: k for k, v in GRPC_STATUS.items()}
+_HTTP_ONLY = (Code.TOO_LARGE, Code.UNSUPPORTED_MEDIA_TYPE)
+_FROM_GRPC: dict[grpc.StatusCode, Code] = {v: k for k, v in GRPC_STATUS.items() if k not in _HTTP_ONLY}
 
 
 class InferError(Exception):
@@ -102,6 +111,16 @@ class InferError(Exception):
     @classmethod
     def exhausted(cls, message: str, retry_after_s: float | None = None) -> InferError:
         return cls(Code.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s)
+
+    @classmethod
+    def too_large(cls, message: str) -> InferError:
+        """A request (body or message) over a size limit: HTTP 413, gRPC RESOURCE_EXHAUSTED."""
+        return cls(Code.TOO_LARGE, message)
+
+    @classmethod
+    def unsupported_media(cls, message: str) -> InferError:
+        """A body in an encoding the server does not accept: HTTP 415, gRPC INVALID_ARGUMENT."""
+        return cls(Code.UNSUPPORTED_MEDIA_TYPE, message)
 
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, details: str | None, hop: str = "") -> InferError:

@@ -22,7 +22,7 @@ import binascii
 import json
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,12 +36,16 @@ from meshserve.protocol.errors import InferError
 
 __all__ = [
     "HEADER_LENGTH",
+    "BodyDecoder",
     "decode_body",
     "encode_body",
     "error_body",
     "model_config_to_json",
     "model_metadata_to_json",
     "parse_header_length",
+    "parse_index_request",
+    "parse_json_object",
+    "parse_trace_settings",
     "parse_infer_request",
     "parse_load_request",
     "parse_unload_request",
@@ -78,16 +82,73 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes | bytearray | memoryview, what: str) -> Any:
+    """The one JSON decoder for request bodies: every failure is INVALID_ARG naming `what`."""
     if isinstance(data, memoryview):
         data = bytes(data)
     try:
-        return json.loads(data)
+        doc = json.loads(data)
     except json.JSONDecodeError as e:
         raise InferError.invalid(f"failed to parse the {what} JSON: {e}") from None
     except UnicodeDecodeError as e:
         raise InferError.invalid(f"failed to parse the {what} JSON: not valid UTF-8 ({e})") from None
     except RecursionError:
         raise InferError.invalid(f"failed to parse the {what} JSON: nested too deeply") from None
+    # json accepts an escaped lone surrogate ("\ud800") and yields a str that cannot be encoded
+    # (into a protobuf field, a gRPC header, a log line). Only a `\uD...` escape can produce
+    # one, so only bodies holding that text pay for the walk.
+    if b"\\ud" in data or b"\\uD" in data:
+        _check_unicode(doc, what)
+    return doc
+
+
+def _check_unicode(doc: Any, what: str) -> None:
+    """INVALID_ARG naming the first string (or key) of `doc` with a lone surrogate."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            items: Iterable[tuple[Any, str]] = ()
+            bad = not _encodable(value)
+        elif isinstance(value, dict):
+            items = ((v, f"{path}.{k}" if path else k) for k, v in value.items())
+            bad = False
+            for key in value:
+                if not _encodable(key):
+                    path, bad = f"{path}.{key}" if path else key, True
+                    break
+        elif isinstance(value, list):
+            items = ((v, f"{path}[{i}]") for i, v in enumerate(value) if isinstance(v, (str, list, dict)))
+            bad = False
+        else:
+            continue
+        if bad:
+            shown = path.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            raise InferError.invalid(
+                f"{_tensor_of(doc, path)}the {what} JSON has a string that is not valid Unicode (a lone "
+                f"surrogate escape such as \\ud800) at '{shown or '(top level)'}'")
+        stack.extend(reversed(list(items)))
+
+
+def _tensor_of(doc: Any, path: str) -> str:
+    """"input 'NAME': " when `path` lies inside request input (or output) NAME, else ""."""
+    for key, kind in (("inputs", "input"), ("outputs", "output")):
+        if path.startswith(key + "[") and isinstance(doc, dict) and isinstance(doc.get(key), list):
+            index = path[len(key) + 1:].split("]", 1)[0]
+            item = doc[key][int(index)] if index.isdigit() and int(index) < len(doc[key]) else None
+            name = item.get("name") if isinstance(item, dict) else None
+            if isinstance(name, str) and _encodable(name):
+                return f"{kind} '{name}': "
+    return ""
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _show(value: Any) -> str:
@@ -708,18 +769,25 @@ def _durations(msg: Any, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     return out
 
 
-def parse_json_object(body: bytes, what: str) -> dict[str, Any]:
+def parse_json_object(body: bytes | bytearray, what: str) -> dict[str, Any]:
     """A settings POST body: a JSON object of setting names and values (empty: no changes)."""
-    try:
-        obj = json.loads(body) if body.strip() else {}
-    except ValueError as exc:
-        raise InferError.invalid(f"{what} body is not JSON: {exc}") from None
+    obj = _loads(body, what) if body.strip() else {}
     if not isinstance(obj, dict):
         raise InferError.invalid(f"{what} body must be a JSON object of setting names and values")
     return obj
 
 
-def parse_trace_settings(body: bytes) -> dict[str, list[str] | None]:
+def parse_index_request(body: bytes | bytearray) -> bool:
+    """A `/v2/repository/index` POST body (empty allowed): its `ready` flag."""
+    if not body.strip():
+        return False
+    doc = _loads(body, "repository index request")
+    if not isinstance(doc, dict):
+        raise InferError.invalid("repository index body must be a JSON object")
+    return bool(doc.get("ready", False))
+
+
+def parse_trace_settings(body: bytes | bytearray) -> dict[str, list[str] | None]:
     """A trace/setting POST body: ``{name: "value" | ["value", ...] | null}`` (numbers taken as
     their text; null clears a model's setting)."""
     obj = parse_json_object(body, "trace setting")
@@ -842,69 +910,139 @@ def parse_unload_request(body: bytes | bytearray | memoryview) -> dict[str, pb.M
 
 
 # --- compression ------------------------------------------------------------------------
+# Request bodies are decompressed here and only here (the HTTP server's own decompression is
+# off), incrementally as the body arrives, in slices of at most DECODE_SLICE output bytes, and
+# bounded by the caller's limit at every stage: a gzip bomb is cut off once its output passes
+# the limit, and one compressed chunk never inflates into more than a slice at a time.
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 _ZLIB_WBITS = zlib.MAX_WBITS
 _RAW_DEFLATE_WBITS = -zlib.MAX_WBITS
+DECODE_SLICE = 1 << 20  # bytes of decompressed output per step (~1 ms of inflate)
+ACCEPTED_CODINGS = ("gzip", "deflate", "identity")
 
 
-def _inflate(data: bytes, wbits: int, coding: str, max_size: int | None) -> bytes:
-    chunks: list[bytes] = []
-    produced = 0
-    while True:
-        d = zlib.decompressobj(wbits)
-        limit = 0 if max_size is None else max_size - produced + 1
-        try:
-            chunk = d.decompress(data, limit)
-        except zlib.error as e:
-            raise InferError.invalid(f"malformed {coding} request body ({e})") from None
-        chunks.append(chunk)
-        produced += len(chunk)
-        if max_size is not None and (produced > max_size or d.unconsumed_tail):
-            raise InferError.invalid(f"the {coding}-decompressed request body exceeds {max_size} bytes")
-        if not d.eof:
-            raise InferError.invalid(f"truncated {coding} request body")
-        data = d.unused_data
-        if not data:
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if wbits != _GZIP_WBITS:
-            raise InferError.invalid(f"{len(data)} stray bytes after the {coding} stream")
-        # gzip allows several members back to back: keep going.
+class _Inflater:
+    """One gzip (members back to back allowed) or deflate (zlib stream, or raw deflate when the
+    zlib header is absent) stream, fed in pieces."""
+
+    def __init__(self, coding: str, max_size: int):
+        self.coding = coding
+        self.gzip = coding == "gzip"
+        self.max_size = max_size
+        self.produced = 0
+        self._d: Any = None  # the member being decoded
+        self._members = 0
+        self._head = b""  # deflate: bytes held until the 2-byte zlib header can be checked
+
+    def _start(self, data: bytes) -> None:
+        if self.gzip:
+            wbits = _GZIP_WBITS
+        else:  # HTTP "deflate" is a zlib stream (tritonclient); some clients send raw deflate
+            zlib_header = data[0] & 0x0F == 8 and (data[0] * 256 + data[1]) % 31 == 0
+            wbits = _ZLIB_WBITS if zlib_header else _RAW_DEFLATE_WBITS
+        self._d = zlib.decompressobj(wbits)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        coding = self.coding
+        if self._head:
+            data, self._head = self._head + data, b""
+        while data or (self._d is not None and not self._d.eof):
+            if self._d is None:
+                if self._members and not self.gzip:
+                    raise InferError.invalid(f"{len(data)} stray bytes after the {coding} stream")
+                if not self.gzip and len(data) < 2:
+                    self._head = data
+                    return
+                self._start(data)
+            d = self._d
+            try:
+                out = d.decompress(data, DECODE_SLICE)
+            except zlib.error as e:
+                raise InferError.invalid(f"malformed {coding} request body ({e})") from None
+            if out:
+                self.produced += len(out)
+                if self.produced > self.max_size:
+                    raise InferError.too_large(
+                        f"the {coding}-decompressed request body exceeds {self.max_size} bytes "
+                        "(the request size limit, --max-request-bytes)")
+                yield out
+            if d.eof:
+                self._members += 1
+                self._d = None
+                data = d.unused_data
+            elif d.unconsumed_tail:
+                data = d.unconsumed_tail
+            elif len(out) < DECODE_SLICE:
+                return  # all input consumed, no output pending: wait for more
+            else:
+                data = b""  # the slice was full: zlib may hold more output
+
+    def finish(self) -> None:
+        if self._d is not None or self._head or not self._members:
+            raise InferError.invalid(f"truncated {self.coding} request body")
+
+
+class BodyDecoder:
+    """Undo a request's `Content-Encoding` (gzip/x-gzip, deflate, identity, or a chain of them)
+    incrementally, with every stage's output bounded by `max_size`.
+
+    Raises `InferError`: UNSUPPORTED_MEDIA_TYPE (415) for another coding, TOO_LARGE (413) past
+    `max_size`, INVALID_ARG (400) for a malformed or truncated stream."""
+
+    def __init__(self, content_encoding: str | None, max_size: int):
+        self.max_size = max_size
+        self._stages: list[_Inflater] = []
+        if not content_encoding:
+            return
+        codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
+        for coding in reversed(codings):  # listed in the order they were applied
+            if coding == "identity":
+                continue
+            if coding in ("gzip", "x-gzip"):
+                self._stages.append(_Inflater("gzip", max_size))
+            elif coding == "deflate":
+                self._stages.append(_Inflater("deflate", max_size))
+            else:
+                raise InferError.unsupported_media(
+                    f"unsupported Content-Encoding '{coding[:40]}'; meshserve accepts "
+                    f"{', '.join(ACCEPTED_CODINGS)}")
+
+    @property
+    def identity(self) -> bool:
+        """True when the body is not compressed (feed() would hand it back as it is)."""
+        return not self._stages
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Decompressed pieces (each at most DECODE_SLICE bytes) of the next piece of body."""
+        return self._run(0, data)
+
+    def _run(self, stage: int, data: bytes) -> Iterator[bytes]:
+        if stage == len(self._stages):
+            if data:
+                yield data
+            return
+        for piece in self._stages[stage].feed(data):
+            yield from self._run(stage + 1, piece)
+
+    def finish(self) -> None:
+        """The body ended: every stream must be complete."""
+        for stage in self._stages:
+            stage.finish()
 
 
 def decode_body(
     body: bytes | bytearray | memoryview, content_encoding: str | None, *, max_size: int | None = None
 ) -> bytes:
-    """Undo `Content-Encoding` (gzip, deflate = zlib stream (raw deflate accepted), identity).
-
-    Unknown codings are INVALID_ARG. `max_size` bounds the decompressed size (zip bombs).
-    """
+    """Undo `Content-Encoding` on a whole body (see BodyDecoder); `max_size` bounds the
+    decompressed size (zip bombs)."""
     data = body if isinstance(body, bytes) else bytes(body)
-    if not content_encoding:
+    decoder = BodyDecoder(content_encoding, max_size if max_size is not None else _UINT64_MAX)
+    if decoder.identity:
         return data
-    codings = [c.strip().lower() for c in content_encoding.split(",") if c.strip()]
-    for coding in reversed(codings):  # listed in the order they were applied
-        if coding == "identity":
-            continue
-        if coding in ("gzip", "x-gzip"):
-            data = _inflate(data, _GZIP_WBITS, "gzip", max_size)
-        elif coding == "deflate":
-            # HTTP "deflate" is a zlib stream (what tritonclient sends); some clients send raw
-            # deflate, so fall back to that when the zlib header is absent or does not decode.
-            zlib_header = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] * 256 + data[1]) % 31 == 0
-            try:
-                data = _inflate(data, _ZLIB_WBITS if zlib_header else _RAW_DEFLATE_WBITS, "deflate", max_size)
-            except InferError as zlib_error:
-                if not zlib_header:
-                    raise
-                try:
-                    data = _inflate(data, _RAW_DEFLATE_WBITS, "deflate", max_size)
-                except InferError:
-                    raise zlib_error from None
-        else:
-            raise InferError.invalid(
-                f"unsupported Content-Encoding '{coding}'; meshserve accepts gzip, deflate and identity")
-    return data
+    pieces = list(decoder.feed(data))
+    decoder.finish()
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _accepted_codings(accept_encoding: str) -> dict[str, float]:

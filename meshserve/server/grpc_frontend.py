@@ -18,6 +18,7 @@ import grpc
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
+from meshserve.protocol.infer_checks import reject_mixed_contents
 from meshserve.server import observe
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
@@ -174,6 +175,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
+            reject_mixed_contents(request)
             result, span = await observe.infer(core, request, _context(context, raw))
             if span is not None:
                 context.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
@@ -202,6 +204,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
 
         async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
             try:
+                reject_mixed_contents(request)  # in band, like any other per-request error
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
                 result, _ = await observe.infer(core, request, ctx)
                 out.put_nowait(wire.stream_response(result.serialized()))

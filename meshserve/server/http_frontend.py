@@ -2,6 +2,14 @@
 
 aiohttp's low-level server with our own path dispatch (no framework router on the infer
 hot path). Bodies are parsed and rendered only by meshserve.protocol.http_codec.
+
+Limits (ServerLimits; docs/security.md): a body over `max_request_bytes` is 413 before it is
+read (Content-Length) or as soon as it passes the limit (chunked, or decompressed: this module
+reads the body and `http_codec.BodyDecoder` undoes Content-Encoding as it arrives; aiohttp's
+own decompression is off). JSON larger than `body_worker.OFFLOAD_BYTES` is decoded in a worker
+process. `header_timeout_s` / `read_timeout_s` close connections whose request headers, or a
+body a handler waits for, do not arrive in time (one sweep per server, see _Server);
+`idle_timeout_s` is aiohttp's keep-alive timeout.
 """
 from __future__ import annotations
 
@@ -12,16 +20,17 @@ from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from meshserve.protocol import http_codec, wire
-from meshserve.protocol.errors import InferError
-from meshserve.server import observe
+from meshserve.protocol.errors import Code, InferError
+from meshserve.server import body_worker, observe
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
-MAX_BODY_BYTES = 1 << 30  # 1 GiB; larger bodies get 413 naming the limit
 _JSON = "application/json"
 
 
@@ -42,32 +51,103 @@ def _empty(status: int = 200) -> web.Response:
     return web.Response(status=status, content_type="text/plain")
 
 
-async def _read_body(request: web.BaseRequest) -> bytes:
+async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
+    """The request body's chunks, decompressed, at most `limit` bytes on the wire and after decoding.
+
+    Read chunk by chunk as it arrives: an announced Content-Length over the limit is refused
+    before a byte of the body is read, a chunked or compressed body as soon as it passes the
+    limit (TOO_LARGE: 413, and the connection is closed). An unsupported Content-Encoding is
+    415 before reading; a malformed or truncated compressed body 400."""
+    decoder = http_codec.BodyDecoder(request.headers.get("Content-Encoding"), limit)
     length = request.content_length
-    if length is not None and length > MAX_BODY_BYTES:
-        raise InferError.invalid(f"request body of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
-    body = await request.content.read()
-    if len(body) > MAX_BODY_BYTES:
-        raise InferError.invalid(f"request body exceeds the {MAX_BODY_BYTES}-byte limit")
-    return http_codec.decode_body(body, request.headers.get("Content-Encoding"))
+    if length is not None and length > limit:
+        raise InferError.too_large(
+            f"request body of {length} bytes exceeds the {limit}-byte limit (--max-request-bytes)")
+    if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s for it
+    conn = request.protocol
+    if isinstance(conn, _Connection):
+        conn.reading = True
+    content = request.content
+    # Kept as chunks: a large JSON body goes to the body worker chunk by chunk, never joined here
+    # (a join of 64 MiB page-faults a fresh buffer in one go: ~30 ms measured, all on the loop).
+    chunks: list[bytes] = []
+    wire_size = 0
+    try:
+        while True:
+            try:
+                chunk = await content.readany()
+            except (RequestPayloadError, HttpProcessingError) as exc:
+                raise InferError.invalid(f"malformed request body: {exc}") from None
+            if not chunk:
+                break
+            wire_size += len(chunk)
+            if wire_size > limit:
+                raise InferError.too_large(f"request body exceeds the {limit}-byte limit (--max-request-bytes)")
+            if decoder.identity:
+                chunks.append(chunk)
+                continue
+            for n, piece in enumerate(decoder.feed(chunk)):  # bounded slices: let other requests run
+                if n:
+                    await asyncio.sleep(0)
+                chunks.append(piece)
+        decoder.finish()
+    finally:
+        if isinstance(conn, _Connection):
+            conn.reading = False
+    return chunks
+
+
+def _joined(chunks: list[bytes]) -> bytes:
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _context_headers(request: web.BaseRequest) -> dict[str, str]:
+    """The request's headers for the core, as valid text: aiohttp keeps bytes that are not UTF-8
+    as lone surrogates, which no gRPC metadata or protobuf field can carry (a `tracestate` of
+    such bytes was a 500 on a tracing gateway); they become U+FFFD."""
+    return {k.lower(): v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            for k, v in request.headers.items()}
+
+
+async def _decode(fn: Any, chunks: list[bytes], *args: Any, size: int | None = None) -> Any:
+    """fn(body, *args) (an http_codec parser): in place when the JSON to decode (`size`, default
+    the whole body) is small, else in the body worker process, off this event loop."""
+    if (sum(map(len, chunks)) if size is None else size) <= body_worker.OFFLOAD_BYTES:
+        return fn(_joined(chunks), *args)
+    return await body_worker.worker().call(fn.__name__, chunks, *args)
 
 
 class HttpFrontend:
     """Dispatches v2 REST paths to a V2Core."""
 
-    def __init__(self, core: V2Core):
+    def __init__(self, core: V2Core, limits: ServerLimits | None = None):
         self.core = core
+        self.max_body = (limits or ServerLimits()).max_request_bytes
+
+    async def _body(self, request: web.BaseRequest) -> list[bytes]:
+        return await _read_body(request, self.max_body)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        conn = request.protocol
+        if isinstance(conn, _Connection):
+            conn.header_since = 0.0  # this request's headers are in (see _Connection)
         try:
             return await self._dispatch(request)
         except InferError as exc:
-            return _error_response(exc)
+            response = _error_response(exc)
+            if exc.code is Code.TOO_LARGE:
+                response.force_close()  # the rest of the body is not read: this connection ends
+            return response
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never a crash; report and keep serving
             log.exception("internal error serving %s %s", request.method, request.path)
             return _error_response(InferError.internal(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            if (request.content_length or 0) > body_worker.TRIM_AFTER_BYTES:
+                loop = asyncio.get_running_loop()  # once this request's buffers are gone
+                loop.call_later(0.05, loop.run_in_executor, None, body_worker.release_memory)
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.raw_path.split("?", 1)[0]
@@ -98,7 +178,7 @@ class HttpFrontend:
             return await self._trace_setting(request, "")
         if head == "logging" and n == 2:  # the logging extension
             self._method(request, "GET", "POST")
-            changes = http_codec.parse_json_object(await _read_body(request), "log settings") \
+            changes = await _decode(http_codec.parse_json_object, await self._body(request), "log settings") \
                 if request.method == "POST" else None
             return _json_response(observe.log_setting(changes))
         raise InferError.not_found(f"no route for {method} {path}")
@@ -148,14 +228,11 @@ class HttpFrontend:
         raise InferError.not_found(f"no route for {request.method} {request.path}")
 
     async def _infer(self, request: web.BaseRequest, name: str, version: str) -> web.StreamResponse:
-        body = await _read_body(request)
-        hlen = request.headers.get("Inference-Header-Content-Length")
-        try:
-            header_length = int(hlen) if hlen is not None else None
-        except ValueError:
-            raise InferError.invalid(f"Inference-Header-Content-Length '{hlen}' is not an integer") from None
-        infer_request = http_codec.parse_infer_request(body, header_length, name, version)
-        ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()})
+        header_length = http_codec.parse_header_length(request.headers.get(http_codec.HEADER_LENGTH))
+        body = await self._body(request)
+        infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
+                                      size=header_length)
+        ctx = RequestContext(protocol="http", headers=_context_headers(request))
         result, span = await observe.infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
         arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
@@ -173,7 +250,8 @@ class HttpFrontend:
     async def _trace_setting(self, request: web.BaseRequest, model: str) -> web.StreamResponse:
         """GET/POST /v2[/models/{m}]/trace/setting (the trace extension)."""
         self._method(request, "GET", "POST")
-        changes = http_codec.parse_trace_settings(await _read_body(request)) if request.method == "POST" else None
+        changes = await _decode(http_codec.parse_trace_settings, await self._body(request)) \
+            if request.method == "POST" else None
         return _json_response(http_codec.trace_settings_to_json(
             await observe.trace_setting(self.core, model, changes)))
 
@@ -182,28 +260,99 @@ class HttpFrontend:
         self._method(request, "POST")
         if rest and rest[0] not in ("index", "models"):
             rest = rest[1:]  # a repository name; meshserve serves one repository per process
-        ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()})
+        ctx = RequestContext(protocol="http", headers=_context_headers(request))
         if rest == ["index"]:
-            body = await _read_body(request)
-            ready = False
-            if body.strip():
-                try:
-                    ready = bool(json.loads(body).get("ready", False))
-                except (ValueError, AttributeError):
-                    raise InferError.invalid("repository index body must be a JSON object") from None
+            ready = await _decode(http_codec.parse_index_request, await self._body(request))
             idx = await self.core.repository_index(ready)
             return _json_response(http_codec.repository_index_to_json(idx))
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
-            body = await _read_body(request)
+            body = await self._body(request)
             if rest[2] == "load":
-                await self.core.load_model(rest[1], http_codec.parse_load_request(body), ctx)
+                await self.core.load_model(rest[1], await _decode(http_codec.parse_load_request, body), ctx)
             else:
-                await self.core.unload_model(rest[1], http_codec.parse_unload_request(body), ctx)
+                await self.core.unload_model(rest[1], await _decode(http_codec.parse_unload_request, body), ctx)
             return _empty(200)
         raise InferError.not_found(f"no route for {request.method} {request.path}")
 
 
-async def start_metrics_server(core: V2Core, host: str, port: int) -> tuple[web.BaseRunner, int]:
+class _Connection(RequestHandler):
+    """aiohttp's connection handler plus what the header and read timeouts need: a count of
+    data arrivals and when the headers of the next request started to arrive."""
+
+    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rx = 0  # data_received calls so far
+        self.rx_seen = 0  # ... when the sweep last looked
+        self.quiet_since = 0.0  # sweep time since which no data arrived
+        self.header_since = 0.0  # when the pending request's first bytes came; 0: none pending
+        self.reading = False  # a handler is waiting for this connection's body
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.header_since = self.quiet_since = self._loop.time()  # a silent new connection is a slow header
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.rx += 1
+        if self._messages or self._request_in_progress:
+            self.header_since = 0.0
+        elif not self.header_since and data:
+            self.header_since = self._loop.time()
+
+    def check(self, now: float, header_timeout: float, read_timeout: float) -> str | None:
+        """Why this connection must be closed now, if it must."""
+        if self.rx != self.rx_seen:
+            self.rx_seen, self.quiet_since = self.rx, now
+        if self.reading:
+            if read_timeout and now - self.quiet_since >= read_timeout:
+                return f"no request body bytes for {read_timeout:g} s (--read-timeout-s)"
+        elif self.header_since and not self._request_in_progress and not self._messages:
+            if header_timeout and now - self.header_since >= header_timeout:
+                return f"request headers incomplete after {header_timeout:g} s (--header-timeout-s)"
+        return None
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server with the front door's limits (see the module docstring).
+
+    The header and read timeouts are enforced by ONE periodic sweep over the server's
+    connections (every quarter of the smaller timeout, at most once a second), not by a timer
+    per request or per chunk: the request path only bumps a counter per data arrival. A
+    connection is closed between `timeout` and `timeout + tick` after it fell silent."""
+
+    def __init__(self, handler: Any, limits: ServerLimits) -> None:
+        idle = limits.idle_timeout_s
+        super().__init__(handler, access_log=None, auto_decompress=False,
+                         keepalive_timeout=idle if idle > 0 else 1e9)
+        self.limits = limits
+        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s) if t > 0]
+        self.tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 0.0
+        self._sweeper: asyncio.TimerHandle | None = None
+        if self.tick:
+            self._sweeper = self._loop.call_later(self.tick, self._sweep)
+
+    def __call__(self) -> RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        header, read = self.limits.header_timeout_s, self.limits.read_timeout_s
+        for conn in list(self._connections):
+            if isinstance(conn, _Connection) and (why := conn.check(now, header, read)):
+                log.debug("closing HTTP connection from %s: %s", conn.peername, why)
+                conn.force_close()
+        self._sweeper = self._loop.call_later(self.tick, self._sweep)
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await super().shutdown(timeout)
+
+
+async def start_metrics_server(core: V2Core, host: str, port: int,
+                               limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
     """A /metrics-only endpoint (Triton's :8002 equivalent)."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
@@ -212,13 +361,14 @@ async def start_metrics_server(core: V2Core, host: str, port: int) -> tuple[web.
         body, ctype = core.metrics_text()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
-    return await _start(web.Server(handle, access_log=None), host, port)
+    return await _start(_Server(handle, limits or ServerLimits()), host, port)
 
 
 async def start_http_server(core: V2Core, host: str, port: int,
                             limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
     """Start the REST server on the running loop; returns (runner, bound port)."""
-    return await _start(web.Server(HttpFrontend(core).handle, access_log=None), host, port)
+    limits = limits or ServerLimits()
+    return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port)
 
 
 async def _start(server: web.Server, host: str, port: int) -> tuple[web.BaseRunner, int]:

@@ -59,7 +59,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
         runner, hport = await start_http_server(core, host, http_port, limits)
     metrics_runner = None
     if metrics_port is not None:
-        metrics_runner, mport = await start_metrics_server(core, host, metrics_port)
+        metrics_runner, mport = await start_metrics_server(core, host, metrics_port, limits)
     health.set("", SERVING)
     endpoints = Endpoints(host, gport, hport)
     print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else "")

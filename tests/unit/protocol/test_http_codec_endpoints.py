@@ -13,6 +13,8 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.http_codec import (
+    DECODE_SLICE,
+    BodyDecoder,
     decode_body,
     encode_body,
     error_body,
@@ -242,13 +244,70 @@ def test_decode_body_multi_member_gzip() -> None:
     assert decode_body(gzip.compress(b"ab") + gzip.compress(b"cd"), "gzip") == b"abcd"
 
 
+def rejected(code: Code, fn, *args, match: str = "", **kwargs) -> None:
+    with pytest.raises(InferError) as info:
+        fn(*args, **kwargs)
+    assert info.value.code == code, info.value
+    assert match in info.value.message, info.value.message
+
+
 def test_decode_body_errors() -> None:
-    invalid(decode_body, PAYLOAD, "br", match="unsupported Content-Encoding 'br'")
+    # an unsupported coding is 415 and an oversized output 413 (issue 17), not 400
+    rejected(Code.UNSUPPORTED_MEDIA_TYPE, decode_body, PAYLOAD, "br", match="unsupported Content-Encoding 'br'")
+    assert InferError.unsupported_media("x").http_status == 415
     invalid(decode_body, gzip.compress(PAYLOAD)[:-10], "gzip", match="truncated gzip")
     invalid(decode_body, b"not gzip at all", "gzip", match="malformed gzip")
     invalid(decode_body, zlib.compress(PAYLOAD) + b"xx", "deflate", match="stray bytes")
-    invalid(decode_body, gzip.compress(b"\0" * 10_000_000), "gzip", max_size=1000, match="exceeds 1000 bytes")
+    invalid(decode_body, b"", "gzip", match="truncated gzip")
+    rejected(Code.TOO_LARGE, decode_body, gzip.compress(b"\0" * 10_000_000), "gzip", max_size=1000,
+             match="exceeds 1000 bytes")
+    assert InferError.too_large("x").http_status == 413
     assert decode_body(gzip.compress(PAYLOAD), "gzip", max_size=len(PAYLOAD)) == PAYLOAD
+
+
+def feed_in_pieces(decoder: BodyDecoder, data: bytes, piece: int) -> tuple[bytes, int]:
+    out, largest = [], 0
+    for i in range(0, len(data), piece):
+        for chunk in decoder.feed(data[i:i + piece]):
+            largest = max(largest, len(chunk))
+            out.append(chunk)
+    decoder.finish()
+    return b"".join(out), largest
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 1 << 30])
+@pytest.mark.parametrize(("coding", "compress"), [
+    ("gzip", gzip.compress),
+    ("deflate", zlib.compress),
+    ("deflate", lambda b: zlib.compress(b)[2:-4]),
+    ("gzip", lambda b: gzip.compress(b[:100]) + gzip.compress(b[100:])),
+    ("deflate, gzip", lambda b: gzip.compress(zlib.compress(b))),
+])
+def test_body_decoder_streams_any_split(piece, coding, compress) -> None:
+    data = bytes(range(256)) * 40 + PAYLOAD
+    assert feed_in_pieces(BodyDecoder(coding, len(data)), compress(data), piece)[0] == data
+
+
+def test_body_decoder_bounds_each_step_and_the_total() -> None:
+    # 50 MB of zeros is ~50 kB of gzip: one network chunk must not inflate into 50 MB at once
+    bomb = gzip.compress(bytes(50_000_000), 1)
+    out, largest = feed_in_pieces(BodyDecoder("gzip", 50_000_000), bomb, 1 << 16)
+    assert len(out) == 50_000_000 and largest <= DECODE_SLICE
+    decoder = BodyDecoder("gzip", 3_000_000)
+    with pytest.raises(InferError) as info:
+        feed_in_pieces(decoder, bomb, 1 << 16)
+    assert info.value.code == Code.TOO_LARGE and "3000000" in info.value.message
+    # a chain is bounded at every stage
+    with pytest.raises(InferError) as info:
+        feed_in_pieces(BodyDecoder("gzip, gzip", 3_000_000), gzip.compress(bomb), 1 << 16)
+    assert info.value.code == Code.TOO_LARGE
+
+
+def test_body_decoder_identity_and_unsupported() -> None:
+    assert BodyDecoder(None, 10).identity and BodyDecoder("identity", 10).identity
+    assert not BodyDecoder("gzip", 10).identity
+    for coding in ("br", "zstd", "compress", "gzip, br"):
+        rejected(Code.UNSUPPORTED_MEDIA_TYPE, BodyDecoder, coding, 10, match="unsupported Content-Encoding")
 
 
 @pytest.mark.parametrize(("accept", "coding"), [

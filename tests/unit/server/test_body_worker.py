@@ -1,0 +1,53 @@
+"""The body worker process: same results and errors as decoding in place; survives its own end."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import http_codec
+from meshserve.protocol.errors import Code, InferError
+from meshserve.server.body_worker import BodyWorker
+
+
+@pytest.fixture
+async def worker():  # noqa: ANN201
+    w = BodyWorker()
+    yield w
+    w.close()
+
+
+def infer_body(n: int) -> bytes:
+    return json.dumps({"id": "r1", "inputs": [{"name": "IN", "shape": [1, n], "datatype": "FP32",
+                                               "data": np.arange(n, dtype=np.float32).tolist()}]}).encode()
+
+
+async def test_results_match_in_place_decoding(worker: BodyWorker) -> None:
+    body = infer_body(50_000)
+    got = await worker.call("parse_infer_request", bytearray(body), None, "m", "2")
+    assert isinstance(got, pb.ModelInferRequest)
+    assert got == http_codec.parse_infer_request(body, None, "m", "2")
+    load = json.dumps({"parameters": {"config": "{}", "file:1/model.onnx": "AAEC"}}).encode()
+    params = await worker.call("parse_load_request", load)
+    assert params["file:1/model.onnx"].bytes_param == b"\0\1\2" and params["config"].string_param == "{}"
+    assert await worker.call("parse_json_object", b'{"log_info": true}', "log settings") == {"log_info": True}
+    assert await worker.call("parse_index_request", b'{"ready": true}') is True
+
+
+async def test_errors_keep_their_code_and_message(worker: BodyWorker) -> None:
+    with pytest.raises(InferError) as info:
+        await worker.call("parse_infer_request", rb'{"inputs": [{"name": "\ud800"}]}', None, "m", "")
+    assert info.value.code == Code.INVALID_ARG and "at 'inputs[0].name'" in info.value.message
+    with pytest.raises(InferError) as info:
+        await worker.call("parse_json_object", b"[1]", "log settings")
+    assert info.value.code == Code.INVALID_ARG
+
+
+async def test_a_worker_that_died_is_replaced(worker: BodyWorker) -> None:
+    assert await worker.call("parse_index_request", b"") is False
+    assert worker._proc is not None
+    worker._proc.kill()
+    worker._proc.wait()
+    assert await worker.call("parse_index_request", b'{"ready": 1}') is True  # a fresh process
