@@ -7,7 +7,6 @@ rule, ``POST /v2/repository/models/%2F<tmp>%2Foutside%2Fevil/load`` at a service
 and served it."""
 from __future__ import annotations
 
-import http.client
 import json
 import shutil
 from collections.abc import Iterator
@@ -19,7 +18,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.adversarial.support import add_sub_inputs, raw_http
+from tests.conftest import Proc, service_and_gateway
 
 RULE = "one path component"
 
@@ -39,18 +39,9 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     evil = root / "outside" / "evil"
     shutil.copytree(model_repo / "add_sub", evil)
     (evil / "config.pbtxt").write_text((evil / "config.pbtxt").read_text().replace('"add_sub"', '"evil"'))
-    service = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                     "--model-control-mode", "explicit", "--load-model", "add_sub"])
-    try:
-        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
-                         "--discovery-interval", "0.5"])
-    except Exception:
-        service.stop()
-        raise
-    _wait_http_ready(gateway.http)
-    yield Mesh(service, gateway, evil)
-    gateway.stop()
-    service.stop()
+    with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit", "--load-model",
+                              "add_sub"], ["--discovery-interval", "0.5"]) as (service, gateway):
+        yield Mesh(service, gateway, evil)
 
 
 def escapes(outside: Path) -> list[str]:
@@ -63,19 +54,13 @@ def encoded(name: str) -> str:
     return "".join(f"%{b:02X}" for b in name.encode())
 
 
-def raw_http(hostport: str, method: str, path: str, body: bytes = b"") -> tuple[int, str]:
-    host, port = hostport.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request(method, path, body=body or None, headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, r.read().decode("utf-8", "replace")
-    finally:
-        conn.close()
+def http_text(hostport: str, method: str, path: str, body: bytes = b"") -> tuple[int, str]:
+    status, data = raw_http(hostport, method, path, body=body)
+    return status, data.decode("utf-8", "replace")
 
 
 def index_names(hostport: str) -> set[str]:
-    status, body = raw_http(hostport, "POST", "/v2/repository/index", b"{}")
+    status, body = raw_http(hostport, "POST", "/v2/repository/index", body=b"{}")
     assert status == 200, body
     return {m["name"] for m in json.loads(body)}
 
@@ -86,14 +71,14 @@ def test_escapes_over_http_are_400_and_never_loaded(mesh: Mesh, where: str) -> N
     for name in escapes(mesh.outside):
         for path in (f"/v2/repository/models/{encoded(name)}/load", f"/v2/repository/models/{encoded(name)}/unload",
                      f"/v2/repository/myrepo/models/{encoded(name)}/load"):
-            status, body = raw_http(url, "POST", path, b"{}")
+            status, body = http_text(url, "POST", path, b"{}")
             assert status == 400 and RULE in body and "invalid model name" in body, (where, name, status, body)
         for path in (f"/v2/models/{encoded(name)}", f"/v2/models/{encoded(name)}/ready",
                      f"/v2/models/{encoded(name)}/config", f"/v2/models/{encoded(name)}/stats",
                      f"/v2/models/{encoded(name)}/versions/1"):
-            status, body = raw_http(url, "GET", path)
+            status, body = http_text(url, "GET", path)
             assert status == 400 and RULE in body, (where, name, path, status, body)
-        status, body = raw_http(url, "POST", f"/v2/models/{encoded(name)}/infer",
+        status, body = http_text(url, "POST", f"/v2/models/{encoded(name)}/infer",
                                 b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}]}')
         assert status == 400 and RULE in body, (where, name, status, body)
         # tritonclient percent-encodes every character but '/': what it can express, it gets the same answer
@@ -114,10 +99,8 @@ def test_escapes_over_grpc_are_invalid_argument_and_never_loaded(mesh: Mesh, whe
                     call(name)
                 assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT", (where, name, call, err.value)
                 assert RULE in (err.value.message() or ""), err.value
-            inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
-            inp.set_data_from_numpy(__import__("numpy").zeros((1, 16), "float32"))
             with pytest.raises(InferenceServerException) as err:
-                c.infer(name, [inp])
+                c.infer(name, add_sub_inputs(grpcclient))
             assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT", (where, name, err.value)
         with pytest.raises(InferenceServerException) as err:
             c.get_model_metadata("add_sub", model_version="../1")
