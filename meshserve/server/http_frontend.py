@@ -15,6 +15,7 @@ from aiohttp import web
 
 from meshserve.protocol import http_codec, wire
 from meshserve.protocol.errors import InferError
+from meshserve.repository.names import check_version
 from meshserve.server import observe
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
@@ -129,9 +130,7 @@ class HttpFrontend:
             raise InferError.not_found("no model name in the path")
         name, tail, version = rest[0], rest[1:], ""
         if len(tail) >= 2 and tail[0] == "versions":
-            version, tail = tail[1], tail[2:]
-            if not version.isdigit():
-                raise InferError.invalid(f"model '{name}': version '{version}' is not a number")
+            version, tail = check_version(tail[1], name), tail[2:]
         action = tail[0] if tail else ""
         if tail == ["trace", "setting"] and not version:
             return await self._trace_setting(request, name)
