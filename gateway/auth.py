@@ -33,6 +33,7 @@ from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import RequestContext
 
 log = logging.getLogger("meshserve.gateway.auth")
@@ -197,8 +198,22 @@ class Admission:
             except Exception as exc:  # a lease expires on its own in Redis
                 log.warning("quota release for tenant '%s' failed: %s", admitted.tenant, exc)
 
-    def require_admin(self, ctx: RequestContext, action: str) -> None:
+    def authorize(self, op: Op, model: str, ctx: RequestContext, rule: Rule | None = None) -> Grant:
+        """The access table's verdict on a call other than infer (meshserve.server.access):
+        401 without a valid key, 403 for a tenant the rule excludes; the Grant filters what a
+        LISTED op returns. ``rule`` overrides the op's own (the gateway's --metrics-auth)."""
+        rule = op.rule if rule is None else rule
+        if rule is Rule.OPEN or rule is Rule.INFER:  # infer: admit() on the infer path
+            return ALL
         tenant = self.directory.get().authenticate(ctx.headers)
-        if tenant is None or not tenant.admin:
-            who = "anonymous callers" if tenant is None else f"tenant '{tenant.name}'"
-            raise InferError(Code.PERMISSION_DENIED, f"{action} needs an admin API key; {who} may not")
+        if rule is Rule.ADMIN:
+            if tenant is None or not tenant.admin:
+                who = "anonymous callers" if tenant is None else f"tenant '{tenant.name}'"
+                raise InferError(Code.PERMISSION_DENIED, f"{op.label} needs an admin API key; {who} may not")
+            return ALL
+        if tenant is None or tenant.admin:  # anonymous callers (when allowed) and admins see every model
+            return ALL
+        if rule is Rule.MODEL and not tenant.may_call(model):
+            raise InferError(Code.PERMISSION_DENIED, f"tenant '{tenant.name}' may not use model '{model}' "
+                             f"({op.label})")
+        return Grant(tenant.may_call) if rule is Rule.LISTED else ALL

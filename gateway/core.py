@@ -25,6 +25,8 @@ from gateway.upstream.stream import NotSent, StreamBroken
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError, model_not_found
+from meshserve.repository.names import check_model_name, check_version, is_valid_model_name
+from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import metrics, tracing
@@ -60,7 +62,7 @@ class GatewayCore:
     def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
                  routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None,
-                 max_request_bytes: int = ServerLimits().max_request_bytes):
+                 max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica).
         self.pool = pool if pool is not None else ReplicaPool(upstreams)
         self.replicas = self.pool.replicas  # one list, updated in place as replicas come and go
@@ -75,6 +77,8 @@ class GatewayCore:
         self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
+        # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
+        self.metrics_auth = metrics_auth
         # A/B routes (--routes): route names addressable like models.
         self.routes = routes
         if routes is not None:
@@ -140,6 +144,15 @@ class GatewayCore:
                 replica.outstanding -= 1
 
     # ---- V2Core -----------------------------------------------------------------------
+    def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
+        """The access table (meshserve.server.access) applied to the caller's key; without
+        --tenants every call is allowed."""
+        if self.admission is None:
+            return ALL
+        if op is Op.METRICS:
+            return self.admission.authorize(op, model, ctx, Rule.ADMIN if self.metrics_auth else Rule.OPEN)
+        return self.admission.authorize(op, model, ctx)
+
     def live(self) -> bool:
         return True
 
@@ -158,6 +171,7 @@ class GatewayCore:
         return target.model, target.version
 
     async def model_ready(self, name: str, version: str) -> bool:
+        check_version(version, check_model_name(name))
         if (target := self._route_target(name)) is not None:
             return not version and await self.model_ready(*target)
         if self.ensembles is not None and name in self.ensembles:
@@ -170,6 +184,7 @@ class GatewayCore:
         return resp.ready
 
     async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
+        check_version(version, check_model_name(name))
         if (target := self._route_target(name)) is not None and not version:
             md = await self.model_metadata(*target)
             md.name = name
@@ -180,6 +195,7 @@ class GatewayCore:
             pb.ModelMetadataRequest(name=name, version=version)))
 
     async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        check_version(version, check_model_name(name))
         if (target := self._route_target(name)) is not None and not version:
             resp = await self.model_config(*target)
             resp.config.name = name
@@ -207,6 +223,10 @@ class GatewayCore:
         return self.coalesce_inflight * max(1, sum(1 for r in self.replicas if r.healthy))
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        if not is_valid_model_name(request.model_name):  # never routed or forwarded
+            check_model_name(request.model_name)
+        if request.model_version:
+            check_version(request.model_version, request.model_name)
         params = request.parameters
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
             # a sequence's requests reach the service in the order they arrived (gateway/turns.py)
@@ -288,6 +308,7 @@ class GatewayCore:
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         replicas: Iterable[Replica]
         if name:
+            check_version(version, check_model_name(name))
             routes = await self._routes(name)
             replicas = list({id(r): r for rs in routes.versions.values() for r in rs}.values())
         else:
@@ -346,8 +367,7 @@ class GatewayCore:
 
     async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                          ctx: RequestContext) -> None:
-        if self.admission is not None:
-            self.admission.require_admin(ctx, f"loading model '{name}'")
+        check_model_name(name)  # the access table made sure the caller is an admin
         owners = await self._owners(name)
         if not owners:
             raise model_not_found(name)
@@ -357,8 +377,7 @@ class GatewayCore:
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
-        if self.admission is not None:
-            self.admission.require_admin(ctx, f"unloading model '{name}'")
+        check_model_name(name)
         owners = await self._owners(name)
         req = pb.RepositoryModelUnloadRequest(model_name=name, parameters=parameters)
         await self._fan_out(owners, lambda r: r.unload(req, timeout=600))

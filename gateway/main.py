@@ -36,6 +36,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tenants", default=None, metavar="PATH",
                     help="tenants.yaml: API keys, per-tenant rate/burst/concurrency, allowed models "
                          "(re-read when it changes; without it every request is anonymous and unmetered)")
+    ap.add_argument("--metrics-auth", action="store_true",
+                    help="with --tenants: /metrics (which names models and tenants and carries every "
+                         "tenant's counts) needs an admin key; default: open, like the health checks, "
+                         "for Prometheus scrapers (keep the port off untrusted networks)")
     ap.add_argument("--quota-store", default="memory", metavar="URL",
                     help="where quota state lives: 'memory' (this process) or redis://HOST:PORT[/DB] "
                          "(shared by every gateway replica)")
@@ -64,6 +68,8 @@ def main(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"meshserve gateway: {exc}") from None
     admission = _admission(args.tenants, args.quota_store)
+    if args.metrics_auth and admission is None:
+        raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")
     try:
         routes = RouteTable(args.routes) if args.routes else None
     except (OSError, ValueError) as exc:
@@ -76,7 +82,7 @@ def main(args: argparse.Namespace) -> None:
     async def amain() -> None:
         core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
                            pool=pool, routes=routes, ensembles=ensembles,
-                           max_request_bytes=limits.max_request_bytes)
+                           max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth)
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                     metrics_port=args.metrics_port, limits=limits)

@@ -6,7 +6,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,3 +106,23 @@ def stack(model_repo: Path) -> Iterator[Stack]:
 
 def _wait_http_ready(hostport: str, timeout: float = 30) -> None:
     wait_ready(hostport, timeout)  # the load bench's readiness poll (GET /v2/health/ready)
+
+
+@contextmanager
+def service_and_gateway(kind: str, service_args: Sequence[str], gateway_args: Sequence[str] = (),
+                        timeout: float = 90) -> Iterator[tuple[Proc, Proc]]:
+    """``meshserve service KIND SERVICE_ARGS`` (gRPC and HTTP on free ports) and a gateway
+    (GATEWAY_ARGS) in front of it, ready; both stopped on exit."""
+    service = start(["service", kind, "--grpc-port", "0", "--http-port", "0", *service_args], timeout=timeout)
+    try:
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
+                         *gateway_args])
+    except Exception:
+        service.stop()
+        raise
+    try:
+        _wait_http_ready(gateway.http)
+        yield service, gateway
+    finally:
+        gateway.stop()
+        service.stop()

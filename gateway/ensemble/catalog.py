@@ -14,6 +14,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.datatypes import config_to_wire
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_model_config, parse_config
+from meshserve.repository.layout import model_dirs
 
 log = logging.getLogger("meshserve.gateway.ensemble")
 
@@ -24,7 +25,7 @@ def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], d
     """(name → validated config, name → load error) for every `platform: "ensemble"` model."""
     configs: dict[str, mc.ModelConfig] = {}
     errors: dict[str, str] = {}
-    for d in sorted(p for p in Path(repository).iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for d in model_dirs(repository):
         cfg_file = d / "config.pbtxt"
         if not cfg_file.is_file():
             continue

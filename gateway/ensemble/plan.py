@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.datatypes import config_to_wire
+from meshserve.repository.names import NAME_RULE, is_valid_model_name
 
 
 class EnsembleError(ValueError):
@@ -90,6 +91,8 @@ def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup) -> Plan:
         version = "" if s.model_version < 0 else str(s.model_version)
         step = Step(i, s.model_name, version, tuple(sorted(s.input_map.items())),
                     tuple(sorted(s.output_map.items())))
+        if not is_valid_model_name(step.model):
+            raise fail(step, f"invalid model_name {step.model!r}: {NAME_RULE}")
         cfg = lookup(step.model, version)
         if cfg is None:
             raise fail(step, f"unknown model '{step.model}'" + (f" version {version}" if version else "")

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from meshserve.repository.names import NAME_RULE, is_valid_model_name
+
 HASH_SPACE = 2**64
+
+
+def _model_name(v: str) -> str:
+    if not is_valid_model_name(v):
+        raise ValueError(f"invalid name {v!r}: {NAME_RULE}")
+    return v
 
 
 def _version(v: object) -> str:
@@ -38,6 +46,11 @@ class Target(BaseModel):
     version: str = ""  # "" = the model's highest ready version
     weight: int = Field(default=1, ge=0)
     arm: str = ""
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        return _model_name(v)
 
     @field_validator("version", mode="before")
     @classmethod
@@ -56,6 +69,11 @@ class Shadow(BaseModel):
     version: str = ""
     share: float = Field(default=1.0, gt=0, le=1)
 
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        return _model_name(v)
+
     @field_validator("version", mode="before")
     @classmethod
     def _version(cls, v: object) -> str:
@@ -69,6 +87,11 @@ class RouteSpec(BaseModel):
     targets: list[Target] = Field(min_length=1)
     sticky: str | None = None
     shadow: Shadow | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _model_name(v)  # addressable like a model: the same rule
 
     @field_validator("sticky")
     @classmethod

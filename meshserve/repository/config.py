@@ -17,6 +17,7 @@ from google.protobuf import json_format, text_format
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository.errors import ConfigError
+from meshserve.repository.names import NAME_RULE, is_valid_model_name
 from meshserve.repository.versions import available_versions, select_versions
 
 __all__ = [
@@ -739,8 +740,22 @@ def prepare_config(model_dir: str | Path, *, override_json: str | None = None,
     else:
         raise ConfigError(config_path, dir_name, "", "missing, and no version directory holds a model "
                           f"file to autocomplete from (expected {model_dir}/1/model.onnx)")
+    _check_file_names(config, source, dir_name)  # before autocomplete reads any file they name
     config = autocomplete(config, model_dir)
     return normalize(config, dir_name, gpu_available=gpu_available), source
+
+
+def _check_file_names(config: mc.ModelConfig, source: str, dir_name: str) -> None:
+    """File names a config gives (also one from a load request's override) are single path
+    components inside the model directory (the rule of meshserve.repository.names)."""
+    named = [("default_model_filename", config.default_model_filename)]
+    for i, w in enumerate(config.model_warmup):
+        named += [(f"model_warmup[{i}].inputs[{k!r}].input_data_file", v.input_data_file)
+                  for k, v in w.inputs.items() if v.WhichOneof("input_data_type") == "input_data_file"]
+    for field, value in named:
+        if value and not is_valid_model_name(value):
+            raise ConfigError(source, dir_name, field, f"{value!r} is not a file name inside the model "
+                              f"directory ({NAME_RULE.replace('a model name', 'a file name')})")
 
 
 # ------------------------------------------------------------------------------ reload diff

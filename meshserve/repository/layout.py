@@ -17,12 +17,14 @@ from meshserve.repository.config import (
     config_errors,
     prepare_config,
 )
+from meshserve.repository.names import is_valid_model_name
 from meshserve.repository.versions import available_versions, select_versions
 
 __all__ = [
     "SERVICE_KINDS",
     "ModelEntry",
     "available_versions",
+    "model_dirs",
     "model_file",
     "scan",
     "scan_model",
@@ -177,6 +179,13 @@ def scan(repo: str | Path, gpu_available: bool = False) -> list[ModelEntry]:
         raise FileNotFoundError(f"model repository '{repo}' does not exist")
     if not repo.is_dir():
         raise NotADirectoryError(f"model repository '{repo}' is not a directory")
-    model_dirs = sorted((p for p in repo.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                        key=lambda p: p.name)
-    return [scan_model(d, gpu_available=gpu_available) for d in model_dirs]
+    return [scan_model(d, gpu_available=gpu_available) for d in model_dirs(repo)]
+
+
+def model_dirs(repo: str | Path) -> list[Path]:
+    """The model directories of a repository, sorted by name: hidden entries, files and names that
+    break the name rule (meshserve.repository.names; a name no client could address) are left out.
+    A model directory may be a symlink placed by the operator; it is followed, as in Triton."""
+    return sorted((p for p in Path(repo).iterdir()
+                   if not p.name.startswith(".") and is_valid_model_name(p.name) and p.is_dir()),
+                  key=lambda p: p.name)

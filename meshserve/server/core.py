@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.server.access import Grant, Op
 
 EXTENSIONS = (
     "classification",
@@ -65,6 +66,12 @@ class RequestContext:
 
 class V2Core(Protocol):
     """KServe v2 / Triton operations, independent of the wire protocol."""
+
+    def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
+        """May this caller do ``op`` (on ``model``)? Raises InferError 401/403, else a Grant whose
+        ``filter`` reduces statistics and the index to the caller's models. The front ends call
+        it for every operation but infer (which the core admits itself) and open health checks."""
+        ...
 
     def live(self) -> bool: ...
 

@@ -19,7 +19,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.infer_checks import reject_mixed_contents
-from meshserve.server import observe
+from meshserve.server import access, observe
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
@@ -28,7 +28,7 @@ from meshserve.telemetry.tracing import TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
 
-SERVICE = "inference.GRPCInferenceService"
+SERVICE = access.GRPC_SERVICE
 # Triton's clients assume no message size limit; grpc's Python default is 4 MiB.
 MAX_MESSAGE_BYTES = 2**31 - 1
 SERVER_OPTIONS = [
@@ -68,11 +68,20 @@ def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     context.set_details(f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+def _authorize(core: V2Core, method: str, request: Any, context: grpc.aio.ServicerContext) -> access.Grant:
+    """The core's verdict on this call (meshserve.server.access's table); open calls cost nothing."""
+    op, model = access.grpc_op(method, request)
+    if op.rule is access.Rule.OPEN:
+        return access.ALL
+    return core.authorize(op, model, _context(context))
+
+
+def _unary(core: V2Core, method: str, fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
            request_type: Any) -> grpc.RpcMethodHandler:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(request, context)
+            grant = _authorize(core, method, request, context)
+            return grant.filter(await fn(request, context))
         except asyncio.CancelledError:
             raise
         except grpc.aio.AbortError:
@@ -86,8 +95,13 @@ def _unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
         response_serializer=lambda m: m.SerializeToString())
 
 
-def _unimplemented(name: str, request_type: Any) -> grpc.RpcMethodHandler:
+def _unimplemented(core: V2Core, name: str, request_type: Any) -> grpc.RpcMethodHandler:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            _authorize(core, name, request, context)
+        except InferError as exc:
+            _fail(context, exc)
+            return None
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             f"{name} is not implemented by meshserve yet")
 
@@ -252,18 +266,18 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 t.cancel()
 
     handlers: dict[str, grpc.RpcMethodHandler] = {
-        "ServerLive": _unary(server_live, pb.ServerLiveRequest),
-        "ServerReady": _unary(server_ready, pb.ServerReadyRequest),
-        "ModelReady": _unary(model_ready, pb.ModelReadyRequest),
-        "ServerMetadata": _unary(server_metadata, pb.ServerMetadataRequest),
-        "ModelMetadata": _unary(model_metadata, pb.ModelMetadataRequest),
-        "ModelConfig": _unary(model_config, pb.ModelConfigRequest),
-        "ModelStatistics": _unary(model_statistics, pb.ModelStatisticsRequest),
-        "TraceSetting": _unary(trace_setting, pb.TraceSettingRequest),
-        "LogSettings": _unary(log_settings, pb.LogSettingsRequest),
-        "RepositoryIndex": _unary(repository_index, pb.RepositoryIndexRequest),
-        "RepositoryModelLoad": _unary(model_load, pb.RepositoryModelLoadRequest),
-        "RepositoryModelUnload": _unary(model_unload, pb.RepositoryModelUnloadRequest),
+        "ServerLive": _unary(core, "ServerLive", server_live, pb.ServerLiveRequest),
+        "ServerReady": _unary(core, "ServerReady", server_ready, pb.ServerReadyRequest),
+        "ModelReady": _unary(core, "ModelReady", model_ready, pb.ModelReadyRequest),
+        "ServerMetadata": _unary(core, "ServerMetadata", server_metadata, pb.ServerMetadataRequest),
+        "ModelMetadata": _unary(core, "ModelMetadata", model_metadata, pb.ModelMetadataRequest),
+        "ModelConfig": _unary(core, "ModelConfig", model_config, pb.ModelConfigRequest),
+        "ModelStatistics": _unary(core, "ModelStatistics", model_statistics, pb.ModelStatisticsRequest),
+        "TraceSetting": _unary(core, "TraceSetting", trace_setting, pb.TraceSettingRequest),
+        "LogSettings": _unary(core, "LogSettings", log_settings, pb.LogSettingsRequest),
+        "RepositoryIndex": _unary(core, "RepositoryIndex", repository_index, pb.RepositoryIndexRequest),
+        "RepositoryModelLoad": _unary(core, "RepositoryModelLoad", model_load, pb.RepositoryModelLoadRequest),
+        "RepositoryModelUnload": _unary(core, "RepositoryModelUnload", model_unload, pb.RepositoryModelUnloadRequest),
         "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
         "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(model_stream_infer),
     }
@@ -275,7 +289,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
         ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
     ):
-        handlers[name] = _unimplemented(name, req_type)
+        handlers[name] = _unimplemented(core, name, req_type)
     return handlers
 
 

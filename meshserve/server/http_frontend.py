@@ -25,7 +25,9 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from meshserve.protocol import http_codec, wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.repository.names import check_version
 from meshserve.server import body_worker, observe
+from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import ServerLimits
 
@@ -118,6 +120,11 @@ async def _decode(fn: Any, chunks: list[bytes], *args: Any, size: int | None = N
     return await body_worker.worker().call(fn.__name__, chunks, *args)
 
 
+def _allow(core: V2Core, request: web.BaseRequest, op: Op, model: str = "") -> Grant:
+    """The core's verdict on ``op`` (meshserve.server.access) for this request's key."""
+    return core.authorize(op, model, RequestContext(protocol="http", headers=_context_headers(request)))
+
+
 class HttpFrontend:
     """Dispatches v2 REST paths to a V2Core."""
 
@@ -155,6 +162,7 @@ class HttpFrontend:
         method = request.method
         core = self.core
         if parts[0] == "metrics" and len(parts) == 1:
+            _allow(core, request, Op.METRICS)
             body, ctype = core.metrics_text()
             return web.Response(body=body, headers={"Content-Type": ctype})
         if not parts or parts[0] != "v2":
@@ -162,6 +170,7 @@ class HttpFrontend:
         n = len(parts)
         if n == 1:
             self._method(request, "GET")
+            _allow(core, request, Op.SERVER_METADATA)
             return _json_response(http_codec.server_metadata_to_json(core.server_metadata()))
         head = parts[1]
         if head == "health" and n == 3:
@@ -178,6 +187,7 @@ class HttpFrontend:
             return await self._trace_setting(request, "")
         if head == "logging" and n == 2:  # the logging extension
             self._method(request, "GET", "POST")
+            _allow(core, request, Op.LOG_UPDATE if request.method == "POST" else Op.LOG_GET)
             changes = await _decode(http_codec.parse_json_object, await self._body(request), "log settings") \
                 if request.method == "POST" else None
             return _json_response(observe.log_setting(changes))
@@ -193,14 +203,13 @@ class HttpFrontend:
         core = self.core
         if rest == ["stats"]:
             self._method(request, "GET")
-            return _json_response(http_codec.statistics_to_json(await core.statistics("", "")))
+            grant = _allow(core, request, Op.ALL_STATISTICS)
+            return _json_response(http_codec.statistics_to_json(grant.filter(await core.statistics("", ""))))
         if not rest or not rest[0]:
             raise InferError.not_found("no model name in the path")
         name, tail, version = rest[0], rest[1:], ""
         if len(tail) >= 2 and tail[0] == "versions":
-            version, tail = tail[1], tail[2:]
-            if not version.isdigit():
-                raise InferError.invalid(f"model '{name}': version '{version}' is not a number")
+            version, tail = check_version(tail[1], name), tail[2:]
         action = tail[0] if tail else ""
         if tail == ["trace", "setting"] and not version:
             return await self._trace_setting(request, name)
@@ -211,19 +220,23 @@ class HttpFrontend:
             return await self._infer(request, name, version)
         if action == "":
             self._method(request, "GET")
+            _allow(core, request, Op.MODEL_METADATA, name)
             return _json_response(http_codec.model_metadata_to_json(await core.model_metadata(name, version)))
         if action == "ready":
             self._method(request, "GET")
+            _allow(core, request, Op.MODEL_READY, name)
             if await core.model_ready(name, version):
                 return _empty(200)
             return web.Response(body=http_codec.error_body("Model version not ready"), status=400,
                                 content_type=_JSON)
         if action == "config":
             self._method(request, "GET")
+            _allow(core, request, Op.MODEL_CONFIG, name)
             cfg = await core.model_config(name, version)
             return _json_response(http_codec.model_config_to_json(cfg.config))
         if action == "stats":
             self._method(request, "GET")
+            _allow(core, request, Op.MODEL_STATISTICS, name)
             return _json_response(http_codec.statistics_to_json(await core.statistics(name, version)))
         raise InferError.not_found(f"no route for {request.method} {request.path}")
 
@@ -250,8 +263,10 @@ class HttpFrontend:
     async def _trace_setting(self, request: web.BaseRequest, model: str) -> web.StreamResponse:
         """GET/POST /v2[/models/{m}]/trace/setting (the trace extension)."""
         self._method(request, "GET", "POST")
-        changes = await _decode(http_codec.parse_trace_settings, await self._body(request)) \
-            if request.method == "POST" else None
+        post = request.method == "POST"
+        _allow(self.core, request, (Op.MODEL_TRACE_UPDATE if post else Op.MODEL_TRACE_GET) if model
+               else (Op.TRACE_UPDATE if post else Op.TRACE_GET), model)
+        changes = await _decode(http_codec.parse_trace_settings, await self._body(request)) if post else None
         return _json_response(http_codec.trace_settings_to_json(
             await observe.trace_setting(self.core, model, changes)))
 
@@ -262,10 +277,12 @@ class HttpFrontend:
             rest = rest[1:]  # a repository name; meshserve serves one repository per process
         ctx = RequestContext(protocol="http", headers=_context_headers(request))
         if rest == ["index"]:
+            grant = _allow(self.core, request, Op.REPOSITORY_INDEX)
             ready = await _decode(http_codec.parse_index_request, await self._body(request))
-            idx = await self.core.repository_index(ready)
+            idx = grant.filter(await self.core.repository_index(ready))
             return _json_response(http_codec.repository_index_to_json(idx))
         if len(rest) == 3 and rest[0] == "models" and rest[2] in ("load", "unload"):
+            _allow(self.core, request, Op.REPOSITORY_LOAD if rest[2] == "load" else Op.REPOSITORY_UNLOAD, rest[1])
             body = await self._body(request)
             if rest[2] == "load":
                 await self.core.load_model(rest[1], await _decode(http_codec.parse_load_request, body), ctx)
@@ -358,6 +375,10 @@ async def start_metrics_server(core: V2Core, host: str, port: int,
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         if request.path.rstrip("/") != "/metrics":
             return web.Response(status=404, text="only /metrics is served on this port")
+        try:
+            _allow(core, request, Op.METRICS)
+        except InferError as exc:
+            return _error_response(exc)
         body, ctype = core.metrics_text()
         return web.Response(body=body, headers={"Content-Type": ctype})
 

@@ -14,6 +14,8 @@ from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
+from meshserve.repository.names import check_model_name, check_version
+from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
@@ -131,6 +133,9 @@ class ServiceCore:
                 await mv.close(drain=drain)
 
     # ---- V2Core -----------------------------------------------------------------------
+    def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
+        return ALL  # a service is an internal hop: no tenants (the gateway is the front door)
+
     def live(self) -> bool:
         return True
 
@@ -143,6 +148,7 @@ class ServiceCore:
     def _resolve(self, name: str, version: str) -> ModelVersion:
         hosted = self.models.get(name)
         if hosted is None or not hosted.versions:
+            check_model_name(name)  # an invalid name is a client error, not "not found"
             raise model_not_found(name, version)
         if not version:
             for v in sorted(hosted.versions, reverse=True):
@@ -153,12 +159,15 @@ class ServiceCore:
         try:
             mv = hosted.versions[int(version)]
         except (ValueError, KeyError):
+            check_version(version, name)
             raise model_not_found(name, version) from None
         if not mv.ready:
             raise InferError.unavailable(f"model '{name}' version {version} is not ready")
         return mv
 
     async def model_ready(self, name: str, version: str) -> bool:
+        if name not in self.models:
+            check_model_name(name)  # an invalid name is a client error, not "not ready"
         try:
             self._resolve(name, version)
             return True
@@ -198,6 +207,7 @@ class ServiceCore:
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         if not name:
             return pb.ModelStatisticsResponse(model_stats=[mv.stats.to_pb() for mv in self._all_versions()])
+        check_version(version, check_model_name(name))
         hosted = self.models.get(name)
         if hosted is None or not hosted.versions:
             raise InferError.invalid(f"requested model '{name}' is not available")
@@ -224,13 +234,14 @@ class ServiceCore:
     async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                          ctx: RequestContext) -> None:
         """(Re)load a model from the repository: load new versions, then retire old ones."""
+        check_model_name(name)
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)
         await self._load(name, parameters)
 
     async def _load(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter]) -> None:
-        path = self.repository / name
+        path = self.repository / check_model_name(name)  # never a path outside the repository
         if not (path / "config.pbtxt").exists() and not path.is_dir():
             raise model_not_found(name)
         override = parameters["config"].string_param if "config" in parameters else None
@@ -258,6 +269,7 @@ class ServiceCore:
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
+        check_model_name(name)
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)

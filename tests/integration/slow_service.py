@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.server.process import run, serve
 
@@ -24,6 +25,9 @@ def _config(name: str) -> mc.ModelConfig:
 class SlowCore:
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
+
+    def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
+        return ALL
 
     def live(self) -> bool:
         return True

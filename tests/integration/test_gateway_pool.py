@@ -7,11 +7,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.adversarial.support import add_sub_inputs
 from tests.conftest import _wait_http_ready, start
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
@@ -19,13 +19,7 @@ UNAVAILABLE = {"503", "StatusCode.UNAVAILABLE"}
 
 
 def _inputs(proto: str) -> list:
-    m = MODULES[proto]
-    out = []
-    for name in ("INPUT0", "INPUT1"):
-        inp = m.InferInput(name, [1, 16], "FP32")
-        inp.set_data_from_numpy(np.ones((1, 16), np.float32))
-        out.append(inp)
-    return out
+    return add_sub_inputs(MODULES[proto])
 
 
 def _served_by(service_grpc: str) -> int:

@@ -59,7 +59,7 @@ def add_sub(proto: str, url: str, headers: dict[str, str] | None = None) -> np.n
 def small_mlp(proto: str, url: str, headers: dict[str, str]) -> None:
     m = MODULES[proto]
     with m.InferenceServerClient(url) as c:
-        cfg = c.get_model_config("small_mlp")
+        cfg = c.get_model_config("small_mlp", headers={"x-api-key": "ops-key"})  # reading a config needs a key
         cfg = cfg if proto == "http" else {"input": [{"name": i.name, "dims": list(i.dims)}
                                                      for i in cfg.config.input]}
         inputs = []

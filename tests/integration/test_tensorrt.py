@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import ROOT, Proc, _wait_http_ready, start
+from tests.conftest import ROOT, Proc, service_and_gateway
 
 pytest.importorskip("tensorrt", reason="the TensorRT tests need the [tensorrt] extra")
 
@@ -75,19 +75,8 @@ def trt_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, 
     assert res.returncode == 0, res.stderr
     assert 'platform: "tensorrt_plan"' in res.stdout
     (plan.parent.parent / "config.pbtxt").write_text(CONFIG)
-    service = start(["service", "tensorrt", "--repository", str(work / "repo"), "--grpc-port", "0",
-                     "--http-port", "0"], timeout=300)
-    try:
-        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
-    except Exception:
-        service.stop()
-        raise
-    try:
-        _wait_http_ready(gateway.http)
-        yield service, gateway
-    finally:
-        gateway.stop()
-        service.stop()
+    with service_and_gateway("tensorrt", ["--repository", str(work / "repo")], timeout=300) as both:
+        yield both
 
 
 def _inputs(module: Any, a: np.ndarray, b: np.ndarray) -> list[Any]:

@@ -74,6 +74,9 @@ def test_shadow_share() -> None:
     ("routes: [{name: r, targets: [{model: a}]}, {name: r, targets: [{model: b}]}]", "twice"),
     ("routes: [{name: r, targets: [{model: a}], shadow: {model: b, share: 2}}]", "share"),
     ("routes: [{name: r, targets: [{model: a}], bogus: 1}]", "bogus"),
+    ("routes: [{name: ../r, targets: [{model: a}]}]", "one path component"),
+    ("routes: [{name: r, targets: [{model: /tmp/a}]}]", "one path component"),
+    ("routes: [{name: r, targets: [{model: a}], shadow: {model: '..'}}]", "one path component"),
 ])
 def test_invalid_routes_are_rejected_with_the_reason(text: str, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):

@@ -11,6 +11,7 @@ from gateway.quotas.bucket import Limits, take
 from gateway.quotas.memory import MemoryQuotaStore
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server.access import Op
 from meshserve.server.core import RequestContext
 
 
@@ -138,9 +139,9 @@ async def test_admission_keys_models_quota_priority(tmp_path: Path) -> None:
     assert req.parameters["priority"].uint64_param == 7
     # admin
     with pytest.raises(InferError) as e:
-        adm.require_admin(RequestContext("http", {"x-api-key": "acme-key"}), "loading model 'x'")
-    assert e.value.code == Code.PERMISSION_DENIED
-    adm.require_admin(RequestContext("http", {"x-api-key": "ops-key"}), "loading model 'x'")
+        adm.authorize(Op.REPOSITORY_LOAD, "x", RequestContext("http", {"x-api-key": "acme-key"}))
+    assert e.value.code == Code.PERMISSION_DENIED and "admin" in e.value.message
+    adm.authorize(Op.REPOSITORY_LOAD, "x", RequestContext("http", {"x-api-key": "ops-key"}))
 
     # reload on change without restart; an invalid edit keeps the previous tenants
     path.write_text(TENANTS.replace('models: ["add_sub", "scale*"]', 'models: ["*"]'))

@@ -1,0 +1,80 @@
+"""The one rule for names that reach the filesystem or routing: model names, version strings
+and file paths inside a model directory.
+
+A model name is ONE path component that stays inside the repository: non-empty, no ``/``,
+``\\`` or NUL, not ``.`` or ``..`` (so never absolute either). It is checked on the decoded
+name: the HTTP front end percent-decodes each path part once, gRPC names arrive as raw strings,
+so ``%2Ftmp%2Fx`` and ``..%2f..%2fx`` are refused like ``/tmp/x`` and ``../../x``. A version is
+decimal digits, or empty for "latest". A violation is ``InferError.invalid`` (HTTP 400, gRPC
+INVALID_ARGUMENT) naming the rule and the offending value; the checks never touch the filesystem.
+
+Symlinks: the repository's own entries are the operator's (as in Triton, a model directory may
+be a symlink and is followed); a client can only ever select a direct entry of the repository by
+name. Files a client names inside a model directory (``file:<path>`` load overrides) must stay
+inside it after resolving symlinks (``model_file_path``).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import NoReturn
+
+__all__ = ["NAME_RULE", "check_model_name", "check_version", "is_valid_model_name", "model_file_path"]
+
+NAME_RULE = "a model name must be one path component: non-empty, without '/', '\\' or NUL, not '.' or '..'"
+_FORBIDDEN = re.compile(r"[/\\\x00]")
+
+
+def _invalid(message: str) -> NoReturn:
+    # imported here: the repository package stays importable without grpc (errors.py needs it)
+    from meshserve.protocol.errors import InferError
+
+    raise InferError.invalid(message)
+
+
+def is_valid_model_name(name: str) -> bool:
+    """True when ``name`` is a single path component that stays inside the repository."""
+    return bool(name) and name != "." and name != ".." and _FORBIDDEN.search(name) is None
+
+
+def check_model_name(name: str, what: str = "model name") -> str:
+    """``name`` when valid; else InferError.invalid naming the rule and the name."""
+    if not is_valid_model_name(name):
+        _invalid(f"invalid {what} {name!r}: {_why(name)}")
+    return name
+
+
+def _why(name: str) -> str:
+    if not name:
+        return "it is empty"
+    if name in (".", ".."):
+        return f"'{name}' is not allowed ({NAME_RULE})"
+    bad = _FORBIDDEN.search(name)
+    shown = {"/": "'/'", "\\": "'\\'", "\x00": "NUL"}[bad.group()] if bad else "?"
+    return f"it contains {shown} ({NAME_RULE})"
+
+
+def check_version(version: str, model: str = "") -> str:
+    """``version`` when it is decimal digits or empty (latest); else InferError.invalid."""
+    if version and not (version.isascii() and version.isdigit()):
+        of = f" of model {model!r}" if model else ""
+        _invalid(f"invalid version {version!r}{of}: a version must be decimal digits "
+                                 "(or empty for the latest)")
+    return version
+
+
+def model_file_path(model_dir: str | Path, relative: str) -> Path:
+    """The path of a file a client names inside ``model_dir`` (e.g. ``1/model.onnx`` of a
+    ``file:1/model.onnx`` load override): every component must pass the name rule, the path
+    must be relative, and it must still be inside ``model_dir`` after resolving symlinks."""
+    if not relative or relative.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", relative):
+        _invalid(f"invalid file path {relative!r}: it must be a relative path inside "
+                                 "the model directory")
+    parts = relative.split("/")
+    for part in parts:
+        check_model_name(part, f"file path {relative!r} component")
+    base = Path(model_dir).resolve()
+    target = base.joinpath(*parts).resolve()
+    if not target.is_relative_to(base):
+        _invalid(f"invalid file path {relative!r}: it resolves outside the model directory")
+    return target

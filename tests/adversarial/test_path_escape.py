@@ -1,0 +1,123 @@
+"""Path escape: a model name (or a file name in a load request's config) that would leave the
+repository is 400 / INVALID_ARGUMENT at a service and through the gateway, over HTTP and gRPC,
+and the model placed outside the repository is never loaded or listed.
+
+A real model directory sits next to the repository (``<tmp>/outside/evil``); before the name
+rule, ``POST /v2/repository/models/%2F<tmp>%2Foutside%2Fevil/load`` at a service answered 200
+and served it."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.adversarial.support import add_sub_inputs, raw_http
+from tests.conftest import Proc, service_and_gateway
+
+RULE = "one path component"
+
+
+@dataclass
+class Mesh:
+    service: Proc
+    gateway: Proc
+    outside: Path  # <tmp>/outside/evil: a loadable model outside the repository
+
+
+@pytest.fixture(scope="module")
+def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    root = tmp_path_factory.mktemp("escape")
+    repo = root / "repo"
+    shutil.copytree(model_repo / "add_sub", repo / "add_sub")
+    evil = root / "outside" / "evil"
+    shutil.copytree(model_repo / "add_sub", evil)
+    (evil / "config.pbtxt").write_text((evil / "config.pbtxt").read_text().replace('"add_sub"', '"evil"'))
+    with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit", "--load-model",
+                              "add_sub"], ["--discovery-interval", "0.5"]) as (service, gateway):
+        yield Mesh(service, gateway, evil)
+
+
+def escapes(outside: Path) -> list[str]:
+    return [str(outside), "../outside/evil", "../../outside/evil", "add_sub/../../outside/evil",
+            "..\\outside\\evil", "evil\x00", "..", ".", f"{outside}\x00"]
+
+
+def encoded(name: str) -> str:
+    """Every byte percent-encoded: the front end decodes it back to ``name``."""
+    return "".join(f"%{b:02X}" for b in name.encode())
+
+
+def http_text(hostport: str, method: str, path: str, body: bytes = b"") -> tuple[int, str]:
+    status, data = raw_http(hostport, method, path, body=body)
+    return status, data.decode("utf-8", "replace")
+
+
+def index_names(hostport: str) -> set[str]:
+    status, body = raw_http(hostport, "POST", "/v2/repository/index", body=b"{}")
+    assert status == 200, body
+    return {m["name"] for m in json.loads(body)}
+
+
+@pytest.mark.parametrize("where", ["service", "gateway"])
+def test_escapes_over_http_are_400_and_never_loaded(mesh: Mesh, where: str) -> None:
+    url = getattr(mesh, where).http
+    for name in escapes(mesh.outside):
+        for path in (f"/v2/repository/models/{encoded(name)}/load", f"/v2/repository/models/{encoded(name)}/unload",
+                     f"/v2/repository/myrepo/models/{encoded(name)}/load"):
+            status, body = http_text(url, "POST", path, b"{}")
+            assert status == 400 and RULE in body and "invalid model name" in body, (where, name, status, body)
+        for path in (f"/v2/models/{encoded(name)}", f"/v2/models/{encoded(name)}/ready",
+                     f"/v2/models/{encoded(name)}/config", f"/v2/models/{encoded(name)}/stats",
+                     f"/v2/models/{encoded(name)}/versions/1"):
+            status, body = http_text(url, "GET", path)
+            assert status == 400 and RULE in body, (where, name, path, status, body)
+        status, body = http_text(url, "POST", f"/v2/models/{encoded(name)}/infer",
+                                b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}]}')
+        assert status == 400 and RULE in body, (where, name, status, body)
+        # tritonclient percent-encodes every character but '/': what it can express, it gets the same answer
+        if "/" not in name:
+            with httpclient.InferenceServerClient(url) as c, pytest.raises(InferenceServerException) as err:
+                c.load_model(name)
+            assert err.value.status() == "400" and RULE in (err.value.message() or ""), (where, name)
+    assert index_names(url) == {"add_sub"}
+
+
+@pytest.mark.parametrize("where", ["service", "gateway"])
+def test_escapes_over_grpc_are_invalid_argument_and_never_loaded(mesh: Mesh, where: str) -> None:
+    with grpcclient.InferenceServerClient(getattr(mesh, where).grpc) as c:
+        for name in escapes(mesh.outside):
+            for call in (c.load_model, c.unload_model, c.get_model_metadata, c.get_model_config,
+                         c.get_inference_statistics, c.is_model_ready):
+                with pytest.raises(InferenceServerException) as err:
+                    call(name)
+                assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT", (where, name, call, err.value)
+                assert RULE in (err.value.message() or ""), err.value
+            with pytest.raises(InferenceServerException) as err:
+                c.infer(name, add_sub_inputs(grpcclient))
+            assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT", (where, name, err.value)
+        with pytest.raises(InferenceServerException) as err:
+            c.get_model_metadata("add_sub", model_version="../1")
+        assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT" and "version" in (err.value.message() or "")
+        assert {m.name for m in c.get_model_repository_index().models} == {"add_sub"}
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_config_override_cannot_name_a_file_outside(mesh: Mesh, proto: str) -> None:
+    """A load request's config may not point default_model_filename (read while loading) outside."""
+    config = json.dumps({"name": "add_sub", "backend": "onnxruntime", "max_batch_size": 8,
+                         "default_model_filename": "../../../outside/evil/1/model.onnx"})
+    module = httpclient if proto == "http" else grpcclient
+    for proc in (mesh.service, mesh.gateway):
+        with module.InferenceServerClient(getattr(proc, proto)) as c:
+            with pytest.raises(InferenceServerException) as err:
+                c.load_model("add_sub", config=config)
+            assert str(err.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), err.value
+            assert "default_model_filename" in (err.value.message() or ""), err.value
+            assert c.is_model_ready("add_sub")  # the old version keeps serving

@@ -1,0 +1,88 @@
+"""The one rule for names (meshserve.repository.names)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from meshserve.protocol.errors import Code, InferError
+from meshserve.repository import layout
+from meshserve.repository.config import ConfigError, load_model_config
+from meshserve.repository.names import check_model_name, check_version, is_valid_model_name, model_file_path
+
+GOOD = ["add_sub", "m", "model-1.onnx", "a b", "ünïcode", "..x", "x..", ".hidden", "1"]
+BAD = {
+    "": "empty",
+    ".": "'.'",
+    "..": "'..'",
+    "/tmp/outside/evil": "'/'",
+    "../../outside/evil": "'/'",
+    "a/b": "'/'",
+    "..\\..\\evil": "'\\'",
+    "C:\\evil": "'\\'",
+    "evil\x00": "NUL",
+}
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_valid_names_pass(name: str) -> None:
+    assert is_valid_model_name(name)
+    assert check_model_name(name) == name
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_invalid_names_are_invalid_argument_naming_rule_and_name(name: str) -> None:
+    assert not is_valid_model_name(name)
+    with pytest.raises(InferError) as err:
+        check_model_name(name)
+    assert err.value.code is Code.INVALID_ARG and err.value.http_status == 400
+    assert repr(name) in err.value.message and BAD[name] in err.value.message
+    assert "one path component" in err.value.message or "empty" in err.value.message
+
+
+@pytest.mark.parametrize("version", ["", "1", "007", "123456"])
+def test_versions_are_digits_or_empty(version: str) -> None:
+    assert check_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["-1", "1.0", "../1", "１", "latest", " 1", "1/"])
+def test_invalid_versions(version: str) -> None:
+    with pytest.raises(InferError) as err:
+        check_version(version, "m")
+    assert err.value.code is Code.INVALID_ARG and repr(version) in err.value.message and "'m'" in err.value.message
+
+
+def test_model_file_path_stays_inside(tmp_path: Path) -> None:
+    model = tmp_path / "repo" / "m"
+    (model / "1").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    assert model_file_path(model, "1/model.onnx") == (model / "1" / "model.onnx").resolve()
+    for bad in ["", "/etc/passwd", "../outside/x", "1/../../outside", "1//x", "1/./x", "C:/x", "\\x", "1\\x",
+                "1/x\x00"]:
+        with pytest.raises(InferError) as err:
+            model_file_path(model, bad)
+        assert err.value.code is Code.INVALID_ARG and repr(bad) in err.value.message, bad
+    os.symlink(tmp_path / "outside", model / "link")  # a symlink out of the model directory
+    with pytest.raises(InferError, match="resolves outside"):
+        model_file_path(model, "link/x")
+
+
+def test_scan_skips_names_no_client_could_address(tmp_path: Path) -> None:
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "back\\slash").mkdir()
+    assert [e.name for e in layout.scan(tmp_path)] == ["ok"]
+
+
+def test_config_file_names_stay_inside_the_model_directory(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    (model / "1").mkdir(parents=True)
+    for override, field in [
+        ('{"backend": "onnxruntime", "default_model_filename": "../../../outside/evil/1/model.onnx"}',
+         "default_model_filename"),
+        ('{"backend": "onnxruntime", "model_warmup": [{"name": "w", "inputs": {"X": {"data_type": "TYPE_FP32", '
+         '"dims": [1], "input_data_file": "../../secret"}}}]}', "input_data_file"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_model_config(model, override_json=override)
+        assert field in str(err.value) and "not a file name inside the model directory" in str(err.value)
