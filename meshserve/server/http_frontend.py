@@ -155,7 +155,8 @@ class HttpFrontend:
         except ValueError:
             raise InferError.invalid(f"Inference-Header-Content-Length '{hlen}' is not an integer") from None
         infer_request = http_codec.parse_infer_request(body, header_length, name, version)
-        ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()})
+        ctx = RequestContext(protocol="http", headers={k.lower(): v for k, v in request.headers.items()},
+                             nbytes=len(body))
         result, span = await observe.infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
         arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes

@@ -19,16 +19,38 @@ from typing import Any
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server import admission
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
+_gate = admission.gate  # configured in place by process.serve
+_MERGED = wire.MERGED_PARAMETER
 
 
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
-    """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
-    span, whose traceparent a unary response echoes, or None)."""
+    """core.infer with admission, span, logs and error mapping; returns (result, the request's
+    sampled SERVER span, whose traceparent a unary response echoes, or None)."""
+    # Bounded admission (admission.py): a few integer operations, then the request runs or is
+    # refused at once. A request the gateway merged counts as the client requests it holds.
+    raw = ctx.raw
+    size = len(raw) if raw is not None else ctx.nbytes
+    params = request.parameters
+    weight = max(1, params[_MERGED].int64_param) if params and _MERGED in params else 1
+    gate = _gate
+    if gate.requests >= gate.max_requests or (gate.bytes + size > gate.max_bytes and gate.requests):
+        raise _log_error(request, ctx, gate.refuse(request.model_name, weight, size), "", 0)
+    gate.requests += weight
+    gate.bytes += size
+    try:
+        return await _infer(core, request, ctx)
+    finally:
+        gate.requests -= weight
+        gate.bytes -= size
+
+
+async def _infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
     if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
         if isinstance(sampled, tracing.LateSpans):
             return await _infer_late(core, request, ctx, sampled), None
