@@ -43,31 +43,27 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
         raise _log_error(request, ctx, gate.refuse(request.model_name, weight, size), "", 0)
     gate.requests += weight
     gate.bytes += size
-    try:
-        return await _infer(core, request, ctx)
+    try:  # the body is inline, not a second coroutine: this is every request's path
+        if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
+            if isinstance(sampled, tracing.LateSpans):
+                return await _infer_late(core, request, ctx, sampled), None
+            return await _infer_traced(core, request, ctx, sampled)
+        # not sampled (most requests at a low ratio): exactly the path of tracing off
+        if not log.isEnabledFor(logging.DEBUG):
+            try:
+                return await core.infer(request, ctx), None
+            except Exception as exc:
+                raise _log_error(request, ctx, exc, "", 0) from None
+        t0 = time.perf_counter_ns()
+        try:
+            result = await core.infer(request, ctx)
+        except Exception as exc:
+            raise _log_error(request, ctx, exc, "", t0) from None
+        _log_ok(request, ctx, "", t0)
+        return result, None
     finally:
         gate.requests -= weight
         gate.bytes -= size
-
-
-async def _infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
-    if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
-        if isinstance(sampled, tracing.LateSpans):
-            return await _infer_late(core, request, ctx, sampled), None
-        return await _infer_traced(core, request, ctx, sampled)
-    # not sampled (most requests at a low ratio): exactly the path of tracing off
-    if not log.isEnabledFor(logging.DEBUG):
-        try:
-            return await core.infer(request, ctx), None
-        except Exception as exc:
-            raise _log_error(request, ctx, exc, "", 0) from None
-    t0 = time.perf_counter_ns()
-    try:
-        result = await core.infer(request, ctx)
-    except Exception as exc:
-        raise _log_error(request, ctx, exc, "", t0) from None
-    _log_ok(request, ctx, "", t0)
-    return result, None
 
 
 def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span | tracing.LateSpans | None:
