@@ -50,9 +50,10 @@ class Proc:
         return self.proc.returncode
 
 
-def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None) -> Proc:
-    """Start `python -m meshserve ARGS` and wait for its ready line."""
-    argv = [sys.executable, "-m", "meshserve", *args]
+def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None,
+          module: str = "meshserve") -> Proc:
+    """Start `python -m meshserve ARGS` (or another server module) and wait for its ready line."""
+    argv = [sys.executable, "-m", module, *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True)
     p = Proc(argv, proc)

@@ -57,6 +57,7 @@ class RequestContext:
     headers: dict[str, str] = field(default_factory=dict)  # lower-case names (HTTP headers / gRPC metadata)
     deadline: float | None = None  # absolute time.monotonic() deadline, None = none
     raw: bytes | None = None  # the serialized ModelInferRequest, when it arrived as one
+    nbytes: int = 0  # the request's size on the wire when `raw` is None (an HTTP body): admission counts it
 
     def time_remaining(self) -> float | None:
         if self.deadline is None:

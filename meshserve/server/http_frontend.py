@@ -245,7 +245,7 @@ class HttpFrontend:
         body = await self._body(request)
         infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
                                       size=header_length)
-        ctx = RequestContext(protocol="http", headers=_context_headers(request))
+        ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
         result, span = await observe.infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
         arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes

@@ -21,10 +21,14 @@ class ServerLimits:
     max_request_bytes: int = 64 * MiB
     # ---- admission (the whole process) -------------------------------------------------
     # Inference requests admitted and not yet answered; beyond it: 429 + Retry-After /
-    # RESOURCE_EXHAUSTED, at once. 0 = unbounded.
-    max_inflight: int = 512
-    # Bytes of admitted, unanswered inference requests (their serialized size).
-    max_inflight_bytes: int = 512 * MiB
+    # RESOURCE_EXHAUSTED, at once. 0 = unbounded. Measured (docs/_security_admission.md): add_sub
+    # through gateway + service on the 2-core box at ~3x overload, a 100/s client's admitted
+    # requests had p50 13 ms / p99 208 ms with 512, p50 3.4 ms / p99 27 ms with 128 (unloaded
+    # p50 2.5 ms); 128 still leaves room for batching models that need many requests in flight.
+    max_inflight: int = 128
+    # Bytes of admitted, unanswered inference requests (their serialized size): four requests
+    # of the largest size (max_request_bytes), so a flood of big tensors cannot hold GiBs.
+    max_inflight_bytes: int = 256 * MiB
     # ---- HTTP/2 (gRPC) -----------------------------------------------------------------
     max_concurrent_streams: int = 1024  # SETTINGS_MAX_CONCURRENT_STREAMS; excess: REFUSED_STREAM
     # Rapid reset (CVE-2023-44487): client RST_STREAMs (and refused streams) as a token bucket;

@@ -19,33 +19,51 @@ from typing import Any
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server import admission
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
+_gate = admission.gate  # configured in place by process.serve
+_MERGED = wire.MERGED_PARAMETER
 
 
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
-    """core.infer with span, logs and error mapping; returns (result, the request's sampled SERVER
-    span, whose traceparent a unary response echoes, or None)."""
-    if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
-        if isinstance(sampled, tracing.LateSpans):
-            return await _infer_late(core, request, ctx, sampled), None
-        return await _infer_traced(core, request, ctx, sampled)
-    # not sampled (most requests at a low ratio): exactly the path of tracing off
-    if not log.isEnabledFor(logging.DEBUG):
+    """core.infer with admission, span, logs and error mapping; returns (result, the request's
+    sampled SERVER span, whose traceparent a unary response echoes, or None)."""
+    # Bounded admission (admission.py): a few integer operations, then the request runs or is
+    # refused at once. A request the gateway merged counts as the client requests it holds.
+    raw = ctx.raw
+    size = len(raw) if raw is not None else ctx.nbytes
+    params = request.parameters
+    weight = max(1, params[_MERGED].int64_param) if params and _MERGED in params else 1
+    gate = _gate
+    if gate.requests >= gate.max_requests or (gate.bytes + size > gate.max_bytes and gate.requests):
+        raise _log_error(request, ctx, gate.refuse(request.model_name, weight, size), "", 0)
+    gate.requests += weight
+    gate.bytes += size
+    try:  # the body is inline, not a second coroutine: this is every request's path
+        if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
+            if isinstance(sampled, tracing.LateSpans):
+                return await _infer_late(core, request, ctx, sampled), None
+            return await _infer_traced(core, request, ctx, sampled)
+        # not sampled (most requests at a low ratio): exactly the path of tracing off
+        if not log.isEnabledFor(logging.DEBUG):
+            try:
+                return await core.infer(request, ctx), None
+            except Exception as exc:
+                raise _log_error(request, ctx, exc, "", 0) from None
+        t0 = time.perf_counter_ns()
         try:
-            return await core.infer(request, ctx), None
+            result = await core.infer(request, ctx)
         except Exception as exc:
-            raise _log_error(request, ctx, exc, "", 0) from None
-    t0 = time.perf_counter_ns()
-    try:
-        result = await core.infer(request, ctx)
-    except Exception as exc:
-        raise _log_error(request, ctx, exc, "", t0) from None
-    _log_ok(request, ctx, "", t0)
-    return result, None
+            raise _log_error(request, ctx, exc, "", t0) from None
+        _log_ok(request, ctx, "", t0)
+        return result, None
+    finally:
+        gate.requests -= weight
+        gate.bytes -= size
 
 
 def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span | tracing.LateSpans | None:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from meshserve.server import admission
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
@@ -51,6 +52,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
                 on_ready: Callable[[Endpoints], Awaitable[None]] | None = None,
                 limits: ServerLimits | None = None) -> None:
     limits = limits if limits is not None else ServerLimits()
+    admission.configure(limits)
     health = HealthState()
     grpc_server, gport = await start_grpc_server(core, host, grpc_port, health, limits=limits)
     runner = None

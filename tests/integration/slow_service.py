@@ -9,6 +9,7 @@ from google.protobuf import text_format
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.server import limits as server_limits
 from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.server.process import run, serve
@@ -81,10 +82,12 @@ class SlowCore:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grpc-port", type=int, default=0)
+    ap.add_argument("--http-port", type=int, default=None)
     ap.add_argument("--delay-ms", type=float, default=100)
+    server_limits.add_arguments(ap)  # e.g. --max-inflight, as on a real service
     args = ap.parse_args()
     run(serve(SlowCore(args.delay_ms / 1000), name="slow", host="127.0.0.1", grpc_port=args.grpc_port,
-              http_port=None))
+              http_port=args.http_port, limits=server_limits.from_args(args)))
 
 
 if __name__ == "__main__":
