@@ -64,23 +64,30 @@ class RunState:
     done: bool = False
 
 
-async def http_get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url) as r:
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def http_get_json(session: aiohttp.ClientSession, url: str, api_key: str | None = None) -> Any:
+    async with session.get(url, headers=_auth(api_key)) as r:
         if r.status != 200:
             raise RuntimeError(f"GET {url}: HTTP {r.status}: {(await r.text())[:300]}")
         return await r.json(content_type=None)
 
 
-async def fetch_model_info(session: aiohttp.ClientSession, http: str, model: str, version: str = "") -> ModelInfo:
+async def fetch_model_info(session: aiohttp.ClientSession, http: str, model: str, version: str = "",
+                           api_key: str | None = None) -> ModelInfo:
+    """Metadata + config (with the target's key: a gateway with tenants lets only them read a model)."""
     v = f"/versions/{version}" if version else ""
-    md = await http_get_json(session, f"http://{http}/v2/models/{model}{v}")
-    cfg = await http_get_json(session, f"http://{http}/v2/models/{model}{v}/config")
+    md = await http_get_json(session, f"http://{http}/v2/models/{model}{v}", api_key)
+    cfg = await http_get_json(session, f"http://{http}/v2/models/{model}{v}/config", api_key)
     return model_info(md, cfg)
 
 
-async def fetch_stats(session: aiohttp.ClientSession, http: str, model: str) -> dict[str, Any] | None:
+async def fetch_stats(session: aiohttp.ClientSession, http: str, model: str,
+                      api_key: str | None = None) -> dict[str, Any] | None:
     try:
-        return await http_get_json(session, f"http://{http}/v2/models/{model}/stats")  # type: ignore[no-any-return]
+        return await http_get_json(session, f"http://{http}/v2/models/{model}/stats", api_key)  # type: ignore[no-any-return]
     except Exception:  # noqa: BLE001 - a server without the statistics extension
         return None
 
@@ -102,6 +109,7 @@ class Driver:
         self.infos: dict[str, ModelInfo] = {}
         self.stats_before: dict[str, Any] = {}
         self.stats_after: dict[str, Any] = {}
+        self.read_keys: dict[str, str | None] = {}  # model -> the key its reads are made with
         self.cpu: dict[str, float] = {}
         self.wall_s = 0.0
         self.setup_errors: list[str] = []
@@ -112,9 +120,11 @@ class Driver:
         sc = self.sc
         for i, t in enumerate(sc.targets):
             key = f"{t.model}/{t.version}"
+            key_ = sc.tenants[t.tenant].api_key if t.tenant else None
+            self.read_keys.setdefault(t.model, key_)
             try:
                 if key not in self.infos:
-                    self.infos[key] = await fetch_model_info(session, sc.http, t.model, t.version)
+                    self.infos[key] = await fetch_model_info(session, sc.http, t.model, t.version, key_)
                 info = self.infos[key]
                 pl = build_payloads(t.model, t.version, info, t.batch, input_file=t.input_file, seed=sc.seed + i)
             except Exception as exc:  # noqa: BLE001 - an unknown model is a target whose requests fail
@@ -122,7 +132,6 @@ class Driver:
                 info = ModelInfo(t.model, 0, [], [])
                 pl = build_payloads(t.model, t.version, info, 1, variants=1)
             self.payloads.append(pl)
-            key_ = sc.tenants[t.tenant].api_key if t.tenant else None
             if t.protocol.startswith("http") and sc.http_client == "raw":
                 if self.pool is None:
                     host, _, port = sc.http.rpartition(":")
@@ -152,7 +161,7 @@ class Driver:
             await self._prepare(session, channel)
             models = sorted({t.model for t in sc.targets})
             for m in models:
-                snap = await fetch_stats(session, sc.http, m)
+                snap = await fetch_stats(session, sc.http, m, self.read_keys.get(m))
                 if snap is not None:
                     self.stats_before[m] = snap
             st = RunState(Record())
@@ -186,7 +195,7 @@ class Driver:
                 self.h2.close()
             for m in models:
                 if m in self.stats_before:
-                    self.stats_after[m] = await fetch_stats(session, sc.http, m)
+                    self.stats_after[m] = await fetch_stats(session, sc.http, m, self.read_keys.get(m))
         if channel is not None:
             await channel.close()
         if self.on_tick:

@@ -93,6 +93,8 @@ def _loads(data: bytes | bytearray | memoryview, what: str) -> Any:
         raise InferError.invalid(f"failed to parse the {what} JSON: not valid UTF-8 ({e})") from None
     except RecursionError:
         raise InferError.invalid(f"failed to parse the {what} JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than int() takes (sys.int_info)
+        raise InferError.invalid(f"failed to parse the {what} JSON: {e}") from None
     # json accepts an escaped lone surrogate ("\ud800") and yields a str that cannot be encoded
     # (into a protobuf field, a gRPC header, a log line). Only a `\uD...` escape can produce
     # one, so only bodies holding that text pay for the walk.

@@ -259,7 +259,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 yield item
                 slots.release()
             if failed:
-                await context.abort(grpc.StatusCode.INTERNAL, failed[0])
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, failed[0])
         finally:
             read_task.cancel()
             for t in list(pending):

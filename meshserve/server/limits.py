@@ -36,10 +36,10 @@ class ServerLimits:
     stream_reset_burst: int = 1000
     stream_reset_rate: float = 33.0  # per second
     # Received bytes a connection may hold that no handler has taken yet (window budget).
-    conn_receive_buffer_bytes: int = 96 * MiB
+    conn_receive_buffer_bytes: int = 64 * MiB
     # Response bytes a connection may hold that the peer's flow-control window or the socket
     # has not taken yet; beyond it the connection is closed.
-    conn_send_buffer_bytes: int = 64 * MiB
+    conn_send_buffer_bytes: int = 16 * MiB
     # Control frames (PING/SETTINGS ACKs) queued while the peer does not read; beyond: GOAWAY.
     max_pending_control_frames: int = 1000
     # ---- timeouts (both protocols) -----------------------------------------------------

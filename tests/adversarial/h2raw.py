@@ -73,6 +73,7 @@ class Seen:
     eof: bool = False  # the server closed (EOF or reset)
     settings: dict[int, int] = field(default_factory=dict)  # what the server advertised
     statuses: dict[int, str] = field(default_factory=dict)  # stream -> grpc-status (trailers)
+    answered: set[int] = field(default_factory=set)  # streams whose response HEADERS arrived
     data_bytes: int = 0
 
     def closed_or_refused(self) -> bool:
@@ -211,6 +212,7 @@ class RawH2:
                 if seen.goaway is None:
                     seen.goaway = struct.unpack_from(">I", payload, 4)[0]
             elif ftype == HEADERS:
+                seen.answered.add(sid)
                 try:
                     for k, v in self.decoder.decode(payload):
                         if k in ("grpc-status", b"grpc-status"):
@@ -222,6 +224,17 @@ class RawH2:
                 if self.give_window and payload:
                     self._replies.append(window_update(0, len(payload)) + window_update(sid, len(payload)))
             self.lock.notify_all()
+
+    def wait_answered(self, sid: int, timeout: float) -> bool:
+        """Bounded wait for the server's response HEADERS on `sid` (or the connection's end)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while sid not in self.seen.answered and not self.seen.eof and self.seen.goaway is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.lock.wait(left)
+            return sid in self.seen.answered
 
     def wait(self, cond: str, timeout: float) -> bool:
         """Bounded wait for `closed` (EOF or GOAWAY) or `refused` (closed_or_refused)."""

@@ -29,8 +29,9 @@ def refusal(status: str) -> bool:
 
 
 def test_open_loop_flood_at_three_times_capacity(mesh: Mesh) -> None:
-    capacity = load(mesh, mesh.tmp / "capacity.json", "-c", "32", "-d", "2", "--warmup", "0.5",
-                    timeout=60)["throughput_rps"]
+    measured = load(mesh, mesh.tmp / "capacity.json", "-c", "32", "-d", "2", "--warmup", "0.5", timeout=60)
+    assert measured["failed"] == 0 and measured["succeeded"] > 0, f"capacity run failed: {measured['errors']}"
+    capacity = measured["goodput_rps"]
     rate = 3 * capacity
     seconds = 20 if LONG else 4
 

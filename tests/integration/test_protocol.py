@@ -304,7 +304,8 @@ def test_stream_answers_each_request_and_a_malformed_message_ends_the_stream_wit
         bad = call(iter([good.SerializeToString(), b"\xff\xff\xff"]), timeout=30)
         with pytest.raises(grpc.RpcError) as err:
             list(bad)
-        assert err.value.code() == grpc.StatusCode.INTERNAL
+        # a client's mistake: INVALID_ARGUMENT, as for a unary call (never INTERNAL; docs/security.md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "deserializing" in (err.value.details() or "")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
+    ACK,
     DATA,
     END_DATA,
     END_STREAM,
@@ -135,6 +136,8 @@ class ClientStream:
             self.conn.blocked.discard(self)
             self.conn._discard_out(self)
             self.conn._write(frame(RST_STREAM, 0, self.sid, U32.pack(ErrorCode.CANCEL)))
+            if self.conn.slot_waiters:
+                self.conn._free_slots(1)
 
 
 # The largest response message the client takes (the services are a trusted hop, and outputs may
@@ -148,13 +151,16 @@ class H2ClientConnection(H2Endpoint):
         self.authority = authority.encode()
         self.next_sid = 1
         self.max_receive = max_receive
+        self.slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.settled: asyncio.Future[None] | None = None  # the server's first SETTINGS arrived
 
     @property
     def usable(self) -> bool:
-        return (not self.closed and not self.going_away and self.next_sid < 2**31 - 2
+        return (not self.closed and not self.going_away and not self.dead and self.next_sid < 2**31 - 2
                 and (self.transport is None or not self.transport.is_closing()))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.settled = self.loop.create_future()
         self.transport = transport  # type: ignore[assignment]
         self.peername = transport.get_extra_info("peername")
         transport.write(PREFACE + self._preamble())  # type: ignore[attr-defined]
@@ -166,6 +172,27 @@ class H2ClientConnection(H2Endpoint):
             self._end(st, Status.UNAVAILABLE, reason)
         self.streams.clear()
         self.blocked.clear()
+        self._free_slots(len(self.slot_waiters))
+
+    def _free_slots(self, n: int) -> None:
+        while n > 0 and self.slot_waiters:
+            waiter = self.slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                n -= 1
+
+    async def _stream_slot(self) -> None:
+        """Wait while the server's SETTINGS_MAX_CONCURRENT_STREAMS are all in use: a stream
+        over it would be refused, and refusals count against the server's rapid-reset budget."""
+        while len(self.streams) >= self.peer_max_streams and self.usable:
+            waiter = self.loop.create_future()
+            self.slot_waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._free_slots(1)  # pass the slot on
+                raise
 
     def open_stream(self, path: str, metadata: Iterable[tuple[str, Any]], on_message: OnMessage,
                     on_close: OnClose) -> ClientStream:
@@ -194,6 +221,14 @@ class H2ClientConnection(H2Endpoint):
                 fut.set_result((code, details))
 
         md = tuple(metadata)
+        if len(self.streams) >= self.peer_max_streams:
+            started = self.loop.time()
+            try:
+                await asyncio.wait_for(self._stream_slot(), timeout)
+            except TimeoutError:
+                raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            if timeout is not None:
+                timeout = max(0.0, timeout - (self.loop.time() - started))
         if timeout is not None:
             md += (("grpc-timeout", grpc_timeout(timeout)),)
         st = self.open_stream(path, md, messages.append, on_close)
@@ -217,6 +252,11 @@ class H2ClientConnection(H2Endpoint):
             self.transport.close()
 
     # ---- frames from the server ------------------------------------------------------------
+    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
+        super()._on_settings(flags, sid, payload)
+        if not flags & ACK and self.settled is not None and not self.settled.done():
+            self.settled.set_result(None)
+
     def _end(self, st: ClientStream, code: int, details: str) -> None:
         if st.closed:
             return
@@ -224,6 +264,8 @@ class H2ClientConnection(H2Endpoint):
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
         self._discard_out(st)
+        if self.slot_waiters:
+            self._free_slots(1)
         try:
             st.on_close(code, details)
         except Exception:  # one stream's callback must not keep the others from ending
@@ -320,6 +362,14 @@ async def connect(endpoint: str, timeout: float = 5.0) -> H2ClientConnection:
     loop = asyncio.get_running_loop()
     _, proto = await asyncio.wait_for(
         loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port)), timeout)
+    # Streams wait for the server's SETTINGS (its MAX_CONCURRENT_STREAMS above all): a burst of
+    # calls on a new connection would otherwise be refused past that limit.
+    if proto.settled is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(proto.settled), timeout)
+        except TimeoutError:
+            proto.close()
+            raise ConnectionError(f"{endpoint} sent no HTTP/2 SETTINGS within {timeout} s") from None
     return proto
 
 

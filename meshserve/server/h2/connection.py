@@ -48,6 +48,7 @@ from meshserve.server.h2.frames import (
 )
 
 MAX_SETTINGS = 32  # entries in one SETTINGS frame (nghttp2's max_settings)
+LINGER_S = 1.0  # after a connection error: input read and dropped this long before the close
 
 log = logging.getLogger("meshserve.grpc.h2")
 logging.getLogger("hpack").setLevel(logging.WARNING)  # it logs every header it decodes at DEBUG
@@ -76,6 +77,8 @@ class H2Endpoint(asyncio.Protocol):
         self.need = 0
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = 16384
+        self.peer_max_streams = 1 << 31  # the peer's SETTINGS_MAX_CONCURRENT_STREAMS (unlimited until said)
+        self.dead = False  # a connection error was sent: input is discarded until the close
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0  # released bytes not yet given back with a WINDOW_UPDATE
         self.recv_window = self.conn_window  # what the peer may still send us (enforced)
@@ -166,6 +169,8 @@ class H2Endpoint(asyncio.Protocol):
 
     # ---- reading ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.dead:
+            return  # after our GOAWAY: the peer's frames are read and dropped until the close
         self.heard = True
         if self.chunks:
             self.chunks.append(data)
@@ -224,6 +229,8 @@ class H2Endpoint(asyncio.Protocol):
                 elif typ == RST_STREAM:
                     if length != 4:
                         raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM payload must be 4 bytes")
+                    if sid == 0:  # RFC 9113 6.4: a connection error
+                        raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on stream 0")
                     self._on_reset(sid, U32.unpack_from(data, pos + 9)[0])
                 elif typ == GOAWAY:
                     if length < 8:
@@ -260,10 +267,17 @@ class H2Endpoint(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             self.wbuf.clear()
+            self.dead = True
             transport.write(frame(GOAWAY, 0, 0, U32.pack(self.last_sid) + U32.pack(code)
                                   + message.encode()[:256]))
             if self.paused:  # the peer does not read: drop what it has not taken, free it now
                 transport.abort()
+            elif transport.can_write_eof():
+                # Half-close after the GOAWAY and keep reading (and dropping) for a moment: closing
+                # a socket with unread input sends a TCP RST, and a peer that is still writing (a
+                # flood) would lose the GOAWAY that says why (nghttp2 and Go linger the same way).
+                transport.write_eof()
+                asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
             else:
                 transport.close()
 
@@ -305,6 +319,8 @@ class H2Endpoint(asyncio.Protocol):
                 if not 16384 <= value <= 16777215:
                     raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
                 self.peer_max_frame = value
+            elif key == 0x3:
+                self.peer_max_streams = value
         # The ACK goes out before any DATA the new settings allow: grpc core (and h2) count a
         # larger INITIAL_WINDOW_SIZE only once it is acknowledged, and grpc fails the stream
         # ("frame of size N overflows local window") on DATA that arrives before the ACK.
@@ -469,7 +485,7 @@ class H2Endpoint(asyncio.Protocol):
         self.flush_scheduled = False
         if self.wbuf:
             buf, self.wbuf = self.wbuf, []
-            if self.transport is not None and not self.transport.is_closing():
+            if self.transport is not None and not self.transport.is_closing() and not self.dead:
                 self.transport.writelines(buf)
                 if self.paused:
                     self._over_send_budget()

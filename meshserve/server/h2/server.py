@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from meshserve.server.body_worker import release_memory
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
     DATA,
@@ -380,6 +381,9 @@ class ServerConnection(H2Endpoint):
         self.streams.clear()
         self.blocked.clear()
         self.queued_out = 0
+        # the held responses are freed as their handlers unwind; then glibc may give the heap back
+        loop = self.loop
+        loop.call_later(0.5, lambda: loop.run_in_executor(None, release_memory))
         return True
 
     def _unhold(self, st: ServerStream, n: int) -> None:

@@ -98,3 +98,10 @@ def test_reject_mixed_contents_matches_triton() -> None:
     reject_mixed_contents(req)  # raw alone: fine
     req.inputs[1].contents.SetInParent()  # an empty contents message is still "contents" (has_contents)
     invalid(reject_mixed_contents, req, match="for 'INPUT1' for model 'simple'")
+
+
+def test_an_integer_too_long_for_int_is_invalid_not_internal() -> None:
+    # json.loads raises a plain ValueError past sys.int_info's digit limit (found by the fuzz: 500)
+    with pytest.raises(InferError) as err:
+        parse_json_object(b'{"inputs":' + b"1" * 5000 + b"}", "infer request")
+    assert err.value.code is Code.INVALID_ARG and "digits" in err.value.message
