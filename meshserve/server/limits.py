@@ -21,7 +21,7 @@ class ServerLimits:
     max_request_bytes: int = 64 * MiB
     # ---- admission (the whole process) -------------------------------------------------
     # Inference requests admitted and not yet answered; beyond it: 429 + Retry-After /
-    # RESOURCE_EXHAUSTED, at once. 0 = unbounded. Measured (docs/_security_admission.md): add_sub
+    # RESOURCE_EXHAUSTED, at once. 0 = unbounded. Measured (docs/security.md, Bounded admission): add_sub
     # through gateway + service on the 2-core box at ~3x overload, a 100/s client's admitted
     # requests had p50 13 ms / p99 208 ms with 512, p50 3.4 ms / p99 27 ms with 128 (unloaded
     # p50 2.5 ms); 128 still leaves room for batching models that need many requests in flight.
@@ -39,7 +39,7 @@ class ServerLimits:
     conn_receive_buffer_bytes: int = 64 * MiB
     # Response bytes a connection may hold that the peer's flow-control window or the socket
     # has not taken yet; beyond it the connection is closed.
-    conn_send_buffer_bytes: int = 16 * MiB
+    conn_send_buffer_bytes: int = 64 * MiB
     # Control frames (PING/SETTINGS ACKs) queued while the peer does not read; beyond: GOAWAY.
     max_pending_control_frames: int = 1000
     # ---- timeouts (both protocols) -----------------------------------------------------
