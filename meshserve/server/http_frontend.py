@@ -53,6 +53,9 @@ def _empty(status: int = 200) -> web.Response:
     return web.Response(status=status, content_type="text/plain")
 
 
+SMALL_BODY_BYTES = 1 << 16  # a body of at most this many bytes with a Content-Length is read in one go
+
+
 async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     """The request body's chunks, decompressed, at most `limit` bytes on the wire and after decoding.
 
@@ -71,6 +74,17 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     if isinstance(conn, _Connection):
         conn.reading = True
     content = request.content
+    if length is not None and decoder.identity and length <= SMALL_BODY_BYTES:
+        # the common case, a small plain body of known length: one read (aiohttp holds the
+        # parser to Content-Length), not the chunk loop below (measured ~2 µs a request)
+        try:
+            body = await content.read()
+        except (RequestPayloadError, HttpProcessingError) as exc:
+            raise InferError.invalid(f"malformed request body: {exc}") from None
+        finally:
+            if isinstance(conn, _Connection):
+                conn.reading = False
+        return [body]
     # Kept as chunks: a large JSON body goes to the body worker chunk by chunk, never joined here
     # (a join of 64 MiB page-faults a fresh buffer in one go: ~30 ms measured, all on the loop).
     chunks: list[bytes] = []
