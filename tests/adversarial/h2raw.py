@@ -59,6 +59,15 @@ def grpc_headers(authority: str, path: str = INFER, key: str | None = None,
     return hpack.Encoder().encode([NeverIndexedHeaderTuple(k, v) for k, v in hdrs])
 
 
+def header_frames(sid: int, block: bytes, size: int = 16000) -> bytes:
+    """A header block (ending the stream) as HEADERS + CONTINUATION frames of `size` bytes."""
+    parts = [block[i:i + size] for i in range(0, len(block), size)] or [b""]
+    data = frame(HEADERS, END_STREAM | (END_HEADERS if len(parts) == 1 else 0), sid, parts[0])
+    for i, part in enumerate(parts[1:], 1):
+        data += frame(CONTINUATION, END_HEADERS if i == len(parts) - 1 else 0, sid, part)
+    return data
+
+
 def grpc_message(payload: bytes, length: int | None = None) -> bytes:
     """A gRPC length-prefixed message; `length` lies about its size when given."""
     return b"\x00" + struct.pack(">I", len(payload) if length is None else length) + payload

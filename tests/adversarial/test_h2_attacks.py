@@ -277,12 +277,7 @@ def test_hpack_bomb(mesh: Mesh, which: str) -> None:
                     (":authority", conn.authority), ("content-type", "application/grpc")]
             first = enc.encode(base + [("x-bomb", "b" * 4000)])  # indexed: x-bomb is dynamic entry 62
             conn.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, first))
-            block = h2raw.grpc_headers(conn.authority) + b"\xbe" * 100_000
-            frames = [block[i:i + 16000] for i in range(0, len(block), 16000)]
-            data = frame(HEADERS, END_STREAM | (END_HEADERS if len(frames) == 1 else 0), 3, frames[0])
-            for i, f in enumerate(frames[1:], 1):
-                data += frame(CONTINUATION, END_HEADERS if i == len(frames) - 1 else 0, 3, f)
-            conn.send(data)
+            conn.send(h2raw.header_frames(3, h2raw.grpc_headers(conn.authority) + b"\xbe" * 100_000))
             conn.wait("refused", CLOSE_WAIT_S)
             refused = conn.seen.closed_or_refused() or conn.seen.rst.total() > 0 or 3 in conn.seen.statuses
             return Observation(f"{conn.seen}", refused)
@@ -301,11 +296,7 @@ def test_huge_header_list(mesh: Mesh, which: str) -> None:
         try:
             extra = [(f"x-h-{i}", "v" * 1000) for i in range(2048)]  # 2 MiB of headers
             block = h2raw.grpc_headers(conn.authority, key=key_for(which), extra=extra)
-            frames = [block[i:i + 16000] for i in range(0, len(block), 16000)]
-            data = frame(HEADERS, END_STREAM, 1, frames[0])
-            for i, f in enumerate(frames[1:], 1):
-                data += frame(CONTINUATION, END_HEADERS if i == len(frames) - 1 else 0, 1, f)
-            conn.send(data)
+            conn.send(h2raw.header_frames(1, block))
             conn.wait("refused", CLOSE_WAIT_S)
             refused = conn.seen.closed_or_refused() or conn.seen.rst.total() > 0 or 1 in conn.seen.statuses
             return Observation(f"{len(block)} bytes of headers; {conn.seen}", refused)
