@@ -25,13 +25,14 @@ from gateway.upstream.stream import NotSent, StreamBroken
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError, model_not_found
-from meshserve.repository.names import check_model_name, check_version, is_valid_model_name
+from meshserve.repository.names import check_model_name, check_version
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway")
+_VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
 
 T = TypeVar("T")
 SERVER_NAME = "meshserve"
@@ -74,6 +75,8 @@ class GatewayCore:
         # A merge stays within the services' message limit (assumed the same as ours: --max-request-bytes).
         self.coalescer = Coalescer(self._send, self._max_inflight, max_request_bytes)
         self.turns = SequenceTurns()
+        # Names that passed the names rule (a set lookup instead of its regex on every request)
+        self._valid_names: set[str] = set()
         self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
@@ -223,8 +226,11 @@ class GatewayCore:
         return self.coalesce_inflight * max(1, sum(1 for r in self.replicas if r.healthy))
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
-        if not is_valid_model_name(request.model_name):  # never routed or forwarded
-            check_model_name(request.model_name)
+        name = request.model_name
+        if name not in self._valid_names:  # an invalid name is never routed or forwarded
+            check_model_name(name)
+            if len(self._valid_names) < _VALID_NAMES_KEPT:
+                self._valid_names.add(name)
         if request.model_version:
             check_version(request.model_version, request.model_name)
         params = request.parameters

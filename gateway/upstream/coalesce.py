@@ -159,8 +159,9 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
     return out
 
 
-# What a merged request carries besides its tensors' bytes (names, shapes, parameters), per member:
-# a generous bound, so the merge stays under the byte limit however the fields are encoded.
+# A member's share of a merged message: its own message's size (the bytes the client sent, or
+# ByteSize when there are none: never its tensors summed, which would copy each out of upb) plus a
+# generous bound for what the merge adds per member, so the merge stays under the byte limit.
 _MEMBER_OVERHEAD = 4096
 _DEFAULT_MAX_BYTES = ServerLimits().max_request_bytes
 
@@ -168,7 +169,7 @@ _DEFAULT_MAX_BYTES = ServerLimits().max_request_bytes
 @dataclass
 class _Group:
     # (request, rows, future, timeout s, enqueued monotonic ns, the request's sampled span or None,
-    #  its tensor bytes)
+    #  its size in a merge)
     pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int,
                          Span | None, int]] = field(default_factory=deque)
     inflight: int = 0
@@ -189,8 +190,15 @@ class Coalescer:
         self._max_inflight = max_inflight
         self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self.merged_sends = 0
         self.merged_requests = 0
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        # asyncio.get_running_loop() makes a getpid system call each time on Python 3.11
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
                      max_batch: int, timeout: float | None) -> pb.ModelInferResponse:
@@ -205,10 +213,10 @@ class Coalescer:
             finally:
                 group.inflight -= 1
                 self._drain(key, group, max_batch)
-        fut: asyncio.Future[pb.ModelInferResponse] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[pb.ModelInferResponse] = self._running_loop().create_future()
         group.pending.append((request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
                               tracing.current_var.get() if tracing.enabled else None,
-                              sum(map(len, request.raw_input_contents)) + _MEMBER_OVERHEAD))
+                              (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
         self._drain(key, group, max_batch)
         return await fut
 
@@ -229,7 +237,7 @@ class Coalescer:
             group.inflight += 1
             # a context of its own: the task must not inherit the trace context of whichever
             # member's request happened to drain the queue
-            asyncio.get_running_loop().create_task(self._send_chunk(key, group, chunk, max_batch),
+            self._running_loop().create_task(self._send_chunk(key, group, chunk, max_batch),
                                                    context=contextvars.Context())
         if not group.pending and not group.inflight:
             self._groups.pop(key, None)

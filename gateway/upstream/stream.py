@@ -56,7 +56,9 @@ class _Stream:
         self.answered = False  # a response arrived: the stream reached the service
         self._call: h2.ClientStream | None = None
         self._backlog: list[tuple[str, bytes]] = []  # (id, request) sent while opening
-        self._opening: asyncio.Task[None] | None = asyncio.ensure_future(self._open(channel))
+        # (asyncio.get_running_loop() makes a getpid system call each time on Python 3.11: not per request)
+        self._loop = asyncio.get_running_loop()
+        self._opening: asyncio.Task[None] | None = self._loop.create_task(self._open(channel))
 
     async def _open(self, channel: h2.Channel) -> None:
         try:
@@ -111,7 +113,7 @@ class _Stream:
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
-        fut: asyncio.Future[pb.ModelStreamInferResponse] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
         raw = wire.with_request_id(raw_request, cid)
         if self._call is None:
             self._backlog.append((cid, raw))

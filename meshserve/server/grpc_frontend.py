@@ -238,6 +238,10 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 err.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param = exc.code.value
                 out.put_nowait(err.SerializeToString())
 
+        # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
+        # each time on Python 3.11
+        loop = asyncio.get_running_loop()
+
         async def reader() -> None:
             try:
                 async for raw in requests:  # bytes: parsed here, so each request keeps its own (RequestContext.raw)
@@ -247,7 +251,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     except Exception as exc:  # what a failed deserializer reports on a unary call
                         failed.append(f"Exception deserializing request: {exc}")
                         break
-                    task = asyncio.ensure_future(one(request, raw))
+                    task = loop.create_task(one(request, raw))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 if pending:
@@ -255,7 +259,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
             finally:
                 out.put_nowait(None)
 
-        read_task = asyncio.ensure_future(reader())
+        read_task = loop.create_task(reader())
         try:
             while True:
                 item = await out.get()

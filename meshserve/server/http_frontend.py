@@ -63,12 +63,17 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     before a byte of the body is read, a chunked or compressed body as soon as it passes the
     limit (TOO_LARGE: 413, and the connection is closed). An unsupported Content-Encoding is
     415 before reading; a malformed or truncated compressed body 400."""
-    decoder = http_codec.BodyDecoder(request.headers.get("Content-Encoding"), limit)
+    headers = request.headers
+    encoding = headers.get("Content-Encoding")
+    # (no decoder object for the common plain body: the fast path below stays a few attribute reads)
+    decoder = http_codec.BodyDecoder(encoding, limit) if encoding else None
+    plain = decoder is None or decoder.identity
     length = request.content_length
     if length is not None and length > limit:
         raise InferError.too_large(
             f"request body of {length} bytes exceeds the {limit}-byte limit (--max-request-bytes)")
-    if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+    expect = headers.get("Expect")
+    if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s for it
     conn = request.protocol
     if isinstance(conn, _Connection):
@@ -79,7 +84,7 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     chunks: list[bytes] = []
     wire_size = 0
     try:
-        if length is not None and decoder.identity and length <= SMALL_BODY_BYTES:
+        if length is not None and plain and length <= SMALL_BODY_BYTES:
             # the common case, a small plain body of known length: one read (aiohttp holds the
             # parser to Content-Length), not the chunk loop below (measured ~2 µs a request)
             return [await content.read()]
@@ -90,19 +95,22 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
             wire_size += len(chunk)
             if wire_size > limit:
                 raise InferError.too_large(f"request body exceeds the {limit}-byte limit (--max-request-bytes)")
-            if decoder.identity:
+            if decoder is None or plain:  # (plain already says it; mypy needs the None test)
                 chunks.append(chunk)
                 continue
             for n, piece in enumerate(decoder.feed(chunk)):  # bounded slices: let other requests run
                 if n:
                     await asyncio.sleep(0)
                 chunks.append(piece)
-        decoder.finish()
+        if decoder is not None:
+            decoder.finish()
     except (RequestPayloadError, HttpProcessingError) as exc:  # aiohttp's parser on a broken body
         raise InferError.invalid(f"malformed request body: {exc}") from None
     finally:
         if isinstance(conn, _Connection):
             conn.reading = False
+            if wire_size > body_worker.TRIM_AFTER_BYTES:
+                conn.trim_heap = True  # read or refused: see HttpFrontend.handle
     return chunks
 
 
@@ -118,10 +126,15 @@ def _context_headers(request: web.BaseRequest) -> dict[str, str]:
             for k, v in request.headers.items()}
 
 
+def _inline(chunks: list[bytes], size: int | None = None) -> bool:
+    """Is the JSON to decode (`size`, default the whole body) small enough for this loop?"""
+    return (sum(map(len, chunks)) if size is None else size) <= body_worker.OFFLOAD_BYTES
+
+
 async def _decode(fn: Any, chunks: list[bytes], *args: Any, size: int | None = None) -> Any:
-    """fn(body, *args) (an http_codec parser): in place when the JSON to decode (`size`, default
-    the whole body) is small, else in the body worker process, off this event loop."""
-    if (sum(map(len, chunks)) if size is None else size) <= body_worker.OFFLOAD_BYTES:
+    """fn(body, *args) (an http_codec parser): in place when the JSON to decode is small
+    (_inline), else in the body worker process, off this event loop."""
+    if _inline(chunks, size):
         return fn(_joined(chunks), *args)
     return await body_worker.worker().call(fn.__name__, chunks, *args)
 
@@ -158,7 +171,8 @@ class HttpFrontend:
             log.exception("internal error serving %s %s", request.method, request.path)
             return _error_response(InferError.internal(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
-            if (request.content_length or 0) > body_worker.TRIM_AFTER_BYTES:
+            if isinstance(conn, _Connection) and conn.trim_heap:  # a large body was read (_read_body)
+                conn.trim_heap = False
                 loop = asyncio.get_running_loop()  # once this request's buffers are gone
                 loop.call_later(0.05, loop.run_in_executor, None, body_worker.release_memory)
 
@@ -248,9 +262,12 @@ class HttpFrontend:
 
     async def _infer(self, request: web.BaseRequest, name: str, version: str) -> web.StreamResponse:
         header_length = http_codec.parse_header_length(request.headers.get(http_codec.HEADER_LENGTH))
-        body = await self._body(request)
-        infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
-                                      size=header_length)
+        body = await _read_body(request, self.max_body)
+        if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
+            infer_request = http_codec.parse_infer_request(_joined(body), header_length, name, version)
+        else:
+            infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
+                                          size=header_length)
         ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
         result, span = await observe.infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
@@ -298,11 +315,14 @@ class HttpFrontend:
         raise InferError.not_found(f"no route for {request.method} {request.path}")
 
 
+_received = RequestHandler.data_received
+
+
 class _Connection(RequestHandler):
     """aiohttp's connection handler plus what the header and read timeouts need: a count of
     data arrivals and when the headers of the next request started to arrive."""
 
-    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading")
+    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "trim_heap")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -311,13 +331,14 @@ class _Connection(RequestHandler):
         self.quiet_since = 0.0  # sweep time since which no data arrived
         self.header_since = 0.0  # when the pending request's first bytes came; 0: none pending
         self.reading = False  # a handler is waiting for this connection's body
+        self.trim_heap = False  # a large body was read: the heap goes back to the OS after its request
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.header_since = self.quiet_since = self._loop.time()  # a silent new connection is a slow header
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        _received(self, data)  # aiohttp's (not super(): this runs for every read)
         self.rx += 1
         if self._messages or self._request_in_progress:
             self.header_since = 0.0

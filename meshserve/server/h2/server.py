@@ -912,7 +912,8 @@ class ServerConnection(H2Endpoint):
             st.timer = None
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
-        self._wake(st)
+        if st.waiter is not None:
+            self._wake(st)
         if st.held:
             self._unhold(st, st.held)
         if not st.remote_ended:

@@ -136,10 +136,10 @@ async def test_a_merge_stops_at_the_byte_limit() -> None:
         await gate.wait()
         return fake_service(req)
 
-    per_request = 2 * 16 * 4 + 4096  # two FP32 [1, 16] tensors + what the merge assumes for the rest
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
+    per_request = reqs[0].ByteSize() + 4096  # a member's message + what the merge assumes it adds
     limit = 2 * per_request + 100
     c = Coalescer(send, lambda: 1, max_bytes=limit)
-    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
     tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
     for _ in range(1000):  # until the first is sent and the other five wait (no clock involved)
         if sent and sum(len(g.pending) for g in c._groups.values()) == 5:
