@@ -13,6 +13,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.datatypes import config_to_wire
 from meshserve.protocol.errors import InferError, model_not_found
+from meshserve.protocol.infer_checks import reject_mixed_contents
 from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_model_config, parse_config
 from meshserve.repository.layout import model_dirs
 
@@ -80,6 +81,7 @@ class EnsembleCatalog:
 
     async def infer(self, request: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
         plan = self.plan(request.model_name, request.model_version)
+        reject_mixed_contents(request)  # the gateway runs this request itself (infer_checks)
         assert self.executor is not None, "EnsembleCatalog.bind() was not called"
         return await self.executor.run(plan, request, timeout)
 

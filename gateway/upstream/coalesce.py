@@ -85,6 +85,8 @@ def merge_key(request: pb.ModelInferRequest, shape: ModelShape) -> tuple[Key, in
         spec = shape.inputs.get(t.name)
         if spec is None or t.datatype != spec[0] or t.parameters:
             return None
+        if t.HasField("contents"):  # refused by the service (infer_checks); a merge would drop it
+            return None
         dims = spec[1]
         s = t.shape
         if len(s) != len(dims) + 1:

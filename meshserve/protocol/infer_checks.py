@@ -7,13 +7,20 @@ from meshserve.protocol.errors import InferError
 
 def reject_mixed_contents(request: pb.ModelInferRequest) -> None:
     """Triton refuses typed `contents` on any input of a request that also carries
-    `raw_input_contents` (INVALID_ARGUMENT, with this message); so do we, at the gateway and at
-    every service. Without raw contents it costs one truth test; with them, one HasField per
-    input (by index: iterating a upb repeated field ends in an IndexError, 1.5k instructions)."""
+    `raw_input_contents` (INVALID_ARGUMENT, with this message); so do we. A service checks every
+    request it prepares (services/base/model.py, per input inside its own input loop; this whole
+    walk when the raw count is off, as Triton names the contents first); the gateway checks the
+    requests it merges (coalesce.merge_key) and the ensembles it runs, and forwards the rest to a
+    service unchanged. (A separate walk on every request at the gateway's front door cost ~8k
+    instructions, 2.4% of the gateway's work per request, under callgrind.)"""
     if request.raw_input_contents:
         inputs = request.inputs
         for i in range(len(inputs)):
             if (tensor := inputs[i]).HasField("contents"):
-                raise InferError.invalid(
-                    "contents field must not be specified when using raw_input_contents for "
-                    f"'{tensor.name}' for model '{request.model_name}'")
+                raise mixed_contents(tensor.name, request.model_name)
+
+
+def mixed_contents(tensor: str, model: str) -> InferError:
+    """Triton's error for an input with typed contents in a request with raw contents."""
+    return InferError.invalid(
+        f"contents field must not be specified when using raw_input_contents for '{tensor}' for model '{model}'")

@@ -18,13 +18,12 @@ import grpc
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
-from meshserve.protocol.infer_checks import reject_mixed_contents
 from meshserve.server import access, observe
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import ServerLimits
-from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER, TRACEPARENT
+from meshserve.telemetry.tracing import TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
 
@@ -189,7 +188,6 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            reject_mixed_contents(request)
             result, span = await observe.infer(core, request, _context(context, raw))
             if span is not None:
                 context.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
@@ -216,14 +214,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         failed: list[str] = []
 
-        # The gateway checked its requests' contents already (a service trusts the gateway's hop:
-        # docs/security.md); measured 0.7 µs a request saved on the hop.
-        check_contents = base.headers.get(HOP_HEADER) != HOP_GATEWAY
-
         async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
             try:
-                if check_contents:
-                    reject_mixed_contents(request)  # in band, like any other per-request error
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
                 result, _ = await observe.infer(core, request, ctx)
                 out.put_nowait(wire.stream_response(result.serialized()))

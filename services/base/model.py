@@ -21,6 +21,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.infer_checks import mixed_contents, reject_mixed_contents
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
 from services.base import batch_trace
@@ -133,6 +134,7 @@ class ModelVersion:
         name = self.name
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
+            reject_mixed_contents(request)  # Triton names a typed contents first
             raise InferError.invalid(
                 f"model '{name}': {len(raw)} raw_input_contents for {len(request.inputs)} inputs; "
                 "every input needs exactly one raw entry")
@@ -141,6 +143,8 @@ class ModelVersion:
         sig: list[tuple[int, ...]] = []
         mbs = self.max_batch_size
         for i, t in enumerate(request.inputs):
+            if raw and t.HasField("contents"):  # infer_checks.reject_mixed_contents, in this loop
+                raise mixed_contents(t.name, name)
             spec = self.inputs.get(t.name)
             if spec is None:
                 raise InferError.invalid(
