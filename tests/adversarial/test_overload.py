@@ -40,14 +40,10 @@ def test_open_loop_flood_at_three_times_capacity(mesh: Mesh) -> None:
                      timeout=seconds + 60)
         errors = flood["errors"]
         refused = errors.get("grpc RESOURCE_EXHAUSTED", 0)
-        # The flood's own streams may also be refused (UNAVAILABLE: REFUSED_STREAM or GOAWAY on
-        # its connection, which the rule allows for the offender); seen for <0.2% of its
-        # requests, origin not yet pinned down. More than 1% would be a server failing, not refusing.
-        unavailable = errors.get("grpc UNAVAILABLE", 0)
-        other = {k: v for k, v in errors.items()
-                 if k not in ("grpc RESOURCE_EXHAUSTED", "grpc UNAVAILABLE", "client max_inflight")}
-        if unavailable > 0.01 * max(1, flood["sent"]):
-            other["grpc UNAVAILABLE"] = unavailable
+        # Admission refusals only: the UNAVAILABLE this flood once saw (<0.2% of its requests,
+        # about 1 run in 4) were REFUSED_STREAMs its own h2 client caused by opening a stream over
+        # the gateway's MAX_CONCURRENT_STREAMS (fixed in meshserve/server/h2/client.py `unary`).
+        other = {k: v for k, v in errors.items() if k not in ("grpc RESOURCE_EXHAUSTED", "client max_inflight")}
         return Observation(f"capacity {capacity:.0f}/s; flood offered {rate:.0f}/s, achieved "
                            f"{flood['open_loop']['achieved_rate']:.0f}/s: {flood['succeeded']} served "
                            f"(p99 {flood['latency_ms'].get('p99')} ms), errors {errors}",

@@ -223,10 +223,17 @@ class H2ClientConnection(H2Endpoint):
         md = tuple(metadata)
         if len(self.streams) >= self.peer_max_streams:
             started = self.loop.time()
-            try:
-                await asyncio.wait_for(self._stream_slot(), timeout)
-            except TimeoutError:
-                raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            # Woken for a freed stream, this call resumes a loop step or two later (wait_for's
+            # task), and a call arriving in between may have taken it: look again until a stream
+            # is free now; the open below follows without a suspension.
+            while len(self.streams) >= self.peer_max_streams and self.usable:
+                left = None if timeout is None else timeout - (self.loop.time() - started)
+                if left is not None and left <= 0:
+                    raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                try:
+                    await asyncio.wait_for(self._stream_slot(), left)
+                except TimeoutError:
+                    raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
             if timeout is not None:
                 timeout = max(0.0, timeout - (self.loop.time() - started))
         if timeout is not None:

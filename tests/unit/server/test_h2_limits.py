@@ -124,6 +124,36 @@ async def test_max_concurrent_streams_is_advertised_and_excess_streams_are_refus
         await still_serving(env)
 
 
+async def test_our_client_keeps_within_max_concurrent_streams_while_calls_keep_arriving() -> None:
+    """meshserve's h2 client waits for a free stream under the server's limit. A call woken for
+    a freed stream resumes a loop step or two later; calls arriving in between took that stream
+    and the woken one went over the limit: REFUSED_STREAM, which the load generator's flood saw
+    as UNAVAILABLE (about 1 run in 4 of tests/adversarial/test_overload.py)."""
+    from meshserve.server.h2.client import GrpcError, connect
+
+    async with serving(limits=limits(max_concurrent_streams=4)) as env:
+        conn = await connect(f"127.0.0.1:{env.port}", timeout=5)
+        await until(lambda: conn.peer_max_streams == 4)
+        codes: list[int] = []
+
+        async def call() -> None:
+            try:
+                await conn.unary(path("Sleep"), b"0.002", timeout=20)
+            except GrpcError as exc:
+                codes.append(exc.code)
+
+        try:
+            calls = []
+            for i in range(300):  # bounded: calls keep arriving while earlier ones wait for streams
+                calls.append(asyncio.ensure_future(call()))
+                if i % 3 == 0:
+                    await asyncio.sleep(0)
+            await asyncio.wait_for(asyncio.gather(*calls), 30)
+        finally:
+            conn.close()
+        assert codes == []
+
+
 async def test_a_flood_of_headers_only_streams_is_refused_then_the_connection_closed() -> None:
     """50k HEADERS-only streams stalled the gateway: now at most max_concurrent_streams are
     open, the rest are refused, and refusals spend the rapid-reset budget: GOAWAY."""
