@@ -3,6 +3,8 @@ directories added after start, `file:` overrides go to a fresh directory under t
 and are removed when retired, and load errors carry Triton's texts."""
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -141,3 +143,26 @@ async def test_files_need_config_and_a_failed_load_is_in_the_index(core: Service
     assert err.value.message.startswith("failed to load 'broken': ")
     state, reason = _states(await core.repository_index(False))[("broken", "")]
     assert state == "UNAVAILABLE" and reason.startswith("failed to load 'broken': ")
+
+
+async def test_index_shows_loading_while_a_first_load_runs(core: ServiceCore) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Slow(FakeAdapter):
+        def load(self, model_file: Path, config: object, placement: InstancePlacement) -> Echo:
+            entered.set()
+            release.wait(10)
+            return super().load(model_file, config, placement)
+
+    core.adapters["onnxruntime"] = Slow()  # type: ignore[assignment]
+    _model(core.repository, "slow")
+    loading = asyncio.ensure_future(core._load("slow", {}))
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        assert _states(await core.repository_index(False))[("slow", "")] == ("LOADING", "")
+        assert ("slow", "") not in _states(await core.repository_index(True))
+    finally:
+        release.set()
+        await loading
+    assert _states(await core.repository_index(False))[("slow", "1")] == ("READY", "")
