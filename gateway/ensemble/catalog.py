@@ -47,8 +47,44 @@ class EnsembleCatalog:
         self.executor: EnsembleExecutor | None = None
         self._lookup: Lookup = lambda model, version: None
         self._plans: dict[str, tuple[tuple[int, ...], Plan | EnsembleError]] = {}
+        self.unloaded: set[str] = set()  # unloaded through the API: unknown to infer, "unloaded" in the index
         for name, err in self.errors.items():
             log.error("ensemble %s not loaded: %s", name, err)
+
+    # ---- model control (explicit mode: load / unload through the API) -------------------
+    def is_ensemble_dir(self, name: str) -> bool:
+        """True when the repository holds an ensemble of that name (also one added since start)."""
+        if name in self:
+            return True
+        cfg_file = self.repository / name / "config.pbtxt"
+        try:
+            return cfg_file.is_file() and parse_config(cfg_file).platform == ENSEMBLE_PLATFORM
+        except (ConfigError, OSError, ValueError):
+            return False
+
+    def load(self, name: str, override_json: str | None = None) -> mc.ModelConfig:
+        """(Re)read the ensemble's config from the repository (or the load request's override);
+        it serves again once its plan compiles. InferError naming the model when it cannot."""
+        model_dir = self.repository / name
+        if override_json is None and not model_dir.is_dir():
+            raise InferError.not_found(f"failed to load '{name}', failed to poll from model repository")
+        try:
+            config = load_model_config(model_dir, override_json=override_json)
+        except ConfigError as exc:
+            raise InferError.invalid(f"failed to load '{name}': {exc}") from None
+        if config.platform != ENSEMBLE_PLATFORM:
+            raise InferError.invalid(f"failed to load '{name}': not an ensemble (platform '{config.platform}')")
+        self.configs[name] = config
+        self.errors.pop(name, None)
+        self.unloaded.discard(name)
+        self._plans.pop(name, None)
+        return config
+
+    def unload(self, name: str) -> mc.ModelConfig | None:
+        """Take the ensemble out of service; its config (for its composing models), if it had one."""
+        self.unloaded.add(name)
+        self._plans.pop(name, None)
+        return self.configs.get(name)
 
     def bind(self, send: Send, lookup: Lookup) -> None:
         self.executor = EnsembleExecutor(send, self.max_inflight_steps)
@@ -59,6 +95,8 @@ class EnsembleCatalog:
 
     def plan(self, name: str, version: str = "") -> Plan:
         """The compiled plan; InferError UNAVAILABLE naming the step when it does not compile."""
+        if name in self.unloaded:
+            raise model_not_found(name, version)
         if name in self.errors:
             raise InferError.unavailable(f"ensemble '{name}' failed to load: {self.errors[name]}")
         config = self.configs[name]
@@ -95,7 +133,21 @@ class EnsembleCatalog:
     def index(self, ready_only: bool) -> list[pb.RepositoryIndexResponse.ModelIndex]:
         """Repository index entries for the ensembles (READY when the plan compiles)."""
         out = []
+        if not ready_only:  # ensemble directories added since start are listed (not loaded) too
+            try:
+                dirs = model_dirs(self.repository)
+            except OSError as exc:
+                log.error("cannot list the model repository %s: %s", self.repository, exc)
+                dirs = []
+            for d in dirs:
+                if d.name not in self and self.is_ensemble_dir(d.name):
+                    out.append(pb.RepositoryIndexResponse.ModelIndex(name=d.name, state="UNAVAILABLE",
+                                                                     reason="not loaded (explicit model control)"))
         for name in sorted({*self.configs, *self.errors}):
+            if name in self.unloaded:
+                if not ready_only:
+                    out.append(pb.RepositoryIndexResponse.ModelIndex(name=name, state="UNAVAILABLE", reason="unloaded"))
+                continue
             try:
                 self.plan(name)
             except InferError as exc:
@@ -107,6 +159,8 @@ class EnsembleCatalog:
         return out
 
     def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
+        if name in self.unloaded:
+            raise model_not_found(name, version)
         if name in self.errors:
             raise InferError.unavailable(f"ensemble '{name}' failed to load: {self.errors[name]}")
         if version and version != "1":

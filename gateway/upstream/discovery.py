@@ -26,7 +26,7 @@ async def probe(replica: Replica) -> list[tuple[str, int]] | None:
         ready = await replica.server_ready(pb.ServerReadyRequest(), timeout=PROBE_TIMEOUT_S)
         if not ready.ready:
             return None
-        index = await replica.repository_index(pb.RepositoryIndexRequest(ready=True), timeout=PROBE_TIMEOUT_S)
+        index = await replica.index(True, PROBE_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         log.debug("replica %s probe failed: %s", replica.endpoint, exc.code().name)
         return None
@@ -114,6 +114,12 @@ class Discovery:
         for (key, _), res in zip(missing, results, strict=True):
             if isinstance(res, pb.ModelConfigResponse):
                 self.configs[key] = res.config
+
+    def forget(self, name: str) -> None:
+        """Drop the configs held for a model (it is being loaded again: the next refresh fetches
+        the new ones)."""
+        for key in [k for k in self.configs if k[0] == name]:
+            del self.configs[key]
 
     def config_for(self, name: str, version: str) -> mc.ModelConfig | None:
         """Config of the version a request for (name, version) is routed to, if known."""

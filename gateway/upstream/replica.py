@@ -7,6 +7,7 @@ import grpc
 
 from gateway.upstream.stream import StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.wire import SERVICE_KIND_METADATA
 from meshserve.server.grpc_frontend import MAX_MESSAGE_BYTES
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -50,6 +51,16 @@ class Replica:
         self.healthy = False
         self.errors = 0
         self.requests = 0
+        self.kind: str | None = None  # the service kind it announced (onnx, ...), once it answered an index
+
+    async def index(self, ready_only: bool, timeout: float) -> pb.RepositoryIndexResponse:
+        """RepositoryIndex, noting the service kind the replica announces with it."""
+        call = self.repository_index(pb.RepositoryIndexRequest(ready=ready_only), timeout=timeout)
+        response = await call
+        for key, value in await call.trailing_metadata() or ():
+            if key == SERVICE_KIND_METADATA and isinstance(value, str):
+                self.kind = value
+        return response
 
     def __repr__(self) -> str:
         return f"Replica({self.endpoint}, healthy={self.healthy}, outstanding={self.outstanding})"

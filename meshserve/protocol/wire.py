@@ -12,6 +12,9 @@ QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a g
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
 ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)
 ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response header
+# gRPC trailing metadata of a service's RepositoryIndex answer: the kind it serves (onnx, ...), so
+# that a gateway knows which replicas can load a model of a given kind
+SERVICE_KIND_METADATA = "meshserve-service-kind"
 _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entries, length-delimited)
 
 

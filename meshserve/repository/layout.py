@@ -4,8 +4,9 @@ Also maps each model to the meshserve service kind that hosts it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository.config import (
@@ -15,6 +16,7 @@ from meshserve.repository.config import (
     PLATFORM_TO_BACKEND,
     ConfigError,
     config_errors,
+    parse_config_json,
     prepare_config,
 )
 from meshserve.repository.names import is_valid_model_name
@@ -24,8 +26,10 @@ __all__ = [
     "SERVICE_KINDS",
     "ModelEntry",
     "available_versions",
+    "kind_from_files",
     "model_dirs",
     "model_file",
+    "override_kind",
     "scan",
     "scan_model",
     "select_versions",
@@ -88,6 +92,31 @@ def service_kind(config: mc.ModelConfig) -> str | None:
     if config.HasField("sequence_batching"):
         return "sequence" if backend in _SEQUENCE_BACKENDS else None
     return _KIND_BY_BACKEND.get(backend)
+
+
+_KIND_BY_SUFFIX = {".onnx": "onnx", ".pt": "torchscript", ".pt2": "torchscript", ".plan": "tensorrt"}
+
+
+def kind_from_files(file_names: Iterable[str], sequence: bool = False) -> str | None:
+    """The service kind model files point to (``1/model.onnx`` → onnx), when they point to one:
+    for a model whose config names neither platform nor backend."""
+    kinds = {_KIND_BY_SUFFIX.get(PurePosixPath(f).suffix) for f in file_names} - {None}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if sequence:
+        return "sequence" if kind in ("onnx", "torchscript") else None
+    return kind
+
+
+def override_kind(name: str, config_json: str, file_names: Iterable[str] = ()) -> str | None:
+    """The service kind of a model as a load request's ``config`` override (and its ``file:``
+    names) describe it: ``service_kind`` of the config, or by the model files' suffix when the
+    config names no platform or backend. Raises ConfigError for JSON that is no ModelConfig."""
+    config = parse_config_json(config_json, source=f"load request for model '{name}'", model=name)
+    if config.platform or config.backend:
+        return service_kind(config)
+    return kind_from_files(file_names, config.HasField("sequence_batching"))
 
 
 def model_file(entry_or_dir: ModelEntry | str | Path, config: mc.ModelConfig, version: int) -> Path:

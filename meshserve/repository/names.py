@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["NAME_RULE", "check_model_name", "check_version", "is_valid_model_name", "model_file_path"]
+__all__ = ["NAME_RULE", "check_file_path", "check_model_name", "check_version", "is_valid_model_name",
+           "model_file_path"]
 
 NAME_RULE = "a model name must be one path component: non-empty, without '/', '\\' or NUL, not '.' or '..'"
 _FORBIDDEN = re.compile(r"[/\\\x00]")
@@ -63,16 +64,24 @@ def check_version(version: str, model: str = "") -> str:
     return version
 
 
-def model_file_path(model_dir: str | Path, relative: str) -> Path:
-    """The path of a file a client names inside ``model_dir`` (e.g. ``1/model.onnx`` of a
-    ``file:1/model.onnx`` load override): every component must pass the name rule, the path
-    must be relative, and it must still be inside ``model_dir`` after resolving symlinks."""
+def check_file_path(relative: str) -> list[str]:
+    """The components of a file path a client names inside a model directory (``1/model.onnx``
+    of a ``file:1/model.onnx`` load override), each checked by the name rule; the path must be
+    relative. Pure (no filesystem): the gateway checks with it before forwarding."""
     if not relative or relative.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", relative):
         _invalid(f"invalid file path {relative!r}: it must be a relative path inside "
                                  "the model directory")
     parts = relative.split("/")
     for part in parts:
         check_model_name(part, f"file path {relative!r} component")
+    return parts
+
+
+def model_file_path(model_dir: str | Path, relative: str) -> Path:
+    """The path of a file a client names inside ``model_dir`` (e.g. ``1/model.onnx`` of a
+    ``file:1/model.onnx`` load override): every component must pass the name rule, the path
+    must be relative, and it must still be inside ``model_dir`` after resolving symlinks."""
+    parts = check_file_path(relative)
     base = Path(model_dir).resolve()
     target = base.joinpath(*parts).resolve()
     if not target.is_relative_to(base):

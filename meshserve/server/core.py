@@ -16,6 +16,7 @@ EXTENSIONS = (
     "parameters",
     "statistics",
     "model_repository",
+    "model_repository(unload_dependents)",
     "trace",
     "logging",
 )

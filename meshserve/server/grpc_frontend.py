@@ -168,8 +168,13 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 entry.string_param = value
         return response
 
+    kind = getattr(core, "kind", None)  # a service announces its kind to gateways (wire.SERVICE_KIND_METADATA)
+    kind_metadata = ((wire.SERVICE_KIND_METADATA, kind),) if isinstance(kind, str) else ()
+
     async def repository_index(req: pb.RepositoryIndexRequest, ctx: grpc.aio.ServicerContext
                                ) -> pb.RepositoryIndexResponse:
+        if kind_metadata:
+            ctx.set_trailing_metadata(kind_metadata)
         return await core.repository_index(req.ready)
 
     async def model_load(req: pb.RepositoryModelLoadRequest, ctx: grpc.aio.ServicerContext

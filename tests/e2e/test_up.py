@@ -26,24 +26,30 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def read_banner(proc: subprocess.Popen[str], timeout: float) -> str:
+    """`meshserve up`'s output up to its banner's last line (asserted to arrive in time)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Press Ctrl-C" in line:
+            break
+    text = "".join(lines)
+    assert "Press Ctrl-C" in text, text
+    return text
+
+
 def test_up_serves_examples_and_stops_cleanly() -> None:
     http_port, grpc_port = _free_port(), _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--http-port", str(http_port),
                              "--grpc-port", str(grpc_port)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        text = "".join(lines)
-        assert "Press Ctrl-C" in text, text
+        text = read_banner(proc, 180)
         assert f"http://localhost:{http_port}/v2" in text and "curl" in text
         children = _children(proc.pid)
         assert len(children) == 2  # the onnx service + the gateway

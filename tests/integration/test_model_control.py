@@ -59,11 +59,8 @@ def test_explicit_load_and_unload(explicit: tuple[Proc, Proc, Path]) -> None:
         c.load_model("scale")  # blocks until loaded, as Triton's load does
         assert c.is_model_ready("scale")
         c.unload_model("scale")
-    deadline = time.monotonic() + 5
     with grpcclient.InferenceServerClient(gw.grpc) as c:
-        while c.is_model_ready("scale") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not c.is_model_ready("scale")
+        _until_unloaded(c, "scale")
         with pytest.raises(InferenceServerException) as err:
             c.load_model("no_such_model")
         assert err.value.status() == "StatusCode.NOT_FOUND"
@@ -150,3 +147,58 @@ def test_reload_under_16_concurrent_clients_fails_no_request(explicit: tuple[Pro
             t.join(30)
     assert failures == []
     assert all(n > 0 for n in counts)
+
+
+def test_load_over_two_replicas_reports_a_partial_failure(tmp_path: Path) -> None:
+    """A load goes to every replica of the model's kind; one replica whose copy of the model is
+    broken fails, and the error names that replica and why, and where the load worked."""
+    good, bad = _repo(tmp_path / "a"), _repo(tmp_path / "b")
+    for version in ("1", "2"):
+        (bad / "scale" / version / "model.onnx").write_bytes(b"not an onnx model")
+    services = [start(["service", "onnx", "--repository", str(r), "--grpc-port", "0",
+                       "--model-control-mode", "explicit", "--load-model", "add_sub"]) for r in (good, bad)]
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--discovery-interval", "0.5",
+                *(a for s in services for a in ("--upstream", s.grpc))])
+    try:
+        with httpclient.InferenceServerClient(gw.http) as c:
+            _until_ready(c)
+            with pytest.raises(InferenceServerException) as err:
+                c.load_model("scale")
+            message = err.value.message()
+            assert err.value.status() == "400", message
+            assert message.startswith("failed to load 'scale' on 1 of 2 replicas: "), message
+            assert f"service {services[1].grpc}: failed to load 'scale'" in message, message
+            assert message.endswith(f"; loaded on {services[0].grpc}"), message
+            v = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+            v.set_data_from_numpy(np.ones((1, 4), np.float32))
+            for _ in range(4):  # served by the replica where the load worked
+                assert c.infer("scale", [v]).as_numpy("OUTPUT0").tolist() == [[2.0] * 4]
+            index = {(m["name"], m.get("version", "")): m for m in c.get_model_repository_index()}
+            assert index[("scale", "2")]["state"] == "READY"
+        with grpcclient.InferenceServerClient(gw.grpc) as g:
+            g.unload_model("scale")  # both replicas
+            _until_unloaded(g, "scale")
+            with pytest.raises(InferenceServerException) as gerr:
+                g.load_model("scale")
+            assert gerr.value.status() == "StatusCode.INVALID_ARGUMENT"
+            assert services[1].grpc in gerr.value.message()
+    finally:
+        gw.stop()
+        for s in services:
+            s.stop()
+
+
+def _until_ready(c: httpclient.InferenceServerClient, timeout: float = 10) -> None:
+    """Both replicas discovered: add_sub answers from the pool."""
+    deadline = time.monotonic() + timeout
+    while not (c.is_server_ready() and c.is_model_ready("add_sub")):
+        assert time.monotonic() < deadline, "the gateway did not become ready"
+        time.sleep(0.05)
+
+
+def _until_unloaded(c: grpcclient.InferenceServerClient, name: str, timeout: float = 5) -> None:
+    """Unload returns before readiness turns false everywhere (as in Triton): poll."""
+    deadline = time.monotonic() + timeout
+    while c.is_model_ready(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not c.is_model_ready(name)

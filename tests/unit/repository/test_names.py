@@ -9,7 +9,13 @@ import pytest
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
-from meshserve.repository.names import check_model_name, check_version, is_valid_model_name, model_file_path
+from meshserve.repository.names import (
+    check_file_path,
+    check_model_name,
+    check_version,
+    is_valid_model_name,
+    model_file_path,
+)
 
 GOOD = ["add_sub", "m", "model-1.onnx", "a b", "ünïcode", "..x", "x..", ".hidden", "1"]
 BAD = {
@@ -63,6 +69,10 @@ def test_model_file_path_stays_inside(tmp_path: Path) -> None:
         with pytest.raises(InferError) as err:
             model_file_path(model, bad)
         assert err.value.code is Code.INVALID_ARG and repr(bad) in err.value.message, bad
+    for bad in ["", "/etc/passwd", "../x", "1/../../x", "1\\x", "1/./x"]:  # the same rule without a filesystem
+        with pytest.raises(InferError):
+            check_file_path(bad)
+    assert check_file_path("1/model.onnx") == ["1", "model.onnx"]
     os.symlink(tmp_path / "outside", model / "link")  # a symlink out of the model directory
     with pytest.raises(InferError, match="resolves outside"):
         model_file_path(model, "link/x")

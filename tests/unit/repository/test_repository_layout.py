@@ -208,3 +208,27 @@ def test_scan_reports_every_validation_problem(write_model: ModelWriter) -> None
     assert [p.split("field ")[1].split(":")[0] for p in entry.problems] == [
         "'output[0].dims[0]'", "'dynamic_batching'"]
     assert all(p.startswith(f"{entry.path / 'config.pbtxt'}: model 'bad': ") for p in entry.problems)
+
+
+@pytest.mark.parametrize(("config", "files", "kind"), [
+    ('{"platform": "onnxruntime_onnx"}', [], "onnx"),
+    ('{"backend": "pytorch"}', ["1/model.pt"], "torchscript"),
+    ('{"platform": "ensemble"}', [], "ensemble"),
+    ('{"backend": "onnxruntime", "sequence_batching": {}}', [], "sequence"),
+    ("{}", ["1/model.onnx"], "onnx"),  # no platform or backend: the model files say it
+    ('{"sequence_batching": {}}', ["1/model.pt"], "sequence"),
+    ("{}", ["1/model.plan", "2/model.onnx"], None),  # files of two kinds: unknown
+    ('{"backend": "python"}', ["1/model.py"], None),
+])
+def test_override_kind(config: str, files: list[str], kind: str | None) -> None:
+    from meshserve.repository.layout import override_kind
+
+    assert override_kind("m", config, files) == kind
+
+
+def test_override_kind_of_bad_json_names_the_model() -> None:
+    from meshserve.repository.errors import ConfigError
+    from meshserve.repository.layout import override_kind
+
+    with pytest.raises(ConfigError, match="model 'm'"):
+        override_kind("m", '{"max_batch_size": "many"}')
