@@ -22,6 +22,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
+from meshserve.telemetry.model_stats import ModelStats
 from meshserve.telemetry.spans import Span
 from services.base import batch_trace
 from services.base.runtime import RuntimeInstance
@@ -34,7 +35,6 @@ from services.base.scheduling.errors import (
 )
 from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import QueuedRequest
-from services.base.stats import ModelStats
 
 MERGED_PARAMETER = wire.MERGED_PARAMETER  # set by the gateway's coalescer
 _CONTENTS_FIELD = {

@@ -2,6 +2,7 @@
 with the statistics extension."""
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import numpy as np
@@ -112,3 +113,54 @@ def test_metrics_agree_with_the_statistics_extension(stack) -> None:  # noqa: AN
     assert _get(samples, "nv_inference_batch_size_sum", **MODEL) == stats["inference_count"]
     per_size = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
     assert sum(per_size.values()) == stats["execution_count"]
+
+
+def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> None:  # noqa: ANN001
+    """--federate-metrics: the gateway's /metrics carries every replica's nv_* samples, labelled
+    replica=<its gRPC endpoint>, equal to what each replica reports itself; a replica that goes
+    away drops out (federated_up 0) while the others stay."""
+    from tests.conftest import _wait_http_ready, start
+
+    other = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
+                   "--model-control-mode", "explicit", "--load-model", "add_sub"])
+    gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
+                     "--upstream", other.grpc, "--federate-metrics", "--coalesce-inflight", "0"])
+    try:
+        _wait_http_ready(gateway.http)
+        replicas = {stack.service.grpc: stack.service.http, other.grpc: other.http}
+        with grpcclient.InferenceServerClient(gateway.grpc) as c:
+            for _ in range(10):  # until the gateway has sent requests to the new replica too
+                for _ in range(8):
+                    c.infer("add_sub", _inputs())
+                if _get(_scrape(other.http), "nv_inference_request_success", **MODEL) > 0:
+                    break
+        own = {grpc: _get(_scrape(http), "nv_inference_request_success", **MODEL) for grpc, http in replicas.items()}
+        assert own[other.grpc] >= 1
+        deadline = time.monotonic() + 20
+        while True:  # one read of the services serves the gateway's scrapes for half a second
+            fed = _scrape(gateway.http)
+            got = {grpc: _get(fed, "nv_inference_request_success", **MODEL, replica=grpc) for grpc in replicas}
+            if got == own or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got == own
+        assert _get(fed, "nv_inference_request_success", **MODEL) == sum(own.values())  # summed over replicas
+        assert _get(fed, "nv_model_load_duration_secs", **MODEL, replica=other.grpc) > 0
+        assert _get(fed, "nv_inference_first_response_histogram_ms_count", **MODEL, replica=other.grpc) == \
+            own[other.grpc]
+        assert _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 1
+
+        other.stop()
+        deadline = time.monotonic() + 20
+        while True:
+            fed = _scrape(gateway.http)
+            gone = not any(n == "nv_inference_request_success" and ("replica", other.grpc) in lab for n, lab in fed)
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert gone and _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 0
+        assert _get(fed, "nv_inference_request_success", **MODEL, replica=stack.service.grpc) == \
+            own[stack.service.grpc]
+    finally:
+        gateway.stop()
+        other.stop()
