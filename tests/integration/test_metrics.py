@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
+
+from meshserve.server import access
 
 MODEL = {"model": "add_sub", "version": "1"}
 
@@ -149,6 +152,12 @@ def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> Non
         assert _get(fed, "nv_inference_first_response_histogram_ms_count", **MODEL, replica=other.grpc) == \
             own[other.grpc]
         assert _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 1
+        with grpc.insecure_channel(other.grpc) as channel:  # the RPC the gateway reads them with
+            scrape = channel.unary_unary(f"/{access.METRICS_SERVICE}/Scrape")
+            assert b"nv_inference_request_success{" in scrape(b"", timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                scrape(b"not empty", timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (err.value.details() or "")
 
         other.stop()
         deadline = time.monotonic() + 20
