@@ -2,6 +2,7 @@
 with the statistics extension."""
 from __future__ import annotations
 
+import signal
 import time
 import urllib.request
 
@@ -159,7 +160,7 @@ def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> Non
                 scrape(b"not empty", timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (err.value.details() or "")
 
-        other.stop()
+        other.stop(signal.SIGKILL)  # gone at once (a SIGTERM drain waits out the gateway's open streams)
         deadline = time.monotonic() + 20
         while True:
             fed = _scrape(gateway.http)
