@@ -29,7 +29,7 @@ from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
 from meshserve.repository.names import check_file_path, check_model_name, check_version
 from meshserve.server.access import ALL, Grant, Op, Rule
-from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
+from meshserve.server.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, InferResult, RequestContext
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import metrics, tracing
 
@@ -37,8 +37,10 @@ log = logging.getLogger("meshserve.gateway")
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
 
 T = TypeVar("T")
-SERVER_NAME = "meshserve"
-SERVER_VERSION = "0.1.0"
+# --federate-metrics: one scrape of the services serves every /metrics request of this long
+# (and concurrent requests share one), so /metrics callers cannot multiply calls to the services.
+FEDERATION_REUSE_S = 0.5
+FEDERATION_TIMEOUT_S = 5.0
 
 GATEWAY_FAMILIES = {
     "route_requests": metrics.Family("meshserve_gateway_route_requests_total", "counter",
@@ -58,6 +60,8 @@ GATEWAY_FAMILIES = {
     "upstream_duration": metrics.Family("meshserve_gateway_upstream_duration_us", "histogram",
                                         "Upstream infer round trip (sent on the stream to response) by "
                                         "replica, in microseconds"),
+    "federated_up": metrics.Family("meshserve_gateway_federated_up", "gauge",
+                                   "--federate-metrics: 1 if the replica's metrics were in the last scrape"),
 }
 
 
@@ -65,7 +69,8 @@ class GatewayCore:
     def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
                  routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None,
-                 max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False):
+                 max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
+                 federate_metrics: bool = False, server_name: str = SERVER_NAME):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica).
         self.pool = pool if pool is not None else ReplicaPool(upstreams)
         self.replicas = self.pool.replicas  # one list, updated in place as replicas come and go
@@ -84,6 +89,12 @@ class GatewayCore:
         self.admission = admission
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
+        # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
+        self.federate_metrics = federate_metrics
+        self._federation: asyncio.Future[list[metrics.Federated]] | None = None
+        self._federated_at = 0.0
+        self._federated_up: dict[str, int] = {}
+        self.server_name = server_name
         # A/B routes (--routes): route names addressable like models.
         self.routes = routes
         if routes is not None:
@@ -165,7 +176,7 @@ class GatewayCore:
         return not self._draining and any(r.healthy for r in self.replicas)
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self.server_name, version=SERVER_VERSION, extensions=EXTENSIONS)
 
     def _route_target(self, name: str) -> tuple[str, str] | None:
         """An A/B route answers metadata/config/ready as its heaviest target."""
@@ -314,9 +325,13 @@ class GatewayCore:
         return found[0], found[1], shape[1].max_batch_size
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
+        """Merged from the services' replicas; an ensemble's from the gateway, which runs it
+        (all-model statistics list the ensembles too, as Triton's do)."""
         replicas: Iterable[Replica]
         if name:
             check_version(version, check_model_name(name))
+            if self.ensembles is not None and name in self.ensembles:
+                return pb.ModelStatisticsResponse(model_stats=self.ensembles.statistics(name, version))
             routes = await self._routes(name)
             replicas = list({id(r): r for rs in routes.versions.values() for r in rs}.values())
         else:
@@ -340,6 +355,9 @@ class GatewayCore:
             if isinstance(err, grpc.aio.AioRpcError):
                 raise InferError.from_grpc(err.code(), err.details())
             raise InferError.unavailable(f"statistics for model '{name}' unavailable: {err}")
+        if not name and self.ensembles is not None:
+            for s in self.ensembles.statistics("", ""):
+                merged.setdefault((s.name, s.version), s)
         return pb.ModelStatisticsResponse(model_stats=[merged[k] for k in sorted(merged)])
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
@@ -486,8 +504,18 @@ class GatewayCore:
         ok = f"; {action}ed on {', '.join(done)}" if done else ""
         raise InferError(code, f"failed to {action} '{name}' on {len(failed)} of {len(replicas)} replicas: {why}{ok}")
 
-    def metrics_text(self) -> tuple[bytes, str]:
-        samples: list[tuple[str, dict[str, str], float | metrics.Histogram]] = []
+    async def metrics_text(self) -> tuple[bytes, str]:
+        federated = await self._federated() if self.federate_metrics else []  # first: it sets federated_up
+        samples = self._metric_samples()
+        families = GATEWAY_FAMILIES
+        if self.ensembles is not None or self.federate_metrics:  # Triton's families: ensembles, services
+            families = {**GATEWAY_FAMILIES, **metrics.MODEL_FAMILIES}
+            if self.ensembles is not None:
+                samples += self.ensembles.metric_samples()
+        return metrics.render(samples, families, federated), metrics.CONTENT_TYPE
+
+    def _metric_samples(self) -> list[metrics.Sample]:
+        samples: list[metrics.Sample] = []
         for (model, outcome), n in sorted(self.request_counts.items()):
             samples.append(("requests", {"model": model, "outcome": outcome}, n))
         if self.admission is not None:
@@ -499,12 +527,42 @@ class GatewayCore:
             samples.append(("replica_healthy", labels, 1 if r.healthy else 0))
             samples.append(("replica_outstanding", labels, r.outstanding))
             samples.append(("upstream_duration", labels, r.streams.latency))
+        for endpoint, up in sorted(self._federated_up.items()):
+            samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:
             for (route, arm, outcome), n in sorted(self.routes.arm_counts.items()):
                 samples.append(("route_requests", {"route": route, "arm": arm, "outcome": outcome}, n))
             for (route, model, outcome), n in sorted(self.routes.shadow_counts.items()):
                 samples.append(("shadow_requests", {"route": route, "model": model, "outcome": outcome}, n))
-        return metrics.render(samples, GATEWAY_FAMILIES), metrics.CONTENT_TYPE
+        return samples
+
+    async def _federated(self) -> list[metrics.Federated]:
+        """The healthy replicas' metric families, each sample labelled ``replica``; one scrape of
+        the services at a time, reused for FEDERATION_REUSE_S."""
+        now = time.monotonic()
+        if self._federation is None or (self._federation.done() and now - self._federated_at > FEDERATION_REUSE_S):
+            self._federated_at = now
+            self._federation = asyncio.ensure_future(self._scrape_replicas())
+        return await asyncio.shield(self._federation)
+
+    async def _scrape_replicas(self) -> list[metrics.Federated]:
+        healthy = [r for r in self.replicas if r.healthy]
+        results = await asyncio.gather(*(r.scrape(b"", timeout=FEDERATION_TIMEOUT_S) for r in healthy),
+                                       return_exceptions=True)
+        out: list[metrics.Federated] = []
+        up = {r.endpoint: 0 for r in self.replicas}  # an unhealthy replica is not asked: 0
+        for r, res in zip(healthy, results, strict=True):
+            if isinstance(res, BaseException):
+                log.debug("metrics of %s not federated: %s", r.endpoint, res)
+                continue
+            try:
+                out.append(metrics.federate(res.decode(), {"replica": r.endpoint}))
+            except Exception as exc:  # an unreadable exposition costs that replica's families, not the scrape
+                log.warning("metrics of %s not federated: unreadable exposition: %s", r.endpoint, exc)
+                continue
+            up[r.endpoint] = 1
+        self._federated_up = up
+        return out
 
 
 def _no_service(name: str, kind: str) -> InferError:

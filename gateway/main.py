@@ -11,6 +11,7 @@ from gateway.quotas.redis import RedisQuotaStore
 from gateway.routes import RouteTable
 from gateway.upstream.pool import ReplicaPool
 from meshserve.server import limits as server_limits
+from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import run, serve, setup_logging
 from meshserve.telemetry import tracing
 
@@ -40,6 +41,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="with --tenants: /metrics (which names models and tenants and carries every "
                          "tenant's counts) needs an admin key; default: open, like the health checks, "
                          "for Prometheus scrapers (keep the port off untrusted networks)")
+    ap.add_argument("--federate-metrics", action="store_true",
+                    help="/metrics also carries the services' Triton nv_* families (read from each healthy "
+                         "replica at scrape time, labelled replica=HOST:PORT); `meshserve up` turns it on. "
+                         "Leave it off where Prometheus scrapes the services itself (deploy/prometheus.yml), "
+                         "or their counts are summed twice")
     ap.add_argument("--quota-store", default="memory", metavar="URL",
                     help="where quota state lives: 'memory' (this process) or redis://HOST:PORT[/DB] "
                          "(shared by every gateway replica)")
@@ -54,6 +60,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    add_server_name_argument(ap)
     server_limits.add_arguments(ap)
 
 
@@ -82,7 +89,8 @@ def main(args: argparse.Namespace) -> None:
     async def amain() -> None:
         core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
                            pool=pool, routes=routes, ensembles=ensembles,
-                           max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth)
+                           max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
+                           federate_metrics=args.federate_metrics, server_name=args.server_name)
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                     metrics_port=args.metrics_port, limits=limits)

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import parse_ready_line
 
 SERVICE_KINDS = {
@@ -158,7 +159,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
             child = Child(f"{kind} service", [*py, "service", kind, "--repository", str(repo),
                                               "--host", "127.0.0.1", "--grpc-port", "0",
                                               "--model-control-mode", "explicit", "--load-model", "*",
-                                              "--log-level", args.log_level])
+                                              "--server-name", args.server_name, "--log-level", args.log_level])
             services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
@@ -166,7 +167,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: starting the gateway…", flush=True)
         gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
                                     "--grpc-port", str(args.grpc_port), "--log-level", args.log_level,
-                                    "--repository", str(repo),
+                                    "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
@@ -175,8 +176,9 @@ def _cmd_up(args: argparse.Namespace) -> None:
         model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
         print(f"""
 meshserve is up ({len(services)} service process(es) + gateway).
-  HTTP/REST  http://{host}:{http}/v2          (health: /v2/health/ready, metrics: /metrics)
+  HTTP/REST  http://{host}:{http}/v2          (health: /v2/health/ready)
   gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
+  Metrics    http://{host}:{http}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
 Try:
   curl -s http://{host}:{http}/v2/models/{model}
   curl -s -X POST http://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
@@ -204,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each process")
     up.add_argument("--log-level", default="WARNING")
+    add_server_name_argument(up)
     up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")

@@ -1,13 +1,21 @@
 """The ensembles of a model repository (`--repository`): their configs are read once at start;
 each is compiled against the step models' configs the services report, again whenever those
-change. A plan that does not compile makes the ensemble UNAVAILABLE with the step-naming error."""
+change. A plan that does not compile makes the ensemble UNAVAILABLE with the step-naming error.
+
+Each ensemble keeps Triton's statistics for its requests (the composing models count their own
+in their services): per request one success or failure with its duration, a queue time (arrival
+to the first step), and one "execution" of the request's batch size whose compute time is the
+sum of the steps' round trips (Triton sums the composing models' compute times; the gateway sees
+a step whole, so it reports it all as compute_infer). Failures count under reason OTHER, as
+Triton's ensembles do."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.ensemble.executor import EnsembleExecutor, Send
+from gateway.ensemble.executor import EnsembleExecutor, Send, StepTimes
 from gateway.ensemble.plan import EnsembleError, Plan, compile_plan
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -16,6 +24,8 @@ from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.protocol.infer_checks import reject_mixed_contents
 from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_model_config, parse_config
 from meshserve.repository.layout import model_dirs
+from meshserve.telemetry.metrics import Sample
+from meshserve.telemetry.model_stats import ModelStats
 
 log = logging.getLogger("meshserve.gateway.ensemble")
 
@@ -48,6 +58,7 @@ class EnsembleCatalog:
         self._lookup: Lookup = lambda model, version: None
         self._plans: dict[str, tuple[tuple[int, ...], Plan | EnsembleError]] = {}
         self.unloaded: set[str] = set()  # unloaded through the API: unknown to infer, "unloaded" in the index
+        self.stats = {name: ModelStats(name, 1) for name in self.configs}  # an ensemble has version 1
         for name, err in self.errors.items():
             log.error("ensemble %s not loaded: %s", name, err)
 
@@ -75,6 +86,7 @@ class EnsembleCatalog:
         if config.platform != ENSEMBLE_PLATFORM:
             raise InferError.invalid(f"failed to load '{name}': not an ensemble (platform '{config.platform}')")
         self.configs[name] = config
+        self.stats.setdefault(name, ModelStats(name, 1))  # an ensemble added to the repository at run time
         self.errors.pop(name, None)
         self.unloaded.discard(name)
         self._plans.pop(name, None)
@@ -118,10 +130,43 @@ class EnsembleCatalog:
         return cached[1]
 
     async def infer(self, request: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+        arrival = time.monotonic_ns()
         plan = self.plan(request.model_name, request.model_version)
         reject_mixed_contents(request)  # the gateway runs this request itself (infer_checks)
         assert self.executor is not None, "EnsembleCatalog.bind() was not called"
-        return await self.executor.run(plan, request, timeout)
+        stats, times = self.stats[plan.name], StepTimes()
+        try:
+            response = await self.executor.run(plan, request, timeout, times)
+        except InferError:
+            stats.record_failure(time.monotonic_ns() - arrival, "OTHER")
+            raise
+        end = time.monotonic_ns()
+        batched = plan.max_batch_size > 0 and request.inputs and request.inputs[0].shape
+        rows = request.inputs[0].shape[0] if batched else 1
+        stats.record_batch(max(1, rows), 1, 0, times.steps_ns, 0)
+        stats.record_success(end - arrival, times.first_ns - arrival)
+        return response
+
+    def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]:
+        """Statistics of one ensemble, or (``name`` "") of every ensemble that is ready or has
+        served requests; like a model that is not loaded, an ensemble that is neither is "not
+        available" (its plan does not compile: it never loaded, as far as a client can tell)."""
+        if not name:
+            return [s.to_pb() for n, s in sorted(self.stats.items()) if self._listed(n)]
+        if name in self.errors or not self._listed(name):
+            raise InferError.invalid(f"requested model '{name}' is not available")
+        if version and version != "1":
+            raise InferError.invalid(f"requested model '{name}' version {version} is not available")
+        return [self.stats[name].to_pb()]
+
+    def _listed(self, name: str) -> bool:
+        stats = self.stats[name]
+        return bool(stats.success.count or stats.fail.count) or self.ready(name, "")
+
+    def metric_samples(self) -> list[Sample]:
+        """The listed ensembles' nv_* samples (metrics.MODEL_FAMILIES), for the gateway's /metrics."""
+        return [s for name, stats in sorted(self.stats.items()) if self._listed(name)
+                for s in stats.samples({"model": name, "version": "1"})]
 
     def ready(self, name: str, version: str) -> bool:
         try:

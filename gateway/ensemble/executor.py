@@ -1,6 +1,8 @@
 """Run a compiled ensemble plan: a step fires the moment its inputs exist, so independent
 branches run concurrently; tensors stay bytes between steps; the first failing step fails the
-request with that step's model and status; a semaphore bounds step calls in flight."""
+request with that step's model and status; a semaphore bounds step calls in flight. A run
+reports when its first step left and how long its steps took (StepTimes: the ensemble's
+statistics)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +20,15 @@ Send = Callable[[pb.ModelInferRequest, "float | None"], Awaitable[pb.ModelInferR
 DEFAULT_MAX_INFLIGHT_STEPS = 256
 
 
+@dataclass(slots=True)
+class StepTimes:
+    """One run's timings: when its first step was sent (ns, monotonic; 0 = none was) and the sum
+    of its steps' round trips (ns), which the ensemble reports as its compute time."""
+
+    first_ns: int = 0
+    steps_ns: int = 0
+
+
 @dataclass(frozen=True)
 class _Tensor:
     datatype: str
@@ -31,7 +42,8 @@ class EnsembleExecutor:
         self._slots = asyncio.Semaphore(max_inflight_steps)
         self.max_inflight_steps = max_inflight_steps
 
-    async def run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+    async def run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
+                  times: StepTimes | None = None) -> pb.ModelInferResponse:
         tensors = _inputs(plan, request)
         wanted = [o.name for o in request.outputs] or list(plan.outputs)
         for name in wanted:
@@ -40,10 +52,10 @@ class EnsembleExecutor:
                                          f"(outputs: {sorted(plan.outputs)})")
         with tracing.child_span("gateway.ensemble", {"meshserve.ensemble": plan.name,
                                                      "meshserve.ensemble.steps": len(plan.steps)}):
-            return await self._run(plan, request, timeout, tensors, wanted)
+            return await self._run(plan, request, timeout, tensors, wanted, times or StepTimes())
 
     async def _run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
-                   tensors: dict[str, _Tensor], wanted: list[str]) -> pb.ModelInferResponse:
+                   tensors: dict[str, _Tensor], wanted: list[str], times: StepTimes) -> pb.ModelInferResponse:
         deadline = None if timeout is None else time.monotonic() + timeout
         needs = {s.index: {t for _, t in s.inputs} for s in plan.steps}
         started: set[int] = set()
@@ -54,7 +66,7 @@ class EnsembleExecutor:
                 if i not in started and needs[i] <= tensors.keys():
                     started.add(i)
                     step = plan.steps[i]
-                    running[asyncio.ensure_future(self._step(plan, step, tensors, request, deadline))] = step
+                    running[asyncio.ensure_future(self._step(plan, step, tensors, request, deadline, times))] = step
 
         launch_ready()
         try:
@@ -75,7 +87,7 @@ class EnsembleExecutor:
         return response
 
     async def _step(self, plan: Plan, step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest,
-                    deadline: float | None) -> dict[str, _Tensor]:
+                    deadline: float | None, times: StepTimes) -> dict[str, _Tensor]:
         req = pb.ModelInferRequest(model_name=step.model, model_version=step.version, id=request.id)
         for key, value in request.parameters.items():
             req.parameters[key].CopyFrom(value)
@@ -89,6 +101,9 @@ class EnsembleExecutor:
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:
                 raise InferError(Code.DEADLINE_EXCEEDED, f"ensemble '{plan.name}' {step.label}: deadline exceeded")
+            sent = time.monotonic_ns()
+            if not times.first_ns:
+                times.first_ns = sent
             try:
                 with tracing.child_span("gateway.ensemble.step", {"meshserve.ensemble": plan.name,
                                                                   "meshserve.step": step.index,
@@ -97,6 +112,8 @@ class EnsembleExecutor:
             except InferError as exc:
                 raise InferError(exc.code, f"ensemble '{plan.name}' {step.label}: {exc.message}",
                                  retry_after_s=exc.retry_after_s) from None
+            finally:
+                times.steps_ns += time.monotonic_ns() - sent
         if len(resp.raw_output_contents) != len(resp.outputs):
             raise InferError.internal(f"ensemble '{plan.name}' {step.label}: the response carries no raw "
                                       "output contents")

@@ -8,6 +8,7 @@ import grpc
 from gateway.upstream.stream import StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.wire import SERVICE_KIND_METADATA
+from meshserve.server.access import METRICS_SERVICE
 from meshserve.server.grpc_frontend import MAX_MESSAGE_BYTES
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -47,6 +48,8 @@ class Replica:
         self.load = _typed(ch, "RepositoryModelLoad", pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse)
         self.unload = _typed(ch, "RepositoryModelUnload", pb.RepositoryModelUnloadRequest,
                              pb.RepositoryModelUnloadResponse)
+        # the service's /metrics text over gRPC (bytes in, bytes out): --federate-metrics
+        self.scrape = ch.unary_unary(f"/{METRICS_SERVICE}/Scrape")
         self.outstanding = 0
         self.healthy = False
         self.errors = 0

@@ -121,6 +121,10 @@ GRPC_METHODS: dict[str, Op | Callable[[Any], Op]] = {
     "CudaSharedMemoryUnregister": Op.SHARED_MEMORY,
 }
 HEALTH_METHODS: dict[str, Op] = {"Check": Op.HEALTH, "Watch": Op.HEALTH}
+# meshserve's own: a process's /metrics text over gRPC (empty request, the exposition as bytes);
+# a gateway with --federate-metrics reads its services' with it
+METRICS_SERVICE = "meshserve.Metrics"
+METRICS_METHODS: dict[str, Op] = {"Scrape": Op.METRICS}
 
 
 def grpc_op(method: str, request: Any) -> tuple[Op, str]:

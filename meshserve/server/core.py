@@ -1,12 +1,23 @@
 """The protocol-free interface every meshserve process implements (gateway and services)."""
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server.access import Grant, Op
+
+SERVER_NAME = "meshserve"  # server metadata's "name" unless --server-name says otherwise
+SERVER_VERSION = "0.1.0"
+
+
+def add_server_name_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--server-name", default=SERVER_NAME, metavar="NAME",
+                    help="the name in server metadata (HTTP GET /v2, gRPC ServerMetadata); clients that "
+                         "check for Triton's name can be given \"triton\"")
+
 
 EXTENSIONS = (
     "classification",
@@ -99,6 +110,6 @@ class V2Core(Protocol):
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None: ...
 
-    def metrics_text(self) -> tuple[bytes, str]:
-        """Prometheus exposition (body, content type)."""
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """Prometheus exposition (body, content type), rendered at scrape time."""
         ...

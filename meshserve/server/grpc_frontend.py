@@ -299,6 +299,26 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
     return handlers
 
 
+def metrics_handler(core: V2Core) -> grpc.GenericRpcHandler:
+    """meshserve.Metrics/Scrape: this process's /metrics exposition over gRPC (access.METRICS_METHODS),
+    so a gateway can federate its services' metrics over the hop it already has."""
+    async def scrape(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            if request:
+                raise InferError.invalid("meshserve.Metrics/Scrape takes an empty request")
+            core.authorize(access.METRICS_METHODS["Scrape"], "", _context(context))
+            body, _ = await core.metrics_text()
+            return body
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            _fail(context, exc)
+            return b""
+
+    return grpc.method_handlers_generic_handler(access.METRICS_SERVICE, {
+        "Scrape": grpc.unary_unary_rpc_method_handler(scrape)})
+
+
 async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthState,
                             extra_options: list[tuple[str, Any]] | None = None,
                             limits: ServerLimits | None = None) -> tuple[Any, int]:
@@ -314,7 +334,7 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
         h2 = H2GrpcServer(max_receive_message_length=dict(options)["grpc.max_receive_message_length"],
                           limits=limits)
         h2.add_registered_method_handlers(SERVICE, inference_methods(core))
-        h2.add_generic_rpc_handlers((health_handler(health),))
+        h2.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
         try:
             bound = await h2.bind(host, port)
         except OSError as exc:
@@ -325,9 +345,9 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
     if hasattr(server, "add_registered_method_handlers"):
         # Registered methods are matched once at registration, not by name on every call.
         server.add_registered_method_handlers(SERVICE, inference_methods(core))
-        server.add_generic_rpc_handlers((health_handler(health),))
+        server.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
     else:  # grpcio < 1.62
-        server.add_generic_rpc_handlers((inference_handler(core), health_handler(health)))
+        server.add_generic_rpc_handlers((inference_handler(core), health_handler(health), metrics_handler(core)))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port} (in use?)")

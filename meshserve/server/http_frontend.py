@@ -183,7 +183,7 @@ class HttpFrontend:
         core = self.core
         if parts[0] == "metrics" and len(parts) == 1:
             _allow(core, request, Op.METRICS)
-            body, ctype = core.metrics_text()
+            body, ctype = await core.metrics_text()
             return web.Response(body=body, headers={"Content-Type": ctype})
         if not parts or parts[0] != "v2":
             raise InferError.not_found(f"no route for {method} {path}")
@@ -193,12 +193,12 @@ class HttpFrontend:
             _allow(core, request, Op.SERVER_METADATA)
             return _json_response(http_codec.server_metadata_to_json(core.server_metadata()))
         head = parts[1]
-        if head == "health" and n == 3:
+        if head == "health" and n == 3 and parts[2] in ("live", "ready"):
+            # 200 {"live": true} / {"ready": true}, else 503 with false: tritonclient reads the
+            # status, the KServe SDK's InferenceRESTClient the JSON body
             self._method(request, "GET")
-            if parts[2] == "live":
-                return _empty(200 if core.live() else 503)
-            if parts[2] == "ready":
-                return _empty(200 if core.ready() else 400)
+            state = core.live() if parts[2] == "live" else core.ready()
+            return _json_response({parts[2]: state}, 200 if state else 503)
         if head == "models":
             return await self._models(request, parts[2:])
         if head == "repository":
@@ -406,7 +406,7 @@ async def start_metrics_server(core: V2Core, host: str, port: int,
             _allow(core, request, Op.METRICS)
         except InferError as exc:
             return _error_response(exc)
-        body, ctype = core.metrics_text()
+        body, ctype = await core.metrics_text()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
     return await _start(_Server(handle, limits or ServerLimits()), host, port)

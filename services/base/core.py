@@ -18,7 +18,7 @@ from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
 from meshserve.repository.names import check_model_name, check_version, model_file_path
 from meshserve.server.access import ALL, Grant, Op
-from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
+from meshserve.server.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, InferResult, RequestContext
 from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion
@@ -27,12 +27,6 @@ from services.base.warmup import run_warmup
 
 log = logging.getLogger("meshserve.service")
 
-SERVER_NAME = "meshserve"
-SERVER_VERSION = "0.1.0"
-# Triton's nv_inference_request_failure reasons, always rendered (0 until one happens). We use
-# OTHER for invalid requests, REJECTED for a full queue, BACKEND for failed executions, and
-# also TIMEOUT (queue deadline) when it occurs.
-FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 # Model files given in a load request (`file:<path>` parameters) are written under
 # <repository>/OVERRIDES_DIR/<fresh id>/<model>/: a hidden directory, so never a model directory
 # of the repository's own (layout.model_dirs skips it), and a fresh one per load, so a reload
@@ -72,6 +66,7 @@ class ServiceCore:
         # model directories of other kinds (by their fingerprint): not scanned again until they change
         self._foreign: dict[str, tuple] = {}
         self._poller: asyncio.Task[None] | None = None
+        self.server_name = SERVER_NAME
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -116,7 +111,8 @@ class ServiceCore:
                 t0 = time.monotonic()
                 mv = await loop.run_in_executor(None, self._build_version, path, config, v)
                 loaded[v] = mv
-                log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, time.monotonic() - t0)
+                mv.stats.load_duration_s = time.monotonic() - t0  # nv_model_load_duration_secs
+                log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, mv.stats.load_duration_s)
         except Exception as exc:
             for mv in loaded.values():
                 await mv.close(drain=False)
@@ -190,7 +186,7 @@ class ServiceCore:
         return self._started and not self._draining
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self.server_name, version=SERVER_VERSION, extensions=EXTENSIONS)
 
     def _resolve(self, name: str, version: str) -> ModelVersion:
         hosted = self.models.get(name)
@@ -423,28 +419,10 @@ class ServiceCore:
                 self._fingerprints.pop(name, None)
                 await self._unload(name)
 
-    def metrics_text(self) -> tuple[bytes, str]:
-        samples: list[tuple[str, dict[str, str], float | metrics.Histogram]] = []
+    async def metrics_text(self) -> tuple[bytes, str]:
+        samples: list[metrics.Sample] = []
         for mv in self._all_versions():
-            s = mv.stats
-            labels = {"model": mv.name, "version": mv.version_str}
-            samples += [
-                ("request_success", labels, s.success.count),
-                ("count", labels, s.inference_count),
-                ("exec_count", labels, s.execution_count),
-                ("request_duration_us", labels, (s.success.ns + s.fail.ns) // 1000),
-                ("queue_duration_us", labels, s.queue.ns // 1000),
-                ("compute_input_duration_us", labels, s.compute_input.ns // 1000),
-                ("compute_infer_duration_us", labels, s.compute_infer.ns // 1000),
-                ("compute_output_duration_us", labels, s.compute_output.ns // 1000),
-                ("pending_request_count", labels, s.pending),
-                ("request_duration_hist", labels, s.request_hist),
-                ("queue_duration_hist", labels, s.queue_hist),
-                ("compute_duration_hist", labels, s.compute_hist),
-                ("batch_size_hist", labels, s.batch_hist),
-            ]
-            for reason in (*FAILURE_REASONS, *(r for r in s.fail_reasons if r not in FAILURE_REASONS)):
-                samples.append(("request_failure", {**labels, "reason": reason}, s.fail_reasons.get(reason, 0)))
+            samples += mv.stats.samples({"model": mv.name, "version": mv.version_str})
         return metrics.render(samples, metrics.MODEL_FAMILIES), metrics.CONTENT_TYPE
 
 

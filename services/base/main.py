@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from meshserve.server import limits as server_limits
+from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import run, serve, setup_logging
 from meshserve.telemetry import tracing
 from services.base.control import MODES, ModelControl
@@ -27,6 +28,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    add_server_name_argument(ap)
     server_limits.add_arguments(ap)
 
 
@@ -45,6 +47,7 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
     async def amain() -> None:
         core = core_cls(kind, args.repository, adapters, gpu_available=gpu_available)
         core.control = control
+        core.server_name = args.server_name
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
                     http_port=args.http_port, metrics_port=args.metrics_port, limits=limits)

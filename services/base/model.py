@@ -23,6 +23,7 @@ from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import mixed_contents, reject_mixed_contents
 from meshserve.telemetry import tracing
+from meshserve.telemetry.model_stats import ModelStats
 from meshserve.telemetry.spans import Span
 from services.base import batch_trace
 from services.base.runtime import RuntimeInstance
@@ -35,7 +36,6 @@ from services.base.scheduling.errors import (
 )
 from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import QueuedRequest
-from services.base.stats import ModelStats
 
 MERGED_PARAMETER = wire.MERGED_PARAMETER  # set by the gateway's coalescer
 _CONTENTS_FIELD = {

@@ -229,6 +229,17 @@ GRPC_CASES: list[GrpcCase] = [
 ]
 
 
+def _scrape(channel: grpc.Channel, headers: dict[str, str]) -> int:
+    """meshserve.Metrics/Scrape (the /metrics text over gRPC): the status as an HTTP code."""
+    call = channel.unary_unary(f"/{access.METRICS_SERVICE}/Scrape")
+    try:
+        body = call(b"", metadata=tuple(headers.items()), timeout=10)
+    except grpc.RpcError as exc:
+        return GRPC_CODES[exc.code().name]
+    assert b"meshserve_gateway_requests_total" in body
+    return 200
+
+
 def _health_check(channel: grpc.Channel, headers: dict[str, str]) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     resp = stub.Check(health_pb2.HealthCheckRequest(service=""), metadata=tuple(headers.items()), timeout=10)
@@ -245,6 +256,7 @@ def test_table_covers_every_grpc_method_and_http_route() -> None:
     assert access.GRPC_SERVICE == service.full_name
     health = health_pb2.DESCRIPTOR.services_by_name["Health"]
     assert health.full_name == access.HEALTH_SERVICE and set(access.HEALTH_METHODS) == {m.name for m in health.methods}
+    assert set(access.METRICS_METHODS) == {"Scrape"}  # walked by _scrape below
     # the walk below has a case for every table entry and every op
     assert {(c.method, c.route) for c in HTTP_CASES} == {(m, r) for m, r, _ in access.HTTP_ROUTES}
     assert all(op == dict(((m, r), o) for m, r, o in access.HTTP_ROUTES)[(c.method, c.route)] for c in HTTP_CASES
@@ -292,6 +304,7 @@ def test_every_grpc_method(mesh: Mesh, who: str) -> None:
     with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c, \
             grpc.insecure_channel(mesh.gateway.grpc) as channel:
         assert _health_check(channel, headers) == 200  # grpc.health.v1: open
+        assert _scrape(channel, headers) == expected(access.METRICS_METHODS["Scrape"].rule, who)
         for case in GRPC_CASES:
             if case.method == "ModelStreamInfer":
                 status, message = _stream_infer(channel, headers)
@@ -349,10 +362,12 @@ def test_metrics_auth_flag(mesh: Mesh) -> None:
                "--metrics-auth"])
     try:
         _wait_http_ready(g.http)
+        want = {"no key": 401, "wrong key": 401, "tenant": 403, "other tenant": 403, "admin": 200}
         for hostport in (g.http, f"127.0.0.1:{g.ports['metrics']}"):
-            want = {"no key": 401, "wrong key": 401, "tenant": 403, "other tenant": 403, "admin": 200}
             got = {who: raw_http(hostport, "GET", "/metrics", h)[0] for who, h in WHO.items()}
             assert got == want, (hostport, got)
+        with grpc.insecure_channel(g.grpc) as channel:  # the same text over gRPC, the same rule
+            assert {who: _scrape(channel, h) for who, h in WHO.items()} == want
     finally:
         g.stop()
 

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT
 
@@ -41,6 +44,26 @@ def read_banner(proc: subprocess.Popen[str], timeout: float) -> str:
     text = "".join(lines)
     assert "Press Ctrl-C" in text, text
     return text
+
+
+def _triton_metrics_on_the_printed_url(banner: str) -> None:
+    """The /metrics `up` prints carries the services' Triton families (federated by the gateway)."""
+    url = re.search(r"Metrics\s+(http://\S+/metrics)", banner)
+    assert url, banner
+    deadline = time.monotonic() + 30
+    while True:  # the gateway reuses one scrape of the services for half a second
+        with urllib.request.urlopen(url.group(1).replace("localhost", "127.0.0.1"), timeout=10) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        success = {s.labels["model"]: s.value for s in families["nv_inference_request_success"].samples}
+        if success.get("add_sub", 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert success.get("add_sub", 0) >= 1 and success.get("mlp", 0) >= 1, success
+    replicas = {s.labels.get("replica") for s in families["nv_inference_request_success"].samples}
+    assert len(replicas) == 1 and None not in replicas, replicas  # one onnx service, labelled
+    loaded = {s.labels["model"] for s in families["nv_model_load_duration_secs"].samples if s.value > 0}
+    assert {"add_sub", "mlp"} <= loaded, loaded
+    assert "meshserve_gateway_requests" in families
 
 
 def test_up_serves_examples_and_stops_cleanly() -> None:
@@ -75,6 +98,7 @@ def test_up_serves_examples_and_stops_cleanly() -> None:
             v.set_data_from_numpy(np.ones((1, 4), np.float32))
             assert c.infer("scale", [v], model_version="1").as_numpy("OUTPUT0").tolist() == [[1.0] * 4]
             assert c.infer("scale", [v]).as_numpy("OUTPUT0").tolist() == [[2.0] * 4]
+        _triton_metrics_on_the_printed_url(text)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0

@@ -72,7 +72,7 @@ class SlowCore:
                            ctx: RequestContext) -> None:
         return None
 
-    def metrics_text(self) -> tuple[bytes, str]:
+    async def metrics_text(self) -> tuple[bytes, str]:
         return b"", "text/plain"
 
     async def stop(self, drain: bool = True) -> None:

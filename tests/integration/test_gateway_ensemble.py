@@ -1,6 +1,7 @@
 """Ensembles run by the gateway over real services, through the real tritonclient."""
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,3 +169,99 @@ def test_two_independent_100ms_steps_finish_in_about_100ms(tmp_path: Path) -> No
     finally:
         slow.terminate()
         slow.wait(10)
+
+
+def _stats(c: object, proto: str, model: str = "") -> dict[tuple[str, str], dict]:
+    """{(name, version): stats as JSON} of one model's or (model "") every model's statistics."""
+    raw = c.get_inference_statistics(model)  # type: ignore[attr-defined]
+    if proto == "grpc":
+        from google.protobuf.json_format import MessageToDict
+        raw = MessageToDict(raw, preserving_proto_field_name=True)
+    return {(s["name"], s["version"]): s for s in raw.get("model_stats", [])}
+
+
+def _count(s: dict, *path: str) -> int:
+    for key in path:
+        s = s.get(key, {})
+    return int(s or 0)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_ensemble_statistics_count_its_requests_and_its_steps_count_theirs(proto: str, gateway: Proc) -> None:
+    url = getattr(gateway, proto)
+    m = MODULES[proto]
+    with m.InferenceServerClient(url) as c:
+        before = _stats(c, proto)
+        for _ in range(3):
+            run(proto, url, "sum3", np.ones((2, 16), np.float32))
+        with pytest.raises(InferenceServerException):  # a failing step fails the ensemble request
+            run(proto, url, "sum3", np.ones((9, 16), np.float32))
+        after = _stats(c, proto)
+        mine = _stats(c, proto, "sum3")
+        assert list(mine) == [("sum3", "1")]
+        with pytest.raises(InferenceServerException) as err:
+            c.get_inference_statistics("sum3", "2")
+        assert str(err.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), err.value
+        with pytest.raises(InferenceServerException) as err:
+            c.get_inference_statistics("broken")
+        assert "not available" in (err.value.message() or ""), err.value
+    assert ("broken", "1") not in after and ("broken", "") not in after  # not loaded: not listed
+    e0, e1 = before.get(("sum3", "1"), {}), after[("sum3", "1")]
+    assert mine[("sum3", "1")]["inference_stats"]["success"] == e1["inference_stats"]["success"]
+
+    def grew(s0: dict, s1: dict, *path: str) -> int:
+        return _count(s1, *path) - _count(s0, *path)
+
+    # the ensemble: one success per request, one failure, batch rows counted, one queue entry and
+    # one execution per successful request, compute time from its steps
+    assert grew(e0, e1, "inference_stats", "success", "count") == 3
+    assert grew(e0, e1, "inference_stats", "fail", "count") == 1
+    assert grew(e0, e1, "inference_stats", "queue", "count") == 3
+    assert grew(e0, e1, "inference_stats", "compute_infer", "count") == 3
+    assert grew(e0, e1, "inference_stats", "compute_infer", "ns") > 0
+    assert grew(e0, e1, "inference_count") == 6 and grew(e0, e1, "execution_count") == 3
+    assert grew(e0, e1, "inference_stats", "success", "ns") > 0
+    assert 2 in {int(b["batch_size"]) for b in e1["batch_stats"]}
+    # the composing models count their own requests, in their service: add_sub runs twice per request
+    # (the failing request stops at its first step, rejected there), identity_fp32 once
+    a0, a1 = before[("add_sub", "1")], after[("add_sub", "1")]
+    i0, i1 = before[("identity_fp32", "1")], after[("identity_fp32", "1")]
+    assert grew(a0, a1, "inference_stats", "success", "count") == 6
+    assert grew(i0, i1, "inference_stats", "success", "count") == 3
+
+
+def test_ensemble_metrics_on_the_gateway(gateway: Proc) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run("grpc", gateway.grpc, "sum3", np.ones((1, 16), np.float32))
+    with urllib.request.urlopen(f"http://{gateway.http}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {(s.name, s.labels.get("model"), s.labels.get("reason")): s.value
+             for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert found[("nv_inference_request_success_total", "sum3", None)] >= 1
+    assert ("nv_inference_request_failure_total", "sum3", "OTHER") in found
+    assert found[("nv_inference_first_response_histogram_ms_count", "sum3", None)] >= 1
+    assert "\nnv_inference_request_success{" in text and "# TYPE nv_inference_request_success counter" in text
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_on_an_ensemble(protocol: str, gateway: Proc, tmp_path: Path) -> None:
+    """perf_analyzer reads all-model statistics around each window for an ensemble and needs the
+    ensemble's and its composing models' entries to grow."""
+    import csv
+    import os
+    import subprocess
+
+    from tests.integration.test_perf_analyzer import TOOL
+
+    if not TOOL.exists() and not os.environ.get("CI"):  # as test_perf_analyzer.py: CI has it
+        pytest.skip(f"perf_analyzer wrapper not found at {TOOL}")
+    report = tmp_path / "pa.csv"
+    cmd = [str(TOOL), "-m", "sum3", "-u", getattr(gateway, protocol), "-i", protocol, "--concurrency-range", "2",
+           "--measurement-interval", "500", "--stability-percentage", "100", "--max-trials", "3",
+           "-f", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(report.open()))
+    assert rows and float(rows[0]["Inferences/Second"]) > 5, rows
+    assert "Composing models" in proc.stdout, proc.stdout[-3000:]

@@ -192,6 +192,24 @@ def test_tritonclient_compressed_requests_and_responses(proc: Proc, request_codi
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_infer_responses_are_compressed_when_the_client_accepts_it(proc: Proc, coding: str) -> None:
+    """As Triton: an infer response is compressed with the coding the request's Accept-Encoding
+    names (what tritonclient's response_compression_algorithm sends); without it, it is not."""
+    body = add_sub_body()
+    packed = gzip.compress(body) if coding == "gzip" else zlib.compress(body)
+    status, headers, out = post(proc.http, "/v2/models/add_sub/infer", packed,
+                                {"Content-Encoding": coding, "Accept-Encoding": coding})
+    assert status == 200, out
+    assert headers.get("content-encoding") == coding, headers
+    plain = gzip.decompress(out) if coding == "gzip" else zlib.decompress(out)
+    outputs = {o["name"]: o["data"] for o in json.loads(plain)["outputs"]}
+    assert outputs["OUTPUT0"] == [3.0] * 16 and outputs["OUTPUT1"] == [-1.0] * 16
+    status, headers, out = post(proc.http, "/v2/models/add_sub/infer", body)
+    assert status == 200 and "content-encoding" not in headers, headers
+    assert json.loads(out)["outputs"]
+
+
 # --- timeouts -------------------------------------------------------------------------------
 
 def test_header_slowloris_is_closed_within_the_header_timeout(proc: Proc) -> None:

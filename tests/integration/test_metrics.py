@@ -2,13 +2,18 @@
 with the statistics extension."""
 from __future__ import annotations
 
+import signal
+import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
+
+from meshserve.server import access
 
 MODEL = {"model": "add_sub", "version": "1"}
 
@@ -112,3 +117,60 @@ def test_metrics_agree_with_the_statistics_extension(stack) -> None:  # noqa: AN
     assert _get(samples, "nv_inference_batch_size_sum", **MODEL) == stats["inference_count"]
     per_size = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
     assert sum(per_size.values()) == stats["execution_count"]
+
+
+def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> None:  # noqa: ANN001
+    """--federate-metrics: the gateway's /metrics carries every replica's nv_* samples, labelled
+    replica=<its gRPC endpoint>, equal to what each replica reports itself; a replica that goes
+    away drops out (federated_up 0) while the others stay."""
+    from tests.conftest import _wait_http_ready, start
+
+    other = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
+                   "--model-control-mode", "explicit", "--load-model", "add_sub"])
+    gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
+                     "--upstream", other.grpc, "--federate-metrics", "--coalesce-inflight", "0"])
+    try:
+        _wait_http_ready(gateway.http)
+        replicas = {stack.service.grpc: stack.service.http, other.grpc: other.http}
+        with grpcclient.InferenceServerClient(gateway.grpc) as c:
+            for _ in range(10):  # until the gateway has sent requests to the new replica too
+                for _ in range(8):
+                    c.infer("add_sub", _inputs())
+                if _get(_scrape(other.http), "nv_inference_request_success", **MODEL) > 0:
+                    break
+        own = {grpc: _get(_scrape(http), "nv_inference_request_success", **MODEL) for grpc, http in replicas.items()}
+        assert own[other.grpc] >= 1
+        deadline = time.monotonic() + 20
+        while True:  # one read of the services serves the gateway's scrapes for half a second
+            fed = _scrape(gateway.http)
+            got = {grpc: _get(fed, "nv_inference_request_success", **MODEL, replica=grpc) for grpc in replicas}
+            if got == own or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert got == own
+        assert _get(fed, "nv_inference_request_success", **MODEL) == sum(own.values())  # summed over replicas
+        assert _get(fed, "nv_model_load_duration_secs", **MODEL, replica=other.grpc) > 0
+        assert _get(fed, "nv_inference_first_response_histogram_ms_count", **MODEL, replica=other.grpc) == \
+            own[other.grpc]
+        assert _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 1
+        with grpc.insecure_channel(other.grpc) as channel:  # the RPC the gateway reads them with
+            scrape = channel.unary_unary(f"/{access.METRICS_SERVICE}/Scrape")
+            assert b"nv_inference_request_success{" in scrape(b"", timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                scrape(b"not empty", timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (err.value.details() or "")
+
+        other.stop(signal.SIGKILL)  # gone at once (a SIGTERM drain waits out the gateway's open streams)
+        deadline = time.monotonic() + 20
+        while True:
+            fed = _scrape(gateway.http)
+            gone = not any(n == "nv_inference_request_success" and ("replica", other.grpc) in lab for n, lab in fed)
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert gone and _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 0
+        assert _get(fed, "nv_inference_request_success", **MODEL, replica=stack.service.grpc) == \
+            own[stack.service.grpc]
+    finally:
+        gateway.stop()
+        other.stop()

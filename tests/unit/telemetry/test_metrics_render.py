@@ -28,6 +28,40 @@ def test_histogram_renders_cumulative_buckets() -> None:
     assert got[("x_duration_us_sum", None)] == 0.5 + 1 + 5 + 50 + 500 + 21
 
 
+def test_first_response_histogram_is_the_request_histogram_in_triton_buckets() -> None:
+    h = metrics.Histogram()  # microseconds
+    for us in (40, 99_000, 100_000, 100_001, 1_999_999, 2_000_000, 4_000_000, 9_000_000):
+        h.observe(us)
+    ms = h.rescaled(metrics.FIRST_RESPONSE_BUCKETS_MS, 1000)
+    assert ms.bounds == (100, 500, 2000, 5000)
+    assert ms.counts == [3, 1, 2, 1, 1] and ms.count == 8 and ms.sum == h.sum / 1000
+
+
+def test_federated_families_merge_with_local_ones_under_one_name() -> None:
+    fams = {k: metrics.MODEL_FAMILIES[k] for k in ("request_success", "request_duration_hist")}
+    h = metrics.Histogram((10, 100))
+    h.observe(5)
+    service = metrics.render([("request_success", {"model": "a", "version": "1"}, 4),
+                              ("request_duration_hist", {"model": "a", "version": "1"}, h)], fams).decode()
+    remote = metrics.federate(service, {"replica": "10.0.0.1:8001"})
+    bare = metrics.federate("# HELP up x\n# TYPE up gauge\nup 1\nup{} 2\n", {"replica": 'a"b'})
+    gateway_fams = {"gw": metrics.Family("meshserve_gateway_requests_total", "counter", "help"), **fams}
+    text = metrics.render([("request_success", {"model": "ens", "version": "1"}, 1)], gateway_fams,
+                          [remote, remote, bare]).decode()
+    assert text.count("# TYPE nv_inference_request_success counter") == 1
+    assert text.count("# TYPE up gauge") == 1
+    assert 'nv_inference_request_success{model="ens",version="1"} 1\n' in text
+    assert 'nv_inference_request_success{replica="10.0.0.1:8001",model="a",version="1"} 4\n' in text
+    assert 'nv_inference_request_duration_histogram_us_bucket{replica="10.0.0.1:8001",model="a",version="1",' \
+           'le="10"} 1\n' in text
+    assert 'up{replica="a\\"b"} 1\nup{replica="a\\"b"} 2\n' in text
+    assert len(remote["nv_inference_request_success"][1]) == 1  # render copies: the input is reused
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}
+    assert len(parsed["nv_inference_request_success"].samples) == 3
+    assert parsed["nv_inference_request_duration_histogram_us"].type == "histogram"
+    assert {s.labels.get("replica") for s in parsed["up"].samples} == {'a"b'}
+
+
 def test_json_log_lines_carry_request_fields() -> None:
     record = logging.LogRecord("meshserve.request", logging.WARNING, __file__, 1, "infer %s failed", ("m",), None)
     record.request_id, record.trace_id, record.status = "r1", "ab" * 16, "INVALID_ARG"

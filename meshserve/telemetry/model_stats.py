@@ -1,4 +1,5 @@
-"""Per model-version statistics in Triton's shape (statistics extension + nv_* metrics).
+"""Per model-version statistics in Triton's shape (statistics extension + nv_* metrics), kept by
+the services for their models and by the gateway for the ensembles it runs.
 
 Updated only on the event loop (after a batch returns from its worker thread), so no locks.
 """
@@ -8,7 +9,12 @@ import time
 from dataclasses import dataclass, field
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.telemetry.metrics import BATCH_SIZE_BUCKETS, Histogram
+from meshserve.telemetry.metrics import BATCH_SIZE_BUCKETS, FIRST_RESPONSE_BUCKETS_MS, Histogram, Sample
+
+# Triton's nv_inference_request_failure reasons, always rendered (0 until one happens). We use
+# OTHER for invalid requests (and every failed ensemble request, as Triton does), REJECTED for a
+# full queue, BACKEND for failed executions, and also TIMEOUT (queue deadline) when it occurs.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
 
 @dataclass(slots=True)
@@ -49,6 +55,7 @@ class ModelStats:
     batches: dict[int, BatchDurations] = field(default_factory=dict)
     fail_reasons: dict[str, int] = field(default_factory=dict)
     pending: int = 0
+    load_duration_s: float = 0.0  # nv_model_load_duration_secs (0: not measured)
     # /metrics histograms (microseconds; batch size in rows), updated with the counters above
     request_hist: Histogram = field(default_factory=Histogram)
     queue_hist: Histogram = field(default_factory=Histogram)
@@ -100,3 +107,30 @@ class ModelStats:
                                         compute_output=b.compute_output.to_pb())
                 for size, b in sorted(self.batches.items())],
         )
+
+    def samples(self, labels: dict[str, str]) -> list[Sample]:
+        """This version's nv_* metric samples (metrics.MODEL_FAMILIES keys), built at scrape."""
+        out: list[Sample] = [
+            ("request_success", labels, self.success.count),
+            ("count", labels, self.inference_count),
+            ("exec_count", labels, self.execution_count),
+            ("request_duration_us", labels, (self.success.ns + self.fail.ns) // 1000),
+            ("queue_duration_us", labels, self.queue.ns // 1000),
+            ("compute_input_duration_us", labels, self.compute_input.ns // 1000),
+            ("compute_infer_duration_us", labels, self.compute_infer.ns // 1000),
+            ("compute_output_duration_us", labels, self.compute_output.ns // 1000),
+            ("pending_request_count", labels, self.pending),
+            # a request's first (and only) response is its end: the request histogram in Triton's
+            # unit and buckets, derived here so that a request pays for one histogram, not two
+            ("first_response_hist", labels, self.request_hist.rescaled(FIRST_RESPONSE_BUCKETS_MS, 1000)),
+            ("request_duration_hist", labels, self.request_hist),
+            ("queue_duration_hist", labels, self.queue_hist),
+            ("compute_duration_hist", labels, self.compute_hist),
+            ("batch_size_hist", labels, self.batch_hist),
+        ]
+        if self.load_duration_s:
+            out.append(("load_duration", labels, self.load_duration_s))
+        reasons = self.fail_reasons
+        for reason in (*FAILURE_REASONS, *(r for r in reasons if r not in FAILURE_REASONS)):
+            out.append(("request_failure", {**labels, "reason": reason}, reasons.get(reason, 0)))
+        return out
