@@ -12,6 +12,10 @@ QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a g
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
 ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)
 ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response header
+# Triton's shared-memory tensor parameters (inputs and requested outputs; meshserve.server.shm)
+SHM_REGION = "shared_memory_region"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+SHM_OFFSET = "shared_memory_offset"
 _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entries, length-delimited)
 
 

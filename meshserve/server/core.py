@@ -18,6 +18,7 @@ EXTENSIONS = (
     "model_repository",
     "trace",
     "logging",
+    "system_shared_memory",
 )
 
 
