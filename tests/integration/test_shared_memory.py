@@ -8,6 +8,7 @@ CUDA shared memory where a GPU is present."""
 from __future__ import annotations
 
 import os
+import queue
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -164,6 +165,35 @@ def test_bytes_tensors_and_mixed_requests(stack: Stack, proto: str, regions: Cal
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), IN0 - IN1)
         np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [1, 16], offset=24 + size),
                                       IN0 + IN1)
+        c.unregister_system_shared_memory()
+
+
+def test_stream_infer_with_shared_memory(stack: Stack, regions: Callable[[str, int], Any]) -> None:
+    """ModelStreamInfer through the gateway: regions on a streamed request, and a bad region
+    answered in band on the stream, which stays open."""
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    inp, out = regions("stream-in", F32), regions("stream-out", F32)
+    shm.set_shared_memory_region(inp, [IN0])
+    with grpcclient.InferenceServerClient(stack.gateway.grpc) as c:
+        c.unregister_system_shared_memory()
+        c.register_system_shared_memory("sin", key("stream-in"), F32)
+        c.register_system_shared_memory("sout", key("stream-out"), F32)
+        c.start_stream(callback=lambda result, error: results.put((result, error)))
+        try:
+            for region in ("sin", "nope"):
+                inputs = add_sub_inputs("grpc", IN0, IN1)
+                inputs[0].set_shared_memory(region, F32)
+                outputs = [grpcclient.InferRequestedOutput("OUTPUT0")]
+                outputs[0].set_shared_memory("sout", F32)
+                c.async_stream_infer("add_sub", inputs, outputs=outputs, request_id=region)
+                result, error = results.get(timeout=30)
+                if region == "sin":
+                    assert error is None, error
+                    np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [1, 16]), IN0 + IN1)
+                else:
+                    assert result is None and "Unable to find shared memory region: 'nope'" in error.message()
+        finally:
+            c.stop_stream()
         c.unregister_system_shared_memory()
 
 
