@@ -51,7 +51,7 @@ class ServerLimits:
     # ---- shared memory (the system / CUDA shared-memory extensions; docs/shared-memory.md) ----
     # Regions registered at once in this process, all tenants together; 0 turns registration off.
     max_shm_regions: int = 256
-    # Bytes of client shared memory mapped at once (the sum of the registered regions' sizes).
+    # Bytes of client shared memory registered at once (the sum of the regions' sizes).
     max_shm_bytes: int = 4096 * MiB
 
 
@@ -72,7 +72,7 @@ _HELP = {
     "keepalive_interval_s": "HTTP/2: seconds of silence before the server PINGs",
     "keepalive_timeout_s": "HTTP/2: seconds to wait for the PING's ACK",
     "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",
-    "max_shm_bytes": "bytes of shared-memory regions mapped at once (all tenants)",
+    "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
 }
 
 

@@ -15,14 +15,13 @@ it. (A service is a valid v2 server too, and runs the same code for its own dire
 Regions are per tenant: the gateway's access table gives every call the caller's tenant
 (``Grant.tenant``), and a tenant names, lists, uses and unregisters only its own regions.
 
-A region is mapped with ``mmap`` on ``/dev/shm/<key>`` (the key checked by the names rule,
-opened with O_NOFOLLOW), not with ``multiprocessing.shared_memory``: that module registers
-every segment it opens with Python's resource tracker, which unlinks it, the client's
-memory, when this process exits. Mapped at the page below the region's offset, so any offset
-works. Unregistering (or exit) unmaps it; nothing is ever unlinked: the segment is the
-client's. Reads and writes copy whole tensors between the mapping and the request/response
-(slice assignment on the mmap: no buffer export outlives a call, so a region can be unmapped
-while requests that used it are still running; a write after an unregister fails cleanly).
+A region keeps ``/dev/shm/<key>`` open (the key checked by the names rule, opened with
+O_NOFOLLOW), not a ``multiprocessing.shared_memory`` segment: that module registers every
+segment it opens with Python's resource tracker, which unlinks it, the client's memory, when
+this process exits. Unregistering (or exit) closes it; nothing is ever unlinked: the object is
+the client's. Tensors are copied with pread/pwrite (see Region: an mmap would let a client
+crash the process by truncating its object); no buffer outlives a call, so a region can be
+unregistered while requests that used it still run (a write after an unregister fails cleanly).
 
 CUDA regions go through cuda-python (``cuda.bindings.runtime``, optional): the IPC handle is
 opened with ``cudaIpcOpenMemHandle`` on the given device and tensors are copied device<->host
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 import stat
 from collections.abc import Iterable
@@ -70,28 +68,42 @@ class Region:
     key: str = ""
     offset: int = 0
     device_id: int = 0
-    _mm: mmap.mmap | None = field(default=None, repr=False)
-    _start: int = 0  # the region's first byte in _mm (the mapping starts at a page boundary)
+    fd: int = -1  # the key's object, open read-write while the region is registered (system)
     _cuda: _CudaMemory | None = field(default=None, repr=False)
 
+    # System regions are read and written with pread/pwrite on the open object, not through an
+    # mmap: a client may shrink its object after registering it, and touching an mmap past the
+    # object's end raises SIGBUS, which would kill the whole process. pread just comes back
+    # short, and a write checks the size first (a shrink racing it can only make pwrite extend
+    # the client's object again). Measured (dev VM): 16 MiB pread 1.8 ms vs 0.6 ms for an mmap
+    # slice, 64 B 0.5 vs 0.1 us: under 1% of such a request's time through gateway + service.
     def read(self, offset: int, size: int) -> bytes:
-        if self._mm is not None:
-            start = self._start + offset
-            return self._mm[start:start + size]
-        assert self._cuda is not None
-        return self._cuda.read(offset, size)
+        if self._cuda is not None:
+            return self._cuda.read(offset, size)
+        data = os.pread(self.fd, size, self.offset + offset)
+        if len(data) != size:
+            raise self._truncated()
+        return data
 
     def write(self, offset: int, data: bytes) -> None:
-        if self._mm is not None:
-            start = self._start + offset
-            self._mm[start:start + len(data)] = data
+        if self._cuda is not None:
+            self._cuda.write(offset, data)
             return
-        assert self._cuda is not None
-        self._cuda.write(offset, data)
+        start = self.offset + offset
+        if os.fstat(self.fd).st_size < start + len(data):
+            raise self._truncated()
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(self.fd, view, start + len(data) - len(view)):]
+
+    def _truncated(self) -> InferError:
+        return InferError.invalid(f"shared memory region '{self.name}': key '{self.key}' now holds fewer than the "
+                                  f"{self.offset + self.byte_size} bytes it had when registered (truncated)")
 
     def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         if self._cuda is not None:
             self._cuda.close()
 
@@ -105,7 +117,7 @@ class SharedMemoryRegistry:
         self.max_bytes = limits.max_shm_bytes
         self.max_request_bytes = limits.max_request_bytes
         self._regions: dict[tuple[str, str], Region] = {}
-        self.mapped_bytes = 0
+        self.registered_bytes = 0
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -123,20 +135,20 @@ class SharedMemoryRegistry:
             raise InferError.exhausted(
                 f"cannot register shared memory region '{name}': {len(self._regions)} regions are registered, "
                 f"the most this server allows ({flag('max_shm_regions')} {self.max_regions})")
-        if self.mapped_bytes + byte_size > self.max_bytes:
+        if self.registered_bytes + byte_size > self.max_bytes:
             raise InferError.exhausted(
-                f"cannot register shared memory region '{name}' of {byte_size} bytes: {self.mapped_bytes} "
-                f"bytes are mapped already, and this server maps at most {self.max_bytes} "
+                f"cannot register shared memory region '{name}' of {byte_size} bytes: {self.registered_bytes} "
+                f"bytes are registered already, and this server takes at most {self.max_bytes} "
                 f"({flag('max_shm_bytes')})")
 
     def _add(self, tenant: str, region: Region) -> None:
         self._regions[(tenant, region.name)] = region
-        self.mapped_bytes += region.byte_size
+        self.registered_bytes += region.byte_size
         log.info("registered %s shared memory region '%s'%s (%d bytes)", region.kind, region.name,
                  f" of tenant '{tenant}'" if tenant else "", region.byte_size)
 
     def register_system(self, tenant: str, name: str, key: str, offset: int, byte_size: int) -> Region:
-        """Map ``byte_size`` bytes at ``offset`` of the POSIX shared-memory object ``key``."""
+        """Open the POSIX shared-memory object ``key``; the region is its ``byte_size`` bytes at ``offset``."""
         self._admit(tenant, name, byte_size, SYSTEM)
         filename = check_shm_key(key)  # one name under /dev/shm: never a path elsewhere
         if filename.startswith("sem."):  # POSIX named semaphores live there too: never a region
@@ -156,16 +168,10 @@ class SharedMemoryRegistry:
                 raise InferError.invalid(
                     f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
                     f"byte size {byte_size} is past the end of the {st.st_size} bytes of key '{key}')")
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            try:
-                mm = mmap.mmap(fd, byte_size + offset - start, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-            except OSError as exc:
-                raise InferError.invalid(f"failed to register shared memory region '{name}': "
-                                         f"cannot map key '{key}' ({exc.strerror})") from None
-        finally:
+        except BaseException:
             os.close(fd)
-        region = Region(name, SYSTEM, byte_size, key=key, offset=offset, _mm=mm, _start=offset - start)
+            raise
+        region = Region(name, SYSTEM, byte_size, key=key, offset=offset, fd=fd)
         self._add(tenant, region)
         return region
 
@@ -186,7 +192,7 @@ class SharedMemoryRegistry:
             if region is None or region.kind != kind:
                 continue
             del self._regions[k]
-            self.mapped_bytes -= region.byte_size
+            self.registered_bytes -= region.byte_size
             try:
                 region.close()
             except Exception as exc:  # the region is gone from the registry either way

@@ -253,6 +253,13 @@ def test_bad_regions_are_client_errors(stack: Stack, proto: str, regions: Callab
         c.unregister_system_shared_memory("nope")  # unknown: succeeds, as in Triton
         assert set(names(c.get_system_shared_memory_status(), proto)) == {"small"}
 
+        # a client that shrinks its object under a registered region: a 400, not a dead gateway
+        regions(f"shrink-{proto}", 8192)
+        c.register_system_shared_memory("shrink", key(f"shrink-{proto}"), 4096, offset=4096)
+        os.truncate(f"/dev/shm/{key(f'shrink-{proto}').lstrip('/')}", 100)
+        _fails(infer_with("shrink", F32, 0), proto, "shared memory region 'shrink'", "truncated")
+        c.unregister_system_shared_memory("shrink")
+
         np.testing.assert_array_equal(c.infer("add_sub", add_sub_inputs(proto, IN0, IN1)).as_numpy("OUTPUT0"), IN0 + IN1)
         c.unregister_system_shared_memory()
 

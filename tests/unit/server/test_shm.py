@@ -61,7 +61,7 @@ def request_with(inputs: dict[str, tuple[str, int, int] | bytes], outputs: dict[
     return req
 
 
-def test_read_inputs_write_outputs_at_unaligned_offsets(obj: Callable[[str, bytes], str]) -> None:
+def test_read_inputs_write_outputs_at_offsets(obj: Callable[[str, bytes], str]) -> None:
     data = bytes(range(256)) * 40
     key = obj("io", data)  # 10240 bytes: past the first page
     reg = shm.SharedMemoryRegistry()
@@ -78,7 +78,7 @@ def test_read_inputs_write_outputs_at_unaligned_offsets(obj: Callable[[str, byte
     with open(f"{shm.SHM_DIR}/{key.lstrip('/')}", "rb") as f:
         assert f.read()[4199:4204] == b"hello"
     reg.close()
-    assert len(reg) == 0 and reg.mapped_bytes == 0
+    assert len(reg) == 0 and reg.registered_bytes == 0
 
 
 @pytest.mark.parametrize("bad", ["../x", "/../../etc/passwd", "a/b", "..", ".", "/", "", "a\x00b", "a\\b", "x" * 256,
@@ -118,9 +118,9 @@ def test_register_errors_and_limits(obj: Callable[[str, bytes], str]) -> None:
     fails(lambda: reg.status("", "a", shm.CUDA), Code.NOT_FOUND, "registered as system shared memory, not CUDA")
     reg.unregister("", "a", shm.CUDA)  # another kind: nothing happens (Triton)
     assert len(reg) == 2
-    mapping = reg.status("", "a", shm.SYSTEM)[0]._mm
+    region = reg.status("", "a", shm.SYSTEM)[0]
     reg.unregister("", "", shm.SYSTEM)  # every region of tenant "" only
-    assert mapping is not None and mapping.closed and [r.name for r in reg.status("t2", "", shm.SYSTEM)] == ["a"]
+    assert region.fd == -1 and [r.name for r in reg.status("t2", "", shm.SYSTEM)] == ["a"]
     fails(lambda: shm.SharedMemoryRegistry(ServerLimits(max_shm_regions=0)).register_system("", "a", key, 0, 1),
           Code.RESOURCE_EXHAUSTED, "--max-shm-regions 0")
     reg.close()
@@ -183,7 +183,25 @@ def test_cuda_without_a_gpu_is_refused() -> None:
 def test_configure_replaces_and_closes(obj: Callable[[str, bytes], str]) -> None:
     old = shm.configure(ServerLimits())
     old.register_system("", "r", obj("c", b"\0" * 8), 0, 8)
-    mapping = old.status("", "r", shm.SYSTEM)[0]._mm
+    region = old.status("", "r", shm.SYSTEM)[0]
     new = shm.configure(ServerLimits(max_shm_regions=1))
-    assert shm.registry is new and new.max_regions == 1 and mapping is not None and mapping.closed
+    assert shm.registry is new and new.max_regions == 1 and region.fd == -1
     shm.configure(ServerLimits())
+
+
+def test_an_object_truncated_after_registering_is_a_client_error(obj: Callable[[str, bytes], str]) -> None:
+    """A client that shrinks its object under a registered region gets a 400 naming the region; the
+    process does not die of SIGBUS (as it would touching an mmap past the object's end)."""
+    key = obj("shrink", b"\1" * 8192)
+    reg = shm.SharedMemoryRegistry()
+    reg.register_system("", "r", key, 4096, 4096)
+    targets = reg.prepare("", request_with({}, {"O": ("r", 16, 4000)}))
+    os.truncate(f"{shm.SHM_DIR}/{key.lstrip('/')}", 100)
+    fails(lambda: reg.prepare("", request_with({"A": ("r", 16, 0)}, {})), Code.INVALID_ARG,
+          "shared memory region 'r'", "truncated")
+    resp = pb.ModelInferResponse()
+    resp.outputs.add(name="O", datatype="UINT8", shape=[16])
+    resp.raw_output_contents.append(b"x" * 16)
+    fails(lambda: reg.deliver("", targets, resp), Code.INVALID_ARG, "truncated")
+    assert os.path.getsize(f"{shm.SHM_DIR}/{key.lstrip('/')}") == 100  # and nothing was written
+    reg.close()
