@@ -55,6 +55,16 @@ SYSTEM, CUDA = "system", "cuda"
 REGION, BYTE_SIZE, OFFSET = wire.SHM_REGION, wire.SHM_BYTE_SIZE, wire.SHM_OFFSET
 _PARAMS = (REGION, BYTE_SIZE, OFFSET)
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+# Region names are the client's and touch no filesystem (Triton takes any string), but they are
+# kept for as long as the region lives and echoed in errors: bounded (perf_analyzer's are ~12 bytes).
+MAX_REGION_NAME_BYTES = 1024
+
+
+def check_region_name(name: str) -> str:
+    if len(name) > MAX_REGION_NAME_BYTES // 4 and len(name.encode()) > MAX_REGION_NAME_BYTES:
+        raise InferError.invalid(f"a shared memory region name of {len(name.encode())} bytes is longer than "
+                                 f"{MAX_REGION_NAME_BYTES} bytes")
+    return name
 
 
 @dataclass(eq=False)
@@ -124,6 +134,7 @@ class SharedMemoryRegistry:
 
     # ---- register / unregister / status ------------------------------------------------
     def _admit(self, tenant: str, name: str, byte_size: int, kind: str) -> None:
+        check_region_name(name)
         if not name:
             raise InferError.invalid(f"a {kind} shared memory region needs a name")
         if (tenant, name) in self._regions:
@@ -186,7 +197,7 @@ class SharedMemoryRegistry:
     def unregister(self, tenant: str, name: str, kind: str) -> None:
         """Unregister one region of ``kind`` (nothing if there is none: Triton's rule), or every
         region of the tenant of that kind when ``name`` is empty."""
-        keys = [(tenant, name)] if name else [k for k, r in self._regions.items() if k[0] == tenant]
+        keys = [(tenant, check_region_name(name))] if name else [k for k in self._regions if k[0] == tenant]
         for k in keys:
             region = self._regions.get(k)
             if region is None or region.kind != kind:
@@ -203,7 +214,7 @@ class SharedMemoryRegistry:
         if not name:
             return sorted((r for (t, _), r in self._regions.items() if t == tenant and r.kind == kind),
                           key=lambda r: r.name)
-        region = self._regions.get((tenant, name))
+        region = self._regions.get((tenant, check_region_name(name)))
         label = "cuda" if kind == CUDA else "system"
         if region is None:
             raise InferError.not_found(f"Unable to find {label} shared memory region: '{name}'")
@@ -353,6 +364,7 @@ def _tensor_params(params: Any, where: str) -> tuple[str, int, int]:
     region = params[REGION]
     if region.WhichOneof("parameter_choice") != "string_param" or not region.string_param:
         raise InferError.invalid(f"{where}: '{REGION}' must be a non-empty string")
+    check_region_name(region.string_param)
     if BYTE_SIZE not in params:
         raise InferError.invalid(f"{where}: '{BYTE_SIZE}' is missing (needed with '{REGION}')")
     size = _int_param(params[BYTE_SIZE], BYTE_SIZE, where)
