@@ -510,7 +510,10 @@ class _CudaMemory:
             from cuda.bindings import driver
         except ImportError:
             return None
-        err, _base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(self.pointer))
+        try:
+            err, _base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(self.pointer))
+        except Exception:  # not a driver allocation we can ask about: the size is not checked
+            return None
         return int(size) if err == driver.CUresult.CUDA_SUCCESS else None
 
     def _copy(self, dst: int, src: int, size: int, kind: Any) -> None:

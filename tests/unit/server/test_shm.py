@@ -2,6 +2,7 @@
 limits, tenants, reading inputs into a request and writing outputs from a response."""
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable, Iterator
 
@@ -209,3 +210,71 @@ def test_an_object_truncated_after_registering_is_a_client_error(obj: Callable[[
     fails(lambda: reg.deliver("", targets, resp), Code.INVALID_ARG, "truncated")
     assert os.path.getsize(f"{shm.SHM_DIR}/{key.lstrip('/')}") == 100  # and nothing was written
     reg.close()
+
+
+class FakeCudaRuntime:
+    """cuda-python's runtime calls shm makes, over host memory standing in for a device
+    allocation of another process (the real path runs in test_cuda_shared_memory on a GPU)."""
+
+    class cudaError_t:  # noqa: N801 - cuda-python's names
+        cudaSuccess = 0
+
+    class cudaMemcpyKind:  # noqa: N801
+        cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost = 1, 2
+
+    class cudaIpcMemHandle_t:  # noqa: N801 - like cuda-bindings 13: the struct's address only
+        def __init__(self) -> None:
+            self.struct = ctypes.create_string_buffer(64)
+
+        def getPtr(self) -> int:  # noqa: N802
+            return ctypes.addressof(self.struct)
+
+    cudaIpcMemLazyEnablePeerAccess = 1
+
+    def __init__(self, device: ctypes.Array) -> None:
+        self.device = device
+        self.opened: list[bytes] = []
+        self.closed: list[int] = []
+        self.copies: list[int] = []
+
+    def cudaGetDeviceCount(self) -> tuple[int, int]:  # noqa: N802
+        return 0, 1
+
+    def cudaSetDevice(self, device: int) -> tuple[int]:  # noqa: N802
+        return (0,)
+
+    def cudaIpcOpenMemHandle(self, handle: cudaIpcMemHandle_t, flags: int) -> tuple[int, int]:  # noqa: N802
+        self.opened.append(handle.struct.raw)
+        return 0, ctypes.addressof(self.device)
+
+    def cudaMemcpy(self, dst: int, src: int, size: int, kind: int) -> tuple[int]:  # noqa: N802
+        self.copies.append(kind)
+        ctypes.memmove(dst, src, size)
+        return (0,)
+
+    def cudaIpcCloseMemHandle(self, pointer: int) -> tuple[int]:  # noqa: N802
+        self.closed.append(pointer)
+        return (0,)
+
+
+def test_cuda_regions_over_a_fake_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = ctypes.create_string_buffer(bytes(range(64)))
+    rt = FakeCudaRuntime(device)
+    monkeypatch.setattr(shm, "_cuda_runtime", lambda: rt)
+    reg = shm.SharedMemoryRegistry()
+    fails(lambda: reg.register_cuda("", "g", b"\7" * 63, 0, 64), Code.INVALID_ARG, "raw_handle is 63 bytes")
+    fails(lambda: reg.register_cuda("", "g", b"\7" * 64, 1, 64), Code.INVALID_ARG, "device_id 1")
+    reg.register_cuda("", "g", b"\7" * 64, 0, 64)
+    assert rt.opened == [b"\7" * 64]  # the handle's bytes reached cudaIpcOpenMemHandle
+    assert [(r.name, r.device_id, r.byte_size) for r in reg.status("", "", shm.CUDA)] == [("g", 0, 64)]
+    assert reg.status("", "", shm.SYSTEM) == []
+    req = request_with({"A": ("g", 8, 16)}, {"O": ("g", 4, 40)})
+    targets = reg.prepare("", req)
+    assert req.raw_input_contents[0] == bytes(range(16, 24))
+    resp = pb.ModelInferResponse()
+    resp.outputs.add(name="O", datatype="UINT8", shape=[4])
+    resp.raw_output_contents.append(b"WXYZ")
+    reg.deliver("", targets, resp)
+    assert device.raw[40:44] == b"WXYZ" and rt.copies == [2, 1]
+    reg.unregister("", "", shm.CUDA)
+    assert rt.closed == [ctypes.addressof(device)] and len(reg) == 0
