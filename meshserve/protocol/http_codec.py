@@ -926,10 +926,17 @@ def _count(doc: dict[str, Any], key: str, where: str, default: int | None = None
     return value
 
 
+def _register_body(body: bytes | bytearray, where: str) -> dict[str, Any]:
+    doc = _loads(body, where) if body.strip() else {}
+    if not isinstance(doc, dict):
+        raise InferError.invalid(f"the {where} body must be a JSON object, got {_json_type(doc)}")
+    return doc
+
+
 def parse_system_shm_register(body: bytes | bytearray) -> tuple[str, int, int]:
     """A `/v2/systemsharedmemory/region/{n}/register` body: (key, offset, byte_size)."""
     where = "system shared memory register request"
-    doc = parse_json_object(body, where)
+    doc = _register_body(body, where)
     if "key" not in doc:
         raise InferError.invalid(f"{where}: 'key' is missing")
     return _string(doc["key"], f"{where} 'key'"), _count(doc, "offset", where, 0), _count(doc, "byte_size", where)
@@ -939,7 +946,7 @@ def parse_cuda_shm_register(body: bytes | bytearray) -> tuple[bytes, int, int]:
     """A `/v2/cudasharedmemory/region/{n}/register` body: (raw handle, device_id, byte_size);
     the handle arrives as `{"raw_handle": {"b64": "<base64>"}}`."""
     where = "CUDA shared memory register request"
-    doc = parse_json_object(body, where)
+    doc = _register_body(body, where)
     handle = doc.get("raw_handle")
     if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):
         raise InferError.invalid(f"{where}: 'raw_handle' must be an object {{\"b64\": \"<base64>\"}}")
