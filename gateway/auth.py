@@ -211,9 +211,13 @@ class Admission:
                 who = "anonymous callers" if tenant is None else f"tenant '{tenant.name}'"
                 raise InferError(Code.PERMISSION_DENIED, f"{op.label} needs an admin API key; {who} may not")
             return ALL
-        if tenant is None or tenant.admin:  # anonymous callers (when allowed) and admins see every model
+        if tenant is None:  # anonymous callers (when allowed) see every model
             return ALL
+        if tenant.admin:  # admins see every model
+            return Grant(tenant=tenant.name) if rule is Rule.OWN else ALL
         if rule is Rule.MODEL and not tenant.may_call(model):
             raise InferError(Code.PERMISSION_DENIED, f"tenant '{tenant.name}' may not use model '{model}' "
                              f"({op.label})")
-        return Grant(tenant.may_call) if rule is Rule.LISTED else ALL
+        if rule is Rule.LISTED:
+            return Grant(tenant.may_call)
+        return Grant(tenant=tenant.name) if rule is Rule.OWN else ALL

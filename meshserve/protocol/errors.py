@@ -35,7 +35,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.UNAVAILABLE: 503,
     Code.UNSUPPORTED: 501,
     Code.INTERNAL: 500,
-    Code.ALREADY_EXISTS: 409,
+    Code.ALREADY_EXISTS: 400,  # Triton's HTTP answers 400 (e.g. a shared-memory region registered twice)
     Code.CANCELLED: 499,
     Code.DEADLINE_EXCEEDED: 504,
     Code.RESOURCE_EXHAUSTED: 429,

@@ -32,7 +32,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError
 
 __all__ = [
@@ -49,6 +49,8 @@ __all__ = [
     "parse_trace_settings",
     "parse_infer_request",
     "parse_load_request",
+    "parse_system_shm_register",
+    "parse_cuda_shm_register",
     "parse_unload_request",
     "render_infer_response",
     "repository_index_to_json",
@@ -65,7 +67,7 @@ BINARY_DATA_SIZE = "binary_data_size"
 BINARY_DATA = "binary_data"
 BINARY_DATA_OUTPUT = "binary_data_output"
 CLASSIFICATION = "classification"
-_SHM_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+SHM_REGION = wire.SHM_REGION  # a tensor in a registered shared-memory region (meshserve.server.shm)
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _UINT64_MAX = 2**64 - 1
@@ -228,14 +230,6 @@ def _param_flag(params: Mapping[str, pb.InferParameter], key: str, default: bool
     return bool(value)
 
 
-def _check_no_shared_memory(params: Mapping[str, Any], where: str) -> None:
-    for key in _SHM_PARAMS:
-        if key in params:
-            raise InferError.unsupported(
-                f"{where}: shared-memory tensors ('{key}') are not supported by meshserve; "
-                "send the tensor in the request body (JSON 'data' or binary_data_size)")
-
-
 def _object(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {}
@@ -274,7 +268,8 @@ def parse_infer_request(
     `header_length` is the `Inference-Header-Content-Length` value (None: the whole body is
     JSON). Binary inputs are sliced, in input order, from the bytes after the JSON header;
     JSON `data` is converted to raw little-endian bytes. Every input ends up in
-    `raw_input_contents`. Raises `InferError` (INVALID_ARG, or UNSUPPORTED for shared memory).
+    `raw_input_contents`, except those in shared memory (`shared_memory_region`): they keep their
+    parameters and have no entry, as in a gRPC request. Raises `InferError` (INVALID_ARG).
     """
     view = memoryview(body)
     if view.ndim != 1 or view.itemsize != 1:
@@ -331,7 +326,6 @@ def parse_infer_request(
 
         tensor = req.inputs.add(name=name, datatype=datatype, shape=shape)
         params = _object(item.get("parameters"), f"{where} 'parameters'")
-        _check_no_shared_memory(params, where)
         binary_size: int | None = None
         for key, value in params.items():
             if key == BINARY_DATA_SIZE:
@@ -343,7 +337,14 @@ def parse_infer_request(
                 _set_infer_param(tensor.parameters[key], value, f"{where} parameter '{key}'")
 
         count = datatypes.element_count(shape)
-        if binary_size is not None:
+        if SHM_REGION in params:
+            # in a shared-memory region: no data here and no raw_input_contents entry (as a gRPC
+            # client sends it); meshserve.server.shm reads it into the request
+            if binary_size is not None or "data" in item:
+                raise InferError.invalid(
+                    f"{where} has '{SHM_REGION}' and also "
+                    f"{'data' if 'data' in item else BINARY_DATA_SIZE}; send the tensor one way")
+        elif binary_size is not None:
             if "data" in item:
                 raise InferError.invalid(
                     f"{where} has both 'data' and a '{BINARY_DATA_SIZE}' parameter; send one of them")
@@ -417,7 +418,6 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any) -> None:
         seen.add(name)
         where = f"output '{name}'"
         params = _object(item.get("parameters"), f"{where} 'parameters'")
-        _check_no_shared_memory(params, where)
         out = req.outputs.add(name=name)
         for key, value in params.items():
             if key == BINARY_DATA and not isinstance(value, bool):
@@ -577,7 +577,8 @@ def render_infer_response(
     the request's `binary_data_output` (default false). Binary outputs carry only
     `parameters.binary_data_size` and follow the JSON in output order, with
     `Inference-Header-Content-Length`; JSON-only bodies carry no output `parameters`.
-    Reads `raw_output_contents` or, when that is empty, typed `contents`.
+    Reads `raw_output_contents` or, when that is empty, typed `contents`. An output written
+    to shared memory (its `shared_memory_region` parameter) has its name, datatype and shape only.
     """
     default_binary = _param_flag(request.parameters, BINARY_DATA_OUTPUT, False)
     requested = {o.name: o for o in request.outputs}
@@ -591,12 +592,17 @@ def render_infer_response(
     rendered: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for i, out in enumerate(outputs):
+        shape = list(out.shape)
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": shape}
+        if out.parameters and SHM_REGION in out.parameters:
+            # written to shared memory: metadata only, no parameters either, as Triton answers
+            # (perf_analyzer's HTTP client reads `binary_data_size` of any output with parameters)
+            rendered.append(entry)
+            continue
         binary = default_binary
         req_out = requested.get(out.name)
         if req_out is not None:
             binary = _param_flag(req_out.parameters, BINARY_DATA, default_binary)
-        shape = list(out.shape)
-        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": shape}
         where = f"output '{out.name}'"
         if binary:
             data = raws[i] if raws else _contents_to_raw(where, out)
@@ -915,6 +921,46 @@ def parse_unload_request(body: bytes | bytearray | memoryview) -> dict[str, pb.M
             _set_repository_param(param, value, where)
         out[key] = param
     return out
+
+
+def _count(doc: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    if key not in doc and default is not None:
+        return default
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _UINT64_MAX:
+        raise InferError.invalid(f"{where}: '{key}' must be a non-negative integer, got {_show(value)}")
+    return value
+
+
+def _register_body(body: bytes | bytearray, where: str) -> dict[str, Any]:
+    doc = _loads(body, where) if body.strip() else {}
+    if not isinstance(doc, dict):
+        raise InferError.invalid(f"the {where} body must be a JSON object, got {_json_type(doc)}")
+    return doc
+
+
+def parse_system_shm_register(body: bytes | bytearray) -> tuple[str, int, int]:
+    """A `/v2/systemsharedmemory/region/{n}/register` body: (key, offset, byte_size)."""
+    where = "system shared memory register request"
+    doc = _register_body(body, where)
+    if "key" not in doc:
+        raise InferError.invalid(f"{where}: 'key' is missing")
+    return _string(doc["key"], f"{where} 'key'"), _count(doc, "offset", where, 0), _count(doc, "byte_size", where)
+
+
+def parse_cuda_shm_register(body: bytes | bytearray) -> tuple[bytes, int, int]:
+    """A `/v2/cudasharedmemory/region/{n}/register` body: (raw handle, device_id, byte_size);
+    the handle arrives as `{"raw_handle": {"b64": "<base64>"}}`."""
+    where = "CUDA shared memory register request"
+    doc = _register_body(body, where)
+    handle = doc.get("raw_handle")
+    if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):
+        raise InferError.invalid(f"{where}: 'raw_handle' must be an object {{\"b64\": \"<base64>\"}}")
+    try:
+        raw = base64.b64decode(handle["b64"], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InferError.invalid(f"{where}: 'raw_handle.b64' is not valid base64 ({e})") from None
+    return raw, _count(doc, "device_id", where, 0), _count(doc, "byte_size", where)
 
 
 # --- compression ------------------------------------------------------------------------

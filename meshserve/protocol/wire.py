@@ -15,6 +15,10 @@ ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response head
 # gRPC trailing metadata of a service's RepositoryIndex answer: the kind it serves (onnx, ...), so
 # that a gateway knows which replicas can load a model of a given kind
 SERVICE_KIND_METADATA = "meshserve-service-kind"
+# Triton's shared-memory tensor parameters (inputs and requested outputs; meshserve.server.shm)
+SHM_REGION = "shared_memory_region"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+SHM_OFFSET = "shared_memory_offset"
 _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entries, length-delimited)
 
 

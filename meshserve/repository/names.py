@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["NAME_RULE", "check_file_path", "check_model_name", "check_version", "is_valid_model_name",
+__all__ = ["NAME_RULE", "check_file_path", "check_model_name", "check_shm_key", "check_version", "is_valid_model_name",
            "model_file_path"]
 
 NAME_RULE = "a model name must be one path component: non-empty, without '/', '\\' or NUL, not '.' or '..'"
@@ -87,3 +87,19 @@ def model_file_path(model_dir: str | Path, relative: str) -> Path:
     if not target.is_relative_to(base):
         _invalid(f"invalid file path {relative!r}: it resolves outside the model directory")
     return target
+
+
+SHM_KEY_MAX = 255  # NAME_MAX: the longest file name /dev/shm holds
+
+
+def check_shm_key(key: str) -> str:
+    """The file name under /dev/shm of a POSIX shared-memory key a client registers (the
+    system shared-memory extension): leading ``/`` are dropped, as glibc's ``shm_open`` does
+    (``/input0`` and ``input0`` are the same object), and what remains must pass the name rule,
+    so a key never names a file outside /dev/shm. InferError.invalid otherwise."""
+    name = key.lstrip("/")
+    if not is_valid_model_name(name) or len(name.encode()) > SHM_KEY_MAX:
+        why = f"it is longer than {SHM_KEY_MAX} bytes" if is_valid_model_name(name) else _why(name)
+        _invalid(f"invalid shared-memory key {key!r}: {why} (a key is one name under /dev/shm, "
+                 "optionally with a leading '/')")
+    return name

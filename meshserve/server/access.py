@@ -27,6 +27,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 class Rule(enum.Enum):
     OPEN = "open"
     KEY = "any valid key"
+    OWN = "any valid key; the tenant's own shared-memory regions"
     MODEL = "may use the model"
     LISTED = "any valid key; filtered to the tenant's models"
     ADMIN = "admin"
@@ -58,10 +59,13 @@ class Op(enum.Enum):
     MODEL_TRACE_UPDATE = ("update a model's trace settings", Rule.ADMIN)
     LOG_GET = ("read log settings", Rule.KEY)
     LOG_UPDATE = ("update log settings", Rule.ADMIN)
-    SHARED_MEMORY = ("shared-memory regions (not implemented yet)", Rule.ADMIN)
+    SHM_STATUS = ("shared-memory region status", Rule.OWN)
+    SHM_REGISTER = ("register a shared-memory region", Rule.OWN)
+    SHM_UNREGISTER = ("unregister shared-memory regions", Rule.OWN)
 
 
-# ---- HTTP: (method, path) → op; {m} a model name, {v} a version, {r} a repository name ----
+# ---- HTTP: (method, path) → op; {m} a model name, {v} a version, {r} a repository name,
+# {n} a shared-memory region name ----
 HTTP_ROUTES: tuple[tuple[str, str, Op], ...] = (
     ("GET", "/v2/health/live", Op.HEALTH),
     ("GET", "/v2/health/ready", Op.HEALTH),
@@ -82,6 +86,12 @@ HTTP_ROUTES: tuple[tuple[str, str, Op], ...] = (
     ("POST", "/v2/repository[/{r}]/index", Op.REPOSITORY_INDEX),
     ("POST", "/v2/repository[/{r}]/models/{m}/load", Op.REPOSITORY_LOAD),
     ("POST", "/v2/repository[/{r}]/models/{m}/unload", Op.REPOSITORY_UNLOAD),
+    ("GET", "/v2/systemsharedmemory[/region/{n}]/status", Op.SHM_STATUS),
+    ("POST", "/v2/systemsharedmemory/region/{n}/register", Op.SHM_REGISTER),
+    ("POST", "/v2/systemsharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER),
+    ("GET", "/v2/cudasharedmemory[/region/{n}]/status", Op.SHM_STATUS),
+    ("POST", "/v2/cudasharedmemory/region/{n}/register", Op.SHM_REGISTER),
+    ("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER),
 )
 
 
@@ -113,12 +123,12 @@ GRPC_METHODS: dict[str, Op | Callable[[Any], Op]] = {
     "ModelStreamInfer": Op.INFER,
     "TraceSetting": _trace,
     "LogSettings": _by_settings(Op.LOG_GET, Op.LOG_UPDATE),
-    "SystemSharedMemoryStatus": Op.SHARED_MEMORY,
-    "SystemSharedMemoryRegister": Op.SHARED_MEMORY,
-    "SystemSharedMemoryUnregister": Op.SHARED_MEMORY,
-    "CudaSharedMemoryStatus": Op.SHARED_MEMORY,
-    "CudaSharedMemoryRegister": Op.SHARED_MEMORY,
-    "CudaSharedMemoryUnregister": Op.SHARED_MEMORY,
+    "SystemSharedMemoryStatus": Op.SHM_STATUS,
+    "SystemSharedMemoryRegister": Op.SHM_REGISTER,
+    "SystemSharedMemoryUnregister": Op.SHM_UNREGISTER,
+    "CudaSharedMemoryStatus": Op.SHM_STATUS,
+    "CudaSharedMemoryRegister": Op.SHM_REGISTER,
+    "CudaSharedMemoryUnregister": Op.SHM_UNREGISTER,
 }
 HEALTH_METHODS: dict[str, Op] = {"Check": Op.HEALTH, "Watch": Op.HEALTH}
 # meshserve's own: a process's /metrics text over gRPC (empty request, the exposition as bytes);
@@ -138,9 +148,11 @@ def grpc_op(method: str, request: Any) -> tuple[Op, str]:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """What an authorized caller may see: ``visible`` None = every model."""
+    """What an authorized caller may see: ``visible`` None = every model; ``tenant``: whose
+    shared-memory regions the call acts on ("" without tenants, and for anonymous callers)."""
 
     visible: Callable[[str], bool] | None = None
+    tenant: str = ""
 
     def filter(self, response: Any) -> Any:
         """Statistics and the repository index reduced to the caller's models (LISTED ops)."""

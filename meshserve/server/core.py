@@ -30,6 +30,7 @@ EXTENSIONS = (
     "model_repository(unload_dependents)",
     "trace",
     "logging",
+    "system_shared_memory",
 )
 
 

@@ -18,12 +18,12 @@ import grpc
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
-from meshserve.server import access, observe
+from meshserve.server import access, observe, shm
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import ServerLimits
-from meshserve.telemetry.tracing import TRACEPARENT
+from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER, TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
 
@@ -75,11 +75,15 @@ def _authorize(core: V2Core, method: str, request: Any, context: grpc.aio.Servic
     return core.authorize(op, model, _context(context))
 
 
-def _unary(core: V2Core, method: str, fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
-           request_type: Any) -> grpc.RpcMethodHandler:
+def _unary(core: V2Core, method: str, fn: Callable[..., Awaitable[Any]], request_type: Any,
+           with_grant: bool = False) -> grpc.RpcMethodHandler:
+    """A unary method: the access table's verdict, then ``fn(request, context)`` (``fn(request,
+    context, grant)`` with ``with_grant``), its answer filtered by the grant."""
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             grant = _authorize(core, method, request, context)
+            if with_grant:
+                return await fn(request, context, grant)
             return grant.filter(await fn(request, context))
         except asyncio.CancelledError:
             raise
@@ -88,21 +92,6 @@ def _unary(core: V2Core, method: str, fn: Callable[[Any, grpc.aio.ServicerContex
         except Exception as exc:  # mapped to a status, never a crash
             _fail(context, exc)
             return None
-
-    return grpc.unary_unary_rpc_method_handler(
-        handler, request_deserializer=request_type.FromString,
-        response_serializer=lambda m: m.SerializeToString())
-
-
-def _unimplemented(core: V2Core, name: str, request_type: Any) -> grpc.RpcMethodHandler:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            _authorize(core, name, request, context)
-        except InferError as exc:
-            _fail(context, exc)
-            return None
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            f"{name} is not implemented by meshserve yet")
 
     return grpc.unary_unary_rpc_method_handler(
         handler, request_deserializer=request_type.FromString,
@@ -193,7 +182,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            result, span = await observe.infer(core, request, _context(context, raw))
+            infer = shm.infer if shm.uses_shared_memory(request) else observe.infer
+            result, span = await infer(core, request, _context(context, raw))
             if span is not None:
                 context.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
             return result.serialized()
@@ -222,7 +212,9 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
-                result, _ = await observe.infer(core, request, ctx)
+                # a gateway's requests name no region (it read and stripped them): no check on that hop
+                infer = shm.infer if not from_gateway and shm.uses_shared_memory(request) else observe.infer
+                result, _ = await infer(core, request, ctx)
                 out.put_nowait(wire.stream_response(result.serialized()))
             except Exception as exc:
                 if not isinstance(exc, InferError):
@@ -235,6 +227,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 err.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param = exc.code.value
                 out.put_nowait(err.SerializeToString())
 
+        from_gateway = base.headers.get(HOP_HEADER) == HOP_GATEWAY  # (this call is a gateway's hop)
         # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
         # each time on Python 3.11
         loop = asyncio.get_running_loop()
@@ -271,6 +264,31 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
             for t in list(pending):
                 t.cancel()
 
+    # the shared-memory extensions (meshserve.server.shm): the caller's tenant's regions only
+    def shm_status(kind: str, render: Callable[[list[shm.Region]], Any]) -> Callable[..., Awaitable[Any]]:
+        async def status(req: Any, ctx: grpc.aio.ServicerContext, grant: access.Grant) -> Any:
+            return render(shm.registry.status(grant.tenant, req.name, kind))
+        return status
+
+    def shm_unregister(kind: str, response_type: Any) -> Callable[..., Awaitable[Any]]:
+        async def unregister(req: Any, ctx: grpc.aio.ServicerContext, grant: access.Grant) -> Any:
+            shm.registry.unregister(grant.tenant, req.name, kind)
+            return response_type()
+        return unregister
+
+    async def system_shm_register(req: pb.SystemSharedMemoryRegisterRequest, ctx: grpc.aio.ServicerContext,
+                                  grant: access.Grant) -> pb.SystemSharedMemoryRegisterResponse:
+        shm.registry.register_system(grant.tenant, req.name, req.key, req.offset, req.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def cuda_shm_register(req: pb.CudaSharedMemoryRegisterRequest, ctx: grpc.aio.ServicerContext,
+                                grant: access.Grant) -> pb.CudaSharedMemoryRegisterResponse:
+        if req.device_id < 0:
+            raise InferError.invalid(f"failed to register CUDA shared memory region '{req.name}': invalid args "
+                                     f"(device_id {req.device_id})")
+        shm.registry.register_cuda(grant.tenant, req.name, req.raw_handle, req.device_id, req.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
     handlers: dict[str, grpc.RpcMethodHandler] = {
         "ServerLive": _unary(core, "ServerLive", server_live, pb.ServerLiveRequest),
         "ServerReady": _unary(core, "ServerReady", server_ready, pb.ServerReadyRequest),
@@ -287,15 +305,17 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
         "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(model_stream_infer),
     }
-    for name, req_type in (
-        ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),
-        ("SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest),
-        ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest),
-        ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest),
-        ("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest),
-        ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest),
+    for name, fn, req_type in (
+        ("SystemSharedMemoryStatus", shm_status(shm.SYSTEM, shm.system_status_pb), pb.SystemSharedMemoryStatusRequest),
+        ("SystemSharedMemoryRegister", system_shm_register, pb.SystemSharedMemoryRegisterRequest),
+        ("SystemSharedMemoryUnregister", shm_unregister(shm.SYSTEM, pb.SystemSharedMemoryUnregisterResponse),
+         pb.SystemSharedMemoryUnregisterRequest),
+        ("CudaSharedMemoryStatus", shm_status(shm.CUDA, shm.cuda_status_pb), pb.CudaSharedMemoryStatusRequest),
+        ("CudaSharedMemoryRegister", cuda_shm_register, pb.CudaSharedMemoryRegisterRequest),
+        ("CudaSharedMemoryUnregister", shm_unregister(shm.CUDA, pb.CudaSharedMemoryUnregisterResponse),
+         pb.CudaSharedMemoryUnregisterRequest),
     ):
-        handlers[name] = _unimplemented(core, name, req_type)
+        handlers[name] = _unary(core, name, fn, req_type, with_grant=True)
     return handlers
 
 

@@ -26,7 +26,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from meshserve.protocol import http_codec, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_version
-from meshserve.server import body_worker, observe
+from meshserve.server import body_worker, observe, shm
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import ServerLimits
@@ -203,6 +203,8 @@ class HttpFrontend:
             return await self._models(request, parts[2:])
         if head == "repository":
             return await self._repository(request, parts[2:])
+        if head in ("systemsharedmemory", "cudasharedmemory"):
+            return await self._shared_memory(request, shm.SYSTEM if head[0] == "s" else shm.CUDA, parts[2:])
         if head == "trace" and parts[2:] == ["setting"]:
             return await self._trace_setting(request, "")
         if head == "logging" and n == 2:  # the logging extension
@@ -269,7 +271,8 @@ class HttpFrontend:
             infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
                                           size=header_length)
         ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
-        result, span = await observe.infer(self.core, infer_request, ctx)
+        infer = shm.infer if shm.uses_shared_memory(infer_request) else observe.infer
+        result, span = await infer(self.core, infer_request, ctx)
         out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
         arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
         if arm is not None:
@@ -292,6 +295,33 @@ class HttpFrontend:
         changes = await _decode(http_codec.parse_trace_settings, await self._body(request)) if post else None
         return _json_response(http_codec.trace_settings_to_json(
             await observe.trace_setting(self.core, model, changes)))
+
+    async def _shared_memory(self, request: web.BaseRequest, kind: str, rest: list[str]) -> web.StreamResponse:
+        """/v2/{system,cuda}sharedmemory[/region/{n}]/status|unregister and .../region/{n}/register
+        (the shared-memory extensions; the caller's tenant's regions only)."""
+        name = ""
+        if len(rest) == 3 and rest[0] == "region" and rest[1]:
+            name, rest = rest[1], rest[2:]
+        action = rest[0] if len(rest) == 1 else ""
+        if action not in ("status", "register", "unregister") or (action == "register" and not name):
+            raise InferError.not_found(f"no route for {request.method} {request.path}")
+        registry = shm.registry
+        if action == "status":
+            self._method(request, "GET")
+            tenant = _allow(self.core, request, Op.SHM_STATUS).tenant
+            regions = registry.status(tenant, name, kind)
+            return _json_response(shm.system_status_json(regions) if kind == shm.SYSTEM
+                                  else shm.cuda_status_json(regions))
+        self._method(request, "POST")
+        tenant = _allow(self.core, request, Op.SHM_REGISTER if action == "register" else Op.SHM_UNREGISTER).tenant
+        body = _joined(await self._body(request))
+        if action == "unregister":
+            registry.unregister(tenant, name, kind)
+        elif kind == shm.SYSTEM:
+            registry.register_system(tenant, name, *http_codec.parse_system_shm_register(body))
+        else:
+            registry.register_cuda(tenant, name, *http_codec.parse_cuda_shm_register(body))
+        return _empty(200)
 
     async def _repository(self, request: web.BaseRequest, rest: list[str]) -> web.StreamResponse:
         # /v2/repository[/{repo}]/index and /v2/repository[/{repo}]/models/{m}/load|unload

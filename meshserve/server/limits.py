@@ -48,6 +48,11 @@ class ServerLimits:
     idle_timeout_s: float = 300.0  # a connection with nothing in flight is closed after this
     keepalive_interval_s: float = 60.0  # HTTP/2: PING a silent connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ACK takes longer than this
+    # ---- shared memory (the system / CUDA shared-memory extensions; docs/shared-memory.md) ----
+    # Regions registered at once in this process, all tenants together; 0 turns registration off.
+    max_shm_regions: int = 256
+    # Bytes of client shared memory registered at once (the sum of the regions' sizes).
+    max_shm_bytes: int = 4096 * MiB
 
 
 _HELP = {
@@ -66,6 +71,8 @@ _HELP = {
     "idle_timeout_s": "seconds an idle connection is kept",
     "keepalive_interval_s": "HTTP/2: seconds of silence before the server PINGs",
     "keepalive_timeout_s": "HTTP/2: seconds to wait for the PING's ACK",
+    "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",
+    "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
 }
 
 

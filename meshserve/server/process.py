@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshserve.server import admission
+from meshserve.server import admission, shm
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
@@ -53,6 +53,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
                 limits: ServerLimits | None = None) -> None:
     limits = limits if limits is not None else ServerLimits()
     admission.configure(limits)
+    shm.configure(limits)
     health = HealthState()
     grpc_server, gport = await start_grpc_server(core, host, grpc_port, health, limits=limits)
     runner = None
@@ -86,6 +87,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     await core.stop(drain=True)
     if runner is not None:
         await runner.cleanup()
+    shm.registry.close()  # unmap the clients' shared-memory regions (never unlinked: they are theirs)
     log.info("%s stopped", name)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
@@ -37,6 +39,7 @@ from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 
 ALLOWED, OTHER = "add_sub", "scale"  # the model every call names; the other tenant's model
 CONTROLLED = "fixed_add"  # loaded and unloaded by the repository-control cells
+SHM_KEY = f"/meshserve-auth-{os.getpid()}"  # a shared-memory object the register cells register (and unregister)
 WHO: dict[str, dict[str, str]] = {
     "no key": {},
     "wrong key": {"x-api-key": "not-a-key"},
@@ -76,7 +79,7 @@ def expected(rule: Rule, who: str, success: int = 200) -> int:
         return success if who == "admin" else 403
     if rule in (Rule.MODEL, Rule.INFER) and who == "other tenant":
         return 403
-    return 200
+    return success
 
 
 @dataclass
@@ -94,9 +97,14 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         shutil.copytree(model_repo / name, repo / name)
     tenants = root / "tenants.yaml"
     tenants.write_text(TENANTS)
-    with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit", "--load-model", "*"],
-                             ["--tenants", str(tenants), "--discovery-interval", "0.5"]) as (service, gateway):
-        yield Mesh(service, gateway, repo)
+    region = shm.create_shared_memory_region("auth", SHM_KEY, 64, create_only=True)
+    try:
+        with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit",
+                                          "--load-model", "*"],
+                                 ["--tenants", str(tenants), "--discovery-interval", "0.5"]) as (service, gateway):
+            yield Mesh(service, gateway, repo)
+    finally:
+        shm.destroy_shared_memory_region(region)
 
 
 # ---- calls ---------------------------------------------------------------------------------------
@@ -110,6 +118,7 @@ class HttpCase:
     route: str  # the template in access.HTTP_ROUTES
     op: Op
     call: Callable[[str, dict[str, str]], tuple[int, Any]]  # (host:port, headers) -> (status, result)
+    success: int = 200  # the status of an allowed call
 
 
 def via_client(fn: Callable[[httpclient.InferenceServerClient, dict[str, str]], Any]
@@ -167,6 +176,19 @@ HTTP_CASES: list[HttpCase] = [
              via_client(lambda c, h: c.load_model(CONTROLLED, headers=h))),
     HttpCase("POST", "/v2/repository[/{r}]/models/{m}/unload", Op.REPOSITORY_UNLOAD,
              via_client(lambda c, h: c.unload_model(CONTROLLED, headers=h))),
+    HttpCase("GET", "/v2/systemsharedmemory[/region/{n}]/status", Op.SHM_STATUS,
+             via_client(lambda c, h: c.get_system_shared_memory_status(headers=h))),
+    HttpCase("POST", "/v2/systemsharedmemory/region/{n}/register", Op.SHM_REGISTER,
+             via_client(lambda c, h: (c.register_system_shared_memory("r", SHM_KEY, 64, headers=h),
+                                      c.unregister_system_shared_memory("r", headers=h)))),
+    HttpCase("POST", "/v2/systemsharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER,
+             via_client(lambda c, h: c.unregister_system_shared_memory(headers=h))),
+    HttpCase("GET", "/v2/cudasharedmemory[/region/{n}]/status", Op.SHM_STATUS,
+             via_client(lambda c, h: c.get_cuda_shared_memory_status(headers=h))),
+    HttpCase("POST", "/v2/cudasharedmemory/region/{n}/register", Op.SHM_REGISTER,  # not a real handle: 400
+             via_client(lambda c, h: c.register_cuda_shared_memory("r", "AAAA", 0, 64, headers=h)), success=400),
+    HttpCase("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER,
+             via_client(lambda c, h: c.unregister_cuda_shared_memory("r", headers=h))),
 ]
 
 
@@ -214,18 +236,17 @@ GRPC_CASES: list[GrpcCase] = [
              lambda c, h: c.update_trace_settings(ALLOWED, {"trace_rate": "1000"}, headers=h)),
     GrpcCase("LogSettings", Op.LOG_GET, lambda c, h: c.get_log_settings(headers=h)),
     GrpcCase("LogSettings", Op.LOG_UPDATE, lambda c, h: c.update_log_settings({"log_info": True}, headers=h)),
-    GrpcCase("SystemSharedMemoryStatus", Op.SHARED_MEMORY,
-             lambda c, h: c.get_system_shared_memory_status(headers=h), success=501),
-    GrpcCase("SystemSharedMemoryRegister", Op.SHARED_MEMORY,
-             lambda c, h: c.register_system_shared_memory("r", "/k", 64, headers=h), success=501),
-    GrpcCase("SystemSharedMemoryUnregister", Op.SHARED_MEMORY,
-             lambda c, h: c.unregister_system_shared_memory("r", headers=h), success=501),
-    GrpcCase("CudaSharedMemoryStatus", Op.SHARED_MEMORY,
-             lambda c, h: c.get_cuda_shared_memory_status(headers=h), success=501),
-    GrpcCase("CudaSharedMemoryRegister", Op.SHARED_MEMORY,
-             lambda c, h: c.register_cuda_shared_memory("r", b"", 0, 64, headers=h), success=501),
-    GrpcCase("CudaSharedMemoryUnregister", Op.SHARED_MEMORY,
-             lambda c, h: c.unregister_cuda_shared_memory("r", headers=h), success=501),
+    GrpcCase("SystemSharedMemoryStatus", Op.SHM_STATUS, lambda c, h: c.get_system_shared_memory_status(headers=h)),
+    GrpcCase("SystemSharedMemoryRegister", Op.SHM_REGISTER,
+             lambda c, h: (c.register_system_shared_memory("r", SHM_KEY, 64, headers=h),
+                           c.unregister_system_shared_memory("r", headers=h))),
+    GrpcCase("SystemSharedMemoryUnregister", Op.SHM_UNREGISTER,
+             lambda c, h: c.unregister_system_shared_memory(headers=h)),
+    GrpcCase("CudaSharedMemoryStatus", Op.SHM_STATUS, lambda c, h: c.get_cuda_shared_memory_status(headers=h)),
+    GrpcCase("CudaSharedMemoryRegister", Op.SHM_REGISTER,  # not a real handle: 400
+             lambda c, h: c.register_cuda_shared_memory("r", b"", 0, 64, headers=h), success=400),
+    GrpcCase("CudaSharedMemoryUnregister", Op.SHM_UNREGISTER,
+             lambda c, h: c.unregister_cuda_shared_memory("r", headers=h)),
 ]
 
 
@@ -287,7 +308,7 @@ def test_every_http_route(mesh: Mesh, who: str) -> None:
     headers = WHO[who]
     for case in HTTP_CASES:
         status, result = case.call(mesh.gateway.http, dict(headers))  # tritonclient adds to the dict it gets
-        want = expected(case.op.rule, who)
+        want = expected(case.op.rule, who, case.success)
         assert status == want, (who, case.method, case.route, case.op, status, result)
         if status == 200 and case.op in (Op.ALL_STATISTICS, Op.REPOSITORY_INDEX):
             if isinstance(result, bytes):
@@ -326,9 +347,10 @@ def test_routes_outside_the_table_fail_closed(mesh: Mesh) -> None:
     GET and POST, without a key: only the open routes answer 2xx; everything else is a client
     error. A route the front end dispatches without consulting the table would answer here."""
     words = ["v2", "health", "live", "ready", "models", ALLOWED, "versions", "1", "config", "stats", "infer",
-             "trace", "setting", "logging", "repository", "index", "load", "unload", "metrics", "x", ""]
-    templates = {r.replace("[/versions/{v}]", "").replace("[/{r}]", "").replace("{m}", ALLOWED)
-                 for _, r, _ in access.HTTP_ROUTES}
+             "trace", "setting", "logging", "repository", "index", "load", "unload", "metrics", "x", "",
+             "systemsharedmemory", "region", "status", "register", "unregister"]
+    templates = {r.replace("[/versions/{v}]", "").replace("[/{r}]", "").replace("[/region/{n}]", "")
+                 .replace("{m}", ALLOWED).replace("{n}", "r") for _, r, _ in access.HTTP_ROUTES}
     paths: set[str] = set()
     for t in templates:
         parts = t.strip("/").split("/")

@@ -165,6 +165,8 @@ def http_request(draw: st.DrawFn, hostport: str) -> tuple[bytes, bool, str]:
         f"/v2/models/{model}", f"/v2/models/{model}/config", f"/v2/models/{model}/ready", f"/v2/models/{model}/stats",
         "/v2/models/stats", "/v2/repository/index", "/v2/health/ready", "/v2", "/metrics", "/v2/trace/setting",
         f"/v2/models/{model}/trace/setting", "/v2/logging", "/", "/v2/models", "/v2/models/", "//v2//models",
+        "/v2/systemsharedmemory/status", f"/v2/systemsharedmemory/region/{model}/register",
+        f"/v2/cudasharedmemory/region/{model}/register", f"/v2/systemsharedmemory/region/{model}/status",
         "/v2/models/add_sub/infer?x=1&y", "/v2/%zz", "/\u00e9", "/" + "a/" * 200,
     ]))
     if path.rstrip("/").endswith(("trace/setting", "logging")):
@@ -247,7 +249,7 @@ def structured_infer(draw: st.DrawFn) -> bytes:
     req = valid_infer() if draw(st.booleans()) else pb.ModelInferRequest()
     req.model_name = draw(st.sampled_from([m for m in MODELS if "%" not in m] + ["add_sub"] * 4))
     req.model_version = draw(st.sampled_from(["", "", "1", "0", "-1", "x"]))
-    choice = draw(st.integers(0, 7))
+    choice = draw(st.integers(0, 8))
     if choice == 0 and req.inputs:  # contents and raw_input_contents together (Triton refuses)
         req.inputs[0].contents.fp32_contents.extend([1.0] * 16)
     elif choice == 1:
@@ -278,6 +280,17 @@ def structured_infer(draw: st.DrawFn) -> bytes:
             draw(st.integers(-3, 2**40))
     elif choice == 6:
         req.inputs.add(name=draw(st.sampled_from(["INPUT0", "INPUT2", ""])), datatype="FP32", shape=[1, 16])
+    elif choice == 7:  # shared-memory parameters of any type (the regions named are not registered)
+        on_input = bool(req.inputs) and draw(st.booleans())
+        tensor = req.inputs[0] if on_input else req.outputs.add(name=draw(st.sampled_from(["OUTPUT0", "NOPE"])))
+        if on_input and req.raw_input_contents and draw(st.booleans()):
+            del req.raw_input_contents[0]  # as a client sends a shared-memory input
+        for key in draw(st.lists(st.sampled_from(["shared_memory_region", "shared_memory_byte_size",
+                                                  "shared_memory_offset"]), min_size=1, max_size=3)):
+            which = draw(st.sampled_from(["int64_param", "string_param", "bool_param", "uint64_param"]))
+            setattr(tensor.parameters[key], which, {
+                "int64_param": draw(st.integers(-2**63, 2**63 - 1)), "string_param": draw(st.text(max_size=12)),
+                "bool_param": draw(st.booleans()), "uint64_param": draw(st.integers(0, 2**64 - 1))}[which])
     return req.SerializeToString()
 
 
@@ -300,7 +313,8 @@ def mutated_infer(draw: st.DrawFn) -> bytes:
 
 grpc_body = st.one_of(structured_infer(), mutated_infer(), st.binary(max_size=200))
 METHODS = ["ModelInfer"] * 6 + ["ModelMetadata", "ModelConfig", "ModelReady", "ModelStatistics", "RepositoryIndex",
-                                "ServerMetadata", "ServerLive", "ServerReady"]
+                                "ServerMetadata", "ServerLive", "ServerReady", "SystemSharedMemoryStatus",
+                                "SystemSharedMemoryRegister", "CudaSharedMemoryRegister"]
 
 
 def fuzz_grpc(hostport: str, n: int) -> tuple[int, list[str]]:

@@ -402,7 +402,8 @@ def test_undecodable_header_bytes_are_not_a_500_on_a_tracing_gateway(limited: di
 # --- generated malformed requests: no 5xx --------------------------------------------------------
 # A compact guard for this front end (tests/adversarial/ runs the large fuzz). 501 is allowed only
 # where it is the Triton mapping of a feature meshserve does not offer (UNSUPPORTED): repository
-# control in model-control-mode none, and shared-memory tensor parameters.
+# control in model-control-mode none. Shared-memory tensor parameters are served (unknown regions:
+# 400), so they are among the generated keys.
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -411,7 +412,8 @@ _leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.float
                   st.sampled_from(["FP32", "BYTES", "BOOL", "FP16", "BF16", "\ud800", "\udfff"]))
 _json = st.recursive(_leaf, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(
     st.sampled_from(["name", "shape", "datatype", "data", "parameters", "inputs", "outputs", "id", "ready",
-                     "binary_data_size", "binary_data", "binary_data_output", "config", "log_info", "\ud800"])
+                     "binary_data_size", "binary_data", "binary_data_output", "config", "log_info", "\ud800",
+                     "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"])
     | st.text(max_size=4), c, max_size=5)), max_leaves=10)
 _input = st.fixed_dictionaries(
     {"name": st.sampled_from(["INPUT0", "INPUT1", "\ud800", ""]),
@@ -427,7 +429,9 @@ _path = st.one_of(
               st.sampled_from(["", "/ready", "/config", "/stats", "/infer", "/versions/1/infer", "/versions/x/infer",
                                "/trace/setting", "/x"])).map(lambda t: f"/v2/models/{t[0]}{t[1]}"),
     st.sampled_from(["/v2", "/v2/health/live", "/v2/models/stats", "/v2/logging", "/v2/trace/setting",
-                     "/v2/repository/index", "/v2/repository/models/add_sub/load", "/metrics", "/", "//x"]))
+                     "/v2/repository/index", "/v2/repository/models/add_sub/load", "/metrics", "/", "//x",
+                     "/v2/systemsharedmemory/status", "/v2/systemsharedmemory/region/r/register",
+                     "/v2/systemsharedmemory/region/%2e%2e/unregister", "/v2/cudasharedmemory/region/r/register"]))
 _headers = st.dictionaries(
     st.sampled_from(["Content-Encoding", "Inference-Header-Content-Length", "Accept-Encoding", "traceparent",
                      "tracestate", "Expect"]),
@@ -457,7 +461,7 @@ def test_generated_malformed_requests_get_no_5xx(limited: dict[str, Proc]) -> No
             body = gzip.compress(body) if coding == "gzip" else zlib.compress(body)
             headers = {**headers, "Content-Encoding": coding}
         status = _status(limited[target].http, method, path, headers, body)
-        unsupported = status == 501 and ("/repository/" in path or b"shared_memory" in body)
+        unsupported = status == 501 and "/repository/" in path
         if status >= 500 and not unsupported or status < 0:
             seen.append((status, target, f"{method} {path} {headers} {body[:120]!r}"))
 

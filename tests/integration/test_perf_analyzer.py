@@ -29,3 +29,24 @@ def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> 
         assert float(r["Inferences/Second"]) > 10
         # sane latencies: p99 under a second on a 64->256->64 MLP
         assert 0 < int(r["p99 latency"]) < 1_000_000
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_perf_analyzer_system_shared_memory(protocol: str, stack, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--shared-memory system`: perf_analyzer unregisters every region, registers its own for the
+    inputs and outputs, and sends only region names; the gateway reads and writes them."""
+    url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http
+    report = tmp_path / "pa.csv"
+
+    def registered() -> int:  # perf_analyzer's regions for add_sub's INPUT0 ('INPUT0_0_0') in the gateway's log
+        return sum("registered system shared memory region 'INPUT0_" in line for line in stack.gateway.output)
+
+    before = registered()
+    cmd = [str(TOOL), "-m", "add_sub", "-u", url, "-i", protocol, "--shared-memory", "system",
+           "--output-shared-memory-size", "1024", "--concurrency-range", "2", "--measurement-interval", "300",
+           "--stability-percentage", "100", "--max-trials", "4", "-f", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = list(csv.DictReader(report.open()))
+    assert float(row["Inferences/Second"]) > 10
+    assert registered() > before  # it did use regions

@@ -20,7 +20,9 @@ from meshserve.protocol.http_codec import (
     error_body,
     model_config_to_json,
     model_metadata_to_json,
+    parse_cuda_shm_register,
     parse_load_request,
+    parse_system_shm_register,
     parse_unload_request,
     repository_index_to_json,
     server_metadata_to_json,
@@ -326,3 +328,21 @@ def test_encode_body(accept, coding) -> None:
         assert zlib.decompress(body) == PAYLOAD
     else:
         assert body is PAYLOAD
+
+
+def test_shared_memory_register_bodies() -> None:
+    """What tritonclient's register_{system,cuda}_shared_memory send, and the mistakes."""
+    assert parse_system_shm_register(json.dumps({"key": "/k", "offset": 8, "byte_size": 64}).encode()) == ("/k", 8, 64)
+    assert parse_system_shm_register(b'{"key": "/k", "byte_size": 64}') == ("/k", 0, 64)
+    invalid(parse_system_shm_register, b'{"byte_size": 64}', match="'key' is missing")
+    invalid(parse_system_shm_register, b'{"key": 5, "byte_size": 64}', match="'key' must be a string")
+    invalid(parse_system_shm_register, b'{"key": "/k"}', match="'byte_size' must be a non-negative integer, got null")
+    invalid(parse_system_shm_register, b'{"key": "/k", "byte_size": -1}', match="'byte_size'")
+    invalid(parse_system_shm_register, b'{"key": "/k", "byte_size": true}', match="'byte_size'")
+    invalid(parse_system_shm_register, b'[]', match="register request body must be a JSON object, got array")
+    invalid(parse_system_shm_register, b'{"key"', match="failed to parse the system shared memory register request JSON")
+    handle = base64.b64encode(bytes(range(64))).decode()
+    body = json.dumps({"raw_handle": {"b64": handle}, "device_id": 1, "byte_size": 32}).encode()
+    assert parse_cuda_shm_register(body) == (bytes(range(64)), 1, 32)
+    invalid(parse_cuda_shm_register, b'{"raw_handle": "x", "byte_size": 1}', match="'raw_handle' must be an object")
+    invalid(parse_cuda_shm_register, b'{"raw_handle": {"b64": "%%"}, "byte_size": 1}', match="not valid base64")

@@ -301,16 +301,38 @@ def test_error_bad_json_values(datatype: str, data: list, fragment: str) -> None
     assert "input 'IN'" in err.message
 
 
-def test_error_shared_memory_is_unsupported() -> None:
-    inp = httpclient.InferInput("IN", [4], "FP32")
-    inp.set_shared_memory("region0", 16)
-    body, size = build([inp])
-    invalid(parse_infer_request, body, size, "m", code=Code.UNSUPPORTED,
-            match="input 'IN': shared-memory tensors ('shared_memory_region') are not supported")
+def test_shared_memory_tensors() -> None:
+    """An input in a shared-memory region has no data and no raw_input_contents entry (as in a
+    gRPC request: meshserve.server.shm fills it in); its region parameters and those of a
+    requested output are kept for the shared-memory step."""
+    shm_in = httpclient.InferInput("IN", [4], "FP32")
+    shm_in.set_shared_memory("region0", 16, offset=8)
+    plain = make_input("X", sample("FP32", (1,)), "FP32", True)
     out = httpclient.InferRequestedOutput("OUT")
     out.set_shared_memory("region1", 16)
-    body, size = build([make_input("X", sample("FP32", (1,)), "FP32", True)], [out])
-    invalid(parse_infer_request, body, size, "m", code=Code.UNSUPPORTED, match="output 'OUT': shared-memory")
+    body, size = build([plain, shm_in], [out])
+    req = parse_infer_request(body, size, "m")
+    assert [t.name for t in req.inputs] == ["X", "IN"] and len(req.raw_input_contents) == 1
+    params = req.inputs[1].parameters
+    assert (params["shared_memory_region"].string_param, params["shared_memory_byte_size"].int64_param,
+            params["shared_memory_offset"].int64_param) == ("region0", 16, 8)
+    assert req.outputs[0].parameters["shared_memory_region"].string_param == "region1"
+    both = [{"name": "IN", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4],
+             "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 16}}]
+    invalid(parse_infer_request, _json_body(both), None, "m", match="input 'IN' has 'shared_memory_region' and also data")
+
+
+def test_response_output_in_shared_memory_has_metadata_only() -> None:
+    a = sample("FP32", (2,))
+    resp = make_response({"O": ("FP32", a), "P": ("FP32", a)})
+    resp.raw_output_contents[0] = b""  # written to the region by meshserve.server.shm
+    resp.outputs[0].parameters["shared_memory_region"].string_param = "r"
+    resp.outputs[0].parameters["shared_memory_byte_size"].int64_param = a.nbytes
+    body, headers = render_infer_response(resp, make_request({"O": False, "P": True}))
+    result = client_result(body, headers)
+    out = result.get_output("O")
+    assert out == {"name": "O", "datatype": "FP32", "shape": [2]}  # as Triton: no data, no parameters
+    assert_same(result.as_numpy("P"), a)
 
 
 def test_error_bad_parameters() -> None:
