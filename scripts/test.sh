@@ -3,6 +3,7 @@
 # README's second quickstart command; .ci/run calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+KSERVE_VERSION=0.21.0  # the newest when this was written; the test drives its REST and gRPC clients
 
 need=()
 ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d' || need+=(libb64-0d)   # perf_analyzer
@@ -17,6 +18,17 @@ PYTHON=python3 bash scripts/ci-deps-deploy.sh   # docker-compose, kubectl, promt
 echo "test.sh: pip install -e .[dev,torch]"
 python3 -m pip install -q --disable-pip-version-check -e ".[dev,torch]"
 python3 protos/generate.py --check >/dev/null
+# The KServe SDK (issue 18: its REST and gRPC clients against the gateway) lives in a venv of its
+# own: it is not a dependency, and installed beside ours it would move pydantic, orjson and psutil.
+# About a minute the first time; tests/integration/test_health_and_clients.py uses it.
+KSERVE_VENV="${MESHSERVE_CACHE:-$HOME/.cache/meshserve}/kserve-venv"
+if [ ! -x "$KSERVE_VENV/bin/python" ] || ! "$KSERVE_VENV/bin/python" -c "import kserve" 2>/dev/null; then
+  echo "test.sh: kserve SDK venv at $KSERVE_VENV (pip install kserve==$KSERVE_VERSION)"
+  python3 -m venv "$KSERVE_VENV" \
+    && "$KSERVE_VENV/bin/python" -m pip install -q --disable-pip-version-check "kserve==$KSERVE_VERSION" \
+    || echo "test.sh: WARNING: no kserve venv; the KServe SDK test will skip"
+fi
+[ -x "$KSERVE_VENV/bin/python" ] && export MESHSERVE_KSERVE_PYTHON="$KSERVE_VENV/bin/python"
 echo "test.sh: ruff + mypy"
 python3 -m ruff check . --quiet
 python3 -m mypy
