@@ -4,7 +4,8 @@
 #
 #   scripts/compose-e2e.sh
 #
-#  1. installs what is missing: docker.io (the engine), debootstrap, docker-compose, iptables;
+#  1. installs what is missing: docker.io (the engine), debootstrap, docker-compose, iptables,
+#     and the project's test dependencies (pip install -e .[dev,torch]) into $PYTHON;
 #  2. starts dockerd if none answers (stopped again at the end if this script started it);
 #  3. builds a Debian base image with debootstrap from the mirror apt is configured with
 #     (python3, python3-venv, ca-certificates), once: $MESHSERVE_BASE_IMAGE;
@@ -26,6 +27,8 @@ exec > >(tee "$LOG") 2>&1
 
 PYTHON=${PYTHON:-python3}
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-meshserve-e2e}
+# The compose command: Debian's docker-compose (v1) by default; COMPOSE="docker compose" for v2.
+export COMPOSE=${COMPOSE:-docker-compose}
 # Relative to the repository root; compose v1 and v2 both read COMPOSE_FILE.
 export COMPOSE_FILE=deploy/compose.yaml:deploy/compose.offline.yaml
 # Builds: the docker CLI's classic builder (BuildKit would pull its Dockerfile frontend image).
@@ -54,8 +57,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# The host side of the checks: pytest, tritonclient, torch (builds the TorchScript test model).
+if ! "$PYTHON" -c 'import pytest, tritonclient.grpc, tritonclient.http, onnx, torch, yaml' 2>/dev/null; then
+  echo "installing the project's test dependencies: pip install -e .[dev,torch]"
+  "$PYTHON" -m pip install -q --disable-pip-version-check -e '.[dev,torch]'
+fi
 echo "dockerd: $(dockerd --version)"
-echo "docker-compose: $(docker-compose version --short)"
+echo "compose: $COMPOSE $($COMPOSE version --short)"
 
 # ---- 2. the engine ---------------------------------------------------------------------------
 step "docker engine"
@@ -145,9 +153,9 @@ done
 echo "$(find deploy/wheelhouse -name '*.whl' | wc -l) wheels, $(du -sh deploy/wheelhouse | cut -f1)"
 
 # ---- 5. images -------------------------------------------------------------------------------------
-step "images (docker-compose build)"
+step "images ($COMPOSE build)"
 build_log=$(mktemp /tmp/compose-e2e-build.XXXXXX.log)
-if ! docker-compose build >"$build_log" 2>&1; then
+if ! $COMPOSE build >"$build_log" 2>&1; then
   tail -n 60 "$build_log"
   exit 1
 fi

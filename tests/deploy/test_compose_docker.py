@@ -74,7 +74,9 @@ class Stack:
     notes: list[str] = field(default_factory=list)
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-        res = subprocess.run(["docker-compose", *args], cwd=ROOT, env=self.env, capture_output=True,
+        # COMPOSE: the compose command, "docker-compose" (v1) or "docker compose" (v2)
+        res = subprocess.run([*self.env.get("COMPOSE", "docker-compose").split(), *args], cwd=ROOT, env=self.env,
+                             capture_output=True,
                              text=True, timeout=timeout)
         if check and res.returncode != 0:
             pytest.fail(f"docker-compose {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
