@@ -159,10 +159,11 @@ if ! $COMPOSE build >"$build_log" 2>&1; then
   tail -n 60 "$build_log"
   exit 1
 fi
-grep -E '^(Building |Successfully tagged )' "$build_log" | sort -u
+echo "built: $(grep -cE '^Building [a-z0-9-]+$' "$build_log") services (log $build_log)"
 for img in meshserve:local meshserve-torch:local meshserve-offline-envoy:local meshserve-offline-redis:local \
            meshserve-offline-prometheus:local meshserve-offline-otlp:local; do
-  docker image inspect "$img" >/dev/null 2>&1 || { echo "not built: $img"; exit 1; }
+  size=$(docker image inspect -f '{{.Size}}' "$img" 2>/dev/null) || { echo "not built: $img"; exit 1; }
+  echo "  $img $((size / 1000000)) MB"
 done
 
 # ---- 6. the stack ------------------------------------------------------------------------------------
