@@ -32,4 +32,13 @@ fi
 echo "test.sh: ruff + mypy"
 python3 -m ruff check . --quiet
 python3 -m mypy
-exec python3 -m pytest "$@"
+status=0
+python3 -m pytest "$@" || status=$?
+# The compose stack in a real Docker engine (issue 22; ~2 min with its images built, ~7 min
+# without), after a full green run where the engine is installed. MESHSERVE_SKIP_COMPOSE_E2E=1
+# leaves it out. Its log goes to /tmp: deploy/compose-e2e.log is the committed record.
+if [ "$status" = 0 ] && [ $# = 0 ] && command -v dockerd >/dev/null && [ -z "${MESHSERVE_SKIP_COMPOSE_E2E:-}" ]; then
+  echo "test.sh: scripts/compose-e2e.sh (dockerd is installed)"
+  COMPOSE_E2E_LOG=/tmp/compose-e2e.log bash scripts/compose-e2e.sh || status=$?
+fi
+exit "$status"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import yaml
 
@@ -292,8 +293,6 @@ def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = 
         _save(repo, "big_identity", BIG_CONFIG, "model.onnx", save_onnx(ident))
 
     if "sequence" in kinds:
-        import numpy as np
-
         int32 = TensorProto.INT32
         seq = _onnx_model(
             [helper.make_node("Cast", ["START"], ["start_f"], to=fp32),
@@ -320,6 +319,40 @@ def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = 
         _save(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, "model.pt",
               lambda path: torch.jit.trace(AddSub(), example).save(str(path)))
     return repo
+
+
+def add_sub_inputs(module: Any, names: tuple[str, str]) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    a = np.arange(32, dtype=np.float32).reshape(2, 16)
+    b = np.ones((2, 16), dtype=np.float32)
+    inputs = [module.InferInput(names[0], [2, 16], "FP32"), module.InferInput(names[1], [2, 16], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs, a, b
+
+
+def infer_kind(module: Any, client: Any, kind: str, headers: dict[str, str] | None = None) -> None:
+    """One request (two for sequence) to the test repository's model of `kind`, checked;
+    `module` is tritonclient.http or tritonclient.grpc, `client` its InferenceServerClient.
+    Each call gets its own copy of `headers` (tritonclient.http adds to the dict it is given)."""
+    def h() -> dict[str, str] | None:
+        return dict(headers) if headers else None
+
+    model = MODEL_OF_KIND[kind]
+    assert client.is_model_ready(model, headers=h()), f"{model} is not ready"
+    if kind == "sequence":
+        for value, start, end, expected in ((3.0, True, False, 103.0), (4.0, False, True, 4.0)):
+            inp = module.InferInput("INPUT", [1, 1], "FP32")
+            inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+            result = client.infer(model, [inp], sequence_id=4242, sequence_start=start, sequence_end=end,
+                                  headers=h())
+            assert result.as_numpy("OUTPUT").tolist() == [[expected]], "START/READY control inputs"
+        return
+    names = ("INPUT__0", "INPUT__1") if kind == "torchscript" else ("INPUT0", "INPUT1")
+    outs = ("OUTPUT__0", "OUTPUT__1") if kind == "torchscript" else ("OUTPUT0", "OUTPUT1")
+    inputs, a, b = add_sub_inputs(module, names)
+    result = client.infer(model, inputs, headers=h())
+    np.testing.assert_array_equal(result.as_numpy(outs[0]), a + b)
+    np.testing.assert_array_equal(result.as_numpy(outs[1]), a - b)
 
 
 # ---- compose ----------------------------------------------------------------------------
@@ -396,7 +429,7 @@ def active_services(config: dict[str, Any], profiles: set[str]) -> dict[str, Any
 
 
 def is_meshserve(svc: dict[str, Any]) -> bool:
-    return str(svc.get("image", "")).split(":")[0] in ("meshserve", "meshserve-gpu")
+    return str(svc.get("image", "")).split(":")[0] in ("meshserve", "meshserve-torch", "meshserve-gpu")
 
 
 def is_job(svc: dict[str, Any]) -> bool:

@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from tests.deploy.support import (
-    MODEL_OF_KIND,
     READY_TIMEOUT_S,
     ROOT,
     Proc,
@@ -41,6 +39,7 @@ from tests.deploy.support import (
     flag,
     free_port,
     http_status,
+    infer_kind,
     is_job,
     is_meshserve,
     load_compose,
@@ -248,33 +247,6 @@ def test_service_comes_up_and_its_healthcheck_passes(topology: Topology, service
         assert res.returncode == 0, f"{c.name}: compose health check failed\n{res.stderr}"
 
 
-def _add_sub(module: Any, names: tuple[str, str]) -> tuple[list[Any], np.ndarray, np.ndarray]:
-    a = np.arange(32, dtype=np.float32).reshape(2, 16)
-    b = np.ones((2, 16), dtype=np.float32)
-    inputs = [module.InferInput(names[0], [2, 16], "FP32"), module.InferInput(names[1], [2, 16], "FP32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(b)
-    return inputs, a, b
-
-
-def _infer_kind(module: Any, client: Any, kind: str) -> None:
-    model = MODEL_OF_KIND[kind]
-    assert client.is_model_ready(model), f"{model} is not ready"
-    if kind == "sequence":
-        for value, start, end, expected in ((3.0, True, False, 103.0), (4.0, False, True, 4.0)):
-            inp = module.InferInput("INPUT", [1, 1], "FP32")
-            inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
-            result = client.infer(model, [inp], sequence_id=4242, sequence_start=start, sequence_end=end)
-            assert result.as_numpy("OUTPUT").tolist() == [[expected]], "START/READY control inputs"
-        return
-    names = ("INPUT__0", "INPUT__1") if kind == "torchscript" else ("INPUT0", "INPUT1")
-    outs = ("OUTPUT__0", "OUTPUT__1") if kind == "torchscript" else ("OUTPUT0", "OUTPUT1")
-    inputs, a, b = _add_sub(module, names)
-    result = client.infer(model, inputs)
-    np.testing.assert_array_equal(result.as_numpy(outs[0]), a + b)
-    np.testing.assert_array_equal(result.as_numpy(outs[1]), a - b)
-
-
 @pytest.mark.parametrize("kind", kinds_param(SERVICE_KINDS))
 def test_request_through_each_gateway_to_kind(topology: Topology, kind: str) -> None:
     import tritonclient.grpc as grpcclient
@@ -286,16 +258,16 @@ def test_request_through_each_gateway_to_kind(topology: Topology, kind: str) -> 
     _require_up(service)
     # The service is a complete v2 server on its own HTTP port...
     http = httpclient.InferenceServerClient(f"127.0.0.1:{flag(service.argv, '--http-port')}")
-    _infer_kind(httpclient, http, kind)
+    infer_kind(httpclient, http, kind)
     http.close()
     # ... and every gateway replica routes to it, over HTTP and gRPC.
     for gw in topology.of("gateway"):
         _require_up(gw)
         http = httpclient.InferenceServerClient(f"127.0.0.1:{gw.host_port(8000)}")
-        _infer_kind(httpclient, http, kind)
+        infer_kind(httpclient, http, kind)
         http.close()
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{gw.host_port(8001)}")
-        _infer_kind(grpcclient, grpc, kind)
+        infer_kind(grpcclient, grpc, kind)
         grpc.close()
 
 
