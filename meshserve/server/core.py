@@ -37,8 +37,10 @@ EXTENSIONS = (
 class InferResult:
     """An inference response held as a message, serialized bytes, or both (lazily converted).
 
-    The gateway passes upstream bytes through untouched; a service builds the message (and
-    may serialize it off the event loop). Each side converts only when a front end needs it.
+    The gateway passes a service's answer on as the bytes it got unless it must change it (a
+    merged answer split by rows, the A/B arm parameter, outputs written to shared memory); a
+    service builds the message (and may serialize it off the event loop). Each side converts
+    only when a front end needs it.
     """
 
     __slots__ = ("_msg", "_raw")

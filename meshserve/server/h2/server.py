@@ -3,9 +3,9 @@
 Why not grpc.aio: on this project's 2-core target a grpc.aio unary call costs 200-370 µs of
 server CPU (call objects, a poller thread handing every completion to the loop across the
 GIL), more than all of Triton spends on an inference. A frame loop written for unary and
-streaming gRPC on an asyncio Protocol costs 60-90 µs per call for the same work (see
-load/results and docs/gateway.md "gRPC ingress"). grpc.aio stays available
-(`MESHSERVE_GRPC_SERVER=aio`) and the gRPC *clients* (gateway → service) are unchanged.
+streaming gRPC on an asyncio Protocol costs 60-90 µs per call for the same work (docs/grpc.md,
+"Why"; load/h2cpu.py measures it). grpc.aio stays available (`MESHSERVE_GRPC_SERVER=aio`); the
+gateway's calls to its services use this package's client (client.py).
 
 Scope (what gRPC clients need, RFC 9113 + the gRPC HTTP/2 mapping):
 - prior-knowledge HTTP/2 (no TLS, no h2c upgrade), SETTINGS/PING/GOAWAY/RST_STREAM,
