@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from meshserve.server.process import OTLP_TRANSPORT
 from meshserve.telemetry import otlp_loop
 from meshserve.telemetry import spans as sp
 from meshserve.telemetry.otlp_encode import encode_encoded, encode_record, encode_span
@@ -77,7 +78,7 @@ SCOPE = sp.Scope(Resource.create({"service.name": "t"}), InstrumentationScope("m
 
 def _queue(port: int, **env: str) -> otlp_loop.LoopExportQueue:
     target = otlp_loop.Target(f"127.0.0.1:{port}", (("x-key", "k"),), 5.0)
-    return otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record)
+    return otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record, OTLP_TRANSPORT)
 
 
 def _end(queue: otlp_loop.LoopExportQueue, i: int) -> None:
