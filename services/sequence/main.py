@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 from meshserve._proto import model_config_pb2 as mc
@@ -24,16 +23,12 @@ class LazyTorchScriptAdapter:
     def load(self, model_file: Path, config: mc.ModelConfig, placement: InstancePlacement) -> RuntimeInstance:
         if self._inner is None:
             try:
-                module = importlib.import_module("services.torchscript.runtime")
+                from services.torchscript.runtime import TorchScriptAdapter
             except ImportError as exc:
                 raise InferError.unavailable(
                     f"model '{config.name}': the TorchScript runtime is not available ({exc}); install "
                     "the [torch] extra") from None
-            cls = next((v for v in vars(module).values() if isinstance(v, type)
-                        and getattr(v, "name", None) == "pytorch" and hasattr(v, "load")), None)
-            if cls is None:
-                raise InferError.unavailable(f"model '{config.name}': no TorchScript runtime adapter in this build")
-            self._inner = cls()
+            self._inner = TorchScriptAdapter()
         return self._inner.load(model_file, config, placement)
 
 
