@@ -108,7 +108,11 @@ def _admission(tenants: str | None, store_url: str) -> Admission | None:
     if store_url == "memory":
         store = MemoryQuotaStore()
     elif store_url.startswith(("redis://", "rediss://", "unix://")):
-        store = RedisQuotaStore(store_url)
+        try:
+            store = RedisQuotaStore(store_url)
+        except ImportError:
+            raise SystemExit(f"meshserve gateway: --quota-store '{store_url}': the Redis client is not installed "
+                             "(pip install 'meshserve[redis]')") from None
     else:
         raise SystemExit(f"meshserve gateway: --quota-store '{store_url}': expected 'memory' or redis://HOST:PORT")
     return Admission(directory, store)

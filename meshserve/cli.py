@@ -53,7 +53,8 @@ def _cmd_service(args: argparse.Namespace) -> None:
 
 
 # service kind -> (module its runtime needs, the extra that installs it)
-_RUNTIME_MODULES = {"torchscript": ("torch", "torch"), "tensorrt": ("tensorrt", "tensorrt")}
+_RUNTIME_MODULES = {"onnx": ("onnxruntime", "cpu"), "sequence": ("onnxruntime", "cpu"),
+                    "torchscript": ("torch", "torch"), "tensorrt": ("tensorrt", "tensorrt")}
 
 
 def _missing_runtime(kind: str) -> str | None:

@@ -8,7 +8,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import InferError
 from services.base import main as base_main
 from services.base.runtime import InstancePlacement, RuntimeAdapter, RuntimeInstance
-from services.onnx.runtime import OnnxRuntimeAdapter
+from services.onnx.main import gpu_available, require_onnxruntime
 from services.sequence.core import SequenceServiceCore
 
 
@@ -34,14 +34,12 @@ class LazyTorchScriptAdapter:
 
 def adapters() -> dict[str, RuntimeAdapter]:
     """ONNX Runtime, and TorchScript loaded lazily (torch is heavy and optional)."""
+    from services.onnx.runtime import OnnxRuntimeAdapter
+
     return {"onnxruntime": OnnxRuntimeAdapter(), "pytorch": LazyTorchScriptAdapter()}
 
 
-def gpu_available() -> bool:
-    import onnxruntime as ort
-    return "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 def main(args: argparse.Namespace) -> None:
+    require_onnxruntime("sequence")
     base_main.main("sequence", adapters(), args, gpu_available=gpu_available(),
                    core_cls=SequenceServiceCore)
