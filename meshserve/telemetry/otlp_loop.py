@@ -201,7 +201,7 @@ class LoopExportQueue:
             for job, args in jobs:
                 try:
                     job(*args)
-                except Exception:  # noqa: BLE001 - a tracing bug must not stop the other spans
+                except Exception:  # a tracing bug must not stop the other spans
                     log.exception("recording spans failed")
         ended, self._ended = self._ended, []
         self._encode_pending = False
@@ -312,7 +312,7 @@ class LoopExportQueue:
         def run() -> None:
             try:
                 asyncio.run(asyncio.wait_for(final(), self.exit_timeout_s))
-            except Exception as exc:  # noqa: BLE001 - at exit: report and go
+            except Exception as exc:  # at exit: report and go
                 log.warning("%d spans not exported at exit: %s", len(left), exc)
             finally:
                 done.set()
