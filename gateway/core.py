@@ -118,7 +118,7 @@ class GatewayCore:
             await self.routes.stop()
 
     # ---- helpers ----------------------------------------------------------------------
-    async def _routes(self, name: str):  # noqa: ANN202
+    async def _routes(self, name: str):
         table = self.discovery.table
         if name not in table:
             await self.discovery.refresh()  # a model loaded since the last probe

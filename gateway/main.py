@@ -12,8 +12,7 @@ from gateway.routes import RouteTable
 from gateway.upstream.pool import ReplicaPool
 from meshserve.server import limits as server_limits
 from meshserve.server.core import add_server_name_argument
-from meshserve.server.process import run, serve, setup_logging
-from meshserve.telemetry import tracing
+from meshserve.server.process import configure_tracing, run, serve, setup_logging
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -67,7 +66,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     setup_logging(args.log_level, args.log_format)
     limits = server_limits.from_args(args)
-    tracing.configure("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
+    configure_tracing("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
     if not args.upstream and not args.discovery:
         raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")
     try:
@@ -109,7 +108,11 @@ def _admission(tenants: str | None, store_url: str) -> Admission | None:
     if store_url == "memory":
         store = MemoryQuotaStore()
     elif store_url.startswith(("redis://", "rediss://", "unix://")):
-        store = RedisQuotaStore(store_url)
+        try:
+            store = RedisQuotaStore(store_url)
+        except ImportError:
+            raise SystemExit(f"meshserve gateway: --quota-store '{store_url}': the Redis client is not installed "
+                             "(pip install 'meshserve[redis]')") from None
     else:
         raise SystemExit(f"meshserve gateway: --quota-store '{store_url}': expected 'memory' or redis://HOST:PORT")
     return Admission(directory, store)

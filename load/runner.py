@@ -88,7 +88,7 @@ async def fetch_stats(session: aiohttp.ClientSession, http: str, model: str,
                       api_key: str | None = None) -> dict[str, Any] | None:
     try:
         return await http_get_json(session, f"http://{http}/v2/models/{model}/stats", api_key)  # type: ignore[no-any-return]
-    except Exception:  # noqa: BLE001 - a server without the statistics extension
+    except Exception:  # a server without the statistics extension
         return None
 
 
@@ -127,7 +127,7 @@ class Driver:
                     self.infos[key] = await fetch_model_info(session, sc.http, t.model, t.version, key_)
                 info = self.infos[key]
                 pl = build_payloads(t.model, t.version, info, t.batch, input_file=t.input_file, seed=sc.seed + i)
-            except Exception as exc:  # noqa: BLE001 - an unknown model is a target whose requests fail
+            except Exception as exc:  # an unknown model is a target whose requests fail
                 self.setup_errors.append(f"{t.label}: {exc}")
                 info = ModelInfo(t.model, 0, [], [])
                 pl = build_payloads(t.model, t.version, info, 1, variants=1)

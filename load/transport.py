@@ -57,7 +57,7 @@ class HttpSender:
             async with self.session.post(self.url, data=body, headers=headers, timeout=self.timeout) as r:
                 await r.read()
                 return OK if r.status == 200 else f"http {r.status}"
-        except Exception as exc:  # noqa: BLE001 - every outcome is a recorded status
+        except Exception as exc:  # every outcome is a recorded status
             return _exc_label(exc)
 
 
@@ -91,7 +91,7 @@ class RawHttpSender:
         try:
             status = await self.pool.request(self._raw(p), self.timeout)
             return OK if status == 200 else f"http {status}"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _exc_label(exc)
 
 
@@ -107,7 +107,7 @@ class GrpcSender:
             return OK
         except grpc.aio.AioRpcError as exc:
             return f"grpc {exc.code().name}"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _exc_label(exc)
 
 
@@ -127,7 +127,7 @@ class H2GrpcSender:
             return OK
         except h2.GrpcError as exc:
             return f"grpc {_STATUS_NAMES.get(exc.code, str(exc.code))}"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _exc_label(exc)
 
 
@@ -167,7 +167,7 @@ class StreamSender:
                     fut.set_result(OK)
         except grpc.aio.AioRpcError as exc:
             status = f"grpc {exc.code().name}"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             status = _exc_label(exc)
         for fut in self.pending.values():
             if not fut.done():
@@ -189,7 +189,7 @@ class StreamSender:
             return await asyncio.wait_for(fut, self.timeout)
         except grpc.aio.AioRpcError as exc:
             return f"grpc {exc.code().name}"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _exc_label(exc)
         finally:
             self.pending.pop(rid, None)
@@ -198,7 +198,7 @@ class StreamSender:
         if self.call is not None:
             try:
                 await self.call.done_writing()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         if self.reader is not None:
             self.reader.cancel()

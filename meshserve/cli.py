@@ -1,13 +1,13 @@
 """meshserve command line: `up`, `gateway`, `service KIND`, `build-trt`, `check-repo`.
 
-The gateway and services are separate packages that this module never imports at module
-level (they are entry points, loaded only by the subcommand that runs them).
+The gateway, the services and load/ are packages of their own that this module imports only
+inside the function of the subcommand that runs them (never at module level: each pulls in
+its runtime). tests/unit/test_import_rules.py lists exactly which of their modules it may import.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib
 import importlib.util
 import os
 import signal
@@ -15,32 +15,46 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import parse_ready_line
 
-SERVICE_KINDS = {
-    "onnx": "services.onnx.main",
-    "torchscript": "services.torchscript.main",
-    "tensorrt": "services.tensorrt.main",
-    "sequence": "services.sequence.main",
-}
+SERVICE_KINDS = ("onnx", "torchscript", "tensorrt", "sequence")
 PLANNED_KINDS = ("ensemble",)
-_LOAD_COMMANDS = {"load": "load.cli", "tune": "load.tune"}  # load/ package, imported on use
+_LOAD_COMMANDS = ("load", "tune")  # load/ package, imported on use
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
 
+def _service_main(kind: str) -> Callable[[argparse.Namespace], None] | None:
+    """The `main` of the service of `kind` (imported now, with its runtime), or None."""
+    if kind == "onnx":
+        from services.onnx.main import main as onnx_main
+        return onnx_main
+    if kind == "torchscript":
+        from services.torchscript.main import main as torchscript_main
+        return torchscript_main
+    if kind == "tensorrt":
+        from services.tensorrt.main import main as tensorrt_main
+        return tensorrt_main
+    if kind == "sequence":
+        from services.sequence.main import main as sequence_main
+        return sequence_main
+    return None
+
+
 def _cmd_service(args: argparse.Namespace) -> None:
-    module = SERVICE_KINDS.get(args.kind)
-    if module is None:
+    run = _service_main(args.kind)
+    if run is None:
         raise SystemExit(f"meshserve service: kind '{args.kind}' is not available in this build "
                          f"(available: {', '.join(SERVICE_KINDS)})")
-    importlib.import_module(module).main(args)
+    run(args)
 
 
 # service kind -> (module its runtime needs, the extra that installs it)
-_RUNTIME_MODULES = {"torchscript": ("torch", "torch"), "tensorrt": ("tensorrt", "tensorrt")}
+_RUNTIME_MODULES = {"onnx": ("onnxruntime", "cpu"), "sequence": ("onnxruntime", "cpu"),
+                    "torchscript": ("torch", "torch"), "tensorrt": ("tensorrt", "tensorrt")}
 
 
 def _missing_runtime(kind: str) -> str | None:
@@ -52,11 +66,27 @@ def _missing_runtime(kind: str) -> str | None:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
-    importlib.import_module("gateway.main").main(args)
+    from gateway.main import main as gateway_main
+
+    gateway_main(args)
 
 
 def _cmd_build_trt(args: argparse.Namespace) -> None:
-    importlib.import_module("services.tensorrt.build").main(args)
+    from services.tensorrt.build import main as build_main
+
+    build_main(args)
+
+
+def _run_load_command(command: str, argv: list[str]) -> None:
+    """`meshserve load` / `meshserve tune`: load/'s own argument parsers read the rest."""
+    if command == "tune":
+        from load.tune import main as tune_main
+
+        tune_main(argv)
+    else:
+        from load.cli import main as load_main
+
+        load_main(argv)
 
 
 def _cmd_check_repo(args: argparse.Namespace) -> None:
@@ -209,13 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_name_argument(up)
     up.set_defaults(func=_cmd_up)
 
+    from gateway.main import add_arguments as gateway_arguments
+    from services.base.main import add_arguments as service_arguments
+
     gw = sub.add_parser("gateway", help="run the gateway")
-    importlib.import_module("gateway.main").add_arguments(gw)
+    gateway_arguments(gw)
     gw.set_defaults(func=_cmd_gateway)
 
     svc = sub.add_parser("service", help="run one backend service")
     svc.add_argument("kind", choices=sorted([*SERVICE_KINDS, *PLANNED_KINDS]))
-    importlib.import_module("services.base.main").add_arguments(svc)
+    service_arguments(svc)
     svc.set_defaults(func=_cmd_service)
 
     trt = sub.add_parser("build-trt", help="build a TensorRT plan (model.plan) from an ONNX model")
@@ -235,11 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     # load generator and tuning (load/): imported only when the subcommand runs
     lg = sub.add_parser("load", help="load generator (see `meshserve load --help`)", add_help=False)
     lg.add_argument("rest", nargs=argparse.REMAINDER)
-    lg.set_defaults(func=lambda a: importlib.import_module(_LOAD_COMMANDS["load"]).main(a.rest))
+    lg.set_defaults(func=lambda a: _run_load_command("load", a.rest))
     tn = sub.add_parser("tune", help="sweep batching settings for a p99 target (see `meshserve tune --help`)",
                         add_help=False)
     tn.add_argument("rest", nargs=argparse.REMAINDER)
-    tn.set_defaults(func=lambda a: importlib.import_module(_LOAD_COMMANDS["tune"]).main(a.rest))
+    tn.set_defaults(func=lambda a: _run_load_command("tune", a.rest))
     return ap
 
 
@@ -247,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _LOAD_COMMANDS:  # own argument parsers (argparse REMAINDER drops leading flags)
-        importlib.import_module(_LOAD_COMMANDS[argv[0]]).main(argv[1:])
+        _run_load_command(argv[0], argv[1:])
         return
     args = build_parser().parse_args(argv)
     args.func(args)

@@ -271,7 +271,7 @@ class Coalescer:
                     else:
                         response = await self._send_fn(merged, None, timeout)
                     responses = split(response, requests, rows)
-            except BaseException as exc:  # noqa: BLE001 - every member gets the outcome
+            except BaseException as exc:  # every member gets the outcome
                 for _, _, fut, _, _, _, _ in chunk:
                     if not fut.done():
                         fut.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))

@@ -60,5 +60,5 @@ class HealthWatch:
         self._task.cancel()
         try:
             await self._task
-        except (asyncio.CancelledError, Exception):  # noqa: S110 - stopping, nothing to report
+        except (asyncio.CancelledError, Exception):  # stopping, nothing to report
             pass

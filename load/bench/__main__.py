@@ -360,7 +360,7 @@ class Suite:
             return
         try:
             rows = self._noisy_neighbour(svc)
-        except Exception as exc:  # noqa: BLE001 - the tenants feature is in flux (issue #4)
+        except Exception as exc:  # the tenants feature is in flux (issue #4)
             self.section("quotas", "Quotas (noisy neighbour)", [
                 f"not available: issue #4 — the gateway has `--tenants` but the run failed: `{exc}`. "
                 f"Scenario: `{scen.relative_to(ROOT)}`."], {"available": False, "error": str(exc)})

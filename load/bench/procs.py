@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class Server:
     def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None):
         self.argv = [sys.executable, "-m", "meshserve", *args]
-        self.logf = open(log, "a")  # noqa: SIM115 - closed in stop()
+        self.logf = open(log, "a")  # closed in stop()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
                                      cwd=ROOT, start_new_session=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

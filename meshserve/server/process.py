@@ -16,11 +16,23 @@ from typing import Any, Protocol
 from meshserve.server import admission, shm
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
+from meshserve.server.h2.client import Channel, GrpcError
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
 from meshserve.server.http_frontend import start_http_server, start_metrics_server
 from meshserve.server.limits import ServerLimits
+from meshserve.telemetry import tracing
+from meshserve.telemetry.otlp_loop import Transport
 
 log = logging.getLogger("meshserve.process")
+
+# span export to plaintext OTLP/gRPC goes over meshserve's own HTTP/2 client, from the event loop
+OTLP_TRANSPORT = Transport(connect=Channel, status_error=GrpcError)
+
+
+def configure_tracing(service_name: str, role: str) -> bool:
+    """Tracing as the OTEL_* environment configures it (off by default), exporting over
+    meshserve's HTTP/2 client (telemetry/otlp_loop.py)."""
+    return tracing.configure(service_name, role, transport=OTLP_TRANSPORT)
 
 READY_MARKER = "MESHSERVE_READY"  # printed once on stdout when serving; `meshserve up` waits for it
 

@@ -8,6 +8,9 @@ convoy of an I/O thread and a busy thread). Here export is one more HTTP/2 call 
 that serves requests: spans are encoded when they end, a batch is their bytes joined, sent
 as one unary ``TraceService/Export`` call; nothing else runs in another thread.
 
+The HTTP/2 client is the server layer's (``meshserve.server.h2``): it comes in as a ``Transport``
+(``meshserve.server.process.OTLP_TRANSPORT``), so telemetry imports no server module.
+
 Used for plaintext endpoints (``http://…``, or a bare ``host:port`` with
 ``OTEL_EXPORTER_OTLP[_TRACES]_INSECURE=true``) without client certificates or compression;
 anything else (TLS, ``gzip``, OTLP/HTTP, console) goes through the SDK's exporters.
@@ -27,18 +30,38 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from meshserve.telemetry.spans import DEFER_S, Record, Scope, Span, env_int
-
-if TYPE_CHECKING:
-    from meshserve.server.h2 import Channel
 
 log = logging.getLogger("meshserve.tracing")
 
 EXPORT_PATH = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 RETRYABLE = frozenset({1, 4, 8, 10, 11, 14, 15})  # the OTLP spec's transient gRPC codes
 BACKOFF_S = (1.0, 2.0, 4.0)
+
+
+class Connection(Protocol):
+    async def unary(self, path: str, payload: bytes, metadata: Sequence[tuple[str, str]] = (),
+                    timeout: float | None = None) -> bytes: ...
+
+
+class Channel(Protocol):
+    """A lazily connected, reconnected-when-broken client connection to one endpoint."""
+
+    async def get(self) -> Connection: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Transport:
+    """The gRPC client export goes over, given by the server layer: ``connect(host:port,
+    connect_timeout_s)`` makes a channel; a call that ends with a non-OK status raises
+    ``status_error``, whose ``code`` and ``details`` say which."""
+
+    connect: Callable[[str, float], Channel]
+    status_error: type[Exception]
 
 
 @dataclass(frozen=True)
@@ -94,8 +117,9 @@ class LoopExportQueue:
 
     def __init__(self, target: Target, env: Mapping[str, str], encode: Callable[[Span], bytes],
                  encode_batch: Callable[[Sequence[tuple[Scope, bytes]]], bytes],
-                 encode_record: Callable[[Record], bytes]):
+                 encode_record: Callable[[Record], bytes], transport: Transport):
         self.target = target
+        self.transport = transport
         self.encode = encode
         self.encode_record = encode_record
         self.encode_batch = encode_batch
@@ -177,7 +201,7 @@ class LoopExportQueue:
             for job, args in jobs:
                 try:
                     job(*args)
-                except Exception:  # noqa: BLE001 - a tracing bug must not stop the other spans
+                except Exception:  # a tracing bug must not stop the other spans
                     log.exception("recording spans failed")
         ended, self._ended = self._ended, []
         self._encode_pending = False
@@ -219,12 +243,10 @@ class LoopExportQueue:
             self._poke()
 
     async def _export(self, batch: Sequence[tuple[Scope, bytes]], channel: Channel | None = None) -> bool:
-        from meshserve.server.h2 import Channel, GrpcError
-
         body = self.encode_batch(batch)
         if channel is None:
             if self._channel is None:
-                self._channel = Channel(self.target.endpoint, connect_timeout=min(5.0, self.target.timeout_s))
+                self._channel = self.transport.connect(self.target.endpoint, min(5.0, self.target.timeout_s))
             channel = self._channel
         error = ""
         for delay in (*BACKOFF_S, None):
@@ -233,9 +255,10 @@ class LoopExportQueue:
                 await conn.unary(EXPORT_PATH, body, self.target.headers, timeout=self.target.timeout_s)
                 self.exported += len(batch)
                 return True
-            except GrpcError as exc:
-                error = f"gRPC status {exc.code}: {exc.details}"
-                if exc.code not in RETRYABLE:
+            except self.transport.status_error as exc:
+                code = getattr(exc, "code", None)
+                error = f"gRPC status {code}: {getattr(exc, 'details', exc)}"
+                if code not in RETRYABLE:
                     break
             except (TimeoutError, OSError, ConnectionError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -276,9 +299,7 @@ class LoopExportQueue:
             return
 
         async def final() -> None:
-            from meshserve.server.h2 import Channel
-
-            channel = Channel(self.target.endpoint, connect_timeout=min(2.0, self.target.timeout_s))
+            channel = self.transport.connect(self.target.endpoint, min(2.0, self.target.timeout_s))
             try:
                 for i in range(0, len(left), self.max_batch):
                     if not await self._export(left[i:i + self.max_batch], channel):
@@ -291,7 +312,7 @@ class LoopExportQueue:
         def run() -> None:
             try:
                 asyncio.run(asyncio.wait_for(final(), self.exit_timeout_s))
-            except Exception as exc:  # noqa: BLE001 - at exit: report and go
+            except Exception as exc:  # at exit: report and go
                 log.warning("%d spans not exported at exit: %s", len(left), exc)
             finally:
                 done.set()

@@ -355,7 +355,7 @@ class ExportQueue:
         for exporter in self.exporters:
             try:
                 exporter.shutdown()
-            except Exception:  # noqa: BLE001 - shutting down anyway
+            except Exception:  # shutting down anyway
                 log.debug("span exporter %s failed to shut down", type(exporter).__name__, exc_info=True)
         if self.dropped:
             log.warning("%d spans were dropped: the export queue (OTEL_BSP_MAX_QUEUE_SIZE=%d) was full",

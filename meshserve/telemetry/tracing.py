@@ -50,7 +50,7 @@ from meshserve.telemetry.spans import (
 )
 
 if TYPE_CHECKING:
-    from meshserve.telemetry.otlp_loop import LoopExportQueue
+    from meshserve.telemetry.otlp_loop import LoopExportQueue, Transport
 
 log = logging.getLogger("meshserve.tracing")
 
@@ -100,12 +100,14 @@ def exporter_configured(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.environ,
-              exporters: Sequence[Any] | None = None) -> bool:
+              exporters: Sequence[Any] | None = None, transport: Transport | None = None) -> bool:
     """Set up tracing for this process if the environment configures an exporter.
 
     ``service_name`` (e.g. ``meshserve-gateway``) applies unless OTEL_SERVICE_NAME or
     OTEL_RESOURCE_ATTRIBUTES names the service. ``exporters`` replaces the ones the
-    environment names (tests). Returns whether tracing is on.
+    environment names (tests). ``transport`` is the gRPC client that exports plaintext
+    OTLP/gRPC from the event loop (``meshserve.server.process.configure_tracing`` gives
+    meshserve's own); without one, the SDK's exporter sends. Returns whether tracing is on.
     """
     global enabled, role, request_span_name, late_spans, _sampler, root_bound, _queue, _scope, _encoded, _on_record
     role = process_role
@@ -131,11 +133,11 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     else:
         atexit.register(shutdown)
     target = None
-    if exporters is None and names == ["otlp"] and _otlp_protocol(env) == "grpc" \
+    if exporters is None and transport is not None and names == ["otlp"] and _otlp_protocol(env) == "grpc" \
             and env.get("MESHSERVE_OTLP_EXPORTER", "loop").strip().lower() != "sdk":
         target = otlp_loop.target_from_env(env)
-    if target is not None:  # plaintext OTLP/gRPC: sent from the event loop, no exporter thread
-        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record)
+    if target is not None and transport is not None:  # plaintext OTLP/gRPC: from the event loop, no exporter thread
+        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record, transport)
         described = [f"otlp/grpc {target.endpoint} (event loop)"]
     else:
         chosen = list(exporters) if exporters is not None else _exporters(names, env)

@@ -6,8 +6,7 @@ from pathlib import Path
 
 from meshserve.server import limits as server_limits
 from meshserve.server.core import add_server_name_argument
-from meshserve.server.process import run, serve, setup_logging
-from meshserve.telemetry import tracing
+from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from services.base.control import MODES, ModelControl
 from services.base.core import ServiceCore
 from services.base.runtime import RuntimeAdapter
@@ -36,7 +35,7 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
          gpu_available: bool = False, core_cls: type[ServiceCore] = ServiceCore) -> None:
     setup_logging(args.log_level, args.log_format)
     limits = server_limits.from_args(args)
-    tracing.configure(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default
+    configure_tracing(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default
     if not args.repository.is_dir():
         raise SystemExit(f"meshserve service {kind}: model repository {args.repository} does not exist")
     try:

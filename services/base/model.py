@@ -325,7 +325,7 @@ class ModelVersion:
                 try:
                     out, timing = await loop.run_in_executor(self._pool, self._run_group, instance, group)
                     results.append((group, out, timing))
-                except BaseException as exc:  # noqa: BLE001 - a failing batch fails only its members
+                except BaseException as exc:  # a failing batch fails only its members
                     results.append((group, exc, (0, 0, 0)))
         finally:
             self._free.append(instance)

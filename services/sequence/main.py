@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import InferError
 from services.base import main as base_main
 from services.base.runtime import InstancePlacement, RuntimeAdapter, RuntimeInstance
-from services.onnx.runtime import OnnxRuntimeAdapter
+from services.onnx.main import gpu_available, require_onnxruntime
 from services.sequence.core import SequenceServiceCore
 
 
@@ -24,29 +23,23 @@ class LazyTorchScriptAdapter:
     def load(self, model_file: Path, config: mc.ModelConfig, placement: InstancePlacement) -> RuntimeInstance:
         if self._inner is None:
             try:
-                module = importlib.import_module("services.torchscript.runtime")
+                from services.torchscript.runtime import TorchScriptAdapter
             except ImportError as exc:
                 raise InferError.unavailable(
                     f"model '{config.name}': the TorchScript runtime is not available ({exc}); install "
                     "the [torch] extra") from None
-            cls = next((v for v in vars(module).values() if isinstance(v, type)
-                        and getattr(v, "name", None) == "pytorch" and hasattr(v, "load")), None)
-            if cls is None:
-                raise InferError.unavailable(f"model '{config.name}': no TorchScript runtime adapter in this build")
-            self._inner = cls()
+            self._inner = TorchScriptAdapter()
         return self._inner.load(model_file, config, placement)
 
 
 def adapters() -> dict[str, RuntimeAdapter]:
     """ONNX Runtime, and TorchScript loaded lazily (torch is heavy and optional)."""
+    from services.onnx.runtime import OnnxRuntimeAdapter
+
     return {"onnxruntime": OnnxRuntimeAdapter(), "pytorch": LazyTorchScriptAdapter()}
 
 
-def gpu_available() -> bool:
-    import onnxruntime as ort
-    return "CUDAExecutionProvider" in ort.get_available_providers()
-
-
 def main(args: argparse.Namespace) -> None:
+    require_onnxruntime("sequence")
     base_main.main("sequence", adapters(), args, gpu_available=gpu_available(),
                    core_cls=SequenceServiceCore)

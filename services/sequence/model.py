@@ -258,7 +258,7 @@ class SequenceModelVersion(ModelVersion):
             try:
                 res = await loop.run_in_executor(self._pool, self._run_rows, instance, rows)
                 results.append((rows, res))
-            except BaseException as exc:  # noqa: BLE001 - a failing group fails only its members
+            except BaseException as exc:  # a failing group fails only its members
                 results.append((rows, exc))
         end_ns = time.monotonic_ns()
         if tracing.enabled and batch_trace.traced(batch.requests):

@@ -13,7 +13,7 @@ def _stats(url: str, model: str) -> dict:
         return c.get_inference_statistics(model)["model_stats"][0]
 
 
-def test_32_concurrent_clients_share_batches(stack) -> None:  # noqa: ANN001
+def test_32_concurrent_clients_share_batches(stack) -> None:
     before = _stats(stack.gateway.http, "small_mlp")
     x = np.random.default_rng(0).standard_normal((1, 64)).astype(np.float32)
 
@@ -41,7 +41,7 @@ def test_32_concurrent_clients_share_batches(stack) -> None:  # noqa: ANN001
     assert max(sizes) > 1
 
 
-def test_statistics_for_all_models_and_unknown(stack) -> None:  # noqa: ANN001
+def test_statistics_for_all_models_and_unknown(stack) -> None:
     with httpclient.InferenceServerClient(stack.gateway.http) as c:
         all_stats = c.get_inference_statistics()["model_stats"]
         names = {s["name"] for s in all_stats}
@@ -57,7 +57,7 @@ def test_statistics_for_all_models_and_unknown(stack) -> None:  # noqa: ANN001
             assert "nope" in str(exc)
 
 
-def test_repository_index(stack) -> None:  # noqa: ANN001
+def test_repository_index(stack) -> None:
     with httpclient.InferenceServerClient(stack.gateway.http) as c:
         index = c.get_model_repository_index()
     entries = {(m["name"], m.get("version", "")) for m in index}

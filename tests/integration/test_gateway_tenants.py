@@ -71,7 +71,7 @@ def small_mlp(proto: str, url: str, headers: dict[str, str]) -> None:
         c.infer("small_mlp", inputs, headers=headers)
 
 
-def expect(proto: str, status: str, fn, *args) -> str:  # noqa: ANN001
+def expect(proto: str, status: str, fn, *args) -> str:
     with pytest.raises(InferenceServerException) as err:
         fn(*args)
     assert str(err.value.status()) == STATUS[proto][status], err.value

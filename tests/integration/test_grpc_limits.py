@@ -19,7 +19,7 @@ LIMIT = 1 << 20
 
 
 @pytest.fixture
-def gateway(stack) -> Iterator[Proc]:  # noqa: ANN001
+def gateway(stack) -> Iterator[Proc]:
     gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
                 "--max-request-bytes", str(LIMIT), "--max-concurrent-streams", "16", "--idle-timeout-s", "0.5"])
     _wait_http_ready(gw.http)

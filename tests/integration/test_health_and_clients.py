@@ -55,7 +55,7 @@ def test_server_name(stack: Stack, triton_named: Proc) -> None:
         assert g.get_server_metadata().name == "triton"
 
 
-def test_service_server_name(model_repo) -> None:  # noqa: ANN001
+def test_service_server_name(model_repo) -> None:
     svc = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0",
                  "--server-name", "triton", "--model-control-mode", "explicit"])  # no model loaded: quick
     try:

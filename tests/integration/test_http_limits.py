@@ -33,7 +33,7 @@ TICK = 1.0  # the largest sweep interval: a connection is closed within timeout 
 
 
 @pytest.fixture(scope="module")
-def limited(model_repo) -> Iterator[dict[str, Proc]]:  # noqa: ANN001
+def limited(model_repo) -> Iterator[dict[str, Proc]]:
     service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
                      *FLAGS])
     try:
@@ -308,7 +308,7 @@ def test_grpc_contents_with_raw_input_contents_is_invalid_argument(proc: Proc) -
 
 # --- a large JSON body does not hold up other requests -------------------------------------------
 
-def test_large_json_body_does_not_delay_a_concurrent_small_request(model_repo) -> None:  # noqa: ANN001
+def test_large_json_body_does_not_delay_a_concurrent_small_request(model_repo) -> None:
     """A JSON body at the default 64 MiB limit takes ~0.7 s to decode here (json + numpy, all
     holding the GIL): decoded on the event loop (before) every concurrent request waited that
     long. Offloaded, a concurrent small request's worst latency must stay under 200 ms: a

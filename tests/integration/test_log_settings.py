@@ -17,7 +17,7 @@ from tests.conftest import Proc, _wait_http_ready, start
 
 
 @pytest.fixture
-def gateway(stack) -> Iterator[Proc]:  # noqa: ANN001
+def gateway(stack) -> Iterator[Proc]:
     """A gateway of its own (its log settings change) over the shared service, at INFO."""
     gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc])
     _wait_http_ready(gw.http)

@@ -53,7 +53,7 @@ def _inputs(cols: int = 16) -> list[grpcclient.InferInput]:
     return out
 
 
-def test_counters_and_histograms_follow_known_traffic(stack) -> None:  # noqa: ANN001
+def test_counters_and_histograms_follow_known_traffic(stack) -> None:
     svc0, gw0 = _scrape(stack.service.http), _scrape(stack.gateway.http)
     with grpcclient.InferenceServerClient(stack.gateway.grpc) as c:
         for _ in range(10):
@@ -98,7 +98,7 @@ def test_counters_and_histograms_follow_known_traffic(stack) -> None:  # noqa: A
     assert _get(gw1, "meshserve_gateway_replica_healthy", **replica) == 1
 
 
-def test_metrics_agree_with_the_statistics_extension(stack) -> None:  # noqa: ANN001
+def test_metrics_agree_with_the_statistics_extension(stack) -> None:
     with grpcclient.InferenceServerClient(stack.gateway.grpc) as c:
         c.infer("add_sub", _inputs())
     samples = _scrape(stack.service.http)
@@ -119,7 +119,7 @@ def test_metrics_agree_with_the_statistics_extension(stack) -> None:  # noqa: AN
     assert sum(per_size.values()) == stats["execution_count"]
 
 
-def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> None:  # noqa: ANN001
+def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> None:
     """--federate-metrics: the gateway's /metrics carries every replica's nv_* samples, labelled
     replica=<its gRPC endpoint>, equal to what each replica reports itself; a replica that goes
     away drops out (federated_up 0) while the others stay."""

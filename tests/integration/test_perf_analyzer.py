@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not TOOL.exists() and not os.environ.get("CI"),
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> None:  # noqa: ANN001
+def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> None:
     url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http
     report = tmp_path / "pa.csv"
     cmd = [str(TOOL), "-m", "small_mlp", "-u", url, "-i", protocol, "--concurrency-range", "1:16:5",
@@ -32,7 +32,7 @@ def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_perf_analyzer_system_shared_memory(protocol: str, stack, tmp_path: Path) -> None:  # noqa: ANN001
+def test_perf_analyzer_system_shared_memory(protocol: str, stack, tmp_path: Path) -> None:
     """`--shared-memory system`: perf_analyzer unregisters every region, registers its own for the
     inputs and outputs, and sends only region names; the gateway reads and writes them."""
     url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http

@@ -21,18 +21,18 @@ from tests.models.generate import DATATYPES, MAX_BATCH
 PROTOCOLS = ["http", "grpc"]
 
 
-def client(proto: str, url: str, concurrency: int = 1):  # noqa: ANN201
+def client(proto: str, url: str, concurrency: int = 1):
     if proto == "http":
         return httpclient.InferenceServerClient(url, concurrency=concurrency)
     return grpcclient.InferenceServerClient(url)
 
 
-def mod(proto: str):  # noqa: ANN201
+def mod(proto: str):
     return httpclient if proto == "http" else grpcclient
 
 
 @pytest.fixture(params=["gateway", "service"])
-def target(request: pytest.FixtureRequest, stack) -> dict[str, str]:  # noqa: ANN001
+def target(request: pytest.FixtureRequest, stack) -> dict[str, str]:
     proc = stack.gateway if request.param == "gateway" else stack.service
     return {"http": proc.http, "grpc": proc.grpc, "name": request.param}
 
@@ -95,7 +95,7 @@ def test_health_and_metadata(proto: str, target: dict[str, str]) -> None:
         assert "dynamic_batching" in cfg and "sequence_batching" not in cfg
 
 
-def test_autocompleted_config(stack) -> None:  # noqa: ANN001
+def test_autocompleted_config(stack) -> None:
     with httpclient.InferenceServerClient(stack.gateway.http) as c:
         cfg = c.get_model_config("autocomplete")
     assert cfg["max_batch_size"] == 4
@@ -119,7 +119,7 @@ def test_every_datatype_round_trips(proto: str, dt: str, target: dict[str, str])
 
 
 @pytest.mark.parametrize("dt", ["INT32", "FP32", "BOOL", "BYTES", "FP64", "UINT64"])
-def test_json_tensors_round_trip(dt: str, stack) -> None:  # noqa: ANN001
+def test_json_tensors_round_trip(dt: str, stack) -> None:
     arr = sample(dt, (1, 3), np.random.default_rng(2))
     if dt.startswith("FP"):
         arr = np.round(arr, 3)
@@ -133,7 +133,7 @@ def test_json_tensors_round_trip(dt: str, stack) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
 @pytest.mark.parametrize("batch", list(range(1, MAX_BATCH + 1)))
-def test_add_sub_every_batch_size(proto: str, batch: int, stack) -> None:  # noqa: ANN001
+def test_add_sub_every_batch_size(proto: str, batch: int, stack) -> None:
     rng = np.random.default_rng(batch)
     a = rng.standard_normal((batch, 16)).astype(np.float32)
     b = rng.standard_normal((batch, 16)).astype(np.float32)
@@ -143,7 +143,7 @@ def test_add_sub_every_batch_size(proto: str, batch: int, stack) -> None:  # noq
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-def test_requested_output_subset(proto: str, stack) -> None:  # noqa: ANN001
+def test_requested_output_subset(proto: str, stack) -> None:
     a = np.ones((1, 16), np.float32)
     b = np.full((1, 16), 3, np.float32)
     m = mod(proto)
@@ -156,7 +156,7 @@ def test_requested_output_subset(proto: str, stack) -> None:  # noqa: ANN001
         assert res.as_numpy("OUTPUT0") is None
 
 
-def test_mixed_binary_and_json_outputs(stack) -> None:  # noqa: ANN001
+def test_mixed_binary_and_json_outputs(stack) -> None:
     a = np.arange(16, dtype=np.float32).reshape(1, 16)
     inputs = [httpclient.InferInput("INPUT0", [1, 16], "FP32"), httpclient.InferInput("INPUT1", [1, 16], "FP32")]
     inputs[0].set_data_from_numpy(a, binary_data=False)
@@ -170,7 +170,7 @@ def test_mixed_binary_and_json_outputs(stack) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-def test_versions(proto: str, stack) -> None:  # noqa: ANN001
+def test_versions(proto: str, stack) -> None:
     x = np.ones((1, 4), np.float32)
     url = getattr(stack.gateway, proto)
     assert infer_one(proto, url, "scale", {"INPUT0": x}, version="1")["OUTPUT0"].tolist() == [[1.0] * 4]
@@ -179,14 +179,14 @@ def test_versions(proto: str, stack) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-def test_non_batching_model(proto: str, stack) -> None:  # noqa: ANN001
+def test_non_batching_model(proto: str, stack) -> None:
     a = np.arange(4, dtype=np.float32)
     out = infer_one(proto, getattr(stack.gateway, proto), "fixed_add", {"INPUT0": a, "INPUT1": a})
     np.testing.assert_array_equal(out["OUTPUT0"], a * 2)
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-def test_64_concurrent_requests_each_get_their_own_answer(proto: str, stack) -> None:  # noqa: ANN001
+def test_64_concurrent_requests_each_get_their_own_answer(proto: str, stack) -> None:
     url = getattr(stack.gateway, proto)
 
     def one(i: int) -> bool:
@@ -200,7 +200,7 @@ def test_64_concurrent_requests_each_get_their_own_answer(proto: str, stack) -> 
     assert all(results)
 
 
-async def test_asyncio_clients(stack) -> None:  # noqa: ANN001
+async def test_asyncio_clients(stack) -> None:
     a = np.arange(16, dtype=np.float32).reshape(1, 16)
     b = np.ones((1, 16), np.float32)
 
@@ -241,7 +241,7 @@ def _expect_error(proto: str, url: str, model: str, inputs: list, status_http: s
     assert fragment in err.value.message(), err.value.message()
 
 
-def _fp32_inputs(m, shapes: dict[str, tuple[int, ...]], dt: str = "FP32") -> list:  # noqa: ANN001
+def _fp32_inputs(m, shapes: dict[str, tuple[int, ...]], dt: str = "FP32") -> list:
     out = []
     for name, shape in shapes.items():
         inp = m.InferInput(name, list(shape), dt)
@@ -338,7 +338,7 @@ def test_binary_size_mismatch_is_400(target: dict[str, str]) -> None:
     assert status == 400, err
 
 
-def test_backend_down_is_unavailable(model_repo) -> None:  # noqa: ANN001
+def test_backend_down_is_unavailable(model_repo) -> None:
     from tests.conftest import start
 
     service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"])

@@ -46,7 +46,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     spans: list[Span] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def Export(self, request, context):  # noqa: ANN001, ANN201, N802 - the collector's RPC name
+    def Export(self, request, context):  # the collector's RPC name
         got = []
         for rs in request.resource_spans:
             service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
@@ -67,7 +67,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait(self, pred, timeout: float = 15) -> list[Span]:  # noqa: ANN001
+    def wait(self, pred, timeout: float = 15) -> list[Span]:
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
@@ -172,7 +172,7 @@ def _mlp_input(i: int = 1) -> grpcclient.InferInput:
     return inp
 
 
-def _complete(trace_id: str):  # noqa: ANN202
+def _complete(trace_id: str):
     names = {"gateway.request", "gateway.route", "gateway.upstream", "service.request", "service.queue",
              "service.batch", "service.compute"}
     return lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}
@@ -193,7 +193,7 @@ def _burst(url: str, n: int = 8) -> set[str]:
     return {t for _, t, _ in parents}
 
 
-def _all_batched(trace_ids: set[str]):  # noqa: ANN202
+def _all_batched(trace_ids: set[str]):
     """Every request's spans are in, and a batch span links each one's service span (the batch
     and compute spans themselves belong to the trace of one member only)."""
     names = {"gateway.request", "gateway.route", "gateway.upstream", "service.request", "service.queue"}

@@ -120,7 +120,7 @@ def build_torch(repo: Path) -> Path:
     import torch
 
     class Accumulate(torch.nn.Module):  # type: ignore[misc,name-defined]
-        def forward(self, INPUT: Any, START: Any, STATE_IN: Any) -> tuple[Any, Any]:  # noqa: N803
+        def forward(self, INPUT: Any, START: Any, STATE_IN: Any) -> tuple[Any, Any]:
             acc = INPUT + (1 - START) * STATE_IN
             return acc, acc
 

@@ -1,7 +1,12 @@
-"""STYLE.md dependency rules, checked on the AST of every module."""
+"""STYLE.md dependency rules, checked on the AST of every module.
+
+An import counts wherever it is written: at module level, inside a function, or under
+``if TYPE_CHECKING``. No module imports another by a name string (``importlib``).
+"""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -34,9 +39,66 @@ def _violations(pkg: str, forbidden: tuple[str, ...], allow: tuple[str, ...] = (
     return bad
 
 
+def _module_level_imports(path: Path) -> set[str]:
+    """The imports a module runs when it is imported (not those inside its functions)."""
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.add(node.module)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return out
+
+
+# cli.py is the entry point: each subcommand imports what it runs inside its own function (the
+# services pull in their runtimes). These, and only these, are its exemption from the rule below.
+CLI = "meshserve/cli.py"
+CLI_ENTRY_POINTS = frozenset({
+    "gateway.main", "services.base.main", "services.onnx.main", "services.torchscript.main",
+    "services.tensorrt.main", "services.sequence.main", "services.tensorrt.build", "load.cli", "load.tune",
+})
+ENTRY_PACKAGES = ("gateway", "services", "load")
+
+
 def test_shared_package_imports_neither_gateway_nor_services() -> None:
-    # cli.py is the entry point: it loads them by name (importlib) only for the subcommand that runs them.
-    assert _violations("meshserve", ("gateway", "services")) == []
+    assert _violations("meshserve", ENTRY_PACKAGES, allow=(CLI,)) == []
+
+
+def test_cli_imports_the_entry_points_only_inside_the_subcommands() -> None:
+    path = ROOT / CLI
+    entry = {m for m in _imports(path) if m.split(".")[0] in ENTRY_PACKAGES}
+    assert entry == CLI_ENTRY_POINTS
+    at_import = {m for m in _module_level_imports(path) if m.split(".")[0] in ENTRY_PACKAGES}
+    assert at_import == set(), f"{CLI} imports {sorted(at_import)} at module level"
+
+
+def test_no_module_imports_by_name_string() -> None:
+    """importlib.import_module / __import__ would get around every rule here."""
+    bad = []
+    for pkg in ("meshserve", "gateway", "services"):
+        for path in _modules(pkg):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call):
+                    fn = node.func
+                    name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+                    if name in ("import_module", "__import__"):
+                        bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} calls {name}")
+    assert bad == []
+
+
+def test_telemetry_imports_no_server_layer() -> None:
+    """The server layer hands telemetry what it needs (otlp_loop's Transport: the HTTP/2 client)."""
+    assert _violations("meshserve/telemetry", ("meshserve.server", *ENTRY_PACKAGES)) == []
 
 
 def test_gateway_and_services_never_import_each_other() -> None:
@@ -44,16 +106,34 @@ def test_gateway_and_services_never_import_each_other() -> None:
     assert _violations("services", ("gateway",)) == []
 
 
-def test_scheduling_and_runtime_layers() -> None:
-    sched = [p for p in _modules("services") if "scheduling" in p.parts]
-    for path in sched:
-        for mod in _imports(path):
-            assert not mod.startswith(("grpc", "meshserve.server", "services.onnx", "services.base.runtime")), \
-                f"{path}: scheduling imports {mod}"
-    for path in _modules("services"):
-        if path.name == "runtime.py":
-            mods = _imports(path)
-            assert "asyncio" not in mods and not any(m.startswith("grpc") for m in mods), path
+def test_scheduling_imports_only_the_standard_library_and_itself() -> None:
+    """Scheduling imports neither grpc nor the server nor the runtime (DESIGN §3 layering): only
+    the standard library, and its own modules relatively."""
+    offenders = []
+    for path in _modules("services/base/scheduling"):
+        for mod in _imports(path):  # absolute imports only: relative ones stay inside the package
+            top = mod.split(".")[0]
+            if top != "__future__" and top not in sys.stdlib_module_names:
+                offenders.append(f"{path.name}: import {mod}")
+    assert offenders == []
+
+
+# The service layer: the event loop, batching and the gRPC/HTTP front ends (services/base), and the
+# sequence service, a scheduler over the onnx and torchscript adapters (it has none of its own).
+# Every other module under services/ is a backend's adapter (its RuntimeAdapter, what that builds
+# on, its main): it loads a model file and runs one batch, synchronously, on the calling thread.
+SERVICE_LAYER = ("services/base/", "services/sequence/")
+BASE_INTERFACE = "services/base/runtime.py"  # the adapters' interface (RuntimeAdapter) is theirs
+
+
+def test_backend_adapters_use_no_asyncio_grpc_or_server() -> None:
+    adapters = [p for p in _modules("services") if (rel := p.relative_to(ROOT).as_posix()) == BASE_INTERFACE
+                or not rel.startswith(SERVICE_LAYER)]
+    assert {p.relative_to(ROOT).as_posix() for p in _modules("services") if p.name == "runtime.py"} \
+        <= {p.relative_to(ROOT).as_posix() for p in adapters}
+    bad = [f"{p.relative_to(ROOT).as_posix()} imports {m}" for p in adapters for m in _imports(p)
+           if m == "asyncio" or m.startswith(("asyncio.", "grpc", "meshserve.server"))]
+    assert bad == []
 
 
 def test_protocol_layer_has_no_upward_imports() -> None:

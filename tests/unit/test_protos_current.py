@@ -20,10 +20,10 @@ def test_wire_compatible_with_tritonclient_descriptors() -> None:
 
     from meshserve._proto import grpc_service_pb2, model_config_pb2
 
-    def fields(mod) -> set:  # noqa: ANN001
+    def fields(mod) -> set:
         out, seen = set(), set()
 
-        def walk(d) -> None:  # noqa: ANN001
+        def walk(d) -> None:
             if d.full_name in seen:
                 return
             seen.add(d.full_name)

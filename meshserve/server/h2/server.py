@@ -808,7 +808,7 @@ class ServerConnection(H2Endpoint):
                 for cb in ctx._callbacks:
                     try:
                         cb(ctx)
-                    except Exception:  # noqa: BLE001 - a callback must not break the stream
+                    except Exception:  # a callback must not break the stream
                         log.exception("done callback failed")
 
     async def _writable(self, st: ServerStream) -> None:

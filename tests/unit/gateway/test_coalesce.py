@@ -68,7 +68,7 @@ def test_merge_then_split_is_exact() -> None:
     lambda r: r.outputs.add(name="NOPE"),                           # unknown output
     lambda r: r.outputs.add(name="OUTPUT0").parameters["classification"].__setattr__("int64_param", 2),
 ])
-def test_anything_unusual_is_never_merged(mutate) -> None:  # noqa: ANN001
+def test_anything_unusual_is_never_merged(mutate) -> None:
     r = request(np.zeros((1, 16)), np.zeros((1, 16)))
     assert merge_key(r, SHAPE) is not None
     mutate(r)

@@ -83,7 +83,7 @@ def test_invalid_ensembles_name_the_step(change: tuple[str, str], fragment: str)
     assert fragment in str(err.value), str(err.value)
 
 
-def fake_upstream(delay_s: float = 0.1, fail: dict[str, InferError] | None = None):  # noqa: ANN201
+def fake_upstream(delay_s: float = 0.1, fail: dict[str, InferError] | None = None):
     calls: list[tuple[str, float, float]] = []
 
     async def send(req: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:

@@ -13,7 +13,7 @@ from meshserve.server.body_worker import BodyWorker
 
 
 @pytest.fixture
-async def worker():  # noqa: ANN201
+async def worker():
     w = BodyWorker()
     yield w
     w.close()

@@ -216,17 +216,17 @@ class FakeCudaRuntime:
     """cuda-python's runtime calls shm makes, over host memory standing in for a device
     allocation of another process (the real path runs in test_cuda_shared_memory on a GPU)."""
 
-    class cudaError_t:  # noqa: N801 - cuda-python's names
+    class cudaError_t:  # cuda-python's names
         cudaSuccess = 0
 
-    class cudaMemcpyKind:  # noqa: N801
+    class cudaMemcpyKind:
         cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost = 1, 2
 
-    class cudaIpcMemHandle_t:  # noqa: N801 - like cuda-bindings 13: the struct's address only
+    class cudaIpcMemHandle_t:  # like cuda-bindings 13: the struct's address only
         def __init__(self) -> None:
             self.struct = ctypes.create_string_buffer(64)
 
-        def getPtr(self) -> int:  # noqa: N802
+        def getPtr(self) -> int:
             return ctypes.addressof(self.struct)
 
     cudaIpcMemLazyEnablePeerAccess = 1
@@ -237,22 +237,22 @@ class FakeCudaRuntime:
         self.closed: list[int] = []
         self.copies: list[int] = []
 
-    def cudaGetDeviceCount(self) -> tuple[int, int]:  # noqa: N802
+    def cudaGetDeviceCount(self) -> tuple[int, int]:
         return 0, 1
 
-    def cudaSetDevice(self, device: int) -> tuple[int]:  # noqa: N802
+    def cudaSetDevice(self, device: int) -> tuple[int]:
         return (0,)
 
-    def cudaIpcOpenMemHandle(self, handle: cudaIpcMemHandle_t, flags: int) -> tuple[int, int]:  # noqa: N802
+    def cudaIpcOpenMemHandle(self, handle: cudaIpcMemHandle_t, flags: int) -> tuple[int, int]:
         self.opened.append(handle.struct.raw)
         return 0, ctypes.addressof(self.device)
 
-    def cudaMemcpy(self, dst: int, src: int, size: int, kind: int) -> tuple[int]:  # noqa: N802
+    def cudaMemcpy(self, dst: int, src: int, size: int, kind: int) -> tuple[int]:
         self.copies.append(kind)
         ctypes.memmove(dst, src, size)
         return (0,)
 
-    def cudaIpcCloseMemHandle(self, pointer: int) -> tuple[int]:  # noqa: N802
+    def cudaIpcCloseMemHandle(self, pointer: int) -> tuple[int]:
         self.closed.append(pointer)
         return (0,)
 

@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from meshserve.server.process import OTLP_TRANSPORT
 from meshserve.telemetry import otlp_loop
 from meshserve.telemetry import spans as sp
 from meshserve.telemetry.otlp_encode import encode_encoded, encode_record, encode_span
@@ -49,7 +50,7 @@ class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.fail_with = fail_with
         self.calls = 0
 
-    def Export(self, request, context):  # noqa: ANN001, ANN201, N802 - the collector's RPC name
+    def Export(self, request, context):  # the collector's RPC name
         self.calls += 1
         if self.fail_with is not None:
             context.abort(self.fail_with, "not today")
@@ -77,14 +78,14 @@ SCOPE = sp.Scope(Resource.create({"service.name": "t"}), InstrumentationScope("m
 
 def _queue(port: int, **env: str) -> otlp_loop.LoopExportQueue:
     target = otlp_loop.Target(f"127.0.0.1:{port}", (("x-key", "k"),), 5.0)
-    return otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record)
+    return otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record, OTLP_TRANSPORT)
 
 
 def _end(queue: otlp_loop.LoopExportQueue, i: int) -> None:
     sp.Span(f"s{i}", 0x42, i, 0, False, sp.INTERNAL, time.time_ns(), {"i": i}, SCOPE, queue.on_end).end()
 
 
-async def _until(pred, timeout: float = 5.0) -> None:  # noqa: ANN001
+async def _until(pred, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "timed out"
@@ -188,7 +189,7 @@ def test_spans_ended_on_a_later_loop_are_sent_from_it(receiver: tuple[_Receiver,
     assert queue.dropped == 0
 
 
-class socket_bound:  # noqa: N801 - a context manager named for what it holds
+class socket_bound:  # a context manager named for what it holds
     """A bound, not listening, TCP port: connections to it are refused."""
 
     def __enter__(self) -> int:

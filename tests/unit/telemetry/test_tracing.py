@@ -15,6 +15,7 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.server import observe
 from meshserve.server.core import InferResult, RequestContext
+from meshserve.server.process import OTLP_TRANSPORT
 from meshserve.telemetry import tracing
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -44,7 +45,7 @@ def configured(role: str, env: dict[str, str], exporters: list[Any] | None = Non
     """tracing configured for one test; its module state as it was afterwards."""
     saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "late_spans", "_sampler",
                                               "root_bound", "_queue", "_scope", "_encoded", "_on_record")}
-    assert tracing.configure("meshserve-test", role, env=env, exporters=exporters)
+    assert tracing.configure("meshserve-test", role, env=env, exporters=exporters, transport=OTLP_TRANSPORT)
     try:
         yield
     finally:
