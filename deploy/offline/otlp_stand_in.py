@@ -156,7 +156,7 @@ def http_server(endpoint: str, routes: dict[str, Any], receiver: Receiver | None
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # (http.server's name)
             url = urlsplit(self.path)
             route = routes.get(url.path)
             if route is None:
@@ -168,7 +168,7 @@ def http_server(endpoint: str, routes: dict[str, Any], receiver: Receiver | None
                 answer = (400, "text/plain", f"{exc}\n".encode())
             self.reply(*answer)
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             if receiver is None or urlsplit(self.path).path != "/v1/traces" or length > MAX_MESSAGE:
                 self.reply(404 if length <= MAX_MESSAGE else 413, "text/plain", b"no\n")
@@ -184,7 +184,7 @@ def http_server(endpoint: str, routes: dict[str, Any], receiver: Receiver | None
                 return
             self.reply(200, "application/x-protobuf", b"")
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        def log_message(self, format: str, *args: Any) -> None:  # quiet
             pass
 
     host, port = split(endpoint)
