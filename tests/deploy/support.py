@@ -26,6 +26,8 @@ import grpc
 import pytest
 import yaml
 
+from tests.support import models
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "compose.yaml"
@@ -251,51 +253,23 @@ output [
 MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start"}
 
 
-def _onnx_model(nodes: list[Any], name: str, inputs: list[Any], outputs: list[Any],
-                inits: list[Any] | None = None) -> Any:
-    from onnx import helper
-
-    model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs, inits or []),
-                              opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
-def _save(repo: Path, name: str, config: str, filename: str, write: Any) -> None:
-    (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    write(repo / name / "1" / filename)
-
-
 def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = ("onnx",)) -> Path:
     """A tiny Triton repository: add_sub (onnx), optionally big_identity, seq_start (sequence)
     and add_sub_pt (torchscript, needs torch)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
-
-    def save_onnx(model: Any) -> Any:
-        return lambda path: onnx.save(model, str(path))
 
     fp32 = TensorProto.FLOAT
     repo.mkdir(parents=True, exist_ok=True)
-    add_sub = _onnx_model(
-        [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
-        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("INPUT0", "INPUT1")],
-        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("OUTPUT0", "OUTPUT1")])
-    _save(repo, "add_sub", ADD_SUB_CONFIG, "model.onnx", save_onnx(add_sub))
+    models.write(repo, "add_sub", ADD_SUB_CONFIG, {1: models.add_sub(fp32)})
 
     if big:
-        ident = _onnx_model([helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "big_identity",
-                            [helper.make_tensor_value_info("INPUT0", fp32, ["batch", BIG_WIDTH])],
-                            [helper.make_tensor_value_info("OUTPUT0", fp32, ["batch", BIG_WIDTH])])
-        _save(repo, "big_identity", BIG_CONFIG, "model.onnx", save_onnx(ident))
+        models.write(repo, "big_identity", BIG_CONFIG, {1: models.identity(fp32, BIG_WIDTH, "big_identity")})
 
     if "sequence" in kinds:
         import numpy as np
 
         int32 = TensorProto.INT32
-        seq = _onnx_model(
+        seq = models.onnx_model(
             [helper.make_node("Cast", ["START"], ["start_f"], to=fp32),
              helper.make_node("Cast", ["READY"], ["ready_f"], to=fp32),
              helper.make_node("Mul", ["start_f", "HUNDRED"], ["start_100"]),
@@ -306,19 +280,11 @@ def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = 
              helper.make_tensor_value_info("READY", int32, ["batch", 1])],
             [helper.make_tensor_value_info("OUTPUT", fp32, ["batch", 1])],
             [numpy_helper.from_array(np.array([100.0], dtype=np.float32), "HUNDRED")])
-        _save(repo, "seq_start", SEQUENCE_CONFIG, "model.onnx", save_onnx(seq))
+        models.write(repo, "seq_start", SEQUENCE_CONFIG, {1: seq})
 
     if "torchscript" in kinds:
-        torch = need_module("torch")
-
-        class AddSub(torch.nn.Module):  # type: ignore[misc,name-defined]
-            def forward(self, a: Any, b: Any) -> tuple[Any, Any]:
-                return a + b, a - b
-
-        # Traced, not scripted: tracing needs no TorchScript type annotations.
-        example = (torch.zeros(2, 16), torch.zeros(2, 16))
-        _save(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, "model.pt",
-              lambda path: torch.jit.trace(AddSub(), example).save(str(path)))
+        need_module("torch")
+        models.write(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, {1: models.torch_add_sub(16)}, "model.pt")
     return repo
 
 
