@@ -199,18 +199,7 @@ def otlp_sink() -> Iterator[tuple[int, OtlpHandler]]:
 
 # ---- model repository -------------------------------------------------------------------
 
-ADD_SUB_CONFIG = """name: "add_sub"
-platform: "onnxruntime_onnx"
-max_batch_size: 8
-input [
-  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-"""
+ADD_SUB_CONFIG = models.pair_config("add_sub", "onnxruntime_onnx", 16)
 
 BIG_WIDTH = 1 << 20  # 4 MiB of FP32 per batch row
 BIG_CONFIG = f"""name: "big_identity"
@@ -236,18 +225,8 @@ input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
-TORCHSCRIPT_CONFIG = """name: "add_sub_pt"
-platform: "pytorch_libtorch"
-max_batch_size: 8
-input [
-  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-"""
+TORCHSCRIPT_CONFIG = models.pair_config("add_sub_pt", "pytorch_libtorch", 16, ("INPUT__0", "INPUT__1"),
+                                        ("OUTPUT__0", "OUTPUT__1"))
 
 # service kind -> the model of that kind in the test repository
 MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start"}

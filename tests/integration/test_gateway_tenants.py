@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
+from tests.adversarial.support import add_sub_inputs
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.support import eventually
 
@@ -47,14 +48,8 @@ tenants:
 
 def add_sub(proto: str, url: str, headers: dict[str, str] | None = None) -> np.ndarray:
     m = MODULES[proto]
-    a = np.ones((1, 16), np.float32)
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        inp = m.InferInput(name, [1, 16], "FP32")
-        inp.set_data_from_numpy(a)
-        inputs.append(inp)
     with m.InferenceServerClient(url) as c:
-        return c.infer("add_sub", inputs, headers=headers).as_numpy("OUTPUT0")
+        return c.infer("add_sub", add_sub_inputs(m), headers=headers).as_numpy("OUTPUT0")
 
 
 def small_mlp(proto: str, url: str, headers: dict[str, str]) -> None:
@@ -209,12 +204,7 @@ def test_two_gateways_share_one_rate_through_redis(service: Proc, tmp_path: Path
 
     def send(proto: str, url: str, offset: float) -> None:
         m = MODULES[proto]
-        a = np.ones((1, 16), np.float32)
-        inputs = []
-        for name in ("INPUT0", "INPUT1"):
-            inp = m.InferInput(name, [1, 16], "FP32")
-            inp.set_data_from_numpy(a)
-            inputs.append(inp)
+        inputs = add_sub_inputs(m)
         with m.InferenceServerClient(url) as c:
             k = 0
             while True:

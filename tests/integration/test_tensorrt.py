@@ -34,20 +34,9 @@ def _gpus() -> int:
 
 pytestmark = pytest.mark.skipif(_gpus() == 0, reason="TensorRT needs a CUDA GPU")
 
-CONFIG = """name: "trt_add_sub"
-platform: "tensorrt_plan"
-max_batch_size: 8
-input [
-  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-instance_group [ { kind: KIND_GPU count: 2 } ]
+CONFIG = models.pair_config("trt_add_sub", "tensorrt_plan", 16, extra="""instance_group [ { kind: KIND_GPU count: 2 } ]
 dynamic_batching { max_queue_delay_microseconds: 20000 }
-"""
+""")
 
 
 def _onnx_add_sub(path: Path) -> None:

@@ -24,19 +24,8 @@ torch = pytest.importorskip("torch", reason="the TorchScript tests need torch==2
 
 PROTOCOLS = ("http", "grpc")
 
-ADD_SUB = """name: "ts_add_sub"
-platform: "pytorch_libtorch"
-max_batch_size: 8
-input [
-  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] },
-  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 4 ] }
-]
-output [
-  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] },
-  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 4 ] }
-]
-dynamic_batching { max_queue_delay_microseconds: 20000 }
-"""
+ADD_SUB = models.pair_config("ts_add_sub", "pytorch_libtorch", 4, ("INPUT__0", "INPUT__1"), ("OUTPUT__0", "OUTPUT__1"),
+                             extra="dynamic_batching { max_queue_delay_microseconds: 20000 }\n")
 
 NAMED = """name: "ts_named"
 backend: "pytorch"

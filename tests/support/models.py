@@ -17,8 +17,8 @@ import numpy as np
 
 from meshserve.examples import add_sub, mlp, onnx_model, save_onnx, scale
 
-__all__ = ["add_sub", "fixed_add", "identity", "mlp", "onnx_model", "save_onnx", "scale", "small_mlp",
-           "torch_add_sub", "write"]
+__all__ = ["add_sub", "fixed_add", "identity", "mlp", "onnx_model", "pair_config", "save_onnx", "scale",
+           "small_mlp", "torch_add_sub", "write"]
 
 # what ``write`` takes for one version: an ONNX model, or a function that writes the file at a path
 Model = Any
@@ -43,6 +43,17 @@ def write(repo: Path, name: str, config: str, versions: Mapping[int, Model | Wri
         else:
             onnx.save(model, str(path))
     return folder
+
+
+def pair_config(name: str, platform: str, width: int, inputs: tuple[str, str] = ("INPUT0", "INPUT1"),
+                outputs: tuple[str, str] = ("OUTPUT0", "OUTPUT1"), max_batch_size: int = 8, extra: str = "") -> str:
+    """The config.pbtxt of an add_sub-shaped model: two FP32 inputs and two FP32 outputs of
+    [width] each, batched up to ``max_batch_size``; ``extra``: lines appended as they are."""
+    def tensors(names: tuple[str, str]) -> str:
+        return ",\n".join(f'  {{ name: "{n}" data_type: TYPE_FP32 dims: [ {width} ] }}' for n in names)
+
+    return (f'name: "{name}"\nplatform: "{platform}"\nmax_batch_size: {max_batch_size}\n'
+            f"input [\n{tensors(inputs)}\n]\noutput [\n{tensors(outputs)}\n]\n{extra}")
 
 
 # ---- ONNX ------------------------------------------------------------------------------------
