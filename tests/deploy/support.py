@@ -4,6 +4,7 @@ Everything here runs on loopback; no Docker engine, no Kubernetes cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,7 +13,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,7 +26,7 @@ import grpc
 import pytest
 import yaml
 
-from tests.support import models
+from tests.support import eventually, models
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -139,18 +139,18 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 
 def wait_ready(procs: list[tuple[Proc, str]], timeout: float = READY_TIMEOUT_S) -> None:
     """Poll each (process, ready URL) until 200; fail with every process's log otherwise."""
-    deadline = time.monotonic() + timeout
     pending = list(procs)
-    while pending and time.monotonic() < deadline:
-        still = []
-        for proc, url in pending:
+
+    def all_ready() -> bool:
+        nonlocal pending
+        for proc, _ in pending:
             if not proc.alive():
                 pytest.fail(f"{proc.name} exited before it was ready\n{proc.describe()}")
-            if http_status(url) != 200:
-                still.append((proc, url))
-        pending = still
-        if pending:
-            time.sleep(0.2)
+        pending = [(proc, url) for proc, url in pending if http_status(url) != 200]
+        return not pending
+
+    with contextlib.suppress(AssertionError):
+        eventually(all_ready, timeout, interval=0.2)
     if pending:
         logs = "\n".join(p.describe() for p, _ in pending)
         pytest.fail(f"not ready within {timeout:.0f} s: {[p.name for p, _ in pending]}\n{logs}")
