@@ -17,7 +17,8 @@ IR_VERSION = 8
 MLP_DIMS = (512, 2048, 2048, 512)
 
 
-def _save(model: Any, path: Path) -> None:
+def save_onnx(model: Any, path: Path) -> None:
+    """Check ``model`` and write it to ``path`` (its folder made as needed)."""
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -25,7 +26,8 @@ def _save(model: Any, path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def _model(nodes: list, name: str, inputs: list, outputs: list, inits: list | None = None) -> object:
+def onnx_model(nodes: list, name: str, inputs: list, outputs: list, inits: list | None = None) -> object:
+    """An ONNX model of one graph at meshserve's opset and IR version (what every model here is)."""
     from onnx import helper
 
     model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs, inits or []),
@@ -42,7 +44,7 @@ def add_sub(elem: int) -> object:
     outs = [helper.make_tensor_value_info(n, elem, ["batch", 16]) for n in ("OUTPUT0", "OUTPUT1")]
     nodes = [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
              helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])]
-    return _model(nodes, "add_sub", ins, outs)
+    return onnx_model(nodes, "add_sub", ins, outs)
 
 
 def mlp(seed: int = SEED) -> object:
@@ -63,10 +65,10 @@ def mlp(seed: int = SEED) -> object:
         if i < n - 1:
             nodes.append(helper.make_node("Relu", [out], [f"relu{i}"]))
             prev = f"relu{i}"
-    return _model(nodes, "mlp",
-                  [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", MLP_DIMS[0]])],
-                  [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", MLP_DIMS[-1]])],
-                  inits)
+    return onnx_model(nodes, "mlp",
+                      [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", MLP_DIMS[0]])],
+                      [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", MLP_DIMS[-1]])],
+                      inits)
 
 
 def scale(factor: float) -> object:
@@ -74,9 +76,9 @@ def scale(factor: float) -> object:
     from onnx import TensorProto, helper, numpy_helper
 
     k = numpy_helper.from_array(np.array([factor], dtype=np.float32), "K")
-    return _model([helper.make_node("Mul", ["INPUT0", "K"], ["OUTPUT0"])], "scale",
-                  [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
-                  [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])], [k])
+    return onnx_model([helper.make_node("Mul", ["INPUT0", "K"], ["OUTPUT0"])], "scale",
+                      [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
+                      [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])], [k])
 
 
 def builders() -> dict[str, Callable[[], object]]:
@@ -98,4 +100,4 @@ def ensure(repo: Path, progress: Callable[[str], None] = print, force: bool = Fa
             if (force or not (repo / rel).exists()) and (only is None or rel.split("/")[0] in only)]
     for i, (rel, build) in enumerate(todo, 1):
         progress(f"generating example model {rel} ({i}/{len(todo)})")
-        _save(build(), repo / rel)
+        save_onnx(build(), repo / rel)

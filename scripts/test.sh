@@ -1,31 +1,45 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs on a fresh Debian machine (as root), then runs it.
 # README's second quickstart command; .ci/run calls exactly this.
+# Every install says what it starts, shows what it fetches and sets up as it goes (indented),
+# and how long it took: no silent minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KSERVE_VERSION=0.21.0  # the newest when this was written; the test drives its REST and gRPC clients
+
+# step WHAT CMD...: "test.sh: WHAT", CMD's output indented as it comes, then "WHAT: done in N s"
+# (pip's "Requirement already satisfied" lines are left out: they are what a warm machine prints).
+step() {
+  local what=$1 t0=$SECONDS rc=0
+  shift
+  echo "test.sh: $what"
+  "$@" 2>&1 | { grep --line-buffered -v '^Requirement already satisfied' || true; } | sed -u 's/^/  | /' || rc=$?
+  if [ "$rc" = 0 ]; then echo "test.sh: $what: done in $((SECONDS - t0)) s"
+  else echo "test.sh: $what: FAILED (exit $rc) after $((SECONDS - t0)) s"; fi
+  return "$rc"
+}
+PIP=(--disable-pip-version-check --progress-bar off)
+APT=(-y -q -o Dpkg::Use-Pty=0)
 
 need=()
 ldconfig -p 2>/dev/null | grep -q 'libb64.so.0d' || need+=(libb64-0d)   # perf_analyzer
 command -v redis-server >/dev/null || need+=(redis-server)               # gateway quota store tests
 if [ ${#need[@]} -gt 0 ]; then
-  echo "test.sh: apt-get install ${need[*]}"
-  apt-get install -y -qq "${need[@]}" >/dev/null 2>&1 \
-    || { apt-get update -qq >/dev/null && apt-get install -y -qq "${need[@]}" >/dev/null; }
+  step "apt-get install ${need[*]}" apt-get install "${APT[@]}" "${need[@]}" \
+    || { step "apt-get update" apt-get update -q && step "apt-get install ${need[*]}" apt-get install "${APT[@]}" "${need[@]}"; }
 fi
-PYTHON=python3 bash scripts/ci-deps-deploy.sh   # docker-compose, kubectl, promtool, envoy, …
+step "deploy tools (docker-compose, kubectl, promtool, envoy, ...)" env PYTHON=python3 bash scripts/ci-deps-deploy.sh
 
-echo "test.sh: pip install -e .[dev,torch]"
-python3 -m pip install -q --disable-pip-version-check -e ".[dev,torch]"
+step "pip install -e .[dev,torch]" python3 -m pip install "${PIP[@]}" -e ".[dev,torch]"
 python3 protos/generate.py --check >/dev/null
 # The KServe SDK (issue 18: its REST and gRPC clients against the gateway) lives in a venv of its
 # own: it is not a dependency, and installed beside ours it would move pydantic, orjson and psutil.
 # About a minute the first time; tests/integration/test_health_and_clients.py uses it.
 KSERVE_VENV="${MESHSERVE_CACHE:-$HOME/.cache/meshserve}/kserve-venv"
 if [ ! -x "$KSERVE_VENV/bin/python" ] || ! "$KSERVE_VENV/bin/python" -c "import kserve" 2>/dev/null; then
-  echo "test.sh: kserve SDK venv at $KSERVE_VENV (pip install kserve==$KSERVE_VERSION)"
   python3 -m venv "$KSERVE_VENV" \
-    && "$KSERVE_VENV/bin/python" -m pip install -q --disable-pip-version-check "kserve==$KSERVE_VERSION" \
+    && step "kserve SDK venv at $KSERVE_VENV (pip install kserve==$KSERVE_VERSION)" \
+      "$KSERVE_VENV/bin/python" -m pip install "${PIP[@]}" "kserve==$KSERVE_VERSION" \
     || echo "test.sh: WARNING: no kserve venv; the KServe SDK test will skip"
 fi
 [ -x "$KSERVE_VENV/bin/python" ] && export MESHSERVE_KSERVE_PYTHON="$KSERVE_VENV/bin/python"

@@ -19,6 +19,22 @@ from meshserve.server.process import parse_ready_line
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say once, at the start, where the suite writes outside the tree (and what it makes inside)."""
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's own; tmp_path dirs live below it
+    base = factory.getbasetemp() if factory is not None else "pytest's basetemp"
+    kserve = os.environ.get("MESHSERVE_KSERVE_PYTHON")
+    return [
+        "meshserve: writes outside the tree:",
+        f"  {base}: tmp_path dirs (model repositories, configs, process logs, reports; pytest keeps the last 3)",
+        "  /dev/shm: system shared-memory regions of the shared-memory and perf_analyzer tests (removed after each)",
+        f"  {Path(kserve).parent.parent if kserve else '(none)'}: the KServe SDK venv, read only "
+        "(MESHSERVE_KSERVE_PYTHON; scripts/test.sh builds it under ${MESHSERVE_CACHE:-~/.cache/meshserve})",
+        "meshserve: writes inside the tree (git-ignored): examples/model_repository/*/<version>/model.onnx "
+        "(the example models `meshserve up` builds on first use)",
+    ]
+
+
 @dataclass
 class Proc:
     """A meshserve process started by a test; ports parsed from its ready line."""

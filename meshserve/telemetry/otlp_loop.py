@@ -173,6 +173,19 @@ class LoopExportQueue:
 
     on_record = on_end
 
+    # ---- what is waiting (tests and diagnostics read these instead of the lists) ------------
+    def queued(self) -> list[bytes]:
+        """The encoded spans waiting for export, oldest first."""
+        return [blob for _, blob in self._spans]
+
+    def deferred_jobs(self) -> int:
+        """How many ``defer`` jobs wait for the next encoding pass."""
+        return len(self._jobs)
+
+    def discard(self) -> None:
+        """Drop the spans waiting for export (nothing is sent for them)."""
+        self._spans.clear()
+
     def defer(self, job: Callable[..., None], *args: Any) -> None:
         """Run ``job(*args)`` (on this loop: it records spans) just before the spans that ended
         meanwhile are encoded, ``DEFER_S`` from now at the latest: one timer and one pass for

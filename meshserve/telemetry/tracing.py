@@ -30,6 +30,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshserve.protocol import wire
@@ -61,17 +62,28 @@ HOP_GATEWAY = "gateway"
 
 enabled = False  # read on the hot path: `if tracing.enabled:`
 role = "service"  # "gateway" | "service": prefixes span names
-_sampler: Sampler | None = None
-root_bound = 0  # _sampler.root_bound: a root is sampled when the low 64 bits of its trace id are below
+root_bound = 0  # state.sampler.root_bound: a root is sampled when the low 64 bits of its trace id are below
 request_span_name = "service.request"  # role + ".request": every request's SERVER span
 # a service's request spans parent only its batches' spans, so those of requests the gateway
 # forwarded can be recorded late (LateSpans); a gateway's parent the spans it makes as it goes
 late_spans = True
-_queue: ExportQueue | LoopExportQueue | None = None
-_encoded = False  # spans are encoded by meshserve as they end: shared Attrs stay apart from a span's own
-# where the event-loop OTLP queue exports, emit_span hands it a Record (no Span object) here
-_on_record: Callable[[Record], None] | None = None
-_scope: Scope | None = None
+
+
+@dataclass(slots=True)
+class TracingState:
+    """What ``configure`` set up to sample and export spans: one object (a fresh one per
+    ``configure``), so a test can read the queue its spans went to and put back the state
+    it found. The hot-path flags above stay module attributes (``tracing.enabled``)."""
+
+    sampler: Sampler | None = None
+    queue: ExportQueue | LoopExportQueue | None = None
+    scope: Scope | None = None
+    encoded: bool = False  # spans are encoded by meshserve as they end: shared Attrs stay apart from a span's own
+    # where the event-loop OTLP queue exports, emit_span hands it a Record (no Span object) here
+    on_record: Callable[[Record], None] | None = None
+
+
+state = TracingState()
 # the current sampled span; hot paths that already checked `enabled` read it as `tracing.current_var.get()`
 current_var: contextvars.ContextVar[Span | None] = contextvars.ContextVar("meshserve_span", default=None)
 # the request being served is one the gateway forwarded: its SERVER span(s) are recorded late
@@ -109,7 +121,7 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
     OTLP/gRPC from the event loop (``meshserve.server.process.configure_tracing`` gives
     meshserve's own); without one, the SDK's exporter sends. Returns whether tracing is on.
     """
-    global enabled, role, request_span_name, late_spans, _sampler, root_bound, _queue, _scope, _encoded, _on_record
+    global enabled, role, request_span_name, late_spans, root_bound, state
     role = process_role
     trace_settings.active = None  # the OTEL_* sampler rules until a trace/setting update
     request_span_name = f"{process_role}.request"
@@ -128,30 +140,30 @@ def configure(service_name: str, process_role: str, env: Mapping[str, str] = os.
         attrs["service.name"] = service_name
     resource = Resource.create(attrs)
     names = [e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").lower().split(",") if e.strip()]
-    if _queue is not None:
-        _queue.shutdown()
+    if state.queue is not None:
+        state.queue.shutdown()
     else:
         atexit.register(shutdown)
+    queue: ExportQueue | LoopExportQueue
     target = None
     if exporters is None and transport is not None and names == ["otlp"] and _otlp_protocol(env) == "grpc" \
             and env.get("MESHSERVE_OTLP_EXPORTER", "loop").strip().lower() != "sdk":
         target = otlp_loop.target_from_env(env)
     if target is not None and transport is not None:  # plaintext OTLP/gRPC: from the event loop, no exporter thread
-        _queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record, transport)
+        queue = otlp_loop.LoopExportQueue(target, env, encode_span, encode_encoded, encode_record, transport)
         described = [f"otlp/grpc {target.endpoint} (event loop)"]
     else:
         chosen = list(exporters) if exporters is not None else _exporters(names, env)
         fast = bool(chosen) and all(getattr(e, "meshserve_encoded", False) for e in chosen)
-        _queue = ExportQueue(chosen, env, encode=encode_span if fast else None)
+        queue = ExportQueue(chosen, env, encode=encode_span if fast else None)
         described = [type(e).__name__ for e in chosen]
-    _encoded = _queue.encode is not None
-    _on_record = _queue.on_record if isinstance(_queue, otlp_loop.LoopExportQueue) else None
-    _scope = Scope(resource, InstrumentationScope("meshserve"))
-    _sampler = Sampler.from_env(env)
-    root_bound = _sampler.root_bound
+    sampler = Sampler.from_env(env)
+    state = TracingState(sampler, queue, Scope(resource, InstrumentationScope("meshserve")), queue.encode is not None,
+                         queue.on_record if isinstance(queue, otlp_loop.LoopExportQueue) else None)
+    root_bound = sampler.root_bound
     enabled = True
     log.info("tracing on: service %s, exporters %s, sampler %s", resource.attributes.get("service.name"),
-             described, _sampler.description())
+             described, sampler.description())
     return True
 
 
@@ -199,15 +211,15 @@ def _fast_grpc_exporter() -> Any:
 
 def shutdown() -> None:
     """Flush and stop the exporters (also runs at interpreter exit)."""
-    global enabled, _queue
+    global enabled
     enabled = False
-    if _queue is not None:
-        _queue.shutdown()
-        _queue = None
+    if state.queue is not None:
+        state.queue.shutdown()
+        state.queue = None
 
 
 def force_flush(timeout_s: float = 30.0) -> bool:
-    return _queue.force_flush(timeout_s) if _queue is not None else True
+    return state.queue.force_flush(timeout_s) if state.queue is not None else True
 
 
 def trace_setting(model: str = "", changes: Mapping[str, Sequence[str] | None] | None = None
@@ -216,8 +228,9 @@ def trace_setting(model: str = "", changes: Mapping[str, Sequence[str] | None] |
     after applying ``changes`` (none: a read); raises trace_settings.SettingError."""
     settings = trace_settings.active
     if settings is None:
-        ratio = None if _sampler is None or _sampler.root == "on" else \
-            0.0 if _sampler.root == "off" else float(_sampler.root)
+        sampler = state.sampler
+        ratio = None if sampler is None or sampler.root == "on" else \
+            0.0 if sampler.root == "off" else float(sampler.root)
         settings = trace_settings.TraceSettings(enabled, ratio)
     if changes:
         settings.update(model, changes)
@@ -272,7 +285,8 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
     """A sampled SERVER span, or None when the sampler drops the request. For a root, ``low``
     may be the low 64 bits of its trace id, drawn (``random_bits(64)``) and judged against
     the bound in force by a caller that wanted to know before calling (and then is not judged again)."""
-    assert _sampler is not None and _scope is not None and _queue is not None, "tracing.configure() not run"
+    sampler, scope, queue = state.sampler, state.scope, state.queue
+    assert sampler is not None and scope is not None and queue is not None, "tracing.configure() not run"
     if parent is None:
         # a root: the sampler judges the low 64 bits of the trace id (TraceIdRatioBased), so
         # they are drawn first and an unsampled request costs one draw and one comparison
@@ -281,21 +295,21 @@ def start_server_span(name: str, parent: Remote | None, fixed: Attrs | None = No
             if low >= root_bound:
                 return None
         tid = (random_bits(64) << 64 | low) or 1
-        parent_id, remote, flags, state = 0, False, 1, ""
+        parent_id, remote, flags, trace_state = 0, False, 1, ""
     else:
-        if not _sampler.sample(parent.trace_id, parent.flags):
+        if not sampler.sample(parent.trace_id, parent.flags):
             return None
-        tid, parent_id, remote, flags, state = parent.trace_id, parent.span_id, True, (parent.flags & 0xFF) | 1, \
-            parent.state
+        tid, parent_id, remote, flags, trace_state = parent.trace_id, parent.span_id, True, \
+            (parent.flags & 0xFF) | 1, parent.state
     attributes, fixed = _unshared(None, fixed)
-    return Span(name, tid, random_bits(64) or 1, parent_id, remote, SERVER, time.time_ns(), attributes, _scope,
-                _queue.on_end, flags=flags, trace_state=state, fixed=fixed)
+    return Span(name, tid, random_bits(64) or 1, parent_id, remote, SERVER, time.time_ns(), attributes, scope,
+                queue.on_end, flags=flags, trace_state=trace_state, fixed=fixed)
 
 
 def _unshared(attributes: dict[str, Any] | None, fixed: Attrs | None) -> tuple[dict[str, Any] | None, Attrs | None]:
     """(attributes, fixed) as the span keeps them: apart where meshserve encodes the spans,
     folded into one dict where SDK exporters read them."""
-    if fixed is None or _encoded:
+    if fixed is None or state.encoded:
         return attributes, fixed
     return ({**fixed.items, **attributes} if attributes else dict(fixed.items)), None
 
@@ -320,10 +334,11 @@ def start_span(name: str, parent: Span | Ref, kind: int = INTERNAL, attributes: 
     """A child of ``parent`` (a sampled span of this process, or one in another process:
     ``remote_parent``); its attributes are ``fixed``'s and then ``attributes`` (the two must
     not share keys). ``span_id``: one drawn before (0: draw)."""
-    assert _queue is not None and _scope is not None
+    scope, queue = state.scope, state.queue
+    assert queue is not None and scope is not None
     attributes, fixed = _unshared(attributes, fixed)
     return Span(name, parent.trace_id, span_id or random_bits(64) or 1, parent.span_id, remote_parent, kind,
-                time.time_ns() if start_ns is None else start_ns, attributes, _scope, _queue.on_end,
+                time.time_ns() if start_ns is None else start_ns, attributes, scope, queue.on_end,
                 flags=parent.flags, trace_state=parent.trace_state,
                 links=[(s.trace_id, s.span_id) for s in links] if links else None, fixed=fixed)
 
@@ -395,10 +410,11 @@ class LateSpans:
     def members(self) -> list[tuple[int, Remote, Ref]]:
         """(member index, remote parent, this process's span) per sampled member."""
         if self._members is None:
-            assert _sampler is not None
+            sampler = state.sampler
+            assert sampler is not None
             out = []
             for i, parent in enumerate(parse_member_lines(self.lines, max(1, self.merged))):
-                if parent is not None and _sampler.sample(parent.trace_id, parent.flags):
+                if parent is not None and sampler.sample(parent.trace_id, parent.flags):
                     out.append((i, parent, Ref(parent.trace_id, random_bits(64) or 1, (parent.flags & 0xFF) | 1,
                                                parent.state)))
             self._members = out
@@ -498,10 +514,11 @@ def emit_span(name: str, parent: Span | Ref, start_ns: int, end_ns: int, attribu
     one drawn before, 0: draw; ``remote_parent``: the parent is in another process). Where the
     event-loop OTLP queue exports, it is queued as a Record and no Span object is made: the
     returned Ref can parent further spans and be linked to."""
-    if _on_record is not None:
+    on_record = state.on_record
+    if on_record is not None:
         span_id = span_id or random_bits(64) or 1
-        assert _scope is not None
-        _on_record((_scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, kind,
+        assert state.scope is not None
+        on_record((state.scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, kind,
                                    start_ns, end_ns if end_ns > start_ns else start_ns, fixed, attributes,
                                    [(s.trace_id, s.span_id) for s in links] if links else None,
                                    ERROR if error is not None else UNSET, error or "", remote_parent)))
@@ -517,8 +534,8 @@ def defer(job: Callable[..., None], *args: Any) -> None:
     """Run ``job(*args)`` on the running loop soon (``DEFER_S``), after the responses being
     written now: for spans recorded after the fact, which clients do not wait for. Where the
     event-loop OTLP queue exports, it runs with that queue's encoding pass (no timer of its own)."""
-    if _on_record is not None:
-        _queue.defer(job, *args)  # type: ignore[union-attr]  # _on_record set: a LoopExportQueue
+    if state.on_record is not None:
+        state.queue.defer(job, *args)  # type: ignore[union-attr]  # on_record set: a LoopExportQueue
     else:
         asyncio.get_running_loop().call_later(DEFER_S, job, *args)
 

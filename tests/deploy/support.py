@@ -4,6 +4,7 @@ Everything here runs on loopback; no Docker engine, no Kubernetes cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,7 +13,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +26,8 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+
+from tests.support import eventually, models
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -138,18 +140,18 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 
 def wait_ready(procs: list[tuple[Proc, str]], timeout: float = READY_TIMEOUT_S) -> None:
     """Poll each (process, ready URL) until 200; fail with every process's log otherwise."""
-    deadline = time.monotonic() + timeout
     pending = list(procs)
-    while pending and time.monotonic() < deadline:
-        still = []
-        for proc, url in pending:
+
+    def all_ready() -> bool:
+        nonlocal pending
+        for proc, _ in pending:
             if not proc.alive():
                 pytest.fail(f"{proc.name} exited before it was ready\n{proc.describe()}")
-            if http_status(url) != 200:
-                still.append((proc, url))
-        pending = still
-        if pending:
-            time.sleep(0.2)
+        pending = [(proc, url) for proc, url in pending if http_status(url) != 200]
+        return not pending
+
+    with contextlib.suppress(AssertionError):
+        eventually(all_ready, timeout, interval=0.2)
     if pending:
         logs = "\n".join(p.describe() for p, _ in pending)
         pytest.fail(f"not ready within {timeout:.0f} s: {[p.name for p, _ in pending]}\n{logs}")
@@ -198,18 +200,7 @@ def otlp_sink() -> Iterator[tuple[int, OtlpHandler]]:
 
 # ---- model repository -------------------------------------------------------------------
 
-ADD_SUB_CONFIG = """name: "add_sub"
-platform: "onnxruntime_onnx"
-max_batch_size: 8
-input [
-  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-"""
+ADD_SUB_CONFIG = models.pair_config("add_sub", "onnxruntime_onnx", 16)
 
 BIG_WIDTH = 1 << 20  # 4 MiB of FP32 per batch row
 BIG_CONFIG = f"""name: "big_identity"
@@ -235,66 +226,28 @@ input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
-TORCHSCRIPT_CONFIG = """name: "add_sub_pt"
-platform: "pytorch_libtorch"
-max_batch_size: 8
-input [
-  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-"""
+TORCHSCRIPT_CONFIG = models.pair_config("add_sub_pt", "pytorch_libtorch", 16, ("INPUT__0", "INPUT__1"),
+                                        ("OUTPUT__0", "OUTPUT__1"))
 
 # service kind -> the model of that kind in the test repository
 MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start"}
 
 
-def _onnx_model(nodes: list[Any], name: str, inputs: list[Any], outputs: list[Any],
-                inits: list[Any] | None = None) -> Any:
-    from onnx import helper
-
-    model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs, inits or []),
-                              opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
-def _save(repo: Path, name: str, config: str, filename: str, write: Any) -> None:
-    (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    write(repo / name / "1" / filename)
-
-
 def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = ("onnx",)) -> Path:
     """A tiny Triton repository: add_sub (onnx), optionally big_identity, seq_start (sequence)
     and add_sub_pt (torchscript, needs torch)."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
-
-    def save_onnx(model: Any) -> Any:
-        return lambda path: onnx.save(model, str(path))
 
     fp32 = TensorProto.FLOAT
     repo.mkdir(parents=True, exist_ok=True)
-    add_sub = _onnx_model(
-        [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
-        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("INPUT0", "INPUT1")],
-        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("OUTPUT0", "OUTPUT1")])
-    _save(repo, "add_sub", ADD_SUB_CONFIG, "model.onnx", save_onnx(add_sub))
+    models.write(repo, "add_sub", ADD_SUB_CONFIG, {1: models.add_sub(fp32)})
 
     if big:
-        ident = _onnx_model([helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "big_identity",
-                            [helper.make_tensor_value_info("INPUT0", fp32, ["batch", BIG_WIDTH])],
-                            [helper.make_tensor_value_info("OUTPUT0", fp32, ["batch", BIG_WIDTH])])
-        _save(repo, "big_identity", BIG_CONFIG, "model.onnx", save_onnx(ident))
+        models.write(repo, "big_identity", BIG_CONFIG, {1: models.identity(fp32, BIG_WIDTH, "big_identity")})
 
     if "sequence" in kinds:
         int32 = TensorProto.INT32
-        seq = _onnx_model(
+        seq = models.onnx_model(
             [helper.make_node("Cast", ["START"], ["start_f"], to=fp32),
              helper.make_node("Cast", ["READY"], ["ready_f"], to=fp32),
              helper.make_node("Mul", ["start_f", "HUNDRED"], ["start_100"]),
@@ -305,19 +258,11 @@ def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = 
              helper.make_tensor_value_info("READY", int32, ["batch", 1])],
             [helper.make_tensor_value_info("OUTPUT", fp32, ["batch", 1])],
             [numpy_helper.from_array(np.array([100.0], dtype=np.float32), "HUNDRED")])
-        _save(repo, "seq_start", SEQUENCE_CONFIG, "model.onnx", save_onnx(seq))
+        models.write(repo, "seq_start", SEQUENCE_CONFIG, {1: seq})
 
     if "torchscript" in kinds:
-        torch = need_module("torch")
-
-        class AddSub(torch.nn.Module):  # type: ignore[misc,name-defined]
-            def forward(self, a: Any, b: Any) -> tuple[Any, Any]:
-                return a + b, a - b
-
-        # Traced, not scripted: tracing needs no TorchScript type annotations.
-        example = (torch.zeros(2, 16), torch.zeros(2, 16))
-        _save(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, "model.pt",
-              lambda path: torch.jit.trace(AddSub(), example).save(str(path)))
+        need_module("torch")
+        models.write(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, {1: models.torch_add_sub(16)}, "model.pt")
     return repo
 
 

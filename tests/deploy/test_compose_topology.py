@@ -14,12 +14,12 @@ port, a broken health check or a kind that does not serve its models fails here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +48,7 @@ from tests.deploy.support import (
     spawn,
     stop_all,
 )
+from tests.support import eventually
 
 PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
 SERVICE_KINDS = ("onnx", "torchscript", "sequence")
@@ -184,8 +185,8 @@ def _start(containers: list[Container], log_dir: Path, timeout: float = READY_TI
         c.proc = spawn(c.name, [sys.executable, "-m", "meshserve", *c.argv], log_dir,
                        env={**os.environ, **c.env})
     pending = {c.name: c for c in containers}
-    deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
+
+    def all_settled() -> bool:  # ready, or recorded as exited
         for name, c in list(pending.items()):
             assert c.proc is not None
             if not c.proc.alive():
@@ -193,7 +194,10 @@ def _start(containers: list[Container], log_dir: Path, timeout: float = READY_TI
                 del pending[name]
             elif http_status(_ready_url(c)) == 200:
                 del pending[name]
-        time.sleep(0.2)
+        return not pending
+
+    with contextlib.suppress(AssertionError):
+        eventually(all_settled, timeout, interval=0.2)
     for c in pending.values():
         assert c.proc is not None
         c.error = f"{c.name} not ready within {timeout:.0f} s\n{c.proc.describe()}"

@@ -12,7 +12,6 @@ import copy
 import queue
 import re
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from tests.deploy.support import (
     stop_all,
     wait_ready,
 )
+from tests.support import eventually
 
 GATEWAYS = 2
 
@@ -135,21 +135,20 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
         procs.append(envoy)
         f = Front(ports["http"], ports["grpc"], ports["metrics"], admin, gateways, envoy)
         # Ready = Envoy's own /ready, then every gateway member passed its health check.
-        deadline = time.monotonic() + 60
-        while True:
+        def all_healthy() -> bool:
             if not envoy.alive():
                 pytest.fail(f"envoy exited\n{envoy.describe()}")
             try:
                 clusters = f.admin_get("/clusters")
-                healthy = len(re.findall(r"^gateway_(?:http|grpc)::[^:]+:\d+::health_flags::healthy$",
-                                         clusters, re.M))
-                if healthy == 2 * GATEWAYS:
-                    break
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("Envoy never saw healthy gateways\n" + "\n".join(p.describe() for p in procs))
-            time.sleep(0.2)
+                return False
+            return len(re.findall(r"^gateway_(?:http|grpc)::[^:]+:\d+::health_flags::healthy$",
+                                  clusters, re.M)) == 2 * GATEWAYS
+
+        try:
+            eventually(all_healthy, 60, interval=0.2)
+        except AssertionError:
+            pytest.fail("Envoy never saw healthy gateways\n" + "\n".join(p.describe() for p in procs))
         yield f
     finally:
         stop_all(list(reversed(procs)))

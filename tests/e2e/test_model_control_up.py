@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 from meshserve import examples
 from tests.conftest import ROOT
 from tests.e2e.test_up import _free_port, read_banner
+from tests.support import eventually
 
 PIPE = """
 name: "pipe"
@@ -83,10 +83,7 @@ def _copy_model(repo: Path, src: str, dst: str) -> None:
 
 
 def _until(check: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
+    eventually(check, timeout, interval=0.05, what=what)
 
 
 def _index(c: httpclient.InferenceServerClient | grpcclient.InferenceServerClient) -> dict[str, dict]:

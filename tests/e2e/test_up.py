@@ -16,6 +16,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT
+from tests.support import eventually
 
 
 def _free_port() -> int:
@@ -50,14 +51,15 @@ def _triton_metrics_on_the_printed_url(banner: str) -> None:
     """The /metrics `up` prints carries the services' Triton families (federated by the gateway)."""
     url = re.search(r"Metrics\s+(http://\S+/metrics)", banner)
     assert url, banner
-    deadline = time.monotonic() + 30
-    while True:  # the gateway reuses one scrape of the services for half a second
+
+    def scraped() -> tuple[dict, dict[str, float]] | None:
         with urllib.request.urlopen(url.group(1).replace("localhost", "127.0.0.1"), timeout=10) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
         success = {s.labels["model"]: s.value for s in families["nv_inference_request_success"].samples}
-        if success.get("add_sub", 0) >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return (families, success) if success.get("add_sub", 0) >= 1 else None
+
+    # the gateway reuses one scrape of the services for half a second
+    families, success = eventually(scraped, timeout=30, interval=0.2, what="add_sub counted on the printed /metrics")
     assert success.get("add_sub", 0) >= 1 and success.get("mlp", 0) >= 1, success
     replicas = {s.labels.get("replica") for s in families["nv_inference_request_success"].samples}
     assert len(replicas) == 1 and None not in replicas, replicas  # one onnx service, labelled

@@ -13,6 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.adversarial.support import add_sub_inputs
 from tests.conftest import _wait_http_ready, start
+from tests.support import eventually
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
 UNAVAILABLE = {"503", "StatusCode.UNAVAILABLE"}
@@ -32,6 +33,11 @@ def _replica_healthy(gateway_http: str, endpoint: str) -> bool:
     with urllib.request.urlopen(f"http://{gateway_http}/metrics", timeout=5) as r:
         text = r.read().decode()
     return f'meshserve_gateway_replica_healthy{{replica="{endpoint}"}} 1' in text
+
+
+def _answered_since(results: list[tuple[float, float, str]], lock: threading.Lock, t: float) -> int:
+    with lock:
+        return sum(1 for r in results if r[0] >= t)
 
 
 def test_killed_replica_fails_fast_then_pool_heals(model_repo: Path) -> None:
@@ -66,28 +72,25 @@ def test_killed_replica_fails_fast_then_pool_heals(model_repo: Path) -> None:
     threads = [threading.Thread(target=load, args=(p,)) for p in ("grpc", "http") * 4]
     try:
         _wait_http_ready(g.http)
-        deadline = time.monotonic() + 20
-        while not (_replica_healthy(g.http, a.grpc) and _replica_healthy(g.http, b.grpc)):
-            assert time.monotonic() < deadline, "both replicas never joined"
-            time.sleep(0.2)
+        eventually(lambda: _replica_healthy(g.http, a.grpc) and _replica_healthy(g.http, b.grpc),
+                   what="both replicas joined")
         for t in threads:
             t.start()
-        time.sleep(2.0)
+        eventually(lambda: _served_by(a.grpc) > 0 and _served_by(b.grpc) > 0, what="load spread over both replicas")
         assert _served_by(a.grpc) > 0 and _served_by(b.grpc) > 0, "load was not spread over both replicas"
         killed_at = time.monotonic()
         a.stop(signal.SIGKILL)
-        time.sleep(3.0)
+        eventually(lambda: not _replica_healthy(g.http, a.grpc), timeout=3.0, what="the killed replica out of the pool")
+        # the pool serves on b alone for a while (the window after_kill below looks at)
+        eventually(lambda: _answered_since(results, lock, killed_at + 0.5) > 20, what="load on the pool after the kill")
         assert not _replica_healthy(g.http, a.grpc)
 
         # back on the same port: it rejoins the pool and gets traffic again
         a = start(["service", "onnx", "--repository", repo, "--grpc-port", str(port_a)])
-        deadline = time.monotonic() + 20
-        while _served_by(a.grpc) == 0:
-            assert time.monotonic() < deadline, "the restarted replica never got traffic"
-            time.sleep(0.2)
+        eventually(lambda: _served_by(a.grpc) > 0, what="traffic on the restarted replica")
         assert _replica_healthy(g.http, a.grpc)
         back_at = time.monotonic()
-        time.sleep(1.0)
+        eventually(lambda: _answered_since(results, lock, back_at) > 20, what="load on the healed pool")
     finally:
         stop.set()
         for t in threads:

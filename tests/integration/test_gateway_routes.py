@@ -3,7 +3,6 @@ header + metrics), weights roughly held, sticky users, and a shadow that never h
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.support import eventually
 
 ROUTES = """
 routes:
@@ -96,9 +96,14 @@ def test_http_header_shadow_and_metrics(gateway: Proc) -> None:
         inp.set_data_from_numpy(np.ones((1, 4), np.float32))
         c.infer("scale-ab", [inp], model_version="1")
     assert str(err.value.status()) == "400"
-    time.sleep(0.5)
-    with urllib.request.urlopen(f"http://{gateway.http}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    shadowed = 'meshserve_gateway_shadow_requests_total{route="mirrored",model="no_such_model",outcome="NOT_FOUND"} 10'
+
+    def metrics_text() -> str:  # once the shadow copies (answered after the replies) are counted
+        with urllib.request.urlopen(f"http://{gateway.http}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return text if shadowed in text else ""
+
+    text = eventually(metrics_text, what="the 10 shadow copies answered")
     assert 'meshserve_gateway_route_requests_total{route="scale-ab",arm="v1",outcome="OK"}' in text, text
     assert 'meshserve_gateway_route_requests_total{route="mirrored",arm="scale:1",outcome="OK"} 10' in text
     assert 'meshserve_gateway_shadow_requests_total{route="mirrored",model="no_such_model",outcome="NOT_FOUND"} 10' \

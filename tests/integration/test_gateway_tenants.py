@@ -18,7 +18,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
+from tests.adversarial.support import add_sub_inputs
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.support import eventually
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
 STATUS = {
@@ -46,14 +48,8 @@ tenants:
 
 def add_sub(proto: str, url: str, headers: dict[str, str] | None = None) -> np.ndarray:
     m = MODULES[proto]
-    a = np.ones((1, 16), np.float32)
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        inp = m.InferInput(name, [1, 16], "FP32")
-        inp.set_data_from_numpy(a)
-        inputs.append(inp)
     with m.InferenceServerClient(url) as c:
-        return c.infer("add_sub", inputs, headers=headers).as_numpy("OUTPUT0")
+        return c.infer("add_sub", add_sub_inputs(m), headers=headers).as_numpy("OUTPUT0")
 
 
 def small_mlp(proto: str, url: str, headers: dict[str, str]) -> None:
@@ -152,10 +148,8 @@ def test_http_429_has_retry_after_and_reload(service: Proc, tmp_path: Path) -> N
         # edit the file: acme gets a bigger bucket without a restart
         path.write_text(tenants_yaml(rate=1000, burst=1000))
         os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-        deadline = time.monotonic() + 10
-        while post("/v2/models/add_sub/infer", "acme-key")[0] != 200:
-            assert time.monotonic() < deadline, "tenants.yaml was not reloaded"
-            time.sleep(0.3)
+        eventually(lambda: post("/v2/models/add_sub/infer", "acme-key")[0] == 200, timeout=10, interval=0.3,
+                   what="tenants.yaml reloaded")
         assert all(post("/v2/models/add_sub/infer", "acme-key")[0] == 200 for _ in range(5))
     finally:
         g.stop()
@@ -169,6 +163,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     exe = shutil.which("redis-server")
@@ -178,14 +180,7 @@ def redis_url() -> Iterator[str]:
     proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
                              "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+        eventually(lambda: _accepts(port), timeout=10, what="redis-server started")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
@@ -209,19 +204,14 @@ def test_two_gateways_share_one_rate_through_redis(service: Proc, tmp_path: Path
 
     def send(proto: str, url: str, offset: float) -> None:
         m = MODULES[proto]
-        a = np.ones((1, 16), np.float32)
-        inputs = []
-        for name in ("INPUT0", "INPUT1"):
-            inp = m.InferInput(name, [1, 16], "FP32")
-            inp.set_data_from_numpy(a)
-            inputs.append(inp)
+        inputs = add_sub_inputs(m)
         with m.InferenceServerClient(url) as c:
             k = 0
             while True:
                 at = t0 + offset + k * interval
                 if at >= end:
                     return
-                time.sleep(max(0.0, at - time.monotonic()))
+                time.sleep(max(0.0, at - time.monotonic()))  # the point: the senders' pacing
                 k += 1
                 try:
                     c.infer("add_sub", inputs, headers={"x-api-key": "acme-key"})
@@ -270,7 +260,7 @@ async def test_redis_store_concurrency_and_rate(redis_url: str) -> None:
         await a.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2)
         d5, _ = await b.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2)
         assert not d5.allowed
-        time.sleep(0.3)
+        time.sleep(0.3)  # the point: the 0.2 s lease runs out (a fixed wait past it)
         d6, _ = await b.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2)
         assert d6.allowed
         slow = Limits(rate=2, burst=1)

@@ -1,7 +1,6 @@
 """Versioned routing through the gateway: unknown version → 404, known but unserved → 503 naming it."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +10,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import _wait_http_ready, start
+from tests.support import eventually
 
 PROTOCOLS = {"http": (httpclient, "404", "503"), "grpc": (grpcclient, "StatusCode.NOT_FOUND",
                                                           "StatusCode.UNAVAILABLE")}
@@ -43,7 +43,9 @@ def test_version_known_but_not_served_is_503_naming_it(model_repo: Path) -> None
             status, msg = _status(proto, url, "7")
             assert status == PROTOCOLS[proto][1] and "version 7" in msg
         service.stop()
-        time.sleep(1.0)  # a discovery round notices the replica is gone
+        # a discovery round notices the replica is gone
+        eventually(lambda: _status("http", gateway.http, "1")[0] == PROTOCOLS["http"][2], timeout=10,
+                   what="version 1 unavailable")
         for proto in PROTOCOLS:
             url = getattr(gateway, proto)
             status, msg = _status(proto, url, "1")

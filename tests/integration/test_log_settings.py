@@ -14,6 +14,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.support import eventually
 
 
 @pytest.fixture
@@ -35,9 +36,17 @@ def _infer(c: grpcclient.InferenceServerClient, width: int = 64) -> None:
             c.infer("small_mlp", [inp])
 
 
-def _new_lines(gw: Proc, since: int, needle: str) -> list[str]:
-    time.sleep(0.3)  # the pump thread reads the process's output
-    return [line for line in gw.output[since:] if needle in line]
+def _new_lines(gw: Proc, since: int, needle: str, expect: int = 0) -> list[str]:
+    """The process's lines with ``needle`` since line ``since``, once the pump thread has read
+    ``expect`` of them; with ``expect`` 0 (none may come) only a fixed wait can show it."""
+    def lines() -> list[str]:
+        return [line for line in gw.output[since:] if needle in line]
+
+    if expect:
+        eventually(lambda: len(lines()) >= expect, what=f"{expect} line(s) with {needle!r}")
+    else:
+        time.sleep(0.3)  # the point: a line that must not come would have been read by now
+    return lines()
 
 
 def test_log_settings_switch_request_lines_and_formats(gateway: Proc) -> None:
@@ -53,12 +62,12 @@ def test_log_settings_switch_request_lines_and_formats(gateway: Proc) -> None:
         assert got["log_verbose_level"] == {"uint32_param": 1} and got["log_info"] == {"bool_param": True}
         mark = len(gateway.output)
         _infer(c)
-        assert len(_new_lines(gateway, mark, "infer small_mlp")) == 1  # DEBUG: one line per request
+        assert len(_new_lines(gateway, mark, "infer small_mlp", 1)) == 1  # DEBUG: one line per request
 
         assert http.update_log_settings({"log_verbose_level": 0, "log_format": "json"})["log_format"] == "json"
         mark = len(gateway.output)
         _infer(c, width=63)  # a client error: one WARNING line, as JSON now
-        (line,) = _new_lines(gateway, mark, "small_mlp")
+        (line,) = _new_lines(gateway, mark, "small_mlp", 1)
         record = json.loads(line)
         assert record["level"] == "WARNING" and record["model"] == "small_mlp" and record["status"] == "INVALID_ARG"
 

@@ -3,40 +3,19 @@ with the statistics extension."""
 from __future__ import annotations
 
 import signal
-import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.server import access
+from tests.support import eventually
+from tests.support.metrics import sample as _get
+from tests.support.metrics import scrape as _scrape
 
 MODEL = {"model": "add_sub", "version": "1"}
-
-
-def _scrape(hostport: str) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://{hostport}/metrics", timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain")
-        text = r.read().decode()
-    out: dict[tuple[str, frozenset], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-            if family.type == "counter" and s.name == family.name + "_total":
-                # the parser appends _total to counters named without it (Triton's nv_* names)
-                out[(family.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def _get(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
-    want = set(labels.items())
-    found = [v for (n, lab), v in samples.items() if n == name and want <= lab]
-    assert found, f"no sample {name}{labels}"
-    return sum(found)
 
 
 def _stats(hostport: str) -> dict:
@@ -140,14 +119,15 @@ def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> Non
                     break
         own = {grpc: _get(_scrape(http), "nv_inference_request_success", **MODEL) for grpc, http in replicas.items()}
         assert own[other.grpc] >= 1
-        deadline = time.monotonic() + 20
-        while True:  # one read of the services serves the gateway's scrapes for half a second
+
+        def federated() -> dict:
             fed = _scrape(gateway.http)
             got = {grpc: _get(fed, "nv_inference_request_success", **MODEL, replica=grpc) for grpc in replicas}
-            if got == own or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert got == own
+            assert got == own
+            return fed
+
+        # one read of the services serves the gateway's scrapes for half a second
+        fed = eventually(federated, what="the federated counts")
         assert _get(fed, "nv_inference_request_success", **MODEL) == sum(own.values())  # summed over replicas
         assert _get(fed, "nv_model_load_duration_secs", **MODEL, replica=other.grpc) > 0
         assert _get(fed, "nv_inference_first_response_histogram_ms_count", **MODEL, replica=other.grpc) == \
@@ -161,14 +141,15 @@ def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> Non
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (err.value.details() or "")
 
         other.stop(signal.SIGKILL)  # gone at once (a SIGTERM drain waits out the gateway's open streams)
-        deadline = time.monotonic() + 20
-        while True:
+
+        def without_other() -> dict:
             fed = _scrape(gateway.http)
             gone = not any(n == "nv_inference_request_success" and ("replica", other.grpc) in lab for n, lab in fed)
-            if gone or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert gone and _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 0
+            assert gone
+            return fed
+
+        fed = eventually(without_other, what=f"{other.grpc}'s samples gone from the federated /metrics")
+        assert _get(fed, "meshserve_gateway_federated_up", replica=other.grpc) == 0
         assert _get(fed, "nv_inference_request_success", **MODEL, replica=stack.service.grpc) == \
             own[stack.service.grpc]
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from meshserve import examples
 from tests.conftest import Proc, start
+from tests.support import eventually
 
 
 def _repo(root: Path) -> Path:
@@ -104,10 +104,8 @@ def test_poll_mode_picks_up_a_new_version(tmp_path: Path) -> None:
     try:
         with httpclient.InferenceServerClient(svc.http) as c:
             assert c.get_model_metadata("scale")["versions"] == ["1"]
-            examples._save(examples.scale(2.0), repo / "scale" / "2" / "model.onnx")
-            deadline = time.monotonic() + 10
-            while c.get_model_metadata("scale")["versions"] != ["2"] and time.monotonic() < deadline:
-                time.sleep(0.1)
+            examples.save_onnx(examples.scale(2.0), repo / "scale" / "2" / "model.onnx")
+            eventually(lambda: c.get_model_metadata("scale")["versions"] == ["2"], timeout=10, what="the poll")
             assert c.get_model_metadata("scale")["versions"] == ["2"]  # latest 1: v2 replaced v1
     finally:
         svc.stop()
@@ -133,13 +131,15 @@ def test_reload_under_16_concurrent_clients_fails_no_request(explicit: tuple[Pro
     for t in threads:
         t.start()
     try:
-        time.sleep(0.5)
+        eventually(lambda: all(counts), what="every client answered")
         with httpclient.InferenceServerClient(gw.http) as c:
             for delay in (100, 2000, 500):  # three reloads, each a new config
                 config = c.get_model_config("add_sub")
                 config["dynamic_batching"]["max_queue_delay_microseconds"] = delay
                 c.load_model("add_sub", config=json.dumps(config))
-                time.sleep(0.3)
+                done = list(counts)  # every client gets answers from the new config before the next
+                eventually(lambda done=done: all(n > d for n, d in zip(counts, done, strict=True)) or failures,
+                           what=f"every client answered after the reload to {delay} us")
             assert c.get_model_config("add_sub")["dynamic_batching"]["max_queue_delay_microseconds"] == 500
     finally:
         stop.set()
@@ -190,15 +190,11 @@ def test_load_over_two_replicas_reports_a_partial_failure(tmp_path: Path) -> Non
 
 def _until_ready(c: httpclient.InferenceServerClient, timeout: float = 10) -> None:
     """Both replicas discovered: add_sub answers from the pool."""
-    deadline = time.monotonic() + timeout
-    while not (c.is_server_ready() and c.is_model_ready("add_sub")):
-        assert time.monotonic() < deadline, "the gateway did not become ready"
-        time.sleep(0.05)
+    eventually(lambda: c.is_server_ready() and c.is_model_ready("add_sub"), timeout,
+               what="the gateway and add_sub ready")
 
 
 def _until_unloaded(c: grpcclient.InferenceServerClient, name: str, timeout: float = 5) -> None:
     """Unload returns before readiness turns false everywhere (as in Triton): poll."""
-    deadline = time.monotonic() + timeout
-    while c.is_model_ready(name) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: not c.is_model_ready(name), timeout, what=f"'{name}' unloaded")
     assert not c.is_model_ready(name)

@@ -24,7 +24,8 @@ def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))
-    assert [int(r["Concurrency"]) for r in rows] == [1, 6, 11, 16]
+    # one row per concurrency level; perf_analyzer sorts the rows by throughput, not concurrency
+    assert sorted(int(r["Concurrency"]) for r in rows) == [1, 6, 11, 16]
     for r in rows:
         assert float(r["Inferences/Second"]) > 10
         # sane latencies: p99 under a second on a 64->256->64 MLP

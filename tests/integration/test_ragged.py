@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 
 from tests.conftest import Proc, start
+from tests.support import models
 
 CONFIG = """name: "ragged"
 platform: "onnxruntime_onnx"
@@ -30,24 +31,19 @@ dynamic_batching { preferred_batch_size: [ 3 ] max_queue_delay_microseconds: 200
 
 def model() -> onnx.ModelProto:
     two = helper.make_tensor("TWO", TensorProto.FLOAT, [], [2.0])
-    g = helper.make_graph(
+    return models.onnx_model(
         [helper.make_node("Mul", ["INPUT", "TWO"], ["OUTPUT"]), helper.make_node("Identity", ["INDEX"], ["ENDS"])],
         "ragged",
         [helper.make_tensor_value_info("INPUT", TensorProto.FLOAT, ["n"]),
          helper.make_tensor_value_info("INDEX", TensorProto.FLOAT, ["b"])],
         [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, ["n"]),
          helper.make_tensor_value_info("ENDS", TensorProto.FLOAT, ["b"])], [two])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     repo: Path = tmp_path_factory.mktemp("ragged")
-    (repo / "ragged" / "1").mkdir(parents=True)
-    (repo / "ragged" / "config.pbtxt").write_text(CONFIG)
-    onnx.save(model(), str(repo / "ragged" / "1" / "model.onnx"))
+    models.write(repo, "ragged", CONFIG, {1: model()})
     svc = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"])
     yield svc
     svc.stop()

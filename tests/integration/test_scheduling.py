@@ -7,7 +7,6 @@ so that requests sent while it runs really wait in the service's queue.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,6 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, start
+from tests.support import eventually, models
+from tests.support.metrics import sample, scrape
 
 N, LAYERS = 2048, 800
 CONFIG = """name: "slow"
@@ -45,20 +46,15 @@ def slow_model() -> onnx.ModelProto:
         out = "OUTPUT0" if i == LAYERS - 1 else f"h{i}"
         nodes.append(helper.make_node("MatMul", [prev, "W"], [out]))
         prev = out
-    g = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["b", N])],
-                          [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["b", N])], [w])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+    return models.onnx_model(nodes, "slow", [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["b", N])],
+                             [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["b", N])], [w])
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     repo = tmp_path_factory.mktemp("sched")
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "config.pbtxt").write_text(CONFIG)
-    onnx.save(slow_model(), str(repo / "slow" / "1" / "model.onnx"))
-    service = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0"])
+    models.write(repo, "slow", CONFIG, {1: slow_model()})
+    service = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"])
     gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
     gw.upstream = service  # type: ignore[attr-defined]
     yield gw
@@ -102,6 +98,24 @@ class Outcomes:
             t.join(60)
 
 
+class Arrivals:
+    """Requests for 'slow' that reached the service since this was made, from its /metrics:
+    those in it (executing or queued: nv_inference_pending_request_count) and those it finished."""
+
+    def __init__(self, gw: Proc) -> None:
+        self.service: Proc = getattr(gw, "upstream", gw)
+        self.base = self.count()
+
+    def count(self) -> float:
+        s = scrape(self.service.http)
+        return sum(sample(s, name, model="slow") for name in (
+            "nv_inference_pending_request_count", "nv_inference_request_success", "nv_inference_request_failure"))
+
+    def wait(self, n: int) -> None:
+        """Until ``n`` have arrived: what is sent next arrives behind them."""
+        eventually(lambda: self.count() - self.base >= n, what=f"{n} requests at the service")
+
+
 def _stats(gw: Proc) -> dict:
     with httpclient.InferenceServerClient(gw.http) as c:
         return c.get_inference_statistics("slow")["model_stats"][0]["inference_stats"]
@@ -109,11 +123,12 @@ def _stats(gw: Proc) -> dict:
 
 def test_higher_priority_overtakes_queued_requests(gateway: Proc) -> None:
     o = Outcomes()
+    arrived = Arrivals(gateway)
     o.send(gateway, "blocker")
-    time.sleep(0.02)  # the blocker is executing; the rest queue behind it
+    arrived.wait(1)  # the blocker is executing; the rest queue behind it
     for i in range(3):
         o.send(gateway, f"low{i}")
-    time.sleep(0.02)
+    arrived.wait(4)
     o.send(gateway, "high0", priority=1)
     o.send(gateway, "high1", priority=1)
     o.wait()
@@ -126,11 +141,12 @@ def test_higher_priority_overtakes_queued_requests(gateway: Proc) -> None:
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
     o = Outcomes()
+    arrived = Arrivals(gateway)
     o.send(gateway, "blocker")
-    time.sleep(0.02)
+    arrived.wait(1)
     for i in range(3):  # fill the default level's queue (max_queue_size 3)
         o.send(gateway, f"queued{i}")
-    time.sleep(0.03)
+    arrived.wait(4)
     o.send(gateway, "overflow", protocol)
     o.wait()
     assert set(o.errors) == {"overflow"}, (o.order, o.errors)
@@ -143,8 +159,9 @@ def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
 def test_queue_timeout_rejects_and_is_counted(gateway: Proc, protocol: str) -> None:
     before = _stats(gateway)
     o = Outcomes()
+    arrived = Arrivals(gateway)
     o.send(gateway, "blocker")
-    time.sleep(0.02)
+    arrived.wait(1)
     o.send(gateway, "impatient", protocol, priority=1, timeout=5000)  # 5 ms in the queue at most
     o.send(gateway, "patient", protocol, priority=1)
     o.wait()
@@ -176,8 +193,9 @@ def test_a_client_deadline_expires_the_request_in_the_service_queue(gateway: Pro
     with httpclient.InferenceServerClient(gateway.http) as c:
         before = c.get_inference_statistics("slow")["model_stats"][0]
     o = Outcomes()
+    arrived = Arrivals(gateway)
     o.send(gateway, "blocker")
-    time.sleep(0.02)
+    arrived.wait(1)
     o.send(gateway, "hasty", client_timeout=0.03)  # expires while the blocker runs
     o.send(gateway, "follower")
     o.wait()
@@ -196,17 +214,18 @@ def test_client_cancellation_removes_queued_work(gateway: Proc) -> None:
     with httpclient.InferenceServerClient(gateway.http) as c:
         before = c.get_inference_statistics("slow")["model_stats"][0]["execution_count"]
     o = Outcomes()
+    arrived = Arrivals(service)
     # Every request goes straight to the service, so none can overtake another on a slower
     # path; the blockers get a head start and the cancelled request waits behind both.
     o.send(service, "blocker0")
     o.send(service, "blocker1")
-    time.sleep(0.1)
+    arrived.wait(2)
     done = threading.Event()
     with grpcclient.InferenceServerClient(service.grpc) as c:
         inp = grpcclient.InferInput("INPUT0", [1, N], "FP32")
         inp.set_data_from_numpy(np.zeros((1, N), np.float32))
         call = c.async_infer("slow", [inp], callback=lambda result, error: done.set())
-        time.sleep(0.05)
+        arrived.wait(3)
         call.cancel()
         assert done.wait(10)
     o.send(service, "follower")

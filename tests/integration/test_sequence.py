@@ -237,7 +237,7 @@ def test_idle_sequence_expires(seq: SeqStack) -> None:
     http = httpclient.InferenceServerClient(seq.gateway.http)
     assert _value(http.infer("seq_idle", [_input(httpclient, 1.0)], sequence_id=55, sequence_start=True)) == 1.0
     assert _value(http.infer("seq_idle", [_input(httpclient, 1.0)], sequence_id=55)) == 2.0  # < 300 ms idle
-    time.sleep(0.8)  # max_sequence_idle_microseconds: 300000
+    time.sleep(0.8)  # the point: idle past max_sequence_idle_microseconds (300000)
     with pytest.raises(InferenceServerException) as info:
         http.infer("seq_idle", [_input(httpclient, 1.0)], sequence_id=55, sequence_end=True)
     assert info.value.status() == "400" and "START flag" in info.value.message()

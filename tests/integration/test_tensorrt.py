@@ -19,6 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, Proc, service_and_gateway
+from tests.support import models
 
 pytest.importorskip("tensorrt", reason="the TensorRT tests need the [tensorrt] extra")
 
@@ -33,35 +34,15 @@ def _gpus() -> int:
 
 pytestmark = pytest.mark.skipif(_gpus() == 0, reason="TensorRT needs a CUDA GPU")
 
-CONFIG = """name: "trt_add_sub"
-platform: "tensorrt_plan"
-max_batch_size: 8
-input [
-  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-instance_group [ { kind: KIND_GPU count: 2 } ]
+CONFIG = models.pair_config("trt_add_sub", "tensorrt_plan", 16, extra="""instance_group [ { kind: KIND_GPU count: 2 } ]
 dynamic_batching { max_queue_delay_microseconds: 20000 }
-"""
+""")
 
 
 def _onnx_add_sub(path: Path) -> None:
-    import onnx
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    fp32 = TensorProto.FLOAT
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
-        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("INPUT0", "INPUT1")],
-        [helper.make_tensor_value_info(n, fp32, ["batch", 16]) for n in ("OUTPUT0", "OUTPUT1")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
+    models.save_onnx(models.add_sub(TensorProto.FLOAT), path)
 
 
 @pytest.fixture(scope="module")

@@ -18,24 +18,14 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.support import models
 
 torch = pytest.importorskip("torch", reason="the TorchScript tests need torch==2.13.0 (the [torch] extra)")
 
 PROTOCOLS = ("http", "grpc")
 
-ADD_SUB = """name: "ts_add_sub"
-platform: "pytorch_libtorch"
-max_batch_size: 8
-input [
-  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] },
-  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 4 ] }
-]
-output [
-  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] },
-  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 4 ] }
-]
-dynamic_batching { max_queue_delay_microseconds: 20000 }
-"""
+ADD_SUB = models.pair_config("ts_add_sub", "pytorch_libtorch", 4, ("INPUT__0", "INPUT__1"), ("OUTPUT__0", "OUTPUT__1"),
+                             extra="dynamic_batching { max_queue_delay_microseconds: 20000 }\n")
 
 NAMED = """name: "ts_named"
 backend: "pytorch"
@@ -79,17 +69,11 @@ output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 
 
 def _write(repo: Path, name: str, config: str, filename: str, save: Any) -> None:
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    save(str(repo / name / "1" / filename))
+    models.write(repo, name, config, {1: lambda path: save(str(path))}, filename)
 
 
 def build_models(repo: Path) -> Path:
     nn = torch.nn
-
-    class AddSub(nn.Module):
-        def forward(self, a, b):  # type: ignore[no-untyped-def]
-            return a + b, a - b
 
     class Named(nn.Module):
         def forward(self, x: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -110,9 +94,7 @@ def build_models(repo: Path) -> Path:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        zeros = torch.zeros(2, 4)
-        _write(repo, "ts_add_sub", ADD_SUB, "model.pt",
-               lambda p: torch.jit.trace(AddSub(), (zeros, zeros)).save(p))
+        models.write(repo, "ts_add_sub", ADD_SUB, {1: models.torch_add_sub(4)}, "model.pt")
         _write(repo, "ts_named", NAMED, "model.pt", lambda p: torch.jit.script(Named()).save(p))
         _write(repo, "ts_dict_in", DICT_IN, "model.pt", lambda p: torch.jit.script(DictIn()).save(p))
         _write(repo, "ts_strings", STRINGS, "model.pt", lambda p: torch.jit.script(DictIn()).save(p))

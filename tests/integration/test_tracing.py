@@ -5,6 +5,7 @@ and starts a gateway and an ONNX service as separate processes that export to it
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -26,6 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from meshserve._proto import grpc_service_pb2 as pb
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.integration.test_gateway_routes import ROUTES
+from tests.support import eventually
 
 
 @dataclass
@@ -67,14 +69,15 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
+    def snapshot(self) -> list[Span]:
+        with self.lock:
+            return list(self.spans)
+
     def wait(self, pred, timeout: float = 15) -> list[Span]:
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                spans = list(self.spans)
-            if pred(spans) or time.monotonic() > deadline:
-                return spans
-            time.sleep(0.1)
+        """The spans once ``pred`` holds for them, or after ``timeout`` (the caller's assertions say what is missing)."""
+        with contextlib.suppress(AssertionError):
+            eventually(lambda: pred(self.snapshot()), timeout, interval=0.1)
+        return self.snapshot()
 
 
 @dataclass
@@ -186,9 +189,7 @@ def _burst(url: str, n: int = 8) -> set[str]:
         for i, (tp, _, _) in enumerate(parents):
             c.async_infer("small_mlp", [_mlp_input(i)], lambda result, error, out=done: out.append(error),
                           headers={"traceparent": tp})
-        deadline = time.monotonic() + 20
-        while len(done) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: len(done) >= n, what=f"{n} answers")
     assert done == [None] * n
     return {t for _, t, _ in parents}
 
@@ -279,7 +280,7 @@ def _settled(receiver: Receiver) -> int:
     count = -1
     while count != len(receiver.spans):
         count = len(receiver.spans)
-        time.sleep(0.6)  # > OTEL_BSP_SCHEDULE_DELAY
+        time.sleep(0.6)  # the point: > OTEL_BSP_SCHEDULE_DELAY with no new span means none is coming
     return count
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tests.support.models import onnx_model as _model
+from tests.support.models import write
+
 ACCUM_CONFIG = """name: "{name}"
 platform: "onnxruntime_onnx"
 max_batch_size: 8
@@ -49,21 +52,8 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
 
-def _model(nodes: list[Any], name: str, inputs: list[Any], outputs: list[Any]) -> Any:
-    from onnx import helper
-
-    model = helper.make_model(helper.make_graph(nodes, name, inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def _save(repo: Path, name: str, config: str, model: Any) -> None:
-    import onnx
-
-    (repo / name / "1").mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    onnx.save(model, str(repo / name / "1" / "model.onnx"))
+    write(repo, name, config, {1: model})
 
 
 def build(repo: Path) -> Path:
@@ -124,8 +114,7 @@ def build_torch(repo: Path) -> Path:
             acc = INPUT + (1 - START) * STATE_IN
             return acc, acc
 
-    (repo / "seq_accum_pt" / "1").mkdir(parents=True, exist_ok=True)
-    (repo / "seq_accum_pt" / "config.pbtxt").write_text(TORCH_CONFIG)
     example = (torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1))
-    torch.jit.trace(Accumulate(), example).save(str(repo / "seq_accum_pt" / "1" / "model.pt"))
+    write(repo, "seq_accum_pt", TORCH_CONFIG, {1: lambda path: torch.jit.trace(Accumulate(), example).save(str(path))},
+          "model.pt")
     return repo

@@ -16,6 +16,7 @@ from services.base.scheduling import (
     QueueFullError,
     UnavailableError,
 )
+from tests.support import eventually_async
 
 MS = 1_000_000
 
@@ -76,13 +77,6 @@ async def settle(times: int = 20) -> None:
         await asyncio.sleep(0)
 
 
-async def wait_until(cond: Callable[[], bool], timeout: float = 1.0) -> None:
-    async def poll() -> None:
-        while not cond():
-            await asyncio.sleep(0.001)
-    await asyncio.wait_for(poll(), timeout)
-
-
 def batcher(policy: BatchingPolicy, execute: Executor, instances: int = 1,
             clock: Callable[[], int] | None = None) -> DynamicBatcher:
     return DynamicBatcher(policy, execute, instance_count=instances,
@@ -139,7 +133,7 @@ async def test_delay_is_measured_from_the_oldest_request() -> None:
     clock.now = 15 * MS
     second = request("b", arrival_ns=15 * MS)
     b.enqueue(second)
-    await asyncio.sleep(0.025)  # longer than the first real timer; the fake clock says 15 ms
+    await asyncio.sleep(0.025)  # the point: longer than the first real timer; the fake clock says 15 ms
     assert ex.batches == []
     # 20 ms after the oldest (only 5 ms after the newest) the batch is due.
     clock.now = 20 * MS
@@ -156,13 +150,13 @@ async def test_delay_counts_time_already_waited_upstream() -> None:
     b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
     fresh = request("fresh", arrival_ns=100 * MS)
     b.enqueue(fresh)
-    await asyncio.sleep(0.025)
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
     assert ex.batches == []  # a fresh request waits for its delay
     clock.now = 105 * MS
     waited = request("waited", arrival_ns=105 * MS)
     waited.waited_ns = 19 * MS  # arrived at the gateway at 86 ms: older than "fresh"
     b.enqueue(waited)
-    await asyncio.sleep(0.025)
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
     assert ex.batches == []  # due at 86 + 20 = 106 ms, not yet
     clock.now = 106 * MS
     await asyncio.wait_for(asyncio.gather(fresh.future, waited.future), 1.0)
@@ -403,7 +397,7 @@ async def test_release_lets_the_next_batch_start_before_results_are_delivered() 
     first, second = request("a"), request("b")
     b.enqueue(first)
     b.enqueue(second)
-    await wait_until(lambda: len(started) == 2)  # "b" started though "a" has not finished
+    await eventually_async(lambda: len(started) == 2, 1.0)  # "b" started though "a" has not finished
     assert not first.future.done()
     delivered.set()
     assert await asyncio.wait_for(asyncio.gather(first.future, second.future), 1.0) == ["a", "b"]

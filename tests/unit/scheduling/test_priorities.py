@@ -8,6 +8,7 @@ import pytest
 from services.base.scheduling import BatchingPolicy, DynamicBatcher, QueuedRequest, QueueFullError
 from services.base.scheduling.errors import DeadlineExceededError
 from services.base.scheduling.policy import QueuePolicy
+from tests.support import eventually_async
 
 
 def req(loop: asyncio.AbstractEventLoop, name: str, level: int, **kw: object) -> QueuedRequest:
@@ -30,7 +31,7 @@ async def _run_order(policy: BatchingPolicy, reqs: list[QueuedRequest], loop: as
     b = DynamicBatcher(policy, execute)
     blocker = req(loop, "blocker", policy.levels)
     b.enqueue(blocker)
-    await asyncio.sleep(0.01)
+    await eventually_async(lambda: len(batches) == 1, what="the blocker running")
     for r in reqs:
         b.enqueue(r)
     gate.set()
@@ -61,15 +62,17 @@ async def test_max_queue_size_per_level() -> None:
     policy = BatchingPolicy(max_batch_size=1, priority_levels=2, default_priority_level=2,
                             priority_queue_policies=((1, QueuePolicy(max_queue_size=1)),))
     gate = asyncio.Event()
+    started: list[QueuedRequest] = []
 
     async def execute(batch: list[QueuedRequest]) -> None:
+        started.extend(batch)
         await gate.wait()
         for q in batch:
             q.future.set_result(None)
 
     b = DynamicBatcher(policy, execute)
     b.enqueue(req(loop, "running", 2))
-    await asyncio.sleep(0.01)
+    await eventually_async(lambda: started, what="'running' running")
     b.enqueue(req(loop, "h1", 1))
     with pytest.raises(QueueFullError):
         b.enqueue(req(loop, "h2", 1))

@@ -20,6 +20,7 @@ from meshserve.server.h2 import ErrorCode
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
 from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import ServerLimits
+from tests.support import eventually_async as until
 from tests.unit.server.h2_support import MiB
 from tests.unit.server.test_h2grpc import (
     DATA,
@@ -93,14 +94,6 @@ class Seen(set):  # type: ignore[type-arg]
 def watch(env: Env) -> Seen:
     env.server._conns = seen = Seen()
     return seen
-
-
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 # ---- SETTINGS_MAX_CONCURRENT_STREAMS ---------------------------------------------------------

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from meshserve.server.h2 import Channel, ClientStream, GrpcError, H2ClientConnection, H2GrpcServer, connect
+from tests.support import eventually_async as until
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 SERVICE = "t.Client"
@@ -148,14 +149,6 @@ async def conn(srv: Srv) -> AsyncIterator[H2ClientConnection]:
         c.close()
 
 
-async def until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
 async def waited(event: asyncio.Event, timeout: float = 5.0) -> None:
     await asyncio.wait_for(event.wait(), timeout)
 
@@ -190,7 +183,7 @@ async def dropped(conn: H2ClientConnection, timeout: float = 5.0) -> None:
     pending (a second one for a stream already ended) would have run by then."""
     conn.close()
     await until(lambda: conn.closed, timeout, "the connection to close")
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the point: room for an on_close that must not come
 
 
 class Relay:
@@ -605,7 +598,7 @@ async def test_close_ends_open_streams_and_refuses_new_ones_at_once(srv: Srv, co
         code, details = await c.closed()
         assert code == UNAVAILABLE and f"connection to {srv.target} lost" in details, details
     await until(lambda: conn.closed, 5, "the connection to close")
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the point: room for a second on_close that must not come
     assert all(len(c.closes) == 1 for c in calls)
     assert not conn.usable
     with pytest.raises(ConnectionError):

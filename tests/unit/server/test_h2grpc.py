@@ -30,6 +30,7 @@ import pytest
 from meshserve._proto import health_pb2
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState, health_handler
+from tests.support import eventually_async
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 try:
@@ -432,10 +433,7 @@ async def test_a_dropped_connection_cancels_handlers(env: Env, abort: bool) -> N
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     raw.close()
     await waited(env.probe.closed, 2.0)
-    for _ in range(200):
-        if len(env.probe.cancelled_in) == 2:
-            break
-        await asyncio.sleep(0.01)
+    await eventually_async(lambda: len(env.probe.cancelled_in) == 2, 2.0, "both handlers cancelled")
     assert sorted(env.probe.cancelled_in) == ["bidi", "sleep"]
     await still_serving(env)
 
@@ -511,10 +509,7 @@ async def test_done_callback_and_cancelled(env: Env) -> None:
     await waited(env.probe.started)
     call.cancel()
     await waited(env.probe.cancelled)
-    for _ in range(100):
-        if len(env.probe.done_cancelled) == 2:
-            break
-        await asyncio.sleep(0.01)
+    await eventually_async(lambda: len(env.probe.done_cancelled) == 2, 1.0, "both done callbacks")
     assert env.probe.done_cancelled == [False, True]
 
 
@@ -633,7 +628,7 @@ async def test_abandoned_server_stream_is_closed(env: Env, method: str) -> None:
     call = env.unary_stream(method)(b"")
     for _ in range(3):
         assert await call.read() != grpc.aio.EOF
-    await asyncio.sleep(0.2)  # the firehose now waits for the window the client does not open
+    await asyncio.sleep(0.2)  # the point: the firehose fills the window the client does not open
     call.cancel()
     await waited(env.probe.closed, 2.0)
     if method == "Forever":
@@ -686,7 +681,7 @@ async def test_graceful_stop_finishes_calls_in_flight() -> None:
         await waited(e.probe.started)
         t0 = time.monotonic()
         stopping = asyncio.ensure_future(e.server.stop(grace=5))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # stop() runs up to its wait for the calls in flight: no longer accepting
         async with grpc.aio.insecure_channel(e.target) as ch:  # no new connections while draining
             err = await rpc_error(ch.unary_unary(path("Echo"))(b"x", timeout=5))
             assert err.code() == grpc.StatusCode.UNAVAILABLE

@@ -12,6 +12,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server import grpc_frontend
 from meshserve.server.core import InferResult, RequestContext
 from meshserve.server.h2 import H2GrpcServer
+from tests.support import eventually_async
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -46,11 +47,8 @@ async def test_a_stream_has_at_most_its_limit_in_progress(monkeypatch: pytest.Mo
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.stream_stream(STREAM)(
                 iter([pb.ModelInferRequest(model_name="m", id=f"r{i}").SerializeToString() for i in range(20)]))
-            for _ in range(200):  # until the first eight are in
-                if core.inflight == 8:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # time for a ninth that must not start
+            await eventually_async(lambda: core.inflight == 8, 2.0, "the first eight in")
+            await asyncio.sleep(0.2)  # the point: time for a ninth that must not start
             assert core.inflight == 8 and core.most == 8
             core.release.set()
             answers = [pb.ModelStreamInferResponse.FromString(raw) async for raw in call]

@@ -14,6 +14,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from services.base.model import ModelVersion
 from services.base.warmup import WarmupError, run_warmup, warmup_inputs
+from tests.support import eventually_async
 
 CONFIG = """name: "sleepy" max_batch_size: 1
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
@@ -48,7 +49,8 @@ def request(seconds: float) -> pb.ModelInferRequest:
 @pytest.mark.parametrize("preserve", [True, False])
 async def test_preserve_ordering_across_two_instances(preserve: bool, tmp_path: Path) -> None:
     config = text_format.Parse(CONFIG % ("preserve_ordering: true" if preserve else ""), mc.ModelConfig())
-    mv = ModelVersion(config, 1, tmp_path, [SleepyInstance(), SleepyInstance()], "fake")
+    instances = [SleepyInstance(), SleepyInstance()]
+    mv = ModelVersion(config, 1, tmp_path, instances, "fake")
     finished: list[str] = []
 
     async def one(name: str, seconds: float) -> None:
@@ -56,7 +58,7 @@ async def test_preserve_ordering_across_two_instances(preserve: bool, tmp_path: 
         finished.append(name)
 
     slow = asyncio.ensure_future(one("slow", 0.3))
-    await asyncio.sleep(0.05)  # "slow" runs on instance 1; "fast" gets instance 2
+    await eventually_async(lambda: any(i.calls for i in instances))  # "slow" runs on instance 1; "fast" gets instance 2
     fast = asyncio.ensure_future(one("fast", 0.0))
     await asyncio.gather(slow, fast)
     await mv.close()

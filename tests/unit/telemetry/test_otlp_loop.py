@@ -18,6 +18,7 @@ from meshserve.server.process import OTLP_TRANSPORT
 from meshserve.telemetry import otlp_loop
 from meshserve.telemetry import spans as sp
 from meshserve.telemetry.otlp_encode import encode_encoded, encode_record, encode_span
+from tests.support import eventually_async
 
 
 @pytest.mark.parametrize(("env", "want"), [
@@ -85,13 +86,6 @@ def _end(queue: otlp_loop.LoopExportQueue, i: int) -> None:
     sp.Span(f"s{i}", 0x42, i, 0, False, sp.INTERNAL, time.time_ns(), {"i": i}, SCOPE, queue.on_end).end()
 
 
-async def _until(pred, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def test_full_batches_go_at_once_the_rest_after_the_delay(receiver: tuple[_Receiver, int]) -> None:
     servicer, port = receiver
     queue = _queue(port, OTEL_BSP_MAX_EXPORT_BATCH_SIZE="4", OTEL_BSP_SCHEDULE_DELAY="300")
@@ -99,9 +93,9 @@ def test_full_batches_go_at_once_the_rest_after_the_delay(receiver: tuple[_Recei
     async def main() -> float:
         for i in range(10):
             _end(queue, i)
-        await _until(lambda: len(servicer.names()) >= 8)  # two full batches, no waiting for the delay
+        await eventually_async(lambda: len(servicer.names()) >= 8)  # two full batches, no waiting for the delay
         t0 = time.monotonic()
-        await _until(lambda: len(servicer.names()) == 10)  # the last two after the schedule delay
+        await eventually_async(lambda: len(servicer.names()) == 10)  # the last two after the schedule delay
         return time.monotonic() - t0
 
     waited = asyncio.run(main())
@@ -136,7 +130,7 @@ def test_a_rejecting_collector_drops_the_batch_without_retries(receiver: tuple[_
     async def main() -> None:
         _end(queue, 1)
         _end(queue, 2)
-        await _until(lambda: queue.dropped == 2)
+        await eventually_async(lambda: queue.dropped == 2)
 
     asyncio.run(main())
     assert servicer.calls == 1  # INVALID_ARGUMENT is not transient
@@ -150,7 +144,7 @@ def test_unreachable_collector_retries_then_drops(monkeypatch: pytest.MonkeyPatc
         async def main() -> None:
             for i in range(5):
                 _end(queue, i)  # queue of 3: the 4th and 5th may be dropped at once
-            await _until(lambda: queue.dropped == 5)
+            await eventually_async(lambda: queue.dropped == 5)
 
         asyncio.run(main())
         assert queue.exported == 0
@@ -165,7 +159,7 @@ def test_a_span_ended_off_the_loop_thread_is_still_sent(receiver: tuple[_Receive
         worker = threading.Thread(target=_end, args=(queue, 2))
         worker.start()
         worker.join()
-        await _until(lambda: len(servicer.names()) == 2)
+        await eventually_async(lambda: len(servicer.names()) == 2)
 
     asyncio.run(main())
 
@@ -182,7 +176,7 @@ def test_spans_ended_on_a_later_loop_are_sent_from_it(receiver: tuple[_Receiver,
     async def second() -> None:
         _end(queue, 2)
         _end(queue, 3)
-        await _until(lambda: len(servicer.names()) == 3)
+        await eventually_async(lambda: len(servicer.names()) == 3)
 
     asyncio.run(first())
     asyncio.run(second())

@@ -12,6 +12,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from meshserve.telemetry import spans as sp
 from meshserve.telemetry import tracing
+from tests.support import eventually
 
 HALF = 1 << 63  # low 64 bits of a trace id right at ratio 0.5's bound
 
@@ -72,9 +73,7 @@ def test_full_batches_go_out_before_the_delay() -> None:
     queue = sp.ExportQueue([keep], {"OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "3"})
     for i in range(7):
         _span(queue, i + 1).end()
-    deadline = time.monotonic() + 5
-    while sum(map(len, keep.batches)) < 6 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    eventually(lambda: sum(map(len, keep.batches)) >= 6, 5)
     assert [len(b) for b in keep.batches][:2] == [3, 3]  # the 7th waits for the delay or a flush
     assert queue.force_flush(5)
     assert [s.span_id for b in keep.batches for s in b] == list(range(1, 8))

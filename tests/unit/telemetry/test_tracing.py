@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from meshserve.server import observe
 from meshserve.server.core import InferResult, RequestContext
 from meshserve.server.process import OTLP_TRANSPORT
 from meshserve.telemetry import tracing
+from tests.support import eventually, eventually_async
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -42,9 +42,9 @@ def test_off_by_default_leaves_the_sdk_alone() -> None:
 
 @contextlib.contextmanager
 def configured(role: str, env: dict[str, str], exporters: list[Any] | None = None) -> Iterator[None]:
-    """tracing configured for one test; its module state as it was afterwards."""
-    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "late_spans", "_sampler",
-                                              "root_bound", "_queue", "_scope", "_encoded", "_on_record")}
+    """tracing configured for one test; its state and flags as they were afterwards."""
+    saved = {k: getattr(tracing, k) for k in ("enabled", "role", "request_span_name", "late_spans", "root_bound",
+                                              "state")}
     assert tracing.configure("meshserve-test", role, env=env, exporters=exporters, transport=OTLP_TRANSPORT)
     try:
         yield
@@ -169,10 +169,10 @@ def test_emitted_spans_are_records_that_encode_like_spans() -> None:
 
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "always_on"}
     with configured("service", env):
-        queue = tracing._queue
+        queue = tracing.state.queue
         assert isinstance(queue, LoopExportQueue)
         try:
-            assert tracing._on_record is not None
+            assert tracing.state.on_record is not None
             parent = tracing.start_server_span("service.request", tracing.parent_context(f"00-{TRACE}-{PARENT}-01", "k=v"))
             assert parent is not None
             fixed = tracing.fixed_attributes(("meshserve.model", "m"))
@@ -180,7 +180,7 @@ def test_emitted_spans_are_records_that_encode_like_spans() -> None:
                                       error="RuntimeError: boom", fixed=fixed)
             compute = tracing.emit_span("service.compute", batch, 150, 120, None, fixed=fixed)  # end before start
             assert not isinstance(batch, Span) and batch.trace_id == parent.trace_id
-            got = [blob for _, blob in queue._spans]  # no running loop: encoded at once
+            got = queue.queued()  # no running loop: encoded at once
             want_batch = Span("service.batch", parent.trace_id, batch.span_id, parent.span_id, False, INTERNAL, 100,
                               {"meshserve.batch.size": 3}, parent._scope, None, trace_state="k=v",
                               links=[(parent.trace_id, parent.span_id)], fixed=fixed)
@@ -192,7 +192,7 @@ def test_emitted_spans_are_records_that_encode_like_spans() -> None:
             assert want_batch.status_code == ERROR and want_compute.end_time == 150
             assert got == [encode_span(want_batch), encode_span(want_compute)]
         finally:
-            queue._spans.clear()  # nothing to send to the dead endpoint
+            queue.discard()  # nothing to send to the dead endpoint
 
 
 @pytest.fixture
@@ -214,12 +214,16 @@ class _SpyCore(_Core):
         return await super().infer(request, ctx)
 
 
-def _served(core: _Core, req: pb.ModelInferRequest, ctx: RequestContext) -> Any:
+def _served(core: _Core, req: pb.ModelInferRequest, ctx: RequestContext, exported: InMemorySpanExporter,
+            spans: int) -> Any:
+    """``observe.infer`` on a loop that lives until the request's ``spans`` late spans reached the exporter."""
+    want = len(exported.get_finished_spans()) + spans
+
     async def main() -> Any:
         try:
             return await observe.infer(core, req, ctx)  # type: ignore[arg-type]
-        finally:
-            await asyncio.sleep(0.02)  # the spans are recorded a moment after the request ends
+        finally:  # the spans are recorded a moment after the request ends, on this loop
+            await eventually_async(lambda: len(exported.get_finished_spans()) >= want, what=f"{spans} spans")
     return asyncio.run(main())
 
 
@@ -234,15 +238,15 @@ def test_requests_the_gateway_forwarded_get_their_server_spans_late(service_span
         f"00-{TRACE}-{PARENT}-01", "", f"00-{other_trace}-{other_parent}-01\tk=v", f"00-{TRACE}-{'3' * 16}-00"])
     hop = {tracing.HOP_HEADER: tracing.HOP_GATEWAY}
     core = _SpyCore()
-    result, echoed = _served(core, merged, RequestContext("grpc", hop))
+    result, echoed = _served(core, merged, RequestContext("grpc", hop), service_spans, 2)
     assert echoed is None  # nothing to echo on the gateway's stream
     assert [(f"{r.trace_id:032x}", r.trace_state) for r in core.seen] == [(TRACE, ""), (other_trace, "k=v")]
     alone = pb.ModelInferRequest(model_name="m", model_version="1", id="solo")
     alone.parameters["traceparent"].string_param = f"00-{other_trace}-{PARENT}-01"
     with pytest.raises(InferError):
-        _served(_Core(fail=True), alone, RequestContext("grpc", hop))
+        _served(_Core(fail=True), alone, RequestContext("grpc", hop), service_spans, 1)
     tracing.force_flush(5)
-    time.sleep(0.3)  # the exporter thread's batch delay
+    eventually(lambda: len(service_spans.get_finished_spans()) >= 3)  # the exporter thread's batch delay
     got = {(f"{s.context.trace_id:032x}", f"{s.parent.span_id:016x}"): s for s in service_spans.get_finished_spans()}
     assert set(got) == {(TRACE, PARENT), (other_trace, other_parent), (other_trace, PARENT)}
     for ref in core.seen:  # the ids the batch's spans would hang off are the spans' own
@@ -269,22 +273,23 @@ def test_late_server_spans_encode_like_spans_and_wait_for_the_deferred_pass() ->
 
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
     with configured("service", env):
-        queue = tracing._queue
+        queue = tracing.state.queue
         assert isinstance(queue, LoopExportQueue)
         fixed = tracing.fixed_attributes(("meshserve.model", "m"))
 
         async def main() -> tuple[tracing.LateSpans, int]:
             tracing.emit_span("warm-up", tracing.Ref(1, 1, 1, ""), 1, 2)  # binds the queue to this loop
-            await asyncio.sleep(0.01)
+            await eventually_async(lambda: len(queue.queued()) == 1, what="the warm-up span encoded")
             late = tracing.LateSpans(f"00-{TRACE}-{PARENT}-01\tk=v", 0, fixed, "r9")
             late.finish(InferError.invalid("bad shape"))
-            waiting = len(queue._jobs)
-            await asyncio.sleep(0.02)
+            waiting = queue.deferred_jobs()
+            await eventually_async(lambda: not queue.deferred_jobs() and len(queue.queued()) == 2,
+                                   what="the deferred pass")
             return late, waiting
 
         try:
             late, waiting = asyncio.run(main())
-            assert waiting == 1 and not queue._jobs and len(queue._spans) == 2  # the warm-up span and this one
+            assert waiting == 1 and not queue.deferred_jobs() and len(queue.queued()) == 2  # the warm-up span and this one
             late._record(late.start_ns + 5, InferError.invalid("bad shape"))  # no loop now: encoded at once
             ((_, _, ref),) = late.members()
             want = Span("service.request", ref.trace_id, ref.span_id, int(PARENT, 16), True, SERVER, late.start_ns,
@@ -292,15 +297,16 @@ def test_late_server_spans_encode_like_spans_and_wait_for_the_deferred_pass() ->
                         None, trace_state="k=v", fixed=fixed)
             want.set_error("INVALID_ARG: bad shape")
             want.end(late.start_ns + 5)
-            assert queue._spans[2][1] == encode_span(want)
-            assert len(queue._spans[1][1]) == len(queue._spans[2][1])  # the deferred one: same span, its own end
+            queued = queue.queued()
+            assert queued[2] == encode_span(want)
+            assert len(queued[1]) == len(queued[2])  # the deferred one: same span, its own end
         finally:
-            queue._spans.clear()  # nothing to send to the dead endpoint
+            queue.discard()  # nothing to send to the dead endpoint
 
 
 def queue_scope() -> Any:
-    assert tracing._scope is not None
-    return tracing._scope
+    assert tracing.state.scope is not None
+    return tracing.state.scope
 
 
 def test_a_span_recorded_late_keeps_the_id_its_traceparent_carried(spans: InMemorySpanExporter) -> None:
@@ -317,8 +323,9 @@ def test_a_span_recorded_late_keeps_the_id_its_traceparent_carried(spans: InMemo
                       kind=CLIENT, span_id=upstream.span_id)
     parent.end()
     tracing.force_flush(5)
-    time.sleep(0.3)  # the exporter thread's batch delay
-    (got,) = [s for s in spans.get_finished_spans() if s.name == "gateway.upstream"]
+    upstream_spans = eventually(  # the exporter thread's batch delay
+        lambda: [s for s in spans.get_finished_spans() if s.name == "gateway.upstream"])
+    (got,) = upstream_spans
     assert got.context.span_id == 0x1234 and got.parent.span_id == parent.span_id and got.kind.name == "CLIENT"
     assert got.status.status_code.name == "ERROR" and got.status.description == "UNAVAILABLE: replica gone"
     assert got.attributes["meshserve.error_code"] == "UNAVAILABLE"

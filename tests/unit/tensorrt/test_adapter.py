@@ -101,11 +101,34 @@ def test_plan_shape_checks() -> None:
         plan_io(config(max_batch=0), FakeEngine(), (0,))
 
 
-def test_reshape_is_what_the_engine_sees() -> None:
+async def test_reshape_is_what_the_engine_sees(plan_file: Path) -> None:
+    """Config dims [8] reshaped to [2, 4]: the engine's [-1, 2, 4] is checked against the
+    reshape (against the dims it is refused), a request of [1, 8] reaches the engine as
+    [1, 2, 4], and its outputs come back as [1, 8]."""
     cfg = config(dims="[ 8 ]")
     for t in [*cfg.input, *cfg.output]:
         t.reshape.shape.extend([2, 4])
-    plan_io(cfg, FakeEngine(shape=(-1, 2, 4)), (0,))
+    engine = FakeEngine(shape=(-1, 2, 4))
+    plan = plan_io(cfg, engine, (0,))
+    assert plan.batched and plan.fixed_batch == 0
+    assert {n: d.shape for n, d in plan.inputs.items()} == {"INPUT0": (-1, 2, 4), "INPUT1": (-1, 2, 4)}
+    with pytest.raises(RuntimeLoadError, match=r"input 'INPUT0' has shape \[-1, 8\] in the config but \[-1, 2, 4\]"):
+        plan_io(config(dims="[ 8 ]"), engine, (0,))
+    adapter, _ = adapter_for(engine)
+    mv = ModelVersion(cfg, 1, plan_file.parent.parent, [adapter.load(plan_file, cfg, GPU0)], "tensorrt_plan")
+    req = pb.ModelInferRequest(model_name="trt", id="r")
+    values = np.arange(8, dtype=np.float32)
+    for name in ("INPUT0", "INPUT1"):
+        req.inputs.add(name=name, datatype="FP32", shape=[1, 8])
+        req.raw_input_contents.append(values.tobytes())
+    try:
+        resp = pb.ModelInferResponse.FromString(await mv.infer(req, None))
+    finally:
+        await mv.close()
+    assert engine.contexts[0].executions == [{"INPUT0": (1, 2, 4), "INPUT1": (1, 2, 4)}]
+    out = {o.name: (list(o.shape), raw) for o, raw in zip(resp.outputs, resp.raw_output_contents, strict=True)}
+    assert out["OUTPUT0"][0] == [1, 8] and out["OUTPUT1"][0] == [1, 8]
+    np.testing.assert_array_equal(np.frombuffer(out["OUTPUT0"][1], np.float32), values * 2)
 
 
 def test_unsupported_engine_type_is_named() -> None:
