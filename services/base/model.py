@@ -22,6 +22,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import mixed_contents, reject_mixed_contents
+from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from meshserve.telemetry.model_stats import ModelStats
 from meshserve.telemetry.spans import Span
@@ -37,7 +38,6 @@ from services.base.scheduling.errors import (
 from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import QueuedRequest
 
-MERGED_PARAMETER = wire.MERGED_PARAMETER  # set by the gateway's coalescer
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -130,7 +130,7 @@ class ModelVersion:
         self.ready = True
 
     # ---- validation (event loop) -----------------------------------------------------
-    def prepare(self, request: pb.ModelInferRequest) -> Pending:
+    def prepare(self, request: pb.ModelInferRequest, hop: Hop = NO_HOP) -> Pending:
         name = self.name
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
@@ -215,18 +215,17 @@ class ModelVersion:
                         raise InferError.invalid(f"output '{o.name}': classification count must be >= 0")
                 outputs.append((o.name, k))
         rows = batch if mbs > 0 else 1
-        merged = 1
-        if MERGED_PARAMETER in request.parameters:
-            merged = _int_param(request.parameters[MERGED_PARAMETER])
-            if merged < 1 or merged > rows:
-                raise InferError.invalid(f"parameter '{MERGED_PARAMETER}' must be in 1..{rows}, got {merged}")
+        merged = hop.merged  # client requests a gateway merged into this one
+        if merged is None:
+            raise InferError.invalid(f"model '{name}': parameter '{wire.MERGED_PARAMETER}' must be an integer")
+        if merged < 1 or merged > rows:
+            raise InferError.invalid(f"parameter '{wire.MERGED_PARAMETER}' must be in 1..{rows}, got {merged}")
         return Pending(request, inputs, outputs, rows, tuple(sig), merged)
 
     # ---- scheduling ------------------------------------------------------------------
-    async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None,
-                    priority: int = 0) -> bytes:
+    async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None, hop: Hop = NO_HOP) -> bytes:
         try:
-            pending = self.prepare(request)
+            pending = self.prepare(request, hop)
         except InferError:
             self.stats.record_failure(0, "OTHER")  # invalid request (counted in stats and /metrics)
             raise
@@ -235,11 +234,12 @@ class ModelVersion:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
         arrival = time.monotonic_ns()
-        level, deadline_ns, delay_at = self._schedule_policy(request, arrival, deadline_ns, priority)
-        queued = QueuedRequest(rows=pending.rows, arrival_ns=arrival, priority=level,
-                               deadline_ns=deadline_ns, delay_at_ns=delay_at, payload=pending, future=fut)
-        if wire.QUEUED_PARAMETER in request.parameters:  # waited in a gateway's coalescer (≤ 10 s counts)
-            queued.waited_ns = max(0, min(_int_param(request.parameters[wire.QUEUED_PARAMETER]), 10_000_000)) * 1000
+        level, deadline_ns, delay_at = self._schedule_policy(request, arrival, deadline_ns)
+        if hop.queued_ns is None:
+            raise InferError.invalid(f"model '{self.name}': parameter '{wire.QUEUED_PARAMETER}' must be an integer")
+        queued = QueuedRequest(rows=pending.rows, arrival_ns=arrival, priority=level, deadline_ns=deadline_ns,
+                               delay_at_ns=delay_at, payload=pending, future=fut,
+                               waited_ns=hop.queued_ns)  # waited in a gateway's coalescer
         self.stats.pending += 1
         try:
             try:
@@ -281,12 +281,13 @@ class ModelVersion:
             if not done.done():
                 done.set_result(None)
 
-    def _schedule_policy(self, request: pb.ModelInferRequest, arrival: int, deadline_ns: int | None,
-                         priority: int) -> tuple[int, int | None, int | None]:
+    def _schedule_policy(self, request: pb.ModelInferRequest, arrival: int, deadline_ns: int | None
+                         ) -> tuple[int, int | None, int | None]:
         """(queue level, REJECT deadline, DELAY time) from Triton's schedule-policy extension:
         request parameters `priority` (1 = highest, 0 = default) and `timeout` (µs), the
         model's priority levels and queue policies, and the transport deadline (gRPC)."""
         params = request.parameters
+        priority = 0
         if "priority" in params:
             priority = _int_param(params["priority"])
         policy = self.policy

@@ -21,6 +21,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
+from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base import batch_trace
 from services.base.model import InputData, ModelVersion, Pending
@@ -208,10 +209,9 @@ class SequenceModelVersion(ModelVersion):
                                          name=f"{self.name}")
 
     # ---- scheduling (event loop) -----------------------------------------------------
-    async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None,
-                    priority: int = 0) -> bytes:
+    async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None, hop: Hop = NO_HOP) -> bytes:
         try:
-            control, pending = self._validate(request)
+            control, pending = self._validate(request, hop)
         except InferError:
             self.stats.record_failure(0, "OTHER")  # invalid request (counted in stats and /metrics)
             raise
@@ -219,8 +219,8 @@ class SequenceModelVersion(ModelVersion):
             pending.spans = tracing.request_spans()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
-        queued = QueuedRequest(rows=1, arrival_ns=time.monotonic_ns(), priority=priority,
-                               deadline_ns=deadline_ns, payload=pending, future=fut)
+        queued = QueuedRequest(rows=1, arrival_ns=time.monotonic_ns(), deadline_ns=deadline_ns, payload=pending,
+                               future=fut)
         self.stats.pending += 1
         try:
             try:
@@ -234,14 +234,14 @@ class SequenceModelVersion(ModelVersion):
         finally:
             self.stats.pending -= 1
 
-    def _validate(self, request: pb.ModelInferRequest) -> tuple[SequenceControl, Pending]:
+    def _validate(self, request: pb.ModelInferRequest, hop: Hop) -> tuple[SequenceControl, Pending]:
         control = sequence_control(request, self.name)
         if isinstance(control.corrid, str) and any(
                 c.kind == _Kind.CONTROL_SEQUENCE_CORRID and c.dtype is not np.object_ for c in self.controls):
             raise InferError.invalid(
                 f"inference request to model '{self.name}': string correlation ID '{control.corrid}' "
                 "but the CORRID control input has an integer data_type")
-        pending = self.prepare(request)
+        pending = self.prepare(request, hop)
         if self.max_batch_size > 0 and pending.rows != 1:
             raise InferError.invalid(
                 f"inference request to model '{self.name}' must specify batch-size 1 due to requirements "
