@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,7 +11,18 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server.access import Grant, Op
 
 SERVER_NAME = "meshserve"  # server metadata's "name" unless --server-name says otherwise
-SERVER_VERSION = "0.1.0"
+
+
+def _package_version() -> str:
+    """The installed meshserve distribution's version (pyproject.toml); a source tree run without
+    installing it reports "0.0.0+unknown"."""
+    try:
+        return importlib.metadata.version("meshserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+SERVER_VERSION = _package_version()  # server metadata's "version"
 
 
 def add_server_name_argument(ap: argparse.ArgumentParser) -> None:
