@@ -1,5 +1,9 @@
 """Per-request observability around V2Core.infer, shared by the gRPC and HTTP front ends.
 
+This is the front door every inference request passes: it reads the request's Hop record (the
+gateway's private ``meshserve_*`` parameters and hop marker, ``read_hop``) into
+``RequestContext.hop`` once, for admission, tracing and the core.
+
 The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
 (the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
