@@ -24,3 +24,19 @@ def mixed_contents(tensor: str, model: str) -> InferError:
     """Triton's error for an input with typed contents in a request with raw contents."""
     return InferError.invalid(
         f"contents field must not be specified when using raw_input_contents for '{tensor}' for model '{model}'")
+
+
+def int_value(p: pb.InferParameter) -> int | None:
+    """An integer request parameter sent as any integer-valued member of its oneof (int64, uint64,
+    a decimal string, a whole double); None when it is none of these."""
+    which = p.WhichOneof("parameter_choice")
+    if which == "int64_param":
+        return p.int64_param
+    if which == "uint64_param":
+        return p.uint64_param
+    if which == "string_param":
+        s = p.string_param
+        return int(s) if s.isascii() and s.removeprefix("-").isdecimal() else None
+    if which == "double_param" and float(p.double_param).is_integer():
+        return int(p.double_param)
+    return None

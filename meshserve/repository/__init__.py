@@ -10,7 +10,6 @@ from meshserve.repository.config import (
     parse_config_json,
     prepare_config,
     problems,
-    reload_decision,
     validate,
 )
 from meshserve.repository.layout import (
@@ -37,7 +36,6 @@ __all__ = [
     "parse_config_json",
     "prepare_config",
     "problems",
-    "reload_decision",
     "scan",
     "scan_model",
     "select_versions",

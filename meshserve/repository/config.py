@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from google.protobuf import json_format, text_format
 
@@ -30,7 +30,6 @@ __all__ = [
     "KNOWN_BACKENDS",
     "KNOWN_PLATFORMS",
     "PLATFORM_TO_BACKEND",
-    "ReloadDecision",
     "autocomplete",
     "config_errors",
     "load_model_config",
@@ -39,7 +38,6 @@ __all__ = [
     "parse_config_json",
     "prepare_config",
     "problems",
-    "reload_decision",
     "validate",
 ]
 
@@ -64,7 +62,6 @@ DEFAULT_MAX_BATCH_SIZE = 4
 # Triton's SEQUENCE_IDLE_DEFAULT_MICROSECONDS.
 SEQUENCE_IDLE_DEFAULT_MICROSECONDS = 1_000_000
 
-ReloadDecision = Literal["none", "instances", "reload"]
 
 _KIND_AUTO = mc.ModelInstanceGroup.KIND_AUTO
 _KIND_GPU = mc.ModelInstanceGroup.KIND_GPU
@@ -756,20 +753,3 @@ def _check_file_names(config: mc.ModelConfig, source: str, dir_name: str) -> Non
         if value and not is_valid_model_name(value):
             raise ConfigError(source, dir_name, field, f"{value!r} is not a file name inside the model "
                               f"directory ({NAME_RULE.replace('a model name', 'a file name')})")
-
-
-# ------------------------------------------------------------------------------ reload diff
-
-
-def reload_decision(old: mc.ModelConfig, new: mc.ModelConfig) -> ReloadDecision:
-    """What a config change needs: ``"none"`` when equal, ``"instances"`` when only
-    instance_group counts differ (resize in place), else ``"reload"`` (load new, retire old)."""
-    if old == new:
-        return "none"
-    if len(old.instance_group) == len(new.instance_group):
-        a, b = _copy(old), _copy(new)
-        for group in (*a.instance_group, *b.instance_group):
-            group.count = 0
-        if a == b:
-            return "instances"
-    return "reload"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,7 +11,18 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server.access import Grant, Op
 
 SERVER_NAME = "meshserve"  # server metadata's "name" unless --server-name says otherwise
-SERVER_VERSION = "0.1.0"
+
+
+def _package_version() -> str:
+    """The installed meshserve distribution's version (pyproject.toml); a source tree run without
+    installing it reports "0.0.0+unknown"."""
+    try:
+        return importlib.metadata.version("meshserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+SERVER_VERSION = _package_version()  # server metadata's "version"
 
 
 def add_server_name_argument(ap: argparse.ArgumentParser) -> None:
@@ -64,6 +76,37 @@ class InferResult:
         return self._raw
 
 
+@dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass's __init__ costs ~0.2 µs more per request
+class Hop:
+    """What a gateway adds to a request it forwards to a service, beyond the protocol: the
+    private ``meshserve_*`` request parameters (meshserve.protocol.wire) and the stream's hop
+    marker. Read once per request, at the front door (``observe.read_hop``), so that nothing
+    behind it (admission, tracing, ``ServiceCore``, ``ModelVersion``) looks at parameters
+    for them. A direct client's request has none: ``NO_HOP``.
+
+    The hop's other private parameters travel the other way or stay in the gateway:
+    ``meshserve_error_code`` (a service's in-band stream error, written by the gRPC front end)
+    and ``meshserve_route_arm`` (the gateway's A/B routes). Treat it as read-only: ``NO_HOP``
+    and ``GATEWAY_HOP`` are shared by every request that has no hop parameters."""
+
+    gateway: bool = False  # the request came on a gateway's stream (metadata meshserve-hop: gateway)
+    # client requests this one holds (meshserve_merged_requests; the model checks it against the
+    # rows); None: the parameter is there but is not an integer, and the model refuses the request
+    merged: int | None = 1
+    # time it already waited in the gateway's coalescer (meshserve_queued_us, clamped to 0..10 s);
+    # None: not an integer (refused by a dynamically batched model)
+    queued_ns: int | None = 0
+    # absolute time.monotonic_ns() deadline from meshserve_deadline_us, where no gRPC deadline
+    # travels (the gateway's streams); None = none
+    deadline_ns: int | None = None
+    # the traced members of a merged request (meshserve_traceparents): a line per member
+    traceparents: str | None = None
+
+
+NO_HOP = Hop()
+GATEWAY_HOP = Hop(gateway=True)
+
+
 @dataclass(slots=True)
 class RequestContext:
     """Per-request facts the core needs beyond the message itself."""
@@ -73,6 +116,7 @@ class RequestContext:
     deadline: float | None = None  # absolute time.monotonic() deadline, None = none
     raw: bytes | None = None  # the serialized ModelInferRequest, when it arrived as one
     nbytes: int = 0  # the request's size on the wire when `raw` is None (an HTTP body): admission counts it
+    hop: Hop = NO_HOP  # set by the front door (observe.infer) from the request's hop parameters
 
     def time_remaining(self) -> float | None:
         if self.deadline is None:

@@ -1,5 +1,9 @@
 """Per-request observability around V2Core.infer, shared by the gRPC and HTTP front ends.
 
+This is the front door every inference request passes: it reads the request's Hop record (the
+gateway's private ``meshserve_*`` parameters and hop marker, ``read_hop``) into
+``RequestContext.hop`` once, for admission, tracing and the core.
+
 The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
 (the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
@@ -19,14 +23,43 @@ from typing import Any
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.infer_checks import int_value
 from meshserve.server import admission
-from meshserve.server.core import InferResult, RequestContext, V2Core
+from meshserve.server.core import GATEWAY_HOP, NO_HOP, Hop, InferResult, RequestContext, V2Core
 from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
 _gate = admission.gate  # configured in place by process.serve
 _MERGED = wire.MERGED_PARAMETER
+_QUEUED = wire.QUEUED_PARAMETER
+_DEADLINE = wire.DEADLINE_PARAMETER
+_TRACEPARENTS = wire.TRACEPARENTS_PARAMETER
+_MAX_QUEUED_US = 10_000_000  # a coalescer wait beyond 10 s counts as 10 s
+
+
+def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]) -> Hop:
+    """The request's Hop record: its private ``meshserve_*`` parameters and the hop marker,
+    read here once. A request without parameters (most) costs one header lookup."""
+    gateway = headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY
+    if not params:
+        return GATEWAY_HOP if gateway else NO_HOP
+    merged: int | None = 1
+    queued_ns: int | None = 0
+    deadline_ns: int | None = None
+    traceparents: str | None = None
+    if _MERGED in params:
+        merged = int_value(params[_MERGED])
+    if _QUEUED in params:
+        queued = int_value(params[_QUEUED])
+        queued_ns = None if queued is None else max(0, min(queued, _MAX_QUEUED_US)) * 1000
+    if _DEADLINE in params:  # relative on the wire: absolute from the moment it arrived
+        deadline_ns = time.monotonic_ns() + params[_DEADLINE].int64_param * 1000
+    if _TRACEPARENTS in params:
+        traceparents = params[_TRACEPARENTS].string_param
+    if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None:
+        return GATEWAY_HOP if gateway else NO_HOP  # only the protocol's own parameters
+    return Hop(gateway, merged, queued_ns, deadline_ns, traceparents)
 
 
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
@@ -36,8 +69,8 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     # refused at once. A request the gateway merged counts as the client requests it holds.
     raw = ctx.raw
     size = len(raw) if raw is not None else ctx.nbytes
-    params = request.parameters
-    weight = max(1, params[_MERGED].int64_param) if params and _MERGED in params else 1
+    hop = ctx.hop = read_hop(request.parameters, ctx.headers)
+    weight = max(1, hop.merged or 1)
     gate = _gate
     if gate.requests >= gate.max_requests or (gate.bytes + size > gate.max_bytes and gate.requests):
         raise _log_error(request, ctx, gate.refuse(request.model_name, weight, size), "", 0)
@@ -75,22 +108,21 @@ def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span |
     if settings is not None and settings.off(request.model_name):
         return None  # trace_level OFF (the trace extension): no spans here, whatever the context says
     params = request.parameters
+    hop = ctx.hop
     if params:  # a context in the parameters wins over one in the headers
-        if wire.TRACEPARENTS_PARAMETER in params and tracing.late_spans:  # merged by the gateway
-            count = params[wire.MERGED_PARAMETER].int64_param if wire.MERGED_PARAMETER in params else 1
-            return tracing.LateSpans(params[wire.TRACEPARENTS_PARAMETER].string_param, max(1, count),
-                                     _fixed_attributes(request, ctx))
+        if hop.traceparents is not None and tracing.late_spans:  # merged by the gateway
+            return tracing.LateSpans(hop.traceparents, max(1, hop.merged or 1), _fixed_attributes(request, ctx))
         if tracing.TRACEPARENT in params:
             tp = params[tracing.TRACEPARENT].string_param
             ts = params[tracing.TRACESTATE].string_param if tracing.TRACESTATE in params else ""
-            if tracing.late_spans and ctx.headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:  # no echo
+            if tracing.late_spans and hop.gateway:  # no echo
                 return tracing.LateSpans(f"{tp}\t{ts}" if ts else tp, 0, _fixed_attributes(request, ctx),
                                          request.id)
             return _server_span(request, ctx, tracing.parent_context(tp, ts))
     headers = ctx.headers
     tp = headers.get(tracing.TRACEPARENT)
     if tp is None:
-        if headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY:
+        if hop.gateway:
             return None  # the gateway did not sample this request: no root trace of our own
         low = tracing.random_bits(64)  # the sampler's verdict on a root, before any call
         if settings is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes, wire
+from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
@@ -234,13 +234,12 @@ class ServiceCore:
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         mv = self._resolve(request.model_name, request.model_version)
-        deadline_ns = None
+        hop = ctx.hop
+        deadline_ns = hop.deadline_ns  # a gateway's stream hop carries its deadline in the Hop
         if ctx.deadline is not None:
-            deadline_ns = int(ctx.deadline * 1e9)  # time.monotonic() and monotonic_ns share a clock
-        if wire.DEADLINE_PARAMETER in request.parameters:  # set by a gateway on its stream hop
-            hop = time.monotonic_ns() + request.parameters[wire.DEADLINE_PARAMETER].int64_param * 1000
-            deadline_ns = hop if deadline_ns is None else min(deadline_ns, hop)
-        body = await mv.infer(request, deadline_ns)
+            transport = int(ctx.deadline * 1e9)  # time.monotonic() and monotonic_ns share a clock
+            deadline_ns = transport if deadline_ns is None else min(deadline_ns, transport)
+        body = await mv.infer(request, deadline_ns, hop)
         return InferResult(raw=body)
 
     def _all_versions(self) -> Iterator[ModelVersion]:

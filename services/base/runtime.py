@@ -14,6 +14,11 @@ import numpy as np
 from meshserve._proto import model_config_pb2 as mc
 
 
+class RuntimeLoadError(Exception):
+    """A model file could not be loaded, or does not fit its config: every adapter's load
+    error. The message names the model, the file and the cause."""
+
+
 @dataclass(frozen=True)
 class InstancePlacement:
     """Where one model instance runs (from instance_group)."""
@@ -45,6 +50,21 @@ def config_parameter(config: mc.ModelConfig, key: str, default: str | None = Non
     if key in config.parameters:
         return config.parameters[key].string_value
     return default
+
+
+def config_int(config: mc.ModelConfig, key: str, minimum: int | None = None) -> int | None:
+    """An integer from config `parameters` (None when absent or blank); RuntimeLoadError when
+    it is not an integer or is below ``minimum``."""
+    raw = config_parameter(config, key)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RuntimeLoadError(f"model '{config.name}': parameter '{key}' must be an integer, got '{raw}'") from None
+    if minimum is not None and value < minimum:
+        raise RuntimeLoadError(f"model '{config.name}': parameter '{key}' must be >= {minimum}, got {value}")
+    return value
 
 
 def placements(config: mc.ModelConfig, gpu_available: bool) -> list[InstancePlacement]:

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from meshserve._proto import model_config_pb2 as mc
-from services.base.runtime import InstancePlacement, config_parameter
+from services.base.runtime import InstancePlacement, RuntimeLoadError, config_int
 
 _LEVELS = {
     -1: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -23,35 +23,21 @@ _LEVELS = {
 }
 
 
-class RuntimeLoadError(Exception):
-    """A model file could not be loaded; the message names file and cause."""
-
-
-def _int_param(config: mc.ModelConfig, key: str) -> int | None:
-    raw = config_parameter(config, key)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise RuntimeLoadError(f"model '{config.name}': parameter '{key}' must be an integer, got '{raw}'") from None
-
-
 def session_options(config: mc.ModelConfig) -> ort.SessionOptions:
     so = ort.SessionOptions()
-    intra = _int_param(config, "intra_op_thread_count")
-    inter = _int_param(config, "inter_op_thread_count")
-    mode = _int_param(config, "execution_mode")
+    intra = config_int(config, "intra_op_thread_count")
+    inter = config_int(config, "inter_op_thread_count")
+    mode = config_int(config, "execution_mode")
     if intra is not None:
         so.intra_op_num_threads = intra
     if inter is not None:
         so.inter_op_num_threads = inter
     if mode is not None:
         so.execution_mode = ort.ExecutionMode.ORT_PARALLEL if mode == 1 else ort.ExecutionMode.ORT_SEQUENTIAL
-    arena = _int_param(config, "enable_mem_arena")
+    arena = config_int(config, "enable_mem_arena")
     if arena is not None:
         so.enable_cpu_mem_arena = bool(arena)
-    pattern = _int_param(config, "enable_mem_pattern")
+    pattern = config_int(config, "enable_mem_pattern")
     if pattern is not None:
         so.enable_mem_pattern = bool(pattern)
     # Any `session.*` / `memory.*` parameter is an onnxruntime session config entry (as in

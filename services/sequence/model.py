@@ -1,10 +1,10 @@
 """A loaded stateful model version: sequence parameters, control inputs, implicit state.
 
 Reuses :class:`~services.base.model.ModelVersion` for validation, batch assembly and
-response encoding; replaces its scheduler with a
-:class:`~services.base.scheduling.sequence.SequenceBatcher`. Control tensors (START, END,
-READY, CORRID) and state inputs are added to the feeds inside the worker thread by a thin
-wrapper around the runtime instance, which also captures the state outputs.
+response encoding; its scheduler is a :class:`~services.base.scheduling.sequence.SequenceBatcher`
+instead of the dynamic batcher. Control tensors (START, END, READY, CORRID) and state inputs
+are added to the feeds inside the worker thread by a thin wrapper around the runtime instance,
+which also captures the state outputs.
 """
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
+from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base import batch_trace
-from services.base.model import InputData, ModelVersion, Pending
+from services.base.model import ModelVersion
 from services.base.runtime import RuntimeInstance
-from services.base.scheduling.errors import UnavailableError
-from services.base.scheduling.request import QueuedRequest
+from services.base.scheduling.request import QueuedRequest, Scheduler
 from services.base.scheduling.sequence import (
     BatchRow,
     SequenceBatch,
     SequenceBatcher,
     SequenceControl,
     SequencePolicy,
-    SequenceStartError,
 )
+from services.base.validation import InputData, Pending
 
 _Kind = mc.ModelSequenceBatching.Control
 _UINT64 = 1 << 64
@@ -159,15 +159,6 @@ def sequence_control(request: pb.ModelInferRequest, model: str) -> SequenceContr
     return SequenceControl(corrid, start, end)
 
 
-class _Row:
-    """The minimum of a QueuedRequest that ``ModelVersion._run_group`` reads."""
-
-    __slots__ = ("payload",)
-
-    def __init__(self, payload: Pending):
-        self.payload = payload
-
-
 class _Injecting:
     """Wraps an instance for one batch: adds control/state feeds, captures state outputs."""
 
@@ -203,50 +194,32 @@ class SequenceModelVersion(ModelVersion):
             raise InferError.invalid(
                 f"model '{self.name}': {sorted(clash)} are control or state inputs of sequence_batching "
                 "and must not be listed as model inputs")
-        self.sequence_policy = policy_from_config(config, len(instances))
-        self.sequencer = SequenceBatcher(self.sequence_policy, self._execute_sequence,
-                                         name=f"{self.name}")
+
+    def _scheduler(self, config: mc.ModelConfig, instance_count: int) -> Scheduler[Pending]:
+        self.sequence_policy = policy_from_config(config, instance_count)
+        return SequenceBatcher[Pending](self.sequence_policy, self._execute_sequence, name=self.name)
 
     # ---- scheduling (event loop) -----------------------------------------------------
-    async def infer(self, request: pb.ModelInferRequest, deadline_ns: int | None,
-                    priority: int = 0) -> bytes:
-        try:
-            control, pending = self._validate(request)
-        except InferError:
-            self.stats.record_failure(0, "OTHER")  # invalid request (counted in stats and /metrics)
-            raise
-        if tracing.enabled:
-            pending.spans = tracing.request_spans()
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[object] = loop.create_future()
-        queued = QueuedRequest(rows=1, arrival_ns=time.monotonic_ns(), priority=priority,
-                               deadline_ns=deadline_ns, payload=pending, future=fut)
-        self.stats.pending += 1
-        try:
-            try:
-                self.sequencer.enqueue(queued, control)
-            except SequenceStartError as exc:
-                self.stats.record_failure(0, "OTHER")
-                raise InferError.invalid(str(exc)) from None
-            except UnavailableError as exc:
-                raise InferError.unavailable(str(exc)) from None
-            return await self._result(queued, fut)
-        finally:
-            self.stats.pending -= 1
-
-    def _validate(self, request: pb.ModelInferRequest) -> tuple[SequenceControl, Pending]:
+    def prepare(self, request: pb.ModelInferRequest, hop: Hop = NO_HOP) -> Pending:
+        """The request's sequence control, checked, then ModelVersion's validation (batch size 1)."""
         control = sequence_control(request, self.name)
         if isinstance(control.corrid, str) and any(
                 c.kind == _Kind.CONTROL_SEQUENCE_CORRID and c.dtype is not np.object_ for c in self.controls):
             raise InferError.invalid(
                 f"inference request to model '{self.name}': string correlation ID '{control.corrid}' "
                 "but the CORRID control input has an integer data_type")
-        pending = self.prepare(request)
+        pending = super().prepare(request, hop)
         if self.max_batch_size > 0 and pending.rows != 1:
             raise InferError.invalid(
                 f"inference request to model '{self.name}' must specify batch-size 1 due to requirements "
                 f"of sequence batcher (got {pending.rows})")
-        return control, pending
+        pending.sequence = control
+        return pending
+
+    def _queued(self, request: pb.ModelInferRequest, pending: Pending, deadline_ns: int | None, hop: Hop,
+                fut: asyncio.Future[object]) -> QueuedRequest[Pending]:
+        return QueuedRequest(rows=1, arrival_ns=time.monotonic_ns(), deadline_ns=deadline_ns, payload=pending,
+                             future=fut, sequence=pending.sequence)
 
     async def _execute_sequence(self, batch: SequenceBatch) -> None:
         loop = asyncio.get_running_loop()
@@ -272,8 +245,7 @@ class SequenceModelVersion(ModelVersion):
         for rows, res in results:
             real = [r for r in rows if r.request is not None]
             if isinstance(res, BaseException):
-                err = res if isinstance(res, InferError) else InferError.internal(
-                    f"model '{self.name}' version {self.version} failed to execute: {type(res).__name__}: {res}")
+                err = self._failure(res)
                 for r in real:
                     assert r.request is not None
                     stats.record_failure(end_ns - r.request.arrival_ns, "BACKEND")
@@ -310,7 +282,7 @@ class SequenceModelVersion(ModelVersion):
             values = [p[s.input_name] if p is not None else s.initial for p in prior]
             extra[s.input_name] = np.stack(values) if batched else values[0]
         wrapped = _Injecting(instance, extra, [s.output_name for s in self.states])
-        bodies, timing = self._run_group(wrapped, cast("list[QueuedRequest]", [_Row(p) for p in payloads]))
+        bodies, timing = self._run_group(wrapped, payloads)
         new_states: list[dict[str, np.ndarray] | None] = [None] * n
         if self.states:
             for i in range(n):
@@ -345,12 +317,6 @@ class SequenceModelVersion(ModelVersion):
             values.append(c.false_true[1 if on else 0])
         arr = np.array(values, dtype=c.dtype)
         return arr.reshape((len(rows), 1)) if batched else arr.reshape((1,))
-
-    # ---- lifecycle ------------------------------------------------------------------
-    async def close(self, drain: bool = True) -> None:
-        self.ready = False
-        await self.sequencer.stop(drain=drain)
-        await super().close(drain=drain)
 
 
 def _groups(rows: list[BatchRow]) -> list[list[BatchRow]]:

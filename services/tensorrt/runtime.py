@@ -27,16 +27,12 @@ import numpy as np
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
-from services.base.runtime import InstancePlacement
+from services.base.runtime import InstancePlacement, RuntimeLoadError
 from services.tensorrt.engine import INPUT, OUTPUT, Engine, EngineContext, ProfileShapes, TensorDesc
 
 log = logging.getLogger("meshserve.tensorrt")
 
 EngineLoader = Callable[[Path, int], Engine]
-
-
-class RuntimeLoadError(Exception):
-    """A plan could not be loaded or does not match its config; the message says why."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
-from services.base.runtime import InstancePlacement, config_parameter
+from services.base.runtime import InstancePlacement, RuntimeLoadError, config_int, config_parameter
 
 log = logging.getLogger("meshserve.torchscript")
 
@@ -65,10 +65,6 @@ _THREADS_LOCK = threading.Lock()
 _threads_set: dict[str, int] = {}
 
 
-class RuntimeLoadError(Exception):
-    """A model file could not be loaded; the message names model, file and cause."""
-
-
 def _bool_param(config: mc.ModelConfig, key: str) -> bool | None:
     raw = config_parameter(config, key)
     if raw is None or raw.strip() == "":
@@ -79,19 +75,6 @@ def _bool_param(config: mc.ModelConfig, key: str) -> bool | None:
     if value in ("false", "0", "no", "off"):
         return False
     raise RuntimeLoadError(f"model '{config.name}': parameter '{key}' must be true or false, got '{raw}'")
-
-
-def _int_param(config: mc.ModelConfig, key: str) -> int | None:
-    raw = config_parameter(config, key)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise RuntimeLoadError(f"model '{config.name}': parameter '{key}' must be an integer, got '{raw}'") from None
-    if value < 1:
-        raise RuntimeLoadError(f"model '{config.name}': parameter '{key}' must be >= 1, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -122,8 +105,8 @@ class TorchOptions:
             tensor_fuser=_bool_param(config, "ENABLE_TENSOR_FUSER"),
             weight_sharing=bool(_bool_param(config, "ENABLE_WEIGHT_SHARING")),
             cache_cleaning=bool(_bool_param(config, "ENABLE_CACHE_CLEANING")),
-            intra_op_threads=_int_param(config, "INTRA_OP_THREAD_COUNT"),
-            inter_op_threads=_int_param(config, "INTER_OP_THREAD_COUNT"),
+            intra_op_threads=config_int(config, "INTRA_OP_THREAD_COUNT", minimum=1),
+            inter_op_threads=config_int(config, "INTER_OP_THREAD_COUNT", minimum=1),
         )
 
 

@@ -77,7 +77,7 @@ def test_requests_of_different_lengths_share_one_execution(service: Proc) -> Non
 
 def test_batch_input_kinds() -> None:
     from meshserve._proto import model_config_pb2 as mc
-    from services.base.model import batch_input_value
+    from services.base.batching import batch_input_value
 
     shapes = [(1, 3), (1, 4), (1, 5)]
     f32 = np.dtype(np.float32)

@@ -12,7 +12,7 @@ from .errors import (
     UnavailableError,
 )
 from .policy import BatchingPolicy
-from .request import QueuedRequest
+from .request import QueuedRequest, Scheduler, SequenceControl
 
 __all__ = [
     "IDLE",
@@ -25,7 +25,9 @@ __all__ = [
     "QueueFullError",
     "QueuedRequest",
     "Run",
+    "Scheduler",
     "SchedulingError",
+    "SequenceControl",
     "UnavailableError",
     "Wait",
     "next_action",

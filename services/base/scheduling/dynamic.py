@@ -15,6 +15,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic
 
 from . import timer
 from .errors import (
@@ -25,7 +26,7 @@ from .errors import (
     fail_unresolved,
 )
 from .policy import BatchingPolicy
-from .request import QueuedRequest
+from .request import P, QueuedRequest
 
 __all__ = ["IDLE", "Action", "DynamicBatcher", "Idle", "Run", "Wait", "next_action"]
 
@@ -162,7 +163,7 @@ class LevelQueue:
         return self._len > 0
 
 
-class DynamicBatcher:
+class DynamicBatcher(Generic[P]):
     """Queue requests for one model and run them in batches on ``instance_count`` instances.
 
     ``execute(batch)`` runs one batch and sets each member's future. At most
@@ -178,7 +179,7 @@ class DynamicBatcher:
     """
 
     def __init__(self, policy: BatchingPolicy,
-                 execute: Callable[[list[QueuedRequest]], Awaitable[None]],
+                 execute: Callable[[list[QueuedRequest[P]]], Awaitable[None]],
                  instance_count: int = 1,
                  clock: Callable[[], int] = time.monotonic_ns,
                  name: str = "model") -> None:
@@ -209,7 +210,7 @@ class DynamicBatcher:
 
     # -- scheduler interface -------------------------------------------------------------
 
-    def enqueue(self, req: QueuedRequest) -> None:
+    def enqueue(self, req: QueuedRequest[P]) -> None:
         """Queue ``req``; its future resolves when its batch finishes or it is failed.
 
         Raises :class:`QueueFullError` when ``max_queue_size`` requests are queued and

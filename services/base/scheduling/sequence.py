@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic
 
 from .dynamic import IDLE, Action, Run, Wait, next_action
 from .errors import (
@@ -39,7 +40,7 @@ from .errors import (
     fail_unresolved,
 )
 from .policy import BatchingPolicy
-from .request import QueuedRequest
+from .request import P, QueuedRequest, SequenceControl
 
 __all__ = [
     "BatchRow",
@@ -60,15 +61,6 @@ _NEVER = sys.maxsize
 
 class SequenceStartError(SchedulingError):
     """A request of a sequence that is not active (never started, ended or reaped) lacks START."""
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceControl:
-    """The sequence parameters of one request: correlation id and START / END flags."""
-
-    corrid: int | str
-    start: bool = False
-    end: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +191,7 @@ def idle_expired(last_activity: dict[Hashable, int], now_ns: int, idle_ns: int) 
 
 # ---- the batcher -----------------------------------------------------------------------
 
-class SequenceBatcher:
+class SequenceBatcher(Generic[P]):
     """Queue sequence requests and run them in batches (see the module docstring).
 
     ``execute(batch)`` runs one :class:`SequenceBatch` and resolves every real row's future
@@ -229,14 +221,19 @@ class SequenceBatcher:
 
     # -- scheduler interface -------------------------------------------------------------
 
-    def enqueue(self, req: QueuedRequest, control: SequenceControl) -> None:
-        """Queue ``req`` behind the earlier requests of its sequence.
+    def enqueue(self, req: QueuedRequest[P], control: SequenceControl | None = None) -> None:
+        """Queue ``req`` behind the earlier requests of its sequence (``control``, by default
+        ``req.sequence``).
 
         Raises :class:`SequenceStartError` when the sequence is not active and ``control``
         has no START, :class:`UnavailableError` once the batcher is stopping.
         """
         if self._closed_reason is not None:
             raise UnavailableError(self._closed_reason)
+        if control is None:
+            control = req.sequence
+            if control is None:
+                raise ValueError(f"model '{self.name}': a sequence batcher's request needs its SequenceControl")
         key = _key(control.corrid)
         seq = self._sequences.get(key)
         if not control.start and (seq is None or not seq.open):

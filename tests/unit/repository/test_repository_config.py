@@ -18,7 +18,6 @@ from meshserve.repository import (
     normalize,
     parse_config,
     problems,
-    reload_decision,
     validate,
 )
 
@@ -428,24 +427,6 @@ def test_override_json_parse_error(write_model: ModelWriter) -> None:
     assert info.value.field == "max_batch_sizes"
     assert info.value.model == "add_sub"
     assert "load request" in info.value.file
-
-
-# ---------------------------------------------------------------------------- reload decision
-
-
-def test_reload_decision() -> None:
-    old = normalize(_config(BASE + "instance_group [{ count: 1 }, { count: 2 }]"), "mlp")
-    same = normalize(_config(BASE + "instance_group [{ count: 1 }, { count: 2 }]"), "mlp")
-    more = normalize(_config(BASE + "instance_group [{ count: 4 }, { count: 2 }]"), "mlp")
-    kind = normalize(_config(BASE + "instance_group [{ count: 1 kind: KIND_GPU }, { count: 2 }]"), "mlp")
-    extra_group = normalize(_config(BASE + "instance_group [{ count: 1 }, { count: 2 }, { count: 1 }]"), "mlp")
-    batch = normalize(_config(BASE.replace("max_batch_size: 8", "max_batch_size: 4")
-                              + "instance_group [{ count: 1 }, { count: 2 }]"), "mlp")
-    assert reload_decision(old, same) == "none"
-    assert reload_decision(old, more) == "instances"
-    assert reload_decision(old, kind) == "reload"
-    assert reload_decision(old, extra_group) == "reload"
-    assert reload_decision(old, batch) == "reload"
 
 
 def test_repository_package_imports_neither_grpc_nor_onnx() -> None:

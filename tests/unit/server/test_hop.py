@@ -1,0 +1,77 @@
+"""The Hop record: a gateway's private ``meshserve_*`` request parameters and the stream's hop
+marker, read once at the front door (observe.read_hop) into ``RequestContext.hop``."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
+from meshserve.server import observe
+from meshserve.server.core import GATEWAY_HOP, NO_HOP, InferResult, RequestContext
+from meshserve.telemetry import tracing
+
+GATEWAY = {tracing.HOP_HEADER: tracing.HOP_GATEWAY}
+
+
+def _params(**values: object) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="m")
+    for key, value in values.items():
+        p = req.parameters[key]
+        if isinstance(value, bool):
+            p.bool_param = value
+        elif isinstance(value, int):
+            p.int64_param = value
+        elif isinstance(value, float):
+            p.double_param = value
+        else:
+            p.string_param = str(value)
+    return req
+
+
+def test_a_request_without_hop_parameters_shares_one_record() -> None:
+    assert observe.read_hop(pb.ModelInferRequest().parameters, {}) is NO_HOP
+    assert observe.read_hop(pb.ModelInferRequest().parameters, GATEWAY) is GATEWAY_HOP
+    assert observe.read_hop(_params(priority=1, timeout=5).parameters, {"user-agent": "x"}) is NO_HOP
+    assert GATEWAY_HOP.gateway and not NO_HOP.gateway
+    assert (NO_HOP.merged, NO_HOP.queued_ns, NO_HOP.deadline_ns, NO_HOP.traceparents) == (1, 0, None, None)
+
+
+def test_the_hop_parameters_are_read_into_typed_fields() -> None:
+    before = time.monotonic_ns()
+    req = _params(**{wire.MERGED_PARAMETER: 3, wire.QUEUED_PARAMETER: 250, wire.DEADLINE_PARAMETER: 2_000_000,
+                     wire.TRACEPARENTS_PARAMETER: "00-a-b-01\n"})
+    hop = observe.read_hop(req.parameters, GATEWAY)
+    after = time.monotonic_ns()
+    assert hop.gateway and hop.merged == 3 and hop.queued_ns == 250_000 and hop.traceparents == "00-a-b-01\n"
+    assert hop.deadline_ns is not None and before + 2_000_000_000 <= hop.deadline_ns <= after + 2_000_000_000
+
+
+@pytest.mark.parametrize(("value", "merged"), [
+    ("4", 4), ("-2", -2), (4.0, 4), (4.5, None), ("x", None), ("--5", None), ("\u00b2", None), (True, None),
+])
+def test_merged_count_accepts_every_integer_form_and_marks_the_rest(value: object, merged: int | None) -> None:
+    """A non-integer count is None (the model refuses the request, INVALID_ARGUMENT); strings that
+    str.isdigit() takes but int() does not ("--5", a superscript) are not integers, not a crash."""
+    assert observe.read_hop(_params(**{wire.MERGED_PARAMETER: value}).parameters, {}).merged == merged
+
+
+def test_queued_time_is_clamped_to_ten_seconds() -> None:
+    def queued(v: object) -> int | None:
+        return observe.read_hop(_params(**{wire.QUEUED_PARAMETER: v}).parameters, {}).queued_ns
+    assert queued(-5) == 0 and queued(20_000_000) == 10_000_000_000 and queued("12") == 12_000
+    assert queued("soon") is None
+
+
+async def test_the_front_door_puts_the_record_on_the_context() -> None:
+    seen: list[RequestContext] = []
+
+    class _Core:
+        async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+            seen.append(ctx)
+            return InferResult(raw=b"")
+
+    ctx = RequestContext("grpc", dict(GATEWAY))
+    await observe.infer(_Core(), _params(**{wire.MERGED_PARAMETER: 2}), ctx)  # type: ignore[arg-type]
+    assert seen[0] is ctx and ctx.hop.gateway and ctx.hop.merged == 2

@@ -1,0 +1,94 @@
+"""ModelVersion's parts with a fake runtime: the Hop record (not request parameters) is what it
+reads of a gateway's hop; the scheduler is the dynamic batcher, or for a sequence model the
+sequence batcher alone; and the server's version comes from the package metadata."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import wire
+from meshserve.protocol.errors import InferError
+from meshserve.server import core as server_core
+from meshserve.server.core import NO_HOP, Hop
+from services.base.model import ModelVersion
+from services.base.scheduling import DynamicBatcher, Scheduler
+from services.base.scheduling.sequence import SequenceBatcher
+from services.sequence.model import SequenceModelVersion
+from tests.conftest import ROOT
+
+TENSORS = """max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+SEQUENCE = """sequence_batching { control_input [
+  { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ] }"""
+
+
+class Echo:
+    def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        return {"OUTPUT0": inputs["INPUT0"].copy()}
+
+    def close(self) -> None:
+        pass
+
+
+def _config(name: str, extra: str = "") -> mc.ModelConfig:
+    return text_format.Parse(f'name: "{name}" backend: "onnxruntime" {TENSORS} {extra}', mc.ModelConfig())
+
+
+def _request(rows: int, **params: int) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="m")
+    r.inputs.add(name="INPUT0", datatype="FP32", shape=[rows, 1])
+    r.raw_input_contents.append(np.arange(rows, dtype=np.float32).tobytes())
+    for key, value in params.items():
+        r.parameters[key].int64_param = value
+    return r
+
+
+async def test_a_model_version_reads_the_hop_record_not_the_parameters(tmp_path: Path) -> None:
+    mv = ModelVersion(_config("m"), 1, tmp_path, [Echo()], "fake")
+    try:
+        # the parameter is the front door's to read: here it is only a parameter
+        body = await mv.infer(_request(2, **{wire.MERGED_PARAMETER: 5}), None, NO_HOP)
+        assert pb.ModelInferResponse.FromString(body).outputs[0].shape == [2, 1]
+        await mv.infer(_request(2), None, Hop(merged=2, queued_ns=1000))
+        stats = mv.stats.to_pb()
+        assert stats.inference_count == 4 and stats.inference_stats.success.count == 3  # 1 + the 2 merged
+        with pytest.raises(InferError, match=r"'meshserve_merged_requests' must be in 1..2, got 3"):
+            await mv.infer(_request(2), None, Hop(merged=3))
+        with pytest.raises(InferError, match="model 'm': parameter 'meshserve_merged_requests' must be an integer"):
+            await mv.infer(_request(2), None, Hop(merged=None))
+        with pytest.raises(InferError, match="model 'm': parameter 'meshserve_queued_us' must be an integer"):
+            await mv.infer(_request(1), None, Hop(queued_ns=None))
+    finally:
+        await mv.close()
+
+
+async def test_each_model_version_has_one_scheduler(tmp_path: Path) -> None:
+    plain = ModelVersion(_config("m"), 1, tmp_path, [Echo()], "fake")
+    seq = SequenceModelVersion(_config("s", SEQUENCE), 1, tmp_path, [Echo()], "fake")
+    try:
+        assert isinstance(plain.scheduler, DynamicBatcher) and plain.scheduler is plain.batcher
+        assert isinstance(seq.scheduler, SequenceBatcher) and not hasattr(seq, "batcher")
+        for version in (plain, seq):
+            scheduler: Scheduler = version.scheduler
+            assert scheduler.inflight() == 0
+        r = _request(1)
+        r.parameters["sequence_id"].int64_param = 7
+        r.parameters["sequence_start"].bool_param = True
+        body = await seq.infer(r, None)
+        assert pb.ModelInferResponse.FromString(body).model_name == "s"
+    finally:
+        await plain.close()
+        await seq.close()
+
+
+def test_the_server_version_is_the_package_version() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert server_core.SERVER_VERSION == project["version"]
