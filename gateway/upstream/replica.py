@@ -7,9 +7,8 @@ import grpc
 
 from gateway.upstream.stream import StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol.wire import SERVICE_KIND_METADATA
+from meshserve.protocol.wire import MAX_MESSAGE_BYTES, SERVICE_KIND_METADATA
 from meshserve.server.access import METRICS_SERVICE
-from meshserve.server.grpc_frontend import MAX_MESSAGE_BYTES
 
 _SERVICE = "/inference.GRPCInferenceService/"
 CHANNEL_OPTIONS = [  # same message size limit as every server hop
