@@ -54,6 +54,11 @@ GATEWAY_FAMILIES = {
                                         "replica, in microseconds"),
     "federated_up": metrics.Family("meshserve_gateway_federated_up", "gauge",
                                    "--federate-metrics: 1 if the replica's metrics were in the last scrape"),
+    "merged_sends": metrics.Family("meshserve_gateway_merged_sends_total", "counter",
+                                   "Merged requests sent to the services, each carrying several client requests "
+                                   "(coalescing, --coalesce-inflight)"),
+    "merged_requests": metrics.Family("meshserve_gateway_merged_requests_total", "counter",
+                                      "Client requests sent inside merged requests"),
 }
 
 
@@ -466,6 +471,8 @@ class GatewayCore:
             samples.append(("replica_healthy", labels, 1 if r.healthy else 0))
             samples.append(("replica_outstanding", labels, r.outstanding))
             samples.append(("upstream_duration", labels, r.streams.latency))
+        samples.append(("merged_sends", {}, self.coalescer.merged_sends))
+        samples.append(("merged_requests", {}, self.coalescer.merged_requests))
         for endpoint, up in sorted(self._federated_up.items()):
             samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:
