@@ -2,26 +2,20 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
-
-import grpc
+from collections.abc import Awaitable, Callable, Iterable
 
 from gateway.auth import Admission
 from gateway.ensemble.catalog import EnsembleCatalog
-from gateway.routes import RouteTable
-from gateway.routing.table import SEQUENCE_ID, pick, pick_pinned, sequence_affinity
+from gateway.routes import ABRouter
+from gateway.routing.table import SEQUENCE_ID, sequence_affinity
 from gateway.turns import SequenceTurns
-from gateway.upstream import traced
 from gateway.upstream.coalesce import Coalescer, ModelShape, merge_key
-from gateway.upstream.discovery import Discovery
 from gateway.upstream.pool import ReplicaPool
-from gateway.upstream.replica import Replica
-from gateway.upstream.stream import NotSent, StreamBroken
+from gateway.upstream.replica import Replica, grpc_error
+from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
@@ -35,8 +29,6 @@ from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway")
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
-
-T = TypeVar("T")
 # --federate-metrics: one scrape of the services serves every /metrics request of this long
 # (and concurrent requests share one), so /metrics callers cannot multiply calls to the services.
 FEDERATION_REUSE_S = 0.5
@@ -62,25 +54,32 @@ GATEWAY_FAMILIES = {
                                         "replica, in microseconds"),
     "federated_up": metrics.Family("meshserve_gateway_federated_up", "gauge",
                                    "--federate-metrics: 1 if the replica's metrics were in the last scrape"),
+    "merged_sends": metrics.Family("meshserve_gateway_merged_sends_total", "counter",
+                                   "Merged requests sent to the services, each carrying several client requests "
+                                   "(coalescing, --coalesce-inflight)"),
+    "merged_requests": metrics.Family("meshserve_gateway_merged_requests_total", "counter",
+                                      "Client requests sent inside merged requests"),
 }
 
 
 class GatewayCore:
     def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
-                 routes: RouteTable | None = None, ensembles: EnsembleCatalog | None = None,
+                 routes: ABRouter | None = None, ensembles: EnsembleCatalog | None = None,
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
                  federate_metrics: bool = False, server_name: str = SERVER_NAME):
-        # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica).
-        self.pool = pool if pool is not None else ReplicaPool(upstreams)
-        self.replicas = self.pool.replicas  # one list, updated in place as replicas come and go
-        self.discovery = Discovery(self.pool, discovery_interval_s)
+        # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica);
+        # every call to a service goes through the Upstream.
+        self.upstream = Upstream(pool if pool is not None else ReplicaPool(upstreams), discovery_interval_s)
+        self.pool = self.upstream.pool
+        self.replicas = self.upstream.replicas  # one list, updated in place as replicas come and go
+        self.discovery = self.upstream.discovery
         self._draining = False
         self.request_counts: Counter[tuple[str, str]] = Counter()
         # Merged requests in flight per model and healthy replica (0 disables coalescing).
         self.coalesce_inflight = coalesce_inflight
         # A merge stays within the services' message limit (assumed the same as ours: --max-request-bytes).
-        self.coalescer = Coalescer(self._send, self._max_inflight, max_request_bytes)
+        self.coalescer = Coalescer(self.upstream, coalesce_inflight, max_request_bytes)
         self.turns = SequenceTurns()
         # Names that passed the names rule (a set lookup instead of its regex on every request)
         self._valid_names: set[str] = set()
@@ -98,11 +97,11 @@ class GatewayCore:
         # A/B routes (--routes): route names addressable like models.
         self.routes = routes
         if routes is not None:
-            routes.bind(self._send)
+            routes.bind(self.upstream)
         # Ensembles of --repository, run here as DAGs over the services.
         self.ensembles = ensembles
         if ensembles is not None:
-            ensembles.bind(lambda req, timeout: self._send(req, None, timeout), self.discovery.config_for)
+            ensembles.bind(self.upstream, self.discovery.config_for)
 
     async def start(self) -> None:
         await self.discovery.resolve()
@@ -116,48 +115,6 @@ class GatewayCore:
             await self.admission.store.close()
         if self.routes is not None:
             await self.routes.stop()
-
-    # ---- helpers ----------------------------------------------------------------------
-    async def _routes(self, name: str):
-        table = self.discovery.table
-        if name not in table:
-            await self.discovery.refresh()  # a model loaded since the last probe
-            table = self.discovery.table
-        return table.lookup(name)
-
-    async def _call(self, name: str, version: str, fn: Callable[[Replica], Awaitable[T]],
-                    affinity: str | None = None) -> T:
-        """Call one replica hosting (name, version); on a connection failure try the others.
-        With ``affinity`` (a sequence's correlation id) the replica is chosen by rendezvous
-        hashing, so every request of the sequence lands on the same healthy replica."""
-        routes = await self._routes(name)
-        replicas = list(routes.replicas_for(version))
-        while True:
-            replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
-            replica.outstanding += 1
-            try:
-                return await fn(replica)
-            except (grpc.aio.AioRpcError, InferError, NotSent) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    err = InferError.from_grpc(exc.code(), exc.details(), hop=f"service {replica.endpoint}")
-                elif isinstance(exc, NotSent):
-                    err = InferError.unavailable(str(exc) or f"service {replica.endpoint}: stream unavailable")
-                else:
-                    err = exc
-                if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
-                    replica.errors += 1
-                # Retry elsewhere only if the request never reached a model: it was never
-                # written, or the channel could not connect at all.
-                # A broken stream had the request in flight: it may have run, so it is not retried.
-                if isinstance(exc, NotSent) or (err.code == Code.UNAVAILABLE and not isinstance(exc, StreamBroken)
-                                                and _not_connected(replica)):
-                    self.discovery.mark_unhealthy(replica)
-                    replicas.remove(replica)
-                    if replicas:
-                        continue
-                raise err from None
-            finally:
-                replica.outstanding -= 1
 
     # ---- V2Core -----------------------------------------------------------------------
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
@@ -193,7 +150,7 @@ class GatewayCore:
         if self.ensembles is not None and name in self.ensembles:
             return self.ensembles.ready(name, version)
         try:
-            resp = await self._call(name, version, lambda r: r.model_ready(
+            resp = await self.upstream.call(name, version, lambda r: r.model_ready(
                 pb.ModelReadyRequest(name=name, version=version)))
         except InferError:
             return False
@@ -207,7 +164,7 @@ class GatewayCore:
             return md
         if self.ensembles is not None and name in self.ensembles:
             return self.ensembles.model_metadata(name, version)
-        return await self._call(name, version, lambda r: r.model_metadata(
+        return await self.upstream.call(name, version, lambda r: r.model_metadata(
             pb.ModelMetadataRequest(name=name, version=version)))
 
     async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse:
@@ -218,25 +175,8 @@ class GatewayCore:
             return resp
         if self.ensembles is not None and name in self.ensembles:
             return self.ensembles.model_config(name, version)
-        return await self._call(name, version, lambda r: r.model_config(
+        return await self.upstream.call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
-
-    async def _send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                    members: Sequence[traced.Member] = ()) -> pb.ModelInferResponse:
-        """Forward one request (``members``: the traced client requests a merged one carries)."""
-        body = raw if raw is not None else request.SerializeToString()
-        affinity = sequence_affinity(request.parameters)
-        if members:
-            return await traced.send_merged(functools.partial(self._call, affinity=affinity), request, body,
-                                            lambda r, b: r.streams.infer(b, request.id, timeout, affinity), members)
-        if tracing.enabled and (span := tracing.current_var.get()) is not None:
-            return await traced.send(functools.partial(self._call, affinity=affinity), request, body,
-                                     lambda r, b: r.streams.infer(b, request.id, timeout, affinity), span)
-        return await self._call(request.model_name, request.model_version,
-                                lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
-
-    def _max_inflight(self) -> int:
-        return self.coalesce_inflight * max(1, sum(1 for r in self.replicas if r.healthy))
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         name = request.model_name
@@ -248,13 +188,16 @@ class GatewayCore:
             check_version(request.model_version, request.model_name)
         params = request.parameters
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
-            # a sequence's requests reach the service in the order they arrived (gateway/turns.py)
-            return await self.turns.run((request.model_name, sequence), lambda: self._infer_admitted(request, ctx))
-        return await self._infer_admitted(request, ctx)
+            # a sequence's requests reach the service in the order they arrived (gateway/turns.py),
+            # all on one replica (the key is parsed here once and travels with the request)
+            return await self.turns.run((request.model_name, sequence),
+                                        lambda: self._infer_admitted(request, ctx, sequence))
+        return await self._infer_admitted(request, ctx, None)
 
-    async def _infer_admitted(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+    async def _infer_admitted(self, request: pb.ModelInferRequest, ctx: RequestContext,
+                              affinity: str | None) -> InferResult:
         if self.admission is None and self.routes is None and self.ensembles is None:
-            return await self._infer(request, ctx)
+            return await self._infer(request, ctx, affinity)
         admitted = None
         if self.admission is not None:  # tenants see route names, not the arms behind them
             span = tracing.current_span() if tracing.enabled else None
@@ -273,32 +216,39 @@ class GatewayCore:
         try:
             route = self.routes.lookup(request.model_name) if self.routes is not None else None
             if route is None or self.routes is None:
-                return await self._dispatch(request, ctx)
-            return await self.routes.infer(route, request, ctx, self._dispatch)
+                return await self._dispatch(request, ctx, affinity)
+            target = self.routes.choose(route, request, ctx, affinity)  # the request now names the target
+            try:
+                result = await self._dispatch(request, ctx, affinity)
+            except InferError as exc:
+                self.routes.failed(route, target, exc)
+                raise
+            return self.routes.answered(route, target, result)
         finally:
             if self.admission is not None:
                 await self.admission.release(admitted)
 
-    async def _dispatch(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+    async def _dispatch(self, request: pb.ModelInferRequest, ctx: RequestContext,
+                        affinity: str | None) -> InferResult:
         """An ensemble runs here in the gateway; any other model goes to its service."""
         if self.ensembles is None or request.model_name not in self.ensembles:
-            return await self._infer(request, ctx)
+            return await self._infer(request, ctx, affinity)
         name = request.model_name
         try:
-            response = await self.ensembles.infer(request, ctx.time_remaining())
+            response = await self.ensembles.infer(request, ctx.time_remaining(), affinity)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             raise
         self.request_counts[(name, "OK")] += 1
         return InferResult(message=response)
 
-    async def _infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+    async def _infer(self, request: pb.ModelInferRequest, ctx: RequestContext, affinity: str | None) -> InferResult:
         name = request.model_name
         timeout = ctx.time_remaining()
         try:
             plan = self._merge_plan(request)  # a sampled request may be merged too: see traced.send_merged
             if plan is None:
-                response = await self._send(request, ctx.raw, timeout)
+                response = await self.upstream.send(request, ctx.raw, timeout, affinity)
             else:
                 key, rows, max_batch = plan
                 response = await self.coalescer.submit(key, request, ctx.raw, rows, max_batch, timeout)
@@ -332,7 +282,7 @@ class GatewayCore:
             check_version(version, check_model_name(name))
             if self.ensembles is not None and name in self.ensembles:
                 return pb.ModelStatisticsResponse(model_stats=self.ensembles.statistics(name, version))
-            routes = await self._routes(name)
+            routes = await self.upstream.routes(name)
             replicas = list({id(r): r for rs in routes.versions.values() for r in rs}.values())
         else:
             replicas = [r for r in self.replicas if r.healthy]
@@ -352,9 +302,7 @@ class GatewayCore:
                     merged[key] = s
         if not merged and errors and name:
             err = errors[0]
-            if isinstance(err, grpc.aio.AioRpcError):
-                raise InferError.from_grpc(err.code(), err.details())
-            raise InferError.unavailable(f"statistics for model '{name}' unavailable: {err}")
+            raise grpc_error(err) or InferError.unavailable(f"statistics for model '{name}' unavailable: {err}")
         if not name and self.ensembles is not None:
             for s in self.ensembles.statistics("", ""):
                 merged.setdefault((s.name, s.version), s)
@@ -483,12 +431,8 @@ class GatewayCore:
         results = await asyncio.gather(*(fn(r) for r in replicas), return_exceptions=True)
         failed: list[tuple[Replica, InferError]] = []
         for r, res in zip(replicas, results, strict=True):
-            if isinstance(res, grpc.aio.AioRpcError):
-                failed.append((r, InferError.from_grpc(res.code(), res.details(), hop=f"service {r.endpoint}")))
-            elif isinstance(res, InferError):
-                failed.append((r, res))
-            elif isinstance(res, BaseException):
-                failed.append((r, InferError.unavailable(f"service {r.endpoint}: {type(res).__name__}: {res}")))
+            if isinstance(res, BaseException):
+                failed.append((r, r.error(res)))
         if not failed:
             return
         first = failed[0][1]
@@ -527,6 +471,8 @@ class GatewayCore:
             samples.append(("replica_healthy", labels, 1 if r.healthy else 0))
             samples.append(("replica_outstanding", labels, r.outstanding))
             samples.append(("upstream_duration", labels, r.streams.latency))
+        samples.append(("merged_sends", {}, self.coalescer.merged_sends))
+        samples.append(("merged_requests", {}, self.coalescer.merged_requests))
         for endpoint, up in sorted(self._federated_up.items()):
             samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:
@@ -570,10 +516,6 @@ def _no_service(name: str, kind: str) -> InferError:
 
 
 _STATE_RANK = {"READY": 3, "LOADING": 2, "UNLOADING": 1}  # merging replicas' index entries: higher wins
-
-
-def _not_connected(replica: Replica) -> bool:
-    return replica.channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
 
 
 def _add_duration(a: pb.StatisticDuration, b: pb.StatisticDuration) -> None:

@@ -8,7 +8,7 @@ from gateway.core import GatewayCore
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.quotas.memory import MemoryQuotaStore
 from gateway.quotas.redis import RedisQuotaStore
-from gateway.routes import RouteTable
+from gateway.routes import ABRouter
 from gateway.upstream.pool import ReplicaPool
 from meshserve.server import limits as server_limits
 from meshserve.server.core import add_server_name_argument
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> None:
     if args.metrics_auth and admission is None:
         raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")
     try:
-        routes = RouteTable(args.routes) if args.routes else None
+        routes = ABRouter(args.routes) if args.routes else None
     except (OSError, ValueError) as exc:
         raise SystemExit(f"meshserve gateway: --routes: {exc}") from None
     try:

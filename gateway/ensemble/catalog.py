@@ -14,8 +14,9 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gateway.ensemble.executor import EnsembleExecutor, Send, StepTimes
+from gateway.ensemble.executor import EnsembleExecutor, StepTimes
 from gateway.ensemble.plan import EnsembleError, Plan, compile_plan
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -26,6 +27,9 @@ from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_mod
 from meshserve.repository.layout import model_dirs
 from meshserve.telemetry.metrics import Sample
 from meshserve.telemetry.model_stats import ModelStats
+
+if TYPE_CHECKING:
+    from gateway.upstream.upstream import Upstream
 
 log = logging.getLogger("meshserve.gateway.ensemble")
 
@@ -98,8 +102,9 @@ class EnsembleCatalog:
         self._plans.pop(name, None)
         return self.configs.get(name)
 
-    def bind(self, send: Send, lookup: Lookup) -> None:
-        self.executor = EnsembleExecutor(send, self.max_inflight_steps)
+    def bind(self, upstream: Upstream, lookup: Lookup) -> None:
+        """Where steps go (the gateway's Upstream) and where step models' configs come from."""
+        self.executor = EnsembleExecutor(upstream, self.max_inflight_steps)
         self._lookup = lookup
 
     def __contains__(self, name: str) -> bool:
@@ -129,14 +134,15 @@ class EnsembleCatalog:
             raise InferError.unavailable(str(cached[1]))
         return cached[1]
 
-    async def infer(self, request: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+    async def infer(self, request: pb.ModelInferRequest, timeout: float | None,
+                    affinity: str | None = None) -> pb.ModelInferResponse:
         arrival = time.monotonic_ns()
         plan = self.plan(request.model_name, request.model_version)
         reject_mixed_contents(request)  # the gateway runs this request itself (infer_checks)
         assert self.executor is not None, "EnsembleCatalog.bind() was not called"
         stats, times = self.stats[plan.name], StepTimes()
         try:
-            response = await self.executor.run(plan, request, timeout, times)
+            response = await self.executor.run(plan, request, timeout, times, affinity)
         except InferError:
             stats.record_failure(time.monotonic_ns() - arrival, "OTHER")
             raise

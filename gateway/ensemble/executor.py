@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 
-Send = Callable[[pb.ModelInferRequest, "float | None"], Awaitable[pb.ModelInferResponse]]
+if TYPE_CHECKING:
+    from gateway.upstream.upstream import Upstream
+
 
 DEFAULT_MAX_INFLIGHT_STEPS = 256
 
@@ -37,13 +39,14 @@ class _Tensor:
 
 
 class EnsembleExecutor:
-    def __init__(self, send: Send, max_inflight_steps: int = DEFAULT_MAX_INFLIGHT_STEPS):
-        self._send = send
+    def __init__(self, upstream: Upstream, max_inflight_steps: int = DEFAULT_MAX_INFLIGHT_STEPS):
+        self._upstream = upstream
         self._slots = asyncio.Semaphore(max_inflight_steps)
         self.max_inflight_steps = max_inflight_steps
 
     async def run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
-                  times: StepTimes | None = None) -> pb.ModelInferResponse:
+                  times: StepTimes | None = None, affinity: str | None = None) -> pb.ModelInferResponse:
+        """``affinity``: the request's sequence key (its steps carry its parameters)."""
         tensors = _inputs(plan, request)
         wanted = [o.name for o in request.outputs] or list(plan.outputs)
         for name in wanted:
@@ -52,10 +55,11 @@ class EnsembleExecutor:
                                          f"(outputs: {sorted(plan.outputs)})")
         with tracing.child_span("gateway.ensemble", {"meshserve.ensemble": plan.name,
                                                      "meshserve.ensemble.steps": len(plan.steps)}):
-            return await self._run(plan, request, timeout, tensors, wanted, times or StepTimes())
+            return await self._run(plan, request, timeout, tensors, wanted, times or StepTimes(), affinity)
 
     async def _run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
-                   tensors: dict[str, _Tensor], wanted: list[str], times: StepTimes) -> pb.ModelInferResponse:
+                   tensors: dict[str, _Tensor], wanted: list[str], times: StepTimes,
+                   affinity: str | None) -> pb.ModelInferResponse:
         deadline = None if timeout is None else time.monotonic() + timeout
         needs = {s.index: {t for _, t in s.inputs} for s in plan.steps}
         started: set[int] = set()
@@ -66,7 +70,8 @@ class EnsembleExecutor:
                 if i not in started and needs[i] <= tensors.keys():
                     started.add(i)
                     step = plan.steps[i]
-                    running[asyncio.ensure_future(self._step(plan, step, tensors, request, deadline, times))] = step
+                    running[asyncio.ensure_future(self._step(plan, step, tensors, request, deadline, times,
+                                                                       affinity))] = step
 
         launch_ready()
         try:
@@ -87,7 +92,7 @@ class EnsembleExecutor:
         return response
 
     async def _step(self, plan: Plan, step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest,
-                    deadline: float | None, times: StepTimes) -> dict[str, _Tensor]:
+                    deadline: float | None, times: StepTimes, affinity: str | None) -> dict[str, _Tensor]:
         req = pb.ModelInferRequest(model_name=step.model, model_version=step.version, id=request.id)
         for key, value in request.parameters.items():
             req.parameters[key].CopyFrom(value)
@@ -108,7 +113,7 @@ class EnsembleExecutor:
                 with tracing.child_span("gateway.ensemble.step", {"meshserve.ensemble": plan.name,
                                                                   "meshserve.step": step.index,
                                                                   "meshserve.model": step.model}):
-                    resp = await self._send(req, timeout)
+                    resp = await self._upstream.send(req, None, timeout, affinity)
             except InferError as exc:
                 raise InferError(exc.code, f"ensemble '{plan.name}' {step.label}: {exc.message}",
                                  retry_after_s=exc.retry_after_s) from None

@@ -1,1 +1,2 @@
-"""Upstream services: channels, replicas, discovery."""
+"""Upstream services: `Upstream` (upstream.py), the one way the gateway reaches them; replicas,
+their streams, discovery, coalescing and the traced send."""

@@ -20,9 +20,10 @@ import asyncio
 import contextvars
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from gateway.upstream.traced import Member
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
@@ -30,6 +31,9 @@ from meshserve.protocol.errors import InferError
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
+
+if TYPE_CHECKING:
+    from gateway.upstream.upstream import Upstream
 
 MERGED_PARAMETER = wire.MERGED_PARAMETER
 # Request parameters that do not change how a request is scheduled or computed.
@@ -168,33 +172,43 @@ _MEMBER_OVERHEAD = 4096
 _DEFAULT_MAX_BYTES = ServerLimits().max_request_bytes
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A request waiting in its group's queue."""
+
+    request: pb.ModelInferRequest
+    rows: int
+    future: asyncio.Future[pb.ModelInferResponse]
+    timeout: float | None  # seconds
+    enqueued_ns: int  # monotonic
+    span: Span | None  # the request's sampled span
+    size: int  # its size in a merge
+
+
 @dataclass
 class _Group:
-    # (request, rows, future, timeout s, enqueued monotonic ns, the request's sampled span or None,
-    #  its size in a merge)
-    pending: deque[tuple[pb.ModelInferRequest, int, asyncio.Future[pb.ModelInferResponse], float | None, int,
-                         Span | None, int]] = field(default_factory=deque)
+    pending: deque[_Pending] = field(default_factory=deque)
     inflight: int = 0
     scheduled: bool = False
 
 
-# send(request, its serialized bytes if already known, timeout, traced members of a merge) -> response
-Send = Callable[..., Awaitable[pb.ModelInferResponse]]
-
-
 class Coalescer:
-    """Merges concurrently pending requests per key; at most `max_inflight` sends per key, and
-    a merge never grows past `max_bytes` (the services' --max-request-bytes: a larger merged
-    message would be refused with RESOURCE_EXHAUSTED)."""
+    """Merges concurrently pending requests per key; at most ``inflight_per_replica`` sends per
+    key and healthy replica, and a merge never grows past `max_bytes` (the services'
+    --max-request-bytes: a larger merged message would be refused with RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, send: Send, max_inflight: Callable[[], int], max_bytes: int = _DEFAULT_MAX_BYTES):
-        self._send_fn = send
-        self._max_inflight = max_inflight
+    def __init__(self, upstream: Upstream, inflight_per_replica: int, max_bytes: int = _DEFAULT_MAX_BYTES):
+        self._upstream = upstream
+        self._replicas = upstream.replicas  # one list, updated in place
+        self.inflight_per_replica = inflight_per_replica
         self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
-        self.merged_sends = 0
-        self.merged_requests = 0
+        self.merged_sends = 0  # merged requests sent (/metrics)
+        self.merged_requests = 0  # client requests they carried
+
+    def _max_inflight(self) -> int:
+        return self.inflight_per_replica * max(1, sum(1 for r in self._replicas if r.healthy))
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         # asyncio.get_running_loop() makes a getpid system call each time on Python 3.11
@@ -211,29 +225,29 @@ class Coalescer:
             # Fast path: nothing to merge with and a free slot: send it now, alone.
             group.inflight += 1
             try:
-                return await self._send_fn(request, raw, timeout)
+                return await self._upstream.send(request, raw, timeout)
             finally:
                 group.inflight -= 1
                 self._drain(key, group, max_batch)
         fut: asyncio.Future[pb.ModelInferResponse] = self._running_loop().create_future()
-        group.pending.append((request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
-                              tracing.current_var.get() if tracing.enabled else None,
-                              (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
+        group.pending.append(_Pending(request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
+                                      tracing.current_var.get() if tracing.enabled else None,
+                                      (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
         self._drain(key, group, max_batch)
         return await fut
 
     def _drain(self, key: Key, group: _Group, max_batch: int) -> None:
         while group.pending and group.inflight < self._max_inflight():
-            chunk: list[tuple] = []
+            chunk: list[_Pending] = []
             total = size = 0
-            while group.pending and total + group.pending[0][1] <= max_batch and (
-                    not chunk or size + group.pending[0][6] <= self.max_bytes):
+            while group.pending and total + group.pending[0].rows <= max_batch and (
+                    not chunk or size + group.pending[0].size <= self.max_bytes):
                 item = group.pending.popleft()
-                if item[2].done():  # the client went away
+                if item.future.done():  # the client went away
                     continue
                 chunk.append(item)
-                total += item[1]
-                size += item[6]
+                total += item.rows
+                size += item.size
             if not chunk:
                 continue
             group.inflight += 1
@@ -244,41 +258,41 @@ class Coalescer:
         if not group.pending and not group.inflight:
             self._groups.pop(key, None)
 
-    async def _send_chunk(self, key: Key, group: _Group, chunk: list, max_batch: int) -> None:
+    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], max_batch: int) -> None:
         try:
-            requests = [c[0] for c in chunk]
-            rows = [c[1] for c in chunk]
-            timeouts = [c[3] for c in chunk if c[3] is not None]
+            requests = [c.request for c in chunk]
+            rows = [c.rows for c in chunk]
+            timeouts = [c.timeout for c in chunk if c.timeout is not None]
             timeout = min(timeouts) if timeouts else None
             # The service's max_queue_delay counts from the oldest member's arrival here, as
             # Triton times it from the oldest request's arrival: the wait in this queue counts.
-            waited_us = (time.monotonic_ns() - min(c[4] for c in chunk)) // 1000
+            waited_us = (time.monotonic_ns() - min(c.enqueued_ns for c in chunk)) // 1000
             try:
                 if len(chunk) == 1:
                     single = requests[0]
                     single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                    if (span := chunk[0][5]) is not None:
+                    if (span := chunk[0].span) is not None:
                         tracing.activate(span)  # this task's own context: sent as the member's request
-                    responses = [await self._send_fn(single, None, timeout)]
+                    responses = [await self._upstream.send(single, None, timeout)]
                 else:
                     self.merged_sends += 1
                     self.merged_requests += len(chunk)
                     merged = merge(requests, rows)
                     merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                    members = [(i, c[5], c[4]) for i, c in enumerate(chunk) if c[5] is not None]
+                    members = [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]
                     if members:
-                        response = await self._send_fn(merged, None, timeout, members)
+                        response = await self._upstream.send_merged(merged, timeout, members)
                     else:
-                        response = await self._send_fn(merged, None, timeout)
+                        response = await self._upstream.send(merged, None, timeout)
                     responses = split(response, requests, rows)
             except BaseException as exc:  # every member gets the outcome
-                for _, _, fut, _, _, _, _ in chunk:
-                    if not fut.done():
-                        fut.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
+                for c in chunk:
+                    if not c.future.done():
+                        c.future.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
                 return
-            for (_, _, fut, _, _, _, _), resp in zip(chunk, responses, strict=True):
-                if not fut.done():
-                    fut.set_result(resp)
+            for c, resp in zip(chunk, responses, strict=True):
+                if not c.future.done():
+                    c.future.set_result(resp)
         finally:
             group.inflight -= 1
             self._drain(key, group, max_batch)

@@ -1,15 +1,17 @@
-"""One upstream service replica: a gRPC channel with raw-bytes infer and typed control calls."""
+"""One upstream service replica: a gRPC channel with typed control calls, infer over streams
+(stream.py), and what a failed call to it means: the client's error, and whether the request
+can go to another replica (the only module of the gateway that knows gRPC's status types)."""
 from __future__ import annotations
 
 from typing import Any
 
 import grpc
 
-from gateway.upstream.stream import StreamPool
+from gateway.upstream.stream import NotSent, StreamBroken, StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol.wire import SERVICE_KIND_METADATA
+from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.wire import MAX_MESSAGE_BYTES, SERVICE_KIND_METADATA
 from meshserve.server.access import METRICS_SERVICE
-from meshserve.server.grpc_frontend import MAX_MESSAGE_BYTES
 
 _SERVICE = "/inference.GRPCInferenceService/"
 CHANNEL_OPTIONS = [  # same message size limit as every server hop
@@ -23,6 +25,15 @@ CHANNEL_OPTIONS = [  # same message size limit as every server hop
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+
+
+# What a call to a replica raises when it fails (Replica.failure says what it means).
+CALL_ERRORS = (grpc.aio.AioRpcError, InferError, NotSent)
+
+
+def grpc_error(exc: BaseException) -> InferError | None:
+    """A failed gRPC call's status as an InferError (None: ``exc`` is not a gRPC failure)."""
+    return InferError.from_grpc(exc.code(), exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else None
 
 
 def _typed(channel: grpc.aio.Channel, method: str, req_type: Any, resp_type: Any) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -64,6 +75,31 @@ class Replica:
             if key == SERVICE_KIND_METADATA and isinstance(value, str):
                 self.kind = value
         return response
+
+    def error(self, exc: BaseException) -> InferError:
+        """The client's error for a call to this replica that failed with ``exc``."""
+        if isinstance(exc, InferError):
+            return exc
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return InferError.from_grpc(exc.code(), exc.details(), hop=f"service {self.endpoint}")
+        if isinstance(exc, NotSent):
+            return InferError.unavailable(str(exc) or f"service {self.endpoint}: stream unavailable")
+        return InferError.unavailable(f"service {self.endpoint}: {type(exc).__name__}: {exc}")
+
+    def failure(self, exc: Exception) -> tuple[InferError, bool]:
+        """(the client's error, whether to try another replica) for a call that raised one of
+        CALL_ERRORS. Another replica is tried only if the request never reached a model: it was
+        never written (NotSent), or the channel that carried it (the stream's connection for
+        infer, the gRPC channel for control calls) is not connected. A broken stream had the
+        request in flight: it may have run, so it is not retried."""
+        err = self.error(exc)
+        if isinstance(exc, NotSent):
+            return err, True
+        if err.code is not Code.UNAVAILABLE or isinstance(exc, StreamBroken):
+            return err, False
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return err, self.channel.get_state(try_to_connect=False) != grpc.ChannelConnectivity.READY
+        return err, not self.streams.connected
 
     def __repr__(self) -> str:
         return f"Replica({self.endpoint}, healthy={self.healthy}, outstanding={self.outstanding})"

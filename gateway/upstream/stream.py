@@ -151,6 +151,11 @@ class StreamPool:
         self._channel = h2.Channel(endpoint, _CONNECT_TIMEOUT_S)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
 
+    @property
+    def connected(self) -> bool:
+        """Whether the connection the streams run on is up."""
+        return self._channel.connected
+
     def _stream(self, affinity: str | None = None) -> _Stream:
         # One sequence always uses the same stream, so its requests reach the service in order.
         # Never awaits: a request waiting here for a connection could be overtaken by a later one.

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
@@ -25,54 +26,72 @@ from meshserve.protocol import wire
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import CLIENT, Ref, Span
 
-Attempt = Callable[[Replica], Awaitable[pb.ModelInferResponse]]
-Call = Callable[[str, str, Attempt], Awaitable[pb.ModelInferResponse]]
-Forward = Callable[[Replica, bytes], Awaitable[pb.ModelInferResponse]]
-Member = tuple[int, Span, int]  # (index in a merged request, the member's request span, enqueued monotonic ns)
+if TYPE_CHECKING:
+    from gateway.upstream.upstream import Upstream
+
 _ROUTE_KEYS = ("meshserve.route", "meshserve.arm")  # set on the request span by an A/B route (gateway/routes.py)
 
 
-async def send(call: Call, request: pb.ModelInferRequest, body: bytes, forward: Forward,
-               parent: Span) -> pb.ModelInferResponse:
-    """``call`` is GatewayCore._call (replica choice, retries); ``forward(replica, body)`` sends
-    the request bytes on the replica's streams; ``parent`` is the sampled gateway request span."""
+@dataclass(slots=True)
+class Member:
+    """A sampled client request in a merged one."""
+
+    index: int  # its place in the merged request
+    span: Span  # its request span
+    enqueued_ns: int  # when it joined the coalescer's queue (monotonic)
+
+
+@dataclass(slots=True)
+class _Call:
+    """An upstream call of one traced client request."""
+
+    parent: Span  # the client request's span
+    span_id: int  # the upstream span's id (its traceparent already went with the request)
+    started_ns: int  # when the route decision began
+    attributes: dict[str, Any] | None  # the upstream span's own attributes
+
+
+async def send(upstream: Upstream, request: pb.ModelInferRequest, body: bytes, timeout: float | None,
+               affinity: str | None, parent: Span) -> pb.ModelInferResponse:
+    """Upstream.send for a sampled request: ``upstream.call`` chooses the replica (and retries);
+    ``parent`` is the sampled gateway request span."""
     name, version = request.model_name, request.model_version
     started = time.time_ns()
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         nonlocal started
         decided = time.time_ns()
-        upstream = _upstream_span(parent)
-        calls: list[_Call] = [(parent, upstream.span_id, started, None)]
+        upstream_span = _upstream_span(parent)
+        calls = [_Call(parent, upstream_span.span_id, started, None)]
         started = decided  # a retry's route span starts where this attempt's decision ended
-        return await _forward_under(calls, decided, name, version, forward, replica,
-                                    tracing.inject_parameters(body, upstream))
+        return await _forward_under(calls, decided, request, replica, tracing.inject_parameters(body, upstream_span),
+                                    timeout, affinity)
 
-    return await call(name, version, attempt)
+    return await upstream.call(name, version, attempt, affinity)
 
 
-async def send_merged(call: Call, request: pb.ModelInferRequest, body: bytes, forward: Forward,
+async def send_merged(upstream: Upstream, request: pb.ModelInferRequest, body: bytes, timeout: float | None,
                       members: Sequence[Member]) -> pb.ModelInferResponse:
     """Send a merged request (``body``) whose ``members`` are sampled client requests."""
     name, version = request.model_name, request.model_version
     count = request.parameters[wire.MERGED_PARAMETER].int64_param
     off = tracing.epoch_offset_ns()
-    starts = [enqueued + off for _, _, enqueued in members]
+    starts = [m.enqueued_ns + off for m in members]
 
     async def attempt(replica: Replica) -> pb.ModelInferResponse:
         now = time.time_ns()
         calls: list[_Call] = []
         lines = [""] * count
-        for k, (index, parent, _) in enumerate(members):
-            upstream = _upstream_span(parent)
-            calls.append((parent, upstream.span_id, starts[k], {"meshserve.merged_requests": count,
-                                                               "meshserve.member": index}))
-            lines[index] = tracing.member_line(upstream)
+        for k, m in enumerate(members):
+            upstream_span = _upstream_span(m.span)
+            calls.append(_Call(m.span, upstream_span.span_id, starts[k], {"meshserve.merged_requests": count,
+                                                                         "meshserve.member": m.index}))
+            lines[m.index] = tracing.member_line(upstream_span)
             starts[k] = now  # a retry's route span starts where this attempt's decision ended
-        return await _forward_under(calls, now, name, version, forward, replica, wire.with_string_parameter(
-            body, wire.TRACEPARENTS_PARAMETER, "\n".join(lines)))
+        return await _forward_under(calls, now, request, replica, wire.with_string_parameter(
+            body, wire.TRACEPARENTS_PARAMETER, "\n".join(lines)), timeout, None)
 
-    return await call(name, version, attempt)
+    return await upstream.call(name, version, attempt)
 
 
 def _upstream_span(parent: Span) -> Ref:
@@ -81,22 +100,19 @@ def _upstream_span(parent: Span) -> Ref:
     return Ref(parent.trace_id, tracing.random_bits(64) or 1, parent.flags, parent.trace_state)
 
 
-# an upstream call of one traced client request: (its request span, the upstream span's id,
-# when the route decision began, the upstream span's own attributes)
-_Call = tuple[Span, int, int, dict[str, Any] | None]
-
-
-async def _forward_under(calls: list[_Call], decided_ns: int, name: str, version: str, forward: Forward,
-                         replica: Replica, body: bytes) -> pb.ModelInferResponse:
-    """``forward``, then its spans recorded (``_record``: after the response is on its way)."""
+async def _forward_under(calls: list[_Call], decided_ns: int, request: pb.ModelInferRequest, replica: Replica,
+                         body: bytes, timeout: float | None, affinity: str | None) -> pb.ModelInferResponse:
+    """``body`` on the replica's streams, then its spans recorded (``_record``: after the
+    response is on its way)."""
     error: BaseException | None = None
     try:
-        return await forward(replica, body)
+        return await replica.streams.infer(body, request.id, timeout, affinity)
     except BaseException as exc:
         error = exc
         raise
     finally:
-        tracing.defer(_record, calls, decided_ns, time.time_ns(), error, name, version, replica.endpoint)
+        tracing.defer(_record, calls, decided_ns, time.time_ns(), error, request.model_name, request.model_version,
+                      replica.endpoint)
 
 
 def _record(calls: list[_Call], decided_ns: int, end_ns: int, error: BaseException | None, name: str,
@@ -105,14 +121,15 @@ def _record(calls: list[_Call], decided_ns: int, end_ns: int, error: BaseExcepti
     call's CLIENT span (whose id its traceparent already carried to the service)."""
     route, upstream = _fixed(name, version, endpoint)
     description, code = tracing.error_fields(error) if error is not None else (None, None)
-    for parent, span_id, started_ns, own in calls:
+    for call in calls:
+        parent, own = call.parent, call.attributes
         attrs = parent.attributes
         decided = {key: v for key in _ROUTE_KEYS if (v := attrs.get(key)) is not None} if attrs else None
-        tracing.emit_span("gateway.route", parent, started_ns, decided_ns, decided, fixed=route)
+        tracing.emit_span("gateway.route", parent, call.started_ns, decided_ns, decided, fixed=route)
         if code is not None:
             own = {**own, "meshserve.error_code": code} if own else {"meshserve.error_code": code}
         tracing.emit_span("gateway.upstream", parent, decided_ns, end_ns, own, error=description, fixed=upstream,
-                          kind=CLIENT, span_id=span_id)
+                          kind=CLIENT, span_id=call.span_id)
 
 
 @functools.lru_cache(maxsize=1024)

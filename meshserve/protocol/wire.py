@@ -1,6 +1,9 @@
 """Small protobuf wire-format helpers for byte-level passthrough (no message parse)."""
 from __future__ import annotations
 
+# The gRPC message size limit of every hop: Triton's clients assume no limit (grpc's Python
+# default is 4 MiB); a server's --max-request-bytes bounds what it accepts (meshserve.server.limits).
+MAX_MESSAGE_BYTES = 2**31 - 1
 # Field numbers from grpc_service.proto.
 INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited

@@ -18,6 +18,7 @@ import grpc
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
+from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
@@ -28,8 +29,6 @@ from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER, TRACEPARENT
 log = logging.getLogger("meshserve.grpc")
 
 SERVICE = access.GRPC_SERVICE
-# Triton's clients assume no message size limit; grpc's Python default is 4 MiB.
-MAX_MESSAGE_BYTES = 2**31 - 1
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

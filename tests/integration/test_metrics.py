@@ -2,6 +2,7 @@
 with the statistics extension."""
 from __future__ import annotations
 
+import queue
 import signal
 
 import grpc
@@ -155,3 +156,44 @@ def test_gateway_federates_each_replica_with_its_label(stack, model_repo) -> Non
     finally:
         gateway.stop()
         other.stop()
+
+
+def _burst(url: str, n: int) -> None:
+    """``n`` concurrent add_sub requests on one client; returns when all are answered."""
+    answers: queue.Queue[object] = queue.Queue()
+    with grpcclient.InferenceServerClient(url) as c:
+        for _ in range(n):
+            c.async_infer("add_sub", _inputs(), lambda result, error: answers.put(error))
+        assert [answers.get(timeout=20) for _ in range(n)] == [None] * n
+
+
+def test_gateway_counts_the_requests_it_merges(stack) -> None:
+    """Coalescing is visible in /metrics: merged sends, and the client requests they carried,
+    which the service still counts one by one."""
+    from tests.conftest import _wait_http_ready, start
+
+    gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
+                     "--coalesce-inflight", "1"])  # one send at a time: the rest of a burst waits and merges
+    try:
+        _wait_http_ready(gateway.http)
+        gw0, svc0 = _scrape(gateway.http), _scrape(stack.service.http)
+        assert _get(gw0, "meshserve_gateway_merged_sends_total") == 0
+        assert _get(gw0, "meshserve_gateway_merged_requests_total") == 0
+        sent = 0
+        for _attempt in range(10):  # until a burst reached the gateway while its first request was out
+            _burst(gateway.grpc, 16)
+            sent += 16
+            gw1 = _scrape(gateway.http)
+            if _get(gw1, "meshserve_gateway_merged_sends_total") > 0:
+                break
+        sends = _get(gw1, "meshserve_gateway_merged_sends_total")
+        merged = _get(gw1, "meshserve_gateway_merged_requests_total")
+        assert sends >= 1, "no burst of 16 was merged by a gateway with --coalesce-inflight 1"
+        assert 2 * sends <= merged <= sent
+        assert _get(gw1, "meshserve_gateway_requests_total", model="add_sub", outcome="OK") == sent
+        svc1 = _scrape(stack.service.http)
+        assert _get(svc1, "nv_inference_count", **MODEL) - _get(svc0, "nv_inference_count", **MODEL) == sent
+        assert _get(svc1, "nv_inference_exec_count", **MODEL) - _get(svc0, "nv_inference_exec_count", **MODEL) \
+            <= sent - merged + sends  # each merged send ran as (at most) one execution
+    finally:
+        gateway.stop()

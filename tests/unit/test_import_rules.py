@@ -155,3 +155,15 @@ def test_gateway_quota_maths_and_ensemble_plan_do_no_io() -> None:
         mods = _imports(path)
         assert not any(m.startswith(("grpc", "asyncio", "aiohttp", "socket", "redis", "os", "pathlib",
                                      "meshserve.server")) for m in mods), (path, mods)
+
+
+def test_gateway_upstream_imports_no_server_front_end() -> None:
+    # the hop's message limit is the protocol's (meshserve.protocol.wire.MAX_MESSAGE_BYTES)
+    assert _violations("gateway/upstream", ("meshserve.server.grpc_frontend", "meshserve.server.http_frontend",
+                                            "meshserve.server.process")) == []
+
+
+def test_gateway_core_is_protocol_free() -> None:
+    # gRPC statuses and channel states are gateway/upstream/replica.py's business
+    mods = _imports(ROOT / "gateway" / "core.py")
+    assert not any(m == "grpc" or m.startswith("grpc.") for m in mods), mods

@@ -389,6 +389,11 @@ class Channel:
         self._conn: H2ClientConnection | None = None
         self._lock = asyncio.Lock()
 
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is up (no connection attempt is made)."""
+        return self._conn is not None and self._conn.usable
+
     async def get(self) -> H2ClientConnection:
         conn = self._conn
         if conn is not None and conn.usable:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,6 +88,11 @@ def test_batch_over_max_and_unbatchable_models() -> None:
     assert ModelShape.of(strings) is None
 
 
+def upstream(send):
+    """A stand-in for upstream.Upstream: one healthy replica; ``send`` the test's own."""
+    return SimpleNamespace(send=send, replicas=[SimpleNamespace(healthy=True)])
+
+
 async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse:
     key, rows = merge_key(r, SHAPE)
     return await c.submit(key, r, None, rows, 8, None)
@@ -104,7 +110,7 @@ async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
         await gate.wait()
         return fake_service(req)
 
-    c = Coalescer(send, lambda: 1)
+    c = Coalescer(upstream(send), 1)
     reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
 
     async def one(r: pb.ModelInferRequest) -> pb.ModelInferResponse:
@@ -139,7 +145,7 @@ async def test_a_merge_stops_at_the_byte_limit() -> None:
     reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
     per_request = reqs[0].ByteSize() + 4096  # a member's message + what the merge assumes it adds
     limit = 2 * per_request + 100
-    c = Coalescer(send, lambda: 1, max_bytes=limit)
+    c = Coalescer(upstream(send), 1, max_bytes=limit)
     tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
     for _ in range(1000):  # until the first is sent and the other five wait (no clock involved)
         if sent and sum(len(g.pending) for g in c._groups.values()) == 5:
@@ -163,7 +169,7 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
             raise RuntimeError("backend failed")
         return fake_service(req)
 
-    c = Coalescer(send, lambda: 1)
+    c = Coalescer(upstream(send), 1)
     reqs = [request(np.zeros((1, 16)), np.zeros((1, 16)), f"r{i}") for i in range(3)]
     results = await asyncio.gather(*(c.submit(merge_key(r, SHAPE)[0], r, None, 1, 8, None) for r in reqs),
                                    return_exceptions=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -86,7 +87,8 @@ def test_invalid_ensembles_name_the_step(change: tuple[str, str], fragment: str)
 def fake_upstream(delay_s: float = 0.1, fail: dict[str, InferError] | None = None):
     calls: list[tuple[str, float, float]] = []
 
-    async def send(req: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                   affinity: str | None = None) -> pb.ModelInferResponse:
         t0 = time.monotonic()
         await asyncio.sleep(delay_s)
         calls.append((req.model_name, t0, time.monotonic()))
@@ -101,7 +103,7 @@ def fake_upstream(delay_s: float = 0.1, fail: dict[str, InferError] | None = Non
         resp.raw_output_contents.append(out.astype(np.float32).tobytes())
         return resp
 
-    return send, calls
+    return SimpleNamespace(send=send), calls  # the executor's upstream.Upstream
 
 
 def request(x: np.ndarray) -> pb.ModelInferRequest:
@@ -112,9 +114,9 @@ def request(x: np.ndarray) -> pb.ModelInferRequest:
 
 
 async def test_independent_steps_run_concurrently() -> None:
-    send, calls = fake_upstream(0.1)
+    upstream, calls = fake_upstream(0.1)
     plan = compile_plan(ensemble(), lookup)
-    executor = EnsembleExecutor(send)
+    executor = EnsembleExecutor(upstream)
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     t0 = time.monotonic()
     resp = await executor.run(plan, request(x), timeout=5)
@@ -141,37 +143,37 @@ ensemble_scheduling { step [
 ] }
 """
     plan = compile_plan(ensemble(two), lookup)
-    send, _ = fake_upstream(0.1)
+    upstream, _ = fake_upstream(0.1)
     t0 = time.monotonic()
-    await EnsembleExecutor(send).run(plan, request(np.ones((1, 4))), timeout=None)
+    await EnsembleExecutor(upstream).run(plan, request(np.ones((1, 4))), timeout=None)
     assert time.monotonic() - t0 < 0.17
     # with one step in flight at a time the same plan takes twice as long: the bound holds
     t0 = time.monotonic()
-    await EnsembleExecutor(send, max_inflight_steps=1).run(plan, request(np.ones((1, 4))), timeout=None)
+    await EnsembleExecutor(upstream, max_inflight_steps=1).run(plan, request(np.ones((1, 4))), timeout=None)
     assert time.monotonic() - t0 >= 0.2
 
 
 async def test_a_failing_step_fails_the_request_with_its_model_and_status() -> None:
-    send, calls = fake_upstream(0.05, fail={"triple": InferError(Code.RESOURCE_EXHAUSTED, "queue full")})
+    upstream, calls = fake_upstream(0.05, fail={"triple": InferError(Code.RESOURCE_EXHAUSTED, "queue full")})
     plan = compile_plan(ensemble(), lookup)
     with pytest.raises(InferError) as err:
-        await EnsembleExecutor(send).run(plan, request(np.ones((1, 4))), timeout=5)
+        await EnsembleExecutor(upstream).run(plan, request(np.ones((1, 4))), timeout=5)
     assert err.value.code == Code.RESOURCE_EXHAUSTED
     assert "ensemble 'diamond' step 1 (model 'triple'): queue full" in err.value.message
     assert "add" not in [m for m, _, _ in calls]  # the join never ran
 
 
 async def test_bad_inputs_are_client_errors() -> None:
-    send, _ = fake_upstream(0.0)
+    upstream, _ = fake_upstream(0.0)
     plan = compile_plan(ensemble(), lookup)
     bad = pb.ModelInferRequest(model_name="diamond")
     bad.inputs.add(name="NOPE", datatype="FP32", shape=[1, 4])
     bad.raw_input_contents.append(b"\0" * 16)
     for req in (bad, pb.ModelInferRequest(model_name="diamond")):
         with pytest.raises(InferError) as err:
-            await EnsembleExecutor(send).run(plan, req, timeout=5)
+            await EnsembleExecutor(upstream).run(plan, req, timeout=5)
         assert err.value.code == Code.INVALID_ARG
     req = request(np.ones((1, 4)))
     req.outputs.add(name="NOPE")
     with pytest.raises(InferError, match="no output 'NOPE'"):
-        await EnsembleExecutor(send).run(plan, req, timeout=5)
+        await EnsembleExecutor(upstream).run(plan, req, timeout=5)

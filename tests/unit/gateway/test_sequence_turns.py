@@ -102,7 +102,7 @@ async def test_gateway_forwards_a_sequence_in_arrival_order_despite_admission_de
     core = GatewayCore(["127.0.0.1:1"], admission=_SlowFirstAdmission())  # type: ignore[arg-type]
     sent: list[str] = []
 
-    async def dispatch(request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+    async def dispatch(request: pb.ModelInferRequest, ctx: RequestContext, affinity: str | None) -> InferResult:
         sent.append(request.id)
         return InferResult(message=pb.ModelInferResponse(id=request.id))
 

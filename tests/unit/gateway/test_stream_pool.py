@@ -10,12 +10,11 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
 from gateway.upstream.stream import NotSent, StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.server.h2 import H2GrpcServer
+from tests.unit.gateway.support import stream_service
 
 
 def _request(i: int) -> bytes:
@@ -34,15 +33,8 @@ async def service() -> AsyncIterator[tuple[str, list[str]]]:
             yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(
                 id=req.id, model_name=req.model_name)).SerializeToString()
 
-    server = H2GrpcServer()
-    server.add_registered_method_handlers(
-        "inference.GRPCInferenceService", {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(stream_infer)})
-    port = await server.bind("127.0.0.1", 0)
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}", seen
-    finally:
-        await server.stop(None)
+    async with stream_service(stream_infer) as endpoint:
+        yield endpoint, seen
 
 
 async def test_requests_keep_their_order_across_the_first_connect(service: tuple[str, list[str]]) -> None:

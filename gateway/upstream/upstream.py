@@ -1,0 +1,79 @@
+"""Upstream: the one way the gateway reaches its services.
+
+It owns the replica pool and discovery, and makes every call to a service: ``call`` (a typed
+control call or an infer: replica choice, retries on another replica when the request never
+reached a model), ``send`` (an infer request forwarded as bytes on a replica's streams) and
+``send_merged`` (a request the coalescer merged), with their traced variants (traced.py) for
+sampled requests. GatewayCore, the coalescer, A/B routes and ensembles hold this object; none of
+them hands another a function to call back.
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from gateway.routing.table import ModelRoutes, pick, pick_pinned
+from gateway.upstream import traced
+from gateway.upstream.discovery import Discovery
+from gateway.upstream.pool import ReplicaPool
+from gateway.upstream.replica import CALL_ERRORS, Replica
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import Code
+from meshserve.telemetry import tracing
+
+T = TypeVar("T")
+
+
+class Upstream:
+    def __init__(self, pool: ReplicaPool, discovery_interval_s: float = 2.0):
+        self.pool = pool
+        self.replicas = pool.replicas  # one list, updated in place as replicas come and go
+        self.discovery = Discovery(pool, discovery_interval_s)
+
+    async def routes(self, name: str) -> ModelRoutes[Replica]:
+        """The replicas hosting ``name`` by version (refreshed once when it is not known yet)."""
+        table = self.discovery.table
+        if name not in table:
+            await self.discovery.refresh()  # a model loaded since the last probe
+            table = self.discovery.table
+        return table.lookup(name)
+
+    async def call(self, name: str, version: str, fn: Callable[[Replica], Awaitable[T]],
+                   affinity: str | None = None) -> T:
+        """Call one replica hosting (name, version); on a connection failure try the others
+        (Replica.failure). With ``affinity`` (a sequence's correlation key) the replica is chosen
+        by rendezvous hashing, so every request of the sequence lands on the same healthy replica."""
+        routes = await self.routes(name)
+        replicas = list(routes.replicas_for(version))
+        while True:
+            replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
+            replica.outstanding += 1
+            try:
+                return await fn(replica)
+            except CALL_ERRORS as exc:
+                err, retry = replica.failure(exc)
+                if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
+                    replica.errors += 1
+                if retry:
+                    self.discovery.mark_unhealthy(replica)
+                    replicas.remove(replica)
+                    if replicas:
+                        continue
+                raise err from None
+            finally:
+                replica.outstanding -= 1
+
+    async def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                   affinity: str | None = None) -> pb.ModelInferResponse:
+        """Forward one infer request (``raw``: its bytes as the client sent them, if they still
+        name its model); ``affinity``: its sequence's key (routing.table.sequence_affinity)."""
+        body = raw if raw is not None else request.SerializeToString()
+        if tracing.enabled and (span := tracing.current_var.get()) is not None:
+            return await traced.send(self, request, body, timeout, affinity, span)
+        return await self.call(request.model_name, request.model_version,
+                               lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
+
+    async def send_merged(self, request: pb.ModelInferRequest, timeout: float | None,
+                          members: Sequence[traced.Member]) -> pb.ModelInferResponse:
+        """Forward a merged request (coalesce.py) whose ``members`` are sampled client requests."""
+        return await traced.send_merged(self, request, request.SerializeToString(), timeout, members)
