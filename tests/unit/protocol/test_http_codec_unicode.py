@@ -52,6 +52,13 @@ def test_lone_surrogates_are_invalid_naming_the_field(body: str, where: str) -> 
     invalid(parse_infer_request, body.encode(), None, "m", match=where)
 
 
+def test_raw_surrogate_bytes_are_invalid_too() -> None:
+    """A surrogate's own UTF-8 bytes (ED A0 80) are not valid UTF-8, but json.loads decodes bytes
+    with "surrogatepass" and takes them: the same 400, not a 500 (the no-5xx fuzz found it)."""
+    body = b'{"inputs": [{"name": "\xed\xa0\x80", "shape": [1], "datatype": "FP32", "data": [1]}]}'
+    invalid(parse_infer_request, body, None, "m", match="'inputs[0].name'")
+
+
 def test_surrogate_pairs_and_non_ascii_text_are_fine() -> None:
     body = with_good(r'{"id": "\ud83d\ude00 é 中", "inputs": [@]}')
     assert parse_infer_request(body.encode(), None, "m").id == "\U0001f600 é 中"
