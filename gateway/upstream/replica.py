@@ -64,7 +64,6 @@ class Replica:
         self.outstanding = 0
         self.healthy = False
         self.errors = 0
-        self.requests = 0
         self.kind: str | None = None  # the service kind it announced (onnx, ...), once it answered an index
 
     async def index(self, ready_only: bool, timeout: float) -> pb.RepositoryIndexResponse:
