@@ -204,25 +204,18 @@ async def test_asyncio_clients(stack) -> None:
     a = np.arange(16, dtype=np.float32).reshape(1, 16)
     b = np.ones((1, 16), np.float32)
 
-    async def via_http(i: int) -> np.ndarray:
-        inputs = [httpaio.InferInput("INPUT0", [1, 16], "FP32"), httpaio.InferInput("INPUT1", [1, 16], "FP32")]
+    async def via(module, c, i: int) -> np.ndarray:  # module: tritonclient.{http,grpc}.aio; c: its client
+        inputs = [module.InferInput("INPUT0", [1, 16], "FP32"), module.InferInput("INPUT1", [1, 16], "FP32")]
         inputs[0].set_data_from_numpy(a + i)
         inputs[1].set_data_from_numpy(b)
-        res = await hc.infer("add_sub", inputs)
-        return res.as_numpy("OUTPUT0")
-
-    async def via_grpc(i: int) -> np.ndarray:
-        inputs = [grpcaio.InferInput("INPUT0", [1, 16], "FP32"), grpcaio.InferInput("INPUT1", [1, 16], "FP32")]
-        inputs[0].set_data_from_numpy(a + i)
-        inputs[1].set_data_from_numpy(b)
-        res = await gc.infer("add_sub", inputs)
+        res = await c.infer("add_sub", inputs)
         return res.as_numpy("OUTPUT0")
 
     hc = httpaio.InferenceServerClient(stack.gateway.http)
     gc = grpcaio.InferenceServerClient(stack.gateway.grpc)
     try:
         assert await hc.is_server_ready() and await gc.is_server_ready()
-        outs = await asyncio.gather(*(via_http(i) for i in range(16)), *(via_grpc(i) for i in range(16)))
+        outs = await asyncio.gather(*(via(httpaio, hc, i) for i in range(16)), *(via(grpcaio, gc, i) for i in range(16)))
         for i, out in enumerate(outs):
             np.testing.assert_array_equal(out, a + (i % 16) + b)
     finally:

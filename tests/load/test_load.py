@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -91,19 +92,15 @@ def test_scenario_validation(tmp_path: Path) -> None:
         load_scenario(f)  # the shipped scenarios stay valid
 
 
-async def test_tenant_api_key_sent_as_bearer() -> None:
-    seen: list[str] = []
+async def fake_v2_server(infer: Any) -> tuple[web.AppRunner, int]:
+    """A v2 HTTP server for model "m" (one FP32 input, no batching) on a free port; ``infer``
+    answers its inference requests. (runner, port): clean the runner up."""
 
     async def meta(request: web.Request) -> web.Response:
         if request.path.endswith("/config"):
             return web.json_response({"max_batch_size": 0})
         return web.json_response({"name": "m", "inputs": [{"name": "X", "datatype": "FP32", "shape": [2]}],
                                   "outputs": [{"name": "Y"}]})
-
-    async def infer(request: web.Request) -> web.Response:
-        seen.append(request.headers.get("Authorization", ""))
-        await request.read()
-        return web.json_response({})
 
     app = web.Application()
     app.router.add_get("/v2/models/m", meta)
@@ -113,7 +110,18 @@ async def test_tenant_api_key_sent_as_bearer() -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_tenant_api_key_sent_as_bearer() -> None:
+    seen: list[str] = []
+
+    async def infer(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        await request.read()
+        return web.json_response({})
+
+    runner, port = await fake_v2_server(infer)
     try:
         sc = Scenario(http=f"127.0.0.1:{port}", warmup_s=0, duration_s=None, requests=10,
                       tenants={"alice": {"api_key": "k-alice"}},  # type: ignore[dict-item]
@@ -219,25 +227,11 @@ async def test_open_loop_latency_counts_client_stall() -> None:
     from load.results import summarize
     from load.runner import Driver, RunState
 
-    async def meta(request: web.Request) -> web.Response:
-        if request.path.endswith("/config"):
-            return web.json_response({"max_batch_size": 0})
-        return web.json_response({"name": "m", "inputs": [{"name": "X", "datatype": "FP32", "shape": [2]}],
-                                  "outputs": [{"name": "Y"}]})
-
     async def infer(request: web.Request) -> web.Response:
         await request.read()
         return web.json_response({})
 
-    app = web.Application()
-    app.router.add_get("/v2/models/m", meta)
-    app.router.add_get("/v2/models/m/config", meta)
-    app.router.add_post("/v2/models/m/infer", infer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await fake_v2_server(infer)
     stalled: list[bool] = []
 
     def stall(st: RunState, now: float) -> None:
