@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 
 # S = X + X (add_sub) ; then independently: C = identity(S) and T = S + X (add_sub)
 SUM3 = """
@@ -54,13 +54,8 @@ def gateway(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     for name, text in (("sum3", SUM3), ("broken", BROKEN)):
         (ens / name / "1").mkdir(parents=True)
         (ens / name / "config.pbtxt").write_text(text)
-    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"])
-    g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
-               "--repository", str(ens)])
-    _wait_http_ready(g.http)
-    yield g
-    g.stop()
-    service.stop()
+    with service_and_gateway("onnx", ["--repository", str(model_repo)], ["--repository", str(ens)]) as (_, g):
+        yield g
 
 
 def run(proto: str, url: str, model: str, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Proc, service_and_gateway
 from tests.support import eventually
 
 ROUTES = """
@@ -34,13 +34,8 @@ routes:
 def gateway(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     routes = tmp_path_factory.mktemp("routes") / "routes.yaml"
     routes.write_text(ROUTES)
-    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"])
-    g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
-               "--routes", str(routes)])
-    _wait_http_ready(g.http)
-    yield g
-    g.stop()
-    service.stop()
+    with service_and_gateway("onnx", ["--repository", str(model_repo)], ["--routes", str(routes)]) as (_, g):
+        yield g
 
 
 def call(proto: str, url: str, route: str, headers: dict[str, str] | None = None) -> tuple[str, float]:
