@@ -18,6 +18,7 @@ from gateway.upstream.replica import Replica, grpc_error
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
@@ -187,6 +188,11 @@ class GatewayCore:
         if request.model_version:
             check_version(request.model_version, request.model_name)
         params = request.parameters
+        if params:
+            for key in params:  # (a client's request carries none of the hop's private parameters)
+                if key.startswith(wire.PRIVATE_PREFIX):
+                    raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
+                                             f"parameters starting with '{wire.PRIVATE_PREFIX}' may not be sent")
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
             # a sequence's requests reach the service in the order they arrived (gateway/turns.py),
             # all on one replica (the key is parsed here once and travels with the request)

@@ -7,6 +7,7 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 # Field numbers from grpc_service.proto.
 INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
+PRIVATE_PREFIX = "meshserve_"  # every private hop parameter starts so; clients may not send them to a gateway
 ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
 MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how many client requests it holds
 # the traced members of a gateway-merged request: one line per member, "traceparent[\ttracestate]" or empty

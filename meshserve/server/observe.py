@@ -40,10 +40,18 @@ _MAX_QUEUED_US = 10_000_000  # a coalescer wait beyond 10 s counts as 10 s
 
 def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]) -> Hop:
     """The request's Hop record: its private ``meshserve_*`` parameters and the hop marker,
-    read here once. A request without parameters (most) costs one header lookup."""
+    read here once. A request without parameters (most) costs one header lookup.
+
+    Only a gateway's hop (the stream's ``meshserve-hop: gateway`` marker) is believed: a
+    client's own ``meshserve_*`` parameters never change its weight, queue delay, deadline or
+    spans (a direct client's are ignored here; the gateway refuses them at its front door,
+    ``gateway/core.py:GatewayCore.infer``). So the gateway itself, whose callers are clients,
+    pays one header lookup per request here and reads no parameter."""
     gateway = headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY
+    if not gateway:
+        return NO_HOP
     if not params:
-        return GATEWAY_HOP if gateway else NO_HOP
+        return GATEWAY_HOP
     merged: int | None = 1
     queued_ns: int | None = 0
     deadline_ns: int | None = None
@@ -58,8 +66,8 @@ def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]
     if _TRACEPARENTS in params:
         traceparents = params[_TRACEPARENTS].string_param
     if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None:
-        return GATEWAY_HOP if gateway else NO_HOP  # only the protocol's own parameters
-    return Hop(gateway, merged, queued_ns, deadline_ns, traceparents)
+        return GATEWAY_HOP  # only the protocol's own parameters
+    return Hop(True, merged, queued_ns, deadline_ns, traceparents)
 
 
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:

@@ -349,3 +349,28 @@ def test_backend_down_is_unavailable(model_repo) -> None:
     finally:
         gateway.stop()
         service.stop()
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_hop_parameters_from_a_client_are_refused_by_the_gateway_and_ignored_by_a_service(
+        proto: str, target: dict[str, str]) -> None:
+    """The ``meshserve_*`` request parameters belong to the gateway -> service hop. A client
+    that sends one to a gateway gets INVALID_ARGUMENT naming it; a service that a client talks
+    to directly believes them only on a gateway's stream, so a 1-row request claiming to hold 5
+    merged requests is served as the one request it is (before, it was refused as a bad merge)."""
+    m = mod(proto)
+    arrays = {"INPUT0": np.ones((1, 16), np.float32), "INPUT1": np.ones((1, 16), np.float32)}
+    inputs = []
+    for name, arr in arrays.items():
+        inp = m.InferInput(name, [1, 16], "FP32")
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    with client(proto, target[proto]) as c:
+        if target["name"] == "gateway":
+            with pytest.raises(InferenceServerException) as err:
+                c.infer("add_sub", inputs, parameters={"meshserve_merged_requests": 5})
+            assert err.value.status() == ("400" if proto == "http" else "StatusCode.INVALID_ARGUMENT")
+            assert "'meshserve_merged_requests' is reserved" in err.value.message()
+        else:
+            res = c.infer("add_sub", inputs, parameters={"meshserve_merged_requests": 5})
+            np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), np.full((1, 16), 2, np.float32))

@@ -54,12 +54,12 @@ def test_the_hop_parameters_are_read_into_typed_fields() -> None:
 def test_merged_count_accepts_every_integer_form_and_marks_the_rest(value: object, merged: int | None) -> None:
     """A non-integer count is None (the model refuses the request, INVALID_ARGUMENT); strings that
     str.isdigit() takes but int() does not ("--5", a superscript) are not integers, not a crash."""
-    assert observe.read_hop(_params(**{wire.MERGED_PARAMETER: value}).parameters, {}).merged == merged
+    assert observe.read_hop(_params(**{wire.MERGED_PARAMETER: value}).parameters, GATEWAY).merged == merged
 
 
 def test_queued_time_is_clamped_to_ten_seconds() -> None:
     def queued(v: object) -> int | None:
-        return observe.read_hop(_params(**{wire.QUEUED_PARAMETER: v}).parameters, {}).queued_ns
+        return observe.read_hop(_params(**{wire.QUEUED_PARAMETER: v}).parameters, GATEWAY).queued_ns
     assert queued(-5) == 0 and queued(20_000_000) == 10_000_000_000 and queued("12") == 12_000
     assert queued("soon") is None
 
@@ -75,3 +75,12 @@ async def test_the_front_door_puts_the_record_on_the_context() -> None:
     ctx = RequestContext("grpc", dict(GATEWAY))
     await observe.infer(_Core(), _params(**{wire.MERGED_PARAMETER: 2}), ctx)  # type: ignore[arg-type]
     assert seen[0] is ctx and ctx.hop.gateway and ctx.hop.merged == 2
+
+
+def test_hop_parameters_without_the_gateway_marker_are_not_believed() -> None:
+    """A direct client's meshserve_* parameters change nothing: only a gateway's stream is a hop."""
+    req = _params(**{wire.MERGED_PARAMETER: 3, wire.QUEUED_PARAMETER: 250, wire.DEADLINE_PARAMETER: 5,
+                     wire.TRACEPARENTS_PARAMETER: "00-a-b-01\n"})
+    assert observe.read_hop(req.parameters, {}) is NO_HOP
+    assert observe.read_hop(req.parameters, {"meshserve-hop": "client"}) is NO_HOP
+    assert observe.read_hop(req.parameters, GATEWAY).merged == 3
