@@ -78,7 +78,7 @@ print(f"protobuf {google.protobuf.__version__}, grpcio {grpc.__version__}, trito
 EOF
 
 echo "== tests"
-python3 -m pytest -p no:cacheprovider -q -rA --timeout 180 --junitxml "$out/junit.xml" \
+timeout 330 python3 -m pytest -p no:cacheprovider -q -rA --timeout 90 --junitxml "$out/junit.xml" \
   tests/unit/server/test_shm.py \
   tests/unit/torchscript/test_torch_runtime.py \
   tests/integration/test_shared_memory.py \
