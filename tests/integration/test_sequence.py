@@ -249,13 +249,18 @@ def test_idle_sequence_expires(seq: SeqStack) -> None:
 
 # ---- TorchScript -----------------------------------------------------------------------------
 
-def test_torchscript_sequence_model(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("kind", ["KIND_CPU", "KIND_GPU"])
+def test_torchscript_sequence_model(tmp_path: Path, kind: str) -> None:
+    """The state round trip through a TorchScript model; KIND_GPU (where CUDA is) moves the
+    state to the device and back at every step."""
+    torch = pytest.importorskip("torch")
+    if kind == "KIND_GPU" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     import tritonclient.grpc as grpcclient
 
     from tests.models.sequence import build_torch
 
-    stack = _stack(build_torch(tmp_path / "models"), 1)
+    stack = _stack(build_torch(tmp_path / "models", kind), 1)
     try:
         client = grpcclient.InferenceServerClient(stack.gateway.grpc)
         outs = []

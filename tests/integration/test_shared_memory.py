@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 from gateway.auth import hash_key
 from meshserve.server.shm import cuda_devices
 from tests.conftest import Stack, _wait_http_ready, start
+from tests.support.shm import in_regions
 
 PROTOCOLS = ["http", "grpc"]
 CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
@@ -103,12 +104,9 @@ def test_simple_shm_client(stack: Stack, proto: str, hop: str, regions: Callable
         assert names(c.get_system_shared_memory_status("output_data"), proto) == {
             "output_data": (key(f"out-{proto}-{hop}"), 100, 2 * F32 + gap)}
 
-        inputs = [mod.InferInput("INPUT0", [1, 16], "FP32"), mod.InferInput("INPUT1", [1, 16], "FP32")]
-        inputs[0].set_shared_memory("input_data", F32)
-        inputs[1].set_shared_memory("input_data", F32, offset=F32 + gap)
-        outputs = [mod.InferRequestedOutput("OUTPUT0"), mod.InferRequestedOutput("OUTPUT1")]
-        outputs[0].set_shared_memory("output_data", F32)
-        outputs[1].set_shared_memory("output_data", F32, offset=F32 + gap)
+        inputs, outputs = in_regions(
+            mod, "FP32", [1, 16], [("INPUT0", "input_data", F32, 0), ("INPUT1", "input_data", F32, F32 + gap)],
+            [("OUTPUT0", "output_data", F32, 0), ("OUTPUT1", "output_data", F32, F32 + gap)])
         result = c.infer("add_sub", inputs, outputs=outputs)
 
         assert output_meta(result, "OUTPUT0", proto) == ("FP32", [1, 16])
@@ -315,39 +313,90 @@ def test_regions_are_per_tenant_and_bounded(stack: Stack, tmp_path: Any, regions
         g.stop()
 
 
-@pytest.mark.skipif(cuda_devices() == 0, reason="CUDA shared memory needs cuda-python and a GPU")
+NEEDS_CUDA = pytest.mark.skipif(cuda_devices() == 0, reason="CUDA shared memory needs cuda-python and a GPU")
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("hop", ["gateway", "service"])
 @pytest.mark.parametrize("proto", PROTOCOLS)
-def test_cuda_shared_memory(stack: Stack, proto: str) -> None:
+def test_cuda_shared_memory(stack: Stack, proto: str, hop: str) -> None:
     """simple_{http,grpc}_cudashm_client's calls: device buffers from another process, opened by
-    the gateway from their IPC handles."""
+    the gateway (or a service, for its direct clients) from their IPC handles; the same
+    allocation registered under a second name (an output window at an offset) works alongside."""
     import tritonclient.utils.cuda_shared_memory as cudashm
 
     mod = lib(proto)
     inp = cudashm.create_shared_memory_region("cuda_in", 2 * F32, 0)
-    out = cudashm.create_shared_memory_region("cuda_out", 2 * F32, 0)
+    out = cudashm.create_shared_memory_region("cuda_out", 3 * F32, 0)
     try:
         cudashm.set_shared_memory_region(inp, [IN0, IN1])
-        with mod.InferenceServerClient(getattr(stack.gateway, proto)) as c:
+        with mod.InferenceServerClient(getattr(getattr(stack, hop), proto)) as c:
             c.unregister_cuda_shared_memory()
             c.register_cuda_shared_memory("cuda_in", cudashm.get_raw_handle(inp), 0, 2 * F32)
             c.register_cuda_shared_memory("cuda_out", cudashm.get_raw_handle(out), 0, 2 * F32)
+            c.register_cuda_shared_memory("cuda_out_too", cudashm.get_raw_handle(out), 0, 3 * F32)
             status = c.get_cuda_shared_memory_status()
-            got = {r["name"] for r in status} if proto == "http" else set(status.regions)
-            assert got == {"cuda_in", "cuda_out"}
-            inputs = [mod.InferInput("INPUT0", [1, 16], "FP32"), mod.InferInput("INPUT1", [1, 16], "FP32")]
-            inputs[0].set_shared_memory("cuda_in", F32)
-            inputs[1].set_shared_memory("cuda_in", F32, offset=F32)
-            outputs = [mod.InferRequestedOutput("OUTPUT0"), mod.InferRequestedOutput("OUTPUT1")]
-            outputs[0].set_shared_memory("cuda_out", F32)
-            outputs[1].set_shared_memory("cuda_out", F32, offset=F32)
-            c.infer("add_sub", inputs, outputs=outputs)
+            got = {r["name"]: (int(r["device_id"]), int(r["byte_size"])) for r in status} if proto == "http" \
+                else {n: (r.device_id, r.byte_size) for n, r in status.regions.items()}
+            assert got == {"cuda_in": (0, 2 * F32), "cuda_out": (0, 2 * F32), "cuda_out_too": (0, 3 * F32)}
+            inputs, outputs = in_regions(
+                mod, "FP32", [1, 16], [("INPUT0", "cuda_in", F32, 0), ("INPUT1", "cuda_in", F32, F32)],
+                [("OUTPUT0", "cuda_out", F32, 0), ("OUTPUT1", "cuda_out", F32, F32)])
+            result = c.infer("add_sub", inputs, outputs=outputs)
+            assert output_meta(result, "OUTPUT0", proto) == ("FP32", [1, 16])
             both = cudashm.get_contents_as_numpy(out, np.float32, [2, 16])
             np.testing.assert_array_equal(both[0], (IN0 + IN1)[0])
             np.testing.assert_array_equal(both[1], (IN0 - IN1)[0])
+
+            # the second name's window, once the first is gone: the allocation stays open for it
+            c.unregister_cuda_shared_memory("cuda_out")
+            outputs = [mod.InferRequestedOutput("OUTPUT0")]
+            outputs[0].set_shared_memory("cuda_out_too", F32, offset=2 * F32)
+            c.infer("add_sub", add_sub_inputs(proto, IN1, IN1), outputs=outputs)
+            np.testing.assert_array_equal(cudashm.get_contents_as_numpy(out, np.float32, [3, 16])[2], (IN1 + IN1)[0])
             c.unregister_cuda_shared_memory()
+            assert not (c.get_cuda_shared_memory_status() if proto == "http"
+                        else c.get_cuda_shared_memory_status().regions)
     finally:
         cudashm.destroy_shared_memory_region(inp)
         cudashm.destroy_shared_memory_region(out)
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_bad_cuda_regions_are_client_errors(stack: Stack, proto: str) -> None:
+    """On a GPU: a handle that is not one, a device that does not exist, a size past the
+    allocation, a window past the region: 400 / INVALID_ARGUMENT; then a good region still works."""
+    import base64
+
+    import tritonclient.utils.cuda_shared_memory as cudashm
+
+    mod = lib(proto)
+    region = cudashm.create_shared_memory_region("cuda_bad", 2 * F32, 0)
+    try:
+        handle = cudashm.get_raw_handle(region)
+        with mod.InferenceServerClient(getattr(stack.gateway, proto)) as c:
+            c.unregister_cuda_shared_memory()
+            register = c.register_cuda_shared_memory
+            garbage = base64.b64encode(bytes(range(64)))
+            _fails(lambda: register("g", garbage, 0, 64), proto, "failed to register CUDA shared memory region 'g'")
+            _fails(lambda: register("g", base64.b64encode(b"short"), 0, 64), proto, "raw_handle is 5 bytes")
+            _fails(lambda: register("g", handle, 99, 64), proto, "device_id 99")
+            _fails(lambda: register("g", handle, 0, 1 << 30), proto, "byte size 1073741824")
+            assert not (c.get_cuda_shared_memory_status() if proto == "http"
+                        else c.get_cuda_shared_memory_status().regions)
+
+            cudashm.set_shared_memory_region(region, [IN0, IN1])
+            register("good", handle, 0, 2 * F32)
+            inputs = add_sub_inputs(proto, IN0, IN1)
+            inputs[1].set_shared_memory("good", F32, offset=2 * F32)
+            _fails(lambda: c.infer("add_sub", inputs), proto, "Invalid offset for shared memory region: 'good'")
+            inputs = add_sub_inputs(proto, IN0, IN1)
+            inputs[1].set_shared_memory("good", F32, offset=F32)
+            np.testing.assert_array_equal(c.infer("add_sub", inputs).as_numpy("OUTPUT0"), IN0 + IN1)
+            c.unregister_cuda_shared_memory()
+    finally:
+        cudashm.destroy_shared_memory_region(region)
 
 
 def test_cuda_register_without_a_gpu_is_a_client_error(stack: Stack) -> None:

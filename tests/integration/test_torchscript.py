@@ -84,27 +84,18 @@ def build_models(repo: Path) -> Path:
         def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
             return inputs["a"] @ inputs["b"]
 
-    class Affine(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("w", torch.tensor([1.0, 2.0, 3.0]))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.w + 1.0
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         models.write(repo, "ts_add_sub", ADD_SUB, {1: models.torch_add_sub(4)}, "model.pt")
         _write(repo, "ts_named", NAMED, "model.pt", lambda p: torch.jit.script(Named()).save(p))
         _write(repo, "ts_dict_in", DICT_IN, "model.pt", lambda p: torch.jit.script(DictIn()).save(p))
         _write(repo, "ts_strings", STRINGS, "model.pt", lambda p: torch.jit.script(DictIn()).save(p))
-    batch = torch.export.Dim("batch", min=1, max=8)
-    program = torch.export.export(Affine(), (torch.zeros(2, 3),), dynamic_shapes={"x": {0: batch}})
-    _write(repo, "pt2_affine", EXPORTED, "model.pt2", lambda p: torch.export.save(program, p))
+    affine = models.torch_affine_export()
+    models.write(repo, "pt2_affine", EXPORTED, {1: affine}, "model.pt2")
     # no default_model_filename: a version directory holding only model.pt2 is found too
     plain = EXPORTED.replace('name: "pt2_affine"', 'name: "pt2_plain"').replace(
         'default_model_filename: "model.pt2"\n', "")
-    _write(repo, "pt2_plain", plain, "model.pt2", lambda p: torch.export.save(program, p))
+    models.write(repo, "pt2_plain", plain, {1: affine}, "model.pt2")
     return repo
 
 

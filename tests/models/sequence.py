@@ -104,9 +104,10 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
 
-def build_torch(repo: Path) -> Path:
+def build_torch(repo: Path, kind: str = "KIND_CPU") -> Path:
     """``seq_accum_pt`` (TorchScript): OUTPUT = STATE_OUT = INPUT + (1 - START) * STATE_IN.
-    Control and state tensors reach forward() by argument name. Needs torch."""
+    Control and state tensors reach forward() by argument name; its one instance is of ``kind``.
+    Needs torch."""
     import torch
 
     class Accumulate(torch.nn.Module):  # type: ignore[misc,name-defined]
@@ -115,6 +116,6 @@ def build_torch(repo: Path) -> Path:
             return acc, acc
 
     example = (torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1))
-    write(repo, "seq_accum_pt", TORCH_CONFIG, {1: lambda path: torch.jit.trace(Accumulate(), example).save(str(path))},
-          "model.pt")
+    write(repo, "seq_accum_pt", TORCH_CONFIG.replace("KIND_CPU", kind),
+          {1: lambda path: torch.jit.trace(Accumulate(), example).save(str(path))}, "model.pt")
     return repo

@@ -18,7 +18,7 @@ import numpy as np
 from meshserve.examples import add_sub, mlp, onnx_model, save_onnx, scale
 
 __all__ = ["add_sub", "fixed_add", "identity", "mlp", "onnx_model", "pair_config", "save_onnx", "scale",
-           "small_mlp", "torch_add_sub", "write"]
+           "small_mlp", "torch_add_sub", "torch_affine_export", "write"]
 
 # what ``write`` takes for one version: an ONNX model, or a function that writes the file at a path
 Model = Any
@@ -105,3 +105,21 @@ def torch_add_sub(width: int) -> Writer:
         torch.jit.trace(AddSub(), example).save(str(path))
 
     return save
+
+
+def torch_affine_export() -> Writer:
+    """Writes a torch.export archive (``model.pt2``): x -> x * [1, 2, 3] + 1 over [batch, 3],
+    batch 1..8 (the weights are a buffer, so they move with the module to a GPU)."""
+    import torch
+
+    class Affine(torch.nn.Module):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", torch.tensor([1.0, 2.0, 3.0]))
+
+        def forward(self, x: Any) -> Any:
+            return x * self.w + 1.0
+
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = torch.export.export(Affine(), (torch.zeros(2, 3),), dynamic_shapes={"x": {0: batch}})
+    return lambda path: torch.export.save(program, str(path))
