@@ -13,6 +13,19 @@ MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how 
 TRACEPARENTS_PARAMETER = "meshserve_traceparents"
 QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a gateway's coalescer (µs)
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
+# Decoupled models (zero or many responses per request) on the gateway -> service hop: a request
+# the gateway forwards for a client's streaming call (gRPC ModelStreamInfer, HTTP generate /
+# generate_stream) carries STREAM_PARAMETER (bool true); the service then sends every response
+# of it, each with Triton's FINAL_RESPONSE_PARAMETER, and ends it with a response whose flag is
+# true (an empty one, marked EMPTY_FINAL_PARAMETER, when the model's last response had no data).
+STREAM_PARAMETER = "meshserve_stream"
+EMPTY_FINAL_PARAMETER = "meshserve_empty_final"
+# a request {id, CANCEL_PARAMETER: true} on a gateway's hop stream: stop the streamed request of that id
+CANCEL_PARAMETER = "meshserve_cancel"
+# Triton's: on every ModelStreamInfer response (is it the request's last?), and the client's opt-in
+# to an empty response that carries only the final flag
+FINAL_RESPONSE_PARAMETER = "triton_final_response"
+EMPTY_FINAL_REQUEST_PARAMETER = "triton_enable_empty_final_response"
 ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)
 ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response header
 # gRPC trailing metadata of a service's RepositoryIndex answer: the kind it serves (onnx, ...), so
@@ -54,6 +67,12 @@ def with_int_parameter(raw_request: bytes, key: str, value: int) -> bytes:
     """A serialized ModelInferRequest with parameters[key].int64_param = value (appended map
     entry; for maps the last entry of a key wins)."""
     return _with_parameter(raw_request, key, b"\x10" + varint(value & 0xFFFFFFFFFFFFFFFF))  # int64_param = 2
+
+
+def with_bool_parameter(raw_message: bytes, key: str, value: bool) -> bytes:
+    """A serialized ModelInferRequest or ModelInferResponse (both hold ``parameters`` as field 4)
+    with parameters[key].bool_param = value."""
+    return _with_parameter(raw_message, key, b"\x08\x01" if value else b"\x08\x00")  # bool_param = 1
 
 
 def with_string_parameter(raw_request: bytes, key: str, value: str) -> bytes:
