@@ -59,7 +59,8 @@ def length_delimited(tag: bytes, payload: bytes) -> bytes:
 
 
 def with_request_id(raw_request: bytes, request_id: str) -> bytes:
-    """A serialized ModelInferRequest with `id` replaced: a singular field's last occurrence wins."""
+    """A serialized ModelInferRequest (or ModelInferResponse: `id` is field 3 in both) with `id`
+    replaced: a singular field's last occurrence wins."""
     return raw_request + length_delimited(INFER_REQUEST_ID_TAG, request_id.encode())
 
 

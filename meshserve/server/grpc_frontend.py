@@ -265,9 +265,12 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     return
                 streamed = True
                 empty_final = from_gateway or _flag(request, wire.EMPTY_FINAL_REQUEST_PARAMETER)
+                rid = request.id
                 async for answer, final in observe.infer_stream(core, request, ctx):
-                    if answer is not None:
+                    if answer is not None:  # every response names its request (as Triton's do)
                         body = wire.with_bool_parameter(answer.serialized(), _FINAL, final)
+                        if rid:
+                            body = wire.with_request_id(body, rid)
                     elif final and empty_final:
                         body = _empty_final(request, from_gateway)
                     else:

@@ -3,8 +3,8 @@ examples write them (decoupled ``repeat_int32`` and ``square_int32``, examples/d
 plus two small non-decoupled models for the generate extension.
 
 ``build(root)`` writes a Triton model repository under ``root``; the same tree loads in the real
-Triton 2.51 (tests/e2e/triton_reference.py records its answers from it) and in meshserve's
-python service.
+Triton 2.51 (its answers, recorded: tests/e2e/triton_reference.md) and in meshserve's python
+service.
 """
 from __future__ import annotations
 
