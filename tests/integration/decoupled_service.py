@@ -26,9 +26,9 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.server import limits as server_limits
-from meshserve.server.access import ALL, Grant, Op
-from meshserve.server.core import EXTENSIONS, InferResult, RequestContext, StreamAnswer, unary_decoupled_error
+from meshserve.server.core import InferResult, RequestContext, StreamAnswer, unary_decoupled_error
 from meshserve.server.process import run, serve
+from tests.support.stub_core import StubCore
 
 CONFIGS = {
     "repeat_int32": 'max_batch_size: 0 model_transaction_policy { decoupled: true } '
@@ -73,30 +73,18 @@ def _response(request: pb.ModelInferRequest, **outputs: np.ndarray) -> InferResu
     return InferResult(message=resp)
 
 
-class DecoupledCore:
+class DecoupledCore(StubCore):
+    NAME = "decoupled"
+    MODELS = tuple(CONFIGS)
+
     def __init__(self) -> None:
         self.cancelled = 0  # streamed requests abandoned before their last response
         self.streaming = 0  # streamed requests in progress
-
-    def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
-        return ALL
-
-    def live(self) -> bool:
-        return True
-
-    def ready(self) -> bool:
-        return True
-
-    def server_metadata(self) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="decoupled", version="0", extensions=EXTENSIONS)
 
     def _check(self, name: str, version: str) -> mc.ModelConfig:
         if name not in CONFIGS or version not in ("", "1"):
             raise model_not_found(name, version)
         return _config(name)
-
-    async def model_ready(self, name: str, version: str) -> bool:
-        return name in CONFIGS and version in ("", "1")
 
     async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
         config = self._check(name, version)
@@ -154,29 +142,9 @@ class DecoupledCore:
         finally:
             self.streaming -= 1
 
-    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        return pb.ModelStatisticsResponse()
-
-    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        out = pb.RepositoryIndexResponse()
-        for m in CONFIGS:
-            out.models.add(name=m, version="1", state="READY")
-        return out
-
-    async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
-                         ctx: RequestContext) -> None:
-        return None
-
-    async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
-                           ctx: RequestContext) -> None:
-        return None
-
     async def metrics_text(self) -> tuple[bytes, str]:
         return (f"fake_cancelled_total {self.cancelled}\nfake_streaming {self.streaming}\n".encode(),
                 "text/plain; version=0.0.4")
-
-    async def stop(self, drain: bool = True) -> None:
-        return None
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ import queue
 import threading
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Proc, service_and_gateway
 from tests.support import eventually
 
 SERVICE = "tests.integration.decoupled_service"
@@ -27,27 +29,22 @@ SERVICE = "tests.integration.decoupled_service"
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[tuple[Proc, Proc]]:
-    service = start(["--grpc-port", "0", "--http-port", "0"], module=SERVICE, timeout=60)
-    try:
-        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
-    except Exception:
-        service.stop()
-        raise
-    try:
-        _wait_http_ready(gateway.http)
-        yield service, gateway
-    finally:
-        gateway.stop()
-        service.stop()
+    with service_and_gateway("", [], module=SERVICE, timeout=60) as procs:
+        yield procs
 
 
-def repeat_inputs(values: list[int], delays: list[int] | None = None, wait: int = 0) -> list[grpcclient.InferInput]:
+def repeat_inputs(values: list[int], delays: list[int] | None = None, wait: int = 0,
+                  client: Any = grpcclient) -> list[Any]:
+    """repeat_int32's inputs for tritonclient.grpc or .http (JSON data)."""
     delays = [0] * len(values) if delays is None else delays
     out = []
     for name, dt, arr in (("IN", "INT32", np.array(values, np.int32)), ("DELAY", "UINT32", np.array(delays, np.uint32)),
                           ("WAIT", "UINT32", np.array([wait], np.uint32))):
-        t = grpcclient.InferInput(name, [arr.size], dt)
-        t.set_data_from_numpy(arr)
+        t = client.InferInput(name, [arr.size], dt)
+        if client is httpclient:
+            t.set_data_from_numpy(arr, binary_data=False)
+        else:
+            t.set_data_from_numpy(arr)
         out.append(t)
     return out
 
@@ -66,22 +63,29 @@ class Collector:
         return [self.items.get(timeout=timeout) for _ in range(n)]
 
 
+@contextmanager
+def streaming(gateway: Proc) -> Iterator[tuple[grpcclient.InferenceServerClient, Collector]]:
+    """A tritonclient gRPC stream to the gateway and what its callback receives."""
+    client = grpcclient.InferenceServerClient(gateway.grpc)
+    got = Collector()
+    client.start_stream(callback=got)
+    try:
+        yield client, got
+    finally:
+        client.stop_stream()
+
+
 def final(result: grpcclient.InferResult) -> bool:
     return result.get_response().parameters["triton_final_response"].bool_param
 
 
 def test_a_client_stream_gets_every_response_with_its_id(mesh: tuple[Proc, Proc]) -> None:
     _, gateway = mesh
-    client = grpcclient.InferenceServerClient(gateway.grpc)
-    got = Collector()
-    client.start_stream(callback=got)
-    try:
+    with streaming(gateway) as (client, got):
         client.async_stream_infer("repeat_int32", repeat_inputs([4, 2, 0, 1]), request_id="req-1")
         client.async_stream_infer("repeat_int32", repeat_inputs([5, 6]), request_id="req-2",
                                   enable_empty_final_response=True)
         items = got.take(7)
-    finally:
-        client.stop_stream()
     assert all(error is None for _, error in items)
     by_id: dict[str, list[tuple[list[int] | None, bool]]] = {}
     for result, _ in items:
@@ -95,10 +99,7 @@ def test_a_client_stream_gets_every_response_with_its_id(mesh: tuple[Proc, Proc]
 
 def test_errors_and_models_that_are_not_decoupled_on_a_client_stream(mesh: tuple[Proc, Proc]) -> None:
     _, gateway = mesh
-    client = grpcclient.InferenceServerClient(gateway.grpc)
-    got = Collector()
-    client.start_stream(callback=got)
-    try:
+    with streaming(gateway) as (client, got):
         n = grpcclient.InferInput("IN", [1], "INT32")
         n.set_data_from_numpy(np.array([3], np.int32))
         client.async_stream_infer("faulty_stream", [n], request_id="f1")
@@ -107,8 +108,6 @@ def test_errors_and_models_that_are_not_decoupled_on_a_client_stream(mesh: tuple
         t.set_data_from_numpy(np.array([b"hi"], np.object_))
         client.async_stream_infer("text_echo", [t], request_id="t1")
         ((echo, ok),) = got.take(1)
-    finally:
-        client.stop_stream()
     assert error is None and result is not None and result.as_numpy("OUT").tolist() == [3]
     assert none is None and failure is not None and "faulty_stream failed on 3" in failure.message()
     assert ok is None and echo is not None and echo.as_numpy("text_output").tolist() == [b"hi"] and final(echo)
@@ -121,14 +120,8 @@ def test_a_unary_call_on_a_decoupled_model_gets_tritons_error(mesh: tuple[Proc, 
         grpcclient.InferenceServerClient(gateway.grpc).infer("repeat_int32", repeat_inputs([1]))
     assert grpc_err.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert grpc_err.value.message() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
-    inputs = []
-    for name, dt, arr in (("IN", "INT32", np.array([1], np.int32)), ("DELAY", "UINT32", np.array([0], np.uint32)),
-                          ("WAIT", "UINT32", np.array([0], np.uint32))):
-        t = httpclient.InferInput(name, [1], dt)
-        t.set_data_from_numpy(arr, binary_data=False)
-        inputs.append(t)
     with pytest.raises(InferenceServerException) as http_err:
-        httpclient.InferenceServerClient(gateway.http).infer("repeat_int32", inputs)
+        httpclient.InferenceServerClient(gateway.http).infer("repeat_int32", repeat_inputs([1], client=httpclient))
     assert http_err.value.status() == "400"
     assert http_err.value.message() == "HTTP end point doesn't support models with decoupled transaction policy"
 
@@ -162,16 +155,11 @@ def test_generate_and_generate_stream_through_the_gateway(mesh: tuple[Proc, Proc
 
 def test_a_sequence_waits_for_the_last_answer_of_its_previous_request(mesh: tuple[Proc, Proc]) -> None:
     _, gateway = mesh
-    client = grpcclient.InferenceServerClient(gateway.grpc)
-    got = Collector()
-    client.start_stream(callback=got)
-    try:
+    with streaming(gateway) as (client, got):
         client.async_stream_infer("repeat_int32", repeat_inputs([1, 2], [0, 300]), request_id="first",
                                   sequence_id=42, sequence_start=True)
         client.async_stream_infer("repeat_int32", repeat_inputs([9]), request_id="second", sequence_id=42)
         items = got.take(3)
-    finally:
-        client.stop_stream()
     assert [r.get_response().id for r, _ in items if r is not None] == ["first", "first", "second"]
 
 
