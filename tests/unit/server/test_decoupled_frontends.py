@@ -284,3 +284,46 @@ async def test_generate_refuses_bad_requests_with_tritons_words(servers: Servers
 async def test_generate_answers_malformed_json_with_400(servers: Servers, body: bytes) -> None:
     status, _, got = await post(servers, "/v2/models/text_echo/generate", body)
     assert status == 400 and json.loads(got)["error"]  # Triton: 500 for these
+
+
+async def test_admission_counts_a_streamed_request_until_its_last_response(servers: Servers,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshserve.server import admission
+    monkeypatch.setattr(admission.gate, "max_requests", 1)
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[bytes]:
+        while (item := await queue.get()) is not None:
+            yield item
+
+    async with grpc.aio.insecure_channel(servers.grpc) as channel:
+        call = channel.stream_stream(STREAM)(requests())
+        queue.put_nowait(repeat("long", [1, 2], [0, 300]).SerializeToString())
+        first = pb.ModelStreamInferResponse.FromString(await call.read())
+        queue.put_nowait(repeat("refused", [5]).SerializeToString())
+        refused = pb.ModelStreamInferResponse.FromString(await call.read())
+        assert (first.infer_response.id, refused.infer_response.id) == ("long", "refused")
+        assert refused.error_message.startswith("server busy: 1 inference requests in flight")
+        last = pb.ModelStreamInferResponse.FromString(await call.read())
+        assert last.infer_response.id == "long" and admission.gate.requests == 0
+        queue.put_nowait(repeat("later", [6]).SerializeToString())
+        later = pb.ModelStreamInferResponse.FromString(await call.read())
+        assert later.infer_response.id == "later" and not later.error_message
+        queue.put_nowait(None)
+        assert await call.read() is grpc.aio.EOF
+
+
+async def test_generate_bodies_have_the_request_size_limit() -> None:
+    from meshserve.server.limits import ServerLimits
+    runner, port = await start_http_server(DecoupledCore(), "127.0.0.1", 0,  # type: ignore[arg-type]
+                                           ServerLimits(max_request_bytes=64))
+    try:
+        body = json.dumps({"text_input": "x" * 100}).encode()
+        async with aiohttp.ClientSession() as session:
+            for action in ("generate", "generate_stream"):
+                async with session.post(f"http://127.0.0.1:{port}/v2/models/text_echo/{action}", data=body) as resp:
+                    assert resp.status == 413 and "64-byte limit" in (await resp.json())["error"]
+            async with session.get(f"http://127.0.0.1:{port}/v2/models/text_echo/generate") as resp:
+                assert resp.status == 400  # Triton: 405; a client error either way
+    finally:
+        await runner.cleanup()
