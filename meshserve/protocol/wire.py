@@ -70,10 +70,15 @@ def with_int_parameter(raw_request: bytes, key: str, value: int) -> bytes:
     return _with_parameter(raw_request, key, b"\x10" + varint(value & 0xFFFFFFFFFFFFFFFF))  # int64_param = 2
 
 
+def bool_parameter_entry(key: str, value: bool) -> bytes:
+    """The bytes that, appended to a serialized ModelInferRequest or ModelInferResponse (both hold
+    ``parameters`` as field 4), set parameters[key].bool_param = value."""
+    return _parameter_entry(key, b"\x08\x01" if value else b"\x08\x00")  # bool_param = 1
+
+
 def with_bool_parameter(raw_message: bytes, key: str, value: bool) -> bytes:
-    """A serialized ModelInferRequest or ModelInferResponse (both hold ``parameters`` as field 4)
-    with parameters[key].bool_param = value."""
-    return _with_parameter(raw_message, key, b"\x08\x01" if value else b"\x08\x00")  # bool_param = 1
+    """``raw_message`` with parameters[key].bool_param = value (bool_parameter_entry)."""
+    return raw_message + bool_parameter_entry(key, value)
 
 
 def with_string_parameter(raw_request: bytes, key: str, value: str) -> bytes:
@@ -81,10 +86,15 @@ def with_string_parameter(raw_request: bytes, key: str, value: str) -> bytes:
     return _with_parameter(raw_request, key, length_delimited(b"\x1a", value.encode()))  # string_param = 3
 
 
+def _parameter_entry(key: str, param: bytes) -> bytes:
+    """A parameters map entry {key: InferParameter ``param`` (serialized)}, as appended bytes."""
+    entry = length_delimited(b"\x0a", key.encode()) + length_delimited(b"\x12", param)
+    return length_delimited(_REQUEST_PARAMETERS_TAG, entry)
+
+
 def _with_parameter(raw_request: bytes, key: str, param: bytes) -> bytes:
     """``raw_request`` + a parameters map entry {key: InferParameter ``param`` (serialized)}."""
-    entry = length_delimited(b"\x0a", key.encode()) + length_delimited(b"\x12", param)
-    return raw_request + length_delimited(_REQUEST_PARAMETERS_TAG, entry)
+    return raw_request + _parameter_entry(key, param)
 
 
 def stream_response(raw_infer_response: bytes) -> bytes:

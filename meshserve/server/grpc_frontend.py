@@ -45,6 +45,8 @@ STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but n
 _STREAM = wire.STREAM_PARAMETER
 _CANCEL = wire.CANCEL_PARAMETER
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
+_FINAL_TRUE = wire.bool_parameter_entry(_FINAL, True)
+_FINAL_FALSE = wire.bool_parameter_entry(_FINAL, False)
 
 
 def _flag(request: pb.ModelInferRequest, key: str) -> bool:
@@ -261,16 +263,15 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if not from_gateway and shm.uses_shared_memory(request):
                     result, _ = await shm.infer(core, request, ctx)
                     owns_slot = False
-                    out.put_nowait(wire.stream_response(wire.with_bool_parameter(result.serialized(), _FINAL, True)))
+                    out.put_nowait(wire.stream_response(result.serialized() + _FINAL_TRUE))
                     return
                 streamed = True
                 empty_final = from_gateway or _flag(request, wire.EMPTY_FINAL_REQUEST_PARAMETER)
-                rid = request.id
+                # appended to each response: its final flag and its request's id (as Triton's have)
+                rid = wire.length_delimited(wire.INFER_REQUEST_ID_TAG, request.id.encode()) if request.id else b""
                 async for answer, final in observe.infer_stream(core, request, ctx):
-                    if answer is not None:  # every response names its request (as Triton's do)
-                        body = wire.with_bool_parameter(answer.serialized(), _FINAL, final)
-                        if rid:
-                            body = wire.with_request_id(body, rid)
+                    if answer is not None:
+                        body = b"".join((answer.serialized(), _FINAL_TRUE if final else _FINAL_FALSE, rid))
                     elif final and empty_final:
                         body = _empty_final(request, from_gateway)
                     else:

@@ -75,3 +75,11 @@ async def test_the_front_door_puts_the_record_on_the_context() -> None:
     ctx = RequestContext("grpc", dict(GATEWAY))
     await observe.infer(_Core(), _params(**{wire.MERGED_PARAMETER: 2}), ctx)  # type: ignore[arg-type]
     assert seen[0] is ctx and ctx.hop.gateway and ctx.hop.merged == 2
+
+
+def test_a_streamed_request_is_marked_only_on_a_gateways_hop() -> None:
+    req = _params(**{wire.STREAM_PARAMETER: True})
+    assert observe.read_hop(req.parameters, GATEWAY).stream
+    assert not observe.read_hop(req.parameters, {}).stream  # a direct client cannot claim the hop's marking
+    assert not observe.read_hop(_params(**{wire.STREAM_PARAMETER: False}).parameters, GATEWAY).stream
+    assert not GATEWAY_HOP.stream and not NO_HOP.stream
