@@ -6,9 +6,12 @@ where meshserve differs on purpose the test says so."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import queue
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -144,3 +147,24 @@ def test_generate(mesh: tuple[Proc, Proc]) -> None:
         assert post(target, "/v2/models/nope/generate", {"IN": 1}) == (
             404, "application/json", [b'{"error":"Request for unknown model: \'nope\' is not found"}'])
 
+
+
+PERF_ANALYZER = Path(__file__).resolve().parents[3] / "shared" / "tools" / "perf_analyzer"
+
+
+@pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")
+def test_perf_analyzer_streams_a_decoupled_model_through_the_gateway(mesh: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """Triton's C++ client ends each request on the triton_final_response flag (--async --streaming,
+    which it insists on for a decoupled model)."""
+    _, gateway = mesh
+    data = tmp_path / "square.json"
+    data.write_text(json.dumps({"data": [{"IN": [3]}]}))
+    report = tmp_path / "pa.csv"
+    proc = subprocess.run([str(PERF_ANALYZER), "-m", "square_int32", "-u", gateway.grpc, "-i", "grpc", "--async",
+                           "--streaming", "--input-data", str(data), "--concurrency-range", "2",
+                           "--measurement-interval", "1000", "--stability-percentage", "999", "--max-trials", "3",
+                           "-f", str(report)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Detected decoupled model" in proc.stdout
+    (row,) = list(csv.DictReader(report.open()))
+    assert float(row["Inferences/Second"]) > 10
