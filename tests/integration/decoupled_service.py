@@ -117,6 +117,9 @@ class DecoupledCore(StubCore):
             yield await self.infer(request, ctx), True
             return
         x = _inputs(request)
+        missing = [t.name for t in config.input if t.name not in x]
+        if missing:  # (the real service checks every input against the config)
+            raise InferError.invalid(f"expected inputs {[t.name for t in config.input]}, missing {missing}")
         self.streaming += 1
         try:
             if request.model_name == "repeat_int32":
