@@ -5,7 +5,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, nullcontext
 
 from gateway.auth import Admission
 from gateway.ensemble.catalog import EnsembleCatalog
@@ -24,7 +25,16 @@ from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
 from meshserve.repository.names import check_file_path, check_model_name, check_version
 from meshserve.server.access import ALL, Grant, Op, Rule
-from meshserve.server.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, InferResult, RequestContext
+from meshserve.server.core import (
+    EXTENSIONS,
+    SERVER_NAME,
+    SERVER_VERSION,
+    UNARY_DECOUPLED_GRPC,
+    InferResult,
+    RequestContext,
+    StreamAnswer,
+    unary_decoupled_error,
+)
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import metrics, tracing
 
@@ -179,7 +189,8 @@ class GatewayCore:
         return await self.upstream.call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
 
-    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+    def _check_names(self, request: pb.ModelInferRequest) -> None:
+        """A client request's model name, version and parameter names, before anything routes it."""
         name = request.model_name
         if name not in self._valid_names:  # an invalid name is never routed or forwarded
             check_model_name(name)
@@ -193,12 +204,47 @@ class GatewayCore:
                 if key.startswith(wire.PRIVATE_PREFIX):
                     raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
                                              f"parameters starting with '{wire.PRIVATE_PREFIX}' may not be sent")
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        self._check_names(request)
+        params = request.parameters
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
             # a sequence's requests reach the service in the order they arrived (gateway/turns.py),
             # all on one replica (the key is parsed here once and travels with the request)
             return await self.turns.run((request.model_name, sequence),
                                         lambda: self._infer_admitted(request, ctx, sequence))
         return await self._infer_admitted(request, ctx, None)
+
+    async def infer_stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncIterator[StreamAnswer]:
+        """A client's streaming call (gRPC ModelStreamInfer, HTTP generate[_stream]). A model the
+        gateway knows is not decoupled (and ensembles, A/B routes) answers once, by ``infer``
+        (coalescing included); any other request goes to its service marked as streamed, never
+        merged, and every answer comes back as it arrives. A sequence's next request waits for
+        this one's last answer; the tenant's admission holds until then."""
+        self._check_names(request)
+        name = request.model_name
+        here = (self.ensembles is not None and name in self.ensembles) or \
+            (self.routes is not None and self.routes.lookup(name) is not None)
+        config = None if here else self.discovery.config_for(name, request.model_version)
+        if here or (config is not None and not config.model_transaction_policy.decoupled):
+            yield await self.infer(request, ctx), True
+            return
+        params = request.parameters
+        sequence = sequence_affinity(params) if SEQUENCE_ID in params else None
+        turn: AbstractAsyncContextManager[None] = nullcontext() if sequence is None \
+            else self.turns.turn((name, sequence))
+        async with turn:
+            admitted = await self.admission.admit(request, ctx) if self.admission is not None else None
+            try:
+                async for response, final in self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence):
+                    yield (None if response is None else InferResult(message=response)), final
+            except InferError as exc:
+                self.request_counts[(name, exc.code.value)] += 1
+                raise
+            finally:
+                if self.admission is not None:
+                    await self.admission.release(admitted)
+            self.request_counts[(name, "OK")] += 1
 
     async def _infer_admitted(self, request: pb.ModelInferRequest, ctx: RequestContext,
                               affinity: str | None) -> InferResult:
@@ -252,7 +298,10 @@ class GatewayCore:
         name = request.model_name
         timeout = ctx.time_remaining()
         try:
-            plan = self._merge_plan(request)  # a sampled request may be merged too: see traced.send_merged
+            config = self.discovery.config_for(name, request.model_version)
+            if config is not None and config.model_transaction_policy.decoupled:
+                raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by infer_stream)
+            plan = self._merge_plan(request, config)  # a sampled request may be merged too: see traced.send_merged
             if plan is None:
                 response = await self.upstream.send(request, ctx.raw, timeout, affinity)
             else:
@@ -260,14 +309,16 @@ class GatewayCore:
                 response = await self.coalescer.submit(key, request, ctx.raw, rows, max_batch, timeout)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
+            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
+                raise unary_decoupled_error(ctx.protocol) from None
             raise
         self.request_counts[(name, "OK")] += 1
         return InferResult(message=response)
 
-    def _merge_plan(self, request: pb.ModelInferRequest) -> tuple[tuple, int, int] | None:
+    def _merge_plan(self, request: pb.ModelInferRequest, config: mc.ModelConfig | None
+                    ) -> tuple[tuple, int, int] | None:
         if not self.coalesce_inflight:
             return None
-        config = self.discovery.config_for(request.model_name, request.model_version)
         if config is None:
             return None
         shape = self._shapes.get(id(config))

@@ -11,7 +11,8 @@ pipelining client one gateway-to-service round trip per request, and nothing els
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -27,13 +28,20 @@ class SequenceTurns:
     async def run(self, key: Hashable, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` once every earlier request under ``key`` has finished (answered, failed
         or cancelled)."""
+        async with self.turn(key):
+            return await call()
+
+    @asynccontextmanager
+    async def turn(self, key: Hashable) -> AsyncIterator[None]:
+        """The body runs once every earlier request under ``key`` has finished; the next one
+        waits until it has (a streamed request: until its last answer)."""
         prev = self._tails.get(key)
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._tails[key] = mine
         try:
             if prev is not None and not prev.done():
                 await asyncio.shield(prev)  # our own cancellation must not cancel the turn before us
-            return await call()
+            yield
         finally:
             if prev is None or prev.done():
                 self._finish(key, mine)

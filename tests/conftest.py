@@ -127,10 +127,13 @@ def _wait_http_ready(hostport: str, timeout: float = 30) -> None:
 
 @contextmanager
 def service_and_gateway(kind: str, service_args: Sequence[str], gateway_args: Sequence[str] = (),
-                        timeout: float = 90) -> Iterator[tuple[Proc, Proc]]:
+                        timeout: float = 90, module: str | None = None) -> Iterator[tuple[Proc, Proc]]:
     """``meshserve service KIND SERVICE_ARGS`` (gRPC and HTTP on free ports) and a gateway
-    (GATEWAY_ARGS) in front of it, ready; both stopped on exit."""
-    service = start(["service", kind, "--grpc-port", "0", "--http-port", "0", *service_args], timeout=timeout)
+    (GATEWAY_ARGS) in front of it, ready; both stopped on exit. ``module``: a stand-in service
+    run as ``python -m MODULE SERVICE_ARGS`` instead (``kind`` unused)."""
+    ports = ["--grpc-port", "0", "--http-port", "0"]
+    service = start([*ports, *service_args], timeout=timeout, module=module) if module is not None \
+        else start(["service", kind, *ports, *service_args], timeout=timeout)
     try:
         gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
                          *gateway_args])

@@ -12,10 +12,16 @@ Requests leave in the order they were handed to the pool: a stream is made at on
 what is sent while its connection is still opening waits in order and is written when it is
 up. A sequence's requests (pinned to one stream) reach the service in the order the client
 sent them, also on a gateway's first requests and after a reconnect.
+
+A request for a client's streaming call (a decoupled model: zero or many responses) is sent
+marked ``wire.STREAM_PARAMETER``; its answers arrive on the same stream with its id, each
+flagged ``triton_final_response``, until one is final (``Answers``). A client that goes away
+cancels it: a ``wire.CANCEL_PARAMETER`` message with its id tells the service to stop it.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -33,6 +39,22 @@ _METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _CODES = {c.value: c for c in Code}
 _STREAM_METADATA = ((tracing.HOP_HEADER, tracing.HOP_GATEWAY),)
 _CONNECT_TIMEOUT_S = 5.0
+# answers of one streamed request the gateway holds for a client that reads them slower than the
+# model sends them; beyond that the request fails (RESOURCE_EXHAUSTED) and the service stops it
+MAX_WAITING_ANSWERS = 1024
+_FINAL = wire.FINAL_RESPONSE_PARAMETER
+_EMPTY_FINAL = wire.EMPTY_FINAL_PARAMETER
+_ERROR_CODE = wire.ERROR_CODE_PARAMETER
+
+
+def _error(msg: pb.ModelStreamInferResponse, where: str) -> InferError | None:
+    """The in-band error a service answered, if it is one."""
+    resp = msg.infer_response
+    if not msg.error_message and _ERROR_CODE not in resp.parameters:
+        return None
+    code = _CODES.get(resp.parameters[_ERROR_CODE].string_param, Code.UNKNOWN) \
+        if _ERROR_CODE in resp.parameters else Code.UNKNOWN
+    return InferError(code, msg.error_message or f"{code.value} from {where} (no details)")
 
 
 class NotSent(Exception):
@@ -51,6 +73,7 @@ class _Stream:
     def __init__(self, channel: h2.Channel, name: str):
         self.name = name
         self.pending: dict[str, asyncio.Future[pb.ModelStreamInferResponse]] = {}
+        self.answers: dict[str, Answers] = {}  # streamed requests (many answers each) by id
         self._ids = itertools.count(1)
         self.broken = False
         self.answered = False  # a response arrived: the stream reached the service
@@ -76,7 +99,7 @@ class _Stream:
         self._call = call
         backlog, self._backlog = self._backlog, []
         for cid, raw in backlog:  # in order, in this one step: nothing can come between
-            if cid not in self.pending:  # timed out or cancelled while waiting: never sent
+            if cid not in self.pending and cid not in self.answers:  # timed out or cancelled while waiting
                 continue
             try:
                 call.send(raw)
@@ -95,8 +118,13 @@ class _Stream:
             return
         self.answered = True
         fut = self.pending.pop(msg.infer_response.id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(msg)
+            return
+        answers = self.answers.get(msg.infer_response.id)
+        if answers is not None and answers.push(msg):
+            del self.answers[msg.infer_response.id]
 
     def _on_close(self, code: int, detail: str) -> None:
         self.broken = True
@@ -108,21 +136,51 @@ class _Stream:
                                                f"broke: {detail}") if self.answered
                                   else NotSent(f"{self.name}: {detail}"))
         self.pending.clear()
+        for answers in self.answers.values():
+            answers.push(StreamBroken(Code.UNAVAILABLE, f"{self.name}: stream to the service broke: {detail}")
+                         if self.answered else NotSent(f"{self.name}: {detail}"))
+        self.answers.clear()
+
+    def _write(self, cid: str, raw: bytes) -> None:
+        """``raw`` on the call, or in the backlog while it opens (NotSent when it is closed)."""
+        if self._call is None:
+            self._backlog.append((cid, raw))
+            return
+        try:
+            self._call.send(raw)
+        except ConnectionError:
+            self.broken = True
+            raise NotSent(f"{self.name}: stream closed") from None
+
+    def send_stream(self, raw_request: bytes, client_id: str, deadline: float | None) -> Answers:
+        """Send a streamed request (marked wire.STREAM_PARAMETER); its answers gather in the
+        returned Answers."""
+        if self.broken:
+            raise NotSent(f"{self.name}: stream closed")
+        cid = f"~gw{next(self._ids)}"
+        self._write(cid, wire.with_request_id(raw_request, cid))
+        answers = self.answers[cid] = Answers(self, cid, client_id, deadline)
+        return answers
+
+    def cancel(self, cid: str) -> None:
+        """Stop forwarding the streamed request ``cid`` and tell the service to stop it."""
+        if self.answers.pop(cid, None) is None or self.broken:
+            return
+        if self._call is None:
+            return  # still in the backlog: _open skips it
+        cancel = pb.ModelInferRequest(id=cid)
+        cancel.parameters[wire.CANCEL_PARAMETER].bool_param = True
+        try:
+            self._call.send(cancel.SerializeToString())
+        except ConnectionError:
+            self.broken = True
 
     def send(self, raw_request: bytes) -> asyncio.Future[pb.ModelStreamInferResponse]:
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
-        raw = wire.with_request_id(raw_request, cid)
-        if self._call is None:
-            self._backlog.append((cid, raw))
-        else:
-            try:
-                self._call.send(raw)
-            except ConnectionError:
-                self.broken = True
-                raise NotSent(f"{self.name}: stream closed") from None
+        self._write(cid, wire.with_request_id(raw_request, cid))
         self.pending[cid] = fut
         return fut
 
@@ -138,6 +196,88 @@ class _Stream:
         if self._call is not None:
             self._call.cancel()
         self._on_close(1, "stream closed by the gateway")
+
+
+class Answers:
+    """The answers of one streamed request, in the order they arrive; the last is final."""
+
+    def __init__(self, stream: _Stream, cid: str, client_id: str, deadline: float | None):
+        self._stream = stream
+        self._cid = cid
+        self._client_id = client_id
+        self._deadline = deadline  # loop time
+        self._queue: collections.deque[pb.ModelStreamInferResponse | BaseException] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.finished = False  # the final answer (or an error) arrived: nothing more will
+
+    def push(self, item: pb.ModelStreamInferResponse | BaseException) -> bool:
+        """An answer (or the stream's failure) arrives; returns whether it was the last."""
+        if self.finished:
+            return True
+        if isinstance(item, BaseException):
+            self.finished = True
+        else:
+            params = item.infer_response.parameters
+            self.finished = bool(item.error_message) or _ERROR_CODE in params or \
+                (_FINAL in params and params[_FINAL].bool_param) or _FINAL not in params
+            if not self.finished and len(self._queue) >= MAX_WAITING_ANSWERS:
+                item = InferError.exhausted(
+                    f"more than {MAX_WAITING_ANSWERS} responses of this request wait for the client: "
+                    "it reads them slower than the model sends them")
+                self.finished = True
+                self._stream.cancel(self._cid)
+        self._queue.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return self.finished
+
+    async def _wait(self) -> None:
+        while not self._queue:
+            self._waiter = asyncio.get_running_loop().create_future()
+            timeout = None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
+            if timeout is not None and timeout <= 0:
+                self.close()
+                raise InferError(Code.DEADLINE_EXCEEDED, f"deadline exceeded waiting for {self._stream.name}")
+            try:
+                await (self._waiter if timeout is None else asyncio.wait_for(self._waiter, timeout))
+            except TimeoutError:
+                self.close()
+                raise InferError(Code.DEADLINE_EXCEEDED, f"deadline exceeded waiting for {self._stream.name}") \
+                    from None
+            finally:
+                self._waiter = None
+
+    async def first(self) -> None:
+        """Wait for the first answer; raises the stream's failure if that came instead (NotSent:
+        the request never reached the service, and may go to another replica)."""
+        await self._wait()
+        if isinstance(self._queue[0], BaseException):
+            raise self._queue.popleft()
+
+    async def next(self) -> tuple[pb.ModelInferResponse | None, bool]:
+        """(the next response, or None for an empty final one; whether it is the last). An
+        in-band error is raised as the InferError it carries."""
+        await self._wait()
+        item = self._queue.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        error = _error(item, self._stream.name)
+        if error is not None:
+            raise error
+        resp = item.infer_response
+        params = resp.parameters
+        final = params[_FINAL].bool_param if _FINAL in params else True
+        if _EMPTY_FINAL in params:
+            return None, final
+        resp.id = self._client_id
+        return resp, final
+
+    def close(self) -> None:
+        """The client is done with it: if the service is not, tell it to stop."""
+        if not self.finished:
+            self.finished = True
+            self._stream.cancel(self._cid)
 
 
 class StreamPool:
@@ -183,13 +323,29 @@ class StreamPool:
             raise
         finally:
             self.latency.observe((time.perf_counter_ns() - t0) / 1000)
+        error = _error(msg, f"service {self.endpoint}")
+        if error is not None:
+            raise error
         resp = msg.infer_response
-        if msg.error_message or wire.ERROR_CODE_PARAMETER in resp.parameters:
-            code = _CODES.get(resp.parameters[wire.ERROR_CODE_PARAMETER].string_param, Code.UNKNOWN) \
-                if wire.ERROR_CODE_PARAMETER in resp.parameters else Code.UNKNOWN
-            raise InferError(code, msg.error_message or f"{code.value} from service {self.endpoint} (no details)")
         resp.id = client_id
         return resp
+
+    async def open(self, raw_request: bytes, client_id: str, timeout: float | None,
+                   affinity: str | None = None) -> Answers:
+        """Send a streamed request and wait for its first answer (the stream's failure before
+        that is raised here: NotSent may be retried on another replica)."""
+        stream = self._stream(affinity)
+        deadline = None
+        if timeout is not None:
+            raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
+            deadline = asyncio.get_running_loop().time() + timeout
+        answers = stream.send_stream(raw_request, client_id, deadline)
+        try:
+            await answers.first()
+        except BaseException:
+            answers.close()
+            raise
+        return answers
 
     async def close(self) -> None:
         for s in self._streams:

@@ -9,7 +9,7 @@ them hands another a function to call back.
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from gateway.routing.table import ModelRoutes, pick, pick_pinned
@@ -18,6 +18,7 @@ from gateway.upstream.discovery import Discovery
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.replica import CALL_ERRORS, Replica
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
 from meshserve.protocol.errors import Code
 from meshserve.telemetry import tracing
 
@@ -72,6 +73,26 @@ class Upstream:
             return await traced.send(self, request, body, timeout, affinity, span)
         return await self.call(request.model_name, request.model_version,
                                lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
+
+    async def stream(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                     affinity: str | None = None) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:
+        """Forward a request of a client's streaming call (never merged): every answer of the
+        service as it arrives, (response or None for an empty final one, final). Leaving early
+        (the client went away) tells the service to stop the request."""
+        body = wire.with_bool_parameter(raw if raw is not None else request.SerializeToString(),
+                                        wire.STREAM_PARAMETER, True)
+        if tracing.enabled and (span := tracing.current_var.get()) is not None:
+            body = tracing.inject_parameters(body, span)  # the service's span is this request's child
+        answers = await self.call(request.model_name, request.model_version,
+                                  lambda r: r.streams.open(body, request.id, timeout, affinity), affinity)
+        try:
+            while True:
+                response, final = await answers.next()
+                yield response, final
+                if final:
+                    return
+        finally:
+            answers.close()
 
     async def send_merged(self, request: pb.ModelInferRequest, timeout: float | None,
                           members: Sequence[traced.Member]) -> pb.ModelInferResponse:

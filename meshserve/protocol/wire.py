@@ -14,6 +14,19 @@ MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how 
 TRACEPARENTS_PARAMETER = "meshserve_traceparents"
 QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a gateway's coalescer (µs)
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
+# Decoupled models (zero or many responses per request) on the gateway -> service hop: a request
+# the gateway forwards for a client's streaming call (gRPC ModelStreamInfer, HTTP generate /
+# generate_stream) carries STREAM_PARAMETER (bool true); the service then sends every response
+# of it, each with Triton's FINAL_RESPONSE_PARAMETER, and ends it with a response whose flag is
+# true (an empty one, marked EMPTY_FINAL_PARAMETER, when the model's last response had no data).
+STREAM_PARAMETER = "meshserve_stream"
+EMPTY_FINAL_PARAMETER = "meshserve_empty_final"
+# a request {id, CANCEL_PARAMETER: true} on a gateway's hop stream: stop the streamed request of that id
+CANCEL_PARAMETER = "meshserve_cancel"
+# Triton's: on every ModelStreamInfer response (is it the request's last?), and the client's opt-in
+# to an empty response that carries only the final flag
+FINAL_RESPONSE_PARAMETER = "triton_final_response"
+EMPTY_FINAL_REQUEST_PARAMETER = "triton_enable_empty_final_response"
 ROUTE_ARM_PARAMETER = "meshserve_route_arm"  # which A/B target answered (gateway routes)
 ROUTE_ARM_HEADER = "x-meshserve-route-arm"  # the same, as an HTTP response header
 # gRPC trailing metadata of a service's RepositoryIndex answer: the kind it serves (onnx, ...), so
@@ -47,7 +60,8 @@ def length_delimited(tag: bytes, payload: bytes) -> bytes:
 
 
 def with_request_id(raw_request: bytes, request_id: str) -> bytes:
-    """A serialized ModelInferRequest with `id` replaced: a singular field's last occurrence wins."""
+    """A serialized ModelInferRequest (or ModelInferResponse: `id` is field 3 in both) with `id`
+    replaced: a singular field's last occurrence wins."""
     return raw_request + length_delimited(INFER_REQUEST_ID_TAG, request_id.encode())
 
 
@@ -57,15 +71,31 @@ def with_int_parameter(raw_request: bytes, key: str, value: int) -> bytes:
     return _with_parameter(raw_request, key, b"\x10" + varint(value & 0xFFFFFFFFFFFFFFFF))  # int64_param = 2
 
 
+def bool_parameter_entry(key: str, value: bool) -> bytes:
+    """The bytes that, appended to a serialized ModelInferRequest or ModelInferResponse (both hold
+    ``parameters`` as field 4), set parameters[key].bool_param = value."""
+    return _parameter_entry(key, b"\x08\x01" if value else b"\x08\x00")  # bool_param = 1
+
+
+def with_bool_parameter(raw_message: bytes, key: str, value: bool) -> bytes:
+    """``raw_message`` with parameters[key].bool_param = value (bool_parameter_entry)."""
+    return raw_message + bool_parameter_entry(key, value)
+
+
 def with_string_parameter(raw_request: bytes, key: str, value: str) -> bytes:
     """The same with parameters[key].string_param = value."""
     return _with_parameter(raw_request, key, length_delimited(b"\x1a", value.encode()))  # string_param = 3
 
 
+def _parameter_entry(key: str, param: bytes) -> bytes:
+    """A parameters map entry {key: InferParameter ``param`` (serialized)}, as appended bytes."""
+    entry = length_delimited(b"\x0a", key.encode()) + length_delimited(b"\x12", param)
+    return length_delimited(_REQUEST_PARAMETERS_TAG, entry)
+
+
 def _with_parameter(raw_request: bytes, key: str, param: bytes) -> bytes:
     """``raw_request`` + a parameters map entry {key: InferParameter ``param`` (serialized)}."""
-    entry = length_delimited(b"\x0a", key.encode()) + length_delimited(b"\x12", param)
-    return raw_request + length_delimited(_REQUEST_PARAMETERS_TAG, entry)
+    return raw_request + _parameter_entry(key, param)
 
 
 def stream_response(raw_infer_response: bytes) -> bytes:

@@ -53,6 +53,9 @@ class Op(enum.Enum):
     REPOSITORY_LOAD = ("model load", Rule.ADMIN)
     REPOSITORY_UNLOAD = ("model unload", Rule.ADMIN)
     INFER = ("infer", Rule.INFER)
+    # the generate extension: the model must be the tenant's (its metadata maps the JSON to
+    # inputs), then the inference itself goes through infer admission (quotas) like any other
+    GENERATE = ("generate", Rule.MODEL)
     TRACE_GET = ("read global trace settings", Rule.KEY)
     TRACE_UPDATE = ("update global trace settings", Rule.ADMIN)
     MODEL_TRACE_GET = ("read a model's trace settings", Rule.MODEL)
@@ -77,6 +80,8 @@ HTTP_ROUTES: tuple[tuple[str, str, Op], ...] = (
     ("GET", "/v2/models/{m}[/versions/{v}]/stats", Op.MODEL_STATISTICS),
     ("GET", "/v2/models/stats", Op.ALL_STATISTICS),
     ("POST", "/v2/models/{m}[/versions/{v}]/infer", Op.INFER),
+    ("POST", "/v2/models/{m}[/versions/{v}]/generate", Op.GENERATE),
+    ("POST", "/v2/models/{m}[/versions/{v}]/generate_stream", Op.GENERATE),
     ("GET", "/v2/trace/setting", Op.TRACE_GET),
     ("POST", "/v2/trace/setting", Op.TRACE_UPDATE),
     ("GET", "/v2/models/{m}/trace/setting", Op.MODEL_TRACE_GET),

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import http_codec
+from meshserve.protocol import generate_codec, http_codec
 from meshserve.protocol.errors import Code, InferError
 
 log = logging.getLogger("meshserve.http")
@@ -62,6 +62,8 @@ FUNCTIONS: dict[str, tuple[Callable[..., Any], Callable[[Any], Any], Callable[[A
         (http_codec.parse_load_request, _params_out, _params_in),
         (http_codec.parse_unload_request, _params_out, _params_in),
         (http_codec.parse_index_request, _same, _same),
+        (generate_codec.parse_generate_request, pb.ModelInferRequest.SerializeToString,
+         pb.ModelInferRequest.FromString),
     )
 }
 _FRAME = struct.Struct("<QQ")  # request: header length, body length; reply: length, flags

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import InferError
 from meshserve.server.access import Grant, Op
 
 SERVER_NAME = "meshserve"  # server metadata's "name" unless --server-name says otherwise
@@ -101,6 +103,9 @@ class Hop:
     deadline_ns: int | None = None
     # the traced members of a merged request (meshserve_traceparents): a line per member
     traceparents: str | None = None
+    # the gateway forwards this request for a client's streaming call (meshserve_stream): the
+    # service answers it with core.infer_stream, every response marked final or not
+    stream: bool = False
 
 
 NO_HOP = Hop()
@@ -122,6 +127,27 @@ class RequestContext:
         if self.deadline is None:
             return None
         return max(0.0, self.deadline - time.monotonic())
+
+
+StreamAnswer = tuple["InferResult | None", bool]  # (a response or None, final flag)
+
+# Triton's texts for a unary inference call on a decoupled model (its code is UNSUPPORTED, gRPC
+# UNIMPLEMENTED / HTTP 501; meshserve answers INVALID_ARGUMENT / 400: the client's call is wrong)
+UNARY_DECOUPLED_GRPC = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+UNARY_DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+
+
+def unary_decoupled_error(protocol: str) -> InferError:
+    """The error of a unary call (gRPC ModelInfer, HTTP infer) on a decoupled model, in Triton's
+    words for the client's protocol (``RequestContext.protocol``)."""
+    return InferError.invalid(UNARY_DECOUPLED_HTTP if protocol == "http" else UNARY_DECOUPLED_GRPC)
+
+
+async def single_answer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
+                        ) -> AsyncIterator[StreamAnswer]:
+    """``V2Core.infer_stream`` of a core whose models are never decoupled: ``infer``'s one answer,
+    final."""
+    yield await core.infer(request, ctx), True
 
 
 class V2Core(Protocol):
@@ -146,6 +172,12 @@ class V2Core(Protocol):
     async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse: ...
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult: ...
+
+    def infer_stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncIterator[StreamAnswer]:
+        """Every response of one request, in order; the last item has final=True (its response
+        may be None: Triton's empty final flag). For a model that is not decoupled: exactly one
+        item, (result, True). Errors raise InferError (before or between responses)."""
+        ...
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse: ...
 

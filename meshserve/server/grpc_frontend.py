@@ -7,6 +7,7 @@ without re-serializing; responses go out as whatever bytes the core produced.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -40,6 +41,37 @@ SERVER_OPTIONS = [
 
 
 STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or awaiting their write
+STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
+_STREAM = wire.STREAM_PARAMETER
+_CANCEL = wire.CANCEL_PARAMETER
+_FINAL = wire.FINAL_RESPONSE_PARAMETER
+_FINAL_TRUE = wire.bool_parameter_entry(_FINAL, True)
+_FINAL_FALSE = wire.bool_parameter_entry(_FINAL, False)
+
+
+def _flag(request: pb.ModelInferRequest, key: str) -> bool:
+    """A boolean request parameter (false when absent; a bool, or a nonzero int, is true)."""
+    params = request.parameters
+    if not params or key not in params:
+        return False
+    p = params[key]
+    return p.bool_param or bool(p.int64_param) or p.string_param.lower() == "true"
+
+
+def _forget(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[None]) -> None:
+    if tasks.get(key) is task:
+        del tasks[key]
+
+
+def _empty_final(request: pb.ModelInferRequest, hop: bool) -> bytes:
+    """Triton's empty final response: the request's id, model name and version, and only the
+    triton_final_response flag (on a gateway's hop also wire.EMPTY_FINAL_PARAMETER)."""
+    response = pb.ModelInferResponse(id=request.id, model_name=request.model_name,
+                                     model_version=request.model_version)
+    response.parameters[_FINAL].bool_param = True
+    if hop:
+        response.parameters[wire.EMPTY_FINAL_PARAMETER].bool_param = True
+    return response.SerializeToString()
 
 
 def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> RequestContext:
@@ -202,19 +234,62 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # At most STREAM_INFLIGHT requests of a stream are in progress or answered but not yet
         # written: beyond that the next message is not read, so HTTP/2 flow control stops a
         # client that sends faster than the models answer (or than it reads its answers).
-        out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        #
+        # A client's requests (and a gateway's marked wire.STREAM_PARAMETER) go through
+        # core.infer_stream: every response of a decoupled model, each with Triton's
+        # triton_final_response flag, and an empty final response where the client asked for it
+        # (a gateway always gets it: it ends the request on the hop). At most STREAM_BACKLOG of
+        # those responses wait to be written; beyond that the models' answers wait. A gateway
+        # cancels a streamed request of its hop with {id, wire.CANCEL_PARAMETER}.
+        out: asyncio.Queue[bytes | tuple[bytes, bool] | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
+        streaming: dict[str, asyncio.Task[None]] = {}  # a gateway's streamed requests by id (to cancel)
         base = _context(context)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
+        backlog = asyncio.Semaphore(STREAM_BACKLOG)
         failed: list[str] = []
 
         async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
+            streamed = False
+            owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
-                # a gateway's requests name no region (it read and stripped them): no check on that hop
-                infer = shm.infer if not from_gateway and shm.uses_shared_memory(request) else observe.infer
-                result, _ = await infer(core, request, ctx)
-                out.put_nowait(wire.stream_response(result.serialized()))
+                if from_gateway and not (request.parameters and _STREAM in request.parameters):
+                    # the gateway's hop, one answer per request (its requests name no shared-memory region)
+                    result, _ = await observe.infer(core, request, ctx)
+                    owns_slot = False
+                    out.put_nowait(wire.stream_response(result.serialized()))
+                    return
+                if not from_gateway and shm.uses_shared_memory(request):
+                    result, _ = await shm.infer(core, request, ctx)
+                    owns_slot = False
+                    out.put_nowait(wire.stream_response(result.serialized() + _FINAL_TRUE))
+                    return
+                streamed = True
+                empty_final = from_gateway or _flag(request, wire.EMPTY_FINAL_REQUEST_PARAMETER)
+                # appended to each response: its final flag and its request's id (as Triton's have)
+                rid = wire.length_delimited(wire.INFER_REQUEST_ID_TAG, request.id.encode()) if request.id else b""
+                async for answer, final in observe.infer_stream(core, request, ctx):
+                    if answer is not None:
+                        body = b"".join((answer.serialized(), _FINAL_TRUE if final else _FINAL_FALSE, rid))
+                    elif final and empty_final:
+                        body = _empty_final(request, from_gateway)
+                    else:
+                        if final and owns_slot:
+                            owns_slot = False
+                            slots.release()
+                        continue
+                    await backlog.acquire()
+                    if final:
+                        owns_slot = False
+                    out.put_nowait((wire.stream_response(body), final))
+                if owns_slot:  # (a core that ended without a final answer)
+                    owns_slot = False
+                    slots.release()
+            except asyncio.CancelledError:
+                if owns_slot:
+                    slots.release()
+                raise
             except Exception as exc:
                 if not isinstance(exc, InferError):
                     log.exception("internal error in a streamed request")
@@ -224,7 +299,12 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     infer_response=pb.ModelInferResponse(
                         id=request.id, model_name=request.model_name, model_version=request.model_version))
                 err.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param = exc.code.value
-                out.put_nowait(err.SerializeToString())
+                if streamed:
+                    err.infer_response.parameters[_FINAL].bool_param = True
+                if owns_slot:
+                    out.put_nowait(err.SerializeToString())
+                else:  # (its final answer is queued: nothing may follow it)
+                    log.warning("error after the final answer of request %r: %s", request.id, exc.message)
 
         from_gateway = base.headers.get(HOP_HEADER) == HOP_GATEWAY  # (this call is a gateway's hop)
         # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
@@ -240,9 +320,19 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     except Exception as exc:  # what a failed deserializer reports on a unary call
                         failed.append(f"Exception deserializing request: {exc}")
                         break
+                    params = request.parameters
+                    if from_gateway and params and _CANCEL in params:  # the gateway's client went away
+                        slots.release()
+                        cancelled = streaming.pop(request.id, None)
+                        if cancelled is not None:
+                            cancelled.cancel()
+                        continue
                     task = loop.create_task(one(request, raw))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
+                    if from_gateway and params and _STREAM in params:
+                        streaming[request.id] = task
+                        task.add_done_callback(functools.partial(_forget, streaming, request.id))
                 if pending:
                     await asyncio.gather(*list(pending), return_exceptions=True)
             finally:
@@ -254,7 +344,13 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 item = await out.get()
                 if item is None:
                     break
-                yield item
+                if item.__class__ is tuple:  # a streamed answer: (bytes, final)
+                    yield item[0]  # type: ignore[index]
+                    backlog.release()
+                    if item[1]:  # type: ignore[index]
+                        slots.release()
+                    continue
+                yield item  # type: ignore[misc]
                 slots.release()
             if failed:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, failed[0])

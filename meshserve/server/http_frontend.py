@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from meshserve.protocol import http_codec, wire
+from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_version
 from meshserve.server import body_worker, observe, shm
@@ -139,6 +139,18 @@ async def _decode(fn: Any, chunks: list[bytes], *args: Any, size: int | None = N
     return await body_worker.worker().call(fn.__name__, chunks, *args)
 
 
+def _lost(request: web.BaseRequest) -> asyncio.Future[None]:
+    """Resolved when the request's connection is lost."""
+    conn = request.protocol
+    if not isinstance(conn, _Connection):
+        return asyncio.get_running_loop().create_future()  # (never resolves)
+    if conn.lost is None:
+        conn.lost = asyncio.get_running_loop().create_future()
+        if conn.transport is None or conn.transport.is_closing():
+            conn.lost.set_result(None)
+    return conn.lost
+
+
 def _allow(core: V2Core, request: web.BaseRequest, op: Op, model: str = "") -> Grant:
     """The core's verdict on ``op`` (meshserve.server.access) for this request's key."""
     return core.authorize(op, model, RequestContext(protocol="http", headers=_context_headers(request)))
@@ -240,6 +252,9 @@ class HttpFrontend:
         if action == "infer":
             self._method(request, "POST")
             return await self._infer(request, name, version)
+        if action in ("generate", "generate_stream"):
+            self._method(request, "POST")
+            return await self._generate(request, name, version, action == "generate_stream")
         if action == "":
             self._method(request, "GET")
             _allow(core, request, Op.MODEL_METADATA, name)
@@ -285,6 +300,75 @@ class HttpFrontend:
             if encoding:
                 headers["Content-Encoding"] = encoding
         return web.Response(body=out_body, headers=headers)
+
+    async def _generate(self, request: web.BaseRequest, name: str, version: str,
+                        stream: bool) -> web.StreamResponse:
+        """Triton's generate extension (meshserve.protocol.generate_codec): the model's answers
+        through ``core.infer_stream``. /generate answers one JSON object and needs exactly one
+        response; /generate_stream sends every response as a server-sent event. An error before
+        the first response is a JSON error with its status; one after it is an error event (the
+        status is already sent: Triton's rule, so a client must look for error events)."""
+        core = self.core
+        _allow(core, request, Op.GENERATE, name)
+        body = await _read_body(request, self.max_body)
+        metadata = await core.model_metadata(name, version)
+        infer_request = await _decode(generate_codec.parse_generate_request, body, name, version,
+                                      metadata.SerializeToString())
+        ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
+        answers = observe.infer_stream(core, infer_request, ctx)
+        # aiohttp does not cancel a handler whose client left: the model's work stops when the
+        # connection is lost (the answers' generator is closed: the core stops the request)
+        work = asyncio.ensure_future(self._generate_one(answers, infer_request) if not stream
+                                     else self._generate_events(request, answers, infer_request))
+        lost = _lost(request)
+        try:
+            await asyncio.wait((work, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            await answers.aclose()
+        if not work.done() or work.cancelled() or isinstance(work.exception(), ConnectionError):
+            raise asyncio.CancelledError  # the client is gone: nothing to answer (as a cancelled handler)
+        return work.result()
+
+    async def _generate_events(self, request: web.BaseRequest, answers: Any, infer_request: Any
+                               ) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        try:
+            async for result, _final in answers:
+                if result is None:
+                    continue
+                event = generate_codec.sse_event(generate_codec.render_generate_response(result.message(), infer_request))
+                if response is None:
+                    response = await self._event_stream(request, 200)
+                await response.write(event)
+        except InferError as exc:
+            if response is None:  # the first answer is the error: its status, as an event
+                response = await self._event_stream(request, exc.http_status)
+            await response.write(generate_codec.sse_error(exc.message))
+        if response is None:  # no response at all: an empty event stream
+            response = await self._event_stream(request, 200)
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _generate_one(answers: Any, infer_request: Any) -> web.StreamResponse:
+        results = []
+        async for result, _final in answers:
+            if result is not None:
+                results.append(result)
+        if len(results) != 1:
+            raise InferError.invalid(generate_codec.NOT_ONE_RESPONSE)
+        return web.Response(body=generate_codec.render_generate_response(results[0].message(), infer_request),
+                            content_type=_JSON)
+
+    @staticmethod
+    async def _event_stream(request: web.BaseRequest, status: int) -> web.StreamResponse:
+        response = web.StreamResponse(status=status, headers={"Content-Type": generate_codec.EVENT_STREAM_CONTENT_TYPE,
+                                                              "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        return response
 
     async def _trace_setting(self, request: web.BaseRequest, model: str) -> web.StreamResponse:
         """GET/POST /v2[/models/{m}]/trace/setting (the trace extension)."""
@@ -352,7 +436,7 @@ class _Connection(RequestHandler):
     """aiohttp's connection handler plus what the header and read timeouts need: a count of
     data arrivals and when the headers of the next request started to arrive."""
 
-    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "trim_heap")
+    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "trim_heap", "lost")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -362,6 +446,12 @@ class _Connection(RequestHandler):
         self.header_since = 0.0  # when the pending request's first bytes came; 0: none pending
         self.reading = False  # a handler is waiting for this connection's body
         self.trim_heap = False  # a large body was read: the heap goes back to the OS after its request
+        self.lost: asyncio.Future[None] | None = None  # made by a handler that waits on the model (_lost)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(None)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)

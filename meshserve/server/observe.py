@@ -15,9 +15,10 @@ internal errors) and is turned into an InferError, so the front ends do not log 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
@@ -25,7 +26,16 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import int_value
 from meshserve.server import admission
-from meshserve.server.core import GATEWAY_HOP, NO_HOP, Hop, InferResult, RequestContext, V2Core
+from meshserve.server.core import (
+    GATEWAY_HOP,
+    NO_HOP,
+    Hop,
+    InferResult,
+    RequestContext,
+    StreamAnswer,
+    V2Core,
+    single_answer,
+)
 from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
@@ -35,6 +45,7 @@ _MERGED = wire.MERGED_PARAMETER
 _QUEUED = wire.QUEUED_PARAMETER
 _DEADLINE = wire.DEADLINE_PARAMETER
 _TRACEPARENTS = wire.TRACEPARENTS_PARAMETER
+_STREAM = wire.STREAM_PARAMETER
 _MAX_QUEUED_US = 10_000_000  # a coalescer wait beyond 10 s counts as 10 s
 
 
@@ -45,7 +56,7 @@ def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]
     Only a gateway's hop (the stream's ``meshserve-hop: gateway`` marker) is believed: a
     client's own ``meshserve_*`` parameters never change its weight, queue delay, deadline or
     spans (a direct client's are ignored here; the gateway refuses them at its front door,
-    ``gateway/core.py:GatewayCore.infer``). So the gateway itself, whose callers are clients,
+    ``gateway/core.py:GatewayCore._check_names``). So the gateway itself, whose callers are clients,
     pays one header lookup per request here and reads no parameter."""
     gateway = headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY
     if not gateway:
@@ -65,16 +76,16 @@ def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]
         deadline_ns = time.monotonic_ns() + params[_DEADLINE].int64_param * 1000
     if _TRACEPARENTS in params:
         traceparents = params[_TRACEPARENTS].string_param
-    if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None:
+    stream = _STREAM in params and params[_STREAM].bool_param
+    if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None and not stream:
         return GATEWAY_HOP  # only the protocol's own parameters
-    return Hop(True, merged, queued_ns, deadline_ns, traceparents)
+    return Hop(True, merged, queued_ns, deadline_ns, traceparents, stream)
 
 
-async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
-    """core.infer with admission, span, logs and error mapping; returns (result, the request's
-    sampled SERVER span, whose traceparent a unary response echoes, or None)."""
-    # Bounded admission (admission.py): a few integer operations, then the request runs or is
-    # refused at once. A request the gateway merged counts as the client requests it holds.
+def _admit(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int]:
+    """Read the request's Hop record and admit it (admission.py: a few integer operations, then
+    the request runs or is refused at once); returns (weight, size) to give back when it ends.
+    A request the gateway merged counts as the client requests it holds."""
     raw = ctx.raw
     size = len(raw) if raw is not None else ctx.nbytes
     hop = ctx.hop = read_hop(request.parameters, ctx.headers)
@@ -84,6 +95,14 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
         raise _log_error(request, ctx, gate.refuse(request.model_name, weight, size), "", 0)
     gate.requests += weight
     gate.bytes += size
+    return weight, size
+
+
+async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:
+    """core.infer with admission, span, logs and error mapping; returns (result, the request's
+    sampled SERVER span, whose traceparent a unary response echoes, or None)."""
+    weight, size = _admit(request, ctx)
+    gate = _gate
     try:  # the body is inline, not a second coroutine: this is every request's path
         if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
             if isinstance(sampled, tracing.LateSpans):
@@ -105,6 +124,52 @@ async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
     finally:
         gate.requests -= weight
         gate.bytes -= size
+
+
+async def infer_stream(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext
+                       ) -> AsyncGenerator[StreamAnswer, None]:
+    """core.infer_stream with what ``infer`` gives a request: admission (held until its last
+    response), its span (ended after the last response) and one log line for its outcome."""
+    weight, size = _admit(request, ctx)
+    gate = _gate
+    span: Span | None = None
+    late: tracing.LateSpans | None = None
+    token: Any = None
+    trace_id = ""
+    error: InferError | None = None
+    try:
+        if tracing.enabled and (sampled := _sampled_spans(request, ctx)) is not None:
+            if isinstance(sampled, tracing.LateSpans):
+                late, token = sampled, tracing.activate_late(sampled)
+                trace_id = sampled.trace_id()
+            else:
+                span, token = sampled, tracing.activate(sampled)
+                trace_id = tracing.trace_id(sampled)
+        t0 = time.perf_counter_ns() if log.isEnabledFor(logging.DEBUG) else 0
+        try:
+            # (a core built before infer_stream was part of V2Core answers once, by infer)
+            stream = core.infer_stream if hasattr(core, "infer_stream") else functools.partial(single_answer, core)
+            async for answer in stream(request, ctx):
+                yield answer
+        except Exception as exc:
+            error = _log_error(request, ctx, exc, trace_id, t0)
+            if span is not None:
+                tracing.set_error(span, error)
+            raise error from None
+        if t0:
+            _log_ok(request, ctx, trace_id, t0)
+    finally:
+        gate.requests -= weight
+        gate.bytes -= size
+        if token is not None:
+            try:
+                (tracing.deactivate_late if late is not None else tracing.deactivate)(token)
+            except ValueError:  # closed from another context (a generator collected unfinished)
+                pass
+        if span is not None:
+            tracing.end(span)
+        if late is not None:
+            late.finish(error)
 
 
 def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span | tracing.LateSpans | None:

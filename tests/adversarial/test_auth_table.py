@@ -139,6 +139,7 @@ def via_raw(method: str, path: str, body: bytes = b"") -> Callable[[str, dict[st
     return run
 
 
+GENERATE_BODY = json.dumps({"INPUT0": [1.0] * 16, "INPUT1": [2.0] * 16}).encode()  # add_sub, by generate
 HTTP_CASES: list[HttpCase] = [
     HttpCase("GET", "/v2/health/live", Op.HEALTH, via_raw("GET", "/v2/health/live")),
     HttpCase("GET", "/v2/health/ready", Op.HEALTH, via_raw("GET", "/v2/health/ready")),
@@ -159,6 +160,10 @@ HTTP_CASES: list[HttpCase] = [
     HttpCase("GET", "/v2/models/stats", Op.ALL_STATISTICS, via_client(lambda c, h: c.get_inference_statistics(headers=h))),
     HttpCase("POST", "/v2/models/{m}[/versions/{v}]/infer", Op.INFER,
              via_client(lambda c, h: c.infer(ALLOWED, add_sub_inputs(httpclient), headers=h))),
+    HttpCase("POST", "/v2/models/{m}[/versions/{v}]/generate", Op.GENERATE,
+             via_raw("POST", f"/v2/models/{ALLOWED}/generate", GENERATE_BODY)),
+    HttpCase("POST", "/v2/models/{m}[/versions/{v}]/generate_stream", Op.GENERATE,
+             via_raw("POST", f"/v2/models/{ALLOWED}/versions/1/generate_stream", GENERATE_BODY)),
     HttpCase("GET", "/v2/trace/setting", Op.TRACE_GET, via_client(lambda c, h: c.get_trace_settings(headers=h))),
     HttpCase("POST", "/v2/trace/setting", Op.TRACE_UPDATE,
              via_client(lambda c, h: c.update_trace_settings(settings={"trace_rate": "1000"}, headers=h))),

@@ -146,8 +146,19 @@ def infer_json(draw: st.DrawFn) -> tuple[bytes, int | None]:
     return header + binary, header_length
 
 
+@st.composite
+def generate_json(draw: st.DrawFn) -> tuple[bytes, None]:
+    """A generate body: input names (add_sub's, and others) and parameters with any JSON value,
+    or add_sub's [16] floats."""
+    doc = {}
+    for key in draw(st.lists(st.sampled_from(["INPUT0", "INPUT1", "parameters", "text_input", "x"]), max_size=4)):
+        doc[key] = draw(json_value | st.lists(st.floats(-1e3, 1e3, width=32), min_size=16, max_size=16))
+    return json.dumps(doc).encode(), None
+
+
 body_strategy = st.one_of(
     infer_json(),
+    generate_json(),
     st.tuples(st.binary(max_size=300), st.none() | st.integers(-5, 400)),
     st.tuples(st.sampled_from([b"\xff\xfe{", b'{"inputs":[{"name":"\xc3\x28"}]}', b'{"a":"\xed\xa0\x80"}',
                                b"{" * 5000, b"[" * 100_000, b'{"inputs":' + b"1" * 5000 + b"}", b"\x00" * 64]),
@@ -167,6 +178,7 @@ def http_request(draw: st.DrawFn, hostport: str) -> tuple[bytes, bool, str]:
         f"/v2/models/{model}/trace/setting", "/v2/logging", "/", "/v2/models", "/v2/models/", "//v2//models",
         "/v2/systemsharedmemory/status", f"/v2/systemsharedmemory/region/{model}/register",
         f"/v2/cudasharedmemory/region/{model}/register", f"/v2/systemsharedmemory/region/{model}/status",
+        f"/v2/models/{model}/generate", f"/v2/models/{model}/generate_stream",
         "/v2/models/add_sub/infer?x=1&y", "/v2/%zz", "/\u00e9", "/" + "a/" * 200,
     ]))
     if path.rstrip("/").endswith(("trace/setting", "logging")):

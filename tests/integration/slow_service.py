@@ -10,9 +10,9 @@ from google.protobuf import text_format
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.server import limits as server_limits
-from meshserve.server.access import ALL, Grant, Op
-from meshserve.server.core import EXTENSIONS, InferResult, RequestContext
+from meshserve.server.core import InferResult, RequestContext
 from meshserve.server.process import run, serve
+from tests.support.stub_core import StubCore
 
 MODELS = ("sleep_a", "sleep_b")
 
@@ -23,24 +23,12 @@ def _config(name: str) -> mc.ModelConfig:
                              'output [{name: "OUT" data_type: TYPE_FP32 dims: [4]}]', mc.ModelConfig())
 
 
-class SlowCore:
+class SlowCore(StubCore):
+    NAME = "slow"
+    MODELS = MODELS
+
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
-
-    def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
-        return ALL
-
-    def live(self) -> bool:
-        return True
-
-    def ready(self) -> bool:
-        return True
-
-    def server_metadata(self) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="slow", version="0", extensions=EXTENSIONS)
-
-    async def model_ready(self, name: str, version: str) -> bool:
-        return name in MODELS
 
     async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
         return pb.ModelMetadataResponse(name=name, versions=["1"])
@@ -54,29 +42,6 @@ class SlowCore:
         resp.outputs.add(name="OUT", datatype="FP32", shape=list(request.inputs[0].shape))
         resp.raw_output_contents.append(request.raw_input_contents[0])
         return InferResult(message=resp)
-
-    async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        return pb.ModelStatisticsResponse()
-
-    async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
-        out = pb.RepositoryIndexResponse()
-        for m in MODELS:
-            out.models.add(name=m, version="1", state="READY")
-        return out
-
-    async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
-                         ctx: RequestContext) -> None:
-        return None
-
-    async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
-                           ctx: RequestContext) -> None:
-        return None
-
-    async def metrics_text(self) -> tuple[bytes, str]:
-        return b"", "text/plain"
-
-    async def stop(self, drain: bool = True) -> None:
-        return None
 
 
 def main() -> None:

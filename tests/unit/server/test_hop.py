@@ -84,3 +84,11 @@ def test_hop_parameters_without_the_gateway_marker_are_not_believed() -> None:
     assert observe.read_hop(req.parameters, {}) is NO_HOP
     assert observe.read_hop(req.parameters, {"meshserve-hop": "client"}) is NO_HOP
     assert observe.read_hop(req.parameters, GATEWAY).merged == 3
+
+
+def test_a_streamed_request_is_marked_only_on_a_gateways_hop() -> None:
+    req = _params(**{wire.STREAM_PARAMETER: True})
+    assert observe.read_hop(req.parameters, GATEWAY).stream
+    assert not observe.read_hop(req.parameters, {}).stream  # a direct client cannot claim the hop's marking
+    assert not observe.read_hop(_params(**{wire.STREAM_PARAMETER: False}).parameters, GATEWAY).stream
+    assert not GATEWAY_HOP.stream and not NO_HOP.stream

@@ -329,3 +329,25 @@ def test_a_span_recorded_late_keeps_the_id_its_traceparent_carried(spans: InMemo
     assert got.context.span_id == 0x1234 and got.parent.span_id == parent.span_id and got.kind.name == "CLIENT"
     assert got.status.status_code.name == "ERROR" and got.status.description == "UNAVAILABLE: replica gone"
     assert got.attributes["meshserve.error_code"] == "UNAVAILABLE"
+
+
+def test_a_streamed_request_has_one_span_ended_after_its_last_response(spans: InMemorySpanExporter) -> None:
+    from tests.integration.decoupled_service import DecoupledCore
+    from tests.unit.server.test_decoupled_frontends import one_int
+
+    async def run(model: str) -> list[bool]:
+        ctx = RequestContext("grpc", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
+        finals = []
+        async for _, final in observe.infer_stream(DecoupledCore(), one_int(model, "s1", 3), ctx):  # type: ignore[arg-type]
+            assert tracing.current_span() is not None  # the request's span is current while it streams
+            finals.append(final)
+        return finals
+
+    assert asyncio.run(run("square_int32")) == [False, False, False, True]
+    with pytest.raises(InferError):
+        asyncio.run(run("faulty_stream"))
+    assert tracing.force_flush(5)
+    ok, failed = spans.get_finished_spans()
+    assert ok.attributes is not None and ok.attributes["meshserve.request_id"] == "s1"
+    assert ok.parent is not None and f"{ok.parent.span_id:016x}" == PARENT
+    assert failed.status.status_code.name == "ERROR"

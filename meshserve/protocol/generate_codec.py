@@ -1,0 +1,127 @@
+"""Triton's generate extension (``POST /v2/models/{m}[/versions/{v}]/generate[_stream]``):
+its flat JSON <-> a ModelInferRequest / ModelInferResponse.
+
+Request (Triton's rules, recorded against Triton 2.51): every top-level key that names one of the
+model's inputs (its metadata) is that input; ``"parameters"`` (an object) holds request
+parameters, and its keys that name inputs are inputs too; any other key is a request parameter.
+A parameter is a string, number or boolean. An input's value is a scalar or an array; its shape
+comes from the metadata shape (batch dimension included): with ``n`` the number of top-level
+elements (1 for a scalar), each fixed dimension ``d`` must divide ``n`` (``n //= d``), the last
+variable dimension takes what is left and any other is 1; with no variable dimension ``n`` must
+end at 1. Nested arrays are read row-major and must hold exactly that many elements.
+
+Response: one JSON object with ``model_name``, ``model_version`` and one key per output, the
+output's value as a scalar when it holds one element, else a flat array; keys sorted, as
+Triton writes them. ``generate_stream`` sends each such object as a server-sent event
+``data: {...}\\n\\n``, an error as ``data: {"error": "..."}\\n\\n``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import datatypes
+from meshserve.protocol.errors import InferError
+from meshserve.protocol.http_codec import (
+    _contents_to_json,
+    _json_data_to_raw,
+    _json_type,
+    _loads,
+    _raw_to_json,
+    _set_infer_param,
+)
+
+PARAMETERS = "parameters"
+EVENT_STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+# Triton's answer to /generate when the model gives no response or several (use generate_stream)
+NOT_ONE_RESPONSE = ("generate expects model to produce exactly 1 response, use generate stream for model "
+                    "that generates various number of responses")
+_PARAMETER_TYPES = (str, bool, int, float)
+
+
+def parse_generate_request(body: bytes | bytearray, name: str, version: str,
+                           metadata: pb.ModelMetadataResponse | bytes) -> pb.ModelInferRequest:
+    """The generate request ``body`` for model ``name`` (``version``; "" = the server's choice)
+    as a ModelInferRequest, its inputs shaped by the model's ``metadata`` (or its serialized
+    bytes: what crosses to the body worker)."""
+    md = pb.ModelMetadataResponse.FromString(metadata) if isinstance(metadata, bytes) else metadata
+    doc = _loads(body, "generate request")
+    if not isinstance(doc, dict):
+        raise InferError.invalid(f"the generate request must be a JSON object, got {_json_type(doc)}")
+    inputs = {t.name: t for t in md.inputs}
+    request = pb.ModelInferRequest(model_name=name, model_version=version)
+    for key, value in doc.items():
+        if key == PARAMETERS:
+            if not isinstance(value, dict):
+                raise InferError.invalid("Expected JSON object for keyword: 'parameters': attempt to access "
+                                         "JSON non-object as object")
+            for inner, v in value.items():
+                _map(request, inputs, inner, v, "Converting keyword: 'parameters': ")
+        else:
+            _map(request, inputs, key, value, "")
+    return request
+
+
+def _map(request: pb.ModelInferRequest, inputs: dict[str, pb.ModelMetadataResponse.TensorMetadata],
+         key: str, value: Any, context: str) -> None:
+    """One key of the request: an input when the model has one of that name, else a parameter."""
+    meta = inputs.get(key)
+    if meta is None:
+        if not isinstance(value, _PARAMETER_TYPES):
+            raise InferError.invalid(f"{context}parameter '{key}' has invalid type. It should be either "
+                                     "'int', 'bool', or 'string'.")
+        _set_infer_param(request.parameters[key], value, f"{context}parameter '{key}'")
+        return
+    if any(t.name == key for t in request.inputs):
+        raise InferError.invalid(f"{context}input '{key}' already exists in request")
+    shape = _shape(key, list(meta.shape), len(value) if isinstance(value, list) else 1)
+    data = value if isinstance(value, list) else [value]
+    raw = _json_data_to_raw(f"input '{key}'", meta.datatype, shape, datatypes.element_count(shape), data)
+    request.inputs.add(name=key, datatype=meta.datatype, shape=shape)
+    request.raw_input_contents.append(raw)
+
+
+def _shape(name: str, dims: list[int], count: int) -> list[int]:
+    """The input's shape from its metadata ``dims`` for a value of ``count`` top-level elements."""
+    shape = list(dims)
+    variable = [i for i, d in enumerate(dims) if d < 0]
+    for d in dims:
+        if d < 0:
+            continue
+        if (d == 0 and count != 0) or (d and count % d):
+            raise InferError.invalid(f"The schema can not convert input '{name}' to tensor with proper shape")
+        count = count // d if d else 0
+    if not variable:
+        if count != 1:
+            raise InferError.invalid(f"The schema can not convert input '{name}' to tensor with proper shape")
+        return shape
+    for i in variable:
+        shape[i] = 1
+    shape[variable[-1]] = count
+    return shape
+
+
+def render_generate_response(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> bytes:
+    """One generate response object (UTF-8 JSON, keys sorted)."""
+    doc: dict[str, Any] = {
+        "model_name": response.model_name or request.model_name,
+        "model_version": response.model_version or request.model_version,
+    }
+    raws = response.raw_output_contents
+    for i, out in enumerate(response.outputs):
+        where = f"output '{out.name}'"
+        values = _raw_to_json(where, out.datatype, list(out.shape), raws[i]) if raws \
+            else _contents_to_json(where, out)
+        doc[out.name] = values[0] if len(values) == 1 else values
+    return json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse_event(data: bytes) -> bytes:
+    """A server-sent event carrying one JSON object."""
+    return b"data: " + data + b"\n\n"
+
+
+def sse_error(message: str) -> bytes:
+    """The error event of generate_stream."""
+    return sse_event(json.dumps({"error": message}, ensure_ascii=False, separators=(",", ":")).encode())
