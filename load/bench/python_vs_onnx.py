@@ -135,7 +135,7 @@ def ipc(args: argparse.Namespace) -> None:
             proc.start()
             writer, reader = RegionWriter(f"ipcbench-{proc.pid}-in"), RegionReader()
             best = float("inf")
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
                 for _ in range(rounds):
                     if label == "shm":

@@ -7,17 +7,18 @@ side that writes into a region creates it (the service for inputs, the worker fo
 grows it by replacing it with a larger one under a new name.
 
 Measured (``python -m load.bench.python_vs_onnx --ipc``; 2-core box shared with other jobs, load
-average 4): one round trip of two inputs to a second process and two outputs back, as the service
-and a worker make it, best of 3:
+average 3-4, so small sizes are noisy): one round trip of two inputs to a second process and two
+outputs back, as the service and a worker make it, best of 5, two runs:
 
-    tensor size   shared memory   pickled over the socket
-    64 B          54 us           46 us
-    64 KiB        103 us          179 us
-    1 MiB         1.6 ms          8.3 ms
-    8 MiB         18 ms           92 ms
+    tensor size   shared memory        pickled over the socket
+    64 B          54 / 149 us          46 / 112 us
+    64 KiB        103 / 180 us         179 / 107 us
+    1 MiB         1.6 / 1.1 ms         8.3 / 7.4 ms
+    8 MiB         18 / 12 ms           92 / 85 ms
 
-Small tensors cost the message round trip either way; from 64 KiB the regions win (one copy in,
-a view, one copy out, against pickling, socket copies and unpickling both ways).
+Up to 64 KiB the message round trip dominates either way (the difference is noise); from 1 MiB
+the regions are 5-7x cheaper (one copy in, a view, one copy out, against pickling, socket copies
+and unpickling both ways).
 """
 from __future__ import annotations
 
@@ -69,8 +70,10 @@ class Region:
         return memoryview(self.map)[offset:offset + nbytes]
 
     def write(self, offset: int, data: bytes | memoryview | np.ndarray) -> None:
-        self.map[offset:offset + (data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data))] = \
-            data.tobytes() if isinstance(data, np.ndarray) else data
+        """Copy ``data`` (bytes, or a contiguous array: no intermediate copy) to ``offset``."""
+        if isinstance(data, np.ndarray):
+            data = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        self.map[offset:offset + len(data)] = data
 
     def close(self) -> None:
         try:
