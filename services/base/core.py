@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -251,8 +252,11 @@ class ServiceCore:
             body = await mv.infer(request, self._deadline_ns(ctx), ctx.hop)
             yield InferResult(raw=body), True
             return
-        async for raw, final in mv.infer_stream(request, self._deadline_ns(ctx), ctx.hop):
-            yield (InferResult(raw=raw) if raw is not None else None), final
+        # closed with this generator (a client that goes away cancels the request in the model),
+        # not whenever the garbage collector gets to it
+        async with contextlib.aclosing(mv.infer_stream(request, self._deadline_ns(ctx), ctx.hop)) as answers:
+            async for raw, final in answers:
+                yield (InferResult(raw=raw) if raw is not None else None), final
 
     def is_decoupled(self, name: str, version: str) -> bool:
         """Whether the model answers each request with zero or more responses (InferError

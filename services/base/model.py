@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -96,7 +96,7 @@ class ModelVersion:
         return await self._result(queued, self._in_order(fut) if self._ordered else fut)
 
     def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
-                     hop: Hop = NO_HOP) -> AsyncIterator[tuple[bytes | None, bool]]:
+                     hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
         """A decoupled model's responses to one request (kinds that serve decoupled models
         override it; ServiceCore calls it only when ``decoupled`` is set)."""
         raise InferError.unsupported(f"model '{self.name}': decoupled models are not served by this service")

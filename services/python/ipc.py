@@ -72,7 +72,7 @@ class Region:
     def write(self, offset: int, data: bytes | memoryview | np.ndarray) -> None:
         """Copy ``data`` (bytes, or a contiguous array: no intermediate copy) to ``offset``."""
         if isinstance(data, np.ndarray):
-            data = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            data = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         self.map[offset:offset + len(data)] = data
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from meshserve._proto import grpc_service_pb2 as pb
@@ -41,7 +41,7 @@ class PythonModelVersion(ModelVersion):
 
     # ---- decoupled -------------------------------------------------------------------
     async def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
-                           hop: Hop = NO_HOP) -> AsyncIterator[tuple[bytes | None, bool]]:
+                           hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
         """Every response of one request to a decoupled model, in order; the last is final."""
         try:
             pending = self.prepare(request, hop)

@@ -5,6 +5,7 @@ front ends route ModelStreamInfer to infer_stream (branch gwstream)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from services.base.core import DECOUPLED_UNARY
 from services.python.core import PythonServiceCore
 from services.python.model import PythonModelVersion
 from tests.models import python_models
+from tests.support.waiting import eventually
 
 MODELS = frozenset({"repeat_int32", "square_int32", "py_add_sub"})
 
@@ -30,8 +32,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python_models.build(tmp_path_factory.mktemp("decoupled"), instances=1)
 
 
-@pytest.fixture
-def core(repo: Path) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventLoop]]:
+@contextlib.contextmanager
+def started(repo: Path) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventLoop]]:
     loop = asyncio.new_event_loop()
     c = PythonServiceCore("python", repo, {})
     c.control = ModelControl("explicit", MODELS)
@@ -41,6 +43,12 @@ def core(repo: Path) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventL
     finally:
         loop.run_until_complete(c.stop())
         loop.close()
+
+
+@pytest.fixture
+def core(repo: Path) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventLoop]]:
+    with started(repo) as running:
+        yield running
 
 
 def request(model: str, **inputs: np.ndarray) -> pb.ModelInferRequest:
@@ -116,3 +124,28 @@ def test_a_worker_that_dies_mid_stream_ends_the_stream_with_unavailable(core) ->
     got, err = loop.run_until_complete(run())
     assert got == [False]
     assert err.code == Code.UNAVAILABLE and "Stub process 'repeat_int32_0' is not healthy" in err.message
+
+
+def test_a_stream_closed_early_cancels_the_request_in_the_model(repo: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    with started(repo) as (c, loop):  # started here: its workers' stderr is the captured one
+        cancelled_early(c, loop, capfd)
+
+
+def cancelled_early(c: PythonServiceCore, loop: asyncio.AbstractEventLoop, capfd: pytest.CaptureFixture[str]) -> None:
+    async def first_only() -> bool:
+        stream = c.infer_stream(request("repeat_int32", IN=np.arange(10, dtype=np.int32),
+                                        DELAY=np.array([1] + [200] * 9, np.uint32)), RequestContext("grpc"))
+        final = True
+        async for _, final in stream:  # noqa: B007 (the last value is the point)
+            break  # the client goes away after the first response
+        await stream.aclose()  # type: ignore[attr-defined]
+        return final
+
+    assert loop.run_until_complete(first_only()) is False
+    seen: list[str] = []  # the worker logs to the service's stderr (here: this process's)
+
+    def logged() -> bool:
+        seen.append(capfd.readouterr().err)
+        return "repeat_int32: request cancelled after 1 responses" in "".join(seen)
+
+    eventually(logged, timeout=10, what="the model saw request.is_cancelled()")

@@ -219,6 +219,7 @@ class TritonPythonModel:
         for idx, value in enumerate(values):
             time.sleep(int(delays[idx]) / 1000)
             if request.is_cancelled():
+                pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {idx} responses")
                 break
             sender.send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("OUT", np.array([value], dtype=np.int32)),
