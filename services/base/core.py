@@ -34,8 +34,10 @@ log = logging.getLogger("meshserve.service")
 # never overwrites files a version still serving reads.
 OVERRIDES_DIR = ".meshserve-overrides"
 NOT_LOADED = "not loaded (explicit model control)"
-# Triton's answer to ModelInfer on a decoupled model (grpc_server.cc); HTTP /infer gets it too
+# Triton's answer to a unary inference call on a decoupled model: UNIMPLEMENTED / 501 with these
+# texts (measured against Triton 2.51: gRPC ModelInfer, HTTP /infer)
 DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+DECOUPLED_UNARY_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
 
 
 @dataclass
@@ -238,7 +240,7 @@ class ServiceCore:
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         mv = self._resolve(request.model_name, request.model_version)
         if mv.decoupled:
-            raise InferError.invalid(DECOUPLED_UNARY)
+            raise InferError.unsupported(DECOUPLED_UNARY_HTTP if ctx.protocol == "http" else DECOUPLED_UNARY)
         body = await mv.infer(request, self._deadline_ns(ctx), ctx.hop)
         return InferResult(raw=body)
 

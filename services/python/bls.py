@@ -79,8 +79,11 @@ def from_proto(resp: pb.ModelInferResponse) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=tensors, parameters=params)
 
 
-def _error(code: grpc.StatusCode | None, message: str) -> pb_utils.InferenceResponse:
+def _error(code: grpc.StatusCode | None, message: str, model: str = "") -> pb_utils.InferenceResponse:
+    """A failed call as Triton's BLS reports it: ``Model <m> - Error when running inference: …``."""
     triton = _GRPC_TO_TRITON.get(code, pb_utils.TritonError.INTERNAL) if code else pb_utils.TritonError.INTERNAL
+    if model:
+        message = f"Model {model} - Error when running inference: {message}"
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton))
 
 
@@ -108,7 +111,7 @@ class BlsClient:
         try:
             resp = self._get_stub().ModelInfer(to_proto(request), timeout=timeout)
         except grpc.RpcError as exc:
-            return _error(exc.code(), exc.details() or str(exc))
+            return _error(exc.code(), exc.details() or str(exc), request.model_name)
         return from_proto(resp)
 
     def stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
@@ -128,7 +131,7 @@ class BlsClient:
             try:
                 for item in call:
                     if item.error_message:
-                        yield _error(None, item.error_message)
+                        yield _error(None, item.error_message, request.model_name)
                         return
                     resp = item.infer_response
                     final = resp.parameters.get("triton_final_response")
@@ -136,7 +139,7 @@ class BlsClient:
                     if final is None or final.bool_param:
                         return  # a server without the final flag answers once
             except grpc.RpcError as exc:
-                yield _error(exc.code(), exc.details() or str(exc))
+                yield _error(exc.code(), exc.details() or str(exc), request.model_name)
 
         def close() -> None:
             done.set()

@@ -37,7 +37,7 @@ log = logging.getLogger("meshserve.python")
 _ROOT = str(Path(__file__).resolve().parents[2])  # the worker imports services.python from here
 # request parameters that are protocol, not the model's: Triton leaves its own out of parameters()
 _HIDDEN_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
-                      "triton_enable_empty_final_response")
+                      "triton_enable_empty_final_response", "binary_data_output")
 SEQUENCE_START, SEQUENCE_END = 1, 2
 StreamSink = Callable[["tuple[bytes | None, bool] | InferError"], None]
 
@@ -80,7 +80,7 @@ def _parameters(request: pb.ModelInferRequest) -> tuple[str, int | str, int]:
             flags |= SEQUENCE_START
         if request.parameters["sequence_end"].bool_param if "sequence_end" in request.parameters else False:
             flags |= SEQUENCE_END
-    return json.dumps(params), corrid, flags
+    return json.dumps(params, separators=(",", ":")), corrid, flags  # compact, as Triton writes it
 
 
 class ModelWorker:
@@ -185,8 +185,8 @@ class ModelWorker:
             self._proc.send_signal(signal.SIGKILL)
 
     def down_message(self) -> str:
-        return (f"Failed to process the request(s) for model instance '{self.name}', message: Stub process "
-                f"'{self.name}' is not healthy ({self.reason or 'not started'})")
+        """Triton's text for a dead stub, with why and what happens next."""
+        return f"Stub process '{self.name}' is not healthy ({self.reason or 'not started'})."
 
     # ---- batches (event loop) ----------------------------------------------------------
     def _send(self, msg: tuple) -> None:
@@ -279,8 +279,8 @@ class ModelWorker:
             value = (None if results is None else self._encode(payloads, region_name, region_size, results),
                      elapsed_ns)
         else:  # "failed": execute() raised
-            value = InferError.internal(f"Failed to process the request(s) for model instance '{self.name}', "
-                                        f"message: {msg[2]}")
+            # Triton 2.51's stub text (it names the instance "model")
+            value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
         self.loop.call_soon_threadsafe(_settle, fut, value)
 
     def _encode(self, payloads: Sequence[Pending], region_name: str, region_size: int,
