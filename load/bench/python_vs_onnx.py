@@ -55,8 +55,9 @@ def build_repo(repo: Path, instances: int) -> tuple[Path, Path]:
     return py_repo, onnx_repo
 
 
-def cell(gateway: procs.Server, model: str, concurrency: int, seconds: float, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "load", "--http", gateway.http, "--grpc", gateway.grpc, "-m", model,
+def cell(target: procs.Server | tuple[str, str], model: str, concurrency: int, seconds: float, out: Path) -> dict:
+    http, grpc = (target.http, target.grpc) if isinstance(target, procs.Server) else target
+    subprocess.run([sys.executable, "-m", "load", "--http", http, "--grpc", grpc, "-m", model,
                     "--protocol", "grpc", "-c", str(concurrency), "-d", str(seconds), "--warmup", "1", "--quiet",
                     "--json", str(out)], cwd=ROOT, capture_output=True, check=True)
     return json.loads(out.read_text())
@@ -72,29 +73,40 @@ def serving(args: argparse.Namespace) -> None:
                                  "--http-port", "0", "--log-level", "WARNING"], tmp / "onnx.log"),
     }
     gateway = procs.gateway([s.grpc for s in services.values()], tmp / "gateway.log")
+    # (row label, model, where the load goes, the server process tree, the gateway's or None)
+    targets: list[tuple[str, str, procs.Server | tuple[str, str], int, int | None]] = [
+        (model, model, gateway, svc.pid, gateway.pid) for model, svc in services.items()]
+    if args.direct:
+        targets.append(("py_add_sub, service direct", "py_add_sub", services["py_add_sub"],
+                        services["py_add_sub"].pid, None))
+    if args.triton:
+        http, grpc, pid = args.triton.split(",")
+        targets.append(("py_add_sub, Triton 2.51 direct", "py_add_sub", (http, grpc), int(pid), None))
     rows = []
     try:
         for c in args.concurrency:
-            for model, svc in services.items():
-                svc_cpu, gw_cpu = procs.proc_tree_cpu_s(svc.pid), procs.proc_tree_cpu_s(gateway.pid)
-                result = cell(gateway, model, c, args.seconds, tmp / "cell.json")
-                svc_cpu = procs.proc_tree_cpu_s(svc.pid) - svc_cpu
-                gw_cpu = procs.proc_tree_cpu_s(gateway.pid) - gw_cpu
+            for label, model, target, pid, gw_pid in targets:
+                svc_cpu = procs.proc_tree_cpu_s(pid)
+                gw_cpu = procs.proc_tree_cpu_s(gw_pid) if gw_pid else 0.0
+                result = cell(target, model, c, args.seconds, tmp / "cell.json")
+                svc_cpu = procs.proc_tree_cpu_s(pid) - svc_cpu
+                gw_cpu = procs.proc_tree_cpu_s(gw_pid) - gw_cpu if gw_pid else 0.0
                 # the CPU window holds the 1 s warmup too, at about the measured rate
                 done = max(1.0, result["goodput_rps"] * (args.seconds + 1))
-                rows.append((model, c, result["goodput_rps"], result.get("latency_ms", {}).get("p50"),
-                             1000 * svc_cpu / done, 1000 * gw_cpu / done, result["failed"]))
-                print(f"{model} c{c}: {result['goodput_rps']:.0f}/s", flush=True)
+                rows.append((label, c, result["goodput_rps"], result.get("latency_ms", {}).get("p50"),
+                             1000 * svc_cpu / done, 1000 * gw_cpu / done if gw_pid else None, result["failed"]))
+                print(f"{label} c{c}: {result['goodput_rps']:.0f}/s", flush=True)
     finally:
         gateway.stop()
         for svc in services.values():
             svc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n| model | concurrency | inferences/s | p50 ms | service CPU ms/req | gateway CPU ms/req | errors |")
+    print("\n| model (path) | concurrency | inferences/s | p50 ms | service CPU ms/req | gateway CPU ms/req | errors |")
     print("|---|---|---|---|---|---|---|")
     for model, c, rps, p50, svc_ms, gw_ms, errors in rows:
         p50s = f"{p50:.2f}" if isinstance(p50, (int, float)) else "-"
-        print(f"| {model} | {c} | {rps:.0f} | {p50s} | {svc_ms:.3f} | {gw_ms:.3f} | {errors} |")
+        gws = f"{gw_ms:.3f}" if gw_ms is not None else "-"
+        print(f"| {model} | {c} | {rps:.0f} | {p50s} | {svc_ms:.3f} | {gws} | {errors} |")
 
 
 # ---- --ipc: the transport alone ----------------------------------------------------------------
@@ -168,6 +180,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--instances", type=int, default=2, help="instances of each model")
+    ap.add_argument("--direct", action="store_true", help="also load the python service directly (no gateway)")
+    ap.add_argument("--triton", metavar="HTTP,GRPC,PID",
+                    help="also load a Triton serving the same py_add_sub (e.g. ../shared/bench/start_triton.sh on "
+                         "a repository from tests.models.python_models) directly; PID: its server process")
     ap.add_argument("--ipc", action="store_true", help="measure the service<->worker transport only")
     args = ap.parse_args()
     (ipc if args.ipc else serving)(args)
