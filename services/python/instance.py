@@ -219,7 +219,7 @@ class ModelWorker:
                 refs.append(TensorRef(name, item.spec.datatype, item.shape, offset, len(item.data)))
                 offset += aligned(len(item.data))
             params, corrid, flags = _parameters(p.request)
-            wanted = [o.name for o in p.request.outputs]
+            wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
             metas.append((key, p.request.id, corrid, flags, params, wanted, refs))
         for key, sink in zip(keys, sinks, strict=False):
             self._streams[key] = sink

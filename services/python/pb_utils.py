@@ -308,7 +308,7 @@ class InferenceRequest:
                  trace: Any = None):
         self._model_name = model_name
         self._inputs = list(inputs or [])
-        self._requested = list(requested_output_names or [])
+        self._requested: list[str] | set[str] = list(requested_output_names or [])
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._flags = flags
@@ -342,7 +342,9 @@ class InferenceRequest:
     def model_version(self) -> int:
         return self._model_version
 
-    def requested_output_names(self) -> list[str]:
+    def requested_output_names(self) -> list[str] | set[str]:
+        """A received request's: a set of names (all the model's outputs when the client named
+        none), as in Triton; a BLS request's: the names it was built with."""
         return self._requested
 
     def parameters(self) -> str:

@@ -169,8 +169,9 @@ class Worker:
                     if self.decoupled:
                         arr = arr.copy()  # its responses may be sent after execute() returns
                 tensors.append(pb_utils.Tensor(ref.name, arr))
-            req = pb_utils.InferenceRequest(inputs=tensors, requested_output_names=wanted, request_id=request_id,
-                                            correlation_id=corrid, flags=flags, parameters=params)
+            req = pb_utils.InferenceRequest(inputs=tensors, request_id=request_id, correlation_id=corrid, flags=flags,
+                                            parameters=params)
+            req._requested = set(wanted)  # as Triton's stub gives it: a set, every output when none were named
             req._key = key
             req._decoupled = self.decoupled
             out.append(req)
@@ -218,10 +219,10 @@ class Worker:
             if err is not None:
                 staged.append(((pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), []))
                 continue
-            wanted = set(req.requested_output_names())
+            wanted = req.requested_output_names()
             outs = []
             for t in resp.output_tensors():
-                if wanted and t.name() not in wanted:
+                if t.name() not in wanted:
                     continue
                 arr, datatype, data = tensor_bytes(t)
                 outs.append((t.name(), datatype, tuple(arr.shape), data))
