@@ -11,6 +11,7 @@ import ctypes
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ from pathlib import Path
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import parse_ready_line
 
-SERVICE_KINDS = ("onnx", "torchscript", "tensorrt", "sequence")
+SERVICE_KINDS = ("onnx", "torchscript", "tensorrt", "sequence", "python")
 PLANNED_KINDS = ("ensemble",)
 _LOAD_COMMANDS = ("load", "tune")  # load/ package, imported on use
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
@@ -41,6 +42,9 @@ def _service_main(kind: str) -> Callable[[argparse.Namespace], None] | None:
     if kind == "sequence":
         from services.sequence.main import main as sequence_main
         return sequence_main
+    if kind == "python":
+        from services.python.main import main as python_main
+        return python_main
     return None
 
 
@@ -148,6 +152,17 @@ def _stop_all(children: list[Child], timeout: float = 20.0) -> None:
             c.proc.wait()
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _loopback(host: str) -> str:
+    """The address a local process reaches a server listening on ``host`` by."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from meshserve.repository import layout
 
@@ -183,20 +198,25 @@ def _cmd_up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     services: list[Child] = []
+    # python models call other models (BLS) through the gateway: its gRPC port must be known
+    # before the services start, so a port of 0 is picked here
+    gateway_grpc = args.grpc_port or _free_port(args.host)
     try:
         for kind in runnable:
             print(f"meshserve up: starting the {kind} service…", flush=True)
+            extra = ["--bls-target", f"{_loopback(args.host)}:{gateway_grpc}"] if kind == "python" else []
             child = Child(f"{kind} service", [*py, "service", kind, "--repository", str(repo),
                                               "--host", "127.0.0.1", "--grpc-port", "0",
                                               "--model-control-mode", "explicit", "--load-model", "*",
-                                              "--server-name", args.server_name, "--log-level", args.log_level])
+                                              "--server-name", args.server_name, "--log-level", args.log_level,
+                                              *extra])
             services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
         upstreams = [f"127.0.0.1:{c.ports['grpc']}" for c in services]
         print("meshserve up: starting the gateway…", flush=True)
         gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
-                                    "--grpc-port", str(args.grpc_port), "--log-level", args.log_level,
+                                    "--grpc-port", str(gateway_grpc), "--log-level", args.log_level,
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]

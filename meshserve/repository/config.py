@@ -21,6 +21,7 @@ from meshserve.repository.names import NAME_RULE, is_valid_model_name
 from meshserve.repository.versions import available_versions, select_versions
 
 __all__ = [
+    "BACKEND_COMPLETERS",
     "BACKEND_TO_PLATFORM",
     "CONFIG_FILENAME",
     "ConfigError",
@@ -57,6 +58,12 @@ DEFAULT_MODEL_FILENAMES: dict[str, str] = {
     "tensorrt": "model.plan",
     "python": "model.py",
 }
+# backend -> a completer that fills a config from the model itself, run by ``autocomplete`` in the
+# process that registered it: the python service registers the one that runs a model.py's
+# ``auto_complete_config`` (services/python/autocomplete.py). Elsewhere (the gateway, check-repo)
+# a python model's config is taken as written.
+BackendCompleter = Callable[[mc.ModelConfig, Path], mc.ModelConfig]
+BACKEND_COMPLETERS: dict[str, BackendCompleter] = {}
 # Triton's --backend-config=onnxruntime,default-max-batch-size default.
 DEFAULT_MAX_BATCH_SIZE = 4
 # Triton's SEQUENCE_IDLE_DEFAULT_MICROSECONDS.
@@ -172,6 +179,7 @@ def autocomplete(config: mc.ModelConfig, model_dir: str | Path,
       dimension, plus ``dynamic_batching {}`` when it is > 1 and no batcher is set) and the
       missing entries (name, data_type, dims; the batch dimension left out when
       max_batch_size > 0). Listed entries get a missing ``data_type``/``dims`` from the graph.
+    - A backend with a registered completer (``BACKEND_COMPLETERS``: python) is completed by it.
 
     ``model_file`` is the ONNX file (or directory) to read; None looks for it in the model
     directory (highest version the policy selects). Returns a new message.
@@ -181,6 +189,9 @@ def autocomplete(config: mc.ModelConfig, model_dir: str | Path,
     if not out.name:
         out.name = model_dir.name
     _autocomplete_backend(out, model_dir)
+    completer = BACKEND_COMPLETERS.get(out.backend)
+    if completer is not None:
+        return completer(out, model_dir)
     if _is_onnx(out):
         path = model_file if model_file is not None else _find_model_file(out, model_dir)
         if path is not None:

@@ -36,8 +36,8 @@ __all__ = [
     "service_kind",
 ]
 
-SERVICE_KINDS: tuple[str, ...] = ("onnx", "torchscript", "tensorrt", "sequence", "ensemble")
-_KIND_BY_BACKEND = {"onnxruntime": "onnx", "pytorch": "torchscript", "tensorrt": "tensorrt"}
+SERVICE_KINDS: tuple[str, ...] = ("onnx", "torchscript", "tensorrt", "sequence", "python", "ensemble")
+_KIND_BY_BACKEND = {"onnxruntime": "onnx", "pytorch": "torchscript", "tensorrt": "tensorrt", "python": "python"}
 _SEQUENCE_BACKENDS = ("onnxruntime", "pytorch")
 
 
@@ -84,7 +84,8 @@ def service_kind(config: mc.ModelConfig) -> str | None:
 
     ``"ensemble"`` for platform ensemble (run by the gateway); ``"sequence"`` for ONNX and
     TorchScript models with ``sequence_batching``; else ``"onnx"``, ``"torchscript"`` or
-    ``"tensorrt"`` by backend. The python backend (and TensorRT with sequence batching) → None.
+    ``"tensorrt"`` by backend; ``"python"`` for Triton's python backend (``model.py``), without
+    sequence batching. Python or TensorRT models with sequence batching → None.
     """
     if config.platform == ENSEMBLE_PLATFORM:
         return "ensemble"
@@ -94,7 +95,8 @@ def service_kind(config: mc.ModelConfig) -> str | None:
     return _KIND_BY_BACKEND.get(backend)
 
 
-_KIND_BY_SUFFIX = {".onnx": "onnx", ".pt": "torchscript", ".pt2": "torchscript", ".plan": "tensorrt"}
+_KIND_BY_SUFFIX = {".onnx": "onnx", ".pt": "torchscript", ".pt2": "torchscript", ".plan": "tensorrt",
+                   ".py": "python"}
 
 
 def kind_from_files(file_names: Iterable[str], sequence: bool = False) -> str | None:
@@ -176,7 +178,7 @@ def _fill(entry: ModelEntry, override_json: str | None, gpu_available: bool) -> 
                     f"models only, not '{backend}'")
         else:
             problem("backend", f"'{backend}' is not served by meshserve "
-                    "(served: onnxruntime, pytorch, tensorrt, ensemble)")
+                    "(served: onnxruntime, pytorch, tensorrt, python, ensemble)")
 
     try:
         entry.versions = select_versions(config.version_policy, entry.available_versions)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,10 @@ log = logging.getLogger("meshserve.service")
 # never overwrites files a version still serving reads.
 OVERRIDES_DIR = ".meshserve-overrides"
 NOT_LOADED = "not loaded (explicit model control)"
+# Triton's answer to a unary inference call on a decoupled model: UNIMPLEMENTED / 501 with these
+# texts (measured against Triton 2.51: gRPC ModelInfer, HTTP /infer)
+DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+DECOUPLED_UNARY_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
 
 
 @dataclass
@@ -234,13 +239,40 @@ class ServiceCore:
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         mv = self._resolve(request.model_name, request.model_version)
+        if mv.decoupled:
+            raise InferError.unsupported(DECOUPLED_UNARY_HTTP if ctx.protocol == "http" else DECOUPLED_UNARY)
+        body = await mv.infer(request, self._deadline_ns(ctx), ctx.hop)
+        return InferResult(raw=body)
+
+    async def infer_stream(self, request: pb.ModelInferRequest, ctx: RequestContext
+                           ) -> AsyncIterator[tuple[InferResult | None, bool]]:
+        """Every response of one request, in order, the last with final=True (its response may be
+        None: Triton's empty final response). A model that is not decoupled gives exactly one
+        item, (result, True). Errors raise InferError."""
+        mv = self._resolve(request.model_name, request.model_version)
+        if not mv.decoupled:
+            body = await mv.infer(request, self._deadline_ns(ctx), ctx.hop)
+            yield InferResult(raw=body), True
+            return
+        # closed with this generator (a client that goes away cancels the request in the model),
+        # not whenever the garbage collector gets to it
+        async with contextlib.aclosing(mv.infer_stream(request, self._deadline_ns(ctx), ctx.hop)) as answers:
+            async for raw, final in answers:
+                yield (InferResult(raw=raw) if raw is not None else None), final
+
+    def is_decoupled(self, name: str, version: str) -> bool:
+        """Whether the model answers each request with zero or more responses (InferError
+        NOT_FOUND for an unknown model)."""
+        return self._resolve(name, version).decoupled
+
+    @staticmethod
+    def _deadline_ns(ctx: RequestContext) -> int | None:
         hop = ctx.hop
         deadline_ns = hop.deadline_ns  # a gateway's stream hop carries its deadline in the Hop
         if ctx.deadline is not None:
             transport = int(ctx.deadline * 1e9)  # time.monotonic() and monotonic_ns share a clock
             deadline_ns = transport if deadline_ns is None else min(deadline_ns, transport)
-        body = await mv.infer(request, deadline_ns, hop)
-        return InferResult(raw=body)
+        return deadline_ns
 
     def _all_versions(self) -> Iterator[ModelVersion]:
         for hosted in self.models.values():
@@ -438,5 +470,5 @@ def _metadata(config: mc.ModelConfig, versions: list[int]) -> pb.ModelMetadataRe
 
 def _looks_like(path: Path, kind: str) -> bool:
     """A model whose config failed to parse: guess its kind from the files so that its error shows."""
-    suffix = {"onnx": ".onnx", "torchscript": ".pt", "tensorrt": ".plan"}.get(kind)
+    suffix = {"onnx": ".onnx", "torchscript": ".pt", "tensorrt": ".plan", "python": ".py"}.get(kind)
     return bool(suffix) and any(path.glob(f"*/*{suffix}"))

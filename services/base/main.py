@@ -27,6 +27,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    py = ap.add_argument_group("python service")
+    py.add_argument("--bls-target", default="", metavar="HOST:PORT",
+                    help="python models' BLS calls (InferenceRequest.exec) go to this gRPC address: the gateway's "
+                         "(`meshserve up` passes it)")
+    py.add_argument("--python-execute-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="an execute() running longer gets its worker killed and restarted, its requests "
+                         "UNAVAILABLE (0 = no limit; a model's parameter execute_timeout_seconds overrides it)")
     add_server_name_argument(ap)
     server_limits.add_arguments(ap)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -56,6 +56,9 @@ class ModelVersion:
         self.outputs = self.tensors.outputs
         self.encoder = ResponseEncoder(self.tensors, self.version_str, model_dir)
         self.stats = ModelStats(self.name, version)
+        # model_transaction_policy { decoupled: true }: zero or more responses per request
+        # (infer_stream); only kinds that can run such models (python) load them
+        self.decoupled = config.model_transaction_policy.decoupled
         self._free = list(instances)
         self._instances = list(instances)
         self._pool = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"{self.name}-{version}")
@@ -91,6 +94,12 @@ class ModelVersion:
         queued = self._queued(request, pending, deadline_ns, hop, fut)
         self._enqueue(queued)
         return await self._result(queued, self._in_order(fut) if self._ordered else fut)
+
+    def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
+                     hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
+        """A decoupled model's responses to one request (kinds that serve decoupled models
+        override it; ServiceCore calls it only when ``decoupled`` is set)."""
+        raise InferError.unsupported(f"model '{self.name}': decoupled models are not served by this service")
 
     def _queued(self, request: pb.ModelInferRequest, pending: Pending, deadline_ns: int | None, hop: Hop,
                 fut: asyncio.Future[object]) -> QueuedRequest[Pending]:

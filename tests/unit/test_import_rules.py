@@ -65,7 +65,7 @@ def _module_level_imports(path: Path) -> set[str]:
 CLI = "meshserve/cli.py"
 CLI_ENTRY_POINTS = frozenset({
     "gateway.main", "services.base.main", "services.onnx.main", "services.torchscript.main",
-    "services.tensorrt.main", "services.sequence.main", "services.tensorrt.build", "load.cli", "load.tune",
+    "services.tensorrt.main", "services.sequence.main", "services.python.main", "services.tensorrt.build", "load.cli", "load.tune",
 })
 ENTRY_PACKAGES = ("gateway", "services", "load")
 
@@ -119,10 +119,11 @@ def test_scheduling_imports_only_the_standard_library_and_itself() -> None:
 
 
 # The service layer: the event loop, batching and the gRPC/HTTP front ends (services/base), and the
-# sequence service, a scheduler over the onnx and torchscript adapters (it has none of its own).
+# sequence service, a scheduler over the onnx and torchscript adapters (it has none of its own), and
+# the python service, whose models run in worker processes it talks to (asyncio, and grpc for BLS).
 # Every other module under services/ is a backend's adapter (its RuntimeAdapter, what that builds
 # on, its main): it loads a model file and runs one batch, synchronously, on the calling thread.
-SERVICE_LAYER = ("services/base/", "services/sequence/")
+SERVICE_LAYER = ("services/base/", "services/sequence/", "services/python/")
 BASE_INTERFACE = "services/base/runtime.py"  # the adapters' interface (RuntimeAdapter) is theirs
 
 

@@ -74,7 +74,8 @@ def test_available_versions_are_numeric_directories_only(tmp_path: Path) -> None
     ('backend: "onnxruntime" sequence_batching { }', "sequence"),
     ('platform: "pytorch_libtorch" sequence_batching { direct { } }', "sequence"),
     ('backend: "tensorrt" sequence_batching { }', None),
-    ('backend: "python"', None),
+    ('backend: "python"', "python"),
+    ('backend: "python" sequence_batching { }', None),
     ("", None),
 ])
 def test_service_kind(text: str, kind: str | None) -> None:
@@ -162,7 +163,8 @@ def test_scan_with_broken_models_next_to_good_ones(
     assert pipeline.ok and pipeline.kind == "ensemble" and pipeline.versions == [1]
 
     pre = entries["pre"]
-    assert pre.kind is None and pre.error is not None and "'python' is not served" in pre.error
+    assert pre.kind == "python" and pre.error is not None and "model file not found" in pre.error
+    assert str(repo / "pre" / "1" / "model.py") in pre.error
 
     pinned = entries["pinned"]
     assert pinned.error is not None and "version_policy.specific.versions[0]" in pinned.error
@@ -218,7 +220,8 @@ def test_scan_reports_every_validation_problem(write_model: ModelWriter) -> None
     ("{}", ["1/model.onnx"], "onnx"),  # no platform or backend: the model files say it
     ('{"sequence_batching": {}}', ["1/model.pt"], "sequence"),
     ("{}", ["1/model.plan", "2/model.onnx"], None),  # files of two kinds: unknown
-    ('{"backend": "python"}', ["1/model.py"], None),
+    ('{"backend": "python"}', ["1/model.py"], "python"),
+    ("{}", ["1/model.py"], "python"),
 ])
 def test_override_kind(config: str, files: list[str], kind: str | None) -> None:
     from meshserve.repository.layout import override_kind

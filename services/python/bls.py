@@ -1,0 +1,148 @@
+"""Business Logic Scripting in the worker: ``InferenceRequest.exec()`` runs the named model
+through the mesh, as a gRPC client of the gateway (``--bls-target``), so any model of any kind
+(python, onnx, torchscript, an ensemble) can be called, with the gateway's routing and limits.
+
+``exec()`` is one ModelInfer call; ``exec(decoupled=True)`` one ModelStreamInfer call whose
+responses arrive until the one marked ``triton_final_response`` (asked for with
+``triton_enable_empty_final_response``). Errors come back as the response's error, as in Triton.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import grpc_service_pb2_grpc as pb_grpc
+from services.python import pb_utils
+
+_MAX_MESSAGE = 256 * 1024 * 1024
+_GRPC_TO_TRITON = {
+    grpc.StatusCode.INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
+    grpc.StatusCode.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
+    grpc.StatusCode.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+    grpc.StatusCode.UNIMPLEMENTED: pb_utils.TritonError.UNSUPPORTED,
+    grpc.StatusCode.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
+    grpc.StatusCode.CANCELLED: pb_utils.TritonError.CANCELLED,
+}
+
+
+def to_proto(request: pb_utils.InferenceRequest, stream: bool = False) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name=request.model_name, id=request.request_id())
+    if request.model_version() > 0:
+        msg.model_version = str(request.model_version())
+    for t in request.inputs():
+        arr = t.as_numpy()
+        datatype = pb_utils.wire_datatype(arr)
+        msg.inputs.add(name=t.name(), datatype=datatype, shape=list(arr.shape))
+        data = pb_utils.serialize_byte_tensor(arr) if datatype == "BYTES" else np.ascontiguousarray(arr)
+        assert data is not None
+        msg.raw_input_contents.append(data.tobytes())
+    for name in request.requested_output_names():
+        msg.outputs.add(name=name)
+    params = json.loads(request.parameters() or "{}")
+    for key, value in params.items():
+        p = msg.parameters[key]
+        if isinstance(value, bool):
+            p.bool_param = value
+        elif isinstance(value, int):
+            p.int64_param = value
+        else:
+            p.string_param = str(value)
+    corrid = request.correlation_id()
+    if corrid:
+        if isinstance(corrid, str):
+            msg.parameters["sequence_id"].string_param = corrid
+        else:
+            msg.parameters["sequence_id"].int64_param = corrid
+        flags = request.flags()
+        msg.parameters["sequence_start"].bool_param = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+        msg.parameters["sequence_end"].bool_param = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+    if stream:
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+    return msg
+
+
+def from_proto(resp: pb.ModelInferResponse) -> pb_utils.InferenceResponse:
+    tensors = []
+    for i, out in enumerate(resp.outputs):
+        raw = resp.raw_output_contents[i] if i < len(resp.raw_output_contents) else b""
+        if out.datatype == "BYTES":
+            arr = pb_utils.deserialize_bytes_tensor(raw)
+        else:
+            arr = np.frombuffer(raw, dtype=pb_utils.wire_to_numpy(out.datatype)).copy()
+        tensors.append(pb_utils.Tensor(out.name, arr.reshape(list(out.shape))))
+    params = {k: getattr(v, v.WhichOneof("parameter_choice") or "string_param") for k, v in resp.parameters.items()}
+    return pb_utils.InferenceResponse(output_tensors=tensors, parameters=params)
+
+
+def _error(code: grpc.StatusCode | None, message: str, model: str = "") -> pb_utils.InferenceResponse:
+    """A failed call as Triton's BLS reports it: ``Model <m> - Error when running inference: …``."""
+    triton = _GRPC_TO_TRITON.get(code, pb_utils.TritonError.INTERNAL) if code else pb_utils.TritonError.INTERNAL
+    if model:
+        message = f"Model {model} - Error when running inference: {message}"
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton))
+
+
+class BlsClient:
+    """One gRPC channel from a worker to the gateway, shared by the model's BLS calls."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
+        self._lock = threading.Lock()
+
+    def _get_stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        with self._lock:
+            if self._stub is None:
+                channel = grpc.insecure_channel(self.target, options=[
+                    ("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+                self._stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            return self._stub
+
+    def infer(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        if not self.target:
+            return _error(grpc.StatusCode.UNAVAILABLE, "BLS is not available: the python service was started "
+                          "without --bls-target (`meshserve up` passes the gateway's address)")
+        timeout = request.timeout() / 1e6 if request.timeout() > 0 else None
+        try:
+            resp = self._get_stub().ModelInfer(to_proto(request), timeout=timeout)
+        except grpc.RpcError as exc:
+            return _error(exc.code(), exc.details() or str(exc), request.model_name)
+        return from_proto(resp)
+
+    def stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
+        if not self.target:
+            return iter([self.infer(request)])
+        done = threading.Event()
+        msg = to_proto(request, stream=True)
+
+        def requests() -> Iterator[pb.ModelInferRequest]:
+            yield msg
+            done.wait()  # keep the stream open until every response arrived
+
+        timeout = request.timeout() / 1e6 if request.timeout() > 0 else None
+        call = self._get_stub().ModelStreamInfer(requests(), timeout=timeout)
+
+        def items() -> Iterator[pb_utils.InferenceResponse]:
+            try:
+                for item in call:
+                    if item.error_message:
+                        yield _error(None, item.error_message, request.model_name)
+                        return
+                    resp = item.infer_response
+                    final = resp.parameters.get("triton_final_response")
+                    yield from_proto(resp)  # Triton's iterator yields the empty final response too
+                    if final is None or final.bool_param:
+                        return  # a server without the final flag answers once
+            except grpc.RpcError as exc:
+                yield _error(exc.code(), exc.details() or str(exc), request.model_name)
+
+        def close() -> None:
+            done.set()
+            call.cancel()
+
+        return pb_utils.response_iterator(items(), close)

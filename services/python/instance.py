@@ -1,0 +1,346 @@
+"""The service's side of one model instance: its worker process (services/python/worker.py),
+the batches it runs, and what happens when it dies or hangs.
+
+A reader thread per worker takes the worker's messages off the socket, turns a finished batch's
+outputs (in the worker's shared-memory region) into serialized responses off the event loop,
+and settles the batch's future on the loop. When the worker exits (killed, crashed) or an
+``execute()`` outlives the model's timeout (the worker is then killed), the batches and streams
+in flight fail with UNAVAILABLE naming the instance and the reason, and the model version
+restarts the worker with backoff (services/python/model.py); other instances and models go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import Code, InferError
+from services.base.runtime import RuntimeLoadError
+from services.base.validation import Pending
+from services.python.ipc import SHM_DIR, RegionReader, RegionWriter, TensorRef, aligned, unlink
+
+log = logging.getLogger("meshserve.python")
+
+_ROOT = str(Path(__file__).resolve().parents[2])  # the worker imports services.python from here
+# request parameters that are protocol, not the model's: Triton leaves its own out of parameters()
+_HIDDEN_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                      "triton_enable_empty_final_response", "binary_data_output")
+SEQUENCE_START, SEQUENCE_END = 1, 2
+StreamSink = Callable[["tuple[bytes | None, bool] | InferError"], None]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker is started with."""
+
+    model_py: Path
+    args: dict[str, str]  # Triton's initialize(args)
+    instance: str  # Triton's instance name: <group>_<index in group>
+    model: str
+    version: str
+    decoupled: bool
+    bls_target: str
+    execute_timeout_s: float  # 0 = none
+    load_timeout_s: float
+    log_level: str = "INFO"
+
+
+def _status(code: int) -> str:
+    return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _parameters(request: pb.ModelInferRequest) -> tuple[str, int | str, int]:
+    """(parameters() JSON, correlation id, sequence flags) of a request as the model sees them."""
+    params: dict[str, object] = {}
+    for key, p in request.parameters.items():
+        if key.startswith("meshserve_") or key in _HIDDEN_PARAMETERS:
+            continue
+        which = p.WhichOneof("parameter_choice")
+        if which is not None:
+            params[key] = getattr(p, which)
+    corrid: int | str = 0
+    flags = 0
+    if "sequence_id" in request.parameters:
+        sid = request.parameters["sequence_id"]
+        corrid = sid.string_param if sid.WhichOneof("parameter_choice") == "string_param" else sid.int64_param
+        if request.parameters["sequence_start"].bool_param if "sequence_start" in request.parameters else False:
+            flags |= SEQUENCE_START
+        if request.parameters["sequence_end"].bool_param if "sequence_end" in request.parameters else False:
+            flags |= SEQUENCE_END
+    return json.dumps(params, separators=(",", ":")), corrid, flags  # compact, as Triton writes it
+
+
+class ModelWorker:
+    """One model instance's worker process, seen from the service."""
+
+    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop):
+        self.spec = spec
+        self.loop = loop
+        self.prefix = f"meshserve-py-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.alive = False
+        self.reason = ""  # why it is down
+        self.failures = 0  # consecutive deaths (restart backoff)
+        self.on_death: Callable[[ModelWorker], None] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._inputs = RegionWriter(f"{self.prefix}-in")
+        self._outputs = RegionReader()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending]]] = {}
+        self._streams: dict[int, StreamSink] = {}
+        self._stopping = False
+        self._send_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.spec.instance
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- lifecycle (start/stop block: call them off the event loop) ----------------------
+    def start(self) -> None:
+        """Start the worker and wait for the model's initialize(); RuntimeLoadError if it fails."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "services.python.worker", str(theirs.fileno())],
+                                          pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)  # signals to our group are ours alone
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        self._conn = conn
+        self._stopping = False
+        conn.send(("init", {"model_py": str(self.spec.model_py), "args": self.spec.args, "instance": self.name,
+                            "decoupled": self.spec.decoupled, "bls_target": self.spec.bls_target,
+                            "output_prefix": f"{self.prefix}-out", "log_level": self.spec.log_level}))
+        try:
+            if not conn.poll(self.spec.load_timeout_s):
+                raise RuntimeLoadError(f"model '{self.spec.model}': instance '{self.name}' did not initialize "
+                                       f"within {self.spec.load_timeout_s:g} s")
+            msg = conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.wait()
+            raise RuntimeLoadError(f"model '{self.spec.model}': the worker of instance '{self.name}' "
+                                   f"{_status(code)} while loading") from None
+        except RuntimeLoadError:
+            self._kill()
+            raise
+        if msg[0] == "init_error":
+            self._kill()
+            raise RuntimeLoadError(f"model '{self.spec.model}': initialize() of instance '{self.name}' failed: "
+                                   f"{msg[1]}")
+        self.alive, self.reason = True, ""
+        threading.Thread(target=self._read, args=(conn, self._proc), name=f"{self.name}-reader",
+                         daemon=True).start()
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def close(self) -> None:
+        """Stop the worker (finalize() runs), kill it if it does not exit within 5 s."""
+        self._stopping = True
+        self.alive = False
+        if self._conn is not None:
+            try:
+                self._send(("stop",))
+            except OSError:
+                pass
+        if self._proc is not None:
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        self._cleanup_regions()
+
+    def _cleanup_regions(self) -> None:
+        self._inputs.close()
+        self._outputs.close()
+        for leftover in SHM_DIR.glob(f"{self.prefix}-*"):  # a killed worker's output regions
+            unlink(leftover.name)
+
+    def kill(self, reason: str) -> None:
+        """Kill a worker that misbehaves (a hung execute); the reader reports it as dead."""
+        self.reason = reason
+        self.alive = False
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+
+    def down_message(self) -> str:
+        """Triton's text for a dead stub, with why and what happens next."""
+        return f"Stub process '{self.name}' is not healthy ({self.reason or 'not started'})."
+
+    # ---- batches (event loop) ----------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        assert self._conn is not None
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def cancel(self, key: int) -> None:
+        if self.alive:
+            try:
+                self._send(("cancel", key))
+            except OSError:
+                pass
+
+    async def execute(self, payloads: Sequence[Pending], keys: Sequence[int],
+                      sinks: Sequence[StreamSink] = ()) -> tuple[list[bytes | InferError] | None, int]:
+        """Run one batch: every request's serialized response or error (None for a decoupled
+        model, whose responses go to ``sinks``), and the ns execute() took in the worker."""
+        if not self.alive:
+            raise InferError.unavailable(self.down_message())
+        total = sum(aligned(len(item.data)) for p in payloads for item in p.inputs.values())
+        region = self._inputs.ensure(total) if total else None
+        metas = []
+        offset = 0
+        for p, key in zip(payloads, keys, strict=True):
+            refs = []
+            for name, item in p.inputs.items():
+                assert region is not None
+                region.write(offset, item.data)
+                refs.append(TensorRef(name, item.spec.datatype, item.shape, offset, len(item.data)))
+                offset += aligned(len(item.data))
+            params, corrid, flags = _parameters(p.request)
+            wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
+            metas.append((key, p.request.id, corrid, flags, params, wanted, refs))
+        for key, sink in zip(keys, sinks, strict=False):
+            self._streams[key] = sink
+        batch_id = next(self._ids)
+        fut: asyncio.Future[object] = self.loop.create_future()
+        self._pending[batch_id] = (fut, payloads)
+        try:
+            self._send(("exec", batch_id, region.name if region else "", region.size if region else 0, metas))
+        except OSError:
+            self._pending.pop(batch_id, None)
+            raise InferError.unavailable(self.down_message()) from None
+        timeout = self.spec.execute_timeout_s or None
+        try:
+            result = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            self._pending.pop(batch_id, None)
+            self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
+            raise InferError.unavailable(self.down_message()) from None
+        self.failures = 0
+        return result  # type: ignore[return-value]
+
+    # ---- the reader thread ---------------------------------------------------------------
+    def _read(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._dispatch(msg)
+            except Exception:
+                log.exception("instance '%s': bad message from the worker", self.name)
+        code = proc.wait()
+        conn.close()
+        try:
+            self.loop.call_soon_threadsafe(self._died, _status(code))
+        except RuntimeError:
+            pass  # the service's loop is closed: it is shutting down
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "resp":
+            _, key, err, outs, flags = msg
+            final = bool(flags & 1)
+            sink = self._streams.pop(key, None) if final else self._streams.get(key)
+            if sink is not None:
+                item = self._stream_item(err, outs, final)
+                self.loop.call_soon_threadsafe(sink, item)
+            return
+        entry = self._pending.pop(msg[1], None)
+        if entry is None:
+            return  # a batch that already timed out
+        fut, payloads = entry
+        value: object
+        if kind == "done":
+            _, _, region_name, region_size, results, elapsed_ns = msg
+            value = (None if results is None else self._encode(payloads, region_name, region_size, results),
+                     elapsed_ns)
+        else:  # "failed": execute() raised
+            # Triton 2.51's stub text (it names the instance "model")
+            value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
+        self.loop.call_soon_threadsafe(_settle, fut, value)
+
+    def _encode(self, payloads: Sequence[Pending], region_name: str, region_size: int,
+                results: list) -> list[bytes | InferError]:
+        region = self._outputs.get(region_name, region_size) if region_name else None
+        out: list[bytes | InferError] = []
+        for p, (err, refs) in zip(payloads, results, strict=True):
+            if err is not None:
+                out.append(InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1]))
+                continue
+            resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version, id=p.request.id)
+            for ref in refs:
+                assert region is not None
+                resp.outputs.add(name=ref.name, datatype=ref.datatype, shape=ref.shape)
+                resp.raw_output_contents.append(bytes(region.view(ref.offset, ref.nbytes)))
+            out.append(resp.SerializeToString())
+        return out
+
+    def _stream_item(self, err: tuple[str, str] | None, outs: list, final: bool) -> tuple[bytes | None, bool] | InferError:
+        if err is not None:
+            return InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1])
+        if not outs and final:
+            return None, True  # Triton's empty final response
+        resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version)
+        for name, datatype, shape, data in outs:
+            resp.outputs.add(name=name, datatype=datatype, shape=shape)
+            resp.raw_output_contents.append(data)
+        return resp.SerializeToString(), final
+
+    def _died(self, status: str) -> None:
+        """The worker process ended (event loop)."""
+        self.alive = False
+        if self._stopping:
+            return
+        self.reason = self.reason or status
+        if self.reason != status:
+            self.reason = f"{self.reason} ({status})"
+        log.error("model instance '%s' is down: %s", self.name, self.reason)
+        err = InferError.unavailable(self.down_message())
+        for fut, _ in self._pending.values():
+            _settle(fut, err)
+        self._pending.clear()
+        for sink in self._streams.values():
+            sink(err)
+        self._streams.clear()
+        self._cleanup_regions()
+        self.failures += 1
+        if self.on_death is not None:
+            self.on_death(self)
+
+    def restart_delay(self) -> float:
+        """Backoff before the next start: 0.5 s doubling per consecutive death, at most 30 s."""
+        return min(30.0, 0.5 * 2 ** max(0, self.failures - 1))
+
+
+def _settle(fut: asyncio.Future[object], value: object) -> None:
+    if fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+

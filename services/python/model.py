@@ -1,0 +1,181 @@
+"""A loaded python-backend model version: the dynamic batcher of services/base in front of one
+worker process per instance.
+
+A batch is handed to ``execute()`` as Triton's python backend does: a list with one
+InferenceRequest per client request (nothing concatenated). A decoupled model's responses stream
+back through ``infer_stream``; a unary call on it gets Triton's error.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol.errors import InferError
+from meshserve.server.core import NO_HOP, Hop
+from meshserve.telemetry import tracing
+from services.base.model import ModelVersion
+from services.base.scheduling.request import QueuedRequest
+from services.base.validation import Pending
+from services.python.instance import ModelWorker, StreamSink
+
+log = logging.getLogger("meshserve.python")
+
+
+class PythonModelVersion(ModelVersion):
+    """A python model version; its instances are ModelWorkers (one process each)."""
+
+    def __init__(self, config: mc.ModelConfig, version: int, model_dir: Path, workers: list[ModelWorker]):
+        super().__init__(config, version, model_dir, list(workers), "python")  # type: ignore[arg-type]
+        self.workers = workers
+        self._sinks: dict[int, StreamSink] = {}
+        self._restarts: set[asyncio.Task[None]] = set()
+        self._closing = False
+        for w in workers:
+            w.on_death = self._on_death
+
+    # ---- decoupled -------------------------------------------------------------------
+    async def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
+                           hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
+        """Every response of one request to a decoupled model, in order; the last is final."""
+        try:
+            pending = self.prepare(request, hop)
+        except InferError:
+            self.stats.record_failure(0, "OTHER")
+            raise
+        if tracing.enabled:
+            pending.spans = tracing.request_spans()
+        answers: asyncio.Queue[tuple[bytes | None, bool] | InferError] = asyncio.Queue()
+        key = id(pending)
+        self._sinks[key] = answers.put_nowait
+        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        queued = self._queued(request, pending, deadline_ns, hop, fut)
+        final = False
+        outcome: asyncio.Task[bytes] | None = None
+        try:
+            self._enqueue(queued)
+            outcome = asyncio.ensure_future(self._result(queued, fut))
+            outcome.add_done_callback(lambda t: _forward_error(t, answers))
+            while True:
+                item = await answers.get()
+                if isinstance(item, InferError):
+                    raise item
+                final = item[1]
+                yield item
+                if final:
+                    return
+        finally:
+            self._sinks.pop(key, None)
+            if not final:
+                fut.cancel()  # still queued: leaves the queue; running: the model sees is_cancelled()
+                for w in self.workers:
+                    w.cancel(key)
+            if outcome is not None and not outcome.done():
+                outcome.cancel()
+                with contextlib.suppress(BaseException):
+                    await outcome
+
+    # ---- batches -----------------------------------------------------------------------
+    def _take(self) -> ModelWorker:
+        """A free instance, a live one first (a dead one fails its batch at once, naming why)."""
+        free = self._free
+        for i in range(len(free) - 1, -1, -1):
+            w = free[i]
+            if isinstance(w, ModelWorker) and w.alive:
+                return free.pop(i)  # type: ignore[return-value]
+        return free.pop()  # type: ignore[return-value]
+
+    async def _execute(self, batch: list[QueuedRequest[Pending]]) -> None:
+        worker = self._take()
+        start_ns = time.monotonic_ns()
+        keys = [id(q.payload) for q in batch]
+        sinks = [self._sinks[k] for k in keys if k in self._sinks] if self.decoupled else []
+        out: list[bytes | InferError] | None = None
+        failure: InferError | None = None
+        infer_ns = 0
+        try:
+            out, infer_ns = await worker.execute([q.payload for q in batch], keys, sinks)
+        except InferError as exc:
+            failure = exc
+        except Exception as exc:
+            failure = self._failure(exc)
+        finally:
+            self._free.append(worker)  # type: ignore[arg-type]
+        end_ns = time.monotonic_ns()
+        self.batcher.release(batch)
+        await asyncio.sleep(0)
+        stats = self.stats
+        if failure is not None:
+            for q in batch:
+                stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
+                if not q.future.done():
+                    q.future.set_exception(failure)
+            return
+        stats.record_batch(sum(q.rows for q in batch), sum(q.payload.requests for q in batch), 0, infer_ns, 0)
+        for i, q in enumerate(batch):
+            body = out[i] if out is not None else None
+            if isinstance(body, InferError):
+                stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
+                if not q.future.done():
+                    q.future.set_exception(body)
+                continue
+            stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
+            if not q.future.done():
+                q.future.set_result(body)
+
+    # ---- restarts ----------------------------------------------------------------------
+    def _on_death(self, worker: ModelWorker) -> None:
+        if self._closing:
+            return
+        task = asyncio.ensure_future(self._restart(worker))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, worker: ModelWorker) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            delay = worker.restart_delay()
+            log.warning("restarting model instance '%s' in %.1f s", worker.name, delay)
+            worker.reason = f"{worker.reason}; restarting in {delay:g} s"
+            await asyncio.sleep(delay)
+            if self._closing:
+                return
+            try:
+                await loop.run_in_executor(None, worker.start)
+            except Exception as exc:
+                worker.failures += 1
+                worker.reason = f"restart failed: {exc}"
+                log.error("model instance '%s' did not restart: %s", worker.name, exc)
+                continue
+            log.info("model instance '%s' restarted (pid %s)", worker.name, worker.pid)
+            return
+
+    def stop_restarts(self) -> None:
+        self._closing = True
+        for task in list(self._restarts):
+            task.cancel()
+
+    async def close(self, drain: bool = True) -> None:
+        self.ready = False
+        await self.scheduler.stop(drain=drain)
+        self.stop_restarts()
+        self._pool.shutdown(wait=False)
+        await asyncio.get_running_loop().run_in_executor(None, self._close_workers)
+
+    def _close_workers(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+def _forward_error(task: asyncio.Task[bytes], answers: asyncio.Queue[tuple[bytes | None, bool] | InferError]) -> None:
+    """A request's batch failed (execute() raised, its worker died): the stream ends with that error."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        answers.put_nowait(exc if isinstance(exc, InferError) else InferError.internal(str(exc)))

@@ -1,0 +1,311 @@
+"""The model worker: one process per model instance, as Triton's python backend runs one stub
+process per instance.
+
+Started by the service (services/python/instance.py) as ``python -m services.python.worker FD``
+with one end of a socket pair. It loads ``model.py`` (``TritonPythonModel``) with Triton's
+``initialize(args)``, then runs ``execute(requests)`` for each batch the service sends: input
+tensors are numpy views of the service's shared-memory region, outputs are written into the
+worker's own region (services/python/ipc.py); only names, shapes and offsets travel on the
+socket. A decoupled model's responses (its response sender, from any thread) travel on the socket
+with their bytes. ``finalize()`` runs when the service stops the worker or goes away.
+
+``python -m services.python.worker --autocomplete MODEL.py`` reads a JSON ModelConfig on stdin,
+runs the model's ``auto_complete_config`` on it and prints the result (services/python/autocomplete.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from services.python import pb_utils
+from services.python.ipc import RegionReader, RegionWriter, TensorRef, aligned
+
+log = logging.getLogger("meshserve.python.worker")
+
+# (key, request_id, correlation_id, flags, parameters JSON, requested output names, inputs)
+RequestMeta = tuple[int, str, "int | str", int, str, list[str], list[TensorRef]]
+# a response: (error (code name, message) or None, outputs)
+ResponseMeta = tuple["tuple[str, str] | None", list[TensorRef]]
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as Triton's stub reports it: type, message and the frames (innermost first)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
+    text = exc.message() if isinstance(exc, pb_utils.TritonModelException) else str(exc)
+    return f"{type(exc).__name__}: {text}" + (f"\n\nAt:\n{where}" if where else "")
+
+
+def load_model_module(model_py: Path, name: str) -> ModuleType:
+    """Import a model.py by path (its directory first on sys.path, as Triton's stub does)."""
+    sys.modules["triton_python_backend_utils"] = pb_utils
+    spec = importlib.util.spec_from_file_location(f"meshserve_python_model_{name}", model_py)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {model_py}")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(model_py.parent))
+    spec.loader.exec_module(module)
+    if not hasattr(module, "TritonPythonModel"):
+        raise AttributeError(f"{model_py} defines no class TritonPythonModel")
+    return module
+
+
+class Worker:
+    """The worker side of one model instance (implements pb_utils.WorkerRuntime)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._inbox: queue.Queue[tuple | None] = queue.Queue()
+        self._cancelled: set[int] = set()
+        self._inputs = RegionReader()
+        self._outputs: RegionWriter | None = None
+        self.model: Any = None
+        self.decoupled = False
+        self.instance = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bls: Any = None
+        self._bls_target = ""
+
+    def send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def run(self) -> None:
+        msg = self.conn.recv()
+        opts = msg[1]
+        try:
+            self._load(opts)
+        except BaseException as exc:  # the model's own code: anything can come out of it
+            self.send(("init_error", describe(exc)))
+            return
+        self.send(("ready", os.getpid()))
+        threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
+        try:
+            while True:
+                item = self._inbox.get()
+                if item is None or item[0] == "stop":
+                    break
+                self._execute(item)
+        finally:
+            self._finalize()
+
+    def _load(self, opts: dict) -> None:
+        self.instance = opts["instance"]
+        self.decoupled = opts["decoupled"]
+        self._bls_target = opts.get("bls_target") or ""
+        self._outputs = RegionWriter(opts["output_prefix"])
+        logging.basicConfig(level=opts.get("log_level", "INFO"),
+                            format=f"%(asctime)s %(levelname)s [{self.instance}] %(name)s: %(message)s")
+        pb_utils._install(self)
+        module = load_model_module(Path(opts["model_py"]), opts["args"]["model_name"])
+        self.model = module.TritonPythonModel()
+        init = getattr(self.model, "initialize", None)
+        if init is not None:
+            self._maybe_await(init(dict(opts["args"])))
+
+    def _finalize(self) -> None:
+        fin = getattr(self.model, "finalize", None)
+        if fin is not None:
+            try:
+                self._maybe_await(fin())
+            except Exception:
+                log.exception("finalize() of %s raised", self.instance)
+        self._inputs.close()
+        if self._outputs is not None:
+            self._outputs.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self._inbox.put(None)  # the service is gone: finalize and exit
+                return
+            if msg[0] == "cancel":
+                self._cancelled.add(msg[1])
+            else:
+                self._inbox.put(msg)
+
+    def _maybe_await(self, value: Any) -> Any:
+        """Run a coroutine (``async def execute``/``initialize``) to completion on the worker's loop."""
+        if not asyncio.iscoroutine(value):
+            return value
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(value)
+
+    # ---- execute -----------------------------------------------------------------------
+    def _requests(self, region_name: str, region_size: int, metas: list[RequestMeta]) -> list[pb_utils.InferenceRequest]:
+        region = self._inputs.get(region_name, region_size) if region_name else None
+        out = []
+        for key, request_id, corrid, flags, params, wanted, refs in metas:
+            tensors = []
+            for ref in refs:
+                assert region is not None
+                if ref.datatype == "BYTES":
+                    arr = pb_utils.deserialize_bytes_tensor(region.view(ref.offset, ref.nbytes)).reshape(ref.shape)
+                else:
+                    dtype = np.dtype(pb_utils.wire_to_numpy(ref.datatype))
+                    arr = np.frombuffer(region.map, dtype=dtype, count=ref.nbytes // dtype.itemsize,
+                                        offset=ref.offset).reshape(ref.shape)
+                    if self.decoupled:
+                        arr = arr.copy()  # its responses may be sent after execute() returns
+                tensors.append(pb_utils.Tensor(ref.name, arr))
+            req = pb_utils.InferenceRequest(inputs=tensors, request_id=request_id, correlation_id=corrid, flags=flags,
+                                            parameters=params)
+            req._requested = set(wanted)  # as Triton's stub gives it: a set, every output when none were named
+            req._key = key
+            req._decoupled = self.decoupled
+            out.append(req)
+        return out
+
+    def _execute(self, msg: tuple) -> None:
+        _, batch_id, region_name, region_size, metas = msg
+        t0 = time.perf_counter_ns()
+        try:
+            requests = self._requests(region_name, region_size, metas)
+            responses = self._maybe_await(self.model.execute(requests))
+            if self.decoupled:
+                if responses is not None:
+                    raise pb_utils.TritonModelException(
+                        "the execute() of a decoupled model must return None (its responses go through "
+                        "the response sender)")
+                self.send(("done", batch_id, "", 0, None, time.perf_counter_ns() - t0))
+                return
+            region_name, size, results = self._pack(requests, responses)
+        except BaseException as exc:
+            self.send(("failed", batch_id, describe(exc)))
+            return
+        finally:
+            for m in metas:
+                self._cancelled.discard(m[0])
+        self.send(("done", batch_id, region_name, size, results, time.perf_counter_ns() - t0))
+
+    def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any
+              ) -> tuple[str, int, list[ResponseMeta]]:
+        """Write the responses' outputs into the output region; their metadata for the service."""
+        if not isinstance(responses, list):
+            raise pb_utils.TritonModelException(f"Expected a list in the execute return, got {type(responses).__name__}")
+        if len(responses) != len(requests):
+            raise pb_utils.TritonModelException(
+                f"Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+                f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(responses)}")
+        staged: list[tuple[tuple[str, str] | None, list[tuple[str, str, tuple[int, ...], Any]]]] = []
+        total = 0
+        for req, resp in zip(requests, responses, strict=True):
+            if not isinstance(resp, pb_utils.InferenceResponse):
+                raise pb_utils.TritonModelException(
+                    f"Expected an InferenceResponse object in the execute function return list, found "
+                    f"type '{type(resp).__name__}'")
+            err = resp.error()
+            if err is not None:
+                staged.append(((pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), []))
+                continue
+            wanted = req.requested_output_names()
+            outs = []
+            for t in resp.output_tensors():
+                if t.name() not in wanted:
+                    continue
+                arr, datatype, data = tensor_bytes(t)
+                outs.append((t.name(), datatype, tuple(arr.shape), data))
+                total += aligned(data.nbytes)
+            staged.append((None, outs))
+        assert self._outputs is not None
+        region = self._outputs.ensure(total) if total else None
+        offset = 0
+        results: list[ResponseMeta] = []
+        for err_pair, outs in staged:
+            refs = []
+            for name, datatype, shape, data in outs:
+                assert region is not None
+                region.write(offset, data)
+                refs.append(TensorRef(name, datatype, shape, offset, data.nbytes))
+                offset += aligned(data.nbytes)
+            results.append((err_pair, refs))
+        return (region.name, region.size, results) if region is not None else ("", 0, results)
+
+    # ---- pb_utils.WorkerRuntime ----------------------------------------------------------
+    def send_response(self, key: int, response: pb_utils.InferenceResponse | None, flags: int) -> None:
+        if response is None:
+            self.send(("resp", key, None, [], flags))
+            return
+        err = response.error()
+        if err is not None:
+            self.send(("resp", key, (pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), [], flags))
+            return
+        outs = []
+        for t in response.output_tensors():
+            arr, datatype, data = tensor_bytes(t)
+            outs.append((t.name(), datatype, tuple(arr.shape), data.tobytes()))
+        self.send(("resp", key, None, outs, flags))
+
+    def is_cancelled(self, key: int) -> bool:
+        return key in self._cancelled
+
+    def bls_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        if self._bls is None:
+            from services.python.bls import BlsClient  # grpc only once a model makes a BLS call
+            self._bls = BlsClient(self._bls_target)
+        return self._bls.stream(request) if decoupled else self._bls.infer(request)
+
+
+def tensor_bytes(t: pb_utils.Tensor) -> tuple[np.ndarray, str, np.ndarray]:
+    """A tensor's array, v2 datatype and bytes (a uint8 or contiguous array) for the wire."""
+    arr = t.as_numpy()
+    datatype = pb_utils.wire_datatype(arr)
+    if datatype == "BYTES":
+        data = pb_utils.serialize_byte_tensor(arr)
+        assert data is not None
+        return arr, datatype, data
+    return arr, datatype, np.ascontiguousarray(arr)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def autocomplete_main(model_py: str) -> None:
+    """Print the model's auto_complete_config result for the JSON config on stdin."""
+    config = pb_utils.ModelConfig(sys.stdin.read())
+    module = load_model_module(Path(model_py), "autocomplete")
+    fn = getattr(module.TritonPythonModel, "auto_complete_config", None)
+    if fn is not None:
+        result = fn(config)
+        if not isinstance(result, pb_utils.ModelConfig):
+            raise SystemExit("auto_complete_config must return the ModelConfig object it was given")
+        config = result
+    sys.stdout.write(json.dumps(config.as_dict()))
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--autocomplete":
+        autocomplete_main(argv[1])
+        return
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the service stops us
+    Worker(Connection(int(argv[0]))).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

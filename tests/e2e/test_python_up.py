@@ -1,0 +1,71 @@
+"""`meshserve up` on a repository with python models next to an ONNX one: it starts the python
+service with the gateway's gRPC address (also when the gateway's port is picked at start), so a
+python model's BLS call reaches the ONNX model through the gateway; Ctrl-C stops the workers too."""
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from meshserve import examples
+from tests.conftest import ROOT
+from tests.e2e.test_up import read_banner
+from tests.models import python_models as pm
+
+
+def _workers(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "services.python.worker"], capture_output=True, text=True).stdout
+    mine = []
+    for p in out.split():
+        try:
+            ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            grand = int(Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if grand == pid:  # up -> python service -> worker
+            mine.append(int(p))
+    return mine
+
+
+def test_up_runs_python_models_and_their_bls_calls(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(ROOT / "examples" / "model_repository" / "add_sub", repo / "add_sub")
+    examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
+    pm.write(repo, "bls_sync", pm.BLS_SYNC, pm.config("bls_sync", [*pm.PAIR_IN, ("MODEL_NAME", "TYPE_STRING", "1")],
+                                                      pm.PAIR_OUT))
+    workers: list[int] = []
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--http-port", "0",
+                             "--grpc-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = read_banner(proc, 120)
+        assert "starting the python service" in banner
+        port = re.search(r"gRPC\s+localhost:(\d+)", banner)
+        assert port is not None, banner
+        workers = _workers(proc.pid)
+        assert workers, "the python service runs its model in a worker process"
+        x = np.arange(16, dtype=np.float32)
+        ins = [grpcclient.InferInput(n, [16], "FP32") for n in ("INPUT0", "INPUT1")]
+        ins.append(grpcclient.InferInput("MODEL_NAME", [1], "BYTES"))
+        ins[0].set_data_from_numpy(x)
+        ins[1].set_data_from_numpy(x * 2)
+        ins[2].set_data_from_numpy(np.array([b"add_sub"], dtype=np.object_))
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port.group(1)}") as c:
+            res = c.infer("bls_sync", ins)
+        np.testing.assert_allclose(res.as_numpy("OUTPUT0"), x * 3)
+        np.testing.assert_allclose(res.as_numpy("OUTPUT1"), -x)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert [w for w in workers if Path(f"/proc/{w}").exists()] == []  # finalize()d and gone

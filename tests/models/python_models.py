@@ -1,0 +1,396 @@
+"""Python-backend test models (model.py + config.pbtxt), written the way Triton's python_backend
+examples write them: add_sub, BLS (sync and async) calling another model, three faulty models
+(raises / kills its worker / hangs), the decoupled repeat_int32 and square_int32, a model
+configured only by ``auto_complete_config``, and the pre/post-processing steps of an ensemble.
+
+    python -m tests.models.python_models OUT_DIR
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+WIDTH = 16
+
+ADD_SUB = '''
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = model_config = json.loads(args["model_config"])
+        output0_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT0")
+        output1_config = pb_utils.get_output_config_by_name(model_config, "OUTPUT1")
+        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config["data_type"])
+        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config["data_type"])
+        self.instance = args["model_instance_name"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            in_0 = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            in_1 = pb_utils.get_input_tensor_by_name(request, "INPUT1")
+            out_0 = in_0.as_numpy() + in_1.as_numpy()
+            out_1 = in_0.as_numpy() - in_1.as_numpy()
+            out_tensor_0 = pb_utils.Tensor("OUTPUT0", out_0.astype(self.output0_dtype))
+            out_tensor_1 = pb_utils.Tensor("OUTPUT1", out_1.astype(self.output1_dtype))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out_tensor_0, out_tensor_1]))
+        return responses
+
+    def finalize(self):
+        print("Cleaning up...")
+'''
+
+# How many requests each execute() got, per call: shows the dynamic batcher's lists.
+BATCH_PROBE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            params = request.parameters()
+            count = np.full(x.shape, len(requests), dtype=np.int32)
+            info = np.array([params.encode()] * x.shape[0], dtype=np.object_).reshape(x.shape[0], 1)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("COUNT", count),
+                                                         pb_utils.Tensor("PARAMS", info)]))
+        return responses
+'''
+
+BLS_SYNC = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0].decode()
+            # the called model batches ([-1, 16]); this one does not ([16])
+            inputs = [pb_utils.Tensor(n, pb_utils.get_input_tensor_by_name(request, n).as_numpy().reshape(1, -1))
+                      for n in ("INPUT0", "INPUT1")]
+            infer_request = pb_utils.InferenceRequest(
+                model_name=model_name, requested_output_names=["OUTPUT0", "OUTPUT1"], inputs=inputs)
+            infer_response = infer_request.exec()
+            if infer_response.has_error():
+                raise pb_utils.TritonModelException(infer_response.error().message())
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(n, pb_utils.get_output_tensor_by_name(infer_response, n).as_numpy().reshape(-1))
+                for n in ("OUTPUT0", "OUTPUT1")]))
+        return responses
+'''
+
+BLS_ASYNC = '''
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0].decode()
+            # the called model batches ([-1, 16]); this one does not ([16])
+            inputs = [pb_utils.Tensor(n, pb_utils.get_input_tensor_by_name(request, n).as_numpy().reshape(1, -1))
+                      for n in ("INPUT0", "INPUT1")]
+            # two calls in flight at once: OUTPUT0 from the first, OUTPUT1 from the second
+            awaits = [pb_utils.InferenceRequest(model_name=model_name, requested_output_names=[name],
+                                                inputs=inputs).async_exec()
+                      for name in ("OUTPUT0", "OUTPUT1")]
+            first, second = await asyncio.gather(*awaits)
+            for r in (first, second):
+                if r.has_error():
+                    raise pb_utils.TritonModelException(r.error().message())
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_output_tensor_by_name(first, "OUTPUT0").as_numpy().reshape(-1)),
+                pb_utils.Tensor("OUTPUT1", pb_utils.get_output_tensor_by_name(second, "OUTPUT1").as_numpy().reshape(-1))]))
+        return responses
+'''
+
+# exec(decoupled=True) on square_int32: the responses of a decoupled model, summed
+BLS_DECOUPLED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = pb_utils.get_input_tensor_by_name(request, "IN")
+            infer_request = pb_utils.InferenceRequest(model_name="square_int32", requested_output_names=["OUT"],
+                                                      inputs=[n])
+            total, count = 0, 0
+            for r in infer_request.exec(decoupled=True):
+                if r.has_error():
+                    raise pb_utils.TritonModelException(r.error().message())
+                if len(r.output_tensors()) > 0:
+                    total += int(pb_utils.get_output_tensor_by_name(r, "OUT").as_numpy()[0])
+                    count += 1
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SUM", np.array([total], dtype=np.int32)),
+                pb_utils.Tensor("COUNT", np.array([count], dtype=np.int32))]))
+        return responses
+'''
+
+FAULTY_RAISE = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [self.divide(r) for r in requests]
+
+    def divide(self, request):
+        return 1 / 0
+'''
+
+FAULTY_ERROR_RESPONSE = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("INPUT0 is not welcome here",
+                                                                      pb_utils.TritonError.INVALID_ARG))
+                for _ in requests]
+'''
+
+FAULTY_KILL = '''
+import os
+import signal
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+FAULTY_HANG = '''
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(3600)
+'''
+
+# Triton's examples/decoupled/repeat_model.py, reduced: one response per element of IN (IDX its
+# index), each DELAY ms apart, from a thread, then the final flag.
+REPEAT_INT32 = '''
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.inflight = 0
+        self.lock = threading.Lock()
+
+    def execute(self, requests):
+        for request in requests:
+            thread = threading.Thread(target=self.respond, args=(request,), daemon=True)
+            with self.lock:
+                self.inflight += 1
+            thread.start()
+        return None
+
+    def respond(self, request):
+        sender = request.get_response_sender()
+        values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+        delays = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()
+        for idx, value in enumerate(values):
+            time.sleep(int(delays[idx]) / 1000)
+            if request.is_cancelled():
+                pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {idx} responses")
+                break
+            sender.send(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUT", np.array([value], dtype=np.int32)),
+                pb_utils.Tensor("IDX", np.array([idx], dtype=np.uint32))]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self.lock:
+            self.inflight -= 1
+
+    def finalize(self):
+        while self.inflight:
+            time.sleep(0.01)
+'''
+
+# Triton's examples/decoupled/square_model.py, reduced: IN responses of IN*IN, in execute().
+SQUARE_INT32 = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            for _ in range(n):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([n * n], dtype=np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+AUTO_COMPLETE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.set_max_batch_size(4)
+        auto_complete_model_config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [4]})
+        auto_complete_model_config.add_output({"name": "Y", "data_type": "TYPE_FP32", "dims": [4]})
+        auto_complete_model_config.set_dynamic_batching()
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 3)]) for r in requests]
+'''
+
+AUTO_COMPLETE_BAD = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.add_input({"name": "X", "data_type": "TYPE_FP32"})
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return []
+'''
+
+# ensemble steps: RAW -> preprocess (x2, and x+1) -> onnx add_sub -> postprocess (sum, as INT32 ... FP32)
+PREPROCESS = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            raw = pb_utils.get_input_tensor_by_name(r, "RAW").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("A", raw * 2), pb_utils.Tensor("B", raw + 1)]))
+        return out
+'''
+
+POSTPROCESS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            s = pb_utils.get_input_tensor_by_name(r, "S").as_numpy()
+            d = pb_utils.get_input_tensor_by_name(r, "D").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("TOTAL", (s + d).sum(axis=-1, keepdims=True))]))
+        return out
+'''
+
+
+def _tensors(entries: list[tuple[str, str, str]]) -> str:
+    return ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ] }}' for n, t, d in entries)
+
+
+def config(name: str, inputs: list[tuple[str, str, str]], outputs: list[tuple[str, str, str]],
+           max_batch_size: int = 0, extra: str = "") -> str:
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
+            f"input [\n{_tensors(inputs)}\n]\noutput [\n{_tensors(outputs)}\n]\n{extra}")
+
+
+def write(repo: Path, name: str, code: str, config_text: str | None) -> Path:
+    folder = repo / name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "1" / "model.py").write_text(textwrap.dedent(code).lstrip())
+    if config_text is not None:
+        (folder / "config.pbtxt").write_text(config_text)
+    return folder
+
+
+PAIR_IN = [("INPUT0", "TYPE_FP32", str(WIDTH)), ("INPUT1", "TYPE_FP32", str(WIDTH))]
+PAIR_OUT = [("OUTPUT0", "TYPE_FP32", str(WIDTH)), ("OUTPUT1", "TYPE_FP32", str(WIDTH))]
+DECOUPLED = "model_transaction_policy { decoupled: true }\n"
+
+
+def build(repo: Path, instances: int = 2) -> Path:
+    """The python models (names distinct from the ONNX repository's, so one gateway serves both)."""
+    repo.mkdir(parents=True, exist_ok=True)
+    write(repo, "py_add_sub", ADD_SUB, config(
+        "py_add_sub", PAIR_IN, PAIR_OUT, 8,
+        f"dynamic_batching {{ max_queue_delay_microseconds: 2000 }}\n"
+        f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n"))
+    write(repo, "batch_probe", BATCH_PROBE, config(
+        "batch_probe", [("INPUT0", "TYPE_FP32", "4")], [("COUNT", "TYPE_INT32", "4"), ("PARAMS", "TYPE_STRING", "1")],
+        8, "dynamic_batching { max_queue_delay_microseconds: 300000 }\n"))
+    bls_in = [*PAIR_IN, ("MODEL_NAME", "TYPE_STRING", "1")]
+    write(repo, "bls_sync", BLS_SYNC, config("bls_sync", bls_in, PAIR_OUT))
+    write(repo, "bls_async", BLS_ASYNC, config("bls_async", bls_in, PAIR_OUT))
+    write(repo, "bls_decoupled", BLS_DECOUPLED, config(
+        "bls_decoupled", [("IN", "TYPE_INT32", "1")], [("SUM", "TYPE_INT32", "1"), ("COUNT", "TYPE_INT32", "1")]))
+    one = [("INPUT0", "TYPE_FP32", str(WIDTH))]
+    write(repo, "faulty_raise", FAULTY_RAISE, config("faulty_raise", one, one))
+    write(repo, "faulty_error", FAULTY_ERROR_RESPONSE, config("faulty_error", one, one))
+    write(repo, "faulty_kill", FAULTY_KILL, config("faulty_kill", one, one))
+    write(repo, "faulty_hang", FAULTY_HANG, config(
+        "faulty_hang", one, one, 0, 'parameters { key: "execute_timeout_seconds" value: { string_value: "1" } }\n'))
+    write(repo, "repeat_int32", REPEAT_INT32, config(
+        "repeat_int32", [("IN", "TYPE_INT32", "-1"), ("DELAY", "TYPE_UINT32", "-1")],
+        [("OUT", "TYPE_INT32", "1"), ("IDX", "TYPE_UINT32", "1")], 0, DECOUPLED))
+    write(repo, "square_int32", SQUARE_INT32, config(
+        "square_int32", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")], 0, DECOUPLED))
+    write(repo, "auto_complete", AUTO_COMPLETE, None)
+    write(repo, "preprocess", PREPROCESS, config(
+        "preprocess", [("RAW", "TYPE_FP32", str(WIDTH))], [("A", "TYPE_FP32", str(WIDTH)), ("B", "TYPE_FP32", str(WIDTH))], 8))
+    write(repo, "postprocess", POSTPROCESS, config(
+        "postprocess", [("S", "TYPE_FP32", str(WIDTH)), ("D", "TYPE_FP32", str(WIDTH))], [("TOTAL", "TYPE_FP32", "1")], 8))
+    return repo
+
+
+# preprocess (python) -> add_sub (onnx) -> postprocess (python)
+MIXED_ENSEMBLE = f"""
+name: "mixed_pipeline"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "RAW" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
+output [ {{ name: "TOTAL" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+ensemble_scheduling {{ step [
+  {{ model_name: "preprocess" model_version: -1
+    input_map {{ key: "RAW" value: "RAW" }}
+    output_map {{ key: "A" value: "a" }} output_map {{ key: "B" value: "b" }} }},
+  {{ model_name: "add_sub" model_version: -1
+    input_map {{ key: "INPUT0" value: "a" }} input_map {{ key: "INPUT1" value: "b" }}
+    output_map {{ key: "OUTPUT0" value: "s" }} output_map {{ key: "OUTPUT1" value: "d" }} }},
+  {{ model_name: "postprocess" model_version: -1
+    input_map {{ key: "S" value: "s" }} input_map {{ key: "D" value: "d" }}
+    output_map {{ key: "TOTAL" value: "TOTAL" }} }}
+] }}
+"""
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))
