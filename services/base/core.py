@@ -19,7 +19,14 @@ from meshserve.repository import layout
 from meshserve.repository.config import ConfigError, load_model_config
 from meshserve.repository.names import check_model_name, check_version, model_file_path
 from meshserve.server.access import ALL, Grant, Op
-from meshserve.server.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, InferResult, RequestContext
+from meshserve.server.core import (
+    EXTENSIONS,
+    SERVER_NAME,
+    SERVER_VERSION,
+    InferResult,
+    RequestContext,
+    unary_decoupled_error,
+)
 from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion
@@ -34,10 +41,6 @@ log = logging.getLogger("meshserve.service")
 # never overwrites files a version still serving reads.
 OVERRIDES_DIR = ".meshserve-overrides"
 NOT_LOADED = "not loaded (explicit model control)"
-# Triton's answer to a unary inference call on a decoupled model: UNIMPLEMENTED / 501 with these
-# texts (measured against Triton 2.51: gRPC ModelInfer, HTTP /infer)
-DECOUPLED_UNARY = "ModelInfer RPC doesn't support models with decoupled transaction policy"
-DECOUPLED_UNARY_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
 
 
 @dataclass
@@ -240,7 +243,7 @@ class ServiceCore:
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         mv = self._resolve(request.model_name, request.model_version)
         if mv.decoupled:
-            raise InferError.unsupported(DECOUPLED_UNARY_HTTP if ctx.protocol == "http" else DECOUPLED_UNARY)
+            raise unary_decoupled_error(ctx.protocol)  # Triton's text; INVALID_ARGUMENT / 400, not its 501
         body = await mv.infer(request, self._deadline_ns(ctx), ctx.hop)
         return InferResult(raw=body)
 

@@ -20,7 +20,6 @@ import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
-from services.base.core import DECOUPLED_UNARY
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.models import python_models
 from tests.support.waiting import eventually
@@ -125,13 +124,7 @@ def test_bls_decoupled_iterates_the_responses(mesh: Mesh) -> None:
     inp = grpcclient.InferInput("IN", [1], "INT32")
     inp.set_data_from_numpy(np.array([3], dtype=np.int32))
     with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
-        try:
-            res = c.infer("bls_decoupled", [inp])
-        except InferenceServerException as exc:
-            if DECOUPLED_UNARY not in (exc.message() or ""):
-                raise
-            # the gateway's streams still answer a decoupled model with the unary error
-            pytest.xfail(f"needs the gateway's decoupled streaming (branch gwstream): {exc.message()}")
+        res = c.infer("bls_decoupled", [inp])
     assert res.as_numpy("SUM")[0] == 27 and res.as_numpy("COUNT")[0] == 3
 
 

@@ -16,9 +16,8 @@ import pytest
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server.core import RequestContext
+from meshserve.server.core import UNARY_DECOUPLED_GRPC, UNARY_DECOUPLED_HTTP, RequestContext
 from services.base.control import ModelControl
-from services.base.core import DECOUPLED_UNARY, DECOUPLED_UNARY_HTTP
 from services.python.core import PythonServiceCore
 from services.python.model import PythonModelVersion
 from tests.models import python_models
@@ -98,10 +97,10 @@ def test_unary_on_a_decoupled_model_is_tritons_error_and_a_plain_model_streams_o
     assert err.value.code == Code.NOT_FOUND
     with pytest.raises(InferError) as err:
         loop.run_until_complete(c.infer(request("square_int32", IN=np.array([3], np.int32)), RequestContext("grpc")))
-    assert err.value.code == Code.UNSUPPORTED and err.value.message == DECOUPLED_UNARY  # Triton: UNIMPLEMENTED
+    assert err.value.code == Code.INVALID_ARG and err.value.message == UNARY_DECOUPLED_GRPC  # Triton: UNIMPLEMENTED
     with pytest.raises(InferError) as err:
         loop.run_until_complete(c.infer(request("square_int32", IN=np.array([3], np.int32)), RequestContext("http")))
-    assert err.value.code == Code.UNSUPPORTED and err.value.message == DECOUPLED_UNARY_HTTP  # Triton: 501
+    assert err.value.code == Code.INVALID_ARG and err.value.message == UNARY_DECOUPLED_HTTP  # Triton: 501
     x = np.ones((1, 16), np.float32)
     (answer,) = collect(c, loop, request("py_add_sub", INPUT0=x, INPUT1=x))
     assert answer[1] is True and np.frombuffer(answer[0].raw_output_contents[0], np.float32).tolist() == [2.0] * 16
