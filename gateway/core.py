@@ -63,7 +63,7 @@ GATEWAY_FAMILIES = {
 
 
 class GatewayCore:
-    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
+    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
                  routes: ABRouter | None = None, ensembles: EnsembleCatalog | None = None,
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
@@ -76,7 +76,8 @@ class GatewayCore:
         self.discovery = self.upstream.discovery
         self._draining = False
         self.request_counts: Counter[tuple[str, str]] = Counter()
-        # Merged requests in flight per model and healthy replica (0 disables coalescing).
+        # Full batches (max_batch_size rows per instance) in flight per model and healthy replica
+        # before requests wait in the gateway (coalesce.py; 0 disables coalescing).
         self.coalesce_inflight = coalesce_inflight
         # A merge stays within the services' message limit (assumed the same as ours: --max-request-bytes).
         self.coalescer = Coalescer(self.upstream, coalesce_inflight, max_request_bytes)
@@ -250,15 +251,16 @@ class GatewayCore:
             if plan is None:
                 response = await self.upstream.send(request, ctx.raw, timeout, affinity)
             else:
-                key, rows, max_batch = plan
-                response = await self.coalescer.submit(key, request, ctx.raw, rows, max_batch, timeout)
+                key, rows, shape = plan
+                response = await self.coalescer.submit(key, request, ctx.raw, rows, shape.max_batch_size, timeout,
+                                                       shape.instances)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             raise
         self.request_counts[(name, "OK")] += 1
         return InferResult(message=response)
 
-    def _merge_plan(self, request: pb.ModelInferRequest) -> tuple[tuple, int, int] | None:
+    def _merge_plan(self, request: pb.ModelInferRequest) -> tuple[tuple, int, ModelShape] | None:
         if not self.coalesce_inflight:
             return None
         config = self.discovery.config_for(request.model_name, request.model_version)
@@ -272,7 +274,7 @@ class GatewayCore:
         found = merge_key(request, shape[1])
         if found is None:
             return None
-        return found[0], found[1], shape[1].max_batch_size
+        return found[0], found[1], shape[1]
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """Merged from the services' replicas; an ensemble's from the gateway, which runs it

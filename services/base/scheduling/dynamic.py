@@ -59,7 +59,7 @@ Action = Run | Wait | Idle
 
 
 def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
-                policy: BatchingPolicy) -> Action:
+                policy: BatchingPolicy, alone: bool = False) -> Action:
     """Decide what to do with the queue whose head requests have ``queued_rows`` rows.
 
     Mirrors Triton's ``GetDynamicBatch``, evaluated when an instance is free:
@@ -76,7 +76,12 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
       in Triton: the preferred prefix is not preferred any more);
     * with ``max_queue_delay_ns == 0`` nothing ever waits: the remembered preferred prefix
       runs if there is one, else everything that fits;
-    * with batching disabled each request runs alone.
+    * with batching disabled each request runs alone;
+    * ``alone`` (the batcher's word that nothing is executing and the previous batch was one
+      request that nothing joined, queued or executing: one client at a time): a lone queued
+      request runs now. Waiting for company that has not come for a whole batch only adds the
+      delay to every request (Triton waits here; it is the one place meshserve does not).
+      A second queued request, or anything arriving while it runs, ends it.
 
     ``queued_rows`` may be a bounded prefix: only requests up to the first one that
     overflows ``max_batch_size`` are looked at.
@@ -85,7 +90,7 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
     if n == 0:
         return IDLE
     max_batch = policy.max_batch_size
-    if max_batch == 0:
+    if max_batch == 0 or (alone and n == 1):
         return Run(1)
     preferred = policy.preferred_set
     max_preferred = policy.max_preferred
@@ -207,6 +212,10 @@ class DynamicBatcher(Generic[P]):
         self._wake_rows = _NEVER
         self._closed_reason: str | None = None  # set once enqueue must refuse
         self._stopping = False
+        # One client at a time (next_action's ``alone``): the last batch was one request that
+        # nothing joined while it waited or ran; _enqueued counts arrivals to tell.
+        self._alone = False
+        self._enqueued = 0
 
     # -- scheduler interface -------------------------------------------------------------
 
@@ -233,6 +242,7 @@ class DynamicBatcher(Generic[P]):
             self._start()
         self._queue.append(req)
         self._queued_rows += req.rows
+        self._enqueued += 1
         if self._queued_rows >= self._wake_rows or req.waited_ns:
             self._wake()  # enough rows, or a request older than its arrival: its delay may be due
 
@@ -396,7 +406,7 @@ class DynamicBatcher(Generic[P]):
 
             if self._stopping and delay:
                 now = max(now, oldest + delay)  # draining: do not wait for more requests
-            action = next_action(rows, oldest, now, policy)
+            action = next_action(rows, oldest, now, policy, self._alone and not self._executing)
 
             if isinstance(action, Run):
                 count = action.count
@@ -424,9 +434,12 @@ class DynamicBatcher(Generic[P]):
 
     def _dispatch(self, batch: list[QueuedRequest]) -> None:
         assert self._loop is not None
+        # a lone request with nothing queued or executing: if nothing arrives until it is done,
+        # the next lone request need not wait for company (next_action's ``alone``)
+        mark = self._enqueued if len(batch) == 1 and not self._executing and not self._queue else -1
         self._free_slots -= 1
         self._executing += len(batch)
-        task = self._loop.create_task(self._run_batch(batch))
+        task = self._loop.create_task(self._run_batch(batch, mark))
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
@@ -441,7 +454,7 @@ class DynamicBatcher(Generic[P]):
         if self._free_slots == 1 and self._queue:
             self._wake()
 
-    async def _run_batch(self, batch: list[QueuedRequest]) -> None:
+    async def _run_batch(self, batch: list[QueuedRequest], mark: int = -1) -> None:
         try:
             await self._execute(batch)
         except BaseException as exc:
@@ -456,6 +469,7 @@ class DynamicBatcher(Generic[P]):
                     req.future.set_exception(InternalBatchError(
                         f"model '{self.name}': batch finished without a result for this request"))
             self._executing -= len(batch)
+            self._alone = mark == self._enqueued
             if id(batch) in self._released:
                 self._released.discard(id(batch))
             else:

@@ -402,3 +402,36 @@ async def test_release_lets_the_next_batch_start_before_results_are_delivered() 
     delivered.set()
     assert await asyncio.wait_for(asyncio.gather(first.future, second.future), 1.0) == ["a", "b"]
     await b.stop()
+
+
+async def test_one_client_at_a_time_pays_the_delay_once() -> None:
+    """c1: the first request waits for company (Triton's delay); once a batch of one request ran with
+    nothing arriving meanwhile, the next lone request runs at once. A request that arrives while
+    one runs ends that: it waits for its delay as Triton's does."""
+    clock = FakeClock(0)
+    ex = Executor(gated=True)
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    first = request("first", arrival_ns=0)
+    b.enqueue(first)
+    await settle()
+    assert ex.batches == []  # no batch ran yet: wait for the delay
+    clock.now = 20 * MS
+    await eventually_async(lambda: ex.batches == [["first"]])
+    ex.open()
+    await first.future
+    await settle()
+    second = request("second", arrival_ns=30 * MS)
+    clock.now = 30 * MS  # the clock stands still from here: only "alone" can run it
+    ex.gate.clear()
+    b.enqueue(second)
+    await eventually_async(lambda: ex.batches == [["first"], ["second"]])
+    third = request("third", arrival_ns=30 * MS)
+    b.enqueue(third)  # arrives while "second" runs
+    ex.open()
+    await second.future
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    assert ex.batches == [["first"], ["second"]]  # company came: third waits for its delay
+    clock.now = 50 * MS
+    await asyncio.wait_for(third.future, 1.0)
+    assert ex.batches == [["first"], ["second"], ["third"]]
+    await b.stop()
