@@ -247,13 +247,15 @@ class GatewayCore:
         name = request.model_name
         timeout = ctx.time_remaining()
         try:
-            plan = self._merge_plan(request)  # a sampled request may be merged too: see traced.send_merged
-            if plan is None:
+            coalescer = self.coalescer
+            if self.coalesce_inflight and coalescer.idle(name):  # nothing to merge with: no merge check
+                response = await coalescer.send_alone(request, ctx.raw, timeout, affinity)
+            elif (plan := self._merge_plan(request)) is None:  # a sampled request may be merged too
                 response = await self.upstream.send(request, ctx.raw, timeout, affinity)
             else:
                 key, rows, shape = plan
-                response = await self.coalescer.submit(key, request, ctx.raw, rows, shape.max_batch_size, timeout,
-                                                       shape.instances)
+                response = await coalescer.submit(key, request, ctx.raw, rows, shape.max_batch_size, timeout,
+                                                  shape.instances)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             raise

@@ -219,6 +219,7 @@ class Coalescer:
         self.batches_per_replica = batches_per_replica
         self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
+        self._busy: dict[str, int] = {}  # model name -> its requests in flight or waiting here
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self.merged_sends = 0  # merged requests sent (/metrics)
         self.merged_requests = 0  # client requests they carried
@@ -233,13 +234,44 @@ class Coalescer:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
+    def idle(self, model: str) -> bool:
+        """Nothing of ``model`` is in flight or waiting here: its next request goes at once, alone
+        (``send_alone``), and skips the merge check (one client at a time pays nothing for it)."""
+        return model not in self._busy
+
+    async def send_alone(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                         affinity: str | None = None) -> pb.ModelInferResponse:
+        """Send a request of an idle model now; requests arriving meanwhile see the model busy."""
+        name = request.model_name
+        self._busy[name] = self._busy.get(name, 0) + 1
+        try:
+            return await self._upstream.send(request, raw, timeout, affinity)
+        finally:
+            self._done(name)
+
+    def _done(self, model: str) -> None:
+        n = self._busy[model] - 1
+        if n:
+            self._busy[model] = n
+        else:
+            del self._busy[model]
+
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
                      max_batch: int, timeout: float | None, instances: int = 1) -> pb.ModelInferResponse:
+        name = request.model_name
+        self._busy[name] = self._busy.get(name, 0) + 1
+        try:
+            return await self._submit(key, request, raw, rows, max_batch, timeout, instances)
+        finally:
+            self._done(name)
+
+    async def _submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
+                      max_batch: int, timeout: float | None, instances: int) -> pb.ModelInferResponse:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(max_batch, max_batch * max(1, instances))
         if not group.inflight_rows and not group.pending:
-            # Fast path: nothing in flight or waiting for this model: send it now, alone.
+            # nothing of this group in flight or waiting: send it now, alone
             group.inflight_rows += rows
             try:
                 return await self._upstream.send(request, raw, timeout)

@@ -78,7 +78,8 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
       runs if there is one, else everything that fits;
     * with batching disabled each request runs alone;
     * ``alone`` (the batcher's word that nothing is executing and the previous batch was one
-      request that nothing joined, queued or executing: one client at a time): a lone queued
+      client request that nothing joined, queued or executing: one client at a time; a
+      gateway's merged request is several clients): a lone queued
       request runs now. Waiting for company that has not come for a whole batch only adds the
       delay to every request (Triton waits here; it is the one place meshserve does not).
       A second queued request, or anything arriving while it runs, ends it.
@@ -436,7 +437,8 @@ class DynamicBatcher(Generic[P]):
         assert self._loop is not None
         # a lone request with nothing queued or executing: if nothing arrives until it is done,
         # the next lone request need not wait for company (next_action's ``alone``)
-        mark = self._enqueued if len(batch) == 1 and not self._executing and not self._queue else -1
+        mark = self._enqueued if len(batch) == 1 and batch[0].members == 1 and not self._executing \
+            and not self._queue else -1
         self._free_slots -= 1
         self._executing += len(batch)
         task = self._loop.create_task(self._run_batch(batch, mark))

@@ -135,6 +135,29 @@ async def test_requests_pending_in_one_pass_travel_as_one_and_nothing_waits() ->
     assert not c._groups  # an idle model leaves nothing behind
 
 
+async def test_an_idle_model_sends_alone_and_is_busy_meanwhile() -> None:
+    """``send_alone`` (the gateway's path for a model with nothing here, no merge check) marks the
+    model busy while it is out, so requests arriving meanwhile take the merging path."""
+    sent: list[int] = []
+    gate = asyncio.Event()
+    c = Coalescer(SimpleNamespace(send=lambda req, raw, timeout, affinity=None: counting_send(sent, gate)(
+        req, raw, timeout), replicas=[SimpleNamespace(healthy=True)]), 1)
+    assert c.idle("add_sub")
+    first = asyncio.ensure_future(c.send_alone(request(np.zeros((1, 16)), np.zeros((1, 16)), "a"), None, None))
+    await asyncio.sleep(0)
+    assert not c.idle("add_sub") and c.idle("other")
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(4)]
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    for _ in range(100):
+        if len(sent) == 3:
+            break
+        await asyncio.sleep(0)
+    assert sent == [1, 1, 3]  # the first of the group goes at once, the rest of the pass merged
+    gate.set()
+    assert [o.id for o in await asyncio.gather(first, *tasks)] == ["a", "r0", "r1", "r2", "r3"]
+    assert c.idle("add_sub") and not c._groups
+
+
 async def test_requests_wait_only_while_full_batches_are_in_flight() -> None:
     """With one full batch per replica allowed (``1``): a request of max_batch_size rows fills it, so
     the next ones wait in the gateway, and leave as one merged request when its rows come back,

@@ -435,3 +435,24 @@ async def test_one_client_at_a_time_pays_the_delay_once() -> None:
     await asyncio.wait_for(third.future, 1.0)
     assert ex.batches == [["first"], ["second"], ["third"]]
     await b.stop()
+
+
+async def test_a_merged_request_alone_in_its_batch_is_not_one_client() -> None:
+    """A gateway's merged request carries several client requests: a batch of it alone says
+    nothing about one client at a time, so the next lone request still waits for its delay."""
+    clock = FakeClock(0)
+    ex = Executor()
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    merged = request("merged", rows=3, arrival_ns=0)
+    merged.members = 3
+    b.enqueue(merged)
+    clock.now = 20 * MS
+    await asyncio.wait_for(merged.future, 1.0)
+    later = request("later", arrival_ns=30 * MS)
+    clock.now = 30 * MS
+    b.enqueue(later)
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    assert ex.batches == [["merged"]]
+    clock.now = 50 * MS
+    await asyncio.wait_for(later.future, 1.0)
+    await b.stop()
