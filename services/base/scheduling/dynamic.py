@@ -78,8 +78,8 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
       runs if there is one, else everything that fits;
     * with batching disabled each request runs alone;
     * ``alone`` (the batcher's word that nothing is executing and the previous batch was one
-      client request that nothing joined, queued or executing: one client at a time; a
-      gateway's merged request is several clients): a lone queued
+      client request that found the model idle and met nobody until it was done: one client at
+      a time; a gateway's merged request is several clients): a lone queued
       request runs now. Waiting for company that has not come for a whole batch only adds the
       delay to every request (Triton waits here; it is the one place meshserve does not).
       A second queued request, or anything arriving while it runs, ends it.
@@ -213,10 +213,13 @@ class DynamicBatcher(Generic[P]):
         self._wake_rows = _NEVER
         self._closed_reason: str | None = None  # set once enqueue must refuse
         self._stopping = False
-        # One client at a time (next_action's ``alone``): the last batch was one request that
-        # nothing joined while it waited or ran; _enqueued counts arrivals to tell.
+        # One client at a time (next_action's ``alone``): the last batch was one client request
+        # that arrived with nothing queued or executing, and nothing else arrived until it was
+        # done. _enqueued counts arrivals; _idle_arrival is the last request that found the
+        # model idle, with the count after it.
         self._alone = False
         self._enqueued = 0
+        self._idle_arrival: tuple[QueuedRequest | None, int] = (None, 0)
 
     # -- scheduler interface -------------------------------------------------------------
 
@@ -241,9 +244,12 @@ class DynamicBatcher(Generic[P]):
             raise ValueError(f"model '{self.name}': a request needs at least 1 row, got {req.rows}")
         if self._task is None:
             self._start()
+        idle = not self._queue and not self._executing
         self._queue.append(req)
         self._queued_rows += req.rows
         self._enqueued += 1
+        if idle:
+            self._idle_arrival = (req, self._enqueued)
         if self._queued_rows >= self._wake_rows or req.waited_ns:
             self._wake()  # enough rows, or a request older than its arrival: its delay may be due
 
@@ -435,10 +441,12 @@ class DynamicBatcher(Generic[P]):
 
     def _dispatch(self, batch: list[QueuedRequest]) -> None:
         assert self._loop is not None
-        # a lone request with nothing queued or executing: if nothing arrives until it is done,
-        # the next lone request need not wait for company (next_action's ``alone``)
-        mark = self._enqueued if len(batch) == 1 and batch[0].members == 1 and not self._executing \
-            and not self._queue else -1
+        # a lone request that found the model idle and met nobody: if nothing arrives until it
+        # is done either, the next lone request need not wait for company (next_action's ``alone``)
+        first, mark = self._idle_arrival
+        if len(batch) != 1 or batch[0] is not first or first.members != 1 or mark != self._enqueued:
+            mark = -1  # company came (or it is a gateway's merge of several clients)
+        self._idle_arrival = (None, 0)
         self._free_slots -= 1
         self._executing += len(batch)
         task = self._loop.create_task(self._run_batch(batch, mark))

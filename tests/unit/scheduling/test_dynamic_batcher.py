@@ -456,3 +456,30 @@ async def test_a_merged_request_alone_in_its_batch_is_not_one_client() -> None:
     clock.now = 50 * MS
     await asyncio.wait_for(later.future, 1.0)
     await b.stop()
+
+
+async def test_a_lone_request_that_found_the_model_busy_is_not_one_client() -> None:
+    """Only a request that found nothing queued or executing, ran alone and met nobody turns the
+    rule on: one that queued behind a running batch (a gateway spreading a wave of clients) does
+    not, so the next lone request still waits for its delay."""
+    clock = FakeClock(0)
+    ex = Executor(gated=True)
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    first = request("first", arrival_ns=0)
+    b.enqueue(first)
+    clock.now = 20 * MS
+    await eventually_async(lambda: ex.batches == [["first"]])
+    behind = request("behind", arrival_ns=20 * MS)
+    b.enqueue(behind)  # queued while "first" runs
+    clock.now = 40 * MS
+    ex.open()
+    await asyncio.wait_for(asyncio.gather(first.future, behind.future), 1.0)
+    assert ex.batches == [["first"], ["behind"]]  # "behind" ran alone and nothing came meanwhile
+    later = request("later", arrival_ns=50 * MS)
+    clock.now = 50 * MS
+    b.enqueue(later)
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    assert ex.batches == [["first"], ["behind"]]  # waits for its delay
+    clock.now = 70 * MS
+    await asyncio.wait_for(later.future, 1.0)
+    await b.stop()
