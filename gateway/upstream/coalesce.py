@@ -196,6 +196,7 @@ class _Pending:
     enqueued_ns: int  # monotonic
     span: Span | None  # the request's sampled span
     size: int  # its size in a merge
+    held: bool = False  # a flush left it waiting (the bound): it queued here, not just passed through
 
 
 @dataclass
@@ -319,8 +320,11 @@ class Coalescer:
             # member's request happened to drain the queue
             self._running_loop().create_task(self._send_chunk(key, group, chunk, total),
                                              context=contextvars.Context())
-        if not group.pending:  # else the bound holds them: rows coming back flush again
+        if not group.pending:
             self._settle(key, group)
+        else:  # the bound holds them: rows coming back flush again
+            for item in group.pending:
+                item.held = True
 
     async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], total: int) -> None:
         try:
@@ -328,15 +332,19 @@ class Coalescer:
             rows = [c.rows for c in chunk]
             timeouts = [c.timeout for c in chunk if c.timeout is not None]
             timeout = min(timeouts) if timeouts else None
-            # The service's max_queue_delay counts from the oldest member's arrival here, as
-            # Triton times it from the oldest request's arrival: the wait in this queue counts.
-            waited_us = (time.monotonic_ns() - min(c.enqueued_ns for c in chunk)) // 1000
+            # A member the bound held queued here: the service's max_queue_delay counts from its
+            # arrival here, as Triton times it from the oldest request's arrival. Members sent in
+            # the pass they came in only passed through (like a request sent at once, they carry
+            # nothing: counting the pass would fire the service's batch before the rest of the
+            # clients' wave, passed on one by one, arrives).
+            held = [c.enqueued_ns for c in chunk if c.held]
+            waited_us = (time.monotonic_ns() - min(held)) // 1000 if held else None
             try:
                 if len(chunk) == 1:
                     single, raw = requests[0], chunk[0].raw
-                    if raw is not None:
+                    if waited_us is not None and raw is not None:
                         raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
-                    else:
+                    elif waited_us is not None:
                         single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
                     if (span := chunk[0].span) is not None:
                         tracing.activate(span)  # this task's own context: sent as the member's request
@@ -345,7 +353,8 @@ class Coalescer:
                     self.merged_sends += 1
                     self.merged_requests += len(chunk)
                     merged = merge(requests, rows)
-                    merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                    if waited_us is not None:
+                        merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
                     members = [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]
                     if members:
                         response = await self._upstream.send_merged(merged, timeout, members)

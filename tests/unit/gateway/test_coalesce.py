@@ -126,7 +126,7 @@ async def test_requests_pending_in_one_pass_travel_as_one_and_nothing_waits() ->
             break
         await asyncio.sleep(0)
     assert sent == [1, 5]  # before any answer came back
-    assert waited[0] is None and waited[1] is not None and waited[1] < 1_000_000  # a pass, not a wait
+    assert waited == [None, None]  # passing through in one loop pass is not queueing: no queued time
     gate.set()
     outs = await asyncio.gather(*tasks)
     for i, out in enumerate(outs):
