@@ -74,7 +74,7 @@ GATEWAY_FAMILIES = {
 
 
 class GatewayCore:
-    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 4,
+    def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
                  routes: ABRouter | None = None, ensembles: EnsembleCatalog | None = None,
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
@@ -87,7 +87,8 @@ class GatewayCore:
         self.discovery = self.upstream.discovery
         self._draining = False
         self.request_counts: Counter[tuple[str, str]] = Counter()
-        # Merged requests in flight per model and healthy replica (0 disables coalescing).
+        # Full batches (max_batch_size rows per instance) in flight per model and healthy replica
+        # before requests wait in the gateway (coalesce.py; 0 disables coalescing).
         self.coalesce_inflight = coalesce_inflight
         # A merge stays within the services' message limit (assumed the same as ours: --max-request-bytes).
         self.coalescer = Coalescer(self.upstream, coalesce_inflight, max_request_bytes)
@@ -301,12 +302,15 @@ class GatewayCore:
             config = self.discovery.config_for(name, request.model_version)
             if config is not None and config.model_transaction_policy.decoupled:
                 raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by infer_stream)
-            plan = self._merge_plan(request, config)  # a sampled request may be merged too: see traced.send_merged
-            if plan is None:
+            coalescer = self.coalescer
+            if self.coalesce_inflight and coalescer.idle(name):  # nothing to merge with: no merge check
+                response = await coalescer.send_alone(request, ctx.raw, timeout, affinity)
+            elif (plan := self._merge_plan(request, config)) is None:  # a sampled request may be merged too
                 response = await self.upstream.send(request, ctx.raw, timeout, affinity)
             else:
-                key, rows, max_batch = plan
-                response = await self.coalescer.submit(key, request, ctx.raw, rows, max_batch, timeout)
+                key, rows, shape = plan
+                response = await coalescer.submit(key, request, ctx.raw, rows, shape.max_batch_size, timeout,
+                                                  shape.instances)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
@@ -316,7 +320,7 @@ class GatewayCore:
         return InferResult(message=response)
 
     def _merge_plan(self, request: pb.ModelInferRequest, config: mc.ModelConfig | None
-                    ) -> tuple[tuple, int, int] | None:
+                    ) -> tuple[tuple, int, ModelShape] | None:
         if not self.coalesce_inflight:
             return None
         if config is None:
@@ -329,7 +333,7 @@ class GatewayCore:
         found = merge_key(request, shape[1])
         if found is None:
             return None
-        return found[0], found[1], shape[1].max_batch_size
+        return found[0], found[1], shape[1]
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """Merged from the services' replicas; an ensemble's from the gateway, which runs it

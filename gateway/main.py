@@ -30,9 +30,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--resolve-interval", type=float, default=10.0, metavar="SECONDS",
                     help="how often DNS names among the upstreams are resolved again")
     ap.add_argument("--discovery-interval", type=float, default=2.0, metavar="SECONDS")
-    ap.add_argument("--coalesce-inflight", type=int, default=4, metavar="N",
-                    help="merge concurrently pending requests for a batchable model while N merged "
-                         "requests per replica are in flight (0 = never merge)")
+    ap.add_argument("--coalesce-inflight", type=int, default=2, metavar="N",
+                    help="merge requests for a batchable model that are pending at the same moment; hold "
+                         "them in the gateway only while N full batches (max_batch_size rows per instance) "
+                         "per replica are in flight (0 = never merge)")
     ap.add_argument("--tenants", default=None, metavar="PATH",
                     help="tenants.yaml: API keys, per-tenant rate/burst/concurrency, allowed models "
                          "(re-read when it changes; without it every request is anonymous and unmetered)")

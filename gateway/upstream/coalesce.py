@@ -1,11 +1,21 @@
 """Request coalescing on the gateway -> service hop.
 
-Under load, requests for the same batchable model that are pending at the same moment are
-merged into one v2 request (batch dimension concatenated, bytes only) and the response is
-split back by rows. The internal hop then carries fewer, larger messages: per-message gRPC
-cost, not compute, is what a Python hop pays most for (see load/README.md). No delay is
-added: a request waits only while `max_inflight` merged requests for its model are already
-on their way, which is exactly when the service could not start it any sooner.
+Requests for the same batchable model that are pending at the same moment are merged into one
+v2 request (batch dimension concatenated, bytes only) and the response is split back by rows.
+The internal hop then carries fewer, larger messages: per-message cost, not compute, is what a
+Python hop pays most for (see load/README.md). No delay is added, and the service must see what
+it would see without the gateway (its dynamic batcher forms the batches):
+
+* a request for a model with nothing pending or in flight is sent at once;
+* otherwise it joins its group, and the group is flushed at the end of the current event-loop
+  pass: what arrived in the same pass travels as one request, no later than the hop's own write
+  (the HTTP/2 connection also writes at the end of the pass);
+* the gateway holds requests back only while the rows in flight for the model reach
+  ``batches_per_replica`` full batches (``max_batch_size`` rows) per instance and healthy replica:
+  then the service already holds more than its instances can take into their next batches, so a
+  request held here could not run any sooner; the rows that come back free room, and what waited
+  meanwhile leaves as one request. (A bound on *messages* in flight, as before, held requests
+  the service's forming batch would have taken, and halved its batches at concurrency 8.)
 
 Only requests validated here against the model config are merged (names, datatypes,
 shapes, byte sizes, no parameters that change semantics), so a malformed request is sent
@@ -49,6 +59,7 @@ class ModelShape:
     max_batch_size: int
     inputs: dict[str, tuple[str, tuple[int, ...], int]]  # name -> (datatype, dims, element size)
     outputs: frozenset[str]
+    instances: int = 1  # batches the service runs at once (instance_group counts)
 
     @classmethod
     def of(cls, config: mc.ModelConfig) -> ModelShape | None:
@@ -73,7 +84,8 @@ class ModelShape:
         for o in config.output:
             if not datatypes.element_size(datatypes.config_to_wire(o.data_type)):
                 return None
-        return cls(config.max_batch_size, inputs, frozenset(o.name for o in config.output))
+        instances = max(1, sum(max(1, g.count) for g in config.instance_group))
+        return cls(config.max_batch_size, inputs, frozenset(o.name for o in config.output), instances)
 
 
 def merge_key(request: pb.ModelInferRequest, shape: ModelShape) -> tuple[Key, int] | None:
@@ -177,38 +189,45 @@ class _Pending:
     """A request waiting in its group's queue."""
 
     request: pb.ModelInferRequest
+    raw: bytes | None  # its bytes as the client sent them (forwarded as they are if it travels alone)
     rows: int
     future: asyncio.Future[pb.ModelInferResponse]
     timeout: float | None  # seconds
     enqueued_ns: int  # monotonic
     span: Span | None  # the request's sampled span
     size: int  # its size in a merge
+    held: bool = False  # a flush left it waiting (the bound): it queued here, not just passed through
 
 
 @dataclass
 class _Group:
+    max_batch: int  # rows per merged request (the model's max_batch_size)
+    batch_rows: int  # rows one full batch on every instance of a replica takes
     pending: deque[_Pending] = field(default_factory=deque)
-    inflight: int = 0
-    scheduled: bool = False
+    inflight_rows: int = 0  # rows sent and not answered yet
+    flush_scheduled: bool = False
 
 
 class Coalescer:
-    """Merges concurrently pending requests per key; at most ``inflight_per_replica`` sends per
-    key and healthy replica, and a merge never grows past `max_bytes` (the services'
-    --max-request-bytes: a larger merged message would be refused with RESOURCE_EXHAUSTED)."""
+    """Merges requests pending in the same event-loop pass per key; holds requests back only while
+    ``batches_per_replica`` full batches per instance and healthy replica are in flight, and a merge
+    never grows past `max_bytes` (the services' --max-request-bytes: a larger merged message would
+    be refused with RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, upstream: Upstream, inflight_per_replica: int, max_bytes: int = _DEFAULT_MAX_BYTES):
+    def __init__(self, upstream: Upstream, batches_per_replica: int, max_bytes: int = _DEFAULT_MAX_BYTES):
         self._upstream = upstream
         self._replicas = upstream.replicas  # one list, updated in place
-        self.inflight_per_replica = inflight_per_replica
+        self.batches_per_replica = batches_per_replica
         self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
+        self._busy: dict[str, int] = {}  # model name -> its requests in flight or waiting here
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self.merged_sends = 0  # merged requests sent (/metrics)
         self.merged_requests = 0  # client requests they carried
 
-    def _max_inflight(self) -> int:
-        return self.inflight_per_replica * max(1, sum(1 for r in self._replicas if r.healthy))
+    def _max_inflight_rows(self, group: _Group) -> int:
+        healthy = sum(1 for r in self._replicas if r.healthy)
+        return self.batches_per_replica * group.batch_rows * max(1, healthy)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         # asyncio.get_running_loop() makes a getpid system call each time on Python 3.11
@@ -216,28 +235,74 @@ class Coalescer:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
+    def idle(self, model: str) -> bool:
+        """Nothing of ``model`` is in flight or waiting here: its next request goes at once, alone
+        (``send_alone``), and skips the merge check (one client at a time pays nothing for it)."""
+        return model not in self._busy
+
+    async def send_alone(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                         affinity: str | None = None) -> pb.ModelInferResponse:
+        """Send a request of an idle model now; requests arriving meanwhile see the model busy."""
+        name = request.model_name
+        self._busy[name] = self._busy.get(name, 0) + 1
+        try:
+            return await self._upstream.send(request, raw, timeout, affinity)
+        finally:
+            self._done(name)
+
+    def _done(self, model: str) -> None:
+        n = self._busy[model] - 1
+        if n:
+            self._busy[model] = n
+        else:
+            del self._busy[model]
+
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                     max_batch: int, timeout: float | None) -> pb.ModelInferResponse:
+                     max_batch: int, timeout: float | None, instances: int = 1) -> pb.ModelInferResponse:
+        name = request.model_name
+        self._busy[name] = self._busy.get(name, 0) + 1
+        try:
+            return await self._submit(key, request, raw, rows, max_batch, timeout, instances)
+        finally:
+            self._done(name)
+
+    async def _submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
+                      max_batch: int, timeout: float | None, instances: int) -> pb.ModelInferResponse:
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group()
-        if group.inflight < self._max_inflight() and not group.pending:
-            # Fast path: nothing to merge with and a free slot: send it now, alone.
-            group.inflight += 1
+            group = self._groups[key] = _Group(max_batch, max_batch * max(1, instances))
+        if not group.inflight_rows and not group.pending:
+            # nothing of this group in flight or waiting: send it now, alone
+            group.inflight_rows += rows
             try:
                 return await self._upstream.send(request, raw, timeout)
             finally:
-                group.inflight -= 1
-                self._drain(key, group, max_batch)
+                group.inflight_rows -= rows
+                self._settle(key, group)
         fut: asyncio.Future[pb.ModelInferResponse] = self._running_loop().create_future()
-        group.pending.append(_Pending(request, rows, fut, timeout, time.monotonic_ns(),  # raw dropped: a merge rebuilds
+        group.pending.append(_Pending(request, raw, rows, fut, timeout, time.monotonic_ns(),
                                       tracing.current_var.get() if tracing.enabled else None,
                                       (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
-        self._drain(key, group, max_batch)
+        self._schedule(key, group)
         return await fut
 
-    def _drain(self, key: Key, group: _Group, max_batch: int) -> None:
-        while group.pending and group.inflight < self._max_inflight():
+    def _schedule(self, key: Key, group: _Group) -> None:
+        if not group.flush_scheduled:
+            group.flush_scheduled = True
+            self._running_loop().call_soon(self._flush, key, group)
+
+    def _settle(self, key: Key, group: _Group) -> None:
+        """Rows came back: flush what waits (at the end of this pass), or forget an idle group."""
+        if group.pending:
+            self._schedule(key, group)
+        elif not group.inflight_rows and not group.flush_scheduled and self._groups.get(key) is group:
+            del self._groups[key]
+
+    def _flush(self, key: Key, group: _Group) -> None:
+        group.flush_scheduled = False
+        bound = self._max_inflight_rows(group)
+        max_batch = group.max_batch
+        while group.pending and group.inflight_rows < bound:
             chunk: list[_Pending] = []
             total = size = 0
             while group.pending and total + group.pending[0].rows <= max_batch and (
@@ -250,35 +315,46 @@ class Coalescer:
                 size += item.size
             if not chunk:
                 continue
-            group.inflight += 1
+            group.inflight_rows += total
             # a context of its own: the task must not inherit the trace context of whichever
             # member's request happened to drain the queue
-            self._running_loop().create_task(self._send_chunk(key, group, chunk, max_batch),
-                                                   context=contextvars.Context())
-        if not group.pending and not group.inflight:
-            self._groups.pop(key, None)
+            self._running_loop().create_task(self._send_chunk(key, group, chunk, total),
+                                             context=contextvars.Context())
+        if not group.pending:
+            self._settle(key, group)
+        else:  # the bound holds them: rows coming back flush again
+            for item in group.pending:
+                item.held = True
 
-    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], max_batch: int) -> None:
+    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], total: int) -> None:
         try:
             requests = [c.request for c in chunk]
             rows = [c.rows for c in chunk]
             timeouts = [c.timeout for c in chunk if c.timeout is not None]
             timeout = min(timeouts) if timeouts else None
-            # The service's max_queue_delay counts from the oldest member's arrival here, as
-            # Triton times it from the oldest request's arrival: the wait in this queue counts.
-            waited_us = (time.monotonic_ns() - min(c.enqueued_ns for c in chunk)) // 1000
+            # A member the bound held queued here: the service's max_queue_delay counts from its
+            # arrival here, as Triton times it from the oldest request's arrival. Members sent in
+            # the pass they came in only passed through (like a request sent at once, they carry
+            # nothing: counting the pass would fire the service's batch before the rest of the
+            # clients' wave, passed on one by one, arrives).
+            held = [c.enqueued_ns for c in chunk if c.held]
+            waited_us = (time.monotonic_ns() - min(held)) // 1000 if held else None
             try:
                 if len(chunk) == 1:
-                    single = requests[0]
-                    single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                    single, raw = requests[0], chunk[0].raw
+                    if waited_us is not None and raw is not None:
+                        raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
+                    elif waited_us is not None:
+                        single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
                     if (span := chunk[0].span) is not None:
                         tracing.activate(span)  # this task's own context: sent as the member's request
-                    responses = [await self._upstream.send(single, None, timeout)]
+                    responses = [await self._upstream.send(single, raw, timeout)]
                 else:
                     self.merged_sends += 1
                     self.merged_requests += len(chunk)
                     merged = merge(requests, rows)
-                    merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                    if waited_us is not None:
+                        merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
                     members = [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]
                     if members:
                         response = await self._upstream.send_merged(merged, timeout, members)
@@ -294,5 +370,5 @@ class Coalescer:
                 if not c.future.done():
                     c.future.set_result(resp)
         finally:
-            group.inflight -= 1
-            self._drain(key, group, max_batch)
+            group.inflight_rows -= total
+            self._settle(key, group)

@@ -658,7 +658,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-pa", action="store_true", help="skip the perf_analyzer cells")
     ap.add_argument("--quiet-wait", type=float, default=120, help="max seconds to wait for load average < 1")
     ap.add_argument("--keep-logs", action="store_true")
-    out = Suite(ap.parse_args(argv)).run()
+    ap.add_argument("--side-by-side", nargs="?", const="", metavar="RESULTS_DIR",
+                    help="instead: load/bench/side_by_side.sh (the real Triton, then meshserve through the gateway "
+                         "and direct, one perf_analyzer sweep each) and its 18-cell table; env knobs in the script")
+    args = ap.parse_args(argv)
+    if args.side_by_side is not None:
+        script = ROOT / "load" / "bench" / "side_by_side.sh"
+        raise SystemExit(subprocess.call(["bash", str(script), *([args.side_by_side] if args.side_by_side else [])]))
+    out = Suite(args).run()
     print(out)
 
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Side by side, back to back, same machine: raw onnxruntime and the real Triton (the team's
 # harness, ../shared/bench), then meshserve through the gateway (`meshserve up`) and direct
-# to the ONNX service, all driven by the same perf_analyzer sweep (drive.sh).
-#   usage: load/bench/side_by_side.sh [RESULTS_DIR]
+# to the ONNX service, all driven by the same perf_analyzer sweep (drive.sh). Each meshserve
+# cell whose run had other work above 0.1 core (drive.py's foreign CPU) is measured once more;
+# at the end the 18-cell table (load/bench/ratios.py) is printed and written to side_by_side.md.
+#   usage: load/bench/side_by_side.sh [RESULTS_DIR]    (or: python -m load.bench --side-by-side)
 # Env: BENCH_ORT_THREADS (2: ORT intra-op threads in every server), INTERVAL (3000 ms),
-#      CONC (1,8,32), SKIP ("anchors" to reuse earlier Triton numbers), BENCH_DIR.
+#      CONC (1,8,32), BENCH_MODELS ("add_sub mlp"), SKIP ("anchors" to reuse earlier Triton
+#      numbers), REPEAT (1: runs again per noisy cell; 0 = none), DRIVE_ARGS (more drive.py
+#      arguments, e.g. "--quiet-wait 0" for a smoke run on a busy machine), PORT_BASE (19000), BENCH_DIR.
 # Needs the venvs of ../shared/bench/README.md (/tmp/bench-venvs/{pa,triton}).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -13,8 +17,12 @@ RES=${1:-/tmp/bench-results/side-by-side-$(date -u +%Y%m%dT%H%M%SZ)}
 MODELS=${MODELS_DIR:-/tmp/bench-models}
 PA_VENV=${PA_VENV:-/tmp/bench-venvs/pa}
 export BENCH_ORT_THREADS=${BENCH_ORT_THREADS:-2}
-INTERVAL=${INTERVAL:-3000}; CONC=${CONC:-1,8,32}; SKIP=${SKIP:-}
+INTERVAL=${INTERVAL:-3000}; CONC=${CONC:-1,8,32}; SKIP=${SKIP:-}; REPEAT=${REPEAT:-1}
+BENCH_MODELS=${BENCH_MODELS:-add_sub mlp}; DRIVE_ARGS=${DRIVE_ARGS:-}
+PORT_BASE=${PORT_BASE:-19000}  # gateway: +0 HTTP, +1 gRPC; direct: +100, +101
+GW_HTTP=$PORT_BASE; GW_GRPC=$((PORT_BASE + 1)); SVC_HTTP=$((PORT_BASE + 100)); SVC_GRPC=$((PORT_BASE + 101))
 mkdir -p "$RES"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this tree's meshserve, also in the processes `meshserve up` starts
 echo "results -> $RES"
 
 if [[ " $SKIP " != *" anchors "* ]]; then
@@ -36,29 +44,38 @@ wait_ready() {
   return 1
 }
 sweep() {  # LABEL HTTP GRPC
-  for m in add_sub mlp; do
+  for m in $BENCH_MODELS; do
     OUT="$RES/$1.jsonl" "$BENCH/drive.sh" "$2" "$3" "$m" "$1" --server-pid "$PID" --stats triton \
-      --interval "$INTERVAL" --concurrency "$CONC" --input-data "$MODELS/perf_data/$m.json"
+      --interval "$INTERVAL" --concurrency "$CONC" --input-data "$MODELS/perf_data/$m.json" $DRIVE_ARGS
+  done
+  for _ in $(seq 1 "$REPEAT"); do  # the cells other work disturbed, again (the quietest run counts)
+    python3 -m load.bench.ratios --noisy "$RES" | while read -r label m mode c; do
+      [ "$label" = "$1" ] || continue
+      echo "== again, foreign CPU over 0.1 core: $label $m $mode c$c"
+      OUT="$RES/$1.jsonl" "$BENCH/drive.sh" "$2" "$3" "$m" "$1" --server-pid "$PID" --stats triton \
+        --interval "$INTERVAL" --concurrency "$c" --modes "$mode" --input-data "$MODELS/perf_data/$m.json" $DRIVE_ARGS
+    done
   done
 }
 
 echo "== meshserve through the gateway (meshserve up: gateway + onnx service)"
 cd "$ROOT"
-python3 -m meshserve up --repository "$MODELS/onnx_repo" --http-port 19000 --grpc-port 19001 \
+python3 -m meshserve up --repository "$MODELS/onnx_repo" --http-port "$GW_HTTP" --grpc-port "$GW_GRPC" \
   > "$RES/meshserve-up.log" 2>&1 &
 PID=$!
-wait_ready http://127.0.0.1:19000/v2/health/ready
-sweep meshserve-gateway 127.0.0.1:19000 127.0.0.1:19001
-curl -s http://127.0.0.1:19000/v2/models/stats > "$RES/meshserve_stats_final.json" || true
+wait_ready "http://127.0.0.1:$GW_HTTP/v2/health/ready"
+sweep meshserve-gateway "127.0.0.1:$GW_HTTP" "127.0.0.1:$GW_GRPC"
+curl -s "http://127.0.0.1:$GW_HTTP/v2/models/stats" > "$RES/meshserve_stats_final.json" || true
 stop
 
 echo "== meshserve direct to the ONNX service (no gateway)"
-python3 -m meshserve service onnx --repository "$MODELS/onnx_repo" --grpc-port 19101 --http-port 19100 \
+python3 -m meshserve service onnx --repository "$MODELS/onnx_repo" --grpc-port "$SVC_GRPC" --http-port "$SVC_HTTP" \
   --log-level WARNING > "$RES/meshserve-service.log" 2>&1 &
 PID=$!
-wait_ready http://127.0.0.1:19100/v2/health/ready
-sweep meshserve-direct 127.0.0.1:19100 127.0.0.1:19101
+wait_ready "http://127.0.0.1:$SVC_HTTP/v2/health/ready"
+sweep meshserve-direct "127.0.0.1:$SVC_HTTP" "127.0.0.1:$SVC_GRPC"
 stop
 
 "$PA_VENV/bin/python" "$BENCH/report.py" "$RES"/*.jsonl > "$RES/tables.md"
-echo "== done: $RES/tables.md"
+python3 -m load.bench.ratios "$RES" | tee "$RES/side_by_side.md"
+echo "== done: $RES/side_by_side.md (the harness's own tables: $RES/tables.md)"

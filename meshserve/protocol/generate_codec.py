@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
@@ -113,6 +115,8 @@ def render_generate_response(response: pb.ModelInferResponse, request: pb.ModelI
         where = f"output '{out.name}'"
         values = _raw_to_json(where, out.datatype, list(out.shape), raws[i]) if raws \
             else _contents_to_json(where, out)
+        if isinstance(values, np.ndarray):  # (numbers come as a flat array, for orjson)
+            values = values.tolist()
         doc[out.name] = values[0] if len(values) == 1 else values
     return json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 

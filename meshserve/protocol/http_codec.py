@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
@@ -74,14 +75,43 @@ _UINT64_MAX = 2**64 - 1
 _LEN = struct.Struct("<I")
 
 
-# --- JSON -------------------------------------------------------------------------------
-# stdlib json on purpose: orjson (installed, not a declared dependency) is ~7x faster on
-# headers and ~10x on large JSON `data`, but it turns NaN/Infinity into null and refuses
-# them on input, and the binary path (what perf_analyzer and tritonclient use by default)
-# only encodes a few hundred bytes of header. Swap here if JSON `data` ever becomes hot.
+# --- JSON ----------------------------------------------------------------------------------
+# orjson (C) reads inference bodies and writes every body; the stdlib json module keeps the
+# rules where orjson differs: orjson refuses NaN / Infinity (tritonclient sends them for
+# non-finite floats and reads them back), a UTF-8 BOM, UTF-16/32 bodies and lone surrogates, and
+# reads an integer beyond 64 bits as a float (json keeps it exact). So an inference body orjson
+# refuses is read by json, and one that the parse then refuses is read again by json, so the
+# error is decided on exact integers and worded as before (errors are the rare path); a
+# parameter that orjson read as a float holding an integer beyond 64 bits is such an error.
+# Control-plane bodies (load, shared memory, trace settings) keep json alone. Measured on the
+# add_sub / mlp bodies perf_analyzer sends: load/results/2026-11-26-speed/NOTES.md.
+
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+_BIG = float(2**63)  # an integral float at least this large may have been an integer literal
+
+
+class _Inexact(Exception):
+    """orjson's reading cannot decide this body: read it again with json."""
+
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode("ascii")
+    """Compact JSON: orjson, numpy arrays written straight from their buffers; stdlib json for
+    what orjson refuses (a string with a lone surrogate, an integer beyond 64 bits)."""
+    try:
+        return orjson.dumps(obj, option=_NUMPY)
+    except TypeError:
+        return json.dumps(_plain(obj), separators=(",", ":")).encode("ascii")
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with numpy arrays as lists (for the stdlib encoder)."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    return obj
 
 
 # a `\uD...` escape, or a surrogate's own UTF-8 bytes (ED A0-BF ..: not valid UTF-8, but json.loads
@@ -90,7 +120,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD]|\xed[\xa0-\xbf]")
 
 
 def _loads(data: bytes | bytearray | memoryview, what: str) -> Any:
-    """The one JSON decoder for request bodies: every failure is INVALID_ARG naming `what`."""
+    """The exact JSON decoder for request bodies (stdlib json): every failure is INVALID_ARG naming `what`."""
     if isinstance(data, memoryview):
         data = bytes(data)
     try:
@@ -192,8 +222,9 @@ def _shape_str(shape: Iterable[int]) -> str:
 
 # --- parameters -------------------------------------------------------------------------
 
-def _set_infer_param(target: pb.InferParameter, value: Any, where: str) -> None:
-    """JSON value -> InferParameter (bool, int64 / uint64 by range, double, string)."""
+def _set_infer_param(target: pb.InferParameter, value: Any, where: str, fast: bool = False) -> None:
+    """JSON value -> InferParameter (bool, int64 / uint64 by range, double, string). ``fast``: the
+    value was read by orjson, which reads an integer beyond 64 bits as a float."""
     if isinstance(value, bool):
         target.bool_param = value
     elif isinstance(value, int):
@@ -204,6 +235,8 @@ def _set_infer_param(target: pb.InferParameter, value: Any, where: str) -> None:
         else:
             raise InferError.invalid(f"{where}: integer {value} does not fit in 64 bits")
     elif isinstance(value, float):
+        if fast and abs(value) >= _BIG and value.is_integer():
+            raise _Inexact  # 1e19 (a double) or 10000000000000000000 (refused)? json tells
         target.double_param = value
     elif isinstance(value, str):
         target.string_param = value
@@ -288,10 +321,25 @@ def parse_infer_request(
             f"{HEADER_LENGTH} is {header_length} but the request body has only {total} bytes")
     else:
         header = view[:header_length]
-    json_end = len(header)
-
     # whole-body JSON: hand bytes/bytearray to the parser as they are (no copy)
-    doc = _loads(body if header is view and isinstance(body, (bytes, bytearray)) else header, "request")
+    text = body if header is view and isinstance(body, (bytes, bytearray)) else header
+    try:
+        doc = orjson.loads(text)
+    except (orjson.JSONDecodeError, RecursionError):
+        pass  # NaN / Infinity, a BOM, UTF-16, a lone surrogate, or an error json words
+    else:
+        try:
+            return _infer_request(doc, view, header_length, len(header), model_name, model_version, True)
+        except (InferError, _Inexact):
+            pass  # decided on json's exact reading below
+    return _infer_request(_loads(text, "request"), view, header_length, len(header), model_name, model_version,
+                          False)
+
+
+def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_end: int, model_name: str,
+                   model_version: str, fast: bool) -> pb.ModelInferRequest:
+    """parse_infer_request on the decoded JSON header (``fast``: read by orjson)."""
+    total = len(view)
     if not isinstance(doc, dict):
         raise InferError.invalid(f"the request JSON must be an object, got {_json_type(doc)}")
 
@@ -302,7 +350,7 @@ def parse_infer_request(
         if key == BINARY_DATA_OUTPUT and not isinstance(value, bool):
             raise InferError.invalid(
                 f"request parameter '{BINARY_DATA_OUTPUT}' must be a boolean, got {_show(value)}")
-        _set_infer_param(req.parameters[key], value, f"request parameter '{key}'")
+        _set_infer_param(req.parameters[key], value, f"request parameter '{key}'", fast)
 
     if "inputs" not in doc:
         raise InferError.invalid("the request JSON has no 'inputs'")
@@ -336,7 +384,7 @@ def parse_infer_request(
                         f"{where}: '{BINARY_DATA_SIZE}' must be a non-negative integer, got {_show(value)}")
                 binary_size = value
             else:
-                _set_infer_param(tensor.parameters[key], value, f"{where} parameter '{key}'")
+                _set_infer_param(tensor.parameters[key], value, f"{where} parameter '{key}'", fast)
 
         count = datatypes.element_count(shape)
         if SHM_REGION in params:
@@ -384,7 +432,7 @@ def parse_infer_request(
 
     outputs = doc.get("outputs")
     if outputs is not None:
-        _parse_requested_outputs(req, outputs)
+        _parse_requested_outputs(req, outputs, fast)
     return req
 
 
@@ -405,7 +453,7 @@ def _parse_tensor_spec(item: dict[str, Any], where: str) -> tuple[str, list[int]
     return datatype, shape
 
 
-def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any) -> None:
+def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool) -> None:
     if not isinstance(outputs, list):
         raise InferError.invalid(f"request 'outputs' must be a JSON array, got {_json_type(outputs)}")
     seen: set[str] = set()
@@ -428,7 +476,7 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any) -> None:
                     isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise InferError.invalid(
                     f"{where}: '{CLASSIFICATION}' must be a non-negative integer, got {_show(value)}")
-            _set_infer_param(out.parameters[key], value, f"{where} parameter '{key}'")
+            _set_infer_param(out.parameters[key], value, f"{where} parameter '{key}'", fast)
 
 
 # --- JSON data -> raw bytes -------------------------------------------------------------
@@ -593,6 +641,7 @@ def render_infer_response(
 
     rendered: list[dict[str, Any]] = []
     blobs: list[bytes] = []
+    finite = True  # no NaN / Infinity in JSON data (orjson would write them as null)
     for i, out in enumerate(outputs):
         shape = list(out.shape)
         entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": shape}
@@ -612,8 +661,10 @@ def render_infer_response(
             entry["parameters"] = {BINARY_DATA_SIZE: len(data)}
             blobs.append(data)
         else:
-            entry["data"] = _raw_to_json(where, out.datatype, shape, raws[i]) if raws \
-                else _contents_to_json(where, out)
+            values = _raw_to_json(where, out.datatype, shape, raws[i]) if raws else _contents_to_json(where, out)
+            if finite and out.datatype in _FLOAT_TYPES:
+                finite = bool(np.isfinite(values).all())
+            entry["data"] = values
         rendered.append(entry)
 
     doc: dict[str, Any] = {
@@ -628,7 +679,8 @@ def render_infer_response(
         doc["parameters"] = params
     doc["outputs"] = rendered
 
-    header = _dumps(doc)
+    # Python's json writes NaN / Infinity / -Infinity, as Triton does and tritonclient reads
+    header = _dumps(doc) if finite else json.dumps(_plain(doc), separators=(",", ":")).encode("ascii")
     if not blobs:
         return header, {"Content-Type": JSON_CONTENT_TYPE}
     return b"".join([header, *blobs]), {
@@ -648,7 +700,12 @@ def _check_raw_size(where: str, datatype: str, shape: list[int], data: bytes) ->
                 f"{where} holds {len(data)} bytes but shape {_shape_str(shape)} of {datatype} needs {need}")
 
 
-def _raw_to_json(where: str, datatype: str, shape: list[int], data: bytes) -> list[Any]:
+_FLOAT_TYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
+
+
+def _raw_to_json(where: str, datatype: str, shape: list[int], data: bytes) -> list[Any] | np.ndarray:
+    """An output's elements for JSON `data`: a flat numpy array (orjson writes it from its buffer,
+    float32 in its shortest round-tripping form) or, for BYTES, a list of strings."""
     _check_raw_size(where, datatype, shape, data)
     if datatype == "BYTES":
         try:
@@ -658,8 +715,11 @@ def _raw_to_json(where: str, datatype: str, shape: list[int], data: bytes) -> li
         return _decode_strings(where, elements)
     if datatype == "BF16":
         # bfloat16 is the top half of a float32: widen exactly.
-        return (np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4").tolist()
-    return np.frombuffer(data, datatypes.numpy_dtype(datatype)).tolist()
+        return (np.frombuffer(data, "<u2").astype("<u4") << 16).view("<f4")
+    arr = np.frombuffer(data, datatypes.numpy_dtype(datatype))
+    if datatype == "FP16":  # orjson writes no float16; float32 holds each value exactly
+        return arr.astype(np.float32)
+    return arr
 
 
 def _decode_strings(where: str, elements: Iterable[bytes]) -> list[str]:

@@ -111,7 +111,8 @@ class ModelVersion:
             raise InferError.invalid(f"model '{self.name}': parameter '{wire.QUEUED_PARAMETER}' must be an integer")
         return QueuedRequest(rows=pending.rows, arrival_ns=arrival, priority=level, deadline_ns=deadline_ns,
                              delay_at_ns=delay_at, payload=pending, future=fut,
-                             waited_ns=hop.queued_ns)  # waited in a gateway's coalescer
+                             waited_ns=hop.queued_ns,  # waited in a gateway's coalescer
+                             members=hop.merged or 1)
 
     def _enqueue(self, queued: QueuedRequest[Pending]) -> None:
         """Queue a request on the scheduler (pending in the statistics until ``_result`` ends),

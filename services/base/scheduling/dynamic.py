@@ -59,7 +59,7 @@ Action = Run | Wait | Idle
 
 
 def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
-                policy: BatchingPolicy) -> Action:
+                policy: BatchingPolicy, alone: bool = False) -> Action:
     """Decide what to do with the queue whose head requests have ``queued_rows`` rows.
 
     Mirrors Triton's ``GetDynamicBatch``, evaluated when an instance is free:
@@ -76,7 +76,13 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
       in Triton: the preferred prefix is not preferred any more);
     * with ``max_queue_delay_ns == 0`` nothing ever waits: the remembered preferred prefix
       runs if there is one, else everything that fits;
-    * with batching disabled each request runs alone.
+    * with batching disabled each request runs alone;
+    * ``alone`` (the batcher's word that nothing is executing and the previous batch was one
+      client request that found the model idle and met nobody until it was done: one client at
+      a time; a gateway's merged request is several clients): a lone queued
+      request runs now. Waiting for company that has not come for a whole batch only adds the
+      delay to every request (Triton waits here; it is the one place meshserve does not).
+      A second queued request, or anything arriving while it runs, ends it.
 
     ``queued_rows`` may be a bounded prefix: only requests up to the first one that
     overflows ``max_batch_size`` are looked at.
@@ -85,7 +91,7 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
     if n == 0:
         return IDLE
     max_batch = policy.max_batch_size
-    if max_batch == 0:
+    if max_batch == 0 or (alone and n == 1):
         return Run(1)
     preferred = policy.preferred_set
     max_preferred = policy.max_preferred
@@ -207,6 +213,13 @@ class DynamicBatcher(Generic[P]):
         self._wake_rows = _NEVER
         self._closed_reason: str | None = None  # set once enqueue must refuse
         self._stopping = False
+        # One client at a time (next_action's ``alone``): the last batch was one client request
+        # that arrived with nothing queued or executing, and nothing else arrived until it was
+        # done. _enqueued counts arrivals; _idle_arrival is the last request that found the
+        # model idle, with the count after it.
+        self._alone = False
+        self._enqueued = 0
+        self._idle_arrival: tuple[QueuedRequest | None, int] = (None, 0)
 
     # -- scheduler interface -------------------------------------------------------------
 
@@ -231,8 +244,12 @@ class DynamicBatcher(Generic[P]):
             raise ValueError(f"model '{self.name}': a request needs at least 1 row, got {req.rows}")
         if self._task is None:
             self._start()
+        idle = not self._queue and not self._executing
         self._queue.append(req)
         self._queued_rows += req.rows
+        self._enqueued += 1
+        if idle:
+            self._idle_arrival = (req, self._enqueued)
         if self._queued_rows >= self._wake_rows or req.waited_ns:
             self._wake()  # enough rows, or a request older than its arrival: its delay may be due
 
@@ -396,7 +413,7 @@ class DynamicBatcher(Generic[P]):
 
             if self._stopping and delay:
                 now = max(now, oldest + delay)  # draining: do not wait for more requests
-            action = next_action(rows, oldest, now, policy)
+            action = next_action(rows, oldest, now, policy, self._alone and not self._executing)
 
             if isinstance(action, Run):
                 count = action.count
@@ -424,9 +441,15 @@ class DynamicBatcher(Generic[P]):
 
     def _dispatch(self, batch: list[QueuedRequest]) -> None:
         assert self._loop is not None
+        # a lone request that found the model idle and met nobody: if nothing arrives until it
+        # is done either, the next lone request need not wait for company (next_action's ``alone``)
+        first, mark = self._idle_arrival
+        if len(batch) != 1 or batch[0] is not first or first.members != 1 or mark != self._enqueued:
+            mark = -1  # company came (or it is a gateway's merge of several clients)
+        self._idle_arrival = (None, 0)
         self._free_slots -= 1
         self._executing += len(batch)
-        task = self._loop.create_task(self._run_batch(batch))
+        task = self._loop.create_task(self._run_batch(batch, mark))
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
@@ -441,7 +464,7 @@ class DynamicBatcher(Generic[P]):
         if self._free_slots == 1 and self._queue:
             self._wake()
 
-    async def _run_batch(self, batch: list[QueuedRequest]) -> None:
+    async def _run_batch(self, batch: list[QueuedRequest], mark: int = -1) -> None:
         try:
             await self._execute(batch)
         except BaseException as exc:
@@ -456,6 +479,7 @@ class DynamicBatcher(Generic[P]):
                     req.future.set_exception(InternalBatchError(
                         f"model '{self.name}': batch finished without a result for this request"))
             self._executing -= len(batch)
+            self._alone = mark == self._enqueued
             if id(batch) in self._released:
                 self._released.discard(id(batch))
             else:

@@ -41,6 +41,7 @@ class QueuedRequest(Generic[P]):
     # batcher's max_queue_delay is timed from the request's arrival at the front door
     waited_ns: int = 0
     sequence: SequenceControl | None = None  # the request's sequence (sequence batching only)
+    members: int = 1  # client requests it carries (a gateway's coalescer merges several into one)
 
     def done(self) -> bool:
         """True once the result, an error, or a cancellation is set."""

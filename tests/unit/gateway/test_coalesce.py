@@ -98,36 +98,101 @@ async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse
     return await c.submit(key, r, None, rows, 8, None)
 
 
-async def test_coalescer_merges_while_inflight_and_answers_each() -> None:
+def counting_send(sent: list[int], gate: asyncio.Event, waited: list[int | None] | None = None):
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
+        if raw is not None:  # forwarded as the client's bytes (plus appended parameters)
+            req = pb.ModelInferRequest.FromString(raw)
+        sent.append(req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1)
+        if waited is not None:
+            waited.append(req.parameters[wire.QUEUED_PARAMETER].int64_param
+                          if wire.QUEUED_PARAMETER in req.parameters else None)
+        await gate.wait()
+        return fake_service(req)
+    return send
+
+
+async def test_requests_pending_in_one_pass_travel_as_one_and_nothing_waits() -> None:
+    """The first request of an idle model goes at once; the others of the same event-loop pass are
+    merged and sent at the end of it, while the first is still out: nothing waits for an answer
+    (the service, not the gateway, decides what runs together)."""
     sent: list[int] = []
     waited: list[int | None] = []
     gate = asyncio.Event()
-
-    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
-        sent.append(req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1)
-        waited.append(req.parameters[wire.QUEUED_PARAMETER].int64_param
-                      if wire.QUEUED_PARAMETER in req.parameters else None)
-        await gate.wait()
-        return fake_service(req)
-
-    c = Coalescer(upstream(send), 1)
+    c = Coalescer(upstream(counting_send(sent, gate, waited)), 1)
     reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(6)]
-
-    async def one(r: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        key, rows = merge_key(r, SHAPE)
-        return await c.submit(key, r, None, rows, 8, None)
-
-    tasks = [asyncio.ensure_future(one(r)) for r in reqs]
-    await asyncio.sleep(0.01)
-    assert sent == [1]  # the first goes alone; the rest wait for the one slot
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    for _ in range(100):  # no clock involved: a few loop passes
+        if len(sent) == 2:
+            break
+        await asyncio.sleep(0)
+    assert sent == [1, 5]  # before any answer came back
+    assert waited == [None, None]  # passing through in one loop pass is not queueing: no queued time
     gate.set()
     outs = await asyncio.gather(*tasks)
-    assert sent == [1, 5]  # then the five pending ones travel as one merged request
-    # ... telling the service how long its oldest member already waited here (>= the 10 ms above)
-    assert waited[0] is None and waited[1] is not None and waited[1] >= 10_000
     for i, out in enumerate(outs):
         assert out.id == f"r{i}"
         np.testing.assert_array_equal(np.frombuffer(out.raw_output_contents[0], np.float32), np.full(16, i + 1.0))
+    assert not c._groups  # an idle model leaves nothing behind
+
+
+async def test_an_idle_model_sends_alone_and_is_busy_meanwhile() -> None:
+    """``send_alone`` (the gateway's path for a model with nothing here, no merge check) marks the
+    model busy while it is out, so requests arriving meanwhile take the merging path."""
+    sent: list[int] = []
+    gate = asyncio.Event()
+    c = Coalescer(SimpleNamespace(send=lambda req, raw, timeout, affinity=None: counting_send(sent, gate)(
+        req, raw, timeout), replicas=[SimpleNamespace(healthy=True)]), 1)
+    assert c.idle("add_sub")
+    first = asyncio.ensure_future(c.send_alone(request(np.zeros((1, 16)), np.zeros((1, 16)), "a"), None, None))
+    await asyncio.sleep(0)
+    assert not c.idle("add_sub") and c.idle("other")
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(4)]
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    for _ in range(100):
+        if len(sent) == 3:
+            break
+        await asyncio.sleep(0)
+    assert sent == [1, 1, 3]  # the first of the group goes at once, the rest of the pass merged
+    gate.set()
+    assert [o.id for o in await asyncio.gather(first, *tasks)] == ["a", "r0", "r1", "r2", "r3"]
+    assert c.idle("add_sub") and not c._groups
+
+
+async def test_requests_wait_only_while_full_batches_are_in_flight() -> None:
+    """With one full batch per replica allowed (``1``): a request of max_batch_size rows fills it, so
+    the next ones wait in the gateway, and leave as one merged request when its rows come back,
+    telling the service how long they already waited (its max_queue_delay counts from there)."""
+    sent: list[int] = []
+    waited: list[int | None] = []
+    gate = asyncio.Event()
+    c = Coalescer(upstream(counting_send(sent, gate, waited)), 1)
+    full = request(np.zeros((8, 16)), np.zeros((8, 16)), "full")
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(3)]
+    first = asyncio.ensure_future(submit(c, full))
+    await asyncio.sleep(0)
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    await asyncio.sleep(0.01)
+    assert sent == [1]  # 8 rows in flight: the bound (1 batch of 8 rows x 1 instance x 1 replica)
+    gate.set()
+    outs = await asyncio.gather(first, *tasks)
+    assert sent == [1, 3]
+    assert waited[1] is not None and waited[1] >= 10_000
+    assert [o.id for o in outs] == ["full", "r0", "r1", "r2"]
+
+
+async def test_the_bound_counts_instances() -> None:
+    """Two instances take two batches at once: two full requests go out before anything waits."""
+    sent: list[int] = []
+    gate = asyncio.Event()
+    c = Coalescer(upstream(counting_send(sent, gate)), 1)
+    reqs = [request(np.zeros((8, 16)), np.zeros((8, 16)), f"f{i}") for i in range(3)]
+    key, rows = merge_key(reqs[0], SHAPE)
+    tasks = [asyncio.ensure_future(c.submit(key, r, None, rows, 8, None, instances=2)) for r in reqs]
+    await asyncio.sleep(0.01)
+    assert sent == [1, 1]
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert sent == [1, 1, 1]
 
 
 async def test_a_merge_stops_at_the_byte_limit() -> None:
@@ -147,8 +212,8 @@ async def test_a_merge_stops_at_the_byte_limit() -> None:
     limit = 2 * per_request + 100
     c = Coalescer(upstream(send), 1, max_bytes=limit)
     tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
-    for _ in range(1000):  # until the first is sent and the other five wait (no clock involved)
-        if sent and sum(len(g.pending) for g in c._groups.values()) == 5:
+    for _ in range(1000):  # until all six are out (no clock involved)
+        if len(sent) == 4:
             break
         await asyncio.sleep(0)
     gate.set()

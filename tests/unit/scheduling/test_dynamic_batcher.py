@@ -402,3 +402,84 @@ async def test_release_lets_the_next_batch_start_before_results_are_delivered() 
     delivered.set()
     assert await asyncio.wait_for(asyncio.gather(first.future, second.future), 1.0) == ["a", "b"]
     await b.stop()
+
+
+async def test_one_client_at_a_time_pays_the_delay_once() -> None:
+    """c1: the first request waits for company (Triton's delay); once a batch of one request ran with
+    nothing arriving meanwhile, the next lone request runs at once. A request that arrives while
+    one runs ends that: it waits for its delay as Triton's does."""
+    clock = FakeClock(0)
+    ex = Executor(gated=True)
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    first = request("first", arrival_ns=0)
+    b.enqueue(first)
+    await settle()
+    assert ex.batches == []  # no batch ran yet: wait for the delay
+    clock.now = 20 * MS
+    await eventually_async(lambda: ex.batches == [["first"]])
+    ex.open()
+    await first.future
+    await settle()
+    second = request("second", arrival_ns=30 * MS)
+    clock.now = 30 * MS  # the clock stands still from here: only "alone" can run it
+    ex.gate.clear()
+    b.enqueue(second)
+    await eventually_async(lambda: ex.batches == [["first"], ["second"]])
+    third = request("third", arrival_ns=30 * MS)
+    b.enqueue(third)  # arrives while "second" runs
+    ex.open()
+    await second.future
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    assert ex.batches == [["first"], ["second"]]  # company came: third waits for its delay
+    clock.now = 50 * MS
+    await asyncio.wait_for(third.future, 1.0)
+    assert ex.batches == [["first"], ["second"], ["third"]]
+    await b.stop()
+
+
+async def test_a_merged_request_alone_in_its_batch_is_not_one_client() -> None:
+    """A gateway's merged request carries several client requests: a batch of it alone says
+    nothing about one client at a time, so the next lone request still waits for its delay."""
+    clock = FakeClock(0)
+    ex = Executor()
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    merged = request("merged", rows=3, arrival_ns=0)
+    merged.members = 3
+    b.enqueue(merged)
+    clock.now = 20 * MS
+    await asyncio.wait_for(merged.future, 1.0)
+    later = request("later", arrival_ns=30 * MS)
+    clock.now = 30 * MS
+    b.enqueue(later)
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    assert ex.batches == [["merged"]]
+    clock.now = 50 * MS
+    await asyncio.wait_for(later.future, 1.0)
+    await b.stop()
+
+
+async def test_a_lone_request_that_found_the_model_busy_is_not_one_client() -> None:
+    """Only a request that found nothing queued or executing, ran alone and met nobody turns the
+    rule on: one that queued behind a running batch (a gateway spreading a wave of clients) does
+    not, so the next lone request still waits for its delay."""
+    clock = FakeClock(0)
+    ex = Executor(gated=True)
+    b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
+    first = request("first", arrival_ns=0)
+    b.enqueue(first)
+    clock.now = 20 * MS
+    await eventually_async(lambda: ex.batches == [["first"]])
+    behind = request("behind", arrival_ns=20 * MS)
+    b.enqueue(behind)  # queued while "first" runs
+    clock.now = 40 * MS
+    ex.open()
+    await asyncio.wait_for(asyncio.gather(first.future, behind.future), 1.0)
+    assert ex.batches == [["first"], ["behind"]]  # "behind" ran alone and nothing came meanwhile
+    later = request("later", arrival_ns=50 * MS)
+    clock.now = 50 * MS
+    b.enqueue(later)
+    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    assert ex.batches == [["first"], ["behind"]]  # waits for its delay
+    clock.now = 70 * MS
+    await asyncio.wait_for(later.future, 1.0)
+    await b.stop()

@@ -110,3 +110,11 @@ def test_a_run_never_exceeds_max_batch_size(rows: list[int]) -> None:
         action = next_action(rows, 0, now, p)
         assert isinstance(action, Run)
         assert sum(rows[:action.count]) <= 8
+
+
+def test_a_lone_request_runs_at_once_only_when_the_batcher_says_it_is_alone() -> None:
+    """One client at a time (the last batch was one request nothing joined): no delay for company."""
+    assert next_action([1], 0, 0, policy(), alone=True) == Run(1)
+    assert next_action([1], 0, 0, policy()) == Wait(100 * MS)  # Triton's rule otherwise
+    # a second queued request means company: the delay from the oldest applies again
+    assert next_action([1, 1], 0, 0, policy(), alone=True) == Wait(100 * MS)
