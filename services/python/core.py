@@ -84,8 +84,10 @@ class PythonServiceCore(ServiceCore):
                                   config.model_transaction_policy.decoupled, self.options.bls_target,
                                   timeout, self.options.load_timeout_s, self.options.log_level)
                 worker = ModelWorker(spec, self._loop)
-                worker.start()
+                worker.spawn()  # the instances initialize side by side
                 workers.append(worker)
+            for worker in workers:
+                worker.wait_initialized()
         except BaseException:
             for w in workers:
                 w.close()

@@ -115,6 +115,11 @@ class ModelWorker:
     # ---- lifecycle (start/stop block: call them off the event loop) ----------------------
     def start(self) -> None:
         """Start the worker and wait for the model's initialize(); RuntimeLoadError if it fails."""
+        self.spawn()
+        self.wait_initialized()
+
+    def spawn(self) -> None:
+        """Start the worker process and hand it the model (initialize() runs in it meanwhile)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
@@ -130,13 +135,18 @@ class ModelWorker:
         conn.send(("init", {"model_py": str(self.spec.model_py), "args": self.spec.args, "instance": self.name,
                             "decoupled": self.spec.decoupled, "bls_target": self.spec.bls_target,
                             "output_prefix": f"{self.prefix}-out", "log_level": self.spec.log_level}))
+
+    def wait_initialized(self) -> None:
+        """Wait for the spawned worker's initialize(); RuntimeLoadError (worker killed) if it fails."""
+        conn, proc = self._conn, self._proc
+        assert conn is not None and proc is not None
         try:
             if not conn.poll(self.spec.load_timeout_s):
                 raise RuntimeLoadError(f"model '{self.spec.model}': instance '{self.name}' did not initialize "
                                        f"within {self.spec.load_timeout_s:g} s")
             msg = conn.recv()
         except (EOFError, OSError):
-            code = self._proc.wait()
+            code = proc.wait()
             raise RuntimeLoadError(f"model '{self.spec.model}': the worker of instance '{self.name}' "
                                    f"{_status(code)} while loading") from None
         except RuntimeLoadError:
@@ -147,7 +157,7 @@ class ModelWorker:
             raise RuntimeLoadError(f"model '{self.spec.model}': initialize() of instance '{self.name}' failed: "
                                    f"{msg[1]}")
         self.alive, self.reason = True, ""
-        threading.Thread(target=self._read, args=(conn, self._proc), name=f"{self.name}-reader",
+        threading.Thread(target=self._read, args=(conn, proc), name=f"{self.name}-reader",
                          daemon=True).start()
 
     def _kill(self) -> None:

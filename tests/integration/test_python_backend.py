@@ -50,6 +50,9 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     mixed ensemble."""
     repo = python_models.build(tmp_path_factory.mktemp("python_models"))
     python_models.write(repo, "auto_complete_bad", python_models.AUTO_COMPLETE_BAD, None)
+    python_models.write(repo, "faulty_init", python_models.FAULTY_INIT, python_models.config(
+        "faulty_init", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
+        extra="instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
     ens = tmp_path_factory.mktemp("python_ensembles")
     (ens / "mixed_pipeline" / "1").mkdir(parents=True)
     (ens / "mixed_pipeline" / "config.pbtxt").write_text(python_models.MIXED_ENSEMBLE)
@@ -198,6 +201,10 @@ def test_a_model_that_fails_to_initialize_or_complete_is_unavailable_with_its_re
     assert bad["state"] == "UNAVAILABLE"
     assert "input 'X' in auto-complete-config function for model 'auto_complete_bad' is missing 'dims' property" \
         in bad["reason"], bad
+    init = index["faulty_init"]
+    assert init["state"] == "UNAVAILABLE"
+    assert "initialize() of instance 'faulty_init_0_0' failed: RuntimeError: the weights are missing" in init["reason"]
+    assert "faulty_init/1/model.py(6): initialize" in init["reason"], init
     assert index["py_add_sub"]["state"] == "READY"
 
 

@@ -166,6 +166,18 @@ class TritonPythonModel:
                 for _ in requests]
 '''
 
+FAULTY_INIT = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("the weights are missing")
+
+    def execute(self, requests):
+        return []
+'''
+
 FAULTY_KILL = '''
 import os
 import signal
