@@ -241,15 +241,24 @@ class ModelWorker:
         except OSError:
             self._pending.pop(batch_id, None)
             raise InferError.unavailable(self.down_message()) from None
-        timeout = self.spec.execute_timeout_s or None
+        timeout = self.spec.execute_timeout_s
+        # a timer per batch, not wait_for + shield (two more futures and a task per batch)
+        timer = self.loop.call_later(timeout, self._timed_out, batch_id, timeout) if timeout else None
         try:
-            result = await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            self._pending.pop(batch_id, None)
-            self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
-            raise InferError.unavailable(self.down_message()) from None
+            result = await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
         self.failures = 0
         return result  # type: ignore[return-value]
+
+    def _timed_out(self, batch_id: int, timeout: float) -> None:
+        """A batch's execute() outlived the timeout: fail it and kill the worker (restarted)."""
+        entry = self._pending.pop(batch_id, None)
+        if entry is None:
+            return
+        self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
+        _settle(entry[0], InferError.unavailable(self.down_message()))
 
     # ---- the reader thread ---------------------------------------------------------------
     def _read(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
