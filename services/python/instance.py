@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -205,14 +205,15 @@ class ModelWorker:
             self._conn.send(msg)
 
     def cancel(self, key: int) -> None:
-        if self.alive:
+        """The request's client went away: its responses are dropped, the model is told."""
+        if self._streams.pop(key, None) is not None and self.alive:
             try:
                 self._send(("cancel", key))
             except OSError:
                 pass
 
     async def execute(self, payloads: Sequence[Pending], keys: Sequence[int],
-                      sinks: Sequence[StreamSink] = ()) -> tuple[list[bytes | InferError] | None, int]:
+                      sinks: Mapping[int, StreamSink] | None = None) -> tuple[list[bytes | InferError] | None, int]:
         """Run one batch: every request's serialized response or error (None for a decoupled
         model, whose responses go to ``sinks``), and the ns execute() took in the worker."""
         if not self.alive:
@@ -231,8 +232,8 @@ class ModelWorker:
             params, corrid, flags = _parameters(p.request)
             wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
             metas.append((key, p.request.id, corrid, flags, params, wanted, refs))
-        for key, sink in zip(keys, sinks, strict=False):
-            self._streams[key] = sink
+        if sinks:
+            self._streams.update(sinks)
         batch_id = next(self._ids)
         fut: asyncio.Future[object] = self.loop.create_future()
         self._pending[batch_id] = (fut, payloads)

@@ -94,7 +94,7 @@ class PythonModelVersion(ModelVersion):
         worker = self._take()
         start_ns = time.monotonic_ns()
         keys = [id(q.payload) for q in batch]
-        sinks = [self._sinks[k] for k in keys if k in self._sinks] if self.decoupled else []
+        sinks = {k: self._sinks[k] for k in keys if k in self._sinks} if self.decoupled else {}
         out: list[bytes | InferError] | None = None
         failure: InferError | None = None
         infer_ns = 0
