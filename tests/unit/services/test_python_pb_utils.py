@@ -85,3 +85,16 @@ def test_config_json_is_tritons_form() -> None:
     assert as_dict["input"][0]["data_type"] == "TYPE_FP32" and as_dict["max_batch_size"] == 4
     assert pb_utils.get_input_config_by_name(as_dict, "X") is as_dict["input"][0]
     assert pb_utils.get_output_config_by_name(as_dict, "X") is None
+
+
+def test_dlpack_round_trip_with_torch() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils import dlpack
+
+    t = pb_utils.Tensor("X", np.arange(6, dtype=np.float32).reshape(2, 3))
+    as_torch = dlpack.from_dlpack(t.to_dlpack())
+    assert as_torch.shape == (2, 3) and as_torch.dtype == torch.float32
+    back = pb_utils.Tensor.from_dlpack("Y", as_torch * 2)
+    assert back.name() == "Y" and back.as_numpy().tolist() == [[0, 2, 4], [6, 8, 10]]
+    capsule = pb_utils.Tensor.from_dlpack("Z", dlpack.to_dlpack(torch.ones(2, dtype=torch.int64)))
+    assert capsule.as_numpy().dtype == np.int64 and capsule.as_numpy().tolist() == [1, 1]
