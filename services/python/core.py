@@ -51,8 +51,6 @@ class PythonServiceCore(ServiceCore):
             raise RuntimeLoadError(
                 f"model '{name}': parameter EXECUTION_ENV_PATH (a packed conda environment) is not supported by "
                 "meshserve's python service; install the model's packages into the service's Python environment")
-        if config.HasField("sequence_batching"):
-            raise RuntimeLoadError(f"model '{name}': sequence batching is not supported for python models")
         timeout = self.options.execute_timeout_s
         raw = config_parameter(config, EXECUTE_TIMEOUT_PARAMETER)
         if raw is not None and raw.strip():

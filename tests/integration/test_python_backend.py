@@ -259,6 +259,38 @@ def test_dynamic_batcher_hands_execute_a_list_of_requests(mesh: Mesh) -> None:
         assert params[0, 0] == f'{{"tag":"r{i}"}}'.encode()  # compact JSON, as Triton gives it
 
 
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_sequence_batching_keeps_each_sequence_on_one_instance_in_order(proto: str, mesh: Mesh) -> None:
+    """Two interleaved sequences through the gateway: each request sees its sequence's running
+    sum (the model keeps it in the instance by correlation id) and START/END flags."""
+    m = MODULES[proto]
+    base = 7000 + (proto == "grpc") * 100
+
+    def step(c, seq: int, value: int, start: bool = False, end: bool = False) -> tuple[int, bytes]:
+        inp = m.InferInput("IN", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+        res = c.infer("accumulate", [inp], sequence_id=seq, sequence_start=start, sequence_end=end)
+        return int(res.as_numpy("SUM")[0, 0]), res.as_numpy("WHERE")[0, 0]
+
+    with m.InferenceServerClient(getattr(mesh.gateway, proto)) as c:
+        a, b = base + 1, base + 2
+        sums_a, where_a = zip(*[step(c, a, 1, start=True), step(c, a, 2), step(c, a, 3, end=True)], strict=True)
+        assert sums_a == (1, 3, 6) and len(set(where_a)) == 1
+        first = step(c, b, 10, start=True)
+        second = step(c, base + 3, 5, start=True)  # a second sequence meanwhile
+        assert (first[0], second[0]) == (10, 5)
+        assert step(c, b, 20, end=True)[0] == 30 and step(c, base + 3, 1, end=True)[0] == 6
+        with pytest.raises(InferenceServerException) as err:
+            step(c, base + 4, 1)  # no START for a sequence that is not active
+        assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), err.value
+        assert f"sequence {base + 4} to model 'accumulate' must specify the START flag" in (err.value.message() or "")
+        inp = m.InferInput("IN", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[1]], dtype=np.int32))
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("accumulate", [inp])
+        assert "must specify a non-zero or non-empty correlation ID" in (err.value.message() or "")
+
+
 def test_instances_are_processes_and_a_killed_one_comes_back(mesh: Mesh) -> None:
     """py_add_sub has two instances: two worker processes. Killing one from outside fails at most
     its in-flight requests; it restarts; add_sub serves throughout."""

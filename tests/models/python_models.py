@@ -143,6 +143,34 @@ class TritonPythonModel:
         return responses
 '''
 
+# A running sum per sequence, kept in the instance by correlation id (sequence batching sends a
+# sequence's requests to one instance, in order); OUT also says which instance answered.
+ACCUMULATE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+        self.instance = args["model_instance_name"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            corrid, flags = request.correlation_id(), request.flags()
+            if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                self.sums[corrid] = 0
+            self.sums[corrid] += int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().sum())
+            total = self.sums[corrid]
+            if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+                del self.sums[corrid]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SUM", np.array([[total]], dtype=np.int32)),
+                pb_utils.Tensor("WHERE", np.array([[self.instance.encode()]], dtype=np.object_))]))
+        return responses
+'''
+
 FAULTY_RAISE = '''
 import triton_python_backend_utils as pb_utils
 
@@ -376,6 +404,10 @@ def build(repo: Path, instances: int = 2) -> Path:
     write(repo, "square_int32", SQUARE_INT32, config(
         "square_int32", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")], 0, DECOUPLED))
     write(repo, "auto_complete", AUTO_COMPLETE, None)
+    write(repo, "accumulate", ACCUMULATE, config(
+        "accumulate", [("IN", "TYPE_INT32", "1")], [("SUM", "TYPE_INT32", "1"), ("WHERE", "TYPE_STRING", "1")], 2,
+        "sequence_batching { max_sequence_idle_microseconds: 10000000 }\n"
+        "instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
     write(repo, "preprocess", PREPROCESS, config(
         "preprocess", [("RAW", "TYPE_FP32", str(WIDTH))], [("A", "TYPE_FP32", str(WIDTH)), ("B", "TYPE_FP32", str(WIDTH))], 8))
     write(repo, "postprocess", POSTPROCESS, config(
