@@ -244,6 +244,8 @@ class Worker:
 
     # ---- pb_utils.WorkerRuntime ----------------------------------------------------------
     def send_response(self, key: int, response: pb_utils.InferenceResponse | None, flags: int) -> None:
+        if flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self._cancelled.discard(key)  # the request is done: forget that it was cancelled
         if response is None:
             self.send(("resp", key, None, [], flags))
             return
