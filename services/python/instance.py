@@ -101,6 +101,7 @@ class ModelWorker:
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending]]] = {}
         self._streams: dict[int, StreamSink] = {}
+        self._running: set[int] = set()  # keys of the requests in the batch execute() is running
         self._stopping = False
         self._send_lock = threading.Lock()
 
@@ -205,8 +206,9 @@ class ModelWorker:
             self._conn.send(msg)
 
     def cancel(self, key: int) -> None:
-        """The request's client went away: its responses are dropped, the model is told."""
-        if self._streams.pop(key, None) is not None and self.alive:
+        """A request's client went away: its responses are dropped and, if this worker runs it,
+        the model is told (``request.is_cancelled()``)."""
+        if (self._streams.pop(key, None) is not None or key in self._running) and self.alive:
             try:
                 self._send(("cancel", key))
             except OSError:
@@ -245,9 +247,11 @@ class ModelWorker:
         timeout = self.spec.execute_timeout_s
         # a timer per batch, not wait_for + shield (two more futures and a task per batch)
         timer = self.loop.call_later(timeout, self._timed_out, batch_id, timeout) if timeout else None
+        self._running.update(keys)
         try:
             result = await fut
         finally:
+            self._running.difference_update(keys)
             if timer is not None:
                 timer.cancel()
         self.failures = 0

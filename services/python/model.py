@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -151,6 +152,14 @@ class PythonModelVersion(ModelVersion):
         start_ns = time.monotonic_ns()
         keys = [id(q.payload) for q in batch]
         sinks = {k: self._sinks[k] for k in keys if k in self._sinks} if self.decoupled else {}
+        # a request whose client went away, or whose deadline passes, while execute() runs: the
+        # model is told (request.is_cancelled())
+        loop = asyncio.get_running_loop()
+        timers = []
+        for q, key in zip(batch, keys, strict=True):
+            q.future.add_done_callback(functools.partial(_cancel_if_cancelled, worker, key))
+            if q.deadline_ns is not None:
+                timers.append(loop.call_later(max(0.0, (q.deadline_ns - start_ns) / 1e9), worker.cancel, key))
         out: list[bytes | InferError] | None = None
         failure: InferError | None = None
         infer_ns = 0
@@ -161,6 +170,8 @@ class PythonModelVersion(ModelVersion):
         except Exception as exc:
             failure = self._failure(exc)
         finally:
+            for timer in timers:
+                timer.cancel()
             if release is not None:
                 release()
         end_ns = time.monotonic_ns()
@@ -235,3 +246,8 @@ def _forward_error(task: asyncio.Task[bytes], answers: asyncio.Queue[tuple[bytes
     exc = task.exception()
     if exc is not None:
         answers.put_nowait(exc if isinstance(exc, InferError) else InferError.internal(str(exc)))
+
+
+def _cancel_if_cancelled(worker: ModelWorker, key: int, fut: asyncio.Future[object]) -> None:
+    if fut.cancelled():
+        worker.cancel(key)

@@ -291,6 +291,19 @@ def test_sequence_batching_keeps_each_sequence_on_one_instance_in_order(proto: s
         assert "must specify a non-zero or non-empty correlation ID" in (err.value.message() or "")
 
 
+def test_a_request_past_its_deadline_is_cancelled_in_the_model(mesh: Mesh) -> None:
+    """wait_for_cancel runs until request.is_cancelled(): a gRPC client's 1 s deadline (it travels
+    to the service) passing while execute() runs cancels the request in the model."""
+    before = "".join(mesh.python.output).count("wait_for_cancel: cancelled")
+    inp = grpcclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    with grpcclient.InferenceServerClient(mesh.python.grpc) as c, pytest.raises(InferenceServerException) as err:
+        c.infer("wait_for_cancel", [inp], client_timeout=1)
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    eventually(lambda: "".join(mesh.python.output).count("wait_for_cancel: cancelled") > before, timeout=15,
+               what="the model saw request.is_cancelled()")
+
+
 def test_instances_are_processes_and_a_killed_one_comes_back(mesh: Mesh) -> None:
     """py_add_sub has two instances: two worker processes. Killing one from outside fails at most
     its in-flight requests; it restarts; add_sub serves throughout."""

@@ -218,6 +218,23 @@ class TritonPythonModel:
         os.kill(os.getpid(), signal.SIGKILL)
 '''
 
+# Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
+WAIT_FOR_CANCEL = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        deadline = time.monotonic() + 20
+        while not all(r.is_cancelled() for r in requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if time.monotonic() < deadline else "not cancelled"))
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, dtype=np.float32))]) for _ in requests]
+'''
+
 FAULTY_HANG = '''
 import time
 
@@ -398,6 +415,8 @@ def build(repo: Path, instances: int = 2) -> Path:
     write(repo, "faulty_kill", FAULTY_KILL, config("faulty_kill", one, one))
     write(repo, "faulty_hang", FAULTY_HANG, config(
         "faulty_hang", one, one, 0, 'parameters { key: "execute_timeout_seconds" value: { string_value: "1" } }\n'))
+    write(repo, "wait_for_cancel", WAIT_FOR_CANCEL, config(
+        "wait_for_cancel", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))
     write(repo, "repeat_int32", REPEAT_INT32, config(
         "repeat_int32", [("IN", "TYPE_INT32", "-1"), ("DELAY", "TYPE_UINT32", "-1")],
         [("OUT", "TYPE_INT32", "1"), ("IDX", "TYPE_UINT32", "1")], 0, DECOUPLED))
