@@ -44,6 +44,15 @@ class PythonServiceCore(ServiceCore):
                 mv.stop_restarts()  # a worker that exits while the service drains stays down
         await super().stop(drain)
 
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """Triton's model metrics, then the python models' custom metrics (MetricFamily): the same
+        family and labels in several instances are one metric, as in Triton's single process:
+        counters add up, a gauge shows the value set last."""
+        body, content_type = await super().metrics_text()
+        workers = [w for mv in self._all_versions() if isinstance(mv, PythonModelVersion) for w in mv.workers]
+        snapshots = await asyncio.gather(*(w.metrics() for w in workers))
+        return body + render_custom_metrics([m for snap in snapshots for m in snap]), content_type
+
     def _build_version(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         assert self._loop is not None
         name = config.name
@@ -91,3 +100,32 @@ class PythonServiceCore(ServiceCore):
                 w.close()
             raise
         return PythonModelVersion(config, version, path, workers)
+
+
+def render_custom_metrics(metrics: list[tuple[str, str, int, tuple[tuple[str, str], ...], float, float]]) -> bytes:
+    """Prometheus text of the workers' custom metrics, merged across instances."""
+    families: dict[str, tuple[str, int]] = {}
+    merged: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = {}
+    for name, description, kind, labels, value, updated in metrics:
+        families.setdefault(name, (description, kind))
+        key = (name, labels)
+        if key in merged:
+            total, at = merged[key]
+            if kind == 0:  # counter
+                value, updated = total + value, max(at, updated)
+            elif at > updated:  # gauge: the latest set
+                value, updated = total, at
+        merged[key] = (value, updated)
+    lines: list[str] = []
+    for name, (description, kind) in families.items():
+        lines.append(f"# HELP {name} {description}")
+        lines.append(f"# TYPE {name} {'counter' if kind == 0 else 'gauge'}")
+        for (fam, labels), (value, _) in merged.items():
+            if fam == name:
+                lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+                lines.append(f"{name}{{{lab}}} {value:g}")
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

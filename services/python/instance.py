@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import cast
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
@@ -102,6 +103,7 @@ class ModelWorker:
         self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending]]] = {}
         self._streams: dict[int, StreamSink] = {}
         self._running: set[int] = set()  # keys of the requests in the batch execute() is running
+        self._metric_requests: dict[int, asyncio.Future[object]] = {}
         self._stopping = False
         self._send_lock = threading.Lock()
 
@@ -265,6 +267,21 @@ class ModelWorker:
         self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
         _settle(entry[0], InferError.unavailable(self.down_message()))
 
+    async def metrics(self, timeout: float = 2.0) -> list:
+        """The worker's custom metrics (pb_utils.metrics_snapshot); [] when it is down or slow."""
+        if not self.alive:
+            return []
+        ask = next(self._ids)
+        fut: asyncio.Future[object] = self.loop.create_future()
+        self._metric_requests[ask] = fut
+        try:
+            self._send(("metrics", ask))
+            return cast(list, await asyncio.wait_for(fut, timeout))
+        except (OSError, TimeoutError):
+            return []
+        finally:
+            self._metric_requests.pop(ask, None)
+
     # ---- the reader thread ---------------------------------------------------------------
     def _read(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
         while True:
@@ -292,6 +309,11 @@ class ModelWorker:
             if sink is not None:
                 item = self._stream_item(err, outs, final)
                 self.loop.call_soon_threadsafe(sink, item)
+            return
+        if kind == "metrics":
+            asked = self._metric_requests.pop(msg[1], None)
+            if asked is not None:
+                self.loop.call_soon_threadsafe(_settle, asked, msg[2])
             return
         entry = self._pending.pop(msg[1], None)
         if entry is None:

@@ -141,6 +141,8 @@ class Worker:
                 return
             if msg[0] == "cancel":
                 self._cancelled.add(msg[1])
+            elif msg[0] == "metrics":  # answered here, also while execute() runs
+                self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
             else:
                 self._inbox.put(msg)
 

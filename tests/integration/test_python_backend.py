@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from services.base.core import DECOUPLED_UNARY
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.models import python_models
+from tests.support.metrics import sample, scrape
 from tests.support.waiting import eventually
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
@@ -302,6 +303,29 @@ def test_a_request_past_its_deadline_is_cancelled_in_the_model(mesh: Mesh) -> No
     assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     eventually(lambda: "".join(mesh.python.output).count("wait_for_cancel: cancelled") > before, timeout=15,
                what="the model saw request.is_cancelled()")
+
+
+def test_custom_metrics_of_every_instance_on_the_services_metrics(mesh: Mesh) -> None:
+    """counted (2 instances) counts its requests and sets a gauge: /metrics shows one counter
+    summed over the instances and the gauge's last value, as Triton's one process would."""
+    before = scrape(mesh.python.http).get(("counted_requests", frozenset({("model", "counted")})), 0.0)
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0]
+
+    def one(v: float) -> None:
+        inp = grpcclient.InferInput("X", [1], "FP32")
+        inp.set_data_from_numpy(np.array([v], dtype=np.float32))
+        with grpcclient.InferenceServerClient(mesh.python.grpc) as c:
+            c.infer("counted", [inp])
+
+    threads = [threading.Thread(target=one, args=(v,)) for v in values[:-1]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    one(values[-1])  # the last one set: the gauge shows it
+    samples = scrape(mesh.python.http)
+    assert sample(samples, "counted_requests", model="counted") == before + len(values)
+    assert sample(samples, "counted_last_input", model="counted") == values[-1]
 
 
 def test_instances_are_processes_and_a_killed_one_comes_back(mesh: Mesh) -> None:

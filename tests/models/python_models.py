@@ -235,6 +235,30 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, dtype=np.float32))]) for _ in requests]
 '''
 
+# Custom metrics (Triton's MetricFamily): a counter of requests and a gauge of the last input.
+COUNTED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        labels = {"model": args["model_name"]}
+        self.requests = pb_utils.MetricFamily("counted_requests", "requests counted by the model",
+                                              pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+        self.last = pb_utils.MetricFamily("counted_last_input", "the last input seen",
+                                          pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            self.requests.increment(1)
+            self.last.set(float(x.reshape(-1)[0]))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return out
+'''
+
 FAULTY_HANG = '''
 import time
 
@@ -415,6 +439,8 @@ def build(repo: Path, instances: int = 2) -> Path:
     write(repo, "faulty_kill", FAULTY_KILL, config("faulty_kill", one, one))
     write(repo, "faulty_hang", FAULTY_HANG, config(
         "faulty_hang", one, one, 0, 'parameters { key: "execute_timeout_seconds" value: { string_value: "1" } }\n'))
+    write(repo, "counted", COUNTED, config("counted", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")], 0,
+                                          "instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
     write(repo, "wait_for_cancel", WAIT_FOR_CANCEL, config(
         "wait_for_cancel", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))
     write(repo, "repeat_int32", REPEAT_INT32, config(
