@@ -9,7 +9,9 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository import layout
 from services.base.core import ServiceCore
 from services.base.model import ModelVersion
-from services.base.runtime import RuntimeLoadError, config_parameter, placements
+from services.base.runtime import RuntimeInstance, RuntimeLoadError, config_parameter, placements
+from services.base.validation import ModelTensors
+from services.base.warmup import run_warmup
 from services.python.autocomplete import config_json
 from services.python.instance import ModelWorker, WorkerSpec
 from services.python.model import PythonModelVersion
@@ -70,12 +72,11 @@ class PythonServiceCore(ServiceCore):
                                        f"seconds, got '{raw}'") from None
             if timeout < 0:
                 raise RuntimeLoadError(f"model '{name}': parameter '{EXECUTE_TIMEOUT_PARAMETER}' must be >= 0")
-        if config.model_warmup:
-            raise RuntimeLoadError(f"model '{name}': model_warmup is not supported for python models yet")
         model_file = layout.model_file(path, config, version)
         if not model_file.is_file():
             raise RuntimeLoadError(f"model '{name}': {model_file} not found")
         model_config = config_json(config)
+        tensors = ModelTensors.from_config(config)
         per_group: dict[str, int] = {}
         workers: list[ModelWorker] = []
         try:
@@ -89,12 +90,13 @@ class PythonServiceCore(ServiceCore):
                         "model_version": str(version), "model_name": name}
                 spec = WorkerSpec(model_file, args, f"{p.group}_{index}", name, str(version),
                                   config.model_transaction_policy.decoupled, self.options.bls_target,
-                                  timeout, self.options.load_timeout_s, self.options.log_level)
+                                  timeout, self.options.load_timeout_s, self.options.log_level, tensors)
                 worker = ModelWorker(spec, self._loop)
                 worker.spawn()  # the instances initialize side by side
                 workers.append(worker)
             for worker in workers:
                 worker.wait_initialized()
+            run_warmup(config, list[RuntimeInstance](workers), path)  # through ModelWorker.run, before it serves
         except BaseException:
             for w in workers:
                 w.close()

@@ -27,10 +27,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import cast
 
+import numpy as np
+
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import datatypes
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server.core import NO_HOP
 from services.base.runtime import RuntimeLoadError
-from services.base.validation import Pending
+from services.base.validation import ModelTensors, Pending, prepare
 from services.python.ipc import SHM_DIR, RegionReader, RegionWriter, TensorRef, aligned, unlink
 
 log = logging.getLogger("meshserve.python")
@@ -57,6 +61,7 @@ class WorkerSpec:
     execute_timeout_s: float  # 0 = none
     load_timeout_s: float
     log_level: str = "INFO"
+    tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
 
 
 def _status(code: int) -> str:
@@ -266,6 +271,35 @@ class ModelWorker:
             return
         self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
         _settle(entry[0], InferError.unavailable(self.down_message()))
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        """One request through ``execute()``, from a thread other than the loop's (model_warmup
+        calls it at load: services/base/warmup.py); its outputs, or the request's error raised."""
+        request = pb.ModelInferRequest(model_name=self.spec.model)
+        for name, arr in inputs.items():
+            datatype = "BYTES" if arr.dtype == np.object_ else datatypes.from_numpy(arr.dtype)
+            request.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+            request.raw_input_contents.append(datatypes.serialize_bytes(arr.reshape(-1).tolist())
+                                              if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes())
+        for name in output_names:
+            request.outputs.add(name=name)
+        assert self.spec.tensors is not None, "a worker that runs warmup requests knows the model's tensors"
+        pending = prepare(self.spec.tensors, request, NO_HOP)
+        timeout = self.spec.execute_timeout_s or None
+        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [id(pending)]), self.loop).result(timeout)
+        answer = out[0] if out else None
+        if isinstance(answer, InferError):
+            raise answer
+        if answer is None:
+            return {}  # a decoupled model's responses go to no one here
+        resp = pb.ModelInferResponse.FromString(answer)
+        result = {}
+        for i, t in enumerate(resp.outputs):
+            raw = resp.raw_output_contents[i]
+            arr = (np.array(datatypes.deserialize_bytes(raw), dtype=np.object_) if t.datatype == "BYTES"
+                   else np.frombuffer(raw, dtype=datatypes.numpy_dtype(t.datatype)))
+            result[t.name] = arr.reshape(list(t.shape))
+        return result
 
     async def metrics(self, timeout: float = 2.0) -> list:
         """The worker's custom metrics (pb_utils.metrics_snapshot); [] when it is down or slow."""

@@ -328,6 +328,15 @@ def test_custom_metrics_of_every_instance_on_the_services_metrics(mesh: Mesh) ->
     assert sample(samples, "counted_last_input", model="counted") == values[-1]
 
 
+def test_model_warmup_runs_before_the_model_serves(mesh: Mesh) -> None:
+    """warmed counts what its instance executed: its three warmup requests ran at load."""
+    inp = httpclient.InferInput("X", [1, 1], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
+    with httpclient.InferenceServerClient(mesh.python.http) as c:
+        seen = int(c.infer("warmed", [inp]).as_numpy("SEEN")[0, 0])
+    assert seen == 3 + 1
+
+
 def test_instances_are_processes_and_a_killed_one_comes_back(mesh: Mesh) -> None:
     """py_add_sub has two instances: two worker processes. Killing one from outside fails at most
     its in-flight requests; it restarts; add_sub serves throughout."""

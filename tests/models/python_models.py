@@ -259,6 +259,24 @@ class TritonPythonModel:
         return out
 '''
 
+# How many requests its instance executed (model_warmup's included).
+WARMED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = 0
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            self.seen += 1
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", np.array([[self.seen]], dtype=np.int32))]))
+        return out
+'''
+
 FAULTY_HANG = '''
 import time
 
@@ -441,6 +459,10 @@ def build(repo: Path, instances: int = 2) -> Path:
         "faulty_hang", one, one, 0, 'parameters { key: "execute_timeout_seconds" value: { string_value: "1" } }\n'))
     write(repo, "counted", COUNTED, config("counted", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")], 0,
                                           "instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
+    write(repo, "warmed", WARMED, config(
+        "warmed", [("X", "TYPE_FP32", "1")], [("SEEN", "TYPE_INT32", "1")], 4,
+        'model_warmup [ { name: "zeros" batch_size: 2 count: 3 inputs { key: "X" value: '
+        "{ data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]\n"))
     write(repo, "wait_for_cancel", WAIT_FOR_CANCEL, config(
         "wait_for_cancel", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))
     write(repo, "repeat_int32", REPEAT_INT32, config(
