@@ -84,13 +84,14 @@ def service_kind(config: mc.ModelConfig) -> str | None:
 
     ``"ensemble"`` for platform ensemble (run by the gateway); ``"sequence"`` for ONNX and
     TorchScript models with ``sequence_batching``; else ``"onnx"``, ``"torchscript"`` or
-    ``"tensorrt"`` by backend; ``"python"`` for Triton's python backend (``model.py``), without
-    sequence batching. Python or TensorRT models with sequence batching → None.
+    ``"tensorrt"`` by backend; ``"python"`` for Triton's python backend (``model.py``, sequence
+    batching included: the python service batches its sequences). TensorRT models with sequence
+    batching → None.
     """
     if config.platform == ENSEMBLE_PLATFORM:
         return "ensemble"
     backend = _backend(config)
-    if config.HasField("sequence_batching"):
+    if config.HasField("sequence_batching") and backend != "python":
         return "sequence" if backend in _SEQUENCE_BACKENDS else None
     return _KIND_BY_BACKEND.get(backend)
 
@@ -174,7 +175,7 @@ def _fill(entry: ModelEntry, override_json: str | None, gpu_available: bool) -> 
     if entry.kind is None:
         backend = _backend(config) or config.platform
         if config.HasField("sequence_batching") and backend not in _SEQUENCE_BACKENDS:
-            problem("sequence_batching", f"sequence batching is served for onnxruntime and pytorch "
+            problem("sequence_batching", f"sequence batching is served for onnxruntime, pytorch and python "
                     f"models only, not '{backend}'")
         else:
             problem("backend", f"'{backend}' is not served by meshserve "

@@ -196,6 +196,14 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
     return Pending(request, inputs, outputs, rows, tuple(sig), merged)
 
 
+def require_single_row(pending: Pending, model: str, max_batch_size: int) -> None:
+    """A request to a sequence-batched model carries one row (Triton's sequence batcher rule)."""
+    if max_batch_size > 0 and pending.rows != 1:
+        raise InferError.invalid(
+            f"inference request to model '{model}' must specify batch-size 1 due to requirements "
+            f"of sequence batcher (got {pending.rows})")
+
+
 def int_param(p: pb.InferParameter) -> int:
     """An integer request parameter (any integer form); INVALID_ARGUMENT otherwise."""
     value = int_value(p)

@@ -9,7 +9,9 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository import layout
 from services.base.core import ServiceCore
 from services.base.model import ModelVersion
-from services.base.runtime import RuntimeLoadError, config_parameter, placements
+from services.base.runtime import RuntimeInstance, RuntimeLoadError, config_parameter, placements
+from services.base.validation import ModelTensors
+from services.base.warmup import run_warmup
 from services.python.autocomplete import config_json
 from services.python.instance import ModelWorker, WorkerSpec
 from services.python.model import PythonModelVersion
@@ -44,6 +46,15 @@ class PythonServiceCore(ServiceCore):
                 mv.stop_restarts()  # a worker that exits while the service drains stays down
         await super().stop(drain)
 
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """Triton's model metrics, then the python models' custom metrics (MetricFamily): the same
+        family and labels in several instances are one metric, as in Triton's single process:
+        counters add up, a gauge shows the value set last."""
+        body, content_type = await super().metrics_text()
+        workers = [w for mv in self._all_versions() if isinstance(mv, PythonModelVersion) for w in mv.workers]
+        snapshots = await asyncio.gather(*(w.metrics() for w in workers))
+        return body + render_custom_metrics([m for snap in snapshots for m in snap]), content_type
+
     def _build_version(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         assert self._loop is not None
         name = config.name
@@ -51,8 +62,6 @@ class PythonServiceCore(ServiceCore):
             raise RuntimeLoadError(
                 f"model '{name}': parameter EXECUTION_ENV_PATH (a packed conda environment) is not supported by "
                 "meshserve's python service; install the model's packages into the service's Python environment")
-        if config.HasField("sequence_batching"):
-            raise RuntimeLoadError(f"model '{name}': sequence batching is not supported for python models")
         timeout = self.options.execute_timeout_s
         raw = config_parameter(config, EXECUTE_TIMEOUT_PARAMETER)
         if raw is not None and raw.strip():
@@ -63,12 +72,11 @@ class PythonServiceCore(ServiceCore):
                                        f"seconds, got '{raw}'") from None
             if timeout < 0:
                 raise RuntimeLoadError(f"model '{name}': parameter '{EXECUTE_TIMEOUT_PARAMETER}' must be >= 0")
-        if config.model_warmup:
-            raise RuntimeLoadError(f"model '{name}': model_warmup is not supported for python models yet")
         model_file = layout.model_file(path, config, version)
         if not model_file.is_file():
             raise RuntimeLoadError(f"model '{name}': {model_file} not found")
         model_config = config_json(config)
+        tensors = ModelTensors.from_config(config)
         per_group: dict[str, int] = {}
         workers: list[ModelWorker] = []
         try:
@@ -82,12 +90,44 @@ class PythonServiceCore(ServiceCore):
                         "model_version": str(version), "model_name": name}
                 spec = WorkerSpec(model_file, args, f"{p.group}_{index}", name, str(version),
                                   config.model_transaction_policy.decoupled, self.options.bls_target,
-                                  timeout, self.options.load_timeout_s, self.options.log_level)
+                                  timeout, self.options.load_timeout_s, self.options.log_level, tensors)
                 worker = ModelWorker(spec, self._loop)
-                worker.start()
+                worker.spawn()  # the instances initialize side by side
                 workers.append(worker)
+            for worker in workers:
+                worker.wait_initialized()
+            run_warmup(config, list[RuntimeInstance](workers), path)  # through ModelWorker.run, before it serves
         except BaseException:
             for w in workers:
                 w.close()
             raise
         return PythonModelVersion(config, version, path, workers)
+
+
+def render_custom_metrics(metrics: list[tuple[str, str, int, tuple[tuple[str, str], ...], float, float]]) -> bytes:
+    """Prometheus text of the workers' custom metrics, merged across instances."""
+    families: dict[str, tuple[str, int]] = {}
+    merged: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = {}
+    for name, description, kind, labels, value, updated in metrics:
+        families.setdefault(name, (description, kind))
+        key = (name, labels)
+        if key in merged:
+            total, at = merged[key]
+            if kind == 0:  # counter
+                value, updated = total + value, max(at, updated)
+            elif at > updated:  # gauge: the latest set
+                value, updated = total, at
+        merged[key] = (value, updated)
+    lines: list[str] = []
+    for name, (description, kind) in families.items():
+        lines.append(f"# HELP {name} {description}")
+        lines.append(f"# TYPE {name} {'counter' if kind == 0 else 'gauge'}")
+        for (fam, labels), (value, _) in merged.items():
+            if fam == name:
+                lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+                lines.append(f"{name}{{{lab}}} {value:g}")
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

@@ -21,15 +21,20 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import cast
+
+import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import datatypes
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server.core import NO_HOP
 from services.base.runtime import RuntimeLoadError
-from services.base.validation import Pending
+from services.base.validation import ModelTensors, Pending, prepare
 from services.python.ipc import SHM_DIR, RegionReader, RegionWriter, TensorRef, aligned, unlink
 
 log = logging.getLogger("meshserve.python")
@@ -56,6 +61,7 @@ class WorkerSpec:
     execute_timeout_s: float  # 0 = none
     load_timeout_s: float
     log_level: str = "INFO"
+    tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
 
 
 def _status(code: int) -> str:
@@ -101,6 +107,8 @@ class ModelWorker:
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending]]] = {}
         self._streams: dict[int, StreamSink] = {}
+        self._running: set[int] = set()  # keys of the requests in the batch execute() is running
+        self._metric_requests: dict[int, asyncio.Future[object]] = {}
         self._stopping = False
         self._send_lock = threading.Lock()
 
@@ -115,6 +123,11 @@ class ModelWorker:
     # ---- lifecycle (start/stop block: call them off the event loop) ----------------------
     def start(self) -> None:
         """Start the worker and wait for the model's initialize(); RuntimeLoadError if it fails."""
+        self.spawn()
+        self.wait_initialized()
+
+    def spawn(self) -> None:
+        """Start the worker process and hand it the model (initialize() runs in it meanwhile)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
@@ -130,13 +143,18 @@ class ModelWorker:
         conn.send(("init", {"model_py": str(self.spec.model_py), "args": self.spec.args, "instance": self.name,
                             "decoupled": self.spec.decoupled, "bls_target": self.spec.bls_target,
                             "output_prefix": f"{self.prefix}-out", "log_level": self.spec.log_level}))
+
+    def wait_initialized(self) -> None:
+        """Wait for the spawned worker's initialize(); RuntimeLoadError (worker killed) if it fails."""
+        conn, proc = self._conn, self._proc
+        assert conn is not None and proc is not None
         try:
             if not conn.poll(self.spec.load_timeout_s):
                 raise RuntimeLoadError(f"model '{self.spec.model}': instance '{self.name}' did not initialize "
                                        f"within {self.spec.load_timeout_s:g} s")
             msg = conn.recv()
         except (EOFError, OSError):
-            code = self._proc.wait()
+            code = proc.wait()
             raise RuntimeLoadError(f"model '{self.spec.model}': the worker of instance '{self.name}' "
                                    f"{_status(code)} while loading") from None
         except RuntimeLoadError:
@@ -147,7 +165,7 @@ class ModelWorker:
             raise RuntimeLoadError(f"model '{self.spec.model}': initialize() of instance '{self.name}' failed: "
                                    f"{msg[1]}")
         self.alive, self.reason = True, ""
-        threading.Thread(target=self._read, args=(conn, self._proc), name=f"{self.name}-reader",
+        threading.Thread(target=self._read, args=(conn, proc), name=f"{self.name}-reader",
                          daemon=True).start()
 
     def _kill(self) -> None:
@@ -195,14 +213,16 @@ class ModelWorker:
             self._conn.send(msg)
 
     def cancel(self, key: int) -> None:
-        if self.alive:
+        """A request's client went away: its responses are dropped and, if this worker runs it,
+        the model is told (``request.is_cancelled()``)."""
+        if (self._streams.pop(key, None) is not None or key in self._running) and self.alive:
             try:
                 self._send(("cancel", key))
             except OSError:
                 pass
 
     async def execute(self, payloads: Sequence[Pending], keys: Sequence[int],
-                      sinks: Sequence[StreamSink] = ()) -> tuple[list[bytes | InferError] | None, int]:
+                      sinks: Mapping[int, StreamSink] | None = None) -> tuple[list[bytes | InferError] | None, int]:
         """Run one batch: every request's serialized response or error (None for a decoupled
         model, whose responses go to ``sinks``), and the ns execute() took in the worker."""
         if not self.alive:
@@ -221,8 +241,8 @@ class ModelWorker:
             params, corrid, flags = _parameters(p.request)
             wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
             metas.append((key, p.request.id, corrid, flags, params, wanted, refs))
-        for key, sink in zip(keys, sinks, strict=False):
-            self._streams[key] = sink
+        if sinks:
+            self._streams.update(sinks)
         batch_id = next(self._ids)
         fut: asyncio.Future[object] = self.loop.create_future()
         self._pending[batch_id] = (fut, payloads)
@@ -231,15 +251,70 @@ class ModelWorker:
         except OSError:
             self._pending.pop(batch_id, None)
             raise InferError.unavailable(self.down_message()) from None
-        timeout = self.spec.execute_timeout_s or None
+        timeout = self.spec.execute_timeout_s
+        # a timer per batch, not wait_for + shield (two more futures and a task per batch)
+        timer = self.loop.call_later(timeout, self._timed_out, batch_id, timeout) if timeout else None
+        self._running.update(keys)
         try:
-            result = await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            self._pending.pop(batch_id, None)
-            self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
-            raise InferError.unavailable(self.down_message()) from None
+            result = await fut
+        finally:
+            self._running.difference_update(keys)
+            if timer is not None:
+                timer.cancel()
         self.failures = 0
         return result  # type: ignore[return-value]
+
+    def _timed_out(self, batch_id: int, timeout: float) -> None:
+        """A batch's execute() outlived the timeout: fail it and kill the worker (restarted)."""
+        entry = self._pending.pop(batch_id, None)
+        if entry is None:
+            return
+        self.kill(f"execute() did not return within {timeout:g} s; the worker was killed")
+        _settle(entry[0], InferError.unavailable(self.down_message()))
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        """One request through ``execute()``, from a thread other than the loop's (model_warmup
+        calls it at load: services/base/warmup.py); its outputs, or the request's error raised."""
+        request = pb.ModelInferRequest(model_name=self.spec.model)
+        for name, arr in inputs.items():
+            datatype = "BYTES" if arr.dtype == np.object_ else datatypes.from_numpy(arr.dtype)
+            request.inputs.add(name=name, datatype=datatype, shape=list(arr.shape))
+            request.raw_input_contents.append(datatypes.serialize_bytes(arr.reshape(-1).tolist())
+                                              if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes())
+        for name in output_names:
+            request.outputs.add(name=name)
+        assert self.spec.tensors is not None, "a worker that runs warmup requests knows the model's tensors"
+        pending = prepare(self.spec.tensors, request, NO_HOP)
+        timeout = self.spec.execute_timeout_s or None
+        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [id(pending)]), self.loop).result(timeout)
+        answer = out[0] if out else None
+        if isinstance(answer, InferError):
+            raise answer
+        if answer is None:
+            return {}  # a decoupled model's responses go to no one here
+        resp = pb.ModelInferResponse.FromString(answer)
+        result = {}
+        for i, t in enumerate(resp.outputs):
+            raw = resp.raw_output_contents[i]
+            arr = (np.array(datatypes.deserialize_bytes(raw), dtype=np.object_) if t.datatype == "BYTES"
+                   else np.frombuffer(raw, dtype=datatypes.numpy_dtype(t.datatype)))
+            result[t.name] = arr.reshape(list(t.shape))
+        return result
+
+    async def metrics(self, timeout: float = 2.0) -> list:
+        """The worker's custom metrics (pb_utils.metrics_snapshot); [] when it is down or slow."""
+        if not self.alive:
+            return []
+        ask = next(self._ids)
+        fut: asyncio.Future[object] = self.loop.create_future()
+        self._metric_requests[ask] = fut
+        try:
+            self._send(("metrics", ask))
+            return cast(list, await asyncio.wait_for(fut, timeout))
+        except (OSError, TimeoutError):
+            return []
+        finally:
+            self._metric_requests.pop(ask, None)
 
     # ---- the reader thread ---------------------------------------------------------------
     def _read(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
@@ -268,6 +343,11 @@ class ModelWorker:
             if sink is not None:
                 item = self._stream_item(err, outs, final)
                 self.loop.call_soon_threadsafe(sink, item)
+            return
+        if kind == "metrics":
+            asked = self._metric_requests.pop(msg[1], None)
+            if asked is not None:
+                self.loop.call_soon_threadsafe(_settle, asked, msg[2])
             return
         entry = self._pending.pop(msg[1], None)
         if entry is None:

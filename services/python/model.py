@@ -3,15 +3,19 @@ worker process per instance.
 
 A batch is handed to ``execute()`` as Triton's python backend does: a list with one
 InferenceRequest per client request (nothing concatenated). A decoupled model's responses stream
-back through ``infer_stream``; a unary call on it gets Triton's error.
+back through ``infer_stream``; a unary call on it gets Triton's error. With ``sequence_batching``
+the sequence batcher of services/base takes the dynamic batcher's place: a sequence's requests
+reach one instance, in order, each with its correlation id and START/END flags (control input
+tensors and implicit state are not offered to python models).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
 from meshserve._proto import grpc_service_pb2 as pb
@@ -20,9 +24,12 @@ from meshserve.protocol.errors import InferError
 from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base.model import ModelVersion
-from services.base.scheduling.request import QueuedRequest
-from services.base.validation import Pending
+from services.base.runtime import RuntimeLoadError
+from services.base.scheduling.request import QueuedRequest, Scheduler
+from services.base.scheduling.sequence import SequenceBatch, SequenceBatcher
+from services.base.validation import Pending, require_single_row
 from services.python.instance import ModelWorker, StreamSink
+from services.sequence.model import policy_from_config, sequence_control
 
 log = logging.getLogger("meshserve.python")
 
@@ -38,6 +45,44 @@ class PythonModelVersion(ModelVersion):
         self._closing = False
         for w in workers:
             w.on_death = self._on_death
+
+    # ---- sequence batching ----------------------------------------------------------------
+    def _scheduler(self, config: mc.ModelConfig, instance_count: int) -> Scheduler[Pending]:
+        if not config.HasField("sequence_batching"):
+            return super()._scheduler(config, instance_count)
+        sb = config.sequence_batching
+        if sb.control_input or sb.state:
+            what = "control_input" if sb.control_input else "state"
+            raise RuntimeLoadError(f"model '{config.name}': sequence_batching {what} is not supported for python "
+                                   "models (a python model reads request.correlation_id() and request.flags())")
+        self.sequence_policy = policy_from_config(config, instance_count)
+        return SequenceBatcher[Pending](self.sequence_policy, self._execute_sequence, name=config.name)
+
+    @property
+    def sequential(self) -> bool:
+        return isinstance(self.scheduler, SequenceBatcher)
+
+    def prepare(self, request: pb.ModelInferRequest, hop: Hop = NO_HOP) -> Pending:
+        """ModelVersion's validation; a sequence model's request also needs its correlation id
+        and flags, and one row."""
+        control = sequence_control(request, self.name) if self.config.HasField("sequence_batching") else None
+        pending = super().prepare(request, hop)
+        if control is not None:
+            require_single_row(pending, self.name, self.max_batch_size)
+            pending.sequence = control
+        return pending
+
+    def _queued(self, request: pb.ModelInferRequest, pending: Pending, deadline_ns: int | None, hop: Hop,
+                fut: asyncio.Future[object]) -> QueuedRequest[Pending]:
+        if not self.sequential:
+            return super()._queued(request, pending, deadline_ns, hop, fut)
+        return QueuedRequest(rows=1, arrival_ns=time.monotonic_ns(), deadline_ns=deadline_ns, payload=pending,
+                             future=fut, sequence=pending.sequence)
+
+    async def _execute_sequence(self, batch: SequenceBatch) -> None:
+        """One sequence batch on the batcher's instance: its real rows (a python model gets no
+        filler rows) as one execute() list; the batcher frees the instance when this returns."""
+        await self._run(self.workers[batch.instance], batch.requests, None)
 
     # ---- decoupled -------------------------------------------------------------------
     async def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
@@ -92,9 +137,29 @@ class PythonModelVersion(ModelVersion):
 
     async def _execute(self, batch: list[QueuedRequest[Pending]]) -> None:
         worker = self._take()
+
+        def release() -> None:
+            # the instance goes back, and the batcher may dispatch to it, before this batch's
+            # results are delivered (as ModelVersion._execute does)
+            self._free.append(worker)  # type: ignore[arg-type]
+            self.batcher.release(batch)
+
+        await self._run(worker, batch, release)
+
+    async def _run(self, worker: ModelWorker, batch: list[QueuedRequest[Pending]],
+                   release: Callable[[], None] | None) -> None:
+        """Run ``batch`` on ``worker`` (``release`` once it ran); resolve every member's future."""
         start_ns = time.monotonic_ns()
         keys = [id(q.payload) for q in batch]
-        sinks = [self._sinks[k] for k in keys if k in self._sinks] if self.decoupled else []
+        sinks = {k: self._sinks[k] for k in keys if k in self._sinks} if self.decoupled else {}
+        # a request whose client went away, or whose deadline passes, while execute() runs: the
+        # model is told (request.is_cancelled())
+        loop = asyncio.get_running_loop()
+        timers = []
+        for q, key in zip(batch, keys, strict=True):
+            q.future.add_done_callback(functools.partial(_cancel_if_cancelled, worker, key))
+            if q.deadline_ns is not None:
+                timers.append(loop.call_later(max(0.0, (q.deadline_ns - start_ns) / 1e9), worker.cancel, key))
         out: list[bytes | InferError] | None = None
         failure: InferError | None = None
         infer_ns = 0
@@ -105,9 +170,11 @@ class PythonModelVersion(ModelVersion):
         except Exception as exc:
             failure = self._failure(exc)
         finally:
-            self._free.append(worker)  # type: ignore[arg-type]
+            for timer in timers:
+                timer.cancel()
+            if release is not None:
+                release()
         end_ns = time.monotonic_ns()
-        self.batcher.release(batch)
         await asyncio.sleep(0)
         stats = self.stats
         if failure is not None:
@@ -179,3 +246,8 @@ def _forward_error(task: asyncio.Task[bytes], answers: asyncio.Queue[tuple[bytes
     exc = task.exception()
     if exc is not None:
         answers.put_nowait(exc if isinstance(exc, InferError) else InferError.internal(str(exc)))
+
+
+def _cancel_if_cancelled(worker: ModelWorker, key: int, fut: asyncio.Future[object]) -> None:
+    if fut.cancelled():
+        worker.cancel(key)

@@ -15,6 +15,7 @@ import json
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -415,10 +416,14 @@ class Logger:
 
 # ----------------------------------------------------------------------------- custom metrics
 
+# every metric of this worker by (family name, labels); the service collects them at each scrape
+# of /metrics and merges the instances' (services/python/core.py:PythonServiceCore.metrics_text)
+_METRICS: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
+_metrics_lock = threading.Lock()
+
 
 class MetricFamily:
-    """A custom metric family (COUNTER / GAUGE). Kept in the worker: meshserve does not export
-    a python model's custom metrics to /metrics yet."""
+    """A custom metric family (COUNTER or GAUGE) on the service's /metrics, as in Triton."""
 
     COUNTER = 0
     GAUGE = 1
@@ -427,30 +432,51 @@ class MetricFamily:
     def __init__(self, name: str, description: str, kind: int):
         if kind not in (self.COUNTER, self.GAUGE):
             raise TritonModelException("only COUNTER and GAUGE metric families are supported")
+        if not name or not all(c.isalnum() or c == "_" for c in name) or name[0].isdigit():
+            raise TritonModelException(f"metric family name '{name}' is not a valid Prometheus metric name")
         self.name, self.description, self.kind = name, description, kind
 
     def Metric(self, labels: dict[str, str] | None = None) -> Metric:
-        return Metric(self, labels)
+        key = (self.name, tuple(sorted((labels or {}).items())))
+        with _metrics_lock:
+            metric = _METRICS.get(key)
+            if metric is None:
+                metric = _METRICS[key] = Metric(self, labels)
+            return metric
 
 
 class Metric:
+    """One labelled counter or gauge; the same family and labels give the same metric."""
+
     def __init__(self, family: MetricFamily, labels: dict[str, str] | None = None):
         self._family = family
         self._labels = dict(labels or {})
         self._value = 0.0
+        self._updated = 0.0  # time.monotonic() of the last change: a gauge shows the latest set
 
     def increment(self, by: float) -> None:
         if self._family.kind == MetricFamily.COUNTER and by < 0:
             raise TritonModelException("a counter cannot be decremented")
-        self._value += by
+        with _metrics_lock:
+            self._value += by
+            self._updated = time.monotonic()
 
     def set(self, value: float) -> None:
         if self._family.kind != MetricFamily.GAUGE:
             raise TritonModelException("only a gauge can be set")
-        self._value = value
+        with _metrics_lock:
+            self._value = value
+            self._updated = time.monotonic()
 
     def value(self) -> float:
         return self._value
+
+
+def metrics_snapshot() -> list[tuple[str, str, int, tuple[tuple[str, str], ...], float, float]]:
+    """(name, description, kind, labels, value, last change) of every metric of this worker."""
+    with _metrics_lock:
+        return [(m._family.name, m._family.description, m._family.kind, labels, m._value, m._updated)
+                for (_, labels), m in _METRICS.items()]
 
 
 # ----------------------------------------------------------------------------- auto-complete

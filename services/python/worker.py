@@ -141,6 +141,8 @@ class Worker:
                 return
             if msg[0] == "cancel":
                 self._cancelled.add(msg[1])
+            elif msg[0] == "metrics":  # answered here, also while execute() runs
+                self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
             else:
                 self._inbox.put(msg)
 
@@ -244,6 +246,8 @@ class Worker:
 
     # ---- pb_utils.WorkerRuntime ----------------------------------------------------------
     def send_response(self, key: int, response: pb_utils.InferenceResponse | None, flags: int) -> None:
+        if flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self._cancelled.discard(key)  # the request is done: forget that it was cancelled
         if response is None:
             self.send(("resp", key, None, [], flags))
             return

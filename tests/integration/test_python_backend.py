@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.models import python_models
+from tests.support.metrics import sample, scrape
 from tests.support.waiting import eventually
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
@@ -49,6 +50,9 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     mixed ensemble."""
     repo = python_models.build(tmp_path_factory.mktemp("python_models"))
     python_models.write(repo, "auto_complete_bad", python_models.AUTO_COMPLETE_BAD, None)
+    python_models.write(repo, "faulty_init", python_models.FAULTY_INIT, python_models.config(
+        "faulty_init", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
+        extra="instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
     ens = tmp_path_factory.mktemp("python_ensembles")
     (ens / "mixed_pipeline" / "1").mkdir(parents=True)
     (ens / "mixed_pipeline" / "config.pbtxt").write_text(python_models.MIXED_ENSEMBLE)
@@ -191,6 +195,10 @@ def test_a_model_that_fails_to_initialize_or_complete_is_unavailable_with_its_re
     assert bad["state"] == "UNAVAILABLE"
     assert "input 'X' in auto-complete-config function for model 'auto_complete_bad' is missing 'dims' property" \
         in bad["reason"], bad
+    init = index["faulty_init"]
+    assert init["state"] == "UNAVAILABLE"
+    assert "initialize() of instance 'faulty_init_0_0' failed: RuntimeError: the weights are missing" in init["reason"]
+    assert "faulty_init/1/model.py(6): initialize" in init["reason"], init
     assert index["py_add_sub"]["state"] == "READY"
 
 
@@ -243,6 +251,83 @@ def test_dynamic_batcher_hands_execute_a_list_of_requests(mesh: Mesh) -> None:
     for i, (count, params) in results.items():
         assert count.shape == (1, 4) and int(count[0, 0]) == 4, count
         assert params[0, 0] == f'{{"tag":"r{i}"}}'.encode()  # compact JSON, as Triton gives it
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_sequence_batching_keeps_each_sequence_on_one_instance_in_order(proto: str, mesh: Mesh) -> None:
+    """Two interleaved sequences through the gateway: each request sees its sequence's running
+    sum (the model keeps it in the instance by correlation id) and START/END flags."""
+    m = MODULES[proto]
+    base = 7000 + (proto == "grpc") * 100
+
+    def step(c, seq: int, value: int, start: bool = False, end: bool = False) -> tuple[int, bytes]:
+        inp = m.InferInput("IN", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+        res = c.infer("accumulate", [inp], sequence_id=seq, sequence_start=start, sequence_end=end)
+        return int(res.as_numpy("SUM")[0, 0]), res.as_numpy("WHERE")[0, 0]
+
+    with m.InferenceServerClient(getattr(mesh.gateway, proto)) as c:
+        a, b = base + 1, base + 2
+        sums_a, where_a = zip(*[step(c, a, 1, start=True), step(c, a, 2), step(c, a, 3, end=True)], strict=True)
+        assert sums_a == (1, 3, 6) and len(set(where_a)) == 1
+        first = step(c, b, 10, start=True)
+        second = step(c, base + 3, 5, start=True)  # a second sequence meanwhile
+        assert (first[0], second[0]) == (10, 5)
+        assert step(c, b, 20, end=True)[0] == 30 and step(c, base + 3, 1, end=True)[0] == 6
+        with pytest.raises(InferenceServerException) as err:
+            step(c, base + 4, 1)  # no START for a sequence that is not active
+        assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), err.value
+        assert f"sequence {base + 4} to model 'accumulate' must specify the START flag" in (err.value.message() or "")
+        inp = m.InferInput("IN", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[1]], dtype=np.int32))
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("accumulate", [inp])
+        assert "must specify a non-zero or non-empty correlation ID" in (err.value.message() or "")
+
+
+def test_a_request_past_its_deadline_is_cancelled_in_the_model(mesh: Mesh) -> None:
+    """wait_for_cancel runs until request.is_cancelled(): a gRPC client's 1 s deadline (it travels
+    to the service) passing while execute() runs cancels the request in the model."""
+    before = "".join(mesh.python.output).count("wait_for_cancel: cancelled")
+    inp = grpcclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    with grpcclient.InferenceServerClient(mesh.python.grpc) as c, pytest.raises(InferenceServerException) as err:
+        c.infer("wait_for_cancel", [inp], client_timeout=1)
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    eventually(lambda: "".join(mesh.python.output).count("wait_for_cancel: cancelled") > before, timeout=15,
+               what="the model saw request.is_cancelled()")
+
+
+def test_custom_metrics_of_every_instance_on_the_services_metrics(mesh: Mesh) -> None:
+    """counted (2 instances) counts its requests and sets a gauge: /metrics shows one counter
+    summed over the instances and the gauge's last value, as Triton's one process would."""
+    before = scrape(mesh.python.http).get(("counted_requests", frozenset({("model", "counted")})), 0.0)
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0]
+
+    def one(v: float) -> None:
+        inp = grpcclient.InferInput("X", [1], "FP32")
+        inp.set_data_from_numpy(np.array([v], dtype=np.float32))
+        with grpcclient.InferenceServerClient(mesh.python.grpc) as c:
+            c.infer("counted", [inp])
+
+    threads = [threading.Thread(target=one, args=(v,)) for v in values[:-1]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    one(values[-1])  # the last one set: the gauge shows it
+    samples = scrape(mesh.python.http)
+    assert sample(samples, "counted_requests", model="counted") == before + len(values)
+    assert sample(samples, "counted_last_input", model="counted") == values[-1]
+
+
+def test_model_warmup_runs_before_the_model_serves(mesh: Mesh) -> None:
+    """warmed counts what its instance executed: its three warmup requests ran at load."""
+    inp = httpclient.InferInput("X", [1, 1], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 1), dtype=np.float32))
+    with httpclient.InferenceServerClient(mesh.python.http) as c:
+        seen = int(c.infer("warmed", [inp]).as_numpy("SEEN")[0, 0])
+    assert seen == 3 + 1
 
 
 def test_instances_are_processes_and_a_killed_one_comes_back(mesh: Mesh) -> None:

@@ -143,6 +143,34 @@ class TritonPythonModel:
         return responses
 '''
 
+# A running sum per sequence, kept in the instance by correlation id (sequence batching sends a
+# sequence's requests to one instance, in order); OUT also says which instance answered.
+ACCUMULATE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+        self.instance = args["model_instance_name"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            corrid, flags = request.correlation_id(), request.flags()
+            if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                self.sums[corrid] = 0
+            self.sums[corrid] += int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().sum())
+            total = self.sums[corrid]
+            if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+                del self.sums[corrid]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SUM", np.array([[total]], dtype=np.int32)),
+                pb_utils.Tensor("WHERE", np.array([[self.instance.encode()]], dtype=np.object_))]))
+        return responses
+'''
+
 FAULTY_RAISE = '''
 import triton_python_backend_utils as pb_utils
 
@@ -166,6 +194,18 @@ class TritonPythonModel:
                 for _ in requests]
 '''
 
+FAULTY_INIT = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("the weights are missing")
+
+    def execute(self, requests):
+        return []
+'''
+
 FAULTY_KILL = '''
 import os
 import signal
@@ -176,6 +216,65 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def execute(self, requests):
         os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+# Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
+WAIT_FOR_CANCEL = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        deadline = time.monotonic() + 20
+        while not all(r.is_cancelled() for r in requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if time.monotonic() < deadline else "not cancelled"))
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, dtype=np.float32))]) for _ in requests]
+'''
+
+# Custom metrics (Triton's MetricFamily): a counter of requests and a gauge of the last input.
+COUNTED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        labels = {"model": args["model_name"]}
+        self.requests = pb_utils.MetricFamily("counted_requests", "requests counted by the model",
+                                              pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+        self.last = pb_utils.MetricFamily("counted_last_input", "the last input seen",
+                                          pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            self.requests.increment(1)
+            self.last.set(float(x.reshape(-1)[0]))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return out
+'''
+
+# How many requests its instance executed (model_warmup's included).
+WARMED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen = 0
+
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            self.seen += 1
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", np.array([[self.seen]], dtype=np.int32))]))
+        return out
 '''
 
 FAULTY_HANG = '''
@@ -358,12 +457,24 @@ def build(repo: Path, instances: int = 2) -> Path:
     write(repo, "faulty_kill", FAULTY_KILL, config("faulty_kill", one, one))
     write(repo, "faulty_hang", FAULTY_HANG, config(
         "faulty_hang", one, one, 0, 'parameters { key: "execute_timeout_seconds" value: { string_value: "1" } }\n'))
+    write(repo, "counted", COUNTED, config("counted", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")], 0,
+                                          "instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
+    write(repo, "warmed", WARMED, config(
+        "warmed", [("X", "TYPE_FP32", "1")], [("SEEN", "TYPE_INT32", "1")], 4,
+        'model_warmup [ { name: "zeros" batch_size: 2 count: 3 inputs { key: "X" value: '
+        "{ data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]\n"))
+    write(repo, "wait_for_cancel", WAIT_FOR_CANCEL, config(
+        "wait_for_cancel", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))
     write(repo, "repeat_int32", REPEAT_INT32, config(
         "repeat_int32", [("IN", "TYPE_INT32", "-1"), ("DELAY", "TYPE_UINT32", "-1")],
         [("OUT", "TYPE_INT32", "1"), ("IDX", "TYPE_UINT32", "1")], 0, DECOUPLED))
     write(repo, "square_int32", SQUARE_INT32, config(
         "square_int32", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")], 0, DECOUPLED))
     write(repo, "auto_complete", AUTO_COMPLETE, None)
+    write(repo, "accumulate", ACCUMULATE, config(
+        "accumulate", [("IN", "TYPE_INT32", "1")], [("SUM", "TYPE_INT32", "1"), ("WHERE", "TYPE_STRING", "1")], 2,
+        "sequence_batching { max_sequence_idle_microseconds: 10000000 }\n"
+        "instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
     write(repo, "preprocess", PREPROCESS, config(
         "preprocess", [("RAW", "TYPE_FP32", str(WIDTH))], [("A", "TYPE_FP32", str(WIDTH)), ("B", "TYPE_FP32", str(WIDTH))], 8))
     write(repo, "postprocess", POSTPROCESS, config(

@@ -75,7 +75,7 @@ def test_available_versions_are_numeric_directories_only(tmp_path: Path) -> None
     ('platform: "pytorch_libtorch" sequence_batching { direct { } }', "sequence"),
     ('backend: "tensorrt" sequence_batching { }', None),
     ('backend: "python"', "python"),
-    ('backend: "python" sequence_batching { }', None),
+    ('backend: "python" sequence_batching { }', "python"),
     ("", None),
 ])
 def test_service_kind(text: str, kind: str | None) -> None:

@@ -11,6 +11,7 @@ from google.protobuf import text_format
 from meshserve._proto import model_config_pb2 as mc
 from services.python import pb_utils
 from services.python.autocomplete import config_json
+from services.python.core import render_custom_metrics
 
 
 def test_tensor_keeps_numpy_and_maps_datatypes() -> None:
@@ -68,13 +69,25 @@ def test_model_config_auto_complete_rules() -> None:
         cfg.set_model_transaction_policy({"decoupled": False})
 
 
-def test_metrics_stay_in_the_worker() -> None:
-    fam = pb_utils.MetricFamily("requests", "help", pb_utils.MetricFamily.COUNTER)
+def test_metrics_and_their_merge_across_instances() -> None:
+    fam = pb_utils.MetricFamily("unit_requests", "help", pb_utils.MetricFamily.COUNTER)
     m = fam.Metric(labels={"k": "v"})
+    assert fam.Metric(labels={"k": "v"}) is m  # same family and labels: the same metric
     m.increment(2)
     assert m.value() == 2
     with pytest.raises(pb_utils.TritonModelException):
         m.increment(-1)
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.MetricFamily("bad-name", "", pb_utils.MetricFamily.GAUGE)
+    mine = [x for x in pb_utils.metrics_snapshot() if x[0] == "unit_requests"]
+    assert [(x[3], x[4]) for x in mine] == [((("k", "v"),), 2.0)]
+    # two instances' snapshots: counters add up, a gauge shows the later set
+    text = render_custom_metrics([
+        ("c", "a counter", 0, (("m", "x"),), 2.0, 1.0), ("c", "a counter", 0, (("m", "x"),), 3.0, 2.0),
+        ("g", "a gauge", 1, (("m", "x"),), 7.0, 5.0), ("g", "a gauge", 1, (("m", "x"),), 1.0, 4.0)]).decode()
+    assert text.splitlines() == ["# HELP c a counter", "# TYPE c counter", 'c{m="x"} 5',
+                                 "# HELP g a gauge", "# TYPE g gauge", 'g{m="x"} 7']
+    assert render_custom_metrics([]) == b""
 
 
 def test_config_json_is_tritons_form() -> None:
@@ -85,3 +98,16 @@ def test_config_json_is_tritons_form() -> None:
     assert as_dict["input"][0]["data_type"] == "TYPE_FP32" and as_dict["max_batch_size"] == 4
     assert pb_utils.get_input_config_by_name(as_dict, "X") is as_dict["input"][0]
     assert pb_utils.get_output_config_by_name(as_dict, "X") is None
+
+
+def test_dlpack_round_trip_with_torch() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils import dlpack
+
+    t = pb_utils.Tensor("X", np.arange(6, dtype=np.float32).reshape(2, 3))
+    as_torch = dlpack.from_dlpack(t.to_dlpack())
+    assert as_torch.shape == (2, 3) and as_torch.dtype == torch.float32
+    back = pb_utils.Tensor.from_dlpack("Y", as_torch * 2)
+    assert back.name() == "Y" and back.as_numpy().tolist() == [[0, 2, 4], [6, 8, 10]]
+    capsule = pb_utils.Tensor.from_dlpack("Z", dlpack.to_dlpack(torch.ones(2, dtype=torch.int64)))
+    assert capsule.as_numpy().dtype == np.int64 and capsule.as_numpy().tolist() == [1, 1]
