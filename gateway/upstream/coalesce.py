@@ -65,7 +65,10 @@ class ModelShape:
     def of(cls, config: mc.ModelConfig) -> ModelShape | None:
         """None when merging could change what the model's own scheduler does: no dynamic
         batching (Triton runs each request alone), nothing to merge (max_batch_size < 2), or
-        priorities / queue limits / queue timeouts (the service's queue must see every request)."""
+        priorities / queue limits / queue timeouts (the service's queue must see every request),
+        or a python model (its execute() gets one request per client request, as in Triton)."""
+        if config.backend == "python":
+            return None
         if config.max_batch_size < 2 or config.WhichOneof("scheduling_choice") != "dynamic_batching":
             return None
         dyn = config.dynamic_batching

@@ -3,6 +3,7 @@ with the real tritonclient: add_sub, BLS calling an ONNX model, faulty models, a
 an ensemble mixing python and onnx steps, and perf_analyzer."""
 from __future__ import annotations
 
+import asyncio
 import csv
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
@@ -229,26 +231,26 @@ def test_ensemble_mixes_python_and_onnx_steps(proto: str, mesh: Mesh) -> None:
     np.testing.assert_allclose(total, ((a + b) + (a - b)).sum(axis=-1, keepdims=True))
 
 
-def test_dynamic_batcher_hands_execute_a_list_of_requests(mesh: Mesh) -> None:
+@pytest.mark.parametrize("target", ["service", "gateway"])
+def test_dynamic_batcher_hands_execute_a_list_of_requests(target: str, mesh: Mesh) -> None:
     """Four concurrent requests within the batch window reach one execute() as four
-    InferenceRequests, each with its own parameters (not concatenated). Sent to the service
-    directly: the gateway's coalescing would merge them first."""
-    results: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    InferenceRequests, each with its own parameters (not concatenated), sent to the service
+    directly or through the gateway. They go out together on one HTTP/2 connection, so they
+    reach the gateway in one read: its coalescer would merge them into one request for a batched
+    ONNX model, and must not for a python model."""
+    url = mesh.python.grpc if target == "service" else mesh.gateway.grpc
 
-    def one(i: int) -> None:
-        inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
-        inp.set_data_from_numpy(np.full((1, 4), i, dtype=np.float32))
-        with grpcclient.InferenceServerClient(mesh.python.grpc) as c:
-            res = c.infer("batch_probe", [inp], parameters={"tag": f"r{i}"})
-        results[i] = (res.as_numpy("COUNT"), res.as_numpy("PARAMS"))
+    async def run() -> list[tuple[np.ndarray, np.ndarray]]:
+        async with grpcaio.InferenceServerClient(url) as c:
+            async def one(i: int) -> tuple[np.ndarray, np.ndarray]:
+                inp = grpcaio.InferInput("INPUT0", [1, 4], "FP32")
+                inp.set_data_from_numpy(np.full((1, 4), i, dtype=np.float32))
+                res = await c.infer("batch_probe", [inp], parameters={"tag": f"r{i}"})
+                return res.as_numpy("COUNT"), res.as_numpy("PARAMS")
+            return list(await asyncio.gather(*(one(i) for i in range(4))))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(results) == [0, 1, 2, 3]
-    for i, (count, params) in results.items():
+    results = asyncio.run(run())
+    for i, (count, params) in enumerate(results):
         assert count.shape == (1, 4) and int(count[0, 0]) == 4, count
         assert params[0, 0] == f'{{"tag":"r{i}"}}'.encode()  # compact JSON, as Triton gives it
 

@@ -262,3 +262,12 @@ def test_models_without_dynamic_batching_are_never_coalesced() -> None:
     config.CopyFrom(CONFIG)
     config.ClearField("dynamic_batching")
     assert ModelShape.of(config) is None
+
+
+def test_python_models_are_never_coalesced() -> None:
+    """A python model's execute() gets one InferenceRequest per client request, each with its own
+    parameters (Triton's contract): the gateway must not merge them into one."""
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    config.backend = "python"
+    assert SHAPE is not None and ModelShape.of(config) is None
