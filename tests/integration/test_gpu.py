@@ -206,3 +206,53 @@ def test_onnx_kind_gpu(onnx_gpu: tuple[Proc, Proc]) -> None:
             result = c.infer("gpu_onnx_add_sub", _inputs(proto, ("INPUT0", "INPUT1"), a, b))
             np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
             np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+
+
+PY_GPU_CONFIG = """name: "py_gpu_affine"
+backend: "python"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "ON_GPU" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_GPU count: 1 } ]
+"""
+# Written the way Triton's python-backend docs write a torch model: the input reaches torch through
+# DLPack, runs on the instance's device, and the output goes back through DLPack.
+PY_GPU_MODEL = '''
+import numpy as np
+import torch
+import torch.utils.dlpack as tdl
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        gpu = args["model_instance_kind"] == "GPU"
+        self.device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = tdl.from_dlpack(pb_utils.get_input_tensor_by_name(request, "X").to_dlpack()).to(self.device)
+            y = x * 2 + 1
+            on_gpu = np.full((x.shape[0], 1), int(y.is_cuda), np.int32)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor.from_dlpack("Y", tdl.to_dlpack(y)), pb_utils.Tensor("ON_GPU", on_gpu)]))
+        return responses
+'''
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_a_python_model_on_a_kind_gpu_instance_runs_torch_on_cuda(tmp_path: Any, proto: str) -> None:
+    """A python-backend model with a KIND_GPU instance gets Triton's GPU args and runs torch on CUDA;
+    its outputs come back through DLPack from device memory."""
+    model = tmp_path / "py_gpu_affine"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(PY_GPU_CONFIG)
+    (model / "1" / "model.py").write_text(PY_GPU_MODEL)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with service_and_gateway("python", ["--repository", str(tmp_path)], timeout=180) as (_, gateway), \
+            _client(proto, gateway) as c:
+        result = c.infer("py_gpu_affine", _inputs(proto, ("X",), x))
+        np.testing.assert_array_equal(result.as_numpy("Y"), x * 2 + 1)
+        assert result.as_numpy("ON_GPU").tolist() == [[1], [1]]
