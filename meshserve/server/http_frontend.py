@@ -26,7 +26,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from meshserve.protocol import http_codec, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_version
-from meshserve.server import body_worker, observe, shm
+from meshserve.server import body_worker, http1, observe, shm
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import ServerLimits
@@ -425,8 +425,8 @@ class _Server(web.Server):
         await super().shutdown(timeout)
 
 
-async def start_metrics_server(core: V2Core, host: str, port: int,
-                               limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
+async def start_metrics_server(core: V2Core, host: str, port: int, limits: ServerLimits | None = None
+                               ) -> tuple[web.BaseRunner | http1.Http1Server, int]:
     """A /metrics-only endpoint (Triton's :8002 equivalent)."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
@@ -439,13 +439,18 @@ async def start_metrics_server(core: V2Core, host: str, port: int,
         body, ctype = await core.metrics_text()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
-    return await _start(_Server(handle, limits or ServerLimits()), host, port)
+    limits = limits or ServerLimits()
+    if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
+        return await http1.start(handle, host, port, limits)
+    return await _start(_Server(handle, limits), host, port)
 
 
 async def start_http_server(core: V2Core, host: str, port: int,
-                            limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
+                            limits: ServerLimits | None = None) -> tuple[web.BaseRunner | http1.Http1Server, int]:
     """Start the REST server on the running loop; returns (runner, bound port)."""
     limits = limits or ServerLimits()
+    if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
+        return await http1.start(HttpFrontend(core, limits).handle, host, port, limits)
     return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port)
 
 
