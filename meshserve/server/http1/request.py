@@ -105,12 +105,14 @@ class Body:
                 self.conn.buffered += len(data) - n
                 data = data[:n]
             return data
-        while not self.eof:
+        parts = []
+        while True:  # taken as they come: the connection keeps reading (its backpressure is for readany)
+            while self.chunks:
+                parts.append(self._take())
+            if self.eof:
+                break
             await self._wait()
-        if len(self.chunks) == 1:
-            return self._take()
-        parts = [self._take() for _ in range(len(self.chunks))]
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def at_eof(self) -> bool:
         return self.eof and not self.chunks
