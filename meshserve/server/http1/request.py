@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import HttpVersion
 from aiohttp.web_protocol import RequestPayloadError
-from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
+from multidict import CIMultiDict, MultiDict, MultiDictProxy
 
 if TYPE_CHECKING:
     from meshserve.server.http1.server import Connection
@@ -239,7 +239,7 @@ class Request:
     """One parsed request: the `web.BaseRequest` subset meshserve's handlers use."""
 
     __slots__ = ("protocol", "method", "raw_path", "version", "headers", "keep_alive", "content",
-                 "writer", "_path", "__weakref__")
+                 "_writer", "_path", "__weakref__")
 
     def __init__(self, conn: Connection, method: str, raw_path: str, version: str,
                  headers: list[tuple[str, str]], keep_alive: bool) -> None:
@@ -247,14 +247,22 @@ class Request:
         self.method = method
         self.raw_path = raw_path
         self.version = _VERSIONS.get(version) or HttpVersion(*map(int, version.split(".", 1)))
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict(headers))
+        self.headers = CIMultiDict(headers)  # (read only by handlers: no read-only proxy around it)
         self.keep_alive = keep_alive
         self.content = Body(conn)
-        self.writer = Writer(conn)
+        self._writer: Writer | None = None
         self._path: str | None = None
 
     @property
-    def _payload_writer(self) -> Writer:  # where aiohttp's StreamResponse.prepare writes
+    def writer(self) -> Writer:
+        """Raw writes (100 Continue) and where aiohttp's StreamResponse.prepare writes; made on
+        first use (most requests never need it)."""
+        if self._writer is None:
+            self._writer = Writer(self.protocol)
+        return self._writer
+
+    @property
+    def _payload_writer(self) -> Writer:
         return self.writer
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
