@@ -290,16 +290,15 @@ def test_a_client_that_does_not_read_pauses_the_connection() -> None:
     nothing makes the server stop reading (it does not buffer answer after answer)."""
     with serving() as srv, srv.connect() as sock:
         sock.sendall(b"GET /big?4000000 HTTP/1.1\r\nHost: x\r\n\r\n" * 50)  # 200 MB of answers if all ran
-        conns = list(srv.server.connections)
-        assert len(conns) == 1
-        conn = conns[0]
+        eventually(lambda: len(srv.server.connections) == 1, what="the connection accepted")
+        conn = next(iter(srv.server.connections))
         eventually(lambda: conn.read_paused and conn.write_paused)
         time.sleep(0.3)  # (nothing may change in this window: the server waits for the client)
         assert conn.transport is not None and conn.transport.get_write_buffer_size() <= 4_100_000
         assert len(conn.queue) > 40  # the rest wait unanswered
-        f = sock.makefile("rb")
-        for _ in range(3):  # reading resumes it
-            assert len(read_answer(f).body) == 4_000_000
+        with sock.makefile("rb") as f:  # (closed with the socket: a stuck peer would hold shutdown)
+            for _ in range(3):  # reading resumes it
+                assert len(read_answer(f).body) == 4_000_000
 
 
 # ---- malformed and oversized heads ---------------------------------------------------------------
