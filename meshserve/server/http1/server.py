@@ -65,7 +65,7 @@ class Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "parser", "transport", "peername", "queue", "task", "url", "fields",
                  "head_bytes", "in_head", "body_of", "buffered", "header_since", "idle_since", "rx",
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
-                 "error", "lost", "lingering", "eof")
+                 "error", "lost", "lingering", "eof", "closing")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -89,10 +89,11 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self.drainers: list[asyncio.Future[None]] = []
         self.last = False  # no request after the ones queued (close, HTTP/1.0, an upgrade, an error)
-        self.stopped = False  # ... and the last one has been read: no more bytes are read
+        self.stopped = False  # ... and the last one has been read: later bytes are dropped (_stop)
         self.error: bytes | None = None  # the 400 to send once the queued requests are answered
         self.lost: asyncio.Future[None] | None = None  # resolved when the connection is lost (on demand)
-        self.lingering = 0  # closing: bytes still to read and drop (_linger)
+        self.lingering = 0  # stopped: bytes still to read and drop (_stop)
+        self.closing = False  # the last answer is sent: the connection closes (_linger)
         self.eof = False  # the client has closed its side
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
@@ -122,11 +123,13 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.rx += 1
-        if self.stopped:  # nothing more is parsed on this connection
-            if self.lingering:
-                self.lingering -= min(len(data), self.lingering)
-                if not self.lingering and self.transport is not None:
+        if self.stopped:  # nothing more is parsed on this connection: dropped, within a budget
+            self.lingering -= min(len(data), self.lingering)
+            if not self.lingering and self.transport is not None:
+                if self.closing:
                     self.transport.close()
+                else:
+                    self._update_reading()
             return
         if self.in_head:
             self.head_bytes += len(data)
@@ -147,9 +150,7 @@ class Connection(asyncio.Protocol):
         if body is not None:
             body.content.fail(payload_error("the client closed the connection before the request body ended"))
         self.last = self.stopped = True
-        if self.task is None and not self.queue:
-            return False  # close now
-        return True  # half-closed: answer what was asked, then close
+        return False  # closed (as aiohttp does): a request in progress loses its answer; `lost` resolves
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -326,18 +327,18 @@ class Connection(asyncio.Protocol):
             await waiter
 
     def _stop(self) -> None:
-        self.stopped = True
-        if not self.read_paused and self.transport is not None:
-            self.read_paused = True
-            self.transport.pause_reading()
+        """No more requests on this connection. Reading goes on, dropping what comes (at most
+        LINGER_BYTES, then reading pauses), so that a client that leaves is noticed at once
+        (`lost`: a streamed answer stops) and a close later does not reset the connection."""
+        if not self.stopped:
+            self.stopped = True
+            self.lingering = LINGER_BYTES
 
     def _update_reading(self) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        if self.lingering:
-            return
-        pause = self.stopped or self.write_paused or self.buffered > BODY_HIGH_WATER
+        pause = self.write_paused or self.buffered > BODY_HIGH_WATER or (self.stopped and not self.lingering)
         if pause and not self.read_paused:
             self.read_paused = True
             transport.pause_reading()
@@ -369,14 +370,14 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        self.stopped = self.last = True
-        self.lingering = LINGER_BYTES
+        self.last = self.closing = True
+        self._stop()
         if self.eof or not transport.can_write_eof():
             transport.close()
             return
         transport.write_eof()
         self.loop.call_later(LINGER_S, transport.close)
-        if self.read_paused:
+        if self.read_paused and self.lingering:
             self.read_paused = False
             transport.resume_reading()
 

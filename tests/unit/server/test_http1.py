@@ -358,6 +358,32 @@ def test_stream_response_is_chunked_and_keeps_the_connection() -> None:
         assert read_answer(f).headers["x-path"] == "/after"
 
 
+def test_a_client_that_leaves_mid_stream_is_noticed() -> None:
+    """A streamed answer's handler learns at once that its client left (`Connection.lost`, as
+    http_frontend's generate_stream waits on), also after a `Connection: close` request."""
+    left = threading.Event()
+
+    async def stream(request: Any) -> web.StreamResponse:
+        conn = request.protocol
+        conn.lost = conn.lost or asyncio.get_running_loop().create_future()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        await asyncio.wait_for(conn.lost, 30)  # the next event would be a minute away
+        left.set()
+        return response
+
+    for extra in (b"", b"Connection: close\r\n"):
+        left.clear()
+        with serving(stream) as srv:
+            with srv.connect() as sock:
+                sock.sendall(b"GET /sse HTTP/1.1\r\nHost: x\r\n%s\r\n" % extra)
+                data = b""
+                while b"data: first" not in data:
+                    data += sock.recv(65536)
+            assert left.wait(5), extra
+
+
 def test_stream_response_to_http10_closes_instead_of_chunking() -> None:
     async def stream(request: Any) -> web.StreamResponse:
         response = web.StreamResponse()
