@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshserve.server.core import add_server_name_argument
+from meshserve.server.limits import HTTP_SERVERS, default_http_server
 from meshserve.server.process import parse_ready_line
 
 SERVICE_KINDS = ("onnx", "torchscript", "tensorrt", "sequence", "python")
@@ -209,7 +210,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                               "--host", "127.0.0.1", "--grpc-port", "0",
                                               "--model-control-mode", "explicit", "--load-model", "*",
                                               "--server-name", args.server_name, "--log-level", args.log_level,
-                                              *extra])
+                                              "--http-server", args.http_server, *extra])
             services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
@@ -218,6 +219,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
                                     "--grpc-port", str(gateway_grpc), "--log-level", args.log_level,
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
+                                    "--http-server", args.http_server,
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
@@ -256,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each process")
     up.add_argument("--log-level", default="WARNING")
+    up.add_argument("--http-server", choices=HTTP_SERVERS, default=default_http_server(),
+                    help="the HTTP/1.1 server of the gateway and the services (docs/security.md)")
     add_server_name_argument(up)
     up.set_defaults(func=_cmd_up)
 

@@ -26,7 +26,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_version
-from meshserve.server import body_worker, observe, shm
+from meshserve.server import body_worker, http1, observe, shm
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import ServerLimits
@@ -142,7 +142,7 @@ async def _decode(fn: Any, chunks: list[bytes], *args: Any, size: int | None = N
 def _lost(request: web.BaseRequest) -> asyncio.Future[None]:
     """Resolved when the request's connection is lost."""
     conn = request.protocol
-    if not isinstance(conn, _Connection):
+    if not isinstance(conn, _Connection | http1.server.Connection):  # (both keep `lost` and `transport`)
         return asyncio.get_running_loop().create_future()  # (never resolves)
     if conn.lost is None:
         conn.lost = asyncio.get_running_loop().create_future()
@@ -515,8 +515,8 @@ class _Server(web.Server):
         await super().shutdown(timeout)
 
 
-async def start_metrics_server(core: V2Core, host: str, port: int,
-                               limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
+async def start_metrics_server(core: V2Core, host: str, port: int, limits: ServerLimits | None = None
+                               ) -> tuple[web.BaseRunner | http1.Http1Server, int]:
     """A /metrics-only endpoint (Triton's :8002 equivalent)."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
@@ -529,13 +529,18 @@ async def start_metrics_server(core: V2Core, host: str, port: int,
         body, ctype = await core.metrics_text()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
-    return await _start(_Server(handle, limits or ServerLimits()), host, port)
+    limits = limits or ServerLimits()
+    if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
+        return await http1.start(handle, host, port, limits)
+    return await _start(_Server(handle, limits), host, port)
 
 
 async def start_http_server(core: V2Core, host: str, port: int,
-                            limits: ServerLimits | None = None) -> tuple[web.BaseRunner, int]:
+                            limits: ServerLimits | None = None) -> tuple[web.BaseRunner | http1.Http1Server, int]:
     """Start the REST server on the running loop; returns (runner, bound port)."""
     limits = limits or ServerLimits()
+    if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
+        return await http1.start(HttpFrontend(core, limits).handle, host, port, limits)
     return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port)
 
 

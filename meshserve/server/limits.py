@@ -9,9 +9,21 @@ tensor (a batch of 1024x1024 RGB FP32 images is 12 MiB per image).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 
 MiB = 1 << 20
+HTTP_SERVERS = ("aiohttp", "httptools")  # --http-server: meshserve/server/http_frontend.py, meshserve/server/http1
+DEFAULT_HTTP_SERVER = "aiohttp"
+HTTP_SERVER_ENV = "MESHSERVE_HTTP_SERVER"  # overrides the default (how the suites run under either server)
+
+
+def default_http_server() -> str:
+    """--http-server's default: $MESHSERVE_HTTP_SERVER when set, else DEFAULT_HTTP_SERVER."""
+    value = os.environ.get(HTTP_SERVER_ENV) or DEFAULT_HTTP_SERVER
+    if value not in HTTP_SERVERS:
+        raise SystemExit(f"{HTTP_SERVER_ENV}={value!r}: expected one of {', '.join(HTTP_SERVERS)}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +65,8 @@ class ServerLimits:
     max_shm_regions: int = 256
     # Bytes of client shared memory registered at once (the sum of the regions' sizes).
     max_shm_bytes: int = 4096 * MiB
+    # ---- the HTTP/1.1 server (both enforce every HTTP limit above) ------------------------------
+    http_server: str = field(default_factory=default_http_server)
 
 
 _HELP = {
@@ -73,6 +87,8 @@ _HELP = {
     "keepalive_timeout_s": "HTTP/2: seconds to wait for the PING's ACK",
     "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",
     "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
+    "http_server": f"the HTTP/1.1 server: aiohttp's, or httptools (llhttp) with meshserve's connection "
+                   f"handling (default {DEFAULT_HTTP_SERVER}; ${HTTP_SERVER_ENV} overrides it)",
 }
 
 
@@ -84,6 +100,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """One flag per ServerLimits field (e.g. --max-request-bytes), defaults from the record."""
     group = ap.add_argument_group("limits (docs/security.md)")
     for f in fields(ServerLimits):
+        if f.name == "http_server":
+            group.add_argument(flag(f.name), dest=f"limit_{f.name}", choices=HTTP_SERVERS,
+                               default=default_http_server(), help=_HELP[f.name])
+            continue
         default = f.default
         group.add_argument(flag(f.name), dest=f"limit_{f.name}", type=type(default), default=default,
                            metavar="N", help=f"{_HELP[f.name]} (default {default})")
@@ -92,6 +112,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> ServerLimits:
     values = {f.name: getattr(args, f"limit_{f.name}") for f in fields(ServerLimits)}
     for name, value in values.items():
-        if value < 0:
+        if not isinstance(value, str) and value < 0:
             raise SystemExit(f"{flag(name)}: must be >= 0, got {value}")
     return ServerLimits(**values)

@@ -1,0 +1,478 @@
+"""An HTTP/1.1 server on llhttp (httptools): one asyncio Protocol per connection.
+
+No aiohttp server machinery on the path: `Connection` feeds the socket's bytes to
+`httptools.HttpRequestParser`, hands each request to the handler (`HttpFrontend.handle`) as a
+`request.Request`, and writes the `web.Response` it returns as one buffer (`request.render`);
+a `web.StreamResponse` the handler prepares itself (server-sent events) writes through
+`request.Writer`, chunked.
+
+What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
+- keep-alive (HTTP/1.1 by default, HTTP/1.0 with `Connection: keep-alive`), `Connection: close`;
+  pipelining: requests run one after the other, answers in order;
+- bodies with Content-Length or chunked, `Expect: 100-continue` (answered by the handler);
+- a malformed request: 400 and close (after the answers to the requests before it); a request
+  line or header field over MAX_FIELD_BYTES, more than MAX_HEADERS fields, or a head over
+  MAX_HEAD_BYTES: 400 and close;
+- backpressure both ways: reading stops while more than BODY_HIGH_WATER bytes of request
+  bodies wait for a handler, and while the transport cannot take more response bytes;
+- ServerLimits' header, read and idle timeouts, enforced by one sweep per server (as the
+  aiohttp server does: `meshserve/server/http_frontend.py:_Server`);
+- a response sent before its request's body was read to the end closes the connection;
+- graceful shutdown: stop listening, close idle connections, let in-flight requests finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+import httptools
+from aiohttp import web
+
+from meshserve.server import body_worker
+from meshserve.server.http1.request import Request, payload_error, render
+from meshserve.server.limits import ServerLimits
+
+log = logging.getLogger("meshserve.http")
+
+Handler = Callable[[Any], Awaitable[web.StreamResponse]]  # (takes a request.Request: web.BaseRequest's subset)
+
+MAX_FIELD_BYTES = 8190  # request line (target) and each header field: aiohttp's limits
+MAX_HEADERS = 128
+MAX_HEAD_BYTES = 1 << 20  # a request head that has not ended after this many bytes: 400
+BODY_HIGH_WATER = 1 << 20  # request body bytes buffered for handlers before reading pauses
+BODY_LOW_WATER = 1 << 18  # ... and resumes
+LINGER_S = 2.0  # a connection closed after its answer reads and drops the client's bytes this long ...
+LINGER_BYTES = 64 << 20  # ... or this many (see Connection._linger)
+
+
+class _Refused(Exception):
+    """A request head over a size limit (raised from a parser callback)."""
+
+
+def _error_bytes(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+class Connection(asyncio.Protocol):
+    """One client connection (see the module docstring)."""
+
+    __slots__ = ("server", "loop", "parser", "transport", "peername", "queue", "task", "url", "fields",
+                 "head_bytes", "in_head", "body_of", "buffered", "header_since", "idle_since", "rx",
+                 "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
+                 "error", "lost", "lingering", "eof", "closing")
+
+    def __init__(self, server: Http1Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.peername: Any = None
+        self.queue: deque[Request] = deque()  # parsed, unanswered requests; the first one runs
+        self.task: asyncio.Task[None] | None = None
+        self.url: list[bytes] = []
+        self.fields: list[tuple[str, str]] = []
+        self.head_bytes = 0
+        self.in_head = False  # a request head is being received
+        self.body_of: Request | None = None  # the request whose body is being received
+        self.buffered = 0  # body bytes received and not yet read by a handler
+        self.header_since = 0.0  # when the pending head started (a new connection: when it came)
+        self.idle_since = 0.0
+        self.rx = self.rx_seen = 0  # data arrivals so far / when the sweep last looked
+        self.quiet_since = 0.0
+        self.read_paused = False
+        self.write_paused = False
+        self.drainers: list[asyncio.Future[None]] = []
+        self.last = False  # no request after the ones queued (close, HTTP/1.0, an upgrade, an error)
+        self.stopped = False  # ... and the last one has been read: later bytes are dropped (_stop)
+        self.error: bytes | None = None  # the 400 to send once the queued requests are answered
+        self.lost: asyncio.Future[None] | None = None  # resolved when the connection is lost (on demand)
+        self.lingering = 0  # stopped: bytes still to read and drop (_stop)
+        self.closing = False  # the last answer is sent: the connection closes (_linger)
+        self.eof = False  # the client has closed its side
+
+    # ---- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass of it)
+        self.peername = transport.get_extra_info("peername")
+        self.header_since = self.quiet_since = self.idle_since = self.loop.time()
+        self.server.connections.add(self)
+        if self.server.closing:
+            transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        body = self.body_of
+        if body is not None:
+            body.content.fail(payload_error("the connection was lost before the request body ended"))
+        for waiter in self.drainers:
+            if not waiter.done():
+                waiter.set_exception(ConnectionResetError("the connection was lost"))
+        self.drainers.clear()
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(None)
+        if self.task is None:
+            self.queue.clear()
+
+    def data_received(self, data: bytes) -> None:
+        self.rx += 1
+        if self.stopped:  # nothing more is parsed on this connection: dropped, within a budget
+            self.lingering -= min(len(data), self.lingering)
+            if not self.lingering and self.transport is not None:
+                if self.closing:
+                    self.transport.close()
+                else:
+                    self._update_reading()
+            return
+        if self.in_head:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.last = True  # (an upgrade is not offered: the request is answered, then the connection ends)
+            self._stop()
+        except httptools.HttpParserError as exc:
+            self._malformed(exc)
+            return
+        if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
+            self._malformed(_Refused(f"request head over {MAX_HEAD_BYTES} bytes"))
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        body = self.body_of
+        if body is not None:
+            body.content.fail(payload_error("the client closed the connection before the request body ended"))
+        self.last = self.stopped = True
+        return False  # closed (as aiohttp does): a request in progress loses its answer; `lost` resolves
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        drainers, self.drainers = self.drainers, []
+        for waiter in drainers:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._update_reading()
+
+    # ---- parser callbacks ----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        self.head_bytes = 0
+        self.url = []
+        self.fields = []
+        if self.header_since == 0.0:
+            self.header_since = self.loop.time()
+
+    def on_url(self, url: bytes) -> None:
+        self.url.append(url)
+        if len(self.url) > 1 and sum(map(len, self.url)) > MAX_FIELD_BYTES or len(url) > MAX_FIELD_BYTES:
+            raise _Refused(f"request target over {MAX_FIELD_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_FIELD_BYTES:
+            raise _Refused(f"header field over {MAX_FIELD_BYTES} bytes")
+        fields = self.fields
+        if len(fields) >= MAX_HEADERS:
+            raise _Refused(f"more than {MAX_HEADERS} header fields")
+        # (aiohttp's decoding: bytes that are not UTF-8 become lone surrogates)
+        fields.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        url = self.url
+        raw = (url[0] if len(url) == 1 else b"".join(url)).decode("utf-8", "surrogateescape")
+        keep_alive = parser.should_keep_alive() and not self.server.closing
+        request = Request(self, parser.get_method().decode("ascii", "replace"), raw,
+                          parser.get_http_version(), self.fields, keep_alive)
+        self.in_head = False
+        self.header_since = 0.0
+        self.fields = []
+        self.body_of = request
+        self.queue.append(request)
+        if not keep_alive:
+            self.last = True
+        if self.task is None:
+            self._start()
+
+    def on_body(self, body: bytes) -> None:
+        request = self.body_of
+        if request is not None:
+            request.content.feed(body)
+            self.buffered += len(body)
+            if self.buffered > BODY_HIGH_WATER and not self.read_paused:
+                self._update_reading()
+
+    def on_message_complete(self) -> None:
+        request = self.body_of
+        if request is not None:
+            request.content.feed_eof()
+            self.body_of = None
+        if self.last:
+            self._stop()  # llhttp would call further bytes an error: they are not read
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self.task = self.loop.create_task(self._serve(self.queue[0]))
+
+    async def _serve(self, request: Request) -> None:
+        server = self.server
+        try:
+            response = await server.handler(request)
+        except asyncio.CancelledError:
+            self.task = None
+            if self.transport is not None:  # the handler gave up on this request: so does the connection
+                self.transport.close()
+            return
+        except Exception:
+            log.exception("internal error serving %s %s", request.method, request.raw_path)
+            response = web.Response(status=500, body=b'{"error":"internal error"}', content_type="application/json")
+        try:
+            transport = self.transport
+            if transport is None:
+                self.task = None
+                return
+            content = request.content
+            keep = (request.keep_alive and response.keep_alive is not False and not server.closing
+                    and content.eof and content.error is None)
+            if not response.prepared:
+                data = render(response, request, keep) if type(response) is web.Response else None
+                if data is None:
+                    if not keep:
+                        response.force_close()
+                    await response.prepare(request)  # type: ignore[arg-type]
+                    await response.write_eof()
+                elif isinstance(data, list):
+                    transport.writelines(data)
+                else:
+                    transport.write(data)
+            elif not response._eof_sent:
+                await response.write_eof()
+            if response.keep_alive is False:
+                keep = False
+        except Exception as exc:  # the client left mid-answer (or a response that cannot be written)
+            self.task = None
+            if isinstance(exc, ConnectionError):
+                log.debug("HTTP connection from %s: %s", self.peername, exc)
+            else:
+                log.exception("cannot write the answer to %s %s", request.method, request.raw_path)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        if request.content.received > body_worker.TRIM_AFTER_BYTES:  # once this request's buffers are gone
+            self.loop.call_later(0.05, self.loop.run_in_executor, None, body_worker.release_memory)
+        self.task = None
+        self._finished(request, keep)
+
+    def _finished(self, request: Request, keep: bool) -> None:
+        queue = self.queue
+        queue.popleft()
+        content = request.content
+        if content.size:  # a body the handler did not read
+            self.consumed(content.size)
+        transport = self.transport
+        if transport is None:
+            return
+        if not keep:
+            self._linger()
+            return
+        if queue:
+            if self.write_paused:
+                self.loop.create_task(self._after_drain())
+            else:
+                self.task = self.loop.create_task(self._serve(queue[0]))
+            return
+        if self.error is not None:
+            transport.write(self.error)
+            self._linger()
+            return
+        if self.last:
+            self._linger()
+            return
+        self.idle_since = self.loop.time()
+        self._update_reading()
+
+    async def _after_drain(self) -> None:
+        try:
+            await self.drain()
+        except ConnectionError:
+            return
+        if self.queue and self.task is None and self.transport is not None:
+            self._start()
+
+    def consumed(self, n: int) -> None:
+        """A handler took n body bytes (or they were dropped)."""
+        self.buffered -= n
+        if self.read_paused and self.buffered < BODY_LOW_WATER:
+            self._update_reading()
+
+    async def drain(self) -> None:
+        """Wait while the transport cannot take more (aiohttp's writer.drain)."""
+        if self.write_paused:
+            if self.transport is None:
+                raise ConnectionResetError("the connection was lost")
+            waiter = self.loop.create_future()
+            self.drainers.append(waiter)
+            await waiter
+
+    def _stop(self) -> None:
+        """No more requests on this connection. Reading goes on, dropping what comes (at most
+        LINGER_BYTES, then reading pauses), so that a client that leaves is noticed at once
+        (`lost`: a streamed answer stops) and a close later does not reset the connection."""
+        if not self.stopped:
+            self.stopped = True
+            self.lingering = LINGER_BYTES
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        pause = self.write_paused or self.buffered > BODY_HIGH_WATER or (self.stopped and not self.lingering)
+        if pause and not self.read_paused:
+            self.read_paused = True
+            transport.pause_reading()
+        elif not pause and self.read_paused and self.buffered < BODY_LOW_WATER:
+            self.read_paused = False
+            transport.resume_reading()
+
+    def _malformed(self, exc: BaseException) -> None:
+        """400 and close: at once, or after the answers to the requests before it."""
+        cause = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else exc
+        message = str(cause) if isinstance(cause, _Refused) else f"malformed HTTP request: {exc}"
+        self.last = True
+        self._stop()
+        request = self.body_of
+        if request is not None:  # its handler answers (400 from the broken body), then the connection ends
+            request.content.fail(payload_error(message))
+            self.body_of = None
+            return
+        self.error = _error_bytes(400, "Bad Request", message)
+        if self.task is None and not self.queue and self.transport is not None:
+            self.transport.write(self.error)
+            self._linger()
+
+    def _linger(self) -> None:
+        """Close after the last answer without losing it: a close with unread bytes from the
+        client resets the connection, and a reset can discard the answer before the client
+        reads it (a 413 while the client is still sending). So: send FIN, read and drop what
+        still comes, for at most LINGER_S or LINGER_BYTES, then close (at once on the client's EOF)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self.last = self.closing = True
+        self._stop()
+        if self.eof or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
+        if self.read_paused and self.lingering:
+            self.read_paused = False
+            transport.resume_reading()
+
+    # ---- the server's sweep and shutdown -------------------------------------------------------
+
+    def check(self, now: float, limits: ServerLimits) -> str | None:
+        """Why this connection must be closed now, if it must."""
+        if self.rx != self.rx_seen:
+            self.rx_seen, self.quiet_since = self.rx, now
+        if self.read_paused:
+            return None  # silence is this side's doing (backpressure)
+        if self.body_of is not None:
+            read = limits.read_timeout_s
+            if read and now - self.quiet_since >= read:
+                return f"no request body bytes for {read:g} s (--read-timeout-s)"
+        elif self.header_since and not self.queue:  # (a new connection counts from its start)
+            header = limits.header_timeout_s
+            if header and now - self.header_since >= header:
+                return f"request headers incomplete after {header:g} s (--header-timeout-s)"
+        elif not self.queue and self.task is None:
+            idle = limits.idle_timeout_s
+            if idle and now - max(self.idle_since, self.quiet_since) >= idle:
+                return f"idle for {idle:g} s (--idle-timeout-s)"
+        return None
+
+    def close_if_idle(self) -> bool:
+        """Close now when no request is in progress (graceful shutdown); else after it."""
+        self.last = True
+        if self.task is None and not self.queue and self.transport is not None:
+            self.transport.close()
+            return True
+        return False
+
+
+class Http1Server:
+    """The listening socket and its connections; `shutdown` / `cleanup` as aiohttp's runner
+    (what `meshserve/server/process.py:serve` calls)."""
+
+    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[Connection] = set()
+        self.closing = False
+        self._server: asyncio.base_events.Server | None = None
+        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s, limits.idle_timeout_s) if t > 0]
+        self.tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 0.0
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await self.loop.create_server(lambda: Connection(self), host, port,
+                                                     reuse_address=True, backlog=1024)
+        if self.tick:
+            self._sweeper = self.loop.call_later(self.tick, self._sweep)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        limits = self.limits
+        for conn in list(self.connections):
+            why = conn.check(now, limits)
+            if why and conn.transport is not None:
+                log.debug("closing HTTP connection from %s: %s", conn.peername, why)
+                conn.transport.close()
+        self._sweeper = self.loop.call_later(self.tick, self._sweep)
+
+    async def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop accepting, close idle connections, let requests in progress finish (at most
+        `timeout` s), then close what is left."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close_if_idle()
+        end = self.loop.time() + timeout
+        while self.connections and self.loop.time() < end:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            if conn.task is not None:
+                conn.task.cancel()
+            if conn.transport is not None:
+                conn.transport.abort()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    async def cleanup(self) -> None:
+        if not self.closing or self.connections:
+            await self.shutdown()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+
+async def start(handler: Handler, host: str, port: int, limits: ServerLimits) -> tuple[Http1Server, int]:
+    """Serve `handler` on host:port; returns (server, bound port)."""
+    server = Http1Server(handler, limits)
+    return server, await server.start(host, port)

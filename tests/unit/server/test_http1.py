@@ -1,0 +1,475 @@
+"""meshserve/server/http1 (the httptools server) with small handlers of its own, over raw sockets:
+pipelining, chunked bodies, 100-continue, HTTP/1.0, Connection: close, malformed heads, size
+limits, streamed (chunked) responses, backpressure, timeouts, lingering close and graceful
+shutdown. tests/integration/test_http1_conformance.py runs the same server in front of real
+gateway and service processes."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import pytest
+import uvloop
+from aiohttp import web
+
+from meshserve.server import http1
+from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
+from meshserve.server.limits import ServerLimits
+from tests.support import eventually
+
+NO_TIMEOUTS = ServerLimits(header_timeout_s=0, read_timeout_s=0, idle_timeout_s=0)
+
+
+@dataclasses.dataclass
+class Served:
+    port: int
+    loop: asyncio.AbstractEventLoop
+    server: http1.Http1Server
+    seen: list[str]
+
+    def connect(self, timeout: float = 5.0) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+
+
+async def echo(request: Any) -> web.StreamResponse:
+    """POST: the body back; GET /sse: three server-sent events, chunked; GET /slow?s: sleeps."""
+    path = request.path
+    if path == "/sse":
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(b"data: %d\n\n" % i)
+        await response.write_eof()
+        return response
+    if path == "/slow":
+        await asyncio.sleep(float(request.query_string))
+    if path == "/big":
+        return web.Response(body=b"z" * int(request.query_string))
+    if path == "/head-only":  # answers without reading the body
+        return web.Response(body=b"early")
+    if path == "/expect":  # reads the body as http_frontend._read_body does: 100 Continue first
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    if path == "/limited":  # refuses a body over 1000 bytes as it arrives (413, connection closed)
+        total = 0
+        while chunk := await request.content.readany():
+            total += len(chunk)
+            if total > 1000:
+                response = web.Response(status=413, body=b"too large")
+                response.force_close()
+                return response
+    body = await request.content.read()
+    headers = {"X-Method": request.method, "X-Path": request.raw_path,
+               "X-Version": "{}.{}".format(*request.version)}
+    return web.Response(body=body, headers=headers, content_type="application/octet-stream")
+
+
+@contextmanager
+def serving(handler: Callable[[Any], Awaitable[web.StreamResponse]] = echo,
+            limits: ServerLimits = NO_TIMEOUTS) -> Iterator[Served]:
+    """The server on a loop of its own (uvloop, as in production), in a thread."""
+    loop = uvloop.new_event_loop()
+    started: list[Served] = []
+    ready = threading.Event()
+    seen: list[str] = []
+
+    async def main() -> None:
+        server, port = await http1.start(handler, "127.0.0.1", 0, limits)
+        started.append(Served(port, loop, server, seen))
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(main(), loop).result(10)
+    try:
+        yield started[0]
+    finally:
+        asyncio.run_coroutine_threadsafe(started[0].server.cleanup(), loop).result(70)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@dataclasses.dataclass
+class Answer:
+    status: int
+    version: str
+    headers: dict[str, str]
+    body: bytes
+
+
+def read_answer(f: IO[bytes]) -> Answer:
+    """One response from the stream (Content-Length or chunked body; HEAD-less tests only)."""
+    line = f.readline()
+    assert line, "the connection closed before a response"
+    version, status = line.split(b" ", 2)[:2]
+    headers: dict[str, str] = {}
+    while (h := f.readline()) not in (b"\r\n", b""):
+        k, _, v = h.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int(f.readline().strip(), 16)
+            chunk = f.read(size + 2)
+            if size == 0:
+                break
+            body += chunk[:-2]
+    else:
+        body = f.read(int(headers.get("content-length", "0")))
+    return Answer(int(status), version.decode(), headers, body)
+
+
+def closed(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """Did the server close `sock` (EOF or reset) within `timeout`?"""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+
+
+# ---- keep-alive, pipelining, versions ------------------------------------------------------------
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    with serving() as srv, srv.connect() as sock:
+        requests = [post("/slow?0.2", b"first"), b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", post("/slow?0.05", b"third"),
+                    post("/b", b"x" * 100_000)]
+        sock.sendall(b"".join(requests))  # all at once: the first is the slowest
+        f = sock.makefile("rb")
+        answers = [read_answer(f) for _ in requests]
+        assert [a.headers["x-path"] for a in answers] == ["/slow?0.2", "/a", "/slow?0.05", "/b"]
+        assert [a.body for a in answers] == [b"first", b"", b"third", b"x" * 100_000]
+        sock.sendall(b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n")  # still open (keep-alive)
+        assert read_answer(f).headers["x-path"] == "/again"
+
+
+def test_connection_close_and_http10() -> None:
+    with serving() as srv:
+        with srv.connect() as sock:
+            sock.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGET /never HTTP/1.1\r\n\r\n")
+            f = sock.makefile("rb")
+            a = read_answer(f)
+            assert a.status == 200 and a.headers["connection"] == "close"
+            assert f.read() == b""  # the pipelined request after `close` is not answered
+        with srv.connect() as sock:
+            sock.sendall(b"GET /a HTTP/1.0\r\n\r\n")
+            f = sock.makefile("rb")
+            a = read_answer(f)
+            assert a.version == "HTTP/1.0" and a.headers["x-version"] == "1.0"
+            assert "connection" not in a.headers or a.headers["connection"] == "close"
+            assert f.read() == b""  # HTTP/1.0 without keep-alive: closed
+        with srv.connect() as sock:
+            sock.sendall(b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            f = sock.makefile("rb")
+            assert read_answer(f).headers["connection"] == "keep-alive"
+            sock.sendall(b"POST /b HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok")
+            assert read_answer(f).body == b"ok"
+
+
+# ---- request bodies ----------------------------------------------------------------------------------
+
+def test_chunked_request_body() -> None:
+    with serving() as srv, srv.connect() as sock:
+        parts = [b"a" * 10, b"b" * 70_000, b"c"]
+        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for p in parts:  # in separate writes, as a streaming client sends them
+            sock.sendall(b"%x;ext=1\r\n%s\r\n" % (len(p), p))
+            time.sleep(0.01)  # (pacing: the chunks arrive in separate reads)
+        sock.sendall(b"0\r\nTrailer: t\r\n\r\n")
+        f = sock.makefile("rb")
+        assert read_answer(f).body == b"".join(parts)
+
+
+def test_malformed_chunked_body_is_400_and_close() -> None:
+    async def reader(request: Any) -> web.StreamResponse:
+        try:
+            await request.content.read()
+        except Exception as exc:  # what http_frontend._read_body turns into 400
+            return web.Response(status=400, body=type(exc).__name__.encode())
+        return web.Response(body=b"read")
+
+    with serving(reader) as srv, srv.connect() as sock:
+        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n")
+        f = sock.makefile("rb")
+        a = read_answer(f)
+        assert (a.status, a.body) == (400, b"RequestPayloadError")
+        assert f.read() == b""
+
+
+def test_expect_100_continue() -> None:
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(b"POST /expect HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        f = sock.makefile("rb")
+        assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"  # before the body is sent
+        sock.sendall(b"hello")
+        assert read_answer(f).body == b"hello"
+
+
+def test_an_unread_body_ends_the_connection_after_the_answer() -> None:
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(b"POST /head-only HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n" + b"x" * 1000)
+        f = sock.makefile("rb")
+        assert read_answer(f).body == b"early"
+        assert closed(sock)
+
+
+def test_refused_body_is_answered_before_the_close_while_the_client_still_sends() -> None:
+    """A 413 while the client is still sending must reach it (a close with unread bytes would
+    reset the connection and could discard the answer): the server lingers, reading and dropping."""
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(b"POST /limited HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (4096, b"y" * 4096)
+        got = b""
+        sock.settimeout(0.01)
+        for _ in range(2000):  # keeps sending after the answer: at most 8 MiB
+            try:
+                sock.sendall(chunk)
+            except (BlockingIOError, TimeoutError, BrokenPipeError, ConnectionResetError):
+                break
+            try:
+                got += sock.recv(65536)
+            except TimeoutError:
+                continue
+            if b"too large" in got:
+                break
+        sock.settimeout(5)
+        while b"too large" not in got and (more := sock.recv(65536)):
+            got += more
+        assert got.startswith(b"HTTP/1.1 413") and b"too large" in got, got[:200]
+        assert b"connection: close" in got.lower()
+
+
+def test_reading_pauses_while_a_body_waits_for_its_handler() -> None:
+    """Backpressure on requests: a handler that does not read yet holds at most about
+    BODY_HIGH_WATER bytes in the server; the client's sends then block."""
+    release = threading.Event()
+    buffered: list[int] = []
+
+    async def late_reader(request: Any) -> web.StreamResponse:
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        buffered.append(request.protocol.buffered)
+        return web.Response(body=str(len(await request.content.read())).encode())
+
+    total = 64 << 20
+    with serving(late_reader) as srv, srv.connect() as sock:
+        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % total)
+        sock.settimeout(0.5)
+        sent = 0
+        block = b"x" * 65536
+        try:
+            while sent < total:
+                sent += sock.send(block)
+        except TimeoutError:
+            pass  # the server stopped reading
+        assert sent < total // 2, sent
+        release.set()
+        sock.settimeout(10)
+        threading.Thread(target=lambda: sock.sendall(b"x" * (total - sent)), daemon=True).start()
+        assert read_answer(sock.makefile("rb")).body == str(total).encode()
+        assert buffered[0] <= BODY_HIGH_WATER + (1 << 20), buffered
+
+
+def test_a_client_that_does_not_read_pauses_the_connection() -> None:
+    """Backpressure on answers: a client that pipelines requests for large answers but reads
+    nothing makes the server stop reading (it does not buffer answer after answer)."""
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(b"GET /big?4000000 HTTP/1.1\r\nHost: x\r\n\r\n" * 50)  # 200 MB of answers if all ran
+        eventually(lambda: len(srv.server.connections) == 1, what="the connection accepted")
+        conn = next(iter(srv.server.connections))
+        eventually(lambda: conn.read_paused and conn.write_paused)
+        time.sleep(0.3)  # (nothing may change in this window: the server waits for the client)
+        assert conn.transport is not None and conn.transport.get_write_buffer_size() <= 4_100_000
+        assert len(conn.queue) > 40  # the rest wait unanswered
+        with sock.makefile("rb") as f:  # (closed with the socket: a stuck peer would hold shutdown)
+            for _ in range(3):  # reading resumes it
+                assert len(read_answer(f).body) == 4_000_000
+
+
+# ---- malformed and oversized heads ---------------------------------------------------------------
+
+@pytest.mark.parametrize("head", [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/1.1\r\nbad header\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+    b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"GET /" + b"a" * (MAX_FIELD_BYTES + 10) + b" HTTP/1.1\r\n\r\n",
+    b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (MAX_FIELD_BYTES + 10) + b"\r\n\r\n",
+    b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_HEADERS + 1)) + b"\r\n",
+], ids=["garbage", "no-colon", "version", "two-lengths", "length-and-chunked", "long-target", "long-field",
+        "many-fields"])
+def test_malformed_or_oversized_head_is_400_and_close(head: bytes) -> None:
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(head)
+        f = sock.makefile("rb")
+        a = read_answer(f)
+        assert a.status == 400 and a.headers["connection"] == "close", a
+        assert b"error" in a.body
+        assert f.read() == b""
+
+
+def test_a_malformed_request_after_good_ones_is_answered_in_turn() -> None:
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(post("/slow?0.1", b"one") + b"GET /two HTTP/1.1\r\n\r\nNOT HTTP AT ALL\r\n\r\n")
+        f = sock.makefile("rb")
+        assert read_answer(f).body == b"one"
+        assert read_answer(f).headers["x-path"] == "/two"
+        assert read_answer(f).status == 400
+        assert f.read() == b""
+
+
+def test_an_endless_head_is_refused() -> None:
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nX-Endless: ")
+        try:
+            for _ in range(200):  # a field that never ends: 1.6 MB, over MAX_HEAD_BYTES (1 MiB)
+                sock.sendall(b"v" * 8000)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data = sock.recv(65536)
+        assert data.startswith(b"HTTP/1.1 400") and b"request head over" in data, data[:300]
+
+
+# ---- streamed answers ----------------------------------------------------------------------------------
+
+def test_stream_response_is_chunked_and_keeps_the_connection() -> None:
+    with serving() as srv, srv.connect() as sock:
+        sock.sendall(b"GET /sse HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        f = sock.makefile("rb")
+        a = read_answer(f)
+        assert a.headers["transfer-encoding"] == "chunked" and a.headers["content-type"] == "text/event-stream"
+        assert a.body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        assert read_answer(f).headers["x-path"] == "/after"
+
+
+def test_a_client_that_leaves_mid_stream_is_noticed() -> None:
+    """A streamed answer's handler learns at once that its client left (`Connection.lost`, as
+    http_frontend's generate_stream waits on), also after a `Connection: close` request."""
+    left = threading.Event()
+
+    async def stream(request: Any) -> web.StreamResponse:
+        conn = request.protocol
+        conn.lost = conn.lost or asyncio.get_running_loop().create_future()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        await asyncio.wait_for(conn.lost, 30)  # the next event would be a minute away
+        left.set()
+        return response
+
+    for extra in (b"", b"Connection: close\r\n"):
+        left.clear()
+        with serving(stream) as srv:
+            with srv.connect() as sock:
+                sock.sendall(b"GET /sse HTTP/1.1\r\nHost: x\r\n%s\r\n" % extra)
+                data = b""
+                while b"data: first" not in data:
+                    data += sock.recv(65536)
+            assert left.wait(5), extra
+
+
+def test_stream_response_to_http10_closes_instead_of_chunking() -> None:
+    async def stream(request: Any) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"abc")
+        await response.write_eof()
+        return response
+
+    with serving(stream) as srv, srv.connect() as sock:
+        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        sock.settimeout(5)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower() and body == b"abc"
+
+
+def test_handler_errors_are_500_and_the_connection_goes_on() -> None:
+    async def broken(request: Any) -> web.StreamResponse:
+        if request.path == "/boom":
+            raise RuntimeError("boom")
+        return web.Response(body=b"fine")
+
+    with serving(broken) as srv, srv.connect() as sock:
+        sock.sendall(b"GET /boom HTTP/1.1\r\n\r\nGET /ok HTTP/1.1\r\n\r\n")
+        f = sock.makefile("rb")
+        assert read_answer(f).status == 500
+        assert read_answer(f).body == b"fine"
+
+
+def test_response_header_injection_is_refused() -> None:
+    async def bad(request: Any) -> web.StreamResponse:
+        return web.Response(body=b"x", headers={"X-A": request.query_string.replace("_", "\r\n")})
+
+    with serving(bad) as srv, srv.connect() as sock:
+        sock.sendall(b"GET /?a_Set-Cookie:%20x HTTP/1.1\r\n\r\n")
+        assert closed(sock)  # nothing written, connection closed (logged)
+
+
+# ---- timeouts -------------------------------------------------------------------------------------------
+
+TIMED = ServerLimits(header_timeout_s=0.5, read_timeout_s=0.5, idle_timeout_s=1.5)
+
+
+def test_timeouts() -> None:
+    with serving(limits=TIMED) as srv:
+        with srv.connect() as silent, srv.connect() as trickle, srv.connect() as stalled, srv.connect() as idle:
+            t0 = time.monotonic()
+            trickle.sendall(b"GET / HTTP/1.1\r\n")
+            stalled.sendall(b"POST / HTTP/1.1\r\nContent-Length: 100\r\n\r\nabc")
+            idle.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+            assert read_answer(idle.makefile("rb")).status == 200
+            assert closed(silent) and closed(trickle) and closed(stalled)
+            assert 0.45 <= time.monotonic() - t0 < 1.5
+            assert closed(idle)  # idle past the header timeout, closed by the idle timeout
+            assert time.monotonic() - t0 >= 1.4
+
+
+def test_slow_but_steady_body_is_not_cut() -> None:
+    with serving(limits=TIMED) as srv, srv.connect() as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nContent-Length: 6\r\n\r\n")
+        for b in b"steady":
+            sock.sendall(bytes([b]))
+            time.sleep(0.2)  # (pacing: under the 0.5 s read timeout, 1.2 s in all)
+        assert read_answer(sock.makefile("rb")).body == b"steady"
+
+
+# ---- shutdown ---------------------------------------------------------------------------------------------
+
+def test_graceful_shutdown_finishes_requests_in_flight() -> None:
+    with serving() as srv:
+        busy, idle = srv.connect(), srv.connect()
+        try:
+            idle.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+            read_answer(idle.makefile("rb"))
+            busy.sendall(b"GET /slow?0.5 HTTP/1.1\r\n\r\n")
+            eventually(lambda: any(c.task is not None for c in srv.server.connections))
+            done = asyncio.run_coroutine_threadsafe(srv.server.shutdown(10), srv.loop)
+            assert closed(idle, 2)  # the idle connection is closed at once ...
+            f = busy.makefile("rb")
+            a = read_answer(f)  # ... the busy one gets its answer, marked close, then ends
+            assert a.status == 200 and a.headers["connection"] == "close"
+            done.result(5)
+            with pytest.raises(OSError):
+                srv.connect(1).sendall(b"GET / HTTP/1.1\r\n\r\n")
+        finally:
+            busy.close()
+            idle.close()
