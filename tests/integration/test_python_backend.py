@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.models import python_models
+from tests.support import models
 from tests.support.metrics import sample, scrape
 from tests.support.waiting import eventually
 
@@ -56,18 +58,27 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "faulty_init", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
         extra="instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
     ens = tmp_path_factory.mktemp("python_ensembles")
-    (ens / "mixed_pipeline" / "1").mkdir(parents=True)
-    (ens / "mixed_pipeline" / "config.pbtxt").write_text(python_models.MIXED_ENSEMBLE)
+    for name, text in (("mixed_pipeline", python_models.MIXED_ENSEMBLE),
+                       ("mixed_all_kinds", python_models.MIXED_ALL_KINDS)):
+        (ens / name / "1").mkdir(parents=True)
+        (ens / name / "config.pbtxt").write_text(text)
+    ts_repo = tmp_path_factory.mktemp("torchscript_models")
+    with warnings.catch_warnings():  # (torch.jit.trace's deprecation notice)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        models.write(ts_repo, "ts_add_sub", models.pair_config(
+            "ts_add_sub", "pytorch_libtorch", W, ("INPUT__0", "INPUT__1"), ("OUTPUT__0", "OUTPUT__1")),
+            {1: models.torch_add_sub(W)}, "model.pt")
     gateway_grpc = _free_port()
     procs: list[Proc] = []
     try:
         procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
                             "--bls-target", f"127.0.0.1:{gateway_grpc}"]))
         procs.append(start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"]))
+        procs.append(start(["service", "torchscript", "--repository", str(ts_repo), "--grpc-port", "0"], timeout=120))
         procs.append(start(["gateway", "--grpc-port", str(gateway_grpc), "--http-port", "0", "--repository", str(ens),
-                            "--upstream", procs[0].grpc, "--upstream", procs[1].grpc]))
-        _wait_http_ready(procs[2].http)
-        yield Mesh(procs[0], procs[1], procs[2], repo)
+                            "--upstream", procs[0].grpc, "--upstream", procs[1].grpc, "--upstream", procs[2].grpc]))
+        _wait_http_ready(procs[3].http)
+        yield Mesh(procs[0], procs[1], procs[3], repo)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -221,14 +232,19 @@ def test_auto_complete_config_configures_a_model_without_config_pbtxt(proto: str
 
 @pytest.mark.parametrize("proto", ["http", "grpc"])
 def test_ensemble_mixes_python_and_onnx_steps(proto: str, mesh: Mesh) -> None:
+    """preprocess (python) -> add_sub (onnx) -> postprocess (python), and the same with a
+    TorchScript step before postprocess: every step goes to the service of its kind."""
     m = MODULES[proto]
     raw = np.arange(2 * W, dtype=np.float32).reshape(2, W)
     inp = m.InferInput("RAW", [2, W], "FP32")
     inp.set_data_from_numpy(raw)
     with m.InferenceServerClient(getattr(mesh.gateway, proto)) as c:
         total = c.infer("mixed_pipeline", [inp]).as_numpy("TOTAL")
+        total_all_kinds = c.infer("mixed_all_kinds", [inp]).as_numpy("TOTAL")
     a, b = raw * 2, raw + 1
-    np.testing.assert_allclose(total, ((a + b) + (a - b)).sum(axis=-1, keepdims=True))
+    s, d = a + b, a - b
+    np.testing.assert_allclose(total, (s + d).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(total_all_kinds, ((s + d) + (s - d)).sum(axis=-1, keepdims=True))
 
 
 @pytest.mark.parametrize("target", ["service", "gateway"])
