@@ -483,10 +483,19 @@ def build(repo: Path, instances: int = 2) -> Path:
 
 
 # preprocess (python) -> add_sub (onnx) -> postprocess (python)
-# the same pipeline with a TorchScript step between the ONNX one and postprocess: python -> onnx ->
-# torchscript -> python (ts_add_sub: S2 = s + d, D2 = s - d)
-MIXED_ALL_KINDS = f"""
-name: "mixed_all_kinds"
+def mixed_pipeline(name: str, torchscript: bool = False) -> str:
+    """The ensemble preprocess (python) -> add_sub (onnx) [-> ts_add_sub (torchscript: s + d,
+    s - d)] -> postprocess (python): RAW [WIDTH] -> TOTAL [1]."""
+    last = "s", "d"
+    ts_step = ""
+    if torchscript:
+        ts_step = """
+  { model_name: "ts_add_sub" model_version: -1
+    input_map { key: "INPUT__0" value: "s" } input_map { key: "INPUT__1" value: "d" }
+    output_map { key: "OUTPUT__0" value: "s2" } output_map { key: "OUTPUT__1" value: "d2" } },"""
+        last = "s2", "d2"
+    return f"""
+name: "{name}"
 platform: "ensemble"
 max_batch_size: 8
 input [ {{ name: "RAW" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
@@ -497,34 +506,16 @@ ensemble_scheduling {{ step [
     output_map {{ key: "A" value: "a" }} output_map {{ key: "B" value: "b" }} }},
   {{ model_name: "add_sub" model_version: -1
     input_map {{ key: "INPUT0" value: "a" }} input_map {{ key: "INPUT1" value: "b" }}
-    output_map {{ key: "OUTPUT0" value: "s" }} output_map {{ key: "OUTPUT1" value: "d" }} }},
-  {{ model_name: "ts_add_sub" model_version: -1
-    input_map {{ key: "INPUT__0" value: "s" }} input_map {{ key: "INPUT__1" value: "d" }}
-    output_map {{ key: "OUTPUT__0" value: "s2" }} output_map {{ key: "OUTPUT__1" value: "d2" }} }},
+    output_map {{ key: "OUTPUT0" value: "s" }} output_map {{ key: "OUTPUT1" value: "d" }} }},{ts_step}
   {{ model_name: "postprocess" model_version: -1
-    input_map {{ key: "S" value: "s2" }} input_map {{ key: "D" value: "d2" }}
+    input_map {{ key: "S" value: "{last[0]}" }} input_map {{ key: "D" value: "{last[1]}" }}
     output_map {{ key: "TOTAL" value: "TOTAL" }} }}
 ] }}
 """
 
-MIXED_ENSEMBLE = f"""
-name: "mixed_pipeline"
-platform: "ensemble"
-max_batch_size: 8
-input [ {{ name: "RAW" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
-output [ {{ name: "TOTAL" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-ensemble_scheduling {{ step [
-  {{ model_name: "preprocess" model_version: -1
-    input_map {{ key: "RAW" value: "RAW" }}
-    output_map {{ key: "A" value: "a" }} output_map {{ key: "B" value: "b" }} }},
-  {{ model_name: "add_sub" model_version: -1
-    input_map {{ key: "INPUT0" value: "a" }} input_map {{ key: "INPUT1" value: "b" }}
-    output_map {{ key: "OUTPUT0" value: "s" }} output_map {{ key: "OUTPUT1" value: "d" }} }},
-  {{ model_name: "postprocess" model_version: -1
-    input_map {{ key: "S" value: "s" }} input_map {{ key: "D" value: "d" }}
-    output_map {{ key: "TOTAL" value: "TOTAL" }} }}
-] }}
-"""
+
+MIXED_ENSEMBLE = mixed_pipeline("mixed_pipeline")
+MIXED_ALL_KINDS = mixed_pipeline("mixed_all_kinds", torchscript=True)
 
 
 if __name__ == "__main__":
