@@ -24,20 +24,10 @@ from tritonclient.utils import InferenceServerException
 from meshserve import examples
 from tests.conftest import ROOT
 from tests.e2e.test_up import _free_port, read_banner
-from tests.support import eventually
+from tests.support import eventually, models
 
-PIPE = """
-name: "pipe"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 16 ] } ]
-ensemble_scheduling { step [
-  { model_name: "add_sub_dep" model_version: -1
-    input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
-    output_map { key: "OUTPUT0" value: "Y" } }
-] }
-"""
+PIPE = models.ensemble_config("pipe", {"X": 16}, {"Y": 16},
+                              [models.step("add_sub_dep", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "Y"})])
 
 
 @dataclass
