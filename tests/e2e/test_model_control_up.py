@@ -21,6 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from load.bench.procs import stop_process
 from meshserve import examples
 from tests.conftest import ROOT
 from tests.e2e.test_up import _free_port, read_banner
@@ -54,12 +55,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
         yield Up(repo, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGINT, 60)
 
 
 def _copy_model(repo: Path, src: str, dst: str) -> None:
