@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from load.bench.procs import wait_ready
-from meshserve.server.process import parse_ready_line
+from load.bench.procs import Endpoints, follow_ready, stop_process, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +34,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 @dataclass
-class Proc:
+class Proc(Endpoints):
     """A meshserve process started by a test; ports parsed from its ready line."""
 
     argv: list[str]
@@ -44,26 +42,11 @@ class Proc:
     ports: dict[str, int] = field(default_factory=dict)
     output: list[str] = field(default_factory=list)
 
-    @property
-    def grpc(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc']}"
-
-    @property
-    def http(self) -> str:
-        return f"127.0.0.1:{self.ports['http']}"
-
     def log(self) -> str:
         return "".join(self.output[-200:])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
 
 
 def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None,
@@ -73,19 +56,7 @@ def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = Non
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True)
     p = Proc(argv, proc)
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            p.output.append(line)
-            ports = parse_ready_line(line)
-            if ports is not None:
-                p.ports.update(ports)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    ready = follow_ready(proc, p.ports, p.output.append)
     if not ready.wait(timeout) or not p.ports:
         p.stop(signal.SIGKILL)
         raise RuntimeError(f"{' '.join(args)} did not become ready in {timeout}s:\n{p.log()}")

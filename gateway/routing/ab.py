@@ -39,13 +39,12 @@ def _version(v: object) -> str:
     return s
 
 
-class Target(BaseModel):
+class ModelRef(BaseModel):
+    """A {model, version} that a route sends to: a target or the shadow."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1)
     version: str = ""  # "" = the model's highest ready version
-    weight: int = Field(default=1, ge=0)
-    arm: str = ""
 
     @field_validator("model")
     @classmethod
@@ -56,28 +55,19 @@ class Target(BaseModel):
     @classmethod
     def _version(cls, v: object) -> str:
         return _version(v)
+
+
+class Target(ModelRef):
+    weight: int = Field(default=1, ge=0)
+    arm: str = ""
 
     @property
     def name(self) -> str:
         return self.arm or (f"{self.model}:{self.version}" if self.version else self.model)
 
 
-class Shadow(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str = Field(min_length=1)
-    version: str = ""
+class Shadow(ModelRef):
     share: float = Field(default=1.0, gt=0, le=1)
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: str) -> str:
-        return _model_name(v)
-
-    @field_validator("version", mode="before")
-    @classmethod
-    def _version(cls, v: object) -> str:
-        return _version(v)
 
 
 class RouteSpec(BaseModel):

@@ -8,38 +8,54 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from meshserve.server.process import parse_ready_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Server:
-    def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None):
-        self.argv = [sys.executable, "-m", "meshserve", *args]
-        self.logf = open(log, "a")  # closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
-                                     cwd=ROOT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.ports: dict[str, int] = {}
-        ready = threading.Event()
+def follow_ready(proc: subprocess.Popen[str], ports: dict[str, int],
+                 each_line: Callable[[str], object]) -> threading.Event:
+    """Read ``proc``'s stdout to its end on a daemon thread: every line goes to ``each_line``,
+    the ports of its ready line (meshserve.server.process.READY_MARKER) into ``ports``. The
+    event is set at that line, or at the end of the output (``ports`` empty then: the process
+    ended before it was ready)."""
+    ready = threading.Event()
 
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.logf.write(line)
-                ports = parse_ready_line(line)
-                if ports is not None:
-                    self.ports.update(ports)
-                    ready.set()
-            ready.set()
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            each_line(line)
+            found = parse_ready_line(line)
+            if found is not None:
+                ports.update(found)
+                ready.set()
+        ready.set()
 
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(timeout) or not self.ports:
-            self.stop()
-            raise RuntimeError(f"{' '.join(args)} did not become ready (log: {log})")
-        wait_ready(self.http)
+    threading.Thread(target=pump, daemon=True).start()
+    return ready
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    """Send ``sig`` to ``proc`` if it still runs, give it ``timeout`` seconds to exit, then kill
+    it. Returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class Endpoints:
+    """The loopback endpoints of a started process, from the ``ports`` of its ready line."""
+
+    ports: dict[str, int]
 
     @property
     def http(self) -> str:
@@ -49,18 +65,27 @@ class Server:
     def grpc(self) -> str:
         return f"127.0.0.1:{self.ports['grpc']}"
 
+
+class Server(Endpoints):
+    def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None):
+        self.argv = [sys.executable, "-m", "meshserve", *args]
+        self.logf = open(log, "a")  # closed in stop()
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
+                                     cwd=ROOT, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.ports: dict[str, int] = {}
+        ready = follow_ready(self.proc, self.ports, self.logf.write)
+        if not ready.wait(timeout) or not self.ports:
+            self.stop()
+            raise RuntimeError(f"{' '.join(args)} did not become ready (log: {log})")
+        wait_ready(self.http)
+
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.logf.close()
 
 

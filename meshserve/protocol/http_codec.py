@@ -279,6 +279,21 @@ def _string(value: Any, where: str) -> str:
     return value
 
 
+def _entry_name(item: Any, what: str, index: int, seen: set[str], repeated: str) -> str:
+    """The name of entry ``index`` of a request's 'inputs' or 'outputs' (``what``: "request
+    input" or "requested output"), checked: a JSON object whose 'name' is a string not in
+    ``seen`` (then added; ``repeated``: the message for a name seen before, {} the name)."""
+    if not isinstance(item, dict):
+        raise InferError.invalid(f"{what} {index} must be a JSON object, got {_json_type(item)}")
+    if "name" not in item:
+        raise InferError.invalid(f"{what} {index} has no 'name'")
+    name = _string(item["name"], f"{what} {index} 'name'")
+    if name in seen:
+        raise InferError.invalid(repeated.format(name))
+    seen.add(name)
+    return name
+
+
 # --- inference request ------------------------------------------------------------------
 
 def parse_header_length(value: str | None) -> int | None:
@@ -363,14 +378,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
     seen: set[str] = set()
     raw = req.raw_input_contents
     for index, item in enumerate(inputs):
-        if not isinstance(item, dict):
-            raise InferError.invalid(f"request input {index} must be a JSON object, got {_json_type(item)}")
-        if "name" not in item:
-            raise InferError.invalid(f"request input {index} has no 'name'")
-        name = _string(item["name"], f"request input {index} 'name'")
-        if name in seen:
-            raise InferError.invalid(f"input '{name}' appears more than once in the request")
-        seen.add(name)
+        name = _entry_name(item, "request input", index, seen, "input '{}' appears more than once in the request")
         where = f"input '{name}'"
         datatype, shape = _parse_tensor_spec(item, where)
 
@@ -458,14 +466,7 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
         raise InferError.invalid(f"request 'outputs' must be a JSON array, got {_json_type(outputs)}")
     seen: set[str] = set()
     for index, item in enumerate(outputs):
-        if not isinstance(item, dict):
-            raise InferError.invalid(f"requested output {index} must be a JSON object, got {_json_type(item)}")
-        if "name" not in item:
-            raise InferError.invalid(f"requested output {index} has no 'name'")
-        name = _string(item["name"], f"requested output {index} 'name'")
-        if name in seen:
-            raise InferError.invalid(f"output '{name}' is requested more than once")
-        seen.add(name)
+        name = _entry_name(item, "requested output", index, seen, "output '{}' is requested more than once")
         where = f"output '{name}'"
         params = _object(item.get("parameters"), f"{where} 'parameters'")
         out = req.outputs.add(name=name)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -57,49 +59,62 @@ def batched(conn: RawH2, frames_of: object, n: int, batch: int) -> int:
     return sent
 
 
+def on_one_connection(mesh: Mesh, which: str, name: str, attack: Callable[[RawH2], Observation],
+                      **options: Any) -> None:
+    """Run ``attack`` on one new connection to the target (RawH2 ``options``; closed after),
+    while the good client runs, and check the verdict (``name``: what the attack is)."""
+    proc = target(mesh, which)
+
+    def run() -> Observation:
+        conn = RawH2(proc.grpc, **options)
+        try:
+            return attack(conn)
+        finally:
+            conn.close()
+
+    under_attack(mesh, proc, f"{name} on {which}", run).judge().check()
+
+
+def refused(conn: RawH2, stream: int) -> bool:
+    """Waits for the server's verdict: the connection closed, a stream reset, or ``stream``
+    answered with a status."""
+    conn.wait("refused", CLOSE_WAIT_S)
+    return conn.seen.closed_or_refused() or conn.seen.rst.total() > 0 or stream in conn.seen.statuses
+
+
 # ---- the new attacks ----------------------------------------------------------------------------
 @pytest.mark.parametrize("which", BOTH)
 def test_headers_only_stream_flood(mesh: Mesh, which: str) -> None:
     """50k HEADERS-only streams on one connection: MAX_CONCURRENT_STREAMS advertised, excess
     streams refused (RST_STREAM(REFUSED_STREAM)) or the connection closed."""
     n = 200_000 if LONG else 50_000
-    proc = target(mesh, which)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc)
-        try:
-            block = h2raw.grpc_headers(conn.authority, key=key_for(which))
-            sent = batched(conn, lambda i: frame(HEADERS, END_HEADERS, 2 * i + 1, block), n, 1000)
-            conn.wait("refused", CLOSE_WAIT_S)
-            advertised = conn.seen.settings.get(h2raw.MAX_CONCURRENT_STREAMS)
-            ok = conn.seen.closed_or_refused() and advertised is not None
-            return Observation(f"sent {sent} streams; advertised MAX_CONCURRENT_STREAMS={advertised}; {conn.seen}",
-                               ok)
-        finally:
-            conn.close()
+    def attack(conn: RawH2) -> Observation:
+        block = h2raw.grpc_headers(conn.authority, key=key_for(which))
+        sent = batched(conn, lambda i: frame(HEADERS, END_HEADERS, 2 * i + 1, block), n, 1000)
+        conn.wait("refused", CLOSE_WAIT_S)
+        advertised = conn.seen.settings.get(h2raw.MAX_CONCURRENT_STREAMS)
+        ok = conn.seen.closed_or_refused() and advertised is not None
+        return Observation(f"sent {sent} streams; advertised MAX_CONCURRENT_STREAMS={advertised}; {conn.seen}",
+                           ok)
 
-    under_attack(mesh, proc, f"stream flood on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "stream flood", attack)
 
 
 @pytest.mark.parametrize("which", BOTH)
 def test_rapid_reset(mesh: Mesh, which: str) -> None:
     """CVE-2023-44487: 20k HEADERS + RST_STREAM pairs end in GOAWAY(ENHANCE_YOUR_CALM) and a close."""
     n = 100_000 if LONG else 20_000
-    proc = target(mesh, which)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc)
-        try:
-            block = h2raw.grpc_headers(conn.authority, key=key_for(which))
-            sent = batched(conn, lambda i: frame(HEADERS, END_HEADERS, 2 * i + 1, block) + h2raw.rst(2 * i + 1),
-                           n, 500)
-            conn.wait("closed", CLOSE_WAIT_S)
-            return Observation(f"sent {sent} HEADERS+RST pairs; {conn.seen}",
-                               conn.seen.goaway == ENHANCE_YOUR_CALM)
-        finally:
-            conn.close()
+    def attack(conn: RawH2) -> Observation:
+        block = h2raw.grpc_headers(conn.authority, key=key_for(which))
+        sent = batched(conn, lambda i: frame(HEADERS, END_HEADERS, 2 * i + 1, block) + h2raw.rst(2 * i + 1),
+                       n, 500)
+        conn.wait("closed", CLOSE_WAIT_S)
+        return Observation(f"sent {sent} HEADERS+RST pairs; {conn.seen}",
+                           conn.seen.goaway == ENHANCE_YOUR_CALM)
 
-    under_attack(mesh, proc, f"rapid reset on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "rapid reset", attack)
 
 
 @pytest.mark.parametrize("which", BOTH)
@@ -109,36 +124,31 @@ def test_partial_huge_unary_message(mesh: Mesh, which: str) -> None:
     it is buffered; windows are not handed back for bytes nobody consumes."""
     declared = 400_000_000
     budget = (declared if LONG else 150 * MiB)
-    proc = target(mesh, which)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc)
+    def attack(conn: RawH2) -> Observation:
         sent = 0
-        try:
-            conn.send(frame(HEADERS, END_HEADERS, 1, h2raw.grpc_headers(conn.authority, key=key_for(which))))
-            prefix = h2raw.grpc_message(b"", length=declared)
-            conn.send(frame(DATA, 0, 1, prefix))
-            deadline = time.monotonic() + (60 if LONG else 15)
-            chunk = b"\0" * (1 << 20)
-            while sent < budget and time.monotonic() < deadline:
-                if conn.seen.statuses or conn.seen.rst or conn.seen.eof or conn.seen.goaway is not None:
-                    break
-                max_frame = min(conn.seen.settings.get(MAX_FRAME_SIZE, 16384), len(chunk))
-                n = conn.take_window(1, max_frame, timeout=2.0)
-                if n == 0:
-                    break  # the server holds its window: flow control stops us, as it should
-                if not conn.send(frame(DATA, 0, 1, chunk[:n])):
-                    break
-                sent += n
-            conn.wait("refused", 1.0)
-            status = conn.seen.statuses.get(1)
-            ok = status == "8" or conn.seen.rst.total() > 0 or conn.seen.eof or conn.seen.goaway is not None
-            return Observation(f"sent {sent / MiB:.0f} MiB of a {declared}-byte message; stream status {status}; "
-                               f"{conn.seen}", ok)
-        finally:
-            conn.close()
+        conn.send(frame(HEADERS, END_HEADERS, 1, h2raw.grpc_headers(conn.authority, key=key_for(which))))
+        prefix = h2raw.grpc_message(b"", length=declared)
+        conn.send(frame(DATA, 0, 1, prefix))
+        deadline = time.monotonic() + (60 if LONG else 15)
+        chunk = b"\0" * (1 << 20)
+        while sent < budget and time.monotonic() < deadline:
+            if conn.seen.statuses or conn.seen.rst or conn.seen.eof or conn.seen.goaway is not None:
+                break
+            max_frame = min(conn.seen.settings.get(MAX_FRAME_SIZE, 16384), len(chunk))
+            n = conn.take_window(1, max_frame, timeout=2.0)
+            if n == 0:
+                break  # the server holds its window: flow control stops us, as it should
+            if not conn.send(frame(DATA, 0, 1, chunk[:n])):
+                break
+            sent += n
+        conn.wait("refused", 1.0)
+        status = conn.seen.statuses.get(1)
+        ok = status == "8" or conn.seen.rst.total() > 0 or conn.seen.eof or conn.seen.goaway is not None
+        return Observation(f"sent {sent / MiB:.0f} MiB of a {declared}-byte message; stream status {status}; "
+                           f"{conn.seen}", ok)
 
-    under_attack(mesh, proc, f"partial 400 MB message on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "partial 400 MB message", attack)
 
 
 def identity_request(elements: int) -> bytes:
@@ -156,58 +166,49 @@ def test_zero_window_client_never_reads(mesh: Mesh, which: str) -> None:
     (Small answers, asked one after another as each one's HEADERS arrive, so what grows is what
     the server holds for the peer, not the work of many requests in progress at once.)"""
     count = 2000 if LONG else 400
-    proc = target(mesh, which)
     body = h2raw.grpc_message(identity_request((MiB // 4) // 4))
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc, client_settings={INITIAL_WINDOW_SIZE: 0}, give_window=False)
+    def attack(conn: RawH2) -> Observation:
         sent = 0
-        try:
-            block = h2raw.grpc_headers(conn.authority, key=key_for(which))
-            deadline = time.monotonic() + (60 if LONG else 20)
-            for i in range(count):
-                sid = 2 * i + 1
-                if not conn.send(frame(HEADERS, END_HEADERS, sid, block)):
+        block = h2raw.grpc_headers(conn.authority, key=key_for(which))
+        deadline = time.monotonic() + (60 if LONG else 20)
+        for i in range(count):
+            sid = 2 * i + 1
+            if not conn.send(frame(HEADERS, END_HEADERS, sid, block)):
+                break
+            pos = 0
+            while pos < len(body) and time.monotonic() < deadline:
+                max_frame = conn.seen.settings.get(MAX_FRAME_SIZE, 16384)
+                n = conn.take_window(sid, min(max_frame, len(body) - pos), timeout=2.0)
+                if n == 0:
                     break
-                pos = 0
-                while pos < len(body) and time.monotonic() < deadline:
-                    max_frame = conn.seen.settings.get(MAX_FRAME_SIZE, 16384)
-                    n = conn.take_window(sid, min(max_frame, len(body) - pos), timeout=2.0)
-                    if n == 0:
-                        break
-                    last = pos + n == len(body)
-                    if not conn.send(frame(DATA, END_STREAM if last else 0, sid, body[pos:pos + n])):
-                        break
-                    pos += n
-                if pos < len(body):
+                last = pos + n == len(body)
+                if not conn.send(frame(DATA, END_STREAM if last else 0, sid, body[pos:pos + n])):
                     break
-                sent += 1
-                if not conn.wait_answered(sid, 5.0):  # one at a time: the server holds each answer
-                    break
-            conn.wait("closed", CLOSE_WAIT_S)
-            return Observation(f"sent {sent} requests for 256 KiB answers, read none; {conn.seen}",
-                               conn.seen.eof or conn.seen.goaway is not None)
-        finally:
-            conn.close()
+                pos += n
+            if pos < len(body):
+                break
+            sent += 1
+            if not conn.wait_answered(sid, 5.0):  # one at a time: the server holds each answer
+                break
+        conn.wait("closed", CLOSE_WAIT_S)
+        return Observation(f"sent {sent} requests for 256 KiB answers, read none; {conn.seen}",
+                           conn.seen.eof or conn.seen.goaway is not None)
 
-    under_attack(mesh, proc, f"zero-window reader on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "zero-window reader", attack, client_settings={INITIAL_WINDOW_SIZE: 0},
+                      give_window=False)
 
 
 def _control_flood(mesh: Mesh, which: str, one: bytes, what: str) -> None:
     n = 1_000_000 if LONG else 200_000
-    proc = target(mesh, which)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc, read=False, send_timeout=2.0)  # never reads: the ACKs pile up
-        try:
-            sent = batched(conn, lambda i: one, n, 5000)
-            conn.wait_closed_unread(CLOSE_WAIT_S)
-            return Observation(f"sent {sent} {what} frames without reading (blocked={conn.blocked}); {conn.seen}",
-                               conn.seen.eof or conn.seen.goaway is not None)
-        finally:
-            conn.close()
+    def attack(conn: RawH2) -> Observation:
+        sent = batched(conn, lambda i: one, n, 5000)
+        conn.wait_closed_unread(CLOSE_WAIT_S)
+        return Observation(f"sent {sent} {what} frames without reading (blocked={conn.blocked}); {conn.seen}",
+                           conn.seen.eof or conn.seen.goaway is not None)
 
-    under_attack(mesh, proc, f"{what} flood on {which}", attack).judge().check()
+    on_one_connection(mesh, which, f"{what} flood", attack, read=False, send_timeout=2.0)  # never reads: the ACKs pile up
 
 
 @pytest.mark.parametrize("which", BOTH)
@@ -244,21 +245,15 @@ def test_headers_never_finished_are_timed_out(mesh: Mesh, which: str) -> None:
 # ---- what held before and must keep holding -----------------------------------------------------
 @pytest.mark.parametrize("which", GATEWAY_ONLY)
 def test_continuation_flood(mesh: Mesh, which: str) -> None:
-    proc = target(mesh, which)
+    def attack(conn: RawH2) -> Observation:
+        conn.send(frame(HEADERS, 0, 1, h2raw.grpc_headers(conn.authority, key=key_for(which))))
+        junk = h2raw.grpc_headers(conn.authority, extra=[("x-junk", "j" * 16000)])[-16000:]
+        sent = batched(conn, lambda i: frame(CONTINUATION, 0, 1, junk), 4096, 64)  # up to 64 MiB
+        conn.wait("closed", CLOSE_WAIT_S)
+        return Observation(f"sent {sent} CONTINUATION frames; {conn.seen}",
+                           conn.seen.eof or conn.seen.goaway is not None)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc)
-        try:
-            conn.send(frame(HEADERS, 0, 1, h2raw.grpc_headers(conn.authority, key=key_for(which))))
-            junk = h2raw.grpc_headers(conn.authority, extra=[("x-junk", "j" * 16000)])[-16000:]
-            sent = batched(conn, lambda i: frame(CONTINUATION, 0, 1, junk), 4096, 64)  # up to 64 MiB
-            conn.wait("closed", CLOSE_WAIT_S)
-            return Observation(f"sent {sent} CONTINUATION frames; {conn.seen}",
-                               conn.seen.eof or conn.seen.goaway is not None)
-        finally:
-            conn.close()
-
-    under_attack(mesh, proc, f"CONTINUATION flood on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "CONTINUATION flood", attack)
 
 
 @pytest.mark.parametrize("which", GATEWAY_ONLY)
@@ -267,43 +262,29 @@ def test_hpack_bomb(mesh: Mesh, which: str) -> None:
     of headers from 100 KB on the wire."""
     import hpack
 
-    proc = target(mesh, which)
+    def attack(conn: RawH2) -> Observation:
+        enc = hpack.Encoder()
+        base = [(":method", "POST"), (":scheme", "http"), (":path", h2raw.INFER),
+                (":authority", conn.authority), ("content-type", "application/grpc")]
+        first = enc.encode(base + [("x-bomb", "b" * 4000)])  # indexed: x-bomb is dynamic entry 62
+        conn.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, first))
+        conn.send(h2raw.header_frames(3, h2raw.grpc_headers(conn.authority) + b"\xbe" * 100_000))
+        ok = refused(conn, 3)
+        return Observation(f"{conn.seen}", ok)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc)
-        try:
-            enc = hpack.Encoder()
-            base = [(":method", "POST"), (":scheme", "http"), (":path", h2raw.INFER),
-                    (":authority", conn.authority), ("content-type", "application/grpc")]
-            first = enc.encode(base + [("x-bomb", "b" * 4000)])  # indexed: x-bomb is dynamic entry 62
-            conn.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, first))
-            conn.send(h2raw.header_frames(3, h2raw.grpc_headers(conn.authority) + b"\xbe" * 100_000))
-            conn.wait("refused", CLOSE_WAIT_S)
-            refused = conn.seen.closed_or_refused() or conn.seen.rst.total() > 0 or 3 in conn.seen.statuses
-            return Observation(f"{conn.seen}", refused)
-        finally:
-            conn.close()
-
-    under_attack(mesh, proc, f"HPACK bomb on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "HPACK bomb", attack)
 
 
 @pytest.mark.parametrize("which", GATEWAY_ONLY)
 def test_huge_header_list(mesh: Mesh, which: str) -> None:
-    proc = target(mesh, which)
+    def attack(conn: RawH2) -> Observation:
+        extra = [(f"x-h-{i}", "v" * 1000) for i in range(2048)]  # 2 MiB of headers
+        block = h2raw.grpc_headers(conn.authority, key=key_for(which), extra=extra)
+        conn.send(h2raw.header_frames(1, block))
+        ok = refused(conn, 1)
+        return Observation(f"{len(block)} bytes of headers; {conn.seen}", ok)
 
-    def attack() -> Observation:
-        conn = RawH2(proc.grpc)
-        try:
-            extra = [(f"x-h-{i}", "v" * 1000) for i in range(2048)]  # 2 MiB of headers
-            block = h2raw.grpc_headers(conn.authority, key=key_for(which), extra=extra)
-            conn.send(h2raw.header_frames(1, block))
-            conn.wait("refused", CLOSE_WAIT_S)
-            refused = conn.seen.closed_or_refused() or conn.seen.rst.total() > 0 or 1 in conn.seen.statuses
-            return Observation(f"{len(block)} bytes of headers; {conn.seen}", refused)
-        finally:
-            conn.close()
-
-    under_attack(mesh, proc, f"huge header list on {which}", attack).judge().check()
+    on_one_connection(mesh, which, "huge header list", attack)
 
 
 @pytest.mark.parametrize("which", GATEWAY_ONLY)

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import yaml
 
+from load.bench.procs import stop_process
 from tests.support import eventually, models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,13 +108,7 @@ class Proc:
         return f"--- {self.name} ({state}): {' '.join(self.argv)}\n{self.log_tail()}"
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen, timeout=timeout)
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:

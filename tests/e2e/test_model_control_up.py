@@ -21,23 +21,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from load.bench.procs import stop_process
 from meshserve import examples
 from tests.conftest import ROOT
 from tests.e2e.test_up import _free_port, read_banner
-from tests.support import eventually
+from tests.support import eventually, models
 
-PIPE = """
-name: "pipe"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 16 ] } ]
-ensemble_scheduling { step [
-  { model_name: "add_sub_dep" model_version: -1
-    input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
-    output_map { key: "OUTPUT0" value: "Y" } }
-] }
-"""
+PIPE = models.ensemble_config("pipe", {"X": 16}, {"Y": 16},
+                              [models.step("add_sub_dep", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "Y"})])
 
 
 @dataclass
@@ -64,12 +55,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
         yield Up(repo, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGINT, 60)
 
 
 def _copy_model(repo: Path, src: str, dst: str) -> None:

@@ -12,39 +12,16 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
+from tests.support import models
 
 # S = X + X (add_sub) ; then independently: C = identity(S) and T = S + X (add_sub)
-SUM3 = """
-name: "sum3"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "T" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "C" data_type: TYPE_FP32 dims: [ -1 ] } ]
-ensemble_scheduling { step [
-  { model_name: "add_sub" model_version: -1
-    input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
-    output_map { key: "OUTPUT0" value: "S" } },
-  { model_name: "identity_fp32" model_version: -1
-    input_map { key: "INPUT0" value: "S" } output_map { key: "OUTPUT0" value: "C" } },
-  { model_name: "add_sub" model_version: 1
-    input_map { key: "INPUT0" value: "S" } input_map { key: "INPUT1" value: "X" }
-    output_map { key: "OUTPUT0" value: "T" } }
-] }
-"""
-BROKEN = """
-name: "broken"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 16 ] } ]
-ensemble_scheduling { step [
-  { model_name: "add_sub" model_version: -1
-    input_map { key: "INPUT0" value: "X" } input_map { key: "INPUT1" value: "X" }
-    output_map { key: "OUTPUT0" value: "S" } },
-  { model_name: "no_such_model" model_version: -1
-    input_map { key: "INPUT0" value: "S" } output_map { key: "OUTPUT0" value: "Y" } }
-] }
-"""
+SUM3 = models.ensemble_config("sum3", {"X": 16}, {"T": 16, "C": -1}, [
+    models.step("add_sub", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "S"}),
+    models.step("identity_fp32", {"INPUT0": "S"}, {"OUTPUT0": "C"}),
+    models.step("add_sub", {"INPUT0": "S", "INPUT1": "X"}, {"OUTPUT0": "T"}, version=1)])
+BROKEN = models.ensemble_config("broken", {"X": 16}, {"Y": 16}, [
+    models.step("add_sub", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "S"}),
+    models.step("no_such_model", {"INPUT0": "S"}, {"OUTPUT0": "Y"})])
 MODULES = {"http": httpclient, "grpc": grpcclient}
 
 
@@ -103,17 +80,8 @@ def test_ensemble_errors_name_the_step(proto: str, gateway: Proc) -> None:
     assert "ensemble 'sum3' step 0 (model 'add_sub')" in (err.value.message() or ""), err.value.message()
 
 
-PARALLEL = """
-name: "parallel"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ]
-ensemble_scheduling { step [
-  { model_name: "sleep_a" model_version: -1 input_map { key: "IN" value: "X" } output_map { key: "OUT" value: "A" } },
-  { model_name: "sleep_b" model_version: -1 input_map { key: "IN" value: "X" } output_map { key: "OUT" value: "B" } }
-] }
-"""
+PARALLEL = models.ensemble_config("parallel", {"X": 4}, {"A": 4, "B": 4}, [
+    models.step("sleep_a", {"IN": "X"}, {"OUT": "A"}), models.step("sleep_b", {"IN": "X"}, {"OUT": "B"})])
 
 
 def test_two_independent_100ms_steps_finish_in_about_100ms(tmp_path: Path) -> None:

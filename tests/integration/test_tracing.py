@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from meshserve._proto import grpc_service_pb2 as pb
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.integration.test_gateway_routes import ROUTES
-from tests.support import eventually
+from tests.support import eventually, models
 
 
 @dataclass
@@ -89,17 +89,8 @@ class TracedStack:
 
 
 # Two independent branches over small_mlp: both steps are children of the ensemble span.
-PAIR = """
-name: "mlp_pair"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 64 ] } ]
-output [ { name: "A" data_type: TYPE_FP32 dims: [ 64 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 64 ] } ]
-ensemble_scheduling { step [
-  { model_name: "small_mlp" model_version: -1 input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "A" } },
-  { model_name: "small_mlp" model_version: -1 input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "B" } }
-] }
-"""
+PAIR = models.ensemble_config("mlp_pair", {"X": 64}, {"A": 64, "B": 64}, [
+    models.step("small_mlp", {"INPUT0": "X"}, {"OUTPUT0": "A"}), models.step("small_mlp", {"INPUT0": "X"}, {"OUTPUT0": "B"})])
 
 
 def _otel_env(endpoint: str) -> dict[str, str]:

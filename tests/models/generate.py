@@ -12,21 +12,14 @@ from onnx import TensorProto
 from tests.support.models import add_sub, fixed_add, identity, scale, small_mlp
 from tests.support.models import write as _write
 
-# v2 datatype -> (ONNX element type, config data_type)
+# v2 datatype -> (ONNX element type, config data_type): ONNX and the config name each type as
+# the v2 protocol does (TensorProto.INT8, TYPE_INT8), but for the few in _ONNX_NAMES / _CONFIG_NAMES
+_ONNX_NAMES = {"FP16": "FLOAT16", "FP32": "FLOAT", "FP64": "DOUBLE", "BYTES": "STRING"}
+_CONFIG_NAMES = {"BYTES": "STRING"}
 DATATYPES: dict[str, tuple[int, str]] = {
-    "BOOL": (TensorProto.BOOL, "TYPE_BOOL"),
-    "UINT8": (TensorProto.UINT8, "TYPE_UINT8"),
-    "UINT16": (TensorProto.UINT16, "TYPE_UINT16"),
-    "UINT32": (TensorProto.UINT32, "TYPE_UINT32"),
-    "UINT64": (TensorProto.UINT64, "TYPE_UINT64"),
-    "INT8": (TensorProto.INT8, "TYPE_INT8"),
-    "INT16": (TensorProto.INT16, "TYPE_INT16"),
-    "INT32": (TensorProto.INT32, "TYPE_INT32"),
-    "INT64": (TensorProto.INT64, "TYPE_INT64"),
-    "FP16": (TensorProto.FLOAT16, "TYPE_FP16"),
-    "FP32": (TensorProto.FLOAT, "TYPE_FP32"),
-    "FP64": (TensorProto.DOUBLE, "TYPE_FP64"),
-    "BYTES": (TensorProto.STRING, "TYPE_STRING"),
+    dt: (TensorProto.DataType.Value(_ONNX_NAMES.get(dt, dt)), f"TYPE_{_CONFIG_NAMES.get(dt, dt)}")
+    for dt in ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+               "FP16", "FP32", "FP64", "BYTES")
 }
 MAX_BATCH = 8
 

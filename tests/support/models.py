@@ -9,7 +9,7 @@ configs, is the business of its recipe (``tests/models/generate.py``, ``tests/mo
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,8 @@ import numpy as np
 
 from meshserve.examples import add_sub, mlp, onnx_model, save_onnx, scale
 
-__all__ = ["add_sub", "fixed_add", "identity", "mlp", "onnx_model", "pair_config", "save_onnx", "scale",
-           "small_mlp", "torch_add_sub", "torch_affine_export", "write"]
+__all__ = ["add_sub", "ensemble_config", "fixed_add", "identity", "mlp", "onnx_model", "pair_config", "save_onnx",
+           "scale", "small_mlp", "step", "torch_add_sub", "torch_affine_export", "write"]
 
 # what ``write`` takes for one version: an ONNX model, or a function that writes the file at a path
 Model = Any
@@ -54,6 +54,26 @@ def pair_config(name: str, platform: str, width: int, inputs: tuple[str, str] = 
 
     return (f'name: "{name}"\nplatform: "{platform}"\nmax_batch_size: {max_batch_size}\n'
             f"input [\n{tensors(inputs)}\n]\noutput [\n{tensors(outputs)}\n]\n{extra}")
+
+
+def step(model: str, inputs: Mapping[str, str], outputs: Mapping[str, str], version: int = -1) -> str:
+    """One step of an ensemble's ``ensemble_scheduling``: ``inputs`` and ``outputs`` map the
+    model's tensor names to the ensemble's."""
+    maps = [f'input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items()]
+    maps += [f'output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
+    return f'{{ model_name: "{model}" model_version: {version} {" ".join(maps)} }}'
+
+
+def ensemble_config(name: str, inputs: Mapping[str, int], outputs: Mapping[str, int], steps: Sequence[str],
+                    max_batch_size: int = 8) -> str:
+    """The config.pbtxt of a platform "ensemble" model: FP32 tensors of [dims] each (name ->
+    dims), its ``steps`` (``step``) in order."""
+    def tensors(specs: Mapping[str, int]) -> str:
+        return ", ".join(f'{{ name: "{n}" data_type: TYPE_FP32 dims: [ {d} ] }}' for n, d in specs.items())
+
+    return (f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: {max_batch_size}\n'
+            f"input [ {tensors(inputs)} ]\noutput [ {tensors(outputs)} ]\n"
+            "ensemble_scheduling { step [\n  " + ",\n  ".join(steps) + "\n] }\n")
 
 
 # ---- ONNX ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from gateway.ensemble.plan import EnsembleError, compile_plan
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
+from tests.support import models
 
 MODELS = {
     "double": 'name: "double" max_batch_size: 8 input [{name: "IN" data_type: TYPE_FP32 dims: [4]}] '
@@ -133,15 +134,8 @@ async def test_independent_steps_run_concurrently() -> None:
 
 
 async def test_two_independent_100ms_steps_take_100ms_not_200ms() -> None:
-    two = """
-name: "two" platform: "ensemble" max_batch_size: 8
-input [{name: "X" data_type: TYPE_FP32 dims: [4]}]
-output [{name: "T" data_type: TYPE_FP32 dims: [4]}, {name: "D" data_type: TYPE_FP32 dims: [4]}]
-ensemble_scheduling { step [
-  {model_name: "double" model_version: -1 input_map {key: "IN" value: "X"} output_map {key: "OUT" value: "D"}},
-  {model_name: "triple" model_version: -1 input_map {key: "IN" value: "X"} output_map {key: "OUT" value: "T"}}
-] }
-"""
+    two = models.ensemble_config("two", {"X": 4}, {"T": 4, "D": 4}, [
+        models.step("double", {"IN": "X"}, {"OUT": "D"}), models.step("triple", {"IN": "X"}, {"OUT": "T"})])
     plan = compile_plan(ensemble(two), lookup)
     upstream, _ = fake_upstream(0.1)
     t0 = time.monotonic()

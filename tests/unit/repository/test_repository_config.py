@@ -68,11 +68,16 @@ def _config(text: str) -> mc.ModelConfig:
 # ------------------------------------------------------------------------------------ parse
 
 
-def test_parse_realistic_triton_config(tmp_path: Path) -> None:
-    path = tmp_path / "add_sub" / "config.pbtxt"
+def _config_file(tmp_path: Path, model: str, text: str) -> Path:
+    """``text`` written as ``tmp_path/model/config.pbtxt``."""
+    path = tmp_path / model / "config.pbtxt"
     path.parent.mkdir()
-    path.write_text(ADD_SUB_CONFIG)
-    config = parse_config(path)
+    path.write_text(text)
+    return path
+
+
+def test_parse_realistic_triton_config(tmp_path: Path) -> None:
+    config = parse_config(_config_file(tmp_path, "add_sub", ADD_SUB_CONFIG))
     assert config.name == "add_sub"
     assert config.platform == "onnxruntime_onnx"
     assert config.max_batch_size == 8
@@ -102,9 +107,7 @@ def test_load_realistic_config_keeps_what_it_sets(write_model: ModelWriter) -> N
 
 
 def test_parse_error_names_file_line_and_field(tmp_path: Path) -> None:
-    path = tmp_path / "mlp" / "config.pbtxt"
-    path.parent.mkdir()
-    path.write_text('name: "mlp"\nplatform: "onnxruntime_onnx"\nmax_batch_sise: 8\n')
+    path = _config_file(tmp_path, "mlp", 'name: "mlp"\nplatform: "onnxruntime_onnx"\nmax_batch_sise: 8\n')
     with pytest.raises(ConfigError) as info:
         parse_config(path)
     err = info.value
@@ -114,11 +117,8 @@ def test_parse_error_names_file_line_and_field(tmp_path: Path) -> None:
 
 
 def test_parse_error_on_bad_enum_names_the_field(tmp_path: Path) -> None:
-    path = tmp_path / "m" / "config.pbtxt"
-    path.parent.mkdir()
-    path.write_text('input [{ name: "X" data_type: TYPE_FLOAT32 dims: [1] }]\n')
     with pytest.raises(ConfigError) as info:
-        parse_config(path)
+        parse_config(_config_file(tmp_path, "m", 'input [{ name: "X" data_type: TYPE_FLOAT32 dims: [1] }]\n'))
     assert info.value.field == "data_type"
     assert "TYPE_FLOAT32" in str(info.value)
 

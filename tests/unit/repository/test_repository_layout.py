@@ -19,6 +19,7 @@ from meshserve.repository import (
     select_versions,
     service_kind,
 )
+from tests.support import models
 
 ModelWriter = Callable[..., Path]
 
@@ -96,22 +97,8 @@ def test_model_file(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------- scan
 
-ENSEMBLE = """
-name: "pipeline"
-platform: "ensemble"
-max_batch_size: 8
-input [{ name: "IN" data_type: TYPE_FP32 dims: [16] }]
-output [{ name: "OUT" data_type: TYPE_FP32 dims: [16] }]
-ensemble_scheduling {
-  step [{
-    model_name: "add_sub"
-    model_version: -1
-    input_map { key: "INPUT0" value: "IN" }
-    input_map { key: "INPUT1" value: "IN" }
-    output_map { key: "OUTPUT0" value: "OUT" }
-  }]
-}
-"""
+ENSEMBLE = models.ensemble_config("pipeline", {"IN": 16}, {"OUT": 16}, [
+    models.step("add_sub", {"INPUT0": "IN", "INPUT1": "IN"}, {"OUTPUT0": "OUT"})])
 
 
 def test_scan_with_broken_models_next_to_good_ones(

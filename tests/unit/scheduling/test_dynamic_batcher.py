@@ -17,16 +17,7 @@ from services.base.scheduling import (
     UnavailableError,
 )
 from tests.support import eventually_async
-
-MS = 1_000_000
-
-
-class FakeClock:
-    def __init__(self, now: int = 0) -> None:
-        self.now = now
-
-    def __call__(self) -> int:
-        return self.now
+from tests.unit.scheduling.support import MS, FakeClock
 
 
 class Executor:

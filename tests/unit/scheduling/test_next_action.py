@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 from services.base.scheduling import IDLE, BatchingPolicy, Run, Wait, next_action
-
-MS = 1_000_000
+from tests.unit.scheduling.support import MS
 
 
 def policy(max_batch: int = 8, preferred: tuple[int, ...] = (), delay_ns: int = 100 * MS) -> BatchingPolicy:

@@ -18,11 +18,11 @@ import pytest
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec
 from meshserve.server import grpc_frontend
-from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.http_frontend import start_http_server
 from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER
 from tests.integration.decoupled_service import DecoupledCore
 from tests.support import eventually_async
+from tests.support.h2 import inference_service
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -39,17 +39,12 @@ class Servers:
 @pytest.fixture
 async def servers() -> AsyncIterator[Servers]:
     core = DecoupledCore()
-    h2 = H2GrpcServer()
-    h2.add_registered_method_handlers("inference.GRPCInferenceService",
-                                      grpc_frontend.inference_methods(core))  # type: ignore[arg-type]
-    port = await h2.bind("127.0.0.1", 0)
-    await h2.start()
-    runner, http_port = await start_http_server(core, "127.0.0.1", 0)  # type: ignore[arg-type]
-    try:
-        yield Servers(core, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}")
-    finally:
-        await runner.cleanup()
-        await h2.stop(None)
+    async with inference_service(grpc_frontend.inference_methods(core)) as endpoint:  # type: ignore[arg-type]
+        runner, http_port = await start_http_server(core, "127.0.0.1", 0)  # type: ignore[arg-type]
+        try:
+            yield Servers(core, endpoint, f"http://127.0.0.1:{http_port}")
+        finally:
+            await runner.cleanup()
 
 
 def repeat(rid: str, values: list[int], delays: list[int] | None = None, wait: int = 0,

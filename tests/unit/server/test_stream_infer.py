@@ -11,8 +11,8 @@ import pytest
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server import grpc_frontend
 from meshserve.server.core import InferResult, RequestContext
-from meshserve.server.h2 import H2GrpcServer
 from tests.support import eventually_async
+from tests.support.h2 import inference_service
 
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -38,13 +38,8 @@ class _HeldCore:
 async def test_a_stream_has_at_most_its_limit_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grpc_frontend, "STREAM_INFLIGHT", 8)
     core = _HeldCore()
-    server = H2GrpcServer()
-    server.add_registered_method_handlers("inference.GRPCInferenceService",
-                                          grpc_frontend.inference_methods(core))  # type: ignore[arg-type]
-    port = await server.bind("127.0.0.1", 0)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with inference_service(grpc_frontend.inference_methods(core)) as endpoint:  # type: ignore[arg-type]
+        async with grpc.aio.insecure_channel(endpoint) as channel:
             call = channel.stream_stream(STREAM)(
                 iter([pb.ModelInferRequest(model_name="m", id=f"r{i}").SerializeToString() for i in range(20)]))
             await eventually_async(lambda: core.inflight == 8, 2.0, "the first eight in")
@@ -54,5 +49,3 @@ async def test_a_stream_has_at_most_its_limit_in_progress(monkeypatch: pytest.Mo
             answers = [pb.ModelStreamInferResponse.FromString(raw) async for raw in call]
         assert sorted(a.infer_response.id for a in answers) == sorted(f"r{i}" for i in range(20))
         assert all(not a.error_message for a in answers) and core.most == 8
-    finally:
-        await server.stop(None)
