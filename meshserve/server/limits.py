@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 MiB = 1 << 20
 HTTP_SERVERS = ("aiohttp", "httptools")  # --http-server: meshserve/server/http_frontend.py, meshserve/server/http1
-DEFAULT_HTTP_SERVER = "aiohttp"
+DEFAULT_HTTP_SERVER = "httptools"  # aiohttp: the older front door, a fallback (docs/security.md)
 HTTP_SERVER_ENV = "MESHSERVE_HTTP_SERVER"  # overrides the default (how the suites run under either server)
 
 
