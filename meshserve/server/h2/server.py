@@ -28,6 +28,7 @@ import collections
 import functools
 import inspect
 import logging
+import struct
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -57,7 +58,6 @@ from meshserve.server.h2.frames import (
     H2ConnectionError,
     Status,
     frame,
-    frame_header,
     literal,
     md_value,
     parse_timeout,
@@ -72,7 +72,13 @@ STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handl
 STREAM_MAX_QUEUED = 4096
 # response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window
 STREAM_SEND_QUEUE = 64
-STREAM_WINDOW_UPDATE = LOCAL_STREAM_WINDOW // 2  # stream window credit is sent in steps this big
+STREAM_WINDOW_UPDATE = LOCAL_STREAM_WINDOW // 2
+# A unary answer's frames, built by one struct call each: HEADERS (RESPONSE_HEADERS), the DATA
+# frame's header and the message's prefix; the trailers HEADERS of an OK status.
+_REPLY_HEAD = struct.Struct(f">BHBBI{len(RESPONSE_HEADERS)}sBHBBIBI")
+_TRAILERS_OK_FRAME = struct.Struct(f">BHBBI{len(TRAILERS_OK)}s")
+_HEAD_LEN, _TRAILERS_LEN = len(RESPONSE_HEADERS), len(TRAILERS_OK)
+SMALL_REPLY = 1 << 14  # a unary answer up to this size is joined into one buffer (one write, no writev)  # stream window credit is sent in steps this big
 # The connection receive budget is full when less than this is left of it (a frame or so): the
 # newest partly received message is then failed so that the others can complete.
 RECEIVE_SLACK = 1 << 16
@@ -850,10 +856,20 @@ class ServerConnection(H2Endpoint):
             self.send_window -= n
             st.send_window -= n
             st.headers_sent = True
-            self._write(frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS)
-                        + frame_header(DATA, 0, st.sid, n) + MESSAGE_PREFIX.pack(0, n - 5))
-            self._write(payload)
-            self._write(self._headers(st.sid, END_STREAM, trailers))
+            sid = st.sid
+            head = _REPLY_HEAD.pack(0, _HEAD_LEN, HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
+                                    n >> 16, n & 0xFFFF, DATA, 0, sid, 0, n - 5)
+            end = _TRAILERS_OK_FRAME.pack(0, _TRAILERS_LEN, HEADERS, END_STREAM | END_HEADERS, sid, TRAILERS_OK) \
+                if trailers is TRAILERS_OK else self._headers(sid, END_STREAM, trailers)
+            if n <= SMALL_REPLY:  # one buffer, one write() (a large payload is not copied)
+                end = head + payload + end
+            else:
+                self.wbuf.append(head)
+                self.wbuf.append(payload)
+            if len(self.streams) > 1:  # other calls of this connection may answer in this pass: one write at its end
+                self._write(end)
+            else:  # nothing else of this connection can write in this pass: now
+                self._send_now(end)
             self._closed(st)
             return
         self._send_message(st, payload)
@@ -893,8 +909,11 @@ class ServerConnection(H2Endpoint):
             self._drain(st)
             return
         st.headers_sent = True
-        block = RESPONSE_HEADERS + _trailers_block(code, details, metadata)
-        self._write(self._headers(st.sid, END_STREAM, block))
+        block = self._headers(st.sid, END_STREAM, RESPONSE_HEADERS + _trailers_block(code, details, metadata))
+        if len(self.streams) > 1:  # as in _reply: alone on the connection, written now
+            self._write(block)
+        else:
+            self._send_now(block)
         self._closed(st)
 
     def _finish_http(self, st: ServerStream, status: bytes) -> None:
