@@ -144,7 +144,7 @@ _EOF = object()
 
 class ServerStream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
-                 "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "timer",
+                 "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "due",
                  "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken")
 
     def __init__(self, sid: int, send_window: int):
@@ -166,7 +166,7 @@ class ServerStream:
         self.parked = False  # request streaming: STREAM_MAX_QUEUED queued; what follows waits in buf
         self.handler: grpc.RpcMethodHandler | None = None
         self.headers_sent = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.due: float | None = None  # the deadline in loop time (ServerConnection._on_deadlines)
         self.header_block: bytearray | None = None
         self.header_flags = 0
         self.cancelled = False  # ended by RST_STREAM, a lost connection or the deadline
@@ -289,6 +289,8 @@ class ServerConnection(H2Endpoint):
         self.held = 0  # bytes of request messages received and not yet taken by handlers
         self.held_limit = self.conn_window - RECEIVE_SLACK  # beyond it: _receive_budget_full
         self.timer: asyncio.TimerHandle | None = None
+        self.deadline_timer: asyncio.TimerHandle | None = None  # _on_deadlines, at deadline_at
+        self.deadline_at = 0.0
         self.started_at = 0.0
         self.idle_since: float | None = None
         self.idle_sid = -1
@@ -320,6 +322,9 @@ class ServerConnection(H2Endpoint):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
         for st in list(self.streams.values()):
             self._abandon(st)
         self.streams.clear()
@@ -474,8 +479,6 @@ class ServerConnection(H2Endpoint):
         if st.closed:
             return
         st.closed = st.cancelled = True
-        if st.timer is not None:
-            st.timer.cancel()
         if st.task is not None and not st.task.done():
             st.task.cancel()
         if st.queue is not None:
@@ -554,9 +557,10 @@ class ServerConnection(H2Endpoint):
             return
         st.handler = handler
         self.server._stream_started()
-        if st.deadline is not None:
-            st.timer = self.loop.call_at(self.loop.time() + max(0.0, st.deadline - time.monotonic()),
-                                         self._expire, st)
+        if timeout is not None:
+            st.due = due = self.loop.time() + timeout
+            if self.deadline_timer is None or due < self.deadline_at:
+                self._arm_deadlines(due)
         if handler.request_streaming:
             st.queue = asyncio.Queue()
             st.task = self.loop.create_task(self._run(st, None))
@@ -827,15 +831,41 @@ class ServerConnection(H2Endpoint):
             finally:
                 st.waiter = None
 
+    def _arm_deadlines(self, due: float) -> None:
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+        self.deadline_at = due
+        self.deadline_timer = self.loop.call_at(due, self._on_deadlines)
+
+    def _on_deadlines(self) -> None:
+        """The connection's one deadline timer: expire the streams whose `grpc-timeout` is up and
+        set it again for the earliest deadline left. A timer per call (made and cancelled for
+        every request) cost more than the rest of the call's h2 path; this one is set when a call
+        has an earlier deadline than it, and otherwise fires about once per timeout."""
+        self.deadline_timer = None
+        if self.closed:
+            return
+        now = self.loop.time() + 0.001  # (the loop's timers have millisecond resolution)
+        later = None
+        for st in list(self.streams.values()):
+            due = st.due
+            if due is None or st.closed:
+                continue
+            if due <= now:
+                self._expire(st)
+            elif later is None or due < later:
+                later = due
+        if later is not None:
+            self._arm_deadlines(later)
+        self._flush()
+
     def _expire(self, st: ServerStream) -> None:
-        st.timer = None
         if st.closed:
             return
         st.cancelled = True
         self._finish(st, Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if st.task is not None and not st.task.done():
             st.task.cancel()
-        self._flush()
 
     # ---- writing ---------------------------------------------------------------------------
     def _send_headers(self, st: ServerStream, metadata: Iterable[tuple[str, Any]] = ()) -> None:
@@ -926,9 +956,6 @@ class ServerConnection(H2Endpoint):
         """Our side of the stream is finished (END_STREAM written)."""
         was_open = not st.closed
         st.closed = True
-        if st.timer is not None:
-            st.timer.cancel()
-            st.timer = None
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
         if st.waiter is not None:
