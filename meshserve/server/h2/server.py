@@ -30,6 +30,7 @@ import inspect
 import logging
 import struct
 import time
+import types
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, NamedTuple
@@ -140,6 +141,7 @@ class _CallDetails(NamedTuple):
 
 
 _EOF = object()
+_COROUTINE = types.CoroutineType
 
 
 class ServerStream:
@@ -791,7 +793,7 @@ class ServerConnection(H2Endpoint):
                     await result
                 self._end(st, ctx)
                 return
-            if inspect.isawaitable(result):
+            if result.__class__ is _COROUTINE or inspect.isawaitable(result):  # (an async def's: no call)
                 result = await result
             if st.closed:
                 return
