@@ -79,6 +79,12 @@ class _Stream:
         self.answered = False  # a response arrived: the stream reached the service
         self._call: h2.ClientStream | None = None
         self._backlog: list[tuple[str, bytes]] = []  # (id, request) sent while opening
+        # loop-time deadlines of pending requests sent with a timeout, and the one timer that
+        # fails them (_on_deadlines): asyncio.wait_for per request cost a timer, a loop pass and
+        # a getpid system call each
+        self._due: dict[str, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         # (asyncio.get_running_loop() makes a getpid system call each time on Python 3.11: not per request)
         self._loop = asyncio.get_running_loop()
         self._opening: asyncio.Task[None] | None = self._loop.create_task(self._open(channel))
@@ -119,6 +125,8 @@ class _Stream:
         self.answered = True
         fut = self.pending.pop(msg.infer_response.id, None)
         if fut is not None:
+            if self._due:
+                self._due.pop(msg.infer_response.id, None)
             if not fut.done():
                 fut.set_result(msg)
             return
@@ -136,6 +144,10 @@ class _Stream:
                                                f"broke: {detail}") if self.answered
                                   else NotSent(f"{self.name}: {detail}"))
         self.pending.clear()
+        self._due.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for answers in self.answers.values():
             answers.push(StreamBroken(Code.UNAVAILABLE, f"{self.name}: stream to the service broke: {detail}")
                          if self.answered else NotSent(f"{self.name}: {detail}"))
@@ -175,19 +187,49 @@ class _Stream:
         except ConnectionError:
             self.broken = True
 
-    def send(self, raw_request: bytes) -> asyncio.Future[pb.ModelStreamInferResponse]:
+    def send(self, raw_request: bytes, timeout: float | None = None) -> asyncio.Future[pb.ModelStreamInferResponse]:
+        """Send a request; its answer comes in the future, which fails with DEADLINE_EXCEEDED
+        after ``timeout`` seconds."""
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
         self._write(cid, wire.with_request_id(raw_request, cid))
         self.pending[cid] = fut
+        if timeout is not None:
+            self._due[cid] = due = self._loop.time() + timeout
+            if self._timer is None or due < self._timer_at:
+                self._arm(due)
         return fut
+
+    def _arm(self, due: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = due
+        self._timer = self._loop.call_at(due, self._on_deadlines)
+
+    def _on_deadlines(self) -> None:
+        """Fail the pending requests whose deadline is up; set the timer for the earliest left
+        (set when a request has an earlier deadline than it, it fires about once per timeout)."""
+        self._timer = None
+        now = self._loop.time() + 0.001  # (the loop's timers have millisecond resolution)
+        later = None
+        for cid, due in list(self._due.items()):
+            if due <= now:
+                del self._due[cid]
+                fut = self.pending.pop(cid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(InferError(Code.DEADLINE_EXCEEDED, f"deadline exceeded waiting for {self.name}"))
+            elif later is None or due < later:
+                later = due
+        if later is not None:
+            self._arm(later)
 
     def forget(self, fut: asyncio.Future[pb.ModelStreamInferResponse]) -> None:
         for cid, f in list(self.pending.items()):
             if f is fut:
                 del self.pending[cid]
+                self._due.pop(cid, None)
                 break
 
     async def close(self) -> None:
@@ -310,14 +352,10 @@ class StreamPool:
         stream = self._stream(affinity)
         if timeout is not None:  # streams carry no per-message deadline: tell the service in band
             raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
-        fut = stream.send(raw_request)
+        fut = stream.send(raw_request, timeout)  # (DEADLINE_EXCEEDED after the timeout)
         t0 = time.perf_counter_ns()
         try:
-            msg = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
-        except TimeoutError:
-            stream.forget(fut)
-            raise InferError(Code.DEADLINE_EXCEEDED,
-                             f"deadline exceeded waiting for service {self.endpoint}") from None
+            msg = await fut
         except asyncio.CancelledError:
             stream.forget(fut)
             raise

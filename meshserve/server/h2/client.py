@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import struct
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable
@@ -29,7 +30,6 @@ from meshserve.server.h2.frames import (
     H2ConnectionError,
     Status,
     frame,
-    frame_header,
     literal,
     md_value,
 )
@@ -79,6 +79,10 @@ def grpc_timeout(seconds: float) -> str:
     return "99999999S"
 
 
+# a DATA frame's header and a message's prefix, in one struct call
+_MESSAGE_HEAD = struct.Struct(">BHBBIBI")
+SMALL_MESSAGE = 1 << 14  # a request message up to this size goes out joined to its frame header
+
 OnMessage = Callable[[bytes], None]
 OnClose = Callable[[int, str], None]  # (grpc status code, details); 0 = OK
 
@@ -112,14 +116,24 @@ class ClientStream:
             raise ConnectionError("stream closed")
         conn = self.conn
         n = len(payload)
-        header = b"\x00" + n.to_bytes(4, "big")
         if not self.out and n + 5 <= conn.send_window and n + 5 <= self.send_window \
                 and n + 5 <= conn.peer_max_frame:
             conn.send_window -= n + 5
             self.send_window -= n + 5
-            conn._write(frame_header(DATA, END_STREAM if end_stream else 0, self.sid, n + 5) + header)
-            conn._write(payload)
+            head = _MESSAGE_HEAD.pack((n + 5) >> 16, (n + 5) & 0xFFFF, DATA, END_STREAM if end_stream else 0, self.sid,
+                                      0, n)
+            if n <= SMALL_MESSAGE:  # one buffer, one write() (a large payload is not copied)
+                head += payload
+            else:
+                conn.wbuf.append(head)
+                head = payload
+            if conn.sent_since_read:  # others may follow in this pass: written at its end, together
+                conn._write(head)
+            else:  # the first message since the connection last read (at concurrency 1, the only one): now
+                conn.sent_since_read = True
+                conn._send_now(head)
             return
+        header = b"\x00" + n.to_bytes(4, "big")
         self.out.append((DATA, header))
         conn.queued_out += n + 5
         if payload:

@@ -95,6 +95,12 @@ class H2Endpoint(asyncio.Protocol):
         self.paused = False  # the transport's write buffer is over its high-water mark
         self.queued_out = 0  # bytes of DATA waiting in streams' send queues (the peer's windows)
         self.heard = False  # bytes arrived since the last timer tick (keepalive)
+        self.reading = False  # in data_received: writes wait for its end (one write for all)
+        # A message was sent since the connection last read (the client's ClientStream.send): the
+        # first message after a read is written at once (at concurrency 1 nothing else writes in
+        # that pass, and the deferred flush would cost a loop pass per request), the ones after
+        # it at the end of the pass, together.
+        self.sent_since_read = False
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         return ((SETTINGS_HEADER_TABLE_SIZE, LOCAL_HEADER_TABLE), (SETTINGS_ENABLE_PUSH, 0),
@@ -172,6 +178,15 @@ class H2Endpoint(asyncio.Protocol):
         if self.dead:
             return  # after our GOAWAY: the peer's frames are read and dropped until the close
         self.heard = True
+        self.sent_since_read = False
+        self.reading = True
+        try:
+            self._read(data)
+        finally:
+            self.reading = False
+        self._flush()
+
+    def _read(self, data: bytes) -> None:
         if self.chunks:
             self.chunks.append(data)
             self.chunks_len += len(data)
@@ -254,8 +269,6 @@ class H2Endpoint(asyncio.Protocol):
         except Exception as exc:  # never let one connection's bug take the loop down
             log.exception("HTTP/2 connection error")
             self._fatal(ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
-            return
-        self._flush()
 
     def _keep(self, data: bytes, need: int) -> None:
         self.chunks = [data]
@@ -475,6 +488,23 @@ class H2Endpoint(asyncio.Protocol):
     def _write(self, data: bytes | memoryview) -> None:
         self.wbuf.append(data)  # type: ignore[arg-type]
         self._schedule_flush()
+
+    def _send_now(self, data: bytes) -> None:
+        """Write `data` after anything buffered, at once rather than at the next loop pass. For
+        the last frames of an answer (or a request) that nothing else of this connection can
+        join in this pass (the caller checks): the deferred flush would cost that pass, an
+        epoll_pwait and a callback, per request at concurrency 1. Order is kept (the buffer
+        goes first); a paused transport still buffers it, and the send budget is checked."""
+        transport = self.transport
+        if self.reading:  # inside data_received: its end writes everything the input caused at once
+            self.wbuf.append(data)
+        elif self.wbuf:
+            self.wbuf.append(data)
+            self._flush()
+        elif transport is not None and not self.dead and not transport.is_closing():
+            transport.write(data)
+            if self.paused:
+                self._over_send_budget()
 
     def _schedule_flush(self) -> None:
         if not self.flush_scheduled:

@@ -28,7 +28,9 @@ import collections
 import functools
 import inspect
 import logging
+import struct
 import time
+import types
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, NamedTuple
@@ -57,7 +59,6 @@ from meshserve.server.h2.frames import (
     H2ConnectionError,
     Status,
     frame,
-    frame_header,
     literal,
     md_value,
     parse_timeout,
@@ -72,7 +73,13 @@ STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handl
 STREAM_MAX_QUEUED = 4096
 # response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window
 STREAM_SEND_QUEUE = 64
-STREAM_WINDOW_UPDATE = LOCAL_STREAM_WINDOW // 2  # stream window credit is sent in steps this big
+STREAM_WINDOW_UPDATE = LOCAL_STREAM_WINDOW // 2
+# A unary answer's frames, built by one struct call each: HEADERS (RESPONSE_HEADERS), the DATA
+# frame's header and the message's prefix; the trailers HEADERS of an OK status.
+_REPLY_HEAD = struct.Struct(f">BHBBI{len(RESPONSE_HEADERS)}sBHBBIBI")
+_TRAILERS_OK_FRAME = struct.Struct(f">BHBBI{len(TRAILERS_OK)}s")
+_HEAD_LEN, _TRAILERS_LEN = len(RESPONSE_HEADERS), len(TRAILERS_OK)
+SMALL_REPLY = 1 << 14  # a unary answer up to this size is joined into one buffer (one write, no writev)  # stream window credit is sent in steps this big
 # The connection receive budget is full when less than this is left of it (a frame or so): the
 # newest partly received message is then failed so that the others can complete.
 RECEIVE_SLACK = 1 << 16
@@ -134,11 +141,12 @@ class _CallDetails(NamedTuple):
 
 
 _EOF = object()
+_COROUTINE = types.CoroutineType
 
 
 class ServerStream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
-                 "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "timer",
+                 "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "due",
                  "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken")
 
     def __init__(self, sid: int, send_window: int):
@@ -160,7 +168,7 @@ class ServerStream:
         self.parked = False  # request streaming: STREAM_MAX_QUEUED queued; what follows waits in buf
         self.handler: grpc.RpcMethodHandler | None = None
         self.headers_sent = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.due: float | None = None  # the deadline in loop time (ServerConnection._on_deadlines)
         self.header_block: bytearray | None = None
         self.header_flags = 0
         self.cancelled = False  # ended by RST_STREAM, a lost connection or the deadline
@@ -283,6 +291,8 @@ class ServerConnection(H2Endpoint):
         self.held = 0  # bytes of request messages received and not yet taken by handlers
         self.held_limit = self.conn_window - RECEIVE_SLACK  # beyond it: _receive_budget_full
         self.timer: asyncio.TimerHandle | None = None
+        self.deadline_timer: asyncio.TimerHandle | None = None  # _on_deadlines, at deadline_at
+        self.deadline_at = 0.0
         self.started_at = 0.0
         self.idle_since: float | None = None
         self.idle_sid = -1
@@ -314,6 +324,9 @@ class ServerConnection(H2Endpoint):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
         for st in list(self.streams.values()):
             self._abandon(st)
         self.streams.clear()
@@ -468,8 +481,6 @@ class ServerConnection(H2Endpoint):
         if st.closed:
             return
         st.closed = st.cancelled = True
-        if st.timer is not None:
-            st.timer.cancel()
         if st.task is not None and not st.task.done():
             st.task.cancel()
         if st.queue is not None:
@@ -548,9 +559,10 @@ class ServerConnection(H2Endpoint):
             return
         st.handler = handler
         self.server._stream_started()
-        if st.deadline is not None:
-            st.timer = self.loop.call_at(self.loop.time() + max(0.0, st.deadline - time.monotonic()),
-                                         self._expire, st)
+        if timeout is not None:
+            st.due = due = self.loop.time() + timeout
+            if self.deadline_timer is None or due < self.deadline_at:
+                self._arm_deadlines(due)
         if handler.request_streaming:
             st.queue = asyncio.Queue()
             st.task = self.loop.create_task(self._run(st, None))
@@ -781,7 +793,7 @@ class ServerConnection(H2Endpoint):
                     await result
                 self._end(st, ctx)
                 return
-            if inspect.isawaitable(result):
+            if result.__class__ is _COROUTINE or inspect.isawaitable(result):  # (an async def's: no call)
                 result = await result
             if st.closed:
                 return
@@ -821,15 +833,41 @@ class ServerConnection(H2Endpoint):
             finally:
                 st.waiter = None
 
+    def _arm_deadlines(self, due: float) -> None:
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+        self.deadline_at = due
+        self.deadline_timer = self.loop.call_at(due, self._on_deadlines)
+
+    def _on_deadlines(self) -> None:
+        """The connection's one deadline timer: expire the streams whose `grpc-timeout` is up and
+        set it again for the earliest deadline left. A timer per call (made and cancelled for
+        every request) cost more than the rest of the call's h2 path; this one is set when a call
+        has an earlier deadline than it, and otherwise fires about once per timeout."""
+        self.deadline_timer = None
+        if self.closed:
+            return
+        now = self.loop.time() + 0.001  # (the loop's timers have millisecond resolution)
+        later = None
+        for st in list(self.streams.values()):
+            due = st.due
+            if due is None or st.closed:
+                continue
+            if due <= now:
+                self._expire(st)
+            elif later is None or due < later:
+                later = due
+        if later is not None:
+            self._arm_deadlines(later)
+        self._flush()
+
     def _expire(self, st: ServerStream) -> None:
-        st.timer = None
         if st.closed:
             return
         st.cancelled = True
         self._finish(st, Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if st.task is not None and not st.task.done():
             st.task.cancel()
-        self._flush()
 
     # ---- writing ---------------------------------------------------------------------------
     def _send_headers(self, st: ServerStream, metadata: Iterable[tuple[str, Any]] = ()) -> None:
@@ -850,10 +888,20 @@ class ServerConnection(H2Endpoint):
             self.send_window -= n
             st.send_window -= n
             st.headers_sent = True
-            self._write(frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS)
-                        + frame_header(DATA, 0, st.sid, n) + MESSAGE_PREFIX.pack(0, n - 5))
-            self._write(payload)
-            self._write(self._headers(st.sid, END_STREAM, trailers))
+            sid = st.sid
+            head = _REPLY_HEAD.pack(0, _HEAD_LEN, HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
+                                    n >> 16, n & 0xFFFF, DATA, 0, sid, 0, n - 5)
+            end = _TRAILERS_OK_FRAME.pack(0, _TRAILERS_LEN, HEADERS, END_STREAM | END_HEADERS, sid, TRAILERS_OK) \
+                if trailers is TRAILERS_OK else self._headers(sid, END_STREAM, trailers)
+            if n <= SMALL_REPLY:  # one buffer, one write() (a large payload is not copied)
+                end = head + payload + end
+            else:
+                self.wbuf.append(head)
+                self.wbuf.append(payload)
+            if len(self.streams) > 1:  # other calls of this connection may answer in this pass: one write at its end
+                self._write(end)
+            else:  # nothing else of this connection can write in this pass: now
+                self._send_now(end)
             self._closed(st)
             return
         self._send_message(st, payload)
@@ -893,8 +941,11 @@ class ServerConnection(H2Endpoint):
             self._drain(st)
             return
         st.headers_sent = True
-        block = RESPONSE_HEADERS + _trailers_block(code, details, metadata)
-        self._write(self._headers(st.sid, END_STREAM, block))
+        block = self._headers(st.sid, END_STREAM, RESPONSE_HEADERS + _trailers_block(code, details, metadata))
+        if len(self.streams) > 1:  # as in _reply: alone on the connection, written now
+            self._write(block)
+        else:
+            self._send_now(block)
         self._closed(st)
 
     def _finish_http(self, st: ServerStream, status: bytes) -> None:
@@ -907,9 +958,6 @@ class ServerConnection(H2Endpoint):
         """Our side of the stream is finished (END_STREAM written)."""
         was_open = not st.closed
         st.closed = True
-        if st.timer is not None:
-            st.timer.cancel()
-            st.timer = None
         self.streams.pop(st.sid, None)
         self.blocked.discard(st)
         if st.waiter is not None:

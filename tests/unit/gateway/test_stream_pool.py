@@ -14,6 +14,7 @@ import pytest
 
 from gateway.upstream.stream import NotSent, StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import Code, InferError
 from tests.unit.gateway.support import stream_service
 
 
@@ -64,3 +65,39 @@ async def test_a_refused_connect_fails_the_waiting_requests_as_not_sent() -> Non
                 await call
     finally:
         await pool.close()
+
+
+async def test_requests_fail_at_their_own_deadlines() -> None:
+    """One timer per stream fails each request at its own deadline (a later request with a
+    shorter timeout first); an answered request's deadline is forgotten."""
+    async def stream_infer(requests: AsyncIterator[bytes], ctx: object) -> AsyncIterator[bytes]:
+        async for raw in requests:  # answers only "answer", and never the others
+            req = pb.ModelInferRequest.FromString(raw)
+            if req.model_name == "answer":
+                yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(
+                    id=req.id, model_name=req.model_name)).SerializeToString()
+
+    async with stream_service(stream_infer) as endpoint:
+        pool = StreamPool(endpoint, streams=1)
+        loop = asyncio.get_running_loop()
+        ended: dict[str, float] = {}
+
+        async def infer(name: str, timeout: float) -> None:
+            raw = pb.ModelInferRequest(model_name=name, id=name).SerializeToString()
+            try:
+                with pytest.raises(InferError) as info:
+                    await pool.infer(raw, name, timeout)
+                assert info.value.code is Code.DEADLINE_EXCEEDED
+                assert info.value.message == f"deadline exceeded waiting for service {endpoint}"
+            finally:
+                ended[name] = loop.time() - t0
+
+        try:
+            t0 = loop.time()
+            assert (await pool.infer(pb.ModelInferRequest(model_name="answer", id="a").SerializeToString(),
+                                     "a", 3.0)).id == "a"  # its 3 s deadline stays set, unused
+            await asyncio.gather(infer("long", 1.5), infer("short", 0.3))
+        finally:
+            await pool.close()
+    assert 0.25 < ended["short"] < 1.2, ended
+    assert 1.45 < ended["long"] < 2.9, ended

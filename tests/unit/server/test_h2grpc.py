@@ -28,7 +28,8 @@ import hpack
 import pytest
 
 from meshserve._proto import health_pb2
-from meshserve.server.h2 import H2GrpcServer
+from meshserve.server.h2 import H2GrpcServer, Status
+from meshserve.server.h2 import connect as h2_connect
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState, health_handler
 from tests.support import eventually_async
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
@@ -395,6 +396,36 @@ async def test_deadline_during_a_server_stream(env: Env) -> None:
     err = await rpc_error(call.read())
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await waited(env.probe.cancelled, 2.0)
+
+
+async def test_server_deadlines_of_calls_on_one_connection(env: Env) -> None:
+    """The server's one deadline timer per connection, alone: our own client sends grpc-timeout
+    and never cancels, so only the server's DEADLINE_EXCEEDED ends these calls. A call answered
+    before its deadline leaves the timer set for it (3 s); later calls with shorter deadlines set
+    it earlier; each call ends at its own deadline, the second once the first's has fired."""
+    conn = await h2_connect(env.target)
+    loop = asyncio.get_running_loop()
+    ended: dict[str, tuple[int, float]] = {}
+    t0 = loop.time()
+
+    def call(name: str, method: str, payload: bytes, timeout: str) -> None:
+        def on_close(code: int, details: str) -> None:
+            ended[name] = (code, loop.time() - t0)
+        conn.open_stream(path(method), (("grpc-timeout", timeout),), lambda m: None, on_close).send(payload, True)
+
+    try:
+        call("quick", "Echo", b"x", "3000m")
+        await eventually_async(lambda: "quick" in ended)
+        call("long", "Sleep", b"5", "1500m")
+        call("short", "Sleep", b"5", "300m")
+        await eventually_async(lambda: len(ended) == 3, timeout=10)
+        assert ended["quick"][0] == Status.OK
+        assert ended["short"][0] == ended["long"][0] == Status.DEADLINE_EXCEEDED
+        assert 0.25 < ended["short"][1] < 1.2, ended
+        assert 1.45 < ended["long"][1] < 5.0, ended
+        assert env.probe.cancelled_in == ["sleep", "sleep"]
+    finally:
+        conn.close()
 
 
 # ---- 5. client cancellation ------------------------------------------------------------------------
