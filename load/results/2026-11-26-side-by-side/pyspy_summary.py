@@ -1,23 +1,38 @@
-import sys, collections, re
-for f in sys.argv[1:]:
-    self_c = collections.Counter(); incl = collections.Counter(); total = 0
-    for line in open(f):
-        line = line.rstrip()
-        if not line: continue
-        stack, _, n = line.rpartition(" ")
-        n = int(n); total += n
-        frames = stack.split(";")
-        leaf = re.sub(r" \(/.*?/(?=[^/]+/[^/]+\.py)", " (", frames[-1])
-        self_c[leaf] += n
-        seen = set()
-        for fr in frames:
-            name = fr.split(" (")[0]
-            fn = re.search(r"\(([^)]*)\)", fr)
-            key = name + " " + (fn.group(1).split("/")[-1].split(":")[0] if fn else "")
-            if key not in seen:
-                seen.add(key); incl[key] += n
-    print(f"== {f}: {total} samples")
+"""Self and inclusive shares of a `py-spy record -f raw` profile: python3 pyspy_summary.py FILE..."""
+import collections
+import re
+import sys
+
+
+def summarize(path: str) -> None:
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if not stack:
+                continue
+            n = int(count)
+            total += n
+            frames = stack.split(";")
+            own[frames[-1]] += n
+            seen = set()
+            for frame in frames:
+                where = re.search(r"\(([^)]*)\)", frame)
+                key = frame.split(" (")[0] + " " + (where.group(1).split("/")[-1].split(":")[0] if where else "")
+                if key not in seen:
+                    seen.add(key)
+                    inclusive[key] += n
+    print(f"== {path}: {total} samples")
     print("-- self (top 15)")
-    for k, v in self_c.most_common(15): print(f"{100*v/total:5.1f}% {k[:110]}")
+    for key, n in own.most_common(15):
+        print(f"{100 * n / total:5.1f}% {key[:110]}")
     print("-- inclusive (top 25)")
-    for k, v in incl.most_common(25): print(f"{100*v/total:5.1f}% {k[:110]}")
+    for key, n in inclusive.most_common(25):
+        print(f"{100 * n / total:5.1f}% {key[:110]}")
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        summarize(p)
