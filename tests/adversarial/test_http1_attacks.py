@@ -13,6 +13,7 @@ import pytest
 
 from tests.adversarial.harness import LONG, OTHER_KEY, Mesh, Observation, under_attack
 from tests.conftest import Proc
+from tests.support.http1 import connect
 
 MiB = 1 << 20
 BOTH = ["gateway", "service"]
@@ -27,11 +28,6 @@ def target(mesh: Mesh, which: str) -> Proc:
 def head(hostport: str, path: str, length: int, extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
             f"x-api-key: {OTHER_KEY}\r\nContent-Length: {length}\r\n{extra}\r\n").encode()
-
-
-def connect(hostport: str, timeout: float = 5.0) -> socket.socket:
-    host, port = hostport.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=timeout)
 
 
 def read_status(sock: socket.socket, timeout: float) -> str:
@@ -56,7 +52,7 @@ def read_status(sock: socket.socket, timeout: float) -> str:
 def send_body(hostport: str, header: bytes, body_parts: object, deadline_s: float) -> tuple[int, str]:
     """Send header + body in parts until done, refused (the server closed) or the deadline;
     then read the status. Returns (bytes of body sent, status)."""
-    sock = connect(hostport)
+    sock = connect(hostport, timeout=5.0)
     sent = 0
     try:
         sock.sendall(header)
@@ -128,7 +124,7 @@ def test_gzip_bomb(mesh: Mesh, which: str) -> None:
 def open_many(hostport: str, n: int, first: bytes, socks: list[socket.socket]) -> None:
     """n connections (appended to `socks`, which the caller closes), each having sent `first`."""
     for _ in range(n):
-        s = connect(hostport)
+        s = connect(hostport, timeout=5.0)
         socks.append(s)
         s.sendall(first)
 

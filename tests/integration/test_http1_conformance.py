@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
-from typing import IO
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.support.http1 import Answer, connect, read_answer
 
 IDLE_TIMEOUT = 3.0
 HEADER_TIMEOUT = 1.5
@@ -115,28 +114,6 @@ def test_tritonclient_errors_keep_their_status(proc: Proc) -> None:
 
 # ---- raw sockets -----------------------------------------------------------------------------------
 
-def connect(hostport: str, timeout: float = 10) -> socket.socket:
-    host, port = hostport.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=timeout)
-
-
-def read_answer(f: IO[bytes]) -> tuple[int, dict[str, str], bytes]:
-    line = f.readline()
-    assert line.startswith(b"HTTP/1."), line
-    headers: dict[str, str] = {}
-    while (h := f.readline()) not in (b"\r\n", b""):
-        k, _, v = h.decode().partition(":")
-        headers[k.strip().lower()] = v.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while (size := int(f.readline().strip(), 16)) > 0:
-            body += f.read(size + 2)[:-2]
-        f.readline()
-    else:
-        body = f.read(int(headers.get("content-length", "0")))
-    return int(line.split()[1]), headers, body
-
-
 def infer_bytes(i: int, binary: bool) -> tuple[bytes, dict[str, str], np.ndarray]:
     a, b = rows(1 + i % 3)
     outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
@@ -155,7 +132,8 @@ def request(path: str, body: bytes, headers: dict[str, str], chunked: bool = Fal
     return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-def output0(status: int, headers: dict[str, str], body: bytes) -> tuple[str, np.ndarray]:
+def output0(answer: Answer) -> tuple[str, np.ndarray]:
+    status, _, headers, body = answer
     assert status == 200, body
     n = int(headers.get("inference-header-content-length", len(body)))
     meta = json.loads(body[:n])
@@ -171,11 +149,11 @@ def test_pipelined_infers_are_answered_in_order(proc: Proc, chunked: bool) -> No
         sock.sendall(b"".join(request("/v2/models/add_sub/infer", body, headers, chunked) for body, headers, _ in jobs))
         f = sock.makefile("rb")
         for i, (_, _, want) in enumerate(jobs):
-            got_id, got = output0(*read_answer(f))
+            got_id, got = output0(read_answer(f))
             assert got_id == str(i)
             np.testing.assert_array_equal(got, want)
         sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")  # and the connection is still open
-        assert read_answer(f)[0] == 200
+        assert read_answer(f).status == 200
 
 
 def test_expect_100_continue(proc: Proc) -> None:
@@ -186,11 +164,11 @@ def test_expect_100_continue(proc: Proc) -> None:
         f = sock.makefile("rb")
         assert f.readline() == b"HTTP/1.1 100 Continue\r\n" and f.readline() == b"\r\n"  # before the body
         sock.sendall(body)
-        np.testing.assert_array_equal(output0(*read_answer(f))[1], want)
+        np.testing.assert_array_equal(output0(read_answer(f))[1], want)
         # over the limit: no 100 Continue, a 413 at once, and the connection ends
         sock.sendall(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
                      b"Content-Length: %d\r\n\r\n" % (2 << 20))
-        status, answer_headers, answer = read_answer(f)
+        status, _, answer_headers, answer = read_answer(f)
         assert status == 413 and answer_headers["connection"] == "close", answer
         assert f.read() == b""
 
@@ -205,9 +183,9 @@ def test_http10_and_connection_close(proc: Proc) -> None:
         body, headers, want = infer_bytes(1, binary=False)
         sock.sendall(request("/v2/models/add_sub/infer", body, {**headers, "Connection": "close"}))
         f = sock.makefile("rb")
-        status, answer_headers, answer = read_answer(f)
-        np.testing.assert_array_equal(output0(status, answer_headers, answer)[1], want)
-        assert answer_headers["connection"] == "close" and f.read() == b""
+        answer = read_answer(f)
+        np.testing.assert_array_equal(output0(answer)[1], want)
+        assert answer.headers["connection"] == "close" and f.read() == b""
 
 
 def test_keepalive_many_requests_then_the_idle_timeout(proc: Proc) -> None:
@@ -215,12 +193,12 @@ def test_keepalive_many_requests_then_the_idle_timeout(proc: Proc) -> None:
         f = sock.makefile("rb")
         for i in range(200):
             sock.sendall(b"GET /v2/models/add_sub/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-            status, headers, _ = read_answer(f)
+            status, _, headers, _ = read_answer(f)
             assert status == 200, i
             assert "server" not in headers  # (aiohttp's server would name itself: this is the httptools one)
         time.sleep(HEADER_TIMEOUT + 1.2)  # (the point: idle past the header timeout is not a slow header)
         sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert read_answer(f)[0] == 200
+        assert read_answer(f).status == 200
         t0 = time.monotonic()
         sock.settimeout(IDLE_TIMEOUT + 5)
         assert sock.recv(10) == b""  # closed by the idle timeout
@@ -238,7 +216,7 @@ def test_malformed_requests_are_400_and_close(proc: Proc, raw: bytes) -> None:
     with connect(proc.http) as sock:
         sock.sendall(raw)
         f = sock.makefile("rb")
-        status, headers, body = read_answer(f)
+        status, _, headers, body = read_answer(f)
         assert status == 400 and headers["connection"] == "close", body
         assert "error" in json.loads(body)
         assert f.read() == b""
@@ -251,6 +229,6 @@ def test_metrics_port_on_httptools(procs: dict[str, Proc]) -> None:
     with connect(hostport) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /other HTTP/1.1\r\nHost: x\r\n\r\n")
         f = sock.makefile("rb")
-        status, _, body = read_answer(f)
+        status, _, _, body = read_answer(f)
         assert status == 200 and b"nv_inference_request_success" in body
-        assert read_answer(f)[0] == 404
+        assert read_answer(f).status == 404

@@ -22,6 +22,7 @@ import tritonclient.http as httpclient
 
 from meshserve._proto import grpc_service_pb2 as pb
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.support.http1 import closed_within, connect
 
 LIMIT = 4 << 20  # --max-request-bytes of the `limited` processes
 HEADER_TIMEOUT = 1.5
@@ -71,11 +72,6 @@ def post(hostport: str, path: str, body: bytes, headers: dict[str, str] | None =
         conn.close()
 
 
-def connect(hostport: str, timeout: float = 10) -> socket.socket:
-    host, port = hostport.split(":")
-    return socket.create_connection((host, int(port)), timeout=timeout)
-
-
 def read_head(sock: socket.socket) -> bytes:
     data = b""
     while b"\r\n\r\n" not in data:
@@ -88,16 +84,10 @@ def read_head(sock: socket.socket) -> bytes:
 
 def closed_after(sock: socket.socket, limit_s: float) -> float:
     """Seconds until the server closes `sock` (EOF or reset); fails past `limit_s`."""
-    t0 = time.monotonic()
-    sock.settimeout(limit_s)
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
+    took = closed_within(sock, limit_s)
+    if took is None:
         pytest.fail(f"the connection was still open after {limit_s} s")
-    return time.monotonic() - t0
+    return took
 
 
 # --- body limit ---------------------------------------------------------------------------

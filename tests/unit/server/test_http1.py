@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import uvloop
@@ -22,6 +22,7 @@ from meshserve.server import http1
 from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
 from meshserve.server.limits import ServerLimits
 from tests.support import eventually
+from tests.support.http1 import closed_within, read_answer
 
 NO_TIMEOUTS = ServerLimits(header_timeout_s=0, read_timeout_s=0, idle_timeout_s=0)
 
@@ -96,47 +97,9 @@ def serving(handler: Callable[[Any], Awaitable[web.StreamResponse]] = echo,
         loop.close()
 
 
-@dataclasses.dataclass
-class Answer:
-    status: int
-    version: str
-    headers: dict[str, str]
-    body: bytes
-
-
-def read_answer(f: IO[bytes]) -> Answer:
-    """One response from the stream (Content-Length or chunked body; HEAD-less tests only)."""
-    line = f.readline()
-    assert line, "the connection closed before a response"
-    version, status = line.split(b" ", 2)[:2]
-    headers: dict[str, str] = {}
-    while (h := f.readline()) not in (b"\r\n", b""):
-        k, _, v = h.decode().partition(":")
-        headers[k.strip().lower()] = v.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while True:
-            size = int(f.readline().strip(), 16)
-            chunk = f.read(size + 2)
-            if size == 0:
-                break
-            body += chunk[:-2]
-    else:
-        body = f.read(int(headers.get("content-length", "0")))
-    return Answer(int(status), version.decode(), headers, body)
-
-
 def closed(sock: socket.socket, timeout: float = 5.0) -> bool:
     """Did the server close `sock` (EOF or reset) within `timeout`?"""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
+    return closed_within(sock, timeout) is not None
 
 
 def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
