@@ -31,6 +31,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server import h2
+from meshserve.server.deadlines import DeadlineTimer
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway.stream")
@@ -79,14 +80,13 @@ class _Stream:
         self.answered = False  # a response arrived: the stream reached the service
         self._call: h2.ClientStream | None = None
         self._backlog: list[tuple[str, bytes]] = []  # (id, request) sent while opening
-        # loop-time deadlines of pending requests sent with a timeout, and the one timer that
-        # fails them (_on_deadlines): asyncio.wait_for per request cost a timer, a loop pass and
-        # a getpid system call each
-        self._due: dict[str, float] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
         # (asyncio.get_running_loop() makes a getpid system call each time on Python 3.11: not per request)
         self._loop = asyncio.get_running_loop()
+        # loop-time deadlines of pending requests sent with a timeout, and the one timer that
+        # fails them (_on_deadlines; asyncio.wait_for per request cost a timer, a loop pass and
+        # a getpid system call each)
+        self._due: dict[str, float] = {}
+        self._deadlines = DeadlineTimer(self._loop, self._on_deadlines)
         self._opening: asyncio.Task[None] | None = self._loop.create_task(self._open(channel))
 
     async def _open(self, channel: h2.Channel) -> None:
@@ -145,9 +145,7 @@ class _Stream:
                                   else NotSent(f"{self.name}: {detail}"))
         self.pending.clear()
         self._due.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadlines.cancel()
         for answers in self.answers.values():
             answers.push(StreamBroken(Code.UNAVAILABLE, f"{self.name}: stream to the service broke: {detail}")
                          if self.answered else NotSent(f"{self.name}: {detail}"))
@@ -198,21 +196,12 @@ class _Stream:
         self.pending[cid] = fut
         if timeout is not None:
             self._due[cid] = due = self._loop.time() + timeout
-            if self._timer is None or due < self._timer_at:
-                self._arm(due)
+            self._deadlines.add(due)
         return fut
 
-    def _arm(self, due: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = due
-        self._timer = self._loop.call_at(due, self._on_deadlines)
-
-    def _on_deadlines(self) -> None:
-        """Fail the pending requests whose deadline is up; set the timer for the earliest left
-        (set when a request has an earlier deadline than it, it fires about once per timeout)."""
-        self._timer = None
-        now = self._loop.time() + 0.001  # (the loop's timers have millisecond resolution)
+    def _on_deadlines(self, now: float) -> float | None:
+        """Fail the pending requests whose deadline is up (meshserve/server/deadlines.py); the
+        earliest deadline left."""
         later = None
         for cid, due in list(self._due.items()):
             if due <= now:
@@ -222,8 +211,7 @@ class _Stream:
                     fut.set_exception(InferError(Code.DEADLINE_EXCEEDED, f"deadline exceeded waiting for {self.name}"))
             elif later is None or due < later:
                 later = due
-        if later is not None:
-            self._arm(later)
+        return later
 
     def forget(self, fut: asyncio.Future[pb.ModelStreamInferResponse]) -> None:
         for cid, f in list(self.pending.items()):

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from meshserve.server.body_worker import release_memory
+from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
     DATA,
@@ -291,8 +292,7 @@ class ServerConnection(H2Endpoint):
         self.held = 0  # bytes of request messages received and not yet taken by handlers
         self.held_limit = self.conn_window - RECEIVE_SLACK  # beyond it: _receive_budget_full
         self.timer: asyncio.TimerHandle | None = None
-        self.deadline_timer: asyncio.TimerHandle | None = None  # _on_deadlines, at deadline_at
-        self.deadline_at = 0.0
+        self.deadlines = DeadlineTimer(self.loop, self._on_deadlines)  # the calls' grpc-timeout
         self.started_at = 0.0
         self.idle_since: float | None = None
         self.idle_sid = -1
@@ -324,9 +324,7 @@ class ServerConnection(H2Endpoint):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.deadline_timer is not None:
-            self.deadline_timer.cancel()
-            self.deadline_timer = None
+        self.deadlines.cancel()
         for st in list(self.streams.values()):
             self._abandon(st)
         self.streams.clear()
@@ -561,8 +559,7 @@ class ServerConnection(H2Endpoint):
         self.server._stream_started()
         if timeout is not None:
             st.due = due = self.loop.time() + timeout
-            if self.deadline_timer is None or due < self.deadline_at:
-                self._arm_deadlines(due)
+            self.deadlines.add(due)
         if handler.request_streaming:
             st.queue = asyncio.Queue()
             st.task = self.loop.create_task(self._run(st, None))
@@ -833,21 +830,11 @@ class ServerConnection(H2Endpoint):
             finally:
                 st.waiter = None
 
-    def _arm_deadlines(self, due: float) -> None:
-        if self.deadline_timer is not None:
-            self.deadline_timer.cancel()
-        self.deadline_at = due
-        self.deadline_timer = self.loop.call_at(due, self._on_deadlines)
-
-    def _on_deadlines(self) -> None:
-        """The connection's one deadline timer: expire the streams whose `grpc-timeout` is up and
-        set it again for the earliest deadline left. A timer per call (made and cancelled for
-        every request) cost more than the rest of the call's h2 path; this one is set when a call
-        has an earlier deadline than it, and otherwise fires about once per timeout."""
-        self.deadline_timer = None
+    def _on_deadlines(self, now: float) -> float | None:
+        """The connection's one deadline timer (meshserve/server/deadlines.py) fired: expire the
+        streams whose `grpc-timeout` is up; the earliest deadline left."""
         if self.closed:
-            return
-        now = self.loop.time() + 0.001  # (the loop's timers have millisecond resolution)
+            return None
         later = None
         for st in list(self.streams.values()):
             due = st.due
@@ -857,9 +844,8 @@ class ServerConnection(H2Endpoint):
                 self._expire(st)
             elif later is None or due < later:
                 later = due
-        if later is not None:
-            self._arm_deadlines(later)
         self._flush()
+        return later
 
     def _expire(self, st: ServerStream) -> None:
         if st.closed:
