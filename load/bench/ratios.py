@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,58 @@ def _f(v: float, fmt: str) -> str:
     return "–" if math.isnan(v) else format(v, fmt)
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One model × protocol × concurrency cell: throughputs (infer/s), p99s (ms) and rows per
+    execution of Triton, the gateway and the service direct, and which goals it meets."""
+    key: Key
+    triton: float
+    gateway: float
+    direct: float
+    p99_ms: tuple[float, float, float]
+    rows: tuple[float, float, float]
+    foreign: float
+
+    @property
+    def vs_triton(self) -> float:
+        return self.gateway / self.triton
+
+    @property
+    def vs_direct(self) -> float:
+        return self.gateway / self.direct
+
+    @property
+    def goals(self) -> tuple[bool, bool, bool]:
+        """gw/Triton ≥ 1.0, p99 gw ≤ Triton's, gw/direct ≥ 0.85."""
+        return (self.vs_triton >= GOAL_VS_TRITON, self.p99_ms[1] <= self.p99_ms[0],
+                self.vs_direct >= GOAL_VS_DIRECT)
+
+    @property
+    def known(self) -> bool:
+        return not any(math.isnan(v) for v in (self.vs_triton, self.vs_direct, self.p99_ms[0], self.p99_ms[1]))
+
+    @property
+    def missed(self) -> list[str]:
+        names = ("gw/Triton", "p99", "gw/direct")
+        return [n for n, ok in zip(names, self.goals, strict=True) if not ok]
+
+
+def cells(res: Path, runs: dict[str, dict[Key, dict[str, Any]]] | None = None) -> list[Cell]:
+    """The 18 cells of a results directory, in table order."""
+    runs = runs if runs is not None else {label: load(res, label) for label in LABELS}
+    out = []
+    for m in MODELS:
+        for mode in MODES:
+            for c in CONCURRENCY:
+                t, g, d = (runs[label].get((m, mode, c)) for label in LABELS)
+                tr, gr, dr = (_num(x, "infer_per_s") for x in (t, g, d))
+                p99 = (_num(t, "p99_us") / 1000, _num(g, "p99_us") / 1000, _num(d, "p99_us") / 1000)
+                rows = (_num(t, "avg_batch"), _num(g, "avg_batch"), _num(d, "avg_batch"))
+                fg = max((foreign(x) for x in (t, g, d) if not math.isnan(foreign(x))), default=math.nan)
+                out.append(Cell((m, mode, c), tr, gr, dr, p99, rows, fg))
+    return out
+
+
 def table(res: Path) -> str:
     runs = {label: load(res, label) for label in LABELS}
     lines = [
@@ -84,25 +137,16 @@ def table(res: Path) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     met = total = 0
-    for m in MODELS:
-        for mode in MODES:
-            for c in CONCURRENCY:
-                t, g, d = (runs[label].get((m, mode, c)) for label in LABELS)
-                tr, gr, dr = (_num(x, "infer_per_s") for x in (t, g, d))
-                vs_t, vs_d = gr / tr, gr / dr
-                p99 = [_num(x, "p99_us") / 1000 for x in (t, g, d)]
-                rows = [_num(x, "avg_batch") for x in (t, g, d)]
-                fg = max((foreign(x) for x in (t, g, d) if not math.isnan(foreign(x))), default=math.nan)
-                mark = " ⚠" if fg > FOREIGN_BOUND else ""
-                goals = [vs_t >= GOAL_VS_TRITON, p99[1] <= p99[0], vs_d >= GOAL_VS_DIRECT]
-                known = not any(math.isnan(v) for v in (vs_t, vs_d, p99[0], p99[1]))
-                total += 1
-                met += known and all(goals)
-                verdict = f"{sum(goals)}/3" if known else "–"
-                lines.append(
-                    f"| {m} | {mode} | {c} | {_f(tr, '.0f')} | {_f(gr, '.0f')} | {_f(dr, '.0f')} | "
-                    f"{_f(vs_t, '.2f')} | {_f(vs_d, '.2f')} | {' / '.join(_f(p, '.1f') for p in p99)} | "
-                    f"{' / '.join(_f(r, '.1f') for r in rows)} | {_f(fg, '.2f')}{mark} | {verdict} |")
+    for cell in cells(res, runs):
+        m, mode, c = cell.key
+        total += 1
+        met += cell.known and all(cell.goals)
+        verdict = f"{sum(cell.goals)}/3" if cell.known else "–"
+        mark = " ⚠" if cell.foreign > FOREIGN_BOUND else ""
+        lines.append(
+            f"| {m} | {mode} | {c} | {_f(cell.triton, '.0f')} | {_f(cell.gateway, '.0f')} | {_f(cell.direct, '.0f')} | "
+            f"{_f(cell.vs_triton, '.2f')} | {_f(cell.vs_direct, '.2f')} | {' / '.join(_f(p, '.1f') for p in cell.p99_ms)} | "
+            f"{' / '.join(_f(r, '.1f') for r in cell.rows)} | {_f(cell.foreign, '.2f')}{mark} | {verdict} |")
     lines.append("")
     lines.append(f"cells meeting all three goals: {met} of {total}")
     return "\n".join(lines)

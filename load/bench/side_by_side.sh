@@ -8,7 +8,9 @@
 # Env: BENCH_ORT_THREADS (2: ORT intra-op threads in every server), INTERVAL (3000 ms),
 #      CONC (1,8,32), BENCH_MODELS ("add_sub mlp"), SKIP ("anchors" to reuse earlier Triton
 #      numbers), REPEAT (1: runs again per noisy cell; 0 = none), DRIVE_ARGS (more drive.py
-#      arguments, e.g. "--quiet-wait 0" for a smoke run on a busy machine), PORT_BASE (19000), BENCH_DIR.
+#      arguments, e.g. "--quiet-wait 0" for a smoke run on a busy machine), PORT_BASE (19000), BENCH_DIR,
+#      PROFILE (1: afterwards, py-spy and per-process CPU of every cell that misses a goal, written to
+#      RESULTS_DIR/profiles/bounds.md by load/bench/profile_cells.py).
 # Needs the venvs of ../shared/bench/README.md (/tmp/bench-venvs/{pa,triton}).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -79,3 +81,7 @@ stop
 "$PA_VENV/bin/python" "$BENCH/report.py" "$RES"/*.jsonl > "$RES/tables.md"
 python3 -m load.bench.ratios "$RES" | tee "$RES/side_by_side.md"
 echo "== done: $RES/side_by_side.md (the harness's own tables: $RES/tables.md)"
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== what bounds each missed cell (py-spy): load/bench/profile_cells.py"
+  python3 -m load.bench.profile_cells "$RES" --interval "$INTERVAL" --port-base "$PORT_BASE"
+fi
