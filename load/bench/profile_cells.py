@@ -1,7 +1,7 @@
 """What bounds each side-by-side cell that misses a goal: py-spy and per-process CPU under load.
 
-    python -m load.bench.profile_cells RESULTS_DIR [--seconds 6] [--all]
-    (or: PROFILE=1 load/bench/side_by_side.sh, which runs it after the table)
+    python -m load.bench.profile_cells RESULTS_DIR [--seconds 6] [--all] [--only MODEL:MODE:C]
+    (or: PROFILE=1 load/bench/side_by_side.sh, which runs it after the table; UP_ARGS as there)
 
 For every cell of RESULTS_DIR (a side_by_side.sh run) that misses one of issue 21's goals (or every
 cell with --all), the same perf_analyzer sweep as the table (../shared/bench/drive.sh, one cell)
@@ -247,8 +247,8 @@ class Pass:
                    "", "## Through the gateway (`meshserve up`)", ""]
         port = self.a.port_base
         repo = str(self.models / "onnx_repo")
-        self.sweep("gateway", ["up", "--repository", repo, "--http-port", str(port), "--grpc-port", str(port + 1)],
-                   port, chosen)
+        self.sweep("gateway", ["up", "--repository", repo, "--http-port", str(port), "--grpc-port", str(port + 1),
+                               *os.environ.get("UP_ARGS", "").split()], port, chosen)
         self.md += ["## Direct to the ONNX service (cells where direct is below Triton)", ""]
         self.sweep("direct", ["service", "onnx", "--repository", repo, "--http-port", str(port + 100), "--grpc-port",
                               str(port + 101), "--log-level", "WARNING"], port + 100, direct_too)

@@ -6,8 +6,9 @@
 # at the end the 18-cell table (load/bench/ratios.py) is printed and written to side_by_side.md.
 #   usage: load/bench/side_by_side.sh [RESULTS_DIR]    (or: python -m load.bench --side-by-side)
 # Env: BENCH_ORT_THREADS (2: ORT intra-op threads in every server), INTERVAL (3000 ms),
-#      CONC (1,8,32), BENCH_MODELS ("add_sub mlp"), SKIP ("anchors" to reuse earlier Triton
-#      numbers), REPEAT (1: runs again per noisy cell; 0 = none), DRIVE_ARGS (more drive.py
+#      CONC (1,8,32), BENCH_MODELS ("add_sub mlp"), SKIP (words: "anchors" to reuse earlier Triton
+#      numbers, "gateway", "direct": leave that sweep out), UP_ARGS (more `meshserve up` arguments,
+#      e.g. "--gateway-workers 2"), REPEAT (1: runs again per noisy cell; 0 = none), DRIVE_ARGS (more drive.py
 #      arguments, e.g. "--quiet-wait 0" for a smoke run on a busy machine), PORT_BASE (19000), BENCH_DIR,
 #      PROFILE (1: afterwards, py-spy and per-process CPU of every cell that misses a goal, written to
 #      RESULTS_DIR/profiles/bounds.md by load/bench/profile_cells.py).
@@ -60,23 +61,28 @@ sweep() {  # LABEL HTTP GRPC
   done
 }
 
-echo "== meshserve through the gateway (meshserve up: gateway + onnx service)"
 cd "$ROOT"
-python3 -m meshserve up --repository "$MODELS/onnx_repo" --http-port "$GW_HTTP" --grpc-port "$GW_GRPC" \
-  > "$RES/meshserve-up.log" 2>&1 &
-PID=$!
-wait_ready "http://127.0.0.1:$GW_HTTP/v2/health/ready"
-sweep meshserve-gateway "127.0.0.1:$GW_HTTP" "127.0.0.1:$GW_GRPC"
-curl -s "http://127.0.0.1:$GW_HTTP/v2/models/stats" > "$RES/meshserve_stats_final.json" || true
-stop
+if [[ " $SKIP " != *" gateway "* ]]; then
+  echo "== meshserve through the gateway (meshserve up: gateway + onnx service) ${UP_ARGS:-}"
+  # shellcheck disable=SC2086  # UP_ARGS: several words
+  python3 -m meshserve up --repository "$MODELS/onnx_repo" --http-port "$GW_HTTP" --grpc-port "$GW_GRPC" \
+    ${UP_ARGS:-} > "$RES/meshserve-up.log" 2>&1 &
+  PID=$!
+  wait_ready "http://127.0.0.1:$GW_HTTP/v2/health/ready"
+  sweep meshserve-gateway "127.0.0.1:$GW_HTTP" "127.0.0.1:$GW_GRPC"
+  curl -s "http://127.0.0.1:$GW_HTTP/v2/models/stats" > "$RES/meshserve_stats_final.json" || true
+  stop
+fi
 
-echo "== meshserve direct to the ONNX service (no gateway)"
-python3 -m meshserve service onnx --repository "$MODELS/onnx_repo" --grpc-port "$SVC_GRPC" --http-port "$SVC_HTTP" \
-  --log-level WARNING > "$RES/meshserve-service.log" 2>&1 &
-PID=$!
-wait_ready "http://127.0.0.1:$SVC_HTTP/v2/health/ready"
-sweep meshserve-direct "127.0.0.1:$SVC_HTTP" "127.0.0.1:$SVC_GRPC"
-stop
+if [[ " $SKIP " != *" direct "* ]]; then
+  echo "== meshserve direct to the ONNX service (no gateway)"
+  python3 -m meshserve service onnx --repository "$MODELS/onnx_repo" --grpc-port "$SVC_GRPC" --http-port "$SVC_HTTP" \
+    --log-level WARNING > "$RES/meshserve-service.log" 2>&1 &
+  PID=$!
+  wait_ready "http://127.0.0.1:$SVC_HTTP/v2/health/ready"
+  sweep meshserve-direct "127.0.0.1:$SVC_HTTP" "127.0.0.1:$SVC_GRPC"
+  stop
+fi
 
 "$PA_VENV/bin/python" "$BENCH/report.py" "$RES"/*.jsonl > "$RES/tables.md"
 python3 -m load.bench.ratios "$RES" | tee "$RES/side_by_side.md"
