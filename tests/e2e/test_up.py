@@ -56,15 +56,17 @@ def _triton_metrics_on_the_printed_url(banner: str) -> None:
         with urllib.request.urlopen(url.group(1).replace("localhost", "127.0.0.1"), timeout=10) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
         success = {s.labels["model"]: s.value for s in families["nv_inference_request_success"].samples}
-        return (families, success) if success.get("add_sub", 0) >= 1 else None
+        return (families, success) if success.get("add_sub", 0) >= 1 and success.get("add_sub_bls", 0) >= 1 else None
 
     # the gateway reuses one scrape of the services for half a second
     families, success = eventually(scraped, timeout=30, interval=0.2, what="add_sub counted on the printed /metrics")
     assert success.get("add_sub", 0) >= 1 and success.get("mlp", 0) >= 1, success
-    replicas = {s.labels.get("replica") for s in families["nv_inference_request_success"].samples}
-    assert len(replicas) == 1 and None not in replicas, replicas  # one onnx service, labelled
+    # each model labelled with the replica that serves it: one onnx service, one python service
+    replica = {s.labels["model"]: s.labels.get("replica") for s in families["nv_inference_request_success"].samples}
+    assert None not in replica.values() and len(set(replica.values())) == 2, replica
+    assert replica["add_sub"] == replica["mlp"] != replica["add_sub_bls"], replica
     loaded = {s.labels["model"] for s in families["nv_model_load_duration_secs"].samples if s.value > 0}
-    assert {"add_sub", "mlp"} <= loaded, loaded
+    assert {"add_sub", "mlp", "add_sub_bls"} <= loaded, loaded
     assert "meshserve_gateway_requests" in families
 
 
@@ -76,8 +78,9 @@ def test_up_serves_examples_and_stops_cleanly() -> None:
     try:
         text = read_banner(proc, 180)
         assert f"http://localhost:{http_port}/v2" in text and "curl" in text
+        assert "starting the python service" in text  # for add_sub_bls (backend "python")
         children = _children(proc.pid)
-        assert len(children) == 2  # the onnx service + the gateway
+        assert len(children) == 3  # the onnx service, the python service and the gateway
 
         with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as c:
             assert c.is_server_ready()
@@ -86,6 +89,12 @@ def test_up_serves_examples_and_stops_cleanly() -> None:
             for i in inputs:
                 i.set_data_from_numpy(a)
             np.testing.assert_array_equal(c.infer("add_sub", inputs).as_numpy("OUTPUT0"), a * 2)
+            # the python model: its BLS call reaches add_sub through the gateway
+            b = np.arange(32, dtype=np.float32).reshape(2, 16)
+            inputs[1].set_data_from_numpy(b)
+            res = c.infer("add_sub_bls", inputs)
+            np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), a + b)
+            np.testing.assert_array_equal(res.as_numpy("OUTPUT1"), a - b)
         with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as c:
             x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
             inp = grpcclient.InferInput("INPUT0", [3, 512], "FP32")
