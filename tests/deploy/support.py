@@ -224,13 +224,18 @@ output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
 TORCHSCRIPT_CONFIG = models.pair_config("add_sub_pt", "pytorch_libtorch", 16, ("INPUT__0", "INPUT__1"),
                                         ("OUTPUT__0", "OUTPUT__1"))
 
+# The bundled example repository's python-backend model (committed source): it calls add_sub by
+# BLS through the gateway (the python service's --bls-target).
+EXAMPLE_PYTHON_MODEL = ROOT / "examples" / "model_repository" / "add_sub_bls"
+
 # service kind -> the model of that kind in the test repository
-MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start"}
+MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start", "python": "add_sub_bls"}
 
 
 def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = ("onnx",)) -> Path:
-    """A tiny Triton repository: add_sub (onnx), optionally big_identity, seq_start (sequence)
-    and add_sub_pt (torchscript, needs torch)."""
+    """A tiny Triton repository: add_sub (onnx), optionally big_identity, seq_start (sequence),
+    add_sub_pt (torchscript, needs torch) and add_sub_bls (python: the example repository's,
+    which calls add_sub by BLS)."""
     from onnx import TensorProto, helper, numpy_helper
 
     fp32 = TensorProto.FLOAT
@@ -258,6 +263,10 @@ def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = 
     if "torchscript" in kinds:
         need_module("torch")
         models.write(repo, "add_sub_pt", TORCHSCRIPT_CONFIG, {1: models.torch_add_sub(16)}, "model.pt")
+
+    if "python" in kinds:
+        shutil.copytree(EXAMPLE_PYTHON_MODEL, repo / EXAMPLE_PYTHON_MODEL.name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     return repo
 
 
@@ -271,7 +280,8 @@ def add_sub_inputs(module: Any, names: tuple[str, str]) -> tuple[list[Any], np.n
 
 
 def infer_kind(module: Any, client: Any, kind: str, headers: dict[str, str] | None = None) -> None:
-    """One request (two for sequence) to the test repository's model of `kind`, checked;
+    """One request (two for sequence) to the test repository's model of `kind`, checked (python:
+    add_sub_bls, whose answer comes from add_sub through a gateway);
     `module` is tritonclient.http or tritonclient.grpc, `client` its InferenceServerClient.
     Each call gets its own copy of `headers` (tritonclient.http adds to the dict it is given)."""
     def h() -> dict[str, str] | None:

@@ -53,7 +53,7 @@ pytestmark = [
                        reason="needs a Docker engine and the images: run scripts/compose-e2e.sh"),
 ]
 
-KINDS = ("onnx", "torchscript", "sequence")
+KINDS = ("onnx", "torchscript", "sequence", "python")
 UP_TIMEOUT_S = 600.0
 QUOTA_BURST = 6
 SLOW_WIDTH = 256

@@ -5,7 +5,8 @@ command and environment (read from the compose file), as many as `deploy.replica
 Only what cannot hold on one host is rewritten: `--host 0.0.0.0` becomes 127.0.0.1, each
 container port gets a free host port, compose DNS names (`onnx:8101`,
 `otel-collector:4317`, ...) become 127.0.0.1 and the mapped port, and bind-mount targets
-become host paths (/models: a tiny generated repository). Envoy is left out (see
+become host paths (/models: a tiny generated repository; its python model calls its onnx
+model by BLS through `--bls-target gateway:8001`, the first gateway). Envoy is left out (see
 test_envoy_e2e.py); an OTLP sink stands in for the collector; names of containers that do
 not run here (tensorrt, redis) map to closed ports, as an unresolvable name would.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from meshserve.repository import layout
 from tests.deploy.support import (
     READY_TIMEOUT_S,
     ROOT,
@@ -51,7 +53,7 @@ from tests.deploy.support import (
 from tests.support import eventually
 
 PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
-SERVICE_KINDS = ("onnx", "torchscript", "sequence")
+SERVICE_KINDS = ("onnx", "torchscript", "sequence", "python")
 # Kinds compose runs whose services land with issue #3. strict: these turn into failures the
 # moment the kinds exist, so the marks cannot outlive the gap they describe.
 PENDING_KINDS: set[str] = set()
@@ -206,7 +208,7 @@ def _start(containers: list[Container], log_dir: Path, timeout: float = READY_TI
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     work = tmp_path_factory.mktemp("compose")
-    kinds = ("onnx", "sequence") + (("torchscript",) if _has_torch() else ())
+    kinds = ("onnx", "sequence", "python") + (("torchscript",) if _has_torch() else ())
     repo = build_repository(work / "models", kinds=kinds)
     compose = load_compose()
     with otlp_sink() as (otlp_port, otlp):
@@ -237,7 +239,7 @@ def _require_up(c: Container) -> None:
 
 def test_compose_gives_the_expected_processes(topology: Topology) -> None:
     names = sorted(c.name for c in topology.containers)
-    assert names == ["gateway-1", "gateway-2", "onnx-1", "sequence-1", "torchscript-1"]
+    assert names == ["gateway-1", "gateway-2", "onnx-1", "python-1", "sequence-1", "torchscript-1"]
 
 
 @pytest.mark.parametrize("service", kinds_param(("gateway", *SERVICE_KINDS)))
@@ -275,6 +277,35 @@ def test_request_through_each_gateway_to_kind(topology: Topology, kind: str) -> 
         grpc.close()
 
 
+def _gateway_requests(gw: Container, model: str) -> float:
+    """meshserve_gateway_requests_total of `model` at this gateway replica, all outcomes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _metrics(f"http://127.0.0.1:{gw.host_port(8000)}/metrics")
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "meshserve_gateway_requests_total" and s.labels.get("model") == model)
+
+
+def test_python_bls_goes_through_the_gateway(topology: Topology) -> None:
+    """The python service's --bls-target (compose: gateway:8001) is a gateway: a request to the
+    python model, sent to the service itself, shows up as add_sub requests at that gateway."""
+    import tritonclient.grpc as grpcclient
+
+    (service,) = topology.of("python")
+    _require_up(service)
+    target = flag(service.argv, "--bls-target")
+    assert target is not None, "compose gives the python service no --bls-target"
+    (gw,) = [g for g in topology.of("gateway") if target == f"127.0.0.1:{g.host_port(8001)}"]
+    _require_up(gw)
+    before = _gateway_requests(gw, "add_sub")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{flag(service.argv, '--grpc-port')}")
+    for _ in range(3):
+        infer_kind(grpcclient, client, "python")
+    client.close()
+    eventually(lambda: _gateway_requests(gw, "add_sub") >= before + 3, 10, interval=0.1,
+               what=f"3 BLS calls to add_sub counted at {gw.name}")
+
+
 def _metrics(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as r:
         return r.read().decode()
@@ -310,5 +341,13 @@ def test_example_models_job(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, *entry[1:], str(tmp_path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    for config in examples.glob("*/config.pbtxt"):
-        assert list((tmp_path / config.parent.name).glob("[0-9]*/model.onnx")), config.parent.name
+    onnx = [e.name for e in layout.scan(examples) if e.kind == "onnx"]
+    assert len(onnx) >= 4, onnx
+    for name in onnx:
+        assert list((tmp_path / name).glob("[0-9]*/model.onnx")), name
+    # The python model's source is committed (what the services mount is the checkout itself).
+    python = [e.name for e in layout.scan(examples) if e.kind == "python"]
+    assert python == ["add_sub_bls"], python
+    for name in python:
+        assert list((examples / name).glob("[0-9]*/model.py")), name
+        assert not list((tmp_path / name).glob("[0-9]*/*")), f"the job generates nothing for {name}"
