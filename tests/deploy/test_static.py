@@ -41,7 +41,7 @@ TRITON_METRICS = (
     "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
     "nv_inference_compute_infer_duration_us",
 )
-SERVICE_KINDS = ("onnx", "torchscript", "sequence")
+SERVICE_KINDS = ("onnx", "torchscript", "sequence", "python")
 GPU_SERVICES = ("tensorrt", "onnx-gpu", "torchscript-gpu")
 OLDEST_KUBERNETES = "1.28.0"
 
@@ -94,7 +94,7 @@ def mounts(svc: dict[str, Any]) -> list[dict[str, Any]]:
 def test_compose_config_is_valid(profile: str | None) -> None:
     config = compose_config(profile)
     active = config["active"]
-    expected = {"envoy", "gateway", "onnx", "torchscript", "sequence", "redis", "otel-collector",
+    expected = {"envoy", "gateway", "onnx", "torchscript", "sequence", "python", "redis", "otel-collector",
                 "jaeger", "prometheus", "grafana", "example-models"}
     assert expected <= set(active)
     for name in GPU_SERVICES:
@@ -202,6 +202,47 @@ def test_compose_services_and_upstreams(profile: str | None) -> None:
         base = Path(next(s["build"]["context"] for s in everything.values()
                          if s.get("build", {}).get("dockerfile") == dockerfile))
         assert (base / dockerfile).is_file(), dockerfile
+
+
+def size_bytes(value: str | int) -> int:
+    """A compose byte size (shm_size: 1gb, 512m, 67108864) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(value).strip().lower())
+    assert m, f"not a byte size: {value!r}"
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2)]
+
+
+def test_compose_python_service() -> None:
+    """BLS goes to the gateway's gRPC port by its DNS name; no dependency cycle; room in /dev/shm
+    for the tensors the service and its workers exchange; the image with torch."""
+    active = compose_config(None)["active"]
+    python, gateway = active["python"], active["gateway"]
+    cmd = as_list(python["command"])
+    assert cmd[:2] == ["service", "python"]
+    host, port = (flag(cmd, "--bls-target") or ":").rsplit(":", 1)
+    assert host == "gateway" and port == flag(as_list(gateway["command"]), "--grpc-port"), cmd
+    assert "gateway" not in (python.get("depends_on") or {}), "the gateways depend on python: a cycle"
+    assert "python" in (gateway.get("depends_on") or {})
+    assert size_bytes(python["shm_size"]) >= 256 << 20, "Docker's default /dev/shm is 64 MB"
+    assert python["image"].split(":")[0] == "meshserve-torch" == active["torchscript"]["image"].split(":")[0]
+    assert python["build"] == active["torchscript"]["build"], "one torch image for every service that uses it"
+
+
+def test_compose_offline_override_builds_every_meshserve_image() -> None:
+    """compose.offline.yaml points every meshserve image build at the wheelhouse and local base;
+    a service it misses would try the package index in scripts/compose-e2e.sh."""
+    exe = need_tool("docker-compose")
+    res = subprocess.run([exe, "-f", "deploy/compose.yaml", "-f", "deploy/compose.offline.yaml", "config"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"})
+    assert res.returncode == 0, res.stderr
+    services = yaml.safe_load(res.stdout)["services"]
+    default = compose_config(None)["services"]
+    for name, svc in services.items():
+        if is_meshserve(svc) and "build" in svc and not name.endswith("gpu") and name != "tensorrt":
+            args = svc["build"].get("args") or {}
+            assert args.get("WHEELHOUSE") == "1" and args.get("PYTHON_IMAGE"), f"{name}: not built offline"
+            want = (default[name]["build"].get("args") or {}).get("MESHSERVE_EXTRAS")
+            assert args.get("MESHSERVE_EXTRAS") == want, f"{name}: the offline build installs other extras"
 
 
 def test_compose_observability_wiring() -> None:
@@ -473,6 +514,27 @@ def test_k8s_discovery_storage_and_gpus(path: str) -> None:
             assert any(t["key"] == "nvidia.com/gpu" for t in pod.get("tolerations", [])), host
     assert "model-repository" in by_kind(docs, "PersistentVolumeClaim")
     assert "redis" in deployments and "redis" in services
+
+    # The python service: BLS to the gateway Service's gRPC port, /dev/shm sized for its tensors.
+    pod = deployments["python"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    host, port = (flag(c["args"], "--bls-target") or ":").rsplit(":", 1)
+    assert host == "gateway" and port == flag(gateway["args"], "--grpc-port"), c["args"]
+    assert int(port) in [p["port"] for p in services["gateway"]["spec"]["ports"]]
+    (shm,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    shm_volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])["emptyDir"]
+    assert shm_volume["medium"] == "Memory" and shm_volume["sizeLimit"], shm_volume
+
+    # The gateway's tenants, routes and quota store: the ConfigMap at /config, the redis Service.
+    store = flag(gateway["args"], "--quota-store") or ""
+    m = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)(/\d+)?", store)
+    assert m and int(m.group(2)) in [p["port"] for p in services[m.group(1)]["spec"]["ports"]], store
+    (config,) = [m for m in gateway["volumeMounts"] if m["mountPath"] == "/config"]
+    gw_pod = deployments["gateway"]["spec"]["template"]["spec"]
+    assert next(v for v in gw_pod["volumes"] if v["name"] == config["name"])["configMap"]["name"].startswith(
+        "gateway-config")
+    assert flag(gateway["args"], "--tenants") == "/config/tenants.yaml"
+    assert flag(gateway["args"], "--routes") == "/config/routes.yaml"
     cms = {n.rsplit("-", 1)[0]: cm for n, cm in by_kind(docs, "ConfigMap").items()}
     assert {"routes.yaml", "tenants.yaml"} <= set(cms["gateway-config"]["data"])
     assert cms["envoy-bootstrap"]["data"]["envoy.yaml"] == ENVOY_FILE.read_text(), \
