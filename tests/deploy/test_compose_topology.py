@@ -295,7 +295,9 @@ def test_python_bls_goes_through_the_gateway(topology: Topology) -> None:
     _require_up(service)
     target = flag(service.argv, "--bls-target")
     assert target is not None, "compose gives the python service no --bls-target"
-    (gw,) = [g for g in topology.of("gateway") if target == f"127.0.0.1:{g.host_port(8001)}"]
+    targets = [g for g in topology.of("gateway") if target == f"127.0.0.1:{g.host_port(8001)}"]
+    assert len(targets) == 1, f"--bls-target {target} is no gateway's gRPC port"
+    gw = targets[0]
     _require_up(gw)
     before = _gateway_requests(gw, "add_sub")
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{flag(service.argv, '--grpc-port')}")
