@@ -472,7 +472,7 @@ def _open_record(rec: dict[str, Any]) -> Region:
             region.unavailable = f"not usable in this gateway worker: {exc.message}"
         return region
     region = Region(name, SYSTEM, rec["byte_size"], key=rec["key"], offset=rec["offset"])
-    for path in (f"/proc/{rec['pid']}/fd/{rec['fd']}", os.path.join(SHM_DIR, rec["key"])):
+    for path in (f"/proc/{rec['pid']}/fd/{rec['fd']}", os.path.join(SHM_DIR, check_shm_key(rec["key"]))):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
