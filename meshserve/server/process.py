@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -89,7 +90,8 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     endpoints = Endpoints(host, gport, hport)
     print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else "")
           + (f" metrics={mport}" if metrics_runner is not None else ""), flush=True)
-    log.info("%s serving: gRPC %s:%d%s", name, host, gport, f", HTTP {host}:{hport}" if hport else "")
+    who = name if worker is None else f"{name} worker {worker.index} (pid {os.getpid()})"  # in the log lines
+    log.info("%s serving: gRPC %s:%d%s", who, host, gport, f", HTTP {host}:{hport}" if hport else "")
     if worker is not None and private is not None:
         worker.metrics.announce(private[1])
     if on_ready is not None:
@@ -111,7 +113,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("%s draining", name)
+    log.info("%s draining", who)
     health.set("", NOT_SERVING)
     stops: list[Awaitable[Any]] = [grpc_server.stop(grace_s)]
     if worker is not None and private is not None:
@@ -126,7 +128,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     if runner is not None:
         await runner.cleanup()
     shm.registry.close()  # unmap the clients' shared-memory regions (never unlinked: they are theirs)
-    log.info("%s stopped", name)
+    log.info("%s stopped", who)
 
 
 async def _join_siblings(worker: Worker, limits: ServerLimits) -> tuple[Any, int]:
@@ -149,8 +151,6 @@ async def _join_siblings(worker: Worker, limits: ServerLimits) -> tuple[Any, int
 
 def run(main: Coroutine[Any, Any, None]) -> None:
     """Run the process's main coroutine on uvloop (MESHSERVE_LOOP=asyncio for the stdlib loop)."""
-    import os
-
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if os.environ.get("MESHSERVE_LOOP", "uvloop") == "uvloop":
         try:

@@ -288,6 +288,7 @@ class Supervisor:
         self.grace_s = grace_s
         self.workers = [_Process(i) for i in range(count)]
         self.stopping = asyncio.Event()
+        self.serving = False  # every worker was ready once: from then on an exit means a restart
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -300,6 +301,7 @@ class Supervisor:
         try:
             if not await self._all_ready():
                 return 1
+            self.serving = True
             from meshserve.server.process import READY_MARKER
 
             print(f"{READY_MARKER} {self.name} "
@@ -340,12 +342,12 @@ class Supervisor:
         the start takes longer than start_timeout_s."""
         deadline = time.monotonic() + self.start_timeout_s
         while not all(w.ready.is_set() for w in self.workers):
-            failed = [w for w in self.workers if w.proc is not None and w.proc.returncode is not None
-                      and not w.ready.is_set()]
+            failed = [w for w in self.workers if w.proc is not None and w.proc.returncode is not None]
             why = None
             if failed:
                 w = failed[0]
-                why = f"worker {w.index} exited with code {w.proc.returncode if w.proc else '?'} before it was ready"
+                why = (f"worker {w.index} exited with code {w.proc.returncode if w.proc else '?'} before every "
+                       "worker was ready")
             elif time.monotonic() > deadline:
                 why = f"the workers did not become ready within {self.start_timeout_s:.0f}s"
             elif self.stopping.is_set():
@@ -362,8 +364,8 @@ class Supervisor:
         while True:
             assert w.proc is not None
             code = await w.proc.wait()
-            if self.stopping.is_set() or not all(x.ready.is_set() or x is w for x in self.workers):
-                return
+            if self.stopping.is_set() or not self.serving:
+                return  # draining, or a worker failed to start (_all_ready stops them all)
             if time.monotonic() - w.started > STEADY_S:
                 w.delay = RESTART_BACKOFF_S[0]
             log.warning("%s: worker %d (pid %d) exited with code %d; restarting it in %.1fs",

@@ -56,9 +56,8 @@ def served(gw: Proc, model: str = "add_sub") -> dict[str, float]:
     return out
 
 
-def workers(gw: Proc) -> list[int]:
-    """The supervisor's worker processes."""
-    pid = gw.proc.pid
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (a supervisor's: its workers)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return sorted(int(p) for p in f.read().split())
 
@@ -98,7 +97,7 @@ def until_both_served(gw: Proc, send: Callable[[int], None]) -> dict[str, float]
 def test_one_ready_line_and_two_workers(stack: tuple[Proc, Proc]) -> None:
     _, gw = stack
     assert sum(line.startswith("MESHSERVE_READY") for line in gw.output) == 1, gw.log()
-    assert len(workers(gw)) == 2
+    assert len(children(gw.proc.pid)) == 2
 
 
 @pytest.mark.parametrize("proto", ["http", "grpc"])
@@ -203,7 +202,7 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(stack: tuple[Proc, Pro
     with httpclient.InferenceServerClient(gw.http) as c:
         c.register_system_shared_memory("kept", key, 4 * F32)
     try:
-        old = workers(gw)
+        old = children(gw.proc.pid)
         os.kill(old[0], signal.SIGKILL)
         # once it is dead (its listening sockets closed; a connection queued on them in between is
         # reset, as with any SO_REUSEPORT server), the other worker takes every new connection
@@ -211,14 +210,14 @@ def test_a_killed_worker_is_restarted_and_serving_goes_on(stack: tuple[Proc, Pro
         for i in range(4):
             infer(gateway_url(gw, ("http", "grpc")[i % 2]), ("http", "grpc")[i % 2])
 
-        def replaced() -> list[int] | None:
-            now = workers(gw)
-            return now if len(now) == 2 and old[0] not in now else None
+        def replaced() -> list[int]:
+            now = children(gw.proc.pid)
+            return now if len(now) == 2 and old[0] not in now else []
 
         new = eventually(replaced, what="a new worker in place of the killed one")
         assert old[1] in new
         eventually(lambda: any("exited with code -9; restarting" in line for line in gw.output), timeout=5)
-        eventually(lambda: sum("gateway serving:" in line for line in gw.output) == 3, timeout=60,
+        eventually(lambda: sum("gateway worker" in line and " serving: " in line for line in gw.output) == 3, timeout=60,
                    what="the new worker serving")
         # serving from both again, the new worker with the region registered before it started
         until_both_served(gw, lambda i: infer_in_region(gw, ("http", "grpc")[i % 2], handle, "kept"))
@@ -231,7 +230,7 @@ def test_sigterm_drains_every_worker() -> None:
     """Requests in flight on both workers finish; the supervisor and its workers exit 0."""
     with service_and_gateway("", ["--delay-ms", "800"], ["--workers", "2"],
                              module="tests.integration.slow_service", timeout=60) as (_, gw):
-        pids = workers(gw)
+        pids = children(gw.proc.pid)
         results: list[Any] = []
 
         def one() -> None:
@@ -257,7 +256,7 @@ def test_sigterm_drains_every_worker() -> None:
         assert gw.proc.wait(30) == 0, gw.log()
         assert len(results) == 8 and all(isinstance(r, np.ndarray) for r in results), results
         assert not any(alive(pid) for pid in pids)
-        assert sum("gateway stopped" in line for line in gw.output) == 2, gw.log()
+        assert sum("gateway worker" in line and line.rstrip().endswith(") stopped") for line in gw.output) == 2, gw.log()
 
 
 def run_gateway(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -277,7 +276,7 @@ def test_memory_quotas_with_several_workers_are_refused(tmp_path: Path) -> None:
 def test_workers_that_cannot_start_fail_the_supervisor(tmp_path: Path) -> None:
     done = run_gateway("--workers", "2", "--upstream", "127.0.0.1:1", "--routes", str(tmp_path / "missing.yaml"))
     assert done.returncode == 1, done.stderr
-    assert "exited with code" in done.stderr and "before it was ready" in done.stderr, done.stderr
+    assert "exited with code" in done.stderr and "before every worker was ready" in done.stderr, done.stderr
     assert "MESHSERVE_READY" not in done.stdout
 
 
@@ -293,3 +292,41 @@ def test_ports_of_zero_are_chosen_once() -> None:
             assert len(listening.strip().splitlines()) == 2, listening
     finally:
         assert gw.stop() == 0
+
+
+def test_meshserve_up_passes_gateway_workers_and_stops_them_all(model_repo: Path) -> None:
+    """`meshserve up --gateway-workers 2`: the gateway runs two workers; the services' Triton
+    families are on its /metrics once (not once per worker); Ctrl-C stops every process."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(model_repo),
+                             "--http-port", "0", "--grpc-port", "0", "--gateway-workers", "2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        banner = "".join(lines)
+        http = next(w for w in banner.split() if w.startswith("http://") and w.endswith("/v2"))
+        hostport = http.removeprefix("http://").removesuffix("/v2").replace("localhost", "127.0.0.1")
+        up_children = children(proc.pid)
+        gateway_workers = next(w for w in map(children, up_children) if len(w) == 2)  # the supervisor's
+        infer(hostport, "http")
+
+        def federated_once() -> bool:
+            samples = scrape(hostport)
+            success = [dict(lab) for (name, lab), v in samples.items()
+                       if name == "nv_inference_request_success" and dict(lab).get("model") == "add_sub" and v >= 1]
+            assert len(success) == 1 and "worker" not in success[0], success  # one replica, read once
+            return {dict(lab).get("worker") for (name, lab), _ in samples.items()
+                    if name == "meshserve_gateway_merged_sends_total"} == {"0", "1"}
+
+        eventually(federated_once, timeout=30, interval=0.2, what="the services' families once, both workers")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert not any(alive(p) for p in [*up_children, *gateway_workers])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
