@@ -88,12 +88,12 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
         metrics_runner, mport = await start_metrics_server(core, host, metrics_port, limits)
     health.set("", SERVING)
     endpoints = Endpoints(host, gport, hport)
+    if worker is not None and private is not None:
+        worker.metrics.announce(private[1])  # before the ready line: a scrape then finds every worker
     print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else "")
           + (f" metrics={mport}" if metrics_runner is not None else ""), flush=True)
     who = name if worker is None else f"{name} worker {worker.index} (pid {os.getpid()})"  # in the log lines
     log.info("%s serving: gRPC %s:%d%s", who, host, gport, f", HTTP {host}:{hport}" if hport else "")
-    if worker is not None and private is not None:
-        worker.metrics.announce(private[1])
     if on_ready is not None:
         await on_ready(endpoints)
     # The garbage collector, tuned for a server (load/results/2026-11-26-refactor/NOTES.md):
