@@ -511,13 +511,18 @@ class GatewayCore:
 
     async def metrics_text(self) -> tuple[bytes, str]:
         federated = await self._federated() if self.federate_metrics else []  # first: it sets federated_up
+        samples, families = self.own_metrics()
+        return metrics.render(samples, families, federated), metrics.CONTENT_TYPE
+
+    def own_metrics(self) -> tuple[list[metrics.Sample], dict[str, metrics.Family]]:
+        """This process's samples, and the families they and the services' belong to."""
         samples = self._metric_samples()
         families = GATEWAY_FAMILIES
         if self.ensembles is not None or self.federate_metrics:  # Triton's families: ensembles, services
             families = {**GATEWAY_FAMILIES, **metrics.MODEL_FAMILIES}
             if self.ensembles is not None:
                 samples += self.ensembles.metric_samples()
-        return metrics.render(samples, families, federated), metrics.CONTENT_TYPE
+        return samples, families
 
     def _metric_samples(self) -> list[metrics.Sample]:
         samples: list[metrics.Sample] = []

@@ -10,9 +10,13 @@ from gateway.quotas.memory import MemoryQuotaStore
 from gateway.quotas.redis import RedisQuotaStore
 from gateway.routes import ABRouter
 from gateway.upstream.pool import ReplicaPool
+from gateway.workers import WorkerGatewayCore, supervise
+from gateway.workers import add_arguments as add_worker_arguments
+from gateway.workers import check as check_workers
 from meshserve.server import limits as server_limits
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
+from meshserve.server.workers import Worker
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -60,12 +64,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    add_worker_arguments(ap)
     add_server_name_argument(ap)
     server_limits.add_arguments(ap)
 
 
 def main(args: argparse.Namespace) -> None:
     setup_logging(args.log_level, args.log_format)
+    check_workers(args)
+    if args.workers > 1:  # a supervisor: its workers are this command with --workers 1
+        if not args.upstream and not args.discovery:
+            raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")
+        raise SystemExit(supervise(args))
+    worker = Worker(args.worker_state, args.worker_index) if args.worker_state else None
     limits = server_limits.from_args(args)
     configure_tracing("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
     if not args.upstream and not args.discovery:
@@ -87,13 +98,17 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"meshserve gateway: --repository: {exc}") from None
 
     async def amain() -> None:
-        core = GatewayCore(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
-                           pool=pool, routes=routes, ensembles=ensembles,
-                           max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
-                           federate_metrics=args.federate_metrics, server_name=args.server_name)
+        kind = GatewayCore if worker is None else WorkerGatewayCore
+        core = kind(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
+                    pool=pool, routes=routes, ensembles=ensembles,
+                    max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
+                    federate_metrics=args.federate_metrics, server_name=args.server_name)
+        if isinstance(core, WorkerGatewayCore) and worker is not None:
+            core.worker = worker
+            worker.metrics.local = core.local_metrics_text
         await core.start()
         await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                    metrics_port=args.metrics_port, limits=limits)
+                    metrics_port=args.metrics_port, limits=limits, worker=worker)
 
     run(amain())
 

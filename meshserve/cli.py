@@ -7,7 +7,6 @@ its runtime). tests/unit/test_import_rules.py lists exactly which of their modul
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import os
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.limits import HTTP_SERVERS, default_http_server
 from meshserve.server.process import parse_ready_line
+from meshserve.server.workers import DEFAULT_WORKERS, die_with_parent
 
 SERVICE_KINDS = ("onnx", "torchscript", "tensorrt", "sequence", "python")
 PLANNED_KINDS = ("ensemble",)
@@ -104,20 +104,11 @@ def _cmd_check_repo(args: argparse.Namespace) -> None:
 
 # ---- meshserve up ---------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Child processes get SIGTERM if `meshserve up` dies, so nothing is orphaned."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Child:
     def __init__(self, name: str, argv: list[str]):
         self.name = name
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)  # none is orphaned if `up` dies
         self.ports: dict[str, int] = {}
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -219,7 +210,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
                                     "--grpc-port", str(gateway_grpc), "--log-level", args.log_level,
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
-                                    "--http-server", args.http_server,
+                                    "--http-server", args.http_server, "--workers", str(args.gateway_workers),
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
@@ -258,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=8001)
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each process")
     up.add_argument("--log-level", default="WARNING")
+    up.add_argument("--gateway-workers", type=int, default=DEFAULT_WORKERS, metavar="N",
+                    help="gateway processes sharing its ports (`meshserve gateway --workers`)")
     up.add_argument("--http-server", choices=HTTP_SERVERS, default=default_http_server(),
                     help="the HTTP/1.1 server of the gateway and the services (docs/security.md)")
     add_server_name_argument(up)
@@ -307,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         _run_load_command(argv[0], argv[1:])
         return
     args = build_parser().parse_args(argv)
+    args.raw_argv = argv  # `meshserve gateway --workers N` starts its workers with these
     args.func(args)
 
 

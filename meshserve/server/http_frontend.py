@@ -29,7 +29,7 @@ from meshserve.repository.names import check_version
 from meshserve.server import body_worker, http1, observe, shm
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
-from meshserve.server.limits import ServerLimits
+from meshserve.server.limits import LISTEN, ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
@@ -547,7 +547,7 @@ async def start_http_server(core: V2Core, host: str, port: int,
 async def _start(server: web.Server, host: str, port: int) -> tuple[web.BaseRunner, int]:
     runner = web.ServerRunner(server, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=LISTEN.reuse_port, backlog=1024)
     await site.start()
     sockets = getattr(site._server, "sockets", None) or []
     bound = sockets[0].getsockname()[1] if sockets else port

@@ -69,6 +69,19 @@ class ServerLimits:
     http_server: str = field(default_factory=default_http_server)
 
 
+
+@dataclass(slots=True)
+class Listening:
+    """How this process's listening sockets bind (one object, LISTEN, read at bind time)."""
+
+    # a gateway worker (meshserve/server/workers.py) joins its supervisor's ports: SO_REUSEPORT,
+    # the kernel spreads the connections over the workers
+    reuse_port: bool = False
+
+
+LISTEN = Listening()
+
+
 _HELP = {
     "max_request_bytes": "largest gRPC message / HTTP body (decompressed) a client may send",
     "max_inflight": "inference requests in progress at once in this process; more get 429 / "

@@ -36,6 +36,7 @@ from meshserve.server.core import (
     V2Core,
     single_answer,
 )
+from meshserve.server.workers import LOG, TRACE, SettingsShare
 from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
@@ -261,6 +262,8 @@ async def trace_setting(core: V2Core, model: str, changes: Mapping[str, Sequence
     if model:
         await core.model_metadata(model, "")  # an unknown model is NOT_FOUND, as for any other route
     try:
+        if shared_settings is not None:  # a gateway worker: the settings are its siblings' too
+            return shared_settings.run(TRACE, lambda: tracing.trace_setting(model, changes), bool(changes))
         return tracing.trace_setting(model, changes)
     except trace_settings.SettingError as exc:
         raise InferError.invalid(f"trace setting{f' of model {model!r}' if model else ''}: {exc}") from None
@@ -272,9 +275,16 @@ def log_setting(changes: Mapping[str, Any] | None) -> dict[str, Any]:
     if settings is None:
         raise InferError.unavailable("log settings: this process's logging was not set up by meshserve")
     try:
+        if shared_settings is not None:  # a gateway worker: the settings are its siblings' too
+            return shared_settings.run(LOG, lambda: settings.update(changes) if changes else settings.current(),
+                                       bool(changes))
         return settings.update(changes) if changes else settings.current()
     except log_settings.SettingError as exc:
         raise InferError.invalid(str(exc)) from None
+
+
+# a gateway worker's (meshserve/server/workers.py): trace and log updates through any worker apply to all
+shared_settings: SettingsShare | None = None
 
 
 def _fixed_attributes(request: pb.ModelInferRequest, ctx: RequestContext) -> tracing.Attrs:

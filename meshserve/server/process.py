@@ -8,19 +8,21 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshserve.server import admission, shm
+from meshserve.server import admission, observe, shm, workers
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.h2.client import Channel, GrpcError
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
 from meshserve.server.http_frontend import start_http_server, start_metrics_server
-from meshserve.server.limits import ServerLimits
+from meshserve.server.limits import LISTEN, ServerLimits
+from meshserve.server.workers import Worker
 from meshserve.telemetry import tracing
 from meshserve.telemetry.otlp_loop import Transport
 
@@ -64,10 +66,17 @@ class Endpoints:
 async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, http_port: int | None,
                 metrics_port: int | None = None, grace_s: float = 10.0,
                 on_ready: Callable[[Endpoints], Awaitable[None]] | None = None,
-                limits: ServerLimits | None = None) -> None:
+                limits: ServerLimits | None = None, worker: Worker | None = None) -> None:
+    """``worker``: this process is one of a gateway's workers (meshserve/server/workers.py): it
+    shares the ports, the shared-memory registrations and the trace and log settings with its
+    siblings and serves its own metrics to them on a private loopback port."""
     limits = limits if limits is not None else ServerLimits()
     admission.configure(limits)
-    shm.configure(limits)
+    shm.configure(limits, worker.state if worker is not None else None)
+    private = None
+    if worker is not None:
+        private = await _join_siblings(worker, limits)  # before LISTEN.reuse_port: that port is its own
+        LISTEN.reuse_port = True
     health = HealthState()
     grpc_server, gport = await start_grpc_server(core, host, grpc_port, health, limits=limits)
     runner = None
@@ -79,9 +88,12 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
         metrics_runner, mport = await start_metrics_server(core, host, metrics_port, limits)
     health.set("", SERVING)
     endpoints = Endpoints(host, gport, hport)
+    if worker is not None and private is not None:
+        worker.metrics.announce(private[1])  # before the ready line: a scrape then finds every worker
     print(f"{READY_MARKER} {name} grpc={gport}" + (f" http={hport}" if hport is not None else "")
           + (f" metrics={mport}" if metrics_runner is not None else ""), flush=True)
-    log.info("%s serving: gRPC %s:%d%s", name, host, gport, f", HTTP {host}:{hport}" if hport else "")
+    who = name if worker is None else f"{name} worker {worker.index} (pid {os.getpid()})"  # in the log lines
+    log.info("%s serving: gRPC %s:%d%s", who, host, gport, f", HTTP {host}:{hport}" if hport else "")
     if on_ready is not None:
         await on_ready(endpoints)
     # The garbage collector, tuned for a server (load/results/2026-11-26-refactor/NOTES.md):
@@ -101,9 +113,12 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("%s draining", name)
+    log.info("%s draining", who)
     health.set("", NOT_SERVING)
     stops: list[Awaitable[Any]] = [grpc_server.stop(grace_s)]
+    if worker is not None and private is not None:
+        worker.metrics.withdraw()
+        stops.append(private[0].cleanup())
     if runner is not None:
         stops.append(runner.shutdown())
     if metrics_runner is not None:
@@ -113,13 +128,29 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     if runner is not None:
         await runner.cleanup()
     shm.registry.close()  # unmap the clients' shared-memory regions (never unlinked: they are theirs)
-    log.info("%s stopped", name)
+    log.info("%s stopped", who)
+
+
+async def _join_siblings(worker: Worker, limits: ServerLimits) -> tuple[Any, int]:
+    """Trace and log settings shared with the sibling workers (pulled now, and again on every
+    SIGUSR1 from the supervisor), and the private endpoint the siblings read this worker's own
+    metrics on (loopback, a port of its own, the directory's token required)."""
+    from meshserve.telemetry import log_settings
+
+    kinds: dict[int, tuple[Callable[[], Any], Callable[[Any], object]]] = {
+        workers.TRACE: (tracing.trace_settings_state, tracing.restore_trace_settings)}
+    logs = log_settings.active
+    if logs is not None:
+        kinds[workers.LOG] = (logs.current, logs.update)
+    share = workers.SettingsShare(worker.state, kinds)
+    share.pull()
+    observe.shared_settings = share
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, share.pull)
+    return await start_metrics_server(worker.metrics, "127.0.0.1", 0, limits)  # type: ignore[arg-type]
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:
     """Run the process's main coroutine on uvloop (MESHSERVE_LOOP=asyncio for the stdlib loop)."""
-    import os
-
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if os.environ.get("MESHSERVE_LOOP", "uvloop") == "uvloop":
         try:

@@ -30,10 +30,13 @@ CPU-only build does.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import logging
 import os
 import stat
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +49,7 @@ from meshserve.server import observe
 from meshserve.server.access import Op
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.limits import ServerLimits, flag
+from meshserve.server.workers import SHM, SharedState
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.shm")
@@ -80,6 +84,8 @@ class Region:
     device_id: int = 0
     fd: int = -1  # the key's object, open read-write while the region is registered (system)
     _cuda: _CudaMemory | None = field(default=None, repr=False)
+    handle: bytes = b""  # the CUDA IPC handle (kept by a gateway worker's SharedRegistry)
+    unavailable: str = ""  # a gateway worker could not open a sibling's registration: why
 
     # System regions are read and written with pread/pwrite on the open object, not through an
     # mmap: a client may shrink its object after registering it, and touching an mmap past the
@@ -90,6 +96,8 @@ class Region:
     def read(self, offset: int, size: int) -> bytes:
         if self._cuda is not None:
             return self._cuda.read(offset, size)
+        if self.fd < 0:
+            raise self._unopened()
         data = os.pread(self.fd, size, self.offset + offset)
         if len(data) != size:
             raise self._truncated()
@@ -99,6 +107,8 @@ class Region:
         if self._cuda is not None:
             self._cuda.write(offset, data)
             return
+        if self.fd < 0:
+            raise self._unopened()
         start = self.offset + offset
         if os.fstat(self.fd).st_size < start + len(data):
             raise self._truncated()
@@ -109,6 +119,9 @@ class Region:
     def _truncated(self) -> InferError:
         return InferError.invalid(f"shared memory region '{self.name}': key '{self.key}' now holds fewer than the "
                                   f"{self.offset + self.byte_size} bytes it had when registered (truncated)")
+
+    def _unopened(self) -> InferError:
+        return InferError.invalid(f"shared memory region '{self.name}': {self.unavailable or 'closed'}")
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -329,6 +342,151 @@ class SharedMemoryRegistry:
                 params[OFFSET].int64_param = target.offset
 
 
+class SharedRegistry(SharedMemoryRegistry):
+    """The registry of a gateway worker (``meshserve gateway --workers N``): the same regions in
+    every worker, as in one process, since a client's next call may land on any of them.
+
+    Each registration is a record in the workers' directory (``shm/<id>.json``: tenant, name,
+    kind, key, offset, size, device, the registering worker's pid and fd and the object's
+    inode); a register or unregister changes the records under the directory's lock and bumps
+    the SHM generation. Before any use a worker compares that generation (one 8-byte read of
+    the shared mmap) with the one its copy was made at, and if it moved, opens the records it
+    lacks and closes those that are gone. A sibling's system region is opened through the
+    registering worker's own fd (``/proc/PID/fd/FD``, the very object even if the client has
+    unlinked the key since) or else by its key, and used only if it is the same object (inode);
+    otherwise requests naming it get a clear error. Only requests that name regions, and the
+    shared-memory calls, pay the check: every other request never reaches the registry."""
+
+    def __init__(self, limits: ServerLimits | None, state: SharedState):
+        super().__init__(limits)
+        self.state = state
+        self.records = state.path("shm")
+        os.makedirs(self.records, exist_ok=True)
+        self._seen = -1
+        self._ids: dict[tuple[str, str], str] = {}  # (tenant, name) -> record id
+
+    def _sync(self) -> None:
+        if self.state.generation(SHM) != self._seen:
+            with self.state.locked(exclusive=False):
+                self._load()
+
+    def _load(self) -> None:
+        """Make this worker's regions the records' (call it holding the lock)."""
+        self._seen = self.state.generation(SHM)
+        records: dict[str, dict[str, Any]] = {}
+        for fn in os.listdir(self.records):
+            if fn.endswith(".json"):
+                with contextlib.suppress(OSError, ValueError):
+                    with open(os.path.join(self.records, fn), "rb") as f:
+                        records[fn.removesuffix(".json")] = json.loads(f.read())
+        for key, rid in list(self._ids.items()):
+            if rid not in records:
+                del self._ids[key]
+                region = self._regions.pop(key, None)
+                if region is not None:
+                    self.registered_bytes -= region.byte_size
+                    with contextlib.suppress(Exception):
+                        region.close()
+        mine = set(self._ids.values())
+        for rid, rec in records.items():
+            if rid not in mine:
+                key = (rec["tenant"], rec["name"])
+                region = _open_record(rec)
+                self._regions[key] = region
+                self._ids[key] = rid
+                self.registered_bytes += region.byte_size
+
+    def _publish(self) -> None:
+        """Write the records of regions registered here, remove those unregistered (holding the lock)."""
+        for key, region in self._regions.items():
+            if key not in self._ids:
+                rid = uuid.uuid4().hex
+                st = os.fstat(region.fd) if region.fd >= 0 else None
+                record = {"tenant": key[0], "name": region.name, "kind": region.kind, "key": region.key,
+                          "offset": region.offset, "byte_size": region.byte_size, "device_id": region.device_id,
+                          "handle": region.handle.hex(), "pid": os.getpid(), "fd": region.fd,
+                          "ino": [st.st_dev, st.st_ino] if st is not None else None}
+                tmp = os.path.join(self.records, f".{rid}.tmp")
+                with open(tmp, "w") as f:
+                    json.dump(record, f)
+                os.replace(tmp, os.path.join(self.records, f"{rid}.json"))
+                self._ids[key] = rid
+        for key, rid in list(self._ids.items()):
+            if key not in self._regions:
+                del self._ids[key]
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.records, f"{rid}.json"))
+        self._seen = self.state.bump(SHM)
+
+    def register_system(self, tenant: str, name: str, key: str, offset: int, byte_size: int) -> Region:
+        with self.state.locked():
+            self._load()
+            region = super().register_system(tenant, name, key, offset, byte_size)
+            self._publish()
+        return region
+
+    def register_cuda(self, tenant: str, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> Region:
+        with self.state.locked():
+            self._load()
+            region = super().register_cuda(tenant, name, raw_handle, device_id, byte_size)
+            region.handle = bytes(raw_handle)
+            self._publish()
+        return region
+
+    def unregister(self, tenant: str, name: str, kind: str) -> None:
+        with self.state.locked():
+            self._load()
+            super().unregister(tenant, name, kind)
+            self._publish()
+
+    def status(self, tenant: str, name: str, kind: str) -> list[Region]:
+        self._sync()
+        return super().status(tenant, name, kind)
+
+    def prepare(self, tenant: str, request: pb.ModelInferRequest) -> list[_OutputTarget]:
+        self._sync()
+        return super().prepare(tenant, request)
+
+    def deliver(self, tenant: str, targets: list[_OutputTarget], response: pb.ModelInferResponse) -> None:
+        self._sync()
+        super().deliver(tenant, targets, response)
+
+    def close(self) -> None:
+        """Close this worker's view at exit; the registrations stay the siblings'."""
+        for region in self._regions.values():
+            with contextlib.suppress(Exception):
+                region.close()
+        self._regions.clear()
+        self._ids.clear()
+        self.registered_bytes = 0
+
+
+def _open_record(rec: dict[str, Any]) -> Region:
+    """This worker's handle on a sibling's registration (``unavailable`` says why not)."""
+    name = rec["name"]
+    if rec["kind"] == CUDA:
+        region = Region(name, CUDA, rec["byte_size"], device_id=rec["device_id"], handle=bytes.fromhex(rec["handle"]))
+        try:
+            region._cuda = _CudaMemory.open(name, region.handle, region.device_id, region.byte_size)
+        except InferError as exc:
+            region.unavailable = f"not usable in this gateway worker: {exc.message}"
+        return region
+    region = Region(name, SYSTEM, rec["byte_size"], key=rec["key"], offset=rec["offset"])
+    for path in (f"/proc/{rec['pid']}/fd/{rec['fd']}", os.path.join(SHM_DIR, check_shm_key(rec["key"]))):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if rec["ino"] == [st.st_dev, st.st_ino]:
+            region.fd = fd
+            return region
+        os.close(fd)
+    region.unavailable = (f"key '{rec['key']}' no longer holds the object registered (it was removed or replaced, "
+                          "and the gateway worker that registered it is gone)")
+    return region
+
+
 @dataclass(frozen=True, slots=True)
 class _OutputTarget:
     output: str
@@ -377,11 +535,12 @@ def _tensor_params(params: Any, where: str) -> tuple[str, int, int]:
 registry = SharedMemoryRegistry()
 
 
-def configure(limits: ServerLimits) -> SharedMemoryRegistry:
-    """A fresh registry with ``limits`` for this process (meshserve.server.process.serve)."""
+def configure(limits: ServerLimits, shared: SharedState | None = None) -> SharedMemoryRegistry:
+    """A fresh registry with ``limits`` for this process (meshserve.server.process.serve); a
+    gateway worker's (``shared``: its supervisor's directory) is its siblings' too."""
     global registry
     registry.close()
-    registry = SharedMemoryRegistry(limits)
+    registry = SharedMemoryRegistry(limits) if shared is None else SharedRegistry(limits, shared)
     return registry
 
 

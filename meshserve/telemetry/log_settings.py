@@ -12,7 +12,8 @@ Triton's settings and what each means here:
 
 The starting values come from ``--log-level`` and ``--log-format``. Only a process that set up
 its logging with ``meshserve.server.process.setup_logging`` has settings to change; the settings
-are per process (the gateway's are not pushed to the services).
+are per process (the gateway's are not pushed to the services; a gateway's workers share theirs:
+meshserve/server/workers.py).
 """
 from __future__ import annotations
 

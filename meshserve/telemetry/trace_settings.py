@@ -24,6 +24,7 @@ samples exactly as ``OTEL_TRACES_SAMPLER`` says, and a request pays one attribut
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
 FULL = 1 << 64  # a root is sampled when the low 64 bits of its trace id are below its bound
@@ -92,6 +93,16 @@ class TraceSettings:
         return True
 
     # ---- updates --------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The global values and the models' overrides, as JSON."""
+        return {"globals": self.globals, "models": self.models}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take the values ``state`` wrote (another gateway worker's settings)."""
+        self.globals = {key: list(state["globals"][key]) for key in KEYS}
+        self.models = {m: {k: list(v) for k, v in own.items()} for m, own in state["models"].items()}
+        self._refresh()
+
     def update(self, model: str, changes: Mapping[str, Sequence[str] | None]) -> None:
         """Apply ``changes`` (all or nothing); None (or an empty list) clears a model's key."""
         checked: dict[str, list[str] | None] = {}

@@ -226,16 +226,34 @@ def trace_setting(model: str = "", changes: Mapping[str, Sequence[str] | None] |
                   ) -> dict[str, list[str]]:
     """Triton's trace extension: this process's settings for ``model`` ("" for the global ones)
     after applying ``changes`` (none: a read); raises trace_settings.SettingError."""
+    settings = _settings()
+    if changes:
+        settings.update(model, changes)
+        trace_settings.active = settings  # from now on root sampling follows the settings
+    return settings.effective(model)
+
+
+def _settings() -> trace_settings.TraceSettings:
+    """The settings in force, or those the OTEL_* sampler amounts to before the first update."""
     settings = trace_settings.active
     if settings is None:
         sampler = state.sampler
         ratio = None if sampler is None or sampler.root == "on" else \
             0.0 if sampler.root == "off" else float(sampler.root)
         settings = trace_settings.TraceSettings(enabled, ratio)
-    if changes:
-        settings.update(model, changes)
-        trace_settings.active = settings  # from now on root sampling follows the settings
-    return settings.effective(model)
+    return settings
+
+
+def trace_settings_state() -> dict[str, Any]:
+    """This process's trace settings as JSON (a gateway worker shares them with its siblings)."""
+    return _settings().state()
+
+
+def restore_trace_settings(value: dict[str, Any]) -> None:
+    """Put settings that ``trace_settings_state`` wrote (another worker's) in force here."""
+    settings = _settings()
+    settings.restore(value)
+    trace_settings.active = settings
 
 
 # ---- context propagation ---------------------------------------------------------------

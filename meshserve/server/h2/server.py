@@ -65,7 +65,7 @@ from meshserve.server.h2.frames import (
     parse_timeout,
     percent_encode,
 )
-from meshserve.server.limits import ServerLimits
+from meshserve.server.limits import LISTEN, ServerLimits
 
 log = logging.getLogger("meshserve.grpc.h2")
 
@@ -1030,13 +1030,13 @@ class H2GrpcServer:
         """Listen on host:port (0 = a free port, the same on every address of host)."""
         loop = asyncio.get_running_loop()
         srv = await loop.create_server(lambda: ServerConnection(self), host or None, port, reuse_address=True,
-                                       backlog=1024)
+                                       reuse_port=LISTEN.reuse_port, backlog=1024)
         ports = {s.getsockname()[1] for s in srv.sockets}
         if port == 0 and len(ports) > 1:
             srv.close()
             chosen = srv.sockets[0].getsockname()[1]
             srv = await loop.create_server(lambda: ServerConnection(self), host or None, chosen, reuse_address=True,
-                                           backlog=1024)
+                                           reuse_port=LISTEN.reuse_port, backlog=1024)
             ports = {chosen}
         self._servers.append(srv)
         return ports.pop()

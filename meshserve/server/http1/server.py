@@ -34,7 +34,7 @@ from aiohttp import web
 
 from meshserve.server import body_worker
 from meshserve.server.http1.request import Request, payload_error, render
-from meshserve.server.limits import ServerLimits
+from meshserve.server.limits import LISTEN, ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
@@ -429,7 +429,7 @@ class Http1Server:
 
     async def start(self, host: str, port: int) -> int:
         self._server = await self.loop.create_server(lambda: Connection(self), host, port,
-                                                     reuse_address=True, backlog=1024)
+                                                     reuse_address=True, reuse_port=LISTEN.reuse_port, backlog=1024)
         if self.tick:
             self._sweeper = self.loop.call_later(self.tick, self._sweep)
         return int(self._server.sockets[0].getsockname()[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server import shm
 from meshserve.server.limits import ServerLimits
+from meshserve.server.workers import SharedState
 
 
 @pytest.fixture
@@ -278,3 +280,82 @@ def test_cuda_regions_over_a_fake_runtime(monkeypatch: pytest.MonkeyPatch) -> No
     assert device.raw[40:44] == b"WXYZ" and rt.copies == [2, 1]
     reg.unregister("", "", shm.CUDA)
     assert rt.closed == [ctypes.addressof(device)] and len(reg) == 0
+
+
+@pytest.fixture
+def siblings(tmp_path: Path) -> Iterator[Callable[[ServerLimits | None], shm.SharedRegistry]]:
+    """worker(limits): the registry of one more gateway worker on the same supervisor directory."""
+    SharedState.create(str(tmp_path))
+    made: list[shm.SharedRegistry] = []
+
+    def worker(limits: ServerLimits | None = None) -> shm.SharedRegistry:
+        made.append(shm.SharedRegistry(limits, SharedState(str(tmp_path), len(made))))
+        return made[-1]
+
+    yield worker
+    for reg in made:
+        reg.close()
+        reg.state.close()
+
+
+def test_workers_share_one_registry(obj: Callable[[str, bytes], str],
+                                    siblings: Callable[[ServerLimits | None], shm.SharedRegistry]) -> None:
+    """Registered through one worker: listed, read, written and unregistered through another,
+    and counted against the limits of all."""
+    a, b = siblings(ServerLimits(max_shm_regions=2)), siblings(ServerLimits(max_shm_regions=2))
+    key = obj("w", bytes(range(64)))
+    a.register_system("t", "r", key, 0, 64)
+    assert [(r.name, r.key, r.byte_size) for r in b.status("t", "", shm.SYSTEM)] == [("r", key, 64)]
+    assert b.status("", "", shm.SYSTEM) == []  # still per tenant
+    fails(lambda: b.register_system("t", "r", key, 0, 8), Code.ALREADY_EXISTS, "already in manager")
+    b.register_system("t", "r2", key, 8, 8)
+    fails(lambda: a.register_system("t", "r3", key, 0, 8), Code.RESOURCE_EXHAUSTED, "2 regions are registered")
+    req = request_with({"A": ("r", 4, 10)}, {"O": ("r", 2, 60)})
+    targets = b.prepare("t", req)
+    assert req.raw_input_contents[0] == bytes(range(10, 14))
+    resp = pb.ModelInferResponse()
+    resp.outputs.add(name="O", datatype="UINT8", shape=[2])
+    resp.raw_output_contents.append(b"XY")
+    b.deliver("t", targets, resp)
+    with open(f"{shm.SHM_DIR}/{key.lstrip('/')}", "rb") as f:
+        assert f.read()[60:62] == b"XY"
+    b.unregister("t", "r", shm.SYSTEM)
+    assert [r.name for r in a.status("t", "", shm.SYSTEM)] == ["r2"]
+    fails(lambda: a.prepare("t", request_with({"A": ("r", 4, 0)}, {})), Code.INVALID_ARG, "Unable to find")
+    a.unregister("t", "", shm.SYSTEM)
+    assert b.status("t", "", shm.SYSTEM) == [] and len(b) == 0 and b.registered_bytes == 0
+
+
+def test_a_sibling_region_whose_key_is_gone(obj: Callable[[str, bytes], str],
+                                            siblings: Callable[[ServerLimits | None], shm.SharedRegistry]) -> None:
+    """A worker opens a sibling's region through that worker's descriptor (the very object, even
+    after the client removed the key); with that worker gone too, a clear client error."""
+    a, b = siblings(None), siblings(None)
+    key = obj("gone", b"abcdefgh")
+    a.register_system("", "r", key, 0, 8)
+    os.unlink(f"{shm.SHM_DIR}/{key.lstrip('/')}")
+    req = request_with({"A": ("r", 3, 0)}, {})
+    b.prepare("", req)
+    assert req.raw_input_contents[0] == b"abc"
+    a.close()  # the registering worker exits: its descriptor is gone
+    c = siblings(None)
+    fails(lambda: c.prepare("", request_with({"A": ("r", 3, 0)}, {})), Code.INVALID_ARG,
+          "shared memory region 'r'", "no longer holds the object registered")
+    assert [r.name for r in c.status("", "", shm.SYSTEM)] == ["r"]  # still registered: unregister works
+    c.unregister("", "r", shm.SYSTEM)
+    assert b.status("", "", shm.SYSTEM) == []
+
+
+def test_cuda_regions_shared_by_workers_over_a_fake_runtime(
+        monkeypatch: pytest.MonkeyPatch, siblings: Callable[[ServerLimits | None], shm.SharedRegistry]) -> None:
+    device = ctypes.create_string_buffer(bytes(range(64)))
+    rt = FakeCudaRuntime(device)
+    monkeypatch.setattr(shm, "_cuda_runtime", lambda: rt)
+    a, b = siblings(None), siblings(None)
+    a.register_cuda("", "g", b"\7" * 64, 0, 64)
+    req = request_with({"A": ("g", 4, 16)}, {})
+    b.prepare("", req)
+    assert req.raw_input_contents[0] == bytes(range(16, 20))
+    assert rt.opened == [b"\7" * 64] * 2  # each worker opened the handle itself
+    b.unregister("", "g", shm.CUDA)
+    assert a.status("", "", shm.CUDA) == [] and len(rt.closed) == 2
