@@ -86,6 +86,10 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     metrics_runner = None
     if metrics_port is not None:
         metrics_runner, mport = await start_metrics_server(core, host, metrics_port, limits)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the ready line: a SIGTERM right after it drains
+        loop.add_signal_handler(sig, stop.set)
     health.set("", SERVING)
     endpoints = Endpoints(host, gport, hport)
     if worker is not None and private is not None:
@@ -107,11 +111,6 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s draining", who)
     health.set("", NOT_SERVING)
