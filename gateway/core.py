@@ -70,6 +70,14 @@ GATEWAY_FAMILIES = {
                                    "(coalescing, --coalesce-inflight)"),
     "merged_requests": metrics.Family("meshserve_gateway_merged_requests_total", "counter",
                                       "Client requests sent inside merged requests"),
+    "coalesce_queued": metrics.Family("meshserve_gateway_coalesce_queued_total", "counter",
+                                      "Client requests that joined a coalescing group's queue (the model was busy) "
+                                      "instead of going out at once"),
+    "coalesce_held": metrics.Family("meshserve_gateway_coalesce_held_total", "counter",
+                                    "Queued client requests the in-flight bound held past their event-loop pass "
+                                    "(--coalesce-inflight full batches were in flight)"),
+    "coalesce_wait": metrics.Family("meshserve_gateway_coalesce_wait_us_total", "counter",
+                                    "Microseconds queued client requests spent in the coalescer, summed"),
 }
 
 
@@ -309,8 +317,7 @@ class GatewayCore:
                 response = await self.upstream.send(request, ctx.raw, timeout, affinity)
             else:
                 key, rows, shape = plan
-                response = await coalescer.submit(key, request, ctx.raw, rows, shape.max_batch_size, timeout,
-                                                  shape.instances)
+                response = await coalescer.submit(key, request, ctx.raw, rows, shape, timeout)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
@@ -534,6 +541,9 @@ class GatewayCore:
             samples.append(("upstream_duration", labels, r.streams.latency))
         samples.append(("merged_sends", {}, self.coalescer.merged_sends))
         samples.append(("merged_requests", {}, self.coalescer.merged_requests))
+        samples.append(("coalesce_queued", {}, self.coalescer.queued))
+        samples.append(("coalesce_held", {}, self.coalescer.held))
+        samples.append(("coalesce_wait", {}, self.coalescer.wait_ns // 1000))
         for endpoint, up in sorted(self._federated_up.items()):
             samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:

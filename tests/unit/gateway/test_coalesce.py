@@ -2,13 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from gateway.upstream.coalesce import MERGED_PARAMETER, Coalescer, ModelShape, merge, merge_key, split
+from gateway.upstream.coalesce import (
+    MERGED_PARAMETER,
+    Coalescer,
+    ModelShape,
+    Unmergeable,
+    merge,
+    merge_key,
+    split,
+)
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import wire
@@ -20,6 +29,7 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUTPUT1
 dynamic_batching { }
 """, mc.ModelConfig())
 SHAPE = ModelShape.of(CONFIG)
+SHAPE2 = dataclasses.replace(SHAPE, instances=2)  # two model instances
 
 
 def request(a: np.ndarray, b: np.ndarray, rid: str = "", order: tuple[str, str] = ("INPUT0", "INPUT1")
@@ -63,17 +73,88 @@ def test_merge_then_split_is_exact() -> None:
 @pytest.mark.parametrize("mutate", [
     lambda r: r.inputs[1].__setattr__("datatype", "INT32"),         # wrong dtype
     lambda r: r.inputs[1].shape.__setitem__(1, 8),                  # wrong shape
-    lambda r: r.raw_input_contents.__setitem__(1, b"\0" * 10),      # wrong byte size
     lambda r: r.inputs[1].__setattr__("name", "BOGUS"),             # unknown input
     lambda r: r.parameters["priority"].__setattr__("uint64_param", 1),  # semantics-changing parameter
     lambda r: r.outputs.add(name="NOPE"),                           # unknown output
     lambda r: r.outputs.add(name="OUTPUT0").parameters["classification"].__setattr__("int64_param", 2),
+    lambda r: r.outputs.add(name="OUTPUT0").parameters["shared_memory_region"].__setattr__("string_param", "x"),
+    lambda r: r.inputs[0].parameters["shared_memory_region"].__setattr__("string_param", "x"),
+    lambda r: r.inputs[1].__setattr__("name", "INPUT0"),            # an input named twice
+    lambda r: r.inputs[1].contents.fp32_contents.append(1.0),      # typed contents (refused by the service)
+    lambda r: r.inputs[1].shape.__setitem__(0, 2),                  # batch sizes differ between inputs
 ])
 def test_anything_unusual_is_never_merged(mutate) -> None:
     r = request(np.zeros((1, 16)), np.zeros((1, 16)))
     assert merge_key(r, SHAPE) is not None
     mutate(r)
     assert merge_key(r, SHAPE) is None
+
+
+def test_http_rendering_parameters_do_not_stop_a_merge() -> None:
+    """Every HTTP client asks for its outputs as binary or JSON (`binary_data`,
+    `binary_data_output`): the gateway renders each answer from the client's own request, so
+    they do not change what the service computes, and such requests merge with gRPC ones."""
+    plain = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    http = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    http.parameters["binary_data_output"].bool_param = True
+    for name, binary in (("OUTPUT1", True), ("OUTPUT0", False)):
+        http.outputs.add(name=name).parameters["binary_data"].bool_param = binary
+    named = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    named.outputs.add(name="OUTPUT0")
+    named.outputs.add(name="OUTPUT1")
+    assert merge_key(http, SHAPE) == merge_key(named, SHAPE) == ((
+        "add_sub", "", (("INPUT0", (16,)), ("INPUT1", (16,))), ("OUTPUT0", "OUTPUT1")), 1)
+    assert merge_key(plain, SHAPE)[0] != merge_key(named, SHAPE)[0]  # all outputs vs the named ones
+
+
+def test_variable_dims_are_part_of_the_key() -> None:
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    config.input[0].dims[0] = -1
+    config.input[1].dims[0] = -1
+    shape = ModelShape.of(config)
+    k16, k8 = merge_key(request(np.zeros((2, 16)), np.zeros((2, 16))), shape), \
+        merge_key(request(np.zeros((1, 8)), np.zeros((1, 8))), shape)
+    assert k16 == (("add_sub", "", (("INPUT0", (16,)), ("INPUT1", (16,))), ()), 2)
+    assert k8 is not None and k8[0] != k16[0]
+    assert merge_key(request(np.zeros((1, 8)), np.zeros((1, 16))), shape)[0] not in (k8[0], k16[0])
+
+
+async def test_a_member_with_the_wrong_byte_size_travels_alone() -> None:
+    """merge_key does not read the tensors' bytes; the merge does, and a member whose bytes do
+    not match its shape is sent alone (its own error from the service), the rest merged."""
+    sent: list[int] = []
+    gate = asyncio.Event()
+    c = Coalescer(upstream(counting_send(sent, gate)), 1)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(5)]
+    reqs[2].raw_input_contents[1] = b"\0" * 10
+
+    async def one(r: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        key, rows = merge_key(r, SHAPE)  # the wrong size is not seen here
+        return await c.submit(key, r, None, rows, SHAPE, None)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+    for _ in range(100):
+        if len(sent) == 3:
+            break
+        await asyncio.sleep(0)
+    assert sorted(sent) == [1, 1, 3]  # r0 at once; then r2 alone and r1, r3, r4 merged
+    gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[2], ValueError)  # the stand-in service's error for r2's bytes, r2's alone
+    for i in (0, 1, 3, 4):
+        np.testing.assert_array_equal(np.frombuffer(results[i].raw_output_contents[0], np.float32),
+                                      np.full(16, i + 1.0))
+
+
+def test_merge_checks_byte_sizes_and_input_counts() -> None:
+    reqs = [request(np.zeros((1, 16)), np.zeros((1, 16))) for _ in range(4)]
+    reqs[1].raw_input_contents[0] = b"\0" * 60
+    del reqs[3].raw_input_contents[1]
+    with pytest.raises(Unmergeable) as err:
+        merge(reqs, [1, 1, 1, 1], SHAPE)
+    assert err.value.members == [1, 3]
+    assert merge([reqs[0], reqs[2]], [1, 1], SHAPE).inputs[0].shape == [2, 16]
 
 
 def test_batch_over_max_and_unbatchable_models() -> None:
@@ -95,7 +176,7 @@ def upstream(send):
 
 async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse:
     key, rows = merge_key(r, SHAPE)
-    return await c.submit(key, r, None, rows, 8, None)
+    return await c.submit(key, r, None, rows, SHAPE, None)
 
 
 def counting_send(sent: list[int], gate: asyncio.Event, waited: list[int | None] | None = None):
@@ -187,7 +268,7 @@ async def test_the_bound_counts_instances() -> None:
     c = Coalescer(upstream(counting_send(sent, gate)), 1)
     reqs = [request(np.zeros((8, 16)), np.zeros((8, 16)), f"f{i}") for i in range(3)]
     key, rows = merge_key(reqs[0], SHAPE)
-    tasks = [asyncio.ensure_future(c.submit(key, r, None, rows, 8, None, instances=2)) for r in reqs]
+    tasks = [asyncio.ensure_future(c.submit(key, r, None, rows, SHAPE2, None)) for r in reqs]
     await asyncio.sleep(0.01)
     assert sent == [1, 1]
     gate.set()
@@ -236,12 +317,12 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
 
     c = Coalescer(upstream(send), 1)
     reqs = [request(np.zeros((1, 16)), np.zeros((1, 16)), f"r{i}") for i in range(3)]
-    results = await asyncio.gather(*(c.submit(merge_key(r, SHAPE)[0], r, None, 1, 8, None) for r in reqs),
+    results = await asyncio.gather(*(c.submit(merge_key(r, SHAPE)[0], r, None, 1, SHAPE, None) for r in reqs),
                                    return_exceptions=True)
     assert not isinstance(results[0], Exception)
     assert all(isinstance(r, RuntimeError) for r in results[1:])
     # the coalescer keeps serving afterwards
-    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, 8, None)).id == "r0"
+    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, SHAPE, None)).id == "r0"
 
 
 @pytest.mark.parametrize("extra", [
