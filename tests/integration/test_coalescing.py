@@ -106,6 +106,12 @@ def _merged(gw) -> float:
     return _get(_scrape(gw.http), "meshserve_gateway_merged_requests_total")
 
 
+def _counters(gw) -> dict[str, float]:
+    text = _scrape(gw.http)
+    return {k: _get(text, f"meshserve_gateway_{k}_total")
+            for k in ("merged_requests", "merged_sends", "coalesce_queued", "coalesce_held", "coalesce_wait_us")}
+
+
 def _check(results: list[object]) -> None:
     for i, res in enumerate(results):
         assert not isinstance(res, BaseException), res
@@ -118,6 +124,7 @@ def _check(results: list[object]) -> None:
 @pytest.mark.parametrize("mix", ["http-binary", "http-json", "http-and-grpc"])
 def test_http_requests_merge_and_each_gets_its_own_rows(gateway, mix: str) -> None:
     before = _merged(gateway)
+    counters = _counters(gateway)
     for _attempt in range(10):  # until a burst met a busy model in the gateway (timing on a shared machine)
         calls: list[Call] = []
         for i in range(BURST):
@@ -130,6 +137,10 @@ def test_http_requests_merge_and_each_gets_its_own_rows(gateway, mix: str) -> No
         if _merged(gateway) > before:
             break
     assert _merged(gateway) > before, "no HTTP request of 10 bursts of 16 was merged"
+    d = {k: v - counters[k] for k, v in _counters(gateway).items()}
+    # every merged request queued in its group first, and queueing takes time
+    assert d["coalesce_queued"] >= d["merged_requests"] >= 2 * d["merged_sends"] > 0
+    assert d["coalesce_wait_us"] > 0
 
 
 def test_a_malformed_member_of_a_burst_fails_alone(gateway) -> None:
