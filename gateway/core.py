@@ -312,19 +312,19 @@ class GatewayCore:
                 raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by infer_stream)
             coalescer = self.coalescer
             if self.coalesce_inflight and coalescer.idle(name):  # nothing to merge with: no merge check
-                response = await coalescer.send_alone(request, ctx.raw, timeout, affinity)
+                result = InferResult(message=await coalescer.send_alone(request, ctx.raw, timeout, affinity))
             elif (plan := self._merge_plan(request, config)) is None:  # a sampled request may be merged too
-                response = await self.upstream.send(request, ctx.raw, timeout, affinity)
+                result = InferResult(message=await self.upstream.send(request, ctx.raw, timeout, affinity))
             else:
                 key, rows, shape = plan
-                response = await coalescer.submit(key, request, ctx.raw, rows, shape, timeout)
+                result = await coalescer.submit(key, request, ctx.raw, rows, shape, timeout)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
                 raise unary_decoupled_error(ctx.protocol) from None
             raise
         self.request_counts[(name, "OK")] += 1
-        return InferResult(message=response)
+        return result
 
     def _merge_plan(self, request: pb.ModelInferRequest, config: mc.ModelConfig | None
                     ) -> tuple[tuple, int, ModelShape] | None:

@@ -38,6 +38,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError
+from meshserve.server.core import InferResult
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
@@ -209,31 +210,51 @@ class Unmergeable(Exception):
         self.members = members
 
 
-def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int]
-          ) -> list[pb.ModelInferResponse]:
-    """Cut a merged response back into one response per original request."""
+def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int]) -> list[bytes]:
+    """Cut a merged response back into one response per original request, each serialized (a
+    ModelInferResponse's bytes, written here field by field: building a message per member and
+    serializing it again cost more than the rest of the split). The rows of an output are
+    sliced without a copy until the member's bytes are joined."""
     total = sum(rows)
     raws = response.raw_output_contents
-    if len(raws) != len(response.outputs):
+    outputs = response.outputs
+    if len(raws) != len(outputs):
         raise InferError.internal(f"model '{response.model_name}': merged response lacks raw output contents")
     per_row = []
-    for o, raw in zip(response.outputs, raws, strict=True):
-        if not o.shape or o.shape[0] != total or len(raw) % total:
+    specs = []  # (name and datatype fields, inner dims) per output
+    views = []
+    for o, raw in zip(outputs, raws, strict=True):
+        shape = o.shape
+        if not shape or shape[0] != total or len(raw) % total:
             raise InferError.internal(
-                f"model '{response.model_name}': output '{o.name}' of shape {list(o.shape)} cannot be split "
+                f"model '{response.model_name}': output '{o.name}' of shape {list(shape)} cannot be split "
                 f"into {len(requests)} requests of {rows} rows")
         per_row.append(len(raw) // total)
+        specs.append((_field(b"\x0a", o.name.encode()) + _field(b"\x12", o.datatype.encode()), shape[1:]))
+        views.append(memoryview(raw))
+    head = _field(b"\x0a", response.model_name.encode()) + _field(b"\x12", response.model_version.encode())
+    heads: dict[int, bytes] = {}  # the output tensors' fields (without data) by member rows
     out = []
     start = 0
     for req, n in zip(requests, rows, strict=True):
-        resp = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version,
-                                     id=req.id)
-        for o, raw, size in zip(response.outputs, raws, per_row, strict=True):
-            resp.outputs.add(name=o.name, datatype=o.datatype, shape=[n, *o.shape[1:]])
-            resp.raw_output_contents.append(raw[start * size:(start + n) * size])
-        out.append(resp)
+        tensors = heads.get(n)
+        if tensors is None:
+            tensors = heads[n] = b"".join(
+                _field(b"\x2a", names + _field(b"\x1a", b"".join(wire.varint(d) for d in (n, *inner))))
+                for names, inner in specs)
+        rid = req.id
+        parts: list[bytes | memoryview] = [head, _field(b"\x1a", rid.encode()) if rid else b"", tensors]
+        for view, size in zip(views, per_row, strict=True):
+            parts.append(b"\x32" + wire.varint(n * size))  # raw_output_contents = 6
+            parts.append(view[start * size:(start + n) * size])
+        out.append(b"".join(parts))
         start += n
     return out
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited protobuf field; nothing for an empty one (as protobuf writes proto3)."""
+    return tag + wire.varint(len(payload)) + payload if payload else b""
 
 
 # A member's share of a merged message: its own message's size (the bytes the client sent, or
@@ -250,7 +271,7 @@ class _Pending:
     request: pb.ModelInferRequest
     raw: bytes | None  # its bytes as the client sent them (forwarded as they are if it travels alone)
     rows: int
-    future: asyncio.Future[pb.ModelInferResponse]
+    future: asyncio.Future[InferResult]
     timeout: float | None  # seconds
     enqueued_ns: int  # monotonic
     span: Span | None  # the request's sampled span
@@ -321,7 +342,7 @@ class Coalescer:
             del self._busy[model]
 
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                     shape: ModelShape, timeout: float | None) -> pb.ModelInferResponse:
+                     shape: ModelShape, timeout: float | None) -> InferResult:
         """Send ``request`` (merge_key gave ``key`` and ``rows`` for the model's ``shape``), alone
         or merged with the requests of its key pending in this event-loop pass."""
         name = request.model_name
@@ -332,7 +353,7 @@ class Coalescer:
             self._done(name)
 
     async def _submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                      shape: ModelShape, timeout: float | None) -> pb.ModelInferResponse:
+                      shape: ModelShape, timeout: float | None) -> InferResult:
         group = self._groups.get(key)
         if group is None:
             max_batch = shape.max_batch_size
@@ -341,11 +362,11 @@ class Coalescer:
             # nothing of this group in flight or waiting: send it now, alone
             group.inflight_rows += rows
             try:
-                return await self._upstream.send(request, raw, timeout)
+                return InferResult(message=await self._upstream.send(request, raw, timeout))
             finally:
                 group.inflight_rows -= rows
                 self._settle(key, group)
-        fut: asyncio.Future[pb.ModelInferResponse] = self._running_loop().create_future()
+        fut: asyncio.Future[InferResult] = self._running_loop().create_future()
         self.queued += 1
         group.pending.append(_Pending(request, raw, rows, fut, timeout, time.monotonic_ns(),
                                       tracing.current_var.get() if tracing.enabled else None,
@@ -426,7 +447,7 @@ class Coalescer:
                     single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
                 if (span := chunk[0].span) is not None:
                     tracing.activate(span)  # this task's own context: sent as the member's request
-                responses = [await self._upstream.send(single, raw, timeout)]
+                responses = [InferResult(message=await self._upstream.send(single, raw, timeout))]
             else:
                 try:
                     merged = merge(requests, rows, group.shape)
@@ -447,7 +468,7 @@ class Coalescer:
                     response = await self._upstream.send_merged(merged, timeout, members)
                 else:
                     response = await self._upstream.send(merged, None, timeout)
-                responses = split(response, requests, rows)
+                responses = [InferResult(raw=r) for r in split(response, requests, rows)]
         except BaseException as exc:  # every member gets the outcome
             for c in chunk:
                 if not c.future.done():

@@ -63,11 +63,34 @@ def test_merge_then_split_is_exact() -> None:
     assert merged.parameters[MERGED_PARAMETER].int64_param == 3
     assert [list(t.shape) for t in merged.inputs] == [[6, 16], [6, 16]]
     outs = split(fake_service(merged), reqs, rows)
-    for req, out in zip(reqs, outs, strict=True):
+    for req, raw in zip(reqs, outs, strict=True):
         want = fake_service(req)
-        assert out.id == req.id
+        assert raw == want.SerializeToString()  # byte for byte what the service would answer it alone
+        out = pb.ModelInferResponse.FromString(raw)
+        assert out.id == req.id and out.model_version == "1"
         assert [list(o.shape) for o in out.outputs] == [list(o.shape) for o in want.outputs]
         assert list(out.raw_output_contents) == list(want.raw_output_contents)
+
+
+def test_split_of_large_and_unnamed_members() -> None:
+    """Multi-byte lengths and dims, an empty id, one output requested."""
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    config.max_batch_size = 300
+    for t in (*config.input, *config.output):
+        t.dims[0] = 200
+    rows = [130, 1, 169]
+    reqs = [request(np.full((n, 200), i), np.ones((n, 200)), "" if i == 1 else f"m{i}") for i, n in enumerate(rows)]
+    merged = merge(reqs, rows, ModelShape.of(config))
+    answer = fake_service(merged)
+    del answer.outputs[0]
+    del answer.raw_output_contents[0]
+    for req, n, raw in zip(reqs, rows, split(answer, reqs, rows), strict=True):
+        want = fake_service(req)
+        del want.outputs[0]
+        del want.raw_output_contents[0]
+        assert raw == want.SerializeToString()
+        assert pb.ModelInferResponse.FromString(raw).outputs[0].shape == [n, 200]
 
 
 @pytest.mark.parametrize("mutate", [
@@ -131,7 +154,7 @@ async def test_a_member_with_the_wrong_byte_size_travels_alone() -> None:
 
     async def one(r: pb.ModelInferRequest) -> pb.ModelInferResponse:
         key, rows = merge_key(r, SHAPE)  # the wrong size is not seen here
-        return await c.submit(key, r, None, rows, SHAPE, None)
+        return (await c.submit(key, r, None, rows, SHAPE, None)).message()
 
     tasks = [asyncio.ensure_future(one(r)) for r in reqs]
     for _ in range(100):
@@ -176,7 +199,7 @@ def upstream(send):
 
 async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse:
     key, rows = merge_key(r, SHAPE)
-    return await c.submit(key, r, None, rows, SHAPE, None)
+    return (await c.submit(key, r, None, rows, SHAPE, None)).message()
 
 
 def counting_send(sent: list[int], gate: asyncio.Event, waited: list[int | None] | None = None):
@@ -322,7 +345,7 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
     assert not isinstance(results[0], Exception)
     assert all(isinstance(r, RuntimeError) for r in results[1:])
     # the coalescer keeps serving afterwards
-    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, SHAPE, None)).id == "r0"
+    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, SHAPE, None)).message().id == "r0"
 
 
 @pytest.mark.parametrize("extra", [
