@@ -30,6 +30,7 @@ import asyncio
 import contextvars
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -408,7 +409,7 @@ class Coalescer:
             group.inflight_rows += total
             # a context of its own: the task must not inherit the trace context of whichever
             # member's request happened to drain the queue
-            self._running_loop().create_task(self._send_chunk(key, group, chunk, total),
+            self._running_loop().create_task(self._send_chunk(key, group, chunk, total, self._start(group, chunk)),
                                              context=contextvars.Context())
         if not group.pending:
             self._settle(key, group)
@@ -418,17 +419,29 @@ class Coalescer:
                     item.held = True
                     self.held += 1
 
-    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], total: int) -> None:
+    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], total: int,
+                          started: _Started | None = None) -> None:
         try:
-            await self._deliver(group, chunk)
+            await self._deliver(group, chunk, started)
         finally:
             group.inflight_rows -= total
             self._settle(key, group)
 
-    async def _deliver(self, group: _Group, chunk: list[_Pending]) -> None:
-        """Send ``chunk`` (alone or merged) and give every member its outcome."""
-        requests = [c.request for c in chunk]
-        rows = [c.rows for c in chunk]
+    def _start(self, group: _Group, chunk: list[_Pending]) -> _Started | None:
+        """Build the chunk's request and write it now, from the flush (a task would write it a
+        loop pass later, and the service's forming batch would miss it more often). None when
+        the task must do it: a traced member (its spans), or members that cannot merge."""
+        if tracing.enabled and any(c.span is not None for c in chunk):
+            return None
+        try:
+            out = self._outgoing(group, chunk)
+        except Unmergeable:
+            return None
+        return out, self._upstream.start(out[0], out[1], out[2])
+
+    def _outgoing(self, group: _Group, chunk: list[_Pending]) -> _Outgoing:
+        """(the request to send for ``chunk``, its bytes, its timeout): the member's own request
+        alone, or their merge (Unmergeable: see merge)."""
         timeouts = [c.timeout for c in chunk if c.timeout is not None]
         timeout = min(timeouts) if timeouts else None
         # A member the bound held queued here: the service's max_queue_delay counts from its
@@ -438,36 +451,54 @@ class Coalescer:
         # clients' wave, passed on one by one, arrives).
         held = [c.enqueued_ns for c in chunk if c.held]
         waited_us = (time.monotonic_ns() - min(held)) // 1000 if held else None
+        if len(chunk) == 1:
+            single, raw = chunk[0].request, chunk[0].raw
+            if waited_us is not None and raw is not None:
+                raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
+            elif waited_us is not None:
+                single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+            return single, raw if raw is not None else single.SerializeToString(), timeout
+        merged = merge([c.request for c in chunk], [c.rows for c in chunk], group.shape)
+        self.merged_sends += 1
+        self.merged_requests += len(chunk)
+        if waited_us is not None:
+            merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+        return merged, merged.SerializeToString(), timeout
+
+    async def _deliver(self, group: _Group, chunk: list[_Pending], started: _Started | None = None) -> None:
+        """Send ``chunk`` (alone or merged; ``started``: already built, and written if its
+        answer is there) and give every member its outcome."""
+        requests = [c.request for c in chunk]
+        rows = [c.rows for c in chunk]
         try:
-            if len(chunk) == 1:
-                single, raw = requests[0], chunk[0].raw
-                if waited_us is not None and raw is not None:
-                    raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
-                elif waited_us is not None:
-                    single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                if (span := chunk[0].span) is not None:
-                    tracing.activate(span)  # this task's own context: sent as the member's request
-                responses = [InferResult(message=await self._upstream.send(single, raw, timeout))]
+            if started is not None and started[1] is not None:
+                response = await started[1]
             else:
-                try:
-                    merged = merge(requests, rows, group.shape)
-                except Unmergeable as exc:  # malformed members go alone, for their own errors
-                    bad = set(exc.members)
-                    parts = [[c] for i, c in enumerate(chunk) if i in bad]
-                    rest = [c for i, c in enumerate(chunk) if i not in bad]
-                    if rest:
-                        parts.append(rest)
-                    await asyncio.gather(*(self._deliver(group, part) for part in parts))
-                    return
-                self.merged_sends += 1
-                self.merged_requests += len(chunk)
-                if waited_us is not None:
-                    merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                members = [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]
-                if members:
-                    response = await self._upstream.send_merged(merged, timeout, members)
+                if started is not None:
+                    out = started[0]
                 else:
-                    response = await self._upstream.send(merged, None, timeout)
+                    try:
+                        out = self._outgoing(group, chunk)
+                    except Unmergeable as exc:  # malformed members go alone, for their own errors
+                        bad = set(exc.members)
+                        parts = [[c] for i, c in enumerate(chunk) if i in bad]
+                        rest = [c for i, c in enumerate(chunk) if i not in bad]
+                        if rest:
+                            parts.append(rest)
+                        await asyncio.gather(*(self._deliver(group, part) for part in parts))
+                        return
+                message, body, timeout = out
+                if len(chunk) == 1:
+                    if (span := chunk[0].span) is not None:
+                        tracing.activate(span)  # this task's own context: sent as the member's request
+                    response = await self._upstream.send(message, body, timeout)
+                elif members := [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]:
+                    response = await self._upstream.send_merged(message, timeout, members)
+                else:
+                    response = await self._upstream.send(message, body, timeout)
+            if len(chunk) == 1:
+                responses = [InferResult(message=response)]
+            else:
                 responses = [InferResult(raw=r) for r in split(response, requests, rows)]
         except BaseException as exc:  # every member gets the outcome
             for c in chunk:
@@ -477,3 +508,7 @@ class Coalescer:
         for c, resp in zip(chunk, responses, strict=True):
             if not c.future.done():
                 c.future.set_result(resp)
+
+
+_Outgoing = tuple[pb.ModelInferRequest, bytes, float | None]  # Coalescer._outgoing
+_Started = tuple[_Outgoing, "Awaitable[pb.ModelInferResponse] | None"]  # Coalescer._start: built, and written?

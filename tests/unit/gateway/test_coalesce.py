@@ -194,7 +194,8 @@ def test_batch_over_max_and_unbatchable_models() -> None:
 
 def upstream(send):
     """A stand-in for upstream.Upstream: one healthy replica; ``send`` the test's own."""
-    return SimpleNamespace(send=send, replicas=[SimpleNamespace(healthy=True)])
+    return SimpleNamespace(send=send, start=lambda request, body, timeout: None,  # (the flush cannot write at once)
+                           replicas=[SimpleNamespace(healthy=True)])
 
 
 async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse:
@@ -239,13 +240,46 @@ async def test_requests_pending_in_one_pass_travel_as_one_and_nothing_waits() ->
     assert not c._groups  # an idle model leaves nothing behind
 
 
+async def test_the_flush_writes_the_merge_in_its_own_loop_pass() -> None:
+    """The requests of a pass leave at its end, written by the flush itself (Upstream.start), not
+    by a task a loop pass later; a request that cannot be written at once (start: None) is sent
+    by the task as before."""
+    sent: list[int] = []
+    written: list[int] = []
+    gate = asyncio.Event()
+
+    async def answer(req: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        await gate.wait()
+        return fake_service(req)
+
+    def start(req: pb.ModelInferRequest, body: bytes, timeout: float | None):
+        req = pb.ModelInferRequest.FromString(body)
+        if MERGED_PARAMETER not in req.parameters:
+            return None  # a lone request: the task sends it
+        written.append(req.parameters[MERGED_PARAMETER].int64_param)
+        return answer(req)
+
+    c = Coalescer(SimpleNamespace(send=counting_send(sent, gate), start=start,
+                                  replicas=[SimpleNamespace(healthy=True)]), 2)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(13)]
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    await asyncio.sleep(0)  # the requests' first steps: r0 goes at once, the others wait for the flush
+    assert sent == [1] and written == []
+    await asyncio.sleep(0)  # the flush ran before this step: the merges are written, nothing is answered
+    assert written == [8, 4] and sent == [1]
+    gate.set()
+    outs = await asyncio.gather(*tasks)
+    assert [o.id for o in outs] == [f"r{i}" for i in range(13)]
+    np.testing.assert_array_equal(np.frombuffer(outs[12].raw_output_contents[1], np.float32), np.full(16, 11.0))
+
+
 async def test_an_idle_model_sends_alone_and_is_busy_meanwhile() -> None:
     """``send_alone`` (the gateway's path for a model with nothing here, no merge check) marks the
     model busy while it is out, so requests arriving meanwhile take the merging path."""
     sent: list[int] = []
     gate = asyncio.Event()
     c = Coalescer(SimpleNamespace(send=lambda req, raw, timeout, affinity=None: counting_send(sent, gate)(
-        req, raw, timeout), replicas=[SimpleNamespace(healthy=True)]), 1)
+        req, raw, timeout), start=lambda request, body, timeout: None, replicas=[SimpleNamespace(healthy=True)]), 1)
     assert c.idle("add_sub")
     first = asyncio.ensure_future(c.send_alone(request(np.zeros((1, 16)), np.zeros((1, 16)), "a"), None, None))
     await asyncio.sleep(0)
