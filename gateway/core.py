@@ -70,6 +70,14 @@ GATEWAY_FAMILIES = {
                                    "(coalescing, --coalesce-inflight)"),
     "merged_requests": metrics.Family("meshserve_gateway_merged_requests_total", "counter",
                                       "Client requests sent inside merged requests"),
+    "coalesce_queued": metrics.Family("meshserve_gateway_coalesce_queued_total", "counter",
+                                      "Client requests that joined a coalescing group's queue (the model was busy) "
+                                      "instead of going out at once"),
+    "coalesce_held": metrics.Family("meshserve_gateway_coalesce_held_total", "counter",
+                                    "Queued client requests the in-flight bound held past their event-loop pass "
+                                    "(--coalesce-inflight full batches were in flight)"),
+    "coalesce_wait": metrics.Family("meshserve_gateway_coalesce_wait_us_total", "counter",
+                                    "Microseconds queued client requests spent in the coalescer, summed"),
 }
 
 
@@ -95,7 +103,7 @@ class GatewayCore:
         self.turns = SequenceTurns()
         # Names that passed the names rule (a set lookup instead of its regex on every request)
         self._valid_names: set[str] = set()
-        self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None]] = {}
+        self._shapes: dict[int, tuple[mc.ModelConfig, ModelShape | None, bool]] = {}  # _facts
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
@@ -300,40 +308,33 @@ class GatewayCore:
         timeout = ctx.time_remaining()
         try:
             config = self.discovery.config_for(name, request.model_version)
-            if config is not None and config.model_transaction_policy.decoupled:
+            facts = None if config is None else self._facts(config)
+            if facts is not None and facts[2]:
                 raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by infer_stream)
             coalescer = self.coalescer
             if self.coalesce_inflight and coalescer.idle(name):  # nothing to merge with: no merge check
-                response = await coalescer.send_alone(request, ctx.raw, timeout, affinity)
-            elif (plan := self._merge_plan(request, config)) is None:  # a sampled request may be merged too
-                response = await self.upstream.send(request, ctx.raw, timeout, affinity)
+                result = InferResult(message=await coalescer.send_alone(request, ctx.raw, timeout, affinity))
+            elif not self.coalesce_inflight or facts is None or (shape := facts[1]) is None or \
+                    (found := merge_key(request, shape)) is None:  # a sampled request may be merged too
+                result = InferResult(message=await self.upstream.send(request, ctx.raw, timeout, affinity))
             else:
-                key, rows, shape = plan
-                response = await coalescer.submit(key, request, ctx.raw, rows, shape.max_batch_size, timeout,
-                                                  shape.instances)
+                result = await coalescer.submit(found[0], request, ctx.raw, found[1], shape, timeout)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
                 raise unary_decoupled_error(ctx.protocol) from None
             raise
         self.request_counts[(name, "OK")] += 1
-        return InferResult(message=response)
+        return result
 
-    def _merge_plan(self, request: pb.ModelInferRequest, config: mc.ModelConfig | None
-                    ) -> tuple[tuple, int, ModelShape] | None:
-        if not self.coalesce_inflight:
-            return None
-        if config is None:
-            return None
-        shape = self._shapes.get(id(config))
-        if shape is None or shape[0] is not config:
-            shape = self._shapes[id(config)] = (config, ModelShape.of(config))
-        if shape[1] is None:
-            return None
-        found = merge_key(request, shape[1])
-        if found is None:
-            return None
-        return found[0], found[1], shape[1]
+    def _facts(self, config: mc.ModelConfig) -> tuple[mc.ModelConfig, ModelShape | None, bool]:
+        """(config, what the merge check needs or None when its requests never merge, decoupled),
+        worked out once per config (held by its id while discovery holds the config)."""
+        facts = self._shapes.get(id(config))
+        if facts is None or facts[0] is not config:
+            facts = self._shapes[id(config)] = (config, ModelShape.of(config),
+                                                config.model_transaction_policy.decoupled)
+        return facts
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         """Merged from the services' replicas; an ensemble's from the gateway, which runs it
@@ -539,6 +540,9 @@ class GatewayCore:
             samples.append(("upstream_duration", labels, r.streams.latency))
         samples.append(("merged_sends", {}, self.coalescer.merged_sends))
         samples.append(("merged_requests", {}, self.coalescer.merged_requests))
+        samples.append(("coalesce_queued", {}, self.coalescer.queued))
+        samples.append(("coalesce_held", {}, self.coalescer.held))
+        samples.append(("coalesce_wait", {}, self.coalescer.wait_ns // 1000))
         for endpoint, up in sorted(self._federated_up.items()):
             samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:

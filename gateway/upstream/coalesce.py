@@ -30,6 +30,7 @@ import asyncio
 import contextvars
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
 from meshserve.protocol.errors import InferError
+from meshserve.server.core import InferResult
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
@@ -46,8 +48,11 @@ if TYPE_CHECKING:
     from gateway.upstream.upstream import Upstream
 
 MERGED_PARAMETER = wire.MERGED_PARAMETER
-# Request parameters that do not change how a request is scheduled or computed.
-_NEUTRAL_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
+# Request parameters that do not change how a request is scheduled or computed. The binary_data
+# ones only say how the gateway's HTTP front end renders the answer (from the client's own
+# request, after the split): every HTTP client sends them, so they must not stop a merge.
+_NEUTRAL_PARAMETERS = frozenset({"triton_enable_empty_final_response", "binary_data_output"})
+_NEUTRAL_OUTPUT_PARAMETERS = frozenset({"binary_data"})
 
 Key = tuple  # (model, version, inner shapes, requested outputs)
 
@@ -92,16 +97,24 @@ class ModelShape:
 
 
 def merge_key(request: pb.ModelInferRequest, shape: ModelShape) -> tuple[Key, int] | None:
-    """(group key, rows) if the request is valid and safe to merge, else None."""
-    if len(request.inputs) != len(shape.inputs) or len(request.raw_input_contents) != len(request.inputs):
+    """(group key, rows) if the request is well formed and safe to merge, else None.
+
+    It runs for every request of a busy model, so it reads each protobuf field once (a upb
+    field read costs about as much as serializing the whole request): the tensors' byte sizes
+    are checked by ``merge``, which reads the bytes anyway (``unmergeable``)."""
+    inputs = request.inputs
+    if len(inputs) != len(shape.inputs):
         return None
-    for k in request.parameters:
-        if k not in _NEUTRAL_PARAMETERS:
-            return None
+    params = request.parameters
+    if params and not _NEUTRAL_PARAMETERS.issuperset(params):
+        return None
     batch = -1
     inner_shapes = []
-    for t, raw in zip(request.inputs, request.raw_input_contents, strict=True):
-        spec = shape.inputs.get(t.name)
+    specs = shape.inputs
+    max_batch = shape.max_batch_size
+    for t in inputs:
+        name = t.name
+        spec = specs.get(name)
         if spec is None or t.datatype != spec[0] or t.parameters:
             return None
         if t.HasField("contents"):  # refused by the service (infer_checks); a merge would drop it
@@ -111,73 +124,138 @@ def merge_key(request: pb.ModelInferRequest, shape: ModelShape) -> tuple[Key, in
         if len(s) != len(dims) + 1:
             return None
         b = s[0]
-        if b < 1 or b > shape.max_batch_size or (batch != -1 and b != batch):
+        if b < 1 or b > max_batch or (batch != -1 and b != batch):
             return None
         batch = b
-        count = b
-        for got, want in zip(s[1:], dims, strict=True):
-            if got < 0 or (want != -1 and got != want):
+        if -1 in dims:
+            inner = tuple(s[1:])
+            for got, want in zip(inner, dims, strict=True):
+                if got < 0 or (want != -1 and got != want):
+                    return None
+        else:  # fixed dims: compare in place (no copy of the shape)
+            for i, want in enumerate(dims, 1):
+                if s[i] != want:
+                    return None
+            inner = dims
+        inner_shapes.append((name, inner))
+    outputs = ()
+    if request.outputs:
+        names = []
+        for o in request.outputs:
+            if o.name not in shape.outputs:
                 return None
-            count *= got
-        if len(raw) != count * spec[2]:
+            if (op := o.parameters) and not _NEUTRAL_OUTPUT_PARAMETERS.issuperset(op):
+                return None
+            names.append(o.name)
+        if len(set(names)) != len(names):
             return None
-        inner_shapes.append((t.name, tuple(s[1:])))
-    outputs = []
-    for o in request.outputs:
-        if o.name not in shape.outputs or o.parameters:
+        outputs = tuple(sorted(names))
+    if len(inner_shapes) > 1:
+        inner_shapes.sort()
+        if len({n for n, _ in inner_shapes}) != len(inner_shapes):  # an input named twice
             return None
-        outputs.append(o.name)
-    if len(set(outputs)) != len(outputs):
-        return None
-    key = (request.model_name, request.model_version, tuple(sorted(inner_shapes)), tuple(sorted(outputs)))
+    key = (request.model_name, request.model_version, tuple(inner_shapes), outputs)
     return key, batch
 
 
-def merge(requests: list[pb.ModelInferRequest], rows: list[int]) -> pb.ModelInferRequest:
-    """One request whose batch is the concatenation of `requests` (same key)."""
+def merge(requests: list[pb.ModelInferRequest], rows: list[int], shape: ModelShape | None = None
+          ) -> pb.ModelInferRequest:
+    """One request whose batch is the concatenation of `requests` (same key). With ``shape``,
+    raises ``Unmergeable`` naming the members whose tensors do not have the byte size their
+    shapes say, or not one per input (merge_key does not read the bytes): they travel alone."""
     first = requests[0]
     total = sum(rows)
     merged = pb.ModelInferRequest(model_name=first.model_name, model_version=first.model_version)
     merged.parameters[MERGED_PARAMETER].int64_param = len(requests)
-    order = [t.name for t in first.inputs]
-    for i, name in enumerate(order):
-        t = first.inputs[i]
-        merged.inputs.add(name=name, datatype=t.datatype, shape=[total, *t.shape[1:]])
-        parts = []
-        for r in requests:
-            idx = i if r.inputs[i].name == name else next(j for j, x in enumerate(r.inputs) if x.name == name)
-            parts.append(r.raw_input_contents[idx])
-        merged.raw_input_contents.append(b"".join(parts))
+    specs = []  # (name, datatype, inner dims, bytes per row or -1 unchecked)
+    for t in first.inputs:
+        inner = list(t.shape[1:])
+        row_bytes = -1
+        if shape is not None:
+            row_bytes = shape.inputs[t.name][2]
+            for d in inner:
+                row_bytes *= d
+        specs.append((t.name, t.datatype, inner, row_bytes))
+    order = [spec[0] for spec in specs]
+    parts: list[list[bytes]] = [[] for _ in specs]
+    bad = []
+    for m, (r, n) in enumerate(zip(requests, rows, strict=True)):
+        raws = list(r.raw_input_contents)
+        names = order if m == 0 else [t.name for t in r.inputs]
+        if len(raws) != len(names):
+            bad.append(m)
+            continue
+        if names != order:  # the same inputs in another order
+            raws = [raws[names.index(name)] for name in order]
+        for i, raw in enumerate(raws):
+            row_bytes = specs[i][3]
+            if row_bytes >= 0 and len(raw) != n * row_bytes:
+                bad.append(m)
+                break
+            parts[i].append(raw)
+    if bad:
+        raise Unmergeable(bad)
+    for (name, datatype, inner, _), chunks in zip(specs, parts, strict=True):
+        merged.inputs.add(name=name, datatype=datatype, shape=[total, *inner])
+        merged.raw_input_contents.append(b"".join(chunks))
     for o in first.outputs:
         merged.outputs.add(name=o.name)
     return merged
 
 
-def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int]
-          ) -> list[pb.ModelInferResponse]:
-    """Cut a merged response back into one response per original request."""
+class Unmergeable(Exception):
+    """Members of a merge whose tensor bytes do not match their shapes (indexes in the chunk)."""
+
+    def __init__(self, members: list[int]):
+        super().__init__(f"members {members} have tensors of the wrong byte size")
+        self.members = members
+
+
+def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int]) -> list[bytes]:
+    """Cut a merged response back into one response per original request, each serialized (a
+    ModelInferResponse's bytes, written here field by field: building a message per member and
+    serializing it again cost more than the rest of the split). The rows of an output are
+    sliced without a copy until the member's bytes are joined."""
     total = sum(rows)
     raws = response.raw_output_contents
-    if len(raws) != len(response.outputs):
+    outputs = response.outputs
+    if len(raws) != len(outputs):
         raise InferError.internal(f"model '{response.model_name}': merged response lacks raw output contents")
     per_row = []
-    for o, raw in zip(response.outputs, raws, strict=True):
-        if not o.shape or o.shape[0] != total or len(raw) % total:
+    specs = []  # (name and datatype fields, inner dims) per output
+    views = []
+    for o, raw in zip(outputs, raws, strict=True):
+        shape = o.shape
+        if not shape or shape[0] != total or len(raw) % total:
             raise InferError.internal(
-                f"model '{response.model_name}': output '{o.name}' of shape {list(o.shape)} cannot be split "
+                f"model '{response.model_name}': output '{o.name}' of shape {list(shape)} cannot be split "
                 f"into {len(requests)} requests of {rows} rows")
         per_row.append(len(raw) // total)
+        specs.append((_field(b"\x0a", o.name.encode()) + _field(b"\x12", o.datatype.encode()), shape[1:]))
+        views.append(memoryview(raw))
+    head = _field(b"\x0a", response.model_name.encode()) + _field(b"\x12", response.model_version.encode())
+    heads: dict[int, bytes] = {}  # the output tensors' fields (without data) by member rows
     out = []
     start = 0
     for req, n in zip(requests, rows, strict=True):
-        resp = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version,
-                                     id=req.id)
-        for o, raw, size in zip(response.outputs, raws, per_row, strict=True):
-            resp.outputs.add(name=o.name, datatype=o.datatype, shape=[n, *o.shape[1:]])
-            resp.raw_output_contents.append(raw[start * size:(start + n) * size])
-        out.append(resp)
+        tensors = heads.get(n)
+        if tensors is None:
+            tensors = heads[n] = b"".join(
+                _field(b"\x2a", names + _field(b"\x1a", b"".join(wire.varint(d) for d in (n, *inner))))
+                for names, inner in specs)
+        rid = req.id
+        parts: list[bytes | memoryview] = [head, _field(b"\x1a", rid.encode()) if rid else b"", tensors]
+        for view, size in zip(views, per_row, strict=True):
+            parts.append(b"\x32" + wire.varint(n * size))  # raw_output_contents = 6
+            parts.append(view[start * size:(start + n) * size])
+        out.append(b"".join(parts))
         start += n
     return out
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited protobuf field; nothing for an empty one (as protobuf writes proto3)."""
+    return tag + wire.varint(len(payload)) + payload if payload else b""
 
 
 # A member's share of a merged message: its own message's size (the bytes the client sent, or
@@ -194,7 +272,7 @@ class _Pending:
     request: pb.ModelInferRequest
     raw: bytes | None  # its bytes as the client sent them (forwarded as they are if it travels alone)
     rows: int
-    future: asyncio.Future[pb.ModelInferResponse]
+    future: asyncio.Future[InferResult]
     timeout: float | None  # seconds
     enqueued_ns: int  # monotonic
     span: Span | None  # the request's sampled span
@@ -204,6 +282,7 @@ class _Pending:
 
 @dataclass
 class _Group:
+    shape: ModelShape
     max_batch: int  # rows per merged request (the model's max_batch_size)
     batch_rows: int  # rows one full batch on every instance of a replica takes
     pending: deque[_Pending] = field(default_factory=deque)
@@ -227,6 +306,9 @@ class Coalescer:
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self.merged_sends = 0  # merged requests sent (/metrics)
         self.merged_requests = 0  # client requests they carried
+        self.queued = 0  # client requests that joined a group's queue (/metrics)
+        self.held = 0  # of them, held past their pass by the bound
+        self.wait_ns = 0  # time they spent queued here, summed
 
     def _max_inflight_rows(self, group: _Group) -> int:
         healthy = sum(1 for r in self._replicas if r.healthy)
@@ -261,28 +343,32 @@ class Coalescer:
             del self._busy[model]
 
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                     max_batch: int, timeout: float | None, instances: int = 1) -> pb.ModelInferResponse:
+                     shape: ModelShape, timeout: float | None) -> InferResult:
+        """Send ``request`` (merge_key gave ``key`` and ``rows`` for the model's ``shape``), alone
+        or merged with the requests of its key pending in this event-loop pass."""
         name = request.model_name
         self._busy[name] = self._busy.get(name, 0) + 1
         try:
-            return await self._submit(key, request, raw, rows, max_batch, timeout, instances)
+            return await self._submit(key, request, raw, rows, shape, timeout)
         finally:
             self._done(name)
 
     async def _submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                      max_batch: int, timeout: float | None, instances: int) -> pb.ModelInferResponse:
+                      shape: ModelShape, timeout: float | None) -> InferResult:
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(max_batch, max_batch * max(1, instances))
+            max_batch = shape.max_batch_size
+            group = self._groups[key] = _Group(shape, max_batch, max_batch * shape.instances)
         if not group.inflight_rows and not group.pending:
             # nothing of this group in flight or waiting: send it now, alone
             group.inflight_rows += rows
             try:
-                return await self._upstream.send(request, raw, timeout)
+                return InferResult(message=await self._upstream.send(request, raw, timeout))
             finally:
                 group.inflight_rows -= rows
                 self._settle(key, group)
-        fut: asyncio.Future[pb.ModelInferResponse] = self._running_loop().create_future()
+        fut: asyncio.Future[InferResult] = self._running_loop().create_future()
+        self.queued += 1
         group.pending.append(_Pending(request, raw, rows, fut, timeout, time.monotonic_ns(),
                                       tracing.current_var.get() if tracing.enabled else None,
                                       (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
@@ -305,6 +391,7 @@ class Coalescer:
         group.flush_scheduled = False
         bound = self._max_inflight_rows(group)
         max_batch = group.max_batch
+        now = time.monotonic_ns()
         while group.pending and group.inflight_rows < bound:
             chunk: list[_Pending] = []
             total = size = 0
@@ -316,62 +403,112 @@ class Coalescer:
                 chunk.append(item)
                 total += item.rows
                 size += item.size
+                self.wait_ns += now - item.enqueued_ns
             if not chunk:
                 continue
             group.inflight_rows += total
             # a context of its own: the task must not inherit the trace context of whichever
             # member's request happened to drain the queue
-            self._running_loop().create_task(self._send_chunk(key, group, chunk, total),
+            self._running_loop().create_task(self._send_chunk(key, group, chunk, total, self._start(group, chunk)),
                                              context=contextvars.Context())
         if not group.pending:
             self._settle(key, group)
         else:  # the bound holds them: rows coming back flush again
             for item in group.pending:
-                item.held = True
+                if not item.held:
+                    item.held = True
+                    self.held += 1
 
-    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], total: int) -> None:
+    async def _send_chunk(self, key: Key, group: _Group, chunk: list[_Pending], total: int,
+                          started: _Started | None = None) -> None:
         try:
-            requests = [c.request for c in chunk]
-            rows = [c.rows for c in chunk]
-            timeouts = [c.timeout for c in chunk if c.timeout is not None]
-            timeout = min(timeouts) if timeouts else None
-            # A member the bound held queued here: the service's max_queue_delay counts from its
-            # arrival here, as Triton times it from the oldest request's arrival. Members sent in
-            # the pass they came in only passed through (like a request sent at once, they carry
-            # nothing: counting the pass would fire the service's batch before the rest of the
-            # clients' wave, passed on one by one, arrives).
-            held = [c.enqueued_ns for c in chunk if c.held]
-            waited_us = (time.monotonic_ns() - min(held)) // 1000 if held else None
-            try:
-                if len(chunk) == 1:
-                    single, raw = requests[0], chunk[0].raw
-                    if waited_us is not None and raw is not None:
-                        raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
-                    elif waited_us is not None:
-                        single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                    if (span := chunk[0].span) is not None:
-                        tracing.activate(span)  # this task's own context: sent as the member's request
-                    responses = [await self._upstream.send(single, raw, timeout)]
-                else:
-                    self.merged_sends += 1
-                    self.merged_requests += len(chunk)
-                    merged = merge(requests, rows)
-                    if waited_us is not None:
-                        merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
-                    members = [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]
-                    if members:
-                        response = await self._upstream.send_merged(merged, timeout, members)
-                    else:
-                        response = await self._upstream.send(merged, None, timeout)
-                    responses = split(response, requests, rows)
-            except BaseException as exc:  # every member gets the outcome
-                for c in chunk:
-                    if not c.future.done():
-                        c.future.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
-                return
-            for c, resp in zip(chunk, responses, strict=True):
-                if not c.future.done():
-                    c.future.set_result(resp)
+            await self._deliver(group, chunk, started)
         finally:
             group.inflight_rows -= total
             self._settle(key, group)
+
+    def _start(self, group: _Group, chunk: list[_Pending]) -> _Started | None:
+        """Build the chunk's request and write it now, from the flush (a task would write it a
+        loop pass later, and the service's forming batch would miss it more often). None when
+        the task must do it: a traced member (its spans), or members that cannot merge."""
+        if tracing.enabled and any(c.span is not None for c in chunk):
+            return None
+        try:
+            out = self._outgoing(group, chunk)
+        except Unmergeable:
+            return None
+        return out, self._upstream.start(out[0], out[1], out[2])
+
+    def _outgoing(self, group: _Group, chunk: list[_Pending]) -> _Outgoing:
+        """(the request to send for ``chunk``, its bytes, its timeout): the member's own request
+        alone, or their merge (Unmergeable: see merge)."""
+        timeouts = [c.timeout for c in chunk if c.timeout is not None]
+        timeout = min(timeouts) if timeouts else None
+        # A member the bound held queued here: the service's max_queue_delay counts from its
+        # arrival here, as Triton times it from the oldest request's arrival. Members sent in
+        # the pass they came in only passed through (like a request sent at once, they carry
+        # nothing: counting the pass would fire the service's batch before the rest of the
+        # clients' wave, passed on one by one, arrives).
+        held = [c.enqueued_ns for c in chunk if c.held]
+        waited_us = (time.monotonic_ns() - min(held)) // 1000 if held else None
+        if len(chunk) == 1:
+            single, raw = chunk[0].request, chunk[0].raw
+            if waited_us is not None and raw is not None:
+                raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
+            elif waited_us is not None:
+                single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+            return single, raw if raw is not None else single.SerializeToString(), timeout
+        merged = merge([c.request for c in chunk], [c.rows for c in chunk], group.shape)
+        self.merged_sends += 1
+        self.merged_requests += len(chunk)
+        if waited_us is not None:
+            merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+        return merged, merged.SerializeToString(), timeout
+
+    async def _deliver(self, group: _Group, chunk: list[_Pending], started: _Started | None = None) -> None:
+        """Send ``chunk`` (alone or merged; ``started``: already built, and written if its
+        answer is there) and give every member its outcome."""
+        requests = [c.request for c in chunk]
+        rows = [c.rows for c in chunk]
+        try:
+            if started is not None and started[1] is not None:
+                response = await started[1]
+            else:
+                if started is not None:
+                    out = started[0]
+                else:
+                    try:
+                        out = self._outgoing(group, chunk)
+                    except Unmergeable as exc:  # malformed members go alone, for their own errors
+                        bad = set(exc.members)
+                        parts = [[c] for i, c in enumerate(chunk) if i in bad]
+                        rest = [c for i, c in enumerate(chunk) if i not in bad]
+                        if rest:
+                            parts.append(rest)
+                        await asyncio.gather(*(self._deliver(group, part) for part in parts))
+                        return
+                message, body, timeout = out
+                if len(chunk) == 1:
+                    if (span := chunk[0].span) is not None:
+                        tracing.activate(span)  # this task's own context: sent as the member's request
+                    response = await self._upstream.send(message, body, timeout)
+                elif members := [Member(i, c.span, c.enqueued_ns) for i, c in enumerate(chunk) if c.span is not None]:
+                    response = await self._upstream.send_merged(message, timeout, members)
+                else:
+                    response = await self._upstream.send(message, body, timeout)
+            if len(chunk) == 1:
+                responses = [InferResult(message=response)]
+            else:
+                responses = [InferResult(raw=r) for r in split(response, requests, rows)]
+        except BaseException as exc:  # every member gets the outcome
+            for c in chunk:
+                if not c.future.done():
+                    c.future.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
+            return
+        for c, resp in zip(chunk, responses, strict=True):
+            if not c.future.done():
+                c.future.set_result(resp)
+
+
+_Outgoing = tuple[pb.ModelInferRequest, bytes, float | None]  # Coalescer._outgoing
+_Started = tuple[_Outgoing, "Awaitable[pb.ModelInferResponse] | None"]  # Coalescer._start: built, and written?

@@ -310,6 +310,9 @@ class Answers:
             self._stream.cancel(self._cid)
 
 
+Sent = tuple[_Stream, "asyncio.Future[pb.ModelStreamInferResponse]", int]  # StreamPool.start: (stream, answer, t0 ns)
+
+
 class StreamPool:
     """A few streams to one replica; requests spread round-robin."""
 
@@ -337,11 +340,21 @@ class StreamPool:
 
     async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
                     affinity: str | None = None) -> pb.ModelInferResponse:
+        return await self.finish(self.start(raw_request, timeout, affinity), client_id)
+
+    def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None) -> Sent:
+        """Write an infer request now (NotSent if its stream is closed); ``finish`` waits for
+        its answer. Split from ``infer`` so that a caller outside a task (the coalescer's flush)
+        writes in its own loop pass, not in the next one."""
         stream = self._stream(affinity)
         if timeout is not None:  # streams carry no per-message deadline: tell the service in band
             raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
         fut = stream.send(raw_request, timeout)  # (DEADLINE_EXCEEDED after the timeout)
-        t0 = time.perf_counter_ns()
+        return stream, fut, time.perf_counter_ns()
+
+    async def finish(self, sent: Sent, client_id: str) -> pb.ModelInferResponse:
+        """The answer to a request ``start`` wrote (its id restored to ``client_id``)."""
+        stream, fut, t0 = sent
         try:
             msg = await fut
         except asyncio.CancelledError:

@@ -17,9 +17,10 @@ from gateway.upstream import traced
 from gateway.upstream.discovery import Discovery
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.replica import CALL_ERRORS, Replica
+from gateway.upstream.stream import NotSent, Sent
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
-from meshserve.protocol.errors import Code
+from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 
 T = TypeVar("T")
@@ -52,17 +53,24 @@ class Upstream:
             try:
                 return await fn(replica)
             except CALL_ERRORS as exc:
-                err, retry = replica.failure(exc)
-                if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
-                    replica.errors += 1
+                err, retry = self._failed(replica, exc)
                 if retry:
-                    self.discovery.mark_unhealthy(replica)
                     replicas.remove(replica)
                     if replicas:
                         continue
                 raise err from None
             finally:
                 replica.outstanding -= 1
+
+    def _failed(self, replica: Replica, exc: Exception) -> tuple[InferError, bool]:
+        """A call to ``replica`` raised ``exc``: (the client's error, whether another replica may
+        be tried: then this one leaves the pool until discovery sees it healthy)."""
+        err, retry = replica.failure(exc)
+        if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
+            replica.errors += 1
+        if retry:
+            self.discovery.mark_unhealthy(replica)
+        return err, retry
 
     async def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
                    affinity: str | None = None) -> pb.ModelInferResponse:
@@ -73,6 +81,45 @@ class Upstream:
             return await traced.send(self, request, body, timeout, affinity, span)
         return await self.call(request.model_name, request.model_version,
                                lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
+
+    def start(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None
+              ) -> Awaitable[pb.ModelInferResponse] | None:
+        """Write an untraced infer request (``body``: its bytes) now, without a task: its answer
+        comes from the returned awaitable. None when it cannot be written at once (its model's
+        replicas are not known yet, no stream takes it): ``send`` it instead. The coalescer's
+        flush writes its merged requests in its own loop pass this way; a task would write them
+        in the next one."""
+        table = self.discovery.table
+        name = request.model_name
+        if name not in table:
+            return None
+        try:
+            replicas = table.lookup(name).replicas_for(request.model_version)
+        except InferError:
+            return None  # (send raises it)
+        if not replicas:
+            return None
+        replica = pick(replicas)
+        try:
+            sent = replica.streams.start(body, timeout)
+        except NotSent:
+            return None
+        replica.outstanding += 1
+        return self._finish(request, body, timeout, replica, sent)
+
+    async def _finish(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None, replica: Replica,
+                      sent: Sent) -> pb.ModelInferResponse:
+        try:
+            return await replica.streams.finish(sent, request.id)
+        except CALL_ERRORS as exc:
+            err, retry = self._failed(replica, exc)
+            if not retry or not any(r.healthy for r in self.replicas):
+                raise err from None
+        finally:
+            replica.outstanding -= 1
+        # it never reached the service: on another replica, as send would have
+        return await self.call(request.model_name, request.model_version,
+                               lambda r: r.streams.infer(body, request.id, timeout))
 
     async def stream(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
                      affinity: str | None = None) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:

@@ -45,12 +45,17 @@ def model_stats(http: str, model: str) -> tuple[int, int]:
     return int(s["inference_count"]), int(s["execution_count"])
 
 
-def merged_sends(http: str) -> tuple[float, float]:
-    """The gateway's (merged sends, client requests they carried) from its /metrics."""
+COALESCER_COUNTERS = ("merged_sends", "merged_requests", "coalesce_queued", "coalesce_held", "coalesce_wait_us")
+
+
+def coalescer_counters(http: str) -> dict[str, float]:
+    """The gateway's coalescing counters (COALESCER_COUNTERS) from its /metrics: merged sends and
+    the client requests they carried; requests that queued in a group, were held by the in-flight
+    bound, and the microseconds they waited there."""
     with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
         text = r.read().decode()
-    found = [re.search(rf"^meshserve_gateway_merged_{k}_total(?:{{}})? (\S+)", text, re.M) for k in ("sends", "requests")]
-    return tuple(float(m.group(1)) if m else 0.0 for m in found)  # type: ignore[return-value]
+    found = {k: re.search(rf"^meshserve_gateway_{k}_total(?:{{}})? (\S+)", text, re.M) for k in COALESCER_COUNTERS}
+    return {k: float(m.group(1)) if m else 0.0 for k, m in found.items()}
 
 
 def perf_analyzer(url: str, model: str, protocol: str, conc: int, interval_ms: int, data: Path,
@@ -94,18 +99,21 @@ def main(argv: list[str] | None = None) -> None:
                     url = target.grpc if protocol == "grpc" else target.http
                     i0, e0 = model_stats(svc.http, model)
                     c0 = procs.proc_tree_cpu_s(svc.pid), procs.proc_tree_cpu_s(gw.pid)
-                    m0 = merged_sends(gw.http)
+                    m0 = coalescer_counters(gw.http)
                     res = perf_analyzer(url, model, protocol, a.concurrency, a.interval,
                                         models / "perf_data" / f"{model}.json", logs / f"{model}-{protocol}-{label}.csv")
                     i1, e1 = model_stats(svc.http, model)
                     c1 = procs.proc_tree_cpu_s(svc.pid), procs.proc_tree_cpu_s(gw.pid)
-                    m1 = merged_sends(gw.http)
+                    m1 = coalescer_counters(gw.http)
+                    d = {k: m1[k] - m0[k] for k in COALESCER_COUNTERS}
                     n = max(1, i1 - i0)
                     shown = f"{res[0]:7.0f}/s p99 {res[1]:6.2f} ms" if isinstance(res, tuple) else f"FAILED: {res}"
                     print(f"{model:8s} {protocol:9s} {label:8s} rows/exec {n / max(1, e1 - e0):5.2f}  {shown}  "
                           f"CPU/request: service {1e6 * (c1[0] - c0[0]) / n:4.0f} us, gateway "
-                          f"{1e6 * (c1[1] - c0[1]) / n:4.0f} us  merged: {m1[1] - m0[1]:.0f} of {n} requests "
-                          f"in {m1[0] - m0[0]:.0f} sends", flush=True)
+                          f"{1e6 * (c1[1] - c0[1]) / n:4.0f} us  merged: {d['merged_requests']:.0f} of {n} requests "
+                          f"in {d['merged_sends']:.0f} sends ({d['merged_requests'] / max(1, d['merged_sends']):.1f} "
+                          f"per send); queued {d['coalesce_queued']:.0f}, held {d['coalesce_held']:.0f}, "
+                          f"{d['coalesce_wait_us'] / max(1, d['coalesce_queued']):.0f} us each", flush=True)
     finally:
         gw.stop()
         svc.stop()

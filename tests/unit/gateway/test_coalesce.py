@@ -2,13 +2,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from gateway.upstream.coalesce import MERGED_PARAMETER, Coalescer, ModelShape, merge, merge_key, split
+from gateway.upstream.coalesce import (
+    MERGED_PARAMETER,
+    Coalescer,
+    ModelShape,
+    Unmergeable,
+    merge,
+    merge_key,
+    split,
+)
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import wire
@@ -20,6 +29,7 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUTPUT1
 dynamic_batching { }
 """, mc.ModelConfig())
 SHAPE = ModelShape.of(CONFIG)
+SHAPE2 = dataclasses.replace(SHAPE, instances=2)  # two model instances
 
 
 def request(a: np.ndarray, b: np.ndarray, rid: str = "", order: tuple[str, str] = ("INPUT0", "INPUT1")
@@ -53,27 +63,121 @@ def test_merge_then_split_is_exact() -> None:
     assert merged.parameters[MERGED_PARAMETER].int64_param == 3
     assert [list(t.shape) for t in merged.inputs] == [[6, 16], [6, 16]]
     outs = split(fake_service(merged), reqs, rows)
-    for req, out in zip(reqs, outs, strict=True):
+    for req, raw in zip(reqs, outs, strict=True):
         want = fake_service(req)
-        assert out.id == req.id
+        assert raw == want.SerializeToString()  # byte for byte what the service would answer it alone
+        out = pb.ModelInferResponse.FromString(raw)
+        assert out.id == req.id and out.model_version == "1"
         assert [list(o.shape) for o in out.outputs] == [list(o.shape) for o in want.outputs]
         assert list(out.raw_output_contents) == list(want.raw_output_contents)
+
+
+def test_split_of_large_and_unnamed_members() -> None:
+    """Multi-byte lengths and dims, an empty id, one output requested."""
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    config.max_batch_size = 300
+    for t in (*config.input, *config.output):
+        t.dims[0] = 200
+    rows = [130, 1, 169]
+    reqs = [request(np.full((n, 200), i), np.ones((n, 200)), "" if i == 1 else f"m{i}") for i, n in enumerate(rows)]
+    merged = merge(reqs, rows, ModelShape.of(config))
+    answer = fake_service(merged)
+    del answer.outputs[0]
+    del answer.raw_output_contents[0]
+    for req, n, raw in zip(reqs, rows, split(answer, reqs, rows), strict=True):
+        want = fake_service(req)
+        del want.outputs[0]
+        del want.raw_output_contents[0]
+        assert raw == want.SerializeToString()
+        assert pb.ModelInferResponse.FromString(raw).outputs[0].shape == [n, 200]
 
 
 @pytest.mark.parametrize("mutate", [
     lambda r: r.inputs[1].__setattr__("datatype", "INT32"),         # wrong dtype
     lambda r: r.inputs[1].shape.__setitem__(1, 8),                  # wrong shape
-    lambda r: r.raw_input_contents.__setitem__(1, b"\0" * 10),      # wrong byte size
     lambda r: r.inputs[1].__setattr__("name", "BOGUS"),             # unknown input
     lambda r: r.parameters["priority"].__setattr__("uint64_param", 1),  # semantics-changing parameter
     lambda r: r.outputs.add(name="NOPE"),                           # unknown output
     lambda r: r.outputs.add(name="OUTPUT0").parameters["classification"].__setattr__("int64_param", 2),
+    lambda r: r.outputs.add(name="OUTPUT0").parameters["shared_memory_region"].__setattr__("string_param", "x"),
+    lambda r: r.inputs[0].parameters["shared_memory_region"].__setattr__("string_param", "x"),
+    lambda r: r.inputs[1].__setattr__("name", "INPUT0"),            # an input named twice
+    lambda r: r.inputs[1].contents.fp32_contents.append(1.0),      # typed contents (refused by the service)
+    lambda r: r.inputs[1].shape.__setitem__(0, 2),                  # batch sizes differ between inputs
 ])
 def test_anything_unusual_is_never_merged(mutate) -> None:
     r = request(np.zeros((1, 16)), np.zeros((1, 16)))
     assert merge_key(r, SHAPE) is not None
     mutate(r)
     assert merge_key(r, SHAPE) is None
+
+
+def test_http_rendering_parameters_do_not_stop_a_merge() -> None:
+    """Every HTTP client asks for its outputs as binary or JSON (`binary_data`,
+    `binary_data_output`): the gateway renders each answer from the client's own request, so
+    they do not change what the service computes, and such requests merge with gRPC ones."""
+    plain = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    http = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    http.parameters["binary_data_output"].bool_param = True
+    for name, binary in (("OUTPUT1", True), ("OUTPUT0", False)):
+        http.outputs.add(name=name).parameters["binary_data"].bool_param = binary
+    named = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    named.outputs.add(name="OUTPUT0")
+    named.outputs.add(name="OUTPUT1")
+    assert merge_key(http, SHAPE) == merge_key(named, SHAPE) == ((
+        "add_sub", "", (("INPUT0", (16,)), ("INPUT1", (16,))), ("OUTPUT0", "OUTPUT1")), 1)
+    assert merge_key(plain, SHAPE)[0] != merge_key(named, SHAPE)[0]  # all outputs vs the named ones
+
+
+def test_variable_dims_are_part_of_the_key() -> None:
+    config = mc.ModelConfig()
+    config.CopyFrom(CONFIG)
+    config.input[0].dims[0] = -1
+    config.input[1].dims[0] = -1
+    shape = ModelShape.of(config)
+    k16, k8 = merge_key(request(np.zeros((2, 16)), np.zeros((2, 16))), shape), \
+        merge_key(request(np.zeros((1, 8)), np.zeros((1, 8))), shape)
+    assert k16 == (("add_sub", "", (("INPUT0", (16,)), ("INPUT1", (16,))), ()), 2)
+    assert k8 is not None and k8[0] != k16[0]
+    assert merge_key(request(np.zeros((1, 8)), np.zeros((1, 16))), shape)[0] not in (k8[0], k16[0])
+
+
+async def test_a_member_with_the_wrong_byte_size_travels_alone() -> None:
+    """merge_key does not read the tensors' bytes; the merge does, and a member whose bytes do
+    not match its shape is sent alone (its own error from the service), the rest merged."""
+    sent: list[int] = []
+    gate = asyncio.Event()
+    c = Coalescer(upstream(counting_send(sent, gate)), 1)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(5)]
+    reqs[2].raw_input_contents[1] = b"\0" * 10
+
+    async def one(r: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        key, rows = merge_key(r, SHAPE)  # the wrong size is not seen here
+        return (await c.submit(key, r, None, rows, SHAPE, None)).message()
+
+    tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+    for _ in range(100):
+        if len(sent) == 3:
+            break
+        await asyncio.sleep(0)
+    assert sorted(sent) == [1, 1, 3]  # r0 at once; then r2 alone and r1, r3, r4 merged
+    gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[2], ValueError)  # the stand-in service's error for r2's bytes, r2's alone
+    for i in (0, 1, 3, 4):
+        np.testing.assert_array_equal(np.frombuffer(results[i].raw_output_contents[0], np.float32),
+                                      np.full(16, i + 1.0))
+
+
+def test_merge_checks_byte_sizes_and_input_counts() -> None:
+    reqs = [request(np.zeros((1, 16)), np.zeros((1, 16))) for _ in range(4)]
+    reqs[1].raw_input_contents[0] = b"\0" * 60
+    del reqs[3].raw_input_contents[1]
+    with pytest.raises(Unmergeable) as err:
+        merge(reqs, [1, 1, 1, 1], SHAPE)
+    assert err.value.members == [1, 3]
+    assert merge([reqs[0], reqs[2]], [1, 1], SHAPE).inputs[0].shape == [2, 16]
 
 
 def test_batch_over_max_and_unbatchable_models() -> None:
@@ -90,12 +194,13 @@ def test_batch_over_max_and_unbatchable_models() -> None:
 
 def upstream(send):
     """A stand-in for upstream.Upstream: one healthy replica; ``send`` the test's own."""
-    return SimpleNamespace(send=send, replicas=[SimpleNamespace(healthy=True)])
+    return SimpleNamespace(send=send, start=lambda request, body, timeout: None,  # (the flush cannot write at once)
+                           replicas=[SimpleNamespace(healthy=True)])
 
 
 async def submit(c: Coalescer, r: pb.ModelInferRequest) -> pb.ModelInferResponse:
     key, rows = merge_key(r, SHAPE)
-    return await c.submit(key, r, None, rows, 8, None)
+    return (await c.submit(key, r, None, rows, SHAPE, None)).message()
 
 
 def counting_send(sent: list[int], gate: asyncio.Event, waited: list[int | None] | None = None):
@@ -135,13 +240,46 @@ async def test_requests_pending_in_one_pass_travel_as_one_and_nothing_waits() ->
     assert not c._groups  # an idle model leaves nothing behind
 
 
+async def test_the_flush_writes_the_merge_in_its_own_loop_pass() -> None:
+    """The requests of a pass leave at its end, written by the flush itself (Upstream.start), not
+    by a task a loop pass later; a request that cannot be written at once (start: None) is sent
+    by the task as before."""
+    sent: list[int] = []
+    written: list[int] = []
+    gate = asyncio.Event()
+
+    async def answer(req: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        await gate.wait()
+        return fake_service(req)
+
+    def start(req: pb.ModelInferRequest, body: bytes, timeout: float | None):
+        req = pb.ModelInferRequest.FromString(body)
+        if MERGED_PARAMETER not in req.parameters:
+            return None  # a lone request: the task sends it
+        written.append(req.parameters[MERGED_PARAMETER].int64_param)
+        return answer(req)
+
+    c = Coalescer(SimpleNamespace(send=counting_send(sent, gate), start=start,
+                                  replicas=[SimpleNamespace(healthy=True)]), 2)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(13)]
+    tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
+    await asyncio.sleep(0)  # the requests' first steps: r0 goes at once, the others wait for the flush
+    assert sent == [1] and written == []
+    await asyncio.sleep(0)  # the flush ran before this step: the merges are written, nothing is answered
+    assert written == [8, 4] and sent == [1]
+    gate.set()
+    outs = await asyncio.gather(*tasks)
+    assert [o.id for o in outs] == [f"r{i}" for i in range(13)]
+    np.testing.assert_array_equal(np.frombuffer(outs[12].raw_output_contents[1], np.float32), np.full(16, 11.0))
+
+
 async def test_an_idle_model_sends_alone_and_is_busy_meanwhile() -> None:
     """``send_alone`` (the gateway's path for a model with nothing here, no merge check) marks the
     model busy while it is out, so requests arriving meanwhile take the merging path."""
     sent: list[int] = []
     gate = asyncio.Event()
     c = Coalescer(SimpleNamespace(send=lambda req, raw, timeout, affinity=None: counting_send(sent, gate)(
-        req, raw, timeout), replicas=[SimpleNamespace(healthy=True)]), 1)
+        req, raw, timeout), start=lambda request, body, timeout: None, replicas=[SimpleNamespace(healthy=True)]), 1)
     assert c.idle("add_sub")
     first = asyncio.ensure_future(c.send_alone(request(np.zeros((1, 16)), np.zeros((1, 16)), "a"), None, None))
     await asyncio.sleep(0)
@@ -187,7 +325,7 @@ async def test_the_bound_counts_instances() -> None:
     c = Coalescer(upstream(counting_send(sent, gate)), 1)
     reqs = [request(np.zeros((8, 16)), np.zeros((8, 16)), f"f{i}") for i in range(3)]
     key, rows = merge_key(reqs[0], SHAPE)
-    tasks = [asyncio.ensure_future(c.submit(key, r, None, rows, 8, None, instances=2)) for r in reqs]
+    tasks = [asyncio.ensure_future(c.submit(key, r, None, rows, SHAPE2, None)) for r in reqs]
     await asyncio.sleep(0.01)
     assert sent == [1, 1]
     gate.set()
@@ -236,12 +374,12 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
 
     c = Coalescer(upstream(send), 1)
     reqs = [request(np.zeros((1, 16)), np.zeros((1, 16)), f"r{i}") for i in range(3)]
-    results = await asyncio.gather(*(c.submit(merge_key(r, SHAPE)[0], r, None, 1, 8, None) for r in reqs),
+    results = await asyncio.gather(*(c.submit(merge_key(r, SHAPE)[0], r, None, 1, SHAPE, None) for r in reqs),
                                    return_exceptions=True)
     assert not isinstance(results[0], Exception)
     assert all(isinstance(r, RuntimeError) for r in results[1:])
     # the coalescer keeps serving afterwards
-    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, 8, None)).id == "r0"
+    assert (await c.submit(merge_key(reqs[0], SHAPE)[0], reqs[0], None, 1, SHAPE, None)).message().id == "r0"
 
 
 @pytest.mark.parametrize("extra", [
