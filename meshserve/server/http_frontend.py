@@ -309,12 +309,14 @@ class HttpFrontend:
         header_length = http_codec.parse_header_length(_header(request, "inference-header-content-length"))
         body = await _read_body(request, self.max_body)
         plan: http_codec.RenderPlan | None = None
+        raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
         if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
-            infer_request, plan = http_codec.parse_infer(_joined(body), header_length, name, version)
+            infer_request, plan, raw = http_codec.parse_infer(_joined(body), header_length, name, version)
         else:
             infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
                                           size=header_length)
-        ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
+        ctx = RequestContext(protocol="http", headers=_context_headers(request), raw=raw,
+                             nbytes=sum(map(len, body)))
         uses_shm = plan.shared_memory if plan is not None else shm.uses_shared_memory(infer_request)
         result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
         message = result.message()

@@ -46,19 +46,19 @@ def f32(seed: int, shape: tuple[int, ...] = (1, 16)) -> np.ndarray:
 
 def test_a_repeated_header_parses_as_the_full_parse_does() -> None:
     first, hl = body({"A": f32(0), "B": f32(1)})
-    request, plan = parse_infer(first, hl, "m", "2")
-    assert plan is not None and request == parse_infer_request(first, hl, "m", "2")
+    request, plan, raw = parse_infer(first, hl, "m", "2")
+    assert plan is not None and raw is None and request == parse_infer_request(first, hl, "m", "2")
     assert len(http_codec._templates) == 1
     for seed in range(2, 6):  # the same header, other tensors: from the template
         again, hl2 = body({"A": f32(seed), "B": f32(seed + 10)})
         assert hl2 == hl
-        request2, plan2 = parse_infer(again, hl2, "m", "2")
-        assert plan2 is plan
+        request2, plan2, raw2 = parse_infer(again, hl2, "m", "2")
+        assert plan2 is plan and raw2 is not None and pb.ModelInferRequest.FromString(raw2) == request2
         assert request2 == parse_infer_request(again, hl2, "m", "2")
         assert request2.raw_input_contents[0] == f32(seed).tobytes()
     assert len(http_codec._templates) == 1
     # another model name or version: its own template, its own names in the request
-    other, plan3 = parse_infer(first, hl, "n", "")
+    other, plan3, _ = parse_infer(first, hl, "n", "")
     assert other.model_name == "n" and other.model_version == "" and plan3 is not plan
 
 
@@ -77,7 +77,7 @@ def test_a_template_is_not_used_for_a_body_of_another_length() -> None:
 
 def test_json_data_and_whole_json_bodies_make_no_template() -> None:
     data, hl = body({"A": f32(0)}, binary_in=False)
-    request, plan = parse_infer(data, hl, "m")
+    request, plan, _ = parse_infer(data, hl, "m")
     assert plan is None and hl is None and request == parse_infer_request(data, hl, "m")
     # a JSON header with one JSON-data input and one binary input
     mixed = httpclient.InferInput("J", [2], "INT64")
@@ -88,7 +88,7 @@ def test_json_data_and_whole_json_bodies_make_no_template() -> None:
                                             sequence_start=False, sequence_end=False, priority=0, timeout=None,
                                             custom_parameters=None)
     for _ in range(2):
-        request, plan = parse_infer(raw, json_size, "m")
+        request, plan, _ = parse_infer(raw, json_size, "m")
         assert plan is None and request == parse_infer_request(raw, json_size, "m")
     assert not http_codec._templates
 
@@ -96,18 +96,18 @@ def test_json_data_and_whole_json_bodies_make_no_template() -> None:
 def test_bytes_inputs_of_other_sizes_are_parsed_again() -> None:
     one, hl1 = body({"S": np.array([[b"ab", b"c"]], dtype=np.object_)})
     two, hl2 = body({"S": np.array([[b"abcd", b"c"]], dtype=np.object_)})
-    r1, _ = parse_infer(one, hl1, "m")
-    r2, _ = parse_infer(two, hl2, "m")
+    r1, _, _ = parse_infer(one, hl1, "m")
+    r2, _, _ = parse_infer(two, hl2, "m")
     assert r1 == parse_infer_request(one, hl1, "m") and r2 == parse_infer_request(two, hl2, "m")
     assert r1.raw_input_contents[0] != r2.raw_input_contents[0]
 
 
 def test_shared_memory_requests_say_so() -> None:
     data, hl = body({"A": f32(0)}, shm_output=True)
-    _, plan = parse_infer(data, hl, "m")
+    _, plan, _ = parse_infer(data, hl, "m")
     assert plan is not None and plan.shared_memory
     data, hl = body({"A": f32(0)})
-    _, plan = parse_infer(data, hl, "m")
+    _, plan, _ = parse_infer(data, hl, "m")
     assert plan is not None and not plan.shared_memory
 
 
@@ -125,7 +125,7 @@ def response(raws: list[bytes], *, datatype: str = "FP32", shape: tuple[int, ...
 @pytest.mark.parametrize("binary_out", [True, False])
 def test_rendered_answers_equal_the_full_rendering(binary_out: bool) -> None:
     data, hl = body({"A": f32(0)}, outputs=("OUT", "OUT1"), binary_out=binary_out)
-    request, plan = parse_infer(data, hl, "m")
+    request, plan, _ = parse_infer(data, hl, "m")
     for seed in range(4):
         answer = response([f32(seed).tobytes(), f32(seed + 1).tobytes()])
         assert render_infer_response(answer, request, plan) == render_infer_response(answer, request)
@@ -135,7 +135,7 @@ def test_rendered_answers_equal_the_full_rendering(binary_out: bool) -> None:
 @pytest.mark.parametrize("change", ["id", "parameters", "bytes sizes", "shape", "wrong size"])
 def test_what_changes_the_header_is_rendered_again(change: str) -> None:
     data, hl = body({"A": f32(0)})
-    request, plan = parse_infer(data, hl, "m")
+    request, plan, _ = parse_infer(data, hl, "m")
     render_infer_response(response([f32(0).tobytes()]), request, plan)
     assert len(http_codec._rendered) == 1
     if change == "id":
