@@ -109,7 +109,7 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
         if isinstance(conn, _Connection):
             conn.reading = False
             if wire_size > body_worker.TRIM_AFTER_BYTES:
-                conn.trim_heap = True  # read or refused: see HttpFrontend.handle
+                conn.trim_heap = True  # read or refused: see HttpFrontend.answer
     return chunks
 
 
@@ -180,17 +180,17 @@ class HttpFrontend:
     async def _body(self, request: web.BaseRequest) -> list[bytes]:
         return await _read_body(request, self.max_body)
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
-        """The answer to one request: an `http1.Answer` (the infer route's, on the httptools
-        server) or an aiohttp response."""
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The answer to one request, as an aiohttp response (aiohttp's server: `_Server`)."""
         conn = request.protocol
         if isinstance(conn, _Connection):
             conn.header_since = 0.0  # this request's headers are in (see _Connection)
-            response = await self._handle(request)
-            return response.to_response() if type(response) is http1.Answer else response
-        return await self._handle(request)
+        response = await self.answer(request)
+        return response.to_response() if isinstance(response, http1.Answer) else response
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
+    async def answer(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
+        """The answer to one request: the infer route's is an `http1.Answer` (what the httptools
+        server writes without an aiohttp response; `handle` converts it for aiohttp's server)."""
         conn = request.protocol
         try:
             if request.method == "POST" and (route := self.infer_routes.get(request.raw_path)) is not None:
@@ -573,7 +573,7 @@ async def start_http_server(core: V2Core, host: str, port: int,
     """Start the REST server on the running loop; returns (runner, bound port)."""
     limits = limits or ServerLimits()
     if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
-        return await http1.start(HttpFrontend(core, limits).handle, host, port, limits)
+        return await http1.start(HttpFrontend(core, limits).answer, host, port, limits)
     return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port)
 
 

@@ -85,7 +85,8 @@ async def main(model: str, kind: str, n: int, profile: bool) -> None:
     else:
         raw = build_request("127.0.0.1:1", path, p.http_json, {"Content-Type": "application/json"})
     limits = ServerLimits()
-    server = http1.Http1Server(HttpFrontend(core, limits).handle, limits)  # type: ignore[arg-type]
+    frontend = HttpFrontend(core, limits)  # type: ignore[arg-type]
+    server = http1.Http1Server(getattr(frontend, "answer", frontend.handle), limits)  # (before: handle)
     conn = http1.server.Connection(server)
     transport = FakeTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]

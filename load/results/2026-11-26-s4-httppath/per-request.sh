@@ -3,6 +3,7 @@
 #   MODE callgrind: the measured process (the ONNX service for TARGET=service, the gateway for
 #                   TARGET=gateway) under callgrind, counters zeroed after 300 warm-up requests and
 #                   dumped after N more; prints user-space instructions per request (all threads)
+#   MODE strace:    system calls of the measured process (all threads, strace -c -f) per request over N
 #   MODE pyspy:     py-spy raw collapsed stacks (2000 Hz) of the measured process over N requests
 # Adapted from ../2026-11-26-h2speed/gateway-per-request.sh (port base CG_PORT_BASE, default 26000).
 set -e
@@ -28,6 +29,7 @@ LOAD="$PY -m load --http 127.0.0.1:$HP --grpc 127.0.0.1:$GP -m $MODEL --protocol
 $LOAD -n 300 >/dev/null
 case $MODE in
   callgrind) callgrind_control -z $P >/dev/null ;;
+  strace) strace -c -f -p $P -o $OUT/strace.txt & MON=$!; sleep 1 ;;
   pyspy) py-spy record -r 2000 -f raw -o $OUT/spy.txt -p $P --nonblocking > $OUT/spy.log 2>&1 & MON=$!; sleep 1 ;;
 esac
 $LOAD -n $N --warmup 0 --json $OUT/load.json >/dev/null
@@ -41,4 +43,7 @@ if [ $MODE = callgrind ]; then
   a=$(callgrind_annotate --inclusive=yes "$OUT/cg.out.1" 2>/dev/null)
   tot=$(echo "$a" | grep "PROGRAM TOTALS" | awk '{gsub(",","",$1); print $1}')
   echo "$TAG $TARGET $MODEL $PROTO c$C: $((tot / N)) instructions per request ($OUT)"
+elif [ $MODE = strace ]; then
+  awk -v n=$N 'NR>2 && $4 ~ /^[0-9]+$/ {printf "%-16s %8.2f per request\n", ($NF=="total" ? "TOTAL" : $NF), $4/n}' \
+    $OUT/strace.txt | sort -k2 -nr | head -12
 else echo "$OUT"; fi

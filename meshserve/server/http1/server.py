@@ -1,7 +1,7 @@
 """An HTTP/1.1 server on llhttp (httptools): one asyncio Protocol per connection.
 
 No aiohttp server machinery on the path: `Connection` feeds the socket's bytes to
-`httptools.HttpRequestParser`, hands each request to the handler (`HttpFrontend.handle`) as a
+`httptools.HttpRequestParser`, hands each request to the handler (`HttpFrontend.answer`) as a
 `request.Request`, and writes the `web.Response` it returns as one buffer (`request.render`);
 a `web.StreamResponse` the handler prepares itself (server-sent events) writes through
 `request.Writer`, chunked.
