@@ -732,7 +732,7 @@ def render_infer_response(
         if hit is not None:
             header, sizes, header_length = hit
             raws = list(response.raw_output_contents)
-            if len(raws) == len(sizes) and all(len(r) == n for r, n in zip(raws, sizes, strict=True)):
+            if tuple(map(len, raws)) == sizes:
                 return b"".join([header, *raws]), {HEADER_LENGTH: header_length, "Content-Type": BINARY_CONTENT_TYPE}
     body, headers = _render(response, request)
     length = headers.get(HEADER_LENGTH)
