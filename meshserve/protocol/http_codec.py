@@ -617,12 +617,17 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
             if arr.min() >= info.min and arr.max() <= info.max:
                 return arr.astype(target).tobytes()
     elif kind in "iuf":
+        if kind == "f" and (datatype == "FP64" or np.abs(arr).max() <= _FLOAT_MAX[datatype]):
+            return arr.astype(target).tobytes()  # finite and in range: the cast cannot overflow
         with np.errstate(over="ignore", invalid="ignore"):
             out = arr.astype(target)
         if datatype != "FP64":
             _check_float_range(where, datatype, arr, out)
         return out.tobytes()
     return _leaves_to_raw(where, datatype, target, _flatten(data))
+
+
+_FLOAT_MAX = {"FP16": float(np.finfo(np.float16).max), "FP32": float(np.finfo(np.float32).max)}
 
 
 def _leaves_to_raw(where: str, datatype: str, target: np.dtype, leaves: list[Any]) -> bytes:
