@@ -49,6 +49,7 @@ __all__ = [
     "parse_json_object",
     "parse_trace_settings",
     "parse_infer_request",
+    "parse_infer",
     "parse_load_request",
     "parse_system_shm_register",
     "parse_cuda_shm_register",
@@ -351,6 +352,84 @@ def parse_infer_request(
                           False)
 
 
+# --- the binary request's template ------------------------------------------------------
+# A client of the binary extension sends the same JSON header again and again (the same model,
+# names, shapes and sizes; only the tensors' bytes differ). The request parse_infer_request makes
+# of a body is a function of the header's bytes, the model's name and version, and the binary
+# section; and each binary input's raw_input_contents entry is a slice of that section. So the
+# first parse of a header is kept as a template: the request serialized without its
+# raw_input_contents, and the slices' sizes. The next body with that header (and a binary
+# section of the same length) becomes its request by one protobuf parse of the template's bytes
+# followed by the slices as raw_input_contents fields (what a gRPC request costs), without
+# decoding the JSON or building the message field by field. Headers up to TEMPLATE_MAX_HEADER
+# bytes, at most TEMPLATES_MAX templates (all dropped when full: a client that never repeats a
+# header costs a parse and a dict entry, as before).
+
+TEMPLATE_MAX_HEADER = 4096
+TEMPLATES_MAX = 256
+_RAW_INPUT_TAG = bytes([(pb.ModelInferRequest.RAW_INPUT_CONTENTS_FIELD_NUMBER << 3) | 2])  # length-delimited
+
+
+class RenderPlan:
+    """One template's requests, as render_infer_response's cache knows them (compared by
+    identity: its requests have the same parameters, ids and requested outputs), and whether
+    they name a shared-memory region (an input's or requested output's parameter)."""
+
+    __slots__ = ("shared_memory",)
+
+    def __init__(self, request: pb.ModelInferRequest) -> None:
+        self.shared_memory = any(SHM_REGION in t.parameters for t in (*request.inputs, *request.outputs))
+
+
+class _Template:
+    __slots__ = ("skeleton", "slices", "binary_bytes", "plan")
+
+    def __init__(self, request: pb.ModelInferRequest) -> None:
+        sizes = [len(r) for r in request.raw_input_contents]
+        bare = pb.ModelInferRequest()
+        bare.CopyFrom(request)
+        del bare.raw_input_contents[:]
+        self.skeleton = bare.SerializeToString()
+        self.slices = tuple((_RAW_INPUT_TAG + wire.varint(n), n) for n in sizes)
+        self.binary_bytes = sum(sizes)
+        self.plan = RenderPlan(request)
+
+
+_templates: dict[tuple[str, str, bytes], _Template] = {}
+
+
+def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None, model_name: str,
+                model_version: str = "") -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
+    """parse_infer_request, through the binary request's template (see above) when the body
+    has a binary section. Also returns the request's RenderPlan for render_infer_response and,
+    when made from a template, the request serialized (what a gateway forwards as it is, as it
+    does a gRPC client's bytes); None for either when the body has no template yet."""
+    if header_length is None or not 0 < header_length <= TEMPLATE_MAX_HEADER or header_length > len(body):
+        return parse_infer_request(body, header_length, model_name, model_version), None, None
+    view = memoryview(body)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    key = (model_name, model_version, bytes(view[:header_length]))
+    template = _templates.get(key)
+    if template is not None and len(view) - header_length == template.binary_bytes:
+        parts: list[bytes | memoryview] = [template.skeleton]
+        offset = header_length
+        for prefix, size in template.slices:
+            parts.append(prefix)
+            parts.append(view[offset:offset + size])
+            offset += size
+        raw = b"".join(parts)
+        return pb.ModelInferRequest.FromString(raw), template.plan, raw
+    request = parse_infer_request(view, header_length, model_name, model_version)
+    template = _Template(request)
+    if template.binary_bytes != len(view) - header_length:
+        return request, None, None  # (an input sent as JSON 'data' with elements: not a slice of the body)
+    if len(_templates) >= TEMPLATES_MAX:
+        _templates.clear()
+    _templates[key] = template
+    return request, template.plan, None
+
+
 def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_end: int, model_name: str,
                    model_version: str, fast: bool) -> pb.ModelInferRequest:
     """parse_infer_request on the decoded JSON header (``fast``: read by orjson)."""
@@ -538,12 +617,17 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
             if arr.min() >= info.min and arr.max() <= info.max:
                 return arr.astype(target).tobytes()
     elif kind in "iuf":
+        if kind == "f" and (datatype == "FP64" or np.abs(arr).max() <= _FLOAT_MAX[datatype]):
+            return arr.astype(target).tobytes()  # finite and in range: the cast cannot overflow
         with np.errstate(over="ignore", invalid="ignore"):
             out = arr.astype(target)
         if datatype != "FP64":
             _check_float_range(where, datatype, arr, out)
         return out.tobytes()
     return _leaves_to_raw(where, datatype, target, _flatten(data))
+
+
+_FLOAT_MAX = {"FP16": float(np.finfo(np.float16).max), "FP32": float(np.finfo(np.float32).max)}
 
 
 def _leaves_to_raw(where: str, datatype: str, target: np.dtype, leaves: list[Any]) -> bytes:
@@ -581,7 +665,10 @@ def _leaves_to_raw(where: str, datatype: str, target: np.dtype, leaves: list[Any
 
 def _check_float_range(where: str, datatype: str, src: np.ndarray, out: np.ndarray) -> None:
     """Reject finite values that overflow to +-inf when narrowed (FP16/FP32)."""
-    overflow = np.isinf(out) & ~np.isinf(src)
+    infinite = np.isinf(out)
+    if not infinite.any():  # (the common case: one test)
+        return
+    overflow = infinite & ~np.isinf(src)
     if overflow.any():
         i = int(np.flatnonzero(overflow.ravel())[0])
         raise InferError.invalid(
@@ -619,8 +706,18 @@ _CONTENTS_FIELD: dict[str, str] = {
 }
 
 
+# A response of binary outputs only, with no parameters and no id, is rendered from its
+# request's RenderPlan and its outputs' names, datatypes and shapes: the same header again for
+# every request of a template. Such headers are kept (at most RENDERED_MAX, all dropped when
+# full); the next response with the same key is its header plus its outputs' bytes (after
+# checking their sizes, as the full rendering does).
+RENDERED_MAX = 256
+_Rendered = tuple[bytes, tuple[int, ...], str]
+_rendered: dict[tuple[Any, ...], _Rendered] = {}
+
+
 def render_infer_response(
-    response: pb.ModelInferResponse, request: pb.ModelInferRequest
+    response: pb.ModelInferResponse, request: pb.ModelInferRequest, plan: RenderPlan | None = None
 ) -> tuple[bytes, dict[str, str]]:
     """Render a `ModelInferResponse` as an HTTP body plus the headers it needs.
 
@@ -631,6 +728,32 @@ def render_infer_response(
     Reads `raw_output_contents` or, when that is empty, typed `contents`. An output written
     to shared memory (its `shared_memory_region` parameter) has its name, datatype and shape only.
     """
+    outputs = response.outputs
+    key: tuple[Any, ...] | None = None
+    if plan is not None and not response.parameters:
+        key = (plan, response.model_name, response.model_version, response.id,
+               *[(o.name, o.datatype, tuple(o.shape), len(o.parameters)) for o in outputs])
+        hit = _rendered.get(key)
+        if hit is not None:
+            header, sizes, header_length = hit
+            raws = list(response.raw_output_contents)
+            if tuple(map(len, raws)) == sizes:
+                return b"".join([header, *raws]), {HEADER_LENGTH: header_length, "Content-Type": BINARY_CONTENT_TYPE}
+    body, headers = _render(response, request)
+    length = headers.get(HEADER_LENGTH)
+    if key is not None and length is not None and not (response.id or request.id):
+        raws = list(response.raw_output_contents)
+        sizes = tuple(map(len, raws))
+        # every output binary (the body is the header and all of them) and none with parameters
+        if (raws and len(raws) == len(outputs) and len(body) == int(length) + sum(sizes)
+                and all(not o.parameters for o in outputs)):
+            if len(_rendered) >= RENDERED_MAX:
+                _rendered.clear()
+            _rendered[key] = (body[:int(length)], sizes, length)
+    return body, headers
+
+
+def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> tuple[bytes, dict[str, str]]:
     default_binary = _param_flag(request.parameters, BINARY_DATA_OUTPUT, False)
     requested = {o.name: o for o in request.outputs}
     raws = list(response.raw_output_contents)
@@ -642,7 +765,7 @@ def render_infer_response(
 
     rendered: list[dict[str, Any]] = []
     blobs: list[bytes] = []
-    finite = True  # no NaN / Infinity in JSON data (orjson would write them as null)
+    floats: list[Any] = []  # the JSON data of float outputs (NaN / Infinity: see below)
     for i, out in enumerate(outputs):
         shape = list(out.shape)
         entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": shape}
@@ -663,8 +786,8 @@ def render_infer_response(
             blobs.append(data)
         else:
             values = _raw_to_json(where, out.datatype, shape, raws[i]) if raws else _contents_to_json(where, out)
-            if finite and out.datatype in _FLOAT_TYPES:
-                finite = bool(np.isfinite(values).all())
+            if out.datatype in _FLOAT_TYPES:
+                floats.append(values)
             entry["data"] = values
         rendered.append(entry)
 
@@ -680,8 +803,11 @@ def render_infer_response(
         doc["parameters"] = params
     doc["outputs"] = rendered
 
-    # Python's json writes NaN / Infinity / -Infinity, as Triton does and tritonclient reads
-    header = _dumps(doc) if finite else json.dumps(_plain(doc), separators=(",", ":")).encode("ascii")
+    # Python's json writes NaN / Infinity / -Infinity, as Triton does and tritonclient reads;
+    # orjson writes them as null: only a header with a null has float data to look at again
+    header = _dumps(doc)
+    if floats and b"null" in header and not all(bool(np.isfinite(v).all()) for v in floats):
+        header = json.dumps(_plain(doc), separators=(",", ":")).encode("ascii")
     if not blobs:
         return header, {"Content-Type": JSON_CONTENT_TYPE}
     return b"".join([header, *blobs]), {

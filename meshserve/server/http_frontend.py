@@ -63,8 +63,7 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     before a byte of the body is read, a chunked or compressed body as soon as it passes the
     limit (TOO_LARGE: 413, and the connection is closed). An unsupported Content-Encoding is
     415 before reading; a malformed or truncated compressed body 400."""
-    headers = request.headers
-    encoding = headers.get("Content-Encoding")
+    encoding = _header(request, "content-encoding")
     # (no decoder object for the common plain body: the fast path below stays a few attribute reads)
     decoder = http_codec.BodyDecoder(encoding, limit) if encoding else None
     plain = decoder is None or decoder.identity
@@ -72,7 +71,7 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     if length is not None and length > limit:
         raise InferError.too_large(
             f"request body of {length} bytes exceeds the {limit}-byte limit (--max-request-bytes)")
-    expect = headers.get("Expect")
+    expect = _header(request, "expect")
     if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s for it
     conn = request.protocol
@@ -110,8 +109,15 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
         if isinstance(conn, _Connection):
             conn.reading = False
             if wire_size > body_worker.TRIM_AFTER_BYTES:
-                conn.trim_heap = True  # read or refused: see HttpFrontend.handle
+                conn.trim_heap = True  # read or refused: see HttpFrontend.answer
     return chunks
+
+
+def _header(request: web.BaseRequest, name: str) -> str | None:
+    """A request header's (first) value; ``name`` in lower case."""
+    if type(request) is http1.Request:
+        return request.header(name)
+    return request.headers.get(name)
 
 
 def _joined(chunks: list[bytes]) -> bytes:
@@ -122,8 +128,10 @@ def _context_headers(request: web.BaseRequest) -> dict[str, str]:
     """The request's headers for the core, as valid text: aiohttp keeps bytes that are not UTF-8
     as lone surrogates, which no gRPC metadata or protobuf field can carry (a `tracestate` of
     such bytes was a 500 on a tracing gateway); they become U+FFFD."""
-    return {k.lower(): v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-            for k, v in request.headers.items()}
+    items = request.lower.items() if type(request) is http1.Request else \
+        ((k.lower(), v) for k, v in request.headers.items())
+    return {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            for k, v in items}
 
 
 def _inline(chunks: list[bytes], size: int | None = None) -> bool:
@@ -159,18 +167,34 @@ def _allow(core: V2Core, request: web.BaseRequest, op: Op, model: str = "") -> G
 class HttpFrontend:
     """Dispatches v2 REST paths to a V2Core."""
 
+    INFER_ROUTES_MAX = 1024
+
     def __init__(self, core: V2Core, limits: ServerLimits | None = None):
         self.core = core
         self.max_body = (limits or ServerLimits()).max_request_bytes
+        # raw path (query included) -> (model, version) of a POST that _dispatch found to be an
+        # infer route: the next POST to that path goes to _infer without the path's parsing
+        # (at most INFER_ROUTES_MAX paths, all dropped when full)
+        self.infer_routes: dict[str, tuple[str, str]] = {}
 
     async def _body(self, request: web.BaseRequest) -> list[bytes]:
         return await _read_body(request, self.max_body)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The answer to one request, as an aiohttp response (aiohttp's server: `_Server`)."""
         conn = request.protocol
         if isinstance(conn, _Connection):
             conn.header_since = 0.0  # this request's headers are in (see _Connection)
+        response = await self.answer(request)
+        return response.to_response() if isinstance(response, http1.Answer) else response
+
+    async def answer(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
+        """The answer to one request: the infer route's is an `http1.Answer` (what the httptools
+        server writes without an aiohttp response; `handle` converts it for aiohttp's server)."""
+        conn = request.protocol
         try:
+            if request.method == "POST" and (route := self.infer_routes.get(request.raw_path)) is not None:
+                return await self._infer(request, *route)
             return await self._dispatch(request)
         except InferError as exc:
             response = _error_response(exc)
@@ -188,7 +212,7 @@ class HttpFrontend:
                 loop = asyncio.get_running_loop()  # once this request's buffers are gone
                 loop.call_later(0.05, loop.run_in_executor, None, body_worker.release_memory)
 
-    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
         path = request.raw_path.split("?", 1)[0]
         parts = [unquote(p) for p in path.strip("/").split("/")]
         method = request.method
@@ -233,7 +257,7 @@ class HttpFrontend:
             raise InferError.invalid(f"method {request.method} not allowed on {request.path}; "
                                      f"use {' or '.join(allowed)}")
 
-    async def _models(self, request: web.BaseRequest, rest: list[str]) -> web.StreamResponse:
+    async def _models(self, request: web.BaseRequest, rest: list[str]) -> web.StreamResponse | http1.Answer:
         core = self.core
         if rest == ["stats"]:
             self._method(request, "GET")
@@ -251,6 +275,10 @@ class HttpFrontend:
             raise InferError.not_found(f"no route for {request.method} {request.path}")
         if action == "infer":
             self._method(request, "POST")
+            routes = self.infer_routes
+            if len(routes) >= self.INFER_ROUTES_MAX:
+                routes.clear()
+            routes[request.raw_path] = (name, version)
             return await self._infer(request, name, version)
         if action in ("generate", "generate_stream"):
             self._method(request, "POST")
@@ -277,29 +305,34 @@ class HttpFrontend:
             return _json_response(http_codec.statistics_to_json(await core.statistics(name, version)))
         raise InferError.not_found(f"no route for {request.method} {request.path}")
 
-    async def _infer(self, request: web.BaseRequest, name: str, version: str) -> web.StreamResponse:
-        header_length = http_codec.parse_header_length(request.headers.get(http_codec.HEADER_LENGTH))
+    async def _infer(self, request: web.BaseRequest, name: str, version: str) -> http1.Answer:
+        header_length = http_codec.parse_header_length(_header(request, "inference-header-content-length"))
         body = await _read_body(request, self.max_body)
+        plan: http_codec.RenderPlan | None = None
+        raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
         if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
-            infer_request = http_codec.parse_infer_request(_joined(body), header_length, name, version)
+            infer_request, plan, raw = http_codec.parse_infer(_joined(body), header_length, name, version)
         else:
             infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
                                           size=header_length)
-        ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
-        infer = shm.infer if shm.uses_shared_memory(infer_request) else observe.infer
-        result, span = await infer(self.core, infer_request, ctx)
-        out_body, headers = http_codec.render_infer_response(result.message(), infer_request)
-        arm = result.message().parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
-        if arm is not None:
-            headers[wire.ROUTE_ARM_HEADER] = arm.string_param
+        ctx = RequestContext(protocol="http", headers=_context_headers(request), raw=raw,
+                             nbytes=sum(map(len, body)))
+        uses_shm = plan.shared_memory if plan is not None else shm.uses_shared_memory(infer_request)
+        result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
+        message = result.message()
+        out_body, headers = http_codec.render_infer_response(message, infer_request, plan)
+        if message.parameters:
+            arm = message.parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
+            if arm is not None:
+                headers[wire.ROUTE_ARM_HEADER] = arm.string_param
         if span is not None:
             headers["traceparent"] = span.traceparent()
-        accept = request.headers.get("Accept-Encoding")
+        accept = _header(request, "accept-encoding")
         if accept:
             out_body, encoding = http_codec.encode_body(out_body, accept)
             if encoding:
                 headers["Content-Encoding"] = encoding
-        return web.Response(body=out_body, headers=headers)
+        return http1.Answer(out_body, headers)
 
     async def _generate(self, request: web.BaseRequest, name: str, version: str,
                         stream: bool) -> web.StreamResponse:
@@ -540,7 +573,7 @@ async def start_http_server(core: V2Core, host: str, port: int,
     """Start the REST server on the running loop; returns (runner, bound port)."""
     limits = limits or ServerLimits()
     if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
-        return await http1.start(HttpFrontend(core, limits).handle, host, port, limits)
+        return await http1.start(HttpFrontend(core, limits).answer, host, port, limits)
     return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port)
 
 

@@ -196,6 +196,13 @@ def http_date() -> str:
     return _date[1]
 
 
+def _connection(keep_alive: bool, version: HttpVersion) -> str:
+    """The Connection header an answer needs ("" for none)."""
+    if not keep_alive:
+        return "Connection: close"
+    return "Connection: keep-alive" if version == HTTP10 else ""
+
+
 def render(response: web.Response, request: Request, keep_alive: bool) -> bytes | list[bytes] | None:
     """The bytes of a plain `web.Response` whose body is bytes, status line to body: one buffer
     (a list of two for a large body: not copied). None when it needs aiohttp's own preparation
@@ -221,11 +228,8 @@ def render(response: web.Response, request: Request, keep_alive: bool) -> bytes 
         lines.append("Content-Type: application/octet-stream")
     if "Date" not in headers:
         lines.append("Date: " + http_date())
-    if "Connection" not in headers:
-        if not keep_alive:
-            lines.append("Connection: close")
-        elif version == HTTP10:
-            lines.append("Connection: keep-alive")
+    if "Connection" not in headers and (connection := _connection(keep_alive, version)):
+        lines.append(connection)
     lines.append("\r\n")
     head = "\r\n".join(lines).encode()
     if empty or not body:
@@ -235,11 +239,57 @@ def render(response: web.Response, request: Request, keep_alive: bool) -> bytes 
     return head + body
 
 
-class Request:
-    """One parsed request: the `web.BaseRequest` subset meshserve's handlers use."""
+class Answer:
+    """A complete answer whose body is bytes (the infer route's): written as one buffer by
+    `render_answer`, without aiohttp's Response (`to_response` makes one for aiohttp's server).
+    `headers` holds Content-Type; Content-Length, Date and Connection are added."""
 
-    __slots__ = ("protocol", "method", "raw_path", "version", "headers", "keep_alive", "content",
-                 "_writer", "_path", "__weakref__")
+    __slots__ = ("status", "body", "headers")
+
+    def __init__(self, body: bytes, headers: dict[str, str], status: int = 200) -> None:
+        self.status = status
+        self.body = body
+        self.headers = headers
+
+    def to_response(self) -> web.Response:
+        return web.Response(body=self.body, status=self.status, headers=self.headers)
+
+
+_STATUS_LINES: dict[tuple[HttpVersion, int], str] = {}
+
+
+def render_answer(answer: Answer, request: Request, keep_alive: bool) -> bytes | list[bytes]:
+    """`render` for an Answer: its bytes, status line to body, as one buffer (two for a large body)."""
+    version = request.version
+    status = answer.status
+    line = _STATUS_LINES.get((version, status))
+    if line is None:
+        line = _STATUS_LINES[(version, status)] = \
+            f"HTTP/{version[0]}.{version[1]} {status} {web.Response(status=status).reason}\r\n"
+    body = answer.body
+    head = [line]
+    for k, v in answer.headers.items():
+        if "\r" in v or "\n" in v:
+            raise ValueError(f"newline or carriage return in the response header {k!r}")
+        head.append(f"{k}: {v}\r\n")
+    head.append(f"Content-Length: {len(body)}\r\nDate: {http_date()}\r\n")
+    connection = _connection(keep_alive, version)
+    head.append(f"{connection}\r\n\r\n" if connection else "\r\n")
+    data = "".join(head).encode()
+    if len(body) > 65536:
+        return [data, body]
+    return data + body
+
+
+class Request:
+    """One parsed request: the `web.BaseRequest` subset meshserve's handlers use.
+
+    `lower` maps lower-case header names to their values (the last one of a repeated field);
+    `header` reads it (the first value, as CIMultiDict's get); `headers`, the CIMultiDict, is
+    made on first use."""
+
+    __slots__ = ("protocol", "method", "raw_path", "version", "fields", "lower", "keep_alive", "content",
+                 "_headers", "_writer", "_path", "__weakref__")
 
     def __init__(self, conn: Connection, method: str, raw_path: str, version: str,
                  headers: list[tuple[str, str]], keep_alive: bool) -> None:
@@ -247,11 +297,26 @@ class Request:
         self.method = method
         self.raw_path = raw_path
         self.version = _VERSIONS.get(version) or HttpVersion(*map(int, version.split(".", 1)))
-        self.headers = CIMultiDict(headers)  # (read only by handlers: no read-only proxy around it)
+        self.fields = headers
+        self.lower = {k.lower(): v for k, v in headers}
+        self._headers: CIMultiDict[str] | None = None
         self.keep_alive = keep_alive
         self.content = Body(conn)
         self._writer: Writer | None = None
         self._path: str | None = None
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        """(read only by handlers: no read-only proxy around it)"""
+        if self._headers is None:
+            self._headers = CIMultiDict(self.fields)
+        return self._headers
+
+    def header(self, lower_name: str) -> str | None:
+        """The first value of a header (its name in lower case), None when absent."""
+        if len(self.lower) == len(self.fields):  # (no name repeated: the one value is the first)
+            return self.lower.get(lower_name)
+        return self.headers.get(lower_name)
 
     @property
     def writer(self) -> Writer:
@@ -294,7 +359,7 @@ class Request:
 
     @property
     def content_length(self) -> int | None:
-        value = self.headers.get("Content-Length")
+        value = self.header("content-length")
         return int(value) if value is not None else None  # (llhttp checked it is a number)
 
     @property

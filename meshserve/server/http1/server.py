@@ -1,7 +1,7 @@
 """An HTTP/1.1 server on llhttp (httptools): one asyncio Protocol per connection.
 
 No aiohttp server machinery on the path: `Connection` feeds the socket's bytes to
-`httptools.HttpRequestParser`, hands each request to the handler (`HttpFrontend.handle`) as a
+`httptools.HttpRequestParser`, hands each request to the handler (`HttpFrontend.answer`) as a
 `request.Request`, and writes the `web.Response` it returns as one buffer (`request.render`);
 a `web.StreamResponse` the handler prepares itself (server-sent events) writes through
 `request.Writer`, chunked.
@@ -33,12 +33,12 @@ import httptools
 from aiohttp import web
 
 from meshserve.server import body_worker
-from meshserve.server.http1.request import Request, payload_error, render
+from meshserve.server.http1.request import Answer, Request, payload_error, render, render_answer
 from meshserve.server.limits import LISTEN, ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
-Handler = Callable[[Any], Awaitable[web.StreamResponse]]  # (takes a request.Request: web.BaseRequest's subset)
+Handler = Callable[[Any], Awaitable[web.StreamResponse | Answer]]  # (takes a request.Request: web.BaseRequest's subset)
 
 MAX_FIELD_BYTES = 8190  # request line (target) and each header field: aiohttp's limits
 MAX_HEADERS = 128
@@ -244,23 +244,31 @@ class Connection(asyncio.Protocol):
                 self.task = None
                 return
             content = request.content
-            keep = (request.keep_alive and response.keep_alive is not False and not server.closing
-                    and content.eof and content.error is None)
-            if not response.prepared:
-                data = render(response, request, keep) if type(response) is web.Response else None
-                if data is None:
-                    if not keep:
-                        response.force_close()
-                    await response.prepare(request)  # type: ignore[arg-type]
-                    await response.write_eof()
-                elif isinstance(data, list):
-                    transport.writelines(data)
+            if isinstance(response, Answer):  # the infer route's answer: one buffer, no aiohttp Response
+                keep = request.keep_alive and not server.closing and content.eof and content.error is None
+                buffer = render_answer(response, request, keep)
+                if isinstance(buffer, list):
+                    transport.writelines(buffer)
                 else:
-                    transport.write(data)
-            elif not response._eof_sent:
-                await response.write_eof()
-            if response.keep_alive is False:
-                keep = False
+                    transport.write(buffer)
+            else:
+                keep = (request.keep_alive and response.keep_alive is not False and not server.closing
+                        and content.eof and content.error is None)
+                if not response.prepared:
+                    data = render(response, request, keep) if type(response) is web.Response else None
+                    if data is None:
+                        if not keep:
+                            response.force_close()
+                        await response.prepare(request)  # type: ignore[arg-type]
+                        await response.write_eof()
+                    elif isinstance(data, list):
+                        transport.writelines(data)
+                    else:
+                        transport.write(data)
+                elif not response._eof_sent:
+                    await response.write_eof()
+                if response.keep_alive is False:
+                    keep = False
         except Exception as exc:  # the client left mid-answer (or a response that cannot be written)
             self.task = None
             if isinstance(exc, ConnectionError):
