@@ -1,0 +1,34 @@
+#!/bin/bash
+# usage: service-per-request.sh MODE TREE TAG MODEL PROTO(grpc|http-binary|grpc-stream) N C
+#   The ONNX service ALONE (no gateway), driven directly by TREE's `python -m load`.
+#   MODE callgrind: the service under callgrind, counters zeroed after 300 warm-up requests,
+#                   dumped after N more; instructions per request: ../2026-11-26-refactor/per-request.sh N DIR
+#   MODE pyspy:     py-spy raw stacks (2000 Hz, threads included) of the service over N requests
+#   MODE cpu:       the service's CPU (user + system) per request over N: noisy on a shared box
+# Results in /tmp/svc-per-request/TAG-MODEL-PROTO-cC-MODE. Ports CG_PORT_BASE (+100 HTTP, +101 gRPC).
+set -e
+MODE=$1; TREE=$2; TAG=$3; MODEL=$4; PROTO=$5; N=${6:-3000}; C=${7:-1}
+B=${CG_PORT_BASE:-25000}; SG=$((B+101)); SH=$((B+100))
+OUT=/tmp/svc-per-request/$TAG-$MODEL-$PROTO-c$C-$MODE; mkdir -p $OUT; rm -f $OUT/*
+PY=/root/.pyenv/versions/3.11.7/bin/python3  # not the pyenv shim: valgrind must run python itself
+cd $TREE
+LOAD="$PY -m load --http 127.0.0.1:$SH --grpc 127.0.0.1:$SG -m $MODEL --protocol $PROTO -c $C --quiet"
+SVCARGS="-m meshserve service onnx --repository /tmp/bench-models/onnx_repo --grpc-port $SG --http-port $SH"
+if [ $MODE = callgrind ]; then valgrind --tool=callgrind --callgrind-out-file=$OUT/cg.out $PY $SVCARGS > $OUT/svc.log 2>&1 &
+else $PY $SVCARGS > $OUT/svc.log 2>&1 & fi
+SVC=$!
+until curl -sf localhost:$SH/v2/health/ready >/dev/null; do sleep 0.5; done
+$LOAD -n 300 >/dev/null
+case $MODE in
+  callgrind) callgrind_control -z $SVC >/dev/null ;;
+  cpu) T0=$(awk '{print $14+$15}' /proc/$SVC/stat) ;;
+  pyspy) py-spy record -r 2000 -f raw --threads -o $OUT/spy.txt -p $SVC --nonblocking > $OUT/spy.log 2>&1 & MON=$!; sleep 1 ;;
+esac
+$LOAD -n $N --warmup 0 --json $OUT/load.json >/dev/null
+case $MODE in
+  callgrind) callgrind_control -d $SVC >/dev/null ;;
+  cpu) echo "service CPU $(( ($(awk '{print $14+$15}' /proc/$SVC/stat) - T0) * 1000000 / $(getconf CLK_TCK) / N )) us per request" ;;
+  *) kill -INT $MON; wait $MON || true ;;
+esac
+kill $SVC; wait $SVC || true
+echo "$OUT"
