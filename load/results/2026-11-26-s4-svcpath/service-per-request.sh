@@ -12,6 +12,11 @@ B=${CG_PORT_BASE:-25000}; SG=$((B+101)); SH=$((B+100))
 OUT=/tmp/svc-per-request/$TAG-$MODEL-$PROTO-c$C-$MODE; mkdir -p $OUT; rm -f $OUT/*
 PY=/root/.pyenv/versions/3.11.7/bin/python3  # not the pyenv shim: valgrind must run python itself
 cd $TREE
+# under valgrind every run is ~1000x longer: the inline bound (services/base/model.py
+# INLINE_RUN_NS) is set to the decision a native run makes (add_sub always inline, mlp never)
+if [ $MODE = callgrind ]; then
+  [ $MODEL = add_sub ] && export MESHSERVE_INLINE_RUN_US=${INLINE_US:-1000000000} || export MESHSERVE_INLINE_RUN_US=${INLINE_US:-0}
+fi
 LOAD="$PY -m load --http 127.0.0.1:$SH --grpc 127.0.0.1:$SG -m $MODEL --protocol $PROTO -c $C --quiet"
 SVCARGS="-m meshserve service onnx --repository /tmp/bench-models/onnx_repo --grpc-port $SG --http-port $SH"
 if [ $MODE = callgrind ]; then valgrind --tool=callgrind --callgrind-out-file=$OUT/cg.out $PY $SVCARGS > $OUT/svc.log 2>&1 &
