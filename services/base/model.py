@@ -40,15 +40,17 @@ from services.base.scheduling.sequence import SequenceStartError
 from services.base.serialization import ResponseEncoder
 from services.base.validation import ModelTensors, Pending, prepare, schedule_policy
 
-# A group whose runtime call was measured at most this long (its fastest run at that batch size)
-# runs on the event loop instead of the instance's worker thread: the hand-off costs more than
-# the loop could do meanwhile. Measured (2-core box, uvloop, load/results/2026-11-26-s4-svcpath):
-# a run_in_executor round trip costs ~19 us of CPU and two thread wake-ups, and the result waits
-# for the GIL when the loop is busy; onnxruntime runs add_sub (2 intra-op threads) in 5-22 us
-# of wall time for 1-64 rows, mlp in 1.0-5.5 ms. A batch size not run yet goes to the thread.
-# MESHSERVE_INLINE_RUN_US overrides it (0: never inline; under valgrind every run is ~50x longer).
+# A group whose runtime call was measured at most this long (its fastest run at that size: rows
+# and input shapes) runs on the event loop instead of the instance's worker thread: the hand-off
+# costs more than the loop could do meanwhile. Measured (2-core box, uvloop,
+# load/results/2026-11-26-s4-svcpath): a run_in_executor round trip costs ~19 us of CPU and two
+# thread wake-ups, and the result waits for the GIL when the loop is busy; onnxruntime runs
+# add_sub (2 intra-op threads) in 5-22 us of wall time for 1-64 rows, mlp in 1.0-5.5 ms. A size
+# not run yet goes to the thread. MESHSERVE_INLINE_RUN_US overrides it (0: never inline; under
+# valgrind every run is ~1000x longer).
 INLINE_RUN_NS = int(os.environ.get("MESHSERVE_INLINE_RUN_US", "50")) * 1000
 _UNMEASURED = 1 << 62
+_SIZES_MAX = 4096  # run sizes remembered per version (variable dimensions) before starting over
 
 
 class ModelVersion:
@@ -75,7 +77,8 @@ class ModelVersion:
         self._instances = list(instances)
         self._pool = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"{self.name}-{version}")
         self._order_tail: asyncio.Future[None] | None = None
-        self._fastest_ns: dict[int, int] = {}  # group rows -> its fastest runtime call (INLINE_RUN_NS)
+        # (group rows, input shapes) -> the fastest runtime call of that size (INLINE_RUN_NS)
+        self._fastest_ns: dict[tuple[int, tuple], int] = {}
         self._ordered = False  # preserve_ordering (dynamic batching)
         self.scheduler: Scheduler[Pending] = self._scheduler(config, len(instances))
         self.ready = True
@@ -184,15 +187,19 @@ class ModelVersion:
             out: list[bytes] | BaseException
             fastest = self._fastest_ns
             for group in groups:
-                rows = sum(q.rows for q in group)
+                payloads = [q.payload for q in group]
+                # the run's size: its rows and the members' (equal) input shapes; ragged inputs'
+                # sizes are not in it, so those models always run on the worker thread
+                size = (sum(p.rows for p in payloads), payloads[0].signature)
                 try:
-                    payloads = [q.payload for q in group]
-                    if fastest.get(rows, _UNMEASURED) <= INLINE_RUN_NS:
+                    if fastest.get(size, _UNMEASURED) <= INLINE_RUN_NS:
                         out, timing = self._run_group(instance, payloads)
                     else:
                         out, timing = await loop.run_in_executor(self._pool, self._run_group, instance, payloads)
-                    if timing[1] < fastest.get(rows, _UNMEASURED):
-                        fastest[rows] = timing[1]
+                    if timing[1] < fastest.get(size, _UNMEASURED) and not self.tensors.ragged:
+                        if len(fastest) >= _SIZES_MAX:
+                            fastest.clear()
+                        fastest[size] = timing[1]
                     results.append((group, out, timing))
                 except BaseException as exc:  # a failing batch fails only its members
                     results.append((group, exc, (0, 0, 0)))
