@@ -240,6 +240,9 @@ def schedule_policy(policy: BatchingPolicy, model: str, request: pb.ModelInferRe
     request parameters `priority` (1 = highest, 0 = default) and `timeout` (µs), the
     model's priority levels and queue policies, and the transport deadline (gRPC)."""
     params = request.parameters
+    if not params and not policy.priority_levels and not policy.priority_queue_policies \
+            and not policy.default_queue_policy.default_timeout_ns:
+        return 1, deadline_ns, None  # the common case (no parameters, priorities or default timeout): level 1
     priority = 0
     if "priority" in params:
         priority = int_param(params["priority"])
