@@ -23,15 +23,18 @@ if [ $MODE = callgrind ]; then valgrind --tool=callgrind --callgrind-out-file=$O
 else $PY $SVCARGS > $OUT/svc.log 2>&1 & fi
 SVC=$!
 until curl -sf localhost:$SH/v2/health/ready >/dev/null; do sleep 0.5; done
+# callgrind_control reaches valgrind only while the process runs: health checks keep an idle
+# service running until the command is taken (a few small requests in the window)
+poke() { callgrind_control $1 $SVC >/dev/null & local C=$!; while kill -0 $C 2>/dev/null; do curl -sf localhost:$SH/v2/health/live >/dev/null; done; }
 $LOAD -n 300 >/dev/null
 case $MODE in
-  callgrind) callgrind_control -z $SVC >/dev/null ;;
+  callgrind) poke -z ;;
   cpu) T0=$(awk '{print $14+$15}' /proc/$SVC/stat) ;;
   pyspy) py-spy record -r 2000 -f raw --threads -o $OUT/spy.txt -p $SVC --nonblocking > $OUT/spy.log 2>&1 & MON=$!; sleep 1 ;;
 esac
 $LOAD -n $N --warmup 0 --json $OUT/load.json >/dev/null
 case $MODE in
-  callgrind) callgrind_control -d $SVC >/dev/null ;;
+  callgrind) poke -d ;;
   cpu) echo "service CPU $(( ($(awk '{print $14+$15}' /proc/$SVC/stat) - T0) * 1000000 / $(getconf CLK_TCK) / N )) us per request" ;;
   *) kill -INT $MON; wait $MON || true ;;
 esac
