@@ -11,6 +11,7 @@ MODE=$1; TREE=$2; TAG=$3; MODEL=$4; PROTO=$5; N=${6:-3000}; C=${7:-1}
 B=${CG_PORT_BASE:-25000}; SG=$((B+101)); SH=$((B+100))
 OUT=/tmp/svc-per-request/$TAG-$MODEL-$PROTO-c$C-$MODE; mkdir -p $OUT; rm -f $OUT/*
 PY=/root/.pyenv/versions/3.11.7/bin/python3  # not the pyenv shim: valgrind must run python itself
+if curl -sf localhost:$SH/v2/health/live >/dev/null; then echo "port $SH is taken: another service would be measured" >&2; exit 1; fi
 cd $TREE
 # under valgrind every run is ~1000x longer: the inline bound (services/base/model.py
 # INLINE_RUN_NS) is set to the decision a native run makes (add_sub always inline, mlp never)
