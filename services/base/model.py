@@ -79,6 +79,9 @@ class ModelVersion:
         self._order_tail: asyncio.Future[None] | None = None
         # (group rows, input shapes) -> the fastest runtime call of that size (INLINE_RUN_NS)
         self._fastest_ns: dict[tuple[int, tuple], int] = {}
+        # sizes say how long a run takes unless an input's size is not in its shape (ragged
+        # inputs, BYTES elements): those models always run on the worker thread
+        self._inline_ok = not self.tensors.ragged and all(s.element_size for s in self.inputs.values())
         self._ordered = False  # preserve_ordering (dynamic batching)
         self.scheduler: Scheduler[Pending] = self._scheduler(config, len(instances))
         self.ready = True
@@ -188,15 +191,14 @@ class ModelVersion:
             fastest = self._fastest_ns
             for group in groups:
                 payloads = [q.payload for q in group]
-                # the run's size: its rows and the members' (equal) input shapes; ragged inputs'
-                # sizes are not in it, so those models always run on the worker thread
+                # the run's size: its rows and the members' (equal) input shapes
                 size = (sum(p.rows for p in payloads), payloads[0].signature)
                 try:
                     if fastest.get(size, _UNMEASURED) <= INLINE_RUN_NS:
                         out, timing = self._run_group(instance, payloads)
                     else:
                         out, timing = await loop.run_in_executor(self._pool, self._run_group, instance, payloads)
-                    if timing[1] < fastest.get(size, _UNMEASURED) and not self.tensors.ragged:
+                    if self._inline_ok and timing[1] < fastest.get(size, _UNMEASURED):
                         if len(fastest) >= _SIZES_MAX:
                             fastest.clear()
                         fastest[size] = timing[1]
