@@ -149,7 +149,7 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
             raise InferError.invalid(
                 f"unexpected shape for input '{t.name}' for model '{name}'. Expected "
                 f"{list(spec.dims)}, got {list(shape)}")
-        if any(d < 0 for d in shape):
+        if shape and min(shape) < 0:
             raise InferError.invalid(f"input '{t.name}' for model '{name}' has a negative dimension {list(shape)}")
         data = raw[i] if raw else _typed_to_bytes(t, name)
         count = datatypes.element_count(shape)
@@ -213,6 +213,8 @@ def int_param(p: pb.InferParameter) -> int:
 
 
 def _dims_match(shape: Sequence[int], dims: Sequence[int]) -> bool:
+    if shape == dims:  # (tuples: the common case, no variable dimension)
+        return True
     if len(shape) != len(dims):
         return False
     return all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
