@@ -3,13 +3,15 @@
 A request is validated on the event loop (:mod:`services.base.validation`: metadata only, no
 numpy), queued on the version's :class:`~services.base.scheduling.Scheduler` (the dynamic
 batcher here; :mod:`services.sequence.model` puts a sequence batcher in its place), and its
-batch runs in a worker thread per instance: the batch's inputs are joined into one buffer per
+batch runs in a worker thread per instance (on the event loop where that batch size was measured
+to run in microseconds: ``INLINE_RUN_NS``): the batch's inputs are joined into one buffer per
 input (:mod:`services.base.batching`), run, and the outputs sliced back into one serialized
 response per request (:mod:`services.base.serialization`).
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +40,18 @@ from services.base.scheduling.sequence import SequenceStartError
 from services.base.serialization import ResponseEncoder
 from services.base.validation import ModelTensors, Pending, prepare, schedule_policy
 
+# A group whose runtime call was measured at most this long (its fastest run at that size: rows
+# and input shapes) runs on the event loop instead of the instance's worker thread: the hand-off
+# costs more than the loop could do meanwhile. Measured (2-core box, uvloop,
+# load/results/2026-11-26-s4-svcpath): a run_in_executor round trip costs ~19 us of CPU and two
+# thread wake-ups, and the result waits for the GIL when the loop is busy; onnxruntime runs
+# add_sub (2 intra-op threads) in 5-22 us of wall time for 1-64 rows, mlp in 1.0-5.5 ms. A size
+# not run yet goes to the thread. MESHSERVE_INLINE_RUN_US overrides it (0: never inline; under
+# valgrind every run is ~1000x longer).
+INLINE_RUN_NS = int(os.environ.get("MESHSERVE_INLINE_RUN_US", "50")) * 1000
+_UNMEASURED = 1 << 62
+_SIZES_MAX = 4096  # run sizes remembered per version (variable dimensions) before starting over
+
 
 class ModelVersion:
     """A loaded (model, version) with its instances, scheduler and statistics."""
@@ -63,6 +77,11 @@ class ModelVersion:
         self._instances = list(instances)
         self._pool = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"{self.name}-{version}")
         self._order_tail: asyncio.Future[None] | None = None
+        # (group rows, input shapes) -> the fastest runtime call of that size (INLINE_RUN_NS)
+        self._fastest_ns: dict[tuple[int, tuple], int] = {}
+        # sizes say how long a run takes unless an input's size is not in its shape (ragged
+        # inputs, BYTES elements): those models always run on the worker thread
+        self._inline_ok = not self.tensors.ragged and all(s.element_size for s in self.inputs.values())
         self._ordered = False  # preserve_ordering (dynamic batching)
         self.scheduler: Scheduler[Pending] = self._scheduler(config, len(instances))
         self.ready = True
@@ -169,10 +188,20 @@ class ModelVersion:
             groups = batching.group_by_signature(batch)
             results: list[tuple[list[QueuedRequest[Pending]], list[bytes] | BaseException, tuple[int, int, int]]] = []
             out: list[bytes] | BaseException
+            fastest = self._fastest_ns
             for group in groups:
+                payloads = [q.payload for q in group]
+                # the run's size: its rows and the members' (equal) input shapes
+                size = (sum(p.rows for p in payloads), payloads[0].signature)
                 try:
-                    out, timing = await loop.run_in_executor(self._pool, self._run_group, instance,
-                                                             [q.payload for q in group])
+                    if fastest.get(size, _UNMEASURED) <= INLINE_RUN_NS:
+                        out, timing = self._run_group(instance, payloads)
+                    else:
+                        out, timing = await loop.run_in_executor(self._pool, self._run_group, instance, payloads)
+                    if self._inline_ok and timing[1] < fastest.get(size, _UNMEASURED):
+                        if len(fastest) >= _SIZES_MAX:
+                            fastest.clear()
+                        fastest[size] = timing[1]
                     results.append((group, out, timing))
                 except BaseException as exc:  # a failing batch fails only its members
                     results.append((group, exc, (0, 0, 0)))

@@ -149,7 +149,7 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
             raise InferError.invalid(
                 f"unexpected shape for input '{t.name}' for model '{name}'. Expected "
                 f"{list(spec.dims)}, got {list(shape)}")
-        if any(d < 0 for d in shape):
+        if shape and min(shape) < 0:
             raise InferError.invalid(f"input '{t.name}' for model '{name}' has a negative dimension {list(shape)}")
         data = raw[i] if raw else _typed_to_bytes(t, name)
         count = datatypes.element_count(shape)
@@ -213,6 +213,8 @@ def int_param(p: pb.InferParameter) -> int:
 
 
 def _dims_match(shape: Sequence[int], dims: Sequence[int]) -> bool:
+    if shape == dims:  # (tuples: the common case, no variable dimension)
+        return True
     if len(shape) != len(dims):
         return False
     return all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
@@ -240,6 +242,9 @@ def schedule_policy(policy: BatchingPolicy, model: str, request: pb.ModelInferRe
     request parameters `priority` (1 = highest, 0 = default) and `timeout` (µs), the
     model's priority levels and queue policies, and the transport deadline (gRPC)."""
     params = request.parameters
+    if not params and not policy.priority_levels and not policy.priority_queue_policies \
+            and not policy.default_queue_policy.default_timeout_ns:
+        return 1, deadline_ns, None  # the common case (no parameters, priorities or default timeout): level 1
     priority = 0
     if "priority" in params:
         priority = int_param(params["priority"])

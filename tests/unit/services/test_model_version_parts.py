@@ -3,6 +3,8 @@ reads of a gateway's hop; the scheduler is the dynamic batcher, or for a sequenc
 sequence batcher alone; and the server's version comes from the package metadata."""
 from __future__ import annotations
 
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 from meshserve.server import core as server_core
 from meshserve.server.core import NO_HOP, Hop
+from services.base import model
 from services.base.model import ModelVersion
 from services.base.scheduling import DynamicBatcher, Scheduler
 from services.base.scheduling.sequence import SequenceBatcher
@@ -92,3 +95,38 @@ async def test_each_model_version_has_one_scheduler(tmp_path: Path) -> None:
 def test_the_server_version_is_the_package_version() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert server_core.SERVER_VERSION == project["version"]
+
+
+class Timed(Echo):
+    """Echo that records the thread of each run, taking ``seconds`` per run."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds = seconds
+        self.threads: list[int] = []
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        self.threads.append(threading.get_ident())
+        if self.seconds:
+            time.sleep(self.seconds)
+        return super().run(inputs, output_names)
+
+
+@pytest.mark.parametrize("seconds, bound_ns, inline", [(0.0, 10**9, True), (0.002, 10**6, False), (0.0, 0, False)])
+async def test_a_batch_size_measured_to_run_in_microseconds_runs_on_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seconds: float, bound_ns: int, inline: bool) -> None:
+    monkeypatch.setattr(model, "INLINE_RUN_NS", bound_ns)
+    instance = Timed(seconds)
+    mv = ModelVersion(_config("m"), 1, tmp_path, [instance], "fake")
+    loop_thread = threading.get_ident()
+    try:
+        for rows in (2, 2, 2, 3):  # the first run of a batch size (2, then 3) is measured on the worker thread
+            body = await mv.infer(_request(rows), None)
+            out = pb.ModelInferResponse.FromString(body)
+            assert np.frombuffer(out.raw_output_contents[0], np.float32).tolist() == list(range(rows))
+        on_loop = [t == loop_thread for t in instance.threads]
+        assert on_loop == [False, inline, inline, False]
+        stats = mv.stats.to_pb()
+        assert stats.execution_count == 4 and stats.inference_count == 9
+        assert stats.inference_stats.compute_infer.count == 4
+    finally:
+        await mv.close()
