@@ -132,10 +132,22 @@ _OUTER = ("<module>", "run ", "run_forever", "_run_once", "_run ", "main ", "ama
           "_run_module_as_main", "serve ", "_cmd_", "Runner.run ", "Thread._bootstrap", "Thread.run ")
 
 
-def bound(cores: dict[str, float], busy_share: float) -> str:
-    hot = [f"{name} ({c:.2f} core)" for name, c in cores.items() if c >= SATURATED]
+RUNTIME_FRAMES = ("Session.run ", "OnnxInstance.run ")  # the model itself (onnxruntime), not meshserve's Python
+
+
+def bound(cores: dict[str, float], busy_share: float, runtime_share: dict[str, float] | None = None) -> str:
+    """What the CPU figures point to. ``runtime_share``: per process, the share of its samples
+    inside the model's own execution (onnxruntime's Session.run)."""
+    runtime_share = runtime_share or {}
+    hot = []
+    for name, c in cores.items():
+        if c >= SATURATED:
+            share = runtime_share.get(name, 0.0)
+            what = (f"the model's execution: onnxruntime, {100 * share:.0f}% of its samples" if share >= 0.4
+                    else "its event loop's Python per request")
+            hot.append(f"{name} ({c:.2f} core) — {what}")
     if hot:
-        return "one process at a full core: " + ", ".join(hot) + " — its event loop's Python per request"
+        return "one process at a full core: " + "; ".join(hot)
     if busy_share >= MACHINE_BUSY:
         return f"the machine: {100 * busy_share:.0f}% of all cores busy (meshserve + perf_analyzer)"
     return ("no core full (" + ", ".join(f"{n} {c:.2f}" for n, c in cores.items())
@@ -201,6 +213,9 @@ class Pass:
         cores = {name: (cpu_seconds(pid) - c0[name]) / wall for name, pid in procs.items()}
         busy = (b1 - b0) / max(1, t1 - t0)
         drive.wait()
+        profiles = {name: read_profile(self.out / f"{tag}-{name}.txt") for name in procs}
+        runtime = {name: max((p.inclusive[k] for k in p.inclusive if k.startswith(RUNTIME_FRAMES)), default=0)
+                   / max(1, p.samples) for name, p in profiles.items()}
         goals = ", ".join(cell.missed) or "none"
         self.md += [f"### {label}: {m} {mode} c{c}",
                     "",
@@ -209,9 +224,8 @@ class Pass:
                     f"{' / '.join(f'{r:.1f}' for r in cell.rows)}; goals missed: {goals}",
                     f"- CPU over {wall:.1f} s: " + ", ".join(f"{n} {v:.2f} core" for n, v in cores.items())
                     + f"; machine {100 * busy:.0f}% busy",
-                    f"- **bound:** {bound(cores, busy)}"]
-        for name in procs:
-            prof = read_profile(self.out / f"{tag}-{name}.txt")
+                    f"- **bound:** {bound(cores, busy, runtime)}"]
+        for name, prof in profiles.items():
             self.md += [f"- {name} ({prof.samples} samples, `{tag}-{name}.txt`): self — "
                         + top(prof.own, prof.samples, 6),
                         "  inclusive — " + top(prof.inclusive, prof.samples, 8, _OUTER)]

@@ -29,6 +29,9 @@ def test_the_bound_names_a_full_process_then_the_machine_then_the_latency_chain(
         "one process at a full core: gateway (0.95 core)")
     assert profile_cells.bound({"gateway": 0.6, "service-onnx": 0.5}, 0.95).startswith("the machine: 95%")
     assert "latency chain" in profile_cells.bound({"gateway": 0.3, "service-onnx": 0.2}, 0.4)
+    # a process whose samples are mostly onnxruntime's run is bound by the model, not by Python
+    assert "the model's execution: onnxruntime, 60%" in profile_cells.bound(
+        {"gateway": 0.2, "service-onnx": 0.97}, 0.6, {"service-onnx": 0.6})
 
 
 def test_missed_cells_name_their_goals(tmp_path: Path) -> None:
