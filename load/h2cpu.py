@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import time
+
+from load.bench.procs import cpu_seconds
 
 SERVER = r"""
 import asyncio, sys, grpc
@@ -41,12 +42,6 @@ try:
 except ImportError:
     asyncio.run(main())
 """
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def drive(port: int, calls: int, concurrency: int, size: int, stream: bool = False) -> None:

@@ -167,23 +167,25 @@ def _otlp_sink_main() -> None:
     print(received[0], flush=True)
 
 
+def cpu_seconds(pid: int) -> float:
+    """user+sys seconds of one process, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_tree_cpu_s(pid: int) -> float:
     """user+sys seconds of a process and its descendants (from /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     todo = [pid]
     while todo:
         p = todo.pop()
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += cpu_seconds(p)
             for t in Path(f"/proc/{p}/task").iterdir():
-                kids = (t / "children").read_text().split()
-                todo.extend(int(k) for k in kids)
+                todo.extend(int(k) for k in (t / "children").read_text().split())
         except (OSError, IndexError, ValueError):
             continue
     return total
-
 
 if __name__ == "__main__" and sys.argv[1:] == ["otlp-sink"]:
     _otlp_sink_main()

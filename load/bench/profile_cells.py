@@ -31,18 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from load.bench import ratios
+from load.bench.procs import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 SATURATED = 0.9  # cores: one event loop (plus its helper threads) counts as the ceiling above this
 MACHINE_BUSY = 0.9  # share of all cores busy
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads), seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def machine_busy() -> tuple[int, int]:
