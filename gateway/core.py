@@ -315,7 +315,7 @@ class GatewayCore:
             if self.coalesce_inflight and coalescer.idle(name):  # nothing to merge with: no merge check
                 result = InferResult(message=await coalescer.send_alone(request, ctx.raw, timeout, affinity))
             elif not self.coalesce_inflight or facts is None or (shape := facts[1]) is None or \
-                    (found := merge_key(request, shape)) is None:  # a sampled request may be merged too
+                    (found := merge_key(request, shape, ctx.raw)) is None:  # a sampled request may be merged too
                 result = InferResult(message=await self.upstream.send(request, ctx.raw, timeout, affinity))
             else:
                 result = await coalescer.submit(found[0], request, ctx.raw, found[1], shape, timeout)

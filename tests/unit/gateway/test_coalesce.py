@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from gateway.upstream import coalesce
 from gateway.upstream.coalesce import (
     MERGED_PARAMETER,
     Coalescer,
@@ -93,7 +94,7 @@ def test_split_of_large_and_unnamed_members() -> None:
         assert pb.ModelInferResponse.FromString(raw).outputs[0].shape == [n, 200]
 
 
-@pytest.mark.parametrize("mutate", [
+MUTATIONS = [
     lambda r: r.inputs[1].__setattr__("datatype", "INT32"),         # wrong dtype
     lambda r: r.inputs[1].shape.__setitem__(1, 8),                  # wrong shape
     lambda r: r.inputs[1].__setattr__("name", "BOGUS"),             # unknown input
@@ -105,12 +106,94 @@ def test_split_of_large_and_unnamed_members() -> None:
     lambda r: r.inputs[1].__setattr__("name", "INPUT0"),            # an input named twice
     lambda r: r.inputs[1].contents.fp32_contents.append(1.0),      # typed contents (refused by the service)
     lambda r: r.inputs[1].shape.__setitem__(0, 2),                  # batch sizes differ between inputs
-])
+]
+
+
+@pytest.mark.parametrize("mutate", MUTATIONS)
 def test_anything_unusual_is_never_merged(mutate) -> None:
     r = request(np.zeros((1, 16)), np.zeros((1, 16)))
     assert merge_key(r, SHAPE) is not None
     mutate(r)
     assert merge_key(r, SHAPE) is None
+
+
+@pytest.mark.parametrize("mutate", MUTATIONS)
+def test_the_remembered_answer_is_the_message_s_answer(mutate) -> None:
+    """With the client's bytes, merge_key remembers its answer by all but the id and the tensor
+    contents: a mergeable request remembered first never lends its answer to an unusual one."""
+    shape = ModelShape.of(CONFIG)
+    good = request(np.zeros((1, 16)), np.zeros((1, 16)), rid="a")
+    assert merge_key(good, shape, good.SerializeToString()) == merge_key(good, SHAPE) is not None
+    bad = request(np.ones((1, 16)), np.ones((1, 16)), rid="b")
+    mutate(bad)
+    assert merge_key(bad, shape, bad.SerializeToString()) is None
+    assert merge_key(bad, shape, bad.SerializeToString()) is None  # remembered too
+    assert merge_key(good, shape, good.SerializeToString()) is not None
+
+
+def test_requests_differing_in_id_and_contents_share_one_answer() -> None:
+    shape = ModelShape.of(CONFIG)
+    rng = np.random.default_rng(1)
+    for i in range(20):
+        r = request(rng.standard_normal((2, 16)), rng.standard_normal((2, 16)), rid=str(i) if i % 2 else "")
+        assert merge_key(r, shape, r.SerializeToString()) == merge_key(r, SHAPE)
+    assert len(shape.keys) == 1
+    three = request(np.zeros((3, 16)), np.zeros((3, 16)))  # the rows are in the shape: another answer
+    assert merge_key(three, shape, three.SerializeToString())[1] == 3
+    assert len(shape.keys) == 2
+
+
+def test_unusual_bytes_are_read_from_the_message_and_memory_stays_bounded() -> None:
+    """Bytes not laid out as usual (a field number above 15, a truncated varint, trailing bytes)
+    or metadata larger than _METADATA_MAX are not remembered; at most _KEYS_MAX answers are."""
+    shape = ModelShape.of(CONFIG)
+    r = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    raw = r.SerializeToString()
+    want = merge_key(r, SHAPE)
+    assert coalesce._metadata(raw) is not None
+    for odd in (raw + b"\x82\x01\x00", raw + b"\x0a", raw + b"\x0a\x05ab", raw[:-3], b"\x08\x01" + raw):
+        assert coalesce._metadata(odd) is None
+        assert merge_key(r, shape, odd) == want
+    assert not shape.keys
+    big = request(np.zeros((1, 16)), np.zeros((1, 16)))
+    big.parameters["binary_data_output"].bool_param = True
+    big.model_version = "9" * (coalesce._METADATA_MAX + 1)
+    assert coalesce._metadata(big.SerializeToString()) is None
+    assert merge_key(big, shape, big.SerializeToString()) == merge_key(big, SHAPE)
+    assert not shape.keys
+    for i in range(coalesce._KEYS_MAX + 10):
+        r.model_version = str(i)
+        assert merge_key(r, shape, r.SerializeToString())[0][1] == str(i)
+        assert len(shape.keys) <= coalesce._KEYS_MAX
+
+
+def test_a_one_input_model_merges_exactly_and_finds_wrong_members() -> None:
+    """A model with one input (the mlp): merged by its own path, byte for byte what the general
+    one builds; a member with the wrong byte size or a second raw entry is named."""
+    config = text_format.Parse("""
+    name: "mlp" max_batch_size: 64
+    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+    dynamic_batching { }
+    """, mc.ModelConfig())
+    shape = ModelShape.of(config)
+    rng = np.random.default_rng(2)
+    reqs, rows = [], [1, 3, 2]
+    for n in rows:
+        r = pb.ModelInferRequest(model_name="mlp")
+        r.inputs.add(name="INPUT0", datatype="FP32", shape=[n, 4])
+        r.outputs.add(name="OUTPUT0")
+        r.raw_input_contents.append(rng.standard_normal((n, 4)).astype(np.float32).tobytes())
+        reqs.append(r)
+    merged = merge(reqs, rows, shape)
+    assert merged.SerializeToString() == merge(reqs, rows).SerializeToString()
+    assert merged.raw_input_contents[0] == b"".join(r.raw_input_contents[0] for r in reqs)
+    assert list(merged.inputs[0].shape) == [6, 4]
+    reqs[1].raw_input_contents[0] = reqs[1].raw_input_contents[0][:-4]
+    reqs[2].raw_input_contents.append(b"\0" * 32)
+    with pytest.raises(Unmergeable) as err:
+        merge(reqs, rows, shape)
+    assert err.value.members == [1, 2]
 
 
 def test_http_rendering_parameters_do_not_stop_a_merge() -> None:
