@@ -313,19 +313,22 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
         specs.append((_field(b"\x0a", o.name.encode()) + _field(b"\x12", o.datatype.encode()), shape[1:]))
         views.append(memoryview(raw))
     head = _field(b"\x0a", response.model_name.encode()) + _field(b"\x12", response.model_version.encode())
-    heads: dict[int, bytes] = {}  # the output tensors' fields (without data) by member rows
+    # by member rows: the output tensors' fields (without data), and each raw_output_contents
+    # (field 6) entry's tag and length
+    heads: dict[int, tuple[bytes, list[bytes]]] = {}
     out = []
     start = 0
     for req, n in zip(requests, rows, strict=True):
-        tensors = heads.get(n)
-        if tensors is None:
-            tensors = heads[n] = b"".join(
+        cached = heads.get(n)
+        if cached is None:
+            cached = heads[n] = (b"".join(
                 _field(b"\x2a", names + _field(b"\x1a", b"".join(wire.varint(d) for d in (n, *inner))))
-                for names, inner in specs)
+                for names, inner in specs), [b"\x32" + wire.varint(n * size) for size in per_row])
+        tensors, lengths = cached
         rid = req.id
         parts: list[bytes | memoryview] = [head, _field(b"\x1a", rid.encode()) if rid else b"", tensors]
-        for view, size in zip(views, per_row, strict=True):
-            parts.append(b"\x32" + wire.varint(n * size))  # raw_output_contents = 6
+        for view, size, length in zip(views, per_row, lengths, strict=True):
+            parts.append(length)
             parts.append(view[start * size:(start + n) * size])
         out.append(b"".join(parts))
         start += n
