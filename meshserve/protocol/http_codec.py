@@ -799,9 +799,12 @@ _SLOT = "\x00"  # an output's data in the skeleton _JsonRendered splits (orjson 
 class _JsonRendered:
     __slots__ = ("pieces", "outputs")
 
-    def __init__(self, pieces: list[bytes], outputs: list[tuple[str, str, list[int], bool]]) -> None:
+    def __init__(self, pieces: list[bytes], outputs: list[tuple[str, str, list[int], bool, np.dtype | None, int]]
+                 ) -> None:
         self.pieces = pieces  # len(outputs) + 1: the body around each output's data
-        self.outputs = outputs  # (where, datatype, shape, a float type) per output
+        # per output: where, datatype, shape, a float type, and for a type whose bytes orjson
+        # writes as they are (not BYTES, BF16, FP16) its numpy dtype and byte size
+        self.outputs = outputs
 
     @classmethod
     def of(cls, response: pb.ModelInferResponse, request: pb.ModelInferRequest,
@@ -816,16 +819,27 @@ class _JsonRendered:
         pieces = orjson.dumps(doc).split(b'"\\u0000"')
         if len(pieces) != len(outputs) + 1:
             return None  # (a name with a NUL in it)
-        template = cls(pieces, [(f"output '{o.name}'", o.datatype, list(o.shape), o.datatype in _FLOAT_TYPES)
-                                for o in outputs])
+        described = []
+        for o in outputs:
+            plain = o.datatype not in ("BYTES", "BF16", "FP16") and datatypes.is_valid(o.datatype)
+            dtype = datatypes.numpy_dtype(o.datatype) if plain else None
+            size = datatypes.element_count(o.shape) * dtype.itemsize if dtype is not None else 0
+            described.append((f"output '{o.name}'", o.datatype, list(o.shape), o.datatype in _FLOAT_TYPES, dtype, size))
+        template = cls(pieces, described)
         return template if template.render(response.raw_output_contents) == body else None
 
     def render(self, raws: Any) -> bytes | None:
         """The body of these outputs' bytes, None where only the full rendering can tell."""
         pieces = self.pieces
         parts = [pieces[0]]
-        for i, (where, datatype, shape, floating) in enumerate(self.outputs):
-            data = orjson.dumps(_raw_to_json(where, datatype, shape, raws[i]), option=_NUMPY)
+        for i, (where, datatype, shape, floating, dtype, size) in enumerate(self.outputs):
+            raw = raws[i]
+            if dtype is None:
+                data = orjson.dumps(_raw_to_json(where, datatype, shape, raw), option=_NUMPY)
+            elif len(raw) == size:  # (_raw_to_json's check and array, without its look-ups)
+                data = orjson.dumps(np.frombuffer(raw, dtype), option=_NUMPY)
+            else:
+                return None  # the full rendering words it
             if floating and b"null" in data:
                 return None  # NaN / Infinity: json writes them (see _render)
             parts.append(data)

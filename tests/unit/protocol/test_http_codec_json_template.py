@@ -214,7 +214,7 @@ def test_bad_numbers_on_a_template_hit_give_the_full_parse_s_answer(datatype: st
     b'{"inputs":[{"name":"T","shape":[1,-3],"datatype":"FP32","data":[1,2,3]}]}',
     b'{"inputs":[{"name":"T","shape":[1,3],"datatype":"FP99","data":[1,2,3]}]}',
     b'{"parameters":{"p":10000000000000000000000},"inputs":[{"name":"T","shape":[1],"datatype":"FP32","data":[1]}]}',
-    '{"inputs":[{"name":"T\\ud800","shape":[1],"datatype":"FP32","data":[1]}]}'.encode(),
+    b'{"inputs":[{"name":"T\\ud800","shape":[1],"datatype":"FP32","data":[1]}]}',
     b'{"inputs":[{"name":"T","shape":[3],"datatype":"BF16","data":[1,2,3]}]}',  # BF16: binary only
     b'\xef\xbb\xbf{"inputs":[{"name":"T","shape":[1],"datatype":"FP32","data":[1]}]}',  # a BOM
 ])
