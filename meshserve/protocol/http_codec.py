@@ -17,6 +17,7 @@ uncompressed JSON part (that is what tritonclient expects).
 """
 from __future__ import annotations
 
+import array
 import base64
 import binascii
 import json
@@ -664,7 +665,45 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
         return _strings_to_raw(where, leaves)
     if datatype == "BF16":
         raise InferError.invalid(f"{where}: BF16 tensors must be sent as binary data, not JSON 'data'")
+    if len(data) >= _FLOATS_MIN and datatype in _FLOAT_TARGETS and type(data[0]) is not bool:
+        raw = _floats_to_raw(datatype, count, data)
+        if raw is not None:
+            return raw
+    return _numbers_to_raw(where, datatype, shape, count, data)
 
+
+# A long flat list for a float type: array("d") reads it (floats, ints and bools, as np.array
+# does; anything else is a TypeError) without np.array's look at each element's type. Its bytes
+# are np.array(data)'s when that would not have been all-bool (the first element is not a bool)
+# and no integer lost digits as a double (every value below 2**53, so an all-integer list cast
+# to the float type rounds once, as from int64); otherwise, or for any other count, the general
+# path decides. Instructions (callgrind, a list of 512 floats): np.array(data) 177,697,
+# np.array(data, float64) 138,541 (and it takes strings), array("d") + frombuffer 117,940;
+# at 64 elements np.array 25,938 and array("d") 29,670, at 16 15,981 vs 21,554: so from 128.
+_FLOATS_MIN = 128
+_FLOAT_TARGETS = frozenset({"FP16", "FP32", "FP64"})
+_EXACT_INT = float(2**53)
+
+
+def _floats_to_raw(datatype: str, count: int, data: list[Any]) -> bytes | None:
+    try:
+        arr = np.frombuffer(array.array("d", data), np.float64)
+    except (TypeError, OverflowError):  # not all numbers (or nested, or an int beyond a double)
+        return None
+    if arr.size != count:
+        return None
+    top = np.abs(arr).max()
+    if not top < _EXACT_INT:  # (NaN / Infinity, from json's reading: the general path)
+        return None
+    if datatype == "FP64":
+        return arr.tobytes()
+    if datatype == "FP16" and top > _FLOAT_MAX["FP16"]:
+        return None
+    return arr.astype(datatypes.numpy_dtype(datatype)).tobytes()
+
+
+def _numbers_to_raw(where: str, datatype: str, shape: list[int], count: int, data: list[Any]) -> bytes:
+    """_json_data_to_raw of a number type (not BYTES, not BF16)."""
     # Fast path: let numpy infer a regular array and accept it when its kind fits the
     # datatype; anything unusual (ragged nesting, nulls, strings, floats for an integer
     # type, out-of-range values) goes through the element-wise path for a precise message.
