@@ -903,7 +903,7 @@ def render_infer_response(
     if plan is not None and not response.parameters:
         # each output's name, datatype, shape and parameters as its serialized bytes: one C call
         # each (the tuple of name, datatype, tuple(shape) and len(parameters) it replaces cost
-        # 31.6k more instructions per add_sub request: load/results/2026-11-26-s5-jsonpath/NOTES.md)
+        # 13k more instructions per add_sub request: load/results/2026-11-26-s5-jsonpath/NOTES.md)
         key = (plan, response.model_name, response.model_version, response.id,
                *[o.SerializeToString() for o in outputs])
         hit = _rendered.get(key)

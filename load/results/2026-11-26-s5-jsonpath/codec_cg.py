@@ -4,6 +4,7 @@ the same shape with other numbers. usage: codec_cg.py add_sub|mlp N (run under c
 and with 0: the difference / N is the codec's instructions per request)."""
 from __future__ import annotations
 
+import gc
 import sys
 
 import numpy as np
@@ -30,6 +31,7 @@ def main(model: str, n: int) -> None:
             answer.raw_output_contents.append(arrays[name].tobytes())
         answers.append(answer)
     parse = getattr(http_codec, "parse_infer", None)
+    gc.freeze()  # (a full collection of the imports' objects in one run and not the other: +-40k per request)
     for i in range(20 + n):
         body = bodies[i % 8]
         request, plan, _raw = parse(body, len(body), model, "")

@@ -7,7 +7,7 @@ H=$(dirname $(readlink -f $0))/codec_cg.py
 D=$(mktemp -d)
 cd $TREE
 for n in 0 $N; do
-  PYTHONPATH=$TREE valgrind --tool=callgrind --callgrind-out-file=$D/cg.$n $PY $H $MODEL $n >/dev/null 2>&1
+  PYTHONHASHSEED=0 PYTHONPATH=$TREE valgrind --tool=callgrind --callgrind-out-file=$D/cg.$n $PY $H $MODEL $n >/dev/null 2>&1
 done
 t0=$(callgrind_annotate $D/cg.0 2>/dev/null | grep "PROGRAM TOTALS" | awk '{gsub(",","",$1); print $1}')
 t1=$(callgrind_annotate $D/cg.$N 2>/dev/null | grep "PROGRAM TOTALS" | awk '{gsub(",","",$1); print $1}')
