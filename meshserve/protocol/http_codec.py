@@ -17,6 +17,7 @@ uncompressed JSON part (that is what tritonclient expects).
 """
 from __future__ import annotations
 
+import array
 import base64
 import binascii
 import json
@@ -401,10 +402,15 @@ _templates: dict[tuple[str, str, bytes], _Template] = {}
 def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None, model_name: str,
                 model_version: str = "") -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
     """parse_infer_request, through the binary request's template (see above) when the body
-    has a binary section. Also returns the request's RenderPlan for render_infer_response and,
-    when made from a template, the request serialized (what a gateway forwards as it is, as it
-    does a gRPC client's bytes); None for either when the body has no template yet."""
-    if header_length is None or not 0 < header_length <= TEMPLATE_MAX_HEADER or header_length > len(body):
+    has a binary section, or the JSON request's (below) when it is all JSON. Also returns the
+    request's RenderPlan for render_infer_response and, when made from a template, the request
+    serialized (what a gateway forwards as it is, as it does a gRPC client's bytes); None for
+    either when the body has no template yet."""
+    if header_length is None or header_length == len(body):  # all JSON (perf_analyzer sends the length)
+        if header_length != 0 and isinstance(body, (bytes, bytearray)):
+            return _parse_json_infer(body, header_length, model_name, model_version)
+        return parse_infer_request(body, header_length, model_name, model_version), None, None
+    if not 0 < header_length <= TEMPLATE_MAX_HEADER or header_length > len(body):
         return parse_infer_request(body, header_length, model_name, model_version), None, None
     view = memoryview(body)
     if view.ndim != 1 or view.itemsize != 1:
@@ -421,13 +427,81 @@ def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None,
         raw = b"".join(parts)
         return pb.ModelInferRequest.FromString(raw), template.plan, raw
     request = parse_infer_request(view, header_length, model_name, model_version)
-    template = _Template(request)
-    if template.binary_bytes != len(view) - header_length:
+    if sum(map(len, request.raw_input_contents)) != len(view) - header_length:
         return request, None, None  # (an input sent as JSON 'data' with elements: not a slice of the body)
+    template = _Template(request)
     if len(_templates) >= TEMPLATES_MAX:
         _templates.clear()
     _templates[key] = template
     return request, template.plan, None
+
+
+# --- the JSON request's template ----------------------------------------------------------
+# A client of plain JSON (perf_analyzer's and tritonclient's JSON requests) sends the same
+# request again and again but for the numbers in its inputs' 'data'. The request that
+# _infer_request makes of a decoded body is a function of the body without those 'data' lists
+# (names, datatypes, shapes, parameters, outputs, id) and of each list's own conversion
+# (_json_data_to_raw, given the input's datatype and shape). So the orjson document with every
+# input's 'data' taken out is the key (orjson.dumps of it: its skeleton, up to
+# TEMPLATE_MAX_HEADER bytes), and its first parse is kept: the request serialized without
+# raw_input_contents and each input's name, datatype and shape. The next body of that skeleton
+# converts its lists only and is one protobuf parse of the skeleton plus the converted bytes as
+# raw_input_contents fields (as the binary template). A list that does not convert, or a body
+# orjson does not read, is parsed in full (so every error is the full parse's, word for word).
+# Measured: load/results/2026-11-26-s5-jsonpath/NOTES.md.
+
+class _JsonTemplate:
+    __slots__ = ("skeleton", "inputs", "plan")
+
+    def __init__(self, request: pb.ModelInferRequest) -> None:
+        bare = pb.ModelInferRequest()
+        bare.CopyFrom(request)
+        del bare.raw_input_contents[:]
+        self.skeleton = bare.SerializeToString()
+        self.inputs = tuple((f"input '{t.name}'", t.datatype, list(t.shape), datatypes.element_count(t.shape))
+                            for t in request.inputs)
+        self.plan = RenderPlan(request)
+
+
+_json_templates: dict[tuple[str, str, bool, bytes], _JsonTemplate] = {}
+
+
+def _parse_json_infer(body: bytes | bytearray, header_length: int | None, model_name: str,
+                      model_version: str) -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
+    """parse_infer of an all-JSON body (its template: see above)."""
+    try:
+        doc = orjson.loads(body)
+        items = doc["inputs"]
+        lists = [item.pop("data") for item in items]
+        skeleton = orjson.dumps(doc)
+    except (orjson.JSONDecodeError, RecursionError, TypeError, KeyError, AttributeError):
+        # not JSON orjson reads, not an object with a list of input objects that all have 'data'
+        return parse_infer_request(body, header_length, model_name, model_version), None, None
+    key = (model_name, model_version, header_length is None, skeleton)
+    template = _json_templates.get(key)
+    if template is not None:
+        parts: list[bytes] = [template.skeleton]
+        try:
+            for (where, datatype, shape, count), data in zip(template.inputs, lists, strict=True):
+                raw = _json_data_to_raw(where, datatype, shape, count, data)
+                parts.append(_RAW_INPUT_TAG + wire.varint(len(raw)))
+                parts.append(raw)
+        except InferError:  # the full parse words it (on json's exact reading where orjson's is refused)
+            return parse_infer_request(body, header_length, model_name, model_version), None, None
+        serialized = b"".join(parts)
+        return pb.ModelInferRequest.FromString(serialized), template.plan, serialized
+    for item, data in zip(items, lists, strict=True):
+        item["data"] = data
+    try:
+        request = _infer_request(doc, memoryview(body), header_length, len(body), model_name, model_version, True)
+    except (InferError, _Inexact):  # decided on json's exact reading
+        return parse_infer_request(body, header_length, model_name, model_version), None, None
+    if len(skeleton) <= TEMPLATE_MAX_HEADER and len(request.raw_input_contents) == len(lists):
+        if len(_json_templates) >= TEMPLATES_MAX:
+            _json_templates.clear()
+        template = _json_templates[key] = _JsonTemplate(request)
+        return request, template.plan, None
+    return request, None, None
 
 
 def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_end: int, model_name: str,
@@ -591,7 +665,45 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
         return _strings_to_raw(where, leaves)
     if datatype == "BF16":
         raise InferError.invalid(f"{where}: BF16 tensors must be sent as binary data, not JSON 'data'")
+    if len(data) >= _FLOATS_MIN and datatype in _FLOAT_TARGETS and type(data[0]) is not bool:
+        raw = _floats_to_raw(datatype, count, data)
+        if raw is not None:
+            return raw
+    return _numbers_to_raw(where, datatype, shape, count, data)
 
+
+# A long flat list for a float type: array("d") reads it (floats, ints and bools, as np.array
+# does; anything else is a TypeError) without np.array's look at each element's type. Its bytes
+# are np.array(data)'s when that would not have been all-bool (the first element is not a bool)
+# and no integer lost digits as a double (every value below 2**53, so an all-integer list cast
+# to the float type rounds once, as from int64); otherwise, or for any other count, the general
+# path decides. Instructions (callgrind, a list of 512 floats): np.array(data) 177,697,
+# np.array(data, float64) 138,541 (and it takes strings), array("d") + frombuffer 117,940;
+# at 64 elements np.array 25,938 and array("d") 29,670, at 16 15,981 vs 21,554: so from 128.
+_FLOATS_MIN = 128
+_FLOAT_TARGETS = frozenset({"FP16", "FP32", "FP64"})
+_EXACT_INT = float(2**53)
+
+
+def _floats_to_raw(datatype: str, count: int, data: list[Any]) -> bytes | None:
+    try:
+        arr = np.frombuffer(array.array("d", data), np.float64)
+    except (TypeError, OverflowError):  # not all numbers (or nested, or an int beyond a double)
+        return None
+    if arr.size != count:
+        return None
+    top = np.abs(arr).max()
+    if not top < _EXACT_INT:  # (NaN / Infinity, from json's reading: the general path)
+        return None
+    if datatype == "FP64":
+        return arr.tobytes()
+    if datatype == "FP16" and top > _FLOAT_MAX["FP16"]:
+        return None
+    return arr.astype(datatypes.numpy_dtype(datatype)).tobytes()
+
+
+def _numbers_to_raw(where: str, datatype: str, shape: list[int], count: int, data: list[Any]) -> bytes:
+    """_json_data_to_raw of a number type (not BYTES, not BF16)."""
     # Fast path: let numpy infer a regular array and accept it when its kind fits the
     # datatype; anything unusual (ragged nesting, nulls, strings, floats for an integer
     # type, out-of-range values) goes through the element-wise path for a precise message.
@@ -711,9 +823,67 @@ _CONTENTS_FIELD: dict[str, str] = {
 # every request of a template. Such headers are kept (at most RENDERED_MAX, all dropped when
 # full); the next response with the same key is its header plus its outputs' bytes (after
 # checking their sizes, as the full rendering does).
+#
+# A response of JSON outputs only (with no parameters and no id either) is kept the same way as
+# the pieces of its body around each output's 'data' (_JsonRendered): the next one with the same
+# key is those pieces around each output's numbers as orjson writes them (_raw_to_json, as the
+# full rendering does); one with a NaN or an infinity (orjson writes null) is rendered in full.
 RENDERED_MAX = 256
 _Rendered = tuple[bytes, tuple[int, ...], str]
-_rendered: dict[tuple[Any, ...], _Rendered] = {}
+_rendered: dict[tuple[Any, ...], _Rendered | _JsonRendered] = {}
+_JSON_HEADERS = {"Content-Type": JSON_CONTENT_TYPE}
+_SLOT = "\x00"  # an output's data in the skeleton _JsonRendered splits (orjson writes "\u0000")
+
+
+class _JsonRendered:
+    __slots__ = ("pieces", "outputs")
+
+    def __init__(self, pieces: list[bytes], outputs: list[tuple[str, str, list[int], bool, np.dtype | None, int]]
+                 ) -> None:
+        self.pieces = pieces  # len(outputs) + 1: the body around each output's data
+        # per output: where, datatype, shape, a float type, and for a type whose bytes orjson
+        # writes as they are (not BYTES, BF16, FP16) its numpy dtype and byte size
+        self.outputs = outputs
+
+    @classmethod
+    def of(cls, response: pb.ModelInferResponse, request: pb.ModelInferRequest,
+           body: bytes) -> _JsonRendered | None:
+        """The pieces of ``body`` (_render's of ``response``: all outputs JSON, no id, no parameters),
+        when the pieces and this response's numbers make that body again."""
+        outputs = response.outputs
+        doc = {"model_name": response.model_name or request.model_name,
+               "model_version": response.model_version or request.model_version,
+               "outputs": [{"name": o.name, "datatype": o.datatype, "shape": list(o.shape), "data": _SLOT}
+                           for o in outputs]}
+        pieces = orjson.dumps(doc).split(b'"\\u0000"')
+        if len(pieces) != len(outputs) + 1:
+            return None  # (a name with a NUL in it)
+        described = []
+        for o in outputs:
+            plain = o.datatype not in ("BYTES", "BF16", "FP16") and datatypes.is_valid(o.datatype)
+            dtype = datatypes.numpy_dtype(o.datatype) if plain else None
+            size = datatypes.element_count(o.shape) * dtype.itemsize if dtype is not None else 0
+            described.append((f"output '{o.name}'", o.datatype, list(o.shape), o.datatype in _FLOAT_TYPES, dtype, size))
+        template = cls(pieces, described)
+        return template if template.render(response.raw_output_contents) == body else None
+
+    def render(self, raws: Any) -> bytes | None:
+        """The body of these outputs' bytes, None where only the full rendering can tell."""
+        pieces = self.pieces
+        parts = [pieces[0]]
+        for i, (where, datatype, shape, floating, dtype, size) in enumerate(self.outputs):
+            raw = raws[i]
+            if dtype is None:
+                data = orjson.dumps(_raw_to_json(where, datatype, shape, raw), option=_NUMPY)
+            elif len(raw) == size:  # (_raw_to_json's check and array, without its look-ups)
+                data = orjson.dumps(np.frombuffer(raw, dtype), option=_NUMPY)
+            else:
+                return None  # the full rendering words it
+            if floating and b"null" in data:
+                return None  # NaN / Infinity: json writes them (see _render)
+            parts.append(data)
+            parts.append(pieces[i + 1])
+        return b"".join(parts)
 
 
 def render_infer_response(
@@ -731,26 +901,52 @@ def render_infer_response(
     outputs = response.outputs
     key: tuple[Any, ...] | None = None
     if plan is not None and not response.parameters:
+        # each output's name, datatype, shape and parameters as its serialized bytes: one C call
+        # each (the tuple of name, datatype, tuple(shape) and len(parameters) it replaces cost
+        # 13k more instructions per add_sub request: load/results/2026-11-26-s5-jsonpath/NOTES.md)
         key = (plan, response.model_name, response.model_version, response.id,
-               *[(o.name, o.datatype, tuple(o.shape), len(o.parameters)) for o in outputs])
+               *[o.SerializeToString() for o in outputs])
         hit = _rendered.get(key)
-        if hit is not None:
+        if hit is None:
+            pass
+        elif isinstance(hit, _JsonRendered):
+            if len(response.raw_output_contents) == len(outputs):
+                try:
+                    rendered = hit.render(response.raw_output_contents)
+                except (InferError, TypeError):  # the full rendering words it
+                    rendered = None
+                if rendered is not None:
+                    return rendered, _JSON_HEADERS.copy()
+        else:
             header, sizes, header_length = hit
             raws = list(response.raw_output_contents)
             if tuple(map(len, raws)) == sizes:
                 return b"".join([header, *raws]), {HEADER_LENGTH: header_length, "Content-Type": BINARY_CONTENT_TYPE}
     body, headers = _render(response, request)
-    length = headers.get(HEADER_LENGTH)
-    if key is not None and length is not None and not (response.id or request.id):
-        raws = list(response.raw_output_contents)
-        sizes = tuple(map(len, raws))
-        # every output binary (the body is the header and all of them) and none with parameters
-        if (raws and len(raws) == len(outputs) and len(body) == int(length) + sum(sizes)
-                and all(not o.parameters for o in outputs)):
-            if len(_rendered) >= RENDERED_MAX:
-                _rendered.clear()
-            _rendered[key] = (body[:int(length)], sizes, length)
+    if key is not None and not (response.id or request.id) and all(not o.parameters for o in outputs):
+        _keep_rendered(key, response, request, body, headers)
     return body, headers
+
+
+def _keep_rendered(key: tuple[Any, ...], response: pb.ModelInferResponse, request: pb.ModelInferRequest,
+                   body: bytes, headers: dict[str, str]) -> None:
+    """Keep the rendering of ``body`` for ``key`` when all its outputs are binary or all JSON
+    (none with parameters, no id: render_infer_response checked)."""
+    raws = list(response.raw_output_contents)
+    if not raws or len(raws) != len(response.outputs):
+        return
+    length = headers.get(HEADER_LENGTH)
+    kept: _Rendered | _JsonRendered | None = None
+    if length is not None:
+        sizes = tuple(map(len, raws))
+        if len(body) == int(length) + sum(sizes):  # every output binary: the header and all of them
+            kept = (body[:int(length)], sizes, length)
+    else:
+        kept = _JsonRendered.of(response, request, body)
+    if kept is not None:
+        if len(_rendered) >= RENDERED_MAX:
+            _rendered.clear()
+        _rendered[key] = kept
 
 
 def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> tuple[bytes, dict[str, str]]:

@@ -14,13 +14,17 @@ pytestmark = pytest.mark.skipif(not TOOL.exists() and not os.environ.get("CI"),
                                 reason=f"perf_analyzer wrapper not found at {TOOL}")
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("protocol", ["grpc", "http", "http-json"])
 def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> None:
+    """http-json: all-JSON requests and answers (the JSON request template and kept answers of
+    meshserve/protocol/http_codec.py; perf_analyzer reads every answer's JSON)."""
     url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http
     report = tmp_path / "pa.csv"
-    cmd = [str(TOOL), "-m", "small_mlp", "-u", url, "-i", protocol, "--concurrency-range", "1:16:5",
+    cmd = [str(TOOL), "-m", "small_mlp", "-u", url, "-i", protocol.split("-")[0], "--concurrency-range", "1:16:5",
            "--measurement-interval", "500", "--stability-percentage", "100", "--max-trials", "4",
            "-f", str(report)]
+    if protocol == "http-json":
+        cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))

@@ -75,10 +75,8 @@ def test_a_template_is_not_used_for_a_body_of_another_length() -> None:
     assert "bytes after the binary data" in extra.value.message
 
 
-def test_json_data_and_whole_json_bodies_make_no_template() -> None:
-    data, hl = body({"A": f32(0)}, binary_in=False)
-    request, plan, _ = parse_infer(data, hl, "m")
-    assert plan is None and hl is None and request == parse_infer_request(data, hl, "m")
+def test_json_data_beside_binary_inputs_makes_no_template() -> None:
+    # (an all-JSON body has its own template: test_http_codec_json_template.py)
     # a JSON header with one JSON-data input and one binary input
     mixed = httpclient.InferInput("J", [2], "INT64")
     mixed.set_data_from_numpy(np.array([1, 2], dtype=np.int64), binary_data=False)
@@ -129,7 +127,7 @@ def test_rendered_answers_equal_the_full_rendering(binary_out: bool) -> None:
     for seed in range(4):
         answer = response([f32(seed).tobytes(), f32(seed + 1).tobytes()])
         assert render_infer_response(answer, request, plan) == render_infer_response(answer, request)
-    assert len(http_codec._rendered) == (1 if binary_out else 0)  # JSON data: never kept
+    assert len(http_codec._rendered) == 1  # (JSON data: its pieces, test_http_codec_json_template.py)
 
 
 @pytest.mark.parametrize("change", ["id", "parameters", "bytes sizes", "shape", "wrong size"])
