@@ -46,16 +46,18 @@ MAX_WAITING_ANSWERS = 1024
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
 _EMPTY_FINAL = wire.EMPTY_FINAL_PARAMETER
 _ERROR_CODE = wire.ERROR_CODE_PARAMETER
+_RETRY_AFTER = wire.RETRY_AFTER_PARAMETER
 
 
 def _error(msg: pb.ModelStreamInferResponse, where: str) -> InferError | None:
-    """The in-band error a service answered, if it is one."""
+    """The in-band error a service answered, if it is one (with its retry hint)."""
     resp = msg.infer_response
     if not msg.error_message and _ERROR_CODE not in resp.parameters:
         return None
-    code = _CODES.get(resp.parameters[_ERROR_CODE].string_param, Code.UNKNOWN) \
-        if _ERROR_CODE in resp.parameters else Code.UNKNOWN
-    return InferError(code, msg.error_message or f"{code.value} from {where} (no details)")
+    params = resp.parameters
+    code = _CODES.get(params[_ERROR_CODE].string_param, Code.UNKNOWN) if _ERROR_CODE in params else Code.UNKNOWN
+    retry_after = params[_RETRY_AFTER].int64_param / 1000 if _RETRY_AFTER in params else None
+    return InferError(code, msg.error_message or f"{code.value} from {where} (no details)", retry_after_s=retry_after)
 
 
 class NotSent(Exception):
