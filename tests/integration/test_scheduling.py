@@ -143,15 +143,21 @@ def test_higher_priority_overtakes_queued_requests(gateway: Proc) -> None:
     assert set(o.order[3:]) == {"low0", "low1", "low2"}
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
+def _full_queue(gateway: Proc) -> Outcomes:
+    """One request executing and the default level's queue full behind it (max_queue_size 3)."""
     o = Outcomes()
     arrived = Arrivals(gateway)
     o.send(gateway, "blocker")
     arrived.wait(1)
-    for i in range(3):  # fill the default level's queue (max_queue_size 3)
+    for i in range(3):
         o.send(gateway, f"queued{i}")
     arrived.wait(4)
+    return o
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
+    o = _full_queue(gateway)
     o.send(gateway, "overflow", protocol)
     o.wait()
     assert set(o.errors) == {"overflow"}, (o.order, o.errors)
@@ -191,13 +197,7 @@ def _refusal_hint(gw: Proc, protocol: str) -> tuple[str, str | None]:
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_queue_full_says_when_to_retry(gateway: Proc, protocol: str) -> None:
     """The service's queue-full refusal carries a retry hint, and the gateway passes it on."""
-    o = Outcomes()
-    arrived = Arrivals(gateway)
-    o.send(gateway, "blocker")
-    arrived.wait(1)
-    for i in range(3):
-        o.send(gateway, f"queued{i}")
-    arrived.wait(4)
+    o = _full_queue(gateway)
     status, hint = _refusal_hint(gateway, protocol)
     o.wait()
     assert not o.errors, o.errors
