@@ -70,9 +70,8 @@ class Discovery:
 
     def _on_health(self, replica: Replica, serving: bool) -> None:
         if not serving:
-            if replica.healthy:
+            if replica.set_healthy(False):
                 log.warning("replica %s left the pool: health watch says not serving", replica.endpoint)
-            replica.healthy = False
             return
         # Serving again: probe now (its models may have changed) rather than at the next interval.
         if self._pending_refresh is None or self._pending_refresh.done():
@@ -85,9 +84,7 @@ class Discovery:
             entries: list[tuple[str, int, Replica]] = []
             for replica, hosted in zip(replicas, results, strict=True):
                 watch = self.watches.get(replica.endpoint)  # NOT_SERVING beats a probe that raced it
-                was = replica.healthy
-                replica.healthy = hosted is not None and (watch is None or watch.serving is not False)
-                if was != replica.healthy:
+                if replica.set_healthy(hosted is not None and (watch is None or watch.serving is not False)):
                     log.info("replica %s is %s", replica.endpoint, "healthy" if replica.healthy else "unhealthy")
                 if hosted is None:
                     hosted = self._last_hosted.get(replica.endpoint, [])
@@ -131,10 +128,9 @@ class Discovery:
         healthy = [v for v, rs in routes.versions.items() if any(r.healthy for r in rs)]
         return self.configs.get((name, max(healthy))) if healthy else None
 
-    def mark_unhealthy(self, replica: Replica) -> None:
-        if replica.healthy:
-            log.warning("replica %s ejected after a connection failure", replica.endpoint)
-        replica.healthy = False
+    def mark_unhealthy(self, replica: Replica, reason: BaseException | str = "") -> None:
+        if replica.set_healthy(False):
+            log.warning("replica %s ejected after a connection failure: %s", replica.endpoint, reason)
 
     async def _loop(self) -> None:
         while True:

@@ -63,8 +63,22 @@ class Replica:
         self.scrape = ch.unary_unary(f"/{METRICS_SERVICE}/Scrape")
         self.outstanding = 0
         self.healthy = False
+        self.generation = 0  # how many times it joined the pool (set_healthy)
         self.errors = 0
         self.kind: str | None = None  # the service kind it announced (onnx, ...), once it answered an index
+
+    def set_healthy(self, healthy: bool) -> bool:
+        """Put the replica in or out of the pool; whether that changed anything. Joining starts
+        a new generation: what was begun before (a stream still connecting, perhaps to the
+        process that left) no longer speaks for it. Requests from now on get new streams, and a
+        failure of an earlier attempt does not eject it (Upstream._failed)."""
+        if healthy == self.healthy:
+            return False
+        self.healthy = healthy
+        if healthy:
+            self.generation += 1
+            self.streams.renew()
+        return True
 
     async def index(self, ready_only: bool, timeout: float) -> pb.RepositoryIndexResponse:
         """RepositoryIndex, noting the service kind the replica announces with it."""

@@ -46,16 +46,18 @@ MAX_WAITING_ANSWERS = 1024
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
 _EMPTY_FINAL = wire.EMPTY_FINAL_PARAMETER
 _ERROR_CODE = wire.ERROR_CODE_PARAMETER
+_RETRY_AFTER = wire.RETRY_AFTER_PARAMETER
 
 
 def _error(msg: pb.ModelStreamInferResponse, where: str) -> InferError | None:
-    """The in-band error a service answered, if it is one."""
+    """The in-band error a service answered, if it is one (with its retry hint)."""
     resp = msg.infer_response
     if not msg.error_message and _ERROR_CODE not in resp.parameters:
         return None
-    code = _CODES.get(resp.parameters[_ERROR_CODE].string_param, Code.UNKNOWN) \
-        if _ERROR_CODE in resp.parameters else Code.UNKNOWN
-    return InferError(code, msg.error_message or f"{code.value} from {where} (no details)")
+    params = resp.parameters
+    code = _CODES.get(params[_ERROR_CODE].string_param, Code.UNKNOWN) if _ERROR_CODE in params else Code.UNKNOWN
+    retry_after = params[_RETRY_AFTER].int64_param / 1000 if _RETRY_AFTER in params else None
+    return InferError(code, msg.error_message or f"{code.value} from {where} (no details)", retry_after_s=retry_after)
 
 
 class NotSent(Exception):
@@ -78,6 +80,7 @@ class _Stream:
         self._ids = itertools.count(1)
         self.broken = False
         self.answered = False  # a response arrived: the stream reached the service
+        self.retired = False  # out of its pool (StreamPool.renew): it ends once its requests are answered
         self._call: h2.ClientStream | None = None
         self._backlog: list[tuple[str, bytes]] = []  # (id, request) sent while opening
         # (asyncio.get_running_loop() makes a getpid system call each time on Python 3.11: not per request)
@@ -87,7 +90,7 @@ class _Stream:
         # a getpid system call each)
         self._due: dict[str, float] = {}
         self._deadlines = DeadlineTimer(self._loop, self._on_deadlines)
-        self._opening: asyncio.Task[None] | None = self._loop.create_task(self._open(channel))
+        self.opening: asyncio.Task[None] | None = self._loop.create_task(self._open(channel))
 
     async def _open(self, channel: h2.Channel) -> None:
         try:
@@ -101,7 +104,7 @@ class _Stream:
                            f"cannot connect: {type(exc).__name__}")
             return
         finally:
-            self._opening = None
+            self.opening = None
         self._call = call
         backlog, self._backlog = self._backlog, []
         for cid, raw in backlog:  # in order, in this one step: nothing can come between
@@ -112,6 +115,7 @@ class _Stream:
             except ConnectionError:
                 self._on_close(h2.Status.UNAVAILABLE, "stream closed while opening")
                 return
+        self._end_if_retired()
 
     def _on_message(self, raw: bytes) -> None:
         try:
@@ -129,10 +133,26 @@ class _Stream:
                 self._due.pop(msg.infer_response.id, None)
             if not fut.done():
                 fut.set_result(msg)
+            if self.retired:
+                self._end_if_retired()
             return
         answers = self.answers.get(msg.infer_response.id)
         if answers is not None and answers.push(msg):
             del self.answers[msg.infer_response.id]
+            if self.retired:
+                self._end_if_retired()
+
+    def retire(self) -> None:
+        """Take no more requests (its pool no longer hands it out); end the call once the ones
+        it has are answered."""
+        self.retired = True
+        self._end_if_retired()
+
+    def _end_if_retired(self) -> None:
+        if self.retired and not self.pending and not self.answers and not self.broken and self.opening is None:
+            if self._call is not None:
+                self._call.cancel()
+            self._on_close(1, "stream retired by the gateway")
 
     def _on_close(self, code: int, detail: str) -> None:
         self.broken = True
@@ -211,6 +231,8 @@ class _Stream:
                     fut.set_exception(InferError(Code.DEADLINE_EXCEEDED, f"deadline exceeded waiting for {self.name}"))
             elif later is None or due < later:
                 later = due
+        if self.retired:
+            self._end_if_retired()
         return later
 
     def forget(self, fut: asyncio.Future[pb.ModelStreamInferResponse]) -> None:
@@ -218,11 +240,12 @@ class _Stream:
             if f is fut:
                 del self.pending[cid]
                 self._due.pop(cid, None)
+                self._end_if_retired()
                 break
 
     async def close(self) -> None:
-        if self._opening is not None:
-            self._opening.cancel()
+        if self.opening is not None:
+            self.opening.cancel()
         if self._call is not None:
             self._call.cancel()
         self._on_close(1, "stream closed by the gateway")
@@ -320,9 +343,21 @@ class StreamPool:
         self.endpoint = endpoint
         self.size = streams
         self._streams: list[_Stream | None] = [None] * streams
+        self._retired: list[_Stream] = []  # out of the pool, still answering (renew)
         self._rr = itertools.count()
         self._channel = h2.Channel(endpoint, _CONNECT_TIMEOUT_S)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
+
+    def renew(self) -> None:
+        """Let the next requests open new streams instead of joining one still connecting (its
+        own requests stay with it, and it ends after them): the replica came back, maybe as a
+        new process."""
+        self._retired = [s for s in self._retired if not s.broken]
+        for i, s in enumerate(self._streams):
+            if s is not None and s.opening is not None:
+                self._streams[i] = None
+                self._retired.append(s)
+                s.retire()
 
     @property
     def connected(self) -> bool:
@@ -387,7 +422,7 @@ class StreamPool:
         return answers
 
     async def close(self) -> None:
-        for s in self._streams:
+        for s in [*self._streams, *self._retired]:
             if s is not None:
                 await s.close()
         self._channel.close()

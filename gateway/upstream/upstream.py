@@ -50,10 +50,11 @@ class Upstream:
         while True:
             replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
             replica.outstanding += 1
+            generation = replica.generation
             try:
                 return await fn(replica)
             except CALL_ERRORS as exc:
-                err, retry = self._failed(replica, exc)
+                err, retry = self._failed(replica, exc, generation)
                 if retry:
                     replicas.remove(replica)
                     if replicas:
@@ -62,14 +63,15 @@ class Upstream:
             finally:
                 replica.outstanding -= 1
 
-    def _failed(self, replica: Replica, exc: Exception) -> tuple[InferError, bool]:
-        """A call to ``replica`` raised ``exc``: (the client's error, whether another replica may
-        be tried: then this one leaves the pool until discovery sees it healthy)."""
+    def _failed(self, replica: Replica, exc: Exception, generation: int) -> tuple[InferError, bool]:
+        """A call to ``replica``, begun in its ``generation``, raised ``exc``: (the client's error,
+        whether another replica may be tried: then this one leaves the pool until discovery sees
+        it healthy, unless it rejoined since the call began: that failure was the old one's)."""
         err, retry = replica.failure(exc)
         if err.code in (Code.UNAVAILABLE, Code.INTERNAL, Code.UNKNOWN):
             replica.errors += 1
-        if retry:
-            self.discovery.mark_unhealthy(replica)
+        if retry and generation == replica.generation:
+            self.discovery.mark_unhealthy(replica, err)
         return err, retry
 
     async def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
@@ -105,14 +107,14 @@ class Upstream:
         except NotSent:
             return None
         replica.outstanding += 1
-        return self._finish(request, body, timeout, replica, sent)
+        return self._finish(request, body, timeout, replica, sent, replica.generation)
 
     async def _finish(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None, replica: Replica,
-                      sent: Sent) -> pb.ModelInferResponse:
+                      sent: Sent, generation: int) -> pb.ModelInferResponse:
         try:
             return await replica.streams.finish(sent, request.id)
         except CALL_ERRORS as exc:
-            err, retry = self._failed(replica, exc)
+            err, retry = self._failed(replica, exc, generation)
             if not retry or not any(r.healthy for r in self.replicas):
                 raise err from None
         finally:

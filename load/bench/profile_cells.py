@@ -89,6 +89,7 @@ class Profile:
     samples: int = 0
     own: collections.Counter[str] = field(default_factory=collections.Counter)
     inclusive: collections.Counter[str] = field(default_factory=collections.Counter)
+    threads: collections.Counter[str] = field(default_factory=collections.Counter)  # samples per thread (--threads)
 
 
 def _frame_key(frame: str) -> str:
@@ -98,7 +99,8 @@ def _frame_key(frame: str) -> str:
 
 def read_profile(path: Path) -> Profile:
     """Self and inclusive sample counts per frame (function + file) of a ``py-spy record -f raw``
-    output."""
+    output (a frame counts once per sample: recursion), and the samples per thread of one
+    recorded with ``--threads`` ("-" without); py-spy's thread and process entries are no frames."""
     p = Profile()
     if not path.exists():
         return p
@@ -109,10 +111,28 @@ def read_profile(path: Path) -> Profile:
         n = int(count)
         p.samples += n
         frames = stack.split(";")
-        p.own[_frame_key(frames[-1])] += n
+        p.threads[next((f for f in frames[:2] if f.startswith("thread")), "-")] += n  # (after a process entry)
+        frames = [f for f in frames if not f.startswith(("thread", "process"))]
+        if frames:
+            p.own[_frame_key(frames[-1])] += n
         for key in {_frame_key(f) for f in frames}:
             p.inclusive[key] += n
     return p
+
+
+def summary(path: Path, own: int = 15, inclusive: int = 25) -> str:
+    """A profile's text summary (the results folders' ``pyspy_summary.py``): its samples, the
+    share of each thread where it has several, the top ``own`` self and ``inclusive`` frames."""
+    p = read_profile(path)
+    total = max(1, p.samples)
+    lines = [f"== {path}: {p.samples} samples"]
+    if len(p.threads) > 1:
+        lines += [f"{100 * n / total:5.1f}% {t}" for t, n in p.threads.most_common()]
+    lines.append(f"-- self (top {own})")
+    lines += [f"{100 * n / total:5.1f}% {k[:110]}" for k, n in p.own.most_common(own)]
+    lines.append(f"-- inclusive (top {inclusive})")
+    lines += [f"{100 * n / total:5.1f}% {k[:110]}" for k, n in p.inclusive.most_common(inclusive)]
+    return "\n".join(lines)
 
 
 def top(counter: collections.Counter[str], total: int, n: int, skip: tuple[str, ...] = ()) -> str:

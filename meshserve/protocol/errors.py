@@ -80,6 +80,16 @@ class InferError(Exception):
         return f"InferError({self.code.value}, {self.message!r})"
 
     @property
+    def retry_after_ms(self) -> int | None:
+        """The retry hint in whole milliseconds (at least 1), None without one."""
+        return None if self.retry_after_s is None else max(1, int(self.retry_after_s * 1000 + 0.999))
+
+    @property
+    def retry_after_header(self) -> str | None:
+        """The retry hint as HTTP's Retry-After value (whole seconds, at least 1), None without one."""
+        return None if self.retry_after_s is None else str(max(1, int(self.retry_after_s + 0.999)))
+
+    @property
     def http_status(self) -> int:
         return HTTP_STATUS[self.code]
 

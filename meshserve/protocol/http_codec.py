@@ -248,6 +248,13 @@ def _set_infer_param(target: pb.InferParameter, value: Any, where: str, fast: bo
             "expected a string, number or boolean")
 
 
+def set_parameter(target: pb.InferParameter, value: Any, where: str) -> None:
+    """A JSON value as an InferParameter, as the HTTP codec reads one (bool, int64 / uint64 by
+    range, double, string; anything else: INVALID_ARG naming ``where``). BLS requests
+    (services/python/bls.py) carry their parameters by the same rule."""
+    _set_infer_param(target, value, where)
+
+
 def _param_value(p: pb.InferParameter) -> Any:
     """InferParameter -> JSON value, None when no member is set."""
     which = p.WhichOneof("parameter_choice")

@@ -9,6 +9,11 @@ INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
 PRIVATE_PREFIX = "meshserve_"  # every private hop parameter starts so; clients may not send them to a gateway
 ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
+# ... and on a gateway's hop the server's retry hint (ms; HTTP Retry-After, gRPC RETRY_PUSHBACK_METADATA)
+RETRY_AFTER_PARAMETER = "meshserve_retry_after_ms"
+# gRPC's own server pushback trailer (gRFC A6): how long a client should wait before it retries,
+# in ms; sent with RESOURCE_EXHAUSTED where HTTP sends Retry-After
+RETRY_PUSHBACK_METADATA = "grpc-retry-pushback-ms"
 MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how many client requests it holds
 # the traced members of a gateway-merged request: one line per member, "traceparent[\ttracestate]" or empty
 TRACEPARENTS_PARAMETER = "meshserve_traceparents"

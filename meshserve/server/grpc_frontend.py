@@ -92,6 +92,8 @@ def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, InferError):
         context.set_code(exc.grpc_status)
         context.set_details(exc.message)
+        if exc.retry_after_ms is not None:  # HTTP's Retry-After, as gRPC's server pushback
+            context.set_trailing_metadata(((wire.RETRY_PUSHBACK_METADATA, str(exc.retry_after_ms)),))
         return
     log.exception("internal error while serving a gRPC call")
     context.set_code(grpc.StatusCode.INTERNAL)
@@ -299,6 +301,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     infer_response=pb.ModelInferResponse(
                         id=request.id, model_name=request.model_name, model_version=request.model_version))
                 err.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param = exc.code.value
+                if from_gateway and exc.retry_after_ms is not None:
+                    err.infer_response.parameters[wire.RETRY_AFTER_PARAMETER].int64_param = exc.retry_after_ms
                 if streamed:
                     err.infer_response.parameters[_FINAL].bool_param = True
                 if owns_slot:

@@ -43,8 +43,8 @@ def _json_response(obj: Any, status: int = 200) -> web.Response:
 
 def _error_response(exc: InferError, extra_headers: dict[str, str] | None = None) -> web.Response:
     headers = dict(extra_headers or {})
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, int(exc.retry_after_s + 0.999)))
+    if (retry_after := exc.retry_after_header) is not None:
+        headers["Retry-After"] = retry_after
     return web.Response(body=http_codec.error_body(exc.message), status=exc.http_status,
                         content_type=_JSON, headers=headers)
 

@@ -22,6 +22,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server.admission import RETRY_AFTER_S
 from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from meshserve.telemetry.model_stats import ModelStats
@@ -141,7 +142,7 @@ class ModelVersion:
             self.scheduler.enqueue(queued)
         except QueueFullError as exc:
             stats.record_failure(0, "REJECTED")
-            raise InferError.exhausted(str(exc)) from None
+            raise InferError.exhausted(str(exc), retry_after_s=RETRY_AFTER_S) from None
         except SequenceStartError as exc:
             stats.record_failure(0, "OTHER")
             raise InferError.invalid(str(exc)) from None

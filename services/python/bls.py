@@ -17,6 +17,8 @@ import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import grpc_service_pb2_grpc as pb_grpc
+from meshserve.protocol import http_codec
+from meshserve.protocol.errors import InferError
 from services.python import pb_utils
 
 _MAX_MESSAGE = 256 * 1024 * 1024
@@ -31,6 +33,8 @@ _GRPC_TO_TRITON = {
 
 
 def to_proto(request: pb_utils.InferenceRequest, stream: bool = False) -> pb.ModelInferRequest:
+    """The request as a ModelInferRequest (its parameters as the HTTP codec reads JSON ones: an
+    unsupported value raises InferError INVALID_ARG)."""
     msg = pb.ModelInferRequest(model_name=request.model_name, id=request.request_id())
     if request.model_version() > 0:
         msg.model_version = str(request.model_version())
@@ -43,15 +47,8 @@ def to_proto(request: pb_utils.InferenceRequest, stream: bool = False) -> pb.Mod
         msg.raw_input_contents.append(data.tobytes())
     for name in request.requested_output_names():
         msg.outputs.add(name=name)
-    params = json.loads(request.parameters() or "{}")
-    for key, value in params.items():
-        p = msg.parameters[key]
-        if isinstance(value, bool):
-            p.bool_param = value
-        elif isinstance(value, int):
-            p.int64_param = value
-        else:
-            p.string_param = str(value)
+    for key, value in json.loads(request.parameters() or "{}").items():
+        http_codec.set_parameter(msg.parameters[key], value, f"BLS request parameter '{key}'")
     corrid = request.correlation_id()
     if corrid:
         if isinstance(corrid, str):
@@ -112,13 +109,18 @@ class BlsClient:
             resp = self._get_stub().ModelInfer(to_proto(request), timeout=timeout)
         except grpc.RpcError as exc:
             return _error(exc.code(), exc.details() or str(exc), request.model_name)
+        except InferError as exc:  # a parameter no request can carry
+            return _error(exc.grpc_status, exc.message, request.model_name)
         return from_proto(resp)
 
     def stream(self, request: pb_utils.InferenceRequest) -> Iterator[pb_utils.InferenceResponse]:
         if not self.target:
             return iter([self.infer(request)])
         done = threading.Event()
-        msg = to_proto(request, stream=True)
+        try:
+            msg = to_proto(request, stream=True)
+        except InferError as exc:  # a parameter no request can carry
+            return iter([_error(exc.grpc_status, exc.message, request.model_name)])
 
         def requests() -> Iterator[pb.ModelInferRequest]:
             yield msg

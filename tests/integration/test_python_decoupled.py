@@ -84,7 +84,7 @@ def test_repeat_int32_streams_each_response_then_the_empty_final(core) -> None:
 def test_square_int32_responds_from_execute(core) -> None:
     c, loop = core
     answers = collect(c, loop, request("square_int32", IN=np.array([3], np.int32)))
-    assert [ints(m, "OUT") for m, _ in answers[:-1]] == [[9], [9], [9]]
+    assert [ints(m, "OUT") for m, _ in answers[:-1]] == [[3], [3], [3]]
     assert answers[-1] == (None, True)
     assert collect(c, loop, request("square_int32", IN=np.array([0], np.int32))) == [(None, True)]
 
@@ -125,7 +125,7 @@ def test_a_worker_that_dies_mid_stream_ends_the_stream_with_unavailable(core) ->
 
     got, err = loop.run_until_complete(run())
     assert got == [False]
-    assert err.code == Code.UNAVAILABLE and "Stub process 'repeat_int32_0' is not healthy" in err.message
+    assert err.code == Code.UNAVAILABLE and "Stub process 'repeat_int32_0_0' is not healthy" in err.message
 
 
 def test_a_stream_closed_early_cancels_the_request_in_the_model(repo: Path, capfd: pytest.CaptureFixture[str]) -> None:

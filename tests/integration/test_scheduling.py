@@ -6,17 +6,22 @@ so that requests sent while it runs really wait in the service's queue.
 """
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from meshserve.protocol.wire import RETRY_PUSHBACK_METADATA
 from tests.conftest import Proc, start
 from tests.support import eventually, models
 from tests.support.metrics import sample, scrape
@@ -138,21 +143,65 @@ def test_higher_priority_overtakes_queued_requests(gateway: Proc) -> None:
     assert set(o.order[3:]) == {"low0", "low1", "low2"}
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
+def _full_queue(gateway: Proc) -> Outcomes:
+    """One request executing and the default level's queue full behind it (max_queue_size 3)."""
     o = Outcomes()
     arrived = Arrivals(gateway)
     o.send(gateway, "blocker")
     arrived.wait(1)
-    for i in range(3):  # fill the default level's queue (max_queue_size 3)
+    for i in range(3):
         o.send(gateway, f"queued{i}")
     arrived.wait(4)
+    return o
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_queue_full_is_resource_exhausted(gateway: Proc, protocol: str) -> None:
+    o = _full_queue(gateway)
     o.send(gateway, "overflow", protocol)
     o.wait()
     assert set(o.errors) == {"overflow"}, (o.order, o.errors)
     err = o.errors["overflow"]
     assert err.status() == ("StatusCode.RESOURCE_EXHAUSTED" if protocol == "grpc" else "429")
     assert "queue" in err.message()
+
+
+def _refusal_hint(gw: Proc, protocol: str) -> tuple[str, str | None]:
+    """One request for 'slow' by raw HTTP or tritonclient's gRPC stub (tritonclient itself keeps
+    no headers or trailing metadata): (status, Retry-After or grpc-retry-pushback-ms)."""
+    x = np.full((1, N), 1.0, np.float32)
+    if protocol == "http":
+        host, port = gw.http.split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, N], "datatype": "FP32",
+                                           "data": x.ravel().tolist()}]})
+            conn.request("POST", "/v2/models/slow/infer", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            return str(r.status), r.getheader("Retry-After")
+        finally:
+            conn.close()
+    req = service_pb2.ModelInferRequest(model_name="slow")
+    req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, N])
+    req.raw_input_contents.append(x.tobytes())
+    with grpc.insecure_channel(gw.grpc) as channel:
+        try:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=30)
+            return "OK", None
+        except grpc.RpcError as exc:
+            md = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+            return str(exc.code()), md.get(RETRY_PUSHBACK_METADATA)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_queue_full_says_when_to_retry(gateway: Proc, protocol: str) -> None:
+    """The service's queue-full refusal carries a retry hint, and the gateway passes it on."""
+    o = _full_queue(gateway)
+    status, hint = _refusal_hint(gateway, protocol)
+    o.wait()
+    assert not o.errors, o.errors
+    assert (status, hint) == (("StatusCode.RESOURCE_EXHAUSTED", "1000") if protocol == "grpc" else ("429", "1"))
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

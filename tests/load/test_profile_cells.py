@@ -24,6 +24,18 @@ def test_a_raw_profile_gives_self_and_inclusive_shares(tmp_path: Path) -> None:
     assert profile_cells.read_profile(tmp_path / "missing.txt").samples == 0
 
 
+def test_a_threads_profile_gives_each_threads_share_and_no_pseudo_frames(tmp_path: Path) -> None:
+    raw = tmp_path / "t.txt"  # py-spy record --threads: the process and thread come first
+    raw.write_text("process 7:\"python\";thread (0x1);run (a/x.py:1);parse (a/codec.py:9) 75\n"
+                   "process 7:\"python\";thread (0x2);wait (a/pool.py:3) 25\n")
+    p = profile_cells.read_profile(raw)
+    assert p.threads == {"thread (0x1)": 75, "thread (0x2)": 25}
+    assert p.own == {"parse codec.py": 75, "wait pool.py": 25}
+    assert not [k for k in p.inclusive if k.startswith(("process", "thread"))]
+    text = profile_cells.summary(raw, 1, 2)
+    assert " 75.0% thread (0x1)" in text and "-- self (top 1)\n 75.0% parse codec.py\n-- inclusive" in text
+
+
 def test_the_bound_names_a_full_process_then_the_machine_then_the_latency_chain() -> None:
     assert profile_cells.bound({"gateway": 0.95, "service-onnx": 0.4}, 0.7).startswith(
         "one process at a full core: gateway (0.95 core)")

@@ -288,8 +288,27 @@ class TritonPythonModel:
         time.sleep(3600)
 '''
 
-# Triton's examples/decoupled/repeat_model.py, reduced: one response per element of IN (IDX its
-# index), each DELAY ms apart, from a thread, then the final flag.
+# Triton's examples/decoupled (repeat_model.py, square_model.py), reduced; tests/e2e loads the same
+# two in the real Triton. repeat_int32: one response per element of IN (OUT = IN[i], IDX = i), each
+# after DELAY[i] ms, sent from a thread of its own (a cancelled request stops early); WAIT ms
+# (optional) after the last one, the final flag alone (an empty final response).
+REPEAT_CONFIG = """
+name: "repeat_int32"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
+  { name: "DELAY" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] optional: true }
+]
+output [
+  { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
 REPEAT_INT32 = '''
 import threading
 import time
@@ -300,39 +319,60 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.inflight = 0
+        self.threads = []
         self.lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
-            thread = threading.Thread(target=self.respond, args=(request,), daemon=True)
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            delays = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()
+            wait = pb_utils.get_input_tensor_by_name(request, "WAIT")
+            if values.shape != delays.shape:
+                sender = request.get_response_sender()
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"expected IN and DELAY of the same shape, got {values.shape} and {delays.shape}")),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            wait_ms = 0 if wait is None else int(wait.as_numpy()[0])
+            worker = threading.Thread(target=self.respond, daemon=True, args=(request, values, delays, wait_ms))
             with self.lock:
-                self.inflight += 1
-            thread.start()
+                self.threads.append(worker)
+            worker.start()
         return None
 
-    def respond(self, request):
+    def respond(self, request, values, delays, wait_ms):
         sender = request.get_response_sender()
-        values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-        delays = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()
-        for idx, value in enumerate(values):
-            time.sleep(int(delays[idx]) / 1000)
+        for index, (value, delay) in enumerate(zip(values, delays)):
+            time.sleep(int(delay) / 1000)
             if request.is_cancelled():
-                pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {idx} responses")
+                pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {index} responses")
                 break
-            sender.send(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("OUT", np.array([value], dtype=np.int32)),
-                pb_utils.Tensor("IDX", np.array([idx], dtype=np.uint32))]))
+            out = pb_utils.Tensor("OUT", np.array([value], dtype=np.int32))
+            idx = pb_utils.Tensor("IDX", np.array([index], dtype=np.uint32))
+            sender.send(pb_utils.InferenceResponse(output_tensors=[out, idx]))
+        else:
+            time.sleep(wait_ms / 1000)
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        with self.lock:
-            self.inflight -= 1
 
     def finalize(self):
-        while self.inflight:
-            time.sleep(0.01)
+        with self.lock:
+            threads = list(self.threads)
+        for worker in threads:
+            worker.join(timeout=10)
 '''
 
-# Triton's examples/decoupled/square_model.py, reduced: IN responses of IN*IN, in execute().
+# square_int32: IN = [n]: n responses, each OUT = [n], sent from execute(), then the final flag
+# alone (n = 0: no response at all).
+SQUARE_CONFIG = """
+name: "square_int32"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+
 SQUARE_INT32 = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -344,7 +384,8 @@ class TritonPythonModel:
             n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
             sender = request.get_response_sender()
             for _ in range(n):
-                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([n * n], dtype=np.int32))]))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 '''
@@ -433,7 +474,6 @@ def write(repo: Path, name: str, code: str, config_text: str | None) -> Path:
 
 PAIR_IN = [("INPUT0", "TYPE_FP32", str(WIDTH)), ("INPUT1", "TYPE_FP32", str(WIDTH))]
 PAIR_OUT = [("OUTPUT0", "TYPE_FP32", str(WIDTH)), ("OUTPUT1", "TYPE_FP32", str(WIDTH))]
-DECOUPLED = "model_transaction_policy { decoupled: true }\n"
 
 
 def build(repo: Path, instances: int = 2) -> Path:
@@ -465,11 +505,8 @@ def build(repo: Path, instances: int = 2) -> Path:
         "{ data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]\n"))
     write(repo, "wait_for_cancel", WAIT_FOR_CANCEL, config(
         "wait_for_cancel", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))
-    write(repo, "repeat_int32", REPEAT_INT32, config(
-        "repeat_int32", [("IN", "TYPE_INT32", "-1"), ("DELAY", "TYPE_UINT32", "-1")],
-        [("OUT", "TYPE_INT32", "1"), ("IDX", "TYPE_UINT32", "1")], 0, DECOUPLED))
-    write(repo, "square_int32", SQUARE_INT32, config(
-        "square_int32", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")], 0, DECOUPLED))
+    write(repo, "repeat_int32", REPEAT_INT32, REPEAT_CONFIG.lstrip())
+    write(repo, "square_int32", SQUARE_INT32, SQUARE_CONFIG.lstrip())
     write(repo, "auto_complete", AUTO_COMPLETE, None)
     write(repo, "accumulate", ACCUMULATE, config(
         "accumulate", [("IN", "TYPE_INT32", "1")], [("SUM", "TYPE_INT32", "1"), ("WHERE", "TYPE_STRING", "1")], 2,

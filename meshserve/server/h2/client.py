@@ -187,6 +187,8 @@ class H2ClientConnection(H2Endpoint):
         self.streams.clear()
         self.blocked.clear()
         self._free_slots(len(self.slot_waiters))
+        if self.settled is not None and not self.settled.done():
+            self.settled.set_result(None)  # connect() is waiting for SETTINGS that will never come: fail it now
 
     def _free_slots(self, n: int) -> None:
         while n > 0 and self.slot_waiters:
@@ -391,6 +393,8 @@ async def connect(endpoint: str, timeout: float = 5.0) -> H2ClientConnection:
         except TimeoutError:
             proto.close()
             raise ConnectionError(f"{endpoint} sent no HTTP/2 SETTINGS within {timeout} s") from None
+        if proto.closed:  # (a server that died between the TCP handshake and its SETTINGS)
+            raise ConnectionError(f"{endpoint} closed the connection before its HTTP/2 SETTINGS")
     return proto
 
 

@@ -6,6 +6,7 @@ channel, which an infer does not use.
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -86,3 +87,55 @@ async def test_a_request_never_written_goes_to_another_replica(unavailable: str)
         dead, answered = upstream.replicas
         assert not dead.healthy and dead.errors == 1  # ejected: the request was never written to it
         assert answered.healthy and answered.errors == 1
+
+
+@asynccontextmanager
+async def _answering(tag: str) -> AsyncIterator[str]:
+    """A service whose ModelStreamInfer answers every request, its model_name set to ``tag``."""
+
+    async def stream_infer(requests: AsyncIterator[bytes], ctx: object) -> AsyncIterator[bytes]:
+        async for raw in requests:
+            resp = pb.ModelInferResponse(id=pb.ModelInferRequest.FromString(raw).id, model_name=tag)
+            yield pb.ModelStreamInferResponse(infer_response=resp).SerializeToString()
+
+    async with stream_service(stream_infer) as endpoint:
+        yield endpoint
+
+
+async def test_a_connect_begun_before_the_replica_rejoined_does_not_eject_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica left the pool and came back (a new process on the same port) while a stream to
+    it was still connecting. That connect then fails (the old process died after the TCP
+    handshake): its requests go to another replica, but the failure is not the new process's,
+    so the replica stays in the pool, and requests sent after it came back never joined that
+    stream (the fresh-clone CI flake of test_killed_replica_fails_fast_then_pool_heals)."""
+    from meshserve.server.h2 import client
+
+    real_connect = client.connect
+    old_process_dies = asyncio.Event()
+    connects = 0
+
+    async def connect(endpoint: str, timeout: float = 5.0) -> client.H2ClientConnection:
+        nonlocal connects
+        connects += 1
+        if connects == 1:  # the first connect reaches the old process, which dies before its SETTINGS
+            await old_process_dies.wait()
+            raise ConnectionError(f"{endpoint} closed the connection before its HTTP/2 SETTINGS")
+        return await real_connect(endpoint, timeout)
+
+    monkeypatch.setattr(client, "connect", connect)
+    async with _answering("a") as a_endpoint, _answering("b") as b_endpoint, \
+            _upstream(a_endpoint, b_endpoint) as upstream:
+        a = upstream.replicas[0]
+        key = next(k for n in range(1000) if pick_pinned(upstream.replicas, k := f"i:{n}") is a)
+        before = asyncio.ensure_future(upstream.send(pb.ModelInferRequest(model_name="m", id="r1"), None, 5, key))
+        await asyncio.sleep(0.05)  # r1 waits on a's stream, whose connect hangs
+        assert connects == 1 and not before.done()
+        a.set_healthy(False)  # the health watch: a left the pool ...
+        assert a.set_healthy(True)  # ... and came back
+        after = asyncio.ensure_future(upstream.send(pb.ModelInferRequest(model_name="m", id="r2"), None, 5, key))
+        await asyncio.sleep(0.05)
+        old_process_dies.set()
+        first, second = await asyncio.wait_for(asyncio.gather(before, after), 5)
+        assert first.model_name == "b"  # never sent to a: it went to the other replica
+        assert second.model_name == "a" and second.id == "r2"  # on a new stream to the process that came back
+        assert a.healthy, "a failure of the old connect ejected the replica that came back"

@@ -425,6 +425,25 @@ async def test_connect_to_a_closed_port_fails_fast() -> None:
         assert time.monotonic() - t0 < 2.0
 
 
+async def test_a_server_that_dies_before_its_settings_fails_the_connect_at_once() -> None:
+    """The TCP handshake done, the peer closes before sending SETTINGS (a process killed while
+    its listening socket still took connections): the connect fails as the connection drops,
+    not after the whole timeout (a gateway stream waited the full 5 s on one)."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="before its HTTP/2 SETTINGS"):
+            await connect(f"127.0.0.1:{port}", timeout=5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_connect_timeout_is_honoured() -> None:
     """A listener whose accept queue is full drops SYNs: the connect hangs until the timeout."""
     with socket.socket() as listener:

@@ -64,6 +64,14 @@ def request_with(inputs: dict[str, tuple[str, int, int] | bytes], outputs: dict[
     return req
 
 
+def one_output(data: bytes, name: str = "O") -> pb.ModelInferResponse:
+    """A response whose one output, UINT8 ``name``, holds ``data``."""
+    resp = pb.ModelInferResponse()
+    resp.outputs.add(name=name, datatype="UINT8", shape=[len(data)])
+    resp.raw_output_contents.append(data)
+    return resp
+
+
 def test_read_inputs_write_outputs_at_offsets(obj: Callable[[str, bytes], str]) -> None:
     data = bytes(range(256)) * 40
     key = obj("io", data)  # 10240 bytes: past the first page
@@ -73,9 +81,7 @@ def test_read_inputs_write_outputs_at_offsets(obj: Callable[[str, bytes], str]) 
     targets = reg.prepare("", req)
     assert list(req.raw_input_contents) == [b"plain", data[4109:4112]]
     assert shm.REGION not in req.inputs[1].parameters and shm.REGION not in req.outputs[0].parameters
-    resp = pb.ModelInferResponse(model_name="m")
-    resp.outputs.add(name="OUT", datatype="UINT8", shape=[5])
-    resp.raw_output_contents.append(b"hello")
+    resp = one_output(b"hello", "OUT")
     reg.deliver("", targets, resp)
     assert resp.raw_output_contents[0] == b"" and resp.outputs[0].parameters[shm.BYTE_SIZE].int64_param == 5
     with open(f"{shm.SHM_DIR}/{key.lstrip('/')}", "rb") as f:
@@ -161,9 +167,7 @@ def test_tensor_errors(obj: Callable[[str, bytes], str]) -> None:
     fails(lambda: reg.prepare("", req), Code.INVALID_ARG, "input 'B'", "typed 'contents' cannot be combined")
 
     targets = reg.prepare("", request_with({}, {"O": ("r", 4, 0)}))
-    resp = pb.ModelInferResponse()
-    resp.outputs.add(name="O", datatype="UINT8", shape=[5])
-    resp.raw_output_contents.append(b"12345")
+    resp = one_output(b"12345")
     fails(lambda: reg.deliver("", targets, resp), Code.INVALID_ARG,
           "for output 'O' (4 bytes) should be at least 5 bytes to hold the results")
     resp.raw_output_contents[0] = b"1234"
@@ -206,9 +210,7 @@ def test_an_object_truncated_after_registering_is_a_client_error(obj: Callable[[
     os.truncate(f"{shm.SHM_DIR}/{key.lstrip('/')}", 100)
     fails(lambda: reg.prepare("", request_with({"A": ("r", 16, 0)}, {})), Code.INVALID_ARG,
           "shared memory region 'r'", "truncated")
-    resp = pb.ModelInferResponse()
-    resp.outputs.add(name="O", datatype="UINT8", shape=[16])
-    resp.raw_output_contents.append(b"x" * 16)
+    resp = one_output(b"x" * 16)
     fails(lambda: reg.deliver("", targets, resp), Code.INVALID_ARG, "truncated")
     assert os.path.getsize(f"{shm.SHM_DIR}/{key.lstrip('/')}") == 100  # and nothing was written
     reg.close()
@@ -273,9 +275,7 @@ def test_cuda_regions_over_a_fake_runtime(monkeypatch: pytest.MonkeyPatch) -> No
     req = request_with({"A": ("g", 8, 16)}, {"O": ("g", 4, 40)})
     targets = reg.prepare("", req)
     assert req.raw_input_contents[0] == bytes(range(16, 24))
-    resp = pb.ModelInferResponse()
-    resp.outputs.add(name="O", datatype="UINT8", shape=[4])
-    resp.raw_output_contents.append(b"WXYZ")
+    resp = one_output(b"WXYZ")
     reg.deliver("", targets, resp)
     assert device.raw[40:44] == b"WXYZ" and rt.copies == [2, 1]
     reg.unregister("", "", shm.CUDA)
@@ -313,9 +313,7 @@ def test_workers_share_one_registry(obj: Callable[[str, bytes], str],
     req = request_with({"A": ("r", 4, 10)}, {"O": ("r", 2, 60)})
     targets = b.prepare("t", req)
     assert req.raw_input_contents[0] == bytes(range(10, 14))
-    resp = pb.ModelInferResponse()
-    resp.outputs.add(name="O", datatype="UINT8", shape=[2])
-    resp.raw_output_contents.append(b"XY")
+    resp = one_output(b"XY")
     b.deliver("t", targets, resp)
     with open(f"{shm.SHM_DIR}/{key.lstrip('/')}", "rb") as f:
         assert f.read()[60:62] == b"XY"
