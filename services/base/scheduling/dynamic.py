@@ -37,6 +37,7 @@ _TIMER_SLACK_NS = 1_000_000  # wait the final millisecond by yielding, not on a 
 # least every _PROBE_DELAYS delays, so that a probe's wait stays a small share of the time.
 _PROBE_EVERY_NS = 100_000_000
 _PROBE_DELAYS = 20
+_MISSES = 2  # ... and after this many batches in a row expired with fewer clients than K
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,9 +206,10 @@ class DynamicBatcher(Generic[P]):
     nobody else is coming. It never waits longer than Triton would. Only probes set K (an early
     batch always holds ≥ K, an expiry before K came < K: learning from those would ratchet), and a
     probe comes again at least every ``max(_PROBE_EVERY_NS, _PROBE_DELAYS x delay)`` and right
-    after any batch that expired while K was in force (fewer clients than K came), so K follows
-    the load both ways and stays an unbiased sample under open-loop arrivals. ``early_releases``
-    counts the batches it released.
+    after ``_MISSES`` batches in a row expired while K was in force (fewer clients than K came;
+    a single miss is a late client, who joins the next round), so K follows the load both ways
+    and stays an unbiased sample under open-loop arrivals. ``early_releases`` counts the batches
+    it released.
     """
 
     def __init__(self, policy: BatchingPolicy,
@@ -250,6 +252,7 @@ class DynamicBatcher(Generic[P]):
         # probe again (0: now; _NEVER: early release is off), and how many batches it released.
         # _wake_members counts down the members still missing to K while the loop sleeps.
         self._company = 0
+        self._misses = 0  # batches in a row that expired while K was in force
         delay = policy.max_queue_delay_ns
         self._probe_at = 0 if early_release and delay and policy.batching else _NEVER
         self._probe_every = max(_PROBE_EVERY_NS, _PROBE_DELAYS * delay)
@@ -461,6 +464,7 @@ class DynamicBatcher(Generic[P]):
             if isinstance(action, Run):
                 if action.early:
                     self.early_releases += 1
+                    self._misses = 0
                 elif self._probe_at != _NEVER:  # early release is on
                     expired = now - oldest >= delay
                     if probe and (expired or total >= max_preferred):
@@ -468,8 +472,13 @@ class DynamicBatcher(Generic[P]):
                         # releases nothing, so every batch probes (it waits anyway)
                         self._company = members
                         self._probe_at = now + self._probe_every if members > 1 else 0
+                        self._misses = 0
                     elif expired and not probe:
-                        self._probe_at = 0  # fewer than K came: learn K again with the next batch
+                        # fewer than K came: one late client is forgiven (it joins the next
+                        # round); twice in a row, K is learned again with the next batch
+                        self._misses += 1
+                        if self._misses >= _MISSES:
+                            self._probe_at = 0
                 count = action.count
                 if count < len(held):
                     queue.extendleft(reversed(held[count:]))

@@ -71,16 +71,33 @@ async def test_switched_off_every_batch_waits_its_delay() -> None:
     await b.stop()
 
 
-async def test_fewer_clients_than_expected_relearn_k_with_the_next_batch() -> None:
-    """A batch that expired while K was in force (fewer came) makes the next batch a probe: the
-    smaller K is learned from a full wait, not from the expiry itself (which would only ratchet down)."""
+async def test_fewer_clients_than_expected_relearn_k_after_two_misses() -> None:
+    """Two batches in a row that expired while K was in force (fewer came) make the next batch a
+    probe: the smaller K is learned from a full wait, not from the expiries themselves (which
+    only happen below K: learning from them would ratchet K down under random arrivals)."""
     clock, ex = FakeClock(), Executor()
     b = batcher(ex, clock)
     await full_wait(b, ex, clock, 0, "a", "b", "c")  # K = 3
     await full_wait(b, ex, clock, 30 * MS, "a1", "b1")  # a client left: 2 < 3 wait the delay
-    await full_wait(b, ex, clock, 60 * MS, "a2", "b2")  # the probe: waits, K = 2
-    send(b, clock, 90 * MS, "a3", "b3")
-    await eventually_async(lambda: ex.batches[-1] == ["a3", "b3"])
+    await full_wait(b, ex, clock, 60 * MS, "a2", "b2")  # again: the next batch probes
+    await full_wait(b, ex, clock, 90 * MS, "a3", "b3")  # the probe: waits, K = 2
+    send(b, clock, 120 * MS, "a4", "b4")
+    await eventually_async(lambda: ex.batches[-1] == ["a4", "b4"])
+    assert b.early_releases == 1
+    await b.stop()
+
+
+async def test_one_late_client_is_forgiven() -> None:
+    """A round that expired because one client was late keeps K: the late request joins the next
+    round, which runs as soon as all K are queued (no extra full wait)."""
+    clock, ex = FakeClock(), Executor()
+    b = batcher(ex, clock)
+    await full_wait(b, ex, clock, 0, "a", "b", "c")  # K = 3
+    await full_wait(b, ex, clock, 30 * MS, "a1", "b1")  # c1 is late: the delay expires
+    send(b, clock, 55 * MS, "c1")
+    await still_waiting(ex, 2)
+    send(b, clock, 55 * MS, "a2", "b2")
+    await eventually_async(lambda: ex.batches[-1] == ["c1", "a2", "b2"])
     assert b.early_releases == 1
     await b.stop()
 
