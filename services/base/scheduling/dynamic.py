@@ -198,8 +198,10 @@ class DynamicBatcher(Generic[P]):
     must be called from the event loop the batcher runs on; the loop task starts lazily.
 
     Early release (``early_release``, on by default; a difference from Triton, which always
-    waits): a batch released by its delay expiring or by being full is a *probe*; the client
-    requests (members) queued at that moment are the company K that the next batches expect.
+    waits): a batch released by its delay expiring while it waited at a free instance, or by
+    being full, is a *probe*; the client requests (members) queued at that moment are the company
+    K that the next batches expect (a batch that expired behind a busy instance only counts the
+    clients that came during the compute).
     While an instance is free and K ≥ 2 clients are queued, the batch runs now instead of
     waiting out the delay (next_action's ``company``): in a closed loop (clients that wait for
     their answer before sending again) the clients that the full wait gathered are all back and
@@ -253,6 +255,7 @@ class DynamicBatcher(Generic[P]):
         # _wake_members counts down the members still missing to K while the loop sleeps.
         self._company = 0
         self._misses = 0  # batches in a row that expired while K was in force
+        self._waited = False  # the batch being formed waited at a free instance
         delay = policy.max_queue_delay_ns
         self._probe_at = 0 if early_release and delay and policy.batching else _NEVER
         self._probe_every = max(_PROBE_EVERY_NS, _PROBE_DELAYS * delay)
@@ -466,7 +469,9 @@ class DynamicBatcher(Generic[P]):
                     self.early_releases += 1
                     self._misses = 0
                 elif self._probe_at != _NEVER:  # early release is on
-                    expired = now - oldest >= delay
+                    # expired after waiting at a free instance: a batch that expired behind a busy
+                    # one (compute longer than the delay) tells nothing of who comes within a delay
+                    expired = now - oldest >= delay and self._waited
                     if probe and (expired or total >= max_preferred):
                         # K: the clients that a full wait (or a full batch) gathered; below 2 it
                         # releases nothing, so every batch probes (it waits anyway)
@@ -479,6 +484,7 @@ class DynamicBatcher(Generic[P]):
                         self._misses += 1
                         if self._misses >= _MISSES:
                             self._probe_at = 0
+                self._waited = False
                 count = action.count
                 if count < len(held):
                     queue.extendleft(reversed(held[count:]))
@@ -495,6 +501,7 @@ class DynamicBatcher(Generic[P]):
             # Wait: everything queued fits (else it would run), so queued rows == total.
             queue.extendleft(reversed(held))
             self._held = None
+            self._waited = True
             assert isinstance(action, Wait)
             # Only an arrival that reaches the next preferred size (or the max batch) can
             # turn this Wait into a Run; earlier arrivals do not wake the loop.

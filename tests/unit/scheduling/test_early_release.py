@@ -141,3 +141,27 @@ async def test_one_client_learns_nothing_and_a_second_is_learned_next() -> None:
     await eventually_async(lambda: ex.batches[-1] == ["b1", "c1"])
     assert b.early_releases == 1
     await b.stop()
+
+
+async def test_a_batch_that_expired_behind_a_busy_instance_teaches_nothing() -> None:
+    """Compute longer than the delay: the requests that queued meanwhile have expired when the
+    instance frees and run at once (as in Triton), but they are only the clients that came during
+    the compute, not who comes within a delay at a free instance: no K from them."""
+    clock, ex = FakeClock(), Executor(gated=True)
+    b = batcher(ex, clock)
+    first = send(b, clock, 0, "first")
+    clock.now = DELAY
+    await eventually_async(lambda: ex.batches == [["first"]])
+    behind = send(b, clock, 25 * MS, "a", "b")  # queued while "first" computes
+    clock.now = 50 * MS  # their delay passed behind the busy instance
+    ex.open()
+    await asyncio.wait_for(asyncio.gather(*(r.future for r in [*first, *behind])), 1.0)
+    assert ex.batches[-1] == ["a", "b"]
+    send(b, clock, 60 * MS, "a1", "b1")
+    await still_waiting(ex, 2)  # not released early: K was not learned
+    clock.now = 80 * MS
+    await eventually_async(lambda: ex.batches[-1] == ["a1", "b1"])  # that wait was the probe: K = 2
+    send(b, clock, 90 * MS, "a2", "b2")
+    await eventually_async(lambda: ex.batches[-1] == ["a2", "b2"])
+    assert b.early_releases == 1
+    await b.stop()
