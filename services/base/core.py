@@ -29,8 +29,9 @@ from meshserve.server.core import (
 )
 from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
-from services.base.model import ModelVersion
+from services.base.model import ModelVersion, early_release
 from services.base.runtime import RuntimeAdapter, placements
+from services.base.scheduling.dynamic import DynamicBatcher
 from services.base.warmup import run_warmup
 
 log = logging.getLogger("meshserve.service")
@@ -41,6 +42,13 @@ log = logging.getLogger("meshserve.service")
 # never overwrites files a version still serving reads.
 OVERRIDES_DIR = ".meshserve-overrides"
 NOT_LOADED = "not loaded (explicit model control)"
+# the service's own families beside Triton's nv_* ones (metrics.MODEL_FAMILIES)
+SERVICE_FAMILIES = {
+    "early_release": metrics.Family("meshserve_batch_early_release_total", "counter",
+                                    "Batches the dynamic batcher released before max_queue_delay because the "
+                                    "clients it expected were all queued (early release)"),
+}
+_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES}
 
 
 @dataclass
@@ -145,6 +153,7 @@ class ServiceCore:
             raise InferError.unavailable(
                 f"model '{config.name}': backend '{backend}' is not served by the {self.kind} service")
         model_file = layout.model_file(path, config, version)
+        early_release(config)  # a bad value fails the load before any instance is made
         instances = [adapter.load(model_file, config, p) for p in placements(config, self.gpu_available)]
         run_warmup(config, instances, path)  # before the version can be marked ready
         return ModelVersion(config, version, path, instances, config.platform or backend)
@@ -456,8 +465,11 @@ class ServiceCore:
     async def metrics_text(self) -> tuple[bytes, str]:
         samples: list[metrics.Sample] = []
         for mv in self._all_versions():
-            samples += mv.stats.samples({"model": mv.name, "version": mv.version_str})
-        return metrics.render(samples, metrics.MODEL_FAMILIES), metrics.CONTENT_TYPE
+            labels = {"model": mv.name, "version": mv.version_str}
+            samples += mv.stats.samples(labels)
+            if isinstance(mv.scheduler, DynamicBatcher):
+                samples.append(("early_release", labels, mv.scheduler.early_releases))
+        return metrics.render(samples, _FAMILIES), metrics.CONTENT_TYPE
 
 
 def _metadata(config: mc.ModelConfig, versions: list[int]) -> pb.ModelMetadataResponse:

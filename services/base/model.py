@@ -27,7 +27,7 @@ from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from meshserve.telemetry.model_stats import ModelStats
 from services.base import batch_trace, batching
-from services.base.runtime import RuntimeInstance
+from services.base.runtime import RuntimeInstance, RuntimeLoadError, config_parameter
 from services.base.scheduling.dynamic import DynamicBatcher
 from services.base.scheduling.errors import (
     DeadlineExceededError,
@@ -50,8 +50,27 @@ from services.base.validation import ModelTensors, Pending, prepare, schedule_po
 # not run yet goes to the thread. MESHSERVE_INLINE_RUN_US overrides it (0: never inline; under
 # valgrind every run is ~1000x longer).
 INLINE_RUN_NS = int(os.environ.get("MESHSERVE_INLINE_RUN_US", "50")) * 1000
+# The dynamic batcher's early release (DynamicBatcher: a batch whose expected clients are all
+# queued runs before max_queue_delay): on unless MESHSERVE_EARLY_RELEASE=0 turns the default off;
+# a model's config decides for itself with parameters { key: "meshserve_early_release" ... }.
+EARLY_RELEASE_PARAMETER = "meshserve_early_release"
+EARLY_RELEASE = os.environ.get("MESHSERVE_EARLY_RELEASE", "1") != "0"
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 _UNMEASURED = 1 << 62
 _SIZES_MAX = 4096  # run sizes remembered per version (variable dimensions) before starting over
+
+
+def early_release(config: mc.ModelConfig) -> bool:
+    """Whether the model's dynamic batcher releases early (``EARLY_RELEASE_PARAMETER``, "true" or
+    "false"; absent: ``EARLY_RELEASE``); RuntimeLoadError for any other value."""
+    raw = config_parameter(config, EARLY_RELEASE_PARAMETER)
+    if raw is None:
+        return EARLY_RELEASE
+    value = _BOOLEANS.get(raw.strip().lower())
+    if value is None:
+        raise RuntimeLoadError(f"model '{config.name}': parameter '{EARLY_RELEASE_PARAMETER}' must be "
+                               f"\"true\" or \"false\", got '{raw}'")
+    return value
 
 
 class ModelVersion:
@@ -94,7 +113,8 @@ class ModelVersion:
         self.policy = BatchingPolicy.from_config(config.max_batch_size, dyn)
         self._ordered = self.policy.preserve_ordering
         self.batcher = DynamicBatcher[Pending](self.policy, self._execute, instance_count=instance_count,
-                                               name=f"{self.name}:{self.version}")
+                                               name=f"{self.name}:{self.version}",
+                                               early_release=early_release(config))
         return self.batcher
 
     def prepare(self, request: pb.ModelInferRequest, hop: Hop = NO_HOP) -> Pending:

@@ -33,13 +33,20 @@ __all__ = ["IDLE", "Action", "DynamicBatcher", "Idle", "Run", "Wait", "next_acti
 _log = logging.getLogger(__name__)
 _NEVER = sys.maxsize
 _TIMER_SLACK_NS = 1_000_000  # wait the final millisecond by yielding, not on a timer
+# Early release learns its company again (a probe: one full wait) at least this often, and at
+# least every _PROBE_DELAYS delays, so that a probe's wait stays a small share of the time.
+_PROBE_EVERY_NS = 100_000_000
+_PROBE_DELAYS = 20
+_MISSES = 2  # ... and after this many batches in a row expired with fewer clients than K
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Take the first ``count`` queued requests as one batch, now."""
+    """Take the first ``count`` queued requests as one batch, now (``early``: because the
+    company the batcher expects is all there, before the delay expired; see next_action)."""
 
     count: int
+    early: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +66,7 @@ Action = Run | Wait | Idle
 
 
 def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
-                policy: BatchingPolicy, alone: bool = False) -> Action:
+                policy: BatchingPolicy, alone: bool = False, company: int = 0, members: int = 0) -> Action:
     """Decide what to do with the queue whose head requests have ``queued_rows`` rows.
 
     Mirrors Triton's ``GetDynamicBatch``, evaluated when an instance is free:
@@ -83,6 +90,11 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
       request runs now. Waiting for company that has not come for a whole batch only adds the
       delay to every request (Triton waits here; it is the one place meshserve does not).
       A second queued request, or anything arriving while it runs, ends it.
+    * ``company`` (the batcher's K, 0 = none: see :class:`DynamicBatcher`, early release) and
+      ``members`` (the client requests the queued requests carry; a gateway's merged request
+      counts its clients): once ``members`` reaches ``company`` (≥ 2) a batch that would wait
+      runs now (``Run(early=True)``): in a closed loop the clients that the last full wait
+      gathered are all here and nobody else is coming. A preferred size still wins first.
 
     ``queued_rows`` may be a bounded prefix: only requests up to the first one that
     overflows ``max_batch_size`` are looked at.
@@ -119,6 +131,8 @@ def next_action(queued_rows: Sequence[int], oldest_arrival_ns: int, now_ns: int,
         return Run(best)
     if full or expired or delay == 0 or total >= max_preferred:
         return Run(count)
+    if company > 1 and members >= company:
+        return Run(count, True)
     return Wait(oldest_arrival_ns + delay)
 
 
@@ -182,13 +196,29 @@ class DynamicBatcher(Generic[P]):
 
     Build it explicitly at model load and call :meth:`stop` before unloading. ``enqueue``
     must be called from the event loop the batcher runs on; the loop task starts lazily.
+
+    Early release (``early_release``, on by default; a difference from Triton, which always
+    waits): a batch released by its delay expiring while it waited at a free instance, or by
+    being full, is a *probe*; the client requests (members) queued at that moment are the company
+    K that the next batches expect (a batch that expired behind a busy instance only counts the
+    clients that came during the compute).
+    While an instance is free and K ≥ 2 clients are queued, the batch runs now instead of
+    waiting out the delay (next_action's ``company``): in a closed loop (clients that wait for
+    their answer before sending again) the clients that the full wait gathered are all back and
+    nobody else is coming. It never waits longer than Triton would. Only probes set K (an early
+    batch always holds ≥ K, an expiry before K came < K: learning from those would ratchet), and a
+    probe comes again at least every ``max(_PROBE_EVERY_NS, _PROBE_DELAYS x delay)`` and right
+    after ``_MISSES`` batches in a row expired while K was in force (fewer clients than K came;
+    a single miss is a late client, who joins the next round), so K follows the load both ways
+    and stays an unbiased sample under open-loop arrivals. ``early_releases`` counts the batches
+    it released.
     """
 
     def __init__(self, policy: BatchingPolicy,
                  execute: Callable[[list[QueuedRequest[P]]], Awaitable[None]],
                  instance_count: int = 1,
                  clock: Callable[[], int] = time.monotonic_ns,
-                 name: str = "model") -> None:
+                 name: str = "model", early_release: bool = True) -> None:
         if instance_count < 1:
             raise ValueError(f"model '{name}': instance_count must be >= 1, got {instance_count}")
         self.policy = policy
@@ -220,6 +250,17 @@ class DynamicBatcher(Generic[P]):
         self._alone = False
         self._enqueued = 0
         self._idle_arrival: tuple[QueuedRequest | None, int] = (None, 0)
+        # Early release (see the class docstring): K, the clock time when the next batch is a
+        # probe again (0: now; _NEVER: early release is off), and how many batches it released.
+        # _wake_members counts down the members still missing to K while the loop sleeps.
+        self._company = 0
+        self._misses = 0  # batches in a row that expired while K was in force
+        self._waited = False  # the batch being formed waited at a free instance
+        delay = policy.max_queue_delay_ns
+        self._probe_at = 0 if early_release and delay and policy.batching else _NEVER
+        self._probe_every = max(_PROBE_EVERY_NS, _PROBE_DELAYS * delay)
+        self._wake_members = _NEVER
+        self.early_releases = 0
 
     # -- scheduler interface -------------------------------------------------------------
 
@@ -250,8 +291,9 @@ class DynamicBatcher(Generic[P]):
         self._enqueued += 1
         if idle:
             self._idle_arrival = (req, self._enqueued)
-        if self._queued_rows >= self._wake_rows or req.waited_ns:
-            self._wake()  # enough rows, or a request older than its arrival: its delay may be due
+        self._wake_members -= req.members
+        if self._queued_rows >= self._wake_rows or self._wake_members <= 0 or req.waited_ns:
+            self._wake()  # enough rows or clients, or a request older than its arrival: its delay may be due
 
     def inflight(self) -> int:
         """Requests queued or executing (cancelled ones count until the loop drops them)."""
@@ -298,16 +340,18 @@ class DynamicBatcher(Generic[P]):
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            self._wake_rows = _NEVER
+            self._wake_rows = self._wake_members = _NEVER
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _sleep(self, wake_rows: int, until_ns: int | None) -> None:
-        """Sleep until woken (enqueue reaching ``wake_rows``, a free slot, stop) or ``until_ns``."""
+    async def _sleep(self, wake_rows: int, until_ns: int | None, wake_members: int = _NEVER) -> None:
+        """Sleep until woken (enqueue reaching ``wake_rows``, ``wake_members`` more client
+        requests, a free slot, stop) or ``until_ns``."""
         assert self._loop is not None
         waiter = self._loop.create_future()
         self._waiter = waiter
         self._wake_rows = wake_rows
+        self._wake_members = wake_members
         self._timer = None
         if until_ns is not None and self._precise is not None:
             self._precise.arm(until_ns)
@@ -321,7 +365,7 @@ class DynamicBatcher(Generic[P]):
             await waiter
         finally:
             self._waiter = None
-            self._wake_rows = _NEVER
+            self._wake_rows = self._wake_members = _NEVER
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -362,6 +406,7 @@ class DynamicBatcher(Generic[P]):
         limit = policy.max_batch_size or 1  # rows to look at: one more request overflows
         delay = policy.max_queue_delay_ns
         preferred = policy.preferred_batch_sizes
+        max_preferred = policy.max_preferred
         while True:
             if not queue:
                 if self._stopping:
@@ -378,6 +423,7 @@ class DynamicBatcher(Generic[P]):
             self._held = held
             rows: list[int] = []
             total = 0
+            members = 0
             min_deadline = _NEVER
             oldest = _NEVER
             while queue and total < limit:
@@ -407,15 +453,38 @@ class DynamicBatcher(Generic[P]):
                 held.append(req)
                 rows.append(req.rows)
                 total += req.rows
+                members += req.members
             if not held:
                 self._held = None
                 continue
 
             if self._stopping and delay:
                 now = max(now, oldest + delay)  # draining: do not wait for more requests
-            action = next_action(rows, oldest, now, policy, self._alone and not self._executing)
+            probe = now >= self._probe_at
+            company = 0 if probe else self._company
+            action = next_action(rows, oldest, now, policy, self._alone and not self._executing, company, members)
 
             if isinstance(action, Run):
+                if action.early:
+                    self.early_releases += 1
+                    self._misses = 0
+                elif self._probe_at != _NEVER:  # early release is on
+                    # expired after waiting at a free instance: a batch that expired behind a busy
+                    # one (compute longer than the delay) tells nothing of who comes within a delay
+                    expired = now - oldest >= delay and self._waited
+                    if probe and (expired or total >= max_preferred):
+                        # K: the clients that a full wait (or a full batch) gathered; below 2 it
+                        # releases nothing, so every batch probes (it waits anyway)
+                        self._company = members
+                        self._probe_at = now + self._probe_every if members > 1 else 0
+                        self._misses = 0
+                    elif expired and not probe:
+                        # fewer than K came: one late client is forgiven (it joins the next
+                        # round); twice in a row, K is learned again with the next batch
+                        self._misses += 1
+                        if self._misses >= _MISSES:
+                            self._probe_at = 0
+                self._waited = False
                 count = action.count
                 if count < len(held):
                     queue.extendleft(reversed(held[count:]))
@@ -432,12 +501,15 @@ class DynamicBatcher(Generic[P]):
             # Wait: everything queued fits (else it would run), so queued rows == total.
             queue.extendleft(reversed(held))
             self._held = None
+            self._waited = True
             assert isinstance(action, Wait)
             # Only an arrival that reaches the next preferred size (or the max batch) can
             # turn this Wait into a Run; earlier arrivals do not wake the loop.
             i = bisect_right(preferred, total)
             wake_rows = preferred[i] if i < len(preferred) else policy.max_batch_size
-            await self._sleep(wake_rows, min(action.until_ns, min_deadline))
+            # ... or the client requests that make up the company (early release)
+            await self._sleep(wake_rows, min(action.until_ns, min_deadline),
+                              company - members if company > 1 else _NEVER)
 
     def _dispatch(self, batch: list[QueuedRequest]) -> None:
         assert self._loop is not None

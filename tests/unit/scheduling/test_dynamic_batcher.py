@@ -17,55 +17,7 @@ from services.base.scheduling import (
     UnavailableError,
 )
 from tests.support import eventually_async
-from tests.unit.scheduling.support import MS, FakeClock
-
-
-class Executor:
-    """Records each batch's payloads; resolves futures with the payload unless told not to.
-
-    With ``gated`` every batch blocks until :meth:`open` is called.
-    """
-
-    def __init__(self, gated: bool = False, fail_on: object = None, forget: object = None) -> None:
-        self.batches: list[list[object]] = []
-        self.gate = asyncio.Event()
-        if not gated:
-            self.gate.set()
-        self.fail_on = fail_on
-        self.forget = forget
-        self.active = 0
-        self.max_active = 0
-
-    def open(self) -> None:
-        self.gate.set()
-
-    async def __call__(self, batch: list[QueuedRequest]) -> None:
-        payloads = [r.payload for r in batch]
-        self.batches.append(payloads)
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        try:
-            await self.gate.wait()
-            if self.fail_on in payloads:
-                raise RuntimeError("runtime exploded")
-            for r in batch:
-                if r.payload != self.forget:
-                    r.future.set_result(r.payload)
-        finally:
-            self.active -= 1
-
-
-def request(payload: object, rows: int = 1, arrival_ns: int = 0,
-            deadline_ns: int | None = None) -> QueuedRequest:
-    fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-    return QueuedRequest(rows=rows, arrival_ns=arrival_ns, payload=payload, future=fut,
-                         deadline_ns=deadline_ns)
-
-
-async def settle(times: int = 20) -> None:
-    """Let the batcher loop and batch tasks run without advancing any clock."""
-    for _ in range(times):
-        await asyncio.sleep(0)
+from tests.unit.scheduling.support import MS, Executor, FakeClock, request, settle
 
 
 def batcher(policy: BatchingPolicy, execute: Executor, instances: int = 1,

@@ -117,3 +117,28 @@ def test_a_lone_request_runs_at_once_only_when_the_batcher_says_it_is_alone() ->
     assert next_action([1], 0, 0, policy()) == Wait(100 * MS)  # Triton's rule otherwise
     # a second queued request means company: the delay from the oldest applies again
     assert next_action([1, 1], 0, 0, policy(), alone=True) == Wait(100 * MS)
+
+
+def test_the_expected_company_all_queued_runs_before_the_delay() -> None:
+    """Early release: ``members`` (client requests queued) reaching ``company`` (K >= 2) runs now."""
+    assert next_action([1, 1, 1], 0, 0, policy(), company=3, members=3) == Run(3, early=True)
+    assert next_action([1, 1, 1], 0, 0, policy(), company=3, members=4) == Run(3, early=True)
+    # a gateway's merged request counts its clients: 2 requests, 4 members
+    assert next_action([2, 2], 0, 0, policy(), company=4, members=4) == Run(2, early=True)
+    # not all there yet: Triton's wait
+    assert next_action([1, 1], 0, 0, policy(), company=3, members=2) == Wait(100 * MS)
+    # K below 2 never releases (one client at a time is the ``alone`` rule's business)
+    assert next_action([1], 0, 0, policy(), company=1, members=1) == Wait(100 * MS)
+    assert next_action([1, 1], 0, 0, policy()) == Wait(100 * MS)  # company 0: no K learned
+
+
+def test_early_release_leaves_the_other_rules_first() -> None:
+    # a preferred size before the delay still runs the preferred prefix (not early)
+    assert next_action([1, 1, 1], 0, 0, policy(preferred=(2, 4)), company=3, members=3) == Run(2)
+    # expired, full, zero delay: Triton's own reasons, not early
+    assert next_action([1, 1, 1], 0, 100 * MS, policy(), company=3, members=3) == Run(3)
+    assert next_action([4, 4, 1], 0, 0, policy(), company=3, members=3) == Run(2)
+    assert next_action([1, 1, 1], 0, 0, policy(delay_ns=0), company=3, members=3) == Run(3)
+    assert next_action([1], 0, 0, policy(), alone=True, company=3, members=1) == Run(1)
+    # batching off: one request per batch
+    assert next_action([1, 1, 1], 0, 0, BatchingPolicy(), company=3, members=3) == Run(1)
