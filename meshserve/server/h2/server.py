@@ -289,6 +289,7 @@ class ServerConnection(H2Endpoint):
         self.send_budget = limits.conn_send_buffer_bytes
         self.max_control = limits.max_pending_control_frames
         self.control_backlog = 0
+        self.control_unflushed = 0  # PING/SETTINGS ACKs queued since the last write (_control_reply)
         self.held = 0  # bytes of request messages received and not yet taken by handlers
         self.held_limit = self.conn_window - RECEIVE_SLACK  # beyond it: _receive_budget_full
         self.timer: asyncio.TimerHandle | None = None
@@ -352,13 +353,24 @@ class ServerConnection(H2Endpoint):
 
     def _control_reply(self) -> None:
         """PING and SETTINGS ACKs queued while the peer does not read (the socket's buffer is
-        over its high-water mark): more than max_pending_control_frames is a flood."""
-        if self.paused and self.max_control:
-            self.control_backlog += 1
-            if self.control_backlog > self.max_control:
+        over its high-water mark), or queued by one read before anything is written (nghttp2
+        counts its outbound queue the same way): more than max_pending_control_frames is a flood.
+        Counting only the first kind let one read of ~17k SETTINGS frames (a 256 KiB socket read)
+        hold the event loop ~50 ms before the backlog could even be seen, and a good client's
+        request, which takes several loop passes, waited behind a few such reads (p99 150-175 ms
+        under a SETTINGS flood on an idle machine, over the adversarial limit of 250 ms under load)."""
+        if self.max_control:
+            self.control_unflushed += 1
+            if self.paused:
+                self.control_backlog += 1
+            if self.control_backlog > self.max_control or self.control_unflushed > self.max_control:
                 raise H2ConnectionError(ErrorCode.ENHANCE_YOUR_CALM,
                                         f"more than {self.max_control} PING/SETTINGS replies queued that the "
                                         f"peer does not read (--max-pending-control-frames)")
+
+    def _flush(self) -> None:
+        self.control_unflushed = 0
+        super()._flush()
 
     def _on_ping_ack(self, payload: bytes) -> None:
         if payload == KEEPALIVE_PING:

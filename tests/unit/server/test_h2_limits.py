@@ -377,12 +377,29 @@ async def test_a_settings_frame_with_too_many_entries_is_enhance_your_calm() -> 
 
 
 async def test_pings_that_are_read_are_answered() -> None:
+    """500 PINGs, fewer than the cap of them per write, from a peer that reads: every one answered."""
     async with serving(limits=limits(max_pending_control_frames=10)) as env:
         raw = await RawConn.open(env.port)
-        raw.send(PREFACE + settings() + frame(PING, 0, 0, b"12345678") * 500)
-        got = await raw.read_until(lambda fs: sum(t == PING for t, _, _, _ in fs) == 500)
+        raw.send(PREFACE + settings())
+        for sent in range(5, 501, 5):
+            raw.send(frame(PING, 0, 0, b"12345678") * 5)
+            got = await raw.read_until(lambda fs, n=sent: sum(t == PING for t, _, _, _ in fs) == n)
         assert sum(t == PING for t, _, _, _ in got) == 500 and goaway_code(got) is None
         raw.close()
+
+
+async def test_more_control_frames_in_one_read_than_the_cap_is_a_flood() -> None:
+    """One read that queues more PING/SETTINGS ACKs than the cap is a flood even from a peer that
+    reads (nghttp2 counts its outbound queue the same way): the cap stops it within one read
+    instead of after the socket backs up, so the event loop is not held by a read's worth of
+    control frames (a 256 KiB read is ~17k SETTINGS frames)."""
+    async with serving(limits=limits(max_pending_control_frames=10)) as env:
+        raw = await RawConn.open(env.port)
+        raw.send(PREFACE + settings() + frame(PING, 0, 0, b"12345678") * 11)
+        got = await raw.read_to_eof(5.0)
+        assert raw.eof and goaway_code(got) == ENHANCE_YOUR_CALM
+        assert sum(t == PING for t, _, _, _ in got) == 0  # the ACKs of the flooding read are dropped
+        await still_serving(env)
 
 
 # ---- timeouts -------------------------------------------------------------------------------------
