@@ -215,7 +215,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            infer = shm.infer if shm.uses_shared_memory(request) else observe.infer
+            infer = shm.infer if shm.uses_shared_memory(request, raw) else observe.infer
             result, span = await infer(core, request, _context(context, raw))
             if span is not None:
                 context.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
@@ -262,7 +262,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     owns_slot = False
                     out.put_nowait(wire.stream_response(result.serialized()))
                     return
-                if not from_gateway and shm.uses_shared_memory(request):
+                if not from_gateway and shm.uses_shared_memory(request, raw):
                     result, _ = await shm.infer(core, request, ctx)
                     owns_slot = False
                     out.put_nowait(wire.stream_response(result.serialized() + _FINAL_TRUE))

@@ -184,6 +184,23 @@ def test_uses_shared_memory() -> None:
     assert not shm.uses_shared_memory(plain)
 
 
+def test_uses_shared_memory_from_the_request_bytes() -> None:
+    """With the client's bytes: a region on an input or a requested output is still found (the
+    parameter's name is in the bytes), a request without one is answered by the byte search, and
+    bytes that merely hold the name (a tensor's data) are read as the message."""
+    for request in (request_with({"A": ("r", 1, 0)}, {}), request_with({"A": b"1"}, {"O": ("r", 1, 0)}),
+                    request_with({"A": ("r", 1, 0), "B": b"2"}, {"O": ("q", 4, 8)})):
+        assert shm.uses_shared_memory(request, request.SerializeToString())
+    plain = request_with({"A": b"1"}, {})
+    plain.outputs.add(name="O")
+    plain.outputs[0].parameters["binary_data"].bool_param = True
+    assert not shm.uses_shared_memory(plain, plain.SerializeToString())
+    named = request_with({"A": shm.REGION.encode()}, {})
+    named.outputs.add(name="O")
+    assert shm.REGION.encode() in named.SerializeToString()
+    assert not shm.uses_shared_memory(named, named.SerializeToString())
+
+
 def test_cuda_without_a_gpu_is_refused() -> None:
     if shm.cuda_devices():
         pytest.skip("this machine has a GPU")
