@@ -31,7 +31,7 @@ from meshserve.protocol.http_codec import (
     _json_type,
     _loads,
     _raw_to_json,
-    _set_infer_param,
+    set_parameter,
 )
 
 PARAMETERS = "parameters"
@@ -73,7 +73,7 @@ def _map(request: pb.ModelInferRequest, inputs: dict[str, pb.ModelMetadataRespon
         if not isinstance(value, _PARAMETER_TYPES):
             raise InferError.invalid(f"{context}parameter '{key}' has invalid type. It should be either "
                                      "'int', 'bool', or 'string'.")
-        _set_infer_param(request.parameters[key], value, f"{context}parameter '{key}'")
+        set_parameter(request.parameters[key], value, f"{context}parameter '{key}'")
         return
     if any(t.name == key for t in request.inputs):
         raise InferError.invalid(f"{context}input '{key}' already exists in request")

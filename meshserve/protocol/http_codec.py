@@ -224,9 +224,11 @@ def _shape_str(shape: Iterable[int]) -> str:
 
 # --- parameters -------------------------------------------------------------------------
 
-def _set_infer_param(target: pb.InferParameter, value: Any, where: str, fast: bool = False) -> None:
-    """JSON value -> InferParameter (bool, int64 / uint64 by range, double, string). ``fast``: the
-    value was read by orjson, which reads an integer beyond 64 bits as a float."""
+def set_parameter(target: pb.InferParameter, value: Any, where: str, fast: bool = False) -> None:
+    """JSON value -> InferParameter (bool, int64 / uint64 by range, double, string; anything else:
+    INVALID_ARG naming ``where``). ``fast``: the value was read by orjson, which reads an integer
+    beyond 64 bits as a float. The generate extension (generate_codec) and BLS requests
+    (services/python/bls.py) carry their parameters by the same rule."""
     if isinstance(value, bool):
         target.bool_param = value
     elif isinstance(value, int):
@@ -246,13 +248,6 @@ def _set_infer_param(target: pb.InferParameter, value: Any, where: str, fast: bo
         raise InferError.invalid(
             f"{where}: unsupported JSON {_json_type(value)} value {_show(value)}; "
             "expected a string, number or boolean")
-
-
-def set_parameter(target: pb.InferParameter, value: Any, where: str) -> None:
-    """A JSON value as an InferParameter, as the HTTP codec reads one (bool, int64 / uint64 by
-    range, double, string; anything else: INVALID_ARG naming ``where``). BLS requests
-    (services/python/bls.py) carry their parameters by the same rule."""
-    _set_infer_param(target, value, where)
 
 
 def _param_value(p: pb.InferParameter) -> Any:
@@ -525,7 +520,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
         if key == BINARY_DATA_OUTPUT and not isinstance(value, bool):
             raise InferError.invalid(
                 f"request parameter '{BINARY_DATA_OUTPUT}' must be a boolean, got {_show(value)}")
-        _set_infer_param(req.parameters[key], value, f"request parameter '{key}'", fast)
+        set_parameter(req.parameters[key], value, f"request parameter '{key}'", fast)
 
     if "inputs" not in doc:
         raise InferError.invalid("the request JSON has no 'inputs'")
@@ -552,7 +547,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
                         f"{where}: '{BINARY_DATA_SIZE}' must be a non-negative integer, got {_show(value)}")
                 binary_size = value
             else:
-                _set_infer_param(tensor.parameters[key], value, f"{where} parameter '{key}'", fast)
+                set_parameter(tensor.parameters[key], value, f"{where} parameter '{key}'", fast)
 
         count = datatypes.element_count(shape)
         if SHM_REGION in params:
@@ -637,7 +632,7 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
                     isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise InferError.invalid(
                     f"{where}: '{CLASSIFICATION}' must be a non-negative integer, got {_show(value)}")
-            _set_infer_param(out.parameters[key], value, f"{where} parameter '{key}'", fast)
+            set_parameter(out.parameters[key], value, f"{where} parameter '{key}'", fast)
 
 
 # --- JSON data -> raw bytes -------------------------------------------------------------
