@@ -3,7 +3,11 @@
 a core that answers at once (outputs = inputs). No socket, no model: what this measures is the
 front door's Python path, from the request's bytes in data_received to its answer's write.
 
-usage: python http_path.py add_sub|mlp binary|json N [profile]
+usage: python http_path.py add_sub|mlp binary|json|json-pa N [profile]
+(json-pa: the JSON body with Inference-Header-Content-Length = its length, as perf_analyzer sends it;
+mlp: the bench model's one input of 512 floats. Both added in session 5 for
+../2026-11-26-s5-jsonpath, whose scripts call this one; this folder's numbers are add_sub binary
+and json, unchanged by them.)
 Prints µs per request (best of 5 rounds of N). Run under callgrind with N and with 0 for the
 instructions of N requests.
 """
@@ -26,7 +30,7 @@ from meshserve.server.http_frontend import HttpFrontend
 from meshserve.server.limits import ServerLimits
 
 MODELS = {"add_sub": ([("INPUT0", [16]), ("INPUT1", [16])], ["OUTPUT0", "OUTPUT1"]),
-          "mlp": ([("INPUT", [64])], ["OUTPUT"])}
+          "mlp": ([("INPUT0", [512])], ["OUTPUT0"])}
 
 
 class EchoCore:
@@ -82,6 +86,9 @@ async def main(model: str, kind: str, n: int, profile: bool) -> None:
         raw = build_request("127.0.0.1:1", path, p.http_binary,
                             {"Inference-Header-Content-Length": str(p.http_binary_header_len),
                              "Content-Type": "application/octet-stream"})
+    elif kind == "json-pa":
+        raw = build_request("127.0.0.1:1", path, p.http_json, {"Content-Type": "application/json",
+                                                               "Inference-Header-Content-Length": str(len(p.http_json))})
     else:
         raw = build_request("127.0.0.1:1", path, p.http_json, {"Content-Type": "application/json"})
     limits = ServerLimits()

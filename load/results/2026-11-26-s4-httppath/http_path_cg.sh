@@ -1,9 +1,9 @@
 #!/bin/bash
-# usage: http_path_cg.sh TREE MODEL binary|json [N]: instructions per request of http_path.py
+# usage: [HARNESS=script.py] http_path_cg.sh TREE MODEL binary|json|json-pa [N]: instructions per request of http_path.py
 # (callgrind, the run with N requests minus the run with none)
 TREE=$1; MODEL=$2; KIND=$3; N=${4:-2000}
 PY=/root/.pyenv/versions/3.11.7/bin/python3
-H=$(dirname $(readlink -f $0))/http_path.py
+H=${HARNESS:-$(dirname $(readlink -f $0))/http_path.py}
 D=$(mktemp -d)
 cd $TREE
 for n in 0 $N; do

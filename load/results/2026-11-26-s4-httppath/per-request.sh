@@ -5,11 +5,12 @@
 #                   dumped after N more; prints user-space instructions per request (all threads)
 #   MODE strace:    system calls of the measured process (all threads, strace -c -f) per request over N
 #   MODE pyspy:     py-spy raw collapsed stacks (2000 Hz) of the measured process over N requests
-# Adapted from ../2026-11-26-h2speed/gateway-per-request.sh (port base CG_PORT_BASE, default 26000).
+# Adapted from ../2026-11-26-h2speed/gateway-per-request.sh (port base CG_PORT_BASE, default 26000;
+# outputs under OUT_ROOT, default /tmp/httppath-per-request).
 set -e
 MODE=$1; TREE=$2; TAG=$3; TARGET=$4; MODEL=$5; PROTO=$6; N=${7:-3000}; C=${8:-1}
 B=${CG_PORT_BASE:-26000}; SG=$((B+101)); SH=$((B+100)); GG=$((B+201)); GH=$((B+200))
-OUT=/tmp/httppath-per-request/$TAG-$TARGET-$MODEL-$PROTO-c$C-$MODE; mkdir -p $OUT; rm -f $OUT/*
+OUT=${OUT_ROOT:-/tmp/httppath-per-request}/$TAG-$TARGET-$MODEL-$PROTO-c$C-$MODE; mkdir -p $OUT; rm -f $OUT/*
 PY=/root/.pyenv/versions/3.11.7/bin/python3
 cd $TREE
 SVCARGS="-m meshserve service onnx --repository /tmp/bench-models/onnx_repo --grpc-port $SG --http-port $SH"
