@@ -201,6 +201,28 @@ def test_uses_shared_memory_from_the_request_bytes() -> None:
     assert not shm.uses_shared_memory(named, named.SerializeToString())
 
 
+def test_uses_shared_memory_reads_a_large_request_as_the_message() -> None:
+    """Beyond _SEARCH_MAX bytes the search would cost more than the message's fields (and grows
+    with the tensors: ~38 ms at 64 MiB): the message is read, with the same answers."""
+    big = b"\0" * (shm._SEARCH_MAX + 1)
+    searched: list[int] = []  # the sizes of the bytes searched
+
+    class Raw(bytes):
+        def __contains__(self, item: object) -> bool:
+            searched.append(len(self))
+            return super().__contains__(item)
+
+    plain = request_with({"A": big}, {})
+    plain.outputs.add(name="O")
+    assert not shm.uses_shared_memory(plain, Raw(plain.SerializeToString()))
+    region = request_with({"A": big, "B": ("r", 1, 0)}, {})
+    assert shm.uses_shared_memory(region, Raw(region.SerializeToString()))
+    assert searched == []  # neither was searched
+    small = request_with({"A": b"1"}, {})
+    small.outputs.add(name="O")
+    assert not shm.uses_shared_memory(small, Raw(small.SerializeToString())) and len(searched) == 1
+
+
 def test_cuda_without_a_gpu_is_refused() -> None:
     if shm.cuda_devices():
         pytest.skip("this machine has a GPU")
