@@ -89,6 +89,33 @@ _LEN = struct.Struct("<I")
 # add_sub / mlp bodies perf_analyzer sends: load/results/2026-11-26-speed/NOTES.md.
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+# The float text of JSON answers (FP16, BF16, FP32, FP64 `data`), the same whatever orjson is
+# installed: each element the shortest text that reads back as the same value of the output's
+# own type (FP16 and BF16 as the float32 that holds them exactly); an exponent as rapidjson,
+# Triton's JSON writer, writes one: `e`, a `-` only when negative, no `+` (1e300, 3.4028235e38,
+# 1e-7); NaN, Infinity and -Infinity as those words (rapidjson's kWriteNanAndInfFlag words, which
+# tritonclient reads back). orjson 3.13 began writing `1e+300`; orjson writes non-finite floats
+# as null. Triton itself writes an FP32 element widened to a double (0.1 as
+# 0.10000000149011612): the same float32 when read back, in more bytes.
+_EXP_PLUS = b"e+" in orjson.dumps(1e300)
+
+
+def _float_json(values: np.ndarray | list[Any], dtype: Any = None) -> bytes:
+    """A float output's JSON array (a flat array, or the typed contents' values as ``dtype``)."""
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype)
+    data = orjson.dumps(arr, option=_NUMPY)
+    if _EXP_PLUS and b"e+" in data:
+        data = data.replace(b"e+", b"e")
+    if b"null" in data:
+        tokens = data[1:-1].split(b",")
+        for i in np.flatnonzero(~np.isfinite(arr)):
+            v = arr[i]
+            tokens[i] = b"NaN" if v != v else (b"Infinity" if v > 0 else b"-Infinity")
+        data = b"[" + b",".join(tokens) + b"]"
+    return data
+
+
 _BIG = float(2**63)  # an integral float at least this large may have been an integer literal
 
 
@@ -106,9 +133,13 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _plain(obj: Any) -> Any:
-    """``obj`` with numpy arrays as lists (for the stdlib encoder)."""
+    """``obj`` with numpy arrays as lists (for the stdlib encoder). A float output's text
+    (_float_json's fragment) becomes its values again: the stdlib writes them as equal doubles
+    (the rare path: a response string orjson refuses)."""
     if isinstance(obj, np.ndarray):
         return obj.tolist()
+    if isinstance(obj, orjson.Fragment):
+        return json.loads(obj.contents)
     if isinstance(obj, dict):
         return {k: _plain(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -828,8 +859,8 @@ _CONTENTS_FIELD: dict[str, str] = {
 #
 # A response of JSON outputs only (with no parameters and no id either) is kept the same way as
 # the pieces of its body around each output's 'data' (_JsonRendered): the next one with the same
-# key is those pieces around each output's numbers as orjson writes them (_raw_to_json, as the
-# full rendering does); one with a NaN or an infinity (orjson writes null) is rendered in full.
+# key is those pieces around each output's numbers as the full rendering writes them
+# (_raw_to_json, then _float_json for a float output).
 RENDERED_MAX = 256
 _Rendered = tuple[bytes, tuple[int, ...], str]
 _rendered: dict[tuple[Any, ...], _Rendered | _JsonRendered] = {}
@@ -876,14 +907,12 @@ class _JsonRendered:
         for i, (where, datatype, shape, floating, dtype, size) in enumerate(self.outputs):
             raw = raws[i]
             if dtype is None:
-                data = orjson.dumps(_raw_to_json(where, datatype, shape, raw), option=_NUMPY)
+                values = _raw_to_json(where, datatype, shape, raw)
             elif len(raw) == size:  # (_raw_to_json's check and array, without its look-ups)
-                data = orjson.dumps(np.frombuffer(raw, dtype), option=_NUMPY)
+                values = np.frombuffer(raw, dtype)
             else:
                 return None  # the full rendering words it
-            if floating and b"null" in data:
-                return None  # NaN / Infinity: json writes them (see _render)
-            parts.append(data)
+            parts.append(_float_json(values) if floating else orjson.dumps(values, option=_NUMPY))
             parts.append(pieces[i + 1])
         return b"".join(parts)
 
@@ -963,7 +992,6 @@ def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> t
 
     rendered: list[dict[str, Any]] = []
     blobs: list[bytes] = []
-    floats: list[Any] = []  # the JSON data of float outputs (NaN / Infinity: see below)
     for i, out in enumerate(outputs):
         shape = list(out.shape)
         entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": shape}
@@ -984,9 +1012,8 @@ def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> t
             blobs.append(data)
         else:
             values = _raw_to_json(where, out.datatype, shape, raws[i]) if raws else _contents_to_json(where, out)
-            if out.datatype in _FLOAT_TYPES:
-                floats.append(values)
-            entry["data"] = values
+            entry["data"] = orjson.Fragment(_float_json(values, _JSON_FLOAT_DTYPE.get(out.datatype))) \
+                if out.datatype in _FLOAT_TYPES else values
         rendered.append(entry)
 
     doc: dict[str, Any] = {
@@ -1001,11 +1028,7 @@ def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> t
         doc["parameters"] = params
     doc["outputs"] = rendered
 
-    # Python's json writes NaN / Infinity / -Infinity, as Triton does and tritonclient reads;
-    # orjson writes them as null: only a header with a null has float data to look at again
     header = _dumps(doc)
-    if floats and b"null" in header and not all(bool(np.isfinite(v).all()) for v in floats):
-        header = json.dumps(_plain(doc), separators=(",", ":")).encode("ascii")
     if not blobs:
         return header, {"Content-Type": JSON_CONTENT_TYPE}
     return b"".join([header, *blobs]), {
@@ -1026,6 +1049,8 @@ def _check_raw_size(where: str, datatype: str, shape: list[int], data: bytes) ->
 
 
 _FLOAT_TYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
+# the numpy type of a float output's typed contents (fp32_contents or fp64_contents)
+_JSON_FLOAT_DTYPE = {"FP16": np.float32, "BF16": np.float32, "FP32": np.float32, "FP64": np.float64}
 
 
 def _raw_to_json(where: str, datatype: str, shape: list[int], data: bytes) -> list[Any] | np.ndarray:

@@ -5,6 +5,7 @@ by hand (perf_analyzer's compact JSON with Inference-Header-Content-Length = bod
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -376,3 +377,39 @@ def test_long_float_lists_convert_as_numpy_s_reading_does(datatype: str) -> None
             got = e.message
         assert got == expected, data[-3:]
     assert http_codec._floats_to_raw(datatype, 200, long_lists()[0]) is not None  # (the fast path is taken)
+
+
+# The float text JSON answers promise, whatever orjson is installed (orjson 3.13 began writing
+# `1e+300`): the shortest text that reads back as the same value of the output's type, an
+# exponent as rapidjson (Triton's writer) writes it (no `+`), NaN / Infinity / -Infinity words.
+_RAPIDJSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?(e-?[1-9][0-9]*)?|NaN|-?Infinity")
+FLOAT_EDGES = [0.0, -0.0, 0.1, 1.0, -2.5e-8, 1e-7, 1e16, 1e21, 123456789.0, 3.4028235e38, -3.4028235e38,
+               1.17549435e-38, 1e-45, float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float_text_is_the_promised_form_on_any_orjson(dtype: type) -> None:
+    values = np.array(FLOAT_EDGES + [1e300, 2.2250738585072014e-308, 5e-324] if dtype is np.float64
+                      else FLOAT_EDGES, dtype)
+    text = http_codec._float_json(values)
+    tokens = text[1:-1].split(b",")
+    assert len(tokens) == len(values)
+    for token, value in zip(tokens, values, strict=True):
+        assert _RAPIDJSON_NUMBER.fullmatch(token), token
+        back = dtype(json.loads(token))
+        assert back.tobytes() == value.tobytes() or (np.isnan(back) and np.isnan(value)), (token, value)
+        if np.isfinite(value):  # the shortest text: one digit fewer does not read back
+            assert len(token.split(b"e")[0].lstrip(b"-").replace(b".", b"").strip(b"0")) <= 17
+    assert b"e+" not in text and b"null" not in text
+
+
+def test_json_answer_floats_have_no_plus_and_read_back_through_tritonclient_s_parser() -> None:
+    outputs = [("F", "FP32", [3], np.array([3.4028235e38, np.nan, 1e-7], np.float32).tobytes()),
+               ("D", "FP64", [2], np.array([1e300, -np.inf]).tobytes())]
+    request, plan = json_request("F", "D")
+    for _ in range(3):  # the full rendering, then kept pieces
+        body, _ = render_infer_response(response(outputs), request, plan)
+        assert b"e+" not in body
+        assert b'"data":[3.4028235e38,NaN,1e-7]' in body and b'"data":[1e300,-Infinity]' in body
+        doc = json.loads(body)  # tritonclient's HTTP client reads answers with json.loads
+        assert np.array(doc["outputs"][0]["data"], np.float32).tobytes()[:4] == outputs[0][3][:4]
