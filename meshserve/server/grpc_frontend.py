@@ -85,6 +85,13 @@ def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> Req
     )
 
 
+def _control_context(context: grpc.aio.ServicerContext) -> RequestContext:
+    """A repository-control call's context: also the peer's address (loopback-only control)."""
+    ctx = _context(context)
+    ctx.peer = context.peer()
+    return ctx
+
+
 def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Set the call's error status. The handler then returns normally: grpc.aio drops the
     response of a call whose code is not OK, and this avoids context.abort()'s exception
@@ -201,12 +208,12 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
 
     async def model_load(req: pb.RepositoryModelLoadRequest, ctx: grpc.aio.ServicerContext
                          ) -> pb.RepositoryModelLoadResponse:
-        await core.load_model(req.model_name, dict(req.parameters), _context(ctx))
+        await core.load_model(req.model_name, dict(req.parameters), _control_context(ctx))
         return pb.RepositoryModelLoadResponse()
 
     async def model_unload(req: pb.RepositoryModelUnloadRequest, ctx: grpc.aio.ServicerContext
                            ) -> pb.RepositoryModelUnloadResponse:
-        await core.unload_model(req.model_name, dict(req.parameters), _context(ctx))
+        await core.unload_model(req.model_name, dict(req.parameters), _control_context(ctx))
         return pb.RepositoryModelUnloadResponse()
 
     async def model_infer(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:

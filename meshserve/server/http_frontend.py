@@ -445,7 +445,7 @@ class HttpFrontend:
         self._method(request, "POST")
         if rest and rest[0] not in ("index", "models"):
             rest = rest[1:]  # a repository name; meshserve serves one repository per process
-        ctx = RequestContext(protocol="http", headers=_context_headers(request))
+        ctx = RequestContext(protocol="http", headers=_context_headers(request), peer=request.remote)
         if rest == ["index"]:
             grant = _allow(self.core, request, Op.REPOSITORY_INDEX)
             ready = await _decode(http_codec.parse_index_request, await self._body(request))

@@ -27,6 +27,7 @@ from meshserve.server.core import (
     RequestContext,
     unary_decoupled_error,
 )
+from meshserve.server.repository_control import ControlPolicy
 from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion, early_release
@@ -83,6 +84,11 @@ class ServiceCore:
         self._foreign: dict[str, tuple] = {}
         self._poller: asyncio.Task[None] | None = None
         self.server_name = SERVER_NAME
+        # --allow-model-uploads / --allow-remote-model-control: a service has no tenants, so
+        # load/unload come from loopback clients only unless the operator opens them
+        self.access = ControlPolicy()
+        # --max-model-load-bytes: an adapter with a guard_load measures an uploaded model's load first
+        self.max_model_load_bytes = 0
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -154,6 +160,9 @@ class ServiceCore:
                 f"model '{config.name}': backend '{backend}' is not served by the {self.kind} service")
         model_file = layout.model_file(path, config, version)
         early_release(config)  # a bad value fails the load before any instance is made
+        guard = getattr(adapter, "guard_load", None)  # services/onnx/load_guard.py
+        if guard is not None and self.max_model_load_bytes and self._is_override(path) and model_file.is_file():
+            guard(model_file, config, self.max_model_load_bytes)  # uploaded files: bounded before the real load
         instances = [adapter.load(model_file, config, p) for p in placements(config, self.gpu_available)]
         run_warmup(config, instances, path)  # before the version can be marked ready
         return ModelVersion(config, version, path, instances, config.platform or backend)
@@ -359,6 +368,7 @@ class ServiceCore:
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)
+        self.access.check("load", name, parameters, ctx.peer, tenants=False)
         await self._load(name, parameters)
 
     async def _load(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter]) -> None:
@@ -380,8 +390,10 @@ class ServiceCore:
                 await self._load_from(name, path, override)
             except BaseException as exc:
                 hosted = self.models.get(name)
-                if hosted is None or hosted.path != path:
+                if hosted is None or hosted.path != path or not hosted.versions:
                     self._remove_override(path)  # no version reads these files: the load failed before the swap
+                    if hosted is not None and hosted.path == path:  # a first load from files: nothing on disk now
+                        hosted.path = self.repository / name
                 if hosted is None and name not in self._foreign and (self.repository / name).is_dir():
                     hosted = self.models[name] = HostedModel(name, self.repository / name)
                 if hosted is not None and not hosted.versions:  # the index shows why, as Triton's does
@@ -420,6 +432,7 @@ class ServiceCore:
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)
+        self.access.check("unload", name, parameters, ctx.peer, tenants=False)
         await self._unload(name)
 
     async def _unload(self, name: str) -> None:
