@@ -36,7 +36,7 @@ from meshserve.server.core import (
     unary_decoupled_error,
 )
 from meshserve.server.limits import ServerLimits
-from meshserve.server.repository_control import ControlPolicy
+from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy, poll_failed
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway")
@@ -413,17 +413,19 @@ class GatewayCore:
         self.control.check("load", name, parameters, ctx.peer, self.admission is not None)
         files = [k[len("file:"):] for k in parameters if k.startswith("file:")]
         for rel in files:
-            check_file_path(rel)  # 400 here, before any service sees the request
+            try:
+                check_file_path(rel)  # 400 here, before any service sees the request
+            except InferError as exc:
+                raise poll_failed(name, exc.message) from None
         override = parameters["config"].string_param if "config" in parameters else None
         if files and override is None:
-            raise InferError.invalid(f"failed to load '{name}': 'file:' parameters need the 'config' parameter "
-                                     "too (the configuration of the model the files make up)")
+            raise poll_failed(name, FILES_NEED_CONFIG)
         kind: str | None = None
         if override is not None:
             try:
                 kind = layout.override_kind(name, override, files)
             except ConfigError as exc:
-                raise InferError.invalid(f"failed to load '{name}': {exc}") from None
+                raise poll_failed(name, f"Invalid config override: {exc.message}") from None
         if self.ensembles is not None and (kind == "ensemble" or (kind is None and self.ensembles.is_ensemble_dir(name))):
             await self._load_ensemble(name, override, ctx)
             return

@@ -18,7 +18,7 @@ import grpc
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
-from meshserve.protocol.errors import InferError
+from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm
 from meshserve.server.core import RequestContext, V2Core
@@ -104,7 +104,7 @@ def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         return
     log.exception("internal error while serving a gRPC call")
     context.set_code(grpc.StatusCode.INTERNAL)
-    context.set_details(f"internal error: {type(exc).__name__}: {exc}")
+    context.set_details(internal_error(exc).message)
 
 
 def _authorize(core: V2Core, method: str, request: Any, context: grpc.aio.ServicerContext) -> access.Grant:
@@ -302,7 +302,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
             except Exception as exc:
                 if not isinstance(exc, InferError):
                     log.exception("internal error in a streamed request")
-                    exc = InferError.internal(f"internal error: {type(exc).__name__}: {exc}")
+                    exc = internal_error(exc)
                 err = pb.ModelStreamInferResponse(
                     error_message=exc.message,
                     infer_response=pb.ModelInferResponse(

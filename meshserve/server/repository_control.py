@@ -85,3 +85,15 @@ def is_loopback(peer: str | None) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped.is_loopback
     return address.is_loopback
+
+
+# Triton's answer to a load whose model it could not read into its repository (a `file:` path it
+# cannot write, no `config` with files, a config override that does not parse): "failed to load
+# '<m>', failed to poll from model repository" (INTERNAL there; its log says why). meshserve
+# answers 400 / INVALID_ARGUMENT, the client's mistake, with Triton's words and the reason after.
+FILES_NEED_CONFIG = "Load parameter 'config' must be specified for model file override"
+
+
+def poll_failed(name: str, why: str) -> InferError:
+    """A load request the server could not read: Triton's text, then ``why``."""
+    return InferError.invalid(f"failed to load '{name}', failed to poll from model repository: {why}")
