@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from load.bench.procs import stop_process
 from meshserve import examples
-from tests.adversarial.harness import RssSampler, rss
+from tests.adversarial.harness import ADMIN_KEY, KEY, TENANTS, RssSampler, rss
 from tests.conftest import ROOT, Proc, service_and_gateway
 from tests.e2e.test_up import _free_port, read_banner
 
@@ -165,6 +165,27 @@ def test_python_upload_on_meshserve_up(tmp_path: Path, uploads: bool) -> None:
                 inp.set_data_from_numpy(np.arange(4, dtype=np.float32))
                 assert c.infer(f"pwn_{proto}", [inp]).as_numpy("OUTPUT0").tolist() == [0.0, 1.0, 2.0, 3.0]
                 c.unload_model(f"pwn_{proto}")
+
+
+def test_up_with_tenants_takes_uploads_from_admin_keys_only(tmp_path: Path) -> None:
+    """`up --tenants` (the gateway's flag, now `up`'s) on every address with uploads on: a
+    tenant's key is refused (403), an admin's key loads, also from a non-loopback client (with
+    tenants the access table decides, not the peer address)."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    with meshserve_up(tmp_path, "--host", "0.0.0.0", "--tenants", str(tenants), "--allow-model-uploads") as up:
+        address = non_loopback_address()
+        grpc_address = f"{address}:{up.grpc.rsplit(':', 1)[1]}" if address else up.grpc
+        marker = tmp_path / "initialize-ran"
+        config, files = python_upload("pwn", marker)
+        with grpcclient.InferenceServerClient(grpc_address) as c:
+            _refused(lambda: c.load_model("pwn", config=config, files=files, headers={"x-api-key": KEY}),
+                     UPLOAD_REFUSED, "admin")
+            _refused(lambda: c.load_model("pwn", config=config, files=files), ("StatusCode.UNAUTHENTICATED",), "key")
+            assert not marker.exists()
+            c.load_model("pwn", config=config, files=files, headers={"x-api-key": ADMIN_KEY})
+            assert marker.read_text() == "initialize ran"
+            c.unload_model("pwn", headers={"x-api-key": ADMIN_KEY})
 
 
 def test_up_on_a_public_host_with_uploads_and_no_tenants_refuses_to_start(tmp_path: Path) -> None:
