@@ -171,12 +171,17 @@ class ServiceCore:
                 f"model '{config.name}': backend '{backend}' is not served by the {self.kind} service")
         model_file = layout.model_file(path, config, version)
         early_release(config)  # a bad value fails the load before any instance is made
-        guard = getattr(adapter, "guard_load", None)  # services/onnx/load_guard.py
-        if guard is not None and self.max_model_load_bytes and self._is_override(path) and model_file.is_file():
-            guard(model_file, config, self.max_model_load_bytes)  # uploaded files: bounded before the real load
+        self._guard_upload(adapter, path, model_file, config)
         instances = [adapter.load(model_file, config, p) for p in placements(config, self.gpu_available)]
         run_warmup(config, instances, path)  # before the version can be marked ready
         return ModelVersion(config, version, path, instances, config.platform or backend)
+
+    def _guard_upload(self, adapter: RuntimeAdapter, path: Path, model_file: Path, config: mc.ModelConfig) -> None:
+        """An uploaded model's files (a load request's `file:` parameters) are loaded first where
+        their memory is bounded, when the adapter can (services/onnx/load_guard.py)."""
+        guard = getattr(adapter, "guard_load", None)
+        if guard is not None and self.max_model_load_bytes and self._is_override(path) and model_file.is_file():
+            guard(model_file, config, self.max_model_load_bytes)
 
     async def stop(self, drain: bool = True) -> None:
         self._draining = True
