@@ -36,6 +36,7 @@ from meshserve.server.core import (
     unary_decoupled_error,
 )
 from meshserve.server.limits import ServerLimits
+from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy, poll_failed
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway")
@@ -86,7 +87,8 @@ class GatewayCore:
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
                  routes: ABRouter | None = None, ensembles: EnsembleCatalog | None = None,
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
-                 federate_metrics: bool = False, server_name: str = SERVER_NAME):
+                 federate_metrics: bool = False, server_name: str = SERVER_NAME,
+                 control: ControlPolicy = ControlPolicy()):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica);
         # every call to a service goes through the Upstream.
         self.upstream = Upstream(pool if pool is not None else ReplicaPool(upstreams), discovery_interval_s)
@@ -114,6 +116,8 @@ class GatewayCore:
         self._federated_at = 0.0
         self._federated_up: dict[str, int] = {}
         self.server_name = server_name
+        # --allow-model-uploads / --allow-remote-model-control (meshserve.server.repository_control)
+        self.control = control
         # A/B routes (--routes): route names addressable like models.
         self.routes = routes
         if routes is not None:
@@ -405,20 +409,23 @@ class GatewayCore:
         """Triton's explicit-mode load across the mesh: the model's kind comes from the load's
         `config` override, else from the replicas whose repository holds it (each service lists
         every model directory of its kind); every healthy replica of that kind loads it."""
-        check_model_name(name)  # the access table made sure the caller is an admin
+        check_model_name(name)  # the access table made sure the caller is an admin (with tenants)
+        self.control.check("load", name, parameters, ctx.peer, self.admission is not None)
         files = [k[len("file:"):] for k in parameters if k.startswith("file:")]
         for rel in files:
-            check_file_path(rel)  # 400 here, before any service sees the request
+            try:
+                check_file_path(rel)  # 400 here, before any service sees the request
+            except InferError as exc:
+                raise poll_failed(name, exc.message) from None
         override = parameters["config"].string_param if "config" in parameters else None
         if files and override is None:
-            raise InferError.invalid(f"failed to load '{name}': 'file:' parameters need the 'config' parameter "
-                                     "too (the configuration of the model the files make up)")
+            raise poll_failed(name, FILES_NEED_CONFIG)
         kind: str | None = None
         if override is not None:
             try:
                 kind = layout.override_kind(name, override, files)
             except ConfigError as exc:
-                raise InferError.invalid(f"failed to load '{name}': {exc}") from None
+                raise poll_failed(name, f"Invalid config override: {exc.message}") from None
         if self.ensembles is not None and (kind == "ensemble" or (kind is None and self.ensembles.is_ensemble_dir(name))):
             await self._load_ensemble(name, override, ctx)
             return
@@ -471,6 +478,7 @@ class GatewayCore:
         """Unload on every replica that lists the model. ``unload_dependents`` on an ensemble
         also unloads its composing models (Triton's rule)."""
         check_model_name(name)
+        self.control.check("unload", name, parameters, ctx.peer, self.admission is not None)
         dependents = "unload_dependents" in parameters and parameters["unload_dependents"].bool_param
         if self.ensembles is not None and name in self.ensembles:
             config = self.ensembles.unload(name)

@@ -14,6 +14,7 @@ from gateway.workers import WorkerGatewayCore, supervise
 from gateway.workers import add_arguments as add_worker_arguments
 from gateway.workers import check as check_workers
 from meshserve.server import limits as server_limits
+from meshserve.server import repository_control
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from meshserve.server.workers import Worker
@@ -38,21 +39,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="merge requests for a batchable model that are pending at the same moment; hold "
                          "them in the gateway only while N full batches (max_batch_size rows per instance) "
                          "per replica are in flight (0 = never merge)")
-    ap.add_argument("--tenants", default=None, metavar="PATH",
-                    help="tenants.yaml: API keys, per-tenant rate/burst/concurrency, allowed models "
-                         "(re-read when it changes; without it every request is anonymous and unmetered)")
-    ap.add_argument("--metrics-auth", action="store_true",
-                    help="with --tenants: /metrics (which names models and tenants and carries every "
-                         "tenant's counts) needs an admin key; default: open, like the health checks, "
-                         "for Prometheus scrapers (keep the port off untrusted networks)")
+    add_tenant_arguments(ap)
     ap.add_argument("--federate-metrics", action="store_true",
                     help="/metrics also carries the services' Triton nv_* families (read from each healthy "
                          "replica at scrape time, labelled replica=HOST:PORT); `meshserve up` turns it on. "
                          "Leave it off where Prometheus scrapes the services itself (deploy/prometheus.yml), "
                          "or their counts are summed twice")
-    ap.add_argument("--quota-store", default="memory", metavar="URL",
-                    help="where quota state lives: 'memory' (this process) or redis://HOST:PORT[/DB] "
-                         "(shared by every gateway replica)")
     ap.add_argument("--routes", default=None, metavar="PATH",
                     help="routes.yaml: A/B routes addressable like models (weights, sticky header, shadow); "
                          "re-read when it changes")
@@ -66,7 +58,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="json: one JSON object per log line (request id and trace id as keys)")
     add_worker_arguments(ap)
     add_server_name_argument(ap)
+    repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
+
+
+def add_tenant_arguments(ap: argparse.ArgumentParser) -> None:
+    """Tenants, their quotas and /metrics auth: flags of `meshserve gateway` and `meshserve up`."""
+    ap.add_argument("--tenants", default=None, metavar="PATH",
+                    help="tenants.yaml: API keys, per-tenant rate/burst/concurrency, allowed models "
+                         "(re-read when it changes; without it every request is anonymous and unmetered)")
+    ap.add_argument("--metrics-auth", action="store_true",
+                    help="with --tenants: /metrics (which names models and tenants and carries every "
+                         "tenant's counts) needs an admin key; default: open, like the health checks, "
+                         "for Prometheus scrapers (keep the port off untrusted networks)")
+    ap.add_argument("--quota-store", default="memory", metavar="URL",
+                    help="where quota state lives: 'memory' (this process) or redis://HOST:PORT[/DB] "
+                         "(shared by every gateway replica)")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -102,7 +109,8 @@ def main(args: argparse.Namespace) -> None:
         core = kind(args.upstream, args.discovery_interval, args.coalesce_inflight, admission=admission,
                     pool=pool, routes=routes, ensembles=ensembles,
                     max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
-                    federate_metrics=args.federate_metrics, server_name=args.server_name)
+                    federate_metrics=args.federate_metrics, server_name=args.server_name,
+                    control=repository_control.ControlPolicy.from_args(args))
         if isinstance(core, WorkerGatewayCore) and worker is not None:
             core.worker = worker
             worker.metrics.local = core.local_metrics_text

@@ -155,9 +155,40 @@ def _loopback(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+def _up_refusal(args: argparse.Namespace) -> str | None:
+    """Why `meshserve up` will not start with these flags: uploads (code from clients) on a
+    gateway that others can reach, with no tenants to say who may upload."""
+    from meshserve.server.repository_control import UPLOADS_FLAG, is_loopback
+
+    if args.allow_model_uploads and args.tenants is None and not (args.host == "localhost" or is_loopback(args.host)):
+        return (f"meshserve up: {UPLOADS_FLAG} on a non-loopback --host ({args.host}) needs --tenants (only an "
+                "admin key may then upload); without tenants anyone who reaches the port could run code here")
+    return None
+
+
+def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
+    """`meshserve up`'s tenant, quota and model-control flags, passed on to its gateway."""
+    flags = ["--quota-store", args.quota_store]
+    if args.tenants is not None:
+        flags += ["--tenants", str(args.tenants)]
+    if args.metrics_auth:
+        flags.append("--metrics-auth")
+    if args.allow_remote_model_control:
+        flags.append("--allow-remote-model-control")
+    return flags + _up_upload_flags(args)
+
+
+def _up_upload_flags(args: argparse.Namespace) -> list[str]:
+    """--allow-model-uploads for the gateway and every service (each checks it)."""
+    return ["--allow-model-uploads"] if args.allow_model_uploads else []
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from meshserve.repository import layout
 
+    refusal = _up_refusal(args)
+    if refusal:
+        raise SystemExit(refusal)
     repo: Path = args.repository
     if repo.resolve() == DEFAULT_REPOSITORY.resolve():
         from meshserve import examples
@@ -201,7 +232,8 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                               "--host", "127.0.0.1", "--grpc-port", "0",
                                               "--model-control-mode", "explicit", "--load-model", "*",
                                               "--server-name", args.server_name, "--log-level", args.log_level,
-                                              "--http-server", args.http_server, *extra])
+                                              "--http-server", args.http_server, *_up_upload_flags(args),
+                                              *extra])
             services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
@@ -211,6 +243,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                     "--grpc-port", str(gateway_grpc), "--log-level", args.log_level,
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     "--http-server", args.http_server, "--workers", str(args.gateway_workers),
+                                    *_up_gateway_flags(args),
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
@@ -254,9 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-server", choices=HTTP_SERVERS, default=default_http_server(),
                     help="the HTTP/1.1 server of the gateway and the services (docs/security.md)")
     add_server_name_argument(up)
+    from gateway.main import add_arguments as gateway_arguments
+    from gateway.main import add_tenant_arguments
+    from meshserve.server import repository_control
+
+    add_tenant_arguments(up)  # the gateway's own definitions: tenants, quotas, /metrics auth
+    repository_control.add_arguments(up)
     up.set_defaults(func=_cmd_up)
 
-    from gateway.main import add_arguments as gateway_arguments
     from services.base.main import add_arguments as service_arguments
 
     gw = sub.add_parser("gateway", help="run the gateway")

@@ -142,6 +142,13 @@ class InferError(Exception):
         return cls(_FROM_GRPC.get(code, Code.UNKNOWN), msg)
 
 
+def internal_error(exc: BaseException) -> InferError:
+    """The 500 / INTERNAL for an unexpected exception. Its text may carry a file path or another
+    request's data: it stays in the server's log (every caller logs the exception), and the
+    answer names only its type."""
+    return InferError.internal(f"internal error: {type(exc).__name__} (the server's log has the details)")
+
+
 def model_not_found(model: str, version: str = "") -> InferError:
     if version:
         return InferError.not_found(f"Request for unknown model: '{model}' version {version} is not found")

@@ -19,11 +19,16 @@ import re
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["NAME_RULE", "check_file_path", "check_model_name", "check_shm_key", "check_version", "is_valid_model_name",
-           "model_file_path"]
+__all__ = ["NAME_MAX", "NAME_RULE", "check_file_path", "check_model_name", "check_region_name", "check_shm_key",
+           "check_version", "is_valid_model_name", "model_file_path"]
 
-NAME_RULE = "a model name must be one path component: non-empty, without '/', '\\' or NUL, not '.' or '..'"
-_FORBIDDEN = re.compile(r"[/\\\x00]")
+NAME_MAX = 255  # bytes of UTF-8: the longest file name Linux file systems hold (and /dev/shm)
+NAME_RULE = ("a model name must be one path component: non-empty, at most 255 bytes of UTF-8, without '/', '\\', "
+             "NUL or other control characters, not '.' or '..'")
+# separators and every control character: C0 (NUL, newline, ESC...), DEL and C1. Control
+# characters are refused so that a name never breaks a text log line or a terminal.
+_FORBIDDEN = re.compile(r"[/\\\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _invalid(message: str) -> NoReturn:
@@ -34,14 +39,26 @@ def _invalid(message: str) -> NoReturn:
 
 
 def is_valid_model_name(name: str) -> bool:
-    """True when ``name`` is a single path component that stays inside the repository."""
-    return bool(name) and name != "." and name != ".." and _FORBIDDEN.search(name) is None
+    """True when ``name`` is a single path component that stays inside the repository, at
+    most NAME_MAX bytes of UTF-8, without control characters."""
+    return (bool(name) and name != "." and name != ".." and _FORBIDDEN.search(name) is None
+            and _fits(name))
+
+
+def _fits(name: str) -> bool:
+    """At most NAME_MAX bytes of UTF-8 (and encodable: a lone surrogate is no file name)."""
+    if len(name) <= NAME_MAX // 4:  # 4 bytes per character at most: no need to encode
+        return True
+    try:
+        return len(name.encode()) <= NAME_MAX
+    except UnicodeEncodeError:
+        return False
 
 
 def check_model_name(name: str, what: str = "model name") -> str:
     """``name`` when valid; else InferError.invalid naming the rule and the name."""
     if not is_valid_model_name(name):
-        _invalid(f"invalid {what} {name!r}: {_why(name)}")
+        _invalid(f"invalid {what} {_shown(name)}: {_why(name)}")
     return name
 
 
@@ -51,16 +68,45 @@ def _why(name: str) -> str:
     if name in (".", ".."):
         return f"'{name}' is not allowed ({NAME_RULE})"
     bad = _FORBIDDEN.search(name)
-    shown = {"/": "'/'", "\\": "'\\'", "\x00": "NUL"}[bad.group()] if bad else "?"
+    if bad is None:
+        return f"{_length(name)} ({NAME_RULE})"
+    char = bad.group()
+    shown = {"/": "'/'", "\\": "'\\'", "\x00": "NUL"}.get(char, f"the control character U+{ord(char):04X}")
     return f"it contains {shown} ({NAME_RULE})"
+
+
+def _shown(name: str) -> str:
+    """``name`` quoted for an error, its first 64 characters when longer."""
+    return repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+
+
+def _length(name: str) -> str:
+    try:
+        return f"it is {len(name.encode())} bytes long, longer than {NAME_MAX}"
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8"
+
+
+def check_region_name(name: str) -> str:
+    """A shared-memory region's name, as a client gives it (register): at most NAME_MAX bytes
+    of UTF-8, no control characters (it is a key, never a path: '/' is allowed, as in Triton).
+    InferError.invalid otherwise."""
+    if name.isascii() and name.isprintable() and len(name) <= NAME_MAX:
+        return name  # the common case, without the regex (requests naming regions check it too)
+    bad = _CONTROL.search(name)
+    if bad is not None or not _fits(name):
+        why = f"it contains the control character U+{ord(bad.group()):04X}" if bad else _length(name)
+        _invalid(f"invalid shared-memory region name {_shown(name)}: {why} (a region name is at most {NAME_MAX} bytes "
+                 "of UTF-8, without control characters)")
+    return name
 
 
 def check_version(version: str, model: str = "") -> str:
     """``version`` when it is decimal digits or empty (latest); else InferError.invalid."""
-    if version and not (version.isascii() and version.isdigit()):
+    if version and not (version.isascii() and version.isdigit() and len(version) <= NAME_MAX):
         of = f" of model {model!r}" if model else ""
         _invalid(f"invalid version {version!r}{of}: a version must be decimal digits "
-                                 "(or empty for the latest)")
+                                 f"(at most {NAME_MAX}; or empty for the latest)")
     return version
 
 
@@ -89,7 +135,7 @@ def model_file_path(model_dir: str | Path, relative: str) -> Path:
     return target
 
 
-SHM_KEY_MAX = 255  # NAME_MAX: the longest file name /dev/shm holds
+SHM_KEY_MAX = NAME_MAX  # the longest file name /dev/shm holds
 
 
 def check_shm_key(key: str) -> str:
@@ -98,8 +144,8 @@ def check_shm_key(key: str) -> str:
     (``/input0`` and ``input0`` are the same object), and what remains must pass the name rule,
     so a key never names a file outside /dev/shm. InferError.invalid otherwise."""
     name = key.lstrip("/")
-    if not is_valid_model_name(name) or len(name.encode()) > SHM_KEY_MAX:
-        why = f"it is longer than {SHM_KEY_MAX} bytes" if is_valid_model_name(name) else _why(name)
-        _invalid(f"invalid shared-memory key {key!r}: {why} (a key is one name under /dev/shm, "
+    if not is_valid_model_name(name):  # one name of at most NAME_MAX bytes
+        why = _why(name)
+        _invalid(f"invalid shared-memory key {_shown(key)}: {why} (a key is one name under /dev/shm, "
                  "optionally with a leading '/')")
     return name

@@ -32,7 +32,7 @@ from typing import IO, Any
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec
-from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.errors import Code, InferError, internal_error
 
 log = logging.getLogger("meshserve.http")
 
@@ -214,7 +214,7 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
             result = ("err", (exc.code.value, exc.message))
         except Exception as exc:  # a decoder bug: report it like the in-process path would
             log.exception("internal error decoding a request body in the worker")
-            result = ("err", (Code.INTERNAL.value, f"internal error: {type(exc).__name__}: {exc}"))
+            result = ("err", (Code.INTERNAL.value, internal_error(exc).message))
         del body
         leave = _rss_bytes() > WORKER_RSS_LIMIT
         flags = _EXIT if leave else 0

@@ -122,6 +122,7 @@ class RequestContext:
     raw: bytes | None = None  # the serialized ModelInferRequest, when it arrived as one
     nbytes: int = 0  # the request's size on the wire when `raw` is None (an HTTP body): admission counts it
     hop: Hop = NO_HOP  # set by the front door (observe.infer) from the request's hop parameters
+    peer: str | None = None  # the connection's address, set for repository control (load/unload) only
 
     def time_remaining(self) -> float | None:
         if self.deadline is None:

@@ -18,7 +18,7 @@ import grpc
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
-from meshserve.protocol.errors import InferError
+from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm
 from meshserve.server.core import RequestContext, V2Core
@@ -85,6 +85,13 @@ def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> Req
     )
 
 
+def _control_context(context: grpc.aio.ServicerContext) -> RequestContext:
+    """A repository-control call's context: also the peer's address (loopback-only control)."""
+    ctx = _context(context)
+    ctx.peer = context.peer()
+    return ctx
+
+
 def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Set the call's error status. The handler then returns normally: grpc.aio drops the
     response of a call whose code is not OK, and this avoids context.abort()'s exception
@@ -97,7 +104,7 @@ def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         return
     log.exception("internal error while serving a gRPC call")
     context.set_code(grpc.StatusCode.INTERNAL)
-    context.set_details(f"internal error: {type(exc).__name__}: {exc}")
+    context.set_details(internal_error(exc).message)
 
 
 def _authorize(core: V2Core, method: str, request: Any, context: grpc.aio.ServicerContext) -> access.Grant:
@@ -201,12 +208,12 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
 
     async def model_load(req: pb.RepositoryModelLoadRequest, ctx: grpc.aio.ServicerContext
                          ) -> pb.RepositoryModelLoadResponse:
-        await core.load_model(req.model_name, dict(req.parameters), _context(ctx))
+        await core.load_model(req.model_name, dict(req.parameters), _control_context(ctx))
         return pb.RepositoryModelLoadResponse()
 
     async def model_unload(req: pb.RepositoryModelUnloadRequest, ctx: grpc.aio.ServicerContext
                            ) -> pb.RepositoryModelUnloadResponse:
-        await core.unload_model(req.model_name, dict(req.parameters), _context(ctx))
+        await core.unload_model(req.model_name, dict(req.parameters), _control_context(ctx))
         return pb.RepositoryModelUnloadResponse()
 
     async def model_infer(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -295,7 +302,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
             except Exception as exc:
                 if not isinstance(exc, InferError):
                     log.exception("internal error in a streamed request")
-                    exc = InferError.internal(f"internal error: {type(exc).__name__}: {exc}")
+                    exc = internal_error(exc)
                 err = pb.ModelStreamInferResponse(
                     error_message=exc.message,
                     infer_response=pb.ModelInferResponse(

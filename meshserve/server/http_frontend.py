@@ -24,7 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from meshserve.protocol import generate_codec, http_codec, wire
-from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
 from meshserve.server import body_worker, http1, observe, shm
 from meshserve.server.access import Grant, Op
@@ -205,7 +205,7 @@ class HttpFrontend:
             raise
         except Exception as exc:  # never a crash; report and keep serving
             log.exception("internal error serving %s %s", request.method, request.path)
-            return _error_response(InferError.internal(f"internal error: {type(exc).__name__}: {exc}"))
+            return _error_response(internal_error(exc))
         finally:
             if isinstance(conn, _Connection) and conn.trim_heap:  # a large body was read (_read_body)
                 conn.trim_heap = False
@@ -445,7 +445,7 @@ class HttpFrontend:
         self._method(request, "POST")
         if rest and rest[0] not in ("index", "models"):
             rest = rest[1:]  # a repository name; meshserve serves one repository per process
-        ctx = RequestContext(protocol="http", headers=_context_headers(request))
+        ctx = RequestContext(protocol="http", headers=_context_headers(request), peer=request.remote)
         if rest == ["index"]:
             grant = _allow(self.core, request, Op.REPOSITORY_INDEX)
             ready = await _decode(http_codec.parse_index_request, await self._body(request))

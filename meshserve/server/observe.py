@@ -23,7 +23,7 @@ from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
-from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.protocol.infer_checks import int_value
 from meshserve.server import admission
 from meshserve.server.core import (
@@ -304,7 +304,7 @@ def _log_error(request: pb.ModelInferRequest, ctx: RequestContext, exc: Exceptio
                t0: int) -> InferError:
     """Log one line for a failed request; returns the InferError the front end reports."""
     internal = not isinstance(exc, InferError)
-    err = InferError.internal(f"internal error: {type(exc).__name__}: {exc}") if internal else exc
+    err = internal_error(exc) if internal else exc
     assert isinstance(err, InferError)
     if not log.isEnabledFor(logging.WARNING):
         return err

@@ -44,7 +44,7 @@ from typing import Any
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
-from meshserve.repository.names import check_shm_key
+from meshserve.repository.names import check_region_name, check_shm_key
 from meshserve.server import observe
 from meshserve.server.access import Op
 from meshserve.server.core import InferResult, RequestContext, V2Core
@@ -60,15 +60,8 @@ REGION, BYTE_SIZE, OFFSET = wire.SHM_REGION, wire.SHM_BYTE_SIZE, wire.SHM_OFFSET
 _PARAMS = (REGION, BYTE_SIZE, OFFSET)
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # Region names are the client's and touch no filesystem (Triton takes any string), but they are
-# kept for as long as the region lives and echoed in errors: bounded (perf_analyzer's are ~12 bytes).
-MAX_REGION_NAME_BYTES = 1024
-
-
-def check_region_name(name: str) -> str:
-    if len(name) > MAX_REGION_NAME_BYTES // 4 and len(name.encode()) > MAX_REGION_NAME_BYTES:
-        raise InferError.invalid(f"a shared memory region name of {len(name.encode())} bytes is longer than "
-                                 f"{MAX_REGION_NAME_BYTES} bytes")
-    return name
+# kept for as long as the region lives and echoed in errors and logs: the one names rule bounds
+# them (NAME_MAX bytes, no control characters; perf_analyzer's are ~12 bytes).
 
 
 @dataclass(eq=False)

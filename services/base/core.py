@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -16,7 +18,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import layout
-from meshserve.repository.config import ConfigError, load_model_config
+from meshserve.repository.config import ConfigError, load_model_config, parse_config_json
 from meshserve.repository.names import check_model_name, check_version, model_file_path
 from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import (
@@ -27,10 +29,11 @@ from meshserve.server.core import (
     RequestContext,
     unary_decoupled_error,
 )
+from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy, poll_failed
 from meshserve.telemetry import metrics
 from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion, early_release
-from services.base.runtime import RuntimeAdapter, placements
+from services.base.runtime import RuntimeAdapter, RuntimeLoadError, placements
 from services.base.scheduling.dynamic import DynamicBatcher
 from services.base.warmup import run_warmup
 
@@ -42,6 +45,9 @@ log = logging.getLogger("meshserve.service")
 # never overwrites files a version still serving reads.
 OVERRIDES_DIR = ".meshserve-overrides"
 NOT_LOADED = "not loaded (explicit model control)"
+# errors writing a load request's files that the client's paths cause (the whole path over
+# PATH_MAX; "1/a" given as a file and as a directory): 400, Triton's "failed to poll" text
+_CLIENT_PATH_ERRORS = frozenset({errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
 # the service's own families beside Triton's nv_* ones (metrics.MODEL_FAMILIES)
 SERVICE_FAMILIES = {
     "early_release": metrics.Family("meshserve_batch_early_release_total", "counter",
@@ -83,6 +89,11 @@ class ServiceCore:
         self._foreign: dict[str, tuple] = {}
         self._poller: asyncio.Task[None] | None = None
         self.server_name = SERVER_NAME
+        # --allow-model-uploads / --allow-remote-model-control: a service has no tenants, so
+        # load/unload come from loopback clients only unless the operator opens them
+        self.access = ControlPolicy()
+        # --max-model-load-bytes: an adapter with a guard_load measures an uploaded model's load first
+        self.max_model_load_bytes = 0
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,7 +136,13 @@ class ServiceCore:
         try:
             for v in versions:
                 t0 = time.monotonic()
-                mv = await loop.run_in_executor(None, self._build_version, path, config, v)
+                try:
+                    mv = await loop.run_in_executor(None, self._build_version, path, config, v)
+                except InferError:
+                    raise
+                except Exception as exc:  # Triton's words for a version that failed to load
+                    raise RuntimeLoadError(f"load failed for model '{hosted.name}': version {v} is at "
+                                           f"UNAVAILABLE state: {exc}") from None
                 loaded[v] = mv
                 mv.stats.load_duration_s = time.monotonic() - t0  # nv_model_load_duration_secs
                 log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, mv.stats.load_duration_s)
@@ -154,9 +171,17 @@ class ServiceCore:
                 f"model '{config.name}': backend '{backend}' is not served by the {self.kind} service")
         model_file = layout.model_file(path, config, version)
         early_release(config)  # a bad value fails the load before any instance is made
+        self._guard_upload(adapter, path, model_file, config)
         instances = [adapter.load(model_file, config, p) for p in placements(config, self.gpu_available)]
         run_warmup(config, instances, path)  # before the version can be marked ready
         return ModelVersion(config, version, path, instances, config.platform or backend)
+
+    def _guard_upload(self, adapter: RuntimeAdapter, path: Path, model_file: Path, config: mc.ModelConfig) -> None:
+        """An uploaded model's files (a load request's `file:` parameters) are loaded first where
+        their memory is bounded, when the adapter can (services/onnx/load_guard.py)."""
+        guard = getattr(adapter, "guard_load", None)
+        if guard is not None and self.max_model_load_bytes and self._is_override(path) and model_file.is_file():
+            guard(model_file, config, self.max_model_load_bytes)
 
     async def stop(self, drain: bool = True) -> None:
         self._draining = True
@@ -181,15 +206,22 @@ class ServiceCore:
         repository; every path is checked by the names rule (nothing escapes it) before any
         byte is written. Returns the model directory to load from."""
         model_dir = self.repository / OVERRIDES_DIR / uuid.uuid4().hex / name
-        targets = [(model_file_path(model_dir, rel), data) for rel, data in files.items()]
         try:
-            for target, data in targets:
+            targets = [(model_file_path(model_dir, rel), rel, data) for rel, data in files.items()]
+        except InferError as exc:
+            raise poll_failed(name, exc.message) from None
+        for target, rel, data in targets:
+            try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
-        except OSError as exc:
-            shutil.rmtree(model_dir.parent, ignore_errors=True)
-            raise InferError.unavailable(f"failed to load '{name}': cannot write the model files of the "
-                                         f"load request under the repository: {exc}") from None
+            except OSError as exc:
+                shutil.rmtree(model_dir.parent, ignore_errors=True)
+                why = os.strerror(exc.errno) if exc.errno else type(exc).__name__  # never the path
+                if exc.errno in _CLIENT_PATH_ERRORS:  # the paths the client chose: too long, a file in the way
+                    shown = repr(rel) if len(rel) <= 64 else f"{rel[:64]!r}... ({len(rel)} characters)"
+                    raise poll_failed(name, f"cannot write file {shown} of the load request: {why}") from None
+                raise InferError.unavailable(f"failed to load '{name}': cannot write the model files of the "
+                                             f"load request under the repository: {why}") from None
         return model_dir
 
     # ---- V2Core -----------------------------------------------------------------------
@@ -359,6 +391,7 @@ class ServiceCore:
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)
+        self.access.check("load", name, parameters, ctx.peer, tenants=False)
         await self._load(name, parameters)
 
     async def _load(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter]) -> None:
@@ -369,8 +402,12 @@ class ServiceCore:
         override = parameters["config"].string_param if "config" in parameters else None
         files = {k[len("file:"):]: p.bytes_param for k, p in parameters.items() if k.startswith("file:")}
         if files and override is None:
-            raise InferError.invalid(f"failed to load '{name}': 'file:' parameters need the 'config' parameter "
-                                     "too (the configuration of the model the files make up)")
+            raise poll_failed(name, FILES_NEED_CONFIG)
+        if override is not None:
+            try:
+                parse_config_json(override, model=name)
+            except ConfigError as exc:
+                raise poll_failed(name, f"Invalid config override: {exc.message}") from None
         if not files and not path.is_dir():
             raise InferError.not_found(f"failed to load '{name}', failed to poll from model repository")
         async with self._load_lock:
@@ -380,13 +417,29 @@ class ServiceCore:
                 await self._load_from(name, path, override)
             except BaseException as exc:
                 hosted = self.models.get(name)
-                if hosted is None or hosted.path != path:
+                if hosted is None or hosted.path != path or not hosted.versions:
                     self._remove_override(path)  # no version reads these files: the load failed before the swap
+                    if hosted is not None and hosted.path == path:  # a first load from files: nothing on disk now
+                        hosted.path = self.repository / name
                 if hosted is None and name not in self._foreign and (self.repository / name).is_dir():
                     hosted = self.models[name] = HostedModel(name, self.repository / name)
+                if isinstance(exc, InferError):  # no path of this host in an answer
+                    exc.message = self._without_paths(exc.message, path, name)
+                    exc.args = (exc.message,)
                 if hosted is not None and not hosted.versions:  # the index shows why, as Triton's does
                     hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
                 raise
+
+    def _without_paths(self, message: str, path: Path, name: str) -> str:
+        """``message`` with the model directory's path made relative to it and the repository's
+        path hidden: load errors name files (onnxruntime's do) and are sent to the client."""
+        model_dirs = {str(p) for p in (path, path.absolute(), path.resolve())}
+        repositories = {str(p) for p in (self.repository.absolute(), self.repository.resolve())}
+        for prefix in sorted(model_dirs, key=len, reverse=True):  # 1/model.onnx, not /srv/repo/m/1/model.onnx
+            message = message.replace(prefix + "/", "").replace(prefix, f"<model {name}>")
+        for prefix in sorted(repositories, key=len, reverse=True):
+            message = message.replace(prefix, "<repository>")
+        return message
 
     async def _load_from(self, name: str, path: Path, override: str | None) -> None:
         try:
@@ -420,6 +473,7 @@ class ServiceCore:
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)
+        self.access.check("unload", name, parameters, ctx.peer, tenants=False)
         await self._unload(name)
 
     async def _unload(self, name: str) -> None:

@@ -5,11 +5,16 @@ import argparse
 from pathlib import Path
 
 from meshserve.server import limits as server_limits
+from meshserve.server import repository_control
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from services.base.control import MODES, ModelControl
 from services.base.core import ServiceCore
 from services.base.runtime import RuntimeAdapter
+
+# --max-model-load-bytes: what loading a model uploaded in a load request may allocate (a 310-byte
+# ONNX file of two ConstantOfShape nodes made onnxruntime's constant folding take 1.9 GiB)
+DEFAULT_MAX_MODEL_LOAD_BYTES = 512 << 20
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -34,7 +39,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     py.add_argument("--python-execute-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="an execute() running longer gets its worker killed and restarted, its requests "
                          "UNAVAILABLE (0 = no limit; a model's parameter execute_timeout_seconds overrides it)")
+    ap.add_argument("--max-model-load-bytes", type=int, default=DEFAULT_MAX_MODEL_LOAD_BYTES, metavar="BYTES",
+                    help="memory an uploaded model's load may take (onnx: measured in a child process under "
+                         "this bound before the service loads it; more is a 400); 0 = no bound "
+                         f"(default {DEFAULT_MAX_MODEL_LOAD_BYTES >> 20} MiB)")
     add_server_name_argument(ap)
+    repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
 
 
@@ -54,6 +64,8 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
         core = core_cls(kind, args.repository, adapters, gpu_available=gpu_available)
         core.control = control
         core.server_name = args.server_name
+        core.access = repository_control.ControlPolicy.from_args(args)
+        core.max_model_load_bytes = args.max_model_load_bytes
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
                     http_port=args.http_port, metrics_port=args.metrics_port, limits=limits)

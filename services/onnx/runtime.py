@@ -15,6 +15,7 @@ import onnxruntime as ort
 
 from meshserve._proto import model_config_pb2 as mc
 from services.base.runtime import InstancePlacement, RuntimeLoadError, config_int
+from services.onnx import load_guard
 
 _LEVELS = {
     -1: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -97,6 +98,7 @@ def _as_str_array(arr: np.ndarray, name: str) -> np.ndarray:
 
 class OnnxRuntimeAdapter:
     name = "onnxruntime"
+    guard_load = staticmethod(load_guard.check)  # an uploaded model's load, bounded in memory first
 
     def load(self, model_file: Path, config: mc.ModelConfig, placement: InstancePlacement) -> OnnxInstance:
         if not model_file.is_file():

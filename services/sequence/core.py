@@ -27,6 +27,7 @@ class SequenceServiceCore(ServiceCore):
             raise InferError.invalid(f"model '{config.name}' has no sequence_batching")
         model_file = layout.model_file(path, config, version)
         runtime_config = with_hidden_tensors(config)
+        self._guard_upload(adapter, path, model_file, runtime_config)
         instances = [adapter.load(model_file, runtime_config, p) for p in placements(config, self.gpu_available)]
         run_warmup(runtime_config, instances, path)  # warmup entries name control/state inputs explicitly
         return SequenceModelVersion(config, version, path, instances, config.platform or backend)

@@ -39,8 +39,10 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     evil = root / "outside" / "evil"
     shutil.copytree(model_repo / "add_sub", evil)
     (evil / "config.pbtxt").write_text((evil / "config.pbtxt").read_text().replace('"add_sub"', '"evil"'))
+    # uploads on: the `file:` path tests need the paths checked, not the upload refused
     with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit", "--load-model",
-                              "add_sub"], ["--discovery-interval", "0.5"]) as (service, gateway):
+                              "add_sub", "--allow-model-uploads"],
+                             ["--discovery-interval", "0.5", "--allow-model-uploads"]) as (service, gateway):
         yield Mesh(service, gateway, evil)
 
 

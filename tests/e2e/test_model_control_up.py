@@ -47,7 +47,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     examples.ensure(repo, progress=lambda _: None, only={"add_sub", "scale"})
     http_port, grpc_port = _free_port(), _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
-                             "--http-port", str(http_port), "--grpc-port", str(grpc_port)], cwd=ROOT,
+                             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                             "--allow-model-uploads"], cwd=ROOT,  # the `file:` override tests upload on purpose
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         read_banner(proc, 120)

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from meshserve.protocol.errors import internal_error
 from meshserve.server.body_worker import release_memory
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
@@ -823,7 +824,7 @@ class ServerConnection(H2Endpoint):
             raise
         except Exception as exc:
             log.exception("error in gRPC handler for %s", st.path)
-            self._finish(st, Status.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
+            self._finish(st, Status.UNKNOWN, internal_error(exc).message)  # its text: in the log only
         finally:
             if ctx._callbacks:
                 for cb in ctx._callbacks:

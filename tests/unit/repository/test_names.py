@@ -17,7 +17,7 @@ from meshserve.repository.names import (
     model_file_path,
 )
 
-GOOD = ["add_sub", "m", "model-1.onnx", "a b", "ünïcode", "..x", "x..", ".hidden", "1"]
+GOOD = ["add_sub", "m", "model-1.onnx", "a b", "ünïcode", "..x", "x..", ".hidden", "1", "x" * 255, "é" * 127]
 BAD = {
     "": "empty",
     ".": "'.'",
@@ -28,7 +28,13 @@ BAD = {
     "..\\..\\evil": "'\\'",
     "C:\\evil": "'\\'",
     "evil\x00": "NUL",
+    "a\nb": "U+000A",
+    "tab\t": "U+0009",
+    "\x1b[31mred": "U+001B",
+    "del\x7f": "U+007F",
+    "c1\x85": "U+0085",
 }
+LONG = {"x" * 256: "256 bytes", "é" * 128: "256 bytes", "a" * 5000: "5000 bytes"}
 
 
 @pytest.mark.parametrize("name", GOOD)
@@ -45,6 +51,26 @@ def test_invalid_names_are_invalid_argument_naming_rule_and_name(name: str) -> N
     assert err.value.code is Code.INVALID_ARG and err.value.http_status == 400
     assert repr(name) in err.value.message and BAD[name] in err.value.message
     assert "one path component" in err.value.message or "empty" in err.value.message
+
+
+@pytest.mark.parametrize("name", list(LONG))
+def test_names_longer_than_name_max_are_invalid_argument(name: str) -> None:
+    """NAME_MAX = 255 bytes of UTF-8: a longer name (over a file system's limit, a 500 naming the
+    repository's path before) is refused before any path is made; the message shows its start only."""
+    assert not is_valid_model_name(name)
+    with pytest.raises(InferError) as err:
+        check_model_name(name)
+    assert err.value.code is Code.INVALID_ARG and LONG[name] in err.value.message and "longer than 255" in err.value.message
+    assert len(err.value.message) < 400
+    with pytest.raises(InferError) as err:
+        check_file_path(f"1/{name}")
+    assert err.value.code is Code.INVALID_ARG and "longer than 255" in err.value.message
+
+
+def test_versions_longer_than_name_max_are_invalid() -> None:
+    with pytest.raises(InferError) as err:
+        check_version("1" * 256, "m")
+    assert err.value.code is Code.INVALID_ARG
 
 
 @pytest.mark.parametrize("version", ["", "1", "007", "123456"])

@@ -319,7 +319,11 @@ async def test_handler_exception_is_unknown(srv: Srv, conn: H2ClientConnection) 
     call.send(b"this")
     code, details = await call.closed()
     assert code == UNKNOWN
-    assert "boom" in details
+    assert "ValueError" in details
+    if srv.kind == "h2grpc":  # ours names the type, never the exception's text (a path, data): issue 29 item 7
+        assert "boom" not in details
+    else:  # grpc.aio's own "Unexpected <class 'ValueError'>: boom"
+        assert "boom" in details
     assert call.messages == [b"got this"]
     ok = Call(conn, "Echo")  # the connection is unaffected
     ok.send(b"still here")

@@ -117,10 +117,15 @@ def test_register_errors_and_limits(obj: Callable[[str, bytes], str]) -> None:
           "failed to register shared memory region 'r': invalid args", "offset 60 + byte size 41", "100 bytes")
     fails(lambda: reg.register_system("", "r", key, 0, 0), Code.INVALID_ARG, "byte size 0")
     fails(lambda: reg.register_system("", "", key, 0, 1), Code.INVALID_ARG, "needs a name")
-    for call in (lambda: reg.register_system("", "n" * 1025, key, 0, 1), lambda: reg.status("", "\u00e9" * 513, shm.SYSTEM),
+    # the names rule (meshserve/repository/names.py): NAME_MAX = 255 bytes of UTF-8, no control characters
+    for call in (lambda: reg.register_system("", "n" * 256, key, 0, 1), lambda: reg.status("", "\u00e9" * 128, shm.SYSTEM),
                  lambda: reg.unregister("", "n" * 5000, shm.SYSTEM),
                  lambda: reg.prepare("", request_with({"A": ("n" * 2000, 1, 0)}, {}))):
-        fails(call, Code.INVALID_ARG, "is longer than 1024 bytes")
+        fails(call, Code.INVALID_ARG, "longer than 255")
+    for bad in ("a\nb", "a\x7f", "a\x85", "\x1b[31m"):
+        fails(lambda: reg.register_system("", bad, key, 0, 1), Code.INVALID_ARG, "control character")  # noqa: B023
+    assert reg.register_system("", "n" * 255, key, 0, 1).name == "n" * 255
+    reg.unregister("", "n" * 255, shm.SYSTEM)
     reg.register_system("", "a", key, 0, 100)
     fails(lambda: reg.register_system("", "a", key, 0, 1), Code.ALREADY_EXISTS, "'a' already in manager")
     fails(lambda: reg.register_system("", "b", key, 0, 51), Code.RESOURCE_EXHAUSTED, "--max-shm-bytes")
