@@ -183,6 +183,15 @@ def _up_upload_flags(args: argparse.Namespace) -> list[str]:
     return ["--allow-model-uploads"] if args.allow_model_uploads else []
 
 
+def _up_python_flags(args: argparse.Namespace, gateway_grpc: int) -> list[str]:
+    """The python service's BLS flags: the gateway's gRPC address and the service's key file
+    (its path: the key itself never goes on a command line)."""
+    flags = ["--bls-target", f"{_loopback(args.host)}:{gateway_grpc}"]
+    if args.bls_api_key_file is not None:
+        flags += ["--bls-api-key-file", str(args.bls_api_key_file)]
+    return flags
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from meshserve.repository import layout
 
@@ -221,13 +230,17 @@ def _cmd_up(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     services: list[Child] = []
+    if args.tenants is not None and args.bls_api_key_file is None and "python" in runnable:
+        print("meshserve up: warning: --tenants without --bls-api-key-file: python models' BLS calls carry no "
+              "API key and will be refused unless the tenants file allows anonymous callers "
+              "(docs/python-backend.md)", flush=True)
     # python models call other models (BLS) through the gateway: its gRPC port must be known
     # before the services start, so a port of 0 is picked here
     gateway_grpc = args.grpc_port or _free_port(args.host)
     try:
         for kind in runnable:
             print(f"meshserve up: starting the {kind} service…", flush=True)
-            extra = ["--bls-target", f"{_loopback(args.host)}:{gateway_grpc}"] if kind == "python" else []
+            extra = _up_python_flags(args, gateway_grpc) if kind == "python" else []
             child = Child(f"{kind} service", [*py, "service", kind, "--repository", str(repo),
                                               "--host", "127.0.0.1", "--grpc-port", "0",
                                               "--model-control-mode", "explicit", "--load-model", "*",
@@ -293,9 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tenant_arguments(up)  # the gateway's own definitions: tenants, quotas, /metrics auth
     repository_control.add_arguments(up)
-    up.set_defaults(func=_cmd_up)
-
     from services.base.main import add_arguments as service_arguments
+    from services.base.main import add_bls_key_argument
+
+    add_bls_key_argument(up)
+    up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")
     gateway_arguments(gw)

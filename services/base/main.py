@@ -36,6 +36,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     py.add_argument("--bls-target", default="", metavar="HOST:PORT",
                     help="python models' BLS calls (InferenceRequest.exec) go to this gRPC address: the gateway's "
                          "(`meshserve up` passes it)")
+    add_bls_key_argument(py)
     py.add_argument("--python-execute-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="an execute() running longer gets its worker killed and restarted, its requests "
                          "UNAVAILABLE (0 = no limit; a model's parameter execute_timeout_seconds overrides it)")
@@ -46,6 +47,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
+
+
+def add_bls_key_argument(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--bls-api-key-file, of `meshserve service python` and of `meshserve up` (which passes it on)."""
+    ap.add_argument("--bls-api-key-file", type=Path, default=None, metavar="FILE",
+                    help="python models' BLS calls carry the API key in FILE (read once at start): the python "
+                         "service's own identity at a gateway with --tenants, which the tenants file grants the "
+                         "models BLS may reach (default: no key, refused unless the file allows anonymous callers)")
 
 
 def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespace,

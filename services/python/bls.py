@@ -5,10 +5,16 @@ through the mesh, as a gRPC client of the gateway (``--bls-target``), so any mod
 ``exec()`` is one ModelInfer call; ``exec(decoupled=True)`` one ModelStreamInfer call whose
 responses arrive until the one marked ``triton_final_response`` (asked for with
 ``triton_enable_empty_final_response``). Errors come back as the response's error, as in Triton.
+
+Every call is made as the python service's own identity: the API key of ``--bls-api-key-file``,
+which ``services/python/main.py`` reads once and hands to the workers in the environment
+(``MESHSERVE_BLS_API_KEY``), sent as ``x-api-key`` metadata. The gateway's tenants file says which
+models that identity may reach and meters its calls (docs/security.md).
 """
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 
@@ -22,6 +28,7 @@ from meshserve.protocol.errors import InferError
 from services.python import pb_utils
 
 _MAX_MESSAGE = 256 * 1024 * 1024
+BLS_API_KEY_ENV = "MESHSERVE_BLS_API_KEY"  # the service's BLS key, for its workers (never on a command line)
 _GRPC_TO_TRITON = {
     grpc.StatusCode.INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
     grpc.StatusCode.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
@@ -29,6 +36,12 @@ _GRPC_TO_TRITON = {
     grpc.StatusCode.UNIMPLEMENTED: pb_utils.TritonError.UNSUPPORTED,
     grpc.StatusCode.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
     grpc.StatusCode.CANCELLED: pb_utils.TritonError.CANCELLED,
+    # Triton's BLS has no codes for these (its calls never leave the server). Not a 5xx: the
+    # message says why the gateway refused the service's identity (see _refusal_hint).
+    grpc.StatusCode.UNAUTHENTICATED: pb_utils.TritonError.INVALID_ARG,
+    grpc.StatusCode.PERMISSION_DENIED: pb_utils.TritonError.INVALID_ARG,
+    # the BLS identity over its quota: Triton's code for a full queue, to retry later
+    grpc.StatusCode.RESOURCE_EXHAUSTED: pb_utils.TritonError.UNAVAILABLE,
 }
 
 
@@ -84,13 +97,34 @@ def _error(code: grpc.StatusCode | None, message: str, model: str = "") -> pb_ut
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton))
 
 
-class BlsClient:
-    """One gRPC channel from a worker to the gateway, shared by the model's BLS calls."""
+def _refusal_hint(code: grpc.StatusCode, has_key: bool) -> str:
+    """What the operator must change when the gateway refuses the service's BLS identity."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        if has_key:
+            return (" (refused BLS call of the python service: its key, --bls-api-key-file, is not a key of the "
+                    "gateway's tenants file)")
+        return (" (refused BLS call of the python service: it was started without --bls-api-key-file, and the "
+                "gateway's tenants file does not allow anonymous callers)")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return (" (refused BLS call of the python service: its identity, --bls-api-key-file, may not use this "
+                "model; the gateway's tenants file grants it)")
+    return ""
 
-    def __init__(self, target: str):
+
+class BlsClient:
+    """One gRPC channel from a worker to the gateway, shared by the model's BLS calls, made as the
+    service's identity (``api_key``; by default the environment's ``MESHSERVE_BLS_API_KEY``)."""
+
+    def __init__(self, target: str, api_key: str | None = None):
         self.target = target
+        key = os.environ.get(BLS_API_KEY_ENV, "") if api_key is None else api_key
+        self._metadata: tuple[tuple[str, str], ...] = (("x-api-key", key),) if key else ()
         self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
         self._lock = threading.Lock()
+
+    def _failed(self, exc: grpc.RpcError, model: str) -> pb_utils.InferenceResponse:
+        code = exc.code()
+        return _error(code, (exc.details() or str(exc)) + _refusal_hint(code, bool(self._metadata)), model)
 
     def _get_stub(self) -> pb_grpc.GRPCInferenceServiceStub:
         with self._lock:
@@ -106,9 +140,9 @@ class BlsClient:
                           "without --bls-target (`meshserve up` passes the gateway's address)")
         timeout = request.timeout() / 1e6 if request.timeout() > 0 else None
         try:
-            resp = self._get_stub().ModelInfer(to_proto(request), timeout=timeout)
+            resp = self._get_stub().ModelInfer(to_proto(request), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            return _error(exc.code(), exc.details() or str(exc), request.model_name)
+            return self._failed(exc, request.model_name)
         except InferError as exc:  # a parameter no request can carry
             return _error(exc.grpc_status, exc.message, request.model_name)
         return from_proto(resp)
@@ -127,7 +161,7 @@ class BlsClient:
             done.wait()  # keep the stream open until every response arrived
 
         timeout = request.timeout() / 1e6 if request.timeout() > 0 else None
-        call = self._get_stub().ModelStreamInfer(requests(), timeout=timeout)
+        call = self._get_stub().ModelStreamInfer(requests(), timeout=timeout, metadata=self._metadata)
 
         def items() -> Iterator[pb_utils.InferenceResponse]:
             try:
@@ -141,7 +175,7 @@ class BlsClient:
                     if final is None or final.bool_param:
                         return  # a server without the final flag answers once
             except grpc.RpcError as exc:
-                yield _error(exc.code(), exc.details() or str(exc), request.model_name)
+                yield self._failed(exc, request.model_name)
 
         def close() -> None:
             done.set()
