@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, service_and_gateway
-from tests.models.tensors import build_scalars
+from tests.models.tensors import build_scalars, build_torch_scalar
 
 # (protocol, binary): HTTP binary, HTTP JSON, gRPC
 WIRES = [("http", True), ("http", False), ("grpc", True)]
@@ -168,3 +168,22 @@ def test_config_that_contradicts_its_graph_is_refused_at_load(procs: dict[str, P
         for model, text in REFUSED.items():
             assert reasons[model][0] == "UNAVAILABLE" and text in reasons[model][1], (model, reasons[model])
         assert c.is_server_live() and c.is_model_ready("scalar_reduce")
+
+
+@pytest.fixture(scope="module")
+def torch_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    pytest.importorskip("torch", reason="the TorchScript leg needs torch (the [torch] extra)")
+    repo = build_torch_scalar(tmp_path_factory.mktemp("ts_scalar"))
+    with service_and_gateway("torchscript", ["--repository", str(repo)], timeout=120) as (service, gateway):
+        yield {"service": service, "gateway": gateway}
+
+
+@pytest.mark.parametrize("hop", HOPS)
+@pytest.mark.parametrize(("proto", "binary"), WIRES)
+def test_torchscript_scalars(torch_procs: dict[str, Proc], hop: str, proto: str, binary: bool) -> None:
+    """A TorchScript model's 0-d results answer with the config dims [1]."""
+    x = np.array([0.5, 1.5, -4.0], dtype=np.float32)
+    got = _infer(getattr(torch_procs[hop], proto), proto, binary, "ts_scalar",
+                 {"X": x, "N": np.array([3.0], dtype=np.float32)}, ["SUM", "COUNT"])
+    assert got["SUM"].shape == (1,) and got["SUM"][0] == np.float32(3.0) * x.sum()
+    assert got["COUNT"].shape == (1,) and got["COUNT"][0] == 3

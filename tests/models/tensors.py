@@ -159,6 +159,29 @@ def build_torch_identities(repo: Path) -> Path:
     return repo
 
 
+TS_SCALAR_CONFIG = """name: "ts_scalar"
+platform: "pytorch_libtorch"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] }, { name: "N" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "COUNT" data_type: TYPE_INT64 dims: [ 1 ] } ]
+"""
+
+
+def build_torch_scalar(repo: Path) -> Path:
+    """ts_scalar (TorchScript): SUM = N[0] * X.sum() and COUNT = X.numel(), both 0-d tensors.
+    (TorchScript declares no ranks, and a config reshape to [] needs max_batch_size > 0: Triton's
+    pytorch backend feeds N as [1], and so do we.)"""
+    import torch
+
+    class Scalar(torch.nn.Module):
+        def forward(self, X: torch.Tensor, N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return N[0] * X.sum(), torch.tensor(X.numel(), dtype=torch.int64)
+
+    write(repo, "ts_scalar", TS_SCALAR_CONFIG,
+          {1: lambda path: torch.jit.save(torch.jit.script(Scalar()), str(path))}, "model.pt")
+    return repo
+
+
 PY_IDENTITY = '''import triton_python_backend_utils as pb_utils
 
 
