@@ -24,6 +24,7 @@ from services.base.validation import ModelTensors, Pending, TensorSpec
 # shape = 3 (packed int64)
 _NAME, _VERSION, _ID, _OUTPUT, _RAW = b"\x0a", b"\x12", b"\x1a", b"\x2a", b"\x32"
 _TENSOR_NAME, _TENSOR_DATATYPE, _TENSOR_SHAPE = b"\x0a", b"\x12", b"\x1a"
+_EMPTY = memoryview(b"")
 _HEADS_MAX = 4096  # cached output tensor messages (one per name, datatype and shape) before a reset
 
 
@@ -77,8 +78,8 @@ class ResponseEncoder:
                 arr = np.ascontiguousarray(arr, dtype=spec.dtype)
                 if spec.reshape is not None:
                     arr = arr.reshape((total, *spec.dims))
-                # (a flat byte view: memoryview.cast refuses a shape with a zero in it)
-                rows_of[out_name] = (arr.reshape(-1).view(np.uint8).data, arr.nbytes // total, arr.shape[1:])
+                # (memoryview.cast refuses a shape with a zero in it: an empty output has no bytes)
+                rows_of[out_name] = (arr.data.cast("B") if arr.size else _EMPTY, arr.nbytes // total, arr.shape[1:])
         prefix = self._prefix
         bodies: list[bytes] = []
         row = 0
