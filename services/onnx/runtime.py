@@ -176,6 +176,7 @@ class OnnxInstance:
         self.runs_alone = bool(self._scalars) and batched
         self._bf16_in = frozenset(i.name for i in session.get_inputs() if i.type == "tensor(bfloat16)")
         self._bf16_out = frozenset(o.name for o in session.get_outputs() if o.type == "tensor(bfloat16)")
+        self._binding: ort.IOBinding | None = None
 
     def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         for name, arr in inputs.items():
@@ -195,11 +196,24 @@ class OnnxInstance:
         return dict(zip(output_names, results, strict=True))
 
     def _run_values(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
-        """A run through OrtValues, for models with BF16 tensors."""
-        feeds = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(a), _ONNX_BFLOAT16)
-                 if n in self._bf16_in else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
-                 for n, a in inputs.items()}
-        results = self.session.run_with_ort_values(output_names, feeds)
+        """A run through OrtValues bound to an IOBinding, for models with BF16 tensors (measured:
+        ~19 us a run of a small identity where ``run_with_ort_values`` took ~156 us; session.run
+        ~30 us). An instance runs one batch at a time: one binding per instance."""
+        io = self._binding
+        if io is None:
+            io = self._binding = self.session.io_binding()
+        for n, a in inputs.items():
+            a = np.ascontiguousarray(a)
+            io.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, _ONNX_BFLOAT16)
+                                   if n in self._bf16_in else ort.OrtValue.ortvalue_from_numpy(a))
+        for n in output_names:
+            io.bind_output(n, "cpu")
+        try:
+            self.session.run_with_iobinding(io)
+            results = io.get_outputs()
+        finally:
+            io.clear_binding_inputs()
+            io.clear_binding_outputs()
         out: dict[str, np.ndarray] = {}
         for n, value in zip(output_names, results, strict=True):
             if n in self._bf16_out:

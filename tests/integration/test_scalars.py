@@ -78,14 +78,14 @@ def test_scalar_outputs_answer_with_config_dims(procs: dict[str, Proc], repo: Pa
                                                 binary: bool) -> None:
     """ReduceSum keepdims=0, Size and Shape->Gather give scalars: each answers with shape [1]
     (the config's dims), so ``out[0]`` works as it does against Triton."""
-    x = np.arange(12, dtype=np.float32).reshape(3, 4) / 4
-    got = _infer(getattr(procs[hop], proto), proto, binary, "scalar_reduce", {"X": x}, ["SUM", "COUNT", "COLS"])
-    want = _in_process(repo, "scalar_reduce", {"X": x})
-    for name, expected in zip(["SUM", "COUNT", "COLS"], want, strict=True):
-        assert expected.shape == ()  # the graph's own answer is a scalar
-        assert got[name].shape == (1,), (name, got[name].shape)
-        assert got[name][0] == expected, name
-    assert got["COUNT"].dtype == np.int64 and got["SUM"].dtype == np.float32
+    for x in (np.arange(12, dtype=np.float32).reshape(3, 4) / 4, np.zeros((0, 5), np.float32)):  # (and zero-size)
+        got = _infer(getattr(procs[hop], proto), proto, binary, "scalar_reduce", {"X": x}, ["SUM", "COUNT", "COLS"])
+        want = _in_process(repo, "scalar_reduce", {"X": x})
+        for name, expected in zip(["SUM", "COUNT", "COLS"], want, strict=True):
+            assert expected.shape == ()  # the graph's own answer is a scalar
+            assert got[name].shape == (1,), (name, got[name].shape)
+            assert got[name][0] == expected, name
+        assert got["COUNT"].dtype == np.int64 and got["SUM"].dtype == np.float32
 
 
 @pytest.mark.parametrize("hop", HOPS)
