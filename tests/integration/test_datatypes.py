@@ -346,3 +346,22 @@ def test_model_file_layout(tmp_path: Path) -> None:
     """The generators write one version folder per model (a failing build shows here first)."""
     repo = build_onnx_identities(tmp_path / "r")
     assert sorted(p.name for p in repo.iterdir()) == sorted(model_name("onnx", d) for d in DATATYPES)
+
+
+@pytest.mark.parametrize("hop", HOPS)
+def test_json_writes_nan_and_infinities_as_triton_does(stack: Stack, hop: str) -> None:
+    """Triton's JSON (rapidjson with its NaN/Inf flag, server#3870) writes NaN, Infinity and
+    -Infinity as bare words, and reads them; FP16 travels as the number it holds."""
+    import json
+    import urllib.request
+
+    for dt, sent in (("FP32", "[NaN, Infinity, -Infinity, -0.0, 1e-45]"), ("FP16", "[NaN, -Infinity, 6e-08, 65504.0]")):
+        body = (f'{{"inputs": [{{"name": "INPUT0", "shape": [1, {sent.count(",") + 1}], "datatype": "{dt}", '
+                f'"data": {sent}}}]}}').encode()
+        url = f"http://{stack.url('onnx', hop, 'http')}/v2/models/identity_{dt.lower()}/infer"
+        with urllib.request.urlopen(urllib.request.Request(url, body, method="POST")) as resp:
+            text = resp.read().decode()
+        data = json.loads(text)["outputs"][0]["data"]
+        assert "NaN" in text and "-Infinity" in text, text
+        want = np.array(json.loads(sent), dtype=_NUMPY[dt])
+        assert same(dt, np.array(data, dtype=_NUMPY[dt]), want, "http-json"), (data, want)
