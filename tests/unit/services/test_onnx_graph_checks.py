@@ -119,3 +119,17 @@ def test_bf16_bits_pass_through() -> None:
         assert out.dtype == np.uint16 and out.shape == bits.shape and out.tobytes() == bits.tobytes()
     empty = inst.run({"INPUT0": np.zeros((1, 0), np.uint16)}, ["OUTPUT0"])["OUTPUT0"]
     assert empty.shape == (1, 0)
+
+
+def test_a_bf16_model_warms_up() -> None:
+    """model_warmup feeds a BF16 input its raw bits (uint16), which the instance runs."""
+    from pathlib import Path
+
+    from services.base.warmup import warmup_inputs
+
+    config = _config(IDENTITY.replace("TYPE_FP32", "TYPE_BF16") + """model_warmup [ { name: "w" batch_size: 2
+inputs { key: "INPUT0" value: { data_type: TYPE_BF16 dims: [ 3 ] random_data: true } } } ]""")
+    feeds = warmup_inputs(config, config.model_warmup[0], Path("."))
+    assert feeds["INPUT0"].dtype == np.uint16 and feeds["INPUT0"].shape == (2, 3)
+    out = OnnxInstance(_session(onnx_identity("BF16")), batched=True).run(dict(feeds), ["OUTPUT0"])
+    assert out["OUTPUT0"].tobytes() == feeds["INPUT0"].tobytes()
