@@ -73,7 +73,8 @@ class ModelShape:
         """None when merging could change what the model's own scheduler does: no dynamic
         batching (Triton runs each request alone), nothing to merge (max_batch_size < 2), or
         priorities / queue limits / queue timeouts (the service's queue must see every request),
-        an input the model sees as a scalar (``reshape { shape: [] }``), or a python model (its execute() gets one request per client request, as in Triton)."""
+        an input the model sees as a scalar (``reshape { shape: [] }``: it may run alone), or a
+        python model (its execute() gets one request per client request, as in Triton)."""
         if config.backend == "python":
             return None
         if config.max_batch_size < 2 or config.WhichOneof("scheduling_choice") != "dynamic_batching":
