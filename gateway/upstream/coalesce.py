@@ -73,7 +73,8 @@ class ModelShape:
         """None when merging could change what the model's own scheduler does: no dynamic
         batching (Triton runs each request alone), nothing to merge (max_batch_size < 2), or
         priorities / queue limits / queue timeouts (the service's queue must see every request),
-        or a python model (its execute() gets one request per client request, as in Triton)."""
+        an input the model sees as a scalar (``reshape { shape: [] }``: it may run alone), or a
+        python model (its execute() gets one request per client request, as in Triton)."""
         if config.backend == "python":
             return None
         if config.max_batch_size < 2 or config.WhichOneof("scheduling_choice") != "dynamic_batching":
@@ -88,8 +89,8 @@ class ModelShape:
         for t in config.input:
             dt = datatypes.config_to_wire(t.data_type)
             size = datatypes.element_size(dt)
-            if not size or t.optional or t.allow_ragged_batch:
-                return None
+            if not size or t.optional or t.allow_ragged_batch or (t.HasField("reshape") and not t.reshape.shape):
+                return None  # (reshape to []: a scalar per request, which runs alone)
             inputs[t.name] = (dt, tuple(t.dims), size)
         for o in config.output:
             if not datatypes.element_size(datatypes.config_to_wire(o.data_type)):

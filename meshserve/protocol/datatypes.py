@@ -67,6 +67,16 @@ def numpy_dtype(datatype: str) -> np.dtype:
     return dt
 
 
+def carrier_dtype(datatype: str) -> np.dtype:
+    """The numpy dtype a service holds a fixed-size datatype's elements in: its own, or for BF16
+    (no numpy type) little-endian uint16 holding the raw bfloat16 bits (the runtime adapters
+    give them their type back: services/onnx/runtime.py)."""
+    return _BF16_CARRIER if datatype == "BF16" else numpy_dtype(datatype)
+
+
+_BF16_CARRIER = np.dtype("<u2")
+
+
 def from_numpy(dtype: np.dtype) -> str:
     """Wire datatype of a numpy dtype (object / bytes / str arrays map to BYTES)."""
     dtype = np.dtype(dtype)

@@ -110,6 +110,8 @@ class ModelVersion:
         """The dynamic batcher (Triton's ``dynamic_batching``, or one request per batch without
         it); a sequence model version puts its sequence batcher here instead."""
         dyn = config.dynamic_batching if config.HasField("dynamic_batching") else None
+        if any(getattr(i, "runs_alone", False) for i in self._instances):
+            dyn = None  # a graph that takes a true scalar per run: each request runs alone
         self.policy = BatchingPolicy.from_config(config.max_batch_size, dyn)
         self._ordered = self.policy.preserve_ordering
         self.batcher = DynamicBatcher[Pending](self.policy, self._execute, instance_count=instance_count,

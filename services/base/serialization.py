@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from meshserve.protocol import datatypes
+from meshserve.protocol.errors import InferError
 from meshserve.protocol.wire import varint
 from services.base.validation import ModelTensors, Pending, TensorSpec
 
@@ -23,6 +24,7 @@ from services.base.validation import ModelTensors, Pending, TensorSpec
 # shape = 3 (packed int64)
 _NAME, _VERSION, _ID, _OUTPUT, _RAW = b"\x0a", b"\x12", b"\x1a", b"\x2a", b"\x32"
 _TENSOR_NAME, _TENSOR_DATATYPE, _TENSOR_SHAPE = b"\x0a", b"\x12", b"\x1a"
+_EMPTY = memoryview(b"")
 _HEADS_MAX = 4096  # cached output tensor messages (one per name, datatype and shape) before a reset
 
 
@@ -69,13 +71,15 @@ class ResponseEncoder:
             total = sum(p.rows for p in payloads)
             for out_name, arr in produced.items():
                 spec = model.outputs.get(out_name)
-                if spec is None or not spec.element_size or out_name in scattered or not arr.ndim \
-                        or arr.shape[0] != total:
+                if spec is not None and not arr.ndim:
+                    produced[out_name] = arr = scalar_as_config(arr, spec, True, total)
+                if spec is None or not spec.element_size or out_name in scattered or arr.shape[0] != total:
                     continue  # (the general path below: _part)
                 arr = np.ascontiguousarray(arr, dtype=spec.dtype)
                 if spec.reshape is not None:
                     arr = arr.reshape((total, *spec.dims))
-                rows_of[out_name] = (arr.data.cast("B"), arr.nbytes // total, arr.shape[1:])
+                # (memoryview.cast refuses a shape with a zero in it: an empty output has no bytes)
+                rows_of[out_name] = (arr.data.cast("B") if arr.size else _EMPTY, arr.nbytes // total, arr.shape[1:])
         prefix = self._prefix
         bodies: list[bytes] = []
         row = 0
@@ -109,6 +113,8 @@ class ResponseEncoder:
         piece, reshaped, classified with ``k``) and its datatype on the wire."""
         spec = self.model.outputs[out_name]
         full = produced[out_name]
+        if not full.ndim:  # (batched: encode gave it its shape)
+            full = scalar_as_config(full, spec, False, 1)
         part = full[row:row + rows] if batched else full
         if out_name in scattered:
             part = scattered[out_name][i]
@@ -157,10 +163,24 @@ def scatter(model: ModelTensors, payloads: Sequence[Pending], produced: dict[str
     return scattered
 
 
+def scalar_as_config(arr: np.ndarray, spec: TensorSpec, batched: bool, rows: int) -> np.ndarray:
+    """A rank-0 output in the shape its config gives (Triton's onnxruntime backend answers a 0-d
+    result with the config's dims, `[1]`, not `[]`): the dims, all 1 for a scalar, behind the
+    batch dimension of a batched model, which a scalar can only fill for a batch of one row."""
+    dims = tuple(1 for _ in spec.dims)
+    if batched:
+        if rows != 1:
+            raise InferError.internal(
+                f"output '{spec.name}' is a scalar for a batch of {rows} rows; a batched model's "
+                "outputs need the batch dimension first")
+        dims = (1, *dims)
+    return arr.reshape(dims)
+
+
 def _to_bytes(arr: np.ndarray, datatype: str) -> bytes:
     if datatype == "BYTES":
         return datatypes.serialize_bytes(arr.reshape(-1).tolist())
-    want = datatypes.numpy_dtype(datatype)
+    want = datatypes.carrier_dtype(datatype)
     if arr.dtype != want:
         arr = arr.astype(want)
     return arr.tobytes()

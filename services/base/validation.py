@@ -42,7 +42,7 @@ class TensorSpec:
 
     @property
     def dtype(self) -> np.dtype:
-        return datatypes.numpy_dtype(self.datatype)
+        return datatypes.carrier_dtype(self.datatype)  # (BF16: raw uint16)
 
 
 def _spec(t: mc.ModelInput | mc.ModelOutput, optional: bool = False, label_filename: str = "") -> TensorSpec:

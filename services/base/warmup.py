@@ -41,7 +41,7 @@ def warmup_inputs(config: mc.ModelConfig, warmup: mc.ModelWarmup, model_dir: Pat
                 values = [b""] * count
             feeds[name] = np.array(values, dtype=np.object_).reshape(shape)
             continue
-        dtype = datatypes.numpy_dtype(dt)
+        dtype = datatypes.carrier_dtype(dt)  # (BF16: its raw bits as uint16)
         if choice == "input_data_file":
             raw = _read(model_dir, spec.input_data_file, where)
             if len(raw) != count * dtype.itemsize:

@@ -294,10 +294,11 @@ def _check_datatypes(config: mc.ModelConfig) -> None:
                 raise RuntimeLoadError(
                     f"model '{config.name}': {kind} '{t.name}' is TYPE_STRING (BYTES); the TorchScript "
                     "service supports numeric and BOOL tensors only")
-            if dt not in _TORCH_DTYPES:
+            if dt not in _TORCH_DTYPES:  # Triton's pytorch backend's text, then ours
                 raise RuntimeLoadError(
-                    f"model '{config.name}': {kind} '{t.name}' has data type {dt}, which the TorchScript "
-                    f"service does not support (supported: {', '.join(_TORCH_DTYPES)})")
+                    f"unsupported datatype {mc.DataType.Name(t.data_type)} for {kind} '{t.name}' for model "
+                    f"'{config.name}' ({dt}, which the TorchScript service does not support; supported: "
+                    f"{', '.join(_TORCH_DTYPES)})")
 
 
 # ---- running -------------------------------------------------------------------------------------
@@ -374,7 +375,8 @@ class TorchInstance:
                 raise InferError.internal(
                     f"model '{self.name}': output '{n}' is {t.dtype} but the config declares "
                     f"{self.output_types[n]} ({want})")
-            if rows is not None and (t.dim() == 0 or t.shape[0] != rows):
+            # (a scalar answers for a batch of one row: the response encoder gives it the config's dims)
+            if rows is not None and (t.shape[0] != rows if t.dim() else rows != 1):
                 raise InferError.internal(
                     f"model '{self.name}': output '{n}' has shape {list(t.shape)}; with max_batch_size > 0 "
                     f"its first dimension must be the batch size {rows}")
