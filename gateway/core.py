@@ -24,6 +24,7 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
 from meshserve.repository.names import check_file_path, check_model_name, check_version
+from meshserve.server import shm
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import (
     EXTENSIONS,
@@ -51,7 +52,8 @@ GATEWAY_FAMILIES = {
     "shadow_requests": metrics.Family("meshserve_gateway_shadow_requests_total", "counter",
                                       "Shadow copies of A/B route requests by target model and outcome"),
     "quota_rejections": metrics.Family("meshserve_gateway_quota_rejections_total", "counter",
-                                       "Requests refused by a tenant's quota, by tenant and reason (rate, concurrency)"),
+                                       "Requests refused by a tenant's quota, by tenant and reason (rate, concurrency, "
+                                       "share: its share of --max-inflight / --max-inflight-bytes)"),
     "requests": metrics.Family("meshserve_gateway_requests_total", "counter",
                                "Inference requests through the gateway by model and outcome"),
     "upstream_errors": metrics.Family("meshserve_gateway_upstream_errors_total", "counter",
@@ -124,6 +126,10 @@ class GatewayCore:
             ensembles.bind(self.upstream, self.discovery.config_for)
 
     async def start(self) -> None:
+        # This process is a front door: a client's hop marker means nothing here (read_hop).
+        # With tenants, each holds at most its share of the shared-memory caps.
+        tracing.trust_hop_marker(False)
+        shm.share_of = self.admission.share_of if self.admission is not None else None
         await self.discovery.resolve()
         await self.discovery.refresh()
         self.discovery.start()
@@ -273,7 +279,7 @@ class GatewayCore:
                 raise
             if span is not None:
                 tracing.emit_span("gateway.admission", span, started, time.time_ns(),
-                                  {"meshserve.tenant": admitted.tenant if admitted is not None else "(anonymous)"})
+                                  {"meshserve.tenant": admitted.tenant or "(anonymous)"})
         try:
             route = self.routes.lookup(request.model_name) if self.routes is not None else None
             if route is None or self.routes is None:

@@ -54,6 +54,7 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_shm_key
 from meshserve.server import observe
 from meshserve.server.access import Op
+from meshserve.server.admission import tenant_cap
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.limits import ServerLimits, flag
 from meshserve.server.workers import SHM, SharedState
@@ -75,11 +76,6 @@ RESERVED_KEY_PREFIX = "meshserve-"
 # A tenant's share of the registry's caps (0 < share <= 1), or None without tenants (then nothing
 # is counted per tenant). The gateway sets it from its tenants file (gateway/auth.py:Admission.share_of).
 share_of: Callable[[str], float] | None = None
-
-
-def tenant_cap(cap: int, share: float) -> int:
-    """What one tenant may hold of a shared ``cap``: max(1, cap * share)."""
-    return max(1, int(cap * share))
 
 
 def check_region_name(name: str) -> str:
