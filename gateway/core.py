@@ -78,6 +78,9 @@ GATEWAY_FAMILIES = {
     "coalesce_held": metrics.Family("meshserve_gateway_coalesce_held_total", "counter",
                                     "Queued client requests the in-flight bound held past their event-loop pass "
                                     "(--coalesce-inflight full batches were in flight)"),
+    "coalesce_deadline_resends": metrics.Family(
+        "meshserve_gateway_coalesce_deadline_resends_total", "counter",
+        "Client requests sent again alone after the merged request they rode in missed another member's deadline"),
     "coalesce_wait": metrics.Family("meshserve_gateway_coalesce_wait_us_total", "counter",
                                     "Microseconds queued client requests spent in the coalescer, summed"),
 }
@@ -549,6 +552,7 @@ class GatewayCore:
         samples.append(("coalesce_queued", {}, self.coalescer.queued))
         samples.append(("coalesce_held", {}, self.coalescer.held))
         samples.append(("coalesce_wait", {}, self.coalescer.wait_ns // 1000))
+        samples.append(("coalesce_deadline_resends", {}, self.coalescer.deadline_resends))
         for endpoint, up in sorted(self._federated_up.items()):
             samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:
