@@ -15,6 +15,12 @@
         admin: false          # may load/unload models
         share: 0.25           # optional: this tenant's share, overriding the file's
 
+Sequences: a sequence (model, ``sequence_id``) belongs to the tenant whose request used it first
+while it lives (until its ``sequence_end``, or SEQUENCE_BINDING_MIN_S / twice the model's
+``max_sequence_idle_microseconds`` after its last request): another tenant naming it gets 403 /
+PERMISSION_DENIED, so it can neither read nor reset that sequence's state in the service. At most
+MAX_SEQUENCES sequences are bound at once (one tenant: its share), then 429.
+
 Shares: a cap the whole process shares (``--max-inflight`` requests and ``--max-inflight-bytes``
 in flight, which streams hold until their last answer; ``--max-shm-regions`` and
 ``--max-shm-bytes`` of shared-memory regions) is held by one tenant up to max(1, cap * share);
@@ -33,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -173,6 +179,12 @@ class QuotaStore(Protocol):
     async def close(self) -> None: ...
 
 
+# a sequence stays its tenant's this long after its last request at least (or twice the
+# model's max_sequence_idle_microseconds, when longer), unless it ends
+SEQUENCE_BINDING_MIN_S = 60.0
+MAX_SEQUENCES = 65536  # sequences bound to tenants at once in this process
+
+
 @dataclass(frozen=True)
 class Admitted:
     tenant: str  # "" = anonymous
@@ -183,10 +195,14 @@ class Admitted:
 class Admission:
     """authenticate → authorize the model/route → take quota. The core calls it before routing."""
 
-    def __init__(self, directory: TenantDirectory, store: QuotaStore):
+    def __init__(self, directory: TenantDirectory, store: QuotaStore, clock: Callable[[], float] = time.monotonic):
         self.rejections: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
         self.directory = directory
         self.store = store
+        self._clock = clock
+        # live sequences: (model, sequence key) -> [tenant, when the binding lapses]; per tenant how many
+        self.sequences: dict[tuple[str, str], list[Any]] = {}
+        self._sequences_held: Counter[str] = Counter()
         # requests and bytes each tenant ("" anonymous) has in flight in this process (its share)
         self.inflight: dict[str, list[int]] = {}
 
@@ -194,20 +210,31 @@ class Admission:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
         return self.directory.get().share_of(tenant)
 
-    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Admitted:
+    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None = None,
+                    sequence_idle_s: float = 0.0) -> Admitted:
+        """Authenticate, authorize the model, hold the tenant's share and take its quota.
+        ``sequence``: the request's sequence key (routing.table.sequence_affinity), bound to the
+        tenant while the sequence lives (``sequence_idle_s``: the model's idle timeout)."""
         tenants = self.directory.get()
         tenant = tenants.authenticate(ctx.headers)
         raw = ctx.raw
         size = len(raw) if raw is not None else ctx.nbytes
         if tenant is None:  # anonymous (allowed by the file): one share between them, no quota
-            self._take_share("", tenants.share_of(""), size, request.model_name)
+            share = tenants.share_of("")
+            self._take_share("", share, size, request.model_name)
+            if sequence is not None:
+                try:
+                    self._bind_sequence("", share, request, sequence, sequence_idle_s)
+                except BaseException:
+                    self._give_share("", size)
+                    raise
             return Admitted("", "", size)
         name = tenant.name
         if not tenant.may_call(request.model_name):
             raise InferError(Code.PERMISSION_DENIED,
                              f"tenant '{name}' may not call model '{request.model_name}'")
-        self._take_share(name, tenant.share if tenant.share is not None else tenants.spec.share, size,
-                         request.model_name)
+        share = tenant.share if tenant.share is not None else tenants.spec.share
+        self._take_share(name, share, size, request.model_name)
         lease = ctx.time_remaining() or 0.0
         try:
             try:
@@ -220,6 +247,12 @@ class Admission:
                 self.rejections[(name, "rate" if decision.reason == "rate" else "concurrency")] += 1
                 raise InferError.exhausted(f"tenant '{name}' is over its {what}",
                                            retry_after_s=decision.retry_after_s)
+            if sequence is not None:  # once admitted: a refused request neither binds nor ends a sequence
+                try:
+                    self._bind_sequence(name, share, request, sequence, sequence_idle_s)
+                except BaseException:
+                    await self._release_ticket(name, ticket)
+                    raise
         except BaseException:
             self._give_share(name, size)
             raise
@@ -256,6 +289,49 @@ class Admission:
         held[0] += 1
         held[1] += size
 
+    def _bind_sequence(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str,
+                       idle_s: float) -> None:
+        """The sequence is the tenant's (refused, 403, while it is another's); it stays bound
+        until its end or its binding lapses."""
+        key = (request.model_name, sequence)
+        now = self._clock()
+        bound = self.sequences.get(key)
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+        if bound is not None and bound[0] != tenant and bound[1] > now:
+            self.rejections[(tenant or "(anonymous)", "sequence")] += 1
+            raise InferError(Code.PERMISSION_DENIED,
+                             f"{who} may not use sequence {sequence[2:]} of model '{request.model_name}': another "
+                             "tenant's sequence with that id is in progress")
+        params = request.parameters
+        if "sequence_end" in params and params["sequence_end"].bool_param:
+            if bound is not None:  # its last request: the id is free once it has run (turns keep the order)
+                del self.sequences[key]
+                self._sequences_held[bound[0]] -= 1
+            return
+        lapses = now + max(SEQUENCE_BINDING_MIN_S, 2 * idle_s)
+        if bound is not None and bound[0] == tenant:
+            bound[1] = lapses
+            return
+        if bound is not None:  # lapsed: the other tenant's sequence is over
+            self._sequences_held[bound[0]] -= 1
+        elif len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= tenant_cap(MAX_SEQUENCES, share):
+            self._sweep_sequences(now)
+            cap = tenant_cap(MAX_SEQUENCES, share)
+            if len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= cap:
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {self._sequences_held[tenant]} sequences in progress (its share: {cap} of the "
+                    f"{MAX_SEQUENCES} this gateway tracks, {len(self.sequences)} in progress); end one or retry later",
+                    retry_after_s=gate_module.RETRY_AFTER_S)
+        self.sequences[key] = [tenant, lapses]
+        self._sequences_held[tenant] += 1
+
+    def _sweep_sequences(self, now: float) -> None:
+        for key, (tenant, lapses) in list(self.sequences.items()):
+            if lapses <= now:
+                del self.sequences[key]
+                self._sequences_held[tenant] -= 1
+
     def _give_share(self, tenant: str, size: int) -> None:
         held = self.inflight[tenant]
         held[0] -= 1
@@ -268,10 +344,13 @@ class Admission:
             return
         self._give_share(admitted.tenant, admitted.size)
         if admitted.ticket:
-            try:
-                await self.store.release(admitted.tenant, admitted.ticket)
-            except Exception as exc:  # a lease expires on its own in Redis
-                log.warning("quota release for tenant '%s' failed: %s", admitted.tenant, exc)
+            await self._release_ticket(admitted.tenant, admitted.ticket)
+
+    async def _release_ticket(self, tenant: str, ticket: str) -> None:
+        try:
+            await self.store.release(tenant, ticket)
+        except Exception as exc:  # a lease expires on its own in Redis
+            log.warning("quota release for tenant '%s' failed: %s", tenant, exc)
 
     def authorize(self, op: Op, model: str, ctx: RequestContext, rule: Rule | None = None) -> Grant:
         """The access table's verdict on a call other than infer (meshserve.server.access):

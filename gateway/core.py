@@ -252,7 +252,8 @@ class GatewayCore:
         turn: AbstractAsyncContextManager[None] = nullcontext() if sequence is None \
             else self.turns.turn((name, sequence))
         async with turn:
-            admitted = await self.admission.admit(request, ctx) if self.admission is not None else None
+            admitted = None if self.admission is None else await self.admission.admit(
+                request, ctx, sequence, self._sequence_idle_s(request) if sequence is not None else 0.0)
             try:
                 async for response, final in self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence):
                     yield (None if response is None else InferResult(message=response)), final
@@ -273,7 +274,8 @@ class GatewayCore:
             span = tracing.current_span() if tracing.enabled else None
             started = time.time_ns() if span is not None else 0
             try:
-                admitted = await self.admission.admit(request, ctx)
+                admitted = await self.admission.admit(request, ctx, affinity,
+                                                      self._sequence_idle_s(request) if affinity is not None else 0.0)
             except InferError as exc:
                 self.request_counts[(request.model_name, exc.code.value)] += 1
                 if span is not None:
@@ -297,6 +299,13 @@ class GatewayCore:
         finally:
             if self.admission is not None:
                 await self.admission.release(admitted)
+
+    def _sequence_idle_s(self, request: pb.ModelInferRequest) -> float:
+        """A sequence model's idle timeout (Triton's default 1 s), for how long its tenant keeps it."""
+        config = self.discovery.config_for(request.model_name, request.model_version)
+        if config is None:
+            return 0.0
+        return (config.sequence_batching.max_sequence_idle_microseconds or 1_000_000) / 1e6
 
     async def _dispatch(self, request: pb.ModelInferRequest, ctx: RequestContext,
                         affinity: str | None) -> InferResult:

@@ -256,3 +256,47 @@ def test_one_tenant_cannot_take_every_in_flight_slot(tmp_path: Path) -> None:
     finally:
         g.stop()
         slow.stop()
+
+
+def test_a_sequence_belongs_to_the_tenant_that_started_it(tmp_path: Path) -> None:
+    """A stateful model's sequence (seq_accum: OUTPUT = state + INPUT) through a gateway with
+    tenants: mallory naming acme's sequence id can neither read acme's state nor reset it (403),
+    before or after acme's requests; once acme ends it, the id is free. (Before: mallory read
+    1005 and reset acme's sum.)"""
+    from tests.models.sequence import build
+
+    repo = build(tmp_path / "models")
+    (tmp_path / "tenants.yaml").write_text(TENANTS)
+    svc = start(["service", "sequence", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"])
+    try:
+        g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--tenants", str(tmp_path / "tenants.yaml"),
+                   "--upstream", svc.grpc])
+    except Exception:
+        svc.stop()
+        raise
+
+    def step(proto: str, who: dict[str, str], value: float, **flags: bool) -> float | str:
+        m = lib(proto)
+        inp = m.InferInput("INPUT", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[value]], np.float32))
+        with m.InferenceServerClient(url(g, proto)) as c:
+            try:
+                r = c.infer("seq_accum", [inp], sequence_id=42, headers=dict(who), **flags)
+            except InferenceServerException as exc:
+                return str(exc.status())
+        return float(r.as_numpy("OUTPUT")[0, 0])
+
+    try:
+        _wait_http_ready(g.http)
+        assert step("grpc", A, 1000.0, sequence_start=True) == 1000.0
+        assert step("http", A, 5.0) == 1005.0
+        for proto in ("http", "grpc"):
+            for flags in ({}, {"sequence_start": True}, {"sequence_end": True}):
+                assert step(proto, M, 0.0, **flags) == DENIED[proto], (proto, flags)
+        assert step("grpc", A, 1.0, sequence_end=True) == 1006.0  # acme's sum, untouched
+        assert step("http", M, 7.0, sequence_start=True) == 7.0  # ended: the id is free
+        assert step("grpc", A, 1.0) == DENIED["grpc"]  # and now mallory's
+        assert step("grpc", M, 1.0, sequence_end=True) == 8.0
+    finally:
+        g.stop()
+        svc.stop()

@@ -203,3 +203,50 @@ tenants:
 def test_a_share_is_a_fraction_of_a_cap(text: str) -> None:
     with pytest.raises(ValueError, match="share"):
         parse_tenants(text)
+
+
+async def test_a_sequence_is_its_first_tenant_s_while_it_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another tenant naming a live sequence is refused (403); the owner keeps it alive; it is
+    free after its end, or once its binding lapses; the table is bounded per tenant."""
+    from gateway import auth
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: a, keys_sha256: ["{hash_key('a-key')}"], rate: 1000, burst: 1000}}
+  - {{name: b, keys_sha256: ["{hash_key('b-key')}"], rate: 1000, burst: 1000, share: 0.001}}
+""")
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock=clock), MemoryQuotaStore(clock=clock), clock=clock)
+
+    def req(end: bool = False) -> pb.ModelInferRequest:
+        r = pb.ModelInferRequest(model_name="seq")
+        r.parameters["sequence_id"].int64_param = 42
+        if end:
+            r.parameters["sequence_end"].bool_param = True
+        return r
+
+    async def call(key: str, end: bool = False, seq: str = "i:42", idle: float = 0.0) -> None:
+        await adm.release(await adm.admit(req(end), RequestContext("grpc", {"x-api-key": key}), seq, idle))
+
+    await call("a-key")
+    with pytest.raises(InferError) as err:
+        await call("b-key")
+    assert err.value.code is Code.PERMISSION_DENIED and "another tenant's sequence" in err.value.message
+    await call("b-key", seq="i:43")  # another id is b's own
+    clock.t += auth.SEQUENCE_BINDING_MIN_S - 1
+    await call("a-key")  # a's request keeps it alive
+    clock.t += auth.SEQUENCE_BINDING_MIN_S - 1
+    with pytest.raises(InferError):
+        await call("b-key", end=True)  # not even its end
+    await call("a-key", end=True)
+    await call("b-key")  # ended: free, now b's
+    clock.t += 200 * 2 + 1  # past a model idle timeout of 200 s, twice over
+    await call("a-key", idle=200)  # lapsed: a's again
+    monkeypatch.setattr(auth, "MAX_SEQUENCES", 2000)  # b's share: max(1, 2000 * 0.001) = 2
+    await call("b-key", seq="i:1")
+    await call("b-key", seq="i:2")  # (its lapsed i:43 is swept to make room)
+    with pytest.raises(InferError) as err:
+        await call("b-key", seq="i:3")
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and "sequences in progress" in err.value.message
+    assert len(adm.sequences) <= 4 and adm.inflight == {}
