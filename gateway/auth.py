@@ -243,7 +243,7 @@ class Admission:
                 raise InferError.unavailable(f"quota store unavailable: {exc}") from None
             if not decision.allowed:
                 what = "rate limit" if decision.reason == "rate" else "concurrency limit"
-                # labels: tenants from the config and three reasons: bounded cardinality
+                # labels: tenants from the config and four reasons (rate, concurrency, share, sequence): bounded
                 self.rejections[(name, "rate" if decision.reason == "rate" else "concurrency")] += 1
                 raise InferError.exhausted(f"tenant '{name}' is over its {what}",
                                            retry_after_s=decision.retry_after_s)

@@ -53,7 +53,8 @@ GATEWAY_FAMILIES = {
                                       "Shadow copies of A/B route requests by target model and outcome"),
     "quota_rejections": metrics.Family("meshserve_gateway_quota_rejections_total", "counter",
                                        "Requests refused by a tenant's quota, by tenant and reason (rate, concurrency, "
-                                       "share: its share of --max-inflight / --max-inflight-bytes)"),
+                                       "share: its share of a process-wide cap, sequence: another "
+                                       "tenant's sequence id)"),
     "requests": metrics.Family("meshserve_gateway_requests_total", "counter",
                                "Inference requests through the gateway by model and outcome"),
     "upstream_errors": metrics.Family("meshserve_gateway_upstream_errors_total", "counter",
