@@ -546,15 +546,15 @@ class Coalescer:
     def _outgoing(self, group: _Group, chunk: list[_Pending]) -> _Outgoing:
         """(the request to send for ``chunk``, its bytes, its timeout): the member's own request
         alone, or their merge (Unmergeable: see merge)."""
-        now = time.monotonic_ns()
         deadlines = [c.deadline_ns for c in chunk if c.deadline_ns is not None]
+        held = [c.enqueued_ns for c in chunk if c.held]
+        now = time.monotonic_ns() if deadlines or held else 0
         timeout = (min(deadlines) - now) / 1e9 if deadlines else None  # (<= 0: fails at once, as it should)
         # A member the bound held queued here: the service's max_queue_delay counts from its
         # arrival here, as Triton times it from the oldest request's arrival. Members sent in
         # the pass they came in only passed through (like a request sent at once, they carry
         # nothing: counting the pass would fire the service's batch before the rest of the
         # clients' wave, passed on one by one, arrives).
-        held = [c.enqueued_ns for c in chunk if c.held]
         waited_us = (now - min(held)) // 1000 if held else None
         if len(chunk) == 1:
             single, raw = chunk[0].request, chunk[0].raw
