@@ -3,6 +3,7 @@
 `tenants.yaml` (pydantic-validated, re-read when its mtime changes, checked at most once a second):
 
     anonymous: false          # requests without a key; default: allowed only when no tenants are listed
+    share: 0.5                # default share of every process-wide cap one tenant may hold (see below)
     tenants:
       - name: acme
         keys_sha256: [<sha256 hex of the API key>]
@@ -12,6 +13,20 @@
         models: ["add_sub", "scale*"]   # fnmatch patterns over model / route names; default ["*"]
         priority: 1           # optional default `priority` request parameter
         admin: false          # may load/unload models
+        share: 0.25           # optional: this tenant's share, overriding the file's
+
+Sequences: a sequence (model, ``sequence_id``) belongs to the tenant whose request used it first
+while it lives (until its ``sequence_end``, or SEQUENCE_BINDING_MIN_S / twice the model's
+``max_sequence_idle_microseconds`` after its last request): another tenant naming it gets 403 /
+PERMISSION_DENIED, so it can neither read nor reset that sequence's state in the service. At most
+MAX_SEQUENCES sequences are bound at once (one tenant: its share), then 429.
+
+Shares: a cap the whole process shares (``--max-inflight`` requests and ``--max-inflight-bytes``
+in flight, which streams hold until their last answer; ``--max-shm-regions`` and
+``--max-shm-bytes`` of shared-memory regions) is held by one tenant up to max(1, cap * share);
+past it the tenant's next request or registration gets 429 / RESOURCE_EXHAUSTED naming the
+limit, while the others still have the rest. Anonymous callers (``anonymous: true``) share one
+tenant's share between them. Without a tenants file nothing is counted per tenant.
 """
 from __future__ import annotations
 
@@ -24,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,8 +48,11 @@ from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
+from meshserve.server.admission import tenant_cap
 from meshserve.server.core import RequestContext
+from meshserve.server.limits import flag
 
 log = logging.getLogger("meshserve.gateway.auth")
 
@@ -49,6 +67,7 @@ class TenantSpec(BaseModel):
     models: list[str] = Field(default_factory=lambda: ["*"])
     priority: int | None = Field(default=None, ge=0)
     admin: bool = False
+    share: float | None = Field(default=None, gt=0, le=1)  # of every process-wide cap; default: the file's
 
     @field_validator("keys_sha256")
     @classmethod
@@ -73,6 +92,7 @@ class TenantsFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     anonymous: bool | None = None
+    share: float = Field(default=0.5, gt=0, le=1)  # what one tenant may hold of a process-wide cap
     tenants: list[TenantSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -114,6 +134,11 @@ class Tenants:
     def __init__(self, spec: TenantsFile):
         self.spec = spec
         self.by_key = {k: t for t in spec.tenants for k in t.keys_sha256}
+        self.shares = {t.name: t.share for t in spec.tenants if t.share is not None}
+
+    def share_of(self, tenant: str) -> float:
+        """The tenant's share of a process-wide cap ("" = anonymous callers: the file's)."""
+        return self.shares.get(tenant, self.spec.share)
 
     def authenticate(self, headers: dict[str, str]) -> TenantSpec | None:
         """The caller's tenant; None = anonymous (when allowed). Raises 401 otherwise."""
@@ -154,49 +179,178 @@ class QuotaStore(Protocol):
     async def close(self) -> None: ...
 
 
+# a sequence stays its tenant's this long after its last request at least (or twice the
+# model's max_sequence_idle_microseconds, when longer), unless it ends
+SEQUENCE_BINDING_MIN_S = 60.0
+MAX_SEQUENCES = 65536  # sequences bound to tenants at once in this process
+
+
 @dataclass(frozen=True)
 class Admitted:
-    tenant: str
-    ticket: str
+    tenant: str  # "" = anonymous
+    ticket: str  # the quota store's ("" for anonymous callers)
+    size: int = 0  # the request's bytes, counted against the tenant's share until it ends
 
 
 class Admission:
     """authenticate → authorize the model/route → take quota. The core calls it before routing."""
 
-    def __init__(self, directory: TenantDirectory, store: QuotaStore):
+    def __init__(self, directory: TenantDirectory, store: QuotaStore, clock: Callable[[], float] = time.monotonic):
         self.rejections: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
         self.directory = directory
         self.store = store
+        self._clock = clock
+        # live sequences: (model, sequence key) -> [tenant, when the binding lapses]; per tenant how many
+        self.sequences: dict[tuple[str, str], list[Any]] = {}
+        self._sequences_held: Counter[str] = Counter()
+        # requests and bytes each tenant ("" anonymous) has in flight in this process (its share)
+        self.inflight: dict[str, list[int]] = {}
 
-    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Admitted | None:
-        tenant = self.directory.get().authenticate(ctx.headers)
-        if tenant is None:
-            return None
+    def share_of(self, tenant: str) -> float:
+        """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
+        return self.directory.get().share_of(tenant)
+
+    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None = None,
+                    sequence_idle_s: float = 0.0) -> Admitted:
+        """Authenticate, authorize the model, hold the tenant's share and take its quota.
+        ``sequence``: the request's sequence key (routing.table.sequence_affinity), bound to the
+        tenant while the sequence lives (``sequence_idle_s``: the model's idle timeout)."""
+        tenants = self.directory.get()
+        tenant = tenants.authenticate(ctx.headers)
+        raw = ctx.raw
+        size = len(raw) if raw is not None else ctx.nbytes
+        if tenant is None:  # anonymous (allowed by the file): one share between them, no quota
+            share = tenants.share_of("")
+            self._take_share("", share, size, request.model_name)
+            if sequence is not None:
+                try:
+                    self._bind_sequence("", share, request, sequence, sequence_idle_s)
+                except BaseException:
+                    self._give_share("", size)
+                    raise
+            return Admitted("", "", size)
+        name = tenant.name
         if not tenant.may_call(request.model_name):
             raise InferError(Code.PERMISSION_DENIED,
-                             f"tenant '{tenant.name}' may not call model '{request.model_name}'")
+                             f"tenant '{name}' may not call model '{request.model_name}'")
+        share = tenant.share if tenant.share is not None else tenants.spec.share
+        self._take_share(name, share, size, request.model_name)
         lease = ctx.time_remaining() or 0.0
         try:
-            decision, ticket = await self.store.acquire(tenant.name, tenant.limits, lease)
-        except Exception as exc:  # the store is down: refuse rather than run unmetered
-            raise InferError.unavailable(f"quota store unavailable: {exc}") from None
-        if not decision.allowed:
-            what = "rate limit" if decision.reason == "rate" else "concurrency limit"
-            # labels: tenants from the config and two reasons: bounded cardinality
-            self.rejections[(tenant.name, "rate" if decision.reason == "rate" else "concurrency")] += 1
-            raise InferError.exhausted(f"tenant '{tenant.name}' is over its {what}",
-                                       retry_after_s=decision.retry_after_s)
+            try:
+                decision, ticket = await self.store.acquire(name, tenant.limits, lease)
+            except Exception as exc:  # the store is down: refuse rather than run unmetered
+                raise InferError.unavailable(f"quota store unavailable: {exc}") from None
+            if not decision.allowed:
+                what = "rate limit" if decision.reason == "rate" else "concurrency limit"
+                # labels: tenants from the config and four reasons (rate, concurrency, share, sequence): bounded
+                self.rejections[(name, "rate" if decision.reason == "rate" else "concurrency")] += 1
+                raise InferError.exhausted(f"tenant '{name}' is over its {what}",
+                                           retry_after_s=decision.retry_after_s)
+            if sequence is not None:  # once admitted: a refused request neither binds nor ends a sequence
+                try:
+                    self._bind_sequence(name, share, request, sequence, sequence_idle_s)
+                except BaseException:
+                    await self._release_ticket(name, ticket)
+                    raise
+        except BaseException:
+            self._give_share(name, size)
+            raise
         if tenant.priority is not None and "priority" not in request.parameters:
             request.parameters["priority"].uint64_param = tenant.priority
             ctx.raw = None  # the forwarded bytes must carry the new parameter
-        return Admitted(tenant.name, ticket)
+        return Admitted(name, ticket, size)
+
+    def _take_share(self, tenant: str, share: float, size: int, model: str) -> None:
+        """Count one request of ``size`` bytes against the tenant's share of this process's
+        --max-inflight / --max-inflight-bytes (an unbounded cap has no share); 429 past it. As
+        the process-wide gate, a tenant with nothing in flight is admitted whatever the size."""
+        held = self.inflight.get(tenant)
+        if held is None:
+            held = self.inflight[tenant] = [0, 0]
+        gate = gate_module.gate
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+        if gate.max_requests != gate_module.UNBOUNDED:
+            cap = tenant_cap(gate.max_requests, share)
+            if held[0] >= cap:
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {held[0]} inference requests in flight, its share ({share:g} of "
+                    f"{flag('max_inflight')} {gate.max_requests}: {cap}); request for model '{model}' refused, "
+                    "retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+        if held[0] and gate.max_bytes != gate_module.UNBOUNDED:
+            cap = tenant_cap(gate.max_bytes, share)
+            if held[1] + size > cap:
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {held[1]} bytes of inference requests in flight; this one's {size} would pass its "
+                    f"share ({share:g} of {flag('max_inflight_bytes')} {gate.max_bytes}: {cap}); request for model "
+                    f"'{model}' refused, retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+        held[0] += 1
+        held[1] += size
+
+    def _bind_sequence(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str,
+                       idle_s: float) -> None:
+        """The sequence is the tenant's (refused, 403, while it is another's); it stays bound
+        until its end or its binding lapses."""
+        key = (request.model_name, sequence)
+        now = self._clock()
+        bound = self.sequences.get(key)
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+        if bound is not None and bound[0] != tenant and bound[1] > now:
+            self.rejections[(tenant or "(anonymous)", "sequence")] += 1
+            raise InferError(Code.PERMISSION_DENIED,
+                             f"{who} may not use sequence {sequence[2:]} of model '{request.model_name}': another "
+                             "tenant's sequence with that id is in progress")
+        params = request.parameters
+        if "sequence_end" in params and params["sequence_end"].bool_param:
+            if bound is not None:  # its last request: the id is free once it has run (turns keep the order)
+                del self.sequences[key]
+                self._sequences_held[bound[0]] -= 1
+            return
+        lapses = now + max(SEQUENCE_BINDING_MIN_S, 2 * idle_s)
+        if bound is not None and bound[0] == tenant:
+            bound[1] = lapses
+            return
+        if bound is not None:  # lapsed: the other tenant's sequence is over
+            self._sequences_held[bound[0]] -= 1
+        elif len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= tenant_cap(MAX_SEQUENCES, share):
+            self._sweep_sequences(now)
+            cap = tenant_cap(MAX_SEQUENCES, share)
+            if len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= cap:
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {self._sequences_held[tenant]} sequences in progress (its share: {cap} of the "
+                    f"{MAX_SEQUENCES} this gateway tracks, {len(self.sequences)} in progress); end one or retry later",
+                    retry_after_s=gate_module.RETRY_AFTER_S)
+        self.sequences[key] = [tenant, lapses]
+        self._sequences_held[tenant] += 1
+
+    def _sweep_sequences(self, now: float) -> None:
+        for key, (tenant, lapses) in list(self.sequences.items()):
+            if lapses <= now:
+                del self.sequences[key]
+                self._sequences_held[tenant] -= 1
+
+    def _give_share(self, tenant: str, size: int) -> None:
+        held = self.inflight[tenant]
+        held[0] -= 1
+        held[1] -= size
+        if not held[0]:
+            del self.inflight[tenant]
 
     async def release(self, admitted: Admitted | None) -> None:
-        if admitted is not None and admitted.ticket:
-            try:
-                await self.store.release(admitted.tenant, admitted.ticket)
-            except Exception as exc:  # a lease expires on its own in Redis
-                log.warning("quota release for tenant '%s' failed: %s", admitted.tenant, exc)
+        if admitted is None:
+            return
+        self._give_share(admitted.tenant, admitted.size)
+        if admitted.ticket:
+            await self._release_ticket(admitted.tenant, admitted.ticket)
+
+    async def _release_ticket(self, tenant: str, ticket: str) -> None:
+        try:
+            await self.store.release(tenant, ticket)
+        except Exception as exc:  # a lease expires on its own in Redis
+            log.warning("quota release for tenant '%s' failed: %s", tenant, exc)
 
     def authorize(self, op: Op, model: str, ctx: RequestContext, rule: Rule | None = None) -> Grant:
         """The access table's verdict on a call other than infer (meshserve.server.access):

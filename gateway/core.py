@@ -24,6 +24,7 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
 from meshserve.repository.names import check_file_path, check_model_name, check_version
+from meshserve.server import shm
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import (
     EXTENSIONS,
@@ -52,7 +53,9 @@ GATEWAY_FAMILIES = {
     "shadow_requests": metrics.Family("meshserve_gateway_shadow_requests_total", "counter",
                                       "Shadow copies of A/B route requests by target model and outcome"),
     "quota_rejections": metrics.Family("meshserve_gateway_quota_rejections_total", "counter",
-                                       "Requests refused by a tenant's quota, by tenant and reason (rate, concurrency)"),
+                                       "Requests refused by a tenant's quota, by tenant and reason (rate, concurrency, "
+                                       "share: its share of a process-wide cap, sequence: another "
+                                       "tenant's sequence id)"),
     "requests": metrics.Family("meshserve_gateway_requests_total", "counter",
                                "Inference requests through the gateway by model and outcome"),
     "upstream_errors": metrics.Family("meshserve_gateway_upstream_errors_total", "counter",
@@ -77,6 +80,9 @@ GATEWAY_FAMILIES = {
     "coalesce_held": metrics.Family("meshserve_gateway_coalesce_held_total", "counter",
                                     "Queued client requests the in-flight bound held past their event-loop pass "
                                     "(--coalesce-inflight full batches were in flight)"),
+    "coalesce_deadline_resends": metrics.Family(
+        "meshserve_gateway_coalesce_deadline_resends_total", "counter",
+        "Client requests sent again alone after the merged request they rode in missed another member's deadline"),
     "coalesce_wait": metrics.Family("meshserve_gateway_coalesce_wait_us_total", "counter",
                                     "Microseconds queued client requests spent in the coalescer, summed"),
 }
@@ -128,6 +134,10 @@ class GatewayCore:
             ensembles.bind(self.upstream, self.discovery.config_for)
 
     async def start(self) -> None:
+        # This process is a front door: a client's hop marker means nothing here (read_hop).
+        # With tenants, each holds at most its share of the shared-memory caps.
+        tracing.trust_hop_marker(False)
+        shm.share_of = self.admission.share_of if self.admission is not None else None
         await self.discovery.resolve()
         await self.discovery.refresh()
         self.discovery.start()
@@ -247,7 +257,8 @@ class GatewayCore:
         turn: AbstractAsyncContextManager[None] = nullcontext() if sequence is None \
             else self.turns.turn((name, sequence))
         async with turn:
-            admitted = await self.admission.admit(request, ctx) if self.admission is not None else None
+            admitted = None if self.admission is None else await self.admission.admit(
+                request, ctx, sequence, self._sequence_idle_s(request) if sequence is not None else 0.0)
             try:
                 async for response, final in self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence):
                     yield (None if response is None else InferResult(message=response)), final
@@ -268,7 +279,8 @@ class GatewayCore:
             span = tracing.current_span() if tracing.enabled else None
             started = time.time_ns() if span is not None else 0
             try:
-                admitted = await self.admission.admit(request, ctx)
+                admitted = await self.admission.admit(request, ctx, affinity,
+                                                      self._sequence_idle_s(request) if affinity is not None else 0.0)
             except InferError as exc:
                 self.request_counts[(request.model_name, exc.code.value)] += 1
                 if span is not None:
@@ -277,7 +289,7 @@ class GatewayCore:
                 raise
             if span is not None:
                 tracing.emit_span("gateway.admission", span, started, time.time_ns(),
-                                  {"meshserve.tenant": admitted.tenant if admitted is not None else "(anonymous)"})
+                                  {"meshserve.tenant": admitted.tenant or "(anonymous)"})
         try:
             route = self.routes.lookup(request.model_name) if self.routes is not None else None
             if route is None or self.routes is None:
@@ -292,6 +304,13 @@ class GatewayCore:
         finally:
             if self.admission is not None:
                 await self.admission.release(admitted)
+
+    def _sequence_idle_s(self, request: pb.ModelInferRequest) -> float:
+        """A sequence model's idle timeout (Triton's default 1 s), for how long its tenant keeps it."""
+        config = self.discovery.config_for(request.model_name, request.model_version)
+        if config is None:
+            return 0.0
+        return (config.sequence_batching.max_sequence_idle_microseconds or 1_000_000) / 1e6
 
     async def _dispatch(self, request: pb.ModelInferRequest, ctx: RequestContext,
                         affinity: str | None) -> InferResult:
@@ -551,6 +570,7 @@ class GatewayCore:
         samples.append(("coalesce_queued", {}, self.coalescer.queued))
         samples.append(("coalesce_held", {}, self.coalescer.held))
         samples.append(("coalesce_wait", {}, self.coalescer.wait_ns // 1000))
+        samples.append(("coalesce_deadline_resends", {}, self.coalescer.deadline_resends))
         for endpoint, up in sorted(self._federated_up.items()):
             samples.append(("federated_up", {"replica": endpoint}, up))
         if self.routes is not None:

@@ -23,6 +23,16 @@ alone and gets its own precise error; it never fails the requests it would have 
 The merged request carries `meshserve_merged_requests` so the service's statistics still
 count client requests, and, when some members are sampled for tracing, `meshserve_traceparents`
 (one line per member) so each keeps its own trace through the service.
+
+Deadlines: a member never fails with another member's deadline. Only members whose deadlines
+can each be honoured travel together: none of them has a deadline, or all have one and they lie
+within DEADLINE_SPREAD_NS of the chunk's first (a request without a deadline never rides with
+one that has a deadline); a merged request carries what remains of its earliest member's
+deadline, counted from each member's own arrival. If it still fails with DEADLINE_EXCEEDED,
+every member whose own deadline has not passed is sent again, alone, with its own remaining time.
+Members of different tenants may share a merge: each gets back only its own rows of each
+output (``split``), its own id and nothing of the merged response's parameters; the service's
+dynamic batcher would put them in one batch anyway.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ from gateway.upstream.traced import Member
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, wire
-from meshserve.protocol.errors import InferError
+from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult
 from meshserve.server.limits import ServerLimits
 from meshserve.telemetry import tracing
@@ -345,6 +355,10 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 # ByteSize when there are none: never its tensors summed, which would copy each out of upb) plus a
 # generous bound for what the merge adds per member, so the merge stays under the byte limit.
 _MEMBER_OVERHEAD = 4096
+# Members with deadlines merge only when their deadlines lie within this of the chunk's first:
+# none of them then waits long on a merge that fails at an earlier member's deadline (and if
+# one does, it is sent again alone: see _deliver).
+DEADLINE_SPREAD_NS = 2_000_000
 _DEFAULT_MAX_BYTES = ServerLimits().max_request_bytes
 
 
@@ -356,7 +370,7 @@ class _Pending:
     raw: bytes | None  # its bytes as the client sent them (forwarded as they are if it travels alone)
     rows: int
     future: asyncio.Future[InferResult]
-    timeout: float | None  # seconds
+    deadline_ns: int | None  # monotonic: when its client's deadline passes (None: no deadline)
     enqueued_ns: int  # monotonic
     span: Span | None  # the request's sampled span
     size: int  # its size in a merge
@@ -392,6 +406,7 @@ class Coalescer:
         self.queued = 0  # client requests that joined a group's queue (/metrics)
         self.held = 0  # of them, held past their pass by the bound
         self.wait_ns = 0  # time they spent queued here, summed
+        self.deadline_resends = 0  # members sent again alone after their merge missed another's deadline
 
     def _max_inflight_rows(self, group: _Group) -> int:
         healthy = sum(1 for r in self._replicas if r.healthy)
@@ -452,7 +467,8 @@ class Coalescer:
                 self._settle(key, group)
         fut: asyncio.Future[InferResult] = self._running_loop().create_future()
         self.queued += 1
-        group.pending.append(_Pending(request, raw, rows, fut, timeout, time.monotonic_ns(),
+        now = time.monotonic_ns()
+        group.pending.append(_Pending(request, raw, rows, fut, None if timeout is None else now + int(timeout * 1e9), now,
                                       tracing.current_var.get() if tracing.enabled else None,
                                       (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
         self._schedule(key, group)
@@ -478,11 +494,17 @@ class Coalescer:
         while group.pending and group.inflight_rows < bound:
             chunk: list[_Pending] = []
             total = size = 0
+            lead: int | None = None  # the chunk's first deadline: the others lie near it, or all are None
             while group.pending and total + group.pending[0].rows <= max_batch and (
                     not chunk or size + group.pending[0].size <= self.max_bytes):
+                if chunk and (due := group.pending[0].deadline_ns) is not lead and (
+                        due is None or lead is None or abs(due - lead) > DEADLINE_SPREAD_NS):
+                    break  # it cannot keep this chunk's deadline, nor the chunk its own: the next chunk
                 item = group.pending.popleft()
                 if item.future.done():  # the client went away
                     continue
+                if not chunk:
+                    lead = item.deadline_ns
                 chunk.append(item)
                 total += item.rows
                 size += item.size
@@ -525,15 +547,16 @@ class Coalescer:
     def _outgoing(self, group: _Group, chunk: list[_Pending]) -> _Outgoing:
         """(the request to send for ``chunk``, its bytes, its timeout): the member's own request
         alone, or their merge (Unmergeable: see merge)."""
-        timeouts = [c.timeout for c in chunk if c.timeout is not None]
-        timeout = min(timeouts) if timeouts else None
+        deadlines = [c.deadline_ns for c in chunk if c.deadline_ns is not None]
+        held = [c.enqueued_ns for c in chunk if c.held]
+        now = time.monotonic_ns() if deadlines or held else 0
+        timeout = (min(deadlines) - now) / 1e9 if deadlines else None  # (<= 0: fails at once, as it should)
         # A member the bound held queued here: the service's max_queue_delay counts from its
         # arrival here, as Triton times it from the oldest request's arrival. Members sent in
         # the pass they came in only passed through (like a request sent at once, they carry
         # nothing: counting the pass would fire the service's batch before the rest of the
         # clients' wave, passed on one by one, arrives).
-        held = [c.enqueued_ns for c in chunk if c.held]
-        waited_us = (time.monotonic_ns() - min(held)) // 1000 if held else None
+        waited_us = (now - min(held)) // 1000 if held else None
         if len(chunk) == 1:
             single, raw = chunk[0].request, chunk[0].raw
             if waited_us is not None and raw is not None:
@@ -584,6 +607,13 @@ class Coalescer:
             else:
                 responses = [InferResult(raw=r) for r in split(response, requests, rows)]
         except BaseException as exc:  # every member gets the outcome
+            if len(chunk) > 1 and isinstance(exc, InferError) and exc.code is Code.DEADLINE_EXCEEDED:
+                # the earliest member's deadline: the others are not failed with it
+                now = time.monotonic_ns()
+                again = [c for c in chunk if not c.future.done() and (c.deadline_ns is None or c.deadline_ns > now)]
+                if again:
+                    self.deadline_resends += len(again)
+                    await asyncio.gather(*(self._deliver(group, [c]) for c in again))
             for c in chunk:
                 if not c.future.done():
                     c.future.set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))

@@ -76,7 +76,7 @@ def main() -> None:
 def _measure(proto: str, gateway: procs.Server, size: int, n: int) -> tuple[list[float], list[float]]:
     lib: Any = httpclient if proto == "http" else grpcclient
     data = np.random.default_rng(1).standard_normal(size // 4).astype(np.float32).reshape(1, -1)
-    key_in, key_out = f"/meshserve-bench-{os.getpid()}-in", f"/meshserve-bench-{os.getpid()}-out"
+    key_in, key_out = f"/msbench-{os.getpid()}-in", f"/msbench-{os.getpid()}-out"
     h_in = shmutil.create_shared_memory_region("in", key_in, size, create_only=True)
     h_out = shmutil.create_shared_memory_region("out", key_out, size, create_only=True)
     shmutil.set_shared_memory_region(h_in, [data])

@@ -55,6 +55,12 @@ class Gate:
                                     retry_after_s=RETRY_AFTER_S)
 
 
+def tenant_cap(cap: int, share: float) -> int:
+    """What one tenant may hold of a cap the whole process shares: max(1, cap * share) (the
+    gateway's tenants file sets the shares: gateway/auth.py:Admission)."""
+    return max(1, int(cap * share))
+
+
 gate = Gate()  # unbounded until `configure` (in-process cores in unit tests stay unbounded)
 
 

@@ -25,7 +25,7 @@ from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import ServerLimits
-from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER, TRACEPARENT
+from meshserve.telemetry.tracing import TRACEPARENT, gateway_hop
 
 log = logging.getLogger("meshserve.grpc")
 
@@ -317,7 +317,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 else:  # (its final answer is queued: nothing may follow it)
                     log.warning("error after the final answer of request %r: %s", request.id, exc.message)
 
-        from_gateway = base.headers.get(HOP_HEADER) == HOP_GATEWAY  # (this call is a gateway's hop)
+        from_gateway = gateway_hop(base.headers)  # (this call is a gateway's hop: never in a gateway)
         # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
         # each time on Python 3.11
         loop = asyncio.get_running_loop()

@@ -57,10 +57,10 @@ def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]
     Only a gateway's hop (the stream's ``meshserve-hop: gateway`` marker) is believed: a
     client's own ``meshserve_*`` parameters never change its weight, queue delay, deadline or
     spans (a direct client's are ignored here; the gateway refuses them at its front door,
-    ``gateway/core.py:GatewayCore._check_names``). So the gateway itself, whose callers are clients,
-    pays one header lookup per request here and reads no parameter."""
-    gateway = headers.get(tracing.HOP_HEADER) == tracing.HOP_GATEWAY
-    if not gateway:
+    ``gateway/core.py:GatewayCore._check_names``). The gateway itself, whose callers are clients,
+    never believes the marker (``tracing.hop_trusted``, cleared by GatewayCore.start): a client's
+    ``meshserve-hop`` header there is ignored, and it pays one flag check per request here."""
+    if not tracing.hop_trusted or headers.get(tracing.HOP_HEADER) != tracing.HOP_GATEWAY:
         return NO_HOP
     if not params:
         return GATEWAY_HOP
@@ -90,13 +90,25 @@ def _admit(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int
     raw = ctx.raw
     size = len(raw) if raw is not None else ctx.nbytes
     hop = ctx.hop = read_hop(request.parameters, ctx.headers)
-    weight = max(1, hop.merged or 1)
+    weight = hop.merged or 1
+    if weight != 1:
+        weight = _weight(request, weight)
     gate = _gate
     if gate.requests >= gate.max_requests or (gate.bytes + size > gate.max_bytes and gate.requests):
         raise _log_error(request, ctx, gate.refuse(request.model_name, weight, size), "", 0)
     gate.requests += weight
     gate.bytes += size
     return weight, size
+
+
+def _weight(request: pb.ModelInferRequest, merged: int) -> int:
+    """A merged request's weight in admission: its member count, at least 1 and at most its rows
+    (each member brings at least one row, and the model refuses more rows than its max batch),
+    so a forged count (the marker is believed from whoever reaches a service's port) cannot
+    weigh more than the batch it carries."""
+    inputs = request.inputs
+    rows = inputs[0].shape[0] if inputs and inputs[0].shape else 1
+    return max(1, min(merged, rows))
 
 
 async def infer(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[InferResult, Span | None]:

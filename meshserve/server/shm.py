@@ -13,7 +13,14 @@ gateway, the front door, reads and writes the client's memory itself: a service 
 it. (A service is a valid v2 server too, and runs the same code for its own direct clients.)
 
 Regions are per tenant: the gateway's access table gives every call the caller's tenant
-(``Grant.tenant``), and a tenant names, lists, uses and unregisters only its own regions.
+(``Grant.tenant``), and a tenant names, lists, uses and unregisters only its own regions. The
+memory behind them is per tenant too: a system region's object (its device and inode, read with
+fstat after the O_NOFOLLOW open, so a second name or a hard link is the same object) and a CUDA
+region's IPC handle belong to the tenant that registered them first, and another tenant's
+registration of the same object is refused (403 / PERMISSION_DENIED) while any region of the
+owner holds it. Keys that name meshserve's own objects (``meshserve-``, RESERVED_KEY_PREFIX) are
+refused to everyone. With tenants (``share_of``, set by the gateway), one tenant holds at most
+its share of ``--max-shm-regions`` and ``--max-shm-bytes`` (docs/security.md).
 
 A region keeps ``/dev/shm/<key>`` open (the key checked by the names rule, opened with
 O_NOFOLLOW), not a ``multiprocessing.shared_memory`` segment: that module registers every
@@ -37,7 +44,7 @@ import logging
 import os
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +54,7 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_region_name, check_shm_key
 from meshserve.server import observe
 from meshserve.server.access import Op
+from meshserve.server.admission import tenant_cap
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.limits import ServerLimits, flag
 from meshserve.server.workers import SHM, SharedState
@@ -62,6 +70,12 @@ CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # Region names are the client's and touch no filesystem (Triton takes any string), but they are
 # kept for as long as the region lives and echoed in errors and logs: the one names rule bounds
 # them (NAME_MAX bytes, no control characters; perf_analyzer's are ~12 bytes).
+# meshserve's own IPC objects carry this prefix (the python service's tensors, services/python):
+# never a client's region, whatever else keeps them out of reach
+RESERVED_KEY_PREFIX = "meshserve-"
+# A tenant's share of the registry's caps (0 < share <= 1), or None without tenants (then nothing
+# is counted per tenant). The gateway sets it from its tenants file (gateway/auth.py:Admission.share_of).
+share_of: Callable[[str], float] | None = None
 
 
 @dataclass(eq=False)
@@ -79,6 +93,7 @@ class Region:
     _cuda: _CudaMemory | None = field(default=None, repr=False)
     handle: bytes = b""  # the CUDA IPC handle (kept by a gateway worker's SharedRegistry)
     unavailable: str = ""  # a gateway worker could not open a sibling's registration: why
+    ino: tuple[int, int] | None = None  # (st_dev, st_ino) of a system region's object: whose memory it is
 
     # System regions are read and written with pread/pwrite on the open object, not through an
     # mmap: a client may shrink its object after registering it, and touching an mmap past the
@@ -157,6 +172,34 @@ class SharedMemoryRegistry:
                 f"cannot register shared memory region '{name}' of {byte_size} bytes: {self.registered_bytes} "
                 f"bytes are registered already, and this server takes at most {self.max_bytes} "
                 f"({flag('max_shm_bytes')})")
+        if share_of is not None:
+            self._admit_share(tenant, name, byte_size, share_of(tenant))
+
+    def _admit_share(self, tenant: str, name: str, byte_size: int, share: float) -> None:
+        """One tenant's share of the caps (registration only: the registry holds at most
+        --max-shm-regions regions, so counting them costs microseconds)."""
+        mine = [r for (t, _), r in self._regions.items() if t == tenant]
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+        cap = tenant_cap(self.max_regions, share)
+        if len(mine) >= cap:
+            raise InferError.exhausted(
+                f"cannot register shared memory region '{name}': {who} holds {len(mine)} regions, its share "
+                f"({share:g} of {flag('max_shm_regions')} {self.max_regions}: {cap})")
+        held = sum(r.byte_size for r in mine)
+        cap = tenant_cap(self.max_bytes, share)
+        if held + byte_size > cap:
+            raise InferError.exhausted(
+                f"cannot register shared memory region '{name}' of {byte_size} bytes: {who} holds {held} bytes "
+                f"of regions, and its share is {cap} ({share:g} of {flag('max_shm_bytes')} {self.max_bytes})")
+
+    def _check_owner(self, tenant: str, name: str, key: str, same: Callable[[Region], bool]) -> None:
+        """Refuse memory that another tenant's region holds (PERMISSION_DENIED): the first
+        tenant to register an object owns it while any of its regions holds it."""
+        for (owner, _), region in self._regions.items():
+            if owner != tenant and same(region):
+                raise InferError(Code.PERMISSION_DENIED,
+                                 f"cannot register shared memory region '{name}': {key} is registered by "
+                                 "another tenant")
 
     def _add(self, tenant: str, region: Region) -> None:
         self._regions[(tenant, region.name)] = region
@@ -170,6 +213,9 @@ class SharedMemoryRegistry:
         filename = check_shm_key(key)  # one name under /dev/shm: never a path elsewhere
         if filename.startswith("sem."):  # POSIX named semaphores live there too: never a region
             raise InferError.invalid(f"invalid shared-memory key '{key}': it names a POSIX semaphore")
+        if filename.startswith(RESERVED_KEY_PREFIX):
+            raise InferError(Code.PERMISSION_DENIED, f"cannot register shared memory region '{name}': keys "
+                             f"starting with '{RESERVED_KEY_PREFIX}' are reserved for meshserve's own processes")
         if offset < 0:
             raise InferError.invalid(f"failed to register shared memory region '{name}': invalid args "
                                      f"(offset {offset})")
@@ -185,18 +231,23 @@ class SharedMemoryRegistry:
                 raise InferError.invalid(
                     f"failed to register shared memory region '{name}': invalid args (offset {offset} + "
                     f"byte size {byte_size} is past the end of the {st.st_size} bytes of key '{key}')")
+            ino = (st.st_dev, st.st_ino)
+            self._check_owner(tenant, name, f"the object of key '{key}'", lambda r: r.ino == ino)
         except BaseException:
             os.close(fd)
             raise
-        region = Region(name, SYSTEM, byte_size, key=key, offset=offset, fd=fd)
+        region = Region(name, SYSTEM, byte_size, key=key, offset=offset, fd=fd, ino=ino)
         self._add(tenant, region)
         return region
 
     def register_cuda(self, tenant: str, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> Region:
         """Open a CUDA IPC handle (``cudaIpcMemHandle_t`` bytes) on device ``device_id``."""
         self._admit(tenant, name, byte_size, CUDA)
+        handle = bytes(raw_handle)
+        self._check_owner(tenant, name, "its CUDA IPC handle",
+                          lambda r: r.kind == CUDA and r.handle == handle and r.device_id == device_id)
         memory = _CudaMemory.open(name, raw_handle, device_id, byte_size)
-        region = Region(name, CUDA, byte_size, device_id=device_id, _cuda=memory)
+        region = Region(name, CUDA, byte_size, device_id=device_id, _cuda=memory, handle=handle)
         self._add(tenant, region)
         return region
 
@@ -422,7 +473,6 @@ class SharedRegistry(SharedMemoryRegistry):
         with self.state.locked():
             self._load()
             region = super().register_cuda(tenant, name, raw_handle, device_id, byte_size)
-            region.handle = bytes(raw_handle)
             self._publish()
         return region
 
@@ -464,7 +514,9 @@ def _open_record(rec: dict[str, Any]) -> Region:
         except InferError as exc:
             region.unavailable = f"not usable in this gateway worker: {exc.message}"
         return region
-    region = Region(name, SYSTEM, rec["byte_size"], key=rec["key"], offset=rec["offset"])
+    ino = rec["ino"]
+    region = Region(name, SYSTEM, rec["byte_size"], key=rec["key"], offset=rec["offset"],
+                    ino=(ino[0], ino[1]) if ino else None)  # owned even where it cannot be opened here
     for path in (f"/proc/{rec['pid']}/fd/{rec['fd']}", os.path.join(SHM_DIR, check_shm_key(rec["key"]))):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

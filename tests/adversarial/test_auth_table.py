@@ -39,7 +39,7 @@ from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 
 ALLOWED, OTHER = "add_sub", "scale"  # the model every call names; the other tenant's model
 CONTROLLED = "fixed_add"  # loaded and unloaded by the repository-control cells
-SHM_KEY = f"/meshserve-auth-{os.getpid()}"  # a shared-memory object the register cells register (and unregister)
+SHM_KEY = f"/mstest-auth-{os.getpid()}"  # a shared-memory object the register cells register (and unregister)
 WHO: dict[str, dict[str, str]] = {
     "no key": {},
     "wrong key": {"x-api-key": "not-a-key"},

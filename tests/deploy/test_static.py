@@ -484,6 +484,62 @@ def test_k8s_selectors_probes_and_resources(path: str) -> None:
     assert hpa["spec"]["minReplicas"] >= 2
 
 
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_k8s_only_gateways_reach_the_services(path: str) -> None:
+    """A service believes the hop marker from whoever reaches its port (docs/security.md): every
+    service Deployment's pods are selected by an Ingress NetworkPolicy under which their
+    inference ports (gRPC, HTTP) admit gateway pods only; the /metrics-only port may stay open;
+    the quota store is the gateways' alone."""
+    docs = kustomize(path)
+    deployments = by_kind(docs, "Deployment")
+    policies = [p for p in by_kind(docs, "NetworkPolicy").values() if "Ingress" in p["spec"].get("policyTypes", [])]
+    gateway_labels = deployments["gateway"]["spec"]["template"]["metadata"]["labels"]
+    service_deployments = {n: d for n, d in deployments.items()
+                           if d["spec"]["template"]["spec"]["containers"][0].get("args", [""])[0] == "service"}
+    kinds = {*SERVICE_KINDS, "tensorrt"} if path.endswith("gpu") else set(SERVICE_KINDS)
+    assert set(service_deployments) == kinds
+
+    def guarded(name: str, private_ports: set[int]) -> None:
+        d = deployments[name]
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        assert mine, f"{name}: no Ingress NetworkPolicy selects its pods"
+        reached: set[int] = set()
+        for policy in mine:
+            for rule in policy["spec"].get("ingress", []):
+                ports = {p["port"] for p in rule.get("ports", [])} or {"*"}
+                if not ports & (private_ports | {"*"}):
+                    continue  # (e.g. the metrics port, open to scrapers)
+                peers = rule.get("from")
+                assert peers, f"{name}: {policy['metadata']['name']} opens {ports} to everyone"
+                for peer in peers:
+                    assert set(peer) == {"podSelector"}, f"{name}: {policy['metadata']['name']}: {peer}"
+                    selected = [n for n, other in deployments.items()
+                                if _selects(peer["podSelector"], other["spec"]["template"]["metadata"]["labels"])]
+                    assert selected == ["gateway"], f"{name}: {policy['metadata']['name']} admits {selected}"
+                    assert _selects(peer["podSelector"], gateway_labels)
+                reached |= ports & private_ports
+        assert reached == private_ports, f"{name}: the gateways cannot reach ports {private_ports - reached}"
+
+    for name, d in service_deployments.items():
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        guarded(name, {int(flag(args, "--grpc-port") or 0), int(flag(args, "--http-port") or 0)})
+    guarded("redis", {6379})
+
+
 @pytest.mark.parametrize("path", OVERLAYS)
 def test_k8s_discovery_storage_and_gpus(path: str) -> None:
     docs = kustomize(path)

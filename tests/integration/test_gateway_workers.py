@@ -108,7 +108,7 @@ def test_inference_spreads_over_both_workers(stack: tuple[Proc, Proc], proto: st
 
 @pytest.fixture
 def region() -> Iterator[tuple[str, Any]]:
-    key = f"/meshserve-test-{os.getpid()}-workers"
+    key = f"/mstest-{os.getpid()}-workers"
     handle = shm.create_shared_memory_region("workers", key, 4 * F32, create_only=True)
     yield key, handle
     shm.destroy_shared_memory_region(handle)

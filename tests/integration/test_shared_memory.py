@@ -36,7 +36,7 @@ def lib(proto: str) -> Any:
 
 def key(name: str) -> str:
     """A key of this test process (/dev/shm is shared with every other test run on the machine)."""
-    return f"/meshserve-test-{os.getpid()}-{name}"
+    return f"/mstest-{os.getpid()}-{name}"
 
 
 @pytest.fixture

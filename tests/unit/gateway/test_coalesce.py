@@ -22,6 +22,7 @@ from gateway.upstream.coalesce import (
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import wire
+from meshserve.protocol.errors import Code, InferError
 
 CONFIG = text_format.Parse("""
 name: "add_sub" max_batch_size: 8
@@ -492,3 +493,77 @@ def test_python_models_are_never_coalesced() -> None:
     config.CopyFrom(CONFIG)
     config.backend = "python"
     assert SHAPE is not None and ModelShape.of(config) is None
+
+
+async def test_requests_merge_only_with_deadlines_each_can_keep() -> None:
+    """No deadline never rides with a deadline; deadlines merge only when close (DEADLINE_SPREAD_NS),
+    and a merged request carries what is left of its earliest member's."""
+    sent: list[tuple[int, float | None]] = []
+    gate = asyncio.Event()
+
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
+        req = pb.ModelInferRequest.FromString(raw) if raw is not None else req
+        sent.append((req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1,
+                     timeout))
+        await gate.wait()
+        return fake_service(req)
+
+    c = Coalescer(upstream(send), 1)
+    timeouts = [None, None, 5.0, 5.0, None, 5.0 + 10 * coalesce.DEADLINE_SPREAD_NS / 1e9, None]
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(len(timeouts))]
+
+    async def one(r: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+        key, rows = merge_key(r, SHAPE)
+        return (await c.submit(key, r, None, rows, SHAPE, timeout)).message()
+
+    tasks = [asyncio.ensure_future(one(r, t)) for r, t in zip(reqs, timeouts, strict=True)]
+    for _ in range(100):
+        if len(sent) == 5:
+            break
+        await asyncio.sleep(0)
+    # r0 alone at once; then, in order: [r1] (the next has a deadline), [r2 r3], [r4], [r5] (too far), [r6]
+    assert [m for m, _ in sent] == [1, 1, 2, 1, 1, 1], sent
+    assert [t is None for _, t in sent] == [True, True, False, True, False, True]
+    assert 4.9 < sent[2][1] <= 5.0  # type: ignore[operator]
+    gate.set()
+    outs = await asyncio.gather(*tasks)
+    assert [o.id for o in outs] == [r.id for r in reqs]
+
+
+async def test_a_merge_that_misses_one_member_s_deadline_fails_no_other_member(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The merged request times out at its earliest member's deadline: that member fails with
+    DEADLINE_EXCEEDED; the others, whose deadlines have not passed, are sent again alone and
+    answered. (The spread is widened so that the loose deadlines merge with the tight one.)"""
+    monkeypatch.setattr(coalesce, "DEADLINE_SPREAD_NS", 10 * 10**9)
+    calls: list[int] = []
+    release = asyncio.Event()
+
+    async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
+        req = pb.ModelInferRequest.FromString(raw) if raw is not None else req
+        members = req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1
+        calls.append(members)
+        if members > 1:  # the merge: held past its deadline, as a slow service would
+            await asyncio.sleep(timeout or 0)
+            raise InferError(Code.DEADLINE_EXCEEDED, "deadline exceeded waiting for service x")
+        if len(calls) == 1:
+            await release.wait()  # the first request keeps the model busy: the next ones merge
+        return fake_service(req)
+
+    c = Coalescer(upstream(send), 1)
+    reqs = [request(np.full((1, 16), i), np.ones((1, 16)), f"r{i}") for i in range(4)]
+
+    async def one(r: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+        key, rows = merge_key(r, SHAPE)
+        return (await c.submit(key, r, None, rows, SHAPE, timeout)).message()
+
+    first = asyncio.ensure_future(one(reqs[0], None))
+    await asyncio.sleep(0)
+    tight = asyncio.ensure_future(one(reqs[1], 0.01))
+    loose = [asyncio.ensure_future(one(r, 5.0)) for r in reqs[2:]]  # within the spread: merged with it
+    results = await asyncio.gather(tight, *loose, return_exceptions=True)
+    release.set()
+    await first
+    assert isinstance(results[0], InferError) and results[0].code is Code.DEADLINE_EXCEEDED
+    assert [o.id for o in results[1:]] == ["r2", "r3"]  # type: ignore[union-attr]
+    assert calls[:2] == [1, 3] and sorted(calls[2:]) == [1, 1] and c.deadline_resends == 2

@@ -152,3 +152,101 @@ async def test_admission_keys_models_quota_priority(tmp_path: Path) -> None:
     os.utime(path, ns=(1, 2 * 10**18))
     clock.t += 2
     assert adm.directory.get().by_key  # still the previous, valid file
+
+
+async def test_each_tenant_holds_at_most_its_share_of_the_process_caps(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests and bytes in flight: max(1, cap * share) per tenant (the file's share, or the
+    tenant's own); 429 naming the limit past it; given back when the request ends."""
+    from meshserve.server import admission as gate_module
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+share: 0.5
+anonymous: true
+tenants:
+  - {{name: big, keys_sha256: ["{hash_key('big-key')}"], rate: 1000, burst: 1000}}
+  - {{name: small, keys_sha256: ["{hash_key('small-key')}"], rate: 1000, burst: 1000, share: 0.25}}
+""")
+    monkeypatch.setattr(gate_module, "gate", gate_module.Gate(max_requests=8, max_bytes=1000))
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+    req = pb.ModelInferRequest(model_name="m")
+
+    def ctx(key: str, size: int = 10) -> RequestContext:
+        return RequestContext("grpc", {"x-api-key": key} if key else {}, raw=b"x" * size)
+
+    async def refused(key: str, *fragments: str, size: int = 10) -> None:
+        with pytest.raises(InferError) as err:
+            await adm.admit(req, ctx(key, size))
+        assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+        for fragment in fragments:
+            assert fragment in err.value.message, err.value.message
+
+    held = [await adm.admit(req, ctx("big-key")) for _ in range(4)]
+    await refused("big-key", "tenant 'big' has 4 inference requests in flight", "0.5 of --max-inflight 8: 4")
+    small = [await adm.admit(req, ctx("small-key")) for _ in range(2)]
+    await refused("small-key", "0.25 of --max-inflight 8: 2")
+    anon = await adm.admit(req, ctx(""))  # anonymous callers: one share between them
+    assert anon.tenant == ""
+    await adm.release(held.pop())
+    await refused("big-key", "this one's 600 would pass its share", "--max-inflight-bytes 1000: 500", size=600)
+    held.append(await adm.admit(req, ctx("big-key", 400)))  # 3 x 10 + 400 <= 500
+    for a in [*held, *small, anon]:
+        await adm.release(a)
+    assert adm.inflight == {} and adm.rejections[("big", "share")] == 2
+    first = await adm.admit(req, ctx("big-key", 5000))  # nothing in flight: any size, as the gate
+    await adm.release(first)
+
+
+@pytest.mark.parametrize("text", ["share: 0", "share: 1.5", "tenants: [{name: a, keys_sha256: ['"
+                                  + "a" * 64 + "'], rate: 1, burst: 1, share: 0}]"])
+def test_a_share_is_a_fraction_of_a_cap(text: str) -> None:
+    with pytest.raises(ValueError, match="share"):
+        parse_tenants(text)
+
+
+async def test_a_sequence_is_its_first_tenant_s_while_it_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another tenant naming a live sequence is refused (403); the owner keeps it alive; it is
+    free after its end, or once its binding lapses; the table is bounded per tenant."""
+    from gateway import auth
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: a, keys_sha256: ["{hash_key('a-key')}"], rate: 1000, burst: 1000}}
+  - {{name: b, keys_sha256: ["{hash_key('b-key')}"], rate: 1000, burst: 1000, share: 0.001}}
+""")
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock=clock), MemoryQuotaStore(clock=clock), clock=clock)
+
+    def req(end: bool = False) -> pb.ModelInferRequest:
+        r = pb.ModelInferRequest(model_name="seq")
+        r.parameters["sequence_id"].int64_param = 42
+        if end:
+            r.parameters["sequence_end"].bool_param = True
+        return r
+
+    async def call(key: str, end: bool = False, seq: str = "i:42", idle: float = 0.0) -> None:
+        await adm.release(await adm.admit(req(end), RequestContext("grpc", {"x-api-key": key}), seq, idle))
+
+    await call("a-key")
+    with pytest.raises(InferError) as err:
+        await call("b-key")
+    assert err.value.code is Code.PERMISSION_DENIED and "another tenant's sequence" in err.value.message
+    await call("b-key", seq="i:43")  # another id is b's own
+    clock.t += auth.SEQUENCE_BINDING_MIN_S - 1
+    await call("a-key")  # a's request keeps it alive
+    clock.t += auth.SEQUENCE_BINDING_MIN_S - 1
+    with pytest.raises(InferError):
+        await call("b-key", end=True)  # not even its end
+    await call("a-key", end=True)
+    await call("b-key")  # ended: free, now b's
+    clock.t += 200 * 2 + 1  # past a model idle timeout of 200 s, twice over
+    await call("a-key", idle=200)  # lapsed: a's again
+    monkeypatch.setattr(auth, "MAX_SEQUENCES", 2000)  # b's share: max(1, 2000 * 0.001) = 2
+    await call("b-key", seq="i:1")
+    await call("b-key", seq="i:2")  # (its lapsed i:43 is swept to make room)
+    with pytest.raises(InferError) as err:
+        await call("b-key", seq="i:3")
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and "sequences in progress" in err.value.message
+    assert len(adm.sequences) <= 4 and adm.inflight == {}

@@ -84,7 +84,7 @@ class _SlowFirstAdmission:
     def __init__(self) -> None:
         self.delays = [0.05, 0.0, 0.02]
 
-    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Any:
+    async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, *sequence: Any) -> Any:
         await asyncio.sleep(self.delays.pop(0))
         return None
 

@@ -92,3 +92,33 @@ def test_a_streamed_request_is_marked_only_on_a_gateways_hop() -> None:
     assert not observe.read_hop(req.parameters, {}).stream  # a direct client cannot claim the hop's marking
     assert not observe.read_hop(_params(**{wire.STREAM_PARAMETER: False}).parameters, GATEWAY).stream
     assert not GATEWAY_HOP.stream and not NO_HOP.stream
+
+
+def test_a_gateway_never_believes_the_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway's callers are clients: with the marker distrusted (GatewayCore.start), a
+    client's ``meshserve-hop: gateway`` header is ignored like any other header."""
+    monkeypatch.setattr(tracing, "hop_trusted", True)
+    tracing.trust_hop_marker(False)
+    req = _params(**{wire.MERGED_PARAMETER: 3})
+    assert observe.read_hop(req.parameters, GATEWAY) is NO_HOP
+    assert not tracing.gateway_hop(GATEWAY)
+    tracing.trust_hop_marker(True)
+    assert tracing.gateway_hop(GATEWAY) and observe.read_hop(req.parameters, GATEWAY).merged == 3
+
+
+async def test_a_forged_merged_count_weighs_at_most_its_rows() -> None:
+    """Admission counts a merged request as its members, but never more than the rows it
+    carries (each member brings one at least), whatever count a forged marker claims."""
+    weights: list[int] = []
+
+    class _Core:
+        async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+            weights.append(observe._gate.requests)
+            return InferResult(raw=b"")
+
+    for merged, rows, weight in ((1_000_000, 4, 4), (3, 8, 3), (-7, 4, 1), (64, 0, 1)):
+        req = _params(**{wire.MERGED_PARAMETER: merged})
+        req.inputs.add(name="x", datatype="FP32", shape=[rows, 2])
+        before = observe._gate.requests
+        await observe.infer(_Core(), req, RequestContext("grpc", dict(GATEWAY)))  # type: ignore[arg-type]
+        assert weights[-1] - before == weight and observe._gate.requests == before

@@ -22,7 +22,7 @@ def obj() -> Iterator[Callable[[str, bytes], str]]:
     made: list[str] = []
 
     def create(name: str, contents: bytes) -> str:
-        path = f"{shm.SHM_DIR}/meshserve-unit-{os.getpid()}-{name}"
+        path = f"{shm.SHM_DIR}/mstest-unit-{os.getpid()}-{name}"
         with open(path, "wb") as f:
             f.write(contents)
         made.append(path)
@@ -99,15 +99,15 @@ def test_keys_stay_in_dev_shm(bad: str) -> None:
 
 def test_symlinks_are_not_followed(obj: Callable[[str, bytes], str]) -> None:
     target = obj("target", b"x" * 64)
-    link = f"{shm.SHM_DIR}/meshserve-unit-{os.getpid()}-link"
+    link = f"{shm.SHM_DIR}/mstest-unit-{os.getpid()}-link"
     os.symlink(f"{shm.SHM_DIR}/{target.lstrip('/')}", link)
     try:
         fails(lambda: shm.SharedMemoryRegistry().register_system("", "r", os.path.basename(link), 0, 8),
               Code.INVALID_ARG, "Unable to open shared memory region")
     finally:
         os.unlink(link)
-    fails(lambda: shm.SharedMemoryRegistry().register_system("", "r", "/meshserve-unit-absent", 0, 8),
-          Code.INVALID_ARG, "Unable to open shared memory region: '/meshserve-unit-absent'")
+    fails(lambda: shm.SharedMemoryRegistry().register_system("", "r", "/mstest-unit-absent", 0, 8),
+          Code.INVALID_ARG, "Unable to open shared memory region: '/mstest-unit-absent'")
 
 
 def test_register_errors_and_limits(obj: Callable[[str, bytes], str]) -> None:
@@ -129,8 +129,9 @@ def test_register_errors_and_limits(obj: Callable[[str, bytes], str]) -> None:
     reg.register_system("", "a", key, 0, 100)
     fails(lambda: reg.register_system("", "a", key, 0, 1), Code.ALREADY_EXISTS, "'a' already in manager")
     fails(lambda: reg.register_system("", "b", key, 0, 51), Code.RESOURCE_EXHAUSTED, "--max-shm-bytes")
-    reg.register_system("t2", "a", key, 0, 50)  # another tenant may use the same name
-    fails(lambda: reg.register_system("t3", "c", key, 0, 1), Code.RESOURCE_EXHAUSTED, "--max-shm-regions 2")
+    other = obj("lim2", b"\0" * 100)  # (another tenant's object: the key's object is tenant ""'s)
+    reg.register_system("t2", "a", other, 0, 50)  # another tenant may use the same name
+    fails(lambda: reg.register_system("t3", "c", other, 0, 1), Code.RESOURCE_EXHAUSTED, "--max-shm-regions 2")
     assert [r.name for r in reg.status("t2", "", shm.SYSTEM)] == ["a"] and reg.status("t3", "", shm.SYSTEM) == []
     fails(lambda: reg.status("t3", "a", shm.SYSTEM), Code.NOT_FOUND, "Unable to find system shared memory region: 'a'")
     fails(lambda: reg.status("", "a", shm.CUDA), Code.NOT_FOUND, "registered as system shared memory, not CUDA")
@@ -401,3 +402,84 @@ def test_cuda_regions_shared_by_workers_over_a_fake_runtime(
     assert rt.opened == [b"\7" * 64] * 2  # each worker opened the handle itself
     b.unregister("", "g", shm.CUDA)
     assert a.status("", "", shm.CUDA) == [] and len(rt.closed) == 2
+
+
+def test_an_object_belongs_to_the_tenant_that_registered_it_first(obj: Callable[[str, bytes], str]) -> None:
+    """Bound by device and inode: another tenant is refused the same object under its key, a
+    hard link to it, or a region at another offset, until the owner's last region lets it go."""
+    key = obj("own", b"secret!!" * 8)
+    link = f"{shm.SHM_DIR}/mstest-unit-{os.getpid()}-hardlink"
+    os.link(f"{shm.SHM_DIR}/{key.lstrip('/')}", link)
+    try:
+        reg = shm.SharedMemoryRegistry()
+        reg.register_system("acme", "mine", key, 0, 32)
+        reg.register_system("acme", "mine2", key, 32, 32)  # the owner may register it again
+        for other_key in (key, "/" + os.path.basename(link)):
+            fails(lambda k=other_key: reg.register_system("evil", "r", k, 32, 8), Code.PERMISSION_DENIED,
+                  "is registered by another tenant")
+            fails(lambda k=other_key: reg.register_system("", "r", k, 0, 8), Code.PERMISSION_DENIED)
+        assert reg.status("evil", "", shm.SYSTEM) == []
+        reg.unregister("acme", "mine", shm.SYSTEM)
+        fails(lambda: reg.register_system("evil", "r", key, 0, 8), Code.PERMISSION_DENIED)  # mine2 still holds it
+        reg.unregister("acme", "", shm.SYSTEM)
+        reg.register_system("evil", "r", key, 0, 8)  # released: the next registrant owns it
+        fails(lambda: reg.register_system("acme", "again", key, 0, 8), Code.PERMISSION_DENIED)
+        reg.close()
+    finally:
+        os.unlink(link)
+
+
+def test_meshserve_s_own_keys_are_refused(obj: Callable[[str, bytes], str]) -> None:
+    path = f"{shm.SHM_DIR}/meshserve-py-{os.getpid()}-unit"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+    try:
+        for key in ("/" + os.path.basename(path), os.path.basename(path)):
+            fails(lambda k=key: shm.SharedMemoryRegistry().register_system("", "r", k, 0, 8),
+                  Code.PERMISSION_DENIED, "reserved for meshserve's own processes")
+    finally:
+        os.unlink(path)
+
+
+def test_a_tenant_holds_at_most_its_share(obj: Callable[[str, bytes], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tenants (share_of set), one tenant takes at most max(1, cap * share) of the regions
+    and of their bytes; the others still register theirs."""
+    monkeypatch.setattr(shm, "share_of", lambda tenant: 0.25 if tenant == "small" else 0.5)
+    reg = shm.SharedMemoryRegistry(ServerLimits(max_shm_regions=8, max_shm_bytes=1000))
+    keys = {t: obj(t, b"\0" * 600) for t in ("hog", "small", "good")}
+    for i in range(4):
+        reg.register_system("hog", f"r{i}", keys["hog"], i, 10)
+    fails(lambda: reg.register_system("hog", "r4", keys["hog"], 0, 10), Code.RESOURCE_EXHAUSTED,
+          "tenant 'hog' holds 4 regions", "0.5 of --max-shm-regions 8: 4")
+    fails(lambda: reg.register_system("good", "big", keys["good"], 0, 501), Code.RESOURCE_EXHAUSTED,
+          "its share is 500", "--max-shm-bytes 1000")
+    reg.register_system("good", "big", keys["good"], 0, 500)
+    reg.register_system("small", "a", keys["small"], 0, 10)
+    reg.register_system("small", "b", keys["small"], 0, 10)
+    fails(lambda: reg.register_system("small", "c", keys["small"], 0, 1), Code.RESOURCE_EXHAUSTED,
+          "'small' holds 2 regions")
+    monkeypatch.setattr(shm, "share_of", None)  # no tenants: only the caps themselves
+    reg.register_system("", "x", obj("anon", b"\0" * 8), 0, 8)
+    reg.close()
+
+
+def test_workers_bind_objects_to_tenants_across_processes(
+        obj: Callable[[str, bytes], str], siblings: Callable[[ServerLimits | None], shm.SharedRegistry]) -> None:
+    """The owner registered through one worker: another tenant is refused through any worker."""
+    a, b = siblings(None), siblings(None)
+    key = obj("wown", b"\0" * 64)
+    a.register_system("acme", "r", key, 0, 64)
+    fails(lambda: b.register_system("evil", "r", key, 0, 8), Code.PERMISSION_DENIED, "another tenant")
+    a.unregister("acme", "r", shm.SYSTEM)
+    b.register_system("evil", "r", key, 0, 8)
+    fails(lambda: a.register_system("acme", "r", key, 0, 8), Code.PERMISSION_DENIED, "another tenant")
+
+
+def test_a_cuda_handle_belongs_to_its_first_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = ctypes.create_string_buffer(bytes(range(64)))
+    monkeypatch.setattr(shm, "_cuda_runtime", lambda: FakeCudaRuntime(device))
+    reg = shm.SharedMemoryRegistry()
+    reg.register_cuda("acme", "g", b"\7" * 64, 0, 64)
+    fails(lambda: reg.register_cuda("evil", "g", b"\7" * 64, 0, 64), Code.PERMISSION_DENIED, "CUDA IPC handle")
+    reg.register_cuda("evil", "h", b"\x08" * 64, 0, 64)  # its own handle
+    reg.close()
