@@ -192,7 +192,7 @@ class Worker:
                         "the response sender)")
                 self.send(("done", batch_id, "", 0, None, time.perf_counter_ns() - t0))
                 return
-            region_name, size, results = self._pack(requests, responses)
+            region_name, size, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
         except BaseException as exc:
             self.send(("failed", batch_id, describe(exc)))
             return
@@ -265,10 +265,15 @@ class Worker:
         return key in self._cancelled
 
     def bls_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        bls = self.bls_client()
+        return bls.stream(request) if decoupled else bls.infer(request)
+
+    def bls_client(self) -> Any:
+        """The worker's gRPC client of the mesh (BLS and pb_utils.load_model & co.)."""
         if self._bls is None:
             from services.python.bls import BlsClient  # grpc only once a model makes a BLS call
             self._bls = BlsClient(self._bls_target)
-        return self._bls.stream(request) if decoupled else self._bls.infer(request)
+        return self._bls
 
 
 def tensor_bytes(t: pb_utils.Tensor) -> tuple[np.ndarray, str, np.ndarray]:
