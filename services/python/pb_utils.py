@@ -19,12 +19,10 @@ import json
 import logging
 import re
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from enum import IntEnum
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -77,16 +75,12 @@ def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
 def get_model_dir() -> str:
     """The directory of the model's ``model.py`` (``<repository>/<model>/<version>``), as Triton's
     stub gives it."""
-    if _model_dir:
-        return _model_dir
-    for name, module in list(sys.modules.items()):  # the worker loads one model.py under this prefix
-        path = getattr(module, "__file__", None)
-        if name.startswith("meshserve_python_model_") and path:
-            return str(Path(path).parent)
-    raise TritonModelException("get_model_dir() is only available inside a model's worker")
+    if not _model_dir:
+        raise TritonModelException("get_model_dir() is only available inside a model's worker")
+    return _model_dir
 
 
-_model_dir = ""  # set by the worker where it knows the path
+_model_dir = ""  # set by the worker (services/python/worker.py) before it loads model.py
 
 
 def wire_datatype(arr: np.ndarray) -> str:

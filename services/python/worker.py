@@ -55,6 +55,7 @@ def describe(exc: BaseException) -> str:
 def load_model_module(model_py: Path, name: str) -> ModuleType:
     """Import a model.py by path (its directory first on sys.path, as Triton's stub does)."""
     sys.modules["triton_python_backend_utils"] = pb_utils
+    pb_utils._model_dir = str(model_py.parent)  # pb_utils.get_model_dir()
     spec = importlib.util.spec_from_file_location(f"meshserve_python_model_{name}", model_py)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {model_py}")
