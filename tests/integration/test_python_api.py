@@ -11,7 +11,6 @@ The list of names covered here is tests/unit/services/test_python_api_names.py:W
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.deploy.support import free_port
 from tests.models import python_models
 from tests.support.metrics import scrape
 from tests.support.waiting import eventually
@@ -182,12 +182,6 @@ class Mesh:
     repo: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     repo = tmp_path_factory.mktemp("python_api")
@@ -200,7 +194,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         ("UNUSED", "TYPE_FP32", "1")]))
     python_models.write(repo, "api_async", ASYNC, python_models.config("api_async", IN_X, y))
     python_models.write(repo, "api_sender", SENDER, python_models.config("api_sender", IN_X, y))
-    gateway_grpc = _free_port()
+    gateway_grpc = free_port()
     procs: list[Proc] = []
     try:
         procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
