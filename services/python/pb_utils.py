@@ -381,6 +381,7 @@ class WorkerRuntime(Protocol):
 
 
 _runtime: WorkerRuntime | None = None
+_serving = False  # the worker sets it between initialize() and finalize(): BLS only runs then, as in Triton
 
 
 def _instance() -> str:
@@ -602,7 +603,7 @@ class InferenceRequest:
         """Run the request on the model it names, through the mesh (the gateway's gRPC address the
         service was given as --bls-target). Returns an InferenceResponse (its error set when the
         call failed), or with ``decoupled=True`` a ResponseIterator over the model's responses."""
-        if _runtime is None:
+        if _runtime is None or not _serving:
             raise TritonModelException("BLS is only supported during the 'execute' function.")
         return _runtime.bls_exec(self, decoupled)
 

@@ -97,6 +97,7 @@ class Worker:
         except BaseException as exc:  # the model's own code: anything can come out of it
             self.send(("init_error", describe(exc)))
             return
+        pb_utils._serving = True  # BLS from initialize()/finalize() is refused, as Triton's stub does
         self.send(("ready", os.getpid()))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         try:
@@ -123,6 +124,7 @@ class Worker:
             self._maybe_await(init(dict(opts["args"])))
 
     def _finalize(self) -> None:
+        pb_utils._serving = False
         fin = getattr(self.model, "finalize", None)
         if fin is not None:
             try:

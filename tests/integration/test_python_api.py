@@ -83,6 +83,8 @@ class TritonPythonModel:
                                           pb_utils.MetricFamily.HISTOGRAM).Metric(
             labels={"model": args["model_name"]}, buckets=[1.0, 10.0])
         pb_utils.Logger.log_info("api_probe: initialized")
+        self.init_bls = attempt(lambda: pb_utils.InferenceRequest(model_name="api_echo", requested_output_names=["Y"],
+                                                                  inputs=[]).exec())
 
     def execute(self, requests):
         out = []
@@ -92,7 +94,7 @@ class TritonPythonModel:
             facts = {"request_id": r.request_id(), "correlation_id": r.correlation_id(), "flags": r.flags(),
                      "timeout": r.timeout(), "parameters": json.loads(r.parameters()),
                      "requested": sorted(r.requested_output_names()), "trace": r.trace().get_context(),
-                     "cancelled": r.is_cancelled(), "model_dir": self.dir}
+                     "cancelled": r.is_cancelled(), "model_dir": self.dir, "init_bls": self.init_bls}
             pb_utils.Logger.log_warn(f"api_probe: warn {x}")
             pb_utils.Logger.log_error(f"api_probe: error {x}")
             pb_utils.Logger.log(f"api_probe: log {x}", pb_utils.Logger.LogLevel.INFO)
@@ -226,6 +228,7 @@ def test_a_received_request_and_bls_from_it(mesh: Mesh, direct: bool) -> None:
     assert facts["parameters"] == {"tag": "t1", "n": 3}
     assert facts["requested"] == ["OUT"]  # the client named OUT only
     assert facts["model_dir"] == str(mesh.repo / "api_probe" / "1")
+    assert facts["init_bls"] == "error: BLS is only supported during the 'execute' function."
     assert facts["echo"] == [4.0]  # exec(): api_echo through the gateway
     assert facts["missing"] == [True, 2]  # an unknown model: the response's error, NOT_FOUND
     # exec(decoupled=True): a ResponseIterator, iter()/next() over 3 responses and the empty final
