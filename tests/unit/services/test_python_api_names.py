@@ -423,3 +423,54 @@ def test_behaviour(check: Callable[..., None], caplog: pytest.LogCaptureFixture)
         check(caplog)
     else:
         check()
+
+
+def test_custom_metrics_text_is_what_triton_2_51_wrote() -> None:
+    """The same metrics made in a model on a real Triton 2.51 (its /metrics, copied here)."""
+    counter = pb_utils.MetricFamily("t251_counter", "a counter", pb_utils.MetricFamily.COUNTER)
+    counter.Metric(labels={"model": "probe"}).increment(1234567.125)
+    counter.Metric(labels={"model": "dropped"}).increment(5)
+    gauge = pb_utils.MetricFamily("t251_gauge", "a gauge", pb_utils.MetricFamily.GAUGE).Metric(labels={"model": "probe"})
+    gauge.set(0.1)
+    gauge.increment(-2)
+    hist = pb_utils.MetricFamily("t251_hist", "a histogram", pb_utils.MetricFamily.HISTOGRAM).Metric(
+        labels={"model": "probe", "b": "x"}, buckets=[0.5, 1, 2.5])
+    for v in (0.1, 1.0, 2.0, 3.0, 1234567.125):
+        hist.observe(v)
+    pb_utils.MetricFamily("t251_empty", "no metric", pb_utils.MetricFamily.COUNTER)  # not shown
+    pb_utils.MetricFamily("t251_bare", "d", pb_utils.MetricFamily.COUNTER).Metric()
+    rows = [r for r in pb_utils.metrics_snapshot() if r[0].startswith("t251_")]
+    got = render_custom_metrics(sorted(rows, key=lambda r: (r[0], r[3]))).decode()
+    assert got == """\
+# HELP t251_bare d
+# TYPE t251_bare counter
+t251_bare 0
+# HELP t251_counter a counter
+# TYPE t251_counter counter
+t251_counter{model="dropped"} 5
+t251_counter{model="probe"} 1234567.125
+# HELP t251_gauge a gauge
+# TYPE t251_gauge gauge
+t251_gauge{model="probe"} -1.9
+# HELP t251_hist a histogram
+# TYPE t251_hist histogram
+t251_hist_count{b="x",model="probe"} 5
+t251_hist_sum{b="x",model="probe"} 1234573.225
+t251_hist_bucket{b="x",model="probe",le="0.5"} 1
+t251_hist_bucket{b="x",model="probe",le="1"} 2
+t251_hist_bucket{b="x",model="probe",le="2.5"} 3
+t251_hist_bucket{b="x",model="probe",le="+Inf"} 5
+"""
+
+
+def test_histograms_of_several_instances_merge() -> None:
+    """Two workers' rows for one histogram: counts and sums add up; a worker whose bounds differ
+    has its counts placed at the first bound at or above each of its own."""
+    labels = (("m", "x"),)
+    rows = [("h", "d", 2, labels, 3.0, 1.0, ((1.0, 5.0), (1, 1), 2)),
+            ("h", "d", 2, labels, 4.0, 2.0, ((1.0, 5.0), (0, 1), 2)),
+            ("h", "d", 2, labels, 2.0, 3.0, ((0.5, 9.0), (1, 0), 3)),
+            ("bad", "d", 2, labels, 1.0, 1.0, None)]  # malformed: left out
+    assert render_custom_metrics(rows).decode().splitlines() == [
+        "# HELP h d", "# TYPE h histogram", 'h_count{m="x"} 7', 'h_sum{m="x"} 9', 'h_bucket{m="x",le="1"} 2',
+        'h_bucket{m="x",le="5"} 4', 'h_bucket{m="x",le="+Inf"} 7']
