@@ -161,6 +161,23 @@ class TritonPythonModel:
         return None
 '''
 
+# torch inside a model, as NVIDIA's pytorch example: inputs to torch, outputs back by DLPack and by numpy
+TORCH = '''
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            a = torch.from_numpy(pb_utils.get_input_tensor_by_name(r, "X").as_numpy())
+            b = torch.utils.dlpack.from_dlpack(pb_utils.get_input_tensor_by_name(r, "X").to_dlpack())
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("Y", a + b),
+                                                   pb_utils.Tensor("Z", (a - 2 * b).numpy())]))
+        return out
+'''
+
 COVERED = frozenset({
     "get_model_dir", "load_model", "unload_model", "is_model_ready", "InferenceRequest.exec",
     "InferenceRequest.async_exec", "InferenceRequest.is_cancelled", "InferenceRequest.request_id",
@@ -196,6 +213,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         ("UNUSED", "TYPE_FP32", "1")]))
     python_models.write(repo, "api_async", ASYNC, python_models.config("api_async", IN_X, y))
     python_models.write(repo, "api_sender", SENDER, python_models.config("api_sender", IN_X, y))
+    python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
     gateway_grpc = free_port()
     procs: list[Proc] = []
     try:
@@ -280,6 +298,15 @@ def test_a_non_decoupled_model_answers_through_its_response_sender(mesh: Mesh) -
         assert c.infer("api_sender", [inp]).as_numpy("Y").tolist() == [2.5]
     eventually(lambda: "api_sender: Unable to send response. Non-decoupled model cannot send more than one "
                        "response." in "".join(mesh.python.output), timeout=10, what="the second send refused")
+
+
+def test_torch_inside_a_model_with_dlpack_both_ways(mesh: Mesh) -> None:
+    pytest.importorskip("torch")
+    inp = httpclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.array([3.0], dtype=np.float32))
+    with httpclient.InferenceServerClient(mesh.gateway.http) as c:
+        result = c.infer("api_torch", [inp])
+    assert result.as_numpy("Y").tolist() == [6.0] and result.as_numpy("Z").tolist() == [-3.0]
 
 
 def test_model_control_from_a_model(mesh: Mesh) -> None:
