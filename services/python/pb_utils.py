@@ -222,6 +222,9 @@ class InferenceTrace:
         return self._context or None
 
 
+_NO_TRACE = InferenceTrace()  # (shared: a request's default trace has no state)
+
+
 # ----------------------------------------------------------------------------- tensors
 
 # DLPack device types (dlpack.h DLDeviceType)
@@ -522,17 +525,15 @@ class InferenceRequest:
                  requested_output_names: list[str] | None = None, model_name: str = "", model_version: int = -1,
                  flags: int = 0, timeout: int = 0, preferred_memory: PreferredMemory | None = None,
                  trace: InferenceTrace | None = None, parameters: dict | str | None = None):
-        inputs = list(inputs or [])
-        names = list(requested_output_names or [])
-        for t in inputs:
-            if t is None:
-                raise TritonModelException(f"Input tensor for request with id '{request_id}' and model name "
-                                           f"'{model_name}' should not be empty.")
-        for n in names:
-            if n == "":
-                raise TritonModelException(f"Requested output name for request with id '{request_id}' and model "
-                                           f"name '{model_name}' should not be empty.")
-        if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
+        inputs = list(inputs) if inputs else []
+        names = requested_output_names or ()
+        if None in inputs:
+            raise TritonModelException(f"Input tensor for request with id '{request_id}' and model name "
+                                       f"'{model_name}' should not be empty.")
+        if "" in names:
+            raise TritonModelException(f"Requested output name for request with id '{request_id}' and model "
+                                       f"name '{model_name}' should not be empty.")
+        if not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")
         self._model_name = model_name
         self._inputs = inputs
@@ -542,8 +543,8 @@ class InferenceRequest:
         self._flags = flags
         self._model_version = model_version
         self._timeout = timeout
-        self._preferred_memory = preferred_memory or PreferredMemory(TRITONSERVER_MEMORY_CPU)
-        self._trace = trace or InferenceTrace()
+        self._preferred_memory = preferred_memory
+        self._trace = trace or _NO_TRACE
         self._parameters = _check_parameters(parameters)
         self._key = 0  # a received request's key (the worker's), for the response sender
         self._decoupled = False
