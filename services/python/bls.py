@@ -182,3 +182,32 @@ class BlsClient:
             call.cancel()
 
         return pb_utils.response_iterator(items(), close)
+
+    # ---- model control (pb_utils.load_model, unload_model, is_model_ready) -------------------
+    def _control_call(self, call: str, msg: object) -> tuple[object, str]:
+        """One model-control RPC to the mesh: (its answer, "") or (None, the error's text)."""
+        if not self.target:
+            return None, ("model control is not available: the python service was started without "
+                          "--bls-target (`meshserve up` passes the gateway's address)")
+        try:
+            return getattr(self._get_stub(), call)(msg), ""
+        except grpc.RpcError as exc:
+            return None, exc.details() or str(exc)
+
+    def load(self, model: str, config: str, files: dict[str, bytes]) -> str:
+        msg = pb.RepositoryModelLoadRequest(model_name=model)
+        if config:
+            msg.parameters["config"].string_param = config
+        for path, content in files.items():
+            msg.parameters[path].bytes_param = bytes(content)
+        return self._control_call("RepositoryModelLoad", msg)[1]
+
+    def unload(self, model: str, unload_dependents: bool) -> str:
+        msg = pb.RepositoryModelUnloadRequest(model_name=model)
+        if unload_dependents:
+            msg.parameters["unload_dependents"].bool_param = True
+        return self._control_call("RepositoryModelUnload", msg)[1]
+
+    def ready(self, model: str, version: str) -> tuple[bool, str]:
+        answer, err = self._control_call("ModelReady", pb.ModelReadyRequest(name=model, version=version))
+        return bool(getattr(answer, "ready", False)), err

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository import layout
@@ -104,29 +106,83 @@ class PythonServiceCore(ServiceCore):
         return PythonModelVersion(config, version, path, workers)
 
 
-def render_custom_metrics(metrics: list[tuple[str, str, int, tuple[tuple[str, str], ...], float, float]]) -> bytes:
-    """Prometheus text of the workers' custom metrics, merged across instances."""
+def render_custom_metrics(metrics: list[tuple]) -> bytes:
+    """Prometheus text of the workers' custom metrics (pb_utils.metrics_snapshot rows), merged
+    across instances as Triton's one process would hold them: counters add up, a gauge shows the
+    value set last, a histogram's counts and sums add up. Written as Triton's prometheus-cpp
+    writes them (a histogram's _count, _sum, then cumulative _bucket lines up to le="+Inf")."""
     families: dict[str, tuple[str, int]] = {}
-    merged: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = {}
-    for name, description, kind, labels, value, updated in metrics:
-        families.setdefault(name, (description, kind))
-        key = (name, labels)
-        if key in merged:
-            total, at = merged[key]
-            if kind == 0:  # counter
-                value, updated = total + value, max(at, updated)
-            elif at > updated:  # gauge: the latest set
-                value, updated = total, at
-        merged[key] = (value, updated)
+    merged: dict[tuple[str, tuple[tuple[str, str], ...]], list] = {}
+    for row in metrics:
+        try:
+            name, description, kind, labels, value, updated = row[:6]
+            hist: Any = row[6] if len(row) > 6 else None
+            description, kind, labels = str(description), int(kind), tuple((str(k), str(v)) for k, v in labels)
+            value, updated = float(value), float(updated)
+            if kind == 2:
+                bounds, counts, count = tuple(float(b) for b in hist[0]), [int(c) for c in hist[1]], int(hist[2])
+                if len(bounds) != len(counts):
+                    continue
+        except (TypeError, ValueError, IndexError):
+            continue  # a malformed row (the worker runs the model's code): left out
+        if families.setdefault(str(name), (description, kind))[1] != kind:
+            continue
+        key = (str(name), labels)
+        have = merged.get(key)
+        if kind == 2:
+            if have is None:
+                merged[key] = [value, updated, bounds, counts, count]
+            else:  # the first bounds hold; another's bucket counts where its bound fits (le stays true)
+                have[0] += value
+                have[4] += count
+                for b, c in zip(bounds, counts, strict=True):
+                    at = next((i for i, mine in enumerate(have[2]) if b <= mine), None)
+                    if at is not None:
+                        have[3][at] += c
+        elif have is None:
+            merged[key] = [value, updated]
+        elif kind == 0:  # counter
+            have[0] += value
+            have[1] = max(have[1], updated)
+        elif updated > have[1]:  # gauge: the latest set
+            merged[key] = [value, updated]
     lines: list[str] = []
     for name, (description, kind) in families.items():
-        lines.append(f"# HELP {name} {description}")
-        lines.append(f"# TYPE {name} {'counter' if kind == 0 else 'gauge'}")
-        for (fam, labels), (value, _) in merged.items():
-            if fam == name:
-                lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-                lines.append(f"{name}{{{lab}}} {value:g}")
+        lines.append(f"# HELP {name} {_escape_help(description)}")
+        lines.append(f"# TYPE {name} {('counter', 'gauge', 'histogram')[kind] if 0 <= kind <= 2 else 'untyped'}")
+        for (fam, labels), m in merged.items():
+            if fam != name:
+                continue
+            if kind != 2:
+                lines.append(f"{name}{_labels(labels)} {_number(m[0])}")
+                continue
+            sum_, bounds, counts, count = m[0], m[2], m[3], m[4]
+            lines.append(f"{name}_count{_labels(labels)} {count}")
+            lines.append(f"{name}_sum{_labels(labels)} {_number(sum_)}")
+            running = 0
+            for bound, c in zip(bounds, counts, strict=True):
+                running += c
+                lines.append(f"{name}_bucket{_labels(labels + (('le', _number(bound)),))} {running}")
+            if not bounds or bounds[-1] != math.inf:
+                lines.append(f"{name}_bucket{_labels(labels + (('le', '+Inf'),))} {count}")
     return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _number(value: float) -> str:
+    """A sample value as prometheus-cpp writes it (16 significant digits, +Inf, -Inf, Nan)."""
+    if math.isnan(value):
+        return "Nan"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return format(value, ".16g")
+
+
+def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}" if labels else ""
+
+
+def _escape_help(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 def _escape(value: str) -> str:

@@ -1,22 +1,28 @@
 """``triton_python_backend_utils`` as a model's ``model.py`` sees it in a meshserve worker.
 
 The worker registers this module under Triton's name, so ``import triton_python_backend_utils as
-pb_utils`` works unchanged. It offers the API Triton's python backend documents for models:
-Tensor, InferenceRequest (received in ``execute``, or built for BLS and run with ``exec`` /
-``async_exec``), InferenceResponse, the response sender of decoupled models, TritonError and its
-codes, TritonModelException, Logger, ModelConfig (``auto_complete_config``), MetricFamily /
-Metric (kept in the worker; not exported), and the helper functions. The worker installs the
-connection to the service (``_runtime``) before it loads the model.
+pb_utils`` works unchanged. Its public surface is the reference's, name for name: Triton 2.51's
+python backend (triton-inference-server/python_backend r24.10, 01d0ad82): the Python part
+(``src/resources/triton_python_backend_utils.py``) and what the C++ stub binds and adds to the
+module (``src/pb_stub.cc``: Tensor, InferenceRequest, InferenceResponse, the response sender and
+iterator, InferenceTrace, Logger and LogLevel, MetricFamily / Metric with COUNTER, GAUGE and
+HISTOGRAM, PreferredMemory and MemoryType, TritonError and its codes, TritonModelException,
+load_model / unload_model / is_model_ready, get_model_dir). The list and each name's test:
+tests/unit/services/test_python_api_names.py. Error texts are the reference's, measured on a real
+Triton 2.51 where the source left them open. The worker installs the connection to the service
+(``_runtime``) before it loads the model.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from enum import IntEnum
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,6 +64,25 @@ def numpy_to_triton_type(data_type: Any) -> int | None:
     return None
 
 
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    """Whether the model's config (the dict of ``json.loads(args["model_config"])``) sets
+    ``model_transaction_policy { decoupled: true }``."""
+    if "model_transaction_policy" in model_config:
+        return bool(model_config["model_transaction_policy"]["decoupled"])
+    return False
+
+
+def get_model_dir() -> str:
+    """The directory of the model's ``model.py`` (``<repository>/<model>/<version>``), as Triton's
+    stub gives it."""
+    if not _model_dir:
+        raise TritonModelException("get_model_dir() is only available inside a model's worker")
+    return _model_dir
+
+
+_model_dir = ""  # set by the worker (services/python/worker.py) before it loads model.py
+
+
 def wire_datatype(arr: np.ndarray) -> str:
     """The v2 datatype name of a numpy array (BYTES for object / bytes arrays)."""
     enum = numpy_to_triton_type(arr.dtype)
@@ -71,7 +96,8 @@ def wire_to_numpy(datatype: str) -> Any:
 
 
 def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray | None:
-    """An object/bytes array flattened into 4-byte-length-prefixed elements (C order), as uint8."""
+    """An object/bytes array flattened into 4-byte-length-prefixed elements (C order), as uint8.
+    (The reference returns the same bytes as a ``bytes`` object, and ``()`` for an empty tensor.)"""
     if input_tensor.size == 0:
         return np.empty([0], dtype=np.object_)
     if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
@@ -99,8 +125,8 @@ def deserialize_bytes_tensor(encoded_tensor: bytes | memoryview) -> np.ndarray:
 # ----------------------------------------------------------------------------- errors
 
 
-class TritonError:
-    """An error: a message and one of Triton's codes (INTERNAL unless given)."""
+class _ErrorCode(IntEnum):
+    """TRITONSERVER_Error_Code (the stub's ``TritonError.__ErrorCode``)."""
 
     UNKNOWN = 0
     INTERNAL = 1
@@ -111,9 +137,24 @@ class TritonError:
     ALREADY_EXISTS = 6
     CANCELLED = 7
 
-    def __init__(self, message: str, code: int = INTERNAL):
+
+class TritonError:
+    """An error: a message and one of Triton's codes (INTERNAL unless given)."""
+
+    UNKNOWN = _ErrorCode.UNKNOWN
+    INTERNAL = _ErrorCode.INTERNAL
+    NOT_FOUND = _ErrorCode.NOT_FOUND
+    INVALID_ARG = _ErrorCode.INVALID_ARG
+    UNAVAILABLE = _ErrorCode.UNAVAILABLE
+    UNSUPPORTED = _ErrorCode.UNSUPPORTED
+    ALREADY_EXISTS = _ErrorCode.ALREADY_EXISTS
+    CANCELLED = _ErrorCode.CANCELLED
+
+    def __init__(self, message: str, code: int = _ErrorCode.INTERNAL):
+        if message is None or code is None:  # the stub's arguments are none(false)
+            raise TypeError("TritonError(message: str, code: TritonError code = INTERNAL): None is not accepted")
         self._message = message
-        self._code = code
+        self._code = _ErrorCode(code) if code in _ErrorCode._value2member_map_ else code
 
     def message(self) -> str:
         return self._message
@@ -125,13 +166,10 @@ class TritonError:
         return self._message
 
     def __repr__(self) -> str:
-        return f"TritonError({self._message!r}, {self._code})"
+        return f"TritonError({self._message!r}, {self._code!r})"
 
 
-CODE_NAMES = {TritonError.UNKNOWN: "UNKNOWN", TritonError.INTERNAL: "INTERNAL", TritonError.NOT_FOUND: "NOT_FOUND",
-              TritonError.INVALID_ARG: "INVALID_ARG", TritonError.UNAVAILABLE: "UNAVAILABLE",
-              TritonError.UNSUPPORTED: "UNSUPPORTED", TritonError.ALREADY_EXISTS: "ALREADY_EXISTS",
-              TritonError.CANCELLED: "CANCELLED"}
+CODE_NAMES = {c.value: c.name for c in _ErrorCode}
 
 
 class TritonModelException(Exception):
@@ -145,13 +183,76 @@ class TritonModelException(Exception):
         return self._msg
 
 
+# ----------------------------------------------------------------------------- memory
+
+
+class MemoryType(IntEnum):
+    """Where a BLS request prefers its outputs (the stub's MemoryType; not TRITONSERVER_MemoryType)."""
+
+    TRITONSERVER_MEMORY_GPU = 0
+    TRITONSERVER_MEMORY_CPU = 1
+
+
+TRITONSERVER_MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
+TRITONSERVER_MEMORY_CPU = MemoryType.TRITONSERVER_MEMORY_CPU
+
+
+class PreferredMemory:
+    """``PreferredMemory(TRITONSERVER_MEMORY_CPU or _GPU, device_id=0)`` for a BLS request's outputs.
+    This worker keeps tensors in CPU memory: outputs land there either way, as on a Triton built
+    without GPU support (its allocator falls back to CPU)."""
+
+    def __init__(self, preferred_memory_type: MemoryType, preferred_device_id: int = 0):
+        if preferred_memory_type not in (TRITONSERVER_MEMORY_GPU, TRITONSERVER_MEMORY_CPU) or \
+                preferred_device_id is None:
+            raise TypeError("PreferredMemory(preferred_memory_type: MemoryType, preferred_device_id: int = 0)")
+        self._type = MemoryType(preferred_memory_type)
+        self._device_id = int(preferred_device_id)
+
+
+class InferenceTrace:
+    """A request's trace; ``get_context()`` is the OpenTelemetry context Triton hands a traced
+    request, None when the request is not traced (meshserve does not pass trace context to python
+    models, so always None here)."""
+
+    def __init__(self, context: str = ""):
+        self._context = context
+
+    def get_context(self) -> str | None:
+        return self._context or None
+
+
+_NO_TRACE = InferenceTrace()  # (shared: a request's default trace has no state)
+
+
 # ----------------------------------------------------------------------------- tensors
+
+# DLPack device types (dlpack.h DLDeviceType)
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
+_GPU_UNAVAILABLE = ("DLPack capsule passed pointer to memory allocated on GPU device,           "
+                    "when GPU is not available")
+_gpu: bool | None = None
+
+
+def _gpu_available() -> bool:
+    """Whether this worker can reach a CUDA device (through torch, the library that makes GPU
+    DLPack tensors here); asked once."""
+    global _gpu
+    if _gpu is None:
+        try:
+            import torch
+            _gpu = bool(torch.cuda.is_available())
+        except ImportError:
+            _gpu = False
+    return _gpu
 
 
 class Tensor:
     """A named tensor held as a numpy array (CPU memory)."""
 
     def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None):
+        if name == "":
+            raise TritonModelException("Tensor name cannot be an empty string.")
         arr = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
         if arr.dtype.type == np.str_ or arr.dtype == np.void:
             raise TritonModelException("Tensor dtype used for numpy_array is not support by Python backend. "
@@ -160,6 +261,8 @@ class Tensor:
             want = triton_to_numpy_type(triton_dtype)
             if want is not None and arr.dtype != want:
                 arr = arr.view(want)
+        if not arr.flags.c_contiguous:  # as the stub: the tensor's memory is C-contiguous
+            arr = np.ascontiguousarray(arr)
         self._name = name
         self._array = arr
 
@@ -180,28 +283,61 @@ class Tensor:
 
     def to_dlpack(self) -> Any:
         """A DLPack capsule over the tensor's memory (torch.utils.dlpack.from_dlpack takes it)."""
+        if self._array.dtype == np.object_:
+            raise TritonModelException("DLPack does not have support for string tensors.")
         return self._array.__dlpack__()
 
     def __dlpack__(self, stream: Any = None) -> Any:
-        return self._array.__dlpack__()
+        return self.to_dlpack()
 
-    def __dlpack_device__(self) -> Any:
-        return self._array.__dlpack_device__()
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_DL_CPU, 0)
 
     @staticmethod
     def from_dlpack(name: str, capsule: Any) -> Tensor:
-        """A Tensor from a DLPack capsule or an object with ``__dlpack__`` (a torch tensor).
-        GPU tensors are copied to the CPU (this worker keeps tensors in CPU memory)."""
-        if hasattr(capsule, "__dlpack__"):
-            obj = capsule
-            if getattr(obj, "is_cuda", False):
-                obj = obj.cpu()
-            return Tensor(name, np.from_dlpack(obj))
+        """A Tensor from a DLPack capsule or an object with ``__dlpack__`` and ``__dlpack_device__``
+        (a torch tensor, a numpy array). A GPU tensor is copied to the CPU where a GPU is
+        available (this worker keeps tensors in CPU memory); without one, Triton's error."""
+        if name == "":
+            raise TritonModelException("Tensor name cannot be an empty string.")
+        if type(capsule).__name__ == "PyCapsule":
+            return Tensor(name, _from_capsule(capsule))
+        if not hasattr(capsule, "__dlpack__") or not hasattr(capsule, "__dlpack_device__"):
+            raise TritonModelException("Provided tensor is not supported. Tensor must be a DLPack capsule         "
+                                       "or have `__dlpack__` and `__dlpack_device__` attributes")
+        device = int(capsule.__dlpack_device__()[0])
+        if device == _DL_CUDA:
+            if not _gpu_available():
+                raise TritonModelException(_GPU_UNAVAILABLE)
+            import torch.utils.dlpack as tdl
+            return Tensor(name, _contiguous(tdl.from_dlpack(capsule).cpu().numpy()))
+        if device not in (_DL_CPU, _DL_CUDA_HOST):
+            raise TritonModelException(f"DLDevice type {device} is not support by Python backend.")
         try:
-            import torch.utils.dlpack as tdl  # a bare capsule: torch reads it
-        except ImportError:
-            raise TritonModelException("Tensor.from_dlpack of a bare DLPack capsule needs torch") from None
-        return Tensor(name, tdl.from_dlpack(capsule).cpu().numpy())
+            arr = np.from_dlpack(capsule)
+        except (BufferError, TypeError, RuntimeError) as exc:  # a dtype numpy has not (bfloat16)
+            raise TritonModelException(f"DLPack tensor is not supported by meshserve's python backend: {exc}") from None
+        return Tensor(name, _contiguous(arr))
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    if not arr.flags.c_contiguous:
+        raise TritonModelException("DLPack tensor is not contiguous. Only contiguous DLPack tensors that are stored "
+                                   "in C-Order are supported.")
+    return arr
+
+
+def _from_capsule(capsule: Any) -> np.ndarray:
+    """A bare DLPack capsule's array (torch reads the capsule and tells its device)."""
+    try:
+        import torch.utils.dlpack as tdl
+    except ImportError:
+        raise TritonModelException("Tensor.from_dlpack of a bare DLPack capsule needs torch in the worker's "
+                                   "environment; pass the tensor object instead") from None
+    t = tdl.from_dlpack(capsule)
+    if t.device.type == "cuda":
+        t = t.cpu()
+    return _contiguous(t.numpy())
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
@@ -238,6 +374,8 @@ def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
 class WorkerRuntime(Protocol):
     """What the API needs from the worker it runs in (services/python/worker.py)."""
 
+    instance: str  # the instance's name, as Triton's stub names it in errors (`<model>_0`)
+
     def send_response(self, key: int, response: InferenceResponse | None, flags: int) -> None: ...
 
     def is_cancelled(self, key: int) -> bool: ...
@@ -246,18 +384,33 @@ class WorkerRuntime(Protocol):
 
 
 _runtime: WorkerRuntime | None = None
+_serving = False  # the worker sets it between initialize() and finalize(): BLS only runs then, as in Triton
+
+
+def _instance() -> str:
+    return str(getattr(_runtime, "instance", "") or "")
+
+
+def _stub_error(prefix: str, message: str) -> TritonModelException:
+    """An error the stub relays from the server, worded as Triton's stub words it."""
+    return TritonModelException(f"{prefix}: Failed to process the request for model '{_instance()}', "
+                                f"message: {message}")
 
 
 class InferenceResponse:
     """Output tensors, or an error, for one request."""
 
-    def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
-                 parameters: dict | str | None = None):
+    def __init__(self, output_tensors: list[Tensor] | tuple[Tensor, ...] | None = None,
+                 error: TritonError | None = None, parameters: dict | str | None = None):
         if output_tensors is None:
             output_tensors = []
-        if not isinstance(output_tensors, list):
+        if not isinstance(output_tensors, (list, tuple)):
             raise TritonModelException('"output_tensors" must be a list.')
-        self._outputs = output_tensors
+        if any(t is None for t in output_tensors):
+            raise TritonModelException("Output tensor for inference response should not be empty.")
+        if not all(isinstance(t, Tensor) for t in output_tensors):
+            raise TritonModelException('"output_tensors" must be a list of pb_utils.Tensor objects.')
+        self._outputs = list(output_tensors)
         self._error = error
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
 
@@ -275,51 +428,128 @@ class InferenceResponse:
 
 
 class InferenceResponseSender:
-    """Sends the responses of one request of a decoupled model (``request.get_response_sender()``)."""
+    """Sends the responses of one request (``request.get_response_sender()``): any number for a
+    decoupled model; for another model exactly one, with the final flag (Triton 24.10's rules)."""
 
-    def __init__(self, key: int):
+    def __init__(self, key: int, decoupled: bool = True, request: InferenceRequest | None = None):
         self._key = key
+        self._decoupled = decoupled
+        self._request = request
+        self._sent = 0
         self._closed = False
         self._lock = threading.Lock()
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if flags != TRITONSERVER_RESPONSE_COMPLETE_FINAL and flags != 0:
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException("Inference Response object must be provided when the response flags is "
+                                       "set to zero.")
         with self._lock:
+            if not self._decoupled:
+                if response is not None and self._sent > 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model cannot send more "
+                                               "than one response.")
+                if response is None and flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL and self._sent == 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model cannot send complete "
+                                               "final before sending a response.")
             if self._closed:
                 raise TritonModelException("Unable to send response. Response sender has been closed.")
-            if response is None and flags != TRITONSERVER_RESPONSE_COMPLETE_FINAL:
-                raise TritonModelException("Inference Response object must be provided when the response "
-                                           "flags is not TRITONSERVER_RESPONSE_COMPLETE_FINAL.")
+            if response is not None:
+                self._sent += 1
             if flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL:
                 self._closed = True
+        if not self._decoupled:
+            if response is not None and self._request is not None:
+                self._request._sent_response = response  # the worker answers the request with it
+            return
         assert _runtime is not None
         _runtime.send_response(self._key, response, flags)
 
     def is_cancelled(self) -> bool:
-        return _runtime is not None and _runtime.is_cancelled(self._key)
+        return _runtime is not None and self._key != 0 and _runtime.is_cancelled(self._key)
+
+
+class ResponseIterator:
+    """The responses of a decoupled BLS call (``request.exec(decoupled=True)``), up to and
+    including the final one; leaving it early ends the call."""
+
+    def __init__(self, items: Iterator[InferenceResponse], on_close: Callable[[], None] | None = None):
+        self._items = items
+        self._on_close = on_close
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        try:
+            return next(self._items)
+        except StopIteration:
+            self._close()
+            raise
+
+    def _close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def __del__(self) -> None:
+        self._close()
+
+
+def response_iterator(items: Iterator[InferenceResponse], on_close: Callable[[], None]) -> ResponseIterator:
+    """A decoupled BLS call's responses; ``on_close`` ends the call when the caller stops early."""
+    return ResponseIterator(items, on_close)
+
+
+def _check_parameters(parameters: Any) -> str:
+    if parameters is None:
+        return "{}"
+    if isinstance(parameters, str):  # a received request's, as the service forwards them
+        return parameters
+    if not isinstance(parameters, dict):
+        raise TypeError("InferenceRequest parameters must be a dict")
+    for key in parameters:
+        if not isinstance(key, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+    # values: Triton takes bool/int/str; a float is sent too (a double parameter), and any other
+    # value is the call's INVALID_ARG error (services/python/bls.py:to_proto)
+    return json.dumps(parameters)
 
 
 class InferenceRequest:
     """A request: one of those ``execute`` receives, or one a model builds to call another model
     (BLS: ``InferenceRequest(model_name=..., requested_output_names=[...], inputs=[...]).exec()``)."""
 
-    def __init__(self, model_name: str = "", inputs: list[Tensor] | None = None,
-                 requested_output_names: list[str] | None = None, request_id: str = "",
-                 correlation_id: int | str = 0, flags: int = 0, model_version: int = -1,
-                 timeout: int = 0, parameters: dict | str | None = None, preferred_memory: Any = None,
-                 trace: Any = None):
+    def __init__(self, request_id: str = "", correlation_id: int | str = 0, inputs: list[Tensor] | None = None,
+                 requested_output_names: list[str] | None = None, model_name: str = "", model_version: int = -1,
+                 flags: int = 0, timeout: int = 0, preferred_memory: PreferredMemory | None = None,
+                 trace: InferenceTrace | None = None, parameters: dict | str | None = None):
+        inputs = list(inputs) if inputs else []
+        names = requested_output_names or ()
+        if None in inputs:
+            raise TritonModelException(f"Input tensor for request with id '{request_id}' and model name "
+                                       f"'{model_name}' should not be empty.")
+        if "" in names:
+            raise TritonModelException(f"Requested output name for request with id '{request_id}' and model "
+                                       f"name '{model_name}' should not be empty.")
+        if not isinstance(correlation_id, (int, str)):
+            raise TritonModelException("Correlation ID must be integer or string")
         self._model_name = model_name
-        self._inputs = list(inputs or [])
-        self._requested: list[str] | set[str] = list(requested_output_names or [])
+        self._inputs = inputs
+        self._requested: set[str] = set(names)
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._flags = flags
         self._model_version = model_version
         self._timeout = timeout
-        if parameters is not None and not isinstance(parameters, (dict, str)):
-            raise TritonModelException("InferenceRequest parameters must be a dict or a JSON string")
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._preferred_memory = preferred_memory
+        self._trace = trace or _NO_TRACE
+        self._parameters = _check_parameters(parameters)
         self._key = 0  # a received request's key (the worker's), for the response sender
         self._decoupled = False
+        self._sender: InferenceResponseSender | None = None
+        self._sent_response: InferenceResponse | None = None  # a non-decoupled model's, sent by the sender
 
     @property
     def model_name(self) -> str:
@@ -337,15 +567,21 @@ class InferenceRequest:
     def flags(self) -> int:
         return self._flags
 
+    def set_flags(self, flags: int) -> None:
+        self._flags = flags
+
     def timeout(self) -> int:
         return self._timeout
 
     def model_version(self) -> int:
         return self._model_version
 
-    def requested_output_names(self) -> list[str] | set[str]:
-        """A received request's: a set of names (all the model's outputs when the client named
-        none), as in Triton; a BLS request's: the names it was built with."""
+    def trace(self) -> InferenceTrace:
+        return self._trace
+
+    def requested_output_names(self) -> set[str]:
+        """A set, as Triton's stub gives it: a received request's holds every output of the model
+        when the client named none."""
         return self._requested
 
     def parameters(self) -> str:
@@ -355,21 +591,21 @@ class InferenceRequest:
         return _runtime is not None and self._key != 0 and _runtime.is_cancelled(self._key)
 
     def get_response_sender(self) -> InferenceResponseSender:
-        if not self._decoupled:
-            raise TritonModelException("Unable to get response sender: the model is not decoupled "
-                                       "(model_transaction_policy { decoupled: true })")
-        return InferenceResponseSender(self._key)
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self._key, self._decoupled, self)
+        return self._sender
 
     def set_release_flags(self, flags: int) -> None:
         if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
-            raise TritonModelException("request rescheduling is not supported by meshserve's python service")
+            raise TritonModelException("request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not "
+                                       "supported by meshserve's python service")
 
     def exec(self, decoupled: bool = False) -> Any:
         """Run the request on the model it names, through the mesh (the gateway's gRPC address the
         service was given as --bls-target). Returns an InferenceResponse (its error set when the
-        call failed), or with ``decoupled=True`` an iterator over the model's responses."""
-        if _runtime is None:
-            raise TritonModelException("BLS requests can only be executed inside a model's execute()")
+        call failed), or with ``decoupled=True`` a ResponseIterator over the model's responses."""
+        if _runtime is None or not _serving:
+            raise TritonModelException("BLS is only supported during the 'execute' function.")
         return _runtime.bls_exec(self, decoupled)
 
     def async_exec(self, decoupled: bool = False) -> asyncio.Future[Any]:
@@ -378,104 +614,242 @@ class InferenceRequest:
         return loop.run_in_executor(None, self.exec, decoupled)
 
 
+def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
+    """``execute()``'s return with the responses a non-decoupled model sent through its requests'
+    response senders put in (where it returned None, or None for those requests), as Triton's stub
+    accepts both paths."""
+    if responses is None:
+        if not requests or all(r._sent_response is None for r in requests):
+            return responses
+        responses = [None] * len(requests)
+    if isinstance(responses, list) and len(responses) == len(requests):
+        return [r._sent_response if resp is None else resp for r, resp in zip(requests, responses, strict=True)]
+    return responses
+
+
+# ----------------------------------------------------------------------------- model control
+
+
+def _control() -> Any:
+    """The worker's client of the mesh (the gateway's gRPC: model control as for BLS)."""
+    client = getattr(_runtime, "bls_client", None)
+    if client is None:
+        raise TritonModelException("model control is only available inside a model's worker")
+    return client()
+
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or reload) a model through the mesh's model control, with an optional config (JSON)
+    and files (``{"file:1/model.onnx": bytes}``), as Triton's ``pb_utils.load_model``."""
+    if files is not None and not isinstance(files, dict):
+        raise TritonModelException(f"failed to load model '{model_name}', files should be a dictionary of file "
+                                   "paths and file contents")
+    err = _control().load(model_name, config, files or {})
+    if err:
+        raise _stub_error("Failed to load model", err)
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    err = _control().unload(model_name, unload_dependents)
+    if err:
+        raise _stub_error("Failed to unload model", err)
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    if model_version:
+        try:
+            version = int(model_version)
+        except ValueError:
+            raise _stub_error("Failed to check model readiness", (
+                f"failed to get model version from specified version string '{model_version}' (details: stol), "
+                "version should be an integral value > 0")) from None
+        if version < 0:
+            raise _stub_error("Failed to check model readiness", (
+                f"failed to get model version from specified version string '{model_version}', version should "
+                "be an integral value > 0"))
+    ready, err = _control().ready(model_name, model_version)
+    if err:
+        raise _stub_error("Failed to check model readiness", err)
+    return bool(ready)
+
+
 # ----------------------------------------------------------------------------- logging
 
 
+class _LogLevel(IntEnum):
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+
+
+_PY_LEVEL = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
+
+
 class Logger:
-    """Triton's model logger: lines go to the worker's stderr, the service's log."""
+    """Triton's model logger: lines go to the worker's stderr, the service's log (VERBOSE at
+    DEBUG level, shown with --log-level DEBUG as Triton shows it with --log-verbose)."""
 
     _log = logging.getLogger("meshserve.python.model")
+    LogLevel = _LogLevel
+    INFO = _LogLevel.INFO
+    WARNING = _LogLevel.WARNING
+    ERROR = _LogLevel.ERROR
+    VERBOSE = _LogLevel.VERBOSE
 
-    class LogLevel:
-        INFO = 0
-        WARNING = 1
-        ERROR = 2
-        VERBOSE = 3
+    @staticmethod
+    def log(message: str, level: int = _LogLevel.INFO) -> None:
+        Logger._log.log(_PY_LEVEL.get(int(level), logging.INFO), "%s", message, stacklevel=3)
 
-    @classmethod
-    def log(cls, message: str, level: int = 0) -> None:
-        py = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}.get(level, logging.INFO)
-        cls._log.log(py, "%s", message)
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, _LogLevel.INFO)
 
-    @classmethod
-    def log_info(cls, message: str) -> None:
-        cls.log(message, cls.LogLevel.INFO)
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, _LogLevel.WARNING)
 
-    @classmethod
-    def log_warn(cls, message: str) -> None:
-        cls.log(message, cls.LogLevel.WARNING)
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, _LogLevel.ERROR)
 
-    @classmethod
-    def log_error(cls, message: str) -> None:
-        cls.log(message, cls.LogLevel.ERROR)
-
-    @classmethod
-    def log_verbose(cls, message: str) -> None:
-        cls.log(message, cls.LogLevel.VERBOSE)
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, _LogLevel.VERBOSE)
 
 
 # ----------------------------------------------------------------------------- custom metrics
 
-# every metric of this worker by (family name, labels); the service collects them at each scrape
-# of /metrics and merges the instances' (services/python/core.py:PythonServiceCore.metrics_text)
-_METRICS: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
-_metrics_lock = threading.Lock()
 
-
-class MetricFamily:
-    """A custom metric family (COUNTER or GAUGE) on the service's /metrics, as in Triton."""
-
+class MetricKind(IntEnum):
     COUNTER = 0
     GAUGE = 1
     HISTOGRAM = 2
 
-    def __init__(self, name: str, description: str, kind: int):
-        if kind not in (self.COUNTER, self.GAUGE):
-            raise TritonModelException("only COUNTER and GAUGE metric families are supported")
-        if not name or not all(c.isalnum() or c == "_" for c in name) or name[0].isdigit():
-            raise TritonModelException(f"metric family name '{name}' is not a valid Prometheus metric name")
-        self.name, self.description, self.kind = name, description, kind
 
-    def Metric(self, labels: dict[str, str] | None = None) -> Metric:
+COUNTER = MetricKind.COUNTER
+GAUGE = MetricKind.GAUGE
+HISTOGRAM = MetricKind.HISTOGRAM
+
+# every metric of this worker by (family name, labels); the service collects them at each scrape
+# of /metrics and merges the instances' (services/python/core.py:PythonServiceCore.metrics_text).
+# As in Triton, a metric stays until the worker ends (dropping the Metric object does not remove it).
+_METRICS: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
+_FAMILIES: dict[str, MetricKind] = {}  # this worker's families: one kind per name, as Prometheus'
+_metrics_lock = threading.Lock()
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_KIND_NAME = {0: "COUNTER", 1: "GAUGE", 2: "HISTOGRAM"}
+
+
+class MetricFamily:
+    """A custom metric family (COUNTER, GAUGE or HISTOGRAM) on the service's /metrics, as in Triton."""
+
+    COUNTER = MetricKind.COUNTER
+    GAUGE = MetricKind.GAUGE
+    HISTOGRAM = MetricKind.HISTOGRAM
+
+    def __init__(self, name: str, description: str, kind: MetricKind):
+        if name is None or description is None or kind not in (COUNTER, GAUGE, HISTOGRAM):
+            raise TypeError("MetricFamily(name: str, description: str, kind: MetricKind)")
+        if not _METRIC_NAME.fullmatch(name) or name.startswith("__"):
+            raise _stub_error("Error when creating MetricFamily", "Invalid metric name")
+        with _metrics_lock:
+            have = _FAMILIES.setdefault(name, MetricKind(kind))
+        if have != kind:
+            raise _stub_error("Error when creating MetricFamily", "Family name already exists with different type")
+        self.name, self.description, self.kind = name, description, MetricKind(kind)
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:
+        if labels is not None and not isinstance(labels, dict):
+            raise TritonModelException("Failed to create metric. Labels must be a dictionary.")
+        if buckets is not None:
+            if not isinstance(buckets, list):
+                raise TritonModelException("Failed to create metric. Buckets must be a list.")
+            if self.kind != HISTOGRAM:
+                raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+        elif self.kind == HISTOGRAM:
+            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        for label, value in (labels or {}).items():
+            if not isinstance(value, str):
+                raise _stub_error("Error when creating Metric", "attempt to access JSON non-string as string")
+            if not isinstance(label, str) or not _LABEL_NAME.fullmatch(label) or label.startswith("__"):
+                raise _stub_error("Error when creating Metric", "Invalid label name")
+        bounds = [float(b) for b in buckets] if buckets is not None else None
+        if bounds is not None and any(nxt <= cur for cur, nxt in zip(bounds, bounds[1:], strict=False)):
+            raise _stub_error("Error when creating Metric", "Bucket Boundaries must be strictly sorted")
         key = (self.name, tuple(sorted((labels or {}).items())))
         with _metrics_lock:
             metric = _METRICS.get(key)
-            if metric is None:
-                metric = _METRICS[key] = Metric(self, labels)
+            if metric is None:  # the same family and labels: the same metric (its first buckets)
+                metric = _METRICS[key] = Metric(self, labels, bounds)
             return metric
 
 
 class Metric:
-    """One labelled counter or gauge; the same family and labels give the same metric."""
+    """One labelled counter, gauge or histogram; the same family and labels give the same metric."""
 
-    def __init__(self, family: MetricFamily, labels: dict[str, str] | None = None):
+    def __init__(self, family: MetricFamily, labels: dict[str, str] | None = None,
+                 buckets: list[float] | None = None):
         self._family = family
         self._labels = dict(labels or {})
         self._value = 0.0
         self._updated = 0.0  # time.monotonic() of the last change: a gauge shows the latest set
+        self._buckets = tuple(buckets or ())
+        self._counts = [0] * len(self._buckets)  # per bucket, not cumulative
+        self._count = 0
 
-    def increment(self, by: float) -> None:
-        if self._family.kind == MetricFamily.COUNTER and by < 0:
-            raise TritonModelException("a counter cannot be decremented")
+    def _refuse(self, what: str, op: str) -> TritonModelException:
+        return _stub_error(what, f"TRITONSERVER_METRIC_KIND_{_KIND_NAME[self._family.kind]} does not support {op}")
+
+    def increment(self, value: float) -> None:
+        kind = self._family.kind
+        if kind == HISTOGRAM:
+            raise self._refuse("Failed to increment metric value", "Increment")
+        if kind == COUNTER and value < 0:
+            raise _stub_error("Failed to increment metric value", "TRITONSERVER_METRIC_KIND_COUNTER can only be "
+                              "incremented monotonically by non-negative values.")
         with _metrics_lock:
-            self._value += by
+            self._value += value
             self._updated = time.monotonic()
 
     def set(self, value: float) -> None:
-        if self._family.kind != MetricFamily.GAUGE:
-            raise TritonModelException("only a gauge can be set")
+        if self._family.kind != GAUGE:
+            raise self._refuse("Failed to set metric value", "Set")
         with _metrics_lock:
             self._value = value
             self._updated = time.monotonic()
 
+    def observe(self, value: float) -> None:
+        if self._family.kind != HISTOGRAM:
+            raise self._refuse("Failed to observe metric value", "Observe")
+        value = float(value)
+        with _metrics_lock:
+            for i, bound in enumerate(self._buckets):
+                if value <= bound:
+                    self._counts[i] += 1
+                    break
+            self._count += 1
+            self._value += value  # the sum
+            self._updated = time.monotonic()
+
     def value(self) -> float:
+        if self._family.kind == HISTOGRAM:
+            raise self._refuse("Failed to get metric value", "Value")
         return self._value
 
 
-def metrics_snapshot() -> list[tuple[str, str, int, tuple[tuple[str, str], ...], float, float]]:
-    """(name, description, kind, labels, value, last change) of every metric of this worker."""
+# a snapshot row: (name, description, kind, labels, value (a histogram's sum), last change,
+# a histogram's (bucket bounds, per-bucket counts, count) or None)
+MetricRow = tuple[str, str, int, tuple[tuple[str, str], ...], float, float,
+                  "tuple[tuple[float, ...], tuple[int, ...], int] | None"]
+
+
+def metrics_snapshot() -> list[MetricRow]:
+    """Every metric of this worker (the service renders them: services/python/core.py)."""
     with _metrics_lock:
-        return [(m._family.name, m._family.description, m._family.kind, labels, m._value, m._updated)
+        return [(m._family.name, m._family.description, int(m._family.kind), labels, m._value, m._updated,
+                 (m._buckets, tuple(m._counts), m._count) if m._family.kind == HISTOGRAM else None)
                 for (_, labels), m in _METRICS.items()]
 
 
@@ -517,8 +891,9 @@ class ModelConfig:
         name = entry.get("name", "")
         for prop in entry:
             if prop not in valid:
+                listed = ", ".join(repr(v) for v in valid[:-1]) + f" and {valid[-1]!r}"
                 raise ValueError(f"{kind} '{name}' in auto-complete-config function for model '{self._name()}' "
-                                 f"contains property other than {', '.join(repr(v) for v in valid)}.")
+                                 f"contains property other than {listed}.")
         for prop in ("name", "data_type", "dims"):
             if prop not in entry:
                 where = f"{kind} '{name}'" if prop != "name" else kind
@@ -535,6 +910,10 @@ class ModelConfig:
             if dims and dims != [int(d) for d in entry["dims"]]:
                 raise ValueError(f"model '{self._name()}', tensor '{name}': the model expects dims "
                                  f"{list(entry['dims'])} but the model configuration specifies dims {dims}")
+            if "optional" in current and "optional" in entry and current["optional"] != entry["optional"]:
+                raise ValueError(f"model '{self._name()}', tensor '{name}': the model expects optional "
+                                 f"{entry['optional']} but the model configuration specifies optional "
+                                 f"{current['optional']}")
             current.update(entry)
             return
         self._config[kind].append(dict(entry))
@@ -563,12 +942,3 @@ def _install(runtime: WorkerRuntime) -> None:
     """Called by the worker: connect the API to its service."""
     global _runtime
     _runtime = runtime
-
-
-def response_iterator(items: Iterator[InferenceResponse], on_close: Callable[[], None]) -> Iterator[InferenceResponse]:
-    """A decoupled BLS call's responses; ``on_close`` ends the call when the caller stops early."""
-    try:
-        yield from items
-    finally:
-        on_close()
-

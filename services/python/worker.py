@@ -55,6 +55,7 @@ def describe(exc: BaseException) -> str:
 def load_model_module(model_py: Path, name: str) -> ModuleType:
     """Import a model.py by path (its directory first on sys.path, as Triton's stub does)."""
     sys.modules["triton_python_backend_utils"] = pb_utils
+    pb_utils._model_dir = str(model_py.parent)  # pb_utils.get_model_dir()
     spec = importlib.util.spec_from_file_location(f"meshserve_python_model_{name}", model_py)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {model_py}")
@@ -96,6 +97,7 @@ class Worker:
         except BaseException as exc:  # the model's own code: anything can come out of it
             self.send(("init_error", describe(exc)))
             return
+        pb_utils._serving = True  # BLS from initialize()/finalize() is refused, as Triton's stub does
         self.send(("ready", os.getpid()))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         try:
@@ -122,6 +124,7 @@ class Worker:
             self._maybe_await(init(dict(opts["args"])))
 
     def _finalize(self) -> None:
+        pb_utils._serving = False
         fin = getattr(self.model, "finalize", None)
         if fin is not None:
             try:
@@ -192,7 +195,7 @@ class Worker:
                         "the response sender)")
                 self.send(("done", batch_id, "", 0, None, time.perf_counter_ns() - t0))
                 return
-            region_name, size, results = self._pack(requests, responses)
+            region_name, size, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
         except BaseException as exc:
             self.send(("failed", batch_id, describe(exc)))
             return
@@ -265,10 +268,15 @@ class Worker:
         return key in self._cancelled
 
     def bls_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+        bls = self.bls_client()
+        return bls.stream(request) if decoupled else bls.infer(request)
+
+    def bls_client(self) -> Any:
+        """The worker's gRPC client of the mesh (BLS and pb_utils.load_model & co.)."""
         if self._bls is None:
             from services.python.bls import BlsClient  # grpc only once a model makes a BLS call
             self._bls = BlsClient(self._bls_target)
-        return self._bls.stream(request) if decoupled else self._bls.infer(request)
+        return self._bls
 
 
 def tensor_bytes(t: pb_utils.Tensor) -> tuple[np.ndarray, str, np.ndarray]:

@@ -41,9 +41,14 @@ def test_triton_error_codes_and_response() -> None:
     assert resp.has_error() and resp.output_tensors() == []
     with pytest.raises(pb_utils.TritonModelException, match='"output_tensors" must be a list'):
         pb_utils.InferenceResponse(output_tensors=("not", "a list"))  # type: ignore[arg-type]
+    # a non-decoupled model's request has a response sender too (Triton 24.10): exactly one response
     req = pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=["A"])
-    with pytest.raises(pb_utils.TritonModelException, match="not decoupled"):
-        req.get_response_sender()
+    sender = req.get_response_sender()
+    with pytest.raises(pb_utils.TritonModelException, match="cannot send complete final before sending a response"):
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    sender.send(resp)
+    with pytest.raises(pb_utils.TritonModelException, match="Non-decoupled model cannot send more than one response"):
+        sender.send(resp)
 
 
 def test_model_config_auto_complete_rules() -> None:
