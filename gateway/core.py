@@ -595,12 +595,21 @@ class GatewayCore:
                                        return_exceptions=True)
         out: list[metrics.Federated] = []
         up = {r.endpoint: 0 for r in self.replicas}  # an unhealthy replica is not asked: 0
+        texts = {r.endpoint: res.decode() for r, res in zip(healthy, results, strict=True)
+                 if not isinstance(res, BaseException)}
+        # A family a model defines (a python model's custom metric) that one replica alone has keeps
+        # the model's own labels, as Triton shows it (NVIDIA's custom_metrics example looks for
+        # `requests_process_latency_ns{model="custom_metrics",version="1"}`); several replicas'
+        # samples of it need `replica` to stay apart.
+        seen = Counter(name for text in texts.values() for name in set(metrics.family_names(text))
+                       if metrics.is_model_defined(name))
+        bare = frozenset(name for name, n in seen.items() if n == 1)
         for r, res in zip(healthy, results, strict=True):
             if isinstance(res, BaseException):
                 log.debug("metrics of %s not federated: %s", r.endpoint, res)
                 continue
             try:
-                out.append(metrics.federate(res.decode(), {"replica": r.endpoint}))
+                out.append(metrics.federate(texts[r.endpoint], {"replica": r.endpoint}, bare))
             except Exception as exc:  # an unreadable exposition costs that replica's families, not the scrape
                 log.warning("metrics of %s not federated: unreadable exposition: %s", r.endpoint, exc)
                 continue

@@ -256,18 +256,20 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                     "--grpc-port", str(gateway_grpc), "--log-level", args.log_level,
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     "--http-server", args.http_server, "--workers", str(args.gateway_workers),
+                                    *(["--metrics-port", str(args.metrics_port)] if args.metrics_port >= 0 else []),
                                     *_up_gateway_flags(args),
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
+        metrics_at = f"{host}:{gateway.ports['metrics']}" if "metrics" in gateway.ports else f"{host}:{http}"
         model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
         print(f"""
 meshserve is up ({len(services)} service process(es) + gateway).
   HTTP/REST  http://{host}:{http}/v2          (health: /v2/health/ready)
   gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
-  Metrics    http://{host}:{http}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
+  Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
 Try:
   curl -s http://{host}:{http}/v2/models/{model}
   curl -s -X POST http://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
@@ -293,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=8001)
+    up.add_argument("--metrics-port", type=int, default=8002,
+                    help="the gateway's /metrics alone on this port, as Triton's :8002 (0: a free one, -1: none; "
+                         "/metrics is on the HTTP port too)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each process")
     up.add_argument("--log-level", default="WARNING")
     up.add_argument("--gateway-workers", type=int, default=DEFAULT_WORKERS, metavar="N",

@@ -151,11 +151,22 @@ def render(samples: Iterable[Sample], families: dict[str, Family], federated: It
     return ("\n".join(out) + "\n").encode()
 
 
-def federate(text: str, labels: dict[str, str]) -> Federated:
+def family_names(text: str) -> list[str]:
+    """The family names of an exposition as ``render`` writes it (one HELP line each)."""
+    return [block.split(" ", 1)[0] for block in ("\n" + text).split("\n# HELP ")[1:]]
+
+
+def is_model_defined(name: str) -> bool:
+    """A family a model made (a python model's pb_utils.MetricFamily), not Triton's or meshserve's."""
+    return not name.startswith(("nv_", "meshserve_"))
+
+
+def federate(text: str, labels: dict[str, str], bare: frozenset[str] = frozenset()) -> Federated:
     """The families of another meshserve process's exposition (as ``render`` writes it: a HELP
     and a TYPE line, then samples named after the family, or its _bucket/_sum/_count), each
-    sample with ``labels`` added first. Plain string replacement, no parsing (see the module
-    docstring for what that saves)."""
+    sample with ``labels`` added first, but the samples of the families named in ``bare``, which
+    keep their own labels. Plain string replacement, no parsing (see the module docstring for
+    what that saves)."""
     extra = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
     out: Federated = {}
     for block in ("\n" + text).split("\n# HELP ")[1:]:
@@ -166,7 +177,7 @@ def federate(text: str, labels: dict[str, str]) -> Federated:
             type_line, _, body = body.partition("\n")
             header.append(type_line)
         body = "\n" + body
-        for prefix in (name, name + "_bucket", name + "_sum", name + "_count"):
+        for prefix in (name, name + "_bucket", name + "_sum", name + "_count") if name not in bare else ():
             at = "\n" + prefix
             body = body.replace(at + "{", at + "{" + extra + ",").replace(at + "{" + extra + ",}", at + "{" + extra + "}") \
                        .replace(at + " ", at + "{" + extra + "} ")

@@ -129,7 +129,7 @@ def meshserve_up(root: Path, *flags: str) -> Iterator[Up]:
         shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
     examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
     http_port, grpc_port = _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo),
                              "--http-port", str(http_port), "--grpc-port", str(grpc_port), *flags], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -189,7 +189,7 @@ def test_up_with_tenants_takes_uploads_from_admin_keys_only(tmp_path: Path) -> N
 
 
 def test_up_on_a_public_host_with_uploads_and_no_tenants_refuses_to_start(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "meshserve", "up", "--repository", str(tmp_path), "--host", "0.0.0.0",
+    done = subprocess.run([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(tmp_path), "--host", "0.0.0.0",
                            "--allow-model-uploads"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "--allow-model-uploads" in done.stderr and "--tenants" in done.stderr, done.stderr

@@ -60,7 +60,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextmanager
 def _up(repo: Path, *flags: str) -> Iterator[tuple[str, str, str, int]]:
     """`meshserve up` with ``flags``: (its banner, gRPC address, HTTP address, its pid)."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--http-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo), "--http-port", "0",
                              "--grpc-port", "0", *flags], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -46,7 +46,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
     examples.ensure(repo, progress=lambda _: None, only={"add_sub", "scale"})
     http_port, grpc_port = _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo),
                              "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                              "--allow-model-uploads"], cwd=ROOT,  # the `file:` override tests upload on purpose
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

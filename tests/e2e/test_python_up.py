@@ -41,7 +41,7 @@ def test_up_runs_python_models_and_their_bls_calls(tmp_path: Path) -> None:
     pm.write(repo, "bls_sync", pm.BLS_SYNC, pm.config("bls_sync", [*pm.PAIR_IN, ("MODEL_NAME", "TYPE_STRING", "1")],
                                                       pm.PAIR_OUT))
     workers: list[int] = []
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--http-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo), "--http-port", "0",
                              "--grpc-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         banner = read_banner(proc, 120)

@@ -72,7 +72,7 @@ def _triton_metrics_on_the_printed_url(banner: str) -> None:
 
 def test_up_serves_examples_and_stops_cleanly() -> None:
     http_port, grpc_port = _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--http-port", str(http_port),
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--http-port", str(http_port),
                              "--grpc-port", str(grpc_port)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -300,7 +300,7 @@ def test_ports_of_zero_are_chosen_once() -> None:
 def test_meshserve_up_passes_gateway_workers_and_stops_them_all(model_repo: Path) -> None:
     """`meshserve up --gateway-workers 2`: the gateway runs two workers; the services' Triton
     families are on its /metrics once (not once per worker); Ctrl-C stops every process."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(model_repo),
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(model_repo),
                              "--http-port", "0", "--grpc-port", "0", "--gateway-workers", "2"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -62,6 +62,18 @@ def test_federated_families_merge_with_local_ones_under_one_name() -> None:
     assert {s.labels.get("replica") for s in parsed["up"].samples} == {'a"b'}
 
 
+def test_bare_families_keep_their_own_labels() -> None:
+    service = ('# HELP custom_latency_ns a model-defined family\n# TYPE custom_latency_ns counter\n'
+               'custom_latency_ns{model="m",version="1"} 7\n'
+               '# HELP nv_inference_count x\n# TYPE nv_inference_count counter\nnv_inference_count{model="m"} 1\n')
+    fed = metrics.federate(service, {"replica": "r:1"}, frozenset({"custom_latency_ns"}))
+    assert fed["custom_latency_ns"][1] == ['custom_latency_ns{model="m",version="1"} 7']
+    assert fed["nv_inference_count"][1] == ['nv_inference_count{replica="r:1",model="m"} 1']
+    assert metrics.family_names(service) == ["custom_latency_ns", "nv_inference_count"]
+    assert metrics.is_model_defined("custom_latency_ns") and not metrics.is_model_defined("nv_inference_count")
+    assert not metrics.is_model_defined("meshserve_gateway_requests_total")
+
+
 def test_json_log_lines_carry_request_fields() -> None:
     record = logging.LogRecord("meshserve.request", logging.WARNING, __file__, 1, "infer %s failed", ("m",), None)
     record.request_id, record.trace_id, record.status = "r1", "ab" * 16, "INVALID_ARG"
