@@ -242,10 +242,10 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # triton_final_response flag, and an empty final response where the client asked for it
         # (a gateway always gets it: it ends the request on the hop). At most STREAM_BACKLOG of
         # those responses wait to be written; beyond that the models' answers wait. A gateway
-        # cancels a streamed request of its hop with {id, wire.CANCEL_PARAMETER}.
+        # cancels a request of its hop (streamed or not) with {id, wire.CANCEL_PARAMETER}.
         out: asyncio.Queue[bytes | tuple[bytes, bool] | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
-        streaming: dict[str, asyncio.Task[None]] = {}  # a gateway's streamed requests by id (to cancel)
+        by_id: dict[str, asyncio.Task[None]] = {}  # a gateway's requests in progress by id (to cancel)
         base = _context(context)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
@@ -258,7 +258,10 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
                 if from_gateway and not (request.parameters and _STREAM in request.parameters):
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
-                    result, _ = await observe.infer(core, request, ctx)
+                    try:
+                        result, _ = await observe.infer(core, request, ctx)
+                    finally:
+                        by_id.pop(request.id, None)
                     owns_slot = False
                     out.put_nowait(wire.stream_response(result.serialized()))
                     return
@@ -327,16 +330,17 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     params = request.parameters
                     if from_gateway and params and _CANCEL in params:  # the gateway's client went away
                         slots.release()
-                        cancelled = streaming.pop(request.id, None)
+                        cancelled = by_id.pop(request.id, None)
                         if cancelled is not None:
                             cancelled.cancel()
                         continue
                     task = loop.create_task(one(request, raw))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
-                    if from_gateway and params and _STREAM in params:
-                        streaming[request.id] = task
-                        task.add_done_callback(functools.partial(_forget, streaming, request.id))
+                    if from_gateway:
+                        by_id[request.id] = task
+                        if params and _STREAM in params:
+                            task.add_done_callback(functools.partial(_forget, by_id, request.id))
                 if pending:
                     await asyncio.gather(*list(pending), return_exceptions=True)
             finally:

@@ -100,7 +100,7 @@ class PythonModelVersion(ModelVersion):
         self._sinks[key] = answers.put_nowait
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = self._queued(request, pending, deadline_ns, hop, fut)
-        final = False
+        final = ended = False  # ended: by an error (the model's, or its batch's)
         outcome: asyncio.Task[bytes] | None = None
         try:
             self._enqueue(queued)
@@ -109,6 +109,7 @@ class PythonModelVersion(ModelVersion):
             while True:
                 item = await answers.get()
                 if isinstance(item, InferError):
+                    ended = True
                     raise item
                 final = item[1]
                 yield item
@@ -117,13 +118,16 @@ class PythonModelVersion(ModelVersion):
         finally:
             self._sinks.pop(key, None)
             if not final:
-                fut.cancel()  # still queued: leaves the queue; running: the model sees is_cancelled()
-                for w in self.workers:
+                if not ended:  # the client left: still queued, it leaves the queue (counted as cancelled)
+                    fut.cancel()
+                for w in self.workers:  # running: the model sees is_cancelled()
                     w.cancel(key)
-            if outcome is not None and not outcome.done():
+            if outcome is not None and not outcome.done() and not (final or ended):
                 outcome.cancel()
                 with contextlib.suppress(BaseException):
                     await outcome
+            # (after its final response the request's batch may still run: its outcome then
+            # resolves by itself, and the statistics count it once, as a success)
 
     # ---- batches -----------------------------------------------------------------------
     def _take(self) -> ModelWorker:
@@ -179,21 +183,21 @@ class PythonModelVersion(ModelVersion):
         stats = self.stats
         if failure is not None:
             for q in batch:
-                stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
-                if not q.future.done():
+                if not q.future.done():  # (a cancelled one is counted by ModelVersion._result)
+                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                     q.future.set_exception(failure)
             return
         stats.record_batch(sum(q.rows for q in batch), sum(q.payload.requests for q in batch), 0, infer_ns, 0)
         for i, q in enumerate(batch):
+            if q.future.done():
+                continue
             body = out[i] if out is not None else None
             if isinstance(body, InferError):
                 stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
-                if not q.future.done():
-                    q.future.set_exception(body)
+                q.future.set_exception(body)
                 continue
             stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
-            if not q.future.done():
-                q.future.set_result(body)
+            q.future.set_result(body)
 
     # ---- restarts ----------------------------------------------------------------------
     def _on_death(self, worker: ModelWorker) -> None:
