@@ -26,7 +26,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Proc, service_and_gateway
 from tests.models import python_models
 from tests.support.metrics import metric
 from tests.support.waiting import eventually
@@ -133,16 +133,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         (ensembles / name / "config.pbtxt").write_text(text)
     routes = ensembles / "routes.yaml"
     routes.write_text(ROUTES)
-    procs: list[Proc] = []
-    try:
-        procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"]))
-        procs.append(start(["gateway", "--grpc-port", "0", "--http-port", "0", "--repository", str(ensembles),
-                            "--routes", str(routes), "--upstream", procs[0].grpc]))
-        _wait_http_ready(procs[1].http)
-        yield Mesh(procs[0], procs[1])
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    with service_and_gateway("python", ["--repository", str(repo)],
+                             ["--repository", str(ensembles), "--routes", str(routes)]) as (service, gateway):
+        yield Mesh(service, gateway)
 
 
 def _input(name: str, values: list[int], datatype: str = "INT32") -> grpcclient.InferInput:
