@@ -372,7 +372,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     if not from_gateway:
                         try:
                             held = decoupled is None or not decoupled(request.model_name, request.model_version)
-                        except InferError:
+                        except Exception:
                             held = True  # (an unknown model's error comes in order too, as Triton's)
                         if held:
                             place = [None, False]
