@@ -250,8 +250,10 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # in `order` (its answer waits there for the earlier ones'); a decoupled model's answers
         # are written as they come. A gateway's hop keeps completion order (it matches by id).
         out: asyncio.Queue[bytes | tuple[bytes, bool] | None] = asyncio.Queue()
-        pending: set[asyncio.Task[None]] = set()
-        by_id: dict[str, asyncio.Task[None]] = {}  # a gateway's requests in progress by id (to cancel)
+        pending: set[asyncio.Task[None]] = set()  # a client's requests, a gateway's streamed ones
+        # a gateway's requests in progress by id (to cancel; its unstreamed ones are only here:
+        # each takes itself out as its answer is queued, so nothing else tracks it)
+        by_id: dict[str, asyncio.Task[None]] = {}
         base = _context(context)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
@@ -267,7 +269,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if held is not None:
                     out.put_nowait(held)
 
-        async def one(request: pb.ModelInferRequest, raw: bytes, place: list[Any] | None = None) -> None:
+        async def one(request: pb.ModelInferRequest, raw: bytes, place: list[Any] | None = None,
+                      hop_id: str = "") -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
@@ -277,7 +280,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     try:
                         result, _ = await observe.infer(core, request, ctx)
                     finally:
-                        by_id.pop(request.id, None)
+                        by_id.pop(hop_id, None)
                     owns_slot = False
                     out.put_nowait(wire.stream_response(result.serialized()))
                     return
@@ -368,8 +371,19 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                         if cancelled is not None:
                             cancelled.cancel()
                         continue
-                    place = None
-                    if not from_gateway:
+                    if from_gateway:
+                        hop_id = request.id
+                        task = loop.create_task(one(request, raw, None, hop_id))
+                        repeated = by_id.get(hop_id)
+                        by_id[hop_id] = task
+                        if repeated is not None:  # a repeated id (not the gateway's way): still awaited
+                            pending.add(repeated)
+                            repeated.add_done_callback(pending.discard)
+                        if not (params and _STREAM in params):
+                            continue  # (it takes itself out of by_id as its answer is queued)
+                        task.add_done_callback(functools.partial(_forget, by_id, hop_id))
+                    else:
+                        place = None
                         try:
                             held = decoupled is None or not decoupled(request.model_name, request.model_version)
                         except Exception:
@@ -377,15 +391,11 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                         if held:
                             place = [None, False]
                             order.append(place)
-                    task = loop.create_task(one(request, raw, place))
+                        task = loop.create_task(one(request, raw, place))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
-                    if from_gateway:
-                        by_id[request.id] = task
-                        if params and _STREAM in params:
-                            task.add_done_callback(functools.partial(_forget, by_id, request.id))
-                if pending:
-                    await asyncio.gather(*list(pending), return_exceptions=True)
+                if pending or by_id:
+                    await asyncio.gather(*pending, *by_id.values(), return_exceptions=True)
             finally:
                 out.put_nowait(None)
 
@@ -407,7 +417,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, failed[0])
         finally:
             read_task.cancel()
-            for t in list(pending):
+            for t in [*pending, *by_id.values()]:
                 t.cancel()
 
     # the shared-memory extensions (meshserve.server.shm): the caller's tenant's regions only
