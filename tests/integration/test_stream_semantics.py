@@ -252,3 +252,21 @@ def test_a_step_fed_from_two_lineages_is_refused_with_tritons_text(mesh: Mesh) -
     assert index["mixed_lineage"].state == "UNAVAILABLE"
     assert ("in ensemble mixed_lineage, step of model 'pair_add' receives inputs originated from different "
             "decoupled models") in index["mixed_lineage"].reason
+
+
+def _model_stats(mesh: Mesh, model: str) -> tuple[int, int, float]:
+    """(success, fail) of the service's statistics and its CANCELED failures on /metrics."""
+    with urllib.request.urlopen(f"http://{mesh.service.http}/v2/models/{model}/stats", timeout=10) as r:
+        stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
+    canceled = metric(mesh.service.http, "nv_inference_request_failure", model=model, version="1", reason="CANCELED")
+    return stats["success"].get("count", 0), stats["fail"].get("count", 0), canceled
+
+
+def test_a_decoupled_request_that_ends_counts_once_as_a_success(mesh: Mesh) -> None:
+    """A decoupled request that ends with its final response is one success, not a cancellation
+    (its generator closes after the final response while its batch may still run)."""
+    success, fail, canceled = _model_stats(mesh, "repeat_int32")
+    got = _ok(_stream(mesh.service.grpc, [("repeat_int32", _repeat([1, 2], [0, 50]), "done")], 3,
+                      enable_empty_final_response=True))
+    assert got[2].get_response().parameters["triton_final_response"].bool_param
+    eventually(lambda: _model_stats(mesh, "repeat_int32") == (success + 1, fail, canceled), what="one success")
