@@ -491,7 +491,8 @@ class _Connection(RequestHandler):
         self.cancel_on_loss = False  # the handler waits on the core: a lost connection cancels it (_infer)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        handler = self._task_handler if self.cancel_on_loss else None  # (aiohttp's handler_cancellation, per route)
+        # (aiohttp's handler_cancellation, for the infer route only)
+        handler = getattr(self, "_task_handler", None) if self.cancel_on_loss else None
         super().connection_lost(exc)
         if handler is not None:
             handler.cancel()
