@@ -127,7 +127,7 @@ class GatewayCore:
         # A/B routes (--routes): route names addressable like models.
         self.routes = routes
         if routes is not None:
-            routes.bind(self.upstream)
+            routes.bind(self.upstream, self._target_decoupled)
         # Ensembles of --repository, run here as DAGs over the services.
         self.ensembles = ensembles
         if ensembles is not None:
@@ -238,18 +238,32 @@ class GatewayCore:
                                         lambda: self._infer_admitted(request, ctx, sequence))
         return await self._infer_admitted(request, ctx, None)
 
+    def is_decoupled(self, name: str, version: str) -> bool:
+        """Whether a streaming call for ``name`` takes the streamed path (zero or many answers;
+        ``infer_stream``): a decoupled model, one whose config the gateway has not seen, an
+        ensemble with a decoupled step, an A/B route with such a target. The gRPC front end
+        keeps the other requests' answers in request order."""
+        if self.ensembles is not None and name in self.ensembles:
+            return self.ensembles.decoupled(name, version)
+        route = self.routes.lookup(name) if self.routes is not None else None
+        if route is not None:
+            return any(self._target_decoupled(t.model, t.version) for t in route.targets)
+        return self._target_decoupled(name, version)
+
+    def _target_decoupled(self, name: str, version: str) -> bool:
+        config = self.discovery.config_for(name, version)
+        return config is None or config.model_transaction_policy.decoupled
+
     async def infer_stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncIterator[StreamAnswer]:
-        """A client's streaming call (gRPC ModelStreamInfer, HTTP generate[_stream]). A model the
-        gateway knows is not decoupled (and ensembles, A/B routes) answers once, by ``infer``
-        (coalescing included); any other request goes to its service marked as streamed, never
-        merged, and every answer comes back as it arrives. A sequence's next request waits for
-        this one's last answer; the tenant's admission holds until then."""
+        """A client's streaming call (gRPC ModelStreamInfer, HTTP generate[_stream]). A request
+        that is not decoupled (``is_decoupled``) answers once, by ``infer`` (coalescing
+        included); any other goes to its service marked as streamed, never merged, and every
+        answer comes back as it arrives (an ensemble with decoupled steps runs here and answers
+        each of its rounds; an A/B route streams from the arm it picks). A sequence's next
+        request waits for this one's last answer; the tenant's admission holds until then."""
         self._check_names(request)
         name = request.model_name
-        here = (self.ensembles is not None and name in self.ensembles) or \
-            (self.routes is not None and self.routes.lookup(name) is not None)
-        config = None if here else self.discovery.config_for(name, request.model_version)
-        if here or (config is not None and not config.model_transaction_policy.decoupled):
+        if not self.is_decoupled(name, request.model_version):
             yield await self.infer(request, ctx), True
             return
         params = request.parameters
@@ -260,7 +274,7 @@ class GatewayCore:
             admitted = None if self.admission is None else await self.admission.admit(
                 request, ctx, sequence, self._sequence_idle_s(request) if sequence is not None else 0.0)
             try:
-                async for response, final in self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence):
+                async for response, final in self._streamed(request, ctx, sequence):
                     yield (None if response is None else InferResult(message=response)), final
             except InferError as exc:
                 self.request_counts[(name, exc.code.value)] += 1
@@ -269,6 +283,35 @@ class GatewayCore:
                 if self.admission is not None:
                     await self.admission.release(admitted)
             self.request_counts[(name, "OK")] += 1
+
+    async def _streamed(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+                        ) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:
+        """The answers of an admitted streamed request: an ensemble's rounds, an A/B route's arm
+        (each response marked with the arm), or the service's."""
+        name = request.model_name
+        timeout = ctx.time_remaining()
+        if self.ensembles is not None and name in self.ensembles:
+            async for answer in self.ensembles.infer_stream(request, timeout, sequence):
+                yield answer
+            return
+        route = self.routes.lookup(name) if self.routes is not None else None
+        if route is None or self.routes is None:
+            async for answer in self.upstream.stream(request, ctx.raw, timeout, sequence):
+                yield answer
+            return
+        target = self.routes.choose(route, request, ctx, sequence)  # the request now names the target
+        try:
+            if not self._target_decoupled(request.model_name, request.model_version):
+                answers: AsyncIterator[tuple[pb.ModelInferResponse | None, bool]] = \
+                    _once(self._dispatch(request, ctx, sequence))
+            else:
+                answers = self.upstream.stream(request, ctx.raw, timeout, sequence)
+            async for response, final in answers:
+                yield (None if response is None else self.routes.marked(target, response)), final
+        except InferError as exc:
+            self.routes.failed(route, target, exc)
+            raise
+        self.routes.arm_counts[(route.name, target.name, "OK")] += 1
 
     async def _infer_admitted(self, request: pb.ModelInferRequest, ctx: RequestContext,
                               affinity: str | None) -> InferResult:
@@ -319,7 +362,7 @@ class GatewayCore:
             return await self._infer(request, ctx, affinity)
         name = request.model_name
         try:
-            response = await self.ensembles.infer(request, ctx.time_remaining(), affinity)
+            response = await self.ensembles.infer(request, ctx.time_remaining(), affinity, ctx.protocol)
         except InferError as exc:
             self.request_counts[(name, exc.code.value)] += 1
             raise
@@ -616,6 +659,10 @@ class GatewayCore:
             up[r.endpoint] = 1
         self._federated_up = up
         return out
+
+
+async def _once(answer: Awaitable[InferResult]) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:
+    yield (await answer).message(), True
 
 
 def _no_service(name: str, kind: str) -> InferError:

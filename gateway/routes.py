@@ -4,11 +4,13 @@ the Upstream) without ever delaying or failing the reply."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import Counter
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gateway.routing.ab import Route, Routes, Target, parse_routes
 from gateway.watched import WatchedFile
@@ -37,6 +39,7 @@ class ABRouter:
         self.shadow_counts: Counter[tuple[str, str, str]] = Counter()  # (route, model, outcome)
         self._shadows: set[asyncio.Task[None]] = set()
         self._upstream: Upstream | None = None
+        self._decoupled: Callable[[str, str], bool] = lambda model, version: False
 
     def lookup(self, name: str) -> Route | None:
         return self.file.get().get(name)
@@ -66,9 +69,13 @@ class ABRouter:
     def answered(self, route: Route, target: Target, result: InferResult) -> InferResult:
         """The target's answer, marked with the arm that gave it."""
         self.arm_counts[(route.name, target.name, "OK")] += 1
-        msg = result.message()
-        msg.parameters[ROUTE_ARM_PARAMETER].string_param = target.name
-        return InferResult(message=msg)
+        return InferResult(message=self.marked(target, result.message()))
+
+    @staticmethod
+    def marked(target: Target, response: pb.ModelInferResponse) -> pb.ModelInferResponse:
+        """A response of ``target`` (one of a streamed request's too) marked with its arm."""
+        response.parameters[ROUTE_ARM_PARAMETER].string_param = target.name
+        return response
 
     def _mirror(self, route: str, model: str, version: str, request: pb.ModelInferRequest,
                 ctx: RequestContext, affinity: str | None) -> None:
@@ -88,7 +95,13 @@ class ABRouter:
         outcome = "OK"
         try:
             assert self._upstream is not None, "ABRouter.bind() was not called"
-            await self._upstream.send(request, None, timeout, affinity)
+            if self._decoupled(request.model_name, request.model_version):  # every answer read, then dropped
+                answers = cast(AsyncGenerator[object, None], self._upstream.stream(request, None, timeout, affinity))
+                async with contextlib.aclosing(answers):
+                    async for _ in answers:
+                        pass
+            else:
+                await self._upstream.send(request, None, timeout, affinity)
         except InferError as exc:
             outcome = exc.code.value
         except Exception as exc:  # a shadow never fails anything; count and move on
@@ -96,9 +109,12 @@ class ABRouter:
             outcome = "UNKNOWN"
         self.shadow_counts[(route, request.model_name, outcome)] += 1
 
-    def bind(self, upstream: Upstream) -> None:
-        """Where shadow copies go (the gateway's Upstream)."""
+    def bind(self, upstream: Upstream, decoupled: Callable[[str, str], bool] | None = None) -> None:
+        """Where shadow copies go (the gateway's Upstream), and whether a target is decoupled
+        (its copy is then a streamed request)."""
         self._upstream = upstream
+        if decoupled is not None:
+            self._decoupled = decoupled
 
     async def stop(self) -> None:
         for task in list(self._shadows):

@@ -10,9 +10,10 @@ a step whole, so it reports it all as compute_infer). Failures count under reaso
 Triton's ensembles do."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.protocol.infer_checks import reject_mixed_contents
 from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_model_config, parse_config
 from meshserve.repository.layout import model_dirs
+from meshserve.server.core import unary_decoupled_error
 from meshserve.telemetry.metrics import Sample
 from meshserve.telemetry.model_stats import ModelStats
 
@@ -134,10 +136,21 @@ class EnsembleCatalog:
             raise InferError.unavailable(str(cached[1]))
         return cached[1]
 
+    def decoupled(self, name: str, version: str) -> bool:
+        """Whether the ensemble has a decoupled step (False when it does not compile: its
+        request then fails with the reason)."""
+        try:
+            return self.plan(name, version).decoupled
+        except InferError:
+            return False
+
     async def infer(self, request: pb.ModelInferRequest, timeout: float | None,
-                    affinity: str | None = None) -> pb.ModelInferResponse:
+                    affinity: str | None = None, protocol: str = "grpc") -> pb.ModelInferResponse:
+        """A unary call (``protocol``: the client's, for Triton's refusal of a decoupled ensemble)."""
         arrival = time.monotonic_ns()
         plan = self.plan(request.model_name, request.model_version)
+        if plan.decoupled:
+            raise unary_decoupled_error(protocol)
         reject_mixed_contents(request)  # the gateway runs this request itself (infer_checks)
         assert self.executor is not None, "EnsembleCatalog.bind() was not called"
         stats, times = self.stats[plan.name], StepTimes()
@@ -152,6 +165,32 @@ class EnsembleCatalog:
         stats.record_batch(max(1, rows), 1, 0, times.steps_ns, 0)
         stats.record_success(end - arrival, times.first_ns - arrival)
         return response
+
+    async def infer_stream(self, request: pb.ModelInferRequest, timeout: float | None,
+                           affinity: str | None = None) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:
+        """A streaming call: an ensemble with a decoupled step answers each of its responses
+        (executor.run_stream), then the final flag alone; any other answers once."""
+        plan = self.plan(request.model_name, request.model_version)
+        if not plan.decoupled:
+            yield await self.infer(request, timeout, affinity), True
+            return
+        arrival = time.monotonic_ns()
+        reject_mixed_contents(request)
+        assert self.executor is not None, "EnsembleCatalog.bind() was not called"
+        stats, times = self.stats[plan.name], StepTimes()
+        try:
+            async for response in self.executor.run_stream(plan, request, timeout, times, affinity):
+                yield response, False
+        except InferError:
+            stats.record_failure(time.monotonic_ns() - arrival, "OTHER")
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the client left
+            stats.record_failure(time.monotonic_ns() - arrival, "CANCELED")
+            raise
+        batched = plan.max_batch_size > 0 and request.inputs and request.inputs[0].shape
+        stats.record_batch(max(1, request.inputs[0].shape[0] if batched else 1), 1, 0, times.steps_ns, 0)
+        stats.record_success(time.monotonic_ns() - arrival, times.first_ns - arrival)
+        yield None, True
 
     def statistics(self, name: str, version: str) -> list[pb.ModelStatistics]:
         """Statistics of one ensemble, or (``name`` "") of every ensemble that is ready or has
@@ -216,7 +255,12 @@ class EnsembleCatalog:
             raise InferError.unavailable(f"ensemble '{name}' failed to load: {self.errors[name]}")
         if version and version != "1":
             raise model_not_found(name, version)
-        return pb.ModelConfigResponse(config=self.configs[name])
+        config = self.configs[name]
+        if self.decoupled(name, version) and not config.model_transaction_policy.decoupled:
+            # (as Triton's: an ensemble with a decoupled step is decoupled itself)
+            config = mc.ModelConfig.FromString(config.SerializeToString())
+            config.model_transaction_policy.decoupled = True
+        return pb.ModelConfigResponse(config=config)
 
     def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
         config = self.model_config(name, version).config

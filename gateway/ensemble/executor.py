@@ -2,13 +2,20 @@
 branches run concurrently; tensors stay bytes between steps; the first failing step fails the
 request with that step's model and status; a semaphore bounds step calls in flight. A run
 reports when its first step left and how long its steps took (StepTimes: the ensemble's
-statistics)."""
+statistics).
+
+A plan with decoupled steps runs by ``run_stream`` (Triton's ensemble semantics): each response of
+a decoupled step is a new round of the steps after it, with that response's outputs (plan.py:
+lineages), and each round that completes the ensemble's outputs is one response of the ensemble.
+The request ends when every step call of every round has ended."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
@@ -20,6 +27,9 @@ if TYPE_CHECKING:
 
 
 DEFAULT_MAX_INFLIGHT_STEPS = 256
+# step results of one streamed run waiting for it (its client reads slower than the steps answer):
+# beyond this the steps wait, and so (through the hop's bounded answers) do the decoupled models
+STREAM_EVENTS = 64
 
 
 @dataclass(slots=True)
@@ -38,6 +48,17 @@ class _Tensor:
     data: bytes
 
 
+@dataclass(eq=False)
+class _Round:
+    """The tensors of one lineage's round (run_stream): the ensemble's inputs (lineage 0), or
+    one response of a decoupled step and what the steps after it made of it."""
+
+    lineage: int
+    tensors: dict[str, _Tensor]
+    started: set[int] = field(default_factory=set)
+    answered: bool = False
+
+
 class EnsembleExecutor:
     def __init__(self, upstream: Upstream, max_inflight_steps: int = DEFAULT_MAX_INFLIGHT_STEPS):
         self._upstream = upstream
@@ -48,11 +69,7 @@ class EnsembleExecutor:
                   times: StepTimes | None = None, affinity: str | None = None) -> pb.ModelInferResponse:
         """``affinity``: the request's sequence key (its steps carry its parameters)."""
         tensors = _inputs(plan, request)
-        wanted = [o.name for o in request.outputs] or list(plan.outputs)
-        for name in wanted:
-            if name not in plan.outputs:
-                raise InferError.invalid(f"ensemble '{plan.name}' has no output '{name}' "
-                                         f"(outputs: {sorted(plan.outputs)})")
+        wanted = _wanted(plan, request)
         with tracing.child_span("gateway.ensemble", {"meshserve.ensemble": plan.name,
                                                      "meshserve.ensemble.steps": len(plan.steps)}):
             return await self._run(plan, request, timeout, tensors, wanted, times or StepTimes(), affinity)
@@ -84,53 +101,195 @@ class EnsembleExecutor:
         finally:
             for task in running:
                 task.cancel()
-        response = pb.ModelInferResponse(model_name=plan.name, model_version="1", id=request.id)
-        for name in wanted:
-            t = tensors[name]
-            response.outputs.add(name=name, datatype=t.datatype, shape=list(t.shape))
-            response.raw_output_contents.append(t.data)
-        return response
+        return _response(plan, request, tensors, wanted)
+
+    async def run_stream(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
+                         times: StepTimes | None = None, affinity: str | None = None
+                         ) -> AsyncIterator[pb.ModelInferResponse]:
+        """Every response of a plan with decoupled steps (see the module docstring), as its
+        rounds complete the outputs; the first failing step call fails the request. Leaving early
+        stops every step call (a decoupled step's service is told to stop it)."""
+        wanted = _wanted(plan, request)
+        root = _Round(0, _inputs(plan, request))
+        times = times or StepTimes()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        needs = {s.index: {t for _, t in s.inputs} for s in plan.steps}
+        # (round, step, its outputs) for a unary step's answer or a decoupled step's response;
+        # (round, step, None) when a step call ended; an exception fails the run
+        events: asyncio.Queue[tuple[_Round, Step, dict[str, _Tensor] | None] | BaseException] = \
+            asyncio.Queue(STREAM_EVENTS)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def call(rnd: _Round, step: Step) -> None:
+            try:
+                if plan.step_decoupled[step.index]:
+                    await self._stream_step(plan, step, rnd, request, deadline, times, affinity, events)
+                else:
+                    out = await self._step(plan, step, rnd.tensors, request, deadline, times, affinity)
+                    await events.put((rnd, step, out))
+                await events.put((rnd, step, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                await events.put(exc)
+
+        def launch(rnd: _Round) -> None:
+            for i in plan.order:
+                if plan.step_lineage[i] == rnd.lineage and i not in rnd.started and needs[i] <= rnd.tensors.keys():
+                    rnd.started.add(i)
+                    task = asyncio.ensure_future(call(rnd, plan.steps[i]))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+
+        calls = 0  # step calls started and not ended
+        with tracing.child_span("gateway.ensemble", {"meshserve.ensemble": plan.name,
+                                                     "meshserve.ensemble.steps": len(plan.steps)}):
+            try:
+                rounds = [root]
+                while True:
+                    for rnd in rounds:
+                        before = len(rnd.started)
+                        launch(rnd)
+                        calls += len(rnd.started) - before
+                        if (not rnd.answered and rnd.lineage == plan.output_lineage
+                                and all(w in rnd.tensors for w in wanted)):
+                            rnd.answered = True
+                            yield _response(plan, request, rnd.tensors, wanted)
+                    if not calls:
+                        return
+                    event = await events.get()
+                    if isinstance(event, BaseException):
+                        raise event
+                    rnd, step, out = event
+                    if out is None:
+                        calls -= 1
+                        rounds = []
+                    elif plan.step_decoupled[step.index]:  # a response: a round of its own
+                        rounds = [_Round(plan.step_out_lineage[step.index], out)]
+                    else:
+                        rnd.tensors.update(out)
+                        rounds = [rnd]
+            finally:
+                for task in list(tasks):
+                    task.cancel()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream_step(self, plan: Plan, step: Step, rnd: _Round, request: pb.ModelInferRequest,
+                           deadline: float | None, times: StepTimes, affinity: str | None,
+                           events: asyncio.Queue[tuple[_Round, Step, dict[str, _Tensor] | None] | BaseException]
+                           ) -> None:
+        """A decoupled step's call: each of its responses' outputs to ``events``."""
+        req = _step_request(step, rnd.tensors, request)
+        timeout = self._remaining(plan, step, deadline)
+        with _StepCall(plan, step, times):
+            answers = cast(AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None],
+                           self._upstream.stream(req, None, timeout, affinity))
+            async with contextlib.aclosing(answers):
+                async with self._slots:  # (held until its first response: the call is open then)
+                    first = await anext(answers, None)
+                response: tuple[pb.ModelInferResponse | None, bool] | None = first
+                while response is not None:
+                    if response[0] is not None:
+                        await events.put((rnd, step, _outputs(plan, step, response[0])))
+                    if response[1]:
+                        break
+                    response = await anext(answers, None)
+
+    @staticmethod
+    def _remaining(plan: Plan, step: Step, deadline: float | None) -> float | None:
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise InferError(Code.DEADLINE_EXCEEDED, f"ensemble '{plan.name}' {step.label}: deadline exceeded")
+        return timeout
 
     async def _step(self, plan: Plan, step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest,
                     deadline: float | None, times: StepTimes, affinity: str | None) -> dict[str, _Tensor]:
-        req = pb.ModelInferRequest(model_name=step.model, model_version=step.version, id=request.id)
-        for key, value in request.parameters.items():
-            req.parameters[key].CopyFrom(value)
-        for model_input, tensor in step.inputs:
-            t = tensors[tensor]
-            req.inputs.add(name=model_input, datatype=t.datatype, shape=list(t.shape))
-            req.raw_input_contents.append(t.data)
-        for model_output, _ in step.outputs:
-            req.outputs.add(name=model_output)
+        req = _step_request(step, tensors, request)
         async with self._slots:
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                raise InferError(Code.DEADLINE_EXCEEDED, f"ensemble '{plan.name}' {step.label}: deadline exceeded")
-            sent = time.monotonic_ns()
-            if not times.first_ns:
-                times.first_ns = sent
-            try:
-                with tracing.child_span("gateway.ensemble.step", {"meshserve.ensemble": plan.name,
-                                                                  "meshserve.step": step.index,
-                                                                  "meshserve.model": step.model}):
-                    resp = await self._upstream.send(req, None, timeout, affinity)
-            except InferError as exc:
-                raise InferError(exc.code, f"ensemble '{plan.name}' {step.label}: {exc.message}",
-                                 retry_after_s=exc.retry_after_s) from None
-            finally:
-                times.steps_ns += time.monotonic_ns() - sent
-        if len(resp.raw_output_contents) != len(resp.outputs):
-            raise InferError.internal(f"ensemble '{plan.name}' {step.label}: the response carries no raw "
-                                      "output contents")
-        got = {o.name: _Tensor(o.datatype, tuple(o.shape), raw)
-               for o, raw in zip(resp.outputs, resp.raw_output_contents, strict=True)}
-        out = {}
-        for model_output, tensor in step.outputs:
-            if model_output not in got:
-                raise InferError.internal(f"ensemble '{plan.name}' {step.label}: output '{model_output}' missing "
-                                          "from the response")
-            out[tensor] = got[model_output]
-        return out
+            timeout = self._remaining(plan, step, deadline)
+            with _StepCall(plan, step, times):
+                resp = await self._upstream.send(req, None, timeout, affinity)
+        return _outputs(plan, step, resp)
+
+
+class _StepCall:
+    """Around one step's call: its span, its time in the run's StepTimes, and its error named
+    after the step."""
+
+    __slots__ = ("plan", "step", "times", "sent", "span")
+
+    def __init__(self, plan: Plan, step: Step, times: StepTimes) -> None:
+        self.plan, self.step, self.times = plan, step, times
+        self.sent = 0
+        self.span: Any = None
+
+    def __enter__(self) -> None:
+        self.sent = sent = time.monotonic_ns()
+        if not self.times.first_ns:
+            self.times.first_ns = sent
+        step = self.step
+        self.span = tracing.child_span("gateway.ensemble.step", {"meshserve.ensemble": self.plan.name,
+                                                                 "meshserve.step": step.index,
+                                                                 "meshserve.model": step.model})
+        self.span.__enter__()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.times.steps_ns += time.monotonic_ns() - self.sent
+        self.span.__exit__(kind, exc, tb)
+        if isinstance(exc, InferError):
+            raise InferError(exc.code, f"ensemble '{self.plan.name}' {self.step.label}: {exc.message}",
+                             retry_after_s=exc.retry_after_s) from None
+
+
+def _step_request(step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    """A step's request: its inputs from ``tensors``, the ensemble request's id and parameters."""
+    req = pb.ModelInferRequest(model_name=step.model, model_version=step.version, id=request.id)
+    for key, value in request.parameters.items():
+        req.parameters[key].CopyFrom(value)
+    for model_input, tensor in step.inputs:
+        t = tensors[tensor]
+        req.inputs.add(name=model_input, datatype=t.datatype, shape=list(t.shape))
+        req.raw_input_contents.append(t.data)
+    for model_output, _ in step.outputs:
+        req.outputs.add(name=model_output)
+    return req
+
+
+def _outputs(plan: Plan, step: Step, resp: pb.ModelInferResponse) -> dict[str, _Tensor]:
+    """A step's response as the ensemble tensors it produces."""
+    if len(resp.raw_output_contents) != len(resp.outputs):
+        raise InferError.internal(f"ensemble '{plan.name}' {step.label}: the response carries no raw "
+                                  "output contents")
+    got = {o.name: _Tensor(o.datatype, tuple(o.shape), raw)
+           for o, raw in zip(resp.outputs, resp.raw_output_contents, strict=True)}
+    out = {}
+    for model_output, tensor in step.outputs:
+        if model_output not in got:
+            raise InferError.internal(f"ensemble '{plan.name}' {step.label}: output '{model_output}' missing "
+                                      "from the response")
+        out[tensor] = got[model_output]
+    return out
+
+
+def _wanted(plan: Plan, request: pb.ModelInferRequest) -> list[str]:
+    """The outputs the request asks for (all by default)."""
+    wanted = [o.name for o in request.outputs] or list(plan.outputs)
+    for name in wanted:
+        if name not in plan.outputs:
+            raise InferError.invalid(f"ensemble '{plan.name}' has no output '{name}' "
+                                     f"(outputs: {sorted(plan.outputs)})")
+    return wanted
+
+
+def _response(plan: Plan, request: pb.ModelInferRequest, tensors: dict[str, _Tensor],
+              wanted: list[str]) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=plan.name, model_version="1", id=request.id)
+    for name in wanted:
+        t = tensors[name]
+        response.outputs.add(name=name, datatype=t.datatype, shape=list(t.shape))
+        response.raw_output_contents.append(t.data)
+    return response
 
 
 def _inputs(plan: Plan, request: pb.ModelInferRequest) -> dict[str, _Tensor]:

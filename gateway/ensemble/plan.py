@@ -3,6 +3,13 @@
 Load errors name the ensemble and the step (index and model): unknown model, an input the step
 model does not have, a tensor nobody produces (or two steps produce), a cycle, a datatype or
 shape mismatch between producer and consumer.
+
+Decoupled steps (Triton's rules, core's ensemble_utils.cc): each response of a decoupled step
+feeds the steps after it once more, so every tensor has a lineage (0: the ensemble's inputs; a
+decoupled step's outputs start a new one, a step that is not decoupled passes its inputs' on). A
+step whose inputs come from different lineages is refused with Triton's text; so (meshserve's rule:
+Triton would never answer it) are outputs from different lineages. An ensemble with a decoupled
+step is decoupled itself.
 """
 from __future__ import annotations
 
@@ -54,6 +61,15 @@ class Plan:
     steps: tuple[Step, ...]
     order: tuple[int, ...]  # a topological order of step indices
     config: mc.ModelConfig
+    step_decoupled: tuple[bool, ...] = ()  # by step index: the step's model is decoupled
+    step_lineage: tuple[int, ...] = ()  # by step index: the lineage of its inputs (see the module docstring)
+    step_out_lineage: tuple[int, ...] = ()  # by step index: the lineage of its outputs (a decoupled step's own)
+    output_lineage: int = 0  # the lineage of the ensemble's outputs
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether a request may get zero or many responses (a decoupled step is in it)."""
+        return any(self.step_decoupled)
 
     def consumers(self, tensor: str) -> list[Step]:
         return [s for s in self.steps if any(t == tensor for _, t in s.inputs)]
@@ -87,6 +103,7 @@ def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup) -> Plan:
     producer: dict[str, Step] = {}
     steps: list[Step] = []
     step_specs: list[tuple[dict[str, TensorSpec], dict[str, TensorSpec]]] = []
+    decoupled: list[bool] = []
     for i, s in enumerate(config.ensemble_scheduling.step):
         version = "" if s.model_version < 0 else str(s.model_version)
         step = Step(i, s.model_name, version, tuple(sorted(s.input_map.items())),
@@ -118,6 +135,7 @@ def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup) -> Plan:
             tensors[tensor] = m_out[model_output]
         steps.append(step)
         step_specs.append((m_in, m_out))
+        decoupled.append(cfg.model_transaction_policy.decoupled)
 
     for step, (m_in, _) in zip(steps, step_specs, strict=True):
         for model_input, tensor in step.inputs:
@@ -136,7 +154,37 @@ def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup) -> Plan:
                                            f"produces {tensors[out_name]}")
 
     order = _topological(steps, producer, fail)
-    return Plan(name, config.max_batch_size, inputs, outputs, tuple(steps), order, config)
+    lineages, output_lineage = _lineages(name, steps, order, decoupled, producer, list(outputs), fail)
+    return Plan(name, config.max_batch_size, inputs, outputs, tuple(steps), order, config,
+                tuple(decoupled), tuple(i for i, _ in lineages), tuple(o for _, o in lineages), output_lineage)
+
+
+def _lineages(name: str, steps: list[Step], order: tuple[int, ...], decoupled: list[bool], producer: dict[str, Step],
+              outputs: list[str], fail: Callable[[Step | None, str], EnsembleError]
+              ) -> tuple[list[tuple[int, int]], int]:
+    """(each step's (input, output) lineages, the outputs' lineage); EnsembleError where inputs
+    mix lineages."""
+    of_tensor: dict[str, int] = {}  # produced tensors (the ensemble's inputs are lineage 0)
+    step_lineage = [(0, 0)] * len(steps)
+    fresh = 0
+    for i in order:
+        step = steps[i]
+        found = {of_tensor.get(t, 0) for _, t in step.inputs}
+        if len(found) > 1:
+            raise EnsembleError(f"in ensemble {name}, step of model '{step.model}' receives inputs originated "
+                                "from different decoupled models")  # (Triton's text)
+        lineage = given = found.pop() if found else 0
+        if decoupled[i]:
+            fresh += 1
+            lineage = fresh
+        step_lineage[i] = (given, lineage)
+        for _, tensor in step.outputs:
+            of_tensor[tensor] = lineage
+    found = {of_tensor[o] for o in outputs if o in producer}
+    if len(found) > 1:
+        raise fail(None, "its outputs originate from different decoupled models (each response of a "
+                         "decoupled step makes its own outputs: they never meet)")
+    return step_lineage, found.pop() if found else 0
 
 
 def _topological(steps: list[Step], producer: dict[str, Step],

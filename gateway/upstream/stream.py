@@ -194,10 +194,13 @@ class _Stream:
 
     def cancel(self, cid: str) -> None:
         """Stop forwarding the streamed request ``cid`` and tell the service to stop it."""
-        if self.answers.pop(cid, None) is None or self.broken:
-            return
-        if self._call is None:
-            return  # still in the backlog: _open skips it
+        if self.answers.pop(cid, None) is not None:
+            self._tell_cancel(cid)
+
+    def _tell_cancel(self, cid: str) -> None:
+        """Tell the service to stop the request ``cid`` (its client went away)."""
+        if self.broken or self._call is None:
+            return  # (still in the backlog: _open skips it)
         cancel = pb.ModelInferRequest(id=cid)
         cancel.parameters[wire.CANCEL_PARAMETER].bool_param = True
         try:
@@ -236,10 +239,13 @@ class _Stream:
         return later
 
     def forget(self, fut: asyncio.Future[pb.ModelStreamInferResponse]) -> None:
+        """The caller of a pending request went away (its client left): the answer is not
+        awaited any more, and the service is told to stop the request."""
         for cid, f in list(self.pending.items()):
             if f is fut:
                 del self.pending[cid]
                 self._due.pop(cid, None)
+                self._tell_cancel(cid)
                 self._end_if_retired()
                 break
 

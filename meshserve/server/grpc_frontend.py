@@ -7,6 +7,7 @@ without re-serializing; responses go out as whatever bytes the core produced.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
@@ -249,30 +250,55 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # triton_final_response flag, and an empty final response where the client asked for it
         # (a gateway always gets it: it ends the request on the hop). At most STREAM_BACKLOG of
         # those responses wait to be written; beyond that the models' answers wait. A gateway
-        # cancels a streamed request of its hop with {id, wire.CANCEL_PARAMETER}.
+        # cancels a request of its hop (streamed or not) with {id, wire.CANCEL_PARAMETER}.
+        #
+        # On a client's call (not a gateway's hop), the answers of requests for models that are
+        # not decoupled leave in request order, as Triton's do: each such request holds a place
+        # in `order` (its answer waits there for the earlier ones'); a decoupled model's answers
+        # are written as they come. A gateway's hop keeps completion order (it matches by id).
         out: asyncio.Queue[bytes | tuple[bytes, bool] | None] = asyncio.Queue()
-        pending: set[asyncio.Task[None]] = set()
-        streaming: dict[str, asyncio.Task[None]] = {}  # a gateway's streamed requests by id (to cancel)
+        pending: set[asyncio.Task[None]] = set()  # a client's requests, a gateway's streamed ones
+        # a gateway's requests in progress by id (to cancel; its unstreamed ones are only here:
+        # each takes itself out as its answer is queued, so nothing else tracks it)
+        by_id: dict[str, asyncio.Task[None]] = {}
         base = _context(context)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
         failed: list[str] = []
+        order: collections.deque[list[Any]] = collections.deque()  # [answer bytes or None, ready]
 
-        async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
+        def in_order(place: list[Any], item: bytes | None) -> None:
+            """A request's one answer (None: nothing to write) takes its place; what is ready at
+            the head of the order leaves."""
+            place[0], place[1] = item, True
+            while order and order[0][1]:
+                held = order.popleft()[0]
+                if held is not None:
+                    out.put_nowait(held)
+
+        async def one(request: pb.ModelInferRequest, raw: bytes, place: list[Any] | None = None,
+                      hop_id: str = "") -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
                 if from_gateway and not (request.parameters and _STREAM in request.parameters):
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
-                    result, _ = await observe.infer(core, request, ctx)
+                    try:
+                        result, _ = await observe.infer(core, request, ctx)
+                    finally:
+                        by_id.pop(hop_id, None)
                     owns_slot = False
                     out.put_nowait(wire.stream_response(result.serialized()))
                     return
                 if not from_gateway and shm.uses_shared_memory(request, raw):
                     result, _ = await shm.infer(core, request, ctx)
                     owns_slot = False
-                    out.put_nowait(wire.stream_response(result.serialized() + _FINAL_TRUE))
+                    reply = wire.stream_response(result.serialized() + _FINAL_TRUE)
+                    if place is not None:
+                        in_order(place, reply)
+                    else:
+                        out.put_nowait(reply)
                     return
                 streamed = True
                 empty_final = from_gateway or _flag(request, wire.EMPTY_FINAL_REQUEST_PARAMETER)
@@ -288,6 +314,12 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                             owns_slot = False
                             slots.release()
                         continue
+                    if place is not None and not place[1]:
+                        if final:  # the one answer of a model that is not decoupled: in request order
+                            owns_slot = False
+                            in_order(place, wire.stream_response(body))
+                            continue
+                        in_order(place, None)  # a decoupled model after all: its answers are not held
                     await backlog.acquire()
                     if final:
                         owns_slot = False
@@ -312,12 +344,20 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     err.infer_response.parameters[wire.RETRY_AFTER_PARAMETER].int64_param = exc.retry_after_ms
                 if streamed:
                     err.infer_response.parameters[_FINAL].bool_param = True
-                if owns_slot:
-                    out.put_nowait(err.SerializeToString())
-                else:  # (its final answer is queued: nothing may follow it)
+                if not owns_slot:  # (its final answer is queued: nothing may follow it)
                     log.warning("error after the final answer of request %r: %s", request.id, exc.message)
+                elif place is not None and not place[1]:
+                    in_order(place, err.SerializeToString())
+                else:
+                    out.put_nowait(err.SerializeToString())
+            finally:
+                if place is not None and not place[1]:  # (no answer to write: its place is freed)
+                    in_order(place, None)
 
         from_gateway = gateway_hop(base.headers)  # (this call is a gateway's hop: never in a gateway)
+        # whether a client's request is for a decoupled model (its answers are not held in order);
+        # a core that cannot tell serves none
+        decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)
         # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
         # each time on Python 3.11
         loop = asyncio.get_running_loop()
@@ -334,18 +374,35 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     params = request.parameters
                     if from_gateway and params and _CANCEL in params:  # the gateway's client went away
                         slots.release()
-                        cancelled = streaming.pop(request.id, None)
+                        cancelled = by_id.pop(request.id, None)
                         if cancelled is not None:
                             cancelled.cancel()
                         continue
-                    task = loop.create_task(one(request, raw))
+                    if from_gateway:
+                        hop_id = request.id
+                        task = loop.create_task(one(request, raw, None, hop_id))
+                        repeated = by_id.get(hop_id)
+                        by_id[hop_id] = task
+                        if repeated is not None:  # a repeated id (not the gateway's way): still awaited
+                            pending.add(repeated)
+                            repeated.add_done_callback(pending.discard)
+                        if not (params and _STREAM in params):
+                            continue  # (it takes itself out of by_id as its answer is queued)
+                        task.add_done_callback(functools.partial(_forget, by_id, hop_id))
+                    else:
+                        place = None
+                        try:
+                            held = decoupled is None or not decoupled(request.model_name, request.model_version)
+                        except Exception:
+                            held = True  # (an unknown model's error comes in order too, as Triton's)
+                        if held:
+                            place = [None, False]
+                            order.append(place)
+                        task = loop.create_task(one(request, raw, place))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
-                    if from_gateway and params and _STREAM in params:
-                        streaming[request.id] = task
-                        task.add_done_callback(functools.partial(_forget, streaming, request.id))
-                if pending:
-                    await asyncio.gather(*list(pending), return_exceptions=True)
+                if pending or by_id:
+                    await asyncio.gather(*pending, *by_id.values(), return_exceptions=True)
             finally:
                 out.put_nowait(None)
 
@@ -367,7 +424,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, failed[0])
         finally:
             read_task.cancel()
-            for t in list(pending):
+            for t in [*pending, *by_id.values()]:
                 t.cancel()
 
     # the shared-memory extensions (meshserve.server.shm): the caller's tenant's regions only

@@ -318,7 +318,15 @@ class HttpFrontend:
         ctx = RequestContext(protocol="http", headers=_context_headers(request), raw=raw,
                              nbytes=sum(map(len, body)))
         uses_shm = plan.shared_memory if plan is not None else shm.uses_shared_memory(infer_request)
-        result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
+        # a client that leaves now cancels this handler, and so the request in the core (its
+        # queued entry leaves the queue, a running model sees is_cancelled(), a gateway tells
+        # its service): the connections' connection_lost (neither server cancels handlers itself)
+        conn: Any = request.protocol  # (_Connection or http1's Connection: both have cancel_on_loss)
+        conn.cancel_on_loss = True
+        try:
+            result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
+        finally:
+            conn.cancel_on_loss = False
         message = result.message()
         out_body, headers = http_codec.render_infer_response(message, infer_request, plan)
         if message.parameters:
@@ -469,7 +477,7 @@ class _Connection(RequestHandler):
     """aiohttp's connection handler plus what the header and read timeouts need: a count of
     data arrivals and when the headers of the next request started to arrive."""
 
-    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "trim_heap", "lost")
+    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "trim_heap", "lost", "cancel_on_loss")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -480,9 +488,14 @@ class _Connection(RequestHandler):
         self.reading = False  # a handler is waiting for this connection's body
         self.trim_heap = False  # a large body was read: the heap goes back to the OS after its request
         self.lost: asyncio.Future[None] | None = None  # made by a handler that waits on the model (_lost)
+        self.cancel_on_loss = False  # the handler waits on the core: a lost connection cancels it (_infer)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        # (aiohttp's handler_cancellation, for the infer route only)
+        handler = getattr(self, "_task_handler", None) if self.cancel_on_loss else None
         super().connection_lost(exc)
+        if handler is not None:
+            handler.cancel()
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
 

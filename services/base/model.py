@@ -183,6 +183,11 @@ class ModelVersion:
             raise InferError.unavailable(str(exc)) from None
         except InternalBatchError as exc:
             raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
+        except asyncio.CancelledError:
+            if queued.future.cancelled():  # the client left: counted here, once (its batch, if any, skips it)
+                self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "CANCELED",
+                                          queued.payload.requests)
+            raise
         finally:
             self.stats.pending -= 1
 
@@ -245,15 +250,15 @@ class ModelVersion:
             if isinstance(out, BaseException):
                 err = self._failure(out)
                 for q in group:
-                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                     if not q.future.done():
+                        stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                         q.future.set_exception(err)
                 continue
             rows = sum(q.rows for q in group)
             stats.record_batch(rows, sum(q.payload.requests for q in group), t_in, t_infer, t_out)
             for q, body in zip(group, out, strict=True):
-                stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
-                if not q.future.done():
+                if not q.future.done():  # (a cancelled one is counted by _result)
+                    stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
                     q.future.set_result(body)
 
     def _failure(self, exc: BaseException) -> InferError:

@@ -5,8 +5,8 @@ A batch is handed to ``execute()`` as Triton's python backend does: a list with 
 InferenceRequest per client request (nothing concatenated). A decoupled model's responses stream
 back through ``infer_stream``; a unary call on it gets Triton's error. With ``sequence_batching``
 the sequence batcher of services/base takes the dynamic batcher's place: a sequence's requests
-reach one instance, in order, each with its correlation id and START/END flags (control input
-tensors and implicit state are not offered to python models).
+reach one instance, in order, each with its correlation id and START/END flags, and with the
+configured control input tensors and implicit state (services/python/sequence_io.py).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from meshserve.protocol.errors import InferError
 from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base.model import ModelVersion
-from services.base.runtime import RuntimeLoadError
 from services.base.scheduling.request import QueuedRequest, Scheduler
 from services.base.scheduling.sequence import SequenceBatch, SequenceBatcher
 from services.base.validation import Pending, require_single_row
 from services.python.instance import ModelWorker, StreamSink
+from services.python.sequence_io import SequenceIO
 from services.sequence.model import policy_from_config, sequence_control
 
 log = logging.getLogger("meshserve.python")
@@ -50,11 +50,7 @@ class PythonModelVersion(ModelVersion):
     def _scheduler(self, config: mc.ModelConfig, instance_count: int) -> Scheduler[Pending]:
         if not config.HasField("sequence_batching"):
             return super()._scheduler(config, instance_count)
-        sb = config.sequence_batching
-        if sb.control_input or sb.state:
-            what = "control_input" if sb.control_input else "state"
-            raise RuntimeLoadError(f"model '{config.name}': sequence_batching {what} is not supported for python "
-                                   "models (a python model reads request.correlation_id() and request.flags())")
+        self.sequence_io = SequenceIO(config, self.model_dir)
         self.sequence_policy = policy_from_config(config, instance_count)
         return SequenceBatcher[Pending](self.sequence_policy, self._execute_sequence, name=config.name)
 
@@ -81,8 +77,15 @@ class PythonModelVersion(ModelVersion):
 
     async def _execute_sequence(self, batch: SequenceBatch) -> None:
         """One sequence batch on the batcher's instance: its real rows (a python model gets no
-        filler rows) as one execute() list; the batcher frees the instance when this returns."""
-        await self._run(self.workers[batch.instance], batch.requests, None)
+        filler rows) as one execute() list, with their control and state inputs; the batcher frees
+        the instance when this returns."""
+        io = self.sequence_io
+        if not io.active:
+            await self._run(self.workers[batch.instance], batch.requests, None)
+            return
+        io.add_inputs(batch.rows)
+        await self._run(self.workers[batch.instance], batch.requests, None,
+                        functools.partial(io.keep_states, batch.rows))
 
     # ---- decoupled -------------------------------------------------------------------
     async def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
@@ -100,7 +103,7 @@ class PythonModelVersion(ModelVersion):
         self._sinks[key] = answers.put_nowait
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = self._queued(request, pending, deadline_ns, hop, fut)
-        final = False
+        final = ended = False  # ended: by an error (the model's, or its batch's)
         outcome: asyncio.Task[bytes] | None = None
         try:
             self._enqueue(queued)
@@ -109,6 +112,7 @@ class PythonModelVersion(ModelVersion):
             while True:
                 item = await answers.get()
                 if isinstance(item, InferError):
+                    ended = True
                     raise item
                 final = item[1]
                 yield item
@@ -117,13 +121,16 @@ class PythonModelVersion(ModelVersion):
         finally:
             self._sinks.pop(key, None)
             if not final:
-                fut.cancel()  # still queued: leaves the queue; running: the model sees is_cancelled()
-                for w in self.workers:
+                if not ended:  # the client left: still queued, it leaves the queue (counted as cancelled)
+                    fut.cancel()
+                for w in self.workers:  # running: the model sees is_cancelled()
                     w.cancel(key)
-            if outcome is not None and not outcome.done():
+            if outcome is not None and not outcome.done() and not (final or ended):
                 outcome.cancel()
                 with contextlib.suppress(BaseException):
                     await outcome
+            # (after its final response the request's batch may still run: its outcome then
+            # resolves by itself, and the statistics count it once, as a success)
 
     # ---- batches -----------------------------------------------------------------------
     def _take(self) -> ModelWorker:
@@ -147,8 +154,10 @@ class PythonModelVersion(ModelVersion):
         await self._run(worker, batch, release)
 
     async def _run(self, worker: ModelWorker, batch: list[QueuedRequest[Pending]],
-                   release: Callable[[], None] | None) -> None:
-        """Run ``batch`` on ``worker`` (``release`` once it ran); resolve every member's future."""
+                   release: Callable[[], None] | None,
+                   answered: Callable[[list[bytes | InferError]], None] | None = None) -> None:
+        """Run ``batch`` on ``worker`` (``release`` once it ran; ``answered`` sees the answers
+        first); resolve every member's future."""
         start_ns = time.monotonic_ns()
         keys = [id(q.payload) for q in batch]
         sinks = {k: self._sinks[k] for k in keys if k in self._sinks} if self.decoupled else {}
@@ -165,6 +174,8 @@ class PythonModelVersion(ModelVersion):
         infer_ns = 0
         try:
             out, infer_ns = await worker.execute([q.payload for q in batch], keys, sinks)
+            if answered is not None and out is not None:
+                answered(out)
         except InferError as exc:
             failure = exc
         except Exception as exc:
@@ -179,21 +190,21 @@ class PythonModelVersion(ModelVersion):
         stats = self.stats
         if failure is not None:
             for q in batch:
-                stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
-                if not q.future.done():
+                if not q.future.done():  # (a cancelled one is counted by ModelVersion._result)
+                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                     q.future.set_exception(failure)
             return
         stats.record_batch(sum(q.rows for q in batch), sum(q.payload.requests for q in batch), 0, infer_ns, 0)
         for i, q in enumerate(batch):
+            if q.future.done():
+                continue
             body = out[i] if out is not None else None
             if isinstance(body, InferError):
                 stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
-                if not q.future.done():
-                    q.future.set_exception(body)
+                q.future.set_exception(body)
                 continue
             stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
-            if not q.future.done():
-                q.future.set_result(body)
+            q.future.set_result(body)
 
     # ---- restarts ----------------------------------------------------------------------
     def _on_death(self, worker: ModelWorker) -> None:

@@ -248,8 +248,8 @@ class SequenceModelVersion(ModelVersion):
                 err = self._failure(res)
                 for r in real:
                     assert r.request is not None
-                    stats.record_failure(end_ns - r.request.arrival_ns, "BACKEND")
-                    if not r.request.future.done():
+                    if not r.request.future.done():  # (a cancelled one is counted by ModelVersion._result)
+                        stats.record_failure(end_ns - r.request.arrival_ns, "BACKEND")
                         r.request.future.set_exception(err)
                 continue
             bodies, new_states, (t_in, t_infer, t_out) = res
@@ -259,8 +259,8 @@ class SequenceModelVersion(ModelVersion):
                     continue
                 if r.sequence is not None and self.states:
                     r.sequence.state = state
-                stats.record_success(end_ns - r.request.arrival_ns, start_ns - r.request.arrival_ns)
                 if not r.request.future.done():
+                    stats.record_success(end_ns - r.request.arrival_ns, start_ns - r.request.arrival_ns)
                     r.request.future.set_result(body)
 
     # ---- compute (worker thread) -----------------------------------------------------

@@ -65,7 +65,7 @@ class Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "parser", "transport", "peername", "queue", "task", "url", "fields",
                  "head_bytes", "in_head", "body_of", "buffered", "header_since", "idle_since", "rx",
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
-                 "error", "lost", "lingering", "eof", "closing")
+                 "error", "lost", "lingering", "eof", "closing", "cancel_on_loss")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -95,6 +95,7 @@ class Connection(asyncio.Protocol):
         self.lingering = 0  # stopped: bytes still to read and drop (_stop)
         self.closing = False  # the last answer is sent: the connection closes (_linger)
         self.eof = False  # the client has closed its side
+        self.cancel_on_loss = False  # the running handler waits on the model: a lost connection cancels it
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -120,6 +121,8 @@ class Connection(asyncio.Protocol):
             self.lost.set_result(None)
         if self.task is None:
             self.queue.clear()
+        elif self.cancel_on_loss:  # (set by the infer route while the core has its request)
+            self.task.cancel()
 
     def data_received(self, data: bytes) -> None:
         self.rx += 1
