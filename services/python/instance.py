@@ -44,6 +44,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # the worker imports services.
 _HIDDEN_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                       "triton_enable_empty_final_response", "binary_data_output")
 SEQUENCE_START, SEQUENCE_END = 1, 2
+_REQUEST_KEYS = itertools.count(1)
 StreamSink = Callable[["tuple[bytes | None, bool] | InferError"], None]
 
 
@@ -62,6 +63,12 @@ class WorkerSpec:
     load_timeout_s: float
     log_level: str = "INFO"
     tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
+
+
+def request_key() -> int:
+    """A new request's key on the worker socket: a process-wide counter, so a key is never reused
+    (an ``id()`` is, once its object is gone: a stale cancel for it would hit a later request)."""
+    return next(_REQUEST_KEYS)
 
 
 def _status(code: int) -> str:
@@ -105,7 +112,8 @@ class ModelWorker:
         self._inputs = RegionWriter(f"{self.prefix}-in")
         self._outputs = RegionReader()
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending]]] = {}
+        # batches sent to the worker: their future, requests and keys
+        self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending], Sequence[int]]] = {}
         self._streams: dict[int, StreamSink] = {}
         self._running: set[int] = set()  # keys of the requests in the batch execute() is running
         self._metric_requests: dict[int, asyncio.Future[object]] = {}
@@ -213,8 +221,9 @@ class ModelWorker:
             self._conn.send(msg)
 
     def cancel(self, key: int) -> None:
-        """A request's client went away: its responses are dropped and, if this worker runs it,
-        the model is told (``request.is_cancelled()``)."""
+        """A request's client went away: its responses are dropped and, if this worker still runs
+        it (its batch, or a decoupled request before its final response), the model is told
+        (``request.is_cancelled()``); a finished or unknown request is left alone."""
         if (self._streams.pop(key, None) is not None or key in self._running) and self.alive:
             try:
                 self._send(("cancel", key))
@@ -245,7 +254,7 @@ class ModelWorker:
             self._streams.update(sinks)
         batch_id = next(self._ids)
         fut: asyncio.Future[object] = self.loop.create_future()
-        self._pending[batch_id] = (fut, payloads)
+        self._pending[batch_id] = (fut, payloads, keys)
         try:
             self._send(("exec", batch_id, region.name if region else "", region.size if region else 0, metas))
         except OSError:
@@ -286,7 +295,7 @@ class ModelWorker:
         assert self.spec.tensors is not None, "a worker that runs warmup requests knows the model's tensors"
         pending = prepare(self.spec.tensors, request, NO_HOP)
         timeout = self.spec.execute_timeout_s or None
-        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [id(pending)]), self.loop).result(timeout)
+        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [request_key()]), self.loop).result(timeout)
         answer = out[0] if out else None
         if isinstance(answer, InferError):
             raise answer
@@ -352,13 +361,15 @@ class ModelWorker:
         entry = self._pending.pop(msg[1], None)
         if entry is None:
             return  # a batch that already timed out
-        fut, payloads = entry
+        fut, payloads, keys = entry
         value: object
         if kind == "done":
             _, _, region_name, region_size, results, elapsed_ns = msg
             value = (None if results is None else self._encode(payloads, region_name, region_size, results),
                      elapsed_ns)
-        else:  # "failed": execute() raised
+        else:  # "failed": execute() raised: a decoupled request ends with that error (model.py)
+            for key in keys:
+                self._streams.pop(key, None)
             # Triton 2.51's stub text (it names the instance "model")
             value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
         self.loop.call_soon_threadsafe(_settle, fut, value)
@@ -400,7 +411,7 @@ class ModelWorker:
             self.reason = f"{self.reason} ({status})"
         log.error("model instance '%s' is down: %s", self.name, self.reason)
         err = InferError.unavailable(self.down_message())
-        for fut, _ in self._pending.values():
+        for fut, _, _ in self._pending.values():
             _settle(fut, err)
         self._pending.clear()
         for sink in self._streams.values():

@@ -28,7 +28,7 @@ from services.base.runtime import RuntimeLoadError
 from services.base.scheduling.request import QueuedRequest, Scheduler
 from services.base.scheduling.sequence import SequenceBatch, SequenceBatcher
 from services.base.validation import Pending, require_single_row
-from services.python.instance import ModelWorker, StreamSink
+from services.python.instance import ModelWorker, StreamSink, request_key
 from services.sequence.model import policy_from_config, sequence_control
 
 log = logging.getLogger("meshserve.python")
@@ -40,7 +40,9 @@ class PythonModelVersion(ModelVersion):
     def __init__(self, config: mc.ModelConfig, version: int, model_dir: Path, workers: list[ModelWorker]):
         super().__init__(config, version, model_dir, list(workers), "python")  # type: ignore[arg-type]
         self.workers = workers
-        self._sinks: dict[int, StreamSink] = {}
+        # a decoupled request's worker key (a process-wide counter, never an id()) and where its
+        # responses go, from infer_stream until its final response or its end
+        self._streams: dict[QueuedRequest[Pending], tuple[int, StreamSink]] = {}
         self._restarts: set[asyncio.Task[None]] = set()
         self._closing = False
         for w in workers:
@@ -96,10 +98,10 @@ class PythonModelVersion(ModelVersion):
         if tracing.enabled:
             pending.spans = tracing.request_spans()
         answers: asyncio.Queue[tuple[bytes | None, bool] | InferError] = asyncio.Queue()
-        key = id(pending)
-        self._sinks[key] = answers.put_nowait
+        key = request_key()
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = self._queued(request, pending, deadline_ns, hop, fut)
+        self._streams[queued] = (key, answers.put_nowait)
         final = False
         outcome: asyncio.Task[bytes] | None = None
         try:
@@ -115,15 +117,20 @@ class PythonModelVersion(ModelVersion):
                 if final:
                     return
         finally:
-            self._sinks.pop(key, None)
+            self._streams.pop(queued, None)
+            # After the final response the request is over: its batch's outcome settles by itself
+            # (the worker may report the batch after the final), and nothing is cancelled.
+            # Before it, the client went away (or the stream failed): a real cancel.
             if not final:
-                fut.cancel()  # still queued: leaves the queue; running: the model sees is_cancelled()
-                for w in self.workers:
-                    w.cancel(key)
-            if outcome is not None and not outcome.done():
-                outcome.cancel()
-                with contextlib.suppress(BaseException):
-                    await outcome
+                if not fut.cancel():  # its batch is over, its responses still coming: tell the worker
+                    for w in self.workers:
+                        w.cancel(key)
+                # (a cancelled future leaves the queue, or tells the worker running its batch:
+                # _cancel_if_cancelled)
+                if outcome is not None and not outcome.done():
+                    outcome.cancel()
+                    with contextlib.suppress(BaseException):
+                        await outcome
 
     # ---- batches -----------------------------------------------------------------------
     def _take(self) -> ModelWorker:
@@ -150,8 +157,16 @@ class PythonModelVersion(ModelVersion):
                    release: Callable[[], None] | None) -> None:
         """Run ``batch`` on ``worker`` (``release`` once it ran); resolve every member's future."""
         start_ns = time.monotonic_ns()
-        keys = [id(q.payload) for q in batch]
-        sinks = {k: self._sinks[k] for k in keys if k in self._sinks} if self.decoupled else {}
+        keys: list[int] = []
+        sinks: dict[int, StreamSink] = {}
+        streams = self._streams
+        for q in batch:
+            stream = streams.get(q)
+            if stream is None:
+                keys.append(request_key())
+            else:
+                keys.append(stream[0])
+                sinks[stream[0]] = stream[1]
         # a request whose client went away, or whose deadline passes, while execute() runs: the
         # model is told (request.is_cancelled())
         loop = asyncio.get_running_loop()

@@ -73,6 +73,12 @@ class Worker:
         self.conn = conn
         self._send_lock = threading.Lock()
         self._inbox: queue.Queue[tuple | None] = queue.Queue()
+        # Requests this worker has received and not finished (a batch's until it returns; a
+        # decoupled one's until its final response, or its failed batch), and those of them whose
+        # client went away. A cancel for any other key is dropped, so ``_cancelled`` never
+        # outgrows ``_live``.
+        self._requests_lock = threading.Lock()
+        self._live: set[int] = set()
         self._cancelled: set[int] = set()
         self._inputs = RegionReader()
         self._outputs: RegionWriter | None = None
@@ -139,12 +145,24 @@ class Worker:
             except (EOFError, OSError):
                 self._inbox.put(None)  # the service is gone: finalize and exit
                 return
-            if msg[0] == "cancel":
-                self._cancelled.add(msg[1])
-            elif msg[0] == "metrics":  # answered here, also while execute() runs
+            kind = msg[0]
+            if kind == "exec":  # live from now: a cancel that comes while it waits is kept
+                with self._requests_lock:
+                    self._live.update(m[0] for m in msg[4])
+                self._inbox.put(msg)
+            elif kind == "cancel":
+                with self._requests_lock:
+                    if msg[1] in self._live:
+                        self._cancelled.add(msg[1])
+            elif kind == "metrics":  # answered here, also while execute() runs
                 self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
             else:
                 self._inbox.put(msg)
+
+    def _finished(self, keys: list[int]) -> None:
+        with self._requests_lock:
+            self._live.difference_update(keys)
+            self._cancelled.difference_update(keys)
 
     def _maybe_await(self, value: Any) -> Any:
         """Run a coroutine (``async def execute``/``initialize``) to completion on the worker's loop."""
@@ -194,11 +212,10 @@ class Worker:
                 return
             region_name, size, results = self._pack(requests, responses)
         except BaseException as exc:
+            self._finished([m[0] for m in metas])  # (the service ends a failed decoupled request too)
             self.send(("failed", batch_id, describe(exc)))
             return
-        finally:
-            for m in metas:
-                self._cancelled.discard(m[0])
+        self._finished([m[0] for m in metas])
         self.send(("done", batch_id, region_name, size, results, time.perf_counter_ns() - t0))
 
     def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any
@@ -247,7 +264,13 @@ class Worker:
     # ---- pb_utils.WorkerRuntime ----------------------------------------------------------
     def send_response(self, key: int, response: pb_utils.InferenceResponse | None, flags: int) -> None:
         if flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
-            self._cancelled.discard(key)  # the request is done: forget that it was cancelled
+            with self._requests_lock:
+                if key not in self._live:
+                    return  # (its batch failed: the service ended it with that error)
+                self._live.discard(key)
+                self._cancelled.discard(key)
+        elif key not in self._live:
+            return  # a response after the request ended: no one reads it
         if response is None:
             self.send(("resp", key, None, [], flags))
             return
@@ -262,7 +285,8 @@ class Worker:
         self.send(("resp", key, None, outs, flags))
 
     def is_cancelled(self, key: int) -> bool:
-        return key in self._cancelled
+        """True once the request's client went away, and for a request that has ended."""
+        return key in self._cancelled or key not in self._live
 
     def bls_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
         if self._bls is None:
