@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import json
 import logging
@@ -472,6 +473,7 @@ class _Process:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
         _kill_group(pid)
         self.proc.wait()
+        reap_session(pid)
         self.exited.set()
         self.channel.shutdown()
 
@@ -484,6 +486,39 @@ class _Process:
     def status(self) -> str:
         code = self.proc.returncode
         return "exited" if code is None else _status(code)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Make the service the subreaper of its workers' descendants: what a model started becomes
+    the service's child when its worker dies, not init's, so the service reaps it
+    (``reap_session``): no zombie piles up where the service runs as a container's pid 1."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_session(sid: int) -> None:
+    """Kill and reap this process's children in session ``sid`` (a dead worker's: what its model
+    started, orphaned; only that worker's descendants can be in a session of its pid)."""
+    me = os.getpid()
+    orphans = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and int(fields[3]) == sid:
+            orphans.append(int(entry))
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _kill_group(pid: int) -> None:

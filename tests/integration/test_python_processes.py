@@ -5,7 +5,8 @@ service watches the worker by its pid, not by the socket's end).
 
 Each worker leads a process group of its own; the model's children are in it. Checked by
 scanning /proc: the group's members and the recorded pids are gone after a worker is killed, the
-model is unloaded, the service stops, and the service is killed with SIGKILL."""
+model is unloaded, the service stops, and the service is killed with SIGKILL; nothing is left as
+a zombie of the service (it is its workers' descendants' subreaper)."""
 from __future__ import annotations
 
 import contextlib
@@ -81,6 +82,17 @@ def gone(pid: int) -> bool:
     return stat is None or stat[0] == "Z"  # (a zombie waits for init to reap it: it runs nothing)
 
 
+def zombies_of(ppid: int) -> set[int]:
+    """Children of ``ppid`` that ended and were never reaped."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None and stat[0] == "Z" and int(stat[1]) == ppid:
+                found.add(int(entry.name))
+    return found
+
+
 def group(pgid: int) -> set[int]:
     """The live processes of process group ``pgid``."""
     members = set()
@@ -141,6 +153,8 @@ def test_a_killed_worker_restarts_though_children_of_its_model_hold_its_socket(r
                        what=f"the killed worker's process group {sorted(members)} gone")
             infer(proc, "forker_escape")
             escaped.append(starts(repo, "forker_escape")[1][3])
+            # what the model left behind became the service's (its subreaper) and was reaped
+            assert not zombies_of(proc.proc.pid)
     finally:  # a child that left the group (setsid) is out of the service's reach, as in Triton
         for pid in escaped:
             with contextlib.suppress(ProcessLookupError):
@@ -157,6 +171,7 @@ def test_unloading_the_model_ends_everything_its_instance_started(repo: Path) ->
         eventually(lambda: all(gone(p) for p in members), timeout=30,
                    what=f"the unloaded instance's processes {sorted(members)} gone")
         assert proc.proc.poll() is None
+        assert not zombies_of(proc.proc.pid)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
