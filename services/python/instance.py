@@ -330,7 +330,7 @@ class ModelWorker:
                 kind = msg[0]
                 if kind == "done" and msg[2] is not None and msg[2][2]:  # its new output region's descriptor
                     self._outputs.get(msg[2][0], msg[2][1], channel.recv_fd())
-            except (EOFError, OSError) as exc:
+            except Exception as exc:  # (EOFError: the socket ended; anything else: a broken message)
                 if not isinstance(exc, EOFError) and not process.exited.is_set():
                     log.error("instance '%s': the worker broke the protocol (%s); killing it", self.name, exc)
                     process.kill()
