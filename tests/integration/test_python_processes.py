@@ -137,11 +137,9 @@ def infer(proc: Proc, model: str) -> None:
 
 
 def test_a_killed_worker_restarts_though_children_of_its_model_hold_its_socket(repo: Path) -> None:
-    escaped: list[int] = []
     try:
         with service(repo, "forker_escape") as proc:
             ((worker, popen, forked, escaped_pid),) = starts(repo, "forker_escape")
-            escaped.append(escaped_pid)
             # (the escaping child calls setsid() right after its fork)
             def without_escaped() -> set[int] | None:
                 members = group(worker)
@@ -157,11 +155,10 @@ def test_a_killed_worker_restarts_though_children_of_its_model_hold_its_socket(r
             eventually(lambda: all(gone(p) for p in members), timeout=10,
                        what=f"the killed worker's process group {sorted(members)} gone")
             infer(proc, "forker_escape")
-            escaped.append(starts(repo, "forker_escape")[1][3])
             # what the model left behind became the service's (its subreaper) and was reaped
             assert not zombies_of(proc.proc.pid)
     finally:  # a child that left the group (setsid) is out of the service's reach, as in Triton
-        for pid in escaped:
+        for *_, pid in starts(repo, "forker_escape"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
