@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from load.bench import procs
-from services.python.ipc import RegionReader, RegionWriter, TensorRef, aligned
+from services.python.ipc import Channel, Region, RegionReader, RegionWriter, TensorRef, aligned, region_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCHING = "dynamic_batching { max_queue_delay_microseconds: 2000 }\n"
@@ -111,11 +112,12 @@ def serving(args: argparse.Namespace) -> None:
 
 # ---- --ipc: the transport alone ----------------------------------------------------------------
 
-def _echo_shm(conn: Connection) -> None:
-    inputs, outputs = RegionReader(), RegionWriter(f"ipcbench-{id(conn)}-out")
+def _echo_shm(sock: socket.socket) -> None:
+    conn = Channel(sock)
+    inputs, outputs = RegionReader(), RegionWriter("ipcbench-out")
     while (msg := conn.recv()) is not None:
-        name, size, refs = msg
-        region = inputs.get(name, size)
+        (generation, size, follows), refs = msg
+        region = inputs.get(generation, size, conn.recv_fd() if follows else -1)
         arrays = [np.frombuffer(region.map, np.float32, r.nbytes // 4, r.offset) for r in refs]
         total = sum(aligned(a.nbytes) for a in arrays)
         out = outputs.ensure(total)
@@ -125,9 +127,14 @@ def _echo_shm(conn: Connection) -> None:
             back.append(TensorRef(r.name, "FP32", r.shape, off, a.nbytes))
             off += aligned(a.nbytes)
         del arrays
-        conn.send((out.name, out.size, back))
+        conn.send(*_announced(out, back))
     outputs.close()
     inputs.close()
+
+
+def _announced(region: Region, refs: list[TensorRef]) -> tuple[tuple, int]:
+    ref, fd = region_ref(region)
+    return (ref, refs), fd
 
 
 def _echo_pickle(conn: Connection) -> None:
@@ -142,24 +149,31 @@ def ipc(args: argparse.Namespace) -> None:
         rounds = max(20, min(2000, (64 << 20) // nbytes))
         results = {}
         for label, target in (("shm", _echo_shm), ("pickle", _echo_pickle)):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(theirs,))
+            chan: Channel | None = None
+            if label == "shm":  # messages on the channel's connection, region descriptors beside them
+                here, there = socket.socketpair()
+                chan = Channel(here)
+                ours = chan.conn
+                proc = ctx.Process(target=target, args=(there,))
+            else:
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=target, args=(theirs,))
             proc.start()
-            writer, reader = RegionWriter(f"ipcbench-{proc.pid}-in"), RegionReader()
+            writer, reader = RegionWriter("ipcbench-in"), RegionReader()
             best = float("inf")
             for _ in range(5):
                 t0 = time.perf_counter()
                 for _ in range(rounds):
-                    if label == "shm":
+                    if chan is not None:
                         region = writer.ensure(sum(aligned(a.nbytes) for a in arrays.values()))
                         refs, off = [], 0
                         for name, a in arrays.items():
                             region.write(off, a)
                             refs.append(TensorRef(name, "FP32", a.shape, off, a.nbytes))
                             off += aligned(a.nbytes)
-                        ours.send((region.name, region.size, refs))
-                        name, size, back = ours.recv()
-                        out = reader.get(name, size)
+                        chan.send(*_announced(region, refs))
+                        (generation, size, follows), back = ours.recv()
+                        out = reader.get(generation, size, chan.recv_fd() if follows else -1)
                         got = [bytes(out.view(r.offset, r.nbytes)) for r in back]  # the response's copy
                     else:
                         ours.send(arrays)

@@ -15,7 +15,7 @@ from services.base.runtime import RuntimeInstance, RuntimeLoadError, config_para
 from services.base.validation import ModelTensors
 from services.base.warmup import run_warmup
 from services.python.autocomplete import config_json
-from services.python.instance import ModelWorker, WorkerSpec
+from services.python.instance import ModelWorker, WorkerSpec, become_subreaper
 from services.python.model import PythonModelVersion
 
 # model config parameter: seconds one execute() may take before its worker is killed and restarted
@@ -40,6 +40,7 @@ class PythonServiceCore(ServiceCore):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        become_subreaper()  # what a model leaves behind is reaped, not left to init (instance.py:reap_session)
         await super().start()
 
     async def stop(self, drain: bool = True) -> None:

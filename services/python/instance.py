@@ -11,19 +11,20 @@ restarts the worker with backoff (services/python/model.py); other instances and
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import itertools
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import cast
 
@@ -35,7 +36,7 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import NO_HOP
 from services.base.runtime import RuntimeLoadError
 from services.base.validation import ModelTensors, Pending, prepare
-from services.python.ipc import SHM_DIR, RegionReader, RegionWriter, TensorRef, aligned, unlink
+from services.python.ipc import Channel, RegionReader, RegionRef, RegionWriter, TensorRef, aligned, region_ref
 
 log = logging.getLogger("meshserve.python")
 
@@ -44,6 +45,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])  # the worker imports services.
 _HIDDEN_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                       "triton_enable_empty_final_response", "binary_data_output")
 SEQUENCE_START, SEQUENCE_END = 1, 2
+_REQUEST_KEYS = itertools.count(1)
 StreamSink = Callable[["tuple[bytes | None, bool] | InferError"], None]
 
 
@@ -62,6 +64,12 @@ class WorkerSpec:
     load_timeout_s: float
     log_level: str = "INFO"
     tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
+
+
+def request_key() -> int:
+    """A new request's key on the worker socket: a process-wide counter, so a key is never reused
+    (an ``id()`` is, once its object is gone: a stale cancel for it would hit a later request)."""
+    return next(_REQUEST_KEYS)
 
 
 def _status(code: int) -> str:
@@ -95,22 +103,20 @@ class ModelWorker:
     def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop):
         self.spec = spec
         self.loop = loop
-        self.prefix = f"meshserve-py-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.alive = False
         self.reason = ""  # why it is down
         self.failures = 0  # consecutive deaths (restart backoff)
         self.on_death: Callable[[ModelWorker], None] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._inputs = RegionWriter(f"{self.prefix}-in")
+        self._process: _Process | None = None
+        self._inputs = RegionWriter("meshserve-py-in")
         self._outputs = RegionReader()
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending]]] = {}
+        # batches sent to the worker: their future, requests and keys
+        self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending], Sequence[int]]] = {}
         self._streams: dict[int, StreamSink] = {}
         self._running: set[int] = set()  # keys of the requests in the batch execute() is running
         self._metric_requests: dict[int, asyncio.Future[object]] = {}
         self._stopping = False
-        self._send_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -118,7 +124,7 @@ class ModelWorker:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._process.proc.pid if self._process is not None else None
 
     # ---- lifecycle (start/stop block: call them off the event loop) ----------------------
     def start(self) -> None:
@@ -132,89 +138,82 @@ class ModelWorker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "services.python.worker", str(theirs.fileno())],
-                                          pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)  # signals to our group are ours alone
+            # a session and process group of its own: signals to the service's group are the
+            # service's alone, and the worker's group (whatever the model starts) is killed with it
+            proc = subprocess.Popen([sys.executable, "-m", "services.python.worker", str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
-        conn = Connection(ours.detach())
-        self._conn = conn
+        process = self._process = _Process(proc, Channel(ours))
         self._stopping = False
-        conn.send(("init", {"model_py": str(self.spec.model_py), "args": self.spec.args, "instance": self.name,
-                            "decoupled": self.spec.decoupled, "bls_target": self.spec.bls_target,
-                            "output_prefix": f"{self.prefix}-out", "log_level": self.spec.log_level}))
+        threading.Thread(target=process.watch, name=f"{self.name}-watcher", daemon=True).start()
+        process.reader = threading.Thread(target=self._read, args=(process,), name=f"{self.name}-reader",
+                                          daemon=True)
+        process.reader.start()
+        self._send(("init", {"model_py": str(self.spec.model_py), "args": self.spec.args, "instance": self.name,
+                             "decoupled": self.spec.decoupled, "bls_target": self.spec.bls_target,
+                             "log_level": self.spec.log_level}))
 
     def wait_initialized(self) -> None:
         """Wait for the spawned worker's initialize(); RuntimeLoadError (worker killed) if it fails."""
-        conn, proc = self._conn, self._proc
-        assert conn is not None and proc is not None
+        process = self._process
+        assert process is not None
         try:
-            if not conn.poll(self.spec.load_timeout_s):
-                raise RuntimeLoadError(f"model '{self.spec.model}': instance '{self.name}' did not initialize "
-                                       f"within {self.spec.load_timeout_s:g} s")
-            msg = conn.recv()
-        except (EOFError, OSError):
-            code = proc.wait()
+            msg = process.init.get(timeout=self.spec.load_timeout_s)
+        except queue.Empty:
+            process.kill()
+            raise RuntimeLoadError(f"model '{self.spec.model}': instance '{self.name}' did not initialize "
+                                   f"within {self.spec.load_timeout_s:g} s") from None
+        if msg is None:  # it exited
             raise RuntimeLoadError(f"model '{self.spec.model}': the worker of instance '{self.name}' "
-                                   f"{_status(code)} while loading") from None
-        except RuntimeLoadError:
-            self._kill()
-            raise
+                                   f"{process.status()} while loading")
         if msg[0] == "init_error":
-            self._kill()
+            process.kill()
             raise RuntimeLoadError(f"model '{self.spec.model}': initialize() of instance '{self.name}' failed: "
                                    f"{msg[1]}")
-        self.alive, self.reason = True, ""
-        threading.Thread(target=self._read, args=(conn, proc), name=f"{self.name}-reader",
-                         daemon=True).start()
-
-    def _kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
 
     def close(self) -> None:
-        """Stop the worker (finalize() runs), kill it if it does not exit within 5 s."""
+        """Stop the worker (finalize() runs), kill it if it does not exit within 5 s; whatever
+        the model started (the worker's process group) is killed with it."""
         self._stopping = True
         self.alive = False
-        if self._conn is not None:
+        process = self._process
+        if process is not None:
             try:
                 self._send(("stop",))
             except OSError:
                 pass
-        if self._proc is not None:
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._kill()
-        self._cleanup_regions()
-
-    def _cleanup_regions(self) -> None:
+            if not process.exited.wait(5):
+                process.kill()
+            if process.reader is not None:
+                process.reader.join(5)
         self._inputs.close()
         self._outputs.close()
-        for leftover in SHM_DIR.glob(f"{self.prefix}-*"):  # a killed worker's output regions
-            unlink(leftover.name)
 
     def kill(self, reason: str) -> None:
         """Kill a worker that misbehaves (a hung execute); the reader reports it as dead."""
         self.reason = reason
         self.alive = False
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
+        if self._process is not None and not self._process.exited.is_set():
+            _kill_group(self._process.proc.pid)
 
     def down_message(self) -> str:
         """Triton's text for a dead stub, with why and what happens next."""
         return f"Stub process '{self.name}' is not healthy ({self.reason or 'not started'})."
 
     # ---- batches (event loop) ----------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
-        assert self._conn is not None
-        with self._send_lock:
-            self._conn.send(msg)
+    def _send(self, msg: tuple, fd: int = -1) -> None:
+        assert self._process is not None
+        self._process.channel.send(msg, fd)
 
     def cancel(self, key: int) -> None:
-        """A request's client went away: its responses are dropped and, if this worker runs it,
-        the model is told (``request.is_cancelled()``)."""
+        """A request's client went away: its responses are dropped and, if this worker still runs
+        it (its batch, or a decoupled request before its final response), the model is told
+        (``request.is_cancelled()``); a finished or unknown request is left alone."""
         if (self._streams.pop(key, None) is not None or key in self._running) and self.alive:
             try:
                 self._send(("cancel", key))
@@ -234,10 +233,12 @@ class ModelWorker:
         for p, key in zip(payloads, keys, strict=True):
             refs = []
             for name, item in p.inputs.items():
-                assert region is not None
-                region.write(offset, item.data)
-                refs.append(TensorRef(name, item.spec.datatype, item.shape, offset, len(item.data)))
-                offset += aligned(len(item.data))
+                size = len(item.data)
+                if size:  # (an empty tensor, a 0 in its shape, has no bytes: maybe no region)
+                    assert region is not None
+                    region.write(offset, item.data)
+                refs.append(TensorRef(name, item.spec.datatype, item.shape, offset, size))
+                offset += aligned(size)
             params, corrid, flags = _parameters(p.request)
             wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
             metas.append((key, p.request.id, corrid, flags, params, wanted, refs))
@@ -245,9 +246,10 @@ class ModelWorker:
             self._streams.update(sinks)
         batch_id = next(self._ids)
         fut: asyncio.Future[object] = self.loop.create_future()
-        self._pending[batch_id] = (fut, payloads)
+        self._pending[batch_id] = (fut, payloads, keys)
+        ref, fd = region_ref(region) if region is not None else (None, -1)
         try:
-            self._send(("exec", batch_id, region.name if region else "", region.size if region else 0, metas))
+            self._send(("exec", batch_id, ref, metas), fd)
         except OSError:
             self._pending.pop(batch_id, None)
             raise InferError.unavailable(self.down_message()) from None
@@ -286,7 +288,7 @@ class ModelWorker:
         assert self.spec.tensors is not None, "a worker that runs warmup requests knows the model's tensors"
         pending = prepare(self.spec.tensors, request, NO_HOP)
         timeout = self.spec.execute_timeout_s or None
-        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [id(pending)]), self.loop).result(timeout)
+        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [request_key()]), self.loop).result(timeout)
         answer = out[0] if out else None
         if isinstance(answer, InferError):
             raise answer
@@ -317,20 +319,42 @@ class ModelWorker:
             self._metric_requests.pop(ask, None)
 
     # ---- the reader thread ---------------------------------------------------------------
-    def _read(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
+    def _read(self, process: _Process) -> None:
+        """Take the worker's messages until its socket ends (the watcher ends it when the process
+        exits, whoever else holds the worker's end), then report the death."""
+        channel = process.channel
+        serving = False
         while True:
             try:
-                msg = conn.recv()
-            except (EOFError, OSError):
+                msg = channel.recv()
+                kind = msg[0]
+                if kind == "done" and msg[2] is not None and msg[2][2]:  # its new output region's descriptor
+                    self._outputs.get(msg[2][0], msg[2][1], channel.recv_fd())
+            except Exception as exc:  # (EOFError: the socket ended; anything else: a broken message)
+                if not isinstance(exc, EOFError) and not process.exited.is_set():
+                    log.error("instance '%s': the worker broke the protocol (%s); killing it", self.name, exc)
+                    process.kill()
                 break
+            if kind == "ready":
+                serving = True
+                self.alive, self.reason = True, ""
+                process.init.put(msg)
+                continue
+            if kind == "init_error":
+                process.init.put(msg)
+                continue
             try:
                 self._dispatch(msg)
             except Exception:
                 log.exception("instance '%s': bad message from the worker", self.name)
-        code = proc.wait()
-        conn.close()
+        if not process.exited.wait(5):  # its socket ended, the process did not: it goes now
+            process.kill()
+        channel.close()
+        if not serving:
+            process.init.put(None)
+            return
         try:
-            self.loop.call_soon_threadsafe(self._died, _status(code))
+            self.loop.call_soon_threadsafe(self._died, process.status())
         except RuntimeError:
             pass  # the service's loop is closed: it is shutting down
 
@@ -352,30 +376,33 @@ class ModelWorker:
         entry = self._pending.pop(msg[1], None)
         if entry is None:
             return  # a batch that already timed out
-        fut, payloads = entry
+        fut, payloads, keys = entry
         value: object
         if kind == "done":
-            _, _, region_name, region_size, results, elapsed_ns = msg
-            value = (None if results is None else self._encode(payloads, region_name, region_size, results),
-                     elapsed_ns)
-        else:  # "failed": execute() raised
+            _, _, ref, results, elapsed_ns = msg
+            value = (None if results is None else self._encode(payloads, ref, results), elapsed_ns)
+        else:  # "failed": execute() raised: a decoupled request ends with that error (model.py)
+            for key in keys:
+                self._streams.pop(key, None)
             # Triton 2.51's stub text (it names the instance "model")
             value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
         self.loop.call_soon_threadsafe(_settle, fut, value)
 
-    def _encode(self, payloads: Sequence[Pending], region_name: str, region_size: int,
-                results: list) -> list[bytes | InferError]:
-        region = self._outputs.get(region_name, region_size) if region_name else None
+    def _encode(self, payloads: Sequence[Pending], ref: RegionRef | None, results: list) -> list[bytes | InferError]:
+        region = self._outputs.get(ref[0], ref[1], -1) if ref is not None else None
         out: list[bytes | InferError] = []
         for p, (err, refs) in zip(payloads, results, strict=True):
             if err is not None:
                 out.append(InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1]))
                 continue
             resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version, id=p.request.id)
-            for ref in refs:
+            for t in refs:
+                resp.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+                if t.nbytes == 0:  # an empty tensor
+                    resp.raw_output_contents.append(b"")
+                    continue
                 assert region is not None
-                resp.outputs.add(name=ref.name, datatype=ref.datatype, shape=ref.shape)
-                resp.raw_output_contents.append(bytes(region.view(ref.offset, ref.nbytes)))
+                resp.raw_output_contents.append(bytes(region.view(t.offset, t.nbytes)))
             out.append(resp.SerializeToString())
         return out
 
@@ -400,13 +427,14 @@ class ModelWorker:
             self.reason = f"{self.reason} ({status})"
         log.error("model instance '%s' is down: %s", self.name, self.reason)
         err = InferError.unavailable(self.down_message())
-        for fut, _ in self._pending.values():
+        for fut, _, _ in self._pending.values():
             _settle(fut, err)
         self._pending.clear()
         for sink in self._streams.values():
             sink(err)
         self._streams.clear()
-        self._cleanup_regions()
+        self._inputs.close()  # a restarted worker gets new regions
+        self._outputs.close()
         self.failures += 1
         if self.on_death is not None:
             self.on_death(self)
@@ -424,3 +452,78 @@ def _settle(fut: asyncio.Future[object], value: object) -> None:
     else:
         fut.set_result(value)
 
+
+
+class _Process:
+    """One start of a worker: its process, socket and fate (a restart gets a new one)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], channel: Channel):
+        self.proc = proc
+        self.channel = channel
+        self.exited = threading.Event()  # set once the process is reaped and its group killed
+        self.init: queue.Queue[tuple | None] = queue.Queue()  # "ready" or "init_error"; None: it exited
+        self.reader: threading.Thread | None = None
+
+    def watch(self) -> None:
+        """Wait for the process's exit by its pid (a process the model forked may hold the worker's
+        end of the socket, so no EOF would come), kill its process group (what the model started)
+        while the pid cannot be reused (not yet reaped), reap it, and end the reader's wait."""
+        pid = self.proc.pid
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        _kill_group(pid)
+        self.proc.wait()
+        reap_session(pid)
+        self.exited.set()
+        self.channel.shutdown()
+
+    def kill(self) -> None:
+        """Kill the worker and its process group; returns once it is reaped."""
+        if not self.exited.is_set():
+            _kill_group(self.proc.pid)
+        self.exited.wait()
+
+    def status(self) -> str:
+        code = self.proc.returncode
+        return "exited" if code is None else _status(code)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Make the service the subreaper of its workers' descendants: what a model started becomes
+    the service's child when its worker dies, not init's, so the service reaps it
+    (``reap_session``): no zombie piles up where the service runs as a container's pid 1."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_session(sid: int) -> None:
+    """Kill and reap this process's children in session ``sid`` (a dead worker's: what its model
+    started, orphaned; only that worker's descendants can be in a session of its pid)."""
+    me = os.getpid()
+    orphans = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and int(fields[3]) == sid:
+            orphans.append(int(entry))
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a worker and its process group (the worker leads it: started in a session of its
+    own; the worker itself too, should the model have moved it to another group)."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(target, signal.SIGKILL)

@@ -27,7 +27,7 @@ from services.base.model import ModelVersion
 from services.base.scheduling.request import QueuedRequest, Scheduler
 from services.base.scheduling.sequence import SequenceBatch, SequenceBatcher
 from services.base.validation import Pending, require_single_row
-from services.python.instance import ModelWorker, StreamSink
+from services.python.instance import ModelWorker, StreamSink, request_key
 from services.python.sequence_io import SequenceIO
 from services.sequence.model import policy_from_config, sequence_control
 
@@ -40,7 +40,9 @@ class PythonModelVersion(ModelVersion):
     def __init__(self, config: mc.ModelConfig, version: int, model_dir: Path, workers: list[ModelWorker]):
         super().__init__(config, version, model_dir, list(workers), "python")  # type: ignore[arg-type]
         self.workers = workers
-        self._sinks: dict[int, StreamSink] = {}
+        # a decoupled request's worker key (a process-wide counter, never an id()) and where its
+        # responses go, from infer_stream until its final response or its end
+        self._streams: dict[QueuedRequest[Pending], tuple[int, StreamSink]] = {}
         self._restarts: set[asyncio.Task[None]] = set()
         self._closing = False
         for w in workers:
@@ -99,10 +101,10 @@ class PythonModelVersion(ModelVersion):
         if tracing.enabled:
             pending.spans = tracing.request_spans()
         answers: asyncio.Queue[tuple[bytes | None, bool] | InferError] = asyncio.Queue()
-        key = id(pending)
-        self._sinks[key] = answers.put_nowait
+        key = request_key()
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = self._queued(request, pending, deadline_ns, hop, fut)
+        self._streams[queued] = (key, answers.put_nowait)
         final = ended = False  # ended: by an error (the model's, or its batch's)
         outcome: asyncio.Task[bytes] | None = None
         try:
@@ -119,18 +121,20 @@ class PythonModelVersion(ModelVersion):
                 if final:
                     return
         finally:
-            self._sinks.pop(key, None)
-            if not final:
-                if not ended:  # the client left: still queued, it leaves the queue (counted as cancelled)
-                    fut.cancel()
-                for w in self.workers:  # running: the model sees is_cancelled()
-                    w.cancel(key)
-            if outcome is not None and not outcome.done() and not (final or ended):
-                outcome.cancel()
-                with contextlib.suppress(BaseException):
-                    await outcome
-            # (after its final response the request's batch may still run: its outcome then
-            # resolves by itself, and the statistics count it once, as a success)
+            self._streams.pop(queued, None)
+            # After the final response (or an error) the request is over: its batch's outcome
+            # settles by itself (the worker may report the batch after the final), and nothing is
+            # cancelled. Before it, the client went away: a real cancel.
+            if not (final or ended):
+                if not fut.cancel():  # its batch is over, its responses still coming: tell the worker
+                    for w in self.workers:
+                        w.cancel(key)
+                # (a cancelled future leaves the queue, counted as cancelled, or tells the worker
+                # running its batch: _cancel_if_cancelled)
+                if outcome is not None and not outcome.done():
+                    outcome.cancel()
+                    with contextlib.suppress(BaseException):
+                        await outcome
 
     # ---- batches -----------------------------------------------------------------------
     def _take(self) -> ModelWorker:
@@ -159,8 +163,16 @@ class PythonModelVersion(ModelVersion):
         """Run ``batch`` on ``worker`` (``release`` once it ran; ``answered`` sees the answers
         first); resolve every member's future."""
         start_ns = time.monotonic_ns()
-        keys = [id(q.payload) for q in batch]
-        sinks = {k: self._sinks[k] for k in keys if k in self._sinks} if self.decoupled else {}
+        keys: list[int] = []
+        sinks: dict[int, StreamSink] = {}
+        streams = self._streams
+        for q in batch:
+            stream = streams.get(q)
+            if stream is None:
+                keys.append(request_key())
+            else:
+                keys.append(stream[0])
+                sinks[stream[0]] = stream[1]
         # a request whose client went away, or whose deadline passes, while execute() runs: the
         # model is told (request.is_cancelled())
         loop = asyncio.get_running_loop()

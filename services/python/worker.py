@@ -2,11 +2,11 @@
 process per instance.
 
 Started by the service (services/python/instance.py) as ``python -m services.python.worker FD``
-with one end of a socket pair. It loads ``model.py`` (``TritonPythonModel``) with Triton's
-``initialize(args)``, then runs ``execute(requests)`` for each batch the service sends: input
-tensors are numpy views of the service's shared-memory region, outputs are written into the
-worker's own region (services/python/ipc.py); only names, shapes and offsets travel on the
-socket. A decoupled model's responses (its response sender, from any thread) travel on the socket
+with one end of a socket pair, in a process group of its own. It loads ``model.py``
+(``TritonPythonModel``) with Triton's ``initialize(args)``, then runs ``execute(requests)`` for
+each batch the service sends: input tensors are numpy views of the service's shared-memory
+region, outputs are written into the worker's own region (services/python/ipc.py: anonymous
+memory passed by descriptor over the socket); only names, shapes and offsets travel as messages. A decoupled model's responses (its response sender, from any thread) travel on the socket
 with their bytes. ``finalize()`` runs when the service stops the worker or goes away.
 
 ``python -m services.python.worker --autocomplete MODEL.py`` reads a JSON ModelConfig on stdin,
@@ -22,11 +22,12 @@ import logging
 import os
 import queue
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from services.python import pb_utils
-from services.python.ipc import RegionReader, RegionWriter, TensorRef, aligned
+from services.python.ipc import Channel, Region, RegionReader, RegionWriter, TensorRef, aligned, region_ref
 
 log = logging.getLogger("meshserve.python.worker")
 
@@ -70,13 +71,18 @@ def load_model_module(model_py: Path, name: str) -> ModuleType:
 class Worker:
     """The worker side of one model instance (implements pb_utils.WorkerRuntime)."""
 
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self._send_lock = threading.Lock()
+    def __init__(self, channel: Channel):
+        self.channel = channel
         self._inbox: queue.Queue[tuple | None] = queue.Queue()
+        # Requests this worker has received and not finished (a batch's until it returns; a
+        # decoupled one's until its final response, or its failed batch), and those of them whose
+        # client went away. A cancel for any other key is dropped, so ``_cancelled`` never
+        # outgrows ``_live``.
+        self._requests_lock = threading.Lock()
+        self._live: set[int] = set()
         self._cancelled: set[int] = set()
         self._inputs = RegionReader()
-        self._outputs: RegionWriter | None = None
+        self._outputs = RegionWriter("meshserve-py-out")
         self.model: Any = None
         self.decoupled = False
         self.instance = ""
@@ -84,13 +90,12 @@ class Worker:
         self._bls: Any = None
         self._bls_target = ""
 
-    def send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self.conn.send(msg)
+    def send(self, msg: tuple, fd: int = -1) -> None:
+        self.channel.send(msg, fd)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def run(self) -> None:
-        msg = self.conn.recv()
+        msg = self.channel.recv()
         opts = msg[1]
         try:
             self._load(opts)
@@ -113,7 +118,6 @@ class Worker:
         self.instance = opts["instance"]
         self.decoupled = opts["decoupled"]
         self._bls_target = opts.get("bls_target") or ""
-        self._outputs = RegionWriter(opts["output_prefix"])
         logging.basicConfig(level=opts.get("log_level", "INFO"),
                             format=f"%(asctime)s %(levelname)s [{self.instance}] %(name)s: %(message)s")
         pb_utils._install(self)
@@ -132,22 +136,36 @@ class Worker:
             except Exception:
                 log.exception("finalize() of %s raised", self.instance)
         self._inputs.close()
-        if self._outputs is not None:
-            self._outputs.close()
+        self._outputs.close()
 
     def _read(self) -> None:
         while True:
             try:
-                msg = self.conn.recv()
+                msg = self.channel.recv()
+                kind = msg[0]
+                if kind == "exec" and msg[2] is not None:  # (generation, size, its descriptor follows)
+                    generation, size, follows = msg[2]
+                    msg = (kind, msg[1], (generation, size, self.channel.recv_fd() if follows else -1), msg[3])
             except (EOFError, OSError):
                 self._inbox.put(None)  # the service is gone: finalize and exit
                 return
-            if msg[0] == "cancel":
-                self._cancelled.add(msg[1])
-            elif msg[0] == "metrics":  # answered here, also while execute() runs
+            if kind == "exec":  # live from now: a cancel that comes while it waits is kept
+                with self._requests_lock:
+                    self._live.update(m[0] for m in msg[3])
+                self._inbox.put(msg)
+            elif kind == "cancel":
+                with self._requests_lock:
+                    if msg[1] in self._live:
+                        self._cancelled.add(msg[1])
+            elif kind == "metrics":  # answered here, also while execute() runs
                 self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
             else:
                 self._inbox.put(msg)
+
+    def _finished(self, keys: list[int]) -> None:
+        with self._requests_lock:
+            self._live.difference_update(keys)
+            self._cancelled.difference_update(keys)
 
     def _maybe_await(self, value: Any) -> Any:
         """Run a coroutine (``async def execute``/``initialize``) to completion on the worker's loop."""
@@ -158,12 +176,17 @@ class Worker:
         return self._loop.run_until_complete(value)
 
     # ---- execute -----------------------------------------------------------------------
-    def _requests(self, region_name: str, region_size: int, metas: list[RequestMeta]) -> list[pb_utils.InferenceRequest]:
-        region = self._inputs.get(region_name, region_size) if region_name else None
+    def _requests(self, where: tuple[int, int, int] | None, metas: list[RequestMeta]) -> list[pb_utils.InferenceRequest]:
+        region = self._inputs.get(*where) if where is not None else None
         out = []
         for key, request_id, corrid, flags, params, wanted, refs in metas:
             tensors = []
             for ref in refs:
+                if ref.nbytes == 0:  # an empty tensor (a 0 in its shape): no bytes, maybe no region
+                    arr = np.empty(ref.shape, dtype=np.object_ if ref.datatype == "BYTES"
+                                   else pb_utils.wire_to_numpy(ref.datatype))
+                    tensors.append(pb_utils.Tensor(ref.name, arr))
+                    continue
                 assert region is not None
                 if ref.datatype == "BYTES":
                     arr = pb_utils.deserialize_bytes_tensor(region.view(ref.offset, ref.nbytes)).reshape(ref.shape)
@@ -183,29 +206,28 @@ class Worker:
         return out
 
     def _execute(self, msg: tuple) -> None:
-        _, batch_id, region_name, region_size, metas = msg
+        _, batch_id, where, metas = msg
         t0 = time.perf_counter_ns()
         try:
-            requests = self._requests(region_name, region_size, metas)
+            requests = self._requests(where, metas)
             responses = self._maybe_await(self.model.execute(requests))
             if self.decoupled:
                 if responses is not None:
                     raise pb_utils.TritonModelException(
                         "the execute() of a decoupled model must return None (its responses go through "
                         "the response sender)")
-                self.send(("done", batch_id, "", 0, None, time.perf_counter_ns() - t0))
+                self.send(("done", batch_id, None, None, time.perf_counter_ns() - t0))
                 return
-            region_name, size, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
+            region, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
         except BaseException as exc:
+            self._finished([m[0] for m in metas])  # (the service ends a failed decoupled request too)
             self.send(("failed", batch_id, describe(exc)))
             return
-        finally:
-            for m in metas:
-                self._cancelled.discard(m[0])
-        self.send(("done", batch_id, region_name, size, results, time.perf_counter_ns() - t0))
+        self._finished([m[0] for m in metas])
+        ref, fd = region_ref(region) if region is not None else (None, -1)
+        self.send(("done", batch_id, ref, results, time.perf_counter_ns() - t0), fd)
 
-    def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any
-              ) -> tuple[str, int, list[ResponseMeta]]:
+    def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any) -> tuple[Region | None, list[ResponseMeta]]:
         """Write the responses' outputs into the output region; their metadata for the service."""
         if not isinstance(responses, list):
             raise pb_utils.TritonModelException(f"Expected a list in the execute return, got {type(responses).__name__}")
@@ -233,24 +255,30 @@ class Worker:
                 outs.append((t.name(), datatype, tuple(arr.shape), data))
                 total += aligned(data.nbytes)
             staged.append((None, outs))
-        assert self._outputs is not None
         region = self._outputs.ensure(total) if total else None
         offset = 0
         results: list[ResponseMeta] = []
         for err_pair, outs in staged:
             refs = []
             for name, datatype, shape, data in outs:
-                assert region is not None
-                region.write(offset, data)
+                if data.nbytes:  # (an empty tensor has no bytes to write)
+                    assert region is not None
+                    region.write(offset, data)
                 refs.append(TensorRef(name, datatype, shape, offset, data.nbytes))
                 offset += aligned(data.nbytes)
             results.append((err_pair, refs))
-        return (region.name, region.size, results) if region is not None else ("", 0, results)
+        return region, results
 
     # ---- pb_utils.WorkerRuntime ----------------------------------------------------------
     def send_response(self, key: int, response: pb_utils.InferenceResponse | None, flags: int) -> None:
         if flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
-            self._cancelled.discard(key)  # the request is done: forget that it was cancelled
+            with self._requests_lock:
+                if key not in self._live:
+                    return  # (its batch failed: the service ended it with that error)
+                self._live.discard(key)
+                self._cancelled.discard(key)
+        elif key not in self._live:
+            return  # a response after the request ended: no one reads it
         if response is None:
             self.send(("resp", key, None, [], flags))
             return
@@ -265,7 +293,8 @@ class Worker:
         self.send(("resp", key, None, outs, flags))
 
     def is_cancelled(self, key: int) -> bool:
-        return key in self._cancelled
+        """True once the request's client went away, and for a request that has ended."""
+        return key in self._cancelled or key not in self._live
 
     def bls_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
         bls = self.bls_client()
@@ -290,11 +319,35 @@ def tensor_bytes(t: pb_utils.Tensor) -> tuple[np.ndarray, str, np.ndarray]:
     return arr, datatype, np.ascontiguousarray(arr)
 
 
+PR_SET_PDEATHSIG = 1
+
+# The worker's guard: a small process in the worker's process group that kills the group (what
+# the model started, and itself) when the worker dies, however it dies: killed, or with the
+# service (the worker then gets SIGKILL from PR_SET_PDEATHSIG, and the guard SIGTERM from its own).
+# The service kills the group too when it sees the worker exit; the guard covers a service that
+# died first.
+_GUARD = """
+import ctypes, os, signal, sys
+def end(*_):
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, end)
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    end()
+while True:
+    signal.pause()
+"""
+
+
 def _die_with_parent() -> None:
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _start_guard() -> None:
+    subprocess.Popen([sys.executable, "-S", "-c", _GUARD, str(os.getpid())], stdin=subprocess.DEVNULL)
 
 
 def autocomplete_main(model_py: str) -> None:
@@ -315,8 +368,11 @@ def main(argv: list[str]) -> None:
         autocomplete_main(argv[1])
         return
     _die_with_parent()
+    _start_guard()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the service stops us
-    Worker(Connection(int(argv[0]))).run()
+    fd = int(argv[0])
+    os.set_inheritable(fd, False)  # a program the model starts does not get the socket
+    Worker(Channel(socket.socket(fileno=fd))).run()
 
 
 if __name__ == "__main__":

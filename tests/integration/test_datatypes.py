@@ -238,8 +238,6 @@ def test_unservable_types_are_refused_at_load(stack: Stack, proto: str) -> None:
         assert c.is_server_live()
 
 
-@pytest.mark.xfail(strict=True, reason="services/python/instance.py ModelWorker.run asserts an input region "
-                   "exists, and a batch whose inputs are all zero bytes has none: 500 AssertionError")
 @pytest.mark.parametrize("wire", ["http-binary", "grpc"])
 def test_python_zero_size_tensors(stack: Stack, wire: str) -> None:
     """Triton answers a python model's zero-size request with the empty output."""

@@ -227,7 +227,9 @@ class DynamicBatcher(Generic[P]):
         self._clock = clock
         self.instance_count = instance_count
         self._free_slots = instance_count
-        self._released: set[int] = set()  # batches whose slot release() already freed
+        # running batches whose slot release() already freed (held, and compared by identity: at
+        # most one per instance)
+        self._released: list[list[QueuedRequest]] = []
         self._queue = LevelQueue(policy.levels)
         self._queued_rows = 0  # rows of everything in _queue, cancelled entries included
         self._executing = 0  # requests in batches that are running
@@ -529,9 +531,10 @@ class DynamicBatcher(Generic[P]):
         """The executor is done with its instance for `batch` (compute finished) though the
         batch's results are not delivered yet: the next batch may start now. Optional and
         idempotent; without it the slot frees when the batch's execute returns."""
-        if id(batch) in self._released:
-            return
-        self._released.add(id(batch))
+        for b in self._released:
+            if b is batch:
+                return
+        self._released.append(batch)
         self._free_slots += 1
         if self._free_slots == 1 and self._queue:
             self._wake()
@@ -552,8 +555,10 @@ class DynamicBatcher(Generic[P]):
                         f"model '{self.name}': batch finished without a result for this request"))
             self._executing -= len(batch)
             self._alone = mark == self._enqueued
-            if id(batch) in self._released:
-                self._released.discard(id(batch))
+            for i, b in enumerate(self._released):
+                if b is batch:
+                    del self._released[i]
+                    break
             else:
                 self._free_slots += 1
                 if self._free_slots == 1 and self._queue:
