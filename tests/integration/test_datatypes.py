@@ -277,7 +277,7 @@ def test_bursts_through_the_coalescer(stack: Stack, kind: str) -> None:
 
 
 def _key(name: str) -> str:
-    return f"/meshserve-dt-{os.getpid()}-{name}"
+    return f"/dtmatrix-{os.getpid()}-{name}"
 
 
 @pytest.mark.parametrize("hop", HOPS)
