@@ -2,11 +2,13 @@
 
 The gateway, the services and load/ are packages of their own that this module imports only
 inside the function of the subcommand that runs them (never at module level: each pulls in
-its runtime). tests/unit/test_import_rules.py lists exactly which of their modules it may import.
+its runtime). tests/unit/test_import_rules.py lists exactly which of their modules it may import;
+a service's entry module is the one its kind's row names (meshserve/repository/kinds.py).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import signal
@@ -18,56 +20,48 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from meshserve.repository import kinds
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.limits import HTTP_SERVERS, default_http_server
 from meshserve.server.process import parse_ready_line
 from meshserve.server.workers import DEFAULT_WORKERS, die_with_parent
 
-SERVICE_KINDS = ("onnx", "torchscript", "tensorrt", "sequence", "python")
-PLANNED_KINDS = ("ensemble",)
 _LOAD_COMMANDS = ("load", "tune")  # load/ package, imported on use
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
 
 def _service_main(kind: str) -> Callable[[argparse.Namespace], None] | None:
-    """The `main` of the service of `kind` (imported now, with its runtime), or None."""
-    if kind == "onnx":
-        from services.onnx.main import main as onnx_main
-        return onnx_main
-    if kind == "torchscript":
-        from services.torchscript.main import main as torchscript_main
-        return torchscript_main
-    if kind == "tensorrt":
-        from services.tensorrt.main import main as tensorrt_main
-        return tensorrt_main
-    if kind == "sequence":
-        from services.sequence.main import main as sequence_main
-        return sequence_main
-    if kind == "python":
-        from services.python.main import main as python_main
-        return python_main
-    return None
+    """The `main` of the service of `kind` (imported now, with its runtime), or None.
+
+    The one import by a name string: the module the kind's registry row names
+    (meshserve/repository/kinds.py, `Kind.entry`; docs/architecture.md, "Layers")."""
+    row = kinds.by_name(kind)
+    if row is None or not row.entry:
+        return None
+    run: Callable[[argparse.Namespace], None] = importlib.import_module(row.entry).main
+    return run
+
+
+def _service_kinds() -> list[str]:
+    """The kinds that have a service process, in the registry's order."""
+    return [k.name for k in kinds.KINDS if k.entry]
 
 
 def _cmd_service(args: argparse.Namespace) -> None:
     run = _service_main(args.kind)
     if run is None:
         raise SystemExit(f"meshserve service: kind '{args.kind}' is not available in this build "
-                         f"(available: {', '.join(SERVICE_KINDS)})")
+                         f"(available: {', '.join(_service_kinds())})")
     run(args)
 
 
-# service kind -> (module its runtime needs, the extra that installs it)
-_RUNTIME_MODULES = {"onnx": ("onnxruntime", "cpu"), "sequence": ("onnxruntime", "cpu"),
-                    "torchscript": ("torch", "torch"), "tensorrt": ("tensorrt", "tensorrt")}
-
-
 def _missing_runtime(kind: str) -> str | None:
-    """Why the service of `kind` cannot start here (its runtime is not installed), or None."""
-    module, extra = _RUNTIME_MODULES.get(kind, ("", ""))
-    if module and importlib.util.find_spec(module) is None:
-        return f"`{module}` is not installed (pip install 'meshserve[{extra}]')"
-    return None
+    """Why the service of `kind` cannot start here (a module its runtime needs is not installed), or None."""
+    row = kinds.by_name(kind)
+    missing = next((m for m in row.requires if importlib.util.find_spec(m) is None), None) if row else None
+    if row is None or missing is None:
+        return None
+    return f"`{missing}` is not installed" + (f" (pip install 'meshserve[{row.extra}]')" if row.extra else "")
 
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
@@ -192,6 +186,11 @@ def _up_python_flags(args: argparse.Namespace, gateway_grpc: int) -> list[str]:
     return flags
 
 
+def _in_gateway(kind: str) -> bool:
+    row = kinds.by_name(kind)
+    return row is not None and row.in_gateway
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from meshserve.repository import layout
 
@@ -207,15 +206,16 @@ def _cmd_up(args: argparse.Namespace) -> None:
         raise SystemExit(f"meshserve up: model repository {repo} does not exist")
     entries = layout.scan(repo)
     # Ensembles run in the gateway (it gets the repository), not in a service of their own.
-    kinds = sorted({e.kind for e in entries if e.kind and e.kind != "ensemble"})
+    needed = sorted({e.kind for e in entries if e.kind and not _in_gateway(e.kind)})
     for e in entries:
         if e.error:
             print(f"meshserve up: model '{e.name}' has a problem and will not load: {e.error}", flush=True)
-    runnable = [k for k in kinds if k in SERVICE_KINDS and _missing_runtime(k) is None]
-    for k in kinds:
+    services_here = _service_kinds()
+    runnable = [k for k in needed if k in services_here and _missing_runtime(k) is None]
+    for k in needed:
         if k not in runnable:
             names = ", ".join(e.name for e in entries if e.kind == k)
-            why = f"no {k} service in this build" if k not in SERVICE_KINDS else _missing_runtime(k)
+            why = f"no {k} service in this build" if k not in services_here else _missing_runtime(k)
             print(f"meshserve up: {k} models ({names}) are skipped: {why}", flush=True)
     if not runnable:
         raise SystemExit(f"meshserve up: no servable model in {repo} (run `meshserve check-repo {repo}`)")
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.set_defaults(func=_cmd_gateway)
 
     svc = sub.add_parser("service", help="run one backend service")
-    svc.add_argument("kind", choices=sorted([*SERVICE_KINDS, *PLANNED_KINDS]))
+    svc.add_argument("kind", choices=sorted(k.name for k in kinds.KINDS))
     service_arguments(svc)
     svc.set_defaults(func=_cmd_service)
 

@@ -17,6 +17,7 @@ from google.protobuf import json_format, text_format
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository.errors import ConfigError
+from meshserve.repository.kinds import KINDS
 from meshserve.repository.names import NAME_RULE, is_valid_model_name
 from meshserve.repository.versions import available_versions, select_versions
 
@@ -44,20 +45,12 @@ __all__ = [
 
 CONFIG_FILENAME = "config.pbtxt"
 ENSEMBLE_PLATFORM = "ensemble"
-PLATFORM_TO_BACKEND: dict[str, str] = {
-    "onnxruntime_onnx": "onnxruntime",
-    "pytorch_libtorch": "pytorch",
-    "tensorrt_plan": "tensorrt",
-}
+# what the backend kinds serve (meshserve/repository/kinds.py, one row per kind)
+PLATFORM_TO_BACKEND: dict[str, str] = {p: b for k in KINDS for p, b in k.platforms.items() if b}
 BACKEND_TO_PLATFORM: dict[str, str] = {b: p for p, b in PLATFORM_TO_BACKEND.items()}
-KNOWN_BACKENDS: frozenset[str] = frozenset({"onnxruntime", "pytorch", "tensorrt", "python"})
-KNOWN_PLATFORMS: frozenset[str] = frozenset({*PLATFORM_TO_BACKEND, ENSEMBLE_PLATFORM})
-DEFAULT_MODEL_FILENAMES: dict[str, str] = {
-    "onnxruntime": "model.onnx",
-    "pytorch": "model.pt",
-    "tensorrt": "model.plan",
-    "python": "model.py",
-}
+KNOWN_BACKENDS: frozenset[str] = frozenset(b for k in KINDS for b in k.backends)
+KNOWN_PLATFORMS: frozenset[str] = frozenset(p for k in KINDS for p in k.platforms)
+DEFAULT_MODEL_FILENAMES: dict[str, str] = {b: files[0] for k in KINDS for b, files in k.backends.items()}
 # backend -> a completer that fills a config from the model itself, run by ``autocomplete`` in the
 # process that registered it: the python service registers the one that runs a model.py's
 # ``auto_complete_config`` (services/python/autocomplete.py). Elsewhere (the gateway, check-repo)

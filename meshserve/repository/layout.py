@@ -1,14 +1,16 @@
 """Triton repository layout: scan ``<repo>/<model>/{config.pbtxt,<version>/<file>}``.
 
-Also maps each model to the meshserve service kind that hosts it.
+Also maps each model to the meshserve service kind that hosts it (the kinds are
+meshserve/repository/kinds.py's rows).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.repository import kinds
 from meshserve.repository.config import (
     CONFIG_FILENAME,
     DEFAULT_MODEL_FILENAMES,
@@ -36,9 +38,8 @@ __all__ = [
     "service_kind",
 ]
 
-SERVICE_KINDS: tuple[str, ...] = ("onnx", "torchscript", "tensorrt", "sequence", "python", "ensemble")
-_KIND_BY_BACKEND = {"onnxruntime": "onnx", "pytorch": "torchscript", "tensorrt": "tensorrt", "python": "python"}
-_SEQUENCE_BACKENDS = ("onnxruntime", "pytorch")
+SERVICE_KINDS: tuple[str, ...] = tuple(k.name for k in kinds.KINDS)
+_SEQUENCE_BACKENDS = tuple(b for k in kinds.KINDS for b in k.sequence_backends)
 
 
 @dataclass
@@ -80,7 +81,7 @@ def _backend(config: mc.ModelConfig) -> str:
 
 
 def service_kind(config: mc.ModelConfig) -> str | None:
-    """The meshserve service that hosts this model, or None when none can.
+    """The meshserve service that hosts this model, or None when none can (meshserve/repository/kinds.py).
 
     ``"ensemble"`` for platform ensemble (run by the gateway); ``"sequence"`` for ONNX and
     TorchScript models with ``sequence_batching``; else ``"onnx"``, ``"torchscript"`` or
@@ -88,28 +89,13 @@ def service_kind(config: mc.ModelConfig) -> str | None:
     batching included: the python service batches its sequences). TensorRT models with sequence
     batching → None.
     """
-    if config.platform == ENSEMBLE_PLATFORM:
-        return "ensemble"
-    backend = _backend(config)
-    if config.HasField("sequence_batching") and backend != "python":
-        return "sequence" if backend in _SEQUENCE_BACKENDS else None
-    return _KIND_BY_BACKEND.get(backend)
-
-
-_KIND_BY_SUFFIX = {".onnx": "onnx", ".pt": "torchscript", ".pt2": "torchscript", ".plan": "tensorrt",
-                   ".py": "python"}
+    return kinds.kind_for(config.platform, _backend(config), config.HasField("sequence_batching"))
 
 
 def kind_from_files(file_names: Iterable[str], sequence: bool = False) -> str | None:
     """The service kind model files point to (``1/model.onnx`` → onnx), when they point to one:
     for a model whose config names neither platform nor backend."""
-    kinds = {_KIND_BY_SUFFIX.get(PurePosixPath(f).suffix) for f in file_names} - {None}
-    if len(kinds) != 1:
-        return None
-    kind = kinds.pop()
-    if sequence:
-        return "sequence" if kind in ("onnx", "torchscript") else None
-    return kind
+    return kinds.kind_of_files(tuple(file_names), sequence)
 
 
 def override_kind(name: str, config_json: str, file_names: Iterable[str] = ()) -> str | None:
@@ -134,9 +120,15 @@ def model_file(entry_or_dir: ModelEntry | str | Path, config: mc.ModelConfig, ve
         raise ValueError(f"model '{config.name}': no model file name known for "
                          f"platform '{config.platform}' backend '{config.backend}'")
     path = base / str(version) / filename
-    if filename == "model.pt" and not path.exists() and path.with_suffix(".pt2").exists():
-        return path.with_suffix(".pt2")  # a torch.export archive in place of TorchScript
+    if not path.exists():  # a backend's other file in place of its default (model.pt2, a torch.export archive)
+        for other in _OTHER_FILES.get(filename, ()):
+            if (path.parent / other).exists():
+                return path.parent / other
     return path
+
+
+# a backend's default model file name -> the names that may stand in for it (model.pt -> model.pt2)
+_OTHER_FILES = {files[0]: files[1:] for k in kinds.KINDS for files in k.backends.values() if len(files) > 1}
 
 
 def scan_model(model_dir: str | Path, *, override_json: str | None = None,
@@ -175,11 +167,10 @@ def _fill(entry: ModelEntry, override_json: str | None, gpu_available: bool) -> 
     if entry.kind is None:
         backend = _backend(config) or config.platform
         if config.HasField("sequence_batching") and backend not in _SEQUENCE_BACKENDS:
-            problem("sequence_batching", f"sequence batching is served for onnxruntime, pytorch and python "
+            problem("sequence_batching", f"sequence batching is served for {_SEQUENCE_SERVED} "
                     f"models only, not '{backend}'")
         else:
-            problem("backend", f"'{backend}' is not served by meshserve "
-                    "(served: onnxruntime, pytorch, tensorrt, python, ensemble)")
+            problem("backend", f"'{backend}' is not served by meshserve (served: {_SERVED})")
 
     try:
         entry.versions = select_versions(config.version_policy, entry.available_versions)
@@ -198,6 +189,10 @@ def _fill(entry: ModelEntry, override_json: str | None, gpu_available: bool) -> 
         path = model_file(entry, config, version)
         if not path.exists():
             entry.version_errors[version] = problem("", f"version {version}: model file not found", path)
+
+
+_SEQUENCE_SERVED = ", ".join(_SEQUENCE_BACKENDS[:-1]) + " and " + _SEQUENCE_BACKENDS[-1]  # the words of _fill's
+_SERVED = ", ".join([*DEFAULT_MODEL_FILENAMES, *(p for k in kinds.KINDS for p, b in k.platforms.items() if not b)])
 
 
 def scan(repo: str | Path, gpu_available: bool = False) -> list[ModelEntry]:

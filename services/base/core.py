@@ -17,7 +17,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError, model_not_found
-from meshserve.repository import layout
+from meshserve.repository import kinds, layout
 from meshserve.repository.config import ConfigError, load_model_config, parse_config_json
 from meshserve.repository.names import check_model_name, check_version, model_file_path
 from meshserve.server.access import ALL, Grant, Op
@@ -539,5 +539,5 @@ def _metadata(config: mc.ModelConfig, versions: list[int]) -> pb.ModelMetadataRe
 
 def _looks_like(path: Path, kind: str) -> bool:
     """A model whose config failed to parse: guess its kind from the files so that its error shows."""
-    suffix = {"onnx": ".onnx", "torchscript": ".pt", "tensorrt": ".plan", "python": ".py"}.get(kind)
-    return bool(suffix) and any(path.glob(f"*/*{suffix}"))
+    row = kinds.by_name(kind)
+    return any(any(path.glob(f"*/*{suffix}")) for suffix in (row.suffixes if row else ()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshserve.repository import kinds
 from meshserve.server import limits as server_limits
 from meshserve.server import repository_control
 from meshserve.server.core import add_server_name_argument
@@ -59,6 +60,13 @@ def add_bls_key_argument(ap: argparse.ArgumentParser | argparse._ArgumentGroup) 
 
 def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespace,
          gpu_available: bool = False, core_cls: type[ServiceCore] = ServiceCore) -> None:
+    """Run the service of ``kind`` with its runtime ``adapters`` (config backend -> adapter): the
+    backends its registry row serves (meshserve/repository/kinds.py)."""
+    row = kinds.by_name(kind)
+    if row is None or not set(adapters) <= row.served_backends:
+        served = ", ".join(sorted(row.served_backends)) if row else "none: no such kind in meshserve/repository/kinds.py"
+        raise SystemExit(f"meshserve service {kind}: adapters for {', '.join(sorted(adapters))}; the kind serves "
+                         f"{served}")
     setup_logging(args.log_level, args.log_format)
     limits = server_limits.from_args(args)
     configure_tracing(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default

@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from load.bench.procs import stop_process
+from meshserve.repository.kinds import KINDS
 from tests.support import eventually, models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +36,10 @@ DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "compose.yaml"
 ENVOY_FILE = DEPLOY / "envoy.yaml"
 READY_TIMEOUT_S = 60.0
+# the deploy names of the backend kinds (meshserve/repository/kinds.py): every one has its service in
+# deploy/compose.yaml and its Deployment in deploy/k8s (the GPU-only ones in the gpu profile / overlay)
+SERVICE_KINDS = tuple(k.deploy for k in KINDS if k.deploy and not k.gpu_only)
+GPU_KINDS = tuple(k.deploy for k in KINDS if k.deploy and k.gpu_only)
 
 
 # ---- tools ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from meshserve.repository import layout
 from tests.deploy.support import (
     READY_TIMEOUT_S,
     ROOT,
+    SERVICE_KINDS,
     Proc,
     active_services,
     as_env,
@@ -53,7 +54,6 @@ from tests.deploy.support import (
 from tests.support import eventually
 
 PORT_FLAGS = ("--http-port", "--grpc-port", "--metrics-port")
-SERVICE_KINDS = ("onnx", "torchscript", "sequence", "python")
 # Kinds compose runs whose services land with issue #3. strict: these turn into failures the
 # moment the kinds exist, so the marks cannot outlive the gap they describe.
 PENDING_KINDS: set[str] = set()

@@ -22,7 +22,9 @@ from tests.deploy.support import (
     COMPOSE_FILE,
     DEPLOY,
     ENVOY_FILE,
+    GPU_KINDS,
     ROOT,
+    SERVICE_KINDS,
     active_services,
     as_env,
     as_list,
@@ -41,7 +43,6 @@ TRITON_METRICS = (
     "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
     "nv_inference_compute_infer_duration_us",
 )
-SERVICE_KINDS = ("onnx", "torchscript", "sequence", "python")
 GPU_SERVICES = ("tensorrt", "onnx-gpu", "torchscript-gpu")
 OLDEST_KUBERNETES = "1.28.0"
 
@@ -194,7 +195,7 @@ def test_compose_services_and_upstreams(profile: str | None) -> None:
             assert not gpu and not svc.get("profiles"), name
             assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile", name
     upstreams = flags(as_list(active["gateway"]["command"]), "--upstream")
-    assert {u.split(":")[0] for u in upstreams} >= {*SERVICE_KINDS, "tensorrt"}
+    assert {u.split(":")[0] for u in upstreams} >= {*SERVICE_KINDS, *GPU_KINDS}
     for u in upstreams:
         host, port = u.rsplit(":", 1)
         assert int(port) in grpc_by_name.get(host, set()), f"--upstream {u} matches no service's gRPC port"
@@ -264,7 +265,7 @@ def test_compose_observability_wiring() -> None:
     gw_cmd = as_list(active["gateway"]["command"])
     assert jobs["gateway"]["dns_sd_configs"][0]["port"] == int(flag(gw_cmd, "--http-port") or 0)
     svc_sd = jobs["services"]["dns_sd_configs"][0]
-    assert set(svc_sd["names"]) >= {*SERVICE_KINDS, "tensorrt"}
+    assert set(svc_sd["names"]) >= {*SERVICE_KINDS, *GPU_KINDS}
     assert svc_sd["port"] == int(flag(as_list(active["onnx"]["command"]), "--metrics-port") or 0)
     assert jobs["envoy"]["static_configs"][0]["targets"] == ["envoy:9902"]
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
@@ -509,7 +510,7 @@ def test_k8s_only_gateways_reach_the_services(path: str) -> None:
     gateway_labels = deployments["gateway"]["spec"]["template"]["metadata"]["labels"]
     service_deployments = {n: d for n, d in deployments.items()
                            if d["spec"]["template"]["spec"]["containers"][0].get("args", [""])[0] == "service"}
-    kinds = {*SERVICE_KINDS, "tensorrt"} if path.endswith("gpu") else set(SERVICE_KINDS)
+    kinds = {*SERVICE_KINDS, *GPU_KINDS} if path.endswith("gpu") else set(SERVICE_KINDS)
     assert set(service_deployments) == kinds
 
     def guarded(name: str, private_ports: set[int]) -> None:
@@ -547,7 +548,7 @@ def test_k8s_discovery_storage_and_gpus(path: str) -> None:
     gpu = path.endswith("gpu")
     gateway = deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]
     upstreams = flags(gateway["args"], "--upstream")
-    kinds = {*SERVICE_KINDS, "tensorrt"} if gpu else set(SERVICE_KINDS)
+    kinds = {*SERVICE_KINDS, *GPU_KINDS} if gpu else set(SERVICE_KINDS)
     assert {u.split(":")[0] for u in upstreams} == kinds
     assert services["gateway"]["spec"]["clusterIP"] == "None", "Envoy needs one DNS record per gateway pod"
     for u in upstreams:

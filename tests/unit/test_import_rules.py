@@ -61,12 +61,14 @@ def _module_level_imports(path: Path) -> set[str]:
 
 
 # cli.py is the entry point: each subcommand imports what it runs inside its own function (the
-# services pull in their runtimes). These, and only these, are its exemption from the rule below.
+# services pull in their runtimes). These, and only these, are its exemption from the rule below;
+# `meshserve service KIND` imports the module its kind's registry row names (Kind.entry), the one
+# import by a name string (CLI_NAME_IMPORT).
 CLI = "meshserve/cli.py"
 CLI_ENTRY_POINTS = frozenset({
-    "gateway.main", "services.base.main", "services.onnx.main", "services.torchscript.main",
-    "services.tensorrt.main", "services.sequence.main", "services.python.main", "services.tensorrt.build", "load.cli", "load.tune",
+    "gateway.main", "services.base.main", "services.tensorrt.build", "load.cli", "load.tune",
 })
+CLI_NAME_IMPORT = f"{CLI}:_service_main"
 ENTRY_PACKAGES = ("gateway", "services", "load")
 
 
@@ -82,18 +84,45 @@ def test_cli_imports_the_entry_points_only_inside_the_subcommands() -> None:
     assert at_import == set(), f"{CLI} imports {sorted(at_import)} at module level"
 
 
+def _name_imports(path: Path) -> list[tuple[str, ast.Call]]:
+    """(enclosing function, call) of every importlib.import_module / __import__ call in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    parent = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            if name in ("import_module", "__import__"):
+                up: ast.AST | None = node
+                while up is not None and not isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    up = parent.get(id(up))
+                out.append((up.name if up is not None else "<module>", node))
+    return out
+
+
 def test_no_module_imports_by_name_string() -> None:
-    """importlib.import_module / __import__ would get around every rule here."""
-    bad = []
-    for pkg in ("meshserve", "gateway", "services"):
-        for path in _modules(pkg):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Call):
-                    fn = node.func
-                    name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
-                    if name in ("import_module", "__import__"):
-                        bad.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} calls {name}")
-    assert bad == []
+    """importlib.import_module / __import__ would get around every rule here: the one exemption is
+    `meshserve service KIND`, which imports the entry its kind's registry row names."""
+    calls = [f"{path.relative_to(ROOT).as_posix()}:{fn}" for pkg in ("meshserve", "gateway", "services")
+             for path in _modules(pkg) for fn, _ in _name_imports(path)]
+    assert calls == [CLI_NAME_IMPORT]
+    ((_, call),) = _name_imports(ROOT / CLI)  # import_module(row.entry): the row's name, nothing else
+    assert [ast.unparse(a) for a in call.args] == ["row.entry"] and not call.keywords
+
+
+def test_registry_entries_are_service_mains() -> None:
+    """What the CLI imports by name: each built-in kind's entry is services/<kind>/main.py, with a
+    main(args), under the same rules as the entry points imported by name above."""
+    from meshserve.repository.kinds import KINDS
+
+    for kind in KINDS:
+        if not kind.entry:
+            assert kind.in_gateway, kind.name
+            continue
+        assert kind.entry == f"services.{kind.name}.main", kind.name
+        tree = ast.parse((ROOT / "services" / kind.name / "main.py").read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), kind.entry
 
 
 def test_telemetry_imports_no_server_layer() -> None:
@@ -104,6 +133,13 @@ def test_telemetry_imports_no_server_layer() -> None:
 def test_gateway_and_services_never_import_each_other() -> None:
     assert _violations("gateway", ("services",)) == []
     assert _violations("services", ("gateway",)) == []
+
+
+def test_the_kinds_registry_imports_only_the_standard_library() -> None:
+    """meshserve/repository/kinds.py is read by the CLI, the repository, the services and (through
+    the layout) the gateway: it must pull in nothing of theirs."""
+    mods = _imports(ROOT / "meshserve" / "repository" / "kinds.py")
+    assert {m for m in mods if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"} == set()
 
 
 def test_scheduling_imports_only_the_standard_library_and_itself() -> None:

@@ -209,6 +209,7 @@ def test_scan_reports_every_validation_problem(write_model: ModelWriter) -> None
     ("{}", ["1/model.plan", "2/model.onnx"], None),  # files of two kinds: unknown
     ('{"backend": "python"}', ["1/model.py"], "python"),
     ("{}", ["1/model.py"], "python"),
+    ('{"sequence_batching": {}}', ["1/model.py"], "python"),  # the python service batches its sequences
 ])
 def test_override_kind(config: str, files: list[str], kind: str | None) -> None:
     from meshserve.repository.layout import override_kind
