@@ -1,4 +1,4 @@
-"""Benchmark suite: `python -m load.bench [--quick]` writes load/results/<date>-<host>.md (+ .json).
+"""Benchmark suite: `python -m load.bench [--quick]` writes OUT_DIR/<date>-<host>.md (+ .json).
 
 Sections: generator ceiling, serving efficiency (raw onnxruntime vs direct vs gateway), hop cost,
 batching, quotas (noisy neighbour), scale-out, and the same hop/efficiency cells with Triton's
@@ -653,7 +653,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 5 minutes)")
     ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
     ap.add_argument("--models", default="/tmp/bench-models", help="gen_models.py output (generated if missing)")
-    ap.add_argument("--out-dir", default=str(ROOT / "load" / "results"))
+    ap.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "bench-results"),
+                    help="where the report goes (outside the tree: docs/perf/ holds the decisions)")
     ap.add_argument("--only", default="", help="comma list: generator,efficiency,hop,batching,quotas,tracing,profile,perf_analyzer,scale_out")
     ap.add_argument("--no-pa", action="store_true", help="skip the perf_analyzer cells")
     ap.add_argument("--quiet-wait", type=float, default=120, help="max seconds to wait for load average < 1")

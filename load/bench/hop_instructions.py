@@ -12,7 +12,6 @@ a time, then instrumentation is switched on (``callgrind_control``, by the gatew
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from load.bench import procs
+from load.bench.callgrind import program_total
 from load.bench.hop_batches import bench_models
 from meshserve.server.process import parse_ready_line
 
@@ -50,12 +50,6 @@ def _client_call(model: str, protocol: str, gateway: dict[str, int]) -> tuple[Ca
         i.set_data_from_numpy(data, binary_data=binary)
     outs = [httpclient.InferRequestedOutput(n.replace("INPUT", "OUTPUT"), binary_data=binary) for n in names]
     return (lambda: h.infer(model, hins, outputs=outs)), h
-
-
-def program_total(dump: Path) -> int:
-    text = subprocess.run(["callgrind_annotate", str(dump)], capture_output=True, text=True).stdout
-    m = re.search(r"^([\d,]+) \S+\s+PROGRAM TOTALS", text, re.M)
-    return int(m.group(1).replace(",", "")) if m else 0
 
 
 def main(argv: list[str] | None = None) -> None:

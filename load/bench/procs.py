@@ -67,8 +67,10 @@ class Endpoints:
 
 
 class Server(Endpoints):
-    def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None):
-        self.argv = [sys.executable, "-m", "meshserve", *args]
+    def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None):
+        """``python -m meshserve ARGS``, run under ``prefix`` (e.g. valgrind's command) if given."""
+        self.argv = [*(prefix or []), sys.executable, "-m", "meshserve", *args]
         self.logf = open(log, "a")  # closed in stop()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
                                      cwd=ROOT, start_new_session=True,
@@ -78,7 +80,7 @@ class Server(Endpoints):
         if not ready.wait(timeout) or not self.ports:
             self.stop()
             raise RuntimeError(f"{' '.join(args)} did not become ready (log: {log})")
-        wait_ready(self.http)
+        wait_ready(self.http, timeout)
 
     @property
     def pid(self) -> int:
@@ -110,16 +112,21 @@ def explicit_control_args() -> list[str]:
     return ["--model-control-mode", "explicit", "--load-model", "*"] if "--model-control-mode" in out else []
 
 
-def service(repo: Path, log: Path, control: list[str] | None = None, env: dict[str, str] | None = None) -> Server:
-    return Server(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                   "--log-level", "WARNING", *(control or [])], log, env=env)
+def service(repo: Path, log: Path, control: list[str] | None = None, env: dict[str, str] | None = None,
+            ports: tuple[int, int] = (0, 0), prefix: list[str] | None = None, timeout: float = 120) -> Server:
+    """An ONNX service on ``repo``; ``ports``: (HTTP, gRPC), 0 = free ones."""
+    return Server(["service", "onnx", "--repository", str(repo), "--http-port", str(ports[0]),
+                   "--grpc-port", str(ports[1]), "--log-level", "WARNING", *(control or [])], log, timeout, env,
+                  prefix)
 
 
 def gateway(upstreams: list[str], log: Path, extra: list[str] | None = None,
-            env: dict[str, str] | None = None) -> Server:
+            env: dict[str, str] | None = None, ports: tuple[int, int] = (0, 0),
+            prefix: list[str] | None = None, timeout: float = 120) -> Server:
+    """A gateway in front of ``upstreams``; ``ports``: (HTTP, gRPC), 0 = free ones."""
     ups = sum((["--upstream", u] for u in upstreams), [])
-    return Server(["gateway", "--grpc-port", "0", "--http-port", "0", "--log-level", "WARNING", *ups,
-                   *(extra or [])], log, env=env)
+    return Server(["gateway", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--log-level", "WARNING",
+                   *ups, *(extra or [])], log, timeout, env, prefix)
 
 
 class OtlpSink:

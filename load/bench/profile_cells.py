@@ -121,7 +121,7 @@ def read_profile(path: Path) -> Profile:
 
 
 def summary(path: Path, own: int = 15, inclusive: int = 25) -> str:
-    """A profile's text summary (the results folders' ``pyspy_summary.py``): its samples, the
+    """A profile's text summary (``python -m load.bench.pyspy_summary``): its samples, the
     share of each thread where it has several, the top ``own`` self and ``inclusive`` frames."""
     p = read_profile(path)
     total = max(1, p.samples)

@@ -86,7 +86,7 @@ _LEN = struct.Struct("<I")
 # error is decided on exact integers and worded as before (errors are the rare path); a
 # parameter that orjson read as a float holding an integer beyond 64 bits is such an error.
 # Control-plane bodies (load, shared memory, trace settings) keep json alone. Measured on the
-# add_sub / mlp bodies perf_analyzer sends: load/results/2026-11-26-speed/NOTES.md.
+# add_sub / mlp bodies perf_analyzer sends: docs/perf/json-orjson.md.
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
@@ -481,7 +481,7 @@ def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None,
 # converts its lists only and is one protobuf parse of the skeleton plus the converted bytes as
 # raw_input_contents fields (as the binary template). A list that does not convert, or a body
 # orjson does not read, is parsed in full (so every error is the full parse's, word for word).
-# Measured: load/results/2026-11-26-s5-jsonpath/NOTES.md.
+# Measured: docs/perf/json-templates.md.
 
 class _JsonTemplate:
     __slots__ = ("skeleton", "inputs", "plan")
@@ -934,7 +934,7 @@ def render_infer_response(
     if plan is not None and not response.parameters:
         # each output's name, datatype, shape and parameters as its serialized bytes: one C call
         # each (the tuple of name, datatype, tuple(shape) and len(parameters) it replaces cost
-        # 13k more instructions per add_sub request: load/results/2026-11-26-s5-jsonpath/NOTES.md)
+        # 13k more instructions per add_sub request: docs/perf/json-templates.md)
         key = (plan, response.model_name, response.model_version, response.id,
                *[o.SerializeToString() for o in outputs])
         hit = _rendered.get(key)

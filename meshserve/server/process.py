@@ -100,7 +100,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     log.info("%s serving: gRPC %s:%d%s", who, host, gport, f", HTTP {host}:{hport}" if hport else "")
     if on_ready is not None:
         await on_ready(endpoints)
-    # The garbage collector, tuned for a server (load/results/2026-11-26-refactor/NOTES.md):
+    # The garbage collector, tuned for a server (docs/perf/gc-tuning.md):
     # - what was built at start (modules, protobuf descriptors, loaded models) lives as long as
     #   the process: frozen, no collection walks it again;
     # - a young collection runs after GEN0_THRESHOLD container allocations not yet freed, not

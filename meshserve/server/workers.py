@@ -44,8 +44,8 @@ from meshserve.server.core import RequestContext
 log = logging.getLogger("meshserve.workers")
 
 # The default of `meshserve gateway --workers` (and `meshserve up --gateway-workers`): one
-# process, no supervisor. Measured: load/results/2026-11-26-s4-side-by-side/NOTES.md (quiet machine,
-# 2 workers median 1.05x of 1 over 18 cells, 0.84x in add_sub HTTP c32) and ../2026-11-26-s4-workers/.
+# process, no supervisor. Measured: docs/perf/gateway-workers.md (quiet machine,
+# 2 workers median 1.05x of 1 over 18 cells, 0.84x in add_sub HTTP c32; and on a loaded one).
 DEFAULT_WORKERS = 1
 
 SHM, TRACE, LOG = 0, 1, 2  # generation counters in SharedState's mmap

@@ -44,7 +44,7 @@ from services.base.validation import ModelTensors, Pending, prepare, schedule_po
 # A group whose runtime call was measured at most this long (its fastest run at that size: rows
 # and input shapes) runs on the event loop instead of the instance's worker thread: the hand-off
 # costs more than the loop could do meanwhile. Measured (2-core box, uvloop,
-# load/results/2026-11-26-s4-svcpath): a run_in_executor round trip costs ~19 us of CPU and two
+# docs/perf/service-inline-runs.md): a run_in_executor round trip costs ~19 us of CPU and two
 # thread wake-ups, and the result waits for the GIL when the loop is busy; onnxruntime runs
 # add_sub (2 intra-op threads) in 5-22 us of wall time for 1-64 rows, mlp in 1.0-5.5 ms. A size
 # not run yet goes to the thread. MESHSERVE_INLINE_RUN_US overrides it (0: never inline; under
