@@ -24,7 +24,7 @@ from meshserve.server import access, observe, shm
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
-from meshserve.server.limits import ServerLimits
+from meshserve.server.limits import STREAMS, ServerLimits
 from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER, TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
@@ -249,6 +249,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         base = _context(context)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
+        queued = [0]  # bytes of streamed answers queued, not yet written: at most --max-stream-backlog-bytes
+        room = asyncio.Event()  # (beyond one answer); set when the writer takes one
         failed: list[str] = []
 
         async def one(request: pb.ModelInferRequest, raw: bytes) -> None:
@@ -282,9 +284,18 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                             slots.release()
                         continue
                     await backlog.acquire()
+                    msg = wire.stream_response(body)
+                    try:
+                        while queued[0] and queued[0] + len(msg) > STREAMS.backlog_bytes:
+                            room.clear()
+                            await room.wait()
+                    except asyncio.CancelledError:
+                        backlog.release()
+                        raise
+                    queued[0] += len(msg)
                     if final:
                         owns_slot = False
-                    out.put_nowait((wire.stream_response(body), final))
+                    out.put_nowait((msg, final))
                 if owns_slot:  # (a core that ended without a final answer)
                     owns_slot = False
                     slots.release()
@@ -351,6 +362,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if item.__class__ is tuple:  # a streamed answer: (bytes, final)
                     yield item[0]  # type: ignore[index]
                     backlog.release()
+                    queued[0] -= len(item[0])  # type: ignore[index]
+                    room.set()
                     if item[1]:  # type: ignore[index]
                         slots.release()
                     continue

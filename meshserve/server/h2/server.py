@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from meshserve.server import connections
 from meshserve.server.body_worker import release_memory
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
@@ -300,6 +301,7 @@ class ServerConnection(H2Endpoint):
         self.silent_since = 0.0
         self.ping_sent: float | None = None
         self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
+        self.counted = True  # in connections.TABLE (connection_made)
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         settings = super()._settings()
@@ -310,6 +312,10 @@ class ServerConnection(H2Endpoint):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
         self.peername = transport.get_extra_info("peername")
+        if not connections.TABLE.opened(self):  # at --max-connections, nothing idle to close: refused at once
+            self.counted = False
+            transport.close()
+            return
         self.server._conns.add(self)
         # Backpressure starts once this much waits in the socket's buffer (asyncio's default of
         # 64 KiB paused busy streaming connections every few hundred messages: measured -12%).
@@ -321,6 +327,9 @@ class ServerConnection(H2Endpoint):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.counted:
+            self.counted = False
+            connections.TABLE.closed(self)
         self.server._conns.discard(self)
         if self.timer is not None:
             self.timer.cancel()
@@ -535,6 +544,8 @@ class ServerConnection(H2Endpoint):
                 self.last_sid = sid
                 st = ServerStream(sid, self.peer_initial_window)
                 self.streams[sid] = st
+                if self.counted:
+                    connections.TABLE.idle_now(self)  # (used now: the last to be closed near the cap)
         self._header_block(st, flags, block)
 
     def _headers_complete(self, st: ServerStream, flags: int, block: bytes) -> None:
@@ -972,6 +983,17 @@ class ServerConnection(H2Endpoint):
         if self.going_away and not self.streams and self.transport is not None:
             self._flush()
             self.transport.close()
+
+    def evict(self) -> bool:
+        """Closed to make room for a new connection when no call is open (connections.TABLE)."""
+        if self.streams or self.transport is None or self.transport.is_closing():
+            return False
+        log.debug("closing idle HTTP/2 connection from %s: near --max-connections", self.peername)
+        self.going_away = True
+        self._write(frame(GOAWAY, 0, 0, U32.pack(self.last_sid) + U32.pack(ErrorCode.NO_ERROR)))
+        self._flush()
+        self.transport.close()
+        return True
 
     def goaway(self) -> None:
         if self.transport is None or self.transport.is_closing():
