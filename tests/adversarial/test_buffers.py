@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.adversarial.harness import BODY_TIMEOUT_S, LONG, OTHER_KEY, Mesh, Observation, under_attack
-from tests.adversarial.test_http1_attacks import MARGIN_S, head, read_status, target
+from tests.adversarial.test_http1_attacks import _slow_clients, head, read_status, target
 from tests.support.http1 import connect
 
 MiB = 1 << 20
@@ -162,39 +162,13 @@ def test_chunk_extension_flood(mesh: Mesh, which: str, flood: str) -> None:
 
 @pytest.mark.parametrize("which", BOTH)
 def test_body_trickle(mesh: Mesh, which: str) -> None:
-    """20 connections send a body one byte a second (never silent for --read-timeout-s, 3 s):
+    """20 connections send a body a byte every 0.5 s (never silent for --read-timeout-s, 3 s):
     each is closed (or answered 408/400) within --body-timeout-s (5 s) + a margin."""
     proc = target(mesh, which)
     n = 200 if LONG else 20
 
     def attack() -> Observation:
-        socks: list[socket.socket] = []
-        try:
-            for _ in range(n):
-                s = connect(proc.http, timeout=5.0)
-                socks.append(s)
-                s.sendall(head(proc.http, "/v2/models/add_sub/infer", MiB) + b'{"inputs":[')
-            open_ = set(range(n))
-            verdicts: dict[str, int] = {}
-            end = time.monotonic() + BODY_TIMEOUT_S + MARGIN_S
-            while open_ and time.monotonic() < end:
-                for i in list(open_):
-                    try:
-                        socks[i].sendall(b" ")
-                    except OSError:
-                        verdicts["closed"] = verdicts.get("closed", 0) + 1
-                        open_.discard(i)
-                        continue
-                    status = read_status(socks[i], 0.001)
-                    if status != "silent":
-                        verdicts[status] = verdicts.get(status, 0) + 1
-                        open_.discard(i)
-                time.sleep(1.0)  # the trickle's pace (below --read-timeout-s), not a wait for a condition
-            ok = not open_ and all(k in ("closed", "EOF", "408", "400") for k in verdicts)
-            return Observation(f"{n} trickled bodies after {BODY_TIMEOUT_S + MARGIN_S:.0f} s: {verdicts}, "
-                               f"{len(open_)} still open", ok)
-        finally:
-            for s in socks:
-                s.close()
+        first = head(proc.http, "/v2/models/add_sub/infer", MiB) + b'{"inputs":['
+        return _slow_clients(proc.http, n, first, b" ", BODY_TIMEOUT_S)
 
     under_attack(mesh, proc, f"body trickle on {which}", attack).judge().check()
