@@ -70,7 +70,7 @@ class ServerLimits:
     # Bytes of one streamed request's answers waiting for a client that reads slower than the
     # model answers (a gateway's upstream stream, a ModelStreamInfer call's writer); beyond it
     # the model's answers wait (back-pressure) or, at a gateway, the request ends RESOURCE_EXHAUSTED.
-    max_stream_backlog_bytes: int = 16 * MiB
+    max_stream_backlog_bytes: int = 8 * MiB
     # Client connections (HTTP and gRPC together); 0: the soft NOFILE (raised to the hard limit
     # at start) minus a reserve (meshserve/server/connections.py:derived_cap).
     max_connections: int = 0
@@ -102,7 +102,7 @@ class StreamBuffers:
     STREAMS, set by process.serve from ServerLimits.max_stream_backlog_bytes; read by the
     gateway's upstream streams and the gRPC front end's ModelStreamInfer writer)."""
 
-    backlog_bytes: int = 16 * MiB
+    backlog_bytes: int = 8 * MiB
 
 
 STREAMS = StreamBuffers()

@@ -73,7 +73,9 @@ log = logging.getLogger("meshserve.grpc.h2")
 STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handler may leave unread
 # ... and at most this many of them (a flood of empty messages is bytes-cheap, each one not)
 STREAM_MAX_QUEUED = 4096
-# response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window
+# response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window;
+# once the peer's window has stopped the stream, more than one message queued (2 items) is enough
+# (a peer that never gives window back holds one waiting message of the handler's, whatever its size)
 STREAM_SEND_QUEUE = 64
 STREAM_WINDOW_UPDATE = LOCAL_STREAM_WINDOW // 2
 # A unary answer's frames, built by one struct call each: HEADERS (RESPONSE_HEADERS), the DATA
@@ -801,7 +803,8 @@ class ServerConnection(H2Endpoint):
                             if st.closed:
                                 return
                             self._send_message(st, ser(item) if ser else item)
-                            if len(st.out) > STREAM_SEND_QUEUE or self.paused:  # the peer is not reading: wait for its window
+                            if (len(st.out) > STREAM_SEND_QUEUE or self.paused
+                                    or (st in self.blocked and len(st.out) > 2)):  # the peer is not reading: wait for its window
                                 await self._writable(st)
                     finally:
                         if hasattr(result, "aclose"):
@@ -846,7 +849,8 @@ class ServerConnection(H2Endpoint):
     async def _writable(self, st: ServerStream) -> None:
         """Wait until the stream's unsent messages fit again (the peer's WINDOW_UPDATE let
         _drain write them) or the stream or connection ends: a future, woken by _wake."""
-        while (len(st.out) > STREAM_SEND_QUEUE or self.paused) and not st.closed and not self.closed:
+        while ((len(st.out) > STREAM_SEND_QUEUE or self.paused or (st in self.blocked and len(st.out) > 2))
+               and not st.closed and not self.closed):
             st.waiter = self.loop.create_future()
             try:
                 await st.waiter
