@@ -233,6 +233,8 @@ class HttpFrontend:
         conn = request.protocol
         if isinstance(conn, _Connection):
             conn.header_since = 0.0  # this request's headers are in (see _Connection)
+            if conn.pipeline_paused and len(conn._messages) <= http1.server.PIPELINE_LOW:
+                conn.resume_pipeline()
         response = await self.answer(request)
         return response.to_response() if isinstance(response, http1.Answer) else response
 
@@ -533,7 +535,7 @@ class _Connection(RequestHandler):
     data arrivals and when the headers of the next request started to arrive."""
 
     __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "reading_since", "trim_heap", "lost",
-                 "counted")
+                 "counted", "pipeline_paused")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -544,6 +546,7 @@ class _Connection(RequestHandler):
         self.reading = False  # a handler is waiting for this connection's body
         self.reading_since = 0.0  # ... since then (--body-timeout-s)
         self.counted = False  # in connections.TABLE
+        self.pipeline_paused = False  # reading paused: too many pipelined requests wait (data_received)
         self.trim_heap = False  # a large body was read: the heap goes back to the OS after its request
         self.lost: asyncio.Future[None] | None = None  # made by a handler that waits on the model (_lost)
 
@@ -563,6 +566,11 @@ class _Connection(RequestHandler):
             return
         self.counted = True
 
+    def resume_pipeline(self) -> None:
+        self.pipeline_paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def evict(self) -> bool:
         """Closed to make room for a new connection when no request is in progress."""
         if self._request_in_progress or self._messages or self.transport is None:
@@ -575,6 +583,9 @@ class _Connection(RequestHandler):
         self.rx += 1
         if self.counted:
             connections.TABLE.idle_now(self)  # (used now: the last to be closed near the cap)
+        if len(self._messages) > http1.server.PIPELINE_MAX and self.transport is not None:
+            self.pipeline_paused = True  # (resumed by HttpFrontend.handle as they drain)
+            self.transport.pause_reading()
         if self._messages or self._request_in_progress:
             self.header_since = 0.0
         elif not self.header_since and data:

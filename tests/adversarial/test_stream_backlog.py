@@ -27,14 +27,10 @@ MiB = 1 << 20
 COUNT = 300
 CLIENTS = 3
 
-BIG_STREAM_CONFIG = """
-name: "big_stream"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [ { name: "count" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]
-"""
+BIG_STREAM_CONFIG = ('name: "big_stream" backend: "python" max_batch_size: 0 '
+                     'model_transaction_policy { decoupled: true }\n'
+                     'input [ { name: "count" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                     'output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
 
 BIG_STREAM_MODEL = '''
 import numpy as np
