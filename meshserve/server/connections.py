@@ -59,11 +59,12 @@ def derived_cap(nofile: int, shm_regions: int) -> int:
 class ConnectionTable:
     """The process's client connections (see the module docstring)."""
 
-    __slots__ = ("limit", "headroom", "count", "idle", "refused", "evicted")
+    __slots__ = ("limit", "headroom", "count", "idle", "closing", "refused", "evicted")
 
     def __init__(self, limit: int = 0) -> None:
         self.count = 0
         self.idle: dict[Closable, None] = {}  # no request in progress, oldest first
+        self.closing: set[Closable] = set()  # evicted, not yet closed: no longer counted
         self.refused = 0  # connections accepted and closed at the cap
         self.evicted = 0  # idle connections closed to make room
         self.limit = self.headroom = 0
@@ -88,8 +89,14 @@ class ConnectionTable:
         return True
 
     def closed(self, conn: Closable) -> None:
-        self.count -= 1
         self.idle.pop(conn, None)
+        if self.closing:
+            try:
+                self.closing.remove(conn)
+                return  # (uncounted when it was evicted)
+            except KeyError:
+                pass
+        self.count -= 1
 
     def busy(self, conn: Closable) -> None:
         """A request started on `conn`."""
@@ -108,8 +115,10 @@ class ConnectionTable:
         for _ in range(min(len(idle), EVICT_SCAN)):
             conn = next(iter(idle))
             del idle[conn]
-            if conn.evict():
+            if conn.evict():  # its descriptor is released as the loop closes it: counted free now
                 self.evicted += 1
+                self.count -= 1
+                self.closing.add(conn)
                 return
             idle[conn] = None
 
