@@ -243,16 +243,6 @@ class HttpFrontend:
         server writes without an aiohttp response; `handle` converts it for aiohttp's server)."""
         conn = request.protocol
         try:
-            return await self._answer(request)
-        finally:
-            _release_held()  # (one lookup when nothing was charged: the common small request)
-            if isinstance(conn, _Connection) and conn.trim_heap:  # a large body was read (_read_body)
-                conn.trim_heap = False
-                loop = asyncio.get_running_loop()  # once this request's buffers are gone
-                loop.call_later(0.05, loop.run_in_executor, None, body_worker.release_memory)
-
-    async def _answer(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
-        try:
             if request.method == "POST" and (route := self.infer_routes.get(request.raw_path)) is not None:
                 return await self._infer(request, *route)
             return await self._dispatch(request)
@@ -266,6 +256,12 @@ class HttpFrontend:
         except Exception as exc:  # never a crash; report and keep serving
             log.exception("internal error serving %s %s", request.method, request.path)
             return _error_response(InferError.internal(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            _release_held()  # the body bytes it held in RECEIVING (one lookup for a small request)
+            if isinstance(conn, _Connection) and conn.trim_heap:  # a large body was read (_read_body)
+                conn.trim_heap = False
+                loop = asyncio.get_running_loop()  # once this request's buffers are gone
+                loop.call_later(0.05, loop.run_in_executor, None, body_worker.release_memory)
 
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse | http1.Answer:
         path = request.raw_path.split("?", 1)[0]

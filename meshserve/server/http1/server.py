@@ -83,7 +83,7 @@ class Connection(asyncio.Protocol):
                  "head_bytes", "in_head", "body_of", "buffered", "header_since", "idle_since", "rx",
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
-                 "queued_bytes", "body_wire", "body_since", "rx_bytes", "__weakref__")
+                 "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -118,7 +118,8 @@ class Connection(asyncio.Protocol):
         self.head_size = 0  # the pending head's target and field bytes
         self.queued_bytes = 0  # head bytes of the queued requests
         self.body_wire = 0  # raw bytes received during the pending body (framing included)
-        self.body_since = 0.0  # when the pending body's headers ended
+        self.body_seen: Request | None = None  # the pending body the sweep first saw ...
+        self.body_since = 0.0  # ... and when (--body-timeout-s: nothing on the request path)
         self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
@@ -291,7 +292,6 @@ class Connection(asyncio.Protocol):
         self.fields = []
         self.body_of = request
         self.body_wire = 0
-        self.body_since = self.loop.time()
         request.head_size = size = self.head_size + len(raw)
         self.queued_bytes += size
         self.queue.append(request)
@@ -500,12 +500,17 @@ class Connection(asyncio.Protocol):
         """Why this connection must be closed now, if it must."""
         if self.rx != self.rx_seen:
             self.rx_seen, self.quiet_since = self.rx, now
+        if self.body_of is None:
+            self.body_seen = None  # (not kept: a finished request's buffers go)
         if self.read_paused:
             return None  # silence is this side's doing (backpressure)
-        if self.body_of is not None:
+        body = self.body_of
+        if body is not None:
             read = limits.read_timeout_s
             if read and now - self.quiet_since >= read:
                 return f"no request body bytes for {read:g} s (--read-timeout-s)"
+            if body is not self.body_seen:
+                self.body_seen, self.body_since = body, now
             whole = limits.body_timeout_s
             if whole and now - self.body_since >= whole:
                 return f"request body not complete after {whole:g} s (--body-timeout-s)"
