@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from meshserve.server import connections
-from meshserve.server.body_worker import release_memory
+from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
@@ -332,6 +332,8 @@ class ServerConnection(H2Endpoint):
         if self.counted:
             self.counted = False
             connections.TABLE.closed(self)
+        if self.paused or self.blocked:  # a peer that stopped reading: what it held goes back to the OS
+            release_memory_soon(self.loop)
         self.server._conns.discard(self)
         if self.timer is not None:
             self.timer.cancel()

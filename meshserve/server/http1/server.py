@@ -145,7 +145,8 @@ class Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.transport = None
         self.backlog = b""
-        if self.rx_bytes > body_worker.TRIM_AFTER_BYTES:  # a flood's buffers go back to the OS once freed
+        if self.rx_bytes > body_worker.TRIM_AFTER_BYTES or self.write_paused:
+            # a flood, or a client that stopped reading: their buffers go back to the OS once freed
             body_worker.release_memory_soon(self.loop)
         body = self.body_of
         if body is not None:
