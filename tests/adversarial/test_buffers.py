@@ -13,13 +13,15 @@ gateway with tenants in front of two ONNX replicas) while the good client runs (
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
 import pytest
 
+from tests.adversarial import h2raw
 from tests.adversarial.harness import BODY_TIMEOUT_S, LONG, OTHER_KEY, Mesh, Observation, under_attack
-from tests.adversarial.test_http1_attacks import _slow_clients, head, read_status, target
+from tests.adversarial.test_http1_attacks import MARGIN_S, _slow_clients, head, read_status, target
 from tests.support.http1 import connect
 
 MiB = 1 << 20
@@ -172,3 +174,38 @@ def test_body_trickle(mesh: Mesh, which: str) -> None:
         return _slow_clients(proc.http, n, first, b" ", BODY_TIMEOUT_S)
 
     under_attack(mesh, proc, f"body trickle on {which}", attack).judge().check()
+
+
+@pytest.mark.parametrize("which", BOTH)
+def test_grpc_message_trickle(mesh: Mesh, which: str) -> None:
+    """20 ModelInfer calls whose 1 MiB message arrives in 1-byte DATA frames, one every 0.5 s
+    (every frame complete: the read timeout never sees a partial one): each call ends with
+    RESOURCE_EXHAUSTED (or the connection closes) within --body-timeout-s (5 s) + a margin."""
+    proc = target(mesh, which)
+    n = 200 if LONG else 20
+
+    def attack() -> Observation:
+        conns = [h2raw.RawH2(proc.grpc) for _ in range(n)]
+        try:
+            for c in conns:
+                c.send(h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1,
+                                   h2raw.grpc_headers(c.authority, key=OTHER_KEY if which == "gateway" else None))
+                       + h2raw.frame(h2raw.DATA, 0, 1, struct.pack(">BI", 0, MiB)))
+            def ended(c: h2raw.RawH2) -> bool:
+                return 1 in c.seen.statuses or c.seen.closed_or_refused()
+
+            end = time.monotonic() + BODY_TIMEOUT_S + MARGIN_S
+            while time.monotonic() < end and not all(ended(c) for c in conns):
+                for c in conns:
+                    if not ended(c):
+                        c.send(h2raw.frame(h2raw.DATA, 0, 1, b"\0"))
+                time.sleep(0.5)  # the trickle's pace, not a wait for a condition
+            seen = [c.seen.statuses.get(1, "closed" if c.seen.closed_or_refused() else "open") for c in conns]
+            return Observation(f"{n} trickled messages after {BODY_TIMEOUT_S + MARGIN_S:.0f} s: "
+                               f"{ {s: seen.count(s) for s in set(seen)} }",
+                               all(s in ("8", "closed") for s in seen))
+        finally:
+            for c in conns:
+                c.close()
+
+    under_attack(mesh, proc, f"gRPC message trickle on {which}", attack).judge().check()

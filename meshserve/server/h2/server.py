@@ -151,7 +151,8 @@ _COROUTINE = types.CoroutineType
 class ServerStream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "due",
-                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken")
+                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken",
+                 "partial_len", "partial_since")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -179,6 +180,8 @@ class ServerStream:
         self.waiter: asyncio.Future[None] | None = None  # a handler waiting for room in `out`
         self.held = 0  # received message bytes not yet given back to the connection window
         self.taken = 0  # request streaming: bytes of messages the handler took, not yet released
+        self.partial_len = 0  # a partly received message as the connection's timer last saw it ...
+        self.partial_since = 0.0  # ... and since when (--body-timeout-s; ServerConnection._slow_messages)
 
 
 class ServicerContext:
@@ -473,6 +476,8 @@ class ServerConnection(H2Endpoint):
                     return
         else:
             self.partial = None
+        if self.held and limits.body_timeout_s:  # (nothing to look at unless message bytes are held)
+            self._slow_messages(now, limits.body_timeout_s)
         idle = limits.idle_timeout_s
         if idle:
             if self.streams:
@@ -498,6 +503,26 @@ class ServerConnection(H2Endpoint):
                 self.ping_sent = now
                 self._write(frame(PING, 0, 0, KEEPALIVE_PING))
         self.timer = self.loop.call_later(self.server.tick, self._on_tick)
+
+    def _slow_messages(self, now: float, limit: float) -> None:
+        """Fail a stream whose request message has been arriving for longer than `limit`
+        (--body-timeout-s: a message trickled in 1-byte DATA frames is never silent long enough for
+        the read timeout). A message is seen as the same one while its partial bytes do not shrink."""
+        for st in list(self.streams.values()):
+            n = len(st.buf)
+            if not n or n < st.partial_len:  # none, or a message completed since the last look
+                st.partial_len, st.partial_since = n, (now if n else 0.0)
+                continue
+            st.partial_len = n
+            if not st.partial_since:
+                st.partial_since = now
+            elif now - st.partial_since >= limit:
+                st.cancelled = True
+                self._finish(st, Status.RESOURCE_EXHAUSTED, f"request message not complete after {limit:g} s "
+                                                            f"(--body-timeout-s)")
+                if st.task is not None and not st.task.done():
+                    st.task.cancel()
+        self._flush()
 
     def _abandon(self, st: ServerStream) -> None:
         """The peer is gone or reset the stream: stop its work, send nothing more."""
