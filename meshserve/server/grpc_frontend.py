@@ -85,6 +85,31 @@ def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> Req
     )
 
 
+def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tuple[int, str] | None]:
+    """The HTTP/2 server's check at a call's headers: a unary method whose rule is not open needs
+    a valid key (UNAUTHENTICATED, when there are tenants) before its message is received, as the
+    HTTP front end checks before reading a body; the method's own rule follows as before."""
+    open_paths = {f"/{access.GRPC_SERVICE}/{name}" for name, op in access.GRPC_METHODS.items()
+                  if isinstance(op, access.Op) and op.rule is access.Rule.OPEN}
+    open_paths |= {f"/{access.HEALTH_SERVICE}/{name}" for name in access.HEALTH_METHODS}
+    open_paths |= {f"/{access.METRICS_SERVICE}/{name}" for name in access.METRICS_METHODS}  # (its own rule)
+    # ModelStreamInfer answers every request's error in band (as Triton does), a missing key too;
+    # its messages are taken one at a time (the stream's own window), so it is not refused here
+    open_paths.add(f"/{access.GRPC_SERVICE}/ModelStreamInfer")
+
+    def check(path: str, metadata: tuple[tuple[str, Any], ...]) -> tuple[int, str] | None:
+        if path in open_paths:
+            return None
+        try:  # (the rule every non-open op starts with: any valid key)
+            core.authorize(access.Op.SERVER_METADATA, "", RequestContext(
+                protocol="grpc", headers={k: v for k, v in metadata if isinstance(v, str)}))
+        except InferError as exc:
+            return exc.grpc_status.value[0], exc.message
+        return None
+
+    return check
+
+
 def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Set the call's error status. The handler then returns normally: grpc.aio drops the
     response of a call whose code is not OK, and this avoids context.abort()'s exception
@@ -467,6 +492,7 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
                           limits=limits)
         h2.add_registered_method_handlers(SERVICE, inference_methods(core))
         h2.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
+        h2.check_headers = _key_check(core)
         try:
             bound = await h2.bind(host, port)
         except OSError as exc:

@@ -209,3 +209,39 @@ def test_grpc_message_trickle(mesh: Mesh, which: str) -> None:
                 c.close()
 
     under_attack(mesh, proc, f"gRPC message trickle on {which}", attack).judge().check()
+
+
+def test_keyless_grpc_messages_are_refused_at_their_headers(mesh: Mesh) -> None:
+    """With tenants, 4 connections send ModelInfer calls of 60 MiB messages with no key, as
+    fast as the server's windows allow: UNAUTHENTICATED at the headers, the messages never
+    held (before: each connection could hold its receive budget, 64 MiB, until the handler ran)."""
+    proc = mesh.gateway
+    size = 60 * MiB
+
+    def one(verdicts: list[str]) -> None:
+        conn = h2raw.RawH2(proc.grpc)
+        try:
+            conn.send(h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1, h2raw.grpc_headers(conn.authority)))
+            conn.send(h2raw.frame(h2raw.DATA, 0, 1, h2raw.grpc_message(b"", length=size)))
+            chunk = b"\0" * (1 << 20)
+            sent = 0
+            while sent < size and 1 not in conn.seen.statuses and not conn.seen.closed_or_refused():
+                n = conn.take_window(1, min(conn.seen.settings.get(h2raw.MAX_FRAME_SIZE, 16384), len(chunk)), 2.0)
+                if n == 0 or not conn.send(h2raw.frame(h2raw.DATA, 0, 1, chunk[:n])):
+                    break
+                sent += n
+            conn.wait_answered(1, 5.0)
+            verdicts.append(conn.seen.statuses.get(1, f"none after {sent / MiB:.0f} MiB"))
+        finally:
+            conn.close()
+
+    def attack() -> Observation:
+        verdicts: list[str] = []
+        threads = [threading.Thread(target=one, args=(verdicts,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return Observation(f"4 keyless 60 MiB gRPC messages: grpc-status {verdicts}", verdicts == ["16"] * 4)
+
+    under_attack(mesh, proc, "keyless gRPC messages on gateway", attack).judge().check()

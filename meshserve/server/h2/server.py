@@ -607,6 +607,10 @@ class ServerConnection(H2Endpoint):
             self._finish(st, Status.UNIMPLEMENTED,
                          f"compression {st.encoding.decode('latin-1')} is not supported (identity, gzip, deflate)")
             return
+        check = self.server.check_headers
+        if check is not None and (refused := check(path, st.metadata)) is not None:
+            self._finish(st, *refused)  # (before a byte of its message is taken: issue 29, keys before bodies)
+            return
         st.handler = handler
         self.server._stream_started()
         if timeout is not None:
@@ -1056,6 +1060,9 @@ class H2GrpcServer:
         self._methods: dict[str, grpc.RpcMethodHandler | None] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
         self._conns: set[ServerConnection] = set()
+        # (path, metadata) -> None, or (gRPC status, details) to refuse the call at its headers,
+        # before its message is received (the front end's key check: grpc_frontend.start_grpc_server)
+        self.check_headers: Callable[[str, tuple[tuple[str, Any], ...]], tuple[int, str] | None] | None = None
         self._servers: list[asyncio.Server] = []
         self._stopping = False
         self._active = 0
