@@ -97,24 +97,21 @@ def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tup
     # its messages are taken one at a time (the stream's own window), so it is not refused here
     open_paths.add(f"/{access.GRPC_SERVICE}/ModelStreamInfer")
 
-    # the credentials (authorization, x-api-key) that passed lately: only an early filter (the
-    # method's own check follows), so a key revoked since is still refused, by that check
-    passed: set[tuple[Any, Any]] = set()
+    # metadata (the server's parsed tuple: the same object for a repeated header block) that passed
+    # lately: only an early filter (the method's own check follows), so a key revoked since is
+    # still refused, by that check; a hit costs one hash of the tuple, nothing allocated
+    passed: set[tuple[tuple[str, Any], ...]] = set()
 
     def check(path: str, metadata: tuple[tuple[str, Any], ...]) -> tuple[int, str] | None:
-        if path in open_paths:
-            return None
-        headers = dict(metadata)
-        who = (headers.get("authorization"), headers.get("x-api-key"))
-        if who in passed:
+        if metadata in passed or path in open_paths:
             return None
         try:  # (the rule every non-open op starts with: any valid key)
-            core.authorize(access.Op.SERVER_METADATA, "", RequestContext(protocol="grpc", headers=headers))
+            core.authorize(access.Op.SERVER_METADATA, "", RequestContext(protocol="grpc", headers=dict(metadata)))
         except InferError as exc:
             return exc.grpc_status.value[0], exc.message
         if len(passed) >= 1024:
             passed.clear()
-        passed.add(who)
+        passed.add(metadata)
         return None
 
     return check

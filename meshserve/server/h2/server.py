@@ -573,8 +573,8 @@ class ServerConnection(H2Endpoint):
                 self.last_sid = sid
                 st = ServerStream(sid, self.peer_initial_window)
                 self.streams[sid] = st
-                if self.counted:
-                    connections.TABLE.idle_now(self)  # (used now: the last to be closed near the cap)
+                if self.counted and len(self.streams) == 1:  # busy again: the last to be closed near the cap
+                    connections.TABLE.idle_now(self)
         self._header_block(st, flags, block)
 
     def _headers_complete(self, st: ServerStream, flags: int, block: bytes) -> None:
