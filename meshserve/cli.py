@@ -107,15 +107,34 @@ class Child:
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
 
+    PUMP_CHUNK = 64 * 1024  # the child's output is read (and a line without its newline passed on) in pieces of this
+
     def _pump(self) -> None:
+        """Pass the child's output on, reading at most PUMP_CHUNK bytes at a time: a child that
+        prints without a newline holds at most one chunk here (a line longer than that is passed
+        on in pieces, never gathered); whole lines are checked for the ready marker."""
+        import codecs
+
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            ports = parse_ready_line(line)
-            if ports is not None:
-                self.ports.update(ports)
-                self._ready.set()
-            else:
-                sys.stdout.write(line)
+        raw = self.proc.stdout.buffer  # type: ignore[attr-defined]  # (bytes: a text readline would gather a whole line, any length)
+        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        partial = b""
+        while chunk := raw.read1(self.PUMP_CHUNK):
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            for line in lines:
+                text = decode(line + b"\n")
+                ports = parse_ready_line(text)
+                if ports is not None:
+                    self.ports.update(ports)
+                    self._ready.set()
+                else:
+                    sys.stdout.write(text)
+            if len(partial) >= self.PUMP_CHUNK:  # a long line: passed on as it comes
+                sys.stdout.write(decode(partial))
+                partial = b""
+        if partial:
+            sys.stdout.write(decode(partial, True))
         self._ready.set()
 
     def wait_ready(self, timeout: float) -> None:

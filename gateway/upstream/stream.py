@@ -32,6 +32,7 @@ from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server import h2
 from meshserve.server.deadlines import DeadlineTimer
+from meshserve.server.limits import STREAMS
 from meshserve.telemetry import metrics, tracing
 
 log = logging.getLogger("meshserve.gateway.stream")
@@ -41,7 +42,8 @@ _CODES = {c.value: c for c in Code}
 _STREAM_METADATA = ((tracing.HOP_HEADER, tracing.HOP_GATEWAY),)
 _CONNECT_TIMEOUT_S = 5.0
 # answers of one streamed request the gateway holds for a client that reads them slower than the
-# model sends them; beyond that the request fails (RESOURCE_EXHAUSTED) and the service stops it
+# model sends them, and their bytes (--max-stream-backlog-bytes, limits.STREAMS); beyond either the
+# request fails (RESOURCE_EXHAUSTED, its one end) and the service stops it
 MAX_WAITING_ANSWERS = 1024
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
 _EMPTY_FINAL = wire.EMPTY_FINAL_PARAMETER
@@ -137,7 +139,7 @@ class _Stream:
                 self._end_if_retired()
             return
         answers = self.answers.get(msg.infer_response.id)
-        if answers is not None and answers.push(msg):
+        if answers is not None and answers.push(msg, len(raw)):
             del self.answers[msg.infer_response.id]
             if self.retired:
                 self._end_if_retired()
@@ -266,26 +268,35 @@ class Answers:
         self._client_id = client_id
         self._deadline = deadline  # loop time
         self._queue: collections.deque[pb.ModelStreamInferResponse | BaseException] = collections.deque()
+        self._sizes: collections.deque[int] = collections.deque()  # the queued items' bytes
+        self.waiting_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False  # the final answer (or an error) arrived: nothing more will
 
-    def push(self, item: pb.ModelStreamInferResponse | BaseException) -> bool:
-        """An answer (or the stream's failure) arrives; returns whether it was the last."""
+    def push(self, item: pb.ModelStreamInferResponse | BaseException, size: int = 0) -> bool:
+        """An answer of `size` bytes (or the stream's failure) arrives; returns whether it was the last."""
         if self.finished:
             return True
         if isinstance(item, BaseException):
             self.finished = True
+            size = 0
         else:
             params = item.infer_response.parameters
             self.finished = bool(item.error_message) or _ERROR_CODE in params or \
                 (_FINAL in params and params[_FINAL].bool_param) or _FINAL not in params
-            if not self.finished and len(self._queue) >= MAX_WAITING_ANSWERS:
+            if not self.finished and self._queue and (
+                    len(self._queue) >= MAX_WAITING_ANSWERS
+                    or self.waiting_bytes + size > STREAMS.backlog_bytes):
                 item = InferError.exhausted(
-                    f"more than {MAX_WAITING_ANSWERS} responses of this request wait for the client: "
-                    "it reads them slower than the model sends them")
+                    f"{len(self._queue)} responses ({self.waiting_bytes} bytes) of this request wait for the "
+                    f"client (limits: {MAX_WAITING_ANSWERS} responses, --max-stream-backlog-bytes "
+                    f"{STREAMS.backlog_bytes}): it reads them slower than the model sends them")
                 self.finished = True
+                size = 0
                 self._stream.cancel(self._cid)
         self._queue.append(item)
+        self._sizes.append(size)
+        self.waiting_bytes += size
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -312,6 +323,7 @@ class Answers:
         the request never reached the service, and may go to another replica)."""
         await self._wait()
         if isinstance(self._queue[0], BaseException):
+            self.waiting_bytes -= self._sizes.popleft()
             raise self._queue.popleft()
 
     async def next(self) -> tuple[pb.ModelInferResponse | None, bool]:
@@ -319,6 +331,7 @@ class Answers:
         in-band error is raised as the InferError it carries."""
         await self._wait()
         item = self._queue.popleft()
+        self.waiting_bytes -= self._sizes.popleft()
         if isinstance(item, BaseException):
             raise item
         error = _error(item, self._stream.name)

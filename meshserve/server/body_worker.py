@@ -180,6 +180,25 @@ def release_memory() -> None:
     _malloc_trim(0)
 
 
+_trim_due: asyncio.TimerHandle | None = None
+
+
+def release_memory_soon(loop: asyncio.AbstractEventLoop, delay_s: float = 0.2) -> None:
+    """`release_memory` in a thread `delay_s` from now (once the buffers of what just ended are
+    freed), at most one pending at a time: a connection that received or held much (a pipelining
+    flood, a stream whose client did not read) ends, and its memory returns to the OS."""
+    global _trim_due
+    if _trim_due is not None:
+        return
+
+    def trim() -> None:
+        global _trim_due
+        _trim_due = None
+        loop.run_in_executor(None, release_memory)
+
+    _trim_due = loop.call_later(delay_s, trim)
+
+
 def worker() -> BodyWorker:
     """The process's worker (shared by every HTTP front end of the process)."""
     global _worker

@@ -25,7 +25,7 @@ from meshserve.server import access, observe, shm
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
-from meshserve.server.limits import ServerLimits
+from meshserve.server.limits import STREAMS, ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT, gateway_hop
 
 log = logging.getLogger("meshserve.grpc")
@@ -91,6 +91,36 @@ def _control_context(context: grpc.aio.ServicerContext) -> RequestContext:
     ctx = _context(context)
     ctx.peer = context.peer()
     return ctx
+def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tuple[int, str] | None]:
+    """The HTTP/2 server's check at a call's headers: a unary method whose rule is not open needs
+    a valid key (UNAUTHENTICATED, when there are tenants) before its message is received, as the
+    HTTP front end checks before reading a body; the method's own rule follows as before."""
+    open_paths = {f"/{access.GRPC_SERVICE}/{name}" for name, op in access.GRPC_METHODS.items()
+                  if isinstance(op, access.Op) and op.rule is access.Rule.OPEN}
+    open_paths |= {f"/{access.HEALTH_SERVICE}/{name}" for name in access.HEALTH_METHODS}
+    open_paths |= {f"/{access.METRICS_SERVICE}/{name}" for name in access.METRICS_METHODS}  # (its own rule)
+    # ModelStreamInfer answers every request's error in band (as Triton does), a missing key too;
+    # its messages are taken one at a time (the stream's own window), so it is not refused here
+    open_paths.add(f"/{access.GRPC_SERVICE}/ModelStreamInfer")
+
+    # metadata (the server's parsed tuple: the same object for a repeated header block) that passed
+    # lately: only an early filter (the method's own check follows), so a key revoked since is
+    # still refused, by that check; a hit costs one hash of the tuple, nothing allocated
+    passed: set[tuple[tuple[str, Any], ...]] = set()
+
+    def check(path: str, metadata: tuple[tuple[str, Any], ...]) -> tuple[int, str] | None:
+        if metadata in passed or path in open_paths:
+            return None
+        try:  # (the rule every non-open op starts with: any valid key)
+            core.authorize(access.Op.SERVER_METADATA, "", RequestContext(protocol="grpc", headers=dict(metadata)))
+        except InferError as exc:
+            return exc.grpc_status.value[0], exc.message
+        if len(passed) >= 1024:
+            passed.clear()
+        passed.add(metadata)
+        return None
+
+    return check
 
 
 def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -264,6 +294,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         base = _context(context)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
+        queued = [0]  # bytes of streamed answers queued, not yet written: at most --max-stream-backlog-bytes
+        room = asyncio.Event()  # (beyond one answer); set when the writer takes one
         failed: list[str] = []
         order: collections.deque[list[Any]] = collections.deque()  # [answer bytes or None, ready]
 
@@ -321,9 +353,18 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                             continue
                         in_order(place, None)  # a decoupled model after all: its answers are not held
                     await backlog.acquire()
+                    msg = wire.stream_response(body)
+                    try:
+                        while queued[0] and queued[0] + len(msg) > STREAMS.backlog_bytes:
+                            room.clear()
+                            await room.wait()
+                    except asyncio.CancelledError:
+                        backlog.release()
+                        raise
+                    queued[0] += len(msg)
                     if final:
                         owns_slot = False
-                    out.put_nowait((wire.stream_response(body), final))
+                    out.put_nowait((msg, final))
                 if owns_slot:  # (a core that ended without a final answer)
                     owns_slot = False
                     slots.release()
@@ -415,6 +456,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if item.__class__ is tuple:  # a streamed answer: (bytes, final)
                     yield item[0]  # type: ignore[index]
                     backlog.release()
+                    queued[0] -= len(item[0])  # type: ignore[index]
+                    room.set()
                     if item[1]:  # type: ignore[index]
                         slots.release()
                     continue
@@ -518,6 +561,7 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
                           limits=limits)
         h2.add_registered_method_handlers(SERVICE, inference_methods(core))
         h2.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
+        h2.check_headers = _key_check(core)
         try:
             bound = await h2.bind(host, port)
         except OSError as exc:

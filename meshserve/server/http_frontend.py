@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import unquote
 
@@ -26,7 +27,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
-from meshserve.server import body_worker, http1, observe, shm
+from meshserve.server import admission, body_worker, connections, http1, observe, shm
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import LISTEN, ServerLimits
@@ -56,6 +57,42 @@ def _empty(status: int = 200) -> web.Response:
 SMALL_BODY_BYTES = 1 << 16  # a body of at most this many bytes with a Content-Length is read in one go
 
 
+class ReceiveBudget:
+    """Bytes of HTTP request bodies received (beyond SMALL_BODY_BYTES each) and not yet answered,
+    process-wide, against --max-receive-bytes: counted as they arrive, before decoding and
+    admission, and given back when the request's answer is done (`HttpFrontend.answer`)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self) -> None:
+        self.limit = 0  # 0: unbounded
+        self.used = 0
+
+    def charge(self, n: int) -> None:
+        """n more bytes held by the running request; 429 + Retry-After when they do not fit."""
+        if self.limit and self.used + n > self.limit:
+            raise InferError.exhausted(
+                f"server busy: {self.used} bytes of request bodies being received (limit --max-receive-bytes "
+                f"{self.limit}); this body's {n} more do not fit, retry later", retry_after_s=admission.RETRY_AFTER_S)
+        self.used += n
+        held = _held.get()
+        if held is None:
+            _held.set(held := [0])
+        held[0] += n
+
+
+RECEIVING = ReceiveBudget()
+# the bytes the request running in this task holds in RECEIVING (set on its first charge)
+_held: ContextVar[list[int] | None] = ContextVar("meshserve_http_body_held", default=None)
+
+
+def _release_held() -> None:
+    held = _held.get()
+    if held is not None:
+        RECEIVING.used -= held[0]
+        _held.set(None)
+
+
 async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     """The request body's chunks, decompressed, at most `limit` bytes on the wire and after decoding.
 
@@ -77,6 +114,7 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
     conn = request.protocol
     if isinstance(conn, _Connection):
         conn.reading = True
+        conn.reading_since = conn._loop.time()
     content = request.content
     # Kept as chunks: a large JSON body goes to the body worker chunk by chunk, never joined here
     # (a join of 64 MiB page-faults a fresh buffer in one go: ~30 ms measured, all on the loop).
@@ -87,6 +125,11 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
             # the common case, a small plain body of known length: one read (aiohttp holds the
             # parser to Content-Length), not the chunk loop below (measured ~2 µs a request)
             return [await content.read()]
+        if length is not None:  # all of it must fit (refused before it is read)
+            RECEIVING.charge(length)
+            charged = length
+        else:
+            charged = 0
         while True:
             chunk = await content.readany()
             if not chunk:
@@ -94,6 +137,9 @@ async def _read_body(request: web.BaseRequest, limit: int) -> list[bytes]:
             wire_size += len(chunk)
             if wire_size > limit:
                 raise InferError.too_large(f"request body exceeds the {limit}-byte limit (--max-request-bytes)")
+            if wire_size > charged:  # (chunked: as it comes)
+                RECEIVING.charge(wire_size - charged)
+                charged = wire_size
             if decoder is None or plain:  # (plain already says it; mypy needs the None test)
                 chunks.append(chunk)
                 continue
@@ -171,7 +217,9 @@ class HttpFrontend:
 
     def __init__(self, core: V2Core, limits: ServerLimits | None = None):
         self.core = core
-        self.max_body = (limits or ServerLimits()).max_request_bytes
+        limits = limits or ServerLimits()
+        self.max_body = limits.max_request_bytes
+        RECEIVING.limit = limits.max_receive_bytes  # (process-wide: every front end of a process has the same)
         # raw path (query included) -> (model, version) of a POST that _dispatch found to be an
         # infer route: the next POST to that path goes to _infer without the path's parsing
         # (at most INFER_ROUTES_MAX paths, all dropped when full)
@@ -185,6 +233,8 @@ class HttpFrontend:
         conn = request.protocol
         if isinstance(conn, _Connection):
             conn.header_since = 0.0  # this request's headers are in (see _Connection)
+            if conn.pipeline_paused and len(conn._messages) <= http1.server.PIPELINE_LOW:
+                conn.resume_pipeline()
         response = await self.answer(request)
         return response.to_response() if isinstance(response, http1.Answer) else response
 
@@ -207,6 +257,7 @@ class HttpFrontend:
             log.exception("internal error serving %s %s", request.method, request.path)
             return _error_response(internal_error(exc))
         finally:
+            _release_held()  # the body bytes it held in RECEIVING (one lookup for a small request)
             if isinstance(conn, _Connection) and conn.trim_heap:  # a large body was read (_read_body)
                 conn.trim_heap = False
                 loop = asyncio.get_running_loop()  # once this request's buffers are gone
@@ -307,6 +358,16 @@ class HttpFrontend:
 
     async def _infer(self, request: web.BaseRequest, name: str, version: str) -> http1.Answer:
         header_length = http_codec.parse_header_length(_header(request, "inference-header-content-length"))
+        # Before a byte of the body is read: the key (401 without a valid one, when there are
+        # tenants; the model and quota rules follow at admission) and, for a large body, room in
+        # the admission gate.
+        ctx = RequestContext(protocol="http", headers=_context_headers(request))
+        self.core.authorize(Op.SERVER_METADATA, "", ctx)  # (its rule: any valid key)
+        length = request.content_length
+        if length is not None and length > SMALL_BODY_BYTES:
+            gate = admission.gate
+            if gate.requests >= gate.max_requests or (gate.bytes + length > gate.max_bytes and gate.requests):
+                raise gate.refuse(name, 1, length)
         body = await _read_body(request, self.max_body)
         plan: http_codec.RenderPlan | None = None
         raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
@@ -315,8 +376,8 @@ class HttpFrontend:
         else:
             infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
                                           size=header_length)
-        ctx = RequestContext(protocol="http", headers=_context_headers(request), raw=raw,
-                             nbytes=sum(map(len, body)))
+        ctx.raw = raw
+        ctx.nbytes = sum(map(len, body))
         uses_shm = plan.shared_memory if plan is not None else shm.uses_shared_memory(infer_request)
         # a client that leaves now cancels this handler, and so the request in the core (its
         # queued entry leaves the queue, a running model sees is_cancelled(), a gateway tells
@@ -477,7 +538,8 @@ class _Connection(RequestHandler):
     """aiohttp's connection handler plus what the header and read timeouts need: a count of
     data arrivals and when the headers of the next request started to arrive."""
 
-    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "trim_heap", "lost", "cancel_on_loss")
+    __slots__ = ("rx", "rx_seen", "quiet_since", "header_since", "reading", "reading_since", "trim_heap", "lost",
+                 "counted", "pipeline_paused", "cancel_on_loss")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -486,6 +548,9 @@ class _Connection(RequestHandler):
         self.quiet_since = 0.0  # sweep time since which no data arrived
         self.header_since = 0.0  # when the pending request's first bytes came; 0: none pending
         self.reading = False  # a handler is waiting for this connection's body
+        self.reading_since = 0.0  # ... since then (--body-timeout-s)
+        self.counted = False  # in connections.TABLE
+        self.pipeline_paused = False  # reading paused: too many pipelined requests wait (data_received)
         self.trim_heap = False  # a large body was read: the heap goes back to the OS after its request
         self.lost: asyncio.Future[None] | None = None  # made by a handler that waits on the model (_lost)
         self.cancel_on_loss = False  # the handler waits on the core: a lost connection cancels it (_infer)
@@ -496,28 +561,54 @@ class _Connection(RequestHandler):
         super().connection_lost(exc)
         if handler is not None:
             handler.cancel()
+        if self.counted:
+            self.counted = False
+            connections.TABLE.closed(self)
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self.header_since = self.quiet_since = self._loop.time()  # a silent new connection is a slow header
+        if not connections.TABLE.opened(self):  # at --max-connections: refused at once
+            transport.close()
+            return
+        self.counted = True
+
+    def resume_pipeline(self) -> None:
+        self.pipeline_paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def evict(self) -> bool:
+        """Closed to make room for a new connection when no request is in progress."""
+        if self._request_in_progress or self._messages or self.transport is None:
+            return False
+        self.force_close()
+        return True
 
     def data_received(self, data: bytes) -> None:
         _received(self, data)  # aiohttp's (not super(): this runs for every read)
         self.rx += 1
+        if self.counted:
+            connections.TABLE.idle_now(self)  # (used now: the last to be closed near the cap)
+        if len(self._messages) > http1.server.PIPELINE_MAX and self.transport is not None:
+            self.pipeline_paused = True  # (resumed by HttpFrontend.handle as they drain)
+            self.transport.pause_reading()
         if self._messages or self._request_in_progress:
             self.header_since = 0.0
         elif not self.header_since and data:
             self.header_since = self._loop.time()
 
-    def check(self, now: float, header_timeout: float, read_timeout: float) -> str | None:
+    def check(self, now: float, header_timeout: float, read_timeout: float, body_timeout: float) -> str | None:
         """Why this connection must be closed now, if it must."""
         if self.rx != self.rx_seen:
             self.rx_seen, self.quiet_since = self.rx, now
         if self.reading:
             if read_timeout and now - self.quiet_since >= read_timeout:
                 return f"no request body bytes for {read_timeout:g} s (--read-timeout-s)"
+            if body_timeout and now - self.reading_since >= body_timeout:
+                return f"request body not complete after {body_timeout:g} s (--body-timeout-s)"
         elif self.header_since and not self._request_in_progress and not self._messages:
             if header_timeout and now - self.header_since >= header_timeout:
                 return f"request headers incomplete after {header_timeout:g} s (--header-timeout-s)"
@@ -537,7 +628,7 @@ class _Server(web.Server):
         super().__init__(handler, access_log=None, auto_decompress=False,
                          keepalive_timeout=idle if idle > 0 else 1e9)
         self.limits = limits
-        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s) if t > 0]
+        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s, limits.body_timeout_s) if t > 0]
         self.tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 0.0
         self._sweeper: asyncio.TimerHandle | None = None
         if self.tick:
@@ -548,9 +639,10 @@ class _Server(web.Server):
 
     def _sweep(self) -> None:
         now = self._loop.time()
-        header, read = self.limits.header_timeout_s, self.limits.read_timeout_s
+        limits = self.limits
+        header, read, body = limits.header_timeout_s, limits.read_timeout_s, limits.body_timeout_s
         for conn in list(self._connections):
-            if isinstance(conn, _Connection) and (why := conn.check(now, header, read)):
+            if isinstance(conn, _Connection) and (why := conn.check(now, header, read, body)):
                 log.debug("closing HTTP connection from %s: %s", conn.peername, why)
                 conn.force_close()
         self._sweeper = self._loop.call_later(self.tick, self._sweep)

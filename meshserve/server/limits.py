@@ -60,6 +60,20 @@ class ServerLimits:
     idle_timeout_s: float = 300.0  # a connection with nothing in flight is closed after this
     keepalive_interval_s: float = 60.0  # HTTP/2: PING a silent connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ACK takes longer than this
+    # A request body must arrive whole within this many seconds of its headers (a body sent a
+    # byte at a time never falls silent long enough for read_timeout_s): 64 MiB at ~0.5 MiB/s.
+    body_timeout_s: float = 120.0
+    # ---- memory and descriptors, process-wide (docs/security.md, "Every buffer bounded") -------
+    # Bytes of HTTP request bodies received and not yet answered, all connections together
+    # (counted as they arrive, before decoding and admission); beyond it: 429 + Retry-After.
+    max_receive_bytes: int = 256 * MiB
+    # Bytes of one streamed request's answers waiting for a client that reads slower than the
+    # model answers (a gateway's upstream stream, a ModelStreamInfer call's writer); beyond it
+    # the model's answers wait (back-pressure) or, at a gateway, the request ends RESOURCE_EXHAUSTED.
+    max_stream_backlog_bytes: int = 8 * MiB
+    # Client connections (HTTP and gRPC together); 0: the soft NOFILE (raised to the hard limit
+    # at start) minus a reserve (meshserve/server/connections.py:derived_cap).
+    max_connections: int = 0
     # ---- shared memory (the system / CUDA shared-memory extensions; docs/shared-memory.md) ----
     # Regions registered at once in this process, all tenants together; 0 turns registration off.
     max_shm_regions: int = 256
@@ -82,6 +96,18 @@ class Listening:
 LISTEN = Listening()
 
 
+@dataclass(slots=True)
+class StreamBuffers:
+    """How many bytes of one streamed request's answers may wait for its client (one object,
+    STREAMS, set by process.serve from ServerLimits.max_stream_backlog_bytes; read by the
+    gateway's upstream streams and the gRPC front end's ModelStreamInfer writer)."""
+
+    backlog_bytes: int = 8 * MiB
+
+
+STREAMS = StreamBuffers()
+
+
 _HELP = {
     "max_request_bytes": "largest gRPC message / HTTP body (decompressed) a client may send",
     "max_inflight": "inference requests in progress at once in this process; more get 429 / "
@@ -98,6 +124,11 @@ _HELP = {
     "idle_timeout_s": "seconds an idle connection is kept",
     "keepalive_interval_s": "HTTP/2: seconds of silence before the server PINGs",
     "keepalive_timeout_s": "HTTP/2: seconds to wait for the PING's ACK",
+    "body_timeout_s": "seconds for a whole request body to arrive after its headers",
+    "max_receive_bytes": "bytes of HTTP request bodies received and not yet answered, all connections "
+                         "together; more get 429 (0 = unbounded)",
+    "max_stream_backlog_bytes": "bytes of one streamed request's answers waiting for a slow client",
+    "max_connections": "client connections at once (HTTP and gRPC); 0 = the soft NOFILE minus a reserve",
     "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",
     "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
     "http_server": f"the HTTP/1.1 server: aiohttp's, or httptools (llhttp) with meshserve's connection "

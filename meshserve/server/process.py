@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshserve.server import admission, observe, shm, workers
+from meshserve.server import admission, connections, observe, shm, workers
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.h2.client import Channel, GrpcError
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState
 from meshserve.server.http_frontend import start_http_server, start_metrics_server
-from meshserve.server.limits import LISTEN, ServerLimits
+from meshserve.server.limits import LISTEN, STREAMS, ServerLimits
 from meshserve.server.workers import Worker
 from meshserve.telemetry import tracing
 from meshserve.telemetry.otlp_loop import Transport
@@ -72,6 +72,10 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     siblings and serves its own metrics to them on a private loopback port."""
     limits = limits if limits is not None else ServerLimits()
     admission.configure(limits)
+    # descriptors: the soft NOFILE raised to the hard limit, client connections capped below it
+    cap = connections.configure(limits.max_connections, limits.max_shm_regions)
+    log.debug("at most %d client connections (--max-connections)", cap)
+    STREAMS.backlog_bytes = limits.max_stream_backlog_bytes or sys.maxsize
     shm.configure(limits, worker.state if worker is not None else None)
     private = None
     if worker is not None:

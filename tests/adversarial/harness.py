@@ -57,7 +57,8 @@ tenants:
 """
 
 # Small timeouts so the slow-client attacks end within the suite's time (ServerLimits flags).
-LIMIT_FLAGS = ["--header-timeout-s", "2", "--read-timeout-s", "3"]
+BODY_TIMEOUT_S = 5.0
+LIMIT_FLAGS = ["--header-timeout-s", "2", "--read-timeout-s", "3", "--body-timeout-s", str(BODY_TIMEOUT_S)]
 
 
 def rss(pid: int) -> int:

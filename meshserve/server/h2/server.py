@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 import grpc
 
 from meshserve.protocol.errors import internal_error
-from meshserve.server.body_worker import release_memory
+from meshserve.server import connections
+from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
@@ -73,7 +74,9 @@ log = logging.getLogger("meshserve.grpc.h2")
 STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handler may leave unread
 # ... and at most this many of them (a flood of empty messages is bytes-cheap, each one not)
 STREAM_MAX_QUEUED = 4096
-# response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window
+# response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window;
+# once the peer's window has stopped the stream, more than one message queued (2 items) is enough
+# (a peer that never gives window back holds one waiting message of the handler's, whatever its size)
 STREAM_SEND_QUEUE = 64
 STREAM_WINDOW_UPDATE = LOCAL_STREAM_WINDOW // 2
 # A unary answer's frames, built by one struct call each: HEADERS (RESPONSE_HEADERS), the DATA
@@ -149,7 +152,8 @@ _COROUTINE = types.CoroutineType
 class ServerStream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "due",
-                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken")
+                 "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken",
+                 "partial_len", "partial_since")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -177,6 +181,8 @@ class ServerStream:
         self.waiter: asyncio.Future[None] | None = None  # a handler waiting for room in `out`
         self.held = 0  # received message bytes not yet given back to the connection window
         self.taken = 0  # request streaming: bytes of messages the handler took, not yet released
+        self.partial_len = 0  # a partly received message as the connection's timer last saw it ...
+        self.partial_since = 0.0  # ... and since when (--body-timeout-s; ServerConnection._slow_messages)
 
 
 class ServicerContext:
@@ -301,6 +307,7 @@ class ServerConnection(H2Endpoint):
         self.silent_since = 0.0
         self.ping_sent: float | None = None
         self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
+        self.counted = True  # in connections.TABLE (connection_made)
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         settings = super()._settings()
@@ -311,6 +318,10 @@ class ServerConnection(H2Endpoint):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
         self.peername = transport.get_extra_info("peername")
+        if not connections.TABLE.opened(self):  # at --max-connections, nothing idle to close: refused at once
+            self.counted = False
+            transport.close()
+            return
         self.server._conns.add(self)
         # Backpressure starts once this much waits in the socket's buffer (asyncio's default of
         # 64 KiB paused busy streaming connections every few hundred messages: measured -12%).
@@ -322,6 +333,11 @@ class ServerConnection(H2Endpoint):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.counted:
+            self.counted = False
+            connections.TABLE.closed(self)
+        if self.paused or self.blocked:  # a peer that stopped reading: what it held goes back to the OS
+            release_memory_soon(self.loop)
         self.server._conns.discard(self)
         if self.timer is not None:
             self.timer.cancel()
@@ -461,6 +477,8 @@ class ServerConnection(H2Endpoint):
                     return
         else:
             self.partial = None
+        if self.held and limits.body_timeout_s:  # (nothing to look at unless message bytes are held)
+            self._slow_messages(now, limits.body_timeout_s)
         idle = limits.idle_timeout_s
         if idle:
             if self.streams:
@@ -486,6 +504,26 @@ class ServerConnection(H2Endpoint):
                 self.ping_sent = now
                 self._write(frame(PING, 0, 0, KEEPALIVE_PING))
         self.timer = self.loop.call_later(self.server.tick, self._on_tick)
+
+    def _slow_messages(self, now: float, limit: float) -> None:
+        """Fail a stream whose request message has been arriving for longer than `limit`
+        (--body-timeout-s: a message trickled in 1-byte DATA frames is never silent long enough for
+        the read timeout). A message is seen as the same one while its partial bytes do not shrink."""
+        for st in list(self.streams.values()):
+            n = len(st.buf)
+            if not n or n < st.partial_len:  # none, or a message completed since the last look
+                st.partial_len, st.partial_since = n, (now if n else 0.0)
+                continue
+            st.partial_len = n
+            if not st.partial_since:
+                st.partial_since = now
+            elif now - st.partial_since >= limit:
+                st.cancelled = True
+                self._finish(st, Status.RESOURCE_EXHAUSTED, f"request message not complete after {limit:g} s "
+                                                            f"(--body-timeout-s)")
+                if st.task is not None and not st.task.done():
+                    st.task.cancel()
+        self._flush()
 
     def _abandon(self, st: ServerStream) -> None:
         """The peer is gone or reset the stream: stop its work, send nothing more."""
@@ -536,6 +574,8 @@ class ServerConnection(H2Endpoint):
                 self.last_sid = sid
                 st = ServerStream(sid, self.peer_initial_window)
                 self.streams[sid] = st
+                if self.counted and len(self.streams) == 1:  # busy again: the last to be closed near the cap
+                    connections.TABLE.idle_now(self)
         self._header_block(st, flags, block)
 
     def _headers_complete(self, st: ServerStream, flags: int, block: bytes) -> None:
@@ -567,6 +607,10 @@ class ServerConnection(H2Endpoint):
         if st.encoding not in (None, b"identity", b"gzip", b"deflate"):
             self._finish(st, Status.UNIMPLEMENTED,
                          f"compression {st.encoding.decode('latin-1')} is not supported (identity, gzip, deflate)")
+            return
+        check = self.server.check_headers
+        if check is not None and (refused := check(path, st.metadata)) is not None:
+            self._finish(st, *refused)  # (before a byte of its message is taken: issue 29, keys before bodies)
             return
         st.handler = handler
         self.server._stream_started()
@@ -791,7 +835,8 @@ class ServerConnection(H2Endpoint):
                             if st.closed:
                                 return
                             self._send_message(st, ser(item) if ser else item)
-                            if len(st.out) > STREAM_SEND_QUEUE or self.paused:  # the peer is not reading: wait for its window
+                            if (len(st.out) > STREAM_SEND_QUEUE or self.paused
+                                    or (st in self.blocked and len(st.out) > 2)):  # the peer is not reading: wait for its window
                                 await self._writable(st)
                     finally:
                         if hasattr(result, "aclose"):
@@ -836,7 +881,8 @@ class ServerConnection(H2Endpoint):
     async def _writable(self, st: ServerStream) -> None:
         """Wait until the stream's unsent messages fit again (the peer's WINDOW_UPDATE let
         _drain write them) or the stream or connection ends: a future, woken by _wake."""
-        while (len(st.out) > STREAM_SEND_QUEUE or self.paused) and not st.closed and not self.closed:
+        while ((len(st.out) > STREAM_SEND_QUEUE or self.paused or (st in self.blocked and len(st.out) > 2))
+               and not st.closed and not self.closed):
             st.waiter = self.loop.create_future()
             try:
                 await st.waiter
@@ -974,6 +1020,17 @@ class ServerConnection(H2Endpoint):
             self._flush()
             self.transport.close()
 
+    def evict(self) -> bool:
+        """Closed to make room for a new connection when no call is open (connections.TABLE)."""
+        if self.streams or self.transport is None or self.transport.is_closing():
+            return False
+        log.debug("closing idle HTTP/2 connection from %s: near --max-connections", self.peername)
+        self.going_away = True
+        self._write(frame(GOAWAY, 0, 0, U32.pack(self.last_sid) + U32.pack(ErrorCode.NO_ERROR)))
+        self._flush()
+        self.transport.close()
+        return True
+
     def goaway(self) -> None:
         if self.transport is None or self.transport.is_closing():
             return
@@ -1004,6 +1061,9 @@ class H2GrpcServer:
         self._methods: dict[str, grpc.RpcMethodHandler | None] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
         self._conns: set[ServerConnection] = set()
+        # (path, metadata) -> None, or (gRPC status, details) to refuse the call at its headers,
+        # before its message is received (the front end's key check: grpc_frontend.start_grpc_server)
+        self.check_headers: Callable[[str, tuple[tuple[str, Any], ...]], tuple[int, str] | None] | None = None
         self._servers: list[asyncio.Server] = []
         self._stopping = False
         self._active = 0

@@ -289,7 +289,7 @@ class Request:
     made on first use."""
 
     __slots__ = ("protocol", "method", "raw_path", "version", "fields", "lower", "keep_alive", "content",
-                 "_headers", "_writer", "_path", "__weakref__")
+                 "_headers", "_writer", "_path", "head_size", "__weakref__")
 
     def __init__(self, conn: Connection, method: str, raw_path: str, version: str,
                  headers: list[tuple[str, str]], keep_alive: bool) -> None:
@@ -304,6 +304,7 @@ class Request:
         self.content = Body(conn)
         self._writer: Writer | None = None
         self._path: str | None = None
+        self.head_size = 0  # its target and header fields' bytes (the connection's pipelining bound)
 
     @property
     def headers(self) -> CIMultiDict[str]:

@@ -14,7 +14,13 @@ What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
   line or header field over MAX_FIELD_BYTES, more than MAX_HEADERS fields, or a head over
   MAX_HEAD_BYTES: 400 and close;
 - backpressure both ways: reading stops while more than BODY_HIGH_WATER bytes of request
-  bodies wait for a handler, and while the transport cannot take more response bytes;
+  bodies wait for a handler, while more than PIPELINE_MAX requests (or PIPELINE_MAX_BYTES of
+  their heads) wait for their answers (the rest of that read waits, unparsed, until they drain),
+  and while the transport cannot take more response bytes;
+- a request body's raw bytes on the wire (chunk framing and extensions included) are bounded by
+  --max-request-bytes (413), and the whole body must arrive within --body-timeout-s;
+- connections are counted process-wide (meshserve/server/connections.py): near the cap the
+  longest idle one is closed; at the cap a new one gets 503 and is closed;
 - ServerLimits' header, read and idle timeouts, enforced by one sweep per server (as the
   aiohttp server does: `meshserve/server/http_frontend.py:_Server`);
 - a response sent before its request's body was read to the end closes the connection;
@@ -32,7 +38,8 @@ from typing import Any, cast
 import httptools
 from aiohttp import web
 
-from meshserve.server import body_worker
+from meshserve.protocol.errors import InferError
+from meshserve.server import body_worker, connections
 from meshserve.server.http1.request import Answer, Request, payload_error, render, render_answer
 from meshserve.server.limits import LISTEN, ServerLimits
 
@@ -47,16 +54,26 @@ BODY_HIGH_WATER = 1 << 20  # request body bytes buffered for handlers before rea
 BODY_LOW_WATER = 1 << 18  # ... and resumes
 LINGER_S = 2.0  # a connection closed after its answer reads and drops the client's bytes this long ...
 LINGER_BYTES = 64 << 20  # ... or this many (see Connection._linger)
+# Pipelining: requests parsed and not yet answered on one connection. Beyond either bound the
+# rest of the read waits unparsed (`backlog`) and reading pauses until they drain to PIPELINE_LOW.
+PIPELINE_MAX = 64
+PIPELINE_MAX_BYTES = 1 << 20  # their heads' bytes (request target and header fields)
+PIPELINE_LOW = 16
+PIPELINE_SLICE = 16 << 10  # a read larger than this is parsed a slice at a time (to stop at the bound)
+# A body's bytes on the wire (chunk framing and extensions included) past FRAMING_FREE may be at
+# most FRAMING_RATIO times its data (1-byte chunks, "1\r\nX\r\n", are 6) and --max-request-bytes.
+FRAMING_FREE = 1 << 20
+FRAMING_RATIO = 16
 
 
 class _Refused(Exception):
     """A request head over a size limit (raised from a parser callback)."""
 
 
-def _error_bytes(status: int, reason: str, message: str) -> bytes:
+def _error_bytes(status: int, reason: str, message: str, extra: str = "") -> bytes:
     body = json.dumps({"error": message}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n").encode() + body
+            f"{extra}Connection: close\r\n\r\n").encode() + body
 
 
 class Connection(asyncio.Protocol):
@@ -65,7 +82,9 @@ class Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "parser", "transport", "peername", "queue", "task", "url", "fields",
                  "head_bytes", "in_head", "body_of", "buffered", "header_since", "idle_since", "rx",
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
-                 "error", "lost", "lingering", "eof", "closing", "cancel_on_loss")
+                 "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
+                 "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
+                 "cancel_on_loss")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -96,6 +115,14 @@ class Connection(asyncio.Protocol):
         self.closing = False  # the last answer is sent: the connection closes (_linger)
         self.eof = False  # the client has closed its side
         self.cancel_on_loss = False  # the running handler waits on the model: a lost connection cancels it
+        self.counted = False  # in connections.TABLE
+        self.backlog = b""  # received, not yet parsed: the pipelining bound was reached (_feed)
+        self.head_size = 0  # the pending head's target and field bytes
+        self.queued_bytes = 0  # head bytes of the queued requests
+        self.body_wire = 0  # raw bytes received during the pending body (framing included)
+        self.body_seen: Request | None = None  # the pending body the sweep first saw ...
+        self.body_since = 0.0  # ... and when (--body-timeout-s: nothing on the request path)
+        self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -103,13 +130,26 @@ class Connection(asyncio.Protocol):
         self.transport = transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass of it)
         self.peername = transport.get_extra_info("peername")
         self.header_since = self.quiet_since = self.idle_since = self.loop.time()
+        if not connections.TABLE.opened(self):  # at the cap: refused at once, not left to starve others
+            transport.write(_error_bytes(503, "Service Unavailable", "too many connections (--max-connections)",
+                                         "Retry-After: 1\r\n"))
+            transport.close()
+            return
+        self.counted = True
         self.server.connections.add(self)
         if self.server.closing:
             transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self.counted:
+            self.counted = False
+            connections.TABLE.closed(self)
         self.server.connections.discard(self)
         self.transport = None
+        self.backlog = b""
+        if self.rx_bytes > body_worker.TRIM_AFTER_BYTES or self.write_paused:
+            # a flood, or a client that stopped reading: their buffers go back to the OS once freed
+            body_worker.release_memory_soon(self.loop)
         body = self.body_of
         if body is not None:
             body.content.fail(payload_error("the connection was lost before the request body ended"))
@@ -126,6 +166,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.rx += 1
+        self.rx_bytes += len(data)
         if self.stopped:  # nothing more is parsed on this connection: dropped, within a budget
             self.lingering -= min(len(data), self.lingering)
             if not self.lingering and self.transport is not None:
@@ -134,8 +175,21 @@ class Connection(asyncio.Protocol):
                 else:
                     self._update_reading()
             return
+        body = self.body_of
+        if body is not None:
+            wire = self.body_wire = self.body_wire + len(data)
+            if wire > FRAMING_FREE and (wire > self.server.limits.max_request_bytes > 0
+                                        or wire > FRAMING_RATIO * body.content.received):
+                self._refuse_body(wire)
+                return
         if self.in_head:
             self.head_bytes += len(data)
+        if len(data) > PIPELINE_SLICE or self.backlog:
+            self._feed(data)
+            return
+        self._parse(data)
+
+    def _parse(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -146,6 +200,44 @@ class Connection(asyncio.Protocol):
             return
         if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
             self._malformed(_Refused(f"request head over {MAX_HEAD_BYTES} bytes"))
+
+    def _feed(self, data: bytes) -> None:
+        """Parse a large read (or one behind a backlog) a slice at a time, stopping where the
+        pipelining bound is reached: the rest waits in `backlog` and reading pauses."""
+        if self.backlog:
+            data = self.backlog + data
+            self.backlog = b""
+        view = memoryview(data)
+        n = len(view)
+        at = 0
+        while at < n:
+            if self._pipeline_full():
+                self.backlog = bytes(view[at:])
+                self._update_reading()
+                return
+            self._parse(view[at:at + PIPELINE_SLICE])
+            at += PIPELINE_SLICE
+            if self.stopped:  # an error, an upgrade or the last request: nothing more is parsed
+                return
+
+    def _pipeline_full(self) -> bool:
+        return len(self.queue) > PIPELINE_MAX or self.queued_bytes > PIPELINE_MAX_BYTES
+
+    def _refuse_body(self, wire: int) -> None:
+        """The pending body passed --max-request-bytes on the wire (chunk framing and extensions
+        count: 413), or its chunk framing is over FRAMING_RATIO times its data (400): its handler
+        answers, nothing more is read from this connection."""
+        request = self.body_of
+        assert request is not None
+        limit = self.server.limits.max_request_bytes
+        request.content.fail(InferError.too_large(
+            f"request body exceeds the {limit}-byte limit (--max-request-bytes; bytes on the wire, "
+            f"chunk framing included)") if wire > limit > 0 else InferError.invalid(
+            f"malformed request body: {wire} bytes on the wire for {request.content.received} bytes of body "
+            f"(chunk sizes and extensions may be at most {FRAMING_RATIO} times the data)"))
+        self.body_of = None
+        self.last = True
+        self._stop()
 
     def eof_received(self) -> bool | None:
         self.eof = True
@@ -171,7 +263,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.in_head = True
-        self.head_bytes = 0
+        self.head_bytes = self.head_size = 0
         self.url = []
         self.fields = []
         if self.header_since == 0.0:
@@ -183,8 +275,10 @@ class Connection(asyncio.Protocol):
             raise _Refused(f"request target over {MAX_FIELD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_FIELD_BYTES:
+        size = len(name) + len(value)
+        if size > MAX_FIELD_BYTES:
             raise _Refused(f"header field over {MAX_FIELD_BYTES} bytes")
+        self.head_size += size
         fields = self.fields
         if len(fields) >= MAX_HEADERS:
             raise _Refused(f"more than {MAX_HEADERS} header fields")
@@ -202,10 +296,14 @@ class Connection(asyncio.Protocol):
         self.header_since = 0.0
         self.fields = []
         self.body_of = request
+        self.body_wire = 0
+        request.head_size = size = self.head_size + len(raw)
+        self.queued_bytes += size
         self.queue.append(request)
         if not keep_alive:
             self.last = True
         if self.task is None:
+            connections.TABLE.busy(self)
             self._start()
 
     def on_body(self, body: bytes) -> None:
@@ -289,6 +387,7 @@ class Connection(asyncio.Protocol):
     def _finished(self, request: Request, keep: bool) -> None:
         queue = self.queue
         queue.popleft()
+        self.queued_bytes -= request.head_size
         content = request.content
         if content.size:  # a body the handler did not read
             self.consumed(content.size)
@@ -298,6 +397,11 @@ class Connection(asyncio.Protocol):
         if not keep:
             self._linger()
             return
+        if self.backlog and len(queue) <= PIPELINE_LOW and not self.write_paused:
+            self._feed(b"")  # what waited for the queue to drain (its first request may start here)
+            self._update_reading()
+            if self.task is not None or self.transport is None:
+                return
         if queue:
             if self.write_paused:
                 self.loop.create_task(self._after_drain())
@@ -312,6 +416,8 @@ class Connection(asyncio.Protocol):
             self._linger()
             return
         self.idle_since = self.loop.time()
+        if self.counted:
+            connections.TABLE.idle_now(self)
         self._update_reading()
 
     async def _after_drain(self) -> None:
@@ -349,7 +455,8 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        pause = self.write_paused or self.buffered > BODY_HIGH_WATER or (self.stopped and not self.lingering)
+        pause = (self.write_paused or self.buffered > BODY_HIGH_WATER or (self.stopped and not self.lingering)
+                 or bool(self.backlog))
         if pause and not self.read_paused:
             self.read_paused = True
             transport.pause_reading()
@@ -398,12 +505,20 @@ class Connection(asyncio.Protocol):
         """Why this connection must be closed now, if it must."""
         if self.rx != self.rx_seen:
             self.rx_seen, self.quiet_since = self.rx, now
+        if self.body_of is None:
+            self.body_seen = None  # (not kept: a finished request's buffers go)
         if self.read_paused:
             return None  # silence is this side's doing (backpressure)
-        if self.body_of is not None:
+        body = self.body_of
+        if body is not None:
             read = limits.read_timeout_s
             if read and now - self.quiet_since >= read:
                 return f"no request body bytes for {read:g} s (--read-timeout-s)"
+            if body is not self.body_seen:
+                self.body_seen, self.body_since = body, now
+            whole = limits.body_timeout_s
+            if whole and now - self.body_since >= whole:
+                return f"request body not complete after {whole:g} s (--body-timeout-s)"
         elif self.header_since and not self.queue:  # (a new connection counts from its start)
             header = limits.header_timeout_s
             if header and now - self.header_since >= header:
@@ -413,6 +528,14 @@ class Connection(asyncio.Protocol):
             if idle and now - max(self.idle_since, self.quiet_since) >= idle:
                 return f"idle for {idle:g} s (--idle-timeout-s)"
         return None
+
+    def evict(self) -> bool:
+        """Closed to make room for a new connection (connections.TABLE: the longest idle one)."""
+        if self.task is None and not self.queue and self.transport is not None:
+            log.debug("closing idle HTTP connection from %s: near --max-connections", self.peername)
+            self.transport.close()
+            return True
+        return False
 
     def close_if_idle(self) -> bool:
         """Close now when no request is in progress (graceful shutdown); else after it."""
@@ -434,7 +557,8 @@ class Http1Server:
         self.connections: set[Connection] = set()
         self.closing = False
         self._server: asyncio.base_events.Server | None = None
-        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s, limits.idle_timeout_s) if t > 0]
+        timeouts = [t for t in (limits.header_timeout_s, limits.read_timeout_s, limits.idle_timeout_s,
+                                limits.body_timeout_s) if t > 0]
         self.tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 0.0
         self._sweeper: asyncio.TimerHandle | None = None
 

@@ -75,6 +75,25 @@ async def test_a_client_that_reads_too_slowly_fails_and_the_service_is_told(monk
     assert exc.value.code is Code.RESOURCE_EXHAUSTED
 
 
+async def test_answers_waiting_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-stream-backlog-bytes: one answer of any size waits; beyond the bound the request
+    ends (RESOURCE_EXHAUSTED, its one end) and the service is told; reading gives bytes back."""
+    monkeypatch.setattr(stream_mod.STREAMS, "backlog_bytes", 2500)
+    hop = _Stream()
+    answers = Answers(hop, "~gw1", "c", None)  # type: ignore[arg-type]
+    assert answers.push(answer(0, False), 4000) is False  # alone: any size
+    await answers.next()
+    assert answers.waiting_bytes == 0
+    assert [answers.push(answer(i, False), 1000) for i in range(3)] == [False, False, True]
+    assert hop.cancelled == ["~gw1"] and answers.waiting_bytes == 2000
+    for _ in range(2):
+        await answers.next()
+    with pytest.raises(InferError) as exc:
+        await answers.next()
+    assert exc.value.code is Code.RESOURCE_EXHAUSTED and "--max-stream-backlog-bytes" in exc.value.message
+    assert answers.waiting_bytes == 0
+
+
 async def test_leaving_early_cancels_at_the_service_once() -> None:
     hop = _Stream()
     answers = Answers(hop, "~gw1", "c", None)  # type: ignore[arg-type]

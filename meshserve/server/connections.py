@@ -1,0 +1,134 @@
+"""Descriptors and client connections, process-wide (docs/security.md, "Descriptors and connections").
+
+At start `raise_nofile` lifts the soft RLIMIT_NOFILE to the hard limit. Every client connection
+of the process's own servers (HTTP/1.1: meshserve/server/http1, aiohttp's fallback; HTTP/2:
+meshserve/server/h2) is counted in one `ConnectionTable` against `--max-connections` (default:
+the soft NOFILE minus a reserve for the hop, shared-memory regions, logs and model files):
+
+- a connection that opens while the table is nearly full (within `headroom` of the cap) closes
+  the connection idle the longest (no request in progress: a keep-alive connection between
+  requests, or one that has not sent a complete request head yet), oldest first;
+- a connection that opens at the cap with nothing idle to close is accepted and closed at once
+  (HTTP/1.1: a 503 with Retry-After first), so the listening socket never runs out of
+  descriptors (asyncio then stops accepting for a second, and every client waits).
+
+`idle` is insertion-ordered, the oldest first: the HTTP/1.1 server takes a connection out while
+a request runs (`busy`) and puts it back at the end after (`idle_now`); the HTTP/2 server moves
+a connection to the end when a stream starts, and `evict` skips one with streams open. Two dict
+operations per request.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+from typing import Protocol
+
+log = logging.getLogger("meshserve.connections")
+
+BASE_RESERVE = 128  # descriptors kept for the hop's connections, logs, the body worker, model files, listeners
+
+
+EVICT_SCAN = 64  # connections looked at per eviction
+
+
+class Closable(Protocol):
+    def evict(self) -> bool:
+        """Close now if no request is in progress; whether it did."""
+
+
+def raise_nofile() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now in force."""
+    unlimited = 1 << 20  # (RLIM_INFINITY: a cap this large is no cap on this machine)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else unlimited
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the soft NOFILE limit from %d to %d: %s", soft, target, exc)
+    return int(min(soft, unlimited) if soft != resource.RLIM_INFINITY else unlimited)
+
+
+def derived_cap(nofile: int, shm_regions: int) -> int:
+    """--max-connections' default: NOFILE minus BASE_RESERVE and one descriptor per shared-memory
+    region a client may register (each holds its descriptor open), at least 16."""
+    return max(16, nofile - BASE_RESERVE - shm_regions)
+
+
+class ConnectionTable:
+    """The process's client connections (see the module docstring)."""
+
+    __slots__ = ("limit", "headroom", "count", "idle", "closing", "refused", "evicted")
+
+    def __init__(self, limit: int = 0) -> None:
+        self.count = 0
+        self.idle: dict[Closable, None] = {}  # no request in progress, oldest first
+        self.closing: set[Closable] = set()  # evicted, not yet closed: no longer counted
+        self.refused = 0  # connections accepted and closed at the cap
+        self.evicted = 0  # idle connections closed to make room
+        self.limit = self.headroom = 0
+        self.configure(limit)
+
+    def configure(self, limit: int) -> None:
+        self.limit = limit
+        self.headroom = max(1, limit // 32) if limit else 0
+
+    def opened(self, conn: Closable) -> bool:
+        """A connection was accepted: False when it must be closed at once (at the cap, nothing
+        idle to close). An accepted connection starts idle (no request yet)."""
+        limit = self.limit
+        if limit:
+            if self.count >= limit - self.headroom:
+                self._evict_oldest()
+            if self.count >= limit:
+                self.refused += 1
+                return False
+        self.count += 1
+        self.idle[conn] = None
+        return True
+
+    def closed(self, conn: Closable) -> None:
+        self.idle.pop(conn, None)
+        if self.closing:
+            try:
+                self.closing.remove(conn)
+                return  # (uncounted when it was evicted)
+            except KeyError:
+                pass
+        self.count -= 1
+
+    def busy(self, conn: Closable) -> None:
+        """A request started on `conn`."""
+        self.idle.pop(conn, None)
+
+    def idle_now(self, conn: Closable) -> None:
+        """`conn` has no request in progress (again): it becomes the newest idle one."""
+        idle = self.idle
+        idle.pop(conn, None)
+        idle[conn] = None
+
+    def _evict_oldest(self) -> None:
+        """Close the oldest idle connection; one that turns out busy (an HTTP/2 connection is
+        only touched when a stream starts) moves to the end. At most EVICT_SCAN looked at."""
+        idle = self.idle
+        for _ in range(min(len(idle), EVICT_SCAN)):
+            conn = next(iter(idle))
+            del idle[conn]
+            if conn.evict():  # its descriptor is released as the loop closes it: counted free now
+                self.evicted += 1
+                self.count -= 1
+                self.closing.add(conn)
+                return
+            idle[conn] = None
+
+
+TABLE = ConnectionTable()
+
+
+def configure(max_connections: int, shm_regions: int) -> int:
+    """Raise NOFILE and set the cap (0: derived from NOFILE); returns the cap."""
+    nofile = raise_nofile()
+    cap = max_connections or derived_cap(nofile, shm_regions)
+    TABLE.configure(cap)
+    return cap

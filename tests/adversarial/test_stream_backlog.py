@@ -1,0 +1,159 @@
+"""Streaming clients that never read (issue 29, finding 5): a decoupled python model answers
+`count` responses of 1 MiB each, as fast as it can; a client asks for 300 of them and reads
+none. Before, the gateway held up to 1024 responses per request (1 GiB). Now the answers
+waiting for one request are bounded in bytes (--max-stream-backlog-bytes, 8 MiB; the gRPC
+writer's queue too, and the HTTP/2 server keeps one message of a stream the peer's window
+stopped): the request ends with RESOURCE_EXHAUSTED and the service stops it. Judged by the
+suite's rules on the gateway (harness.Verdict) while the good client runs, over SSE
+(generate_stream) and gRPC (ModelStreamInfer); the gateway fronts an ONNX replica (add_sub,
+the good client's) and a python service (the streaming model)."""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshserve._proto import grpc_service_pb2 as pb
+from tests.adversarial import h2raw, harness
+from tests.adversarial.harness import KEY, OTHER_KEY, GoodClient, Mesh, Observation, under_attack
+from tests.conftest import _wait_http_ready, start
+from tests.support.http1 import connect
+
+MiB = 1 << 20
+COUNT = 300
+CLIENTS = 3
+
+BIG_STREAM_CONFIG = ('name: "big_stream" backend: "python" max_batch_size: 0 '
+                     'model_transaction_policy { decoupled: true }\n'
+                     'input [ { name: "count" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                     'output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
+
+BIG_STREAM_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+BLOB = np.array([b"x" * (1 << 20)], dtype=np.object_)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "count").as_numpy()[0])
+            sender = request.get_response_sender()
+            for _ in range(n):
+                if sender.is_cancelled():
+                    break
+                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", BLOB)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+TENANTS_WITH_STREAM = harness.TENANTS.replace('models: ["add_sub", "identity_fp32"]', 'models: ["add_sub", "big_stream"]')
+
+
+@pytest.fixture(scope="module")
+def streaming_mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("stream_backlog")
+    repo = tmp / "python"
+    (repo / "big_stream" / "1").mkdir(parents=True)
+    (repo / "big_stream" / "config.pbtxt").write_text(BIG_STREAM_CONFIG.lstrip())
+    (repo / "big_stream" / "1" / "model.py").write_text(BIG_STREAM_MODEL.lstrip())
+    (tmp / "tenants.yaml").write_text(TENANTS_WITH_STREAM)
+    procs = []
+    good = None
+    try:
+        procs.append(start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port",
+                            "0", "--model-control-mode", "explicit", "--load-model", "add_sub", *harness.LIMIT_FLAGS]))
+        procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                            *harness.LIMIT_FLAGS], timeout=120))
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--tenants", str(tmp / "tenants.yaml"),
+                         "--upstream", procs[0].grpc, "--upstream", procs[1].grpc, *harness.LIMIT_FLAGS])
+        procs.insert(0, gateway)
+        _wait_http_ready(gateway.http)
+        good = GoodClient(gateway)
+        assert good.wait_past(time.monotonic(), 30), "the good client did not start"
+        yield Mesh(gateway, procs[1:], good, tmp)
+    finally:
+        if good is not None:
+            good.stop()
+        for p in procs:
+            p.stop()
+
+
+def _warm(gateway: str) -> None:
+    """One streamed request read to its end: the python model is loaded and answering."""
+    sock = connect(gateway, timeout=60)
+    try:
+        body = b'{"count": 2}'
+        sock.sendall((f"POST /v2/models/big_stream/generate_stream HTTP/1.1\r\nHost: {gateway}\r\nx-api-key: {KEY}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                      ).encode() + body)
+        got = b""
+        while chunk := sock.recv(1 << 20):
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and got.count(b"data: ") == 2, got[:200]
+    finally:
+        sock.close()
+
+
+def _never_read_sse(gateway: str) -> list[socket.socket]:
+    socks = []
+    body = f'{{"count": {COUNT}}}'.encode()
+    for _ in range(CLIENTS):
+        s = connect(gateway, timeout=10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        s.sendall((f"POST /v2/models/big_stream/generate_stream HTTP/1.1\r\nHost: {gateway}\r\nx-api-key: {OTHER_KEY}"
+                   f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+        socks.append(s)
+    return socks
+
+
+def _stream_request() -> bytes:
+    req = pb.ModelInferRequest(model_name="big_stream", id="r")
+    inp = req.inputs.add(name="count", datatype="INT32", shape=[1])
+    del inp  # (the value travels as raw contents)
+    req.raw_input_contents.append(struct.pack("<i", COUNT))
+    return req.SerializeToString()
+
+
+def test_sse_client_that_never_reads(streaming_mesh: Mesh) -> None:
+    gateway = streaming_mesh.gateway
+    _warm(gateway.http)
+
+    def attack() -> Observation:
+        socks = _never_read_sse(gateway.http)
+        try:
+            time.sleep(8)  # the model answers 300 MiB as fast as it can; nobody reads (not a wait for a condition)
+        finally:
+            for s in socks:
+                s.close()
+        return Observation(f"{CLIENTS} generate_stream clients asked for {COUNT} x 1 MiB and read nothing", True)
+
+    under_attack(streaming_mesh, gateway, "SSE clients that never read", attack).judge().check()
+
+
+def test_grpc_stream_client_that_never_reads(streaming_mesh: Mesh) -> None:
+    gateway = streaming_mesh.gateway
+    _warm(gateway.http)
+
+    def attack() -> Observation:
+        conns = []
+        try:
+            for _ in range(CLIENTS):
+                c = h2raw.RawH2(gateway.grpc, read=False)
+                block = h2raw.grpc_headers(gateway.grpc, "/inference.GRPCInferenceService/ModelStreamInfer",
+                                           key=OTHER_KEY)
+                c.send(h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1, block)
+                       + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, 1, h2raw.grpc_message(_stream_request())))
+                conns.append(c)
+            time.sleep(8)  # as above
+        finally:
+            for c in conns:
+                c.close()
+        return Observation(f"{CLIENTS} ModelStreamInfer clients asked for {COUNT} x 1 MiB and read nothing", True)
+
+    under_attack(streaming_mesh, gateway, "gRPC stream clients that never read", attack).judge().check()
