@@ -143,3 +143,48 @@ def test_file_override_paths_cannot_escape(mesh: Mesh, proto: str) -> None:
                 assert "file path" in (err.value.message() or ""), err.value
     assert not list(outside.rglob("dropped*"))
     assert not list(outside.parent.rglob("dropped*.onnx"))
+
+
+def long_and_control_names() -> list[str]:
+    """Names the one rule refuses that are not escapes (issue 29, finding 8): over NAME_MAX
+    (255 bytes of UTF-8; a 300-character name was a 500 echoing the repository's absolute path),
+    multi-byte characters past NAME_MAX in bytes but not in characters, and control characters
+    (a newline loaded and ended up in text logs)."""
+    return ["m" * 256, "m" * 4096, "é" * 128, "bad\nname", "bad\rname", "bad\x1bname", "bad\x7fname", "bad\x85name"]
+
+
+@pytest.mark.parametrize("where", ["service", "gateway"])
+def test_long_and_control_names_are_client_errors_that_name_no_path(mesh: Mesh, where: str) -> None:
+    proc = getattr(mesh, where)
+    repo = str(mesh.outside.parent.parent / "repo")
+    config = json.dumps({"name": "m", "backend": "onnxruntime", "max_batch_size": 8})
+    with httpclient.InferenceServerClient(proc.http) as h, grpcclient.InferenceServerClient(proc.grpc) as g:
+        for name in long_and_control_names():
+            for status, text in (_http_load(proc.http, name), _grpc_load(g, name)):
+                assert status in ("400", "StatusCode.INVALID_ARGUMENT"), (where, name[:20], status, text)
+                assert repo not in text and "/tmp" not in text, (where, text)  # no path in any answer
+            status, body = http_text(proc.http, "GET", f"/v2/models/{encoded(name)}")
+            assert status == 400 and repo not in body, (where, status, body)
+            # a `file:` path component over NAME_MAX or with a control character: 400 naming the
+            # component's rule, nothing written (it was a 503: an OSError taken for an outage)
+            for rel in ("1/" + "f" * 300, "1/a\nb.onnx"):
+                for call in (h.load_model, g.load_model):
+                    with pytest.raises(InferenceServerException) as err:
+                        call("m", config=config, files={f"file:{rel}": b"x"})
+                    assert str(err.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), (where, rel, err.value)
+                    assert repo not in (err.value.message() or "")
+        assert h.is_server_live() and g.is_server_live()
+        assert {m.name for m in g.get_model_repository_index().models} == {"add_sub"}
+
+
+def _http_load(hostport: str, name: str) -> tuple[str, str]:
+    status, body = http_text(hostport, "POST", f"/v2/repository/models/{encoded(name)}/load", b"{}")
+    return str(status), body
+
+
+def _grpc_load(client: grpcclient.InferenceServerClient, name: str) -> tuple[str, str]:
+    try:
+        client.load_model(name)
+    except InferenceServerException as exc:
+        return str(exc.status()), exc.message() or ""
+    return "OK", ""
