@@ -14,11 +14,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.deploy.support import free_port
@@ -179,6 +181,42 @@ class TritonPythonModel:
         return out
 '''
 
+# BF16 (no NumPy view, as in Triton's stub): as_numpy() raises Triton's text; DLPack carries it
+# both ways, and through BLS (parameter bls: a call to api_bf16_echo, this code too); parameter raise: as_numpy()
+# uncaught, the request's error
+BF16 = '''
+import json
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X")
+            params = json.loads(r.parameters())
+            if params.get("raise"):
+                x.as_numpy()
+            try:
+                numpy = x.as_numpy().tolist()
+            except pb_utils.TritonModelException as exc:
+                numpy = "error: " + str(exc)
+            t = torch.utils.dlpack.from_dlpack(x.to_dlpack())
+            facts = {"dtype": x.triton_dtype(), "shape": x.shape(), "numpy": numpy, "torch": str(t.dtype)}
+            y = pb_utils.Tensor.from_dlpack("Y", t * 2)
+            if params.get("bls"):
+                resp = pb_utils.InferenceRequest(model_name="api_bf16_echo", requested_output_names=["Y"],
+                                                 inputs=[pb_utils.Tensor.from_dlpack("X", t * 2)]).exec()
+                if resp.has_error():
+                    raise pb_utils.TritonModelException(resp.error().message())
+                y = pb_utils.get_output_tensor_by_name(resp, "Y")
+                facts["bls_dtype"] = y.triton_dtype()
+            out.append(pb_utils.InferenceResponse([y, pb_utils.Tensor("OUT", np.array([json.dumps(facts)],
+                                                                                      dtype=np.object_))]))
+        return out
+'''
+
 COVERED = frozenset({
     "get_model_dir", "load_model", "unload_model", "is_model_ready", "InferenceRequest.exec",
     "InferenceRequest.async_exec", "InferenceRequest.is_cancelled", "InferenceRequest.request_id",
@@ -214,6 +252,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         ("UNUSED", "TYPE_FP32", "1")]))
     python_models.write(repo, "api_async", ASYNC, python_models.config("api_async", IN_X, y))
     python_models.write(repo, "api_sender", SENDER, python_models.config("api_sender", IN_X, y))
+    for name in ("api_bf16", "api_bf16_echo"):
+        python_models.write(repo, name, BF16, python_models.config(
+            name, [("X", "TYPE_BF16", "2")], [("Y", "TYPE_BF16", "2")] + OUT_JSON))
     python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
     gateway_grpc = free_port()
     procs: list[Proc] = []
@@ -310,6 +351,40 @@ def test_torch_inside_a_model_with_dlpack_both_ways(mesh: Mesh) -> None:
     with httpclient.InferenceServerClient(mesh.gateway.http) as c:
         result = c.infer("api_torch", [inp])
     assert result.as_numpy("Y").tolist() == [6.0] and result.as_numpy("Z").tolist() == [-3.0]
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gateway"])
+def test_bf16_through_dlpack_as_triton(mesh: Mesh, direct: bool, proto: str) -> None:
+    """A BF16 input: no NumPy view (as_numpy() raises Triton's text), triton_dtype() 14, DLPack to
+    torch.bfloat16 and back (Tensor.from_dlpack), a BLS call with a BF16 input and output; the
+    answer is BF16 with the values doubled (twice with BLS). A model whose as_numpy() fails
+    uncaught: its error with Triton's text and none of meshserve's files."""
+    pytest.importorskip("torch")
+    import ml_dtypes
+
+    mod: Any = grpcclient if proto == "grpc" else httpclient
+    x = np.array([1.5, -3.0], dtype=ml_dtypes.bfloat16)
+    proc = mesh.python if direct else mesh.gateway
+    with mod.InferenceServerClient(proc.grpc if proto == "grpc" else proc.http) as c:
+        for bls, factor in ((False, 2), (True, 4)):
+            inp = mod.InferInput("X", [2], "BF16")
+            inp.set_data_from_numpy(x)
+            result = c.infer("api_bf16", [inp], parameters={"bls": True} if bls else None)
+            y = result.as_numpy("Y")
+            assert y.dtype == ml_dtypes.bfloat16 and y.astype(np.float32).tolist() == [1.5 * factor, -3.0 * factor]
+            facts = json.loads(result.as_numpy("OUT")[0])
+            assert facts["dtype"] == 14 and facts["shape"] == [2] and facts["torch"] == "torch.bfloat16"
+            assert facts["numpy"] == ("error: Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() "
+                                      "and from_dlpack() instead.")
+            assert facts.get("bls_dtype") == (14 if bls else None)
+        inp = mod.InferInput("X", [2], "BF16")
+        inp.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("api_bf16", [inp], parameters={"raise": True})
+    text = str(err.value)
+    assert "Tensor dtype is BF16 and cannot be converted to NumPy." in text, text
+    assert "pb_utils" not in text and "services/python" not in text and "model.py" in text, text
 
 
 def test_model_control_from_a_model(mesh: Mesh) -> None:
