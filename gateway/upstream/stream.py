@@ -49,6 +49,14 @@ _ERROR_CODE = wire.ERROR_CODE_PARAMETER
 _RETRY_AFTER = wire.RETRY_AFTER_PARAMETER
 
 
+def _with_hop_id(raw_request: bytes, cid: str, client_id: str) -> bytes:
+    """The request with the hop's key ``cid`` as its id; the client's id, if it gave one, rides
+    along as wire.REQUEST_ID_PARAMETER (a python model's request_id())."""
+    if client_id:
+        raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
+    return wire.with_request_id(raw_request, cid)
+
+
 def _error(msg: pb.ModelStreamInferResponse, where: str) -> InferError | None:
     """The in-band error a service answered, if it is one (with its retry hint)."""
     resp = msg.infer_response
@@ -188,7 +196,7 @@ class _Stream:
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
-        self._write(cid, wire.with_request_id(raw_request, cid))
+        self._write(cid, _with_hop_id(raw_request, cid, client_id))
         answers = self.answers[cid] = Answers(self, cid, client_id, deadline)
         return answers
 
@@ -208,14 +216,15 @@ class _Stream:
         except ConnectionError:
             self.broken = True
 
-    def send(self, raw_request: bytes, timeout: float | None = None) -> asyncio.Future[pb.ModelStreamInferResponse]:
+    def send(self, raw_request: bytes, timeout: float | None = None,
+             client_id: str = "") -> asyncio.Future[pb.ModelStreamInferResponse]:
         """Send a request; its answer comes in the future, which fails with DEADLINE_EXCEEDED
         after ``timeout`` seconds."""
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
-        self._write(cid, wire.with_request_id(raw_request, cid))
+        self._write(cid, _with_hop_id(raw_request, cid, client_id))
         self.pending[cid] = fut
         if timeout is not None:
             self._due[cid] = due = self._loop.time() + timeout
@@ -381,16 +390,17 @@ class StreamPool:
 
     async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
                     affinity: str | None = None) -> pb.ModelInferResponse:
-        return await self.finish(self.start(raw_request, timeout, affinity), client_id)
+        return await self.finish(self.start(raw_request, timeout, affinity, client_id), client_id)
 
-    def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None) -> Sent:
+    def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None,
+              client_id: str = "") -> Sent:
         """Write an infer request now (NotSent if its stream is closed); ``finish`` waits for
         its answer. Split from ``infer`` so that a caller outside a task (the coalescer's flush)
         writes in its own loop pass, not in the next one."""
         stream = self._stream(affinity)
         if timeout is not None:  # streams carry no per-message deadline: tell the service in band
             raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
-        fut = stream.send(raw_request, timeout)  # (DEADLINE_EXCEEDED after the timeout)
+        fut = stream.send(raw_request, timeout, client_id)  # (DEADLINE_EXCEEDED after the timeout)
         return stream, fut, time.perf_counter_ns()
 
     async def finish(self, sent: Sent, client_id: str) -> pb.ModelInferResponse:

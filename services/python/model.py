@@ -65,6 +65,8 @@ class PythonModelVersion(ModelVersion):
         and flags, and one row."""
         control = sequence_control(request, self.name) if self.config.HasField("sequence_batching") else None
         pending = super().prepare(request, hop)
+        if hop.gateway:  # the request's id is the hop's key: the client's is the hop's (none: "")
+            pending.request_id = hop.request_id or ""
         if control is not None:
             require_single_row(pending, self.name, self.max_batch_size)
             pending.sequence = control

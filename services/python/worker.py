@@ -39,8 +39,8 @@ from services.python.ipc import Channel, Region, RegionReader, RegionWriter, Ten
 
 log = logging.getLogger("meshserve.python.worker")
 
-# (key, request_id, correlation_id, flags, parameters JSON, requested output names, inputs)
-RequestMeta = tuple[int, str, "int | str", int, str, list[str], list[TensorRef]]
+# (key, request_id, correlation_id, flags, timeout (µs), parameters JSON, requested output names, inputs)
+RequestMeta = tuple[int, str, "int | str", int, int, str, list[str], list[TensorRef]]
 # a response: (error (code name, message) or None, outputs)
 ResponseMeta = tuple["tuple[str, str] | None", list[TensorRef]]
 
@@ -184,7 +184,7 @@ class Worker:
     def _requests(self, where: tuple[int, int, int] | None, metas: list[RequestMeta]) -> list[pb_utils.InferenceRequest]:
         region = self._inputs.get(*where) if where is not None else None
         out = []
-        for key, request_id, corrid, flags, params, wanted, refs in metas:
+        for key, request_id, corrid, flags, timeout, params, wanted, refs in metas:
             tensors = []
             for ref in refs:
                 if ref.nbytes == 0:  # an empty tensor (a 0 in its shape): no bytes, maybe no region
@@ -203,7 +203,7 @@ class Worker:
                         arr = arr.copy()  # its responses may be sent after execute() returns
                 tensors.append(pb_utils.wire_tensor(ref.name, ref.datatype, arr))
             req = pb_utils.InferenceRequest(inputs=tensors, request_id=request_id, correlation_id=corrid, flags=flags,
-                                            parameters=params)
+                                            timeout=timeout, parameters=params)
             req._requested = set(wanted)  # as Triton's stub gives it: a set, every output when none were named
             req._key = key
             req._decoupled = self.decoupled

@@ -271,11 +271,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             p.stop()
 
 
-def _probe(mesh: Mesh, direct: bool = False, **params: object) -> dict:
+def _probe(mesh: Mesh, direct: bool = False, request_id: str = "req-7", **params: object) -> dict:
     inp = grpcclient.InferInput("X", [1], "FP32")
     inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
     with grpcclient.InferenceServerClient(mesh.python.grpc if direct else mesh.gateway.grpc) as c:
-        result = c.infer("api_probe", [inp], request_id="req-7", outputs=[grpcclient.InferRequestedOutput("OUT")],
+        result = c.infer("api_probe", [inp], request_id=request_id, outputs=[grpcclient.InferRequestedOutput("OUT")],
                          parameters=params or None)
     return dict(json.loads(result.as_numpy("OUT")[0]))
 
@@ -295,16 +295,30 @@ def test_a_received_request_and_bls_from_it(mesh: Mesh, direct: bool) -> None:
     assert facts["missing"][2].startswith("Model api_nope - Error when running inference: ")
     # exec(decoupled=True): a ResponseIterator, iter()/next() over 3 responses and the empty final
     assert facts["stream"] == ["ResponseIterator", [0.0], [[1.0], [2.0]]]
-    if direct:
-        assert facts["request_id"] == "req-7"
+    assert facts["request_id"] == "req-7"
 
 
-@pytest.mark.xfail(strict=True, reason="the gateway's hop to a service replaces the request id with its own "
-                                       "stream key (gateway/upstream/stream.py), so a python model behind the "
-                                       "gateway sees '~gwN' as request_id(); the client's id is restored only in "
-                                       "the response")
 def test_request_id_through_the_gateway_is_the_clients(mesh: Mesh) -> None:
+    """Behind the gateway the hop's id is its stream key; the client's id rides along
+    (meshserve_request_id) and is the model's request_id(), as direct."""
     assert _probe(mesh)["request_id"] == "req-7"
+    assert _probe(mesh, request_id="")["request_id"] == ""  # no id: none (never the hop's key)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gateway"])
+def test_timeout_is_the_clients_timeout_parameter(mesh: Mesh, direct: bool, proto: str) -> None:
+    """InferenceRequest.timeout() is the client's ``timeout`` (µs), as Triton 2.51 gives it (not in
+    parameters()); 0 without one."""
+    mod: Any = grpcclient if proto == "grpc" else httpclient
+    proc = mesh.python if direct else mesh.gateway
+    for timeout, want in ((None, 0), (7_000_000, 7_000_000)):
+        inp = mod.InferInput("X", [1], "FP32")
+        inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
+        with mod.InferenceServerClient(proc.grpc if proto == "grpc" else proc.http) as c:
+            result = c.infer("api_probe", [inp], outputs=[mod.InferRequestedOutput("OUT")], timeout=timeout)
+        facts = json.loads(result.as_numpy("OUT")[0])
+        assert facts["timeout"] == want and facts["parameters"] == {}, facts
 
 
 def test_async_exec_one_and_decoupled(mesh: Mesh) -> None:
