@@ -49,14 +49,6 @@ _ERROR_CODE = wire.ERROR_CODE_PARAMETER
 _RETRY_AFTER = wire.RETRY_AFTER_PARAMETER
 
 
-def _with_hop_id(raw_request: bytes, cid: str, client_id: str) -> bytes:
-    """The request with the hop's key ``cid`` as its id; the client's id, if it gave one, rides
-    along as wire.REQUEST_ID_PARAMETER (a python model's request_id())."""
-    if client_id:
-        raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
-    return wire.with_request_id(raw_request, cid)
-
-
 def _error(msg: pb.ModelStreamInferResponse, where: str) -> InferError | None:
     """The in-band error a service answered, if it is one (with its retry hint)."""
     resp = msg.infer_response
@@ -196,7 +188,9 @@ class _Stream:
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
-        self._write(cid, _with_hop_id(raw_request, cid, client_id))
+        if client_id:  # (the hop's id is cid: the client's rides along, for a python model's request_id())
+            raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
+        self._write(cid, wire.with_request_id(raw_request, cid))
         answers = self.answers[cid] = Answers(self, cid, client_id, deadline)
         return answers
 
@@ -224,7 +218,9 @@ class _Stream:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
-        self._write(cid, _with_hop_id(raw_request, cid, client_id))
+        if client_id:  # (as send_stream)
+            raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
+        self._write(cid, wire.with_request_id(raw_request, cid))
         self.pending[cid] = fut
         if timeout is not None:
             self._due[cid] = due = self._loop.time() + timeout
