@@ -336,6 +336,10 @@ class Tensor:
             raise TritonModelException("Tensor name cannot be an empty string.")
         if type(capsule).__name__ == "PyCapsule":
             return _from_capsule(name, capsule)
+        if isinstance(capsule, Tensor):  # (one of ours: its memory, BF16 kept)
+            tensor = Tensor(name, capsule._array)
+            tensor._bf16 = capsule._bf16
+            return tensor
         if not hasattr(capsule, "__dlpack__") or not hasattr(capsule, "__dlpack_device__"):
             raise TritonModelException("Provided tensor is not supported. Tensor must be a DLPack capsule         "
                                        "or have `__dlpack__` and `__dlpack_device__` attributes")

@@ -203,7 +203,9 @@ class TritonPythonModel:
             except pb_utils.TritonModelException as exc:
                 numpy = "error: " + str(exc)
             t = torch.utils.dlpack.from_dlpack(x.to_dlpack())
-            facts = {"dtype": x.triton_dtype(), "shape": x.shape(), "numpy": numpy, "torch": str(t.dtype)}
+            same = pb_utils.Tensor.from_dlpack("Y", x)  # (a Tensor has __dlpack__, as on Triton)
+            facts = {"dtype": x.triton_dtype(), "shape": x.shape(), "numpy": numpy, "torch": str(t.dtype),
+                     "same": torch.utils.dlpack.from_dlpack(same.to_dlpack()).tolist() == t.tolist()}
             y = pb_utils.Tensor.from_dlpack("Y", t * 2)
             if params.get("bls"):
                 resp = pb_utils.InferenceRequest(model_name="api_bf16_echo", requested_output_names=["Y"],
@@ -388,7 +390,7 @@ def test_bf16_through_dlpack_as_triton(mesh: Mesh, direct: bool, proto: str) -> 
             y = result.as_numpy("Y")
             assert y.dtype == ml_dtypes.bfloat16 and y.astype(np.float32).tolist() == [1.5 * factor, -3.0 * factor]
             facts = json.loads(result.as_numpy("OUT")[0])
-            assert facts["dtype"] == 14 and facts["shape"] == [2] and facts["torch"] == "torch.bfloat16"
+            assert facts["dtype"] == 14 and facts["shape"] == [2] and facts["torch"] == "torch.bfloat16" and facts["same"]
             assert facts["numpy"] == ("error: Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() "
                                       "and from_dlpack() instead.")
             assert facts.get("bls_dtype") == (14 if bls else None)
