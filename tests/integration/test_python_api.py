@@ -181,6 +181,22 @@ class TritonPythonModel:
         return out
 '''
 
+# decoupled: one response with what the request says of itself (from execute(), then the final flag)
+STREAM_ID = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            facts = {"request_id": r.request_id(), "timeout": r.timeout()}
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(facts)],
+                                                                                    dtype=np.object_))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
 # BF16 (no NumPy view, as in Triton's stub): as_numpy() raises Triton's text; DLPack carries it
 # both ways, and through BLS (parameter bls: a call to api_bf16_echo, this code too); parameter raise: as_numpy()
 # uncaught, the request's error
@@ -254,6 +270,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         ("UNUSED", "TYPE_FP32", "1")]))
     python_models.write(repo, "api_async", ASYNC, python_models.config("api_async", IN_X, y))
     python_models.write(repo, "api_sender", SENDER, python_models.config("api_sender", IN_X, y))
+    python_models.write(repo, "api_stream_id", STREAM_ID, python_models.config(
+        "api_stream_id", IN_X, OUT_JSON, extra="model_transaction_policy { decoupled: true }\n"))
     for name in ("api_bf16", "api_bf16_echo"):
         python_models.write(repo, name, BF16, python_models.config(
             name, [("X", "TYPE_BF16", "2")], [("Y", "TYPE_BF16", "2")] + OUT_JSON))
@@ -305,6 +323,32 @@ def test_request_id_through_the_gateway_is_the_clients(mesh: Mesh) -> None:
     (meshserve_request_id) and is the model's request_id(), as direct."""
     assert _probe(mesh)["request_id"] == "req-7"
     assert _probe(mesh, request_id="")["request_id"] == ""  # no id: none (never the hop's key)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gateway"])
+def test_a_streamed_requests_id_and_timeout_are_the_clients(mesh: Mesh, direct: bool) -> None:
+    """A decoupled model's request on a gRPC stream: request_id() and timeout() are the client's,
+    direct and through the gateway (whose hop streams carry it as a streamed request)."""
+    got: list[dict] = []
+    errors: list[object] = []
+
+    def on(result: Any, error: object) -> None:
+        if error is not None:
+            errors.append(error)
+        elif result.get_response().outputs:
+            got.append(json.loads(result.as_numpy("OUT")[0]))
+
+    with grpcclient.InferenceServerClient(mesh.python.grpc if direct else mesh.gateway.grpc) as c:
+        c.start_stream(callback=on)
+        for request_id, timeout in (("s-1", 9_000_000), ("", None)):
+            inp = grpcclient.InferInput("X", [1], "FP32")
+            inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+            c.async_stream_infer("api_stream_id", [inp], request_id=request_id, timeout=timeout)
+        eventually(lambda: len(got) + len(errors) >= 2, timeout=20, what="two responses")
+        c.stop_stream()
+    assert not errors, errors
+    assert sorted(got, key=lambda f: f["request_id"]) == [{"request_id": "", "timeout": 0},
+                                                         {"request_id": "s-1", "timeout": 9_000_000}]
 
 
 @pytest.mark.parametrize("proto", ["http", "grpc"])
