@@ -190,6 +190,8 @@ class _Stream:
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
+        if client_id:  # (the hop's id is cid: the client's rides along, for a python model's request_id())
+            raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
         self._write(cid, wire.with_request_id(raw_request, cid))
         answers = self.answers[cid] = Answers(self, cid, client_id, deadline)
         return answers
@@ -210,13 +212,16 @@ class _Stream:
         except ConnectionError:
             self.broken = True
 
-    def send(self, raw_request: bytes, timeout: float | None = None) -> asyncio.Future[pb.ModelStreamInferResponse]:
+    def send(self, raw_request: bytes, timeout: float | None = None,
+             client_id: str = "") -> asyncio.Future[pb.ModelStreamInferResponse]:
         """Send a request; its answer comes in the future, which fails with DEADLINE_EXCEEDED
         after ``timeout`` seconds."""
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
+        if client_id:  # (as send_stream)
+            raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
         self._write(cid, wire.with_request_id(raw_request, cid))
         self.pending[cid] = fut
         if timeout is not None:
@@ -394,16 +399,17 @@ class StreamPool:
 
     async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
                     affinity: str | None = None) -> pb.ModelInferResponse:
-        return await self.finish(self.start(raw_request, timeout, affinity), client_id)
+        return await self.finish(self.start(raw_request, timeout, affinity, client_id), client_id)
 
-    def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None) -> Sent:
+    def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None,
+              client_id: str = "") -> Sent:
         """Write an infer request now (NotSent if its stream is closed); ``finish`` waits for
         its answer. Split from ``infer`` so that a caller outside a task (the coalescer's flush)
         writes in its own loop pass, not in the next one."""
         stream = self._stream(affinity)
         if timeout is not None:  # streams carry no per-message deadline: tell the service in band
             raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
-        fut = stream.send(raw_request, timeout)  # (DEADLINE_EXCEEDED after the timeout)
+        fut = stream.send(raw_request, timeout, client_id)  # (DEADLINE_EXCEEDED after the timeout)
         return stream, fut, time.perf_counter_ns()
 
     async def finish(self, sent: Sent, client_id: str) -> pb.ModelInferResponse:

@@ -103,7 +103,7 @@ class Upstream:
             return None
         replica = pick(replicas)
         try:
-            sent = replica.streams.start(body, timeout)
+            sent = replica.streams.start(body, timeout, client_id=request.id)
         except NotSent:
             return None
         replica.outstanding += 1

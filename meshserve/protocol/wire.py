@@ -19,6 +19,9 @@ MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how 
 TRACEPARENTS_PARAMETER = "meshserve_traceparents"
 QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a gateway's coalescer (µs)
 DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
+# the client's request id on a gateway's hop, whose own id is the hop stream's key (sent only when
+# the client gave an id): a python model's request_id() is the client's
+REQUEST_ID_PARAMETER = "meshserve_request_id"
 # Decoupled models (zero or many responses per request) on the gateway -> service hop: a request
 # the gateway forwards for a client's streaming call (gRPC ModelStreamInfer, HTTP generate /
 # generate_stream) carries STREAM_PARAMETER (bool true); the service then sends every response

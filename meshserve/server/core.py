@@ -106,6 +106,9 @@ class Hop:
     # the gateway forwards this request for a client's streaming call (meshserve_stream): the
     # service answers it with core.infer_stream, every response marked final or not
     stream: bool = False
+    # the client's request id (meshserve_request_id; the request's own id is the hop's key), None
+    # when the client gave none
+    request_id: str | None = None
 
 
 NO_HOP = Hop()

@@ -47,6 +47,7 @@ _QUEUED = wire.QUEUED_PARAMETER
 _DEADLINE = wire.DEADLINE_PARAMETER
 _TRACEPARENTS = wire.TRACEPARENTS_PARAMETER
 _STREAM = wire.STREAM_PARAMETER
+_REQUEST_ID = wire.REQUEST_ID_PARAMETER
 _MAX_QUEUED_US = 10_000_000  # a coalescer wait beyond 10 s counts as 10 s
 
 
@@ -78,9 +79,11 @@ def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]
     if _TRACEPARENTS in params:
         traceparents = params[_TRACEPARENTS].string_param
     stream = _STREAM in params and params[_STREAM].bool_param
-    if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None and not stream:
+    request_id = params[_REQUEST_ID].string_param if _REQUEST_ID in params else None
+    if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None and not stream \
+            and request_id is None:
         return GATEWAY_HOP  # only the protocol's own parameters
-    return Hop(True, merged, queued_ns, deadline_ns, traceparents, stream)
+    return Hop(True, merged, queued_ns, deadline_ns, traceparents, stream, request_id)
 
 
 def _admit(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int]:

@@ -99,6 +99,9 @@ class Pending:
     # gateway forwarded has LateSpans: one per traced member of a merged request)
     spans: tuple[Span, ...] | tracing.LateSpans = ()
     sequence: SequenceControl | None = None  # its sequence (a sequence model's request)
+    # the client's request id where a gateway's hop carried it (Hop.request_id; the request's own
+    # id is then the hop's key): what a python model's request_id() gives
+    request_id: str | None = None
 
 
 def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pending:

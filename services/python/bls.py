@@ -52,8 +52,7 @@ def to_proto(request: pb_utils.InferenceRequest, stream: bool = False) -> pb.Mod
     if request.model_version() > 0:
         msg.model_version = str(request.model_version())
     for t in request.inputs():
-        arr = t.as_numpy()
-        datatype = pb_utils.wire_datatype(arr)
+        arr, datatype = pb_utils.tensor_wire(t)
         msg.inputs.add(name=t.name(), datatype=datatype, shape=list(arr.shape))
         data = pb_utils.serialize_byte_tensor(arr) if datatype == "BYTES" else np.ascontiguousarray(arr)
         assert data is not None
@@ -84,7 +83,7 @@ def from_proto(resp: pb.ModelInferResponse) -> pb_utils.InferenceResponse:
             arr = pb_utils.deserialize_bytes_tensor(raw)
         else:
             arr = np.frombuffer(raw, dtype=pb_utils.wire_to_numpy(out.datatype)).copy()
-        tensors.append(pb_utils.Tensor(out.name, arr.reshape(list(out.shape))))
+        tensors.append(pb_utils.wire_tensor(out.name, out.datatype, arr.reshape(list(out.shape))))
     params = {k: getattr(v, v.WhichOneof("parameter_choice") or "string_param") for k, v in resp.parameters.items()}
     return pb_utils.InferenceResponse(output_tensors=tensors, parameters=params)
 

@@ -33,6 +33,7 @@ import numpy as np
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.infer_checks import int_value
 from meshserve.server.core import NO_HOP
 from services.base.runtime import RuntimeLoadError
 from services.base.validation import ModelTensors, Pending, prepare
@@ -76,11 +77,15 @@ def _status(code: int) -> str:
     return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
-def _parameters(request: pb.ModelInferRequest) -> tuple[str, int | str, int]:
-    """(parameters() JSON, correlation id, sequence flags) of a request as the model sees them."""
+def _parameters(request: pb.ModelInferRequest) -> tuple[str, int | str, int, int]:
+    """(parameters() JSON, correlation id, sequence flags, timeout in µs: the client's ``timeout``
+    parameter, 0 without one) of a request as the model sees them."""
     params: dict[str, object] = {}
+    timeout = 0
     for key, p in request.parameters.items():
         if key.startswith("meshserve_") or key in _HIDDEN_PARAMETERS:
+            if key == "timeout":  # (its form and sign were checked when it was queued)
+                timeout = max(0, int_value(p) or 0)
             continue
         which = p.WhichOneof("parameter_choice")
         if which is not None:
@@ -94,7 +99,7 @@ def _parameters(request: pb.ModelInferRequest) -> tuple[str, int | str, int]:
             flags |= SEQUENCE_START
         if request.parameters["sequence_end"].bool_param if "sequence_end" in request.parameters else False:
             flags |= SEQUENCE_END
-    return json.dumps(params, separators=(",", ":")), corrid, flags  # compact, as Triton writes it
+    return json.dumps(params, separators=(",", ":")), corrid, flags, timeout  # (JSON compact, as Triton writes it)
 
 
 class ModelWorker:
@@ -239,9 +244,10 @@ class ModelWorker:
                     region.write(offset, item.data)
                 refs.append(TensorRef(name, item.spec.datatype, item.shape, offset, size))
                 offset += aligned(size)
-            params, corrid, flags = _parameters(p.request)
+            params, corrid, flags, timeout_us = _parameters(p.request)
             wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
-            metas.append((key, p.request.id, corrid, flags, params, wanted, refs))
+            request_id = p.request.id if p.request_id is None else p.request_id  # (the client's, behind a gateway)
+            metas.append((key, request_id, corrid, flags, timeout_us, params, wanted, refs))
         if sinks:
             self._streams.update(sinks)
         batch_id = next(self._ids)

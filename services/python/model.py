@@ -20,7 +20,7 @@ from pathlib import Path
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol.errors import InferError
+from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base.model import ModelVersion
@@ -43,6 +43,8 @@ class PythonModelVersion(ModelVersion):
         # a decoupled request's worker key (a process-wide counter, never an id()) and where its
         # responses go, from infer_stream until its final response or its end
         self._streams: dict[QueuedRequest[Pending], tuple[int, StreamSink]] = {}
+        # when a decoupled request's batch began (its queue time, for its statistics)
+        self._stream_started: dict[QueuedRequest[Pending], int] = {}
         self._restarts: set[asyncio.Task[None]] = set()
         self._closing = False
         for w in workers:
@@ -65,6 +67,8 @@ class PythonModelVersion(ModelVersion):
         and flags, and one row."""
         control = sequence_control(request, self.name) if self.config.HasField("sequence_batching") else None
         pending = super().prepare(request, hop)
+        if hop.gateway:  # the request's id is the hop's key: the client's is the hop's (none: "")
+            pending.request_id = hop.request_id or ""
         if control is not None:
             require_single_row(pending, self.name, self.max_batch_size)
             pending.sequence = control
@@ -92,7 +96,12 @@ class PythonModelVersion(ModelVersion):
     # ---- decoupled -------------------------------------------------------------------
     async def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
                            hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
-        """Every response of one request to a decoupled model, in order; the last is final."""
+        """Every response of one request to a decoupled model, in order; the last is final.
+
+        Its statistics are counted here, once, when it ends (not when its execute() returns: its
+        responses may come later, from a thread): a success once its final response is out, a
+        failure with the error that ended it, CANCELED when its client left first (the queue's
+        and a running batch's cancellation are counted by ``ModelVersion._result``)."""
         try:
             pending = self.prepare(request, hop)
         except InferError:
@@ -105,7 +114,8 @@ class PythonModelVersion(ModelVersion):
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = self._queued(request, pending, deadline_ns, hop, fut)
         self._streams[queued] = (key, answers.put_nowait)
-        final = ended = False  # ended: by an error (the model's, or its batch's)
+        final = False
+        error: InferError | None = None  # what ended it: the model's error, or its batch's
         outcome: asyncio.Task[bytes] | None = None
         try:
             self._enqueue(queued)
@@ -114,7 +124,7 @@ class PythonModelVersion(ModelVersion):
             while True:
                 item = await answers.get()
                 if isinstance(item, InferError):
-                    ended = True
+                    error = item
                     raise item
                 final = item[1]
                 yield item
@@ -122,13 +132,24 @@ class PythonModelVersion(ModelVersion):
                     return
         finally:
             self._streams.pop(queued, None)
+            started = self._stream_started.pop(queued, None)
             # After the final response (or an error) the request is over: its batch's outcome
             # settles by itself (the worker may report the batch after the final), and nothing is
             # cancelled. Before it, the client went away: a real cancel.
-            if not (final or ended):
+            now = time.monotonic_ns()
+            if final:
+                self.stats.record_success(now - queued.arrival_ns, (started or now) - queued.arrival_ns,
+                                          pending.requests)
+            elif error is not None:
+                if error.code is not Code.DEADLINE_EXCEEDED:  # (expired in the queue: _result counted it)
+                    self.stats.record_failure(now - queued.arrival_ns, "BACKEND", pending.requests)
+            else:
                 if not fut.cancel():  # its batch is over, its responses still coming: tell the worker
                     for w in self.workers:
                         w.cancel(key)
+                    failed = not fut.cancelled() and fut.exception() is not None
+                    self.stats.record_failure(now - queued.arrival_ns, "BACKEND" if failed else "CANCELED",
+                                              pending.requests)
                 # (a cancelled future leaves the queue, counted as cancelled, or tells the worker
                 # running its batch: _cancel_if_cancelled)
                 if outcome is not None and not outcome.done():
@@ -173,6 +194,7 @@ class PythonModelVersion(ModelVersion):
             else:
                 keys.append(stream[0])
                 sinks[stream[0]] = stream[1]
+                self._stream_started[q] = start_ns
         # a request whose client went away, or whose deadline passes, while execute() runs: the
         # model is told (request.is_cancelled())
         loop = asyncio.get_running_loop()
@@ -200,15 +222,20 @@ class PythonModelVersion(ModelVersion):
         end_ns = time.monotonic_ns()
         await asyncio.sleep(0)
         stats = self.stats
+        # (a decoupled request is counted by infer_stream when it ends: sinks holds their keys)
         if failure is not None:
-            for q in batch:
+            for q, key in zip(batch, keys, strict=True):
                 if not q.future.done():  # (a cancelled one is counted by ModelVersion._result)
-                    stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
+                    if key not in sinks:
+                        stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                     q.future.set_exception(failure)
             return
         stats.record_batch(sum(q.rows for q in batch), sum(q.payload.requests for q in batch), 0, infer_ns, 0)
         for i, q in enumerate(batch):
             if q.future.done():
+                continue
+            if sinks and keys[i] in sinks:
+                q.future.set_result(None)  # (a decoupled request's execute() returned: no answer)
                 continue
             body = out[i] if out is not None else None
             if isinstance(body, InferError):

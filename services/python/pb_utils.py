@@ -92,7 +92,27 @@ def wire_datatype(arr: np.ndarray) -> str:
 
 
 def wire_to_numpy(datatype: str) -> Any:
+    """The numpy dtype a v2 datatype's bytes are read as (BF16: its raw bits, as uint16)."""
+    if datatype == "BF16":
+        return np.uint16
     return _ENUM_TO_NUMPY[_WIRE.index(datatype) + 1]
+
+
+def wire_tensor(name: str, datatype: str, arr: np.ndarray) -> Tensor:
+    """A tensor of v2 ``datatype`` over ``arr`` (read with wire_to_numpy): a BF16 one keeps its raw
+    bits, reached through DLPack only, as Triton's stub holds it."""
+    tensor = Tensor(name, arr)
+    if datatype == "BF16":
+        tensor._bf16 = True
+    return tensor
+
+
+def tensor_wire(tensor: Tensor) -> tuple[np.ndarray, str]:
+    """A tensor's array (BF16: its raw bits, as uint16) and v2 datatype, for the wire."""
+    if tensor._bf16:
+        return tensor._array, "BF16"
+    arr = tensor.as_numpy()
+    return arr, wire_datatype(arr)
 
 
 def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray | None:
@@ -247,8 +267,16 @@ def _gpu_available() -> bool:
     return _gpu
 
 
+TRITONSERVER_TYPE_BF16 = 14  # TRITONSERVER_DataType (and the config's TYPE_BF16)
+_BF16_NUMPY = "Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() and from_dlpack() instead."
+
+
 class Tensor:
-    """A named tensor held as a numpy array (CPU memory)."""
+    """A named tensor held as a numpy array (CPU memory). A BF16 tensor (numpy has no bfloat16)
+    holds its raw bits as uint16 and, as Triton's stub, has no NumPy view: ``as_numpy()`` raises
+    Triton's text, ``to_dlpack()`` / ``from_dlpack()`` carry it (torch.bfloat16)."""
+
+    _bf16 = False
 
     def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None):
         if name == "":
@@ -270,9 +298,13 @@ class Tensor:
         return self._name
 
     def as_numpy(self) -> np.ndarray:
+        if self._bf16:
+            raise TritonModelException(_BF16_NUMPY)
         return self._array
 
     def triton_dtype(self) -> int | None:
+        if self._bf16:
+            return TRITONSERVER_TYPE_BF16
         return numpy_to_triton_type(self._array.dtype)
 
     def shape(self) -> list[int]:
@@ -285,6 +317,8 @@ class Tensor:
         """A DLPack capsule over the tensor's memory (torch.utils.dlpack.from_dlpack takes it)."""
         if self._array.dtype == np.object_:
             raise TritonModelException("DLPack does not have support for string tensors.")
+        if self._bf16:  # numpy has no bfloat16: torch makes the capsule (kDLBfloat, 16 bits)
+            return _bf16_torch(self._array).__dlpack__()
         return self._array.__dlpack__()
 
     def __dlpack__(self, stream: Any = None) -> Any:
@@ -301,7 +335,11 @@ class Tensor:
         if name == "":
             raise TritonModelException("Tensor name cannot be an empty string.")
         if type(capsule).__name__ == "PyCapsule":
-            return Tensor(name, _from_capsule(capsule))
+            return _from_capsule(name, capsule)
+        if isinstance(capsule, Tensor):  # (one of ours: its memory, BF16 kept)
+            tensor = Tensor(name, capsule._array)
+            tensor._bf16 = capsule._bf16
+            return tensor
         if not hasattr(capsule, "__dlpack__") or not hasattr(capsule, "__dlpack_device__"):
             raise TritonModelException("Provided tensor is not supported. Tensor must be a DLPack capsule         "
                                        "or have `__dlpack__` and `__dlpack_device__` attributes")
@@ -313,21 +351,54 @@ class Tensor:
             return Tensor(name, _contiguous(tdl.from_dlpack(capsule).cpu().numpy()))
         if device not in (_DL_CPU, _DL_CUDA_HOST):
             raise TritonModelException(f"DLDevice type {device} is not support by Python backend.")
+        if _is_torch_bf16(capsule):
+            return _bf16_tensor(name, capsule)
         try:
             arr = np.from_dlpack(capsule)
-        except (BufferError, TypeError, RuntimeError) as exc:  # a dtype numpy has not (bfloat16)
+        except (BufferError, TypeError, RuntimeError) as exc:  # a dtype numpy has not
             raise TritonModelException(f"DLPack tensor is not supported by meshserve's python backend: {exc}") from None
         return Tensor(name, _contiguous(arr))
 
 
+def _is_torch_bf16(obj: Any) -> bool:
+    dtype = getattr(obj, "dtype", None)
+    return dtype is not None and str(dtype) == "torch.bfloat16"
+
+
+def _bf16_tensor(name: str, t: Any) -> Tensor:
+    """A BF16 Tensor over a CPU torch.bfloat16 tensor's bits (C-contiguous, as the stub needs)."""
+    import torch
+    if t.device.type == "cuda":
+        t = t.cpu()
+    if not t.is_contiguous():
+        raise TritonModelException(_NOT_CONTIGUOUS)
+    tensor = Tensor(name, t.view(torch.int16).numpy().view(np.uint16))
+    tensor._bf16 = True
+    return tensor
+
+
+def _bf16_torch(bits: np.ndarray) -> Any:
+    """The torch.bfloat16 tensor over a BF16 tensor's bits (shared memory, no copy)."""
+    try:
+        import torch
+    except ImportError:
+        raise TritonModelException("to_dlpack() of a BF16 tensor needs torch in the worker's environment") from None
+    if not bits.flags.writeable:  # (torch warns on a read-only array; the capsule's reader may not write)
+        bits = bits.copy()
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+_NOT_CONTIGUOUS = ("DLPack tensor is not contiguous. Only contiguous DLPack tensors that are stored in C-Order "
+                   "are supported.")
+
+
 def _contiguous(arr: np.ndarray) -> np.ndarray:
     if not arr.flags.c_contiguous:
-        raise TritonModelException("DLPack tensor is not contiguous. Only contiguous DLPack tensors that are stored "
-                                   "in C-Order are supported.")
+        raise TritonModelException(_NOT_CONTIGUOUS)
     return arr
 
 
-def _from_capsule(capsule: Any) -> np.ndarray:
+def _from_capsule(name: str, capsule: Any) -> Tensor:
     """A bare DLPack capsule's array (torch reads the capsule and tells its device)."""
     try:
         import torch.utils.dlpack as tdl
@@ -337,7 +408,9 @@ def _from_capsule(capsule: Any) -> np.ndarray:
     t = tdl.from_dlpack(capsule)
     if t.device.type == "cuda":
         t = t.cpu()
-    return _contiguous(t.numpy())
+    if _is_torch_bf16(t):
+        return _bf16_tensor(name, t)
+    return Tensor(name, _contiguous(t.numpy()))
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:

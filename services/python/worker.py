@@ -39,15 +39,20 @@ from services.python.ipc import Channel, Region, RegionReader, RegionWriter, Ten
 
 log = logging.getLogger("meshserve.python.worker")
 
-# (key, request_id, correlation_id, flags, parameters JSON, requested output names, inputs)
-RequestMeta = tuple[int, str, "int | str", int, str, list[str], list[TensorRef]]
+# (key, request_id, correlation_id, flags, timeout (µs), parameters JSON, requested output names, inputs)
+RequestMeta = tuple[int, str, "int | str", int, int, str, list[str], list[TensorRef]]
 # a response: (error (code name, message) or None, outputs)
 ResponseMeta = tuple["tuple[str, str] | None", list[TensorRef]]
 
 
+# meshserve's own modules (the worker, pb_utils, BLS): their frames are not the model's, and a
+# client never sees where meshserve is installed (Triton's stub shows the model's frames only)
+_OWN_FILES = str(Path(__file__).parent) + "/"
+
+
 def describe(exc: BaseException) -> str:
     """An exception as Triton's stub reports it: type, message and the frames (innermost first)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_OWN_FILES)]
     where = "".join(f"  {f.filename}({f.lineno}): {f.name}\n" for f in reversed(frames))
     text = exc.message() if isinstance(exc, pb_utils.TritonModelException) else str(exc)
     return f"{type(exc).__name__}: {text}" + (f"\n\nAt:\n{where}" if where else "")
@@ -179,13 +184,13 @@ class Worker:
     def _requests(self, where: tuple[int, int, int] | None, metas: list[RequestMeta]) -> list[pb_utils.InferenceRequest]:
         region = self._inputs.get(*where) if where is not None else None
         out = []
-        for key, request_id, corrid, flags, params, wanted, refs in metas:
+        for key, request_id, corrid, flags, timeout, params, wanted, refs in metas:
             tensors = []
             for ref in refs:
                 if ref.nbytes == 0:  # an empty tensor (a 0 in its shape): no bytes, maybe no region
                     arr = np.empty(ref.shape, dtype=np.object_ if ref.datatype == "BYTES"
                                    else pb_utils.wire_to_numpy(ref.datatype))
-                    tensors.append(pb_utils.Tensor(ref.name, arr))
+                    tensors.append(pb_utils.wire_tensor(ref.name, ref.datatype, arr))
                     continue
                 assert region is not None
                 if ref.datatype == "BYTES":
@@ -196,9 +201,9 @@ class Worker:
                                         offset=ref.offset).reshape(ref.shape)
                     if self.decoupled:
                         arr = arr.copy()  # its responses may be sent after execute() returns
-                tensors.append(pb_utils.Tensor(ref.name, arr))
+                tensors.append(pb_utils.wire_tensor(ref.name, ref.datatype, arr))
             req = pb_utils.InferenceRequest(inputs=tensors, request_id=request_id, correlation_id=corrid, flags=flags,
-                                            parameters=params)
+                                            timeout=timeout, parameters=params)
             req._requested = set(wanted)  # as Triton's stub gives it: a set, every output when none were named
             req._key = key
             req._decoupled = self.decoupled
@@ -310,8 +315,7 @@ class Worker:
 
 def tensor_bytes(t: pb_utils.Tensor) -> tuple[np.ndarray, str, np.ndarray]:
     """A tensor's array, v2 datatype and bytes (a uint8 or contiguous array) for the wire."""
-    arr = t.as_numpy()
-    datatype = pb_utils.wire_datatype(arr)
+    arr, datatype = pb_utils.tensor_wire(t)
     if datatype == "BYTES":
         data = pb_utils.serialize_byte_tensor(arr)
         assert data is not None

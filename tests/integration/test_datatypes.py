@@ -112,8 +112,7 @@ def tensor_names(kind: str) -> tuple[str, str]:
 
 def served(kind: str) -> tuple[str, ...]:
     """The datatypes a kind serves (the rest are refused at load: test_unservable_types_are_refused_at_load)."""
-    return {"onnx": DATATYPES, "torchscript": TORCH_TYPES,
-            "python": tuple(d for d in DATATYPES if d != "BF16")}[kind]
+    return {"onnx": DATATYPES, "torchscript": TORCH_TYPES, "python": DATATYPES}[kind]
 
 
 @dataclass

@@ -14,11 +14,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.deploy.support import free_port
@@ -179,6 +181,60 @@ class TritonPythonModel:
         return out
 '''
 
+# decoupled: one response with what the request says of itself (from execute(), then the final flag)
+STREAM_ID = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            facts = {"request_id": r.request_id(), "timeout": r.timeout()}
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(facts)],
+                                                                                    dtype=np.object_))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
+# BF16 (no NumPy view, as in Triton's stub): as_numpy() raises Triton's text; DLPack carries it
+# both ways, and through BLS (parameter bls: a call to api_bf16_echo, this code too); parameter raise: as_numpy()
+# uncaught, the request's error
+BF16 = '''
+import json
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X")
+            params = json.loads(r.parameters())
+            if params.get("raise"):
+                x.as_numpy()
+            try:
+                numpy = x.as_numpy().tolist()
+            except pb_utils.TritonModelException as exc:
+                numpy = "error: " + str(exc)
+            t = torch.utils.dlpack.from_dlpack(x.to_dlpack())
+            same = pb_utils.Tensor.from_dlpack("Y", x)  # (a Tensor has __dlpack__, as on Triton)
+            facts = {"dtype": x.triton_dtype(), "shape": x.shape(), "numpy": numpy, "torch": str(t.dtype),
+                     "same": torch.utils.dlpack.from_dlpack(same.to_dlpack()).tolist() == t.tolist()}
+            y = pb_utils.Tensor.from_dlpack("Y", t * 2)
+            if params.get("bls"):
+                resp = pb_utils.InferenceRequest(model_name="api_bf16_echo", requested_output_names=["Y"],
+                                                 inputs=[pb_utils.Tensor.from_dlpack("X", t * 2)]).exec()
+                if resp.has_error():
+                    raise pb_utils.TritonModelException(resp.error().message())
+                y = pb_utils.get_output_tensor_by_name(resp, "Y")
+                facts["bls_dtype"] = y.triton_dtype()
+            out.append(pb_utils.InferenceResponse([y, pb_utils.Tensor("OUT", np.array([json.dumps(facts)],
+                                                                                      dtype=np.object_))]))
+        return out
+'''
+
 COVERED = frozenset({
     "get_model_dir", "load_model", "unload_model", "is_model_ready", "InferenceRequest.exec",
     "InferenceRequest.async_exec", "InferenceRequest.is_cancelled", "InferenceRequest.request_id",
@@ -214,6 +270,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         ("UNUSED", "TYPE_FP32", "1")]))
     python_models.write(repo, "api_async", ASYNC, python_models.config("api_async", IN_X, y))
     python_models.write(repo, "api_sender", SENDER, python_models.config("api_sender", IN_X, y))
+    python_models.write(repo, "api_stream_id", STREAM_ID, python_models.config(
+        "api_stream_id", IN_X, OUT_JSON, extra="model_transaction_policy { decoupled: true }\n"))
+    for name in ("api_bf16", "api_bf16_echo"):
+        python_models.write(repo, name, BF16, python_models.config(
+            name, [("X", "TYPE_BF16", "2")], [("Y", "TYPE_BF16", "2")] + OUT_JSON))
     python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
     gateway_grpc = free_port()
     procs: list[Proc] = []
@@ -230,11 +291,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             p.stop()
 
 
-def _probe(mesh: Mesh, direct: bool = False, **params: object) -> dict:
+def _probe(mesh: Mesh, direct: bool = False, request_id: str = "req-7", **params: object) -> dict:
     inp = grpcclient.InferInput("X", [1], "FP32")
     inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
     with grpcclient.InferenceServerClient(mesh.python.grpc if direct else mesh.gateway.grpc) as c:
-        result = c.infer("api_probe", [inp], request_id="req-7", outputs=[grpcclient.InferRequestedOutput("OUT")],
+        result = c.infer("api_probe", [inp], request_id=request_id, outputs=[grpcclient.InferRequestedOutput("OUT")],
                          parameters=params or None)
     return dict(json.loads(result.as_numpy("OUT")[0]))
 
@@ -254,16 +315,56 @@ def test_a_received_request_and_bls_from_it(mesh: Mesh, direct: bool) -> None:
     assert facts["missing"][2].startswith("Model api_nope - Error when running inference: ")
     # exec(decoupled=True): a ResponseIterator, iter()/next() over 3 responses and the empty final
     assert facts["stream"] == ["ResponseIterator", [0.0], [[1.0], [2.0]]]
-    if direct:
-        assert facts["request_id"] == "req-7"
+    assert facts["request_id"] == "req-7"
 
 
-@pytest.mark.xfail(strict=True, reason="the gateway's hop to a service replaces the request id with its own "
-                                       "stream key (gateway/upstream/stream.py), so a python model behind the "
-                                       "gateway sees '~gwN' as request_id(); the client's id is restored only in "
-                                       "the response")
 def test_request_id_through_the_gateway_is_the_clients(mesh: Mesh) -> None:
+    """Behind the gateway the hop's id is its stream key; the client's id rides along
+    (meshserve_request_id) and is the model's request_id(), as direct."""
     assert _probe(mesh)["request_id"] == "req-7"
+    assert _probe(mesh, request_id="")["request_id"] == ""  # no id: none (never the hop's key)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gateway"])
+def test_a_streamed_requests_id_and_timeout_are_the_clients(mesh: Mesh, direct: bool) -> None:
+    """A decoupled model's request on a gRPC stream: request_id() and timeout() are the client's,
+    direct and through the gateway (whose hop streams carry it as a streamed request)."""
+    got: list[dict] = []
+    errors: list[object] = []
+
+    def on(result: Any, error: object) -> None:
+        if error is not None:
+            errors.append(error)
+        elif result.get_response().outputs:
+            got.append(json.loads(result.as_numpy("OUT")[0]))
+
+    with grpcclient.InferenceServerClient(mesh.python.grpc if direct else mesh.gateway.grpc) as c:
+        c.start_stream(callback=on)
+        for request_id, timeout in (("s-1", 9_000_000), ("", None)):
+            inp = grpcclient.InferInput("X", [1], "FP32")
+            inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+            c.async_stream_infer("api_stream_id", [inp], request_id=request_id, timeout=timeout)
+        eventually(lambda: len(got) + len(errors) >= 2, timeout=20, what="two responses")
+        c.stop_stream()
+    assert not errors, errors
+    assert sorted(got, key=lambda f: f["request_id"]) == [{"request_id": "", "timeout": 0},
+                                                         {"request_id": "s-1", "timeout": 9_000_000}]
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gateway"])
+def test_timeout_is_the_clients_timeout_parameter(mesh: Mesh, direct: bool, proto: str) -> None:
+    """InferenceRequest.timeout() is the client's ``timeout`` (µs), as Triton 2.51 gives it (not in
+    parameters()); 0 without one."""
+    mod: Any = grpcclient if proto == "grpc" else httpclient
+    proc = mesh.python if direct else mesh.gateway
+    for timeout, want in ((None, 0), (7_000_000, 7_000_000)):
+        inp = mod.InferInput("X", [1], "FP32")
+        inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
+        with mod.InferenceServerClient(proc.grpc if proto == "grpc" else proc.http) as c:
+            result = c.infer("api_probe", [inp], outputs=[mod.InferRequestedOutput("OUT")], timeout=timeout)
+        facts = json.loads(result.as_numpy("OUT")[0])
+        assert facts["timeout"] == want and facts["parameters"] == {}, facts
 
 
 def test_async_exec_one_and_decoupled(mesh: Mesh) -> None:
@@ -310,6 +411,40 @@ def test_torch_inside_a_model_with_dlpack_both_ways(mesh: Mesh) -> None:
     with httpclient.InferenceServerClient(mesh.gateway.http) as c:
         result = c.infer("api_torch", [inp])
     assert result.as_numpy("Y").tolist() == [6.0] and result.as_numpy("Z").tolist() == [-3.0]
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gateway"])
+def test_bf16_through_dlpack_as_triton(mesh: Mesh, direct: bool, proto: str) -> None:
+    """A BF16 input: no NumPy view (as_numpy() raises Triton's text), triton_dtype() 14, DLPack to
+    torch.bfloat16 and back (Tensor.from_dlpack), a BLS call with a BF16 input and output; the
+    answer is BF16 with the values doubled (twice with BLS). A model whose as_numpy() fails
+    uncaught: its error with Triton's text and none of meshserve's files."""
+    pytest.importorskip("torch")
+    import ml_dtypes
+
+    mod: Any = grpcclient if proto == "grpc" else httpclient
+    x = np.array([1.5, -3.0], dtype=ml_dtypes.bfloat16)
+    proc = mesh.python if direct else mesh.gateway
+    with mod.InferenceServerClient(proc.grpc if proto == "grpc" else proc.http) as c:
+        for bls, factor in ((False, 2), (True, 4)):
+            inp = mod.InferInput("X", [2], "BF16")
+            inp.set_data_from_numpy(x)
+            result = c.infer("api_bf16", [inp], parameters={"bls": True} if bls else None)
+            y = result.as_numpy("Y")
+            assert y.dtype == ml_dtypes.bfloat16 and y.astype(np.float32).tolist() == [1.5 * factor, -3.0 * factor]
+            facts = json.loads(result.as_numpy("OUT")[0])
+            assert facts["dtype"] == 14 and facts["shape"] == [2] and facts["torch"] == "torch.bfloat16" and facts["same"]
+            assert facts["numpy"] == ("error: Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() "
+                                      "and from_dlpack() instead.")
+            assert facts.get("bls_dtype") == (14 if bls else None)
+        inp = mod.InferInput("X", [2], "BF16")
+        inp.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("api_bf16", [inp], parameters={"raise": True})
+    text = str(err.value)
+    assert "Tensor dtype is BF16 and cannot be converted to NumPy." in text, text
+    assert "pb_utils" not in text and "services/python" not in text and "model.py" in text, text
 
 
 def test_model_control_from_a_model(mesh: Mesh) -> None:

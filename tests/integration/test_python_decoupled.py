@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
@@ -20,7 +23,9 @@ from meshserve.server.core import UNARY_DECOUPLED_GRPC, UNARY_DECOUPLED_HTTP, Re
 from services.base.control import ModelControl
 from services.python.core import PythonServiceCore
 from services.python.model import PythonModelVersion
+from tests.conftest import Proc, _wait_http_ready, start
 from tests.models import python_models
+from tests.support.metrics import metric
 from tests.support.waiting import eventually
 
 MODELS = frozenset({"repeat_int32", "square_int32", "py_add_sub"})
@@ -151,3 +156,80 @@ def cancelled_early(c: PythonServiceCore, loop: asyncio.AbstractEventLoop, capfd
         return "repeat_int32: request cancelled after" in "".join(seen)  # (a model not told runs 9 s more)
 
     eventually(logged, timeout=10, what="the model saw request.is_cancelled()")
+
+
+# ---- statistics, through a running service (and a gateway) with the real tritonclient ---------------
+
+
+@pytest.fixture(scope="module")
+def served(repo: Path) -> Iterator[tuple[Proc, Proc]]:
+    procs: list[Proc] = []
+    try:
+        procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                            "--model-control-mode", "explicit", "--load-model", "repeat_int32"]))
+        procs.append(start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", procs[0].grpc]))
+        _wait_http_ready(procs[1].http)
+        yield procs[0], procs[1]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def _stats(service: Proc) -> tuple[int, int, float]:
+    """(success count, fail count) of repeat_int32 from the statistics extension, and its CANCELED
+    failures from /metrics: the service's own."""
+    with urllib.request.urlopen(f"http://{service.http}/v2/models/repeat_int32/stats", timeout=10) as r:
+        stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
+    return (stats["success"]["count"], stats["fail"]["count"],
+            metric(service.http, "nv_inference_request_failure", reason="CANCELED", model="repeat_int32", version="1"))
+
+
+def _stream(url: str, n: int, delay_ms: int, leave_after: int | None) -> list[int]:
+    """A gRPC stream of one repeat_int32 request (``n`` responses, ``delay_ms`` apart, from a
+    thread of the model: its execute() returns at once); the client stops the stream (cancelling
+    the request) after ``leave_after`` responses, or reads them all and the final."""
+    got: list[int] = []
+    finals: list[bool] = []
+    errors: list[object] = []
+
+    def on(result: grpcclient.InferResult | None, error: object) -> None:
+        if result is None:  # (stop_stream(cancel_requests=True) reports CANCELLED here)
+            errors.append(error)
+            return
+        resp = result.get_response()
+        if resp.outputs:
+            got.append(int(result.as_numpy("OUT")[0]))
+        if resp.parameters["triton_final_response"].bool_param:
+            finals.append(True)
+
+    ins = [grpcclient.InferInput("IN", [n], "INT32"), grpcclient.InferInput("DELAY", [n], "UINT32")]
+    ins[0].set_data_from_numpy(np.arange(n, dtype=np.int32))
+    ins[1].set_data_from_numpy(np.array([1] + [delay_ms] * (n - 1), dtype=np.uint32))
+    with grpcclient.InferenceServerClient(url) as c:
+        c.start_stream(callback=on)
+        c.async_stream_infer("repeat_int32", ins, enable_empty_final_response=True)
+        if leave_after is None:
+            eventually(lambda: bool(finals or errors), timeout=20, what="the final response")
+            c.stop_stream()
+        else:
+            eventually(lambda: len(got) >= leave_after or bool(errors), timeout=20, what=f"{leave_after} responses")
+            assert not errors, errors
+            c.stop_stream(cancel_requests=True)
+    assert leave_after is not None or (finals and not errors), errors
+    return got
+
+
+@pytest.mark.parametrize("where", ["service", "gateway"])
+def test_a_decoupled_request_is_counted_once_when_it_ends(served: tuple[Proc, Proc], where: str) -> None:
+    """A decoupled request counts once, when it ends, not when its execute() returns (its
+    responses come later, from a thread): a success once its final response is out; CANCELED
+    when its client leaves before it, execute() long returned (docs/streaming.md)."""
+    service, gateway = served
+    url = (service if where == "service" else gateway).grpc
+    success, fail, canceled = _stats(service)
+    assert _stream(url, 3, 0, None) == [0, 1, 2]
+    eventually(lambda: _stats(service) == (success + 1, fail, canceled), what="one success")
+    # execute() returns at once; the second response comes 1 s after the first: the client leaves between
+    assert _stream(url, 10, 1000, 1) == [0]
+    eventually(lambda: _stats(service)[1:] == (fail + 1, canceled + 1), what="one CANCELED failure")
+    assert _stats(service)[0] == success + 1  # not a success as well

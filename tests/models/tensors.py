@@ -192,14 +192,24 @@ class TritonPythonModel:
 '''
 
 
+# BF16 has no NumPy view in Triton's python backend (as_numpy() raises): DLPack carries it
+PY_IDENTITY_DLPACK = '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("OUTPUT0", pb_utils.get_input_tensor_by_name(
+            r, "INPUT0").to_dlpack())]) for r in requests]
+'''
+
+
 def build_python_identities(repo: Path) -> Path:
-    """py_identity_<dt> (python backend) for every v2 datatype numpy has (not BF16)."""
+    """py_identity_<dt> (python backend) for every v2 datatype (BF16 through DLPack)."""
     for dt in ONNX_TYPES:
-        if dt == "BF16":
-            continue
         name = f"py_identity_{dt.lower()}"
+        source = PY_IDENTITY_DLPACK if dt == "BF16" else PY_IDENTITY
         write(repo, name, identity_config(name, 'backend: "python"', dt),
-              {1: lambda path: path.write_text(PY_IDENTITY)}, "model.py")
+              {1: lambda path, source=source: path.write_text(source)}, "model.py")
     return repo
 
 

@@ -48,6 +48,16 @@ def test_the_hop_parameters_are_read_into_typed_fields() -> None:
     assert hop.deadline_ns is not None and before + 2_000_000_000 <= hop.deadline_ns <= after + 2_000_000_000
 
 
+def test_the_clients_request_id_is_believed_from_a_gateway_only() -> None:
+    """meshserve_request_id (the client's id; the hop's own id is the stream's key) fills
+    Hop.request_id on a gateway's hop; a direct client's is ignored, and without it a gateway's
+    request keeps the shared record."""
+    req = _params(**{wire.REQUEST_ID_PARAMETER: "client-7"})
+    assert observe.read_hop(req.parameters, GATEWAY).request_id == "client-7"
+    assert observe.read_hop(req.parameters, {}) is NO_HOP
+    assert GATEWAY_HOP.request_id is None and NO_HOP.request_id is None
+
+
 @pytest.mark.parametrize(("value", "merged"), [
     ("4", 4), ("-2", -2), (4.0, 4), (4.5, None), ("x", None), ("--5", None), ("\u00b2", None), (True, None),
 ])
