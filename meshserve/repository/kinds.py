@@ -78,6 +78,9 @@ KINDS: tuple[Kind, ...] = (
     # Triton's python backend (model.py); it batches its sequences itself
     Kind("python", backends={"python": ("model.py",)}, sequence_backends=("python",),
          entry="services.python.main", deploy="python"),
+    # Triton's FIL backend: tree models; the file name follows the model_type parameter (services/fil/params.py)
+    Kind("fil", backends={"fil": ("xgboost.model", "xgboost.json", "xgboost.ubj", "model.txt", "checkpoint.tl")},
+         entry="services.fil.main", requires=("treelite",), extra="fil", deploy="fil"),
     Kind("ensemble", platforms={"ensemble": ""}, in_gateway=True),
 )
 
