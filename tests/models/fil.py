@@ -63,6 +63,17 @@ def _data(classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.digitize(score, edges)
 
 
+def lightgbm_regressor(root: Path, name: str) -> np.ndarray:
+    """A LightGBM regressor under ``root/name``; returns LightGBM's own answer for rows()."""
+    import lightgbm as lgb
+
+    x, y = _data(0, 3)
+    gbm = lgb.train({"objective": "regression", "num_leaves": 15, "verbose": -1, "num_threads": 1},
+                    lgb.Dataset(x, label=y), 25)
+    gbm.save_model(str(_write(root, name, "model.txt", config("lightgbm", False, 1))))
+    return np.asarray(gbm.predict(rows()), dtype=np.float32).reshape(-1, 1)
+
+
 def build(root: Path) -> list[FilModel]:
     """Write the models under ``root`` and return what each must answer for ``rows()``."""
     import lightgbm as lgb
@@ -87,12 +98,7 @@ def build(root: Path) -> list[FilModel]:
     bst.save_model(_write(root, "xgb_proba", "xgboost.ubj", config("xgboost_ubj", True, 3, predict_proba=True)))
     models.append(FilModel("xgb_proba", bst.inplace_predict(x_test).astype(np.float32), False))
 
-    # LightGBM regressor
-    x, y = _data(0, 3)
-    gbm = lgb.train({"objective": "regression", "num_leaves": 15, "verbose": -1, "num_threads": 1},
-                    lgb.Dataset(x, label=y), 25)
-    gbm.save_model(str(_write(root, "lgb_regression", "model.txt", config("lightgbm", False, 1))))
-    models.append(FilModel("lgb_regression", gbm.predict(x_test).astype(np.float32).reshape(-1, 1), False))
+    models.append(FilModel("lgb_regression", lightgbm_regressor(root, "lgb_regression"), False))
 
     # LightGBM binary with predict_proba and dims [ 1 ]: P(1) alone; threshold has no effect on scores
     x, y = _data(2, 4)
