@@ -69,9 +69,8 @@ def resolve_file(model_file: Path, model_type: str) -> Path:
     names a version holds) stands for the model type's own default name, as in Triton, where
     the default file name follows ``model_type``; a ``default_model_filename`` of another name
     is read as it is."""
-    own = model_file.parent / MODEL_FILES[model_type]
-    if model_file.name in MODEL_FILES.values() and model_file.name != own.name and own.exists():
-        return own
+    if model_file.name in MODEL_FILES.values():
+        return model_file.parent / MODEL_FILES[model_type]
     return model_file
 
 
