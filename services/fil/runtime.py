@@ -12,22 +12,24 @@ binary, LightGBM text; ``treelite.Model.deserialize``: checkpoints) and runs thr
 
 ``MESHSERVE_FIL_ENGINE=compiled|native`` forces one (``auto`` by default).
 
-Why compiled, measured per row on one thread (2-core VM, a 100-tree depth-6 binary model over
-32 features; ``python -m load.bench.fil engines`` measures it again, docs/perf/fil.md):
+Why compiled, measured per row on one thread (CPU time; 2-core VM; a 100-tree depth-6 binary
+model over 32 features; ``python -m load.bench.fil engines`` measures it again, docs/perf/fil.md):
 
-=======================  ===========  ============
-engine                   batch 1      batch 64
-=======================  ===========  ============
-tl2cgen (XGBoost model)  43 us/row    2.1 us/row
-tl2cgen (LightGBM)       29 us/row    2.8 us/row
-XGBoost inplace_predict  268 us/row   7.4 us/row
-LightGBM predict         39 us/row    10.6 us/row
-Treelite GTIL (XGBoost)  65 us/row    12.5 us/row
-=======================  ===========  ============
+==============================  ==============  ===============
+engine                          batch 1, us/row  batch 64, us/row
+==============================  ==============  ===============
+tl2cgen, from the XGBoost model 15.8            0.81
+tl2cgen, from the LightGBM one  17.0            1.31
+XGBoost inplace_predict         111.4           2.76
+LightGBM predict                19.0            2.76
+Treelite GTIL (XGBoost model)   27.6            7.05
+Treelite GTIL (LightGBM model)  29.2            7.67
+==============================  ==============  ===============
 
-The compiled forest is the fastest at batch 64 by 3-5x and ties LightGBM's own predict at
-batch 1; its cost is the compile at the first load (7 s for this model on a busy 2-core VM, more
-for large forests; cached after).
+The compiled forest is the fastest at both: 2-3.4x the libraries' own predict at batch 64, and at
+batch 1 as fast as LightGBM's (7x XGBoost's). Its cost is the compile at the first load (7 s of wall
+time for this model on the busy 2-core VM, under 1 s for the tests' 10-25-tree models, more for
+large forests; cached after).
 
 Outputs as FIL's (Triton's fil_backend docs/model_config.md): a regressor's prediction; a
 classifier's class index (a binary one: score > ``threshold``; else the top class) or, with
