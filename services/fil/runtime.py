@@ -50,6 +50,7 @@ import numpy as np
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import InferError
+from services.base.core import OVERRIDES_DIR
 from services.base.runtime import InstancePlacement, RuntimeLoadError
 from services.fil import params as fil_params
 from services.fil.params import MODEL_FILES, FilParams
@@ -226,6 +227,8 @@ class FilAdapter:
                                  "only; uploaded model files are refused for the fil backend")
 
     def load(self, model_file: Path, config: mc.ModelConfig, placement: InstancePlacement) -> FilInstance:
+        if OVERRIDES_DIR in model_file.parts:  # an upload, also with --max-model-load-bytes 0 (no guard_load)
+            self.guard_load(model_file, config, 0)
         p = fil_params.read(config)
         names = fil_params.check_config(config)
         features = names[2]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, Proc, service_and_gateway
+from tests.e2e.test_up import read_banner
 from tests.models import fil  # the libraries it builds with are imported by build()
 
 pytest.importorskip("treelite", reason="the fil tests need the [fil] extra (treelite, tl2cgen, xgboost, lightgbm)")
@@ -153,3 +155,30 @@ def test_check_repo_names_the_fil_kind(stack: FilStack) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {line.split()[1]: line.split()[:3] for line in done.stdout.splitlines()[1:-1]}
     assert rows == {name: ["ok", name, "fil"] for name in [*stack.models, PROBE]}, done.stdout
+
+
+def test_meshserve_up_starts_the_fil_service(stack: FilStack, tmp_path: Path) -> None:
+    """`meshserve up` finds the kind from the registry row: one fil service, models served."""
+    repo = tmp_path / "repo"
+    shutil.copytree(stack.repo / "lgb_regression", repo / "lgb_regression")
+    ports = [_free_port(), _free_port()]
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--metrics-port", "-1",
+                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1])], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        banner = read_banner(proc, 120)
+        assert "starting the fil service" in banner and "1 service process(es)" in banner, banner
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}") as c:
+            fil.check(stack.models["lgb_regression"], _infer(c, "grpc", "lgb_regression", fil.rows()))
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -11,6 +11,7 @@ from google.protobuf import text_format
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import InferError
+from services.base.core import OVERRIDES_DIR
 from services.base.runtime import InstancePlacement, RuntimeLoadError
 from services.fil import params, runtime
 from tests.models import fil
@@ -133,6 +134,13 @@ def test_a_model_that_does_not_fit_its_config_is_refused(repo: tuple[Path, list[
 
 
 def test_uploaded_model_files_are_refused(tmp_path: Path) -> None:
+    config = _config(fil.config("lightgbm", False, 1))
     with pytest.raises(InferError, match="uploaded model files are refused") as err:
-        runtime.FilAdapter().guard_load(tmp_path / "model.txt", _config(fil.config("lightgbm", False, 1)), 1 << 20)
+        runtime.FilAdapter().guard_load(tmp_path / "model.txt", config, 1 << 20)
     assert err.value.http_status == 400
+    # with no load bound (--max-model-load-bytes 0) the service asks no guard: the load refuses it
+    uploaded = tmp_path / OVERRIDES_DIR / "0123" / "m" / "1" / "model.txt"
+    uploaded.parent.mkdir(parents=True)
+    uploaded.write_text("tree\n")
+    with pytest.raises(InferError, match="uploaded model files are refused"):
+        runtime.FilAdapter().load(uploaded, config, CPU)
