@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from load.bench.procs import stop_process
 from tests.conftest import ROOT, Proc, service_and_gateway
 from tests.e2e.test_up import read_banner
 from tests.models import fil  # the libraries it builds with are imported by build()
@@ -165,17 +166,15 @@ def test_meshserve_up_starts_the_fil_service(stack: FilStack, tmp_path: Path) ->
     proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--metrics-port", "-1",
                              "--http-port", str(ports[0]), "--grpc-port", str(ports[1])], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stopped = None
     try:
         banner = read_banner(proc, 120)
         assert "starting the fil service" in banner and "1 service process(es)" in banner, banner
         with grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}") as c:
             fil.check(stack.models["lgb_regression"], _infer(c, "grpc", "lgb_regression", fil.rows()))
-        proc.terminate()
-        assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stopped = stop_process(proc, timeout=60)
+    assert stopped == 0  # a clean exit on SIGTERM
 
 
 def _free_port() -> int:
