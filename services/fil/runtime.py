@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -56,6 +57,7 @@ from services.fil import params as fil_params
 from services.fil.params import MODEL_FILES, FilParams
 
 ENGINE_ENV = "MESHSERVE_FIL_ENGINE"
+log = logging.getLogger("meshserve.fil")
 Engine = Callable[[np.ndarray], np.ndarray]  # rows (n, features) float32 -> scores (n, width)
 
 
@@ -245,14 +247,24 @@ class FilAdapter:
             raise RuntimeLoadError(f"model '{config.name}': input '{names[0]}' has dims [ {features} ] but the "
                                    f"model takes {model.num_feature} features")
         choice = engine_choice()
+        probe = np.zeros((1, features), dtype=np.float32)
         try:
             engine = compiled_engine(model, p.nthread) if choice == "compiled" else native_engine(path, model, p)
-            width = engine(np.zeros((1, features), dtype=np.float32)).shape[1]
-        except RuntimeLoadError:
-            raise
+            width = engine(probe).shape[1]
         except Exception as exc:
-            raise RuntimeLoadError(f"model '{config.name}': the {choice} engine could not load {path.name}: "
-                                   f"{_short(exc)}") from None
+            if choice != "compiled" or os.environ.get(ENGINE_ENV, "auto") == "compiled":
+                raise RuntimeLoadError(f"model '{config.name}': the {choice} engine could not load {path.name}: "
+                                       f"{_short(exc)}") from None
+            # auto: a forest tl2cgen cannot compile (or no working compiler) runs on the native engine
+            log.warning("model '%s': compiling the forest failed (%s); running it on the native engine",
+                        config.name, _short(exc))
+            choice = "native"
+            try:
+                engine = native_engine(path, model, p)
+                width = engine(probe).shape[1]
+            except Exception as exc2:
+                raise RuntimeLoadError(f"model '{config.name}': the native engine could not load {path.name}: "
+                                       f"{_short(exc2)}") from None
         expected = _expected_out(p, width)
         out = config.output[0]
         if out.dims[0] not in expected:

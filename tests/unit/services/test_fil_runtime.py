@@ -144,3 +144,24 @@ def test_uploaded_model_files_are_refused(tmp_path: Path) -> None:
     uploaded.write_text("tree\n")
     with pytest.raises(InferError, match="uploaded model files are refused"):
         runtime.FilAdapter().load(uploaded, config, CPU)
+
+
+def test_a_forest_that_does_not_compile_runs_natively(repo: tuple[Path, list[fil.FilModel]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: a compile failure falls back to the native engine; a forced compiled engine fails the load."""
+    root, models = repo
+    m = models[0]
+
+    def broken(model: object, nthread: int) -> runtime.Engine:
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(runtime, "compiled_engine", broken)
+    monkeypatch.setattr(runtime, "compiler_available", lambda: True)
+    monkeypatch.delenv(runtime.ENGINE_ENV, raising=False)
+    config = _config((root / m.name / "config.pbtxt").read_text(), m.name)
+    instance = runtime.FilAdapter().load(root / m.name / "1" / "xgboost.model", config, CPU)
+    assert instance.engine_name == "native"
+    fil.check(m, instance.run({"input__0": fil.rows()}, ["output__0"])["output__0"])
+    monkeypatch.setenv(runtime.ENGINE_ENV, "compiled")
+    with pytest.raises(RuntimeLoadError, match="the compiled engine could not load xgboost.json: no compiler today"):
+        runtime.FilAdapter().load(root / m.name / "1" / "xgboost.model", config, CPU)
