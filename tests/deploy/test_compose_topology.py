@@ -208,7 +208,7 @@ def _start(containers: list[Container], log_dir: Path, timeout: float = READY_TI
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     work = tmp_path_factory.mktemp("compose")
-    kinds = ("onnx", "sequence", "python") + (("torchscript",) if _has_torch() else ())
+    kinds = ("onnx", "sequence", "python", "fil") + (("torchscript",) if _has_torch() else ())
     repo = build_repository(work / "models", kinds=kinds)
     compose = load_compose()
     with otlp_sink() as (otlp_port, otlp):
@@ -239,7 +239,7 @@ def _require_up(c: Container) -> None:
 
 def test_compose_gives_the_expected_processes(topology: Topology) -> None:
     names = sorted(c.name for c in topology.containers)
-    assert names == ["gateway-1", "gateway-2", "onnx-1", "python-1", "sequence-1", "torchscript-1"]
+    assert names == ["fil-1", "gateway-1", "gateway-2", "onnx-1", "python-1", "sequence-1", "torchscript-1"]
 
 
 @pytest.mark.parametrize("service", kinds_param(("gateway", *SERVICE_KINDS)))

@@ -25,10 +25,11 @@ def test_every_backend_and_platform_has_one_kind() -> None:
 def test_the_derived_tables_are_tritons() -> None:
     assert config.PLATFORM_TO_BACKEND == {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch",
                                           "tensorrt_plan": "tensorrt"}
-    assert config.KNOWN_BACKENDS == {"onnxruntime", "pytorch", "tensorrt", "python"}
+    assert config.KNOWN_BACKENDS == {"onnxruntime", "pytorch", "tensorrt", "python", "fil"}
     assert config.KNOWN_PLATFORMS == {*config.PLATFORM_TO_BACKEND, "ensemble"}
     assert list(config.DEFAULT_MODEL_FILENAMES.items()) == [  # the order autocomplete looks for them in
-        ("onnxruntime", "model.onnx"), ("pytorch", "model.pt"), ("tensorrt", "model.plan"), ("python", "model.py")]
+        ("onnxruntime", "model.onnx"), ("pytorch", "model.pt"), ("tensorrt", "model.plan"), ("python", "model.py"),
+        ("fil", "xgboost.model")]
 
 
 @pytest.mark.parametrize(("platform", "backend", "sequence", "kind"), [
@@ -50,6 +51,12 @@ def test_kind_for(platform: str, backend: str, sequence: bool, kind: str | None)
     (["1/model.py"], True, "python"),
     (["1/model.plan"], True, None),
     (["1/weights.bin"], False, None),
+    (["1/model.txt"], False, "fil"),  # Triton FIL's file names (LightGBM, Treelite, XGBoost UBJSON)
+    (["1/checkpoint.tl", "2/xgboost.ubj"], False, "fil"),
+    # a backend's own file name wins over another's suffix: a label file beside an ONNX model
+    (["1/model.onnx", "1/labels.txt"], False, "onnx"),
+    (["1/model.py", "1/vocab.json"], False, "python"),
+    (["1/net.onnx", "1/labels.txt"], False, None),  # two suffixes, no file name of a backend: no telling
 ])
 def test_kind_of_files(files: list[str], sequence: bool, kind: str | None) -> None:
     assert kind_of_files(files, sequence) == kind

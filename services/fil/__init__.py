@@ -1,0 +1,1 @@
+"""FIL service: hosts `backend: "fil"` tree models (XGBoost, LightGBM, Treelite checkpoints)."""
