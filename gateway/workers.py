@@ -32,7 +32,7 @@ class WorkerGatewayCore(GatewayCore):
         return metrics.render(samples, families), metrics.CONTENT_TYPE
 
     async def metrics_text(self) -> tuple[bytes, str]:
-        services = await self._federated() if self.federate_metrics else []  # first: it sets federated_up
+        services = await self.federation.families() if self.federate_metrics else []  # first: it sets up
         samples, families = self.own_metrics()
         own = metrics.federate(metrics.render(samples, families).decode(), {"worker": str(self.worker.index)})
         siblings = [metrics.federate(text, {"worker": str(index)})

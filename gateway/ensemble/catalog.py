@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -167,7 +167,7 @@ class EnsembleCatalog:
         return response
 
     async def infer_stream(self, request: pb.ModelInferRequest, timeout: float | None,
-                           affinity: str | None = None) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:
+                           affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
         """A streaming call: an ensemble with a decoupled step answers each of its responses
         (executor.run_stream), then the final flag alone; any other answers once."""
         plan = self.plan(request.model_name, request.model_version)

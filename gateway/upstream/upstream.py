@@ -4,12 +4,15 @@ It owns the replica pool and discovery, and makes every call to a service: ``cal
 control call or an infer: replica choice, retries on another replica when the request never
 reached a model), ``send`` (an infer request forwarded as bytes on a replica's streams) and
 ``send_merged`` (a request the coalescer merged), with their traced variants (traced.py) for
-sampled requests. GatewayCore, the coalescer, A/B routes and ensembles hold this object; none of
-them hands another a function to call back.
+sampled requests; ``each`` asks several replicas at once (statistics, the repository index,
+load/unload, metrics federation: gateway/statistics.py, control.py, federation.py). GatewayCore's
+pipeline, the coalescer, A/B routes, ensembles, model control, statistics and federation hold this
+object; none of them hands another a function to call back.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from gateway.routing.table import ModelRoutes, pick, pick_pinned
@@ -31,6 +34,17 @@ class Upstream:
         self.pool = pool
         self.replicas = pool.replicas  # one list, updated in place as replicas come and go
         self.discovery = Discovery(pool, discovery_interval_s)
+
+    def healthy(self) -> list[Replica]:
+        """The replicas in the pool now."""
+        return [r for r in self.replicas if r.healthy]
+
+    async def each(self, replicas: Sequence[Replica], fn: Callable[[Replica], Awaitable[T]]
+                   ) -> list[T | BaseException]:
+        """``fn`` on every one of ``replicas`` at once (a control call that every replica answers
+        for itself: no replica choice, no retry elsewhere): each one's answer or exception, in
+        the order of ``replicas``."""
+        return await asyncio.gather(*(fn(r) for r in replicas), return_exceptions=True)
 
     async def routes(self, name: str) -> ModelRoutes[Replica]:
         """The replicas hosting ``name`` by version (refreshed once when it is not known yet)."""
@@ -124,7 +138,7 @@ class Upstream:
                                lambda r: r.streams.infer(body, request.id, timeout))
 
     async def stream(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                     affinity: str | None = None) -> AsyncIterator[tuple[pb.ModelInferResponse | None, bool]]:
+                     affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
         """Forward a request of a client's streaming call (never merged): every answer of the
         service as it arrives, (response or None for an empty final one, final). Leaving early
         (the client went away) tells the service to stop the request."""

@@ -58,7 +58,7 @@ def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]
     Only a gateway's hop (the stream's ``meshserve-hop: gateway`` marker) is believed: a
     client's own ``meshserve_*`` parameters never change its weight, queue delay, deadline or
     spans (a direct client's are ignored here; the gateway refuses them at its front door,
-    ``gateway/core.py:GatewayCore._check_names``). The gateway itself, whose callers are clients,
+    ``gateway/pipeline.py:Names.check``). The gateway itself, whose callers are clients,
     never believes the marker (``tracing.hop_trusted``, cleared by GatewayCore.start): a client's
     ``meshserve-hop`` header there is ignored, and it pays one flag check per request here."""
     if not tracing.hop_trusted or headers.get(tracing.HOP_HEADER) != tracing.HOP_GATEWAY:

@@ -187,7 +187,8 @@ def test_gateway_pure_modules_do_no_io() -> None:
 
 def test_gateway_quota_maths_and_ensemble_plan_do_no_io() -> None:
     pure = [ROOT / "gateway" / "quotas" / "bucket.py", ROOT / "gateway" / "quotas" / "memory.py",
-            ROOT / "gateway" / "ensemble" / "plan.py", ROOT / "gateway" / "routing" / "ab.py"]
+            ROOT / "gateway" / "ensemble" / "plan.py", ROOT / "gateway" / "routing" / "ab.py",
+            ROOT / "gateway" / "upstream" / "merging.py"]
     for path in pure:
         mods = _imports(path)
         assert not any(m.startswith(("grpc", "asyncio", "aiohttp", "socket", "redis", "os", "pathlib",

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from gateway.upstream import coalesce
-from gateway.upstream.coalesce import (
+from gateway.upstream import coalesce, merging
+from gateway.upstream.coalesce import Coalescer
+from gateway.upstream.merging import (
     MERGED_PARAMETER,
-    Coalescer,
     ModelShape,
     Unmergeable,
     merge,
@@ -151,21 +151,21 @@ def test_unusual_bytes_are_read_from_the_message_and_memory_stays_bounded() -> N
     r = request(np.zeros((1, 16)), np.zeros((1, 16)))
     raw = r.SerializeToString()
     want = merge_key(r, SHAPE)
-    assert coalesce._metadata(raw) is not None
+    assert merging._metadata(raw) is not None
     for odd in (raw + b"\x82\x01\x00", raw + b"\x0a", raw + b"\x0a\x05ab", raw[:-3], b"\x08\x01" + raw):
-        assert coalesce._metadata(odd) is None
+        assert merging._metadata(odd) is None
         assert merge_key(r, shape, odd) == want
     assert not shape.keys
     big = request(np.zeros((1, 16)), np.zeros((1, 16)))
     big.parameters["binary_data_output"].bool_param = True
-    big.model_version = "9" * (coalesce._METADATA_MAX + 1)
-    assert coalesce._metadata(big.SerializeToString()) is None
+    big.model_version = "9" * (merging._METADATA_MAX + 1)
+    assert merging._metadata(big.SerializeToString()) is None
     assert merge_key(big, shape, big.SerializeToString()) == merge_key(big, SHAPE)
     assert not shape.keys
-    for i in range(coalesce._KEYS_MAX + 10):
+    for i in range(merging._KEYS_MAX + 10):
         r.model_version = str(i)
         assert merge_key(r, shape, r.SerializeToString())[0][1] == str(i)
-        assert len(shape.keys) <= coalesce._KEYS_MAX
+        assert len(shape.keys) <= merging._KEYS_MAX
 
 
 def test_a_one_input_model_merges_exactly_and_finds_wrong_members() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf import text_format
 
-from gateway.upstream.coalesce import ModelShape, merge, merge_key, split
+from gateway.upstream.merging import ModelShape, merge, merge_key, split
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 

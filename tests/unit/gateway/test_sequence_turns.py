@@ -106,13 +106,14 @@ async def test_gateway_forwards_a_sequence_in_arrival_order_despite_admission_de
         sent.append(request.id)
         return InferResult(message=pb.ModelInferResponse(id=request.id))
 
-    core._dispatch = dispatch  # type: ignore[method-assign]  # the upstream half is not under test here
+    core.forward.infer = dispatch  # type: ignore[method-assign]  # the upstream half is not under test here
     ctx = RequestContext("grpc", {})
     out = await asyncio.gather(*(core.infer(_request(7, flags), ctx) for flags in ("start", "mid", "end")))
     assert sent == ["start", "mid", "end"]
     assert [r.message().id for r in out] == ["start", "mid", "end"]
     # without a sequence id nothing is held: the fast admission overtakes the slow one
-    core.admission = _SlowFirstAdmission()  # type: ignore[assignment]
+    core = GatewayCore(["127.0.0.1:1"], admission=_SlowFirstAdmission())  # type: ignore[arg-type]
+    core.forward.infer = dispatch  # type: ignore[method-assign]
     sent.clear()
     await asyncio.gather(*(core.infer(pb.ModelInferRequest(model_name="acc", id=i), ctx) for i in ("a", "b", "c")))
     assert sent == ["b", "c", "a"]

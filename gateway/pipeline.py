@@ -1,0 +1,385 @@
+"""The gateway's infer path as a pipeline of stages, assembled once (``assemble``).
+
+Each stage is a plain object that does one thing and hands the request to ``next``:
+
+    Names → Outcomes → Turns → [Admit] → [ABRoutes] → [Ensembles] → Forward
+
+``infer(request, ctx, sequence)`` answers a unary call and ``stream(request, ctx, sequence)``
+a client's streaming call for a decoupled model (``(response or None, final)`` pairs; the
+outer two stages take no ``sequence``: ``Turns`` is where it is read). A stage whose policy is
+not configured (no --tenants, --routes or --repository) is not in the chain at all, and a stage
+that has nothing to do for a request (no sequence id, not a route, not an ensemble) returns the
+next stage's awaitable from a plain method: no coroutine frame of its own. The chain is built
+once, at start: running it allocates nothing per request but the coroutines of the stages that
+wait (``Outcomes`` and ``Forward`` on the common path, where the core had three before) and a
+sequence's turn.
+
+A new policy is one class here with ``infer`` (and ``stream`` where a streamed request needs it)
+and one line in ``assemble``, at the place its order constraints give it.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from gateway.auth import Admission, Admitted
+from gateway.ensemble.catalog import EnsembleCatalog
+from gateway.routes import ABRouter
+from gateway.routing.ab import Route
+from gateway.routing.table import SEQUENCE_ID, sequence_affinity
+from gateway.turns import SequenceTurns
+from gateway.upstream.coalesce import Coalescer
+from gateway.upstream.merging import ModelShape, merge_key
+from gateway.upstream.upstream import Upstream
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import wire
+from meshserve.protocol.errors import InferError
+from meshserve.repository.names import check_model_name, check_version
+from meshserve.server.core import (
+    UNARY_DECOUPLED_GRPC,
+    InferResult,
+    RequestContext,
+    StreamAnswer,
+    unary_decoupled_error,
+)
+from meshserve.telemetry import tracing
+
+Answer = tuple[pb.ModelInferResponse | None, bool]  # a streamed answer inside the pipeline (None: an empty final)
+Answers = AsyncGenerator[Answer, None]
+Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
+ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
+_VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
+
+
+class Stage(Protocol):
+    """A stage after ``Turns``: ``sequence`` is the request's sequence key (or None)."""
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result: ...
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers: ...
+
+
+class Names:
+    """A client request's model name, version and parameter names, before anything routes or
+    counts it (an invalid name is never forwarded, nor a metric label); a streaming call for a
+    model that is not decoupled takes the unary path (one answer, coalescing included)."""
+
+    next: Outcomes
+
+    def __init__(self, decoupled: Callable[[str, str], bool]):
+        self._decoupled = decoupled  # GatewayCore.is_decoupled
+        self._valid: set[str] = set()  # names that passed the names rule (a set lookup, not its regex)
+
+    def check(self, request: pb.ModelInferRequest) -> None:
+        name = request.model_name
+        if name not in self._valid:
+            check_model_name(name)
+            if len(self._valid) < _VALID_NAMES_KEPT:
+                self._valid.add(name)
+        if request.model_version:
+            check_version(request.model_version, request.model_name)
+        params = request.parameters
+        if params:
+            for key in params:  # (a client's request carries none of the hop's private parameters)
+                if key.startswith(wire.PRIVATE_PREFIX):
+                    raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
+                                             f"parameters starting with '{wire.PRIVATE_PREFIX}' may not be sent")
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Result:
+        self.check(request)
+        return self.next.infer(request, ctx)
+
+    async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
+        self.check(request)
+        if not self._decoupled(request.model_name, request.model_version):
+            yield await self.next.infer(request, ctx), True
+            return
+        async with aclosing(self.next.stream(request, ctx)) as answers:
+            async for answer in answers:
+                yield answer
+
+
+class Outcomes:
+    """Every request that passed the name check is counted once, here, by the model it went to
+    (an A/B route's target once the arm is chosen: ``request.model_name`` when it ends) and its
+    outcome: ``meshserve_gateway_requests_total``."""
+
+    next: Stage
+
+    def __init__(self, counts: Counter[tuple[str, str]]):
+        self.counts = counts
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+        try:
+            result = await self.next.infer(request, ctx, None)
+        except InferError as exc:
+            self.counts[(request.model_name, exc.code.value)] += 1
+            raise
+        self.counts[(request.model_name, "OK")] += 1
+        return result
+
+    async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
+        try:
+            async with aclosing(self.next.stream(request, ctx, None)) as answers:
+                async for response, final in answers:
+                    yield (None if response is None else InferResult(message=response)), final
+        except InferError as exc:
+            self.counts[(request.model_name, exc.code.value)] += 1
+            raise
+        self.counts[(request.model_name, "OK")] += 1
+
+
+class Turns:
+    """A sequence's requests go on one at a time, in arrival order (gateway/turns.py), all to one
+    replica: the sequence key is parsed here, once, and travels with the request."""
+
+    next: Stage
+
+    def __init__(self, turns: SequenceTurns):
+        self.turns = turns
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result:
+        params = request.parameters
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
+        return self.next.infer(request, ctx, None)
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        params = request.parameters
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            return self._turn(request, ctx, sequence)
+        return self.next.stream(request, ctx, None)
+
+    async def _turn(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str) -> Answers:
+        """The sequence's next request waits for this one's last answer."""
+        async with self.turns.turn((request.model_name, sequence)), \
+                aclosing(self.next.stream(request, ctx, sequence)) as answers:
+            async for answer in answers:
+                yield answer
+
+
+class Admit:
+    """The tenant's quota and share (gateway/auth.py:Admission), held until the answer (a
+    streamed request: its last answer). Tenants see route names, not the arms behind them."""
+
+    next: Stage
+
+    def __init__(self, admission: Admission, config_for: ConfigFor):
+        self.admission = admission
+        self._config_for = config_for
+
+    async def _admit(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Admitted:
+        idle_s = self._sequence_idle_s(request) if sequence is not None else 0.0
+        span = tracing.current_span() if tracing.enabled else None
+        if span is None:
+            return await self.admission.admit(request, ctx, sequence, idle_s)
+        started = time.time_ns()
+        try:
+            admitted = await self.admission.admit(request, ctx, sequence, idle_s)
+        except InferError as exc:
+            tracing.emit_span("gateway.admission", span, started, time.time_ns(),
+                              {"meshserve.error_code": exc.code.value}, error=f"{exc.code.value}: {exc}")
+            raise
+        tracing.emit_span("gateway.admission", span, started, time.time_ns(),
+                          {"meshserve.tenant": admitted.tenant or "(anonymous)"})
+        return admitted
+
+    def _sequence_idle_s(self, request: pb.ModelInferRequest) -> float:
+        """A sequence model's idle timeout (Triton's default 1 s), for how long its tenant keeps it."""
+        config = self._config_for(request.model_name, request.model_version)
+        if config is None:
+            return 0.0
+        return (config.sequence_batching.max_sequence_idle_microseconds or 1_000_000) / 1e6
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+        admitted = await self._admit(request, ctx, sequence)
+        try:
+            return await self.next.infer(request, ctx, sequence)
+        finally:
+            await self.admission.release(admitted)
+
+    async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+                     ) -> Answers:
+        idle_s = self._sequence_idle_s(request) if sequence is not None else 0.0
+        admitted = await self.admission.admit(request, ctx, sequence, idle_s)
+        try:
+            async with aclosing(self.next.stream(request, ctx, sequence)) as answers:
+                async for answer in answers:
+                    yield answer
+        finally:
+            await self.admission.release(admitted)
+
+
+class ABRoutes:
+    """An A/B route (--routes): pick the arm (``ABRouter.choose`` points the request at its
+    target and starts a shadow copy if one is due), mark each answer with the arm, count the
+    arm's outcome. Any other name goes on untouched."""
+
+    next: Stage
+
+    def __init__(self, routes: ABRouter, target_decoupled: Callable[[str, str], bool]):
+        self.routes = routes
+        self._target_decoupled = target_decoupled
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result:
+        route = self.routes.lookup(request.model_name)
+        if route is None:
+            return self.next.infer(request, ctx, sequence)
+        return self._routed(route, request, ctx, sequence)
+
+    async def _routed(self, route: Route, request: pb.ModelInferRequest, ctx: RequestContext,
+                      sequence: str | None) -> InferResult:
+        target = self.routes.choose(route, request, ctx, sequence)  # the request now names the target
+        try:
+            result = await self.next.infer(request, ctx, sequence)
+        except InferError as exc:
+            self.routes.failed(route, target, exc)
+            raise
+        return self.routes.answered(route, target, result)
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        route = self.routes.lookup(request.model_name)
+        if route is None:
+            return self.next.stream(request, ctx, sequence)
+        return self._routed_stream(route, request, ctx, sequence)
+
+    async def _routed_stream(self, route: Route, request: pb.ModelInferRequest, ctx: RequestContext,
+                             sequence: str | None) -> Answers:
+        target = self.routes.choose(route, request, ctx, sequence)
+        try:
+            if not self._target_decoupled(request.model_name, request.model_version):
+                answers: Answers = _once(self.next.infer(request, ctx, sequence))
+            else:
+                answers = self.next.stream(request, ctx, sequence)
+            async with aclosing(answers):
+                async for response, final in answers:
+                    yield (None if response is None else self.routes.marked(target, response)), final
+        except InferError as exc:
+            self.routes.failed(route, target, exc)
+            raise
+        self.routes.arm_counts[(route.name, target.name, "OK")] += 1
+
+
+class Ensembles:
+    """An ensemble of --repository runs here, as a DAG over the services
+    (gateway/ensemble/catalog.py); any other model goes on to its service."""
+
+    next: Stage
+
+    def __init__(self, ensembles: EnsembleCatalog):
+        self.ensembles = ensembles
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result:
+        if request.model_name not in self.ensembles:
+            return self.next.infer(request, ctx, sequence)
+        return self._run(request, ctx, sequence)
+
+    async def _run(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+        return InferResult(message=await self.ensembles.infer(request, ctx.time_remaining(), sequence, ctx.protocol))
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        if request.model_name not in self.ensembles:
+            return self.next.stream(request, ctx, sequence)
+        return self.ensembles.infer_stream(request, ctx.time_remaining(), sequence)
+
+
+class Forward:
+    """The last stage: the request goes to its service through the coalescer and the
+    ``Upstream`` (gateway/upstream/). A model with nothing in the coalescer sends at once
+    (``Coalescer.send_alone``: no merge check); a request the merge check accepts
+    (gateway/upstream/merging.py:merge_key) joins the coalescer; any other is sent alone."""
+
+    def __init__(self, upstream: Upstream, coalescer: Coalescer):
+        self.upstream = upstream
+        self.coalescer = coalescer
+        self.coalesce = bool(coalescer.batches_per_replica)  # --coalesce-inflight 0: never merge
+        self._config_for = upstream.discovery.config_for
+        self._facts: dict[int, tuple[mc.ModelConfig, ModelShape | None, bool]] = {}  # facts()
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+        name = request.model_name
+        timeout = ctx.time_remaining()
+        try:
+            config = self._config_for(name, request.model_version)
+            facts = None if config is None else self.facts(config)
+            if facts is not None and facts[2]:
+                raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by stream)
+            coalescer = self.coalescer
+            if self.coalesce and coalescer.idle(name):  # nothing to merge with: no merge check
+                return InferResult(message=await coalescer.send_alone(request, ctx.raw, timeout, sequence))
+            if not self.coalesce or facts is None or (shape := facts[1]) is None or \
+                    (found := merge_key(request, shape, ctx.raw)) is None:  # a sampled request may be merged too
+                return InferResult(message=await self.upstream.send(request, ctx.raw, timeout, sequence))
+            return await coalescer.submit(found[0], request, ctx.raw, found[1], shape, timeout)
+        except InferError as exc:
+            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
+                raise unary_decoupled_error(ctx.protocol) from None
+            raise
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        """Marked as streamed, never merged: every answer of the service as it arrives."""
+        return self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence)
+
+    def facts(self, config: mc.ModelConfig) -> tuple[mc.ModelConfig, ModelShape | None, bool]:
+        """(config, what the merge check needs or None when its requests never merge, decoupled),
+        worked out once per config (held by its id while discovery holds the config)."""
+        facts = self._facts.get(id(config))
+        if facts is None or facts[0] is not config:
+            facts = self._facts[id(config)] = (config, ModelShape.of(config),
+                                               config.model_transaction_policy.decoupled)
+        return facts
+
+
+def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Forward,
+             decoupled: Callable[[str, str], bool], target_decoupled: Callable[[str, str], bool],
+             admission: Admission | None = None, routes: ABRouter | None = None,
+             ensembles: EnsembleCatalog | None = None) -> Names:
+    """The gateway's infer path, in order; the first stage is returned. The order, and why:
+
+    1. ``Names``: nothing routes, counts or forwards a request whose model name, version or
+       parameter names are refused (an invalid name never becomes a metric label).
+    2. ``Outcomes``: outside every policy, so each request is counted exactly once whichever
+       stage ends it (a refused admission, a failed arm, the service's answer).
+    3. ``Turns``: before admission, so a sequence's requests are admitted in arrival order too
+       (one waiting on the quota store cannot be overtaken by the next).
+    4. ``Admit``: before the A/B choice, so a tenant's quota, share and allowed models apply to
+       the name the client called (a route's name, not the arm behind it).
+       A response cache goes here, after ``Admit`` and before ``ABRoutes``: a hit must still
+       count against the tenant's quota and be refused to a tenant that may not call the
+       model, and its key is the request as the client sent it (the route's name and the
+       client's bytes, ``ctx.raw``, which the A/B rewrite replaces by the target and clears).
+    5. ``ABRoutes``: rewrites the request to its arm's target, which may itself be an ensemble.
+    6. ``Ensembles``: an ensemble runs in the gateway; its steps go to ``Upstream`` directly.
+    7. ``Forward``: the coalescer and ``Upstream``.
+    """
+    stages: list[Stage] = [Turns(turns)]
+    if admission is not None:
+        stages.append(Admit(admission, forward.upstream.discovery.config_for))
+    if routes is not None:
+        stages.append(ABRoutes(routes, target_decoupled))
+    if ensembles is not None:
+        stages.append(Ensembles(ensembles))
+    stages.append(forward)
+    for stage, after in zip(stages, stages[1:], strict=False):
+        stage.next = after  # type: ignore[attr-defined]  # (Forward has no next)
+    head = Names(decoupled)
+    head.next = Outcomes(counts)
+    head.next.next = stages[0]
+    return head
+
+
+async def _once(answer: Result) -> Answers:
+    yield (await answer).message(), True
