@@ -12,20 +12,26 @@ from gateway.core import GatewayCore
 from gateway.turns import SequenceTurns
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server.core import InferResult, RequestContext
+from tests.support import loop_passes
 
 
 async def test_a_slow_first_request_is_not_overtaken() -> None:
     turns = SequenceTurns()
     order: list[str] = []
+    slow = asyncio.Event()
 
-    async def step(name: str, delay: float) -> str:
-        await asyncio.sleep(delay)
+    async def step(name: str, gate: asyncio.Event | None = None) -> str:
+        if gate is not None:
+            await gate.wait()
         order.append(name)
         return name
 
-    results = await asyncio.gather(turns.run("s", lambda: step("start", 0.05)), turns.run("s", lambda: step("mid", 0)),
-                                   turns.run("s", lambda: step("end", 0)))
-    assert results == ["start", "mid", "end"] and order == ["start", "mid", "end"]
+    results = asyncio.gather(turns.run("s", lambda: step("start", slow)), turns.run("s", lambda: step("mid")),
+                             turns.run("s", lambda: step("end")))
+    await loop_passes()
+    assert order == []  # mid and end, ready at once, wait for the slow start
+    slow.set()
+    assert await results == ["start", "mid", "end"] and order == ["start", "mid", "end"]
     assert len(turns) == 0  # nothing kept once the sequence's requests are done
 
 
@@ -66,9 +72,9 @@ async def test_an_error_or_a_cancelled_waiter_keeps_the_order() -> None:
     await asyncio.sleep(0)
     two = asyncio.ensure_future(turns.run("s", lambda: record("2")))  # its client goes away while it waits
     three = asyncio.ensure_future(turns.run("s", lambda: record("3")))
-    await asyncio.sleep(0.01)
+    await loop_passes()
     two.cancel()
-    await asyncio.sleep(0.01)
+    await loop_passes()
     assert order == [] and not three.done()  # 3 still waits for 1, although 2 is gone
     release.set()
     with pytest.raises(RuntimeError):
@@ -79,13 +85,14 @@ async def test_an_error_or_a_cancelled_waiter_keeps_the_order() -> None:
 
 
 class _SlowFirstAdmission:
-    """Tenant admission whose first call takes longest (a slow Redis round trip)."""
+    """Tenant admission whose first call takes longest (a slow Redis round trip), counted in
+    event-loop passes: the order in which the calls finish is fixed, whatever the machine's speed."""
 
     def __init__(self) -> None:
-        self.delays = [0.05, 0.0, 0.02]
+        self.passes = [20, 0, 10]
 
     async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, *sequence: Any) -> Any:
-        await asyncio.sleep(self.delays.pop(0))
+        await loop_passes(self.passes.pop(0))
         return None
 
     async def release(self, admitted: Any) -> None:
