@@ -15,72 +15,58 @@ from meshserve.server.core import InferResult, RequestContext
 from tests.support import loop_passes
 
 
-async def test_a_slow_first_request_is_not_overtaken() -> None:
-    turns = SequenceTurns()
-    order: list[str] = []
-    slow = asyncio.Event()
+class _Steps:
+    """Requests' calls: each records its name in ``order`` when it runs, after ``gate`` if
+    given, then returns it (or raises ``error``)."""
 
-    async def step(name: str, gate: asyncio.Event | None = None) -> str:
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    async def __call__(self, name: str, gate: asyncio.Event | None = None, error: Exception | None = None) -> str:
         if gate is not None:
             await gate.wait()
-        order.append(name)
+        self.order.append(name)
+        if error is not None:
+            raise error
         return name
 
+
+async def test_a_slow_first_request_is_not_overtaken() -> None:
+    turns, step, slow = SequenceTurns(), _Steps(), asyncio.Event()
     results = asyncio.gather(turns.run("s", lambda: step("start", slow)), turns.run("s", lambda: step("mid")),
                              turns.run("s", lambda: step("end")))
     await loop_passes()
-    assert order == []  # mid and end, ready at once, wait for the slow start
+    assert step.order == []  # mid and end, ready at once, wait for the slow start
     slow.set()
-    assert await results == ["start", "mid", "end"] and order == ["start", "mid", "end"]
+    assert await results == ["start", "mid", "end"] and step.order == ["start", "mid", "end"]
     assert len(turns) == 0  # nothing kept once the sequence's requests are done
 
 
 async def test_other_sequences_do_not_wait() -> None:
-    turns = SequenceTurns()
-    release = asyncio.Event()
-    order: list[str] = []
-
-    async def blocked() -> None:
-        await release.wait()
-        order.append("a1")
-
-    async def quick(name: str) -> None:
-        order.append(name)
-
-    first = asyncio.ensure_future(turns.run("a", blocked))
+    turns, step, release = SequenceTurns(), _Steps(), asyncio.Event()
+    first = asyncio.ensure_future(turns.run("a", lambda: step("a1", release)))
     await asyncio.sleep(0)
-    await asyncio.wait_for(turns.run("b", lambda: quick("b1")), 1)  # a's pending turn does not hold b
+    await asyncio.wait_for(turns.run("b", lambda: step("b1")), 1)  # a's pending turn does not hold b
     release.set()
     await first
-    assert order == ["b1", "a1"]
+    assert step.order == ["b1", "a1"]
 
 
 async def test_an_error_or_a_cancelled_waiter_keeps_the_order() -> None:
-    turns = SequenceTurns()
-    release = asyncio.Event()
-    order: list[str] = []
-
-    async def first() -> None:
-        await release.wait()
-        order.append("1")
-        raise RuntimeError("request 1 failed")
-
-    async def record(name: str) -> None:
-        order.append(name)
-
-    one = asyncio.ensure_future(turns.run("s", first))
+    turns, step, release = SequenceTurns(), _Steps(), asyncio.Event()
+    one = asyncio.ensure_future(turns.run("s", lambda: step("1", release, RuntimeError("request 1 failed"))))
     await asyncio.sleep(0)
-    two = asyncio.ensure_future(turns.run("s", lambda: record("2")))  # its client goes away while it waits
-    three = asyncio.ensure_future(turns.run("s", lambda: record("3")))
+    two = asyncio.ensure_future(turns.run("s", lambda: step("2")))  # its client goes away while it waits
+    three = asyncio.ensure_future(turns.run("s", lambda: step("3")))
     await loop_passes()
     two.cancel()
     await loop_passes()
-    assert order == [] and not three.done()  # 3 still waits for 1, although 2 is gone
+    assert step.order == [] and not three.done()  # 3 still waits for 1, although 2 is gone
     release.set()
     with pytest.raises(RuntimeError):
         await one
     await three
-    assert order == ["1", "3"] and two.cancelled()
+    assert step.order == ["1", "3"] and two.cancelled()
     assert len(turns) == 0
 
 
