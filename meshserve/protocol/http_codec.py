@@ -24,7 +24,7 @@ import json
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -1197,10 +1197,16 @@ def _durations(msg: Any, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
 
 def parse_json_object(body: bytes | bytearray, what: str) -> dict[str, Any]:
     """A settings POST body: a JSON object of setting names and values (empty: no changes)."""
-    obj = _loads(body, what) if body.strip() else {}
-    if not isinstance(obj, dict):
-        raise InferError.invalid(f"{what} body must be a JSON object of setting names and values")
-    return obj
+    return _object_body(body, what, lambda _: f"{what} body must be a JSON object of setting names and values")
+
+
+def _object_body(body: bytes | bytearray, where: str, complaint: Callable[[Any], str]) -> dict[str, Any]:
+    """A request body that is a JSON object (an empty body: ``{}``); anything else is the client
+    error ``complaint(what was sent)``."""
+    doc = _loads(body, where) if body.strip() else {}
+    if not isinstance(doc, dict):
+        raise InferError.invalid(complaint(doc))
+    return doc
 
 
 def parse_index_request(body: bytes | bytearray) -> bool:
@@ -1345,10 +1351,7 @@ def _count(doc: dict[str, Any], key: str, where: str, default: int | None = None
 
 
 def _register_body(body: bytes | bytearray, where: str) -> dict[str, Any]:
-    doc = _loads(body, where) if body.strip() else {}
-    if not isinstance(doc, dict):
-        raise InferError.invalid(f"the {where} body must be a JSON object, got {_json_type(doc)}")
-    return doc
+    return _object_body(body, where, lambda doc: f"the {where} body must be a JSON object, got {_json_type(doc)}")
 
 
 def parse_system_shm_register(body: bytes | bytearray) -> tuple[str, int, int]:

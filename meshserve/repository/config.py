@@ -535,16 +535,21 @@ def _trunks(shape: Iterable[int]) -> list[int]:
     return counts
 
 
+def _check_name(name: str, field: str, seen: set[str], duplicate: str, add: _Add) -> None:
+    """A tensor's name: given, and not one of ``seen`` (which it joins)."""
+    if not name:
+        add(f"{field}.name", "missing")
+    elif name in seen:
+        add(f"{field}.name", duplicate)
+    seen.add(name)
+
+
 def _check_io(entries: Any, kind: str, max_batch_size: int, add: _Add) -> None:
     seen: set[str] = set()
     valid_types = set(mc.DataType.values()) - {mc.TYPE_INVALID}
     for i, io in enumerate(entries):
         f = f"{kind}[{i}]"
-        if not io.name:
-            add(f"{f}.name", "missing")
-        elif io.name in seen:
-            add(f"{f}.name", f"duplicate {kind} name '{io.name}'")
-        seen.add(io.name)
+        _check_name(io.name, f, seen, f"duplicate {kind} name '{io.name}'", add)
         if io.data_type == mc.TYPE_INVALID:
             add(f"{f}.data_type", "missing")
         elif io.data_type not in valid_types:
@@ -623,11 +628,7 @@ def _check_sequence_batching(c: mc.ModelConfig, add: _Add) -> None:
     kinds: set[int] = set()
     for i, ci in enumerate(sb.control_input):
         f = f"sequence_batching.control_input[{i}]"
-        if not ci.name:
-            add(f"{f}.name", "missing")
-        elif ci.name in names:
-            add(f"{f}.name", f"control tensor '{ci.name}' is listed more than once")
-        names.add(ci.name)
+        _check_name(ci.name, f, names, f"control tensor '{ci.name}' is listed more than once", add)
         if not ci.control:
             add(f"{f}.control", "missing")
         for j, ctl in enumerate(ci.control):

@@ -462,19 +462,19 @@ class SharedRegistry(SharedMemoryRegistry):
                     os.unlink(os.path.join(self.records, f"{rid}.json"))
         self._seen = self.state.bump(SHM)
 
-    def register_system(self, tenant: str, name: str, key: str, offset: int, byte_size: int) -> Region:
+    def _shared(self, register: Callable[..., Region], *args: Any) -> Region:
+        """``register(*args)`` against the shared state: read it first, publish it after, locked."""
         with self.state.locked():
             self._load()
-            region = super().register_system(tenant, name, key, offset, byte_size)
+            region = register(*args)
             self._publish()
         return region
 
+    def register_system(self, tenant: str, name: str, key: str, offset: int, byte_size: int) -> Region:
+        return self._shared(super().register_system, tenant, name, key, offset, byte_size)
+
     def register_cuda(self, tenant: str, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> Region:
-        with self.state.locked():
-            self._load()
-            region = super().register_cuda(tenant, name, raw_handle, device_id, byte_size)
-            self._publish()
-        return region
+        return self._shared(super().register_cuda, tenant, name, raw_handle, device_id, byte_size)
 
     def unregister(self, tenant: str, name: str, kind: str) -> None:
         with self.state.locked():

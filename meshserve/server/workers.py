@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from meshserve.protocol.errors import Code, InferError
@@ -276,20 +277,23 @@ class _Process:
         self.delay = RESTART_BACKOFF_S[0]
 
 
+@dataclass(eq=False)
 class Supervisor:
     """Starts ``count`` workers (``argv(index, ports, directory)``), keeps them running, drains them."""
 
-    def __init__(self, name: str, count: int, ports: dict[str, int], argv: Callable[[int, dict[str, int], str], list[str]],
-                 directory: str, start_timeout_s: float = 120.0, grace_s: float = 30.0):
-        self.name = name
-        self.ports = ports
-        self.argv = argv
-        self.directory = directory
-        self.start_timeout_s = start_timeout_s
-        self.grace_s = grace_s
+    name: str
+    count: InitVar[int]
+    ports: dict[str, int]
+    argv: Callable[[int, dict[str, int], str], list[str]]
+    directory: str
+    start_timeout_s: float = 120.0
+    grace_s: float = 30.0
+    workers: list[_Process] = field(init=False)
+    stopping: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    serving: bool = field(init=False, default=False)  # every worker was ready once: from then on an exit means a restart
+
+    def __post_init__(self, count: int) -> None:
         self.workers = [_Process(i) for i in range(count)]
-        self.stopping = asyncio.Event()
-        self.serving = False  # every worker was ready once: from then on an exit means a restart
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -387,12 +387,17 @@ class ServiceCore:
     async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                          ctx: RequestContext) -> None:
         """(Re)load a model from the repository: load new versions, then retire old ones."""
+        self._check_control("load", name, parameters, ctx)
+        await self._load(name, parameters)
+
+    def _check_control(self, action: str, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
+                       ctx: RequestContext) -> None:
+        """A load or unload may go ahead: a valid name, the control API on, the caller allowed."""
         check_model_name(name)
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)
-        self.access.check("load", name, parameters, ctx.peer, tenants=False)
-        await self._load(name, parameters)
+        self.access.check(action, name, parameters, ctx.peer, tenants=False)
 
     async def _load(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter]) -> None:
         """Triton's load: the model's directory in the repository, its config replaced by a
@@ -469,11 +474,7 @@ class ServiceCore:
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
-        check_model_name(name)
-        refused = self.control.api_error()
-        if refused:
-            raise InferError.unsupported(refused)
-        self.access.check("unload", name, parameters, ctx.peer, tenants=False)
+        self._check_control("unload", name, parameters, ctx)
         await self._unload(name)
 
     async def _unload(self, name: str) -> None:

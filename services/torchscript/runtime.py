@@ -38,7 +38,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -303,23 +303,24 @@ def _check_datatypes(config: mc.ModelConfig) -> None:
 
 # ---- running -------------------------------------------------------------------------------------
 
+@dataclass(eq=False)
 class TorchInstance:
     """One model instance: a module on a device (maybe shared with sibling instances)."""
 
-    def __init__(self, name: str, module: Any, sig: ForwardSignature, inputs: InputPlan,
-                 outputs: dict[str, int], output_types: dict[str, str], device: torch.device,
-                 opts: TorchOptions, batched: bool):
-        self.name = name
-        self.module = module
-        self.signature = sig
-        self.inputs = inputs
-        self.outputs = outputs
-        self.output_types = output_types
-        self.device = device
-        self.opts = opts
-        self.batched = batched
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.holder: object | None = None
+    name: str
+    module: Any
+    signature: ForwardSignature
+    inputs: InputPlan
+    outputs: dict[str, int]
+    output_types: dict[str, str]
+    device: torch.device
+    opts: TorchOptions
+    batched: bool
+    stream: Any = field(init=False)  # a torch.cuda.Stream on a GPU, else None
+    holder: object | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -30,6 +29,7 @@ import yaml
 from load.bench.procs import stop_process
 from meshserve.repository.kinds import KINDS
 from tests.support import eventually, models
+from tests.support.net import free_port as free_port  # (the deploy tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -81,12 +81,6 @@ def envoy_binary() -> str:
 
 
 # ---- ports and processes ----------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class Proc:

@@ -46,6 +46,7 @@ from tests.deploy.support import (
     http_status,
     infer_kind,
 )
+from tests.support.waiting import eventually
 
 pytestmark = [
     pytest.mark.compose,
@@ -129,19 +130,16 @@ def get_json(url: str, timeout: float = 5) -> Any:
 
 
 def poll(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
-    """Call `check` until it returns something truthy; fail with its last value otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
+    """``check()``'s first truthy result that is not a string (a string says what is missing);
+    an OSError (not up yet, connection refused) counts as "not yet"."""
+    def ready() -> Any:
         try:
-            last = check()
-        except OSError as exc:  # not up yet / connection refused
-            last = exc
-        else:
-            if last and not isinstance(last, str):
-                return last
-        time.sleep(interval)
-    pytest.fail(f"{what}: not within {timeout:.0f} s (last: {last})")
+            got = check()
+        except OSError as exc:
+            raise AssertionError(repr(exc)) from exc
+        assert got and not isinstance(got, str), got
+        return got
+    return eventually(ready, timeout, what, interval=interval)
 
 
 def slow_model(repo: Path) -> None:

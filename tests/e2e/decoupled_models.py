@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.models.python_models import REPEAT_CONFIG, REPEAT_INT32, SQUARE_CONFIG, SQUARE_INT32
+from tests.models.python_models import REPEAT_CONFIG, REPEAT_INT32, SQUARE_CONFIG, SQUARE_INT32, config
 
 # A decoupled model whose second response is an error: a stream's in-band error, and the error
 # event of generate_stream.
@@ -79,19 +79,8 @@ class TritonPythonModel:
 '''
 
 # Not decoupled, batched: generate's scalars and lists against a model with a batch dimension.
-ADD_SUB_CONFIG = """
-name: "add_sub_py"
-backend: "python"
-max_batch_size: 8
-input [
-  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
-  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
-]
-output [
-  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
-  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
-]
-"""
+ADD_SUB_CONFIG = config("add_sub_py", [("INPUT0", "TYPE_FP32", "4"), ("INPUT1", "TYPE_FP32", "4")],
+                        [("OUTPUT0", "TYPE_FP32", "4"), ("OUTPUT1", "TYPE_FP32", "4")], max_batch_size=8)
 
 ADD_SUB_MODEL = '''
 import triton_python_backend_utils as pb_utils
@@ -119,8 +108,8 @@ MODELS = {
 
 def build(root: Path) -> Path:
     """Write the models above as a Triton repository under ``root``; returns ``root``."""
-    for name, (config, model) in MODELS.items():
+    for name, (config_text, model) in MODELS.items():
         (root / name / "1").mkdir(parents=True, exist_ok=True)
-        (root / name / "config.pbtxt").write_text(config.lstrip())
+        (root / name / "config.pbtxt").write_text(config_text.lstrip())
         (root / name / "1" / "model.py").write_text(model.lstrip())
     return root

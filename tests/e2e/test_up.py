@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT
 from tests.support import eventually
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.net import free_port
 
 
 def _children(pid: int) -> list[int]:
@@ -71,7 +65,7 @@ def _triton_metrics_on_the_printed_url(banner: str) -> None:
 
 
 def test_up_serves_examples_and_stops_cleanly() -> None:
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--http-port", str(http_port),
                              "--grpc-port", str(grpc_port)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -28,6 +28,7 @@ from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.server import limits as server_limits
 from meshserve.server.core import InferResult, RequestContext, StreamAnswer, unary_decoupled_error
 from meshserve.server.process import run, serve
+from tests.support.slow import work_for_async
 from tests.support.stub_core import StubCore
 
 CONFIGS = {
@@ -127,9 +128,9 @@ class DecoupledCore(StubCore):
                     raise InferError.invalid(f"expected IN and DELAY of the same shape, got {x['IN'].shape} "
                                              f"and {x['DELAY'].shape}")
                 for i, (value, delay) in enumerate(zip(x["IN"], x["DELAY"], strict=True)):
-                    await asyncio.sleep(int(delay) / 1000)
+                    await work_for_async(int(delay) / 1000)
                     yield _response(request, OUT=np.array([value], np.int32), IDX=np.array([i], np.uint32)), False
-                await asyncio.sleep(int(x["WAIT"][0]) / 1000)
+                await work_for_async(int(x["WAIT"][0]) / 1000)
             elif request.model_name == "square_int32":
                 n = int(x["IN"][0])
                 for _ in range(n):

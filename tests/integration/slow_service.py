@@ -3,7 +3,6 @@ echo their input after sleeping `--delay-ms`. Run: python -m tests.integration.s
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from google.protobuf import text_format
 
@@ -12,6 +11,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.server import limits as server_limits
 from meshserve.server.core import InferResult, RequestContext
 from meshserve.server.process import run, serve
+from tests.support.slow import work_for_async
 from tests.support.stub_core import StubCore
 
 MODELS = ("sleep_a", "sleep_b")
@@ -37,7 +37,7 @@ class SlowCore(StubCore):
         return pb.ModelConfigResponse(config=_config(name))
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
-        await asyncio.sleep(self.delay_s)
+        await work_for_async(self.delay_s)
         resp = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
         resp.outputs.add(name="OUT", datatype="FP32", shape=list(request.inputs[0].shape))
         resp.raw_output_contents.append(request.raw_input_contents[0])

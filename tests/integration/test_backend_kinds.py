@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from tests.conftest import ROOT, start
 from tests.e2e.test_up import read_banner
 from tests.support import eventually
 from tests.support.identity_backend import ENV, MAGIC
+from tests.support.net import free_port
 
 # one model per way a config names its kind: the backend, the platform, neither (the model file)
 CONFIGS = {"by_backend": 'backend: "identity"', "by_platform": 'platform: "identity_numpy"', "by_file": ""}
@@ -106,15 +106,9 @@ def test_a_service_of_the_new_kind_behind_a_gateway(tmp_path: Path) -> None:
         service.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_meshserve_up_starts_the_new_kind(tmp_path: Path) -> None:
     repo = _repository(tmp_path / "repo")
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--metrics-port", "-1",
                              "--http-port", str(http_port), "--grpc-port", str(grpc_port)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

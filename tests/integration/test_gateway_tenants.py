@@ -21,6 +21,7 @@ from gateway.auth import hash_key
 from tests.adversarial.support import add_sub_inputs
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.support import eventually
+from tests.support.net import free_port
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
 STATUS = {
@@ -157,12 +158,6 @@ def test_http_429_has_retry_after_and_reload(service: Proc, tmp_path: Path) -> N
 
 # ---- two gateways, one Redis -------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _accepts(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -176,7 +171,7 @@ def redis_url() -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed (scripts/test.sh installs it)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
                              "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -57,7 +57,7 @@ class TritonPythonModel:
                 if r.is_cancelled():
                     self.mark("cancelled", tag)
                     break
-                time.sleep(0.005)
+                time.sleep(0.005)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
         return out
 '''

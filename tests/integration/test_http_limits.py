@@ -241,7 +241,7 @@ def test_a_slow_but_steady_body_is_not_cut(proc: Proc) -> None:
         step = max(1, len(body) // 6)
         for i in range(0, len(body), step):  # ~3 s in total, never silent for a read timeout
             sock.sendall(body[i:i + step])
-            time.sleep(READ_TIMEOUT / 3)
+            time.sleep(READ_TIMEOUT / 3)  # the point: a slow client's pacing, under the read timeout
         assert read_head(sock).startswith(b"HTTP/1.1 200")
 
 
@@ -334,7 +334,7 @@ def test_large_json_body_does_not_delay_a_concurrent_small_request(model_repo) -
                     head = read_head(sock)
                     latencies.append((t, time.perf_counter() - t))
                     assert head.startswith(b"HTTP/1.1 200"), head
-                    time.sleep(0.002)
+                    time.sleep(0.002)  # the point: the prober's pacing (a steady light load)
 
         thread = threading.Thread(target=prober)
         thread.start()

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 from gateway.auth import hash_key
 from meshserve.server.shm import cuda_devices
 from tests.conftest import Stack, _wait_http_ready, start
-from tests.support.shm import in_regions
+from tests.support.shm import in_regions, system_regions
 
 PROTOCOLS = ["http", "grpc"]
 CLIENT_ERROR = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
@@ -42,16 +42,8 @@ def key(name: str) -> str:
 @pytest.fixture
 def regions() -> Iterator[Callable[[str, int], Any]]:
     """create(name, byte_size): a new POSIX shared-memory object (key(name)), destroyed after."""
-    made: list[Any] = []
-
-    def create(name: str, byte_size: int) -> Any:
-        handle = shm.create_shared_memory_region(name, key(name), byte_size, create_only=True)
-        made.append(handle)
-        return handle
-
-    yield create
-    for handle in made:
-        shm.destroy_shared_memory_region(handle)
+    with system_regions(key) as create:
+        yield create
 
 
 def names(status: Any, proto: str) -> dict[str, tuple[str, int, int]]:

@@ -42,7 +42,7 @@ class TritonPythonModel:
         out = []
         for r in requests:
             x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
-            time.sleep(int(x.reshape(-1)[0]) / 1000)
+            time.sleep(int(x.reshape(-1)[0]) / 1000)  # the point: a model as slow as asked
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
         return out
 '''

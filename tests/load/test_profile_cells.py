@@ -57,10 +57,11 @@ def test_missed_cells_name_their_goals(tmp_path: Path) -> None:
 
 def test_meshserve_processes_are_found_by_role_in_the_tree() -> None:
     # a parent that runs two children whose command lines look like a gateway and a service
-    code = ("import subprocess, sys, time\n"
-            "cmd = [sys.executable, '-c', 'import time; time.sleep(30)', 'meshserve']\n"
+    # (each waits for the test's kill: signal.pause, not a timed sleep)
+    code = ("import signal, subprocess, sys\n"
+            "cmd = [sys.executable, '-c', 'import signal; signal.pause()', 'meshserve']\n"
             "a = subprocess.Popen(cmd + ['gateway']); b = subprocess.Popen(cmd + ['service', 'onnx'])\n"
-            "print('up', flush=True); time.sleep(30)\n")
+            "print('up', flush=True); signal.pause()\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None and parent.stdout.readline().strip() == "up"

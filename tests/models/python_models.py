@@ -230,7 +230,7 @@ class TritonPythonModel:
     def execute(self, requests):
         deadline = time.monotonic() + 20
         while not all(r.is_cancelled() for r in requests) and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.01)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
         pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if time.monotonic() < deadline else "not cancelled"))
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, dtype=np.float32))]) for _ in requests]
 '''
@@ -278,14 +278,14 @@ class TritonPythonModel:
 '''
 
 FAULTY_HANG = '''
-import time
+import threading
 
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def execute(self, requests):
-        time.sleep(3600)
+        threading.Event().wait()  # never returns: a hung model
 '''
 
 # Triton's examples/decoupled (repeat_model.py, square_model.py), reduced; tests/e2e loads the same
@@ -343,7 +343,7 @@ class TritonPythonModel:
     def respond(self, request, values, delays, wait_ms):
         sender = request.get_response_sender()
         for index, (value, delay) in enumerate(zip(values, delays)):
-            time.sleep(int(delay) / 1000)
+            time.sleep(int(delay) / 1000)  # the point: each answer's requested delay (Triton's repeat model)
             if request.is_cancelled():
                 pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {index} responses")
                 break
@@ -351,7 +351,7 @@ class TritonPythonModel:
             idx = pb_utils.Tensor("IDX", np.array([index], dtype=np.uint32))
             sender.send(pb_utils.InferenceResponse(output_tensors=[out, idx]))
         else:
-            time.sleep(wait_ms / 1000)
+            time.sleep(wait_ms / 1000)  # the point: the requested wait before the final flag
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):

@@ -6,6 +6,10 @@ check is whatever the test waits for: a statistics count, a /metrics sample, a r
 health, a line in a process's output. A fixed sleep either waits too long on an idle machine
 or too little on a busy one; a poll waits exactly as long as the condition takes.
 
+In-process async code that has nothing to wait *for* (a check that something did not happen,
+an order of arrivals) runs the event loop a number of passes instead (``loop_passes``): no clock
+moves, so the outcome does not depend on the machine's speed.
+
 Sleeps that are the point of a test (a slow client's pacing, "nothing may happen in this
 window") stay as they are, with a comment saying so.
 """
@@ -40,7 +44,7 @@ def eventually(check: Callable[[], T], timeout: float = 20.0, what: str = "", *,
             last, error = None, exc  # type: ignore[assignment]
         if time.monotonic() >= deadline:
             raise _failure(what, timeout, last, error) from error
-        time.sleep(interval)
+        time.sleep(interval)  # the poll interval: this is the polling everything else uses
 
 
 async def eventually_async(check: Callable[[], T | Awaitable[T]], timeout: float = 10.0, what: str = "", *,
@@ -59,4 +63,11 @@ async def eventually_async(check: Callable[[], T | Awaitable[T]], timeout: float
             last, error = None, exc
         if time.monotonic() >= deadline:
             raise _failure(what, timeout, last, error) from error
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval)  # the poll interval (as above)
+
+
+async def loop_passes(times: int = 20) -> None:
+    """Let every ready task run for ``times`` event-loop passes, no clock involved: enough for
+    in-process work that needs no I/O to reach its next wait (or to do what it must not)."""
+    for _ in range(times):
+        await asyncio.sleep(0)

@@ -23,6 +23,8 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from tests.support import loop_passes
+from tests.support.slow import work_for_async
 
 CONFIG = text_format.Parse("""
 name: "add_sub" max_batch_size: 8
@@ -393,7 +395,7 @@ async def test_requests_wait_only_while_full_batches_are_in_flight() -> None:
     first = asyncio.ensure_future(submit(c, full))
     await asyncio.sleep(0)
     tasks = [asyncio.ensure_future(submit(c, r)) for r in reqs]
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the point: the three wait a measurable time, which the merge reports
     assert sent == [1]  # 8 rows in flight: the bound (1 batch of 8 rows x 1 instance x 1 replica)
     gate.set()
     outs = await asyncio.gather(first, *tasks)
@@ -410,7 +412,7 @@ async def test_the_bound_counts_instances() -> None:
     reqs = [request(np.zeros((8, 16)), np.zeros((8, 16)), f"f{i}") for i in range(3)]
     key, rows = merge_key(reqs[0], SHAPE)
     tasks = [asyncio.ensure_future(c.submit(key, r, None, rows, SHAPE2, None)) for r in reqs]
-    await asyncio.sleep(0.01)
+    await loop_passes()
     assert sent == [1, 1]
     gate.set()
     await asyncio.gather(*tasks)
@@ -451,7 +453,7 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
         nonlocal calls
         calls += 1
-        await asyncio.sleep(0.01)
+        await loop_passes()  # in flight while the others queue up and merge
         if MERGED_PARAMETER in req.parameters:
             raise RuntimeError("backend failed")
         return fake_service(req)
@@ -544,7 +546,7 @@ async def test_a_merge_that_misses_one_member_s_deadline_fails_no_other_member(
         members = req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1
         calls.append(members)
         if members > 1:  # the merge: held past its deadline, as a slow service would
-            await asyncio.sleep(timeout or 0)
+            await work_for_async(timeout or 0)  # a service slower than the deadline
             raise InferError(Code.DEADLINE_EXCEEDED, "deadline exceeded waiting for service x")
         if len(calls) == 1:
             await release.wait()  # the first request keeps the model busy: the next ones merge

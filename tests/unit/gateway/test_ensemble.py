@@ -3,7 +3,6 @@
 upstream (no sockets)."""
 from __future__ import annotations
 
-import asyncio
 import time
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
 from tests.support import models
+from tests.support.slow import work_for_async
 
 MODELS = {
     "double": 'name: "double" max_batch_size: 8 input [{name: "IN" data_type: TYPE_FP32 dims: [4]}] '
@@ -91,7 +91,7 @@ def fake_upstream(delay_s: float = 0.1, fail: dict[str, InferError] | None = Non
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
                    affinity: str | None = None) -> pb.ModelInferResponse:
         t0 = time.monotonic()
-        await asyncio.sleep(delay_s)
+        await work_for_async(delay_s)  # the steps' overlap in time is measured
         calls.append((req.model_name, t0, time.monotonic()))
         if fail and req.model_name in fail:
             raise fail[req.model_name]

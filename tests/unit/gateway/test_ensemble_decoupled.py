@@ -17,6 +17,7 @@ from gateway.ensemble.plan import EnsembleError, compile_plan
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import InferError
+from tests.support import loop_passes
 
 MODELS = {
     # fan: one response per element of IN, OUT = that element (decoupled)
@@ -90,7 +91,7 @@ class FakeUpstream:
                    ) -> pb.ModelInferResponse:
         self.calls.append(request.model_name)
         x = int(np.frombuffer(request.raw_input_contents[0], dtype=np.int32)[0])
-        await asyncio.sleep(0.001 * (5 - x % 5))  # later rounds may finish first
+        await loop_passes(5 - x % 5)  # later rounds may finish first
         if x == self.fail_on:
             raise InferError.invalid(f"double cannot take {x}")
         resp = pb.ModelInferResponse(model_name="double")

@@ -12,80 +12,73 @@ from gateway.core import GatewayCore
 from gateway.turns import SequenceTurns
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server.core import InferResult, RequestContext
+from tests.support import loop_passes
+
+
+class _Steps:
+    """Requests' calls: each records its name in ``order`` when it runs, after ``gate`` if
+    given, then returns it (or raises ``error``)."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    async def __call__(self, name: str, gate: asyncio.Event | None = None, error: Exception | None = None) -> str:
+        if gate is not None:
+            await gate.wait()
+        self.order.append(name)
+        if error is not None:
+            raise error
+        return name
 
 
 async def test_a_slow_first_request_is_not_overtaken() -> None:
-    turns = SequenceTurns()
-    order: list[str] = []
-
-    async def step(name: str, delay: float) -> str:
-        await asyncio.sleep(delay)
-        order.append(name)
-        return name
-
-    results = await asyncio.gather(turns.run("s", lambda: step("start", 0.05)), turns.run("s", lambda: step("mid", 0)),
-                                   turns.run("s", lambda: step("end", 0)))
-    assert results == ["start", "mid", "end"] and order == ["start", "mid", "end"]
+    turns, step, slow = SequenceTurns(), _Steps(), asyncio.Event()
+    results = asyncio.gather(turns.run("s", lambda: step("start", slow)), turns.run("s", lambda: step("mid")),
+                             turns.run("s", lambda: step("end")))
+    await loop_passes()
+    assert step.order == []  # mid and end, ready at once, wait for the slow start
+    slow.set()
+    assert await results == ["start", "mid", "end"] and step.order == ["start", "mid", "end"]
     assert len(turns) == 0  # nothing kept once the sequence's requests are done
 
 
 async def test_other_sequences_do_not_wait() -> None:
-    turns = SequenceTurns()
-    release = asyncio.Event()
-    order: list[str] = []
-
-    async def blocked() -> None:
-        await release.wait()
-        order.append("a1")
-
-    async def quick(name: str) -> None:
-        order.append(name)
-
-    first = asyncio.ensure_future(turns.run("a", blocked))
+    turns, step, release = SequenceTurns(), _Steps(), asyncio.Event()
+    first = asyncio.ensure_future(turns.run("a", lambda: step("a1", release)))
     await asyncio.sleep(0)
-    await asyncio.wait_for(turns.run("b", lambda: quick("b1")), 1)  # a's pending turn does not hold b
+    await asyncio.wait_for(turns.run("b", lambda: step("b1")), 1)  # a's pending turn does not hold b
     release.set()
     await first
-    assert order == ["b1", "a1"]
+    assert step.order == ["b1", "a1"]
 
 
 async def test_an_error_or_a_cancelled_waiter_keeps_the_order() -> None:
-    turns = SequenceTurns()
-    release = asyncio.Event()
-    order: list[str] = []
-
-    async def first() -> None:
-        await release.wait()
-        order.append("1")
-        raise RuntimeError("request 1 failed")
-
-    async def record(name: str) -> None:
-        order.append(name)
-
-    one = asyncio.ensure_future(turns.run("s", first))
+    turns, step, release = SequenceTurns(), _Steps(), asyncio.Event()
+    one = asyncio.ensure_future(turns.run("s", lambda: step("1", release, RuntimeError("request 1 failed"))))
     await asyncio.sleep(0)
-    two = asyncio.ensure_future(turns.run("s", lambda: record("2")))  # its client goes away while it waits
-    three = asyncio.ensure_future(turns.run("s", lambda: record("3")))
-    await asyncio.sleep(0.01)
+    two = asyncio.ensure_future(turns.run("s", lambda: step("2")))  # its client goes away while it waits
+    three = asyncio.ensure_future(turns.run("s", lambda: step("3")))
+    await loop_passes()
     two.cancel()
-    await asyncio.sleep(0.01)
-    assert order == [] and not three.done()  # 3 still waits for 1, although 2 is gone
+    await loop_passes()
+    assert step.order == [] and not three.done()  # 3 still waits for 1, although 2 is gone
     release.set()
     with pytest.raises(RuntimeError):
         await one
     await three
-    assert order == ["1", "3"] and two.cancelled()
+    assert step.order == ["1", "3"] and two.cancelled()
     assert len(turns) == 0
 
 
 class _SlowFirstAdmission:
-    """Tenant admission whose first call takes longest (a slow Redis round trip)."""
+    """Tenant admission whose first call takes longest (a slow Redis round trip), counted in
+    event-loop passes: the order in which the calls finish is fixed, whatever the machine's speed."""
 
     def __init__(self) -> None:
-        self.delays = [0.05, 0.0, 0.02]
+        self.passes = [20, 0, 10]
 
     async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, *sequence: Any) -> Any:
-        await asyncio.sleep(self.delays.pop(0))
+        await loop_passes(self.passes.pop(0))
         return None
 
     async def release(self, admitted: Any) -> None:

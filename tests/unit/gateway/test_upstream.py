@@ -20,6 +20,7 @@ from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from tests.support import eventually_async, loop_passes
 from tests.unit.gateway.support import stream_service
 
 
@@ -128,12 +129,12 @@ async def test_a_connect_begun_before_the_replica_rejoined_does_not_eject_it(mon
         a = upstream.replicas[0]
         key = next(k for n in range(1000) if pick_pinned(upstream.replicas, k := f"i:{n}") is a)
         before = asyncio.ensure_future(upstream.send(pb.ModelInferRequest(model_name="m", id="r1"), None, 5, key))
-        await asyncio.sleep(0.05)  # r1 waits on a's stream, whose connect hangs
-        assert connects == 1 and not before.done()
+        await eventually_async(lambda: connects == 1, what="r1 waits on a's stream, whose connect hangs")
+        assert not before.done()
         a.set_healthy(False)  # the health watch: a left the pool ...
         assert a.set_healthy(True)  # ... and came back
         after = asyncio.ensure_future(upstream.send(pb.ModelInferRequest(model_name="m", id="r2"), None, 5, key))
-        await asyncio.sleep(0.05)
+        await loop_passes()  # r2 reaches a new stream to a (no I/O on the way)
         old_process_dies.set()
         first, second = await asyncio.wait_for(asyncio.gather(before, after), 5)
         assert first.model_name == "b"  # never sent to a: it went to the other replica

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.base.scheduling import QueuedRequest
+from tests.support.waiting import loop_passes
 
 MS = 1_000_000  # nanoseconds
 
@@ -61,7 +62,15 @@ def request(payload: object, rows: int = 1, arrival_ns: int = 0,
                          deadline_ns=deadline_ns)
 
 
-async def settle(times: int = 20) -> None:
-    """Let the batcher loop and batch tasks run without advancing any clock."""
-    for _ in range(times):
-        await asyncio.sleep(0)
+async def past_the_loop_timers(seconds: float = 0.025) -> None:
+    """Move the event loop's own clock ``seconds`` on (the batcher's FakeClock stays put) and let
+    every loop timer due by then run: the batcher's real timers fire as though ``seconds`` had
+    passed, without the test waiting for them. A check after this sees what a timer firing
+    early, against a clock that says "not yet", does."""
+    loop = asyncio.get_running_loop()
+    before = loop.time
+    loop.time = lambda: before() + seconds  # type: ignore[method-assign]
+    await settle()
+
+
+settle = loop_passes  # let the batcher loop and batch tasks run without advancing any clock

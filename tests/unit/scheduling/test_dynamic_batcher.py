@@ -17,7 +17,7 @@ from services.base.scheduling import (
     UnavailableError,
 )
 from tests.support import eventually_async
-from tests.unit.scheduling.support import MS, Executor, FakeClock, request, settle
+from tests.unit.scheduling.support import MS, Executor, FakeClock, past_the_loop_timers, request, settle
 
 
 def batcher(policy: BatchingPolicy, execute: Executor, instances: int = 1,
@@ -76,7 +76,7 @@ async def test_delay_is_measured_from_the_oldest_request() -> None:
     clock.now = 15 * MS
     second = request("b", arrival_ns=15 * MS)
     b.enqueue(second)
-    await asyncio.sleep(0.025)  # the point: longer than the first real timer; the fake clock says 15 ms
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert ex.batches == []
     # 20 ms after the oldest (only 5 ms after the newest) the batch is due.
     clock.now = 20 * MS
@@ -93,13 +93,13 @@ async def test_delay_counts_time_already_waited_upstream() -> None:
     b = batcher(BatchingPolicy(max_batch_size=8, max_queue_delay_ns=20 * MS), ex, clock=clock)
     fresh = request("fresh", arrival_ns=100 * MS)
     b.enqueue(fresh)
-    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert ex.batches == []  # a fresh request waits for its delay
     clock.now = 105 * MS
     waited = request("waited", arrival_ns=105 * MS)
     waited.waited_ns = 19 * MS  # arrived at the gateway at 86 ms: older than "fresh"
     b.enqueue(waited)
-    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert ex.batches == []  # due at 86 + 20 = 106 ms, not yet
     clock.now = 106 * MS
     await asyncio.wait_for(asyncio.gather(fresh.future, waited.future), 1.0)
@@ -372,7 +372,7 @@ async def test_one_client_at_a_time_pays_the_delay_once() -> None:
     b.enqueue(third)  # arrives while "second" runs
     ex.open()
     await second.future
-    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert ex.batches == [["first"], ["second"]]  # company came: third waits for its delay
     clock.now = 50 * MS
     await asyncio.wait_for(third.future, 1.0)
@@ -394,7 +394,7 @@ async def test_a_merged_request_alone_in_its_batch_is_not_one_client() -> None:
     later = request("later", arrival_ns=30 * MS)
     clock.now = 30 * MS
     b.enqueue(later)
-    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert ex.batches == [["merged"]]
     clock.now = 50 * MS
     await asyncio.wait_for(later.future, 1.0)
@@ -421,7 +421,7 @@ async def test_a_lone_request_that_found_the_model_busy_is_not_one_client() -> N
     later = request("later", arrival_ns=50 * MS)
     clock.now = 50 * MS
     b.enqueue(later)
-    await asyncio.sleep(0.025)  # the point: real time passes, the fake clock does not
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert ex.batches == [["first"], ["behind"]]  # waits for its delay
     clock.now = 70 * MS
     await asyncio.wait_for(later.future, 1.0)

@@ -8,7 +8,7 @@ import asyncio
 
 from services.base.scheduling import BatchingPolicy, DynamicBatcher, QueuedRequest
 from tests.support import eventually_async
-from tests.unit.scheduling.support import MS, Executor, FakeClock, request, settle
+from tests.unit.scheduling.support import MS, Executor, FakeClock, past_the_loop_timers, request, settle
 
 DELAY = 20 * MS
 
@@ -29,7 +29,7 @@ def send(b: DynamicBatcher, clock: FakeClock, at: int, *names: str, members: int
 
 async def still_waiting(ex: Executor, batches: int) -> None:
     await settle()
-    await asyncio.sleep(0.025)  # the point: real time passes (past the first timer), the fake clock does not
+    await past_the_loop_timers()  # the batcher's real timers fire; the fake clock says not yet
     assert len(ex.batches) == batches
 
 

@@ -19,7 +19,7 @@ from services.base.scheduling.sequence import (
     idle_expired,
     oldest_action,
 )
-from tests.unit.scheduling.support import MS, FakeClock
+from tests.unit.scheduling.support import MS, FakeClock, settle
 
 
 class Executor:
@@ -56,11 +56,6 @@ class Executor:
 def request(payload: object, arrival_ns: int = 0) -> QueuedRequest:
     fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
     return QueuedRequest(rows=1, arrival_ns=arrival_ns, payload=payload, future=fut)
-
-
-async def settle(times: int = 20) -> None:
-    for _ in range(times):
-        await asyncio.sleep(0)
 
 
 def make(policy: SequencePolicy, ex: Executor, clock: Callable[[], int] | None = None) -> SequenceBatcher:

@@ -4,7 +4,6 @@ sequence batcher alone; and the server's version comes from the package metadata
 from __future__ import annotations
 
 import threading
-import time
 import tomllib
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from services.base.scheduling import DynamicBatcher, Scheduler
 from services.base.scheduling.sequence import SequenceBatcher
 from services.sequence.model import SequenceModelVersion
 from tests.conftest import ROOT
+from tests.support.slow import work_for
 
 TENSORS = """max_batch_size: 4
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
@@ -107,7 +107,7 @@ class Timed(Echo):
     def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         self.threads.append(threading.get_ident())
         if self.seconds:
-            time.sleep(self.seconds)
+            work_for(self.seconds)
         return super().run(inputs, output_names)
 
 

@@ -3,7 +3,6 @@ and model_warmup before serving."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from meshserve._proto import model_config_pb2 as mc
 from services.base.model import ModelVersion
 from services.base.warmup import WarmupError, run_warmup, warmup_inputs
 from tests.support import eventually_async
+from tests.support.slow import work_for
 
 CONFIG = """name: "sleepy" max_batch_size: 1
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
@@ -32,7 +32,7 @@ class SleepyInstance:
     def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         self.calls.append(inputs)
         x = inputs["INPUT0"]
-        time.sleep(float(x.reshape(-1)[0]))
+        work_for(float(x.reshape(-1)[0]))
         return {"OUTPUT0": x.copy()}
 
     def close(self) -> None:
