@@ -19,7 +19,7 @@ from gateway.upstream.replica import Replica, grpc_error
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
@@ -136,7 +136,7 @@ class GatewayCore:
     async def start(self) -> None:
         # This process is a front door: a client's hop marker means nothing here (read_hop).
         # With tenants, each holds at most its share of the shared-memory caps.
-        tracing.trust_hop_marker(False)
+        hop.trust_marker(False)
         shm.share_of = self.admission.share_of if self.admission is not None else None
         await self.discovery.resolve()
         await self.discovery.refresh()
@@ -224,9 +224,9 @@ class GatewayCore:
         params = request.parameters
         if params:
             for key in params:  # (a client's request carries none of the hop's private parameters)
-                if key.startswith(wire.PRIVATE_PREFIX):
+                if key.startswith(hop.PRIVATE_PREFIX):
                     raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
-                                             f"parameters starting with '{wire.PRIVATE_PREFIX}' may not be sent")
+                                             f"parameters starting with '{hop.PRIVATE_PREFIX}' may not be sent")
 
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
         self._check_names(request)

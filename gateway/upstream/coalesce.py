@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from gateway.upstream.traced import Member
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes, wire
+from meshserve.protocol import datatypes, hop, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult
 from meshserve.server.limits import ServerLimits
@@ -57,7 +57,6 @@ from meshserve.telemetry.spans import Span
 if TYPE_CHECKING:
     from gateway.upstream.upstream import Upstream
 
-MERGED_PARAMETER = wire.MERGED_PARAMETER
 # Request parameters that do not change how a request is scheduled or computed. The binary_data
 # ones only say how the gateway's HTTP front end renders the answer (from the client's own
 # request, after the split): every HTTP client sends them, so they must not stop a merge.
@@ -246,7 +245,7 @@ def merge(requests: list[pb.ModelInferRequest], rows: list[int], shape: ModelSha
     first = requests[0]
     total = sum(rows)
     merged = pb.ModelInferRequest(model_name=first.model_name, model_version=first.model_version)
-    merged.parameters[MERGED_PARAMETER].int64_param = len(requests)
+    hop.set_merged(merged, len(requests))
     specs = []  # (name, datatype, inner dims, bytes per row or -1 unchecked)
     for t in first.inputs:
         inner = list(t.shape[1:])
@@ -560,15 +559,15 @@ class Coalescer:
         if len(chunk) == 1:
             single, raw = chunk[0].request, chunk[0].raw
             if waited_us is not None and raw is not None:
-                raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
+                raw = hop.with_queued(raw, waited_us)
             elif waited_us is not None:
-                single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                hop.set_queued(single, waited_us)
             return single, raw if raw is not None else single.SerializeToString(), timeout
         merged = merge([c.request for c in chunk], [c.rows for c in chunk], group.shape)
         self.merged_sends += 1
         self.merged_requests += len(chunk)
         if waited_us is not None:
-            merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+            hop.set_queued(merged, waited_us)
         return merged, merged.SerializeToString(), timeout
 
     async def _deliver(self, group: _Group, chunk: list[_Pending], started: _Started | None = None) -> None:
