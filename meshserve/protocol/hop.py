@@ -27,7 +27,7 @@ and only in a process that trusts it (``trusted``: a service does, from whoever 
 port, docs/security.md; a gateway, whose callers are clients, never does, ``trust_marker``).
 
 Every function here runs per request on the gateway's or the service's path: module constants,
-the parameters' map-entry key bytes built once, no object beyond the bytes they return.
+the parameters' map-entry key bytes built once, no object beyond what they return.
 """
 from __future__ import annotations
 
