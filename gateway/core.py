@@ -20,6 +20,7 @@ from gateway.upstream.coalesce import Coalescer
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
 from meshserve.server import shm
@@ -34,7 +35,7 @@ from meshserve.server.core import (
 )
 from meshserve.server.limits import ServerLimits
 from meshserve.server.repository_control import ControlPolicy
-from meshserve.telemetry import metrics, tracing
+from meshserve.telemetry import metrics
 
 GATEWAY_FAMILIES = {
     "route_requests": metrics.Family("meshserve_gateway_route_requests_total", "counter",
@@ -123,7 +124,7 @@ class GatewayCore:
     async def start(self) -> None:
         # This process is a front door: a client's hop marker means nothing here (read_hop).
         # With tenants, each holds at most its share of the shared-memory caps.
-        tracing.trust_hop_marker(False)
+        hop.trust_marker(False)
         shm.share_of = self.admission.share_of if self.admission is not None else None
         await self.discovery.resolve()
         await self.discovery.refresh()

@@ -36,7 +36,7 @@ from gateway.upstream.merging import ModelShape, merge_key
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
 from meshserve.server.core import (
@@ -87,9 +87,9 @@ class Names:
         params = request.parameters
         if params:
             for key in params:  # (a client's request carries none of the hop's private parameters)
-                if key.startswith(wire.PRIVATE_PREFIX):
+                if key.startswith(hop.PRIVATE_PREFIX):
                     raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
-                                             f"parameters starting with '{wire.PRIVATE_PREFIX}' may not be sent")
+                                             f"parameters starting with '{hop.PRIVATE_PREFIX}' may not be sent")
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Result:
         self.check(request)

@@ -18,7 +18,7 @@ from load.inputs import Payload
 from load.rawhttp import HttpPool, build_request
 from load.scenario import Target
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop, wire
 from meshserve.server import h2
 
 OK = "ok"
@@ -160,7 +160,7 @@ class StreamSender:
                 if fut is None or fut.done():
                     continue
                 if resp.error_message:
-                    p = resp.infer_response.parameters.get(wire.ERROR_CODE_PARAMETER)
+                    p = resp.infer_response.parameters.get(hop.ERROR_CODE)
                     code = p.string_param if p is not None and p.string_param else "ERROR"
                     fut.set_result(f"grpc-stream {code}")
                 else:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from gateway.upstream.merging import Key, ModelShape, Unmergeable, merge, split
 from gateway.upstream.traced import Member
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult
 from meshserve.server.limits import ServerLimits
@@ -267,15 +267,15 @@ class Coalescer:
         if len(chunk) == 1:
             single, raw = chunk[0].request, chunk[0].raw
             if waited_us is not None and raw is not None:
-                raw = wire.with_int_parameter(raw, wire.QUEUED_PARAMETER, waited_us)
+                raw = hop.with_queued(raw, waited_us)
             elif waited_us is not None:
-                single.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+                hop.set_queued(single, waited_us)
             return single, raw if raw is not None else single.SerializeToString(), timeout
         merged = merge([c.request for c in chunk], [c.rows for c in chunk], group.shape)
         self.merged_sends += 1
         self.merged_requests += len(chunk)
         if waited_us is not None:
-            merged.parameters[wire.QUEUED_PARAMETER].int64_param = waited_us
+            hop.set_queued(merged, waited_us)
         return merged, merged.SerializeToString(), timeout
 
     async def _deliver(self, group: _Group, chunk: list[_Pending], started: _Started | None = None) -> None:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes, wire
+from meshserve.protocol import datatypes, hop, wire
 from meshserve.protocol.errors import InferError
 
-MERGED_PARAMETER = wire.MERGED_PARAMETER
 # Request parameters that do not change how a request is scheduled or computed. The binary_data
 # ones only say how the gateway's HTTP front end renders the answer (from the client's own
 # request, after the split): every HTTP client sends them, so they must not stop a merge.
@@ -204,7 +203,7 @@ def merge(requests: list[pb.ModelInferRequest], rows: list[int], shape: ModelSha
     first = requests[0]
     total = sum(rows)
     merged = pb.ModelInferRequest(model_name=first.model_name, model_version=first.model_version)
-    merged.parameters[MERGED_PARAMETER].int64_param = len(requests)
+    hop.set_merged(merged, len(requests))
     specs = []  # (name, datatype, inner dims, bytes per row or -1 unchecked)
     for t in first.inputs:
         inner = list(t.shape[1:])

@@ -14,9 +14,10 @@ up. A sequence's requests (pinned to one stream) reach the service in the order 
 sent them, also on a gateway's first requests and after a reconnect.
 
 A request for a client's streaming call (a decoupled model: zero or many responses) is sent
-marked ``wire.STREAM_PARAMETER``; its answers arrive on the same stream with its id, each
+marked ``hop.STREAM``; its answers arrive on the same stream with its id, each
 flagged ``triton_final_response``, until one is final (``Answers``). A client that goes away
-cancels it: a ``wire.CANCEL_PARAMETER`` message with its id tells the service to stop it.
+cancels it: a ``hop.cancel`` message with its id tells the service to stop it.
+The hop's own parameters, marker, errors and cancel are meshserve.protocol.hop's.
 """
 from __future__ import annotations
 
@@ -28,38 +29,26 @@ import time
 import zlib
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server import h2
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.limits import STREAMS
-from meshserve.telemetry import metrics, tracing
+from meshserve.telemetry import metrics
 
 log = logging.getLogger("meshserve.gateway.stream")
 
 _METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-_CODES = {c.value: c for c in Code}
-_STREAM_METADATA = ((tracing.HOP_HEADER, tracing.HOP_GATEWAY),)
+_STREAM_METADATA = hop.METADATA
 _CONNECT_TIMEOUT_S = 5.0
 # answers of one streamed request the gateway holds for a client that reads them slower than the
 # model sends them, and their bytes (--max-stream-backlog-bytes, limits.STREAMS); beyond either the
 # request fails (RESOURCE_EXHAUSTED, its one end) and the service stops it
 MAX_WAITING_ANSWERS = 1024
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
-_EMPTY_FINAL = wire.EMPTY_FINAL_PARAMETER
-_ERROR_CODE = wire.ERROR_CODE_PARAMETER
-_RETRY_AFTER = wire.RETRY_AFTER_PARAMETER
-
-
-def _error(msg: pb.ModelStreamInferResponse, where: str) -> InferError | None:
-    """The in-band error a service answered, if it is one (with its retry hint)."""
-    resp = msg.infer_response
-    if not msg.error_message and _ERROR_CODE not in resp.parameters:
-        return None
-    params = resp.parameters
-    code = _CODES.get(params[_ERROR_CODE].string_param, Code.UNKNOWN) if _ERROR_CODE in params else Code.UNKNOWN
-    retry_after = params[_RETRY_AFTER].int64_param / 1000 if _RETRY_AFTER in params else None
-    return InferError(code, msg.error_message or f"{code.value} from {where} (no details)", retry_after_s=retry_after)
+_EMPTY_FINAL = hop.EMPTY_FINAL
+_ERROR_CODE = hop.ERROR_CODE
+_error = hop.stream_error  # the in-band error a service answered, if it is one (with its retry hint)
 
 
 class NotSent(Exception):
@@ -185,13 +174,13 @@ class _Stream:
             raise NotSent(f"{self.name}: stream closed") from None
 
     def send_stream(self, raw_request: bytes, client_id: str, deadline: float | None) -> Answers:
-        """Send a streamed request (marked wire.STREAM_PARAMETER); its answers gather in the
+        """Send a streamed request (marked hop.STREAM); its answers gather in the
         returned Answers."""
         if self.broken:
             raise NotSent(f"{self.name}: stream closed")
         cid = f"~gw{next(self._ids)}"
         if client_id:  # (the hop's id is cid: the client's rides along, for a python model's request_id())
-            raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
+            raw_request = hop.with_request_id(raw_request, client_id)
         self._write(cid, wire.with_request_id(raw_request, cid))
         answers = self.answers[cid] = Answers(self, cid, client_id, deadline)
         return answers
@@ -205,10 +194,8 @@ class _Stream:
         """Tell the service to stop the request ``cid`` (its client went away)."""
         if self.broken or self._call is None:
             return  # (still in the backlog: _open skips it)
-        cancel = pb.ModelInferRequest(id=cid)
-        cancel.parameters[wire.CANCEL_PARAMETER].bool_param = True
         try:
-            self._call.send(cancel.SerializeToString())
+            self._call.send(hop.cancel(cid))
         except ConnectionError:
             self.broken = True
 
@@ -221,7 +208,7 @@ class _Stream:
         cid = f"~gw{next(self._ids)}"
         fut: asyncio.Future[pb.ModelStreamInferResponse] = self._loop.create_future()
         if client_id:  # (as send_stream)
-            raw_request = wire.with_string_parameter(raw_request, wire.REQUEST_ID_PARAMETER, client_id)
+            raw_request = hop.with_request_id(raw_request, client_id)
         self._write(cid, wire.with_request_id(raw_request, cid))
         self.pending[cid] = fut
         if timeout is not None:
@@ -408,7 +395,7 @@ class StreamPool:
         writes in its own loop pass, not in the next one."""
         stream = self._stream(affinity)
         if timeout is not None:  # streams carry no per-message deadline: tell the service in band
-            raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
+            raw_request = hop.with_deadline(raw_request, timeout)
         fut = stream.send(raw_request, timeout, client_id)  # (DEADLINE_EXCEEDED after the timeout)
         return stream, fut, time.perf_counter_ns()
 
@@ -436,7 +423,7 @@ class StreamPool:
         stream = self._stream(affinity)
         deadline = None
         if timeout is not None:
-            raw_request = wire.with_int_parameter(raw_request, wire.DEADLINE_PARAMETER, max(1, int(timeout * 1e6)))
+            raw_request = hop.with_deadline(raw_request, timeout)
             deadline = asyncio.get_running_loop().time() + timeout
         answers = stream.send_stream(raw_request, client_id, deadline)
         try:

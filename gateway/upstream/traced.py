@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.upstream.replica import Replica
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import CLIENT, Ref, Span
 
@@ -74,7 +74,7 @@ async def send_merged(upstream: Upstream, request: pb.ModelInferRequest, body: b
                       members: Sequence[Member]) -> pb.ModelInferResponse:
     """Send a merged request (``body``) whose ``members`` are sampled client requests."""
     name, version = request.model_name, request.model_version
-    count = request.parameters[wire.MERGED_PARAMETER].int64_param
+    count = hop.merged_count(request)
     off = tracing.epoch_offset_ns()
     starts = [m.enqueued_ns + off for m in members]
 
@@ -88,8 +88,7 @@ async def send_merged(upstream: Upstream, request: pb.ModelInferRequest, body: b
                                                                          "meshserve.member": m.index}))
             lines[m.index] = tracing.member_line(upstream_span)
             starts[k] = now  # a retry's route span starts where this attempt's decision ended
-        return await _forward_under(calls, now, request, replica, wire.with_string_parameter(
-            body, wire.TRACEPARENTS_PARAMETER, "\n".join(lines)), timeout, None)
+        return await _forward_under(calls, now, request, replica, hop.with_traceparents(body, lines), timeout, None)
 
     return await upstream.call(name, version, attempt)
 

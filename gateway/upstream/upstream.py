@@ -22,7 +22,7 @@ from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.replica import CALL_ERRORS, Replica
 from gateway.upstream.stream import NotSent, Sent
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 
@@ -142,8 +142,7 @@ class Upstream:
         """Forward a request of a client's streaming call (never merged): every answer of the
         service as it arrives, (response or None for an empty final one, final). Leaving early
         (the client went away) tells the service to stop the request."""
-        body = wire.with_bool_parameter(raw if raw is not None else request.SerializeToString(),
-                                        wire.STREAM_PARAMETER, True)
+        body = hop.with_stream(raw if raw is not None else request.SerializeToString())
         if tracing.enabled and (span := tracing.current_var.get()) is not None:
             body = tracing.inject_parameters(body, span)  # the service's span is this request's child
         answers = await self.call(request.model_name, request.model_version,

@@ -7,30 +7,11 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 # Field numbers from grpc_service.proto.
 INFER_REQUEST_ID_TAG = b"\x1a"  # ModelInferRequest.id = 3, length-delimited
 STREAM_RESPONSE_INFER_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2, length-delimited
-PRIVATE_PREFIX = "meshserve_"  # every private hop parameter starts so; clients may not send them to a gateway
-ERROR_CODE_PARAMETER = "meshserve_error_code"  # in-band stream errors carry their status code here
-# ... and on a gateway's hop the server's retry hint (ms; HTTP Retry-After, gRPC RETRY_PUSHBACK_METADATA)
-RETRY_AFTER_PARAMETER = "meshserve_retry_after_ms"
 # gRPC's own server pushback trailer (gRFC A6): how long a client should wait before it retries,
 # in ms; sent with RESOURCE_EXHAUSTED where HTTP sends Retry-After
 RETRY_PUSHBACK_METADATA = "grpc-retry-pushback-ms"
-MERGED_PARAMETER = "meshserve_merged_requests"  # a gateway-merged request: how many client requests it holds
-# the traced members of a gateway-merged request: one line per member, "traceparent[\ttracestate]" or empty
-TRACEPARENTS_PARAMETER = "meshserve_traceparents"
-QUEUED_PARAMETER = "meshserve_queued_us"  # time a request already waited in a gateway's coalescer (µs)
-DEADLINE_PARAMETER = "meshserve_deadline_us"  # a hop's remaining deadline (µs) where no gRPC deadline can travel
-# the client's request id on a gateway's hop, whose own id is the hop stream's key (sent only when
-# the client gave an id): a python model's request_id() is the client's
-REQUEST_ID_PARAMETER = "meshserve_request_id"
-# Decoupled models (zero or many responses per request) on the gateway -> service hop: a request
-# the gateway forwards for a client's streaming call (gRPC ModelStreamInfer, HTTP generate /
-# generate_stream) carries STREAM_PARAMETER (bool true); the service then sends every response
-# of it, each with Triton's FINAL_RESPONSE_PARAMETER, and ends it with a response whose flag is
-# true (an empty one, marked EMPTY_FINAL_PARAMETER, when the model's last response had no data).
-STREAM_PARAMETER = "meshserve_stream"
-EMPTY_FINAL_PARAMETER = "meshserve_empty_final"
-# a request {id, CANCEL_PARAMETER: true} on a gateway's hop stream: stop the streamed request of that id
-CANCEL_PARAMETER = "meshserve_cancel"
+# The gateway -> service hop's own parameters, its marker, stream errors and cancel: meshserve.protocol.hop.
+
 # Triton's: on every ModelStreamInfer response (is it the request's last?), and the client's opt-in
 # to an empty response that carries only the final flag
 FINAL_RESPONSE_PARAMETER = "triton_final_response"
@@ -83,11 +64,6 @@ def bool_parameter_entry(key: str, value: bool) -> bytes:
     """The bytes that, appended to a serialized ModelInferRequest or ModelInferResponse (both hold
     ``parameters`` as field 4), set parameters[key].bool_param = value."""
     return _parameter_entry(key, b"\x08\x01" if value else b"\x08\x00")  # bool_param = 1
-
-
-def with_bool_parameter(raw_message: bytes, key: str, value: bool) -> bytes:
-    """``raw_message`` with parameters[key].bool_param = value (bool_parameter_entry)."""
-    return raw_message + bool_parameter_entry(key, value)
 
 
 def with_string_parameter(raw_request: bytes, key: str, value: str) -> bytes:

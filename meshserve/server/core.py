@@ -10,6 +10,7 @@ from typing import Protocol
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import InferError
+from meshserve.protocol.hop import NO_HOP, Hop
 from meshserve.server.access import Grant, Op
 
 SERVER_NAME = "meshserve"  # server metadata's "name" unless --server-name says otherwise
@@ -76,43 +77,6 @@ class InferResult:
             assert self._msg is not None
             self._raw = self._msg.SerializeToString()
         return self._raw
-
-
-@dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass's __init__ costs ~0.2 µs more per request
-class Hop:
-    """What a gateway adds to a request it forwards to a service, beyond the protocol: the
-    private ``meshserve_*`` request parameters (meshserve.protocol.wire) and the stream's hop
-    marker. Read once per request, at the front door (``observe.read_hop``), so that nothing
-    behind it (admission, tracing, ``ServiceCore``, ``ModelVersion``) looks at parameters
-    for them. A direct client's request has none: ``NO_HOP``.
-
-    The hop's other private parameters travel the other way or stay in the gateway:
-    ``meshserve_error_code`` (a service's in-band stream error, written by the gRPC front end)
-    and ``meshserve_route_arm`` (the gateway's A/B routes). Treat it as read-only: ``NO_HOP``
-    and ``GATEWAY_HOP`` are shared by every request that has no hop parameters."""
-
-    gateway: bool = False  # the request came on a gateway's stream (metadata meshserve-hop: gateway)
-    # client requests this one holds (meshserve_merged_requests; the model checks it against the
-    # rows); None: the parameter is there but is not an integer, and the model refuses the request
-    merged: int | None = 1
-    # time it already waited in the gateway's coalescer (meshserve_queued_us, clamped to 0..10 s);
-    # None: not an integer (refused by a dynamically batched model)
-    queued_ns: int | None = 0
-    # absolute time.monotonic_ns() deadline from meshserve_deadline_us, where no gRPC deadline
-    # travels (the gateway's streams); None = none
-    deadline_ns: int | None = None
-    # the traced members of a merged request (meshserve_traceparents): a line per member
-    traceparents: str | None = None
-    # the gateway forwards this request for a client's streaming call (meshserve_stream): the
-    # service answers it with core.infer_stream, every response marked final or not
-    stream: bool = False
-    # the client's request id (meshserve_request_id; the request's own id is the hop's key), None
-    # when the client gave none
-    request_id: str | None = None
-
-
-NO_HOP = Hop()
-GATEWAY_HOP = Hop(gateway=True)
 
 
 @dataclass(slots=True)

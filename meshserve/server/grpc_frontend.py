@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm
@@ -26,7 +26,7 @@ from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
 from meshserve.server.limits import STREAMS, ServerLimits
-from meshserve.telemetry.tracing import TRACEPARENT, gateway_hop
+from meshserve.telemetry.tracing import TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
 
@@ -43,8 +43,8 @@ SERVER_OPTIONS = [
 
 STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or awaiting their write
 STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
-_STREAM = wire.STREAM_PARAMETER
-_CANCEL = wire.CANCEL_PARAMETER
+_STREAM = hop.STREAM
+_CANCEL = hop.CANCEL
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
 _FINAL_TRUE = wire.bool_parameter_entry(_FINAL, True)
 _FINAL_FALSE = wire.bool_parameter_entry(_FINAL, False)
@@ -64,14 +64,14 @@ def _forget(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[N
         del tasks[key]
 
 
-def _empty_final(request: pb.ModelInferRequest, hop: bool) -> bytes:
+def _empty_final(request: pb.ModelInferRequest, on_hop: bool) -> bytes:
     """Triton's empty final response: the request's id, model name and version, and only the
-    triton_final_response flag (on a gateway's hop also wire.EMPTY_FINAL_PARAMETER)."""
+    triton_final_response flag (on a gateway's hop also hop.EMPTY_FINAL)."""
     response = pb.ModelInferResponse(id=request.id, model_name=request.model_name,
                                      model_version=request.model_version)
     response.parameters[_FINAL].bool_param = True
-    if hop:
-        response.parameters[wire.EMPTY_FINAL_PARAMETER].bool_param = True
+    if on_hop:
+        hop.set_empty_final(response)
     return response.SerializeToString()
 
 
@@ -275,12 +275,12 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # written: beyond that the next message is not read, so HTTP/2 flow control stops a
         # client that sends faster than the models answer (or than it reads its answers).
         #
-        # A client's requests (and a gateway's marked wire.STREAM_PARAMETER) go through
+        # A client's requests (and a gateway's marked hop.STREAM) go through
         # core.infer_stream: every response of a decoupled model, each with Triton's
         # triton_final_response flag, and an empty final response where the client asked for it
         # (a gateway always gets it: it ends the request on the hop). At most STREAM_BACKLOG of
         # those responses wait to be written; beyond that the models' answers wait. A gateway
-        # cancels a request of its hop (streamed or not) with {id, wire.CANCEL_PARAMETER}.
+        # cancels a request of its hop (streamed or not) with hop.cancel: {id, hop.CANCEL}.
         #
         # On a client's call (not a gateway's hop), the answers of requests for models that are
         # not decoupled leave in request order, as Triton's do: each such request holds a place
@@ -380,9 +380,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                     error_message=exc.message,
                     infer_response=pb.ModelInferResponse(
                         id=request.id, model_name=request.model_name, model_version=request.model_version))
-                err.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param = exc.code.value
-                if from_gateway and exc.retry_after_ms is not None:
-                    err.infer_response.parameters[wire.RETRY_AFTER_PARAMETER].int64_param = exc.retry_after_ms
+                hop.set_error(err.infer_response, exc.code, exc.retry_after_ms if from_gateway else None)
                 if streamed:
                     err.infer_response.parameters[_FINAL].bool_param = True
                 if not owns_slot:  # (its final answer is queued: nothing may follow it)
@@ -395,7 +393,7 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 if place is not None and not place[1]:  # (no answer to write: its place is freed)
                     in_order(place, None)
 
-        from_gateway = gateway_hop(base.headers)  # (this call is a gateway's hop: never in a gateway)
+        from_gateway = hop.from_gateway(base.headers)  # (this call is a gateway's hop: never in a gateway)
         # whether a client's request is for a decoupled model (its answers are not held in order);
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)

@@ -1,7 +1,7 @@
 """Per-request observability around V2Core.infer, shared by the gRPC and HTTP front ends.
 
 This is the front door every inference request passes: it reads the request's Hop record (the
-gateway's private ``meshserve_*`` parameters and hop marker, ``read_hop``) into
+gateway's private ``meshserve_*`` parameters and hop marker, ``read_hop``: meshserve.protocol.hop) into
 ``RequestContext.hop`` once, for admission, tracing and the core.
 
 The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
@@ -22,14 +22,10 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError, internal_error
-from meshserve.protocol.infer_checks import int_value
+from meshserve.protocol.hop import decode
 from meshserve.server import admission
 from meshserve.server.core import (
-    GATEWAY_HOP,
-    NO_HOP,
-    Hop,
     InferResult,
     RequestContext,
     StreamAnswer,
@@ -42,48 +38,10 @@ from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
 _gate = admission.gate  # configured in place by process.serve
-_MERGED = wire.MERGED_PARAMETER
-_QUEUED = wire.QUEUED_PARAMETER
-_DEADLINE = wire.DEADLINE_PARAMETER
-_TRACEPARENTS = wire.TRACEPARENTS_PARAMETER
-_STREAM = wire.STREAM_PARAMETER
-_REQUEST_ID = wire.REQUEST_ID_PARAMETER
-_MAX_QUEUED_US = 10_000_000  # a coalescer wait beyond 10 s counts as 10 s
-
-
-def read_hop(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]) -> Hop:
-    """The request's Hop record: its private ``meshserve_*`` parameters and the hop marker,
-    read here once. A request without parameters (most) costs one header lookup.
-
-    Only a gateway's hop (the stream's ``meshserve-hop: gateway`` marker) is believed: a
-    client's own ``meshserve_*`` parameters never change its weight, queue delay, deadline or
-    spans (a direct client's are ignored here; the gateway refuses them at its front door,
-    ``gateway/pipeline.py:Names.check``). The gateway itself, whose callers are clients,
-    never believes the marker (``tracing.hop_trusted``, cleared by GatewayCore.start): a client's
-    ``meshserve-hop`` header there is ignored, and it pays one flag check per request here."""
-    if not tracing.hop_trusted or headers.get(tracing.HOP_HEADER) != tracing.HOP_GATEWAY:
-        return NO_HOP
-    if not params:
-        return GATEWAY_HOP
-    merged: int | None = 1
-    queued_ns: int | None = 0
-    deadline_ns: int | None = None
-    traceparents: str | None = None
-    if _MERGED in params:
-        merged = int_value(params[_MERGED])
-    if _QUEUED in params:
-        queued = int_value(params[_QUEUED])
-        queued_ns = None if queued is None else max(0, min(queued, _MAX_QUEUED_US)) * 1000
-    if _DEADLINE in params:  # relative on the wire: absolute from the moment it arrived
-        deadline_ns = time.monotonic_ns() + params[_DEADLINE].int64_param * 1000
-    if _TRACEPARENTS in params:
-        traceparents = params[_TRACEPARENTS].string_param
-    stream = _STREAM in params and params[_STREAM].bool_param
-    request_id = params[_REQUEST_ID].string_param if _REQUEST_ID in params else None
-    if merged == 1 and queued_ns == 0 and deadline_ns is None and traceparents is None and not stream \
-            and request_id is None:
-        return GATEWAY_HOP  # only the protocol's own parameters
-    return Hop(True, merged, queued_ns, deadline_ns, traceparents, stream, request_id)
+# The request's Hop record, read once at the front door (meshserve/protocol/hop.py: the gateway's
+# private parameters, believed only on a gateway's stream; a request without parameters costs one
+# header lookup).
+read_hop = decode
 
 
 def _admit(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int]:

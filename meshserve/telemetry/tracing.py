@@ -15,7 +15,7 @@ come from the SDK's ``Resource.create`` (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_
 Context travels as W3C ``traceparent``/``tracestate``: HTTP headers and gRPC metadata from
 clients, and request *parameters* (``string_param``) on the gateway -> service hop, whose
 long-lived streams cannot carry per-request metadata. Only sampled requests get the
-parameters; the gateway marks its streams (``meshserve-hop: gateway``) so a service does not
+parameters; the gateway marks its streams (meshserve.protocol.hop.METADATA) so a service does not
 start a fresh root trace for the gateway's unsampled requests.
 """
 from __future__ import annotations
@@ -57,23 +57,6 @@ log = logging.getLogger("meshserve.tracing")
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
-HOP_HEADER = "meshserve-hop"  # stream metadata the gateway sets on its upstream streams
-HOP_GATEWAY = "gateway"
-# Whether this process believes the hop marker (observe.read_hop, the gRPC stream handler): a
-# service does, from whoever reaches its port (the network is the boundary until the hop is
-# authenticated: docs/security.md); a gateway, whose callers are clients, never does.
-hop_trusted = True
-
-
-def trust_hop_marker(trusted: bool) -> None:
-    """Set at start: False in a gateway (GatewayCore.start), so a client's marker is ignored."""
-    global hop_trusted
-    hop_trusted = trusted
-
-
-def gateway_hop(headers: Mapping[str, str]) -> bool:
-    """Does a call's metadata mark it as a gateway's hop (and does this process believe it)?"""
-    return hop_trusted and headers.get(HOP_HEADER) == HOP_GATEWAY
 
 enabled = False  # read on the hot path: `if tracing.enabled:`
 role = "service"  # "gateway" | "service": prefixes span names

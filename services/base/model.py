@@ -20,10 +20,9 @@ from typing import cast
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.hop import NO_HOP, QUEUED, Hop
 from meshserve.server.admission import RETRY_AFTER_S
-from meshserve.server.core import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from meshserve.telemetry.model_stats import ModelStats
 from services.base import batch_trace, batching
@@ -150,7 +149,7 @@ class ModelVersion:
         arrival = time.monotonic_ns()
         level, deadline_ns, delay_at = schedule_policy(self.policy, self.name, request, arrival, deadline_ns)
         if hop.queued_ns is None:
-            raise InferError.invalid(f"model '{self.name}': parameter '{wire.QUEUED_PARAMETER}' must be an integer")
+            raise InferError.invalid(f"model '{self.name}': parameter '{QUEUED}' must be an integer")
         return QueuedRequest(rows=pending.rows, arrival_ns=arrival, priority=level, deadline_ns=deadline_ns,
                              delay_at_ns=delay_at, payload=pending, future=fut,
                              waited_ns=hop.queued_ns,  # waited in a gateway's coalescer

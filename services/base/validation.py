@@ -13,10 +13,10 @@ import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes, wire
+from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
+from meshserve.protocol.hop import MERGED, Hop
 from meshserve.protocol.infer_checks import int_value, mixed_contents, reject_mixed_contents
-from meshserve.server.core import Hop
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
 from services.base.scheduling.policy import BatchingPolicy
@@ -193,9 +193,9 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
     rows = batch if mbs > 0 else 1
     merged = hop.merged  # client requests a gateway merged into this one
     if merged is None:
-        raise InferError.invalid(f"model '{name}': parameter '{wire.MERGED_PARAMETER}' must be an integer")
+        raise InferError.invalid(f"model '{name}': parameter '{MERGED}' must be an integer")
     if merged < 1 or merged > rows:
-        raise InferError.invalid(f"parameter '{wire.MERGED_PARAMETER}' must be in 1..{rows}, got {merged}")
+        raise InferError.invalid(f"parameter '{MERGED}' must be in 1..{rows}, got {merged}")
     return Pending(request, inputs, outputs, rows, tuple(sig), merged)
 
 

@@ -33,8 +33,8 @@ import numpy as np
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.hop import NO_HOP, PRIVATE_PREFIX
 from meshserve.protocol.infer_checks import int_value
-from meshserve.server.core import NO_HOP
 from services.base.runtime import RuntimeLoadError
 from services.base.validation import ModelTensors, Pending, prepare
 from services.python.ipc import Channel, RegionReader, RegionRef, RegionWriter, TensorRef, aligned, region_ref
@@ -83,7 +83,7 @@ def _parameters(request: pb.ModelInferRequest) -> tuple[str, int | str, int, int
     params: dict[str, object] = {}
     timeout = 0
     for key, p in request.parameters.items():
-        if key.startswith("meshserve_") or key in _HIDDEN_PARAMETERS:
+        if key.startswith(PRIVATE_PREFIX) or key in _HIDDEN_PARAMETERS:
             if key == "timeout":  # (its form and sign were checked when it was queued)
                 timeout = max(0, int_value(p) or 0)
             continue

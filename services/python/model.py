@@ -21,7 +21,7 @@ from pathlib import Path
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server.core import NO_HOP, Hop
+from meshserve.protocol.hop import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base.model import ModelVersion
 from services.base.scheduling.request import QueuedRequest, Scheduler

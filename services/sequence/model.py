@@ -21,7 +21,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
-from meshserve.server.core import NO_HOP, Hop
+from meshserve.protocol.hop import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base import batch_trace
 from services.base.model import ModelVersion

@@ -30,7 +30,7 @@ from gateway.auth import hash_key
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import grpc_service_pb2_grpc as pb_grpc
 from meshserve._proto import health_pb2, health_pb2_grpc
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.server import access
 from meshserve.server.access import Op, Rule
 from meshserve.server.grpc_frontend import inference_methods
@@ -215,7 +215,7 @@ def _stream_infer(channel: grpc.Channel, headers: dict[str, str]) -> tuple[int, 
     (resp,) = list(stub.ModelStreamInfer(iter([req]), metadata=tuple(headers.items()), timeout=30))
     if not resp.error_message:
         return 200, ""
-    code = resp.infer_response.parameters[wire.ERROR_CODE_PARAMETER].string_param
+    code = resp.infer_response.parameters[hop.ERROR_CODE].string_param
     return GRPC_CODES[code], resp.error_message
 
 

@@ -24,12 +24,11 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from meshserve.protocol import wire
-from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER
+from meshserve.protocol import hop
 from tests.adversarial.harness import KEY, Mesh, Observation, under_attack
 from tests.adversarial.support import add_sub_inputs
 
-FORGED = {HOP_HEADER: HOP_GATEWAY}
+FORGED = {hop.HEADER: hop.GATEWAY}
 F32 = 16 * 4
 
 
@@ -77,7 +76,7 @@ def test_the_gateway_refuses_private_parameters_with_or_without_the_marker(mesh:
     with m.InferenceServerClient(mesh.gateway.http if proto == "http" else mesh.gateway.grpc) as c:
         with pytest.raises(InferenceServerException) as err:
             c.infer("add_sub", add_sub_inputs(m), headers={"x-api-key": KEY, **FORGED},
-                    parameters={wire.MERGED_PARAMETER: 64})
+                    parameters={hop.MERGED: 64})
         assert str(err.value.status()) == ("400" if proto == "http" else "StatusCode.INVALID_ARGUMENT")
         assert "reserved for meshserve's own hops" in (err.value.message() or "")
         r = c.infer("add_sub", add_sub_inputs(m), headers={"x-api-key": KEY, **FORGED})  # the marker alone: ignored
@@ -90,7 +89,7 @@ def forged(c: grpcclient.InferenceServerClient, merged: int, rows: int) -> Any:
         inp = grpcclient.InferInput(name, [rows, 16], "FP32")
         inp.set_data_from_numpy(np.ones((rows, 16), np.float32))
         inputs.append(inp)
-    return c.infer("add_sub", inputs, headers=FORGED, parameters={wire.MERGED_PARAMETER: merged})
+    return c.infer("add_sub", inputs, headers=FORGED, parameters={hop.MERGED: merged})
 
 
 def test_a_forged_merged_count_at_a_service_is_bounded(mesh: Mesh) -> None:
@@ -103,7 +102,7 @@ def test_a_forged_merged_count_at_a_service_is_bounded(mesh: Mesh) -> None:
             with pytest.raises(InferenceServerException) as err:
                 forged(c, merged, rows)
             assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT", err.value
-            assert wire.MERGED_PARAMETER in (err.value.message() or "")
+            assert hop.MERGED in (err.value.message() or "")
         r = forged(c, 2, 2)
         assert r.as_numpy("OUTPUT0").shape == (2, 16)
         after = c.get_inference_statistics("add_sub").model_stats[0].inference_count

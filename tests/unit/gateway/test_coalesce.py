@@ -12,7 +12,6 @@ from google.protobuf import text_format
 from gateway.upstream import coalesce, merging
 from gateway.upstream.coalesce import Coalescer
 from gateway.upstream.merging import (
-    MERGED_PARAMETER,
     ModelShape,
     Unmergeable,
     merge,
@@ -21,7 +20,7 @@ from gateway.upstream.merging import (
 )
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 from tests.support import loop_passes
 from tests.support.slow import work_for_async
@@ -64,7 +63,7 @@ def test_merge_then_split_is_exact() -> None:
         order = ("INPUT1", "INPUT0") if i == 1 else ("INPUT0", "INPUT1")  # input order may differ
         reqs.append(request(rng.standard_normal((n, 16)), rng.standard_normal((n, 16)), f"id{i}", order))
     merged = merge(reqs, rows)
-    assert merged.parameters[MERGED_PARAMETER].int64_param == 3
+    assert merged.parameters[hop.MERGED].int64_param == 3
     assert [list(t.shape) for t in merged.inputs] == [[6, 16], [6, 16]]
     outs = split(fake_service(merged), reqs, rows)
     for req, raw in zip(reqs, outs, strict=True):
@@ -293,10 +292,10 @@ def counting_send(sent: list[int], gate: asyncio.Event, waited: list[int | None]
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
         if raw is not None:  # forwarded as the client's bytes (plus appended parameters)
             req = pb.ModelInferRequest.FromString(raw)
-        sent.append(req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1)
+        sent.append(req.parameters[hop.MERGED].int64_param if hop.MERGED in req.parameters else 1)
         if waited is not None:
-            waited.append(req.parameters[wire.QUEUED_PARAMETER].int64_param
-                          if wire.QUEUED_PARAMETER in req.parameters else None)
+            waited.append(req.parameters[hop.QUEUED].int64_param
+                          if hop.QUEUED in req.parameters else None)
         await gate.wait()
         return fake_service(req)
     return send
@@ -340,9 +339,9 @@ async def test_the_flush_writes_the_merge_in_its_own_loop_pass() -> None:
 
     def start(req: pb.ModelInferRequest, body: bytes, timeout: float | None):
         req = pb.ModelInferRequest.FromString(body)
-        if MERGED_PARAMETER not in req.parameters:
+        if hop.MERGED not in req.parameters:
             return None  # a lone request: the task sends it
-        written.append(req.parameters[MERGED_PARAMETER].int64_param)
+        written.append(req.parameters[hop.MERGED].int64_param)
         return answer(req)
 
     c = Coalescer(SimpleNamespace(send=counting_send(sent, gate), start=start,
@@ -426,7 +425,7 @@ async def test_a_merge_stops_at_the_byte_limit() -> None:
     gate = asyncio.Event()
 
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
-        sent.append((req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1,
+        sent.append((req.parameters[hop.MERGED].int64_param if hop.MERGED in req.parameters else 1,
                      req.ByteSize()))
         await gate.wait()
         return fake_service(req)
@@ -454,7 +453,7 @@ async def test_a_failing_merged_send_fails_only_its_members() -> None:
         nonlocal calls
         calls += 1
         await loop_passes()  # in flight while the others queue up and merge
-        if MERGED_PARAMETER in req.parameters:
+        if hop.MERGED in req.parameters:
             raise RuntimeError("backend failed")
         return fake_service(req)
 
@@ -505,7 +504,7 @@ async def test_requests_merge_only_with_deadlines_each_can_keep() -> None:
 
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
         req = pb.ModelInferRequest.FromString(raw) if raw is not None else req
-        sent.append((req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1,
+        sent.append((req.parameters[hop.MERGED].int64_param if hop.MERGED in req.parameters else 1,
                      timeout))
         await gate.wait()
         return fake_service(req)
@@ -543,7 +542,7 @@ async def test_a_merge_that_misses_one_member_s_deadline_fails_no_other_member(
 
     async def send(req: pb.ModelInferRequest, raw: bytes | None, timeout: float | None) -> pb.ModelInferResponse:
         req = pb.ModelInferRequest.FromString(raw) if raw is not None else req
-        members = req.parameters[MERGED_PARAMETER].int64_param if MERGED_PARAMETER in req.parameters else 1
+        members = req.parameters[hop.MERGED].int64_param if hop.MERGED in req.parameters else 1
         calls.append(members)
         if members > 1:  # the merge: held past its deadline, as a slow service would
             await work_for_async(timeout or 0)  # a service slower than the deadline

@@ -18,7 +18,7 @@ from gateway.routing.table import RoutingTable, pick_pinned
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 from tests.support import eventually_async, loop_passes
 from tests.unit.gateway.support import stream_service
@@ -31,7 +31,7 @@ async def unavailable() -> AsyncIterator[str]:
     async def stream_infer(requests: AsyncIterator[bytes], ctx: object) -> AsyncIterator[bytes]:
         async for raw in requests:
             resp = pb.ModelInferResponse(id=pb.ModelInferRequest.FromString(raw).id)
-            resp.parameters[wire.ERROR_CODE_PARAMETER].string_param = Code.UNAVAILABLE.value
+            resp.parameters[hop.ERROR_CODE].string_param = Code.UNAVAILABLE.value
             yield pb.ModelStreamInferResponse(error_message="model 'm' is not ready",
                                               infer_response=resp).SerializeToString()
 

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import generate_codec
+from meshserve.protocol import generate_codec, hop
 from meshserve.server import grpc_frontend
 from meshserve.server.http_frontend import start_http_server
-from meshserve.telemetry.tracing import HOP_GATEWAY, HOP_HEADER
 from tests.integration.decoupled_service import DecoupledCore
 from tests.support import eventually_async
 from tests.support.h2 import inference_service
@@ -149,7 +148,7 @@ async def test_a_unary_call_on_a_decoupled_model_gets_tritons_error(servers: Ser
 
 # ---- the gateway's hop ---------------------------------------------------------------------------
 
-HOP = ((HOP_HEADER, HOP_GATEWAY),)
+HOP = ((hop.HEADER, hop.GATEWAY),)
 
 
 def hop_stream(request: pb.ModelInferRequest) -> pb.ModelInferRequest:

@@ -1,5 +1,6 @@
 """The Hop record: a gateway's private ``meshserve_*`` request parameters and the stream's hop
-marker, read once at the front door (observe.read_hop) into ``RequestContext.hop``."""
+marker, read once at the front door (observe.read_hop: meshserve.protocol.hop.decode) into
+``RequestContext.hop``."""
 from __future__ import annotations
 
 import time
@@ -7,12 +8,12 @@ import time
 import pytest
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop
+from meshserve.protocol.hop import GATEWAY_HOP, NO_HOP
 from meshserve.server import observe
-from meshserve.server.core import GATEWAY_HOP, NO_HOP, InferResult, RequestContext
-from meshserve.telemetry import tracing
+from meshserve.server.core import InferResult, RequestContext
 
-GATEWAY = {tracing.HOP_HEADER: tracing.HOP_GATEWAY}
+GATEWAY = {hop.HEADER: hop.GATEWAY}
 
 
 def _params(**values: object) -> pb.ModelInferRequest:
@@ -40,19 +41,20 @@ def test_a_request_without_hop_parameters_shares_one_record() -> None:
 
 def test_the_hop_parameters_are_read_into_typed_fields() -> None:
     before = time.monotonic_ns()
-    req = _params(**{wire.MERGED_PARAMETER: 3, wire.QUEUED_PARAMETER: 250, wire.DEADLINE_PARAMETER: 2_000_000,
-                     wire.TRACEPARENTS_PARAMETER: "00-a-b-01\n"})
-    hop = observe.read_hop(req.parameters, GATEWAY)
+    req = _params(**{hop.MERGED: 3, hop.QUEUED: 250, hop.DEADLINE: 2_000_000,
+                     hop.TRACEPARENTS: "00-a-b-01\n"})
+    record = observe.read_hop(req.parameters, GATEWAY)
     after = time.monotonic_ns()
-    assert hop.gateway and hop.merged == 3 and hop.queued_ns == 250_000 and hop.traceparents == "00-a-b-01\n"
-    assert hop.deadline_ns is not None and before + 2_000_000_000 <= hop.deadline_ns <= after + 2_000_000_000
+    assert record.gateway and record.merged == 3 and record.queued_ns == 250_000
+    assert record.traceparents == "00-a-b-01\n"
+    assert record.deadline_ns is not None and before + 2_000_000_000 <= record.deadline_ns <= after + 2_000_000_000
 
 
 def test_the_clients_request_id_is_believed_from_a_gateway_only() -> None:
     """meshserve_request_id (the client's id; the hop's own id is the stream's key) fills
     Hop.request_id on a gateway's hop; a direct client's is ignored, and without it a gateway's
     request keeps the shared record."""
-    req = _params(**{wire.REQUEST_ID_PARAMETER: "client-7"})
+    req = _params(**{hop.REQUEST_ID: "client-7"})
     assert observe.read_hop(req.parameters, GATEWAY).request_id == "client-7"
     assert observe.read_hop(req.parameters, {}) is NO_HOP
     assert GATEWAY_HOP.request_id is None and NO_HOP.request_id is None
@@ -64,12 +66,12 @@ def test_the_clients_request_id_is_believed_from_a_gateway_only() -> None:
 def test_merged_count_accepts_every_integer_form_and_marks_the_rest(value: object, merged: int | None) -> None:
     """A non-integer count is None (the model refuses the request, INVALID_ARGUMENT); strings that
     str.isdigit() takes but int() does not ("--5", a superscript) are not integers, not a crash."""
-    assert observe.read_hop(_params(**{wire.MERGED_PARAMETER: value}).parameters, GATEWAY).merged == merged
+    assert observe.read_hop(_params(**{hop.MERGED: value}).parameters, GATEWAY).merged == merged
 
 
 def test_queued_time_is_clamped_to_ten_seconds() -> None:
     def queued(v: object) -> int | None:
-        return observe.read_hop(_params(**{wire.QUEUED_PARAMETER: v}).parameters, GATEWAY).queued_ns
+        return observe.read_hop(_params(**{hop.QUEUED: v}).parameters, GATEWAY).queued_ns
     assert queued(-5) == 0 and queued(20_000_000) == 10_000_000_000 and queued("12") == 12_000
     assert queued("soon") is None
 
@@ -83,37 +85,37 @@ async def test_the_front_door_puts_the_record_on_the_context() -> None:
             return InferResult(raw=b"")
 
     ctx = RequestContext("grpc", dict(GATEWAY))
-    await observe.infer(_Core(), _params(**{wire.MERGED_PARAMETER: 2}), ctx)  # type: ignore[arg-type]
+    await observe.infer(_Core(), _params(**{hop.MERGED: 2}), ctx)  # type: ignore[arg-type]
     assert seen[0] is ctx and ctx.hop.gateway and ctx.hop.merged == 2
 
 
 def test_hop_parameters_without_the_gateway_marker_are_not_believed() -> None:
     """A direct client's meshserve_* parameters change nothing: only a gateway's stream is a hop."""
-    req = _params(**{wire.MERGED_PARAMETER: 3, wire.QUEUED_PARAMETER: 250, wire.DEADLINE_PARAMETER: 5,
-                     wire.TRACEPARENTS_PARAMETER: "00-a-b-01\n"})
+    req = _params(**{hop.MERGED: 3, hop.QUEUED: 250, hop.DEADLINE: 5,
+                     hop.TRACEPARENTS: "00-a-b-01\n"})
     assert observe.read_hop(req.parameters, {}) is NO_HOP
     assert observe.read_hop(req.parameters, {"meshserve-hop": "client"}) is NO_HOP
     assert observe.read_hop(req.parameters, GATEWAY).merged == 3
 
 
 def test_a_streamed_request_is_marked_only_on_a_gateways_hop() -> None:
-    req = _params(**{wire.STREAM_PARAMETER: True})
+    req = _params(**{hop.STREAM: True})
     assert observe.read_hop(req.parameters, GATEWAY).stream
     assert not observe.read_hop(req.parameters, {}).stream  # a direct client cannot claim the hop's marking
-    assert not observe.read_hop(_params(**{wire.STREAM_PARAMETER: False}).parameters, GATEWAY).stream
+    assert not observe.read_hop(_params(**{hop.STREAM: False}).parameters, GATEWAY).stream
     assert not GATEWAY_HOP.stream and not NO_HOP.stream
 
 
 def test_a_gateway_never_believes_the_marker(monkeypatch: pytest.MonkeyPatch) -> None:
     """A gateway's callers are clients: with the marker distrusted (GatewayCore.start), a
     client's ``meshserve-hop: gateway`` header is ignored like any other header."""
-    monkeypatch.setattr(tracing, "hop_trusted", True)
-    tracing.trust_hop_marker(False)
-    req = _params(**{wire.MERGED_PARAMETER: 3})
+    monkeypatch.setattr(hop, "trusted", True)
+    hop.trust_marker(False)
+    req = _params(**{hop.MERGED: 3})
     assert observe.read_hop(req.parameters, GATEWAY) is NO_HOP
-    assert not tracing.gateway_hop(GATEWAY)
-    tracing.trust_hop_marker(True)
-    assert tracing.gateway_hop(GATEWAY) and observe.read_hop(req.parameters, GATEWAY).merged == 3
+    assert not hop.from_gateway(GATEWAY)
+    hop.trust_marker(True)
+    assert hop.from_gateway(GATEWAY) and observe.read_hop(req.parameters, GATEWAY).merged == 3
 
 
 async def test_a_forged_merged_count_weighs_at_most_its_rows() -> None:
@@ -127,7 +129,7 @@ async def test_a_forged_merged_count_weighs_at_most_its_rows() -> None:
             return InferResult(raw=b"")
 
     for merged, rows, weight in ((1_000_000, 4, 4), (3, 8, 3), (-7, 4, 1), (64, 0, 1)):
-        req = _params(**{wire.MERGED_PARAMETER: merged})
+        req = _params(**{hop.MERGED: merged})
         req.inputs.add(name="x", datatype="FP32", shape=[rows, 2])
         before = observe._gate.requests
         await observe.infer(_Core(), req, RequestContext("grpc", dict(GATEWAY)))  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from google.protobuf import text_format
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.server import core as server_core
 from meshserve.server.core import NO_HOP, Hop
@@ -58,7 +58,7 @@ async def test_a_model_version_reads_the_hop_record_not_the_parameters(tmp_path:
     mv = ModelVersion(_config("m"), 1, tmp_path, [Echo()], "fake")
     try:
         # the parameter is the front door's to read: here it is only a parameter
-        body = await mv.infer(_request(2, **{wire.MERGED_PARAMETER: 5}), None, NO_HOP)
+        body = await mv.infer(_request(2, **{hop.MERGED: 5}), None, NO_HOP)
         assert pb.ModelInferResponse.FromString(body).outputs[0].shape == [2, 1]
         await mv.infer(_request(2), None, Hop(merged=2, queued_ns=1000))
         stats = mv.stats.to_pb()

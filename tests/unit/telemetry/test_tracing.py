@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import wire
+from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.server import observe
 from meshserve.server.core import InferResult, RequestContext
@@ -121,7 +121,7 @@ def test_observe_server_span_from_header_and_error_status(spans: InMemorySpanExp
 
 def test_observe_skips_gateway_hop_requests_without_context(spans: InMemorySpanExporter) -> None:
     req = pb.ModelInferRequest(model_name="m")
-    ctx = RequestContext("grpc", {tracing.HOP_HEADER: tracing.HOP_GATEWAY})
+    ctx = RequestContext("grpc", {hop.HEADER: hop.GATEWAY})
     for _ in range(20):
         assert asyncio.run(observe.infer(_Core(), req, ctx))[1] is None  # type: ignore[arg-type]
     assert tracing.force_flush(5)
@@ -233,18 +233,18 @@ def test_requests_the_gateway_forwarded_get_their_server_spans_late(service_span
     spans were given while it ran; a request sent alone gets one, with its request id."""
     other_trace, other_parent = "1" * 32, "2" * 16
     merged = pb.ModelInferRequest(model_name="m", model_version="1")
-    merged.parameters[wire.MERGED_PARAMETER].int64_param = 4
-    merged.parameters[wire.TRACEPARENTS_PARAMETER].string_param = "\n".join([
+    merged.parameters[hop.MERGED].int64_param = 4
+    merged.parameters[hop.TRACEPARENTS].string_param = "\n".join([
         f"00-{TRACE}-{PARENT}-01", "", f"00-{other_trace}-{other_parent}-01\tk=v", f"00-{TRACE}-{'3' * 16}-00"])
-    hop = {tracing.HOP_HEADER: tracing.HOP_GATEWAY}
+    marker = {hop.HEADER: hop.GATEWAY}
     core = _SpyCore()
-    result, echoed = _served(core, merged, RequestContext("grpc", hop), service_spans, 2)
+    result, echoed = _served(core, merged, RequestContext("grpc", marker), service_spans, 2)
     assert echoed is None  # nothing to echo on the gateway's stream
     assert [(f"{r.trace_id:032x}", r.trace_state) for r in core.seen] == [(TRACE, ""), (other_trace, "k=v")]
     alone = pb.ModelInferRequest(model_name="m", model_version="1", id="solo")
     alone.parameters["traceparent"].string_param = f"00-{other_trace}-{PARENT}-01"
     with pytest.raises(InferError):
-        _served(_Core(fail=True), alone, RequestContext("grpc", hop), service_spans, 1)
+        _served(_Core(fail=True), alone, RequestContext("grpc", marker), service_spans, 1)
     tracing.force_flush(5)
     eventually(lambda: len(service_spans.get_finished_spans()) >= 3)  # the exporter thread's batch delay
     got = {(f"{s.context.trace_id:032x}", f"{s.parent.span_id:016x}"): s for s in service_spans.get_finished_spans()}

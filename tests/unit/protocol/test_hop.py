@@ -1,0 +1,105 @@
+"""meshserve.protocol.hop, the hop protocol's one codec: what the gateway encodes on a hop request,
+a streamed request, a stream error and a cancel decodes to the same facts on the service's side."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import hop
+from meshserve.protocol.errors import Code, InferError
+
+MARKED = dict(hop.METADATA)
+
+
+def _decode(raw: bytes) -> hop.Hop:
+    return hop.decode(pb.ModelInferRequest.FromString(raw).parameters, MARKED)
+
+
+def test_a_merged_requests_hop_round_trips_every_field() -> None:
+    """Encode every request field (a merged request: count, traceparents per member, queued
+    time, deadline, the client's id, streamed) and decode it: the same Hop, field by field."""
+    lines = ["00-" + "a" * 32 + "-" + "b" * 16 + "-01", "", "00-" + "c" * 32 + "-" + "d" * 16 + "-01\tk=v"]
+    merged = pb.ModelInferRequest(model_name="m", id="~gw7")
+    merged.parameters["priority"].int64_param = 2  # a protocol parameter rides along untouched
+    hop.set_merged(merged, 3)
+    hop.set_queued(merged, 1_500)
+    raw = merged.SerializeToString()
+    raw = hop.with_traceparents(raw, lines)
+    raw = hop.with_request_id(raw, "client-é-7")  # (a non-ASCII id: its length in bytes)
+    raw = hop.with_stream(raw)
+    before = time.monotonic_ns()
+    raw = hop.with_deadline(raw, 2.5)
+    decoded = _decode(raw)
+    after = time.monotonic_ns()
+    assert hop.merged_count(pb.ModelInferRequest.FromString(raw)) == 3
+    assert decoded.deadline_ns is not None and before + 2_500_000_000 <= decoded.deadline_ns <= after + 2_500_000_000
+    expected = hop.Hop(gateway=True, merged=3, queued_ns=1_500_000, deadline_ns=decoded.deadline_ns,
+                       traceparents="\n".join(lines), stream=True, request_id="client-é-7")
+    fields = ("gateway", "merged", "queued_ns", "deadline_ns", "traceparents", "stream", "request_id")
+    assert [getattr(decoded, f) for f in fields] == [getattr(expected, f) for f in fields]
+    parsed = pb.ModelInferRequest.FromString(raw)
+    assert parsed.id == "~gw7" and parsed.parameters["priority"].int64_param == 2
+
+
+def test_the_raw_and_the_parsed_encoders_agree() -> None:
+    """with_queued on bytes and set_queued on a message write the same parameter; a later entry
+    of the same key wins (the protobuf map rule the byte-level encoders rely on)."""
+    request = pb.ModelInferRequest(model_name="m")
+    by_bytes = hop.with_queued(request.SerializeToString(), 42)
+    hop.set_queued(request, 42)
+    assert pb.ModelInferRequest.FromString(by_bytes) == request
+    assert _decode(hop.with_queued(by_bytes, 99)).queued_ns == 99_000
+    assert _decode(hop.with_deadline(b"", 1e-9)).deadline_ns is not None  # (at least 1 µs on the wire)
+    big = hop.with_deadline(b"", 1e6)  # a deadline whose µs need more than one varint byte per 7 bits
+    assert pb.ModelInferRequest.FromString(big).parameters[hop.DEADLINE].int64_param == 1_000_000_000_000
+
+
+def test_a_request_without_hop_fields_decodes_to_the_shared_records() -> None:
+    assert _decode(b"") is hop.GATEWAY_HOP
+    assert _decode(pb.ModelInferRequest(id="~gw1").SerializeToString()) is hop.GATEWAY_HOP
+    assert hop.decode(pb.ModelInferRequest.FromString(hop.with_stream(b"")).parameters, {}) is hop.NO_HOP
+
+
+def test_a_stream_error_round_trips_its_code_message_and_retry_hint() -> None:
+    for code, message, retry_after_ms in ((Code.RESOURCE_EXHAUSTED, "queue full", 1_250),
+                                          (Code.INVALID_ARG, "bad shape", None),
+                                          (Code.UNAVAILABLE, "", None)):
+        msg = pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(id="~gw3"))
+        hop.set_error(msg.infer_response, code, retry_after_ms)
+        error = hop.stream_error(pb.ModelStreamInferResponse.FromString(msg.SerializeToString()), "service x")
+        assert isinstance(error, InferError) and error.code is code
+        assert error.message == (message or f"{code.value} from service x (no details)")
+        assert error.retry_after_ms == retry_after_ms
+    assert hop.stream_error(pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id="a")), "x") is None
+    unknown = pb.ModelStreamInferResponse(error_message="odd")
+    unknown.infer_response.parameters[hop.ERROR_CODE].string_param = "NOT_A_CODE"
+    assert (error := hop.stream_error(unknown, "x")) is not None and error.code is Code.UNKNOWN
+
+
+def test_a_cancel_names_the_request_it_stops() -> None:
+    cancel = pb.ModelInferRequest.FromString(hop.cancel("~gw12"))
+    assert cancel.id == "~gw12" and cancel.parameters[hop.CANCEL].bool_param
+    assert set(cancel.parameters) == {hop.CANCEL}
+
+
+def test_an_empty_final_is_marked() -> None:
+    response = pb.ModelInferResponse(id="~gw4")
+    hop.set_empty_final(response)
+    assert pb.ModelInferResponse.FromString(response.SerializeToString()).parameters[hop.EMPTY_FINAL].bool_param
+
+
+def test_every_private_name_has_the_prefix_a_gateway_refuses() -> None:
+    names = [hop.MERGED, hop.QUEUED, hop.DEADLINE, hop.TRACEPARENTS, hop.STREAM, hop.EMPTY_FINAL, hop.CANCEL,
+             hop.REQUEST_ID, hop.ERROR_CODE, hop.RETRY_AFTER]
+    assert all(n.startswith(hop.PRIVATE_PREFIX) for n in names) and len(set(names)) == len(names)
+
+
+def test_the_marker_is_believed_only_where_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hop, "trusted", True)
+    raw = hop.with_queued(b"", 5)
+    assert hop.from_gateway(MARKED) and _decode(raw).queued_ns == 5_000
+    assert not hop.from_gateway({hop.HEADER: "client"}) and not hop.from_gateway({})
+    hop.trust_marker(False)
+    assert not hop.from_gateway(MARKED) and _decode(raw) is hop.NO_HOP
