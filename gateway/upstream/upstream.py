@@ -7,7 +7,9 @@ reached a model), ``send`` (an infer request forwarded as bytes on a replica's s
 sampled requests; ``each`` asks several replicas at once (statistics, the repository index,
 load/unload, metrics federation: gateway/statistics.py, control.py, federation.py). GatewayCore's
 pipeline, the coalescer, A/B routes, ensembles, model control, statistics and federation hold this
-object; none of them hands another a function to call back.
+object (the core hands the pipeline, the A/B router and the ensembles a few look-ups of its own:
+docs/architecture.md). ``start`` and ``stream`` write a merged request or a streamed one on a
+replica's streams.
 """
 from __future__ import annotations
 

@@ -207,7 +207,9 @@ class ModelVersion:
                 done.set_result(None)
 
     async def _execute(self, batch: list[QueuedRequest[Pending]]) -> None:
-        """Run one batch on a free instance (worker thread); resolve every member future."""
+        """Run one batch on a free instance (on the event loop; the group itself runs in
+        `_run_group` on the instance's worker thread, or inline where measured to be quick);
+        resolve every member future."""
         loop = asyncio.get_running_loop()
         instance = self._free.pop()
         start_ns = time.monotonic_ns()

@@ -143,7 +143,7 @@ def test_the_kinds_registry_imports_only_the_standard_library() -> None:
 
 
 def test_scheduling_imports_only_the_standard_library_and_itself() -> None:
-    """Scheduling imports neither grpc nor the server nor the runtime (DESIGN §3 layering): only
+    """Scheduling imports neither grpc nor the server nor the runtime (docs/architecture.md, "Layers and their import rules"): only
     the standard library, and its own modules relatively."""
     offenders = []
     for path in _modules("services/base/scheduling"):
