@@ -1,0 +1,224 @@
+"""Triton's response cache in the gateway (--cache-config local,size=BYTES; gateway/cache.py),
+through the real tritonclient over HTTP and gRPC: a repeat is a hit (the gateway's statistics and
+nv_cache_* say so, the service's own statistics show no new request, the answer carries the
+request's own id and the client's binary/JSON choice), a changed input byte or parameter is a
+miss, a reload invalidates, a tenant without the model gets 403 / PERMISSION_DENIED and no hit,
+and 32 identical concurrent misses run the model once."""
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
+from tests.integration.test_gateway_tenants import tenants_yaml
+from tests.support.metrics import metric
+
+MODULES: dict[str, Any] = {"http": httpclient, "grpc": grpcclient}
+CACHE = ["--cache-config", "local,size=1048576"]
+
+
+@pytest.fixture(scope="module")
+def repo(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cached")
+    shutil.copytree(model_repo / "add_sub", root / "add_sub")
+    config = root / "add_sub" / "config.pbtxt"
+    config.write_text(config.read_text() + "\nresponse_cache { enable: true }\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def stack(repo: Path) -> Iterator[tuple[Proc, Proc]]:
+    with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit",
+                                      "--load-model", "add_sub"], CACHE) as both:
+        yield both
+
+
+def inputs(mod: Any, a: np.ndarray, b: np.ndarray, binary: bool = True) -> list[Any]:
+    kw = {"binary_data": binary} if mod is httpclient else {}
+    pair = [mod.InferInput(name, list(value.shape), "FP32") for name, value in (("INPUT0", a), ("INPUT1", b))]
+    pair[0].set_data_from_numpy(a, **kw)
+    pair[1].set_data_from_numpy(b, **kw)
+    return pair
+
+
+def infer(proto: str, url: str, a: np.ndarray, b: np.ndarray, **kw: Any) -> Any:
+    mod = MODULES[proto]
+    binary = kw.pop("binary", True)
+    outputs = kw.pop("outputs", None)
+    requested = None
+    if outputs is not None:
+        requested = [mod.InferRequestedOutput(n, binary_data=binary) if mod is httpclient
+                     else mod.InferRequestedOutput(n) for n in outputs]
+    with mod.InferenceServerClient(url) as c:
+        return c.infer("add_sub", inputs(mod, a, b, binary), outputs=requested, **kw)
+
+
+def service_success(svc: Proc) -> int:
+    with grpcclient.InferenceServerClient(svc.grpc) as c:
+        stats = c.get_inference_statistics("add_sub", as_json=True)["model_stats"][0]
+    return int(stats["inference_stats"]["success"].get("count", 0))
+
+
+def gateway_cache(gw: Proc, name: str = "add_sub") -> tuple[int, int]:
+    with httpclient.InferenceServerClient(gw.http) as c:
+        stats = c.get_inference_statistics(name)["model_stats"][0]["inference_stats"]
+    return int(stats["cache_hit"]["count"]), int(stats["cache_miss"]["count"])
+
+
+def fresh(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((1, 16), dtype=np.float32), rng.random((1, 16), dtype=np.float32)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_repeat_is_a_hit(proto: str, stack: tuple[Proc, Proc]) -> None:
+    svc, gw = stack
+    url = getattr(gw, proto)
+    a, b = fresh(1 if proto == "http" else 2)
+    hits, misses = gateway_cache(gw)
+    runs = service_success(svc)
+    metric_hits = metric(gw.http, "nv_cache_num_hits_per_model", model="add_sub", version="1") \
+        if hits else 0.0
+    both = ["OUTPUT0", "OUTPUT1"]
+    first = infer(proto, url, a, b, request_id="first", outputs=both)
+    assert service_success(svc) == runs + 1
+    assert gateway_cache(gw) == (hits, misses + 1)
+    second = infer(proto, url, a, b, request_id="second", outputs=both, binary=False)  # JSON this time (HTTP)
+    assert service_success(svc) == runs + 1  # the service saw no request
+    assert gateway_cache(gw) == (hits + 1, misses + 1)
+    np.testing.assert_array_equal(second.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(second.as_numpy("OUTPUT1"), a - b)
+    np.testing.assert_array_equal(first.as_numpy("OUTPUT0"), second.as_numpy("OUTPUT0"))
+    response = second.get_response()
+    assert (response["id"] if proto == "http" else response.id) == "second"
+    if proto == "http":  # the client's JSON choice honoured on a hit
+        assert "data" in response["outputs"][0] and "parameters" not in response["outputs"][0]
+    assert metric(gw.http, "nv_cache_num_hits_per_model", model="add_sub", version="1") == metric_hits + 1
+    assert metric(gw.http, "nv_cache_num_misses_per_model", model="add_sub", version="1") >= 1
+    assert metric(gw.http, "nv_cache_hit_duration_per_model", model="add_sub", version="1") >= 0
+    # a request for one output is another entry; its answer has that output only
+    only = infer(proto, url, a, b, outputs=["OUTPUT1"])
+    assert only.as_numpy("OUTPUT0") is None
+    np.testing.assert_array_equal(only.as_numpy("OUTPUT1"), a - b)
+    assert service_success(svc) == runs + 2
+    infer(proto, url, a, b, outputs=["OUTPUT1"], binary=False)
+    assert service_success(svc) == runs + 2
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_changed_byte_or_parameter_is_a_miss(proto: str, stack: tuple[Proc, Proc]) -> None:
+    svc, gw = stack
+    url = getattr(gw, proto)
+    a, b = fresh(3 if proto == "http" else 4)
+    infer(proto, url, a, b)
+    runs = service_success(svc)
+    hits, misses = gateway_cache(gw)
+    changed = a.copy()
+    changed.view(np.uint8)[0, 5] ^= 1  # one bit of one byte
+    out = infer(proto, url, changed, b)
+    np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), changed + b)
+    assert service_success(svc) == runs + 1
+    infer(proto, url, a, b, parameters={"custom": 7})  # a parameter a model could read
+    assert service_success(svc) == runs + 2
+    assert gateway_cache(gw) == (hits, misses + 2)
+    infer(proto, url, a, b)  # the original is still a hit
+    assert service_success(svc) == runs + 2
+    assert gateway_cache(gw) == (hits + 1, misses + 2)
+
+
+def test_a_reload_invalidates(stack: tuple[Proc, Proc]) -> None:
+    svc, gw = stack
+    a, b = fresh(5)
+    infer("grpc", gw.grpc, a, b)
+    runs = service_success(svc)
+    infer("grpc", gw.grpc, a, b)
+    assert service_success(svc) == runs  # a hit
+    with httpclient.InferenceServerClient(gw.http) as c:
+        c.load_model("add_sub")  # a reload through the gateway's model control
+    runs = service_success(svc)  # (a reload may restart the service's counts)
+    hits, misses = gateway_cache(gw)
+    out = infer("http", gw.http, a, b)
+    np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+    assert service_success(svc) == runs + 1
+    assert gateway_cache(gw) == (hits, misses + 1)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_tenant_without_the_model_gets_no_hit(proto: str, repo: Path, stack: tuple[Proc, Proc],
+                                                tmp_path: Path) -> None:
+    svc, _ = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(tenants_yaml(models='["scale"]'))  # acme may not call add_sub; ops may
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--tenants", str(tenants)])
+    try:
+        _wait_http_ready(gw.http)
+        url = getattr(gw, proto)
+        a, b = fresh(6)
+        ops = {"x-api-key": "ops-key"}
+        infer(proto, url, a, b, headers=ops)
+        infer(proto, url, a, b, headers=ops)
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
+        assert int(stats["cache_hit"]["count"]) == 1
+        with pytest.raises(InferenceServerException) as err:
+            infer(proto, url, a, b, headers={"x-api-key": "acme-key"})
+        assert str(err.value.status()) == ("403" if proto == "http" else "StatusCode.PERMISSION_DENIED")
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
+        assert int(stats["cache_hit"]["count"]) == 1
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_single_flight_runs_the_model_once(proto: str) -> None:
+    svc = start(["--grpc-port", "0", "--delay-ms", "300"], module="tests.integration.cache_slow_service")
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE])
+    try:
+        _wait_http_ready(gw.http)
+        mod = MODULES[proto]
+        url = getattr(gw, proto)
+        value = np.arange(4, dtype=np.float32).reshape(1, 4)
+        barrier = threading.Barrier(32)
+        answers: list[Any] = []
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            inp = mod.InferInput("IN", [1, 4], "FP32")
+            inp.set_data_from_numpy(value)
+            with mod.InferenceServerClient(url) as c:
+                barrier.wait()
+                try:
+                    answers.append(c.infer("sleep_a", [inp], request_id=f"r{i}"))
+                except BaseException as exc:  # (reported below)
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert len(answers) == 32
+        for r in answers:
+            np.testing.assert_array_equal(r.as_numpy("OUT"), value)
+        ids = {(r.get_response()["id"] if proto == "http" else r.get_response().id) for r in answers}
+        assert ids == {f"r{i}" for i in range(32)}  # each its own id
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("sleep_a")["model_stats"][0]
+        assert int(stats["execution_count"]) == 1  # the service ran the model once
+        assert int(stats["inference_stats"]["cache_miss"]["count"]) == 1
+        assert int(stats["inference_stats"]["cache_hit"]["count"]) == 31
+    finally:
+        gw.stop()
+        svc.stop()
