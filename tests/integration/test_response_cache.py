@@ -222,3 +222,16 @@ def test_single_flight_runs_the_model_once(proto: str) -> None:
     finally:
         gw.stop()
         svc.stop()
+
+
+def test_json_inputs_and_raw_inputs_share_an_entry(stack: tuple[Proc, Proc]) -> None:
+    """HTTP JSON `data` and gRPC `raw_input_contents` of the same values are one entry."""
+    svc, gw = stack
+    a, b = fresh(7)
+    infer("http", gw.http, a, b, binary=False)
+    runs = service_success(svc)
+    hits, _ = gateway_cache(gw)
+    out = infer("grpc", gw.grpc, a, b)
+    np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+    assert service_success(svc) == runs
+    assert gateway_cache(gw)[0] == hits + 1
