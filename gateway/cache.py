@@ -60,10 +60,14 @@ FAMILIES = {
 }
 
 
+REDIS_SETTINGS = frozenset({"host", "port", "username", "password"})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     kind: str
-    size: int
+    size: int = 0  # local: the byte budget
+    settings: tuple[tuple[str, str], ...] = ()  # redis: host, port, username, password
 
     @classmethod
     def parse(cls, values: list[str]) -> CacheConfig | None:
@@ -82,9 +86,14 @@ class CacheConfig:
             kind = name
             settings[key] = val
         if kind == "redis":
-            raise ValueError("the redis cache is not supported yet: use local,size=BYTES")
+            unknown = sorted(set(settings) - REDIS_SETTINGS)
+            if unknown:
+                raise ValueError(f"redis cache: unknown setting '{unknown[0]}' (known: {', '.join(sorted(REDIS_SETTINGS))})")
+            if not settings.get("port", "6379").isdigit():
+                raise ValueError(f"redis cache: port must be a number, got '{settings['port']}'")
+            return cls(kind, settings=tuple(sorted(settings.items())))
         if kind != "local":
-            raise ValueError(f"unknown cache '{kind}': expected local")
+            raise ValueError(f"unknown cache '{kind}': expected local or redis")
         unknown = sorted(set(settings) - {"size"})
         if unknown:
             raise ValueError(f"local cache: unknown setting '{unknown[0]}' (known: size)")
@@ -97,9 +106,11 @@ class CacheConfig:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """--cache-config: a flag of `meshserve gateway` and `meshserve up`."""
     ap.add_argument("--cache-config", action="append", default=[], metavar="CACHE,KEY=VALUE",
-                    help="Triton's response cache, in the gateway: local,size=BYTES (repeatable, Triton's syntax); "
-                         "models whose config says response_cache { enable: true } answer repeated requests "
-                         f"from it (an answer over 1/{ENTRY_SHARE} of the size is not kept). Default: off")
+                    help="Triton's response cache, in the gateway: local,size=BYTES, or redis,host=H plus "
+                         "redis,port=P (and redis,username= / redis,password=: shared by gateway replicas) "
+                         "(repeatable, Triton's syntax); models whose config says response_cache { enable: true } "
+                         f"answer repeated requests from it (an answer over 1/{ENTRY_SHARE} of the local size, "
+                         "or over 4 MiB in Redis, is not kept). Default: off")
 
 
 def _tensor_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes | None:
@@ -267,6 +278,78 @@ class CacheCounts:
             s.cache_miss.ns += self.miss_ns[key]
 
 
+REDIS_ENTRY_MAX = 4 << 20  # an answer over 4 MiB is not kept in Redis
+REDIS_TIMEOUT_S = 0.25  # a Redis call slower than this is a miss
+REDIS_BACKOFF_S = 1.0  # after a Redis error, lookups are misses (and nothing is stored) this long
+REDIS_PREFIX = "meshserve:cache:"
+
+
+class RedisCache:
+    """Answers in Redis, shared by every gateway (and worker) that names the same server.
+
+    An entry is ``REDIS_PREFIX{model}:<digest hex>`` holding ``<generation>|<answer>``; the model's
+    generation (``REDIS_PREFIX{model}:gen``) is bumped by a load or unload through any gateway
+    and read with the entry in one MGET, so an answer of an older generation is a miss (it is
+    overwritten by the next miss's answer). Redis's own memory bound is the operator's
+    (``maxmemory`` with ``allkeys-lru``). A Redis error or timeout is a miss, never an error,
+    and Redis is left alone for ``REDIS_BACKOFF_S`` after one."""
+
+    def __init__(self, settings: tuple[tuple[str, str], ...]):
+        import redis.asyncio as aioredis  # only needed when this cache is configured
+        from redis.exceptions import RedisError
+
+        given = dict(settings)
+        self._client: Any = aioredis.Redis(
+            host=given.get("host", "localhost"), port=int(given.get("port", "6379")),
+            username=given.get("username"), password=given.get("password"),
+            socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._down_until = 0.0
+        self.errors = 0
+
+    @staticmethod
+    def _keys(model: str, key: bytes) -> tuple[str, str]:
+        tag = REDIS_PREFIX + "{" + model + "}:"  # one hash slot per model (Redis Cluster)
+        return tag + "gen", tag + key.hex()
+
+    def _failed(self) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + REDIS_BACKOFF_S
+
+    async def get(self, key: bytes, model: str) -> tuple[bytes | None, bytes | None]:
+        """(the answer or None, the model's generation: None when Redis did not answer)."""
+        if time.monotonic() < self._down_until:
+            return None, None
+        try:
+            generation, value = await self._client.mget(self._keys(model, key))
+        except self._errors:
+            self._failed()
+            return None, None
+        generation = generation or b"0"
+        if value is not None:
+            stored, sep, answer = value.partition(b"|")
+            if sep and stored == generation:
+                return answer, generation
+        return None, generation
+
+    async def put(self, key: bytes, model: str, answer: bytes, generation: bytes) -> None:
+        if len(answer) > REDIS_ENTRY_MAX or time.monotonic() < self._down_until:
+            return
+        try:
+            await self._client.set(self._keys(model, key)[1], generation + b"|" + answer)
+        except self._errors:
+            self._failed()
+
+    async def invalidate(self, model: str) -> None:
+        try:
+            await self._client.incr(self._keys(model, b"")[0])
+        except self._errors:
+            self._failed()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
 class CacheStage:
     """The pipeline stage (gateway/pipeline.py:assemble puts it after ``Admit``). A request is
     looked up when its model's config enables the response cache, the model is neither
@@ -279,9 +362,10 @@ class CacheStage:
 
     next: Any  # pipeline.Stage
 
-    def __init__(self, cache: LocalCache, config_for: Callable[[str, str], mc.ModelConfig | None],
+    def __init__(self, cache: LocalCache | RedisCache, config_for: Callable[[str, str], mc.ModelConfig | None],
                  versions: Callable[[str], str | None], is_route: Callable[[str], bool]):
-        self.cache = cache
+        self.local = cache if isinstance(cache, LocalCache) else None
+        self.shared = cache if isinstance(cache, RedisCache) else None
         self.counts = CacheCounts()
         self._config_for = config_for
         self._versions = versions  # the version a request without one is routed to
@@ -316,11 +400,27 @@ class CacheStage:
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
         return self.next.stream(request, ctx, sequence)  # streamed (decoupled) answers: never cached
 
+    async def invalidate(self, model: str) -> None:
+        """Drop a model's answers (a load or unload through the gateway)."""
+        if self.local is not None:
+            self.local.invalidate(model)
+        if self.shared is not None:
+            await self.shared.invalidate(model)
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
+
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
                       request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
         started = time.perf_counter_ns()
+        local, shared = self.local, self.shared
+        generation: bytes | None = None
         while True:
-            answer = self.cache.get(key, config)
+            if local is not None:
+                answer = local.get(key, config)
+            elif shared is not None:
+                answer, generation = await shared.get(key, model[0])
             if answer is not None:
                 return self._hit(model, answer, request, started)
             flight = self.flights.get(key)
@@ -334,14 +434,17 @@ class CacheStage:
             if answer is not None:
                 return self._hit(model, answer, request, started)
             # the leader failed: nothing was kept; look again (one waiter leads the next try)
-        return await self._lead(key, model, config, request, ctx, sequence, started)
+        return await self._lead(key, model, config, request, ctx, sequence, started, generation)
 
     async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
                     request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
-                    started: int) -> InferResult:
+                    started: int, shared_generation: bytes | None) -> InferResult:
+        """Run the model for a miss (``shared_generation``: the Redis generation it was looked up
+        under, None: do not store in Redis)."""
         flight: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
         self.flights[key] = flight
-        generation = self.cache.generations[model[0]]
+        local = self.local
+        generation = local.generations[model[0]] if local is not None else 0
         looked = time.perf_counter_ns() - started
         answer: bytes | None = None
         inserted = 0
@@ -354,9 +457,12 @@ class CacheStage:
                 answer = message.SerializeToString()
             else:
                 answer = result.serialized()
-            if not self.cache.put(key, model[0], answer, config, generation) \
-                    and generation != self.cache.generations[model[0]]:
-                answer = None  # reloaded meanwhile: the waiters ask the new model
+            if local is not None:
+                if not local.put(key, model[0], answer, config, generation) \
+                        and generation != local.generations[model[0]]:
+                    answer = None  # reloaded meanwhile: the waiters ask the new model
+            elif self.shared is not None and shared_generation is not None:
+                await self.shared.put(key, model[0], answer, shared_generation)
             inserted = time.perf_counter_ns() - inserting
             return result
         finally:

@@ -11,7 +11,7 @@ from typing import Any
 from gateway import pipeline
 from gateway.auth import Admission
 from gateway.cache import FAMILIES as CACHE_FAMILIES
-from gateway.cache import CacheConfig, CacheStage, LocalCache
+from gateway.cache import CacheConfig, CacheStage, LocalCache, RedisCache
 from gateway.control import ModelControl
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.federation import Federation
@@ -122,7 +122,8 @@ class GatewayCore:
         self.forward = pipeline.Forward(self.upstream, self.coalescer)
         # Triton's response cache (--cache-config): None keeps the stage out of the chain.
         self.cache = None if cache is None else CacheStage(
-            LocalCache(cache.size), self.discovery.config_for, self._served_version,
+            LocalCache(cache.size) if cache.kind == "local" else RedisCache(cache.settings),
+            self.discovery.config_for, self._served_version,
             lambda name: routes is not None and routes.lookup(name) is not None)
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
                                           self._target_decoupled, admission, routes, ensembles, self.cache)
@@ -143,6 +144,8 @@ class GatewayCore:
             await self.admission.store.close()
         if self.routes is not None:
             await self.routes.stop()
+        if self.cache is not None:
+            await self.cache.close()
 
     # ---- V2Core -----------------------------------------------------------------------
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
@@ -260,11 +263,11 @@ class GatewayCore:
         if self.cache is None:
             await self.control.load_model(name, parameters, ctx)
             return
-        self.cache.cache.invalidate(name)  # a reload drops the model's answers, before and after
+        await self.cache.invalidate(name)  # a reload drops the model's answers, before and after
         try:
             await self.control.load_model(name, parameters, ctx)
         finally:
-            self.cache.cache.invalidate(name)
+            await self.cache.invalidate(name)
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
@@ -272,7 +275,7 @@ class GatewayCore:
             await self.control.unload_model(name, parameters, ctx)
         finally:
             if self.cache is not None:
-                self.cache.cache.invalidate(name)
+                await self.cache.invalidate(name)
 
     async def metrics_text(self) -> tuple[bytes, str]:
         federated = await self.federation.families() if self.federate_metrics else []  # first: it sets up

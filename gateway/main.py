@@ -98,6 +98,12 @@ def main(args: argparse.Namespace) -> None:
         cache = response_cache.CacheConfig.parse(args.cache_config)
     except ValueError as exc:
         raise SystemExit(f"meshserve gateway: --cache-config {exc}") from None
+    if cache is not None and cache.kind == "redis":
+        try:
+            import redis.asyncio  # noqa: F401  (the Redis cache's client)
+        except ImportError:
+            raise SystemExit("meshserve gateway: --cache-config redis: the Redis client is not installed "
+                             "(pip install 'meshserve[redis]')") from None
     admission = _admission(args.tenants, args.quota_store)
     if args.metrics_auth and admission is None:
         raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")

@@ -7,6 +7,7 @@ and 32 identical concurrent misses run the model once."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +20,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
-from tests.integration.test_gateway_tenants import tenants_yaml
+from tests.integration.test_gateway_tenants import _accepts, tenants_yaml
+from tests.support import eventually
 from tests.support.metrics import metric
+from tests.support.net import free_port
 
 MODULES: dict[str, Any] = {"http": httpclient, "grpc": grpcclient}
 CACHE = ["--cache-config", "local,size=1048576"]
@@ -235,3 +238,78 @@ def test_json_inputs_and_raw_inputs_share_an_entry(stack: tuple[Proc, Proc]) -> 
     np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
     assert service_success(svc) == runs
     assert gateway_cache(gw)[0] == hits + 1
+
+
+# ---- the Redis cache: shared by gateways ---------------------------------------------------------
+
+@pytest.fixture
+def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (scripts/test.sh installs it)")
+    port = free_port()
+    server = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        eventually(lambda: _accepts(port), timeout=10, what="redis-server accepting")
+        yield server, port
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_two_gateways_share_hits_through_redis(stack: tuple[Proc, Proc],
+                                               redis_server: tuple[subprocess.Popen[bytes], int]) -> None:
+    svc, _ = stack
+    server, port = redis_server
+    flags = ["--cache-config", "redis,host=127.0.0.1", "--cache-config", f"redis,port={port}"]
+    gateways = [start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *flags])
+                for _ in range(2)]
+    try:
+        for g in gateways:
+            _wait_http_ready(g.http)
+        one, two = gateways
+        a, b = fresh(8)
+        infer("grpc", one.grpc, a, b)  # a miss at one, kept in Redis
+        runs = service_success(svc)
+        out = infer("http", two.http, a, b, request_id="at-two")
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT1"), a - b)
+        assert out.get_response()["id"] == "at-two"
+        assert service_success(svc) == runs  # a hit at the other gateway
+        assert gateway_cache(two)[0] == 1
+        with httpclient.InferenceServerClient(one.http) as c:
+            c.load_model("add_sub")  # a reload through one gateway: a new generation for both
+        runs = service_success(svc)
+        infer("grpc", two.grpc, a, b)
+        assert service_success(svc) == runs + 1
+        infer("grpc", one.grpc, a, b)  # the new generation's answer, kept by two
+        assert service_success(svc) == runs + 1
+
+        # Redis killed mid-run: hits become misses, no request fails
+        failures: list[BaseException] = []
+        stop = threading.Event()
+
+        def loop(g: Proc, proto: str) -> None:
+            while not stop.is_set():
+                try:
+                    np.testing.assert_array_equal(infer(proto, getattr(g, proto), a, b).as_numpy("OUTPUT0"), a + b)
+                except BaseException as exc:  # (asserted below)
+                    failures.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(g, p)) for g in gateways for p in ("http", "grpc")]
+        for t in threads:
+            t.start()
+        try:
+            eventually(lambda: gateway_cache(one)[0] >= 5 and gateway_cache(two)[0] >= 5, what="hits from Redis")
+            runs = service_success(svc)
+            server.kill()
+            server.wait(10)
+            eventually(lambda: service_success(svc) >= runs + 20, what="misses run the model after the kill")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert not failures, failures[:3]
+    finally:
+        for g in gateways:
+            g.stop()

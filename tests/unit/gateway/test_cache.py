@@ -108,7 +108,9 @@ def test_invalidate_and_a_new_config() -> None:
 def test_cache_config_syntax() -> None:
     assert CacheConfig.parse([]) is None
     assert CacheConfig.parse(["local,size=1048576"]) == CacheConfig("local", 1048576)
+    assert CacheConfig.parse(["redis,host=h", "redis,port=7"]) == CacheConfig("redis", settings=(("host", "h"),
+                                                                                              ("port", "7")))
     for bad in (["local"], ["local,size=0"], ["local,size=-1"], ["local,size=1k"], ["local,sise=5"],
-                ["memcached,size=5"], ["redis,host=h,port=1"], ["local,size=5", "redis,host=h"]):
+                ["memcached,size=5"], ["redis,port=x"], ["redis,size=5"], ["local,size=5", "redis,host=h"]):
         with pytest.raises(ValueError):
             CacheConfig.parse(bad)
