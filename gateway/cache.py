@@ -400,12 +400,13 @@ class CacheStage:
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
         return self.next.stream(request, ctx, sequence)  # streamed (decoupled) answers: never cached
 
-    async def invalidate(self, model: str) -> None:
-        """Drop a model's answers (a load or unload through the gateway)."""
-        if self.local is not None:
-            self.local.invalidate(model)
-        if self.shared is not None:
-            await self.shared.invalidate(model)
+    async def invalidate(self, *models: str) -> None:
+        """Drop these models' answers (a load or unload through the gateway)."""
+        for model in models:
+            if self.local is not None:
+                self.local.invalidate(model)
+            if self.shared is not None:
+                await self.shared.invalidate(model)
 
     async def close(self) -> None:
         if self.shared is not None:

@@ -22,6 +22,7 @@ from gateway.upstream.coalesce import Coalescer
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
@@ -123,7 +124,7 @@ class GatewayCore:
         # Triton's response cache (--cache-config): None keeps the stage out of the chain.
         self.cache = None if cache is None else CacheStage(
             LocalCache(cache.size) if cache.kind == "local" else RedisCache(cache.settings),
-            self.discovery.config_for, self._served_version,
+            self._cache_config_for, self._served_version,
             lambda name: routes is not None and routes.lookup(name) is not None)
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
                                           self._target_decoupled, admission, routes, ensembles, self.cache)
@@ -240,8 +241,32 @@ class GatewayCore:
         config = self.discovery.config_for(name, version)
         return config is None or config.model_transaction_policy.decoupled
 
+    def _cache_config_for(self, name: str, version: str) -> mc.ModelConfig | None:
+        """The config that says whether a request is cached: an ensemble's own (cached as a whole
+        when it enables the cache and has no decoupled step), else the served model's."""
+        ensembles = self.ensembles
+        if ensembles is not None and name in ensembles:
+            config = ensembles.configs.get(name)
+            if config is None or not config.response_cache.enable or name in ensembles.unloaded \
+                    or version not in ("", "1") or ensembles.decoupled(name, version):
+                return None
+            return config
+        return self.discovery.config_for(name, version)
+
+    def _invalidate(self, name: str) -> Coroutine[Any, Any, None]:
+        """Drop a model's cached answers and those of every ensemble with it as a step."""
+        assert self.cache is not None
+        names = [name]
+        if self.ensembles is not None:
+            names += [e for e, config in self.ensembles.configs.items()
+                      if any(s.model_name == name for s in config.ensemble_scheduling.step)]
+        return self.cache.invalidate(*names)
+
     def _served_version(self, name: str) -> str | None:
-        """The version a request for ``name`` without one is routed to (as Discovery.config_for)."""
+        """The version a request for ``name`` without one is routed to (as Discovery.config_for;
+        an ensemble's is 1)."""
+        if self.ensembles is not None and name in self.ensembles:
+            return "1"
         routes = self.discovery.table.models.get(name)
         if routes is None:
             return None
@@ -263,11 +288,11 @@ class GatewayCore:
         if self.cache is None:
             await self.control.load_model(name, parameters, ctx)
             return
-        await self.cache.invalidate(name)  # a reload drops the model's answers, before and after
+        await self._invalidate(name)  # a reload drops the model's answers, before and after
         try:
             await self.control.load_model(name, parameters, ctx)
         finally:
-            await self.cache.invalidate(name)
+            await self._invalidate(name)
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
@@ -275,7 +300,7 @@ class GatewayCore:
             await self.control.unload_model(name, parameters, ctx)
         finally:
             if self.cache is not None:
-                await self.cache.invalidate(name)
+                await self._invalidate(name)
 
     async def metrics_text(self) -> tuple[bytes, str]:
         federated = await self.federation.families() if self.federate_metrics else []  # first: it sets up

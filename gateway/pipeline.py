@@ -364,7 +364,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
        before ``ABRoutes``. The A/B rule: an A/B route's name is never cached (its arm is
        chosen after this stage, so no hit can answer from an arm the route would not have
        picked); a request that names a model directly is cached by that model's own config.
-       An ensemble (run by ``Ensembles``) is not cached in this round.
+       An ensemble whose own config enables the cache is cached as a whole here (before
+       ``Ensembles`` runs it); its steps, sent by the ensemble to ``Upstream``, are not.
     6. ``ABRoutes``: rewrites the request to its arm's target, which may itself be an ensemble.
     7. ``Ensembles``: an ensemble runs in the gateway; its steps go to ``Upstream`` directly.
     8. ``Forward``: the coalescer and ``Upstream``.

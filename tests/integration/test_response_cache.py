@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 from tests.integration.test_gateway_tenants import _accepts, tenants_yaml
-from tests.support import eventually
+from tests.support import eventually, models
 from tests.support.metrics import metric
 from tests.support.net import free_port
 
@@ -313,3 +313,38 @@ def test_two_gateways_share_hits_through_redis(stack: tuple[Proc, Proc],
     finally:
         for g in gateways:
             g.stop()
+
+
+def test_an_ensemble_is_cached_as_a_whole(stack: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """An ensemble whose config enables the cache (run by the gateway): a repeat runs no step;
+    a reload of a step model through the gateway drops the ensemble's answers too."""
+    svc, _ = stack
+    config = models.ensemble_config("doubled", {"X": 16}, {"S": 16}, [
+        models.step("add_sub", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "S"})])
+    (tmp_path / "doubled" / "1").mkdir(parents=True)
+    (tmp_path / "doubled" / "config.pbtxt").write_text(config + "response_cache { enable: true }\n")
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--repository", str(tmp_path)])
+    try:
+        _wait_http_ready(gw.http)
+        x = fresh(9)[0]
+
+        def doubled() -> np.ndarray:
+            inp = grpcclient.InferInput("X", [1, 16], "FP32")
+            inp.set_data_from_numpy(x)
+            with grpcclient.InferenceServerClient(gw.grpc) as c:
+                return c.infer("doubled", [inp]).as_numpy("S")
+
+        np.testing.assert_array_equal(doubled(), x + x)
+        runs = service_success(svc)
+        np.testing.assert_array_equal(doubled(), x + x)
+        assert service_success(svc) == runs  # no step ran
+        assert gateway_cache(gw, "doubled") == (1, 1)
+        with httpclient.InferenceServerClient(gw.http) as c:
+            c.load_model("add_sub")
+        runs = service_success(svc)
+        np.testing.assert_array_equal(doubled(), x + x)
+        assert service_success(svc) == runs + 1
+        assert gateway_cache(gw, "doubled") == (1, 2)
+    finally:
+        gw.stop()
