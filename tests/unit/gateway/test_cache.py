@@ -114,3 +114,13 @@ def test_cache_config_syntax() -> None:
                 ["memcached,size=5"], ["redis,port=x"], ["redis,size=5"], ["local,size=5", "redis,host=h"]):
         with pytest.raises(ValueError):
             CacheConfig.parse(bad)
+
+
+def test_meshserve_up_passes_the_cache_config_to_its_gateway() -> None:
+    from meshserve.cli import _up_gateway_flags, build_parser
+
+    args = build_parser().parse_args(["up", "--cache-config", "redis,host=h", "--cache-config", "redis,port=7"])
+    flags = _up_gateway_flags(args)
+    assert flags[flags.index("--cache-config") + 1] == "redis,host=h"
+    assert "redis,port=7" in flags
+    assert "--cache-config" not in _up_gateway_flags(build_parser().parse_args(["up"]))
