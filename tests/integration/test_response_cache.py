@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -348,3 +349,40 @@ def test_an_ensemble_is_cached_as_a_whole(stack: tuple[Proc, Proc], tmp_path: Pa
         assert gateway_cache(gw, "doubled") == (1, 2)
     finally:
         gw.stop()
+
+
+def test_a_hit_has_a_cache_span(stack: tuple[Proc, Proc]) -> None:
+    """With tracing (OTLP to a real receiver), a hit's trace has a `gateway.cache` span marked
+    `meshserve.cache_hit` and no upstream call."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from tests.integration.test_tracing import Receiver, _otel_env, _traceparent
+
+    svc, _ = stack
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE],
+               env=_otel_env(f"http://127.0.0.1:{port}"))
+    try:
+        _wait_http_ready(gw.http)
+        a, b = fresh(10)
+        traces = []
+        for _ in range(2):
+            tp, trace_id, _ = _traceparent()
+            infer("grpc", gw.grpc, a, b, headers={"traceparent": tp})
+            traces.append(trace_id)
+        spans = receiver.wait(lambda ss: {"gateway.request", "gateway.cache"} <= {s.name for s in ss
+                                                                                   if s.trace_id == traces[1]}
+                              and "gateway.upstream" in {s.name for s in ss if s.trace_id == traces[0]})
+        hit = {s.name: s for s in spans if s.trace_id == traces[1]}
+        assert hit["gateway.cache"].attributes["meshserve.cache_hit"] is True
+        assert hit["gateway.cache"].parent == hit["gateway.request"].span_id
+        assert "gateway.upstream" not in hit
+        assert "gateway.upstream" in {s.name for s in spans if s.trace_id == traces[0]}
+    finally:
+        gw.stop()
+        server.stop(0)
