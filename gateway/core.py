@@ -10,6 +10,8 @@ from typing import Any
 
 from gateway import pipeline
 from gateway.auth import Admission
+from gateway.cache import FAMILIES as CACHE_FAMILIES
+from gateway.cache import CacheConfig, CacheStage, LocalCache, RedisCache
 from gateway.control import ModelControl
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.federation import Federation
@@ -20,6 +22,7 @@ from gateway.upstream.coalesce import Coalescer
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
@@ -84,7 +87,7 @@ class GatewayCore:
                  routes: ABRouter | None = None, ensembles: EnsembleCatalog | None = None,
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
                  federate_metrics: bool = False, server_name: str = SERVER_NAME,
-                 control: ControlPolicy = ControlPolicy()):
+                 control: ControlPolicy = ControlPolicy(), cache: CacheConfig | None = None):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica);
         # every call to a service goes through the Upstream.
         self.upstream = Upstream(pool if pool is not None else ReplicaPool(upstreams), discovery_interval_s)
@@ -118,8 +121,13 @@ class GatewayCore:
             ensembles.bind(self.upstream, self.discovery.config_for)
         # The infer path: the stages, their order and why are in pipeline.assemble.
         self.forward = pipeline.Forward(self.upstream, self.coalescer)
+        # Triton's response cache (--cache-config): None keeps the stage out of the chain.
+        self.cache = None if cache is None else CacheStage(
+            LocalCache(cache.size) if cache.kind == "local" else RedisCache(cache.settings),
+            self._cache_config_for, self._served_version,
+            lambda name: routes is not None and routes.lookup(name) is not None)
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
-                                          self._target_decoupled, admission, routes, ensembles)
+                                          self._target_decoupled, admission, routes, ensembles, self.cache)
 
     async def start(self) -> None:
         # This process is a front door: a client's hop marker means nothing here (read_hop).
@@ -137,6 +145,8 @@ class GatewayCore:
             await self.admission.store.close()
         if self.routes is not None:
             await self.routes.stop()
+        if self.cache is not None:
+            await self.cache.close()
 
     # ---- V2Core -----------------------------------------------------------------------
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
@@ -231,19 +241,66 @@ class GatewayCore:
         config = self.discovery.config_for(name, version)
         return config is None or config.model_transaction_policy.decoupled
 
+    def _cache_config_for(self, name: str, version: str) -> mc.ModelConfig | None:
+        """The config that says whether a request is cached: an ensemble's own (cached as a whole
+        when it enables the cache and has no decoupled step), else the served model's."""
+        ensembles = self.ensembles
+        if ensembles is not None and name in ensembles:
+            config = ensembles.configs.get(name)
+            if config is None or not config.response_cache.enable or name in ensembles.unloaded \
+                    or version not in ("", "1") or ensembles.decoupled(name, version):
+                return None
+            return config
+        return self.discovery.config_for(name, version)
+
+    def _invalidate(self, name: str) -> Coroutine[Any, Any, None]:
+        """Drop a model's cached answers and those of every ensemble with it as a step."""
+        assert self.cache is not None
+        names = [name]
+        if self.ensembles is not None:
+            names += [e for e, config in self.ensembles.configs.items()
+                      if any(s.model_name == name for s in config.ensemble_scheduling.step)]
+        return self.cache.invalidate(*names)
+
+    def _served_version(self, name: str) -> str | None:
+        """The version a request for ``name`` without one is routed to (as Discovery.config_for;
+        an ensemble's is 1)."""
+        if self.ensembles is not None and name in self.ensembles:
+            return "1"
+        routes = self.discovery.table.models.get(name)
+        if routes is None:
+            return None
+        healthy = [v for v, rs in routes.versions.items() if any(r.healthy for r in rs)]
+        return str(max(healthy)) if healthy else None
+
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
-        return await statistics(self.upstream, self.ensembles, name, version)
+        stats = await statistics(self.upstream, self.ensembles, name, version)
+        if self.cache is not None:  # the gateway's own hits and misses (Triton's cache_hit / cache_miss)
+            for s in stats.model_stats:
+                self.cache.counts.add_to(s)
+        return stats
 
     async def repository_index(self, ready_only: bool) -> pb.RepositoryIndexResponse:
         return await self.control.repository_index(ready_only)
 
     async def load_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                          ctx: RequestContext) -> None:
-        await self.control.load_model(name, parameters, ctx)
+        if self.cache is None:
+            await self.control.load_model(name, parameters, ctx)
+            return
+        await self._invalidate(name)  # a reload drops the model's answers, before and after
+        try:
+            await self.control.load_model(name, parameters, ctx)
+        finally:
+            await self._invalidate(name)
 
     async def unload_model(self, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                            ctx: RequestContext) -> None:
-        await self.control.unload_model(name, parameters, ctx)
+        try:
+            await self.control.unload_model(name, parameters, ctx)
+        finally:
+            if self.cache is not None:
+                await self._invalidate(name)
 
     async def metrics_text(self) -> tuple[bytes, str]:
         federated = await self.federation.families() if self.federate_metrics else []  # first: it sets up
@@ -258,6 +315,9 @@ class GatewayCore:
             families = {**GATEWAY_FAMILIES, **metrics.MODEL_FAMILIES}
             if self.ensembles is not None:
                 samples += self.ensembles.metric_samples()
+        if self.cache is not None:
+            families = {**families, **CACHE_FAMILIES}
+            samples += self.cache.counts.samples()
         return samples, families
 
     def _metric_samples(self) -> list[metrics.Sample]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway import cache as response_cache
 from gateway.auth import Admission, QuotaStore, TenantDirectory
 from gateway.core import GatewayCore
 from gateway.ensemble.catalog import EnsembleCatalog
@@ -40,6 +41,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "them in the gateway only while N full batches (max_batch_size rows per instance) "
                          "per replica are in flight (0 = never merge)")
     add_tenant_arguments(ap)
+    response_cache.add_arguments(ap)
     ap.add_argument("--federate-metrics", action="store_true",
                     help="/metrics also carries the services' Triton nv_* families (read from each healthy "
                          "replica at scrape time, labelled replica=HOST:PORT); `meshserve up` turns it on. "
@@ -92,6 +94,16 @@ def main(args: argparse.Namespace) -> None:
         pool = ReplicaPool(args.upstream, args.discovery, args.resolve_interval)
     except ValueError as exc:
         raise SystemExit(f"meshserve gateway: {exc}") from None
+    try:
+        cache = response_cache.CacheConfig.parse(args.cache_config)
+    except ValueError as exc:
+        raise SystemExit(f"meshserve gateway: --cache-config {exc}") from None
+    if cache is not None and cache.kind == "redis":
+        try:
+            import redis.asyncio  # noqa: F401  (the Redis cache's client)
+        except ImportError:
+            raise SystemExit("meshserve gateway: --cache-config redis: the Redis client is not installed "
+                             "(pip install 'meshserve[redis]')") from None
     admission = _admission(args.tenants, args.quota_store)
     if args.metrics_auth and admission is None:
         raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")
@@ -110,7 +122,7 @@ def main(args: argparse.Namespace) -> None:
                     pool=pool, routes=routes, ensembles=ensembles,
                     max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
                     federate_metrics=args.federate_metrics, server_name=args.server_name,
-                    control=repository_control.ControlPolicy.from_args(args))
+                    control=repository_control.ControlPolicy.from_args(args), cache=cache)
         if isinstance(core, WorkerGatewayCore) and worker is not None:
             core.worker = worker
             worker.metrics.local = core.local_metrics_text

@@ -2,12 +2,12 @@
 
 Each stage is a plain object that does one thing and hands the request to ``next``:
 
-    Names → Outcomes → Turns → [Admit] → [ABRoutes] → [Ensembles] → Forward
+    Names → Outcomes → Turns → [Admit] → [Cache] → [ABRoutes] → [Ensembles] → Forward
 
 ``infer(request, ctx, sequence)`` answers a unary call and ``stream(request, ctx, sequence)``
 a client's streaming call for a decoupled model (``(response or None, final)`` pairs; the
 outer two stages take no ``sequence``: ``Turns`` is where it is read). A stage whose policy is
-not configured (no --tenants, --routes or --repository) is not in the chain at all, and a stage
+not configured (no --tenants, --cache-config, --routes or --repository) is not in the chain at all, and a stage
 that has nothing to do for a request (no sequence id, not a route, not an ensemble) returns the
 next stage's awaitable from a plain method: no coroutine frame of its own. The chain is built
 once, at start: running it allocates nothing per request but the coroutines of the stages that
@@ -26,6 +26,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from gateway.auth import Admission, Admitted
+from gateway.cache import CacheStage
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.routes import ABRouter
 from gateway.routing.ab import Route
@@ -346,7 +347,7 @@ class Forward:
 def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Forward,
              decoupled: Callable[[str, str], bool], target_decoupled: Callable[[str, str], bool],
              admission: Admission | None = None, routes: ABRouter | None = None,
-             ensembles: EnsembleCatalog | None = None) -> Names:
+             ensembles: EnsembleCatalog | None = None, cache: CacheStage | None = None) -> Names:
     """The gateway's infer path, in order; the first stage is returned. The order, and why:
 
     1. ``Names``: nothing routes, counts or forwards a request whose model name, version or
@@ -357,17 +358,23 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
        (one waiting on the quota store cannot be overtaken by the next).
     4. ``Admit``: before the A/B choice, so a tenant's quota, share and allowed models apply to
        the name the client called (a route's name, not the arm behind it).
-       A response cache goes here, after ``Admit`` and before ``ABRoutes``: a hit must still
-       count against the tenant's quota and be refused to a tenant that may not call the
-       model, and its key is the request as the client sent it (the route's name and the
-       client's bytes, ``ctx.raw``, which the A/B rewrite replaces by the target and clears).
-    5. ``ABRoutes``: rewrites the request to its arm's target, which may itself be an ensemble.
-    6. ``Ensembles``: an ensemble runs in the gateway; its steps go to ``Upstream`` directly.
-    7. ``Forward``: the coalescer and ``Upstream``.
+    5. ``CacheStage`` (--cache-config, gateway/cache.py): after ``Admit``, so a hit still
+       counts against the tenant's quota and is refused to a tenant that may not call the
+       model (a tenant reaches an entry only through a request it was admitted for), and
+       before ``ABRoutes``. The A/B rule: an A/B route's name is never cached (its arm is
+       chosen after this stage, so no hit can answer from an arm the route would not have
+       picked); a request that names a model directly is cached by that model's own config.
+       An ensemble whose own config enables the cache is cached as a whole here (before
+       ``Ensembles`` runs it); its steps, sent by the ensemble to ``Upstream``, are not.
+    6. ``ABRoutes``: rewrites the request to its arm's target, which may itself be an ensemble.
+    7. ``Ensembles``: an ensemble runs in the gateway; its steps go to ``Upstream`` directly.
+    8. ``Forward``: the coalescer and ``Upstream``.
     """
     stages: list[Stage] = [Turns(turns)]
     if admission is not None:
         stages.append(Admit(admission, forward.upstream.discovery.config_for))
+    if cache is not None:
+        stages.append(cache)
     if routes is not None:
         stages.append(ABRoutes(routes, target_decoupled))
     if ensembles is not None:

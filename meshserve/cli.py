@@ -180,7 +180,7 @@ def _up_refusal(args: argparse.Namespace) -> str | None:
 
 
 def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
-    """`meshserve up`'s tenant, quota and model-control flags, passed on to its gateway."""
+    """`meshserve up`'s tenant, quota, model-control and response-cache flags, passed on to its gateway."""
     flags = ["--quota-store", args.quota_store]
     if args.tenants is not None:
         flags += ["--tenants", str(args.tenants)]
@@ -188,6 +188,8 @@ def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--metrics-auth")
     if args.allow_remote_model_control:
         flags.append("--allow-remote-model-control")
+    for value in args.cache_config:
+        flags += ["--cache-config", value]
     return flags + _up_upload_flags(args)
 
 
@@ -329,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshserve.server import repository_control
 
     add_tenant_arguments(up)  # the gateway's own definitions: tenants, quotas, /metrics auth
+    from gateway.cache import add_arguments as cache_arguments
+
+    cache_arguments(up)  # --cache-config, passed on to the gateway
     repository_control.add_arguments(up)
     from services.base.main import add_arguments as service_arguments
     from services.base.main import add_bls_key_argument

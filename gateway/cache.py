@@ -1,0 +1,483 @@
+"""Triton's response cache, in the gateway (``--cache-config local,size=BYTES``).
+
+A model whose config says ``response_cache { enable: true }`` answers a repeated request from
+the gateway's memory: no hop, no service. The pieces:
+
+- ``CacheConfig.parse``: Triton's ``--cache-config <cache>,<key>=<value>`` syntax (``local``
+  with ``size`` in bytes; ``redis`` is refused at start: not built yet).
+- ``request_key``: a 16-byte BLAKE2b digest of the model name, the resolved version, every input
+  (name, datatype, shape, bytes: typed ``contents`` are hashed as the raw bytes they stand for,
+  so a gRPC client's typed tensors and the same values as ``raw_input_contents`` or HTTP JSON
+  share an entry), the requested outputs (names and parameters, but not ``binary_data``: the
+  front door renders binary or JSON per request) and every request parameter but those that
+  cannot change the answer (``_IGNORED_PARAMETERS``). None: never cached (shared memory, a
+  typed tensor that does not convert: the service words the error).
+- ``LocalCache``: LRU within the byte budget; an entry over ``ENTRY_SHARE`` of it is not kept;
+  ``invalidate`` drops a model's entries and bumps its generation (an answer computed before
+  is not stored after); single-flight per key (``flights``).
+- ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``): which
+  requests may be cached, the hit/miss counts and durations (statistics and ``nv_cache_*``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol import datatypes, wire
+from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.http_codec import _CONTENTS_FIELD, BINARY_DATA, BINARY_DATA_OUTPUT
+from meshserve.server.core import InferResult, RequestContext
+from meshserve.telemetry import metrics, tracing
+
+ENTRY_SHARE = 8  # an answer larger than 1/ENTRY_SHARE of the cache's size is not cached
+ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the dict slot, the node)
+# request parameters that cannot change the answer: how it is rendered or scheduled
+_IGNORED_PARAMETERS = frozenset({BINARY_DATA_OUTPUT, "timeout", "priority",
+                                 wire.EMPTY_FINAL_REQUEST_PARAMETER})
+_SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+_SHM = wire.SHM_REGION
+
+FAMILIES = {
+    "cache_hits": metrics.Family("nv_cache_num_hits_per_model", "counter",
+                                 "Number of cache hits per model"),
+    "cache_misses": metrics.Family("nv_cache_num_misses_per_model", "counter",
+                                   "Number of cache misses per model"),
+    "cache_hit_duration": metrics.Family("nv_cache_hit_duration_per_model", "counter",
+                                         "Total cache hit duration per model, in microseconds"),
+    "cache_miss_duration": metrics.Family("nv_cache_miss_duration_per_model", "counter",
+                                          "Total cache miss (lookup and insertion) duration per model, "
+                                          "in microseconds"),
+}
+
+
+REDIS_SETTINGS = frozenset({"host", "port", "username", "password"})
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kind: str
+    size: int = 0  # local: the byte budget
+    settings: tuple[tuple[str, str], ...] = ()  # redis: host, port, username, password
+
+    @classmethod
+    def parse(cls, values: list[str]) -> CacheConfig | None:
+        """Triton's ``--cache-config <cache>,<key>=<value>`` (repeatable, one cache); None: off."""
+        if not values:
+            return None
+        kind = ""
+        settings: dict[str, str] = {}
+        for value in values:
+            name, sep, setting = value.partition(",")
+            key, eq, val = setting.partition("=")
+            if not name or not sep or not key or not eq:
+                raise ValueError(f"'{value}': expected <cache>,<key>=<value> (e.g. local,size=1048576)")
+            if kind and name != kind:
+                raise ValueError(f"one cache at a time: '{kind}' and '{name}' given")
+            kind = name
+            settings[key] = val
+        if kind == "redis":
+            unknown = sorted(set(settings) - REDIS_SETTINGS)
+            if unknown:
+                raise ValueError(f"redis cache: unknown setting '{unknown[0]}' (known: {', '.join(sorted(REDIS_SETTINGS))})")
+            if not settings.get("port", "6379").isdigit():
+                raise ValueError(f"redis cache: port must be a number, got '{settings['port']}'")
+            return cls(kind, settings=tuple(sorted(settings.items())))
+        if kind != "local":
+            raise ValueError(f"unknown cache '{kind}': expected local or redis")
+        unknown = sorted(set(settings) - {"size"})
+        if unknown:
+            raise ValueError(f"local cache: unknown setting '{unknown[0]}' (known: size)")
+        size = settings.get("size", "")
+        if not size.isdigit() or int(size) <= 0:
+            raise ValueError(f"local cache: size must be a positive number of bytes, got '{size}'")
+        return cls(kind, int(size))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """--cache-config: a flag of `meshserve gateway` and `meshserve up`."""
+    ap.add_argument("--cache-config", action="append", default=[], metavar="CACHE,KEY=VALUE",
+                    help="Triton's response cache, in the gateway: local,size=BYTES, or redis,host=H plus "
+                         "redis,port=P (and redis,username= / redis,password=: shared by gateway replicas) "
+                         "(repeatable, Triton's syntax); models whose config says response_cache { enable: true } "
+                         f"answer repeated requests from it (an answer over 1/{ENTRY_SHARE} of the local size, "
+                         "or over 4 MiB in Redis, is not kept). Default: off")
+
+
+def _tensor_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes | None:
+    """A typed input's bytes as ``raw_input_contents`` would carry them (None: no conversion)."""
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    if field is None:
+        return None
+    values = getattr(tensor.contents, field)
+    if len(values) != datatypes.element_count(tensor.shape):
+        return None
+    if tensor.datatype == "BYTES":
+        return datatypes.serialize_bytes(values)
+    try:
+        return np.array(values, dtype=datatypes.numpy_dtype(tensor.datatype)).tobytes()
+    except (OverflowError, ValueError, TypeError):
+        return None
+
+
+def _parameter(h: Any, key: str, p: pb.InferParameter) -> None:
+    h.update(b"\x00p")
+    h.update(key.encode())
+    h.update(b"\x00")
+    h.update(p.SerializeToString(deterministic=True))
+
+
+def request_key(request: pb.ModelInferRequest, version: str) -> bytes | None:
+    """The cache key of a request, or None where it is never cached (module docstring)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(request.model_name.encode())
+    h.update(b"\x00v")
+    h.update(version.encode())
+    raws = request.raw_input_contents
+    if raws and len(raws) != len(request.inputs):
+        return None  # the service words the mistake
+    for i, tensor in enumerate(request.inputs):
+        if _SHM in tensor.parameters:
+            return None
+        data = raws[i] if raws else _tensor_bytes(tensor)
+        if data is None:
+            return None
+        h.update(b"\x00i")
+        h.update(tensor.name.encode())
+        h.update(b"\x00")
+        h.update(tensor.datatype.encode())
+        h.update(np.array(tensor.shape, dtype=np.int64).tobytes())
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+        for key in sorted(tensor.parameters):
+            if key != BINARY_DATA and key != "binary_data_size":
+                _parameter(h, key, tensor.parameters[key])
+    for out in request.outputs:
+        if _SHM in out.parameters:
+            return None
+        h.update(b"\x00o")
+        h.update(out.name.encode())
+        for key in sorted(out.parameters):
+            if key != BINARY_DATA:
+                _parameter(h, key, out.parameters[key])
+    params = request.parameters
+    for key in sorted(params):
+        if key not in _IGNORED_PARAMETERS:
+            _parameter(h, key, params[key])
+    return h.digest()
+
+
+class _Entry:
+    __slots__ = ("model", "answer", "config", "size")
+
+    def __init__(self, model: str, answer: bytes, config: mc.ModelConfig, size: int):
+        self.model = model
+        self.answer = answer  # the serialized ModelInferResponse, its id cleared
+        self.config = config  # the config it was computed under: another one (a reload) is a miss
+        self.size = size
+
+
+class LocalCache:
+    """LRU over serialized answers within ``size`` bytes (keys, answers and ``ENTRY_OVERHEAD``
+    per entry); one process's."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.max_entry = size // ENTRY_SHARE
+        self.used = 0
+        self.entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self.by_model: dict[str, set[bytes]] = {}
+        self.generations: Counter[str] = Counter()
+        self.evictions = 0
+
+    def get(self, key: bytes, config: mc.ModelConfig) -> bytes | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        if entry.config is not config:
+            self._drop(key)
+            return None
+        self.entries.move_to_end(key)
+        return entry.answer
+
+    def put(self, key: bytes, model: str, answer: bytes, config: mc.ModelConfig, generation: int) -> bool:
+        """Keep an answer (False: too large, or the model was invalidated since it was asked)."""
+        size = len(key) + len(answer) + ENTRY_OVERHEAD
+        if size > self.max_entry or generation != self.generations[model]:
+            return False
+        if key in self.entries:
+            self._drop(key)
+        while self.used + size > self.size and self.entries:
+            self._drop(next(iter(self.entries)))
+            self.evictions += 1
+        self.entries[key] = _Entry(model, answer, config, size)
+        self.by_model.setdefault(model, set()).add(key)
+        self.used += size
+        return True
+
+    def _drop(self, key: bytes) -> None:
+        entry = self.entries.pop(key)
+        self.used -= entry.size
+        keys = self.by_model.get(entry.model)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.by_model[entry.model]
+
+    def invalidate(self, model: str) -> None:
+        """Drop a model's entries; answers computed before now are not stored after."""
+        self.generations[model] += 1
+        for key in list(self.by_model.get(model, ())):
+            self._drop(key)
+
+
+class CacheCounts:
+    """Per (model, version): hits, misses, and their durations in ns (Triton's statistics and
+    ``nv_cache_*``)."""
+
+    def __init__(self) -> None:
+        self.hits: Counter[tuple[str, str]] = Counter()
+        self.misses: Counter[tuple[str, str]] = Counter()
+        self.hit_ns: Counter[tuple[str, str]] = Counter()
+        self.miss_ns: Counter[tuple[str, str]] = Counter()
+
+    def samples(self) -> list[metrics.Sample]:
+        out: list[metrics.Sample] = []
+        for key in sorted(set(self.hits) | set(self.misses)):
+            labels = {"model": key[0], "version": key[1]}
+            out.append(("cache_hits", labels, self.hits[key]))
+            out.append(("cache_misses", labels, self.misses[key]))
+            out.append(("cache_hit_duration", labels, self.hit_ns[key] // 1000))
+            out.append(("cache_miss_duration", labels, self.miss_ns[key] // 1000))
+        return out
+
+    def add_to(self, stats: pb.ModelStatistics) -> None:
+        """Add the gateway's hits and misses of this model version to merged service statistics
+        (as Triton counts them: a hit is also a successful request and its inference)."""
+        key = (stats.name, stats.version)
+        hits = self.hits.get(key, 0)
+        s = stats.inference_stats
+        if hits:
+            s.cache_hit.count += hits
+            s.cache_hit.ns += self.hit_ns[key]
+            s.success.count += hits
+            s.success.ns += self.hit_ns[key]
+            stats.inference_count += hits
+        misses = self.misses.get(key, 0)
+        if misses:
+            s.cache_miss.count += misses
+            s.cache_miss.ns += self.miss_ns[key]
+
+
+REDIS_ENTRY_MAX = 4 << 20  # an answer over 4 MiB is not kept in Redis
+REDIS_TIMEOUT_S = 0.25  # a Redis call slower than this is a miss
+REDIS_BACKOFF_S = 1.0  # after a Redis error, lookups are misses (and nothing is stored) this long
+REDIS_PREFIX = "meshserve:cache:"
+
+
+class RedisCache:
+    """Answers in Redis, shared by every gateway (and worker) that names the same server.
+
+    An entry is ``REDIS_PREFIX{model}:<digest hex>`` holding ``<generation>|<answer>``; the model's
+    generation (``REDIS_PREFIX{model}:gen``) is bumped by a load or unload through any gateway
+    and read with the entry in one MGET, so an answer of an older generation is a miss (it is
+    overwritten by the next miss's answer). Redis's own memory bound is the operator's
+    (``maxmemory`` with ``allkeys-lru``). A Redis error or timeout is a miss, never an error,
+    and Redis is left alone for ``REDIS_BACKOFF_S`` after one."""
+
+    def __init__(self, settings: tuple[tuple[str, str], ...]):
+        import redis.asyncio as aioredis  # only needed when this cache is configured
+        from redis.exceptions import RedisError
+
+        given = dict(settings)
+        self._client: Any = aioredis.Redis(
+            host=given.get("host", "localhost"), port=int(given.get("port", "6379")),
+            username=given.get("username"), password=given.get("password"),
+            socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._down_until = 0.0
+        self.errors = 0
+
+    @staticmethod
+    def _keys(model: str, key: bytes) -> tuple[str, str]:
+        tag = REDIS_PREFIX + "{" + model + "}:"  # one hash slot per model (Redis Cluster)
+        return tag + "gen", tag + key.hex()
+
+    def _failed(self) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + REDIS_BACKOFF_S
+
+    async def get(self, key: bytes, model: str) -> tuple[bytes | None, bytes | None]:
+        """(the answer or None, the model's generation: None when Redis did not answer)."""
+        if time.monotonic() < self._down_until:
+            return None, None
+        try:
+            generation, value = await self._client.mget(self._keys(model, key))
+        except self._errors:
+            self._failed()
+            return None, None
+        generation = generation or b"0"
+        if value is not None:
+            stored, sep, answer = value.partition(b"|")
+            if sep and stored == generation:
+                return answer, generation
+        return None, generation
+
+    async def put(self, key: bytes, model: str, answer: bytes, generation: bytes) -> None:
+        if len(answer) > REDIS_ENTRY_MAX or time.monotonic() < self._down_until:
+            return
+        try:
+            await self._client.set(self._keys(model, key)[1], generation + b"|" + answer)
+        except self._errors:
+            self._failed()
+
+    async def invalidate(self, model: str) -> None:
+        try:
+            await self._client.incr(self._keys(model, b"")[0])
+        except self._errors:
+            self._failed()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class CacheStage:
+    """The pipeline stage (gateway/pipeline.py:assemble puts it after ``Admit``). A request is
+    looked up when its model's config enables the response cache, the model is neither
+    decoupled nor a sequence model (nor a sequence request), the name is not an A/B route (routes
+    are never cached: the arm is chosen after this stage) and nothing names shared memory.
+    Concurrent identical misses run the model once: the first is the leader, the others wait on
+    its answer (within their own deadlines); when the leader fails, nothing is kept and each
+    waiter tries again (one of them leads), so a leader's own deadline or cancellation never
+    becomes another client's error."""
+
+    next: Any  # pipeline.Stage
+
+    def __init__(self, cache: LocalCache | RedisCache, config_for: Callable[[str, str], mc.ModelConfig | None],
+                 versions: Callable[[str], str | None], is_route: Callable[[str], bool]):
+        self.local = cache if isinstance(cache, LocalCache) else None
+        self.shared = cache if isinstance(cache, RedisCache) else None
+        self.counts = CacheCounts()
+        self._config_for = config_for
+        self._versions = versions  # the version a request without one is routed to
+        self._is_route = is_route
+        self.flights: dict[bytes, asyncio.Future[bytes | None]] = {}
+
+    def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None) -> mc.ModelConfig | None:
+        config = self._config_for(request.model_name, request.model_version)
+        if config is None or not config.response_cache.enable or sequence is not None:
+            return None
+        if config.model_transaction_policy.decoupled or config.HasField("sequence_batching"):
+            return None
+        params = request.parameters
+        if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
+            return None
+        if self._is_route(request.model_name):
+            return None
+        return config
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
+        config = self._cacheable(request, sequence)
+        if config is None:
+            return self.next.infer(request, ctx, sequence)
+        version = request.model_version or self._versions(request.model_name)
+        if version is None:
+            return self.next.infer(request, ctx, sequence)
+        key = request_key(request, version)
+        if key is None:
+            return self.next.infer(request, ctx, sequence)
+        return self._cached(key, (request.model_name, version), config, request, ctx, sequence)
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
+        return self.next.stream(request, ctx, sequence)  # streamed (decoupled) answers: never cached
+
+    async def invalidate(self, *models: str) -> None:
+        """Drop these models' answers (a load or unload through the gateway)."""
+        for model in models:
+            if self.local is not None:
+                self.local.invalidate(model)
+            if self.shared is not None:
+                await self.shared.invalidate(model)
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
+
+    async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
+                      request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+        started = time.perf_counter_ns()
+        local, shared = self.local, self.shared
+        generation: bytes | None = None
+        while True:
+            if local is not None:
+                answer = local.get(key, config)
+            elif shared is not None:
+                answer, generation = await shared.get(key, model[0])
+            if answer is not None:
+                return self._hit(model, answer, request, started)
+            flight = self.flights.get(key)
+            if flight is None:
+                break
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(flight), ctx.time_remaining())
+            except TimeoutError:
+                raise InferError(Code.DEADLINE_EXCEEDED,
+                                 f"deadline exceeded waiting for model '{request.model_name}'") from None
+            if answer is not None:
+                return self._hit(model, answer, request, started)
+            # the leader failed: nothing was kept; look again (one waiter leads the next try)
+        return await self._lead(key, model, config, request, ctx, sequence, started, generation)
+
+    async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
+                    request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
+                    started: int, shared_generation: bytes | None) -> InferResult:
+        """Run the model for a miss (``shared_generation``: the Redis generation it was looked up
+        under, None: do not store in Redis)."""
+        flight: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        self.flights[key] = flight
+        local = self.local
+        generation = local.generations[model[0]] if local is not None else 0
+        looked = time.perf_counter_ns() - started
+        answer: bytes | None = None
+        inserted = 0
+        try:
+            result = await self.next.infer(request, ctx, sequence)
+            inserting = time.perf_counter_ns()
+            if result.message().id:
+                message = pb.ModelInferResponse.FromString(result.serialized())
+                message.ClearField("id")
+                answer = message.SerializeToString()
+            else:
+                answer = result.serialized()
+            if local is not None:
+                if not local.put(key, model[0], answer, config, generation) \
+                        and generation != local.generations[model[0]]:
+                    answer = None  # reloaded meanwhile: the waiters ask the new model
+            elif self.shared is not None and shared_generation is not None:
+                await self.shared.put(key, model[0], answer, shared_generation)
+            inserted = time.perf_counter_ns() - inserting
+            return result
+        finally:
+            self.counts.misses[model] += 1
+            self.counts.miss_ns[model] += looked + inserted
+            del self.flights[key]
+            flight.set_result(answer)
+
+    def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
+             ) -> InferResult:
+        self.counts.hits[model] += 1
+        self.counts.hit_ns[model] += time.perf_counter_ns() - started
+        if tracing.enabled and (span := tracing.current_span()) is not None:
+            now = time.time_ns()
+            tracing.emit_span("gateway.cache", span, now, now, {"meshserve.cache_hit": True,
+                                                                 "meshserve.model": model[0]})
+        return InferResult(raw=wire.with_request_id(answer, request.id) if request.id else answer)

@@ -1,0 +1,388 @@
+"""Triton's response cache in the gateway (--cache-config local,size=BYTES; gateway/cache.py),
+through the real tritonclient over HTTP and gRPC: a repeat is a hit (the gateway's statistics and
+nv_cache_* say so, the service's own statistics show no new request, the answer carries the
+request's own id and the client's binary/JSON choice), a changed input byte or parameter is a
+miss, a reload invalidates, a tenant without the model gets 403 / PERMISSION_DENIED and no hit,
+and 32 identical concurrent misses run the model once."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
+from tests.integration.test_gateway_tenants import _accepts, tenants_yaml
+from tests.support import eventually, models
+from tests.support.metrics import metric
+from tests.support.net import free_port
+
+MODULES: dict[str, Any] = {"http": httpclient, "grpc": grpcclient}
+CACHE = ["--cache-config", "local,size=1048576"]
+
+
+@pytest.fixture(scope="module")
+def repo(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cached")
+    shutil.copytree(model_repo / "add_sub", root / "add_sub")
+    config = root / "add_sub" / "config.pbtxt"
+    config.write_text(config.read_text() + "\nresponse_cache { enable: true }\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def stack(repo: Path) -> Iterator[tuple[Proc, Proc]]:
+    with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit",
+                                      "--load-model", "add_sub"], CACHE) as both:
+        yield both
+
+
+def inputs(mod: Any, a: np.ndarray, b: np.ndarray, binary: bool = True) -> list[Any]:
+    kw = {"binary_data": binary} if mod is httpclient else {}
+    pair = [mod.InferInput(name, list(value.shape), "FP32") for name, value in (("INPUT0", a), ("INPUT1", b))]
+    pair[0].set_data_from_numpy(a, **kw)
+    pair[1].set_data_from_numpy(b, **kw)
+    return pair
+
+
+def infer(proto: str, url: str, a: np.ndarray, b: np.ndarray, **kw: Any) -> Any:
+    mod = MODULES[proto]
+    binary = kw.pop("binary", True)
+    outputs = kw.pop("outputs", None)
+    requested = None
+    if outputs is not None:
+        requested = [mod.InferRequestedOutput(n, binary_data=binary) if mod is httpclient
+                     else mod.InferRequestedOutput(n) for n in outputs]
+    with mod.InferenceServerClient(url) as c:
+        return c.infer("add_sub", inputs(mod, a, b, binary), outputs=requested, **kw)
+
+
+def service_success(svc: Proc) -> int:
+    with grpcclient.InferenceServerClient(svc.grpc) as c:
+        stats = c.get_inference_statistics("add_sub", as_json=True)["model_stats"][0]
+    return int(stats["inference_stats"]["success"].get("count", 0))
+
+
+def gateway_cache(gw: Proc, name: str = "add_sub") -> tuple[int, int]:
+    with httpclient.InferenceServerClient(gw.http) as c:
+        stats = c.get_inference_statistics(name)["model_stats"][0]["inference_stats"]
+    return int(stats["cache_hit"]["count"]), int(stats["cache_miss"]["count"])
+
+
+def fresh(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((1, 16), dtype=np.float32), rng.random((1, 16), dtype=np.float32)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_repeat_is_a_hit(proto: str, stack: tuple[Proc, Proc]) -> None:
+    svc, gw = stack
+    url = getattr(gw, proto)
+    a, b = fresh(1 if proto == "http" else 2)
+    hits, misses = gateway_cache(gw)
+    runs = service_success(svc)
+    metric_hits = metric(gw.http, "nv_cache_num_hits_per_model", model="add_sub", version="1") \
+        if hits else 0.0
+    both = ["OUTPUT0", "OUTPUT1"]
+    first = infer(proto, url, a, b, request_id="first", outputs=both)
+    assert service_success(svc) == runs + 1
+    assert gateway_cache(gw) == (hits, misses + 1)
+    second = infer(proto, url, a, b, request_id="second", outputs=both, binary=False)  # JSON this time (HTTP)
+    assert service_success(svc) == runs + 1  # the service saw no request
+    assert gateway_cache(gw) == (hits + 1, misses + 1)
+    np.testing.assert_array_equal(second.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(second.as_numpy("OUTPUT1"), a - b)
+    np.testing.assert_array_equal(first.as_numpy("OUTPUT0"), second.as_numpy("OUTPUT0"))
+    response = second.get_response()
+    assert (response["id"] if proto == "http" else response.id) == "second"
+    if proto == "http":  # the client's JSON choice honoured on a hit
+        assert "data" in response["outputs"][0] and "parameters" not in response["outputs"][0]
+    assert metric(gw.http, "nv_cache_num_hits_per_model", model="add_sub", version="1") == metric_hits + 1
+    assert metric(gw.http, "nv_cache_num_misses_per_model", model="add_sub", version="1") >= 1
+    assert metric(gw.http, "nv_cache_hit_duration_per_model", model="add_sub", version="1") >= 0
+    # a request for one output is another entry; its answer has that output only
+    only = infer(proto, url, a, b, outputs=["OUTPUT1"])
+    assert only.as_numpy("OUTPUT0") is None
+    np.testing.assert_array_equal(only.as_numpy("OUTPUT1"), a - b)
+    assert service_success(svc) == runs + 2
+    infer(proto, url, a, b, outputs=["OUTPUT1"], binary=False)
+    assert service_success(svc) == runs + 2
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_changed_byte_or_parameter_is_a_miss(proto: str, stack: tuple[Proc, Proc]) -> None:
+    svc, gw = stack
+    url = getattr(gw, proto)
+    a, b = fresh(3 if proto == "http" else 4)
+    infer(proto, url, a, b)
+    runs = service_success(svc)
+    hits, misses = gateway_cache(gw)
+    changed = a.copy()
+    changed.view(np.uint8)[0, 5] ^= 1  # one bit of one byte
+    out = infer(proto, url, changed, b)
+    np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), changed + b)
+    assert service_success(svc) == runs + 1
+    infer(proto, url, a, b, parameters={"custom": 7})  # a parameter a model could read
+    assert service_success(svc) == runs + 2
+    assert gateway_cache(gw) == (hits, misses + 2)
+    infer(proto, url, a, b)  # the original is still a hit
+    assert service_success(svc) == runs + 2
+    assert gateway_cache(gw) == (hits + 1, misses + 2)
+
+
+def test_a_reload_invalidates(stack: tuple[Proc, Proc]) -> None:
+    svc, gw = stack
+    a, b = fresh(5)
+    infer("grpc", gw.grpc, a, b)
+    runs = service_success(svc)
+    infer("grpc", gw.grpc, a, b)
+    assert service_success(svc) == runs  # a hit
+    with httpclient.InferenceServerClient(gw.http) as c:
+        c.load_model("add_sub")  # a reload through the gateway's model control
+    runs = service_success(svc)  # (a reload may restart the service's counts)
+    hits, misses = gateway_cache(gw)
+    out = infer("http", gw.http, a, b)
+    np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+    assert service_success(svc) == runs + 1
+    assert gateway_cache(gw) == (hits, misses + 1)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_tenant_without_the_model_gets_no_hit(proto: str, repo: Path, stack: tuple[Proc, Proc],
+                                                tmp_path: Path) -> None:
+    svc, _ = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(tenants_yaml(models='["scale"]'))  # acme may not call add_sub; ops may
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--tenants", str(tenants)])
+    try:
+        _wait_http_ready(gw.http)
+        url = getattr(gw, proto)
+        a, b = fresh(6)
+        ops = {"x-api-key": "ops-key"}
+        infer(proto, url, a, b, headers=ops)
+        infer(proto, url, a, b, headers=ops)
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
+        assert int(stats["cache_hit"]["count"]) == 1
+        with pytest.raises(InferenceServerException) as err:
+            infer(proto, url, a, b, headers={"x-api-key": "acme-key"})
+        assert str(err.value.status()) == ("403" if proto == "http" else "StatusCode.PERMISSION_DENIED")
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
+        assert int(stats["cache_hit"]["count"]) == 1
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_single_flight_runs_the_model_once(proto: str) -> None:
+    svc = start(["--grpc-port", "0", "--delay-ms", "300"], module="tests.integration.cache_slow_service")
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE])
+    try:
+        _wait_http_ready(gw.http)
+        mod = MODULES[proto]
+        url = getattr(gw, proto)
+        value = np.arange(4, dtype=np.float32).reshape(1, 4)
+        barrier = threading.Barrier(32)
+        answers: list[Any] = []
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            inp = mod.InferInput("IN", [1, 4], "FP32")
+            inp.set_data_from_numpy(value)
+            with mod.InferenceServerClient(url) as c:
+                barrier.wait()
+                try:
+                    answers.append(c.infer("sleep_a", [inp], request_id=f"r{i}"))
+                except BaseException as exc:  # (reported below)
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert len(answers) == 32
+        for r in answers:
+            np.testing.assert_array_equal(r.as_numpy("OUT"), value)
+        ids = {(r.get_response()["id"] if proto == "http" else r.get_response().id) for r in answers}
+        assert ids == {f"r{i}" for i in range(32)}  # each its own id
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("sleep_a")["model_stats"][0]
+        assert int(stats["execution_count"]) == 1  # the service ran the model once
+        assert int(stats["inference_stats"]["cache_miss"]["count"]) == 1
+        assert int(stats["inference_stats"]["cache_hit"]["count"]) == 31
+    finally:
+        gw.stop()
+        svc.stop()
+
+
+def test_json_inputs_and_raw_inputs_share_an_entry(stack: tuple[Proc, Proc]) -> None:
+    """HTTP JSON `data` and gRPC `raw_input_contents` of the same values are one entry."""
+    svc, gw = stack
+    a, b = fresh(7)
+    infer("http", gw.http, a, b, binary=False)
+    runs = service_success(svc)
+    hits, _ = gateway_cache(gw)
+    out = infer("grpc", gw.grpc, a, b)
+    np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+    assert service_success(svc) == runs
+    assert gateway_cache(gw)[0] == hits + 1
+
+
+# ---- the Redis cache: shared by gateways ---------------------------------------------------------
+
+@pytest.fixture
+def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (scripts/test.sh installs it)")
+    port = free_port()
+    server = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        eventually(lambda: _accepts(port), timeout=10, what="redis-server accepting")
+        yield server, port
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_two_gateways_share_hits_through_redis(stack: tuple[Proc, Proc],
+                                               redis_server: tuple[subprocess.Popen[bytes], int]) -> None:
+    svc, _ = stack
+    server, port = redis_server
+    flags = ["--cache-config", "redis,host=127.0.0.1", "--cache-config", f"redis,port={port}"]
+    gateways = [start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *flags])
+                for _ in range(2)]
+    try:
+        for g in gateways:
+            _wait_http_ready(g.http)
+        one, two = gateways
+        a, b = fresh(8)
+        infer("grpc", one.grpc, a, b)  # a miss at one, kept in Redis
+        runs = service_success(svc)
+        out = infer("http", two.http, a, b, request_id="at-two")
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT1"), a - b)
+        assert out.get_response()["id"] == "at-two"
+        assert service_success(svc) == runs  # a hit at the other gateway
+        assert gateway_cache(two)[0] == 1
+        with httpclient.InferenceServerClient(one.http) as c:
+            c.load_model("add_sub")  # a reload through one gateway: a new generation for both
+        runs = service_success(svc)
+        infer("grpc", two.grpc, a, b)
+        assert service_success(svc) == runs + 1
+        infer("grpc", one.grpc, a, b)  # the new generation's answer, kept by two
+        assert service_success(svc) == runs + 1
+
+        # Redis killed mid-run: hits become misses, no request fails
+        failures: list[BaseException] = []
+        stop = threading.Event()
+
+        def loop(g: Proc, proto: str) -> None:
+            while not stop.is_set():
+                try:
+                    np.testing.assert_array_equal(infer(proto, getattr(g, proto), a, b).as_numpy("OUTPUT0"), a + b)
+                except BaseException as exc:  # (asserted below)
+                    failures.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(g, p)) for g in gateways for p in ("http", "grpc")]
+        for t in threads:
+            t.start()
+        try:
+            eventually(lambda: gateway_cache(one)[0] >= 5 and gateway_cache(two)[0] >= 5, what="hits from Redis")
+            runs = service_success(svc)
+            server.kill()
+            server.wait(10)
+            eventually(lambda: service_success(svc) >= runs + 20, what="misses run the model after the kill")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert not failures, failures[:3]
+    finally:
+        for g in gateways:
+            g.stop()
+
+
+def test_an_ensemble_is_cached_as_a_whole(stack: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """An ensemble whose config enables the cache (run by the gateway): a repeat runs no step;
+    a reload of a step model through the gateway drops the ensemble's answers too."""
+    svc, _ = stack
+    config = models.ensemble_config("doubled", {"X": 16}, {"S": 16}, [
+        models.step("add_sub", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "S"})])
+    (tmp_path / "doubled" / "1").mkdir(parents=True)
+    (tmp_path / "doubled" / "config.pbtxt").write_text(config + "response_cache { enable: true }\n")
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--repository", str(tmp_path)])
+    try:
+        _wait_http_ready(gw.http)
+        x = fresh(9)[0]
+
+        def doubled() -> np.ndarray:
+            inp = grpcclient.InferInput("X", [1, 16], "FP32")
+            inp.set_data_from_numpy(x)
+            with grpcclient.InferenceServerClient(gw.grpc) as c:
+                return c.infer("doubled", [inp]).as_numpy("S")
+
+        np.testing.assert_array_equal(doubled(), x + x)
+        runs = service_success(svc)
+        np.testing.assert_array_equal(doubled(), x + x)
+        assert service_success(svc) == runs  # no step ran
+        assert gateway_cache(gw, "doubled") == (1, 1)
+        with httpclient.InferenceServerClient(gw.http) as c:
+            c.load_model("add_sub")
+        runs = service_success(svc)
+        np.testing.assert_array_equal(doubled(), x + x)
+        assert service_success(svc) == runs + 1
+        assert gateway_cache(gw, "doubled") == (1, 2)
+    finally:
+        gw.stop()
+
+
+def test_a_hit_has_a_cache_span(stack: tuple[Proc, Proc]) -> None:
+    """With tracing (OTLP to a real receiver), a hit's trace has a `gateway.cache` span marked
+    `meshserve.cache_hit` and no upstream call."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from tests.integration.test_tracing import Receiver, _otel_env, _traceparent
+
+    svc, _ = stack
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE],
+               env=_otel_env(f"http://127.0.0.1:{port}"))
+    try:
+        _wait_http_ready(gw.http)
+        a, b = fresh(10)
+        traces = []
+        for _ in range(2):
+            tp, trace_id, _ = _traceparent()
+            infer("grpc", gw.grpc, a, b, headers={"traceparent": tp})
+            traces.append(trace_id)
+        spans = receiver.wait(lambda ss: {"gateway.request", "gateway.cache"} <= {s.name for s in ss
+                                                                                   if s.trace_id == traces[1]}
+                              and "gateway.upstream" in {s.name for s in ss if s.trace_id == traces[0]})
+        hit = {s.name: s for s in spans if s.trace_id == traces[1]}
+        assert hit["gateway.cache"].attributes["meshserve.cache_hit"] is True
+        assert hit["gateway.cache"].parent == hit["gateway.request"].span_id
+        assert "gateway.upstream" not in hit
+        assert "gateway.upstream" in {s.name for s in spans if s.trace_id == traces[0]}
+    finally:
+        gw.stop()
+        server.stop(0)

@@ -1,0 +1,126 @@
+"""gateway/cache.py's pure parts: the key (typed and raw tensors alike, what changes it and what
+does not), the LRU within its byte budget, invalidation, and Triton's --cache-config syntax."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.cache import ENTRY_OVERHEAD, ENTRY_SHARE, CacheConfig, LocalCache, request_key
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
+
+
+def _request(values: list[int], typed: bool = False, datatype: str = "INT32") -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="m")
+    tensor = req.inputs.add(name="X", datatype=datatype, shape=[1, len(values)])
+    if typed:
+        if datatype == "BYTES":
+            tensor.contents.bytes_contents.extend(str(v).encode() for v in values)
+        else:
+            tensor.contents.int_contents.extend(values)
+    elif datatype == "BYTES":
+        req.raw_input_contents.append(b"".join(len(s).to_bytes(4, "little") + s
+                                               for s in (str(v).encode() for v in values)))
+    else:
+        req.raw_input_contents.append(np.array(values, np.int32).tobytes())
+    return req
+
+
+@pytest.mark.parametrize("datatype", ["INT32", "BYTES"])
+def test_typed_and_raw_contents_share_a_key(datatype: str) -> None:
+    assert request_key(_request([1, 2, 3], True, datatype), "1") == request_key(_request([1, 2, 3], False, datatype), "1")
+
+
+def test_what_changes_the_key_and_what_does_not() -> None:
+    base = _request([1, 2, 3])
+    key = request_key(base, "1")
+    assert key is not None and len(key) == 16
+    assert request_key(_request([1, 2, 4]), "1") != key
+    assert request_key(base, "2") != key
+    other = pb.ModelInferRequest()
+    other.CopyFrom(base)
+    other.id = "another id"
+    other.parameters["binary_data_output"].bool_param = True
+    other.parameters["timeout"].int64_param = 5
+    assert request_key(other, "1") == key  # how it is rendered or scheduled: the same answer
+    other.parameters["custom"].int64_param = 1
+    assert request_key(other, "1") != key  # a model may read it
+    wanted = pb.ModelInferRequest()
+    wanted.CopyFrom(base)
+    wanted.outputs.add(name="Y")
+    assert request_key(wanted, "1") != key
+    binary = pb.ModelInferRequest()
+    binary.CopyFrom(wanted)
+    binary.outputs[0].parameters["binary_data"].bool_param = True
+    assert request_key(binary, "1") == request_key(wanted, "1")
+    shaped = _request([1, 2, 3])
+    shaped.inputs[0].shape[:] = [3, 1]
+    assert request_key(shaped, "1") != key
+
+
+def test_never_cached_requests() -> None:
+    shm = _request([1])
+    shm.inputs[0].parameters["shared_memory_region"].string_param = "r"
+    assert request_key(shm, "1") is None
+    out = _request([1])
+    out.outputs.add(name="Y").parameters["shared_memory_region"].string_param = "r"
+    assert request_key(out, "1") is None
+    short = _request([1, 2], typed=True)
+    short.inputs[0].shape[:] = [1, 3]  # two values for three elements: the service words it
+    assert request_key(short, "1") is None
+
+
+def test_lru_within_its_bytes_and_the_entry_share() -> None:
+    config = mc.ModelConfig()
+    answer = b"x" * 100
+    per_entry = 16 + len(answer) + ENTRY_OVERHEAD
+    cache = LocalCache(per_entry * 3 + 10)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for k in keys[:3]:
+        assert cache.put(k, "m", answer, config, 0) is False  # over 1/ENTRY_SHARE of the size
+    cache = LocalCache(per_entry * ENTRY_SHARE)
+    for k in keys:
+        assert cache.put(k, "m", answer, config, 0)
+    assert cache.used == 4 * per_entry
+    small = LocalCache(per_entry * ENTRY_SHARE)
+    for k in keys[:3]:
+        small.put(k, "m", answer, config, 0)
+    small.size = per_entry * 3  # full: the next put evicts the least recently used
+    assert small.get(keys[0], config) == answer  # keys[0] is now the most recent
+    small.put(keys[3], "m", answer, config, 0)
+    assert small.get(keys[1], config) is None and small.get(keys[0], config) == answer
+    assert small.used <= small.size and small.evictions == 1
+
+
+def test_invalidate_and_a_new_config() -> None:
+    config = mc.ModelConfig()
+    cache = LocalCache(1 << 20)
+    cache.put(b"a" * 16, "m", b"1", config, 0)
+    cache.put(b"b" * 16, "n", b"2", config, 0)
+    generation = cache.generations["m"]
+    cache.invalidate("m")
+    assert cache.get(b"a" * 16, config) is None and cache.get(b"b" * 16, config) == b"2"
+    assert cache.put(b"a" * 16, "m", b"1", config, generation) is False  # asked before the reload
+    assert cache.get(b"b" * 16, mc.ModelConfig()) is None  # another config object: a miss, dropped
+    assert cache.used == 0 and not cache.entries
+
+
+def test_cache_config_syntax() -> None:
+    assert CacheConfig.parse([]) is None
+    assert CacheConfig.parse(["local,size=1048576"]) == CacheConfig("local", 1048576)
+    assert CacheConfig.parse(["redis,host=h", "redis,port=7"]) == CacheConfig("redis", settings=(("host", "h"),
+                                                                                              ("port", "7")))
+    for bad in (["local"], ["local,size=0"], ["local,size=-1"], ["local,size=1k"], ["local,sise=5"],
+                ["memcached,size=5"], ["redis,port=x"], ["redis,size=5"], ["local,size=5", "redis,host=h"]):
+        with pytest.raises(ValueError):
+            CacheConfig.parse(bad)
+
+
+def test_meshserve_up_passes_the_cache_config_to_its_gateway() -> None:
+    from meshserve.cli import _up_gateway_flags, build_parser
+
+    args = build_parser().parse_args(["up", "--cache-config", "redis,host=h", "--cache-config", "redis,port=7"])
+    flags = _up_gateway_flags(args)
+    assert flags[flags.index("--cache-config") + 1] == "redis,host=h"
+    assert "redis,port=7" in flags
+    assert "--cache-config" not in _up_gateway_flags(build_parser().parse_args(["up"]))
