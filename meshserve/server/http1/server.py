@@ -39,7 +39,7 @@ import httptools
 from aiohttp import web
 
 from meshserve.protocol.errors import InferError
-from meshserve.server import body_worker, connections
+from meshserve.server import body_worker, connections, tls
 from meshserve.server.http1.request import Answer, Request, payload_error, render, render_answer
 from meshserve.server.limits import LISTEN, ServerLimits
 
@@ -550,8 +550,9 @@ class Http1Server:
     """The listening socket and its connections; `shutdown` / `cleanup` as aiohttp's runner
     (what `meshserve/server/process.py:serve` calls)."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+    def __init__(self, handler: Handler, limits: ServerLimits, acceptor: tls.Acceptor | None = None) -> None:
         self.handler = handler
+        self.tls = acceptor
         self.limits = limits
         self.loop = asyncio.get_running_loop()
         self.connections: set[Connection] = set()
@@ -563,7 +564,10 @@ class Http1Server:
         self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await self.loop.create_server(lambda: Connection(self), host, port,
+        factory: Callable[[], asyncio.Protocol] = lambda: Connection(self)  # noqa: E731
+        if self.tls is not None:  # --http-use-ssl: each connection's handshake first (meshserve/server/tls.py)
+            factory = self.tls.factory(factory)
+        self._server = await self.loop.create_server(factory, host, port,
                                                      reuse_address=True, reuse_port=LISTEN.reuse_port, backlog=1024)
         if self.tick:
             self._sweeper = self.loop.call_later(self.tick, self._sweep)
@@ -607,7 +611,8 @@ class Http1Server:
             self._server = None
 
 
-async def start(handler: Handler, host: str, port: int, limits: ServerLimits) -> tuple[Http1Server, int]:
-    """Serve `handler` on host:port; returns (server, bound port)."""
-    server = Http1Server(handler, limits)
+async def start(handler: Handler, host: str, port: int, limits: ServerLimits,
+                acceptor: tls.Acceptor | None = None) -> tuple[Http1Server, int]:
+    """Serve `handler` on host:port (over TLS with `acceptor`); returns (server, bound port)."""
+    server = Http1Server(handler, limits, acceptor)
     return server, await server.start(host, port)
