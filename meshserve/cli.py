@@ -188,7 +188,9 @@ def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--metrics-auth")
     if args.allow_remote_model_control:
         flags.append("--allow-remote-model-control")
-    return flags + _up_upload_flags(args)
+    from meshserve.server import tls
+
+    return flags + _up_upload_flags(args) + tls.flags(tls.from_args(args))
 
 
 def _up_upload_flags(args: argparse.Namespace) -> list[str]:
@@ -282,16 +284,17 @@ def _cmd_up(args: argparse.Namespace) -> None:
         gateway.wait_ready(args.timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
+        scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
         metrics_at = f"{host}:{gateway.ports['metrics']}" if "metrics" in gateway.ports else f"{host}:{http}"
         model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
         print(f"""
 meshserve is up ({len(services)} service process(es) + gateway).
-  HTTP/REST  http://{host}:{http}/v2          (health: /v2/health/ready)
+  HTTP/REST  {scheme}://{host}:{http}/v2          (health: /v2/health/ready)
   gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
   Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
 Try:
-  curl -s http://{host}:{http}/v2/models/{model}
-  curl -s -X POST http://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
+  curl -s {scheme}://{host}:{http}/v2/models/{model}
+  curl -s -X POST {scheme}://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
 Press Ctrl-C to stop.""", flush=True)
         while not stopping.is_set():
             for c in children:
@@ -334,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     from services.base.main import add_bls_key_argument
 
     add_bls_key_argument(up)
+    from meshserve.server import tls
+
+    tls.add_arguments(up)  # the gateway's ports (the services stay plaintext on loopback)
     up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")

@@ -15,6 +15,7 @@ UNAVAILABLE), never a 5xx or INTERNAL.
 """
 from __future__ import annotations
 
+import itertools
 import shutil
 import socket
 import ssl
@@ -148,11 +149,9 @@ def test_http_infer_over_tls(procs: dict[str, Target], pki: Pki, name: str) -> N
         client.close()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "service-S"])  # (S: plaintext gRPC, the hop)
 def test_grpc_infer_over_tls(procs: dict[str, Target], pki: Pki, name: str) -> None:
     target = procs[name]
-    if name == "service-S":
-        pytest.skip("service S serves plaintext gRPC (the gateways' hop)")
     client = _grpc(target, pki)
     try:
         assert client.is_server_live()
@@ -322,3 +321,44 @@ def test_flags_need_files(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "meshserve", "gateway", "--grpc-use-ssl", "--upstream", "x:1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode != 0 and "--grpc-server-cert" in run.stderr, run.stderr
+
+
+def test_meshserve_up_serves_tls_on_the_gateway(model_repo: Path, pki: Pki) -> None:
+    """`meshserve up` with the TLS flags: its gateway serves HTTPS and gRPC over mutual TLS
+    (the services stay plaintext on loopback); the banner says https."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "-1", "--repository",
+                             str(model_repo), "--http-port", "0", "--grpc-port", "0",
+                             *tls_flags("http", pki, False), *tls_flags("grpc", pki, True)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = list(itertools.takewhile(lambda ln: "Press Ctrl-C" not in ln, proc.stdout))  # up to the banner's end
+        url = next(w for w in "".join(lines).split() if w.startswith("https://") and w.endswith("/v2"))
+        http_port = int(url.removesuffix("/v2").rsplit(":", 1)[1])
+        grpc_port = int(next(ln for ln in lines if ln.strip().startswith("gRPC")).split()[1].rsplit(":", 1)[1])
+        gateway = Proc([], proc, {"http": http_port, "grpc": grpc_port})
+        target = Target("up", gateway, False, True)
+        client = http_client(target, pki)
+        try:
+            eventually(lambda: client.is_model_ready("add_sub"), timeout=60, what="add_sub ready through up")
+            _check(client.infer("add_sub", _inputs(httpclient)))
+        finally:
+            client.close()
+        g = _grpc(target, pki)
+        try:
+            _check(g.infer("add_sub", _inputs(grpcclient)))
+        finally:
+            g.close()
+        _grpc_refused(target, pki, client=pki.stranger)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
