@@ -309,3 +309,73 @@ class _Handshake(asyncio.Protocol):
         if tls is None or tls.is_closing():
             return
         app.connection_made(tls)
+
+
+@dataclass(slots=True)
+class UpstreamTls:
+    """How a gateway connects to its services (one object, UPSTREAM, set from the gateway's
+    --upstream-use-ssl flags at start; read where the hop's channels are made: the replica's
+    grpc.aio channel and the inference streams' HTTP/2 channel). Off: plaintext, as before."""
+
+    on: bool = False
+    root: str | None = None  # the CA the services' certificates must chain to (None: the system's)
+    cert: str | None = None  # the gateway's client certificate (the services' mutual TLS)
+    key: str | None = None
+    _ctx: ssl.SSLContext | None = None
+
+    def context(self) -> ssl.SSLContext | None:
+        """The HTTP/2 client's context (ALPN h2; the service's name checked), None when off."""
+        if not self.on:
+            return None
+        if self._ctx is None:
+            ctx = ssl.create_default_context(cafile=self.root)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+            ctx.set_alpn_protocols(["h2"])
+            self._ctx = ctx
+        return self._ctx
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """grpc's channel credentials for the same, None when off."""
+        if not self.on:
+            return None
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(read(self.root), read(self.key), read(self.cert))
+
+
+UPSTREAM = UpstreamTls()
+
+
+def add_upstream_arguments(ap: argparse.ArgumentParser) -> None:
+    """The gateway's flags for TLS on its hop to the services."""
+    group = ap.add_argument_group("TLS to the services (docs/security.md, \"TLS and mutual TLS\")")
+    group.add_argument("--upstream-use-ssl", dest="tls_upstream_use_ssl", type=_bool, nargs="?", const=True,
+                       default=False, metavar="BOOL", help="connect to the services over TLS (default false)")
+    group.add_argument("--upstream-root-cert", dest="tls_upstream_root", default=None, metavar="PEM",
+                       help="the CA the services' certificates must chain to (default: the system's)")
+    group.add_argument("--upstream-client-cert", dest="tls_upstream_cert", default=None, metavar="PEM",
+                       help="the gateway's client certificate, for services with --grpc-use-ssl-mutual")
+    group.add_argument("--upstream-client-key", dest="tls_upstream_key", default=None, metavar="PEM",
+                       help="its private key")
+
+
+def configure_upstream(args: argparse.Namespace) -> None:
+    """UPSTREAM from the flags (SystemExit when its files do not load)."""
+    cert, key = args.tls_upstream_cert, args.tls_upstream_key
+    on = bool(args.tls_upstream_use_ssl or args.tls_upstream_root or cert)
+    if bool(cert) != bool(key):
+        raise SystemExit("--upstream-client-cert and --upstream-client-key go together")
+    UPSTREAM.on, UPSTREAM.root, UPSTREAM.cert, UPSTREAM.key, UPSTREAM._ctx = on, args.tls_upstream_root, cert, key, None
+    try:
+        UPSTREAM.context()
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise SystemExit(f"--upstream-use-ssl: cannot load the certificate files: {exc}") from None
+

@@ -363,3 +363,44 @@ def test_meshserve_up_serves_tls_on_the_gateway(model_repo: Path, pki: Pki) -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_hop_over_mutual_tls(model_repo: Path, pki: Pki) -> None:
+    """A service with gRPC mutual TLS behind a gateway with --upstream-use-ssl and a client
+    certificate: inference (the hop's streams) and the model's metadata and statistics (the
+    replica's channel) go through; a gateway without the client certificate cannot reach it."""
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
+                     "--model-control-mode", "explicit", "--load-model", "add_sub", *tls_flags("grpc", pki, True)])
+    hop_cert = pki.ca.issue(pki.directory, "gateway-hop", server=False)
+    started = [service]
+    try:
+        good = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
+                      "--upstream-use-ssl", "--upstream-root-cert", str(pki.ca.cert),
+                      "--upstream-client-cert", str(hop_cert.cert), "--upstream-client-key", str(hop_cert.key)])
+        started.append(good)
+        anonymous = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
+                           "--upstream-use-ssl", "--upstream-root-cert", str(pki.ca.cert)])
+        started.append(anonymous)
+        client = httpclient.InferenceServerClient(good.http)
+        try:
+            eventually(lambda: client.is_model_ready("add_sub"), timeout=30, what="add_sub through the TLS hop")
+            _check(client.infer("add_sub", _inputs(httpclient)))
+            assert client.get_model_metadata("add_sub")["name"] == "add_sub"
+        finally:
+            client.close()
+        g = grpcclient.InferenceServerClient(good.grpc)
+        try:
+            _check(g.infer("add_sub", _inputs(grpcclient)))
+        finally:
+            g.close()
+        other = httpclient.InferenceServerClient(anonymous.http)
+        try:
+            assert not other.is_model_ready("add_sub")  # the service refused its handshakes
+            with pytest.raises(InferenceServerException) as caught:
+                other.infer("add_sub", _inputs(httpclient))
+            assert caught.value.status() is not None and not str(caught.value.status()).startswith("5"), caught.value
+        finally:
+            other.close()
+    finally:
+        for p in reversed(started):
+            p.stop()
