@@ -308,6 +308,8 @@ class _Handshake(asyncio.Protocol):
             self.transport = None
         if tls is None or tls.is_closing():
             return
+        if hasattr(app, "join_writes"):  # (one TLS record per flush: see h2.connection.H2Endpoint)
+            app.join_writes = True
         app.connection_made(tls)
 
 

@@ -390,6 +390,7 @@ async def connect(endpoint: str, timeout: float = 5.0, ssl_context: ssl.SSLConte
         "ssl": ssl_context, "server_hostname": host or "127.0.0.1", "ssl_handshake_timeout": timeout}
     _, proto = await asyncio.wait_for(
         loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port), **tls), timeout)
+    proto.join_writes = ssl_context is not None  # (one TLS record per flush: H2Endpoint.join_writes)
     # Streams wait for the server's SETTINGS (its MAX_CONCURRENT_STREAMS above all): a burst of
     # calls on a new connection would otherwise be refused past that limit.
     if proto.settled is not None:

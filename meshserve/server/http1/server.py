@@ -84,7 +84,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "cancel_on_loss")
+                 "cancel_on_loss", "join_writes")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -123,6 +123,7 @@ class Connection(asyncio.Protocol):
         self.body_seen: Request | None = None  # the pending body the sweep first saw ...
         self.body_since = 0.0  # ... and when (--body-timeout-s: nothing on the request path)
         self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
+        self.join_writes = False  # TLS: an answer's buffers joined, one TLS record (set by meshserve/server/tls.py)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -349,7 +350,10 @@ class Connection(asyncio.Protocol):
                 keep = request.keep_alive and not server.closing and content.eof and content.error is None
                 buffer = render_answer(response, request, keep)
                 if isinstance(buffer, list):
-                    transport.writelines(buffer)
+                    if self.join_writes:
+                        transport.write(b"".join(buffer))
+                    else:
+                        transport.writelines(buffer)
                 else:
                     transport.write(buffer)
             else:
@@ -362,8 +366,10 @@ class Connection(asyncio.Protocol):
                             response.force_close()
                         await response.prepare(request)  # type: ignore[arg-type]
                         await response.write_eof()
-                    elif isinstance(data, list):
+                    elif isinstance(data, list) and not self.join_writes:
                         transport.writelines(data)
+                    elif isinstance(data, list):  # TLS: one record
+                        transport.write(b"".join(data))
                     else:
                         transport.write(data)
                 elif not response._eof_sent:
