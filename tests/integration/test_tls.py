@@ -404,3 +404,37 @@ def test_the_hop_over_mutual_tls(model_repo: Path, pki: Pki) -> None:
     finally:
         for p in reversed(started):
             p.stop()
+
+
+PERF_ANALYZER = Path(__file__).resolve().parents[3] / "shared" / "tools" / "perf_analyzer"
+
+
+@pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")
+@pytest.mark.parametrize("name,proto", [("gateway-1", "grpc"), ("gateway-2", "http"), ("service-T", "grpc"),
+                                        ("service-S", "http")])
+def test_perf_analyzer_over_mutual_tls(procs: dict[str, Target], pki: Pki, name: str, proto: str,
+                                       tmp_path: Path) -> None:
+    """Triton's perf_analyzer with its --ssl-grpc-* / --ssl-https-* options, mutual TLS."""
+    import csv
+    import subprocess
+
+    target = procs[name]
+    report = tmp_path / "pa.csv"
+    if proto == "grpc":
+        url = target.proc.grpc
+        tls = ["--ssl-grpc-use-ssl", "true", "--ssl-grpc-root-certifications-file", str(pki.ca.cert),
+               "--ssl-grpc-private-key-file", str(pki.client.key), "--ssl-grpc-certificate-chain-file",
+               str(pki.client.cert)]
+    else:
+        url = "https://" + target.proc.http
+        tls = ["--ssl-https-verify-peer", "1", "--ssl-https-verify-host", "2", "--ssl-https-ca-certificates-file",
+               str(pki.ca.cert), "--ssl-https-client-certificate-file", str(pki.client.cert),
+               "--ssl-https-private-key-file", str(pki.client.key)]
+    cmd = [str(PERF_ANALYZER), "-m", "add_sub", "-u", url, "-i", proto, "--concurrency-range", "1:4:3",
+           "--measurement-interval", "500", "--stability-percentage", "100", "--max-trials", "4",
+           "-f", str(report), *tls]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = list(csv.DictReader(report.open()))
+    assert sorted(int(r["Concurrency"]) for r in rows) == [1, 4]
+    assert all(float(r["Inferences/Second"]) > 10 for r in rows), rows
