@@ -11,10 +11,12 @@ import argparse
 import importlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -207,6 +209,25 @@ def _up_python_flags(args: argparse.Namespace, gateway_grpc: int) -> list[str]:
     return flags
 
 
+def _mesh_tls() -> tuple[list[str], list[str], Path]:
+    """`meshserve up --mesh-tls`: a throwaway mesh CA in a run directory of its own (0700; removed
+    at exit), a certificate for the services (mutual TLS on their gRPC ports) and one for the
+    gateway's hop. Returns (the services' flags, the gateway's flags, the directory)."""
+    try:
+        from meshserve.server import certs
+    except ImportError:
+        raise SystemExit("meshserve up --mesh-tls needs the cryptography package (pip install cryptography)") from None
+    run_dir = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
+    ca = certs.authority(run_dir, "mesh-ca")
+    service = ca.issue(run_dir, "service", server=True)
+    hop = ca.issue(run_dir, "gateway-hop", server=False)
+    ca.key.unlink()  # nothing more is signed: the CA's key is not kept
+    return (["--grpc-use-ssl-mutual=true", "--grpc-server-cert", str(service.cert), "--grpc-server-key",
+             str(service.key), "--grpc-root-cert", str(ca.cert)],
+            ["--upstream-root-cert", str(ca.cert), "--upstream-client-cert", str(hop.cert),
+             "--upstream-client-key", str(hop.key)], run_dir)
+
+
 def _in_gateway(kind: str) -> bool:
     row = kinds.by_name(kind)
     return row is not None and row.in_gateway
@@ -258,6 +279,11 @@ def _cmd_up(args: argparse.Namespace) -> None:
     # python models call other models (BLS) through the gateway: its gRPC port must be known
     # before the services start, so a port of 0 is picked here
     gateway_grpc = args.grpc_port or _free_port(args.host)
+    mesh_dir = None
+    service_tls: list[str] = []
+    gateway_hop: list[str] = []
+    if args.mesh_tls:  # the hop on mutual TLS: only this gateway reaches the services
+        service_tls, gateway_hop, mesh_dir = _mesh_tls()
     try:
         for kind in runnable:
             print(f"meshserve up: starting the {kind} service…", flush=True)
@@ -267,7 +293,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                               "--model-control-mode", "explicit", "--load-model", "*",
                                               "--server-name", args.server_name, "--log-level", args.log_level,
                                               "--http-server", args.http_server, *_up_upload_flags(args),
-                                              *extra])
+                                              *service_tls, *extra])
             services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
@@ -278,7 +304,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     "--http-server", args.http_server, "--workers", str(args.gateway_workers),
                                     *(["--metrics-port", str(args.metrics_port)] if args.metrics_port >= 0 else []),
-                                    *_up_gateway_flags(args),
+                                    *_up_gateway_flags(args), *gateway_hop,
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
@@ -305,6 +331,8 @@ Press Ctrl-C to stop.""", flush=True)
     finally:
         print("meshserve up: stopping…", flush=True)
         _stop_all(children or services)
+        if mesh_dir is not None:
+            shutil.rmtree(mesh_dir, ignore_errors=True)
         print("meshserve up: stopped", flush=True)
 
 
@@ -339,7 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bls_key_argument(up)
     from meshserve.server import tls
 
-    tls.add_arguments(up)  # the gateway's ports (the services stay plaintext on loopback)
+    tls.add_arguments(up)  # the gateway's ports
+    up.add_argument("--mesh-tls", action="store_true",
+                    help="the gateway-to-service hop on mutual TLS with a throwaway CA made in a run directory "
+                         "(needs the cryptography package; default off: plaintext on loopback)")
     up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")

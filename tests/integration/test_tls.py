@@ -438,3 +438,68 @@ def test_perf_analyzer_over_mutual_tls(procs: dict[str, Target], pki: Pki, name:
     rows = list(csv.DictReader(report.open()))
     assert sorted(int(r["Concurrency"]) for r in rows) == [1, 4]
     assert all(float(r["Inferences/Second"]) > 10 for r in rows), rows
+
+
+def test_meshserve_up_mesh_tls(model_repo: Path) -> None:
+    """`meshserve up --mesh-tls`: the services' gRPC ports serve mutual TLS with a throwaway CA
+    (made in a run directory, removed at exit) that only the gateway holds a certificate of:
+    inference through the gateway works; a client reaching a service port directly, plaintext
+    or TLS without the CA's client certificate, is refused."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "-1", "--repository",
+                             str(model_repo), "--http-port", "0", "--grpc-port", "0", "--mesh-tls"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = list(itertools.takewhile(lambda ln: "Press Ctrl-C" not in ln, proc.stdout))
+        url = next(w for w in "".join(lines).split() if w.startswith("http://") and w.endswith("/v2"))
+        client = httpclient.InferenceServerClient(url.removeprefix("http://").removesuffix("/v2"))
+        try:
+            eventually(lambda: client.is_model_ready("add_sub"), timeout=60, what="add_sub through the mTLS hop")
+            _check(client.infer("add_sub", _inputs(httpclient)))
+        finally:
+            client.close()
+        # the services' ports, from the gateway's command line (its --upstream flags)
+        gateway_argv = next(argv for argv in _children_argv(proc.pid) if "gateway" in argv)
+        upstreams = [gateway_argv[i + 1] for i, a in enumerate(gateway_argv) if a == "--upstream"]
+        root = gateway_argv[gateway_argv.index("--upstream-root-cert") + 1]
+        run_dir = Path(root).parent
+        assert upstreams and oct(run_dir.stat().st_mode & 0o777) == "0o700"
+        for upstream in upstreams:
+            plain = grpcclient.InferenceServerClient(upstream)
+            try:
+                with pytest.raises(InferenceServerException) as caught:
+                    plain.is_server_live()
+                assert caught.value.status() == "StatusCode.UNAVAILABLE"
+            finally:
+                plain.close()
+            no_cert = grpcclient.InferenceServerClient(upstream, ssl=True, root_certificates=root)
+            try:
+                with pytest.raises(InferenceServerException) as caught:
+                    no_cert.is_server_live()
+                assert caught.value.status() == "StatusCode.UNAVAILABLE"
+            finally:
+                no_cert.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert not run_dir.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children_argv(pid: int) -> list[list[str]]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                out.append(Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0"))
+            except OSError:
+                continue
+    return out
