@@ -180,7 +180,11 @@ def _http_refused(target: Target, pki: Pki, **kw: object) -> None:
 
 
 def _grpc_refused(target: Target, pki: Pki, **kw: object) -> None:
-    client = _grpc(target, pki, **kw)  # type: ignore[arg-type]
+    _unavailable(_grpc(target, pki, **kw))  # type: ignore[arg-type]
+
+
+def _unavailable(client: grpcclient.InferenceServerClient) -> None:
+    """The client's call fails UNAVAILABLE (a refused handshake: no gRPC status from the server)."""
     try:
         with pytest.raises(InferenceServerException) as caught:
             client.is_server_live()
@@ -232,13 +236,7 @@ def test_mutual_tls_refuses_no_client_certificate(procs: dict[str, Target], pki:
     assert got == b"", got[:200]
     # and through tritonclient: gRPC sees UNAVAILABLE, HTTP sees no answer
     if proto == "grpc":
-        c = grpcclient.InferenceServerClient(target.proc.grpc, ssl=True, root_certificates=str(pki.ca.cert))
-        try:
-            with pytest.raises(InferenceServerException) as caught:
-                c.is_server_live()
-            assert caught.value.status() == "StatusCode.UNAVAILABLE"
-        finally:
-            c.close()
+        _unavailable(grpcclient.InferenceServerClient(target.proc.grpc, ssl=True, root_certificates=str(pki.ca.cert)))
     else:
         h = httpclient.InferenceServerClient(target.proc.http, ssl=True, ssl_options={"ca_certs": str(pki.ca.cert)},
                                              connection_timeout=10, network_timeout=10)
@@ -471,20 +469,8 @@ def test_meshserve_up_mesh_tls(model_repo: Path) -> None:
         run_dir = Path(root).parent
         assert upstreams and oct(run_dir.stat().st_mode & 0o777) == "0o700"
         for upstream in upstreams:
-            plain = grpcclient.InferenceServerClient(upstream)
-            try:
-                with pytest.raises(InferenceServerException) as caught:
-                    plain.is_server_live()
-                assert caught.value.status() == "StatusCode.UNAVAILABLE"
-            finally:
-                plain.close()
-            no_cert = grpcclient.InferenceServerClient(upstream, ssl=True, root_certificates=root)
-            try:
-                with pytest.raises(InferenceServerException) as caught:
-                    no_cert.is_server_live()
-                assert caught.value.status() == "StatusCode.UNAVAILABLE"
-            finally:
-                no_cert.close()
+            _unavailable(grpcclient.InferenceServerClient(upstream))  # plaintext
+            _unavailable(grpcclient.InferenceServerClient(upstream, ssl=True, root_certificates=root))  # no cert
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         assert not run_dir.exists()
