@@ -276,6 +276,9 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: warning: --tenants without --bls-api-key-file: python models' BLS calls carry no "
               "API key and will be refused unless the tenants file allows anonymous callers "
               "(docs/python-backend.md)", flush=True)
+    if (args.tls_grpc_use_ssl or args.tls_grpc_mutual) and "python" in runnable:
+        print("meshserve up: warning: --grpc-use-ssl: python models' BLS calls reach the gateway's gRPC port "
+              "in plaintext and will fail (TLS for BLS is not implemented; docs/security.md)", flush=True)
     # python models call other models (BLS) through the gateway: its gRPC port must be known
     # before the services start, so a port of 0 is picked here
     gateway_grpc = args.grpc_port or _free_port(args.host)
