@@ -15,7 +15,7 @@ from gateway.workers import WorkerGatewayCore, supervise
 from gateway.workers import add_arguments as add_worker_arguments
 from gateway.workers import check as check_workers
 from meshserve.server import limits as server_limits
-from meshserve.server import repository_control
+from meshserve.server import repository_control, tls
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from meshserve.server.workers import Worker
@@ -62,6 +62,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
+    tls.add_upstream_arguments(ap)
 
 
 def add_tenant_arguments(ap: argparse.ArgumentParser) -> None:
@@ -87,6 +88,7 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(supervise(args))
     worker = Worker(args.worker_state, args.worker_index) if args.worker_state else None
     limits = server_limits.from_args(args)
+    tls.configure_upstream(args)  # the hop's TLS (--upstream-use-ssl), before any replica's channel
     configure_tracing("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
     if not args.upstream and not args.discovery:
         raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")

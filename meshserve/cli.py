@@ -11,10 +11,12 @@ import argparse
 import importlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -190,7 +192,9 @@ def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--allow-remote-model-control")
     for value in args.cache_config:
         flags += ["--cache-config", value]
-    return flags + _up_upload_flags(args)
+    from meshserve.server import tls
+
+    return flags + _up_upload_flags(args) + tls.flags(tls.from_args(args))
 
 
 def _up_upload_flags(args: argparse.Namespace) -> list[str]:
@@ -205,6 +209,25 @@ def _up_python_flags(args: argparse.Namespace, gateway_grpc: int) -> list[str]:
     if args.bls_api_key_file is not None:
         flags += ["--bls-api-key-file", str(args.bls_api_key_file)]
     return flags
+
+
+def _mesh_tls() -> tuple[list[str], list[str], Path]:
+    """`meshserve up --mesh-tls`: a throwaway mesh CA in a run directory of its own (0700; removed
+    at exit), a certificate for the services (mutual TLS on their gRPC ports) and one for the
+    gateway's hop. Returns (the services' flags, the gateway's flags, the directory)."""
+    try:
+        from meshserve.server import certs
+    except ImportError:
+        raise SystemExit("meshserve up --mesh-tls needs the cryptography package (pip install cryptography)") from None
+    run_dir = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
+    ca = certs.authority(run_dir, "mesh-ca")
+    service = ca.issue(run_dir, "service", server=True)
+    hop = ca.issue(run_dir, "gateway-hop", server=False)
+    ca.key.unlink()  # nothing more is signed: the CA's key is not kept
+    return (["--grpc-use-ssl-mutual=true", "--grpc-server-cert", str(service.cert), "--grpc-server-key",
+             str(service.key), "--grpc-root-cert", str(ca.cert)],
+            ["--upstream-root-cert", str(ca.cert), "--upstream-client-cert", str(hop.cert),
+             "--upstream-client-key", str(hop.key)], run_dir)
 
 
 def _in_gateway(kind: str) -> bool:
@@ -255,9 +278,17 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: warning: --tenants without --bls-api-key-file: python models' BLS calls carry no "
               "API key and will be refused unless the tenants file allows anonymous callers "
               "(docs/python-backend.md)", flush=True)
+    if (args.tls_grpc_use_ssl or args.tls_grpc_mutual) and "python" in runnable:
+        print("meshserve up: warning: --grpc-use-ssl: python models' BLS calls reach the gateway's gRPC port "
+              "in plaintext and will fail (TLS for BLS is not implemented; docs/security.md)", flush=True)
     # python models call other models (BLS) through the gateway: its gRPC port must be known
     # before the services start, so a port of 0 is picked here
     gateway_grpc = args.grpc_port or _free_port(args.host)
+    mesh_dir = None
+    service_tls: list[str] = []
+    gateway_hop: list[str] = []
+    if args.mesh_tls:  # the hop on mutual TLS: only this gateway reaches the services
+        service_tls, gateway_hop, mesh_dir = _mesh_tls()
     try:
         for kind in runnable:
             print(f"meshserve up: starting the {kind} service…", flush=True)
@@ -267,7 +298,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                               "--model-control-mode", "explicit", "--load-model", "*",
                                               "--server-name", args.server_name, "--log-level", args.log_level,
                                               "--http-server", args.http_server, *_up_upload_flags(args),
-                                              *extra])
+                                              *service_tls, *extra])
             services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
@@ -278,22 +309,23 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     "--http-server", args.http_server, "--workers", str(args.gateway_workers),
                                     *(["--metrics-port", str(args.metrics_port)] if args.metrics_port >= 0 else []),
-                                    *_up_gateway_flags(args),
+                                    *_up_gateway_flags(args), *gateway_hop,
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
+        scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
         metrics_at = f"{host}:{gateway.ports['metrics']}" if "metrics" in gateway.ports else f"{host}:{http}"
         model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
         print(f"""
 meshserve is up ({len(services)} service process(es) + gateway).
-  HTTP/REST  http://{host}:{http}/v2          (health: /v2/health/ready)
+  HTTP/REST  {scheme}://{host}:{http}/v2          (health: /v2/health/ready)
   gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
   Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
 Try:
-  curl -s http://{host}:{http}/v2/models/{model}
-  curl -s -X POST http://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
+  curl -s {scheme}://{host}:{http}/v2/models/{model}
+  curl -s -X POST {scheme}://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
 Press Ctrl-C to stop.""", flush=True)
         while not stopping.is_set():
             for c in children:
@@ -304,6 +336,8 @@ Press Ctrl-C to stop.""", flush=True)
     finally:
         print("meshserve up: stopping…", flush=True)
         _stop_all(children or services)
+        if mesh_dir is not None:
+            shutil.rmtree(mesh_dir, ignore_errors=True)
         print("meshserve up: stopped", flush=True)
 
 
@@ -339,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     from services.base.main import add_bls_key_argument
 
     add_bls_key_argument(up)
+    from meshserve.server import tls
+
+    tls.add_arguments(up)  # the gateway's ports
+    up.add_argument("--mesh-tls", action="store_true",
+                    help="the gateway-to-service hop on mutual TLS with a throwaway CA made in a run directory "
+                         "(needs the cryptography package; default off: plaintext on loopback)")
     up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")

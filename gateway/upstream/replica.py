@@ -11,6 +11,7 @@ from gateway.upstream.stream import NotSent, StreamBroken, StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES, SERVICE_KIND_METADATA
+from meshserve.server import tls
 from meshserve.server.access import METRICS_SERVICE
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -46,7 +47,9 @@ class Replica:
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        creds = tls.UPSTREAM.credentials()  # --upstream-use-ssl (meshserve/server/tls.py)
+        self.channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS) if creds is None \
+            else grpc.aio.secure_channel(endpoint, creds, options=CHANNEL_OPTIONS)
         ch = self.channel
         # Infer travels as request bytes over long-lived streams (see stream.py).
         self.streams = StreamPool(endpoint)

@@ -31,7 +31,7 @@ import zlib
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server import h2
+from meshserve.server import h2, tls
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.limits import STREAMS
 from meshserve.telemetry import metrics
@@ -356,7 +356,7 @@ class StreamPool:
         self._streams: list[_Stream | None] = [None] * streams
         self._retired: list[_Stream] = []  # out of the pool, still answering (renew)
         self._rr = itertools.count()
-        self._channel = h2.Channel(endpoint, _CONNECT_TIMEOUT_S)
+        self._channel = h2.Channel(endpoint, _CONNECT_TIMEOUT_S, tls.UPSTREAM.context())  # (--upstream-use-ssl)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
 
     def renew(self) -> None:

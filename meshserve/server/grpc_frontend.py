@@ -21,7 +21,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
-from meshserve.server import access, observe, shm
+from meshserve.server import access, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState, health_handler
@@ -561,6 +561,7 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
         h2.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
         if getattr(core, "admission", None) is not None:  # (tenants: a gateway with --tenants)
             h2.check_headers = _key_check(core)  # without keys to check it would cost every call ~2.6k instructions
+        h2.tls = tls.acceptor(limits, "grpc")
         try:
             bound = await h2.bind(host, port)
         except OSError as exc:
@@ -574,8 +575,13 @@ async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthSt
         server.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
     else:  # grpcio < 1.62
         server.add_generic_rpc_handlers((inference_handler(core), health_handler(health), metrics_handler(core)))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    files = limits.tls.grpc
+    if files is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:  # grpc.aio's own TLS: no handshake cap, no reload (docs/security.md, "TLS and mutual TLS")
+        bound = server.add_secure_port(f"{host}:{port}", tls.aio_credentials(files))
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port} (in use?)")
     await server.start()
     return server, bound
+

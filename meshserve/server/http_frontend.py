@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from contextvars import ContextVar
 from typing import Any
 from urllib.parse import unquote
@@ -27,7 +28,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
-from meshserve.server import admission, body_worker, connections, http1, observe, shm
+from meshserve.server import admission, body_worker, connections, http1, observe, shm, tls
 from meshserve.server.access import Grant, Op
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.limits import LISTEN, ServerLimits
@@ -678,14 +679,18 @@ async def start_http_server(core: V2Core, host: str, port: int,
     """Start the REST server on the running loop; returns (runner, bound port)."""
     limits = limits or ServerLimits()
     if limits.http_server == "httptools":  # --http-server (meshserve/server/http1)
-        return await http1.start(HttpFrontend(core, limits).answer, host, port, limits)
-    return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port)
+        return await http1.start(HttpFrontend(core, limits).answer, host, port, limits, tls.acceptor(limits, "http"))
+    # aiohttp's fallback: its own handshakes, no handshake cap, no reload (docs/security.md, "TLS and mutual TLS")
+    return await _start(_Server(HttpFrontend(core, limits).handle, limits), host, port,
+                        tls.ssl_context(limits.tls.http, "http"))
 
 
-async def _start(server: web.Server, host: str, port: int) -> tuple[web.BaseRunner, int]:
+async def _start(server: web.Server, host: str, port: int,
+                 ssl_context: ssl.SSLContext | None = None) -> tuple[web.BaseRunner, int]:
     runner = web.ServerRunner(server, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=LISTEN.reuse_port, backlog=1024)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=LISTEN.reuse_port, backlog=1024,
+                       ssl_context=ssl_context)
     await site.start()
     sockets = getattr(site._server, "sockets", None) or []
     bound = sockets[0].getsockname()[1] if sockets else port

@@ -12,6 +12,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from meshserve.server import tls as tls_flags
+
 MiB = 1 << 20
 HTTP_SERVERS = ("aiohttp", "httptools")  # --http-server: meshserve/server/http_frontend.py, meshserve/server/http1
 DEFAULT_HTTP_SERVER = "httptools"  # aiohttp: the older front door, a fallback (docs/security.md)
@@ -81,6 +83,13 @@ class ServerLimits:
     max_shm_bytes: int = 4096 * MiB
     # ---- the HTTP/1.1 server (both enforce every HTTP limit above) ------------------------------
     http_server: str = field(default_factory=default_http_server)
+    # ---- TLS (meshserve/server/tls.py; docs/security.md, "TLS and mutual TLS") --------------------
+    # A TLS handshake must end within this many seconds of the connection's arrival.
+    tls_handshake_timeout_s: float = 10.0
+    # TLS handshakes in progress per port; one more closes the oldest in progress (0 = unbounded).
+    max_tls_handshakes: int = 256
+    # Which ports serve TLS, and with which files: the --grpc-use-ssl / --http-use-ssl flags.
+    tls: tls_flags.TlsSettings = field(default_factory=tls_flags.TlsSettings)
 
 
 
@@ -131,6 +140,8 @@ _HELP = {
     "max_connections": "client connections at once (HTTP and gRPC); 0 = the soft NOFILE minus a reserve",
     "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",
     "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
+    "tls_handshake_timeout_s": "seconds for a TLS handshake to end (0 = no limit)",
+    "max_tls_handshakes": "TLS handshakes in progress per port; more close the oldest (0 = unbounded)",
     "http_server": f"the HTTP/1.1 server: aiohttp's, or httptools (llhttp) with meshserve's connection "
                    f"handling (default {DEFAULT_HTTP_SERVER}; ${HTTP_SERVER_ENV} overrides it)",
 }
@@ -144,6 +155,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """One flag per ServerLimits field (e.g. --max-request-bytes), defaults from the record."""
     group = ap.add_argument_group("limits (docs/security.md)")
     for f in fields(ServerLimits):
+        if f.name == "tls":
+            tls_flags.add_arguments(ap)
+            continue
         if f.name == "http_server":
             group.add_argument(flag(f.name), dest=f"limit_{f.name}", choices=HTTP_SERVERS,
                                default=default_http_server(), help=_HELP[f.name])
@@ -154,8 +168,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> ServerLimits:
-    values = {f.name: getattr(args, f"limit_{f.name}") for f in fields(ServerLimits)}
+    values = {f.name: getattr(args, f"limit_{f.name}") for f in fields(ServerLimits) if f.name != "tls"}
     for name, value in values.items():
         if not isinstance(value, str) and value < 0:
             raise SystemExit(f"{flag(name)}: must be >= 0, got {value}")
-    return ServerLimits(**values)
+    return ServerLimits(**values, tls=tls_flags.from_args(args))

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=100.0)
     ap.add_argument("--timeout-s", type=float, default=5.0)
     ap.add_argument("--max-s", type=float, default=900.0)
+    ap.add_argument("--root-cert", default=None, help="TLS on both ports, trusting this CA (PEM)")
     args = ap.parse_args()
     stop = threading.Event()
 
@@ -47,7 +48,11 @@ def main() -> None:
             inp = m.InferInput(name, [1, 16], "FP32")
             inp.set_data_from_numpy(a)
             inputs.append(inp)
-        kw = {"network_timeout": args.timeout_s, "connection_timeout": args.timeout_s} if m is httpclient else {}
+        kw: dict[str, object] = {"network_timeout": args.timeout_s, "connection_timeout": args.timeout_s} \
+            if m is httpclient else {}
+        if args.root_cert:
+            kw.update({"ssl": True, "ssl_options": {"ca_certs": args.root_cert}} if m is httpclient
+                      else {"ssl": True, "root_certificates": args.root_cert})
         clients.append((m, m.InferenceServerClient(url, **kw), inputs))
     period = 1.0 / args.rate
     end = time.monotonic() + args.max_s

@@ -72,10 +72,10 @@ def rss(pid: int) -> int:
 class GoodClient:
     """tests.adversarial.good_client in its own process; its lines collected here."""
 
-    def __init__(self, gateway: Proc, rate: float = 100.0):
+    def __init__(self, gateway: Proc, rate: float = 100.0, extra: tuple[str, ...] = ()):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.adversarial.good_client", "--grpc", gateway.grpc, "--http", gateway.http,
-             "--key", KEY, "--rate", str(rate)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+             "--key", KEY, "--rate", str(rate), *extra], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
         self.records: list[tuple[float, float, str]] = []
         self.lock = threading.Lock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import ssl
 import struct
 import urllib.parse
 import zlib
@@ -377,14 +378,19 @@ class H2ClientConnection(H2Endpoint):
         pass
 
 
-async def connect(endpoint: str, timeout: float = 5.0) -> H2ClientConnection:
-    """Open an HTTP/2 (prior knowledge) connection to `host:port`."""
+async def connect(endpoint: str, timeout: float = 5.0, ssl_context: ssl.SSLContext | None = None
+                  ) -> H2ClientConnection:
+    """Open an HTTP/2 connection to `host:port`: prior knowledge, or over TLS with `ssl_context`
+    (ALPN h2; the certificate checked against `host`)."""
     endpoint = endpoint.removeprefix("dns:///")  # also the :authority, which must not carry it
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
     loop = asyncio.get_running_loop()
+    tls: dict[str, Any] = {} if ssl_context is None else {
+        "ssl": ssl_context, "server_hostname": host or "127.0.0.1", "ssl_handshake_timeout": timeout}
     _, proto = await asyncio.wait_for(
-        loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port)), timeout)
+        loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port), **tls), timeout)
+    proto.join_writes = ssl_context is not None  # (one TLS record per flush: H2Endpoint.join_writes)
     # Streams wait for the server's SETTINGS (its MAX_CONCURRENT_STREAMS above all): a burst of
     # calls on a new connection would otherwise be refused past that limit.
     if proto.settled is not None:
@@ -401,9 +407,10 @@ async def connect(endpoint: str, timeout: float = 5.0) -> H2ClientConnection:
 class Channel:
     """A lazily connected, reconnected-when-broken client connection to one endpoint."""
 
-    def __init__(self, endpoint: str, connect_timeout: float = 5.0):
+    def __init__(self, endpoint: str, connect_timeout: float = 5.0, ssl_context: ssl.SSLContext | None = None):
         self.endpoint = endpoint
         self.connect_timeout = connect_timeout
+        self.ssl_context = ssl_context  # TLS (meshserve/server/tls.py:UpstreamTls), else prior knowledge
         self._conn: H2ClientConnection | None = None
         self._lock = asyncio.Lock()
 
@@ -419,7 +426,8 @@ class Channel:
         async with self._lock:
             conn = self._conn
             if conn is None or not conn.usable:
-                conn = self._conn = await connect(self.endpoint, self.connect_timeout)
+                tls = () if self.ssl_context is None else (self.ssl_context,)
+                conn = self._conn = await connect(self.endpoint, self.connect_timeout, *tls)
             return conn
 
     def close(self) -> None:

@@ -59,6 +59,11 @@ class H2Endpoint(asyncio.Protocol):
     PING, flow control both ways, CONTINUATION, write batching. Subclasses handle HEADERS,
     DATA, RST_STREAM and GOAWAY for their side of the streams."""
 
+    # Over TLS, asyncio's and uvloop's transports make one TLS record (an encryption and its
+    # framing) of every buffer given to writelines: a flush joins them first (set by
+    # meshserve/server/tls.py and h2.client.connect on TLS connections).
+    join_writes = False
+
     expect_preface = False
     # Our receive window for the whole connection. The server sets it to its receive budget
     # (ServerLimits.conn_receive_buffer_bytes) and gives bytes back only as handlers take them.
@@ -516,7 +521,10 @@ class H2Endpoint(asyncio.Protocol):
         if self.wbuf:
             buf, self.wbuf = self.wbuf, []
             if self.transport is not None and not self.transport.is_closing() and not self.dead:
-                self.transport.writelines(buf)
+                if self.join_writes:  # TLS: one record for the lot, not one per buffer (meshserve/server/tls.py)
+                    self.transport.write(b"".join(buf))
+                else:
+                    self.transport.writelines(buf)
                 if self.paused:
                     self._over_send_budget()
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from meshserve.protocol.errors import internal_error
-from meshserve.server import connections
+from meshserve.server import connections, tls
 from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
@@ -1065,6 +1065,7 @@ class H2GrpcServer:
         # before its message is received (the front end's key check: grpc_frontend.start_grpc_server)
         self.check_headers: Callable[[str, tuple[tuple[str, Any], ...]], tuple[int, str] | None] | None = None
         self._servers: list[asyncio.Server] = []
+        self.tls: tls.Acceptor | None = None  # set before bind: TLS on this port (--grpc-use-ssl)
         self._stopping = False
         self._active = 0
         self._idle: asyncio.Event | None = None
@@ -1102,13 +1103,16 @@ class H2GrpcServer:
     async def bind(self, host: str, port: int) -> int:
         """Listen on host:port (0 = a free port, the same on every address of host)."""
         loop = asyncio.get_running_loop()
-        srv = await loop.create_server(lambda: ServerConnection(self), host or None, port, reuse_address=True,
+        factory: Callable[[], asyncio.Protocol] = lambda: ServerConnection(self)  # noqa: E731
+        if self.tls is not None:  # --grpc-use-ssl: each connection's handshake first (meshserve/server/tls.py)
+            factory = self.tls.factory(factory)
+        srv = await loop.create_server(factory, host or None, port, reuse_address=True,
                                        reuse_port=LISTEN.reuse_port, backlog=1024)
         ports = {s.getsockname()[1] for s in srv.sockets}
         if port == 0 and len(ports) > 1:
             srv.close()
             chosen = srv.sockets[0].getsockname()[1]
-            srv = await loop.create_server(lambda: ServerConnection(self), host or None, chosen, reuse_address=True,
+            srv = await loop.create_server(factory, host or None, chosen, reuse_address=True,
                                            reuse_port=LISTEN.reuse_port, backlog=1024)
             ports = {chosen}
         self._servers.append(srv)

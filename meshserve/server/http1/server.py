@@ -39,7 +39,7 @@ import httptools
 from aiohttp import web
 
 from meshserve.protocol.errors import InferError
-from meshserve.server import body_worker, connections
+from meshserve.server import body_worker, connections, tls
 from meshserve.server.http1.request import Answer, Request, payload_error, render, render_answer
 from meshserve.server.limits import LISTEN, ServerLimits
 
@@ -84,7 +84,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "cancel_on_loss")
+                 "cancel_on_loss", "join_writes")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -123,6 +123,7 @@ class Connection(asyncio.Protocol):
         self.body_seen: Request | None = None  # the pending body the sweep first saw ...
         self.body_since = 0.0  # ... and when (--body-timeout-s: nothing on the request path)
         self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
+        self.join_writes = False  # TLS: an answer's buffers joined, one TLS record (set by meshserve/server/tls.py)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -349,7 +350,10 @@ class Connection(asyncio.Protocol):
                 keep = request.keep_alive and not server.closing and content.eof and content.error is None
                 buffer = render_answer(response, request, keep)
                 if isinstance(buffer, list):
-                    transport.writelines(buffer)
+                    if self.join_writes:
+                        transport.write(b"".join(buffer))
+                    else:
+                        transport.writelines(buffer)
                 else:
                     transport.write(buffer)
             else:
@@ -362,8 +366,10 @@ class Connection(asyncio.Protocol):
                             response.force_close()
                         await response.prepare(request)  # type: ignore[arg-type]
                         await response.write_eof()
-                    elif isinstance(data, list):
+                    elif isinstance(data, list) and not self.join_writes:
                         transport.writelines(data)
+                    elif isinstance(data, list):  # TLS: one record
+                        transport.write(b"".join(data))
                     else:
                         transport.write(data)
                 elif not response._eof_sent:
@@ -550,8 +556,9 @@ class Http1Server:
     """The listening socket and its connections; `shutdown` / `cleanup` as aiohttp's runner
     (what `meshserve/server/process.py:serve` calls)."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+    def __init__(self, handler: Handler, limits: ServerLimits, acceptor: tls.Acceptor | None = None) -> None:
         self.handler = handler
+        self.tls = acceptor
         self.limits = limits
         self.loop = asyncio.get_running_loop()
         self.connections: set[Connection] = set()
@@ -563,7 +570,10 @@ class Http1Server:
         self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await self.loop.create_server(lambda: Connection(self), host, port,
+        factory: Callable[[], asyncio.Protocol] = lambda: Connection(self)  # noqa: E731
+        if self.tls is not None:  # --http-use-ssl: each connection's handshake first (meshserve/server/tls.py)
+            factory = self.tls.factory(factory)
+        self._server = await self.loop.create_server(factory, host, port,
                                                      reuse_address=True, reuse_port=LISTEN.reuse_port, backlog=1024)
         if self.tick:
             self._sweeper = self.loop.call_later(self.tick, self._sweep)
@@ -607,7 +617,8 @@ class Http1Server:
             self._server = None
 
 
-async def start(handler: Handler, host: str, port: int, limits: ServerLimits) -> tuple[Http1Server, int]:
-    """Serve `handler` on host:port; returns (server, bound port)."""
-    server = Http1Server(handler, limits)
+async def start(handler: Handler, host: str, port: int, limits: ServerLimits,
+                acceptor: tls.Acceptor | None = None) -> tuple[Http1Server, int]:
+    """Serve `handler` on host:port (over TLS with `acceptor`); returns (server, bound port)."""
+    server = Http1Server(handler, limits, acceptor)
     return server, await server.start(host, port)

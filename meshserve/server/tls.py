@@ -1,0 +1,383 @@
+"""TLS and mutual TLS on the HTTP and gRPC ports (docs/security.md, "TLS and mutual TLS").
+
+Opt-in per port, with Triton's gRPC flag names (`--grpc-use-ssl`, `--grpc-use-ssl-mutual`,
+`--grpc-server-cert`, `--grpc-server-key`, `--grpc-root-cert`) and the same for HTTP
+(`--http-use-ssl`, ...: Triton has no TLS on HTTP). Without them nothing here runs: the servers
+take their plaintext protocol factory as before.
+
+With TLS a port's listening socket accepts plain TCP connections through `Acceptor`, which runs
+each handshake itself (`loop.start_tls`) before the server's own protocol (HTTP/1.1 or HTTP/2)
+sees the connection, so that the handshakes in progress are counted and bounded:
+
+- a handshake must end within `--tls-handshake-timeout-s` (a client that sends its ClientHello a
+  byte at a time, or never, is closed);
+- at most `--max-tls-handshakes` are in progress per port; one more closes the OLDEST in progress
+  (as the connection table closes the longest idle connection), so a flood of stalled
+  handshakes cannot keep a good client, whose handshake takes a millisecond, from completing;
+- bytes that are not TLS (plaintext HTTP or gRPC sent to a TLS port) fail the handshake at once:
+  the connection is closed;
+- a failed handshake (wrong CA, an expired certificate, no client certificate under mutual TLS)
+  closes the connection: the server's protocol never sees it, no HTTP or gRPC status is sent.
+
+A finished connection counts against --max-connections like a plaintext one. The certificate,
+key and root CA files are checked for changes (size, mtime, inode) at most once every
+RELOAD_CHECK_S, when a connection arrives: a changed set is loaded into a new context that the
+next connections get; connections already made keep theirs. A set that does not load (a file
+half written, a key that does not match) is logged and the previous context stays in use.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+    from meshserve.server.limits import ServerLimits
+
+log = logging.getLogger("meshserve.tls")
+
+RELOAD_CHECK_S = 1.0  # the certificate files are looked at (stat) at most this often
+EARLY_MAX_BYTES = 64 << 10  # bytes a connection may send before its handshake starts (a ClientHello: < 16 KiB)
+ALPN = {"grpc": ["h2"], "http": ["http/1.1"]}
+
+
+@dataclass(frozen=True, slots=True)
+class PortTls:
+    """One port's TLS files (the --<proto>-server-cert / -key / -root-cert flags)."""
+
+    cert: str
+    key: str
+    root: str | None = None
+    mutual: bool = False  # client certificates required, checked against `root`
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """The TLS of a process's ports; None: plaintext (the default)."""
+
+    grpc: PortTls | None = None
+    http: PortTls | None = None
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The TLS flags of both ports: `--grpc-use-ssl` (Triton's form `--grpc-use-ssl=true` too) ..."""
+    group = ap.add_argument_group("TLS (docs/security.md, \"TLS and mutual TLS\")")
+    for proto, name in (("grpc", "gRPC"), ("http", "HTTP")):
+        group.add_argument(f"--{proto}-use-ssl", dest=f"tls_{proto}_use_ssl", type=_bool, nargs="?", const=True,
+                           default=False, metavar="BOOL", help=f"serve {name} over TLS (default false)")
+        group.add_argument(f"--{proto}-use-ssl-mutual", dest=f"tls_{proto}_mutual", type=_bool, nargs="?",
+                           const=True, default=False, metavar="BOOL",
+                           help=f"{name}: require a client certificate signed by --{proto}-root-cert "
+                                f"(implies --{proto}-use-ssl; default false)")
+        group.add_argument(f"--{proto}-server-cert", dest=f"tls_{proto}_cert", default=None, metavar="PEM",
+                           help=f"{name}: the server's certificate (chain), PEM")
+        group.add_argument(f"--{proto}-server-key", dest=f"tls_{proto}_key", default=None, metavar="PEM",
+                           help=f"{name}: the server certificate's private key, PEM")
+        group.add_argument(f"--{proto}-root-cert", dest=f"tls_{proto}_root", default=None, metavar="PEM",
+                           help=f"{name}: the CA(s) client certificates must be signed by (mutual TLS), PEM")
+
+
+def from_args(args: argparse.Namespace) -> TlsSettings:
+    """The flags as settings; a port with TLS on must name its files (SystemExit otherwise),
+    and they must load."""
+    ports: dict[str, PortTls | None] = {}
+    for proto in ("grpc", "http"):
+        mutual = bool(getattr(args, f"tls_{proto}_mutual", False))
+        if not (getattr(args, f"tls_{proto}_use_ssl", False) or mutual):
+            ports[proto] = None
+            continue
+        cert, key, root = (getattr(args, f"tls_{proto}_{k}", None) for k in ("cert", "key", "root"))
+        if not cert or not key:
+            raise SystemExit(f"--{proto}-use-ssl needs --{proto}-server-cert and --{proto}-server-key")
+        if mutual and not root:
+            raise SystemExit(f"--{proto}-use-ssl-mutual needs --{proto}-root-cert")
+        port = PortTls(cert, key, root, mutual)
+        try:
+            context(port, proto)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise SystemExit(f"--{proto}-use-ssl: cannot load the certificate files: {exc}") from None
+        ports[proto] = port
+    return TlsSettings(grpc=ports["grpc"], http=ports["http"])
+
+
+def flags(settings: TlsSettings) -> list[str]:
+    """The command-line flags that give another process these settings (`meshserve up`)."""
+    out: list[str] = []
+    for proto, port in (("grpc", settings.grpc), ("http", settings.http)):
+        if port is None:
+            continue
+        out += [f"--{proto}-use-ssl=true", f"--{proto}-server-cert", port.cert, f"--{proto}-server-key", port.key]
+        if port.root:
+            out += [f"--{proto}-root-cert", port.root]
+        if port.mutual:
+            out.append(f"--{proto}-use-ssl-mutual=true")
+    return out
+
+
+def context(port: PortTls, proto: str) -> ssl.SSLContext:
+    """A server context for `port`'s files: TLS 1.2 at least, ALPN as the protocol needs."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(port.cert, port.key)
+    if port.mutual:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=port.root)
+    ctx.set_alpn_protocols(ALPN[proto])
+    return ctx
+
+
+def acceptor(limits: ServerLimits, proto: str) -> Acceptor | None:
+    """The TLS acceptor of the `proto` port ("grpc", "http"), None when it serves plaintext."""
+    port = limits.tls.grpc if proto == "grpc" else limits.tls.http
+    if port is None:
+        return None
+    return Acceptor(port, proto, limits.tls_handshake_timeout_s, limits.max_tls_handshakes)
+
+
+def aio_credentials(port: PortTls) -> grpc.ServerCredentials:
+    """grpc.aio's credentials for `port` (MESHSERVE_GRPC_SERVER=aio: grpc's own TLS, without the
+    handshake bounds and the reload above)."""
+    import grpc
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    root = read(port.root) if port.root else None
+    return grpc.ssl_server_credentials([(read(port.key), read(port.cert))], root_certificates=root,
+                                       require_client_auth=port.mutual)
+
+
+def ssl_context(port: PortTls | None, proto: str) -> ssl.SSLContext | None:
+    """A fixed context for a server that runs its own handshakes (aiohttp's fallback)."""
+    return context(port, proto) if port is not None else None
+
+
+def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...] | None:
+    try:
+        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, paths))
+    except OSError:
+        return None
+
+
+class Acceptor:
+    """One TLS port: its current context (reloaded when the files change) and the handshakes in
+    progress (see the module docstring). `factory(make)` is the listening socket's protocol factory."""
+
+    __slots__ = ("port", "proto", "timeout", "cap", "pending", "ctx", "stamp", "checked", "bad", "evicted",
+                 "failed")
+
+    def __init__(self, port: PortTls, proto: str, handshake_timeout_s: float, max_handshakes: int) -> None:
+        self.port = port
+        self.proto = proto
+        self.timeout = handshake_timeout_s if handshake_timeout_s > 0 else None
+        self.cap = max_handshakes
+        self.pending: dict[_Handshake, None] = {}  # in progress, oldest first
+        self.stamp = _stamp(self._paths())
+        self.ctx = context(port, proto)
+        self.checked = time.monotonic()
+        self.bad: object = None  # the stamp of a file set that did not load (warned once)
+        self.evicted = 0  # handshakes closed to make room (at the cap)
+        self.failed = 0  # handshakes that failed or timed out
+
+    def _paths(self) -> tuple[str, ...]:
+        p = self.port
+        return (p.cert, p.key) + ((p.root,) if p.root else ())
+
+    def current(self) -> ssl.SSLContext:
+        """The context for a new connection (the files looked at, at most once a RELOAD_CHECK_S)."""
+        now = time.monotonic()
+        if now - self.checked >= RELOAD_CHECK_S:
+            self.checked = now
+            stamp = _stamp(self._paths())
+            if stamp is not None and stamp != self.stamp:
+                try:
+                    ctx = context(self.port, self.proto)
+                except (OSError, ssl.SSLError, ValueError) as exc:
+                    if stamp != self.bad:
+                        self.bad = stamp
+                        log.warning("%s TLS: the changed certificate files do not load (%s); the previous "
+                                    "ones stay in use", self.proto, exc)
+                else:
+                    self.ctx, self.stamp = ctx, stamp
+                    log.info("%s TLS: certificate files reloaded", self.proto)
+        return self.ctx
+
+    def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _Handshake(self, make)
+
+    def admit(self, hs: _Handshake) -> None:
+        pending = self.pending
+        if self.cap and len(pending) >= self.cap:
+            oldest = next(iter(pending))
+            del pending[oldest]
+            self.evicted += 1
+            oldest.abort()
+        pending[hs] = None
+
+
+class _Handshake(asyncio.Protocol):
+    """A TCP connection on a TLS port until its handshake ends (then `make()`'s protocol has it).
+
+    Bytes may arrive before `loop.start_tls` takes the transport (uvloop starts reading after
+    `connection_made` returns, whatever it paused): they are kept (at most EARLY_MAX_BYTES) and
+    handed to the TLS protocol before its own `connection_made` runs (`_hand_over`)."""
+
+    __slots__ = ("acceptor", "make", "transport", "task", "early")
+
+    def __init__(self, acceptor: Acceptor, make: Callable[[], asyncio.Protocol]) -> None:
+        self.acceptor = acceptor
+        self.make = make
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.early = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = t = transport  # type: ignore[assignment]
+        self.acceptor.admit(self)
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self._handshake(t))  # type: ignore[arg-type]
+        loop.call_soon(self._hand_over)  # (after the task's first step: start_tls has taken the transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.early += data
+        if self.transport is not None:
+            self.transport.pause_reading()
+            if len(self.early) > EARLY_MAX_BYTES:
+                self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # (closes the transport: a client gone before its handshake began)
+
+    def connection_lost(self, exc: Exception | None) -> None:  # (before start_tls took the transport)
+        self.acceptor.pending.pop(self, None)
+
+    def _hand_over(self) -> None:
+        t, data = self.transport, memoryview(self.early)
+        self.early = b""
+        if t is None or not data:
+            return
+        proto = t.get_protocol()
+        if proto is self or not hasattr(proto, "buffer_updated"):  # (not expected: both loops' are buffered)
+            t.abort()
+            return
+        while data:  # (asyncio's and uvloop's SSLProtocol only store what comes before their connection_made)
+            buf = proto.get_buffer(len(data))  # type: ignore[attr-defined]
+            n = min(len(buf), len(data))
+            buf[:n] = data[:n]
+            proto.buffer_updated(n)  # type: ignore[attr-defined]
+            data = data[n:]
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        acceptor = self.acceptor
+        app = self.make()
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                transport, app, acceptor.current(), server_side=True, ssl_handshake_timeout=acceptor.timeout)
+        except Exception as exc:
+            acceptor.failed += 1
+            log.debug("%s TLS handshake failed: %s", acceptor.proto, exc)
+            transport.abort()
+            return
+        except asyncio.CancelledError:
+            transport.abort()
+            raise
+        finally:
+            acceptor.pending.pop(self, None)
+            self.transport = None
+        if tls is None or tls.is_closing():
+            return
+        if hasattr(app, "join_writes"):  # (one TLS record per flush: see h2.connection.H2Endpoint)
+            app.join_writes = True
+        app.connection_made(tls)
+
+
+@dataclass(slots=True)
+class UpstreamTls:
+    """How a gateway connects to its services (one object, UPSTREAM, set from the gateway's
+    --upstream-use-ssl flags at start; read where the hop's channels are made: the replica's
+    grpc.aio channel and the inference streams' HTTP/2 channel). Off: plaintext, as before."""
+
+    on: bool = False
+    root: str | None = None  # the CA the services' certificates must chain to (None: the system's)
+    cert: str | None = None  # the gateway's client certificate (the services' mutual TLS)
+    key: str | None = None
+    _ctx: ssl.SSLContext | None = None
+
+    def context(self) -> ssl.SSLContext | None:
+        """The HTTP/2 client's context (ALPN h2; the service's name checked), None when off."""
+        if not self.on:
+            return None
+        if self._ctx is None:
+            ctx = ssl.create_default_context(cafile=self.root)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+            ctx.set_alpn_protocols(["h2"])
+            self._ctx = ctx
+        return self._ctx
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """grpc's channel credentials for the same, None when off."""
+        if not self.on:
+            return None
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(read(self.root), read(self.key), read(self.cert))
+
+
+UPSTREAM = UpstreamTls()
+
+
+def add_upstream_arguments(ap: argparse.ArgumentParser) -> None:
+    """The gateway's flags for TLS on its hop to the services."""
+    group = ap.add_argument_group("TLS to the services (docs/security.md, \"TLS and mutual TLS\")")
+    group.add_argument("--upstream-use-ssl", dest="tls_upstream_use_ssl", type=_bool, nargs="?", const=True,
+                       default=False, metavar="BOOL", help="connect to the services over TLS (default false)")
+    group.add_argument("--upstream-root-cert", dest="tls_upstream_root", default=None, metavar="PEM",
+                       help="the CA the services' certificates must chain to (default: the system's)")
+    group.add_argument("--upstream-client-cert", dest="tls_upstream_cert", default=None, metavar="PEM",
+                       help="the gateway's client certificate, for services with --grpc-use-ssl-mutual")
+    group.add_argument("--upstream-client-key", dest="tls_upstream_key", default=None, metavar="PEM",
+                       help="its private key")
+
+
+def configure_upstream(args: argparse.Namespace) -> None:
+    """UPSTREAM from the flags (SystemExit when its files do not load)."""
+    cert, key = args.tls_upstream_cert, args.tls_upstream_key
+    on = bool(args.tls_upstream_use_ssl or args.tls_upstream_root or cert)
+    if bool(cert) != bool(key):
+        raise SystemExit("--upstream-client-cert and --upstream-client-key go together")
+    UPSTREAM.on, UPSTREAM.root, UPSTREAM.cert, UPSTREAM.key, UPSTREAM._ctx = on, args.tls_upstream_root, cert, key, None
+    try:
+        UPSTREAM.context()
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise SystemExit(f"--upstream-use-ssl: cannot load the certificate files: {exc}") from None
+
