@@ -11,6 +11,7 @@ which runs one attack and judges it by the issue's three rules:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from gateway.auth import hash_key
 from tests.conftest import ROOT, Proc, _wait_http_ready, start
+from tests.support.waiting import eventually
 
 MiB = 1 << 20
 LONG = os.environ.get("MESHSERVE_ADVERSARIAL_LONG") == "1"  # bigger counts, longer soaks
@@ -94,15 +96,16 @@ class GoodClient:
 
     def wait_past(self, t: float, timeout: float) -> bool:
         """Poll (bounded) until the client has answered a request sent at or after t."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def answered_or_gone() -> str | None:
             with self.lock:
                 if self.records and self.records[-1][0] >= t:
-                    return True
-            if self.proc.poll() is not None:
-                return False
-            time.sleep(0.02)
-        return False
+                    return "answered"
+            return "exited" if self.proc.poll() is not None else None
+
+        try:
+            return eventually(answered_or_gone, timeout, "the good client's answers") == "answered"
+        except AssertionError:
+            return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -266,11 +269,16 @@ def under_attack(mesh: Mesh, target: Proc, name: str, attack: Callable[[], Obser
         peak = sampler.stop()
     during = good.window(t1, t2 + TAIL_S)
     # a request sent during the attack but still unanswered has no record yet: wait for it (bounded)
-    deadline = time.monotonic() + RSS_RETURN_WAIT_S
-    after = rss(pid) if target.proc.poll() is None else 0
-    while after - rss_base > RSS_RETURN_SLACK and time.monotonic() < deadline and target.proc.poll() is None:
-        time.sleep(0.2)
-        after = rss(pid)
+    samples = [rss(pid) if target.proc.poll() is None else 0]
+
+    def settled() -> bool:
+        if samples[-1] - rss_base > RSS_RETURN_SLACK and target.proc.poll() is None:
+            samples.append(rss(pid))
+        return samples[-1] - rss_base <= RSS_RETURN_SLACK or target.proc.poll() is not None
+
+    with contextlib.suppress(AssertionError):  # bounded: what it reached is the verdict's "after"
+        eventually(settled, RSS_RETURN_WAIT_S, "RSS back near its baseline", interval=0.2)
+    after = samples[-1]
     failures = [st for _, _, st in during if st != "ok"]
     if target.proc.poll() is not None:
         failures.append(f"the attacked process exited with {target.proc.returncode}")

@@ -120,6 +120,11 @@ def _stream_request() -> bytes:
     return req.SerializeToString()
 
 
+def _nobody_reads() -> None:
+    """The attack's length: the model answers 300 MiB as fast as it can while nobody reads."""
+    time.sleep(8)  # the point: a stretch of time under attack (not a wait for a condition)
+
+
 def test_sse_client_that_never_reads(streaming_mesh: Mesh) -> None:
     gateway = streaming_mesh.gateway
     _warm(gateway.http)
@@ -127,7 +132,7 @@ def test_sse_client_that_never_reads(streaming_mesh: Mesh) -> None:
     def attack() -> Observation:
         socks = _never_read_sse(gateway.http)
         try:
-            time.sleep(8)  # the model answers 300 MiB as fast as it can; nobody reads (not a wait for a condition)
+            _nobody_reads()
         finally:
             for s in socks:
                 s.close()
@@ -150,7 +155,7 @@ def test_grpc_stream_client_that_never_reads(streaming_mesh: Mesh) -> None:
                 c.send(h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1, block)
                        + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, 1, h2raw.grpc_message(_stream_request())))
                 conns.append(c)
-            time.sleep(8)  # as above
+            _nobody_reads()
         finally:
             for c in conns:
                 c.close()

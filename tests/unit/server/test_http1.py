@@ -21,7 +21,7 @@ from aiohttp import web
 from meshserve.server import http1
 from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
 from meshserve.server.limits import ServerLimits
-from tests.support import eventually
+from tests.support import eventually, eventually_async, slow
 from tests.support.http1 import closed_within, read_answer
 
 NO_TIMEOUTS = ServerLimits(header_timeout_s=0, read_timeout_s=0, idle_timeout_s=0)
@@ -49,7 +49,7 @@ async def echo(request: Any) -> web.StreamResponse:
         await response.write_eof()
         return response
     if path == "/slow":
-        await asyncio.sleep(float(request.query_string))
+        await slow.work_for_async(float(request.query_string))
     if path == "/big":
         return web.Response(body=b"z" * int(request.query_string))
     if path == "/head-only":  # answers without reading the body
@@ -224,8 +224,7 @@ def test_reading_pauses_while_a_body_waits_for_its_handler() -> None:
     buffered: list[int] = []
 
     async def late_reader(request: Any) -> web.StreamResponse:
-        while not release.is_set():
-            await asyncio.sleep(0.01)
+        await eventually_async(release.is_set, 60, "the test's release")
         buffered.append(request.protocol.buffered)
         return web.Response(body=str(len(await request.content.read())).encode())
 
