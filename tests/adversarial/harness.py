@@ -12,6 +12,7 @@ which runs one attack and judges it by the issue's three rules:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -39,24 +40,17 @@ RSS_RETURN_WAIT_S = 20.0
 BASELINE_S = 1.5
 TAIL_S = 0.5  # the good client is judged this long after the attacker leaves too
 
-TENANTS = f"""
-tenants:
-  - name: acme
-    keys_sha256: ["{hash_key(KEY)}"]
-    rate: 100000
-    burst: 100000
-    models: ["add_sub", "identity_fp32"]
-  - name: mallory
-    keys_sha256: ["{hash_key(OTHER_KEY)}"]
-    rate: 100000
-    burst: 100000
-    models: ["add_sub", "identity_fp32"]
-  - name: ops
-    keys_sha256: ["{hash_key(ADMIN_KEY)}"]
-    rate: 100000
-    burst: 100000
-    admin: true
-"""
+
+def tenant(name: str, key: str, models: list[str] | None = None, admin: bool = False) -> str:
+    """One entry of a tenants.yaml: the key's hash, a rate no test reaches, what it may use."""
+    entry = f'  - name: {name}\n    keys_sha256: ["{hash_key(key)}"]\n    rate: 100000\n    burst: 100000\n'
+    if models is not None:
+        entry += f"    models: {json.dumps(models)}\n"
+    return entry + ("    admin: true\n" if admin else "")
+
+
+TENANTS = ("\ntenants:\n" + tenant("acme", KEY, ["add_sub", "identity_fp32"])
+           + tenant("mallory", OTHER_KEY, ["add_sub", "identity_fp32"]) + tenant("ops", ADMIN_KEY, admin=True))
 
 # Small timeouts so the slow-client attacks end within the suite's time (ServerLimits flags).
 BODY_TIMEOUT_S = 5.0

@@ -165,21 +165,12 @@ class TritonPythonModel:
 '''
 
 # torch inside a model, as NVIDIA's pytorch example: inputs to torch, outputs back by DLPack and by numpy
-TORCH = '''
-import numpy as np
-import torch
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            a = torch.from_numpy(pb_utils.get_input_tensor_by_name(r, "X").as_numpy())
-            b = torch.utils.dlpack.from_dlpack(pb_utils.get_input_tensor_by_name(r, "X").to_dlpack())
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("Y", a + b),
-                                                   pb_utils.Tensor("Z", (a - 2 * b).numpy())]))
-        return out
-'''
+TORCH = python_models.model_source('''
+    a = torch.from_numpy(pb_utils.get_input_tensor_by_name(request, "X").as_numpy())
+    b = torch.utils.dlpack.from_dlpack(pb_utils.get_input_tensor_by_name(request, "X").to_dlpack())
+    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("Y", a + b),
+                                                 pb_utils.Tensor("Z", (a - 2 * b).numpy())]))
+''', imports='import numpy as np\nimport torch\n')
 
 # decoupled: one response with what the request says of itself (from execute(), then the final flag)
 STREAM_ID = '''
