@@ -33,9 +33,9 @@ from tests.support.waiting import eventually
 
 SLEEPY = python_models.model_source('''
     x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-    time.sleep(int(x.reshape(-1)[0]) / 1000)  # the point: a model as slow as asked
+    work_for(int(x.reshape(-1)[0]))  # a model as slow as asked
     responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
-''', imports='import time\n')
+''', imports='import time\n', head=python_models.WORK_FOR)
 
 DOUBLE = '''
 import triton_python_backend_utils as pb_utils

@@ -31,6 +31,31 @@ def model_source(body: str, *, imports: str = "import numpy as np\n", head: str 
             f"    def execute(self, requests):\n{loop}")
 
 
+# Module-level functions a model source can take (``with_helpers``): where time itself is what a
+# model does, written once. (A model runs in a stub process that cannot import the test support.)
+WORK_FOR = '''
+def work_for(ms):
+    time.sleep(ms / 1000)  # the point: the model is as slow as its request asks
+'''
+
+UNTIL_CANCELLED = '''
+def until_cancelled(requests, seconds):
+    """True once every request's client has gone (is_cancelled()), False after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not all(r.is_cancelled() for r in requests):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
+    return True
+'''
+
+
+def with_helpers(source: str, *helpers: str) -> str:
+    """``source`` with the module-level ``helpers`` (WORK_FOR, UNTIL_CANCELLED) before its model class."""
+    head = "\n\n".join(h.strip("\n") for h in helpers)
+    return source.replace("\nclass TritonPythonModel", f"\n{head}\n\n\nclass TritonPythonModel", 1)
+
+
 ADD_SUB = '''
 import json
 
@@ -210,7 +235,7 @@ class TritonPythonModel:
 '''
 
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
-WAIT_FOR_CANCEL = '''
+WAIT_FOR_CANCEL = with_helpers('''
 import time
 
 import numpy as np
@@ -219,12 +244,10 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        deadline = time.monotonic() + 20
-        while not all(r.is_cancelled() for r in requests) and time.monotonic() < deadline:
-            time.sleep(0.01)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
-        pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if time.monotonic() < deadline else "not cancelled"))
+        cancelled = until_cancelled(requests, 20)
+        pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if cancelled else "not cancelled"))
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, dtype=np.float32))]) for _ in requests]
-'''
+''', UNTIL_CANCELLED)
 
 # Custom metrics (Triton's MetricFamily): a counter of requests and a gauge of the last input.
 COUNTED = '''
@@ -300,7 +323,7 @@ output [
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
-REPEAT_INT32 = '''
+REPEAT_INT32 = with_helpers('''
 import threading
 import time
 
@@ -334,7 +357,7 @@ class TritonPythonModel:
     def respond(self, request, values, delays, wait_ms):
         sender = request.get_response_sender()
         for index, (value, delay) in enumerate(zip(values, delays)):
-            time.sleep(int(delay) / 1000)  # the point: each answer's requested delay (Triton's repeat model)
+            work_for(int(delay))  # each answer's requested delay (Triton's repeat model)
             if request.is_cancelled():
                 pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {index} responses")
                 break
@@ -342,7 +365,7 @@ class TritonPythonModel:
             idx = pb_utils.Tensor("IDX", np.array([index], dtype=np.uint32))
             sender.send(pb_utils.InferenceResponse(output_tensors=[out, idx]))
         else:
-            time.sleep(wait_ms / 1000)  # the point: the requested wait before the final flag
+            work_for(wait_ms)  # the requested wait before the final flag
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
@@ -350,7 +373,7 @@ class TritonPythonModel:
             threads = list(self.threads)
         for worker in threads:
             worker.join(timeout=10)
-'''
+''', WORK_FOR)
 
 # square_int32: IN = [n]: n responses, each OUT = [n], sent from execute(), then the final flag
 # alone (n = 0: no response at all).
