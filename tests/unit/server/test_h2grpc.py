@@ -162,7 +162,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
             while True:
                 yield b"%d" % i
                 i += 1
-                await asyncio.sleep(0)  # a cancel can land between messages
+                await asyncio.sleep(0.001)  # the point: too slow to fill the window: a cancel finds it in its own await
         except asyncio.CancelledError:
             p.cancel("forever")
             raise
@@ -659,7 +659,8 @@ async def test_abandoned_server_stream_is_closed(env: Env, method: str) -> None:
     call = env.unary_stream(method)(b"")
     for _ in range(3):
         assert await call.read() != grpc.aio.EOF
-    await asyncio.sleep(0.2)  # the point: the firehose fills the window the client does not open
+    if method == "Firehose":  # it fills the window the client does not open, and waits at it
+        await eventually_async(lambda: any(c.blocked for c in env.server._conns), 10, "the firehose stopped")
     call.cancel()
     await waited(env.probe.closed, 2.0)
     if method == "Forever":
