@@ -149,10 +149,16 @@ def test_connection_close_and_http10() -> None:
 def test_chunked_request_body() -> None:
     with serving() as srv, srv.connect() as sock:
         parts = [b"a" * 10, b"b" * 70_000, b"c"]
-        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        head = b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        sock.sendall(head)
+        eventually(lambda: len(srv.server.connections) == 1, what="the connection accepted")
+        conn = next(iter(srv.server.connections))
+        sent = len(head)
         for p in parts:  # in separate writes, as a streaming client sends them
-            sock.sendall(b"%x;ext=1\r\n%s\r\n" % (len(p), p))
-            time.sleep(0.01)  # (pacing: the chunks arrive in separate reads)
+            chunk = b"%x;ext=1\r\n%s\r\n" % (len(p), p)
+            sock.sendall(chunk)
+            sent += len(chunk)
+            eventually(lambda: conn.rx_bytes >= sent, what="the chunk received")  # (in separate reads)
         sock.sendall(b"0\r\nTrailer: t\r\n\r\n")
         f = sock.makefile("rb")
         assert read_answer(f).body == b"".join(parts)
