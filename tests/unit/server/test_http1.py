@@ -158,7 +158,7 @@ def test_chunked_request_body() -> None:
             chunk = b"%x;ext=1\r\n%s\r\n" % (len(p), p)
             sock.sendall(chunk)
             sent += len(chunk)
-            eventually(lambda: conn.rx_bytes >= sent, what="the chunk received")  # (in separate reads)
+            eventually(lambda sent=sent: conn.rx_bytes >= sent, what="the chunk received")  # (in separate reads)
         sock.sendall(b"0\r\nTrailer: t\r\n\r\n")
         f = sock.makefile("rb")
         assert read_answer(f).body == b"".join(parts)
