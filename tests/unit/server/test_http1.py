@@ -22,7 +22,7 @@ from meshserve.server import http1
 from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
 from meshserve.server.limits import ServerLimits
 from tests.support import eventually, eventually_async, slow
-from tests.support.http1 import closed_within, read_answer
+from tests.support.http1 import closed_within, read_answer, send_slowly
 
 NO_TIMEOUTS = ServerLimits(header_timeout_s=0, read_timeout_s=0, idle_timeout_s=0)
 
@@ -414,9 +414,7 @@ def test_timeouts() -> None:
 def test_slow_but_steady_body_is_not_cut() -> None:
     with serving(limits=TIMED) as srv, srv.connect() as sock:
         sock.sendall(b"POST / HTTP/1.1\r\nContent-Length: 6\r\n\r\n")
-        for b in b"steady":
-            sock.sendall(bytes([b]))
-            time.sleep(0.2)  # (pacing: under the 0.5 s read timeout, 1.2 s in all)
+        send_slowly(sock, [bytes([b]) for b in b"steady"], 0.2)  # under the 0.5 s read timeout, 1.2 s in all
         assert read_answer(sock.makefile("rb")).body == b"steady"
 
 
