@@ -117,3 +117,19 @@ def service_and_gateway(kind: str, service_args: Sequence[str], gateway_args: Se
     finally:
         gateway.stop()
         service.stop()
+
+
+@dataclass
+class Served:
+    """A service on a model repository a test wrote, and the gateway in front of it."""
+    service: Proc
+    gateway: Proc
+    repo: Path
+
+
+@contextmanager
+def served(kind: str, repo: Path, service_args: Sequence[str] = (), gateway_args: Sequence[str] = (),
+           timeout: float = 90) -> Iterator[Served]:
+    """``service_and_gateway`` on ``repo`` (``--repository`` is added), as one record."""
+    with service_and_gateway(kind, ["--repository", str(repo), *service_args], gateway_args, timeout) as procs:
+        yield Served(*procs, repo)

@@ -11,6 +11,8 @@ which runs one attack and judges it by the issue's three rules:
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from gateway.auth import hash_key
 from tests.conftest import ROOT, Proc, _wait_http_ready, start
+from tests.support.waiting import eventually
 
 MiB = 1 << 20
 LONG = os.environ.get("MESHSERVE_ADVERSARIAL_LONG") == "1"  # bigger counts, longer soaks
@@ -37,24 +40,17 @@ RSS_RETURN_WAIT_S = 20.0
 BASELINE_S = 1.5
 TAIL_S = 0.5  # the good client is judged this long after the attacker leaves too
 
-TENANTS = f"""
-tenants:
-  - name: acme
-    keys_sha256: ["{hash_key(KEY)}"]
-    rate: 100000
-    burst: 100000
-    models: ["add_sub", "identity_fp32"]
-  - name: mallory
-    keys_sha256: ["{hash_key(OTHER_KEY)}"]
-    rate: 100000
-    burst: 100000
-    models: ["add_sub", "identity_fp32"]
-  - name: ops
-    keys_sha256: ["{hash_key(ADMIN_KEY)}"]
-    rate: 100000
-    burst: 100000
-    admin: true
-"""
+
+def tenant(name: str, key: str, models: list[str] | None = None, admin: bool = False) -> str:
+    """One entry of a tenants.yaml: the key's hash, a rate no test reaches, what it may use."""
+    entry = f'  - name: {name}\n    keys_sha256: ["{hash_key(key)}"]\n    rate: 100000\n    burst: 100000\n'
+    if models is not None:
+        entry += f"    models: {json.dumps(models)}\n"
+    return entry + ("    admin: true\n" if admin else "")
+
+
+TENANTS = ("\ntenants:\n" + tenant("acme", KEY, ["add_sub", "identity_fp32"])
+           + tenant("mallory", OTHER_KEY, ["add_sub", "identity_fp32"]) + tenant("ops", ADMIN_KEY, admin=True))
 
 # Small timeouts so the slow-client attacks end within the suite's time (ServerLimits flags).
 BODY_TIMEOUT_S = 5.0
@@ -94,15 +90,16 @@ class GoodClient:
 
     def wait_past(self, t: float, timeout: float) -> bool:
         """Poll (bounded) until the client has answered a request sent at or after t."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def answered_or_gone() -> str | None:
             with self.lock:
                 if self.records and self.records[-1][0] >= t:
-                    return True
-            if self.proc.poll() is not None:
-                return False
-            time.sleep(0.02)
-        return False
+                    return "answered"
+            return "exited" if self.proc.poll() is not None else None
+
+        try:
+            return eventually(answered_or_gone, timeout, "the good client's answers") == "answered"
+        except AssertionError:
+            return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -266,11 +263,16 @@ def under_attack(mesh: Mesh, target: Proc, name: str, attack: Callable[[], Obser
         peak = sampler.stop()
     during = good.window(t1, t2 + TAIL_S)
     # a request sent during the attack but still unanswered has no record yet: wait for it (bounded)
-    deadline = time.monotonic() + RSS_RETURN_WAIT_S
-    after = rss(pid) if target.proc.poll() is None else 0
-    while after - rss_base > RSS_RETURN_SLACK and time.monotonic() < deadline and target.proc.poll() is None:
-        time.sleep(0.2)
-        after = rss(pid)
+    samples = [rss(pid) if target.proc.poll() is None else 0]
+
+    def settled() -> bool:
+        if samples[-1] - rss_base > RSS_RETURN_SLACK and target.proc.poll() is None:
+            samples.append(rss(pid))
+        return samples[-1] - rss_base <= RSS_RETURN_SLACK or target.proc.poll() is not None
+
+    with contextlib.suppress(AssertionError):  # bounded: what it reached is the verdict's "after"
+        eventually(settled, RSS_RETURN_WAIT_S, "RSS back near its baseline", interval=0.2)
+    after = samples[-1]
     failures = [st for _, _, st in during if st != "ok"]
     if target.proc.poll() is not None:
         failures.append(f"the attacked process exited with {target.proc.returncode}")

@@ -21,7 +21,14 @@ import pytest
 
 from tests.adversarial import h2raw
 from tests.adversarial.harness import BODY_TIMEOUT_S, LONG, OTHER_KEY, Mesh, Observation, under_attack
-from tests.adversarial.test_http1_attacks import MARGIN_S, _slow_clients, head, read_status, target
+from tests.adversarial.test_http1_attacks import (
+    MARGIN_S,
+    _slow_clients,
+    drip_until,
+    head,
+    read_status,
+    target,
+)
 from tests.support.http1 import connect
 
 MiB = 1 << 20
@@ -194,12 +201,13 @@ def test_grpc_message_trickle(mesh: Mesh, which: str) -> None:
             def ended(c: h2raw.RawH2) -> bool:
                 return 1 in c.seen.statuses or c.seen.closed_or_refused()
 
-            end = time.monotonic() + BODY_TIMEOUT_S + MARGIN_S
-            while time.monotonic() < end and not all(ended(c) for c in conns):
+            def one_more_byte() -> bool:
                 for c in conns:
                     if not ended(c):
                         c.send(h2raw.frame(h2raw.DATA, 0, 1, b"\0"))
-                time.sleep(0.5)  # the trickle's pace, not a wait for a condition
+                return all(ended(c) for c in conns)
+
+            drip_until(time.monotonic() + BODY_TIMEOUT_S + MARGIN_S, one_more_byte)  # the trickle
             seen = [c.seen.statuses.get(1, "closed" if c.seen.closed_or_refused() else "open") for c in conns]
             return Observation(f"{n} trickled messages after {BODY_TIMEOUT_S + MARGIN_S:.0f} s: "
                                f"{ {s: seen.count(s) for s in set(seen)} }",

@@ -8,6 +8,7 @@ import functools
 import socket
 import time
 import zlib
+from collections.abc import Callable
 
 import pytest
 
@@ -129,6 +130,13 @@ def open_many(hostport: str, n: int, first: bytes, socks: list[socket.socket]) -
         s.sendall(first)
 
 
+def drip_until(end: float, step: Callable[[], bool], pace: float = 0.5) -> None:
+    """A slow client's clock: ``step()`` (one more piece on each connection still open; True once
+    none is left) every ``pace`` s, until it is done or the monotonic time ``end`` passes."""
+    while time.monotonic() < end and not step():
+        time.sleep(pace)  # the point: the drip rate of a slow client, not a wait for a condition
+
+
 def _slow_clients(hostport: str, n: int, first: bytes, drip: bytes, limit_s: float) -> Observation:
     """n connections send `first`, then one byte of `drip` every 0.5 s: each must be closed
     (or answered 408/400) within limit_s + MARGIN_S. Bounded by that time."""
@@ -137,12 +145,13 @@ def _slow_clients(hostport: str, n: int, first: bytes, drip: bytes, limit_s: flo
         open_many(hostport, n, first, socks)
         open_ = {id(s): s for s in socks}
         verdicts: dict[str, int] = {}
-        end = time.monotonic() + limit_s + MARGIN_S
-        i = 0
-        while open_ and time.monotonic() < end:
+        sent = 0
+
+        def one_more_byte() -> bool:
+            nonlocal sent
             for key, s in list(open_.items()):
                 try:
-                    s.sendall(drip[i % len(drip):i % len(drip) + 1])
+                    s.sendall(drip[sent % len(drip):sent % len(drip) + 1])
                 except OSError:
                     verdicts["closed"] = verdicts.get("closed", 0) + 1
                     del open_[key]
@@ -151,8 +160,10 @@ def _slow_clients(hostport: str, n: int, first: bytes, drip: bytes, limit_s: flo
                 if status != "silent":
                     verdicts[status] = verdicts.get(status, 0) + 1
                     del open_[key]
-            i += 1
-            time.sleep(0.5)  # the drip rate of a slowloris, not a wait for a condition
+            sent += 1
+            return not open_
+
+        drip_until(time.monotonic() + limit_s + MARGIN_S, one_more_byte)
         ok = not open_ and all(k in ("closed", "EOF", "408", "400") for k in verdicts)
         return Observation(f"{n} slow connections after {limit_s + MARGIN_S:.0f} s: {verdicts}, "
                            f"{len(open_)} still open", ok)

@@ -37,8 +37,8 @@ parameters {{ key: "escape" value: {{ string_value: "{escape}" }} }}
 FORKER = '''
 import json
 import os
+import signal
 import subprocess
-import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -46,8 +46,8 @@ import triton_python_backend_utils as pb_utils
 def _child(escape):
     if escape:
         os.setsid()
-    time.sleep(1000)
-    os._exit(0)
+    while True:  # holds what it inherited until killed (a handler that returns does not end it)
+        signal.pause()
 
 
 class TritonPythonModel:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from tests.adversarial import h2raw, harness
 from tests.adversarial.harness import KEY, OTHER_KEY, GoodClient, Mesh, Observation, under_attack
 from tests.conftest import _wait_http_ready, start
+from tests.models.python_models import model_source
 from tests.support.http1 import connect
 
 MiB = 1 << 20
@@ -32,25 +33,15 @@ BIG_STREAM_CONFIG = ('name: "big_stream" backend: "python" max_batch_size: 0 '
                      'input [ { name: "count" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
                      'output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
 
-BIG_STREAM_MODEL = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
+BIG_STREAM_MODEL = model_source('''
+    n = int(pb_utils.get_input_tensor_by_name(request, "count").as_numpy()[0])
+    for _ in range(n):
+        if sender.is_cancelled():
+            break
+        sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", BLOB)]))
+''', head='''
 BLOB = np.array([b"x" * (1 << 20)], dtype=np.object_)
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        for request in requests:
-            n = int(pb_utils.get_input_tensor_by_name(request, "count").as_numpy()[0])
-            sender = request.get_response_sender()
-            for _ in range(n):
-                if sender.is_cancelled():
-                    break
-                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", BLOB)]))
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        return None
-'''
+''', decoupled=True)
 
 TENANTS_WITH_STREAM = harness.TENANTS.replace('models: ["add_sub", "identity_fp32"]', 'models: ["add_sub", "big_stream"]')
 
@@ -120,40 +111,44 @@ def _stream_request() -> bytes:
     return req.SerializeToString()
 
 
+def _nobody_reads() -> None:
+    """The attack's length: the model answers 300 MiB as fast as it can while nobody reads."""
+    time.sleep(8)  # the point: a stretch of time under attack (not a wait for a condition)
+
+
+def _never_read_grpc(gateway: str) -> list[h2raw.RawH2]:
+    conns = []
+    for _ in range(CLIENTS):
+        c = h2raw.RawH2(gateway, read=False)
+        block = h2raw.grpc_headers(gateway, "/inference.GRPCInferenceService/ModelStreamInfer", key=OTHER_KEY)
+        c.send(h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1, block)
+               + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, 1, h2raw.grpc_message(_stream_request())))
+        conns.append(c)
+    return conns
+
+
+def _unread(open_clients: Callable[[], Sequence[socket.socket | h2raw.RawH2]], what: str) -> Callable[[], Observation]:
+    """The attack: CLIENTS clients (``open_clients``) ask for COUNT x 1 MiB each and read nothing."""
+    def attack() -> Observation:
+        clients = open_clients()
+        try:
+            _nobody_reads()
+        finally:
+            for c in clients:
+                c.close()
+        return Observation(f"{CLIENTS} {what} clients asked for {COUNT} x 1 MiB and read nothing", True)
+    return attack
+
+
 def test_sse_client_that_never_reads(streaming_mesh: Mesh) -> None:
     gateway = streaming_mesh.gateway
     _warm(gateway.http)
-
-    def attack() -> Observation:
-        socks = _never_read_sse(gateway.http)
-        try:
-            time.sleep(8)  # the model answers 300 MiB as fast as it can; nobody reads (not a wait for a condition)
-        finally:
-            for s in socks:
-                s.close()
-        return Observation(f"{CLIENTS} generate_stream clients asked for {COUNT} x 1 MiB and read nothing", True)
-
-    under_attack(streaming_mesh, gateway, "SSE clients that never read", attack).judge().check()
+    under_attack(streaming_mesh, gateway, "SSE clients that never read",
+                 _unread(lambda: _never_read_sse(gateway.http), "generate_stream")).judge().check()
 
 
 def test_grpc_stream_client_that_never_reads(streaming_mesh: Mesh) -> None:
     gateway = streaming_mesh.gateway
     _warm(gateway.http)
-
-    def attack() -> Observation:
-        conns = []
-        try:
-            for _ in range(CLIENTS):
-                c = h2raw.RawH2(gateway.grpc, read=False)
-                block = h2raw.grpc_headers(gateway.grpc, "/inference.GRPCInferenceService/ModelStreamInfer",
-                                           key=OTHER_KEY)
-                c.send(h2raw.frame(h2raw.HEADERS, h2raw.END_HEADERS, 1, block)
-                       + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, 1, h2raw.grpc_message(_stream_request())))
-                conns.append(c)
-            time.sleep(8)  # as above
-        finally:
-            for c in conns:
-                c.close()
-        return Observation(f"{CLIENTS} ModelStreamInfer clients asked for {COUNT} x 1 MiB and read nothing", True)
-
-    under_attack(streaming_mesh, gateway, "gRPC stream clients that never read", attack).judge().check()
+    under_attack(streaming_mesh, gateway, "gRPC stream clients that never read",
+                 _unread(lambda: _never_read_grpc(gateway.grpc), "ModelStreamInfer")).judge().check()

@@ -20,7 +20,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from gateway.auth import hash_key
 from tests.adversarial.harness import (
     KEY,
     LIMIT_FLAGS,
@@ -29,6 +28,7 @@ from tests.adversarial.harness import (
     GoodClient,
     Mesh,
     Observation,
+    tenant,
     under_attack,
 )
 from tests.adversarial.support import raw_http
@@ -134,19 +134,7 @@ routes:
     targets: [{model: add_sub}]
     shadow: {model: add_sub, share: 1.0}
 """
-TENANTS = f"""
-tenants:
-  - name: acme
-    keys_sha256: ["{hash_key(KEY)}"]
-    rate: 100000
-    burst: 100000
-    models: ["add_sub"]
-  - name: mallory
-    keys_sha256: ["{hash_key(OTHER_KEY)}"]
-    rate: 100000
-    burst: 100000
-    models: ["sum3", "mirrored"]
-"""
+TENANTS = "\ntenants:\n" + tenant("acme", KEY, ["add_sub"]) + tenant("mallory", OTHER_KEY, ["sum3", "mirrored"])
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from tests.conftest import ROOT
 MiB = 1 << 20
 GROWTH_MAX = 16 * MiB  # (the suite's rule is 100 MiB; a bounded pump needs far less)
 
-CHILD = ("import sys, time; out = sys.stdout.buffer; block = b'x' * (1 << 20)\n"
+CHILD = ("import sys; out = sys.stdout.buffer; block = b'x' * (1 << 20)\n"
          "for _ in range(64): out.write(block)\n"
-         "out.write(b'\\nMESHSERVE_READY noisy grpc=1\\n'); out.flush(); time.sleep(1)\n")
+         "out.write(b'\\nMESHSERVE_READY noisy grpc=1\\n'); out.flush()\n")
 
 UP = f"""
 import sys

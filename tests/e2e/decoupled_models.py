@@ -11,34 +11,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.models.python_models import REPEAT_CONFIG, REPEAT_INT32, SQUARE_CONFIG, SQUARE_INT32, config
+from tests.models.python_models import (
+    REPEAT_CONFIG,
+    REPEAT_INT32,
+    SQUARE_CONFIG,
+    SQUARE_INT32,
+    config,
+    model_source,
+)
 
 # A decoupled model whose second response is an error: a stream's in-band error, and the error
 # event of generate_stream.
-FAULTY_STREAM_CONFIG = """
-name: "faulty_stream"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
+FAULTY_STREAM_CONFIG = config("faulty_stream", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")],
+                              extra="model_transaction_policy { decoupled: true }\n")
 
-FAULTY_STREAM_MODEL = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        for request in requests:
-            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
-            sender = request.get_response_sender()
-            sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", np.array([n], np.int32))]))
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"faulty_stream failed on {n}")))
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        return None
-'''
+FAULTY_STREAM_MODEL = model_source('''
+    n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+    sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", np.array([n], np.int32))]))
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"faulty_stream failed on {n}")))
+''', decoupled=True)
 
 # Not decoupled: the usual text-in, text-out shape of an LLM front (generate's text_input /
 # text_output), with a request parameter echoed into the answer.
@@ -56,46 +47,27 @@ output [
 ]
 """
 
-TEXT_ECHO_MODEL = '''
-import json
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
-            count = pb_utils.get_input_tensor_by_name(request, "count")
-            times = 1 if count is None else int(count.as_numpy()[0])
-            suffix = json.loads(request.parameters()).get("suffix", "")
-            answer = (text.decode() * times) + str(suffix)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("text_output", np.array([answer.encode()], dtype=np.object_)),
-                pb_utils.Tensor("lengths", np.array([len(text), len(answer)], dtype=np.int32))]))
-        return responses
-'''
+TEXT_ECHO_MODEL = model_source('''
+    text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+    count = pb_utils.get_input_tensor_by_name(request, "count")
+    times = 1 if count is None else int(count.as_numpy()[0])
+    suffix = json.loads(request.parameters()).get("suffix", "")
+    answer = (text.decode() * times) + str(suffix)
+    responses.append(pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([answer.encode()], dtype=np.object_)),
+        pb_utils.Tensor("lengths", np.array([len(text), len(answer)], dtype=np.int32))]))
+''', imports='import json\n\nimport numpy as np\n')
 
 # Not decoupled, batched: generate's scalars and lists against a model with a batch dimension.
 ADD_SUB_CONFIG = config("add_sub_py", [("INPUT0", "TYPE_FP32", "4"), ("INPUT1", "TYPE_FP32", "4")],
                         [("OUTPUT0", "TYPE_FP32", "4"), ("OUTPUT1", "TYPE_FP32", "4")], max_batch_size=8)
 
-ADD_SUB_MODEL = '''
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
-        return responses
-'''
+ADD_SUB_MODEL = model_source('''
+    a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+    b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+    responses.append(pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+''', imports='')
 
 MODELS = {
     "repeat_int32": (REPEAT_CONFIG, REPEAT_INT32),

@@ -24,8 +24,9 @@ from tritonclient.utils import InferenceServerException
 from load.bench.procs import stop_process
 from meshserve import examples
 from tests.conftest import ROOT
-from tests.e2e.test_up import _free_port, read_banner
+from tests.e2e.test_up import read_banner
 from tests.support import eventually, models
+from tests.support.net import free_port as _free_port
 
 PIPE = models.ensemble_config("pipe", {"X": 16}, {"Y": 16},
                               [models.step("add_sub_dep", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "Y"})])

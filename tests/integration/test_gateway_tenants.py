@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 from gateway.auth import hash_key
 from tests.adversarial.support import add_sub_inputs
 from tests.conftest import Proc, _wait_http_ready, start
-from tests.support import eventually
+from tests.support import eventually, eventually_async
 from tests.support.net import free_port
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
@@ -255,9 +255,10 @@ async def test_redis_store_concurrency_and_rate(redis_url: str) -> None:
         await a.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2)
         d5, _ = await b.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2)
         assert not d5.allowed
-        time.sleep(0.3)  # the point: the 0.2 s lease runs out (a fixed wait past it)
-        d6, _ = await b.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2)
-        assert d6.allowed
+        async def lease_expired() -> bool:  # a refusal takes no slot: the first allowed try holds it
+            return (await b.acquire("u", Limits(rate=1000, burst=1000, max_concurrency=1), lease_s=0.2))[0].allowed
+
+        await eventually_async(lease_expired, 10, "the 0.2 s lease to run out", interval=0.02)
         slow = Limits(rate=2, burst=1)
         assert (await a.acquire("v", slow))[0].allowed
         refused, _ = await b.acquire("v", slow)

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 
 from tests.conftest import Proc, _wait_http_ready, start
-from tests.support.http1 import Answer, connect, read_answer
+from tests.support.http1 import Answer, connect, idle_then_ask, read_answer
 
 IDLE_TIMEOUT = 3.0
 HEADER_TIMEOUT = 1.5
@@ -196,9 +196,7 @@ def test_keepalive_many_requests_then_the_idle_timeout(proc: Proc) -> None:
             status, _, headers, _ = read_answer(f)
             assert status == 200, i
             assert "server" not in headers  # (aiohttp's server would name itself: this is the httptools one)
-        time.sleep(HEADER_TIMEOUT + 1.2)  # (the point: idle past the header timeout is not a slow header)
-        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert read_answer(f).status == 200
+        idle_then_ask(sock, f, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n", HEADER_TIMEOUT + 1.2)
         t0 = time.monotonic()
         sock.settimeout(IDLE_TIMEOUT + 5)
         assert sock.recv(10) == b""  # closed by the idle timeout

@@ -31,7 +31,7 @@ from tests.support.waiting import eventually
 
 MODEL = "cancel_probe"
 
-CANCEL_PROBE = '''
+CANCEL_PROBE = python_models.with_helpers('''
 import os
 import time
 
@@ -52,15 +52,11 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
             tag = int(x.reshape(-1)[0])
             self.mark("started", tag)
-            deadline = time.monotonic() + 30
-            while tag >= 0 and time.monotonic() < deadline:
-                if r.is_cancelled():
-                    self.mark("cancelled", tag)
-                    break
-                time.sleep(0.005)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
+            if tag >= 0 and until_cancelled([r], 30):
+                self.mark("cancelled", tag)
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
         return out
-'''
+''', python_models.UNTIL_CANCELLED)
 
 
 @dataclass

@@ -22,7 +22,7 @@ import tritonclient.http as httpclient
 
 from meshserve._proto import grpc_service_pb2 as pb
 from tests.conftest import Proc, _wait_http_ready, start
-from tests.support.http1 import closed_within, connect
+from tests.support.http1 import closed_within, connect, idle_then_ask, send_slowly
 
 LIMIT = 4 << 20  # --max-request-bytes of the `limited` processes
 HEADER_TIMEOUT = 1.5
@@ -239,9 +239,8 @@ def test_a_slow_but_steady_body_is_not_cut(proc: Proc) -> None:
     with connect(proc.http) as sock:
         sock.sendall(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
         step = max(1, len(body) // 6)
-        for i in range(0, len(body), step):  # ~3 s in total, never silent for a read timeout
-            sock.sendall(body[i:i + step])
-            time.sleep(READ_TIMEOUT / 3)  # the point: a slow client's pacing, under the read timeout
+        # ~3 s in total, never silent for a read timeout
+        send_slowly(sock, [body[i:i + step] for i in range(0, len(body), step)], READ_TIMEOUT / 3)
         assert read_head(sock).startswith(b"HTTP/1.1 200")
 
 
@@ -250,9 +249,7 @@ def test_idle_keepalive_connection_lives_past_the_header_timeout_then_closes(pro
     with connect(proc.http) as sock:
         sock.sendall(request)
         assert read_head(sock).startswith(b"HTTP/1.1 200")
-        time.sleep(HEADER_TIMEOUT + TICK + 0.5)  # idle between requests is not a slow header ...
-        sock.sendall(request)
-        assert read_head(sock).startswith(b"HTTP/1.1 200")
+        idle_then_ask(sock, sock.makefile("rb"), request, HEADER_TIMEOUT + TICK + 0.5)
         t0 = time.monotonic()
         closed_after(sock, IDLE_TIMEOUT + 5)  # ... but the idle timeout ends it
         assert time.monotonic() - t0 >= IDLE_TIMEOUT * 0.8

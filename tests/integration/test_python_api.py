@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Served, served
 from tests.deploy.support import free_port
 from tests.models import python_models
 from tests.support.metrics import scrape
@@ -165,21 +163,12 @@ class TritonPythonModel:
 '''
 
 # torch inside a model, as NVIDIA's pytorch example: inputs to torch, outputs back by DLPack and by numpy
-TORCH = '''
-import numpy as np
-import torch
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            a = torch.from_numpy(pb_utils.get_input_tensor_by_name(r, "X").as_numpy())
-            b = torch.utils.dlpack.from_dlpack(pb_utils.get_input_tensor_by_name(r, "X").to_dlpack())
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("Y", a + b),
-                                                   pb_utils.Tensor("Z", (a - 2 * b).numpy())]))
-        return out
-'''
+TORCH = python_models.model_source('''
+    a = torch.from_numpy(pb_utils.get_input_tensor_by_name(request, "X").as_numpy())
+    b = torch.utils.dlpack.from_dlpack(pb_utils.get_input_tensor_by_name(request, "X").to_dlpack())
+    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("Y", a + b),
+                                                 pb_utils.Tensor("Z", (a - 2 * b).numpy())]))
+''', imports='import numpy as np\nimport torch\n')
 
 # decoupled: one response with what the request says of itself (from execute(), then the final flag)
 STREAM_ID = '''
@@ -251,11 +240,7 @@ def test_this_file_covers_the_worker_names() -> None:
     assert COVERED == WORKER_NAMES
 
 
-@dataclass
-class Mesh:
-    python: Proc
-    gateway: Proc
-    repo: Path
+Mesh = Served  # the python service (``service``) on the repository below, and a gateway in front
 
 
 @pytest.fixture(scope="module")
@@ -276,25 +261,17 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         python_models.write(repo, name, BF16, python_models.config(
             name, [("X", "TYPE_BF16", "2")], [("Y", "TYPE_BF16", "2")] + OUT_JSON))
     python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
-    gateway_grpc = free_port()
-    procs: list[Proc] = []
-    try:
-        procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                            "--model-control-mode", "explicit", "--load-model", "*",
-                            "--bls-target", f"127.0.0.1:{gateway_grpc}"]))
-        procs.append(start(["gateway", "--grpc-port", str(gateway_grpc), "--http-port", "0", "--federate-metrics",
-                            "--upstream", procs[0].grpc]))
-        _wait_http_ready(procs[1].http)
-        yield Mesh(procs[0], procs[1], repo)
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    gateway_grpc = free_port()  # known before the gateway starts: the service's BLS calls go to it
+    with served("python", repo, ["--model-control-mode", "explicit", "--load-model", "*",
+                                 "--bls-target", f"127.0.0.1:{gateway_grpc}"],
+                ["--grpc-port", str(gateway_grpc), "--federate-metrics"]) as mesh:
+        yield mesh
 
 
 def _probe(mesh: Mesh, direct: bool = False, request_id: str = "req-7", **params: object) -> dict:
     inp = grpcclient.InferInput("X", [1], "FP32")
     inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
-    with grpcclient.InferenceServerClient(mesh.python.grpc if direct else mesh.gateway.grpc) as c:
+    with grpcclient.InferenceServerClient(mesh.service.grpc if direct else mesh.gateway.grpc) as c:
         result = c.infer("api_probe", [inp], request_id=request_id, outputs=[grpcclient.InferRequestedOutput("OUT")],
                          parameters=params or None)
     return dict(json.loads(result.as_numpy("OUT")[0]))
@@ -338,7 +315,7 @@ def test_a_streamed_requests_id_and_timeout_are_the_clients(mesh: Mesh, direct: 
         elif result.get_response().outputs:
             got.append(json.loads(result.as_numpy("OUT")[0]))
 
-    with grpcclient.InferenceServerClient(mesh.python.grpc if direct else mesh.gateway.grpc) as c:
+    with grpcclient.InferenceServerClient(mesh.service.grpc if direct else mesh.gateway.grpc) as c:
         c.start_stream(callback=on)
         for request_id, timeout in (("s-1", 9_000_000), ("", None)):
             inp = grpcclient.InferInput("X", [1], "FP32")
@@ -357,7 +334,7 @@ def test_timeout_is_the_clients_timeout_parameter(mesh: Mesh, direct: bool, prot
     """InferenceRequest.timeout() is the client's ``timeout`` (µs), as Triton 2.51 gives it (not in
     parameters()); 0 without one."""
     mod: Any = grpcclient if proto == "grpc" else httpclient
-    proc = mesh.python if direct else mesh.gateway
+    proc = mesh.service if direct else mesh.gateway
     for timeout, want in ((None, 0), (7_000_000, 7_000_000)):
         inp = mod.InferInput("X", [1], "FP32")
         inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
@@ -401,7 +378,7 @@ def test_a_non_decoupled_model_answers_through_its_response_sender(mesh: Mesh) -
     with httpclient.InferenceServerClient(mesh.gateway.http) as c:
         assert c.infer("api_sender", [inp]).as_numpy("Y").tolist() == [2.5]
     eventually(lambda: "api_sender: Unable to send response. Non-decoupled model cannot send more than one "
-                       "response." in "".join(mesh.python.output), timeout=10, what="the second send refused")
+                       "response." in "".join(mesh.service.output), timeout=10, what="the second send refused")
 
 
 def test_torch_inside_a_model_with_dlpack_both_ways(mesh: Mesh) -> None:
@@ -425,7 +402,7 @@ def test_bf16_through_dlpack_as_triton(mesh: Mesh, direct: bool, proto: str) -> 
 
     mod: Any = grpcclient if proto == "grpc" else httpclient
     x = np.array([1.5, -3.0], dtype=ml_dtypes.bfloat16)
-    proc = mesh.python if direct else mesh.gateway
+    proc = mesh.service if direct else mesh.gateway
     with mod.InferenceServerClient(proc.grpc if proto == "grpc" else proc.http) as c:
         for bls, factor in ((False, 2), (True, 4)):
             inp = mod.InferInput("X", [2], "BF16")
@@ -462,8 +439,8 @@ def test_model_control_from_a_model(mesh: Mesh) -> None:
 def test_logger_lines_reach_the_service_log(mesh: Mesh) -> None:
     _probe(mesh)
     for line in ("api_probe: initialized", "api_probe: warn 2.0", "api_probe: error 2.0", "api_probe: log 2.0"):
-        eventually(lambda line=line: line in "".join(mesh.python.output), timeout=10, what=line)  # type: ignore[misc]
-    text = "".join(mesh.python.output)
+        eventually(lambda line=line: line in "".join(mesh.service.output), timeout=10, what=line)  # type: ignore[misc]
+    text = "".join(mesh.service.output)
     assert " WARNING " in text.split("api_probe: warn 2.0")[0].rsplit("\n", 1)[-1]
     assert " ERROR " in text.split("api_probe: error 2.0")[0].rsplit("\n", 1)[-1]
 
@@ -474,9 +451,9 @@ def test_histogram_on_the_services_and_the_gateways_metrics(mesh: Mesh) -> None:
         return {n + "|" + dict(lab).get("le", ""): v for (n, lab), v in samples.items()
                 if n.startswith("api_input_value") and want <= lab}
 
-    before = counts(scrape(mesh.python.http))
+    before = counts(scrape(mesh.service.http))
     _probe(mesh)
-    after = counts(scrape(mesh.python.http))
+    after = counts(scrape(mesh.service.http))
     grew = {k: after[k] - before.get(k, 0.0) for k in after}
     assert grew == {"api_input_value_bucket|1": 0.0, "api_input_value_bucket|10": 1.0,
                     "api_input_value_bucket|+Inf": 1.0, "api_input_value_count|": 1.0, "api_input_value_sum|": 2.0}

@@ -31,21 +31,11 @@ from tests.models import python_models
 from tests.support.metrics import metric
 from tests.support.waiting import eventually
 
-SLEEPY = '''
-import time
-
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
-            time.sleep(int(x.reshape(-1)[0]) / 1000)  # the point: a model as slow as asked
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
-        return out
-'''
+SLEEPY = python_models.model_source('''
+    x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+    work_for(int(x.reshape(-1)[0]))  # a model as slow as asked
+    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+''', imports='import time\n', head=python_models.WORK_FOR)
 
 DOUBLE = '''
 import triton_python_backend_utils as pb_utils

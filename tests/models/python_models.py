@@ -13,6 +13,49 @@ from pathlib import Path
 
 WIDTH = 16
 
+
+def model_source(body: str, *, imports: str = "import numpy as np\n", head: str = "", decoupled: bool = False) -> str:
+    """A model.py in the shape of python_backend's examples, whose ``execute`` runs ``body`` once per
+    request (named ``request``): the body appends to ``responses``, or, ``decoupled``, sends with
+    ``sender`` (the request's response sender; the final flag follows the body). ``imports`` come
+    before ``pb_utils``'s, ``head`` (module-level lines) after it."""
+    inner = textwrap.indent(textwrap.dedent(body).strip("\n"), " " * 12)
+    if decoupled:
+        loop = ("        for request in requests:\n            sender = request.get_response_sender()\n"
+                f"{inner}\n            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)\n"
+                "        return None\n")
+    else:
+        loop = f"        responses = []\n        for request in requests:\n{inner}\n        return responses\n"
+    head = f"\n{head.strip()}\n" if head.strip() else ""
+    return (f"\n{imports}import triton_python_backend_utils as pb_utils\n{head}\n\nclass TritonPythonModel:\n"
+            f"    def execute(self, requests):\n{loop}")
+
+
+# Module-level functions a model source can take (``with_helpers``): where time itself is what a
+# model does, written once. (A model runs in a stub process that cannot import the test support.)
+WORK_FOR = '''
+def work_for(ms):
+    time.sleep(ms / 1000)  # the point: the model is as slow as its request asks
+'''
+
+UNTIL_CANCELLED = '''
+def until_cancelled(requests, seconds):
+    """True once every request's client has gone (is_cancelled()), False after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not all(r.is_cancelled() for r in requests):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
+    return True
+'''
+
+
+def with_helpers(source: str, *helpers: str) -> str:
+    """``source`` with the module-level ``helpers`` (WORK_FOR, UNTIL_CANCELLED) before its model class."""
+    head = "\n\n".join(h.strip("\n") for h in helpers)
+    return source.replace("\nclass TritonPythonModel", f"\n{head}\n\n\nclass TritonPythonModel", 1)
+
+
 ADD_SUB = '''
 import json
 
@@ -46,47 +89,29 @@ class TritonPythonModel:
 '''
 
 # How many requests each execute() got, per call: shows the dynamic batcher's lists.
-BATCH_PROBE = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
+BATCH_PROBE = model_source('''
+    x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+    params = request.parameters()
+    count = np.full(x.shape, len(requests), dtype=np.int32)
+    info = np.array([params.encode()] * x.shape[0], dtype=np.object_).reshape(x.shape[0], 1)
+    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("COUNT", count),
+                                                 pb_utils.Tensor("PARAMS", info)]))
+''')
 
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            params = request.parameters()
-            count = np.full(x.shape, len(requests), dtype=np.int32)
-            info = np.array([params.encode()] * x.shape[0], dtype=np.object_).reshape(x.shape[0], 1)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("COUNT", count),
-                                                         pb_utils.Tensor("PARAMS", info)]))
-        return responses
-'''
-
-BLS_SYNC = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0].decode()
-            # the called model batches ([-1, 16]); this one does not ([16])
-            inputs = [pb_utils.Tensor(n, pb_utils.get_input_tensor_by_name(request, n).as_numpy().reshape(1, -1))
-                      for n in ("INPUT0", "INPUT1")]
-            infer_request = pb_utils.InferenceRequest(
-                model_name=model_name, requested_output_names=["OUTPUT0", "OUTPUT1"], inputs=inputs)
-            infer_response = infer_request.exec()
-            if infer_response.has_error():
-                raise pb_utils.TritonModelException(infer_response.error().message())
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(n, pb_utils.get_output_tensor_by_name(infer_response, n).as_numpy().reshape(-1))
-                for n in ("OUTPUT0", "OUTPUT1")]))
-        return responses
-'''
+BLS_SYNC = model_source('''
+    model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0].decode()
+    # the called model batches ([-1, 16]); this one does not ([16])
+    inputs = [pb_utils.Tensor(n, pb_utils.get_input_tensor_by_name(request, n).as_numpy().reshape(1, -1))
+              for n in ("INPUT0", "INPUT1")]
+    infer_request = pb_utils.InferenceRequest(
+        model_name=model_name, requested_output_names=["OUTPUT0", "OUTPUT1"], inputs=inputs)
+    infer_response = infer_request.exec()
+    if infer_response.has_error():
+        raise pb_utils.TritonModelException(infer_response.error().message())
+    responses.append(pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor(n, pb_utils.get_output_tensor_by_name(infer_response, n).as_numpy().reshape(-1))
+        for n in ("OUTPUT0", "OUTPUT1")]))
+''')
 
 BLS_ASYNC = '''
 import asyncio
@@ -118,30 +143,21 @@ class TritonPythonModel:
 '''
 
 # exec(decoupled=True) on square_int32: the responses of a decoupled model, summed
-BLS_DECOUPLED = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            n = pb_utils.get_input_tensor_by_name(request, "IN")
-            infer_request = pb_utils.InferenceRequest(model_name="square_int32", requested_output_names=["OUT"],
-                                                      inputs=[n])
-            total, count = 0, 0
-            for r in infer_request.exec(decoupled=True):
-                if r.has_error():
-                    raise pb_utils.TritonModelException(r.error().message())
-                if len(r.output_tensors()) > 0:
-                    total += int(pb_utils.get_output_tensor_by_name(r, "OUT").as_numpy()[0])
-                    count += 1
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("SUM", np.array([total], dtype=np.int32)),
-                pb_utils.Tensor("COUNT", np.array([count], dtype=np.int32))]))
-        return responses
-'''
+BLS_DECOUPLED = model_source('''
+    n = pb_utils.get_input_tensor_by_name(request, "IN")
+    infer_request = pb_utils.InferenceRequest(model_name="square_int32", requested_output_names=["OUT"],
+                                              inputs=[n])
+    total, count = 0, 0
+    for r in infer_request.exec(decoupled=True):
+        if r.has_error():
+            raise pb_utils.TritonModelException(r.error().message())
+        if len(r.output_tensors()) > 0:
+            total += int(pb_utils.get_output_tensor_by_name(r, "OUT").as_numpy()[0])
+            count += 1
+    responses.append(pb_utils.InferenceResponse([
+        pb_utils.Tensor("SUM", np.array([total], dtype=np.int32)),
+        pb_utils.Tensor("COUNT", np.array([count], dtype=np.int32))]))
+''')
 
 # A running sum per sequence, kept in the instance by correlation id (sequence batching sends a
 # sequence's requests to one instance, in order); OUT also says which instance answered.
@@ -219,7 +235,7 @@ class TritonPythonModel:
 '''
 
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
-WAIT_FOR_CANCEL = '''
+WAIT_FOR_CANCEL = with_helpers('''
 import time
 
 import numpy as np
@@ -228,12 +244,10 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        deadline = time.monotonic() + 20
-        while not all(r.is_cancelled() for r in requests) and time.monotonic() < deadline:
-            time.sleep(0.01)  # the model's poll of is_cancelled() (pb_utils has no wait for it)
-        pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if time.monotonic() < deadline else "not cancelled"))
+        cancelled = until_cancelled(requests, 20)
+        pb_utils.Logger.log_info("wait_for_cancel: " + ("cancelled" if cancelled else "not cancelled"))
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, dtype=np.float32))]) for _ in requests]
-'''
+''', UNTIL_CANCELLED)
 
 # Custom metrics (Triton's MetricFamily): a counter of requests and a gauge of the last input.
 COUNTED = '''
@@ -309,7 +323,7 @@ output [
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
-REPEAT_INT32 = '''
+REPEAT_INT32 = with_helpers('''
 import threading
 import time
 
@@ -343,7 +357,7 @@ class TritonPythonModel:
     def respond(self, request, values, delays, wait_ms):
         sender = request.get_response_sender()
         for index, (value, delay) in enumerate(zip(values, delays)):
-            time.sleep(int(delay) / 1000)  # the point: each answer's requested delay (Triton's repeat model)
+            work_for(int(delay))  # each answer's requested delay (Triton's repeat model)
             if request.is_cancelled():
                 pb_utils.Logger.log_info(f"repeat_int32: request cancelled after {index} responses")
                 break
@@ -351,7 +365,7 @@ class TritonPythonModel:
             idx = pb_utils.Tensor("IDX", np.array([index], dtype=np.uint32))
             sender.send(pb_utils.InferenceResponse(output_tensors=[out, idx]))
         else:
-            time.sleep(wait_ms / 1000)  # the point: the requested wait before the final flag
+            work_for(wait_ms)  # the requested wait before the final flag
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
@@ -359,7 +373,7 @@ class TritonPythonModel:
             threads = list(self.threads)
         for worker in threads:
             worker.join(timeout=10)
-'''
+''', WORK_FOR)
 
 # square_int32: IN = [n]: n responses, each OUT = [n], sent from execute(), then the final flag
 # alone (n = 0: no response at all).
@@ -373,22 +387,12 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [ { kind: KIND_CPU } ]
 """
 
-SQUARE_INT32 = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        for request in requests:
-            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
-            sender = request.get_response_sender()
-            for _ in range(n):
-                sender.send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))]))
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        return None
-'''
+SQUARE_INT32 = model_source('''
+    n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+    for _ in range(n):
+        sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUT", np.array([n], dtype=np.int32))]))
+''', decoupled=True)
 
 AUTO_COMPLETE = '''
 import numpy as np
@@ -424,33 +428,16 @@ class TritonPythonModel:
 '''
 
 # ensemble steps: RAW -> preprocess (x2, and x+1) -> onnx add_sub -> postprocess (sum, as INT32 ... FP32)
-PREPROCESS = '''
-import triton_python_backend_utils as pb_utils
+PREPROCESS = model_source('''
+    raw = pb_utils.get_input_tensor_by_name(request, "RAW").as_numpy()
+    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("A", raw * 2), pb_utils.Tensor("B", raw + 1)]))
+''', imports='')
 
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            raw = pb_utils.get_input_tensor_by_name(r, "RAW").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("A", raw * 2), pb_utils.Tensor("B", raw + 1)]))
-        return out
-'''
-
-POSTPROCESS = '''
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        out = []
-        for r in requests:
-            s = pb_utils.get_input_tensor_by_name(r, "S").as_numpy()
-            d = pb_utils.get_input_tensor_by_name(r, "D").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("TOTAL", (s + d).sum(axis=-1, keepdims=True))]))
-        return out
-'''
+POSTPROCESS = model_source('''
+    s = pb_utils.get_input_tensor_by_name(request, "S").as_numpy()
+    d = pb_utils.get_input_tensor_by_name(request, "D").as_numpy()
+    responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("TOTAL", (s + d).sum(axis=-1, keepdims=True))]))
+''')
 
 
 def _tensors(entries: list[tuple[str, str, str]]) -> str:

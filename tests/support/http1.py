@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterable
 from typing import IO, NamedTuple
 
 
@@ -51,3 +52,19 @@ def closed_within(sock: socket.socket, timeout: float) -> float | None:
     except TimeoutError:
         return None
     return time.monotonic() - t0
+
+
+def send_slowly(sock: socket.socket, pieces: Iterable[bytes], pause: float) -> None:
+    """A slow but steady client: each piece, then ``pause`` s (under the server's read timeout)."""
+    for piece in pieces:
+        sock.sendall(piece)
+        time.sleep(pause)  # the point: the client's pacing (the unit and the integration test share it)
+
+
+def idle_then_ask(sock: socket.socket, f: IO[bytes], request: bytes, idle_s: float) -> None:
+    """Leave a keep-alive connection idle ``idle_s`` (past the header timeout: idle between requests
+    is not a slow header), then ``request`` on it is answered 200 (``f``: the socket's reader)."""
+    time.sleep(idle_s)  # the point: idle past the header timeout (two front-door tests share it)
+    sock.sendall(request)
+    answer = read_answer(f)
+    assert answer.status == 200 and answer.version == "HTTP/1.1", answer

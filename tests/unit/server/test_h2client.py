@@ -24,6 +24,7 @@ import pytest
 
 from meshserve.server.h2 import Channel, ClientStream, GrpcError, H2ClientConnection, H2GrpcServer, connect
 from tests.support import eventually_async as until
+from tests.support import loop_passes
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 SERVICE = "t.Client"
@@ -87,7 +88,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
         try:
             while True:
                 yield b"f" * 65536
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             p.cancelled.set()
             raise
@@ -183,7 +184,7 @@ async def dropped(conn: H2ClientConnection, timeout: float = 5.0) -> None:
     pending (a second one for a stream already ended) would have run by then."""
     conn.close()
     await until(lambda: conn.closed, timeout, "the connection to close")
-    await asyncio.sleep(0.01)  # the point: room for an on_close that must not come
+    await loop_passes()  # room for an on_close that must not come (it would be a callback already due)
 
 
 class Relay:
@@ -368,7 +369,7 @@ async def test_lost_connection_ends_every_open_stream_once(srv: Srv, how: str) -
             for c in calls:
                 await c.closed()
             await until(lambda: conn.closed, 5, "the connection to close")
-            await asyncio.sleep(0.05)  # room for a second on_close, which must not come
+            await loop_passes()  # room for a second on_close, which must not come
             for c in calls:
                 assert len(c.closes) == 1, c.closes
                 code, details = c.closes[0]
@@ -606,7 +607,7 @@ async def test_close_ends_open_streams_and_refuses_new_ones_at_once(srv: Srv, co
         code, details = await c.closed()
         assert code == UNAVAILABLE and f"connection to {srv.target} lost" in details, details
     await until(lambda: conn.closed, 5, "the connection to close")
-    await asyncio.sleep(0.01)  # the point: room for a second on_close that must not come
+    await loop_passes()  # room for a second on_close that must not come
     assert all(len(c.closes) == 1 for c in calls)
     assert not conn.usable
     with pytest.raises(ConnectionError):
@@ -683,7 +684,7 @@ async def _unary_server(port: int = 0) -> tuple[H2GrpcServer, int]:
         if req == b"fail":
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, DETAILS)
         if req == b"slow":
-            await asyncio.sleep(5)
+            await asyncio.Event().wait()  # never set: the client's deadline ends the call
         md = dict(ctx.invocation_metadata())
         return req + md.get("x-tag", "").encode()
 

@@ -31,7 +31,7 @@ from meshserve._proto import health_pb2
 from meshserve.server.h2 import H2GrpcServer, Status
 from meshserve.server.h2 import connect as h2_connect
 from meshserve.server.health import NOT_SERVING, SERVING, HealthState, health_handler
-from tests.support import eventually_async
+from tests.support import eventually_async, loop_passes, slow
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
 try:
@@ -84,7 +84,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
         return req[::-1]
 
     async def jitter(req: bytes, ctx: Any) -> bytes:
-        await asyncio.sleep(random.Random(req).random() * 0.02)  # answers complete out of order
+        await loop_passes(random.Random(req).randrange(40))  # answers complete out of order
         return req
 
     async def fill(req: bytes, ctx: Any) -> bytes:
@@ -94,7 +94,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
     async def sleep(req: bytes, ctx: Any) -> bytes:
         p.started.set()
         try:
-            await asyncio.sleep(float(req or b"5"))
+            await slow.work_for_async(float(req or b"5"))
         except asyncio.CancelledError:
             p.cancel("sleep")
             raise
@@ -162,7 +162,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
             while True:
                 yield b"%d" % i
                 i += 1
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.001)  # the point: too slow to fill the window: a cancel finds it in its own await
         except asyncio.CancelledError:
             p.cancel("forever")
             raise
@@ -180,7 +180,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
     async def slow_stream(req: bytes, ctx: Any) -> AsyncIterator[bytes]:
         yield b"first"
         try:
-            await asyncio.sleep(5)
+            await asyncio.Event().wait()  # never set: the call's deadline ends it
         except asyncio.CancelledError:
             p.cancel("slow_stream")
             raise
@@ -620,7 +620,7 @@ async def test_client_streaming(env: Env) -> None:
         for i, m in enumerate(parts):
             yield m
             if i % 50 == 0:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0)
 
     answer = await env.stream_unary("Concat")(gen(), timeout=30)
     assert answer == struct.pack(">I", len(parts)) + b"".join(parts)
@@ -637,7 +637,7 @@ async def test_client_streaming_handler_returns_early(env: Env) -> None:
     async def slow() -> AsyncIterator[bytes]:
         for i in range(50):
             yield b"m%d" % i
-            await asyncio.sleep(0.01)
+            await loop_passes(5)  # the handler returns while these still come
 
     assert await env.stream_unary("First")(slow(), timeout=10) == b"first:m0"
     await still_serving(env)
@@ -659,7 +659,8 @@ async def test_abandoned_server_stream_is_closed(env: Env, method: str) -> None:
     call = env.unary_stream(method)(b"")
     for _ in range(3):
         assert await call.read() != grpc.aio.EOF
-    await asyncio.sleep(0.2)  # the point: the firehose fills the window the client does not open
+    if method == "Firehose":  # it fills the window the client does not open, and waits at it
+        await eventually_async(lambda: any(c.blocked for c in env.server._conns), 10, "the firehose stopped")
     call.cancel()
     await waited(env.probe.closed, 2.0)
     if method == "Forever":

@@ -21,8 +21,8 @@ from aiohttp import web
 from meshserve.server import http1
 from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
 from meshserve.server.limits import ServerLimits
-from tests.support import eventually
-from tests.support.http1 import closed_within, read_answer
+from tests.support import eventually, eventually_async, slow
+from tests.support.http1 import closed_within, read_answer, send_slowly
 
 NO_TIMEOUTS = ServerLimits(header_timeout_s=0, read_timeout_s=0, idle_timeout_s=0)
 
@@ -49,7 +49,7 @@ async def echo(request: Any) -> web.StreamResponse:
         await response.write_eof()
         return response
     if path == "/slow":
-        await asyncio.sleep(float(request.query_string))
+        await slow.work_for_async(float(request.query_string))
     if path == "/big":
         return web.Response(body=b"z" * int(request.query_string))
     if path == "/head-only":  # answers without reading the body
@@ -149,10 +149,16 @@ def test_connection_close_and_http10() -> None:
 def test_chunked_request_body() -> None:
     with serving() as srv, srv.connect() as sock:
         parts = [b"a" * 10, b"b" * 70_000, b"c"]
-        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        head = b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        sock.sendall(head)
+        eventually(lambda: len(srv.server.connections) == 1, what="the connection accepted")
+        conn = next(iter(srv.server.connections))
+        sent = len(head)
         for p in parts:  # in separate writes, as a streaming client sends them
-            sock.sendall(b"%x;ext=1\r\n%s\r\n" % (len(p), p))
-            time.sleep(0.01)  # (pacing: the chunks arrive in separate reads)
+            chunk = b"%x;ext=1\r\n%s\r\n" % (len(p), p)
+            sock.sendall(chunk)
+            sent += len(chunk)
+            eventually(lambda sent=sent: conn.rx_bytes >= sent, what="the chunk received")  # (in separate reads)
         sock.sendall(b"0\r\nTrailer: t\r\n\r\n")
         f = sock.makefile("rb")
         assert read_answer(f).body == b"".join(parts)
@@ -224,8 +230,7 @@ def test_reading_pauses_while_a_body_waits_for_its_handler() -> None:
     buffered: list[int] = []
 
     async def late_reader(request: Any) -> web.StreamResponse:
-        while not release.is_set():
-            await asyncio.sleep(0.01)
+        await eventually_async(release.is_set, 60, "the test's release")
         buffered.append(request.protocol.buffered)
         return web.Response(body=str(len(await request.content.read())).encode())
 
@@ -409,9 +414,7 @@ def test_timeouts() -> None:
 def test_slow_but_steady_body_is_not_cut() -> None:
     with serving(limits=TIMED) as srv, srv.connect() as sock:
         sock.sendall(b"POST / HTTP/1.1\r\nContent-Length: 6\r\n\r\n")
-        for b in b"steady":
-            sock.sendall(bytes([b]))
-            time.sleep(0.2)  # (pacing: under the 0.5 s read timeout, 1.2 s in all)
+        send_slowly(sock, [bytes([b]) for b in b"steady"], 0.2)  # under the 0.5 s read timeout, 1.2 s in all
         assert read_answer(sock.makefile("rb")).body == b"steady"
 
 
