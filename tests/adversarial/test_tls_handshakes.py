@@ -33,6 +33,7 @@ from tests.adversarial.harness import (
     p99,
     under_attack,
 )
+from tests.adversarial.test_http1_attacks import drip_until
 from tests.conftest import Proc, start
 from tests.support import certs
 from tests.support.waiting import eventually
@@ -187,7 +188,9 @@ def test_slow_handshake_closed_at_the_timeout(tls_mesh: TlsMesh) -> None:
         t0 = time.monotonic()
         sent = 0
         open_ = list(socks)
-        while open_ and time.monotonic() - t0 < HANDSHAKE_TIMEOUT_S + 5 and sent < len(hello):
+
+        def step() -> bool:  # one more byte on each connection still open (the attack's pace: drip_until)
+            nonlocal sent
             for s in list(open_):
                 try:
                     s.send(hello[sent:sent + 1])
@@ -198,7 +201,9 @@ def test_slow_handshake_closed_at_the_timeout(tls_mesh: TlsMesh) -> None:
                     open_.remove(s)
                 s.setblocking(True)
             sent += 1
-            time.sleep(0.1)  # the attack's own pace: a byte every 100 ms
+            return not open_ or sent >= len(hello)
+
+        drip_until(t0 + HANDSHAKE_TIMEOUT_S + 5, step, pace=0.1)  # a byte every 100 ms
         took = time.monotonic() - t0
         closed = eventually(lambda: all(_closed(s) for s in socks) or None, timeout=5, what="all closed")
         for s in socks:
