@@ -36,7 +36,8 @@ from load.bench.procs import stop_process
 from meshserve import examples
 from tests.adversarial.harness import ADMIN_KEY, KEY, TENANTS, RssSampler, rss
 from tests.conftest import ROOT, Proc, service_and_gateway
-from tests.e2e.test_up import _free_port, read_banner
+from tests.e2e.test_up import read_banner
+from tests.support.net import free_port as _free_port
 
 MiB = 1 << 20
 UPLOAD_REFUSED = ("403", "StatusCode.PERMISSION_DENIED")
