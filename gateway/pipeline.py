@@ -54,6 +54,7 @@ Answers = AsyncGenerator[Answer, None]
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
+FACTS_KEPT = 1024  # per-config merge facts kept (all dropped when full: one rebuild each)
 
 
 class Stage(Protocol):
@@ -339,6 +340,8 @@ class Forward:
         worked out once per config (held by its id while discovery holds the config)."""
         facts = self._facts.get(id(config))
         if facts is None or facts[0] is not config:
+            if len(self._facts) >= FACTS_KEPT:  # (configs replaced by reloads: dropped, not kept forever)
+                self._facts.clear()
             facts = self._facts[id(config)] = (config, ModelShape.of(config),
                                                config.model_transaction_policy.decoupled)
         return facts

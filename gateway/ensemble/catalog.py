@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.ensemble.executor import EnsembleExecutor, StepTimes
 from gateway.ensemble.plan import EnsembleError, Plan, compile_plan
@@ -62,7 +62,7 @@ class EnsembleCatalog:
         self.max_inflight_steps = max_inflight_steps
         self.executor: EnsembleExecutor | None = None
         self._lookup: Lookup = lambda model, version: None
-        self._plans: dict[str, tuple[tuple[int, ...], Plan | EnsembleError]] = {}
+        self._plans: dict[str, tuple[tuple[Any, ...], Plan | EnsembleError]] = {}
         self.unloaded: set[str] = set()  # unloaded through the API: unknown to infer, "unloaded" in the index
         self.stats = {name: ModelStats(name, 1) for name in self.configs}  # an ensemble has version 1
         for name, err in self.errors.items():
@@ -123,9 +123,11 @@ class EnsembleCatalog:
             raise model_not_found(name, version)
         steps = config.ensemble_scheduling.step
         found = [self._lookup(s.model_name, "" if s.model_version < 0 else str(s.model_version)) for s in steps]
-        key = tuple(id(c) for c in found)
+        # the steps' configs themselves, compared by identity (their id()s could be reused by
+        # configs loaded after these were dropped: a stale plan)
+        key = tuple(found)
         cached = self._plans.get(name)
-        if cached is None or cached[0] != key:
+        if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key, strict=True)):
             try:
                 result: Plan | EnsembleError = compile_plan(config, self._lookup)
             except EnsembleError as exc:
