@@ -20,6 +20,8 @@ from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from meshserve.server.workers import Worker
 
+add_cache_arguments = response_cache.add_arguments  # --cache-config (also `meshserve up`'s)
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")

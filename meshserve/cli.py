@@ -365,9 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshserve.server import repository_control
 
     add_tenant_arguments(up)  # the gateway's own definitions: tenants, quotas, /metrics auth
-    from gateway.cache import add_arguments as cache_arguments
+    from gateway.main import add_cache_arguments
 
-    cache_arguments(up)  # --cache-config, passed on to the gateway
+    add_cache_arguments(up)  # --cache-config, passed on to the gateway
     repository_control.add_arguments(up)
     from services.base.main import add_arguments as service_arguments
     from services.base.main import add_bls_key_argument
