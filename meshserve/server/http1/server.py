@@ -238,7 +238,12 @@ class Connection(asyncio.Protocol):
             f"(chunk sizes and extensions may be at most {FRAMING_RATIO} times the data)"))
         self.body_of = None
         self.last = True
-        self._stop()
+        # nothing more is parsed, and nothing more read until the answer is out (then _linger
+        # reads and drops what still comes): reading on at once would take the client's bytes at
+        # loopback speed while the handler has not answered yet
+        self.stopped = True
+        self.lingering = 0
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         self.eof = True
@@ -496,6 +501,8 @@ class Connection(asyncio.Protocol):
             return
         self.last = self.closing = True
         self._stop()
+        if not self.lingering:  # (stopped with reading paused until this answer: _refuse_body)
+            self.lingering = LINGER_BYTES
         if self.eof or not transport.can_write_eof():
             transport.close()
             return
