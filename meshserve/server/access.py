@@ -129,6 +129,13 @@ class GrpcMethod:
         op = self.op
         return op if isinstance(op, Op) else op(request)
 
+    def resolve(self, request: Any) -> tuple[Op, str]:
+        """(op, the model it names or "") of one call with this request."""
+        op = self.rule_of(request)
+        model = getattr(request, "model_name", "") or getattr(request, "name", "") \
+            if op.rule is Rule.MODEL else ""
+        return op, model
+
 
 GRPC_SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -166,14 +173,6 @@ HEALTH_METHODS: dict[str, GrpcMethod] = {
 # (a gateway's --metrics-auth makes it ADMIN).
 METRICS_SERVICE = "meshserve.Metrics"
 METRICS_METHODS: dict[str, GrpcMethod] = {"Scrape": GrpcMethod(Op.METRICS)}
-
-
-def grpc_op(method: str, request: Any) -> tuple[Op, str]:
-    """(op, the model it names or "") of one GRPCInferenceService call."""
-    op = GRPC_METHODS[method].rule_of(request)
-    model = getattr(request, "model_name", "") or getattr(request, "name", "") \
-        if op.rule is Rule.MODEL else ""
-    return op, model
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,13 +134,11 @@ def _checked(core: V2Core | None, row: access.GrpcMethod,
 
     async def handler(request: Any, call: Call) -> Any:
         try:
-            op = row.rule_of(request)
+            op, model = row.resolve(request)
             if op.rule is access.Rule.OPEN:
                 grant = access.ALL
             else:
                 assert core is not None  # (only the inference service has rules that are not open)
-                model = getattr(request, "model_name", "") or getattr(request, "name", "") \
-                    if op.rule is access.Rule.MODEL else ""
                 grant = core.authorize(op, model, _context(call))
             if with_grant:
                 return await fn(request, call, grant)
