@@ -21,8 +21,8 @@ import time
 from load.bench.procs import cpu_seconds
 
 SERVER = r"""
-import asyncio, sys, grpc
-from meshserve.server.h2 import H2GrpcServer
+import asyncio, sys
+from meshserve.server.h2 import H2GrpcServer, stream_stream, unary_unary
 async def main():
     async def echo(req, ctx):
         return req
@@ -30,8 +30,7 @@ async def main():
         async for m in reqs:
             yield m
     s = H2GrpcServer()
-    s.add_registered_method_handlers("b.Bench", {"Echo": grpc.unary_unary_rpc_method_handler(echo),
-                                                 "Bidi": grpc.stream_stream_rpc_method_handler(bidi)})
+    s.add_methods("b.Bench", {"Echo": unary_unary(echo), "Bidi": stream_stream(bidi)})
     port = await s.bind("127.0.0.1", 0)
     await s.start()
     print(port, flush=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import health_pb2
 
 
 class Rule(enum.Enum):
@@ -110,45 +111,68 @@ def _trace(request: pb.TraceSettingRequest) -> Op:
     return Op.TRACE_UPDATE if request.settings else Op.TRACE_GET
 
 
-# ---- gRPC: method → op, or a function of the request for methods that read and write ----
+# ---- gRPC: every method of the three services, one row each ----
+@dataclass(frozen=True, slots=True)
+class GrpcMethod:
+    """One gRPC method: its rule (an op, or a function of the request for methods that read and
+    write), the message type the server parses its request into (None: its handler takes the
+    raw bytes and answers bytes), and its call shape. Its handler is the servicer's method of the
+    same name (grpc_frontend.InferenceServicer, health.HealthServicer, grpc_frontend.MetricsServicer),
+    registered from these rows by grpc_frontend.register."""
+
+    op: Op | Callable[[Any], Op]
+    request: Any = None
+    request_streaming: bool = False
+    response_streaming: bool = False
+
+    def rule_of(self, request: Any) -> Op:
+        op = self.op
+        return op if isinstance(op, Op) else op(request)
+
+    def resolve(self, request: Any) -> tuple[Op, str]:
+        """(op, the model it names or "") of one call with this request."""
+        op = self.rule_of(request)
+        model = getattr(request, "model_name", "") or getattr(request, "name", "") \
+            if op.rule is Rule.MODEL else ""
+        return op, model
+
+
 GRPC_SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
-GRPC_METHODS: dict[str, Op | Callable[[Any], Op]] = {
-    "ServerLive": Op.HEALTH,  # tritonclient's is_server_live / is_server_ready: liveness probes
-    "ServerReady": Op.HEALTH,
-    "ServerMetadata": Op.SERVER_METADATA,
-    "ModelReady": Op.MODEL_READY,
-    "ModelMetadata": Op.MODEL_METADATA,
-    "ModelConfig": Op.MODEL_CONFIG,
-    "ModelStatistics": lambda request: Op.MODEL_STATISTICS if request.name else Op.ALL_STATISTICS,
-    "RepositoryIndex": Op.REPOSITORY_INDEX,
-    "RepositoryModelLoad": Op.REPOSITORY_LOAD,
-    "RepositoryModelUnload": Op.REPOSITORY_UNLOAD,
-    "ModelInfer": Op.INFER,
-    "ModelStreamInfer": Op.INFER,
-    "TraceSetting": _trace,
-    "LogSettings": _by_settings(Op.LOG_GET, Op.LOG_UPDATE),
-    "SystemSharedMemoryStatus": Op.SHM_STATUS,
-    "SystemSharedMemoryRegister": Op.SHM_REGISTER,
-    "SystemSharedMemoryUnregister": Op.SHM_UNREGISTER,
-    "CudaSharedMemoryStatus": Op.SHM_STATUS,
-    "CudaSharedMemoryRegister": Op.SHM_REGISTER,
-    "CudaSharedMemoryUnregister": Op.SHM_UNREGISTER,
+GRPC_METHODS: dict[str, GrpcMethod] = {
+    # tritonclient's is_server_live / is_server_ready: liveness probes
+    "ServerLive": GrpcMethod(Op.HEALTH, pb.ServerLiveRequest),
+    "ServerReady": GrpcMethod(Op.HEALTH, pb.ServerReadyRequest),
+    "ServerMetadata": GrpcMethod(Op.SERVER_METADATA, pb.ServerMetadataRequest),
+    "ModelReady": GrpcMethod(Op.MODEL_READY, pb.ModelReadyRequest),
+    "ModelMetadata": GrpcMethod(Op.MODEL_METADATA, pb.ModelMetadataRequest),
+    "ModelConfig": GrpcMethod(Op.MODEL_CONFIG, pb.ModelConfigRequest),
+    "ModelStatistics": GrpcMethod(lambda request: Op.MODEL_STATISTICS if request.name else Op.ALL_STATISTICS,
+                                  pb.ModelStatisticsRequest),
+    "RepositoryIndex": GrpcMethod(Op.REPOSITORY_INDEX, pb.RepositoryIndexRequest),
+    "RepositoryModelLoad": GrpcMethod(Op.REPOSITORY_LOAD, pb.RepositoryModelLoadRequest),
+    "RepositoryModelUnload": GrpcMethod(Op.REPOSITORY_UNLOAD, pb.RepositoryModelUnloadRequest),
+    # raw bytes: parsed by the handler, which keeps them for the gateway to forward (RequestContext.raw)
+    "ModelInfer": GrpcMethod(Op.INFER),
+    "ModelStreamInfer": GrpcMethod(Op.INFER, None, request_streaming=True, response_streaming=True),
+    "TraceSetting": GrpcMethod(_trace, pb.TraceSettingRequest),
+    "LogSettings": GrpcMethod(_by_settings(Op.LOG_GET, Op.LOG_UPDATE), pb.LogSettingsRequest),
+    "SystemSharedMemoryStatus": GrpcMethod(Op.SHM_STATUS, pb.SystemSharedMemoryStatusRequest),
+    "SystemSharedMemoryRegister": GrpcMethod(Op.SHM_REGISTER, pb.SystemSharedMemoryRegisterRequest),
+    "SystemSharedMemoryUnregister": GrpcMethod(Op.SHM_UNREGISTER, pb.SystemSharedMemoryUnregisterRequest),
+    "CudaSharedMemoryStatus": GrpcMethod(Op.SHM_STATUS, pb.CudaSharedMemoryStatusRequest),
+    "CudaSharedMemoryRegister": GrpcMethod(Op.SHM_REGISTER, pb.CudaSharedMemoryRegisterRequest),
+    "CudaSharedMemoryUnregister": GrpcMethod(Op.SHM_UNREGISTER, pb.CudaSharedMemoryUnregisterRequest),
 }
-HEALTH_METHODS: dict[str, Op] = {"Check": Op.HEALTH, "Watch": Op.HEALTH}
+HEALTH_METHODS: dict[str, GrpcMethod] = {
+    "Check": GrpcMethod(Op.HEALTH, health_pb2.HealthCheckRequest),
+    "Watch": GrpcMethod(Op.HEALTH, health_pb2.HealthCheckRequest, response_streaming=True),
+}
 # meshserve's own: a process's /metrics text over gRPC (empty request, the exposition as bytes);
-# a gateway with --federate-metrics reads its services' with it
+# a gateway with --federate-metrics reads its services' with it. Its rule is checked by its handler
+# (a gateway's --metrics-auth makes it ADMIN).
 METRICS_SERVICE = "meshserve.Metrics"
-METRICS_METHODS: dict[str, Op] = {"Scrape": Op.METRICS}
-
-
-def grpc_op(method: str, request: Any) -> tuple[Op, str]:
-    """(op, the model it names or "") of one GRPCInferenceService call."""
-    entry = GRPC_METHODS[method]
-    op = entry if isinstance(entry, Op) else entry(request)
-    model = getattr(request, "model_name", "") or getattr(request, "name", "") \
-        if op.rule is Rule.MODEL else ""
-    return op, model
+METRICS_METHODS: dict[str, GrpcMethod] = {"Scrape": GrpcMethod(Op.METRICS)}
 
 
 @dataclass(frozen=True, slots=True)

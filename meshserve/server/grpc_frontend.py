@@ -10,12 +10,8 @@ import asyncio
 import collections
 import functools
 import logging
-import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-
-import grpc
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
@@ -23,22 +19,14 @@ from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
-from meshserve.server.h2 import H2GrpcServer
-from meshserve.server.health import HealthState, health_handler
+from meshserve.server.h2 import Abort, Call, H2GrpcServer, Method, Status
+from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import STREAMS, ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT
 
 log = logging.getLogger("meshserve.grpc")
 
 SERVICE = access.GRPC_SERVICE
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 
 
 STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or awaiting their write
@@ -75,28 +63,25 @@ def _empty_final(request: pb.ModelInferRequest, on_hop: bool) -> bytes:
     return response.SerializeToString()
 
 
-def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> RequestContext:
-    remaining = context.time_remaining()
-    md = context.invocation_metadata() or ()
-    return RequestContext(
-        protocol="grpc",
-        headers={k: v for k, v in md if isinstance(v, str)},
-        deadline=None if remaining is None else time.monotonic() + remaining,
-        raw=raw,
-    )
+def _context(call: Call, raw: bytes | None = None) -> RequestContext:
+    md = call.invocation_metadata()
+    return RequestContext(protocol="grpc", headers={k: v for k, v in md if isinstance(v, str)},
+                          deadline=call.deadline, raw=raw)
 
 
-def _control_context(context: grpc.aio.ServicerContext) -> RequestContext:
+def _control_context(call: Call) -> RequestContext:
     """A repository-control call's context: also the peer's address (loopback-only control)."""
-    ctx = _context(context)
-    ctx.peer = context.peer()
+    ctx = _context(call)
+    ctx.peer = call.peer()
     return ctx
+
+
 def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tuple[int, str] | None]:
     """The HTTP/2 server's check at a call's headers: a unary method whose rule is not open needs
     a valid key (UNAUTHENTICATED, when there are tenants) before its message is received, as the
     HTTP front end checks before reading a body; the method's own rule follows as before."""
-    open_paths = {f"/{access.GRPC_SERVICE}/{name}" for name, op in access.GRPC_METHODS.items()
-                  if isinstance(op, access.Op) and op.rule is access.Rule.OPEN}
+    open_paths = {f"/{access.GRPC_SERVICE}/{name}" for name, row in access.GRPC_METHODS.items()
+                  if isinstance(row.op, access.Op) and row.op.rule is access.Rule.OPEN}
     open_paths |= {f"/{access.HEALTH_SERVICE}/{name}" for name in access.HEALTH_METHODS}
     open_paths |= {f"/{access.METRICS_SERVICE}/{name}" for name in access.METRICS_METHODS}  # (its own rule)
     # ModelStreamInfer answers every request's error in band (as Triton does), a missing key too;
@@ -123,94 +108,109 @@ def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tup
     return check
 
 
-def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Set the call's error status. The handler then returns normally: grpc.aio drops the
-    response of a call whose code is not OK, and this avoids context.abort()'s exception
-    machinery, which matters when rejections come by the thousand (quota floods)."""
+def _fail(call: Call, exc: BaseException) -> None:
+    """Set the call's error status. The handler then returns None (the server sends the status
+    alone), which avoids abort()'s exception machinery: rejections come by the thousand (quota floods)."""
     if isinstance(exc, InferError):
-        context.set_code(exc.grpc_status)
-        context.set_details(exc.message)
+        call.set_status(exc.grpc_status.value[0], exc.message)
         if exc.retry_after_ms is not None:  # HTTP's Retry-After, as gRPC's server pushback
-            context.set_trailing_metadata(((wire.RETRY_PUSHBACK_METADATA, str(exc.retry_after_ms)),))
+            call.set_trailing_metadata(((wire.RETRY_PUSHBACK_METADATA, str(exc.retry_after_ms)),))
         return
     log.exception("internal error while serving a gRPC call")
-    context.set_code(grpc.StatusCode.INTERNAL)
-    context.set_details(internal_error(exc).message)
+    call.set_status(Status.INTERNAL, internal_error(exc).message)
 
 
-def _authorize(core: V2Core, method: str, request: Any, context: grpc.aio.ServicerContext) -> access.Grant:
-    """The core's verdict on this call (meshserve.server.access's table); open calls cost nothing."""
-    op, model = access.grpc_op(method, request)
-    if op.rule is access.Rule.OPEN:
-        return access.ALL
-    return core.authorize(op, model, _context(context))
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()  # type: ignore[no-any-return]
 
 
-def _unary(core: V2Core, method: str, fn: Callable[..., Awaitable[Any]], request_type: Any,
-           with_grant: bool = False) -> grpc.RpcMethodHandler:
-    """A unary method: the access table's verdict, then ``fn(request, context)`` (``fn(request,
-    context, grant)`` with ``with_grant``), its answer filtered by the grant."""
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _checked(core: V2Core | None, row: access.GrpcMethod,
+             fn: Callable[..., Awaitable[Any]]) -> Callable[[Any, Call], Awaitable[Any]]:
+    """A unary method with a message type: the access table's verdict on the call first (open
+    calls cost nothing), then ``fn(request, call)`` (``fn(request, call, grant)`` under the rule
+    OWN: the tenant's own shared-memory regions), its answer filtered by the grant; an error is
+    the call's status, never a crash."""
+    with_grant = isinstance(row.op, access.Op) and row.op.rule is access.Rule.OWN
+
+    async def handler(request: Any, call: Call) -> Any:
         try:
-            grant = _authorize(core, method, request, context)
+            op, model = row.resolve(request)
+            if op.rule is access.Rule.OPEN:
+                grant = access.ALL
+            else:
+                assert core is not None  # (only the inference service has rules that are not open)
+                grant = core.authorize(op, model, _context(call))
             if with_grant:
-                return await fn(request, context, grant)
-            return grant.filter(await fn(request, context))
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
+                return await fn(request, call, grant)
+            return grant.filter(await fn(request, call))
+        except (asyncio.CancelledError, Abort):
             raise
         except Exception as exc:  # mapped to a status, never a crash
-            _fail(context, exc)
+            _fail(call, exc)
             return None
 
-    return grpc.unary_unary_rpc_method_handler(
-        handler, request_deserializer=request_type.FromString,
-        response_serializer=lambda m: m.SerializeToString())
+    return handler
 
 
-def inference_handler(core: V2Core) -> grpc.GenericRpcHandler:
-    """The GRPCInferenceService method table for one core, as a generic handler."""
-    return grpc.method_handlers_generic_handler(SERVICE, inference_methods(core))
+def methods(servicer: Any, table: dict[str, access.GrpcMethod], core: V2Core | None = None) -> dict[str, Method]:
+    """The h2 server's methods of one service: each row of its access table (name, rule, message
+    type, shape) with the servicer's method of that name. A unary row with a message type is
+    checked against the table (_checked); a row without one takes and answers raw bytes and makes
+    its own checks (ModelInfer and ModelStreamInfer: admission on the infer path; Scrape)."""
+    out: dict[str, Method] = {}
+    for name, row in table.items():
+        fn = getattr(servicer, name)
+        if row.request is None:
+            out[name] = Method(fn, row.request_streaming, row.response_streaming)
+        elif row.request_streaming or row.response_streaming:
+            out[name] = Method(fn, row.request_streaming, row.response_streaming, row.request.FromString, _serialize)
+        else:
+            out[name] = Method(_checked(core, row, fn), False, False, row.request.FromString, _serialize)
+    return out
 
 
-def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
-    """The GRPCInferenceService method table for one core."""
+class InferenceServicer:
+    """inference.GRPCInferenceService over one core: one method per RPC (access.GRPC_METHODS has
+    each one's rule, message type and shape). A unary method with a message type returns its
+    response (the table's check and error mapping wrap it: `methods`); ModelInfer and
+    ModelStreamInfer take raw bytes."""
 
-    async def server_live(req: pb.ServerLiveRequest, ctx: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=core.live())
+    def __init__(self, core: V2Core):
+        self.core = core
+        kind = getattr(core, "kind", None)  # a service announces its kind to gateways (wire.SERVICE_KIND_METADATA)
+        self.kind_metadata = ((wire.SERVICE_KIND_METADATA, kind),) if isinstance(kind, str) else ()
 
-    async def server_ready(req: pb.ServerReadyRequest, ctx: grpc.aio.ServicerContext) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=core.ready())
+    async def ServerLive(self, req: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.core.live())
 
-    async def model_ready(req: pb.ModelReadyRequest, ctx: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=await core.model_ready(req.name, req.version))
+    async def ServerReady(self, req: pb.ServerReadyRequest, call: Call) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.core.ready())
 
-    async def server_metadata(req: pb.ServerMetadataRequest, ctx: grpc.aio.ServicerContext
-                              ) -> pb.ServerMetadataResponse:
-        return core.server_metadata()
+    async def ModelReady(self, req: pb.ModelReadyRequest, call: Call) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=await self.core.model_ready(req.name, req.version))
 
-    async def model_metadata(req: pb.ModelMetadataRequest, ctx: grpc.aio.ServicerContext
-                             ) -> pb.ModelMetadataResponse:
-        return await core.model_metadata(req.name, req.version)
+    async def ServerMetadata(self, req: pb.ServerMetadataRequest, call: Call) -> pb.ServerMetadataResponse:
+        return self.core.server_metadata()
 
-    async def model_config(req: pb.ModelConfigRequest, ctx: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
-        return await core.model_config(req.name, req.version)
+    async def ModelMetadata(self, req: pb.ModelMetadataRequest, call: Call) -> pb.ModelMetadataResponse:
+        return await self.core.model_metadata(req.name, req.version)
 
-    async def model_statistics(req: pb.ModelStatisticsRequest, ctx: grpc.aio.ServicerContext
-                               ) -> pb.ModelStatisticsResponse:
-        return await core.statistics(req.name, req.version)
+    async def ModelConfig(self, req: pb.ModelConfigRequest, call: Call) -> pb.ModelConfigResponse:
+        return await self.core.model_config(req.name, req.version)
 
-    async def trace_setting(req: pb.TraceSettingRequest, ctx: grpc.aio.ServicerContext) -> pb.TraceSettingResponse:
+    async def ModelStatistics(self, req: pb.ModelStatisticsRequest, call: Call) -> pb.ModelStatisticsResponse:
+        return await self.core.statistics(req.name, req.version)
+
+    async def TraceSetting(self, req: pb.TraceSettingRequest, call: Call) -> pb.TraceSettingResponse:
         # no settings: a read (tritonclient's get_trace_settings); an empty value list clears a model's key
         changes = {key: list(v.value) or None for key, v in req.settings.items()}
-        settings = await observe.trace_setting(core, req.model_name, changes)
+        settings = await observe.trace_setting(self.core, req.model_name, changes)
         response = pb.TraceSettingResponse()
         for key, values in settings.items():
             response.settings[key].value.extend(values)
         return response
 
-    async def log_settings(req: pb.LogSettingsRequest, ctx: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
+    async def LogSettings(self, req: pb.LogSettingsRequest, call: Call) -> pb.LogSettingsResponse:
         changes = {}  # no settings: a read (tritonclient's get_log_settings)
         for key, v in req.settings.items():
             kind = v.WhichOneof("parameter_choice")
@@ -228,46 +228,39 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 entry.string_param = value
         return response
 
-    kind = getattr(core, "kind", None)  # a service announces its kind to gateways (wire.SERVICE_KIND_METADATA)
-    kind_metadata = ((wire.SERVICE_KIND_METADATA, kind),) if isinstance(kind, str) else ()
+    async def RepositoryIndex(self, req: pb.RepositoryIndexRequest, call: Call) -> pb.RepositoryIndexResponse:
+        if self.kind_metadata:
+            call.set_trailing_metadata(self.kind_metadata)
+        return await self.core.repository_index(req.ready)
 
-    async def repository_index(req: pb.RepositoryIndexRequest, ctx: grpc.aio.ServicerContext
-                               ) -> pb.RepositoryIndexResponse:
-        if kind_metadata:
-            ctx.set_trailing_metadata(kind_metadata)
-        return await core.repository_index(req.ready)
-
-    async def model_load(req: pb.RepositoryModelLoadRequest, ctx: grpc.aio.ServicerContext
-                         ) -> pb.RepositoryModelLoadResponse:
-        await core.load_model(req.model_name, dict(req.parameters), _control_context(ctx))
+    async def RepositoryModelLoad(self, req: pb.RepositoryModelLoadRequest, call: Call
+                                  ) -> pb.RepositoryModelLoadResponse:
+        await self.core.load_model(req.model_name, dict(req.parameters), _control_context(call))
         return pb.RepositoryModelLoadResponse()
 
-    async def model_unload(req: pb.RepositoryModelUnloadRequest, ctx: grpc.aio.ServicerContext
-                           ) -> pb.RepositoryModelUnloadResponse:
-        await core.unload_model(req.model_name, dict(req.parameters), _control_context(ctx))
+    async def RepositoryModelUnload(self, req: pb.RepositoryModelUnloadRequest, call: Call
+                                    ) -> pb.RepositoryModelUnloadResponse:
+        await self.core.unload_model(req.model_name, dict(req.parameters), _control_context(call))
         return pb.RepositoryModelUnloadResponse()
 
-    async def model_infer(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def ModelInfer(self, raw: bytes, call: Call) -> bytes | None:
         try:
             try:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
             infer = shm.infer if shm.uses_shared_memory(request, raw) else observe.infer
-            result, span = await infer(core, request, _context(context, raw))
+            result, span = await infer(self.core, request, _context(call, raw))
             if span is not None:
-                context.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
+                call.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
             return result.serialized()
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
+        except (asyncio.CancelledError, Abort):
             raise
         except Exception as exc:
-            _fail(context, exc)
-            return b""  # discarded: the status is not OK
+            _fail(call, exc)
+            return None
 
-    async def model_stream_infer(requests: AsyncIterator[bytes],
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def ModelStreamInfer(self, requests: AsyncIterator[bytes], call: Call) -> AsyncIterator[bytes]:
         # Requests on one stream run concurrently; responses are written as they complete
         # (each carries its request id). Per-request errors travel in band, with their status
         # code in an infer_response parameter so a gateway can map them back to a status.
@@ -291,7 +284,8 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
         # a gateway's requests in progress by id (to cancel; its unstreamed ones are only here:
         # each takes itself out as its answer is queued, so nothing else tracks it)
         by_id: dict[str, asyncio.Task[None]] = {}
-        base = _context(context)
+        core = self.core
+        base = _context(call)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
         queued = [0]  # bytes of streamed answers queued, not yet written: at most --max-stream-backlog-bytes
@@ -462,126 +456,93 @@ def inference_methods(core: V2Core) -> dict[str, grpc.RpcMethodHandler]:
                 yield item  # type: ignore[misc]
                 slots.release()
             if failed:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, failed[0])
+                await call.abort(Status.INVALID_ARGUMENT, failed[0])
         finally:
             read_task.cancel()
             for t in [*pending, *by_id.values()]:
                 t.cancel()
 
-    # the shared-memory extensions (meshserve.server.shm): the caller's tenant's regions only
-    def shm_status(kind: str, render: Callable[[list[shm.Region]], Any]) -> Callable[..., Awaitable[Any]]:
-        async def status(req: Any, ctx: grpc.aio.ServicerContext, grant: access.Grant) -> Any:
-            return render(shm.registry.status(grant.tenant, req.name, kind))
-        return status
+    # the shared-memory extensions (meshserve.server.shm): the caller's tenant's regions only (rule OWN)
+    async def SystemSharedMemoryStatus(self, req: pb.SystemSharedMemoryStatusRequest, call: Call,
+                                       grant: access.Grant) -> pb.SystemSharedMemoryStatusResponse:
+        return shm.system_status_pb(shm.registry.status(grant.tenant, req.name, shm.SYSTEM))
 
-    def shm_unregister(kind: str, response_type: Any) -> Callable[..., Awaitable[Any]]:
-        async def unregister(req: Any, ctx: grpc.aio.ServicerContext, grant: access.Grant) -> Any:
-            shm.registry.unregister(grant.tenant, req.name, kind)
-            return response_type()
-        return unregister
-
-    async def system_shm_register(req: pb.SystemSharedMemoryRegisterRequest, ctx: grpc.aio.ServicerContext,
-                                  grant: access.Grant) -> pb.SystemSharedMemoryRegisterResponse:
+    async def SystemSharedMemoryRegister(self, req: pb.SystemSharedMemoryRegisterRequest, call: Call,
+                                         grant: access.Grant) -> pb.SystemSharedMemoryRegisterResponse:
         shm.registry.register_system(grant.tenant, req.name, req.key, req.offset, req.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    async def cuda_shm_register(req: pb.CudaSharedMemoryRegisterRequest, ctx: grpc.aio.ServicerContext,
-                                grant: access.Grant) -> pb.CudaSharedMemoryRegisterResponse:
+    async def SystemSharedMemoryUnregister(self, req: pb.SystemSharedMemoryUnregisterRequest, call: Call,
+                                           grant: access.Grant) -> pb.SystemSharedMemoryUnregisterResponse:
+        shm.registry.unregister(grant.tenant, req.name, shm.SYSTEM)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, req: pb.CudaSharedMemoryStatusRequest, call: Call,
+                                     grant: access.Grant) -> pb.CudaSharedMemoryStatusResponse:
+        return shm.cuda_status_pb(shm.registry.status(grant.tenant, req.name, shm.CUDA))
+
+    async def CudaSharedMemoryRegister(self, req: pb.CudaSharedMemoryRegisterRequest, call: Call,
+                                       grant: access.Grant) -> pb.CudaSharedMemoryRegisterResponse:
         if req.device_id < 0:
             raise InferError.invalid(f"failed to register CUDA shared memory region '{req.name}': invalid args "
                                      f"(device_id {req.device_id})")
         shm.registry.register_cuda(grant.tenant, req.name, req.raw_handle, req.device_id, req.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
 
-    handlers: dict[str, grpc.RpcMethodHandler] = {
-        "ServerLive": _unary(core, "ServerLive", server_live, pb.ServerLiveRequest),
-        "ServerReady": _unary(core, "ServerReady", server_ready, pb.ServerReadyRequest),
-        "ModelReady": _unary(core, "ModelReady", model_ready, pb.ModelReadyRequest),
-        "ServerMetadata": _unary(core, "ServerMetadata", server_metadata, pb.ServerMetadataRequest),
-        "ModelMetadata": _unary(core, "ModelMetadata", model_metadata, pb.ModelMetadataRequest),
-        "ModelConfig": _unary(core, "ModelConfig", model_config, pb.ModelConfigRequest),
-        "ModelStatistics": _unary(core, "ModelStatistics", model_statistics, pb.ModelStatisticsRequest),
-        "TraceSetting": _unary(core, "TraceSetting", trace_setting, pb.TraceSettingRequest),
-        "LogSettings": _unary(core, "LogSettings", log_settings, pb.LogSettingsRequest),
-        "RepositoryIndex": _unary(core, "RepositoryIndex", repository_index, pb.RepositoryIndexRequest),
-        "RepositoryModelLoad": _unary(core, "RepositoryModelLoad", model_load, pb.RepositoryModelLoadRequest),
-        "RepositoryModelUnload": _unary(core, "RepositoryModelUnload", model_unload, pb.RepositoryModelUnloadRequest),
-        "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
-        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(model_stream_infer),
-    }
-    for name, fn, req_type in (
-        ("SystemSharedMemoryStatus", shm_status(shm.SYSTEM, shm.system_status_pb), pb.SystemSharedMemoryStatusRequest),
-        ("SystemSharedMemoryRegister", system_shm_register, pb.SystemSharedMemoryRegisterRequest),
-        ("SystemSharedMemoryUnregister", shm_unregister(shm.SYSTEM, pb.SystemSharedMemoryUnregisterResponse),
-         pb.SystemSharedMemoryUnregisterRequest),
-        ("CudaSharedMemoryStatus", shm_status(shm.CUDA, shm.cuda_status_pb), pb.CudaSharedMemoryStatusRequest),
-        ("CudaSharedMemoryRegister", cuda_shm_register, pb.CudaSharedMemoryRegisterRequest),
-        ("CudaSharedMemoryUnregister", shm_unregister(shm.CUDA, pb.CudaSharedMemoryUnregisterResponse),
-         pb.CudaSharedMemoryUnregisterRequest),
-    ):
-        handlers[name] = _unary(core, name, fn, req_type, with_grant=True)
-    return handlers
+    async def CudaSharedMemoryUnregister(self, req: pb.CudaSharedMemoryUnregisterRequest, call: Call,
+                                         grant: access.Grant) -> pb.CudaSharedMemoryUnregisterResponse:
+        shm.registry.unregister(grant.tenant, req.name, shm.CUDA)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
-def metrics_handler(core: V2Core) -> grpc.GenericRpcHandler:
+class MetricsServicer:
     """meshserve.Metrics/Scrape: this process's /metrics exposition over gRPC (access.METRICS_METHODS),
     so a gateway can federate its services' metrics over the hop it already has."""
-    async def scrape(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+
+    def __init__(self, core: V2Core):
+        self.core = core
+
+    async def Scrape(self, request: bytes, call: Call) -> bytes | None:
         try:
             if request:
                 raise InferError.invalid("meshserve.Metrics/Scrape takes an empty request")
-            core.authorize(access.METRICS_METHODS["Scrape"], "", _context(context))
-            body, _ = await core.metrics_text()
+            self.core.authorize(access.METRICS_METHODS["Scrape"].rule_of(request), "", _context(call))
+            body, _ = await self.core.metrics_text()
             return body
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            _fail(context, exc)
-            return b""
+            _fail(call, exc)
+            return None
 
-    return grpc.method_handlers_generic_handler(access.METRICS_SERVICE, {
-        "Scrape": grpc.unary_unary_rpc_method_handler(scrape)})
+
+def inference_methods(core: V2Core) -> dict[str, Method]:
+    """The GRPCInferenceService methods of one core: access.GRPC_METHODS' rows, InferenceServicer's handlers."""
+    return methods(InferenceServicer(core), access.GRPC_METHODS, core)
+
+
+def register(server: H2GrpcServer, core: V2Core, health: HealthState) -> None:
+    """Every gRPC service of a process on `server`: inference, grpc.health.v1 and meshserve.Metrics,
+    each from its access table's rows (the table the auth test walks is the one that dispatches)."""
+    server.add_methods(access.GRPC_SERVICE, inference_methods(core))
+    server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))
+    server.add_methods(access.METRICS_SERVICE, methods(MetricsServicer(core), access.METRICS_METHODS, core))
 
 
 async def start_grpc_server(core: V2Core, host: str, port: int, health: HealthState,
-                            extra_options: list[tuple[str, Any]] | None = None,
-                            limits: ServerLimits | None = None) -> tuple[Any, int]:
-    """Build, bind and start the gRPC server; returns (server, bound port).
-
-    `limits` (default ServerLimits()) bound it: message size, HTTP/2 streams, resets, buffers
-    and timeouts (docs/security.md). The server is meshserve's own HTTP/2 implementation (meshserve.server.h2: ~3-4x less CPU per call
-    than grpc.aio here); `MESHSERVE_GRPC_SERVER=aio` selects grpc.aio instead."""
+                            limits: ServerLimits | None = None) -> tuple[H2GrpcServer, int]:
+    """Build, bind and start the gRPC server (meshserve.server.h2: ~3-4x less CPU per call than
+    grpc.aio here); returns (server, bound port). `limits` (default ServerLimits()) bound it:
+    message size, HTTP/2 streams, resets, buffers and timeouts (docs/security.md)."""
     limits = limits or ServerLimits()
-    max_receive = limits.max_request_bytes or MAX_MESSAGE_BYTES
-    options = SERVER_OPTIONS + [("grpc.max_receive_message_length", max_receive)] + (extra_options or [])
-    if os.environ.get("MESHSERVE_GRPC_SERVER", "h2") != "aio":
-        h2 = H2GrpcServer(max_receive_message_length=dict(options)["grpc.max_receive_message_length"],
-                          limits=limits)
-        h2.add_registered_method_handlers(SERVICE, inference_methods(core))
-        h2.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
-        if getattr(core, "admission", None) is not None:  # (tenants: a gateway with --tenants)
-            h2.check_headers = _key_check(core)  # without keys to check it would cost every call ~2.6k instructions
-        h2.tls = tls.acceptor(limits, "grpc")
-        try:
-            bound = await h2.bind(host, port)
-        except OSError as exc:
-            raise OSError(f"cannot bind gRPC port {host}:{port}: {exc}") from None
-        await h2.start()
-        return h2, bound
-    server = grpc.aio.server(options=options)
-    if hasattr(server, "add_registered_method_handlers"):
-        # Registered methods are matched once at registration, not by name on every call.
-        server.add_registered_method_handlers(SERVICE, inference_methods(core))
-        server.add_generic_rpc_handlers((health_handler(health), metrics_handler(core)))
-    else:  # grpcio < 1.62
-        server.add_generic_rpc_handlers((inference_handler(core), health_handler(health), metrics_handler(core)))
-    files = limits.tls.grpc
-    if files is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:  # grpc.aio's own TLS: no handshake cap, no reload (docs/security.md, "TLS and mutual TLS")
-        bound = server.add_secure_port(f"{host}:{port}", tls.aio_credentials(files))
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC port {host}:{port} (in use?)")
+    server = H2GrpcServer(max_receive_message_length=limits.max_request_bytes or MAX_MESSAGE_BYTES, limits=limits)
+    register(server, core, health)
+    if getattr(core, "admission", None) is not None:  # (tenants: a gateway with --tenants)
+        server.check_headers = _key_check(core)  # without keys to check it would cost every call ~2.6k instructions
+    server.tls = tls.acceptor(limits, "grpc")
+    try:
+        bound = await server.bind(host, port)
+    except OSError as exc:
+        raise OSError(f"cannot bind gRPC port {host}:{port}: {exc}") from None
     await server.start()
     return server, bound
-

@@ -5,9 +5,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-
 from meshserve._proto import health_pb2
+from meshserve.server.h2.call import Call, Status
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -34,29 +33,24 @@ class HealthState:
         await self._changed.wait()
 
 
-def health_handler(state: HealthState) -> grpc.GenericRpcHandler:
-    async def check(request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-                    ) -> health_pb2.HealthCheckResponse:
-        status = state.get(request.service)
+class HealthServicer:
+    """grpc.health.v1.Health over a HealthState (access.HEALTH_METHODS: both open)."""
+
+    def __init__(self, state: HealthState) -> None:
+        self.state = state
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, call: Call) -> health_pb2.HealthCheckResponse:
+        status = self.state.get(request.service)
         if status == SERVICE_UNKNOWN:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
+            await call.abort(Status.NOT_FOUND, f"unknown service '{request.service}'")
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def watch(request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    async def Watch(self, request: health_pb2.HealthCheckRequest, call: Call
                     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last = None
         while True:
-            status = state.get(request.service)
+            status = self.state.get(request.service)
             if status != last:
                 last = status
                 yield health_pb2.HealthCheckResponse(status=status)
-            await state.wait_change()
-
-    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
-        "Check": grpc.unary_unary_rpc_method_handler(
-            check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            watch, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-    })
+            await self.state.wait_change()

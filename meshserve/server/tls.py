@@ -151,20 +151,6 @@ def acceptor(limits: ServerLimits, proto: str) -> Acceptor | None:
     return Acceptor(port, proto, limits.tls_handshake_timeout_s, limits.max_tls_handshakes)
 
 
-def aio_credentials(port: PortTls) -> grpc.ServerCredentials:
-    """grpc.aio's credentials for `port` (MESHSERVE_GRPC_SERVER=aio: grpc's own TLS, without the
-    handshake bounds and the reload above)."""
-    import grpc
-
-    def read(path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
-    root = read(port.root) if port.root else None
-    return grpc.ssl_server_credentials([(read(port.key), read(port.cert))], root_certificates=root,
-                                       require_client_auth=port.mutual)
-
-
 def ssl_context(port: PortTls | None, proto: str) -> ssl.SSLContext | None:
     """A fixed context for a server that runs its own handshakes (aiohttp's fallback)."""
     return context(port, proto) if port is not None else None

@@ -33,7 +33,9 @@ from meshserve._proto import health_pb2, health_pb2_grpc
 from meshserve.protocol import hop
 from meshserve.server import access
 from meshserve.server.access import Op, Rule
-from meshserve.server.grpc_frontend import inference_methods
+from meshserve.server.grpc_frontend import register
+from meshserve.server.h2 import H2GrpcServer
+from meshserve.server.health import HealthState
 from tests.adversarial.support import add_sub_inputs, raw_http
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 
@@ -278,7 +280,6 @@ def _health_check(channel: grpc.Channel, headers: dict[str, str]) -> int:
 def test_table_covers_every_grpc_method_and_http_route() -> None:
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     assert set(access.GRPC_METHODS) == {m.name for m in service.methods}
-    assert set(inference_methods(None)) == set(access.GRPC_METHODS)  # type: ignore[arg-type]
     assert access.GRPC_SERVICE == service.full_name
     health = health_pb2.DESCRIPTOR.services_by_name["Health"]
     assert health.full_name == access.HEALTH_SERVICE and set(access.HEALTH_METHODS) == {m.name for m in health.methods}
@@ -288,6 +289,14 @@ def test_table_covers_every_grpc_method_and_http_route() -> None:
     assert all(op == dict(((m, r), o) for m, r, o in access.HTTP_ROUTES)[(c.method, c.route)] for c in HTTP_CASES
                for op in [c.op])
     assert {c.method for c in GRPC_CASES} == set(access.GRPC_METHODS)
+    assert all(c.op is access.GRPC_METHODS[c.method].op for c in GRPC_CASES
+               if isinstance(access.GRPC_METHODS[c.method].op, Op))
+    # the tables are what the server dispatches: every path it serves is a row, every row is served
+    server = H2GrpcServer()
+    register(server, None, HealthState())  # type: ignore[arg-type]  # (building the table calls no core)
+    assert set(server.paths()) == {f"/{service}/{name}" for service, table in (
+        (access.GRPC_SERVICE, access.GRPC_METHODS), (access.HEALTH_SERVICE, access.HEALTH_METHODS),
+        (access.METRICS_SERVICE, access.METRICS_METHODS)) for name in table}
     assert {c.op for c in GRPC_CASES} | {c.op for c in HTTP_CASES} == set(Op)
 
 
@@ -330,7 +339,7 @@ def test_every_grpc_method(mesh: Mesh, who: str) -> None:
     with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c, \
             grpc.insecure_channel(mesh.gateway.grpc) as channel:
         assert _health_check(channel, headers) == 200  # grpc.health.v1: open
-        assert _scrape(channel, headers) == expected(access.METRICS_METHODS["Scrape"].rule, who)
+        assert _scrape(channel, headers) == expected(access.METRICS_METHODS["Scrape"].rule_of(b"").rule, who)
         for case in GRPC_CASES:
             if case.method == "ModelStreamInfer":
                 status, message = _stream_infer(channel, headers)

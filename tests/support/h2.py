@@ -4,19 +4,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import grpc
-
-from meshserve.server.h2 import H2GrpcServer
+from meshserve.server.h2 import H2GrpcServer, Method
 
 SERVICE = "inference.GRPCInferenceService"
 
 
 @asynccontextmanager
-async def inference_service(methods: dict[str, grpc.RpcMethodHandler]) -> AsyncIterator[str]:
+async def inference_service(methods: dict[str, Method]) -> AsyncIterator[str]:
     """An H2GrpcServer whose GRPCInferenceService has ``methods`` (name -> handler), started on
     127.0.0.1 port 0; yields its endpoint ``127.0.0.1:PORT`` and stops the server after."""
     server = H2GrpcServer()
-    server.add_registered_method_handlers(SERVICE, methods)
+    server.add_methods(SERVICE, methods)
     port = await server.bind("127.0.0.1", 0)
     await server.start()
     try:

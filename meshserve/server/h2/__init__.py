@@ -1,11 +1,21 @@
-"""meshserve's own gRPC over HTTP/2 (prior knowledge, plaintext): the front door of the gateway
+"""meshserve's own gRPC over HTTP/2 (prior knowledge; TLS by meshserve/server/tls.py): the front door of the gateway
 and every service, and the gateway's client for its services (docs/grpc.md).
 
 - `frames`: frame builders, HPACK helpers, the HTTP/2 error codes and gRPC status enums;
 - `connection`: `H2Endpoint`, the frame loop and flow control both sides share;
-- `server`: `H2GrpcServer` (what grpc.aio.Server offers meshserve) and its connections;
+- `call`: the `Call` protocol a handler sees and the `Method` a server registers;
+- `server`: `H2GrpcServer`, its connections and `ServerCall` (a `Call`);
 - `client`: `Channel` / `H2ClientConnection` / `ClientStream` for long-lived calls.
 """
+from meshserve.server.h2.call import (
+    Abort,
+    Call,
+    Method,
+    stream_stream,
+    stream_unary,
+    unary_stream,
+    unary_unary,
+)
 from meshserve.server.h2.client import (
     Channel,
     ClientStream,
@@ -19,13 +29,14 @@ from meshserve.server.h2.frames import ErrorCode, H2ConnectionError, Status
 from meshserve.server.h2.server import (
     STREAM_MAX_QUEUED,
     H2GrpcServer,
+    ServerCall,
     ServerConnection,
     ServerStream,
-    ServicerContext,
 )
 
 __all__ = [
-    "STREAM_MAX_QUEUED", "Channel", "ClientStream", "ErrorCode", "GrpcError", "H2ClientConnection", "H2ConnectionError",
-    "H2Endpoint", "H2GrpcServer", "ServerConnection", "ServerStream", "ServicerContext", "Status", "connect",
+    "STREAM_MAX_QUEUED", "Abort", "Call", "Channel", "Method", "ServerCall", "stream_stream", "stream_unary",
+    "unary_stream", "unary_unary", "ClientStream", "ErrorCode", "GrpcError", "H2ClientConnection", "H2ConnectionError",
+    "H2Endpoint", "H2GrpcServer", "ServerConnection", "ServerStream", "Status", "connect",
     "grpc_timeout",
 ]

@@ -4,11 +4,11 @@ Why not grpc.aio: on this project's 2-core target a grpc.aio unary call costs 20
 server CPU (call objects, a poller thread handing every completion to the loop across the
 GIL), more than all of Triton spends on an inference. A frame loop written for unary and
 streaming gRPC on an asyncio Protocol costs 60-90 µs per call for the same work (docs/grpc.md,
-"Why"; load/h2cpu.py measures it). grpc.aio stays available (`MESHSERVE_GRPC_SERVER=aio`); the
-gateway's calls to its services use this package's client (client.py).
+"Why"; load/h2cpu.py measures it). It is the only gRPC server meshserve runs; the gateway's
+calls to its services use this package's client (client.py).
 
 Scope (what gRPC clients need, RFC 9113 + the gRPC HTTP/2 mapping):
-- prior-knowledge HTTP/2 (no TLS, no h2c upgrade), SETTINGS/PING/GOAWAY/RST_STREAM,
+- prior-knowledge HTTP/2 (no h2c upgrade; TLS, when on, is meshserve/server/tls.py's), SETTINGS/PING/GOAWAY/RST_STREAM,
   HEADERS + CONTINUATION, padding, flow control in both directions (large messages are
   split by the peer's MAX_FRAME_SIZE and windows; sends wait for WINDOW_UPDATE);
 - HPACK decoding with the `hpack` package (dynamic table, Huffman); responses are encoded as
@@ -16,9 +16,10 @@ Scope (what gRPC clients need, RFC 9113 + the gRPC HTTP/2 mapping):
 - gRPC: length-prefixed messages, `grpc-timeout` (deadline enforced: DEADLINE_EXCEEDED and the
   handler cancelled), `grpc-encoding` gzip/deflate on requests (responses go uncompressed),
   `-bin` metadata, trailers-only errors, percent-encoded `grpc-message`;
-- handlers are the same `grpc.RpcMethodHandler` objects grpc.aio takes (all four call shapes,
-  async functions / async generators), with a context offering what grpc.aio's does for
-  them: metadata, time_remaining, set_code/set_details, abort, trailing metadata, peer.
+- handlers are meshserve's own (meshserve/server/h2/call.py): a `Method` per path (all four
+  call shapes, async functions / async generators) called with a `ServerCall`, the `Call`
+  protocol: metadata, deadline, status, trailing metadata, peer and its TLS certificate,
+  cancellation.
 """
 from __future__ import annotations
 
@@ -28,19 +29,19 @@ import collections
 import functools
 import inspect
 import logging
+import ssl
 import struct
 import time
 import types
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any, NamedTuple
-
-import grpc
+from typing import Any, NoReturn
 
 from meshserve.protocol.errors import internal_error
 from meshserve.server import connections, tls
 from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
+from meshserve.server.h2.call import Abort, Method
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
     DATA,
@@ -91,7 +92,7 @@ RECEIVE_SLACK = 1 << 16
 MAX_WINDOW = 2**31 - 1  # the largest HTTP/2 flow-control window
 MAX_MESSAGE = 2**31 - 1  # gRPC's own ceiling (a 32-bit length prefix, as grpc's int limit)
 
-_STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+_STATUS_NAMES = {c.value: c.name for c in Status}
 
 
 @functools.lru_cache(maxsize=1024)  # rejections repeat the same few messages
@@ -140,11 +141,6 @@ def _parse_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any,
 
 
 
-class _CallDetails(NamedTuple):
-    method: str
-    invocation_metadata: tuple[tuple[str, Any], ...]
-
-
 _EOF = object()
 _COROUTINE = types.CoroutineType
 
@@ -172,7 +168,7 @@ class ServerStream:
         self.queued = 0  # request streaming: wire bytes of messages queued, not yet taken by the handler
         self.owed = 0  # request streaming: bytes received and not yet given back to the window
         self.parked = False  # request streaming: STREAM_MAX_QUEUED queued; what follows waits in buf
-        self.handler: grpc.RpcMethodHandler | None = None
+        self.handler: Method | None = None
         self.headers_sent = False
         self.due: float | None = None  # the deadline in loop time (ServerConnection._on_deadlines)
         self.header_block: bytearray | None = None
@@ -185,59 +181,52 @@ class ServerStream:
         self.partial_since = 0.0  # ... and since when (--body-timeout-s; ServerConnection._slow_messages)
 
 
-class ServicerContext:
-    """What our handlers (and most grpc.aio handlers) use of grpc.aio.ServicerContext."""
+class ServerCall:
+    """`Call` (meshserve/server/h2/call.py) on this server: one per call, handed to its handler."""
 
-    __slots__ = ("_conn", "_st", "_code", "_details", "_trailing", "_initial", "_callbacks")
+    __slots__ = ("_conn", "_st", "_code", "_details", "_trailing", "_callbacks")
 
     def __init__(self, conn: ServerConnection, st: ServerStream):
         self._conn = conn
         self._st = st
-        self._code: grpc.StatusCode | None = None
-        self._details: str | None = None
+        self._code = 0
+        self._details = ""
         self._trailing: tuple[tuple[str, Any], ...] = ()
-        self._initial: tuple[tuple[str, Any], ...] = ()
         self._callbacks: list[Callable[[Any], None]] | None = None
 
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
         return self._st.metadata
 
+    @property
+    def deadline(self) -> float | None:
+        return self._st.deadline
+
     def time_remaining(self) -> float | None:
         d = self._st.deadline
         return None if d is None else max(0.0, d - time.monotonic())
 
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
+    def set_status(self, code: Status | int, details: str = "") -> None:
+        self._code, self._details = int(code), details
 
-    def set_details(self, details: str) -> None:
-        self._details = details
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
-
-    def details(self) -> str | None:
-        return self._details
+    def status(self) -> tuple[int, str]:
+        return self._code, self._details
 
     def set_trailing_metadata(self, metadata: Iterable[tuple[str, Any]]) -> None:
         self._trailing = tuple(metadata)
 
-    def trailing_metadata(self) -> tuple[tuple[str, Any], ...]:
-        return self._trailing
-
     async def send_initial_metadata(self, metadata: Iterable[tuple[str, Any]]) -> None:
         if self._st.headers_sent:
             raise RuntimeError("initial metadata already sent")
-        self._initial = tuple(metadata)
-        self._conn._send_headers(self._st, self._initial)
+        self._conn._send_headers(self._st, tuple(metadata))
 
-    async def abort(self, code: grpc.StatusCode, details: str = "",
-                    trailing_metadata: Iterable[tuple[str, Any]] = ()) -> None:
-        if code == grpc.StatusCode.OK:
+    async def abort(self, code: Status | int, details: str = "",
+                    trailing_metadata: Iterable[tuple[str, Any]] = ()) -> NoReturn:
+        if not code:
             raise ValueError("abort() needs a non-OK status code")
-        self._code, self._details = code, details
+        self._code, self._details = int(code), details
         if trailing_metadata:
             self._trailing = tuple(trailing_metadata)
-        raise grpc.aio.AbortError(f"aborted: {code}")
+        raise Abort(f"aborted with gRPC status {int(code)}")
 
     async def write(self, message: Any) -> None:
         handler = self._st.handler
@@ -250,6 +239,24 @@ class ServicerContext:
             return str(peer)
         return f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}"
 
+    def _ssl(self) -> ssl.SSLObject | None:
+        transport = self._conn.transport
+        return transport.get_extra_info("ssl_object") if transport is not None else None
+
+    def secure(self) -> bool:
+        return self._ssl() is not None
+
+    def peer_certificate(self) -> dict[str, Any] | None:
+        # getpeercert() is empty unless the context asked for and verified a client certificate
+        # (tls.context: CERT_REQUIRED against the root CA only under --grpc-use-ssl-mutual)
+        obj = self._ssl()
+        cert = obj.getpeercert() if obj is not None else None
+        return cert or None  # type: ignore[return-value]
+
+    def peer_certificate_der(self) -> bytes | None:
+        obj = self._ssl()
+        return obj.getpeercert(binary_form=True) if obj is not None and obj.getpeercert() else None
+
     def cancelled(self) -> bool:
         return self._st.cancelled
 
@@ -260,15 +267,6 @@ class ServicerContext:
         if self._callbacks is None:
             self._callbacks = []
         self._callbacks.append(callback)
-
-    def auth_context(self) -> dict[str, Any]:
-        return {}
-
-    def set_compression(self, compression: Any) -> None:  # responses stay uncompressed
-        pass
-
-    def disable_next_message_compression(self) -> None:
-        pass
 
 
 KEEPALIVE_PING = b"meshkeep"
@@ -600,7 +598,7 @@ class ServerConnection(H2Endpoint):
             self._finish_http(st, b"415" if method == b"POST" else b"405")
             return
         st.path = path
-        handler = self.server._lookup(path, st.metadata)
+        handler = self.server._methods.get(path)
         if handler is None:
             self._finish(st, Status.UNIMPLEMENTED, f"Method not found: {st.path}")
             return
@@ -619,7 +617,7 @@ class ServerConnection(H2Endpoint):
             self.deadlines.add(due)
         if handler.request_streaming:
             st.queue = asyncio.Queue()
-            st.task = self.loop.create_task(self._run(st, None))
+            st.task = self.loop.create_task(self._run(st, b""))
         if flags & END_STREAM:
             self._remote_end(st)
 
@@ -811,10 +809,10 @@ class ServerConnection(H2Endpoint):
             self._settle(st)
             yield deser(msg) if deser else msg
 
-    async def _run(self, st: ServerStream, message: bytes | None) -> None:
+    async def _run(self, st: ServerStream, message: bytes) -> None:  # (b"": request streaming)
         handler = st.handler
         assert handler is not None
-        ctx = ServicerContext(self, st)
+        ctx = ServerCall(self, st)
         try:
             if handler.request_streaming:
                 request: Any = self._requests(st)
@@ -824,9 +822,7 @@ class ServerConnection(H2Endpoint):
                 except Exception as exc:
                     self._finish(st, Status.INVALID_ARGUMENT, f"Exception deserializing request: {exc}")
                     return
-            fn = (handler.unary_unary or handler.stream_unary) if not handler.response_streaming else \
-                (handler.unary_stream or handler.stream_stream)
-            result = fn(request, ctx)
+            result = handler.fn(request, ctx)
             ser = handler.response_serializer
             if handler.response_streaming:
                 if hasattr(result, "__aiter__"):
@@ -852,8 +848,7 @@ class ServerConnection(H2Endpoint):
                 result = await result
             if st.closed:
                 return
-            code = ctx._code
-            if code is None or code is grpc.StatusCode.OK:
+            if not ctx._code:
                 if result is None:
                     self._finish(st, Status.INTERNAL, "handler returned no response")
                     return
@@ -861,7 +856,7 @@ class ServerConnection(H2Endpoint):
                 self._reply(st, payload, ctx)
             else:
                 self._end(st, ctx)
-        except grpc.aio.AbortError:
+        except Abort:
             self._end(st, ctx)
         except asyncio.CancelledError:
             if not st.closed:
@@ -922,7 +917,7 @@ class ServerConnection(H2Endpoint):
         st.headers_sent = True
         self._write(self._headers(st.sid, 0, block))
 
-    def _reply(self, st: ServerStream, payload: bytes, ctx: ServicerContext) -> None:
+    def _reply(self, st: ServerStream, payload: bytes, ctx: ServerCall) -> None:
         """Unary success: HEADERS, one message, trailers — one write when the windows allow."""
         n = len(payload) + 5
         if self.paused and self._over_send_budget():
@@ -964,9 +959,8 @@ class ServerConnection(H2Endpoint):
             st.out.append((DATA, memoryview(payload)))
         self._drain(st)
 
-    def _end(self, st: ServerStream, ctx: ServicerContext) -> None:
-        code = ctx._code
-        value = 0 if code is None else code.value[0]
+    def _end(self, st: ServerStream, ctx: ServerCall) -> None:
+        value = ctx._code
         details = ctx._details if value else None
         if value and not st.headers_sent:
             self._finish(st, value, details, ctx._trailing)
@@ -1042,7 +1036,8 @@ class ServerConnection(H2Endpoint):
 
 
 class H2GrpcServer:
-    """Drop-in for the parts of grpc.aio.Server meshserve uses."""
+    """meshserve's gRPC server: methods registered by path (`add_methods`), each connection a
+    ServerConnection, each call a ServerCall handed to its method's handler."""
 
     def __init__(self, max_receive_message_length: int | None = None, limits: ServerLimits | None = None):
         """`limits` (default: ServerLimits()'s defaults) bound every connection;
@@ -1058,8 +1053,7 @@ class H2GrpcServer:
                                 limits.keepalive_interval_s, limits.keepalive_timeout_s) if t > 0]
         # the connection timer's period: a quarter of the shortest timeout, within [10 ms, 1 s]
         self.tick = min(1.0, max(0.01, min(timeouts) / 4)) if timeouts else 0.0
-        self._methods: dict[str, grpc.RpcMethodHandler | None] = {}
-        self._generic: list[grpc.GenericRpcHandler] = []
+        self._methods: dict[str, Method] = {}
         self._conns: set[ServerConnection] = set()
         # (path, metadata) -> None, or (gRPC status, details) to refuse the call at its headers,
         # before its message is received (the front end's key check: grpc_frontend.start_grpc_server)
@@ -1070,27 +1064,14 @@ class H2GrpcServer:
         self._active = 0
         self._idle: asyncio.Event | None = None
 
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        for name, h in handlers.items():
-            self._methods[f"/{service}/{name}"] = h
+    def add_methods(self, service: str, methods: dict[str, Method]) -> None:
+        """Serve `methods` (name -> Method) as /`service`/name."""
+        for name, m in methods.items():
+            self._methods[f"/{service}/{name}"] = m
 
-    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
-        self._generic.extend(handlers)
-        self._methods = {k: v for k, v in self._methods.items() if v is not None}
-
-    def _lookup(self, path: str, metadata: tuple[tuple[str, Any], ...]) -> grpc.RpcMethodHandler | None:
-        try:
-            return self._methods[path]
-        except KeyError:
-            pass
-        found = None
-        for g in self._generic:
-            found = g.service(_CallDetails(path, metadata))  # type: ignore[arg-type]
-            if found is not None:
-                break
-        if len(self._methods) < 4096:  # bounded: unknown paths come from clients
-            self._methods[path] = found
-        return found
+    def paths(self) -> list[str]:
+        """Every method path this server serves (/service/method)."""
+        return list(self._methods)
 
     def _stream_started(self) -> None:
         self._active += 1

@@ -16,9 +16,11 @@ import grpc
 import hpack
 import pytest
 
+from meshserve.server import access
+from meshserve.server.grpc_frontend import methods
 from meshserve.server.h2 import ErrorCode
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
-from meshserve.server.health import HealthState, health_handler
+from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import ServerLimits
 from tests.support import eventually_async as until
 from tests.unit.server.h2_support import MiB
@@ -479,7 +481,7 @@ async def test_20_mib_messages_and_streams_work_with_the_default_limits() -> Non
 async def test_malformed_requests_are_invalid_argument() -> None:
     async with serving() as env:
         health = HealthState()
-        env.server.add_generic_rpc_handlers((health_handler(health),))
+        env.server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))
         raw = await RawConn.open(env.port)
         enc = hpack.Encoder()
         check = [(":method", "POST"), (":scheme", "http"), (":path", "/grpc.health.v1.Health/Check"),

@@ -22,7 +22,17 @@ from typing import Any
 import grpc
 import pytest
 
-from meshserve.server.h2 import Channel, ClientStream, GrpcError, H2ClientConnection, H2GrpcServer, connect
+from meshserve.server.h2 import (
+    Channel,
+    ClientStream,
+    GrpcError,
+    H2ClientConnection,
+    H2GrpcServer,
+    Status,
+    connect,
+    stream_stream,
+    unary_unary,
+)
 from tests.support import eventually_async as until
 from tests.support import loop_passes
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
@@ -45,8 +55,10 @@ class Probe(BaseProbe):
         self.calls = 0  # Echo calls that reached the handler
 
 
-def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
-    ss = grpc.stream_stream_rpc_method_handler
+def handlers(p: Probe, ours: bool = True) -> dict[str, Any]:
+    """The handlers as meshserve's h2 server takes them (`ours`), or as grpc.aio's (the same
+    functions: they use only what both calls offer, but the status is set each one's way)."""
+    ss = stream_stream if ours else grpc.stream_stream_rpc_method_handler
 
     async def echo(reqs: AsyncIterator[bytes], ctx: Any) -> AsyncIterator[bytes]:
         p.started.set()
@@ -68,8 +80,11 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
             async for m in reqs:  # the first message is the details to fail with
                 for i in range(messages_first):
                     yield b"before the error %d" % i
-                ctx.set_code(grpc.StatusCode.FAILED_PRECONDITION)
-                ctx.set_details(m.decode())
+                if ours:
+                    ctx.set_status(Status.FAILED_PRECONDITION, m.decode())
+                else:
+                    ctx.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+                    ctx.set_details(m.decode())
                 return
 
         return fail
@@ -118,11 +133,11 @@ class Srv:
 @contextlib.asynccontextmanager
 async def serving(kind: str) -> AsyncIterator[Srv]:
     probe = Probe()
-    hs = handlers(probe)
+    hs = handlers(probe, ours=kind == "h2grpc")
     server: Any
     if kind == "h2grpc":
         server = H2GrpcServer()
-        server.add_registered_method_handlers(SERVICE, hs)
+        server.add_methods(SERVICE, hs)
         port = await server.bind("127.0.0.1", 0)
     else:
         server = grpc.aio.server(options=GRPC_AIO_OPTIONS)
@@ -633,7 +648,7 @@ async def test_connect_endpoint_forms(form: str) -> None:
     if ipv6 and not _ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
     server = H2GrpcServer()
-    server.add_registered_method_handlers(SERVICE, handlers(Probe()))
+    server.add_methods(SERVICE, handlers(Probe()))
     port = await server.bind("::1" if ipv6 else "127.0.0.1", 0)
     await server.start()
     try:
@@ -682,14 +697,14 @@ def test_on_uvloop() -> None:
 async def _unary_server(port: int = 0) -> tuple[H2GrpcServer, int]:
     async def echo(req: bytes, ctx: Any) -> bytes:
         if req == b"fail":
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, DETAILS)
+            await ctx.abort(Status.FAILED_PRECONDITION, DETAILS)
         if req == b"slow":
             await asyncio.Event().wait()  # never set: the client's deadline ends the call
         md = dict(ctx.invocation_metadata())
         return req + md.get("x-tag", "").encode()
 
     server = H2GrpcServer()
-    server.add_registered_method_handlers(SERVICE, {"Unary": grpc.unary_unary_rpc_method_handler(echo)})
+    server.add_methods(SERVICE, {"Unary": unary_unary(echo)})
     bound = await server.bind("127.0.0.1", port)
     await server.start()
     return server, bound

@@ -28,9 +28,19 @@ import hpack
 import pytest
 
 from meshserve._proto import health_pb2
-from meshserve.server.h2 import H2GrpcServer, Status
+from meshserve.server import access
+from meshserve.server.grpc_frontend import methods
+from meshserve.server.h2 import (
+    H2GrpcServer,
+    Method,
+    Status,
+    stream_stream,
+    stream_unary,
+    unary_stream,
+    unary_unary,
+)
 from meshserve.server.h2 import connect as h2_connect
-from meshserve.server.health import NOT_SERVING, SERVING, HealthState, health_handler
+from meshserve.server.health import NOT_SERVING, SERVING, HealthServicer, HealthState
 from tests.support import eventually_async, loop_passes, slow
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
 
@@ -73,9 +83,8 @@ class Probe(BaseProbe):
         self.cancelled.set()
 
 
-def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
-    uu, us = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
-    su, ss = grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler
+def handlers(p: Probe) -> dict[str, Method]:
+    uu, us, su, ss = unary_unary, unary_stream, stream_unary, stream_stream
 
     async def echo(req: bytes, ctx: Any) -> bytes:
         return req
@@ -116,25 +125,22 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
         return b"ok"
 
     async def set_code(req: bytes, ctx: Any) -> bytes:
-        ctx.set_code(grpc.StatusCode.NOT_FOUND)
-        ctx.set_details("no such thing")
+        ctx.set_status(Status.NOT_FOUND, "no such thing")
         return b"this response must be dropped"
 
     async def set_code_none(req: bytes, ctx: Any) -> None:  # grpc_frontend._fail's way
-        ctx.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-        ctx.set_details("bad argument")
+        ctx.set_status(Status.INVALID_ARGUMENT, "bad argument")
         return None
 
     async def abort(req: bytes, ctx: Any) -> bytes:
-        await ctx.abort(grpc.StatusCode.PERMISSION_DENIED, "go away", trailing_metadata=(("x-why", "because"),))
+        await ctx.abort(Status.PERMISSION_DENIED, "go away", trailing_metadata=(("x-why", "because"),))
         raise AssertionError("abort() returned")
 
     async def raise_(req: bytes, ctx: Any) -> bytes:
         raise ValueError("boom")
 
     async def details(req: bytes, ctx: Any) -> None:
-        ctx.set_code(grpc.StatusCode.FAILED_PRECONDITION)
-        ctx.set_details(req.decode())
+        ctx.set_status(Status.FAILED_PRECONDITION, req.decode())
 
     async def done_callback(req: bytes, ctx: Any) -> bytes:
         ctx.add_done_callback(lambda c: p.done_cancelled.append(c.cancelled()))
@@ -189,7 +195,7 @@ def handlers(p: Probe) -> dict[str, grpc.RpcMethodHandler]:
     async def partial_abort(req: bytes, ctx: Any) -> AsyncIterator[bytes]:
         for i in range(3):
             yield b"%d" % i
-        await ctx.abort(grpc.StatusCode.DATA_LOSS, "partial")
+        await ctx.abort(Status.DATA_LOSS, "partial")
 
     async def partial_raise(req: bytes, ctx: Any) -> AsyncIterator[bytes]:
         yield b"0"
@@ -269,7 +275,7 @@ class Env:
 async def serving(**kwargs: Any) -> AsyncIterator[Env]:
     probe = Probe()
     server = H2GrpcServer(**kwargs)
-    server.add_registered_method_handlers(SERVICE, handlers(probe))
+    server.add_methods(SERVICE, handlers(probe))
     port = await server.bind("127.0.0.1", 0)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
@@ -477,22 +483,6 @@ async def test_unknown_method_is_unimplemented(env: Env) -> None:
     err = await rpc_error(env.channel.stream_stream("/no.Such/Stream")().read())
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
     await still_serving(env)
-
-
-async def test_generic_handler_lookup() -> None:
-    probe = Probe()
-    server = H2GrpcServer()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers(probe)),))
-    port = await server.bind("127.0.0.1", 0)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            for _ in range(2):  # the second lookup comes from the server's cache
-                assert await ch.unary_unary(path("Echo"))(b"generic", timeout=10) == b"generic"
-                err = await rpc_error(ch.unary_unary(path("Missing"))(b"", timeout=10))
-                assert err.code() == grpc.StatusCode.UNIMPLEMENTED
-    finally:
-        await server.stop(None)
 
 
 # ---- 7. metadata and context ---------------------------------------------------------------------
@@ -1316,7 +1306,7 @@ async def test_health_check_and_watch() -> None:
     state = HealthState()
     state.set("svc", NOT_SERVING)
     server = H2GrpcServer()
-    server.add_generic_rpc_handlers((health_handler(state),))
+    server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(state), access.HEALTH_METHODS))
     port = await server.bind("127.0.0.1", 0)
     await server.start()
     req, resp = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
@@ -1355,7 +1345,7 @@ def threaded_server(loop_factory: Callable[[], asyncio.AbstractEventLoop],
         async def main() -> None:
             probe = Probe()
             hs = handlers(probe)
-            inner = hs["Sleep"].unary_unary
+            inner = hs["Sleep"].fn
 
             async def sleep(req: bytes, ctx: Any) -> bytes:
                 try:
@@ -1364,9 +1354,9 @@ def threaded_server(loop_factory: Callable[[], asyncio.AbstractEventLoop],
                     cancelled.set()
                     raise
 
-            hs["Sleep"] = grpc.unary_unary_rpc_method_handler(sleep)
+            hs["Sleep"] = unary_unary(sleep)
             server = H2GrpcServer()
-            server.add_registered_method_handlers(SERVICE, hs)
+            server.add_methods(SERVICE, hs)
             state["port"] = await server.bind("127.0.0.1", 0)
             await server.start()
             state["stop"] = stop = asyncio.Event()
