@@ -80,7 +80,9 @@ def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> Req
     md = context.invocation_metadata() or ()
     return RequestContext(
         protocol="grpc",
-        headers={k: v for k, v in md if isinstance(v, str)},
+        # the one place a call's metadata is read: the hop marker believed only on an
+        # authenticated call (meshserve/protocol/hop.py:vet, once per call: per stream)
+        headers=hop.vet({k: v for k, v in md if isinstance(v, str)}),
         deadline=None if remaining is None else time.monotonic() + remaining,
         raw=raw,
     )

@@ -65,6 +65,7 @@ class TlsSettings:
 
     grpc: PortTls | None = None
     http: PortTls | None = None
+    hop_key_file: str | None = None  # the hop's shared key (--hop-key-file; configure_hop), never its bytes
 
 
 def _bool(text: str) -> bool:
@@ -92,6 +93,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                            help=f"{name}: the server certificate's private key, PEM")
         group.add_argument(f"--{proto}-root-cert", dest=f"tls_{proto}_root", default=None, metavar="PEM",
                            help=f"{name}: the CA(s) client certificates must be signed by (mutual TLS), PEM")
+    group.add_argument("--hop-key-file", dest="hop_key_file", default=None, metavar="FILE",
+                       help="the gateway -> service hop's shared key (at least 32 bytes; read at start): a gateway "
+                            "signs each stream to its services with it, a service believes the hop's marker and "
+                            "private parameters only on a stream signed with it (or on a mutual-TLS gRPC port); "
+                            "default none (docs/security.md, \"The authenticated hop\")")
 
 
 def from_args(args: argparse.Namespace) -> TlsSettings:
@@ -114,7 +120,41 @@ def from_args(args: argparse.Namespace) -> TlsSettings:
         except (OSError, ssl.SSLError, ValueError) as exc:
             raise SystemExit(f"--{proto}-use-ssl: cannot load the certificate files: {exc}") from None
         ports[proto] = port
-    return TlsSettings(grpc=ports["grpc"], http=ports["http"])
+    key_file = getattr(args, "hop_key_file", None)
+    if key_file is not None:
+        load_hop_key(key_file)  # (its bytes are read again by configure_hop: never kept in the settings)
+    return TlsSettings(grpc=ports["grpc"], http=ports["http"], hop_key_file=key_file)
+
+
+def load_hop_key(path: str) -> bytes:
+    """The hop key in ``path`` (surrounding white space stripped); SystemExit when it cannot be
+    read or is shorter than hop.MIN_KEY_BYTES."""
+    from meshserve.protocol import hop
+
+    try:
+        with open(path, "rb") as f:
+            key = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise SystemExit(f"--hop-key-file: cannot read {path}: {exc.strerror}") from None
+    if len(key) < hop.MIN_KEY_BYTES:
+        raise SystemExit(f"--hop-key-file: the key in {path} has {len(key)} bytes, at least {hop.MIN_KEY_BYTES} "
+                         f"are needed (e.g. `openssl rand -hex 32`)")
+    return key
+
+
+def configure_hop(settings: TlsSettings, host: str, service: bool) -> None:
+    """At start, before any hop stream opens: the hop key (a gateway signs its streams with it, a
+    service checks them) and, in a service, whether its gRPC port's mutual TLS authenticates
+    the hop (meshserve/protocol/hop.py:vet). A service with neither is warned about."""
+    from meshserve.protocol import hop
+    from meshserve.server.repository_control import is_loopback
+
+    key = load_hop_key(settings.hop_key_file) if settings.hop_key_file else None
+    hop.authenticate(key, settings.grpc is not None and settings.grpc.mutual)
+    if service and hop.open_hop():
+        level = logging.INFO if host == "localhost" or is_loopback(host) else logging.WARNING
+        log.log(level, "the hop is not authenticated (no --hop-key-file, no --grpc-use-ssl-mutual): this service "
+                "believes the gateway's hop marker from whoever reaches its gRPC port")
 
 
 def flags(settings: TlsSettings) -> list[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from meshserve.repository import kinds
 from meshserve.server import limits as server_limits
-from meshserve.server import repository_control
+from meshserve.server import repository_control, tls
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from services.base.control import MODES, ModelControl
@@ -69,6 +69,7 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
                          f"{served}")
     setup_logging(args.log_level, args.log_format)
     limits = server_limits.from_args(args)
+    tls.configure_hop(limits.tls, args.host, service=True)  # which hop streams are believed (--hop-key-file)
     configure_tracing(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default
     if not args.repository.is_dir():
         raise SystemExit(f"meshserve service {kind}: model repository {args.repository} does not exist")
