@@ -209,6 +209,11 @@ def _up_python_flags(args: argparse.Namespace, gateway_grpc: int) -> list[str]:
     flags = ["--bls-target", f"{_loopback(args.host)}:{gateway_grpc}"]
     if args.bls_api_key_file is not None:
         flags += ["--bls-api-key-file", str(args.bls_api_key_file)]
+    if args.tls_grpc_use_ssl or args.tls_grpc_mutual or args.bls_use_ssl:  # the gateway's gRPC port serves TLS
+        root = args.bls_root_cert or args.tls_grpc_root  # (default: the CA of the gateway's clients)
+        flags += ["--bls-use-ssl", *(["--bls-root-cert", str(root)] if root else [])]
+        if args.bls_client_cert:
+            flags += ["--bls-client-cert", str(args.bls_client_cert), "--bls-client-key", str(args.bls_client_key)]
     return flags
 
 
@@ -295,9 +300,10 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: warning: --tenants without --bls-api-key-file: python models' BLS calls carry no "
               "API key and will be refused unless the tenants file allows anonymous callers "
               "(docs/python-backend.md)", flush=True)
-    if (args.tls_grpc_use_ssl or args.tls_grpc_mutual) and "python" in runnable:
-        print("meshserve up: warning: --grpc-use-ssl: python models' BLS calls reach the gateway's gRPC port "
-              "in plaintext and will fail (TLS for BLS is not implemented; docs/security.md)", flush=True)
+    if args.tls_grpc_mutual and not args.bls_client_cert and "python" in runnable:
+        print("meshserve up: warning: --grpc-use-ssl-mutual without --bls-client-cert: python models' BLS calls "
+              "reach the gateway's gRPC port without a client certificate and will be refused (docs/security.md)",
+              flush=True)
     # python models call other models (BLS) through the gateway: its gRPC port must be known
     # before the services start, so a port of 0 is picked here
     gateway_grpc = args.grpc_port or _free_port(args.host)
@@ -388,9 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_arguments(up)  # --cache-config, passed on to the gateway
     repository_control.add_arguments(up)
     from services.base.main import add_arguments as service_arguments
-    from services.base.main import add_bls_key_argument
+    from services.base.main import add_bls_key_argument, add_bls_tls_arguments
 
     add_bls_key_argument(up)
+    add_bls_tls_arguments(up)
     from meshserve.server import tls
 
     tls.add_arguments(up)  # the gateway's ports
