@@ -4,7 +4,6 @@ port serves mutual TLS, through the python service's --bls-use-ssl, --bls-root-c
 handshake and the model gets Triton's BLS error (UNAVAILABLE), never a 5xx."""
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.models import python_models
 from tests.support import certs
+from tests.support.net import free_port
 
 W = python_models.WIDTH
 
@@ -27,12 +27,6 @@ class Mesh:
     uncertified: Proc  # a gateway in front of the python service that has no client certificate
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     d = tmp_path_factory.mktemp("bls-tls")
@@ -41,7 +35,7 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     repo = tmp_path_factory.mktemp("bls-tls-models")
     python_models.write(repo, "bls_sync", python_models.BLS_SYNC, python_models.config(
         "bls_sync", [*python_models.PAIR_IN, ("MODEL_NAME", "TYPE_STRING", "1")], python_models.PAIR_OUT))
-    gateway_grpc = _free_port()
+    gateway_grpc = free_port()
     mutual = ["--grpc-use-ssl-mutual=true", "--grpc-server-cert", str(server.cert), "--grpc-server-key",
               str(server.key), "--grpc-root-cert", str(ca.cert)]
     bls = ["--bls-target", f"127.0.0.1:{gateway_grpc}", "--bls-root-cert", str(ca.cert)]
