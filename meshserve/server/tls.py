@@ -353,6 +353,56 @@ class _Handshake(asyncio.Protocol):
         app.connection_made(tls)
 
 
+# ---- a client certificate as a tenant's name (gateway/auth.py:Tenants.authenticate) ---------------
+
+CLIENT_CERT_HEADER = "x-meshserve-client-cert"  # a request's verified client certificate's names (CertNames)
+cert_names_on = False  # set at start by a gateway with --tenants and a mutual-TLS port (gateway/main.py)
+_NAMES_KEPT = 4096  # connections whose certificate names are remembered (their SSL objects held)
+_names: dict[object, CertNames | None] = {}
+
+
+class CertNames(str):
+    """The names of a client certificate the handshake verified (its subject's CN, then its SAN
+    URIs and DNS names, one per line). Its type is the proof: a header value from a wire is a
+    plain str, so a client cannot send one (Tenants.authenticate checks the type)."""
+
+    __slots__ = ()
+
+
+def client_cert(headers: dict[str, str], transport: object) -> dict[str, str]:
+    """``headers`` with CLIENT_CERT_HEADER set to the connection's verified client certificate's
+    names, when it has one (a mutual-TLS port); a client's own header of that name is dropped.
+    Runs per request only while ``cert_names_on``; one dict lookup per request after the first
+    of a connection."""
+    headers.pop(CLIENT_CERT_HEADER, None)
+    get = getattr(transport, "get_extra_info", None)
+    ssl_object = get("ssl_object") if get is not None else None
+    if ssl_object is None:
+        return headers
+    names = _names.get(ssl_object, _names)
+    if names is _names:
+        names = _cert_names(ssl_object.getpeercert() or {})
+        if len(_names) >= _NAMES_KEPT:
+            del _names[next(iter(_names))]
+        _names[ssl_object] = names
+    if names is not None:
+        headers[CLIENT_CERT_HEADER] = names  # type: ignore[assignment]
+    return headers
+
+
+def _cert_names(cert: dict[str, object]) -> CertNames | None:
+    """A verified peer certificate's names (ssl's getpeercert() form): CN, SAN URIs, SAN DNS names."""
+    out = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]  # type: ignore[attr-defined]
+    for kind in ("URI", "DNS"):
+        out += [value for k, value in cert.get("subjectAltName", ()) if k == kind]  # type: ignore[attr-defined]
+    return CertNames("\n".join(out)) if out else None
+
+
+def grpc_transport(context: object) -> object:
+    """The transport of a call on meshserve's HTTP/2 server (None on grpc.aio's: no names there)."""
+    return getattr(getattr(context, "_conn", None), "transport", None)
+
+
 @dataclass(slots=True)
 class UpstreamTls:
     """How a gateway connects to its services (one object, UPSTREAM, set from the gateway's
