@@ -47,6 +47,7 @@ log = logging.getLogger("meshserve.tls")
 RELOAD_CHECK_S = 1.0  # the certificate files are looked at (stat) at most this often
 EARLY_MAX_BYTES = 64 << 10  # bytes a connection may send before its handshake starts (a ClientHello: < 16 KiB)
 ALPN = {"grpc": ["h2"], "http": ["http/1.1"]}
+HOP_KEY_ENV = "MESHSERVE_HOP_KEY_FILE"  # --hop-key-file's default (compose: deploy/compose.hop-key.yaml)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +94,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                            help=f"{name}: the server certificate's private key, PEM")
         group.add_argument(f"--{proto}-root-cert", dest=f"tls_{proto}_root", default=None, metavar="PEM",
                            help=f"{name}: the CA(s) client certificates must be signed by (mutual TLS), PEM")
-    group.add_argument("--hop-key-file", dest="hop_key_file", default=None, metavar="FILE",
+    group.add_argument("--hop-key-file", dest="hop_key_file", default=os.environ.get(HOP_KEY_ENV) or None,
+                       metavar="FILE",
                        help="the gateway -> service hop's shared key (at least 32 bytes; read at start): a gateway "
                             "signs each stream to its services with it, a service believes the hop's marker and "
                             "private parameters only on a stream signed with it (or on a mutual-TLS gRPC port); "
-                            "default none (docs/security.md, \"The authenticated hop\")")
+                            f"default ${HOP_KEY_ENV}, else none (docs/security.md, \"The authenticated hop\")")
 
 
 def from_args(args: argparse.Namespace) -> TlsSettings:
