@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> None:
                              "(pip install 'meshserve[redis]')") from None
     admission = _admission(args.tenants, args.quota_store)
     # with tenants, a mutual-TLS port's client certificates may name them (gateway/auth.py)
-    tls.cert_names_on = admission is not None and any(p is not None and p.mutual for p in (limits.tls.grpc, limits.tls.http))
+    tls.configure_cert_names(limits.tls, tenants=admission is not None)
     if args.metrics_auth and admission is None:
         raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")
     try:

@@ -82,7 +82,7 @@ def _context(context: grpc.aio.ServicerContext, raw: bytes | None = None) -> Req
     # call (meshserve/protocol/hop.py:vet, once per call: per stream); a gateway with tenants and
     # mutual TLS adds the client certificate's names (meshserve/server/tls.py:client_cert)
     headers = hop.vet({k: v for k, v in md if isinstance(v, str)})
-    if tls.cert_names_on:
+    if tls.cert_names_grpc:
         tls.client_cert(headers, tls.grpc_transport(context))
     return RequestContext(
         protocol="grpc",
@@ -115,7 +115,7 @@ def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tup
     passed: set[tuple[tuple[str, Any], ...]] = set()
 
     def check(path: str, metadata: tuple[tuple[str, Any], ...]) -> tuple[int, str] | None:
-        if metadata in passed or path in open_paths or tls.cert_names_on:  # (certificates: the method's check)
+        if metadata in passed or path in open_paths or tls.cert_names_grpc:  # (mutual TLS: the method's check)
             return None
         try:  # (the rule every non-open op starts with: any valid key)
             core.authorize(access.Op.SERVER_METADATA, "", RequestContext(protocol="grpc", headers=dict(metadata)))

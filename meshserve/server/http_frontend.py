@@ -179,7 +179,7 @@ def _context_headers(request: web.BaseRequest) -> dict[str, str]:
         ((k.lower(), v) for k, v in request.headers.items())
     headers = {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
                for k, v in items}
-    if tls.cert_names_on:  # a gateway with tenants and mutual TLS: the client certificate's names
+    if tls.cert_names_http:  # a gateway with tenants and mutual TLS: the client certificate's names
         tls.client_cert(headers, request.transport)
     return headers
 

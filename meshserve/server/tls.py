@@ -358,7 +358,10 @@ class _Handshake(asyncio.Protocol):
 # ---- a client certificate as a tenant's name (gateway/auth.py:Tenants.authenticate) ---------------
 
 CLIENT_CERT_HEADER = "x-meshserve-client-cert"  # a request's verified client certificate's names (CertNames)
-cert_names_on = False  # set at start by a gateway with --tenants and a mutual-TLS port (gateway/main.py)
+# set at start by a gateway with --tenants, per port that serves mutual TLS (gateway/main.py:
+# configure_cert_names); off, nothing per request
+cert_names_grpc = False
+cert_names_http = False
 _NAMES_KEPT = 4096  # connections whose certificate names are remembered (their SSL objects held)
 _names: dict[object, CertNames | None] = {}
 
@@ -371,11 +374,18 @@ class CertNames(str):
     __slots__ = ()
 
 
+def configure_cert_names(settings: TlsSettings, tenants: bool) -> None:
+    """With tenants, a port on mutual TLS passes its clients' certificate names (gateway/auth.py)."""
+    global cert_names_grpc, cert_names_http
+    cert_names_grpc = tenants and settings.grpc is not None and settings.grpc.mutual
+    cert_names_http = tenants and settings.http is not None and settings.http.mutual
+
+
 def client_cert(headers: dict[str, str], transport: object) -> dict[str, str]:
     """``headers`` with CLIENT_CERT_HEADER set to the connection's verified client certificate's
     names, when it has one (a mutual-TLS port); a client's own header of that name is dropped.
-    Runs per request only while ``cert_names_on``; one dict lookup per request after the first
-    of a connection."""
+    Runs per request only on a port whose ``cert_names_*`` is on; one dict lookup per request
+    after the first of a connection."""
     headers.pop(CLIENT_CERT_HEADER, None)
     get = getattr(transport, "get_extra_info", None)
     ssl_object = get("ssl_object") if get is not None else None
