@@ -8,7 +8,7 @@ unary gRPC add_sub, measured in one run (docs/security.md, "TLS and mutual TLS";
 - ``front door + hop key`` and ``front door + hop (mTLS)``.
 
     python -m load.bench.tls_cost --repository REPO [-n 3000] [-c 32] [--warmup 300] [--rounds 2]
-        [--cells "off,hop key"]
+        [--cells "off,hop key"] [--callgrind]
 
 REPO holds add_sub (FP32 [1,16] INPUT0/INPUT1), e.g. `python -m tests.models.generate DIR`'s.
 The client is meshserve's own HTTP/2 client (load/transport.py's H2GrpcSender path): one
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from load.bench import procs
+from load.bench import callgrind, procs
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server import h2
 
@@ -79,6 +79,20 @@ def _cell(name: str, gw: procs.Server, svc: procs.Server, ctx: ssl.SSLContext | 
             "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
 
 
+def _instructions(name: str, gw: procs.Server, out: Path, ctx: ssl.SSLContext | None,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's instructions per request (it runs under callgrind: --callgrind)."""
+    asyncio.run(_drive(gw.grpc, ctx, args.warmup, args.concurrency))
+    before = set(out.parent.glob(out.name + "*"))
+    callgrind.control(gw.pid, "--zero")
+    callgrind.control(gw.pid, "--instr=on")
+    asyncio.run(_drive(gw.grpc, ctx, args.requests, args.concurrency))
+    callgrind.control(gw.pid, "--instr=off")
+    callgrind.control(gw.pid, "--dump")
+    total, gc = callgrind.totals(callgrind.wait_dump(out, before))
+    return {"cell": name, "gateway_instructions": total // args.requests, "gc": gc // args.requests}
+
+
 def main(argv: list[str] | None = None) -> None:
     from tests.support import certs
 
@@ -90,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="each cell measured this many times, interleaved")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of: {', '.join(CELLS)}")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count the gateway's instructions per request (valgrind) instead of CPU seconds")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
@@ -123,16 +139,30 @@ def main(argv: list[str] | None = None) -> None:
                                        d / f"svc-{len(services)}.log")
                     services[tuple(svc_flags)] = svc
                     started.append(svc)
-                gw = procs.gateway([svc.grpc], d / f"gw-{len(cells)}.log", extra=gw_flags)
+                prefix = callgrind.command(d / f"cg-{len(cells)}.out", instr_at_start=False) if args.callgrind else None
+                gw = procs.gateway([svc.grpc], d / f"gw-{len(cells)}.log", extra=gw_flags, prefix=prefix,
+                                   timeout=300)
                 started.append(gw)
                 cells.append((name, gw, svc, ssl.create_default_context(cafile=str(ca.cert)) if tls_front else None))
             results: dict[str, list[dict[str, Any]]] = {}
             for _ in range(args.rounds):
-                for name, gw, svc, ctx in cells:
-                    results.setdefault(name, []).append(_cell(name, gw, svc, ctx, args))
+                for i, (name, gw, svc, ctx) in enumerate(cells):
+                    results.setdefault(name, []).append(
+                        _instructions(name, gw, d / f"cg-{i}.out", ctx, args) if args.callgrind
+                        else _cell(name, gw, svc, ctx, args))
         finally:
             for p in reversed(started):
                 p.stop()
+    if args.callgrind:
+        print(f"c{args.concurrency}, {args.requests} requests per cell, {args.rounds} round(s): the gateway's "
+              "instructions per request (callgrind)")
+        base_i = results[wanted[0]][0]["gateway_instructions"]
+        for name, rows in results.items():
+            counts = [r["gateway_instructions"] for r in rows]
+            print(f"{name:26s} {', '.join(f'{c:,}' for c in counts)}  ({100 * (min(counts) / base_i - 1):+.1f}%)")
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": results}))
+        return
     # each cell's least disturbed round (the machine is shared)
     summary = [min(rows, key=lambda r: r["gateway_cpu_us"] + r["service_cpu_us"]) for rows in results.values()]
     base = summary[0]
