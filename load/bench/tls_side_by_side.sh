@@ -9,8 +9,8 @@
 # Env: INTERVAL (3000 ms), CONC (1,8,32), BENCH_MODELS ("add_sub mlp"), MODES ("grpc http http-json"),
 #      DRIVE_ARGS (more drive.py arguments; a busy machine: "--quiet-wait 0"), PORT_BASE (19200),
 #      BENCH_ORT_THREADS (2), PERF_ANALYZER (../shared/tools/perf_analyzer),
-#      SMOKE=1: add_sub, grpc and http, c8, 300 ms windows, no waiting for a quiet machine (< 20 s on
-#      a quiet machine: checks that every piece works, measures nothing worth quoting).
+#      SMOKE=1: add_sub, grpc and http, c8, 300 ms windows, no waiting for a quiet machine (checks that
+#      every piece works, measures nothing worth quoting; most of its time is the two `up` starting).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BENCH=${BENCH_DIR:-$ROOT/../shared/bench}
