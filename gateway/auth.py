@@ -7,6 +7,7 @@
     tenants:
       - name: acme
         keys_sha256: [<sha256 hex of the API key>]
+        certificate_names: ["acme-client"]  # optional: a client certificate naming the tenant (mutual TLS)
         rate: 50              # requests per second (token bucket refill)
         burst: 100            # bucket size
         max_concurrency: 8    # optional
@@ -27,6 +28,12 @@ in flight, which streams hold until their last answer; ``--max-shm-regions`` and
 past it the tenant's next request or registration gets 429 / RESOURCE_EXHAUSTED naming the
 limit, while the others still have the rest. Anonymous callers (``anonymous: true``) share one
 tenant's share between them. Without a tenants file nothing is counted per tenant.
+
+Client certificates: on a port with mutual TLS, a request without an API key is the tenant one
+of whose ``certificate_names`` equals a name of the client's verified certificate (its subject's
+CN, then its SAN URIs, then its SAN DNS names: the first that a tenant lists). An API key, when
+the request has one, wins: it is checked as always, whatever the certificate says. A tenant needs
+keys, certificate names or both.
 """
 from __future__ import annotations
 
@@ -53,6 +60,7 @@ from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.admission import tenant_cap
 from meshserve.server.core import RequestContext
 from meshserve.server.limits import flag
+from meshserve.server.tls import CLIENT_CERT_HEADER, CertNames
 
 log = logging.getLogger("meshserve.gateway.auth")
 
@@ -60,7 +68,8 @@ class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
-    keys_sha256: list[str] = Field(min_length=1)
+    keys_sha256: list[str] = Field(default_factory=list)
+    certificate_names: list[str] = Field(default_factory=list)  # client certificates naming it (mutual TLS)
     rate: float = Field(gt=0)
     burst: float = Field(ge=1)
     max_concurrency: int | None = Field(default=None, ge=1)
@@ -79,6 +88,14 @@ class TenantSpec(BaseModel):
                 raise ValueError(f"'{k}' is not a sha256 hex digest (64 hex characters)")
             out.append(k)
         return out
+
+    @model_validator(mode="after")
+    def _identified(self) -> TenantSpec:
+        if not self.keys_sha256 and not self.certificate_names:
+            raise ValueError(f"tenant '{self.name}' needs keys_sha256 or certificate_names (or both)")
+        if any(not n.strip() or "\n" in n for n in self.certificate_names):
+            raise ValueError(f"tenant '{self.name}': a certificate name is one non-empty line")
+        return self
 
     @property
     def limits(self) -> Limits:
@@ -107,6 +124,11 @@ class TenantsFile(BaseModel):
                 if k in keys:
                     raise ValueError(f"a key of tenant '{t.name}' is also a key of tenant '{keys[k]}'")
                 keys[k] = t.name
+            for n in t.certificate_names:
+                if f"cert:{n}" in keys:
+                    raise ValueError(f"certificate name '{n}' of tenant '{t.name}' is also one of tenant "
+                                     f"'{keys[f'cert:{n}']}'")
+                keys[f"cert:{n}"] = t.name
         return self
 
     @property
@@ -134,6 +156,7 @@ class Tenants:
     def __init__(self, spec: TenantsFile):
         self.spec = spec
         self.by_key = {k: t for t in spec.tenants for k in t.keys_sha256}
+        self.by_cert = {n: t for t in spec.tenants for n in t.certificate_names}
         self.shares = {t.name: t.share for t in spec.tenants if t.share is not None}
 
     def share_of(self, tenant: str) -> float:
@@ -144,6 +167,12 @@ class Tenants:
         """The caller's tenant; None = anonymous (when allowed). Raises 401 otherwise."""
         key = api_key(headers)
         if key is None:
+            names = headers.get(CLIENT_CERT_HEADER)
+            if type(names) is CertNames and self.by_cert:  # (verified by the handshake: tls.client_cert)
+                for name in names.split("\n"):
+                    tenant = self.by_cert.get(name)
+                    if tenant is not None:
+                        return tenant
             if self.spec.anonymous_allowed:
                 return None
             raise InferError(Code.UNAUTHENTICATED, "an API key is required "

@@ -91,6 +91,7 @@ def main(args: argparse.Namespace) -> None:
     worker = Worker(args.worker_state, args.worker_index) if args.worker_state else None
     limits = server_limits.from_args(args)
     tls.configure_upstream(args)  # the hop's TLS (--upstream-use-ssl), before any replica's channel
+    tls.configure_hop(limits.tls, args.host, service=False)  # its key (--hop-key-file): every hop stream signed
     configure_tracing("meshserve-gateway", "gateway")  # OTEL_* environment; off by default
     if not args.upstream and not args.discovery:
         raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")
@@ -109,6 +110,8 @@ def main(args: argparse.Namespace) -> None:
             raise SystemExit("meshserve gateway: --cache-config redis: the Redis client is not installed "
                              "(pip install 'meshserve[redis]')") from None
     admission = _admission(args.tenants, args.quota_store)
+    # with tenants, a mutual-TLS port's client certificates may name them (gateway/auth.py)
+    tls.configure_cert_names(limits.tls, tenants=admission is not None)
     if args.metrics_auth and admission is None:
         raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")
     try:

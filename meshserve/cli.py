@@ -11,6 +11,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -208,18 +209,39 @@ def _up_python_flags(args: argparse.Namespace, gateway_grpc: int) -> list[str]:
     flags = ["--bls-target", f"{_loopback(args.host)}:{gateway_grpc}"]
     if args.bls_api_key_file is not None:
         flags += ["--bls-api-key-file", str(args.bls_api_key_file)]
+    if args.tls_grpc_use_ssl or args.tls_grpc_mutual or args.bls_use_ssl:  # the gateway's gRPC port serves TLS
+        root = args.bls_root_cert or args.tls_grpc_root  # (default: the CA of the gateway's clients)
+        flags += ["--bls-use-ssl", *(["--bls-root-cert", str(root)] if root else [])]
+        if args.bls_client_cert:
+            flags += ["--bls-client-cert", str(args.bls_client_cert), "--bls-client-key", str(args.bls_client_key)]
     return flags
 
 
-def _mesh_tls() -> tuple[list[str], list[str], Path]:
-    """`meshserve up --mesh-tls`: a throwaway mesh CA in a run directory of its own (0700; removed
-    at exit), a certificate for the services (mutual TLS on their gRPC ports) and one for the
-    gateway's hop. Returns (the services' flags, the gateway's flags, the directory)."""
+def _hop_auth(args: argparse.Namespace, run_dir: Path) -> tuple[list[str], list[str]]:
+    """The gateway -> service hop authenticated out of the box (docs/security.md, "The
+    authenticated hop"): with --mesh-tls by the mesh CA's certificates, else by a hop key: the
+    one --hop-key-file names, or a throwaway one written to the run directory (0600).
+    Returns (the services' flags, the gateway's flags)."""
+    if args.mesh_tls:
+        return _mesh_tls(run_dir)
+    key = args.hop_key_file
+    if key is None:
+        key = run_dir / "hop.key"
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    flags = ["--hop-key-file", str(key)]
+    return flags, flags
+
+
+def _mesh_tls(run_dir: Path) -> tuple[list[str], list[str]]:
+    """`meshserve up --mesh-tls`: a throwaway mesh CA in the run directory (0700; removed at
+    exit), a certificate for the services (mutual TLS on their gRPC ports) and one for the
+    gateway's hop. Returns (the services' flags, the gateway's flags)."""
     try:
         from meshserve.server import certs
     except ImportError:
         raise SystemExit("meshserve up --mesh-tls needs the cryptography package (pip install cryptography)") from None
-    run_dir = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
     ca = certs.authority(run_dir, "mesh-ca")
     service = ca.issue(run_dir, "service", server=True)
     hop = ca.issue(run_dir, "gateway-hop", server=False)
@@ -227,7 +249,7 @@ def _mesh_tls() -> tuple[list[str], list[str], Path]:
     return (["--grpc-use-ssl-mutual=true", "--grpc-server-cert", str(service.cert), "--grpc-server-key",
              str(service.key), "--grpc-root-cert", str(ca.cert)],
             ["--upstream-root-cert", str(ca.cert), "--upstream-client-cert", str(hop.cert),
-             "--upstream-client-key", str(hop.key)], run_dir)
+             "--upstream-client-key", str(hop.key)])
 
 
 def _in_gateway(kind: str) -> bool:
@@ -278,17 +300,20 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: warning: --tenants without --bls-api-key-file: python models' BLS calls carry no "
               "API key and will be refused unless the tenants file allows anonymous callers "
               "(docs/python-backend.md)", flush=True)
-    if (args.tls_grpc_use_ssl or args.tls_grpc_mutual) and "python" in runnable:
-        print("meshserve up: warning: --grpc-use-ssl: python models' BLS calls reach the gateway's gRPC port "
-              "in plaintext and will fail (TLS for BLS is not implemented; docs/security.md)", flush=True)
+    if args.tls_grpc_mutual and not args.bls_client_cert and "python" in runnable:
+        print("meshserve up: warning: --grpc-use-ssl-mutual without --bls-client-cert: python models' BLS calls "
+              "reach the gateway's gRPC port without a client certificate and will be refused (docs/security.md)",
+              flush=True)
     # python models call other models (BLS) through the gateway: its gRPC port must be known
     # before the services start, so a port of 0 is picked here
     gateway_grpc = args.grpc_port or _free_port(args.host)
-    mesh_dir = None
-    service_tls: list[str] = []
-    gateway_hop: list[str] = []
-    if args.mesh_tls:  # the hop on mutual TLS: only this gateway reaches the services
-        service_tls, gateway_hop, mesh_dir = _mesh_tls()
+    # the run directory (0700, removed at exit): the hop's throwaway key or mesh CA
+    mesh_dir = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
+    try:
+        service_tls, gateway_hop = _hop_auth(args, mesh_dir)
+    except BaseException:
+        shutil.rmtree(mesh_dir, ignore_errors=True)
+        raise
     try:
         for kind in runnable:
             print(f"meshserve up: starting the {kind} service…", flush=True)
@@ -336,8 +361,7 @@ Press Ctrl-C to stop.""", flush=True)
     finally:
         print("meshserve up: stopping…", flush=True)
         _stop_all(children or services)
-        if mesh_dir is not None:
-            shutil.rmtree(mesh_dir, ignore_errors=True)
+        shutil.rmtree(mesh_dir, ignore_errors=True)
         print("meshserve up: stopped", flush=True)
 
 
@@ -370,15 +394,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_arguments(up)  # --cache-config, passed on to the gateway
     repository_control.add_arguments(up)
     from services.base.main import add_arguments as service_arguments
-    from services.base.main import add_bls_key_argument
+    from services.base.main import add_bls_key_argument, add_bls_tls_arguments
 
     add_bls_key_argument(up)
+    add_bls_tls_arguments(up)
     from meshserve.server import tls
 
     tls.add_arguments(up)  # the gateway's ports
     up.add_argument("--mesh-tls", action="store_true",
                     help="the gateway-to-service hop on mutual TLS with a throwaway CA made in a run directory "
-                         "(needs the cryptography package; default off: plaintext on loopback)")
+                         "(needs the cryptography package; default off: plaintext on loopback, each hop stream "
+                         "signed with a throwaway --hop-key-file)")
     up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")

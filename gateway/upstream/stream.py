@@ -39,7 +39,6 @@ from meshserve.telemetry import metrics
 log = logging.getLogger("meshserve.gateway.stream")
 
 _METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-_STREAM_METADATA = hop.METADATA
 _CONNECT_TIMEOUT_S = 5.0
 # answers of one streamed request the gateway holds for a client that reads them slower than the
 # model sends them, and their bytes (--max-stream-backlog-bytes, limits.STREAMS); beyond either the
@@ -89,7 +88,7 @@ class _Stream:
             if self.broken:  # closed while connecting
                 return
             # the marker tells the service that requests without trace parameters were not sampled
-            call = conn.open_stream(_METHOD, _STREAM_METADATA, self._on_message, self._on_close)
+            call = conn.open_stream(_METHOD, hop.stream_metadata(), self._on_message, self._on_close)
         except Exception as exc:  # connect refused / timed out, connection closing: nothing was sent
             self._on_close(h2.Status.UNAVAILABLE, f"cannot connect: {exc}" if str(exc) else
                            f"cannot connect: {type(exc).__name__}")

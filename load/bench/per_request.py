@@ -3,7 +3,8 @@
 
     python -m load.bench.per_request callgrind|strace|pyspy|cpu [--target gateway|service]
         [-m add_sub] [--protocol grpc|http-binary|http-json] [-n 3000] [-c 32] [--warmup 300]
-        [--repository DIR] [--port-base 0] [--out DIR]
+        [--repository DIR] [--port-base 0] [--out DIR] [--via-gateway] [--service-args "..."]
+        [--gateway-args "..."]
 
 An ONNX service on ``--repository`` (default: the team's bench models, generated into
 ``--bench-models`` if missing) and, for ``--target gateway``, a gateway in front of it. The
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -57,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port-base", type=int, default=0, help="0: free ports")
     ap.add_argument("--out", help="output directory (default: a new temporary one)")
     ap.add_argument("--ready-timeout", type=float, default=300, help="seconds for a process to become ready")
+    ap.add_argument("--via-gateway", action="store_true",
+                    help="with --target service: the load goes through a gateway in front of it (the hop)")
+    ap.add_argument("--service-args", default="", help="more flags for the service (one string, shell words)")
+    ap.add_argument("--gateway-args", default="", help="more flags for the gateway (one string, shell words)")
     return ap.parse_args(argv)
 
 
@@ -97,16 +103,18 @@ def _start(args: argparse.Namespace, out: Path) -> tuple[procs.Server, procs.Ser
     base = args.port_base
     prefix = callgrind.command(out / "cg.out", instr_at_start=False) if args.mode == "callgrind" else None
     svc = procs.service(repo, out / "service.log", ports=(base + 100, base + 101) if base else (0, 0),
-                        prefix=prefix if args.target == "service" else None, timeout=args.ready_timeout)
-    if args.target == "service":
+                        prefix=prefix if args.target == "service" else None, timeout=args.ready_timeout,
+                        control=shlex.split(args.service_args))
+    if args.target == "service" and not args.via_gateway:
         return svc, None, svc
     try:
         gw = procs.gateway([svc.grpc], out / "gateway.log", ports=(base, base + 1) if base else (0, 0),
-                           prefix=prefix, timeout=args.ready_timeout)
+                           prefix=prefix if args.target == "gateway" else None, timeout=args.ready_timeout,
+                           extra=shlex.split(args.gateway_args))
     except Exception:
         svc.stop()
         raise
-    return svc, gw, gw
+    return svc, gw, gw if args.target == "gateway" else svc
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,8 +127,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"mode": args.mode, "target": args.target, "model": args.model,
                               "protocol": args.protocol, "concurrency": args.concurrency, "requests": args.requests,
                               "out": str(out)}
+    driven = gw if gw is not None else target  # (the gateway in front of a measured service: --via-gateway)
     try:
-        _load(args, target, args.warmup, None)
+        _load(args, driven, args.warmup, None)
         pid = target.pid
         monitor: subprocess.Popen[bytes] | None = None
         if args.mode == "callgrind":
@@ -137,7 +146,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1)
         cpu0 = procs.cpu_seconds(pid)
-        result["load"] = _load(args, target, args.requests, out / "load.json").get("goodput_rps")
+        result["load"] = _load(args, driven, args.requests, out / "load.json").get("goodput_rps")
         cpu1 = procs.cpu_seconds(pid)
         if args.mode == "callgrind":
             callgrind.control(pid, "--instr=off")

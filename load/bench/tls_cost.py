@@ -1,8 +1,14 @@
-"""What TLS costs per request: gateway and service CPU (and latency) for unary gRPC add_sub with
-TLS off, on the gateway's front door, and on the front door and the hop (mutual TLS), measured
-in one run (docs/security.md, "TLS and mutual TLS").
+"""What TLS and the authenticated hop cost per request: gateway and service CPU (and latency) for
+unary gRPC add_sub, measured in one run (docs/security.md, "TLS and mutual TLS"; docs/perf/hop-auth.md):
 
-    python -m load.bench.tls_cost --repository REPO [-n 3000] [-c 32] [--warmup 300]
+- ``off``: plaintext everywhere, the hop not authenticated;
+- ``hop key``: the hop's streams signed with a shared --hop-key-file (HMAC per stream), plaintext;
+- ``hop mTLS``: the hop on mutual TLS (a mesh CA), the front door plaintext;
+- ``front door``: TLS on the gateway's gRPC port, the hop plaintext;
+- ``front door + hop key`` and ``front door + hop (mTLS)``.
+
+    python -m load.bench.tls_cost --repository REPO [-n 3000] [-c 32] [--warmup 300] [--rounds 2]
+        [--cells "off,hop key"] [--callgrind]
 
 REPO holds add_sub (FP32 [1,16] INPUT0/INPUT1), e.g. `python -m tests.models.generate DIR`'s.
 The client is meshserve's own HTTP/2 client (load/transport.py's H2GrpcSender path): one
@@ -13,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import secrets
 import ssl
 import tempfile
 import time
@@ -21,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from load.bench import procs
+from load.bench import callgrind, procs
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server import h2
 
 _INFER = "/inference.GRPCInferenceService/ModelInfer"
+CELLS = ("off", "hop key", "hop mTLS", "front door", "front door + hop key", "front door + hop (mTLS)")
 
 
 def _request() -> bytes:
@@ -70,6 +79,20 @@ def _cell(name: str, gw: procs.Server, svc: procs.Server, ctx: ssl.SSLContext | 
             "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
 
 
+def _instructions(name: str, gw: procs.Server, out: Path, ctx: ssl.SSLContext | None,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's instructions per request (it runs under callgrind: --callgrind)."""
+    asyncio.run(_drive(gw.grpc, ctx, args.warmup, args.concurrency))
+    before = set(out.parent.glob(out.name + "*"))
+    callgrind.control(gw.pid, "--zero")
+    callgrind.control(gw.pid, "--instr=on")
+    asyncio.run(_drive(gw.grpc, ctx, args.requests, args.concurrency))
+    callgrind.control(gw.pid, "--instr=off")
+    callgrind.control(gw.pid, "--dump")
+    total, gc = callgrind.totals(callgrind.wait_dump(out, before))
+    return {"cell": name, "gateway_instructions": total // args.requests, "gc": gc // args.requests}
+
+
 def main(argv: list[str] | None = None) -> None:
     from tests.support import certs
 
@@ -80,40 +103,71 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2, help="each cell measured this many times, interleaved")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of: {', '.join(CELLS)}")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count the gateway's instructions per request (valgrind) instead of CPU seconds")
     args = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
+    if not wanted or set(wanted) - set(CELLS):
+        raise SystemExit(f"--cells: choose from {', '.join(CELLS)}")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         ca = certs.authority(d, "mesh-ca")
         server, hop = ca.issue(d, "server", server=True), ca.issue(d, "hop", server=False)
+        (d / "hop-hmac.key").write_text(secrets.token_hex(32))  # (hop.key: the certificate's)
         front = ["--grpc-use-ssl", "--grpc-server-cert", str(server.cert), "--grpc-server-key", str(server.key)]
         mutual = [*front, "--grpc-use-ssl-mutual", "--grpc-root-cert", str(ca.cert)]
         upstream = ["--upstream-root-cert", str(ca.cert), "--upstream-client-cert", str(hop.cert),
                     "--upstream-client-key", str(hop.key)]
+        keyed = ["--hop-key-file", str(d / "hop-hmac.key")]
         load = ["--model-control-mode", "explicit", "--load-model", "add_sub"]
+        # each cell: (its service's flags, its gateway's flags, TLS at the front door)
+        layout = {"off": ([], [], False), "hop key": (keyed, keyed, False), "hop mTLS": (mutual, upstream, False),
+                  "front door": ([], front, True), "front door + hop key": (keyed, [*front, *keyed], True),
+                  "front door + hop (mTLS)": (mutual, [*front, *upstream], True)}
         started: list[procs.Server] = []
         try:
-            plain_svc = procs.service(args.repository, d / "svc.log", control=load)
-            started.append(plain_svc)
-            tls_svc = procs.Server(["service", "onnx", "--repository", str(args.repository), "--http-port", "0",
-                                    "--grpc-port", "0", "--log-level", "WARNING", *load, *mutual], d / "svc2.log")
-            started.append(tls_svc)
+            services: dict[tuple[str, ...], procs.Server] = {}  # one per distinct set of flags
             cells: list[tuple[str, procs.Server, procs.Server, ssl.SSLContext | None]] = []
-            for name, svc, extra in (("off", plain_svc, []), ("front door", plain_svc, front),
-                                     ("front door + hop (mTLS)", tls_svc, [*front, *upstream])):
-                gw = procs.gateway([svc.grpc], d / f"gw-{len(cells)}.log", extra=extra)
+            for name in wanted:
+                svc_flags, gw_flags, tls_front = layout[name]
+                svc = services.get(tuple(svc_flags))
+                if svc is None:
+                    svc = procs.Server(["service", "onnx", "--repository", str(args.repository), "--http-port", "0",
+                                        "--grpc-port", "0", "--log-level", "WARNING", *load, *svc_flags],
+                                       d / f"svc-{len(services)}.log")
+                    services[tuple(svc_flags)] = svc
+                    started.append(svc)
+                prefix = callgrind.command(d / f"cg-{len(cells)}.out", instr_at_start=False) if args.callgrind else None
+                gw = procs.gateway([svc.grpc], d / f"gw-{len(cells)}.log", extra=gw_flags, prefix=prefix,
+                                   timeout=300)
                 started.append(gw)
-                cells.append((name, gw, svc, ssl.create_default_context(cafile=str(ca.cert)) if extra else None))
+                cells.append((name, gw, svc, ssl.create_default_context(cafile=str(ca.cert)) if tls_front else None))
             results: dict[str, list[dict[str, Any]]] = {}
             for _ in range(args.rounds):
-                for name, gw, svc, ctx in cells:
-                    results.setdefault(name, []).append(_cell(name, gw, svc, ctx, args))
+                for i, (name, gw, svc, ctx) in enumerate(cells):
+                    results.setdefault(name, []).append(
+                        _instructions(name, gw, d / f"cg-{i}.out", ctx, args) if args.callgrind
+                        else _cell(name, gw, svc, ctx, args))
         finally:
             for p in reversed(started):
                 p.stop()
+    if args.callgrind:
+        print(f"c{args.concurrency}, {args.requests} requests per cell, {args.rounds} round(s): the gateway's "
+              "instructions per request (callgrind)")
+        base_i = results[wanted[0]][0]["gateway_instructions"]
+        for name, rows in results.items():
+            counts = [r["gateway_instructions"] for r in rows]
+            print(f"{name:26s} {', '.join(f'{c:,}' for c in counts)}  ({100 * (min(counts) / base_i - 1):+.1f}%)")
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": results}))
+        return
     # each cell's least disturbed round (the machine is shared)
     summary = [min(rows, key=lambda r: r["gateway_cpu_us"] + r["service_cpu_us"]) for rows in results.values()]
     base = summary[0]
-    print(f"c{args.concurrency}, {args.requests} requests per cell, best of {args.rounds} rounds")
+    print(f"c{args.concurrency}, {args.requests} requests per cell, best of {args.rounds} rounds; load average "
+          f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after (the machine's other work)")
     print(f"{'cell':26s} {'gateway µs/req':>15s} {'service µs/req':>15s} {'req/s':>8s} {'p50 ms':>7s} {'p99 ms':>7s}")
     for r in summary:
         change = (f"  (gateway {100 * (r['gateway_cpu_us'] / base['gateway_cpu_us'] - 1):+.1f}%, "

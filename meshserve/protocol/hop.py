@@ -22,15 +22,31 @@ A service answers an error in band: the stream response's ``error_message``, its
 
 The gateway writes them (the ``with_*`` / ``set_*`` functions, ``cancel``, ``set_error``); a
 service reads them once per request at its front door (``decode``) into the ``Hop`` record, which
-is all that the code behind it sees. They are believed only on a stream that carries the marker,
-and only in a process that trusts it (``trusted``: a service does, from whoever reaches its
-port, docs/security.md; a gateway, whose callers are clients, never does, ``trust_marker``).
+is all that the code behind it sees. They are believed only on a call whose marker ``vet`` has
+verified, once per call (per stream), when the call's metadata is read: ``vet`` swaps an
+authenticated call's marker for ``VERIFIED`` (an object no wire can carry: ``decode`` compares
+by identity) and deletes any other. A call is authenticated (docs/security.md, "The
+authenticated hop") when
+
+- the service has a hop key (``--hop-key-file``) and the call's ``AUTH_HEADER`` is a valid,
+  fresh, unused token of it (``token``: an HMAC-SHA256 over a time and a nonce, made by the
+  gateway once per stream, ``stream_metadata``); or
+- the service's gRPC port serves mutual TLS (``--grpc-use-ssl-mutual``): every peer that got
+  through the handshake holds a certificate of ``--grpc-root-cert``, the mesh's CA; or
+- the service has neither (``open``): the hop is not authenticated and the network is the
+  boundary, as before (a warning at start).
+
+A gateway, whose callers are clients, never believes the marker (``trusted``, ``trust_marker``).
 
 Every function here runs per request on the gateway's or the service's path: module constants,
 the parameters' map-entry key bytes built once, no object beyond what they return.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,9 +56,9 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import int_value
 from meshserve.protocol.wire import INFER_REQUEST_ID_TAG, bool_parameter_entry, length_delimited, varint
 
-HEADER = "meshserve-hop"  # stream metadata (or header) that marks a gateway's hop
+HEADER = "meshserve-hop"  # stream metadata that marks a gateway's hop
 GATEWAY = "gateway"
-METADATA = ((HEADER, GATEWAY),)  # the metadata of the gateway's upstream streams
+METADATA = ((HEADER, GATEWAY),)  # the marker of the gateway's upstream streams (stream_metadata)
 PRIVATE_PREFIX = "meshserve_"  # every private hop parameter starts so; clients may not send them to a gateway
 MERGED = "meshserve_merged_requests"
 QUEUED = "meshserve_queued_us"
@@ -56,10 +72,25 @@ ERROR_CODE = "meshserve_error_code"
 RETRY_AFTER = "meshserve_retry_after_ms"
 MAX_QUEUED_US = 10_000_000  # a coalescer wait beyond 10 s counts as 10 s
 
-# Whether this process believes the marker (decode, from_gateway): a service does, from whoever
-# reaches its port (the network is the boundary until the hop is authenticated: docs/security.md);
-# a gateway, whose callers are clients, never does.
+AUTH_HEADER = "meshserve-hop-auth"  # a gateway's stream token: "<unix ms>.<nonce>.<HMAC-SHA256>" (token)
+AUTH_WINDOW_S = 300.0  # a token is fresh this long either side of the service's clock
+NONCES_KEPT = 65_536  # tokens remembered (each usable once) within the window; more are refused
+MIN_KEY_BYTES = 32  # a hop key file's least length (e.g. 64 hex digits of 32 random bytes)
+_MAX_TOKEN = 128  # a longer token is not one of ours
+_MAC_CONTEXT = b"meshserve-hop/1"
+# A verified call's marker: made at run time (never interned, so no string parsed from a wire is
+# this object) with a NUL (which no HTTP/2 header value may hold); decode compares by identity.
+VERIFIED = "".join((GATEWAY, "\x00verified"))
+
+log = logging.getLogger("meshserve.hop")
+
+# Whether this process believes the marker at all: a service does (on an authenticated call,
+# vet); a gateway, whose callers are clients, never does.
 trusted = True
+_hop_key: bytes | None = None  # the hop key (--hop-key-file): a gateway signs its streams, a service checks
+_mutual = False  # this service's gRPC port serves mutual TLS: its peers hold the mesh CA's certificates
+_nonces: dict[str, int] = {}  # tokens seen within the window (nonce -> unix ms), oldest first
+_warned = [0.0]  # when an unauthenticated marker was last logged
 
 
 def trust_marker(trust: bool) -> None:
@@ -68,9 +99,89 @@ def trust_marker(trust: bool) -> None:
     trusted = trust
 
 
+def authenticate(key: bytes | None, mutual: bool) -> None:
+    """Set at start (meshserve/server/tls.py:configure_hop): the hop key, and whether the gRPC
+    port serves mutual TLS. Neither: the hop is open (``open``)."""
+    global _hop_key, _mutual
+    _hop_key, _mutual = key, mutual
+    _nonces.clear()
+
+
+def open_hop() -> bool:
+    """No hop key and no mutual TLS: the marker is believed from whoever reaches the port."""
+    return _hop_key is None and not _mutual
+
+
+def token(key: bytes, now_ms: int | None = None, nonce: str | None = None) -> str:
+    """A stream's token: the time, a random nonce and their HMAC-SHA256 under ``key``."""
+    ts = str(int(time.time() * 1000) if now_ms is None else now_ms)
+    nonce = secrets.token_hex(16) if nonce is None else nonce
+    mac = hmac.new(key, b"|".join((_MAC_CONTEXT, GATEWAY.encode(), ts.encode(), nonce.encode())), hashlib.sha256)
+    return f"{ts}.{nonce}.{mac.hexdigest()}"
+
+
+def check_token(key: bytes, value: str, now_ms: int, seen: dict[str, int]) -> str | None:
+    """Why ``value`` is not a valid token of ``key`` at ``now_ms`` (None: it is, and its nonce is
+    now used up in ``seen``)."""
+    parts = value.split(".") if len(value) <= _MAX_TOKEN else ()
+    if len(parts) != 3 or not parts[0].isdigit():
+        return "not a token"
+    ts, nonce, mac = parts
+    if abs(now_ms - int(ts)) > AUTH_WINDOW_S * 1000:
+        return "expired (or the clocks differ by more than the window)"
+    expected = token(key, int(ts), nonce).rsplit(".", 1)[1]
+    if not hmac.compare_digest(expected, mac):
+        return "a wrong MAC (another key)"
+    horizon = now_ms - int(AUTH_WINDOW_S * 1000)
+    while seen:  # insertion order is about time order: the expired ones leave from the front
+        first = next(iter(seen))
+        if seen[first] >= horizon:
+            break
+        del seen[first]
+    if nonce in seen:
+        return "replayed"
+    if len(seen) >= NONCES_KEPT:
+        return "too many streams within the window"
+    seen[nonce] = int(ts)
+    return None
+
+
+def stream_metadata() -> tuple[tuple[str, str], ...]:
+    """The metadata of a gateway's new hop stream: the marker and, with a hop key, a fresh token
+    (made once per stream: a stream carries many requests)."""
+    if _hop_key is None:
+        return METADATA
+    return (*METADATA, (AUTH_HEADER, token(_hop_key)))
+
+
+def vet(headers: dict[str, str]) -> dict[str, str]:
+    """A call's metadata, read once per call (per stream) at the gRPC front door: the marker of
+    an authenticated call becomes ``VERIFIED``, any other is deleted (its hop parameters are then
+    ignored: the caller is treated as a client). A call without the marker (a client's) costs one
+    lookup."""
+    marker = headers.get(HEADER)
+    if marker is None:
+        return headers
+    auth = headers.pop(AUTH_HEADER, None)
+    why = "this process is a gateway" if not trusted else "not the gateway's marker" if marker != GATEWAY \
+        else None if _mutual or _hop_key is None \
+        else "no token" if auth is None else check_token(_hop_key, auth, int(time.time() * 1000), _nonces)
+    if why is None:
+        headers[HEADER] = VERIFIED
+        return headers
+    del headers[HEADER]
+    now = time.monotonic()
+    if trusted and now - _warned[0] >= 60.0:  # (a gateway ignores its clients' markers silently)
+        _warned[0] = now
+        log.warning("a call carried the hop marker without a valid hop token (%s): its hop parameters are "
+                    "ignored, the caller is served as a client (a gateway without this service's --hop-key-file?)",
+                    why)
+    return headers
+
+
 def from_gateway(headers: Mapping[str, str]) -> bool:
-    """Does a call's metadata mark it as a gateway's hop (and does this process believe it)?"""
-    return trusted and headers.get(HEADER) == GATEWAY
+    """Is a call a gateway's hop: its marker verified (``vet``) in a process that believes it?"""
+    return trusted and headers.get(HEADER) is VERIFIED
 
 
 @dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass's __init__ costs ~0.2 µs more per request
@@ -115,12 +226,13 @@ def decode(params: Mapping[str, pb.InferParameter], headers: Mapping[str, str]) 
     """The request's Hop record: its private parameters and the hop marker, read here once. A
     request without parameters (most) costs one header lookup.
 
-    Only a gateway's hop (the stream's marker) is believed: a client's own ``meshserve_*``
-    parameters never change its weight, queue delay, deadline or spans (a direct client's are
-    ignored here; the gateway refuses them at its front door, gateway/pipeline.py:Names.check). The
-    gateway itself never believes the marker (``trusted``, cleared by GatewayCore.start): a
-    client's ``meshserve-hop`` header there is ignored, and it pays one flag check per request."""
-    if not trusted or headers.get(HEADER) != GATEWAY:
+    Only a gateway's hop (the stream's marker, verified by ``vet``) is believed: a client's own
+    ``meshserve_*`` parameters never change its weight, queue delay, deadline or spans (a direct
+    client's are ignored here, the marker too unless ``vet`` authenticated its call; the gateway
+    refuses them at its front door, gateway/pipeline.py:Names.check). The gateway itself never
+    believes the marker (``trusted``, cleared by GatewayCore.start): a client's ``meshserve-hop``
+    header there is ignored, and it pays one flag check per request."""
+    if not trusted or headers.get(HEADER) is not VERIFIED:
         return NO_HOP
     if not params:
         return GATEWAY_HOP

@@ -65,8 +65,13 @@ def _empty_final(request: pb.ModelInferRequest, on_hop: bool) -> bytes:
 
 def _context(call: Call, raw: bytes | None = None) -> RequestContext:
     md = call.invocation_metadata()
-    return RequestContext(protocol="grpc", headers={k: v for k, v in md if isinstance(v, str)},
-                          deadline=call.deadline, raw=raw)
+    # the one place a call's metadata is read: the hop marker believed only on an authenticated
+    # call (meshserve/protocol/hop.py:vet, once per call: per stream); a gateway with tenants and
+    # mutual TLS adds the client certificate's names (meshserve/server/tls.py:client_cert)
+    headers = hop.vet({k: v for k, v in md if isinstance(v, str)})
+    if tls.cert_names_grpc:
+        tls.client_cert(headers, tls.grpc_transport(call))
+    return RequestContext(protocol="grpc", headers=headers, deadline=call.deadline, raw=raw)
 
 
 def _control_context(call: Call) -> RequestContext:
@@ -94,7 +99,7 @@ def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tup
     passed: set[tuple[tuple[str, Any], ...]] = set()
 
     def check(path: str, metadata: tuple[tuple[str, Any], ...]) -> tuple[int, str] | None:
-        if metadata in passed or path in open_paths:
+        if metadata in passed or path in open_paths or tls.cert_names_grpc:  # (mutual TLS: the method's check)
             return None
         try:  # (the rule every non-open op starts with: any valid key)
             core.authorize(access.Op.SERVER_METADATA, "", RequestContext(protocol="grpc", headers=dict(metadata)))

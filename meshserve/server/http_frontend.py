@@ -177,8 +177,11 @@ def _context_headers(request: web.BaseRequest) -> dict[str, str]:
     such bytes was a 500 on a tracing gateway); they become U+FFFD."""
     items = request.lower.items() if type(request) is http1.Request else \
         ((k.lower(), v) for k, v in request.headers.items())
-    return {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-            for k, v in items}
+    headers = {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+               for k, v in items}
+    if tls.cert_names_http:  # a gateway with tenants and mutual TLS: the client certificate's names
+        tls.client_cert(headers, request.transport)
+    return headers
 
 
 def _inline(chunks: list[bytes], size: int | None = None) -> bool:

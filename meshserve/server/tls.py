@@ -47,6 +47,7 @@ log = logging.getLogger("meshserve.tls")
 RELOAD_CHECK_S = 1.0  # the certificate files are looked at (stat) at most this often
 EARLY_MAX_BYTES = 64 << 10  # bytes a connection may send before its handshake starts (a ClientHello: < 16 KiB)
 ALPN = {"grpc": ["h2"], "http": ["http/1.1"]}
+HOP_KEY_ENV = "MESHSERVE_HOP_KEY_FILE"  # --hop-key-file's default (compose: deploy/compose.hop-key.yaml)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,7 @@ class TlsSettings:
 
     grpc: PortTls | None = None
     http: PortTls | None = None
+    hop_key_file: str | None = None  # the hop's shared key (--hop-key-file; configure_hop), never its bytes
 
 
 def _bool(text: str) -> bool:
@@ -92,6 +94,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                            help=f"{name}: the server certificate's private key, PEM")
         group.add_argument(f"--{proto}-root-cert", dest=f"tls_{proto}_root", default=None, metavar="PEM",
                            help=f"{name}: the CA(s) client certificates must be signed by (mutual TLS), PEM")
+    group.add_argument("--hop-key-file", dest="hop_key_file", default=os.environ.get(HOP_KEY_ENV) or None,
+                       metavar="FILE",
+                       help="the gateway -> service hop's shared key (at least 32 bytes; read at start): a gateway "
+                            "signs each stream to its services with it, a service believes the hop's marker and "
+                            "private parameters only on a stream signed with it (or on a mutual-TLS gRPC port); "
+                            f"default ${HOP_KEY_ENV}, else none (docs/security.md, \"The authenticated hop\")")
 
 
 def from_args(args: argparse.Namespace) -> TlsSettings:
@@ -114,7 +122,41 @@ def from_args(args: argparse.Namespace) -> TlsSettings:
         except (OSError, ssl.SSLError, ValueError) as exc:
             raise SystemExit(f"--{proto}-use-ssl: cannot load the certificate files: {exc}") from None
         ports[proto] = port
-    return TlsSettings(grpc=ports["grpc"], http=ports["http"])
+    key_file = getattr(args, "hop_key_file", None)
+    if key_file is not None:
+        load_hop_key(key_file)  # (its bytes are read again by configure_hop: never kept in the settings)
+    return TlsSettings(grpc=ports["grpc"], http=ports["http"], hop_key_file=key_file)
+
+
+def load_hop_key(path: str) -> bytes:
+    """The hop key in ``path`` (surrounding white space stripped); SystemExit when it cannot be
+    read or is shorter than hop.MIN_KEY_BYTES."""
+    from meshserve.protocol import hop
+
+    try:
+        with open(path, "rb") as f:
+            key = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise SystemExit(f"--hop-key-file: cannot read {path}: {exc.strerror}") from None
+    if len(key) < hop.MIN_KEY_BYTES:
+        raise SystemExit(f"--hop-key-file: the key in {path} has {len(key)} bytes, at least {hop.MIN_KEY_BYTES} "
+                         f"are needed (e.g. `openssl rand -hex 32`)")
+    return key
+
+
+def configure_hop(settings: TlsSettings, host: str, service: bool) -> None:
+    """At start, before any hop stream opens: the hop key (a gateway signs its streams with it, a
+    service checks them) and, in a service, whether its gRPC port's mutual TLS authenticates
+    the hop (meshserve/protocol/hop.py:vet). A service with neither is warned about."""
+    from meshserve.protocol import hop
+    from meshserve.server.repository_control import is_loopback
+
+    key = load_hop_key(settings.hop_key_file) if settings.hop_key_file else None
+    hop.authenticate(key, settings.grpc is not None and settings.grpc.mutual)
+    if service and hop.open_hop():
+        level = logging.INFO if host == "localhost" or is_loopback(host) else logging.WARNING
+        log.log(level, "the hop is not authenticated (no --hop-key-file, no --grpc-use-ssl-mutual): this service "
+                "believes the gateway's hop marker from whoever reaches its gRPC port")
 
 
 def flags(settings: TlsSettings) -> list[str]:
@@ -297,6 +339,66 @@ class _Handshake(asyncio.Protocol):
         if hasattr(app, "join_writes"):  # (one TLS record per flush: see h2.connection.H2Endpoint)
             app.join_writes = True
         app.connection_made(tls)
+
+
+# ---- a client certificate as a tenant's name (gateway/auth.py:Tenants.authenticate) ---------------
+
+CLIENT_CERT_HEADER = "x-meshserve-client-cert"  # a request's verified client certificate's names (CertNames)
+# set at start by a gateway with --tenants, per port that serves mutual TLS (gateway/main.py:
+# configure_cert_names); off, nothing per request
+cert_names_grpc = False
+cert_names_http = False
+_NAMES_KEPT = 4096  # connections whose certificate names are remembered (their SSL objects held)
+_names: dict[object, CertNames | None] = {}
+
+
+class CertNames(str):
+    """The names of a client certificate the handshake verified (its subject's CN, then its SAN
+    URIs and DNS names, one per line). Its type is the proof: a header value from a wire is a
+    plain str, so a client cannot send one (Tenants.authenticate checks the type)."""
+
+    __slots__ = ()
+
+
+def configure_cert_names(settings: TlsSettings, tenants: bool) -> None:
+    """With tenants, a port on mutual TLS passes its clients' certificate names (gateway/auth.py)."""
+    global cert_names_grpc, cert_names_http
+    cert_names_grpc = tenants and settings.grpc is not None and settings.grpc.mutual
+    cert_names_http = tenants and settings.http is not None and settings.http.mutual
+
+
+def client_cert(headers: dict[str, str], transport: object) -> dict[str, str]:
+    """``headers`` with CLIENT_CERT_HEADER set to the connection's verified client certificate's
+    names, when it has one (a mutual-TLS port); a client's own header of that name is dropped.
+    Runs per request only on a port whose ``cert_names_*`` is on; one dict lookup per request
+    after the first of a connection."""
+    headers.pop(CLIENT_CERT_HEADER, None)
+    get = getattr(transport, "get_extra_info", None)
+    ssl_object = get("ssl_object") if get is not None else None
+    if ssl_object is None:
+        return headers
+    names = _names.get(ssl_object, _names)
+    if names is _names:
+        names = _cert_names(ssl_object.getpeercert() or {})
+        if len(_names) >= _NAMES_KEPT:
+            del _names[next(iter(_names))]
+        _names[ssl_object] = names
+    if names is not None:
+        headers[CLIENT_CERT_HEADER] = names  # type: ignore[assignment]
+    return headers
+
+
+def _cert_names(cert: dict[str, object]) -> CertNames | None:
+    """A verified peer certificate's names (ssl's getpeercert() form): CN, SAN URIs, SAN DNS names."""
+    out = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]  # type: ignore[attr-defined]
+    for kind in ("URI", "DNS"):
+        out += [value for k, value in cert.get("subjectAltName", ()) if k == kind]  # type: ignore[attr-defined]
+    return CertNames("\n".join(out)) if out else None
+
+
+def grpc_transport(context: object) -> object:
+    """The transport of a call on meshserve's HTTP/2 server (meshserve/server/h2/server.py:ServerCall)."""
+    return getattr(getattr(context, "_conn", None), "transport", None)
 
 
 @dataclass(slots=True)

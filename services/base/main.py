@@ -6,7 +6,7 @@ from pathlib import Path
 
 from meshserve.repository import kinds
 from meshserve.server import limits as server_limits
-from meshserve.server import repository_control
+from meshserve.server import repository_control, tls
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
 from services.base.control import MODES, ModelControl
@@ -38,6 +38,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="python models' BLS calls (InferenceRequest.exec) go to this gRPC address: the gateway's "
                          "(`meshserve up` passes it)")
     add_bls_key_argument(py)
+    add_bls_tls_arguments(py)
     py.add_argument("--python-execute-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="an execute() running longer gets its worker killed and restarted, its requests "
                          "UNAVAILABLE (0 = no limit; a model's parameter execute_timeout_seconds overrides it)")
@@ -58,6 +59,19 @@ def add_bls_key_argument(ap: argparse.ArgumentParser | argparse._ArgumentGroup) 
                          "models BLS may reach (default: no key, refused unless the file allows anonymous callers)")
 
 
+def add_bls_tls_arguments(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """BLS over TLS, flags of `meshserve service python` (and of `meshserve up`, which passes them
+    on): the gateway's gRPC port serves TLS (--grpc-use-ssl), mutual TLS too."""
+    ap.add_argument("--bls-use-ssl", action="store_true",
+                    help="python models' BLS calls reach --bls-target over TLS (default: plaintext)")
+    ap.add_argument("--bls-root-cert", type=Path, default=None, metavar="PEM",
+                    help="BLS over TLS: the CA the gateway's certificate must chain to (default: the system's; "
+                         "giving it implies --bls-use-ssl)")
+    ap.add_argument("--bls-client-cert", type=Path, default=None, metavar="PEM",
+                    help="BLS over TLS: the service's client certificate, for a gateway with --grpc-use-ssl-mutual")
+    ap.add_argument("--bls-client-key", type=Path, default=None, metavar="PEM", help="its private key")
+
+
 def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespace,
          gpu_available: bool = False, core_cls: type[ServiceCore] = ServiceCore) -> None:
     """Run the service of ``kind`` with its runtime ``adapters`` (config backend -> adapter): the
@@ -69,6 +83,7 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
                          f"{served}")
     setup_logging(args.log_level, args.log_format)
     limits = server_limits.from_args(args)
+    tls.configure_hop(limits.tls, args.host, service=True)  # which hop streams are believed (--hop-key-file)
     configure_tracing(f"meshserve-{kind}", "service")  # OTEL_* environment; off by default
     if not args.repository.is_dir():
         raise SystemExit(f"meshserve service {kind}: model repository {args.repository} does not exist")

@@ -9,7 +9,8 @@ responses arrive until the one marked ``triton_final_response`` (asked for with
 Every call is made as the python service's own identity: the API key of ``--bls-api-key-file``,
 which ``services/python/main.py`` reads once and hands to the workers in the environment
 (``MESHSERVE_BLS_API_KEY``), sent as ``x-api-key`` metadata. The gateway's tenants file says which
-models that identity may reach and meters its calls (docs/security.md).
+models that identity may reach and meters its calls (docs/security.md). When the gateway's gRPC
+port serves TLS, the channel does too (``--bls-use-ssl`` and its files, ``credentials``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ from services.python import pb_utils
 
 _MAX_MESSAGE = 256 * 1024 * 1024
 BLS_API_KEY_ENV = "MESHSERVE_BLS_API_KEY"  # the service's BLS key, for its workers (never on a command line)
+# BLS over TLS (--bls-use-ssl, --bls-root-cert, --bls-client-cert, --bls-client-key): the files'
+# paths, for the workers ("1" and paths; unset: plaintext)
+BLS_TLS_ENV = {"on": "MESHSERVE_BLS_USE_SSL", "root": "MESHSERVE_BLS_ROOT_CERT", "cert": "MESHSERVE_BLS_CLIENT_CERT",
+               "key": "MESHSERVE_BLS_CLIENT_KEY"}
 _GRPC_TO_TRITON = {
     grpc.StatusCode.INVALID_ARGUMENT: pb_utils.TritonError.INVALID_ARG,
     grpc.StatusCode.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
@@ -96,6 +101,23 @@ def _error(code: grpc.StatusCode | None, message: str, model: str = "") -> pb_ut
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, triton))
 
 
+def credentials() -> grpc.ChannelCredentials | None:
+    """The BLS channel's TLS credentials from the environment (BLS_TLS_ENV), None: plaintext. The
+    CA the gateway's certificate must chain to (none: the system's) and, for a gateway with
+    --grpc-use-ssl-mutual, the service's client certificate and key."""
+    env = {k: os.environ.get(v, "") for k, v in BLS_TLS_ENV.items()}
+    if env["on"] != "1":
+        return None
+
+    def read(path: str) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(env["root"]), read(env["key"]), read(env["cert"]))
+
+
 def _refusal_hint(code: grpc.StatusCode, has_key: bool) -> str:
     """What the operator must change when the gateway refuses the service's BLS identity."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -128,8 +150,11 @@ class BlsClient:
     def _get_stub(self) -> pb_grpc.GRPCInferenceServiceStub:
         with self._lock:
             if self._stub is None:
-                channel = grpc.insecure_channel(self.target, options=[
-                    ("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+                options = [("grpc.max_send_message_length", _MAX_MESSAGE),
+                           ("grpc.max_receive_message_length", _MAX_MESSAGE)]
+                creds = credentials()
+                channel = grpc.insecure_channel(self.target, options=options) if creds is None else \
+                    grpc.secure_channel(self.target, creds, options=options)
                 self._stub = pb_grpc.GRPCInferenceServiceStub(channel)
             return self._stub
 

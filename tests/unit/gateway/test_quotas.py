@@ -250,3 +250,34 @@ tenants:
         await call("b-key", seq="i:3")
     assert err.value.code is Code.RESOURCE_EXHAUSTED and "sequences in progress" in err.value.message
     assert len(adm.sequences) <= 4 and adm.inflight == {}
+
+
+def test_certificate_names_name_a_tenant_only_when_verified() -> None:
+    """A tenant's certificate_names (mutual TLS): matched against the names of a certificate the
+    handshake verified (tls.CertNames, a type no header from a wire has), the CN first; a key wins."""
+    from gateway.auth import Tenants
+    from meshserve.server.tls import CLIENT_CERT_HEADER, CertNames, _cert_names
+
+    spec = parse_tenants(f"""
+tenants:
+  - {{name: acme, certificate_names: ["acme-client", "spiffe://mesh/acme"], rate: 1, burst: 1}}
+  - {{name: beta, keys_sha256: ["{hash_key('beta-key')}"], rate: 1, burst: 1}}
+""")
+    tenants = Tenants(spec)
+    names = _cert_names({"subject": ((("organizationName", "x"),), (("commonName", "someone"),)),
+                         "subjectAltName": (("DNS", "host"), ("URI", "spiffe://mesh/acme"))})
+    assert names == "someone\nspiffe://mesh/acme\nhost" and type(names) is CertNames
+    found = tenants.authenticate({CLIENT_CERT_HEADER: names})
+    assert found is not None and found.name == "acme"
+    found = tenants.authenticate({CLIENT_CERT_HEADER: names, "x-api-key": "beta-key"})
+    assert found is not None and found.name == "beta"
+    with pytest.raises(InferError) as err:  # the same text from a wire: not a verified certificate
+        tenants.authenticate({CLIENT_CERT_HEADER: str(names)})
+    assert err.value.code is Code.UNAUTHENTICATED
+    assert _cert_names({}) is None
+    for bad in ("tenants: [{name: a, rate: 1, burst: 1}]",
+                "tenants: [{name: a, certificate_names: [''], rate: 1, burst: 1}]",
+                "tenants: [{name: a, certificate_names: [x], rate: 1, burst: 1},"
+                " {name: b, certificate_names: [x], rate: 1, burst: 1}]"):
+        with pytest.raises(ValueError):
+            parse_tenants(bad)

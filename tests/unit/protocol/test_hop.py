@@ -10,7 +10,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 
-MARKED = dict(hop.METADATA)
+MARKED = {hop.HEADER: hop.VERIFIED}  # a call's metadata once hop.vet authenticated it
 
 
 def _decode(raw: bytes) -> hop.Hop:
@@ -103,3 +103,81 @@ def test_the_marker_is_believed_only_where_trusted(monkeypatch: pytest.MonkeyPat
     assert not hop.from_gateway({hop.HEADER: "client"}) and not hop.from_gateway({})
     hop.trust_marker(False)
     assert not hop.from_gateway(MARKED) and _decode(raw) is hop.NO_HOP
+
+
+# ---- the authenticated hop (hop.vet: once per call, at the gRPC front door) ----------------------
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def service(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service's hop state, restored afterwards."""
+    for name, value in (("trusted", True), ("_hop_key", None), ("_mutual", False), ("_nonces", {})):
+        monkeypatch.setattr(hop, name, value)
+
+
+def _vetted(headers: dict[str, str]) -> hop.Hop:
+    return hop.decode(pb.ModelInferRequest.FromString(hop.with_queued(b"", 7)).parameters, hop.vet(dict(headers)))
+
+
+def test_a_token_is_good_once_within_its_window_and_under_its_key() -> None:
+    seen: dict[str, int] = {}
+    now = 1_700_000_000_000
+    good = hop.token(KEY, now)
+    assert hop.check_token(KEY, good, now + 1000, seen) is None
+    assert hop.check_token(KEY, good, now + 2000, seen) == "replayed"
+    assert hop.check_token(b"x" * 32, hop.token(KEY, now), now, seen) == "a wrong MAC (another key)"
+    late = int(hop.AUTH_WINDOW_S * 1000) + 1
+    assert hop.check_token(KEY, hop.token(KEY, now), now + late, seen).startswith("expired")
+    assert hop.check_token(KEY, hop.token(KEY, now + late), now, seen).startswith("expired")  # (from the future)
+    for bad in ("", "gateway", "1.2", "a.b.c", "1.2.3.4", "9" * 200, good.replace(".", "..", 1)):
+        assert hop.check_token(KEY, bad, now, seen) is not None, bad
+    # the nonces of tokens past the window are forgotten (the store stays bounded), theirs refused anyway
+    assert hop.check_token(KEY, hop.token(KEY, now + late), now + late, seen) is None and len(seen) == 1
+
+
+def test_the_nonce_store_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hop, "NONCES_KEPT", 3)
+    seen: dict[str, int] = {}
+    now = 1_700_000_000_000
+    assert [hop.check_token(KEY, hop.token(KEY, now), now, seen) for _ in range(4)] == \
+        [None, None, None, "too many streams within the window"]
+
+
+@pytest.mark.usefixtures("service")
+def test_an_open_hop_believes_the_marker_and_a_keyed_one_only_with_a_fresh_token() -> None:
+    marker = dict(hop.METADATA)
+    assert _vetted(marker).queued_ns == 7_000  # no key, no mutual TLS: the network is the boundary
+    hop.authenticate(KEY, mutual=False)
+    assert not hop.open_hop()
+    assert _vetted(marker) is hop.NO_HOP  # the marker alone
+    assert _vetted({**marker, hop.AUTH_HEADER: hop.token(b"y" * 32)}) is hop.NO_HOP  # another key
+    signed = dict(hop.stream_metadata())  # what a gateway with the key sends on a new stream
+    assert set(signed) == {hop.HEADER, hop.AUTH_HEADER}
+    vetted = hop.vet(dict(signed))
+    assert vetted == {hop.HEADER: hop.VERIFIED} and hop.from_gateway(vetted)  # (the token is not kept)
+    assert hop.decode(pb.ModelInferRequest().parameters, vetted) is hop.GATEWAY_HOP
+    assert _vetted(signed) is hop.NO_HOP  # the same token on another call: replayed
+    assert _vetted({hop.HEADER: "client", hop.AUTH_HEADER: hop.token(KEY)}) is hop.NO_HOP
+    hop.authenticate(None, mutual=True)  # mutual TLS on the gRPC port: every peer holds the mesh CA's certificate
+    assert _vetted(marker).queued_ns == 7_000
+
+
+@pytest.mark.usefixtures("service")
+def test_only_vet_makes_a_marker_believed() -> None:
+    """decode believes the verified marker by identity: the same characters from a wire (or a
+    marker that skipped vet, e.g. an HTTP header) are not it."""
+    params = pb.ModelInferRequest.FromString(hop.with_queued(b"", 7)).parameters
+    assert hop.decode(params, {hop.HEADER: hop.GATEWAY}) is hop.NO_HOP
+    copy = "".join(("gateway", "\x00verified"))
+    assert copy == hop.VERIFIED and hop.decode(params, {hop.HEADER: copy}) is hop.NO_HOP
+    assert _vetted({hop.HEADER: copy}) is hop.NO_HOP
+    assert hop.vet({"x": "y"}) == {"x": "y"}
+
+
+@pytest.mark.usefixtures("service")
+def test_a_gateway_deletes_every_marker() -> None:
+    hop.authenticate(KEY, mutual=False)
+    hop.trust_marker(False)
+    assert hop.vet(dict(hop.stream_metadata())) == {}

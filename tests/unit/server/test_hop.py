@@ -13,7 +13,7 @@ from meshserve.protocol.hop import GATEWAY_HOP, NO_HOP
 from meshserve.server import observe
 from meshserve.server.core import InferResult, RequestContext
 
-GATEWAY = {hop.HEADER: hop.GATEWAY}
+GATEWAY = {hop.HEADER: hop.VERIFIED}  # a call's metadata once hop.vet authenticated it
 
 
 def _params(**values: object) -> pb.ModelInferRequest:

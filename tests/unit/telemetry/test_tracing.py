@@ -121,7 +121,7 @@ def test_observe_server_span_from_header_and_error_status(spans: InMemorySpanExp
 
 def test_observe_skips_gateway_hop_requests_without_context(spans: InMemorySpanExporter) -> None:
     req = pb.ModelInferRequest(model_name="m")
-    ctx = RequestContext("grpc", {hop.HEADER: hop.GATEWAY})
+    ctx = RequestContext("grpc", {hop.HEADER: hop.VERIFIED})
     for _ in range(20):
         assert asyncio.run(observe.infer(_Core(), req, ctx))[1] is None  # type: ignore[arg-type]
     assert tracing.force_flush(5)
@@ -236,7 +236,7 @@ def test_requests_the_gateway_forwarded_get_their_server_spans_late(service_span
     merged.parameters[hop.MERGED].int64_param = 4
     merged.parameters[hop.TRACEPARENTS].string_param = "\n".join([
         f"00-{TRACE}-{PARENT}-01", "", f"00-{other_trace}-{other_parent}-01\tk=v", f"00-{TRACE}-{'3' * 16}-00"])
-    marker = {hop.HEADER: hop.GATEWAY}
+    marker = {hop.HEADER: hop.VERIFIED}
     core = _SpyCore()
     result, echoed = _served(core, merged, RequestContext("grpc", marker), service_spans, 2)
     assert echoed is None  # nothing to echo on the gateway's stream
