@@ -166,7 +166,8 @@ def files_bytes(path: Path) -> int:
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if os.name == "posix" else None
-_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (not musl)
+# glibc only (not musl); MESHSERVE_MALLOC_TRIM=0 leaves it out (how docs/perf/memory-return.md measures without it)
+_malloc_trim = getattr(_libc, "malloc_trim", None) if os.environ.get("MESHSERVE_MALLOC_TRIM", "1") != "0" else None
 
 
 def trim() -> None:
