@@ -97,3 +97,19 @@ def test_book_counters_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     samples = {(k, tuple(sorted(labels.items()))): v for k, labels, v in book.samples([("m4", "1", 200)], 4, 8)}
     assert samples[("memory_used", ())] == 200 and samples[("memory_pressure", ())] == 0.2
     assert samples[("saturation", ())] == 0.5 and samples[("model_memory", (("model", "m4"), ("version", "1")))] == 200
+
+
+def test_service_flags() -> None:
+    import argparse
+
+    from services.base.main import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    shown = " ".join(ap.format_help().split())  # argparse formats help with %: a stray one raises here
+    assert "--memory-budget" in shown and "default 80% of the cgroup memory limit" in shown
+    args = ap.parse_args(["--repository", "r", "--memory-budget", "512Mi", "--pin", "a", "--pin", "b"])
+    assert args.memory_budget == 512 << 20 and args.pin == ["a", "b"]
+    assert ap.parse_args(["--repository", "r"]).memory_budget is None  # main(): memory.default_budget()
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--repository", "r", "--memory-budget", "lots"])
