@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import math
 import os
 import re
@@ -174,6 +175,16 @@ def trim() -> None:
     """Hand the heap's free pages back to the kernel (glibc malloc_trim; a no-op elsewhere)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def collect() -> None:
+    """Free an unloaded version's objects now (called on the event loop after an unload, before
+    ``trim``). The adapters' close() drops the runtime's session or module, so the weights go at
+    once; the rest of a version (its Python objects, its batcher, which calls back into it: a
+    reference cycle) waits for a garbage collection, which the raised young threshold
+    (meshserve/server/process.py:GEN0_THRESHOLD) makes rare. Only what was not frozen at start
+    (gc.freeze) is scanned."""
+    gc.collect()
 
 
 @runtime_checkable
