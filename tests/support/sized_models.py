@@ -24,20 +24,8 @@ def _config(name: str, platform: str, n: int, extra: str = "") -> str:
 
 
 def onnx_matmul(repo: Path, name: str, n: int, value: float) -> Path:
-    """An ONNX model of n*n*4 bytes of weights under ``repo/name`` (version 1)."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    weights = numpy_helper.from_array(np.full((n, n), value / n, np.float32), "W")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], name,
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], [weights])
-    folder = repo / name
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
-              str(folder / "1" / "model.onnx"))
-    (folder / "config.pbtxt").write_text(_config(name, 'platform: "onnxruntime_onnx"', n))
-    return folder
+    """An ONNX model of n*n*4 bytes of weights (one tensor) under ``repo/name`` (version 1)."""
+    return onnx_chain(repo, name, n, value, layers=1)
 
 
 def _layer_value(i: int, layers: int, value: float) -> float:
@@ -81,13 +69,8 @@ def torch_chain(repo: Path, name: str, n: int, value: float, layers: int = 48) -
 
 
 def torch_linear(repo: Path, name: str, n: int, value: float) -> Path:
-    """A TorchScript model of n*n*4 bytes of weights under ``repo/name`` (version 1)."""
-    import torch
-
-    layer = torch.nn.Linear(n, n, bias=False)
-    with torch.no_grad():
-        layer.weight.fill_(value / n)
-    return _save_torch(repo, name, n, torch.jit.script(layer))
+    """A TorchScript model of n*n*4 bytes of weights (one tensor) under ``repo/name`` (version 1)."""
+    return torch_chain(repo, name, n, value, layers=1)
 
 
 def _save_torch(repo: Path, name: str, n: int, module: object) -> Path:
