@@ -192,3 +192,22 @@ def test_an_eviction_waits_for_a_slow_request_in_flight(tmp_path: Path) -> None:
             assert stats["inference_stats"]["success"]["count"] == 1
     finally:
         svc.stop()
+
+
+def test_at_start_pinned_models_load_first_and_the_rest_only_while_they_fit(onnx_repo: Path) -> None:
+    """--load-model '*' under a budget of about two models: the pinned one (last by name) loads
+    first, one more fits, the others are not loaded (their reason names the budget); nothing is
+    evicted at start."""
+    svc = _service("onnx", onnx_repo, "--load-model", "*", "--memory-budget", "90M", "--pin", "m3")
+    try:
+        with httpclient.InferenceServerClient(svc.http) as c:
+            ready = {m: c.is_model_ready(m) for m in ("m0", "m1", "m2", "m3", "huge")}
+            assert ready["m3"] and sum(ready.values()) == 2, ready
+            index = {m["name"]: m for m in c.get_model_repository_index()}
+            for name, up in ready.items():
+                assert up or "memory budget" in index[name]["reason"], index[name]
+        samples = scrape(svc.http)
+        assert sample(samples, "meshserve_memory_used_bytes") <= 90_000_000
+        assert not any(n == "meshserve_model_evictions_total" for n, _ in samples)
+    finally:
+        svc.stop()
