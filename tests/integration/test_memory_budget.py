@@ -211,3 +211,44 @@ def test_at_start_pinned_models_load_first_and_the_rest_only_while_they_fit(onnx
         assert not any(n == "meshserve_model_evictions_total" for n, _ in samples)
     finally:
         svc.stop()
+
+
+def test_evictions_under_traffic_lose_no_admitted_request(budgeted: Proc) -> None:
+    """Four clients call m1, m2, m3 and m0 without pause while loads cycle through the four
+    (three fit): every answer is its own model's, and a request fails only as a model that is
+    not loaded at that moment does (NOT_FOUND / UNAVAILABLE, before it was admitted), never
+    mid-flight (INTERNAL, CANCELLED, a dropped connection)."""
+    stop = threading.Event()
+    outcomes: dict[str, list[str]] = {f"m{i}": [] for i in range(4)}
+
+    def client(model: str, value: float) -> None:
+        with grpcclient.InferenceServerClient(budgeted.grpc) as g:
+            x = grpcclient.InferInput("x", [1, N], "FP32")
+            x.set_data_from_numpy(sized_models.row_of_ones(N))
+            while not stop.is_set():
+                try:
+                    y = g.infer(model, [x]).as_numpy("y")
+                    outcomes[model].append("ok" if y is not None and abs(float(y[0, 0]) - value) < 1e-3 else "WRONG")
+                except InferenceServerException as exc:
+                    outcomes[model].append(str(exc.status()))
+
+    with httpclient.InferenceServerClient(budgeted.http) as c:
+        for name in ("m0", "m1", "m2"):
+            c.load_model(name)
+        threads = [threading.Thread(target=client, args=(f"m{i}", float(i + 1))) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            eventually(lambda: all("ok" in outcomes[f"m{i}"] for i in range(3)), what="every loaded model answering")
+            for round_ in range(6):
+                c.load_model(f"m{(round_ + 3) % 4}")  # evicts an idle one when it can, waits otherwise
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        evictions = sum(v for (n, _), v in scrape(budgeted.http).items() if n == "meshserve_model_evictions_total")
+    assert evictions >= 3
+    for model, seen in outcomes.items():
+        kinds = set(seen)
+        assert "ok" in kinds, (model, kinds)
+        assert kinds <= {"ok", "StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"}, (model, kinds)
