@@ -83,16 +83,39 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-def cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """This process's cgroup memory limit (v2 memory.max, else v1 memory.limit_in_bytes), or None."""
-    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+def cgroup_limit(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The smallest memory limit of this process's cgroup and its ancestors (v2 memory.max, v1
+    memory.limit_in_bytes; the cgroup read from /proc/self/cgroup, or the mount's root as a
+    container with its own cgroup namespace sees it), or None when there is none."""
+    files: list[Path] = []
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):  # v1
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        at = base / group.strip("/")
+        while True:
+            files.append(at / name)
+            if at == base:
+                break
+            at = at.parent
+    files += [root / "memory.max", root / "memory" / "memory.limit_in_bytes"]
+    limits = []
+    for path in files:
         try:
             raw = path.read_text().strip()
         except OSError:
             continue
         if raw.isdigit() and int(raw) < 1 << 60:  # v1 says "no limit" with a huge number, v2 with "max"
-            return int(raw)
-    return None
+            limits.append(int(raw))
+    return min(limits) if limits else None
 
 
 def system_memory() -> tuple[int, int]:

@@ -32,15 +32,34 @@ def test_budget_argument() -> None:
 
 
 def test_cgroup_limit(tmp_path: Path) -> None:
-    assert memory.cgroup_limit(tmp_path) is None
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    assert memory.cgroup_limit(tmp_path, proc) is None
     (tmp_path / "memory.max").write_text("max\n")
-    assert memory.cgroup_limit(tmp_path) is None
+    assert memory.cgroup_limit(tmp_path, proc) is None
     (tmp_path / "memory.max").write_text("1073741824\n")
-    assert memory.cgroup_limit(tmp_path) == 1 << 30
+    assert memory.cgroup_limit(tmp_path, proc) == 1 << 30
     (tmp_path / "memory.max").unlink()
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text(str(1 << 62))  # v1: no limit
-    assert memory.cgroup_limit(tmp_path) is None
+    assert memory.cgroup_limit(tmp_path, proc) is None
+
+
+def test_cgroup_limit_of_a_nested_group(tmp_path: Path) -> None:
+    """The process's own group is read from /proc/self/cgroup; the smallest limit on its path wins."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b\n")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "memory.max").write_text("max\n")
+    (tmp_path / "a" / "memory.max").write_text("2147483648\n")
+    assert memory.cgroup_limit(tmp_path, proc) == 2 << 30
+    (tmp_path / "a" / "b" / "memory.max").write_text("1073741824\n")
+    assert memory.cgroup_limit(tmp_path, proc) == 1 << 30
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "svc").mkdir(parents=True)
+    (v1 / "memory" / "svc" / "memory.limit_in_bytes").write_text("536870912\n")
+    proc.write_text("4:memory:/svc\n1:cpu:/\n0::/\n")
+    assert memory.cgroup_limit(v1, proc) == 512 << 20
 
 
 def test_default_budget_is_a_share_of_physical_memory() -> None:
