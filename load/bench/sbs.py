@@ -228,7 +228,7 @@ class Bench:
     servers: dict[str, Server] = field(default_factory=dict)
     procs: dict[str, dict[str, int]] = field(default_factory=dict)  # label -> process name -> pid
 
-    def run(self, label: str, rep: int, key: Key) -> dict[str, Any]:
+    def run(self, label: str, rep: int, key: Key, into: str = "runs.jsonl", interval: int = 0) -> dict[str, Any]:
         model, mode, c = key
         s = self.servers[label]
         tmp = self.res / "drive" / f"{label}-{model}-{mode}-c{c}-r{rep}.jsonl"
@@ -236,8 +236,9 @@ class Bench:
         cpu0 = {name: cpu_seconds(pid) for name, pid in self.procs[label].items()}
         t0 = time.monotonic()
         cmd = [sys.executable, str(BENCH / "drive.py"), "--http", s.http, "--grpc", s.grpc, "--model", model,
-               "--label", label, "--modes", mode, "--concurrency", str(c), "--interval", str(self.args.interval),
-               "--max-trials", str(self.args.max_trials), "--stats", "triton",
+               "--label", f"{label}-r{rep}", "--modes", mode, "--concurrency", str(c), "--interval", str(interval or self.args.interval),
+               *(["--max-trials", "3", "--stability", "999"] if interval else ["--max-trials", str(self.args.max_trials)]),
+               "--stats", "triton",
                "--server-pid", str(s.proc.pid), "--quiet-wait", str(self.args.quiet_wait), "--pa", self.pa,
                "--out", str(tmp), "--logdir", str(self.res / "pa-logs"),
                "--input-data", str(self.args.models_dir / "perf_data" / f"{model}.json")]
@@ -258,7 +259,7 @@ class Bench:
             rec["cpu_foreign_cores"] = round(max(0.0, rec["cpu_busy_cores"] - ours - rec.get("cpu_pa_cores", 0)), 2)
         if served:
             rec["cpu_us_per_req"] = {n: round(1e6 * (cpu1[n] - cpu0[n]) / served, 1) for n in cpu0}
-        with (self.res / "runs.jsonl").open("a") as f:
+        with (self.res / into).open("a") as f:
             f.write(json.dumps(rec) + "\n")
         tmp.unlink(missing_ok=True)
         return rec
@@ -380,6 +381,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--interval", type=int, default=int(os.environ.get("INTERVAL", 2000)),
                     help="perf_analyzer window, ms (stabilised over 3 windows)")
     ap.add_argument("--max-trials", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=int(os.environ.get("WARMUP", 1000)),
+                    help="perf_analyzer window (ms) of the warm-up run per server, model and protocol; 0: none")
     ap.add_argument("--quiet-wait", type=float, default=float(os.environ.get("QUIET_WAIT", 0)),
                     help="drive.py: wait up to this many seconds for a quiet machine before each run")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per run")
@@ -445,6 +448,16 @@ def main(argv: list[str] | None = None) -> int:
                 "interval": args.interval, "ort_threads": args.ort_threads, "gateway_workers": args.gateway_workers,
                 "triton": triton_note, "load_start": load_average()}
         print(f"{len(keys)} cells × {args.repeats} repeats × {len(labels)} servers", flush=True)
+        if args.warmup:
+            # the first requests a fresh meshserve process serves cost several times the later ones
+            # (measured: add_sub gRPC c1, the first run after start 474/668 µs per request in the
+            # gateway/service, 127-148/181-208 in the next repeats): each server serves every model
+            # and protocol of the sweep once before anything counts (warmup.jsonl)
+            print(f"== warm-up: every server, model and protocol at c8, windows of {args.warmup} ms", flush=True)
+            for m in dict.fromkeys(k[0] for k in keys):
+                for mode in dict.fromkeys(k[1] for k in keys):
+                    for label in labels:
+                        say(bench.run(label, -1, (m, mode, 8), into="warmup.jsonl", interval=args.warmup))
         records = []
         for i, key in enumerate(keys):
             print(f"== cell {i + 1}/{len(keys)}: {key[0]} {key[1]} c{key[2]}", flush=True)
