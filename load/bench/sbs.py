@@ -353,8 +353,21 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{_f(med['direct'], '.0f')} | {_ratio_cell(gt)} | {_ratio_cell(gd)} | "
             f"{' / '.join(_f(p99[lab], '.1f') for lab in LABELS)} | {' / '.join(_f(rows[lab], '.1f') for lab in LABELS)} | "
             f"{_f(hop, '.0f')} (gw {_f(gw_only, '.0f')}) / {_f(tri, '.0f')} | {_f(svc_d, '.0f')} | {_f(foreign, '.2f')} |")
-    out += ["", f"cells with Triton: {total}; gw/Triton min ≥ 1.0 in {ahead}; spread crosses 1.0 in {crossing}", "",
-            "## Every repeat", "",
+    out += ["", f"cells with Triton: {total}; gw/Triton min ≥ 1.0 in {ahead}; spread crosses 1.0 in {crossing}", ""]
+    more = sorted({r["label"] for r in records} - set(LABELS))
+    if more:  # other gateway worker counts against the first gateway, per repeat
+        out += ["| model | proto | c | " + " | ".join(f"{m} /s | {m}/gateway | rows/exec" for m in more) + " |",
+                "|---|---|---|" + "---|---|---|" * len(more)]
+        for k in keys:
+            cols = []
+            for m in more:
+                tm = [val(k, m, r, "infer_per_s") for r in reps]
+                gm = [val(k, "gateway", r, "infer_per_s") for r in reps]
+                cols += [_f(spread(tm)[0], ".0f"), _ratio_cell([a / b for a, b in zip(tm, gm, strict=True)]),
+                         _f(spread([val(k, m, r, "avg_batch") for r in reps])[0], ".1f")]
+            out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cols) + " |")
+        out.append("")
+    out += ["## Every repeat", "",
             "| model | proto | c | rep | label | infer/s | p99 ms | rows/exec | CPU µs/req per process | foreign | load |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
@@ -390,7 +403,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--triton-venv", type=Path, default=Path(os.environ.get("TRITON_VENV", "/tmp/bench-venvs/triton")))
     ap.add_argument("--models-dir", type=Path, default=None,
                     help="gen_models.py output (default: RESULTS_DIR/models, generated)")
-    ap.add_argument("--gateway-workers", type=int, default=int(os.environ.get("GATEWAY_WORKERS", 1)))
+    ap.add_argument("--gateway-workers", default=os.environ.get("GATEWAY_WORKERS", "1"),
+                    help="the gateway's --workers; a comma list (1,2) starts one gateway per count in front of "
+                         "the same service and alternates them too (gateway, gateway-w2)")
     ap.add_argument("--ort-threads", default=os.environ.get("BENCH_ORT_THREADS", "2"))
     return ap.parse_args(argv)
 
@@ -430,17 +445,22 @@ def main(argv: list[str] | None = None) -> int:
                                          "--log-level", "WARNING"], svc_http, svc_grpc, res)
         bench.servers["direct"] = svc
         wait_ready(svc, 120)
-        gw_http, gw_grpc = free_port(), free_port()
-        gw = start_meshserve("gateway", ["gateway", "--host", "127.0.0.1", "--http-port", str(gw_http),
+        workers = [int(w) for w in str(args.gateway_workers).split(",")]
+        for i, n in enumerate(workers):
+            # the first gateway is "gateway"; more (--gateway-workers 1,2: another worker count in
+            # front of the same service) are "gateway-wN", measured in the same alternation
+            label = "gateway" if i == 0 else f"gateway-w{n}"
+            gw_http, gw_grpc = free_port(), free_port()
+            gw = start_meshserve(label, ["gateway", "--host", "127.0.0.1", "--http-port", str(gw_http),
                                          "--grpc-port", str(gw_grpc), "--log-level", "WARNING",
                                          "--repository", repo, "--federate-metrics",
-                                         "--workers", str(args.gateway_workers), "--metrics-port", "0",
+                                         "--workers", str(n), "--metrics-port", "0",
                                          "--upstream", f"127.0.0.1:{svc_grpc}"], gw_http, gw_grpc, res)
-        bench.servers["gateway"] = gw
-        wait_ready(gw, 120)
-        bench.procs["gateway"] = {"gateway": gw.proc.pid, "service": svc.proc.pid}
+            bench.servers[label] = gw
+            wait_ready(gw, 120)
+            bench.procs[label] = {"gateway": gw.proc.pid, "service": svc.proc.pid}
         bench.procs["direct"] = {"service": svc.proc.pid}
-        labels = [lab for lab in LABELS if lab in bench.servers]
+        labels = [lab for lab in LABELS if lab in bench.servers] + [lab for lab in bench.servers if lab not in LABELS]
         meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
                 "command": "python -m load.bench --side-by-side " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

@@ -82,3 +82,12 @@ def test_smoke_one_cell_without_triton(tmp_path: Path) -> None:
     cells = row((res / "side_by_side.md").read_text())
     assert cells[3] == "–" and cells[6] == "–"  # no Triton: no Triton column, no ratio to it
     assert cells[7] != "–"  # gw/direct measured
+
+
+def test_another_gateway_worker_count_is_reported_against_the_first_gateway() -> None:
+    records = []
+    for rep, (g, w2) in enumerate([(1000, 900), (1000, 1100)]):
+        records += [rec("gateway", rep, g), rec("gateway-w2", rep, w2, avg_batch=5.0), rec("direct", rep, 1200)]
+    text = sbs.report(records, META)
+    assert "| model | proto | c | gateway-w2 /s | gateway-w2/gateway | rows/exec |" in text
+    assert "| add_sub | grpc | 8 | 1000 | 1.00 (0.90–1.10) ± | 5.0 |"  # (± : either way) in text
