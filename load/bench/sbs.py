@@ -89,6 +89,28 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid``'s tree onto ``cpus`` (threads started later inherit it)."""
+    for p in tree(pid):
+        for task in Path(f"/proc/{p}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except OSError:
+                pass
+
+
+def parse_pin(text: str) -> dict[str, set[int]]:
+    """``gateway=0,service=1,client=0-1`` -> {name: cpus}; names: gateway, service, triton, client."""
+    out: dict[str, set[int]] = {}
+    for part in filter(None, text.replace(" ", ",").split(",")):
+        name, _, cpus = part.partition("=")
+        if name not in ("gateway", "service", "triton", "client") or not cpus:
+            raise argparse.ArgumentTypeError(f"--pin: {part!r} is not NAME=CPUS (gateway, service, triton, client)")
+        lo, _, hi = cpus.partition("-")
+        out[name] = set(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def load_average() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -242,8 +264,10 @@ class Bench:
                "--server-pid", str(s.proc.pid), "--quiet-wait", str(self.args.quiet_wait), "--pa", self.pa,
                "--out", str(tmp), "--logdir", str(self.res / "pa-logs"),
                "--input-data", str(self.args.models_dir / "perf_data" / f"{model}.json")]
+        client = self.args.pin.get("client")
         run = subprocess.run(cmd, env={**os.environ, **self.pa_env}, capture_output=True, text=True,
-                             timeout=self.args.timeout)
+                             timeout=self.args.timeout,
+                             preexec_fn=None if client is None else lambda: os.sched_setaffinity(0, client))
         wall = time.monotonic() - t0
         cpu1 = {name: cpu_seconds(pid) for name, pid in self.procs[label].items()}
         lines = [json.loads(x) for x in tmp.read_text().splitlines() if x.strip()] if tmp.exists() else []
@@ -320,7 +344,8 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out = [f"# Side by side, alternating ({meta['when']})", "",
            f"command: `{meta['command']}`  ", f"commit: {meta['commit']}  ",
            f"knobs: repeats {meta['repeats']}, window {meta['interval']} ms, ORT threads {meta['ort_threads']}, "
-           f"gateway workers {meta['gateway_workers']}, Triton: {meta['triton']}  ",
+           f"gateway workers {meta['gateway_workers']}, CPU placement {meta.get('pin', 'none')}, "
+           f"Triton: {meta['triton']}  ",
            f"load average at start {meta['load_start']}, at end {meta.get('load_end', '–')}; "
            f"wall {meta.get('wall_min', '–')} min", "",
            "Per cell: median (min–max) over the repeats; each ratio from the runs of one repeat (Triton, "
@@ -393,7 +418,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=int(os.environ.get("REPEATS", 3)))
     ap.add_argument("--interval", type=int, default=int(os.environ.get("INTERVAL", 2000)),
                     help="perf_analyzer window, ms (stabilised over 3 windows)")
-    ap.add_argument("--max-trials", type=int, default=5)
+    ap.add_argument("--max-trials", type=int, default=4,
+                    help="perf_analyzer windows before a run without the stability criterion")
     ap.add_argument("--warmup", type=int, default=int(os.environ.get("WARMUP", 1000)),
                     help="perf_analyzer window (ms) of the warm-up run per server, model and protocol; 0: none")
     ap.add_argument("--quiet-wait", type=float, default=float(os.environ.get("QUIET_WAIT", 0)),
@@ -406,6 +432,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gateway-workers", default=os.environ.get("GATEWAY_WORKERS", "1"),
                     help="the gateway's --workers; a comma list (1,2) starts one gateway per count in front of "
                          "the same service and alternates them too (gateway, gateway-w2)")
+    ap.add_argument("--pin", type=parse_pin, default=parse_pin(os.environ.get("PIN", "")),
+                    help="CPU placement, e.g. gateway=0,service=1,client=0-1 (triton too): every thread of that "
+                         "process tree (client: perf_analyzer); default: the scheduler's")
     ap.add_argument("--ort-threads", default=os.environ.get("BENCH_ORT_THREADS", "2"))
     return ap.parse_args(argv)
 
@@ -460,13 +489,18 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(gw, 120)
             bench.procs[label] = {"gateway": gw.proc.pid, "service": svc.proc.pid}
         bench.procs["direct"] = {"service": svc.proc.pid}
+        for names in bench.procs.values():
+            for name, pid in names.items():
+                if name in args.pin:
+                    pin(pid, args.pin[name])
         labels = [lab for lab in LABELS if lab in bench.servers] + [lab for lab in bench.servers if lab not in LABELS]
         meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
                 "command": "python -m load.bench --side-by-side " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                          text=True).stdout.strip(),
                 "interval": args.interval, "ort_threads": args.ort_threads, "gateway_workers": args.gateway_workers,
-                "triton": triton_note, "load_start": load_average()}
+                "triton": triton_note, "load_start": load_average(),
+                "pin": ", ".join(f"{k}={min(v)}-{max(v)}" for k, v in args.pin.items()) or "none"}
         print(f"{len(keys)} cells × {args.repeats} repeats × {len(labels)} servers", flush=True)
         if args.warmup:
             # the first requests a fresh meshserve process serves cost several times the later ones
