@@ -283,6 +283,8 @@ class Bench:
             rec["cpu_foreign_cores"] = round(max(0.0, rec["cpu_busy_cores"] - ours - rec.get("cpu_pa_cores", 0)), 2)
         if served:
             rec["cpu_us_per_req"] = {n: round(1e6 * (cpu1[n] - cpu0[n]) / served, 1) for n in cpu0}
+            if rec.get("cpu_pa_cores") is not None and rec.get("wall_s"):  # perf_analyzer's, over its own run
+                rec["cpu_us_per_req"]["client"] = round(1e6 * rec["cpu_pa_cores"] * rec["wall_s"] / served, 1)
         with (self.res / into).open("a") as f:
             f.write(json.dumps(rec) + "\n")
         tmp.unlink(missing_ok=True)
@@ -351,10 +353,12 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            "Per cell: median (min–max) over the repeats; each ratio from the runs of one repeat (Triton, "
            "gateway, direct back to back). ± = the gw/Triton spread crosses 1.0 (no verdict). Throughput "
            "infer/s; p99 ms; CPU µs per request from /proc over each run divided by the requests the "
-           "server counted (gw = gateway process(es), svc = ONNX service, T = Triton with its stubs).", "",
+           "server counted (gw = gateway process(es), svc = ONNX service, T = Triton with its stubs). "
+           "gw/direct by CPU: (service + perf_analyzer CPU per request, direct) / (gateway + service + "
+           "perf_analyzer, through the gateway): the ratio if the shared cores were the only bound.", "",
            "| model | proto | c | Triton /s | gw /s | direct /s | gw/Triton | gw/direct | p99 T / gw / d | "
-           "rows/exec T / gw / d | CPU µs/req gw+svc / T | svc direct | foreign cores |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "rows/exec T / gw / d | CPU µs/req gw+svc / T | svc direct | gw/direct by CPU | foreign cores |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ahead = crossing = total = 0
     for k in keys:
         tput = {lab: [val(k, lab, r, "infer_per_s") for r in reps] for lab in LABELS}
@@ -368,6 +372,11 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         tri = spread([cpu(k, "triton", r, "triton") for r in reps])[0]
         svc_d = spread([cpu(k, "direct", r, "service") for r in reps])[0]
         foreign = spread([val(k, lab, r, "cpu_foreign_cores") for lab in LABELS for r in reps])[0]
+        # what gw/direct would be if the cores were the only bound: the CPU per request of the
+        # direct path (service + perf_analyzer) over the gateway path's (gateway + service + perf_analyzer)
+        by_cpu = spread([(cpu(k, "direct", r, "service") + cpu(k, "direct", r, "client"))
+                         / (cpu(k, "gateway", r, "gateway") + cpu(k, "gateway", r, "service")
+                            + cpu(k, "gateway", r, "client")) for r in reps])[0]
         g = spread(gt)
         if not math.isnan(g[0]):
             total += 1
@@ -377,7 +386,7 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {k[0]} | {k[1]} | {k[2]} | {_f(med['triton'], '.0f')} | {_f(med['gateway'], '.0f')} | "
             f"{_f(med['direct'], '.0f')} | {_ratio_cell(gt)} | {_ratio_cell(gd)} | "
             f"{' / '.join(_f(p99[lab], '.1f') for lab in LABELS)} | {' / '.join(_f(rows[lab], '.1f') for lab in LABELS)} | "
-            f"{_f(hop, '.0f')} (gw {_f(gw_only, '.0f')}) / {_f(tri, '.0f')} | {_f(svc_d, '.0f')} | {_f(foreign, '.2f')} |")
+            f"{_f(hop, '.0f')} (gw {_f(gw_only, '.0f')}) / {_f(tri, '.0f')} | {_f(svc_d, '.0f')} | {_f(by_cpu, '.2f')} | {_f(foreign, '.2f')} |")
     out += ["", f"cells with Triton: {total}; gw/Triton min ≥ 1.0 in {ahead}; spread crosses 1.0 in {crossing}", ""]
     more = sorted({r["label"] for r in records} - set(LABELS))
     if more:  # other gateway worker counts against the first gateway, per repeat

@@ -36,14 +36,15 @@ def test_ratios_are_taken_per_repeat_and_a_spread_across_one_is_marked() -> None
     records = []
     # Triton steady, the gateway drifting: repeat 1 is behind, so the spread crosses 1.0
     for rep, (t, g, d) in enumerate([(1000, 1100, 1200), (1000, 900, 1000), (1100, 1320, 1400)]):
-        records += [rec("triton", rep, t), rec("gateway", rep, g, cpu_us_per_req={"gateway": 50, "service": 60}),
-                    rec("direct", rep, d, cpu_us_per_req={"service": 55})]
+        records += [rec("triton", rep, t), rec("gateway", rep, g, cpu_us_per_req={"gateway": 50, "service": 60, "client": 40}),
+                    rec("direct", rep, d, cpu_us_per_req={"service": 55, "client": 40})]
     cells = row(sbs.report(records, META))
     assert cells[3:6] == ["1000", "1100", "1200"]  # medians of each server's throughput
     assert cells[6] == "1.10 (0.90–1.20) ±"  # gw/Triton from the same repeat: 1.1, 0.9, 1.2
     assert cells[7] == "0.92 (0.90–0.94)"  # gw/direct: 0.917, 0.9, 0.943; never crosses 1.0: no mark
     assert cells[10] == "110 (gw 50) / –"  # CPU µs per request: gateway + service through the gateway
     assert cells[11] == "55"
+    assert cells[12] == "0.63"  # by CPU per request: (55 + 40) / (50 + 60 + 40)
     text = sbs.report(records, META)
     assert "spread crosses 1.0 in 1" in text
     assert sum(" | gateway | " in x for x in text.splitlines()) == 3  # every repeat is listed
