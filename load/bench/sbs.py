@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -259,19 +260,24 @@ class Bench:
         t0 = time.monotonic()
         cmd = [sys.executable, str(BENCH / "drive.py"), "--http", s.http, "--grpc", s.grpc, "--model", model,
                "--label", f"{label}-r{rep}", "--modes", mode, "--concurrency", str(c), "--interval", str(interval or self.args.interval),
-               *(["--max-trials", "3", "--stability", "999"] if interval else ["--max-trials", str(self.args.max_trials)]),
+               *(["--max-trials", "4", "--stability", "999"] if interval else ["--max-trials", str(self.args.max_trials),
+                                                                        "--stability", str(self.args.stability)]),
                "--stats", "triton",
                "--server-pid", str(s.proc.pid), "--quiet-wait", str(self.args.quiet_wait), "--pa", self.pa,
-               "--out", str(tmp), "--logdir", str(self.res / "pa-logs"),
+               "--timeout", str(int(self.args.timeout)), "--out", str(tmp), "--logdir", str(self.res / "pa-logs"),
                "--input-data", str(self.args.models_dir / "perf_data" / f"{model}.json")]
         client = self.args.pin.get("client")
-        run = subprocess.run(cmd, env={**os.environ, **self.pa_env}, capture_output=True, text=True,
-                             timeout=self.args.timeout,
-                             preexec_fn=None if client is None else lambda: os.sched_setaffinity(0, client))
+        try:  # (drive.py stops a perf_analyzer run after --timeout, and may run it twice)
+            run = subprocess.run(cmd, env={**os.environ, **self.pa_env}, capture_output=True, text=True,
+                                 timeout=2 * self.args.timeout + 60,
+                                 preexec_fn=None if client is None else lambda: os.sched_setaffinity(0, client))
+            said = run.stdout + run.stderr
+        except subprocess.TimeoutExpired:
+            said = "drive.py did not end"
         wall = time.monotonic() - t0
         cpu1 = {name: cpu_seconds(pid) for name, pid in self.procs[label].items()}
         lines = [json.loads(x) for x in tmp.read_text().splitlines() if x.strip()] if tmp.exists() else []
-        rec: dict[str, Any] = lines[-1] if lines else {"ok": False, "error": (run.stdout + run.stderr)[-600:]}
+        rec: dict[str, Any] = lines[-1] if lines else {"ok": False, "error": said[-600:]}
         rec.update(label=label, model=model, mode=mode, concurrency=c, repeat=rep,
                    load_avg=load_average(), drive_wall_s=round(wall, 1))
         served = rec.get("server_inferences") or 0
@@ -429,6 +435,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="perf_analyzer window, ms (stabilised over 3 windows)")
     ap.add_argument("--max-trials", type=int, default=4,
                     help="perf_analyzer windows before a run without the stability criterion")
+    ap.add_argument("--stability", type=int, default=30,
+                    help="perf_analyzer's stability criterion, %% of the average latency (999: none, for a smoke run)")
     ap.add_argument("--warmup", type=int, default=int(os.environ.get("WARMUP", 1000)),
                     help="perf_analyzer window (ms) of the warm-up run per server, model and protocol; 0: none")
     ap.add_argument("--quiet-wait", type=float, default=float(os.environ.get("QUIET_WAIT", 0)),
@@ -450,6 +458,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the servers are stopped on the way out)
     res: Path = args.results.resolve()
     res.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()

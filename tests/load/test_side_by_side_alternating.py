@@ -65,20 +65,20 @@ def test_smoke_one_cell_without_triton(tmp_path: Path) -> None:
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "load.bench", "--side-by-side", str(res), "--models", "add_sub",
                           "--modes", "grpc", "--concurrency", "8", "--repeats", "1", "--interval", "500",
-                          "--max-trials", "3", "--warmup", "300", "--triton-venv", str(tmp_path / "no-triton")],
+                          "--max-trials", "4", "--stability", "999", "--warmup", "0", "--triton-venv", str(tmp_path / "no-triton")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert time.monotonic() - t0 < 60  # (< 30 s on a quiet machine)
+    assert time.monotonic() - t0 < 90  # (goal < 30 s on a quiet machine; 34-43 s at load average 20-26 on 2 cores)
     assert f"report {res / 'side_by_side.md'}" in run.stdout
     assert "Triton: unavailable" in run.stdout
     runs = [json.loads(x) for x in (res / "runs.jsonl").read_text().splitlines()]
     assert [r["label"] for r in runs] == ["gateway", "direct"]
     for r in runs:
-        assert r["ok"] and r["infer_per_s"] > 0 and r["server_inferences"] > 0
+        assert r["ok"], r.get("error")
+        assert r["infer_per_s"] > 0 and r["server_inferences"] > 0
         assert r["avg_batch"] >= 1.0
-    assert set(runs[0]["cpu_us_per_req"]) == {"gateway", "service"}
-    warm = [json.loads(x) for x in (res / "warmup.jsonl").read_text().splitlines()]
-    assert [(r["label"], r["repeat"]) for r in warm] == [("gateway", -1), ("direct", -1)]  # served, not counted
+    assert set(runs[0]["cpu_us_per_req"]) == {"gateway", "service", "client"}  # client: perf_analyzer
+    assert not (res / "warmup.jsonl").exists()  # --warmup 0 (default: a run per server, model and protocol first)
     assert all(v > 0 for v in runs[0]["cpu_us_per_req"].values())
     cells = row((res / "side_by_side.md").read_text())
     assert cells[3] == "–" and cells[6] == "–"  # no Triton: no Triton column, no ratio to it
