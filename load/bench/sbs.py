@@ -407,6 +407,7 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          _f(spread([val(k, m, r, "avg_batch") for r in reps])[0], ".1f")]
             out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cols) + " |")
         out.append("")
+    out += drift(records, keys, reps)
     out += ["## Every repeat", "",
             "| model | proto | c | rep | label | infer/s | p99 ms | rows/exec | CPU µs/req per process | foreign | load |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -419,6 +420,58 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                    f"| {r['model']} | {r['mode']} | {r['concurrency']} | {r['repeat']} | {r['label']} | "
                    f"FAILED | | | | | {r.get('load_avg')} |")
     return "\n".join(out) + "\n"
+
+
+def drift(records: list[dict[str, Any]], keys: list[Key], reps: list[int]) -> list[str]:
+    """Which server moved between repeats: per server, over the cells, the median and the largest
+    relative spread ((max - min) / median) of its throughput, rows per execution and CPU per
+    request of each of its processes."""
+    if len(reps) < 2:
+        return []
+    runs: dict[tuple[Key, str], list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("ok"):
+            runs.setdefault(((r["model"], r["mode"], int(r["concurrency"])), r["label"]), []).append(r)
+
+    def rel(vals: list[float]) -> float:
+        vals = [v for v in vals if not math.isnan(v)]
+        return (max(vals) - min(vals)) / statistics.median(vals) if len(vals) > 1 and statistics.median(vals) else math.nan
+
+    def num(r: dict[str, Any], *path: str) -> float:
+        v: Any = r
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        return float(v) if v is not None else math.nan
+
+    out = ["## Drift: which server moved between repeats", "",
+           "Relative spread (max − min) / median over the repeats of one cell; median and largest over the cells.", "",
+           "| server | throughput | rows/exec | CPU µs/req per process |", "|---|---|---|---|"]
+    for label in sorted({lab for _, lab in runs}, key=lambda x: (x not in LABELS, LABELS.index(x) if x in LABELS else 0, x)):
+        cells = [runs[(k, label)] for k in keys if (k, label) in runs]
+        procs = sorted({n for rs in cells for r in rs for n in (r.get("cpu_us_per_req") or {})})
+
+        def both(vals: list[float]) -> str:
+            vals = [v for v in vals if not math.isnan(v)]
+            return f"{statistics.median(vals):.0%} (max {max(vals):.0%})" if vals else "–"
+
+        per = ", ".join(f"{n} {both([rel([num(r, 'cpu_us_per_req', n) for r in rs]) for rs in cells])}" for n in procs)
+        out.append(f"| {label} | {both([rel([num(r, 'infer_per_s') for r in rs]) for rs in cells])} | "
+                   f"{both([rel([num(r, 'avg_batch') for r in rs]) for rs in cells])} | {per} |")
+    return out + [""]
+
+
+def rewrite(res: Path) -> str:
+    """The report of an earlier run again, from its runs.jsonl and meta.json (this module's report)."""
+    records = [json.loads(x) for x in (res / "runs.jsonl").read_text().splitlines() if x.strip()]
+    meta_path = res / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {
+        "when": "?", "command": "?", "commit": "?", "repeats": "?", "interval": "?", "ort_threads": "?",
+        "gateway_workers": "?", "triton": "?", "load_start": "?"}
+    for r in records:  # (records written before perf_analyzer's CPU per request was kept)
+        per, served = r.get("cpu_us_per_req"), r.get("server_inferences")
+        if per is not None and "client" not in per and served and r.get("cpu_pa_cores") is not None and r.get("wall_s"):
+            per["client"] = round(1e6 * r["cpu_pa_cores"] * r["wall_s"] / served, 1)
+    return report(records, meta)
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -457,6 +510,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "--report":  # python -m load.bench --side-by-side --report RESULTS_DIR
+        print(rewrite(Path(argv[1])), end="")
+        return 0
     args = parse(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the servers are stopped on the way out)
     res: Path = args.results.resolve()

@@ -92,3 +92,16 @@ def test_another_gateway_worker_count_is_reported_against_the_first_gateway() ->
     text = sbs.report(records, META)
     assert "| model | proto | c | gateway-w2 /s | gateway-w2/gateway | rows/exec |" in text
     assert "| add_sub | grpc | 8 | 1000 | 1.00 (0.90–1.10) ± | 5.0 |"  # (± : either way) in text
+
+
+def test_drift_says_which_server_moved_and_an_old_run_reports_again(tmp_path: Path) -> None:
+    records = []
+    for rep, (t, g) in enumerate([(1000, 1000), (1000, 800)]):  # Triton still, the gateway 20% down
+        records += [rec("triton", rep, t, cpu_us_per_req={"triton": 100}),
+                    rec("gateway", rep, g, avg_batch=7.0 - rep, cpu_us_per_req={"gateway": 50 + 10 * rep})]
+    text = sbs.report(records, META)
+    assert "| triton | 0% (max 0%) | 0% (max 0%) | triton 0% (max 0%) |" in text
+    assert "| gateway | 22% (max 22%) | 15% (max 15%) | gateway 18% (max 18%) |" in text  # 200/900, 1/6.5, 10/55
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "meta.json").write_text(json.dumps(META))
+    assert sbs.rewrite(tmp_path) == text
