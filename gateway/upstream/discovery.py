@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import time
+from typing import Literal
 
 import grpc
 
@@ -20,8 +21,17 @@ log = logging.getLogger("meshserve.gateway.discovery")
 PROBE_TIMEOUT_S = 2.0
 
 
-async def probe(replica: Replica) -> list[tuple[str, int]] | None:
-    """(model, version) pairs READY on the replica, or None when it is unreachable/not ready."""
+# A replica whose probe only timed out stays in the pool until this many probes in a row did: a
+# service busy on a loaded machine answers its requests but may miss one probe's 2 s (measured: one
+# such miss ejected the only replica and failed every request until the next probe, 2026-11-29,
+# docs/perf/side-by-side-round-3.md). Refused connections and the health watch eject at once.
+SLOW_PROBES = 2
+SLOW: Literal["slow"] = "slow"  # probe(): the replica did not answer within PROBE_TIMEOUT_S
+
+
+async def probe(replica: Replica) -> list[tuple[str, int]] | None | Literal["slow"]:
+    """(model, version) pairs READY on the replica, None when it is unreachable/not ready, SLOW
+    when it did not answer in time."""
     try:
         ready = await replica.server_ready(pb.ServerReadyRequest(), timeout=PROBE_TIMEOUT_S)
         if not ready.ready:
@@ -29,7 +39,7 @@ async def probe(replica: Replica) -> list[tuple[str, int]] | None:
         index = await replica.index(True, PROBE_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         log.debug("replica %s probe failed: %s", replica.endpoint, exc.code().name)
-        return None
+        return SLOW if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else None
     return [(m.name, int(m.version)) for m in index.models
             if m.state == "READY" and m.version.isdigit()]
 
@@ -53,6 +63,7 @@ class Discovery:
         # What each replica hosted when last reachable: a down replica's versions stay in the
         # table (with no healthy replica) so requests for them get 503 naming the version, not 404.
         self._last_hosted: dict[str, list[tuple[str, int]]] = {}
+        self._slow: dict[str, int] = {}  # endpoint -> probes in a row that timed out
 
     async def resolve(self) -> None:
         """Re-resolve the pool's names; start a health watch on each new replica."""
@@ -63,6 +74,7 @@ class Discovery:
             if watch is not None:
                 await watch.stop()
             self._last_hosted.pop(r.endpoint, None)
+            self._slow.pop(r.endpoint, None)
             r.healthy = False
             await r.close()
         for r in added:
@@ -82,7 +94,8 @@ class Discovery:
             replicas = list(self.replicas)
             results = await asyncio.gather(*(probe(r) for r in replicas))
             entries: list[tuple[str, int, Replica]] = []
-            for replica, hosted in zip(replicas, results, strict=True):
+            for replica, result in zip(replicas, results, strict=True):
+                hosted = self._tolerate(replica, result)
                 watch = self.watches.get(replica.endpoint)  # NOT_SERVING beats a probe that raced it
                 if replica.set_healthy(hosted is not None and (watch is None or watch.serving is not False)):
                     log.info("replica %s is %s", replica.endpoint, "healthy" if replica.healthy else "unhealthy")
@@ -95,6 +108,20 @@ class Discovery:
             self.table = RoutingTable(entries)
             await self._fetch_configs(entries)
             self.first_done.set()
+
+    def _tolerate(self, replica: Replica, result: list[tuple[str, int]] | None | Literal["slow"]
+                  ) -> list[tuple[str, int]] | None:
+        """What a probe says the replica hosts (None: out of the pool). A timed-out probe of a
+        replica in the pool keeps what it last hosted, up to SLOW_PROBES - 1 times in a row."""
+        if not isinstance(result, str):
+            self._slow.pop(replica.endpoint, None)
+            return result
+        slow = self._slow[replica.endpoint] = self._slow.get(replica.endpoint, 0) + 1
+        if replica.healthy and slow < SLOW_PROBES and replica.endpoint in self._last_hosted:
+            log.info("replica %s did not answer a probe in %.0f s; kept (%d of %d)", replica.endpoint,
+                     PROBE_TIMEOUT_S, slow, SLOW_PROBES)
+            return self._last_hosted[replica.endpoint]
+        return None
 
     async def _fetch_configs(self, entries: list[tuple[str, int, Replica]]) -> None:
         """Keep each served (model, version)'s config (the coalescer validates against it)."""

@@ -649,6 +649,11 @@ def summarize_cell(res: dict[str, Any], server_cores: float | None) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--side-by-side"]:  # the alternating side by side: its own knobs (load/bench/sbs.py)
+        from load.bench import sbs
+
+        raise SystemExit(sbs.main(argv[1:]))
     ap = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 5 minutes)")
     ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
@@ -660,12 +665,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quiet-wait", type=float, default=120, help="max seconds to wait for load average < 1")
     ap.add_argument("--keep-logs", action="store_true")
     ap.add_argument("--side-by-side", nargs="?", const="", metavar="RESULTS_DIR",
-                    help="instead: load/bench/side_by_side.sh (the real Triton, then meshserve through the gateway "
-                         "and direct, one perf_analyzer sweep each) and its 18-cell table; env knobs in the script")
+                    help="instead (first argument): Triton, gateway and direct alternating per cell, repeated "
+                         "(load/bench/sbs.py; `--side-by-side --help` for its knobs)")
+    ap.add_argument("--side-by-side-once", nargs="?", const="", metavar="RESULTS_DIR",
+                    help="instead: load/bench/side_by_side.sh (one perf_analyzer sweep per server, one after the "
+                         "other) and its 18-cell table; env knobs in the script")
     args = ap.parse_args(argv)
     if args.side_by_side is not None:
+        from load.bench import sbs
+
+        raise SystemExit(sbs.main([args.side_by_side] if args.side_by_side else []))
+    if args.side_by_side_once is not None:
         script = ROOT / "load" / "bench" / "side_by_side.sh"
-        raise SystemExit(subprocess.call(["bash", str(script), *([args.side_by_side] if args.side_by_side else [])]))
+        raise SystemExit(subprocess.call(["bash", str(script), *([args.side_by_side_once] if args.side_by_side_once else [])]))
     out = Suite(args).run()
     print(out)
 

@@ -4,7 +4,8 @@
 # to the ONNX service, all driven by the same perf_analyzer sweep (drive.sh). Each meshserve
 # cell whose run had other work above 0.1 core (drive.py's foreign CPU) is measured once more;
 # at the end the 18-cell table (load/bench/ratios.py) is printed and written to side_by_side.md.
-#   usage: load/bench/side_by_side.sh [RESULTS_DIR]    (or: python -m load.bench --side-by-side)
+#   usage: load/bench/side_by_side.sh [RESULTS_DIR]    (or: python -m load.bench --side-by-side-once;
+#   the alternating, repeated side by side of issue 36 is python -m load.bench --side-by-side, load/bench/sbs.py)
 # Env: BENCH_ORT_THREADS (2: ORT intra-op threads in every server), INTERVAL (3000 ms),
 #      CONC (1,8,32), BENCH_MODELS ("add_sub mlp"), SKIP (words: "anchors" to reuse earlier Triton
 #      numbers, "gateway", "direct": leave that sweep out), UP_ARGS (more `meshserve up` arguments,

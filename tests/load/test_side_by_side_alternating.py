@@ -1,0 +1,107 @@
+"""load/bench/sbs.py: the alternating side by side (issue 36). The report from records (no servers),
+and a smoke run through real processes: one cell, gateway and direct, Triton absent (its columns
+are dashes, the run still reports)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from load.bench import sbs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rec(label: str, rep: int, tput: float, **more: object) -> dict:
+    return {"ok": True, "label": label, "repeat": rep, "model": "add_sub", "mode": "grpc", "concurrency": 8,
+            "infer_per_s": tput, "p99_us": 4000, "avg_batch": 7.0, "cpu_foreign_cores": 0.1, "load_avg": 1.0,
+            **more}
+
+
+META = {"when": "now", "command": "x", "commit": "c", "repeats": 3, "interval": 2000, "ort_threads": "2",
+        "gateway_workers": 1, "triton": "t", "load_start": 1.0}
+
+
+def row(text: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith("| add_sub | grpc | 8 | ") and "gateway" not in x
+                and "triton" not in x and "direct" not in x)
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_ratios_are_taken_per_repeat_and_a_spread_across_one_is_marked() -> None:
+    records = []
+    # Triton steady, the gateway drifting: repeat 1 is behind, so the spread crosses 1.0
+    for rep, (t, g, d) in enumerate([(1000, 1100, 1200), (1000, 900, 1000), (1100, 1320, 1400)]):
+        records += [rec("triton", rep, t), rec("gateway", rep, g, cpu_us_per_req={"gateway": 50, "service": 60, "client": 40}),
+                    rec("direct", rep, d, cpu_us_per_req={"service": 55, "client": 40})]
+    cells = row(sbs.report(records, META))
+    assert cells[3:6] == ["1000", "1100", "1200"]  # medians of each server's throughput
+    assert cells[6] == "1.10 (0.90–1.20) ±"  # gw/Triton from the same repeat: 1.1, 0.9, 1.2
+    assert cells[7] == "0.92 (0.90–0.94)"  # gw/direct: 0.917, 0.9, 0.943; never crosses 1.0: no mark
+    assert cells[10] == "110 (gw 50) / –"  # CPU µs per request: gateway + service through the gateway
+    assert cells[11] == "55"
+    assert cells[12] == "0.63"  # by CPU per request: (55 + 40) / (50 + 60 + 40)
+    text = sbs.report(records, META)
+    assert "spread crosses 1.0 in 1" in text
+    assert sum(" | gateway | " in x for x in text.splitlines()) == 3  # every repeat is listed
+
+
+def test_a_cell_ahead_in_every_repeat_is_not_marked_and_failures_do_not_count() -> None:
+    records = [rec("triton", 0, 1000), rec("gateway", 0, 1200), rec("triton", 1, 1000), rec("gateway", 1, 1100),
+               {**rec("gateway", 2, 0), "ok": False}, rec("triton", 2, 1000)]
+    text = sbs.report(records, META)
+    assert row(text)[6] == "1.15 (1.10–1.20)"
+    assert "gw/Triton min ≥ 1.0 in 1; spread crosses 1.0 in 0" in text
+    assert "| 2 | gateway | FAILED |" in text
+
+
+@pytest.mark.skipif(sbs.pa_venv() is None, reason="perf_analyzer is not installed (../shared/tools/perf_analyzer)")
+def test_smoke_one_cell_without_triton(tmp_path: Path) -> None:
+    res = tmp_path / "res"
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "load.bench", "--side-by-side", str(res), "--models", "add_sub",
+                          "--modes", "grpc", "--concurrency", "8", "--repeats", "1", "--interval", "500",
+                          "--max-trials", "4", "--stability", "999", "--warmup", "0", "--triton-venv", str(tmp_path / "no-triton")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert time.monotonic() - t0 < 90  # (goal < 30 s on a quiet machine; 34-43 s at load average 20-26 on 2 cores)
+    assert f"report {res / 'side_by_side.md'}" in run.stdout
+    assert "Triton: unavailable" in run.stdout
+    runs = [json.loads(x) for x in (res / "runs.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in runs] == ["gateway", "direct"]
+    for r in runs:
+        assert r["ok"], r.get("error")
+        assert r["infer_per_s"] > 0 and r["server_inferences"] > 0
+        assert r["avg_batch"] >= 1.0
+    assert set(runs[0]["cpu_us_per_req"]) == {"gateway", "service", "client"}  # client: perf_analyzer
+    assert not (res / "warmup.jsonl").exists()  # --warmup 0 (default: a run per server, model and protocol first)
+    assert all(v > 0 for v in runs[0]["cpu_us_per_req"].values())
+    cells = row((res / "side_by_side.md").read_text())
+    assert cells[3] == "–" and cells[6] == "–"  # no Triton: no Triton column, no ratio to it
+    assert cells[7] != "–"  # gw/direct measured
+
+
+def test_another_gateway_worker_count_is_reported_against_the_first_gateway() -> None:
+    records = []
+    for rep, (g, w2) in enumerate([(1000, 900), (1000, 1100)]):
+        records += [rec("gateway", rep, g), rec("gateway-w2", rep, w2, avg_batch=5.0), rec("direct", rep, 1200)]
+    text = sbs.report(records, META)
+    assert "| model | proto | c | gateway-w2 /s | gateway-w2/gateway | rows/exec |" in text
+    assert "| add_sub | grpc | 8 | 1000 | 1.00 (0.90–1.10) ± | 5.0 |"  # (± : either way) in text
+
+
+def test_drift_says_which_server_moved_and_an_old_run_reports_again(tmp_path: Path) -> None:
+    records = []
+    for rep, (t, g) in enumerate([(1000, 1000), (1000, 800)]):  # Triton still, the gateway 20% down
+        records += [rec("triton", rep, t, cpu_us_per_req={"triton": 100}),
+                    rec("gateway", rep, g, avg_batch=7.0 - rep, cpu_us_per_req={"gateway": 50 + 10 * rep})]
+    text = sbs.report(records, META)
+    assert "| triton | 0% (max 0%) | 0% (max 0%) | triton 0% (max 0%) |" in text
+    assert "| gateway | 22% (max 22%) | 15% (max 15%) | gateway 18% (max 18%) |" in text  # 200/900, 1/6.5, 10/55
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "meta.json").write_text(json.dumps(META))
+    assert sbs.rewrite(tmp_path) == text
