@@ -91,6 +91,8 @@ class HttpFrontend:
     def __init__(self, core: V2Core, limits: ServerLimits | None = None):
         self.core = core
         self.router = Router(HTTP_ROUTES, self)  # the live table (tests/adversarial/test_auth_table.py walks it)
+        for route in self.router.routes:  # infer: admission in the core; health: open to all
+            route.checked = not (route.op.rule is Rule.INFER or route.op is Op.HEALTH)
         # raw target (query included) -> its Match, for paths seen before (at most SEEN_MAX, all
         # dropped when full): a request to a known path is dispatched without parsing it
         self.seen: dict[str, Match] = {}
@@ -115,10 +117,9 @@ class HttpFrontend:
             if route is None:
                 raise InferError.invalid(f"method {request.method} not allowed on {request.path}; "
                                          f"use {found.allowed()}")
-            op = route.op
-            if op.rule is Rule.INFER or op is Op.HEALTH:  # (infer: admission in the core; health: open)
+            if not route.checked:
                 return await route.handler(request, found.params, None)
-            grant = self.core.authorize(op, found.params.get("m", ""),
+            grant = self.core.authorize(route.op, found.params.get("m", ""),
                                         RequestContext(protocol="http", headers=_context_headers(request)))
             return await route.handler(request, found.params, grant)
         except InferError as exc:

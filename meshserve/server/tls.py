@@ -165,11 +165,6 @@ def aio_credentials(port: PortTls) -> grpc.ServerCredentials:
                                        require_client_auth=port.mutual)
 
 
-def ssl_context(port: PortTls | None, proto: str) -> ssl.SSLContext | None:
-    """A fixed context for a server that runs its own handshakes (aiohttp's fallback)."""
-    return context(port, proto) if port is not None else None
-
-
 def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...] | None:
     try:
         return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in map(os.stat, paths))

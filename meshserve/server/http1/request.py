@@ -216,8 +216,12 @@ def render(answer: Answer, request: Request, keep_alive: bool) -> bytes | list[b
     the head alone for HEAD)."""
     version = request.version
     body = answer.body
-    head = [_status_line(version, answer.status)]
-    _fields(head, answer.headers)
+    line = _STATUS_LINES.get((version, answer.status)) or _status_line(version, answer.status)
+    head = [line]
+    for k, v in answer.headers.items():
+        if "\r" in v or "\n" in v or "\r" in k or "\n" in k:  # no header injection
+            raise ValueError(f"newline or carriage return in the response header {k!r}")
+        head.append(f"{k}: {v}\r\n")
     head.append(f"Content-Length: {len(body)}\r\nDate: {http_date()}\r\n")
     connection = _connection(keep_alive, version)
     head.append(f"{connection}\r\n\r\n" if connection else "\r\n")

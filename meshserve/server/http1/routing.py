@@ -22,15 +22,17 @@ _GROUP = re.compile(r"\[([^\[\]]*)\]")
 
 
 class Route:
-    """One row of the table, its handler bound."""
+    """One row of the table, its handler bound. ``checked``: whether the front end asks the
+    core about the row's op before the handler runs (set by the front end; True by default)."""
 
-    __slots__ = ("method", "template", "op", "handler")
+    __slots__ = ("method", "template", "op", "handler", "checked")
 
     def __init__(self, method: str, template: str, op: Any, handler: Callable[..., Any]) -> None:
         self.method = method
         self.template = template
         self.op = op
         self.handler = handler
+        self.checked = True
 
 
 class Match:

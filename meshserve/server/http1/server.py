@@ -589,8 +589,13 @@ class Http1Server:
         self.tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 0.0
         self._sweeper: asyncio.TimerHandle | None = None
 
+    def connection(self) -> Connection:
+        """A new connection's protocol (the listening socket's factory; load/bench/http_path.py
+        feeds one bytes in process)."""
+        return Connection(self)
+
     async def start(self, host: str, port: int) -> int:
-        factory: Callable[[], asyncio.Protocol] = lambda: Connection(self)  # noqa: E731
+        factory: Callable[[], asyncio.Protocol] = self.connection
         if self.tls is not None:  # --http-use-ssl: each connection's handshake first (meshserve/server/tls.py)
             factory = self.tls.factory(factory)
         self._server = await self.loop.create_server(factory, host, port,

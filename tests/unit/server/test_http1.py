@@ -363,6 +363,22 @@ def test_stream_response_to_http10_closes_instead_of_chunking() -> None:
         assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower() and body == b"abc"
 
 
+def test_a_handler_that_fails_mid_stream_cuts_the_stream() -> None:
+    """After a streamed answer's head is out, a failing handler ends the connection: no 500 is
+    written into the chunked body, and no final chunk says the stream was whole."""
+    async def failing(request: Request) -> Stream:
+        events = await request.stream(200, {"Content-Type": "text/event-stream"})
+        await events.write(b"data: first\n\n")
+        raise RuntimeError("the model failed")
+
+    with serving(failing) as srv, srv.connect() as sock:
+        sock.sendall(b"GET /sse HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        assert b"data: first" in data and b"500" not in data and not data.endswith(b"0\r\n\r\n"), data
+
+
 def test_handler_errors_are_500_and_the_connection_goes_on() -> None:
     async def broken(request: Request) -> Answer:
         if request.path == "/boom":

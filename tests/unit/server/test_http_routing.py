@@ -62,12 +62,59 @@ def test_one_template_many_methods() -> None:
 def test_every_row_has_its_handler_on_the_front_end() -> None:
     """The front end's live table is the access table, each row bound to an HttpFrontend method."""
     routes = HttpFrontend(None).router.routes  # type: ignore[arg-type]
-    assert [(r.method, r.template, r.op, r.handler.__name__ if hasattr(r.handler, "__name__") else name)
-            for r, (*_, name) in zip(routes, HTTP_ROUTES, strict=True)] == \
-        [(m, t, op, name) for m, t, op, name in HTTP_ROUTES]
+    assert [(r.method, r.template, r.op) for r in routes] == [(m, t, op) for m, t, op, _ in HTTP_ROUTES]
+    assert all(callable(getattr(HttpFrontend, name)) for *_, name in HTTP_ROUTES)
     assert all(callable(r.handler) for r in routes)
 
 
 def test_a_row_declared_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="declared twice"):
         Router([("GET", "/a", Op.HEALTH, "x"), ("GET", "/a", Op.HEALTH, "y")], Target())
+
+
+class Core:
+    """Only what the routes below call."""
+
+    def live(self) -> bool:
+        return True
+
+    def authorize(self, op: Op, model: str, ctx: Any) -> Any:
+        from meshserve.server.access import ALL
+
+        return ALL
+
+    def server_metadata(self) -> Any:
+        from meshserve._proto import grpc_service_pb2 as pb
+
+        return pb.ServerMetadataResponse(name="m", version="1")
+
+
+def _answer(frontend: HttpFrontend, method: str, target: str) -> Any:
+    import asyncio
+
+    from meshserve.server.http1 import Request
+
+    request = Request(None, method, target, "1.1", [("host", "x")], True)  # type: ignore[arg-type]  # (no body read)
+    return asyncio.run(frontend.answer(request))
+
+
+def test_dispatch_statuses() -> None:
+    frontend = HttpFrontend(Core())  # type: ignore[arg-type]
+    assert _answer(frontend, "GET", "/v2/health/live").status == 200
+    assert _answer(frontend, "GET", "//v2/").status == 200  # (slashes around the path are dropped)
+    missing = _answer(frontend, "GET", "/v2/nothing")
+    assert missing.status == 404 and b"no route for GET /v2/nothing" in missing.body
+    wrong = _answer(frontend, "DELETE", "/v2/trace/setting")
+    assert wrong.status == 400 and b"use GET or POST" in wrong.body
+    assert _answer(frontend, "HEAD", "/v2/health/live").status == 400  # (no route is HEAD)
+    bad = _answer(frontend, "GET", "/v2/models/m/versions/x1/ready")
+    assert bad.status == 400 and b"invalid version" in bad.body
+
+
+def test_the_seen_paths_are_bounded() -> None:
+    frontend = HttpFrontend(Core())  # type: ignore[arg-type]
+    for i in range(HttpFrontend.SEEN_MAX + 10):
+        _answer(frontend, "GET", f"/v2/health/live?{i}")
+        assert len(frontend.seen) <= HttpFrontend.SEEN_MAX
+    _answer(frontend, "GET", "/v2/unknown")
+    assert "/v2/unknown" not in frontend.seen  # (only paths that matched a row are kept)
