@@ -255,7 +255,7 @@ class Connection(asyncio.Protocol):
         if body is not None:
             body.body.fail(BodyError("the client closed the connection before the request body ended"))
         self.last = self.stopped = True
-        return False  # closed (as aiohttp does): a request in progress loses its answer; `lost` resolves
+        return False  # closed: a request in progress loses its answer; `lost` resolves
 
     def pause_writing(self) -> None:
         self.write_paused = True
