@@ -25,7 +25,6 @@ from pathlib import Path
 
 from meshserve.repository import kinds
 from meshserve.server.core import add_server_name_argument
-from meshserve.server.limits import HTTP_SERVERS, default_http_server
 from meshserve.server.process import parse_ready_line
 from meshserve.server.workers import DEFAULT_WORKERS, die_with_parent
 
@@ -322,7 +321,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                               "--host", "127.0.0.1", "--grpc-port", "0",
                                               "--model-control-mode", "explicit", "--load-model", "*",
                                               "--server-name", args.server_name, "--log-level", args.log_level,
-                                              "--http-server", args.http_server, *_up_upload_flags(args),
+                                              *_up_upload_flags(args),
                                               *service_tls, *extra])
             services.append(child)
         for child in services:
@@ -332,7 +331,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         gateway = Child("gateway", [*py, "gateway", "--host", args.host, "--http-port", str(args.http_port),
                                     "--grpc-port", str(gateway_grpc), "--log-level", args.log_level,
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
-                                    "--http-server", args.http_server, "--workers", str(args.gateway_workers),
+                                    "--workers", str(args.gateway_workers),
                                     *(["--metrics-port", str(args.metrics_port)] if args.metrics_port >= 0 else []),
                                     *_up_gateway_flags(args), *gateway_hop,
                                     *sum((["--upstream", u] for u in upstreams), [])])
@@ -381,8 +380,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-level", default="WARNING")
     up.add_argument("--gateway-workers", type=int, default=DEFAULT_WORKERS, metavar="N",
                     help="gateway processes sharing its ports (`meshserve gateway --workers`)")
-    up.add_argument("--http-server", choices=HTTP_SERVERS, default=default_http_server(),
-                    help="the HTTP/1.1 server of the gateway and the services (docs/security.md)")
     add_server_name_argument(up)
     from gateway.main import add_arguments as gateway_arguments
     from gateway.main import add_tenant_arguments

@@ -68,36 +68,39 @@ class Op(enum.Enum):
     SHM_UNREGISTER = ("unregister shared-memory regions", Rule.OWN)
 
 
-# ---- HTTP: (method, path) → op; {m} a model name, {v} a version, {r} a repository name,
-# {n} a shared-memory region name ----
-HTTP_ROUTES: tuple[tuple[str, str, Op], ...] = (
-    ("GET", "/v2/health/live", Op.HEALTH),
-    ("GET", "/v2/health/ready", Op.HEALTH),
-    ("GET", "/metrics", Op.METRICS),
-    ("GET", "/v2", Op.SERVER_METADATA),
-    ("GET", "/v2/models/{m}[/versions/{v}]", Op.MODEL_METADATA),
-    ("GET", "/v2/models/{m}[/versions/{v}]/ready", Op.MODEL_READY),
-    ("GET", "/v2/models/{m}[/versions/{v}]/config", Op.MODEL_CONFIG),
-    ("GET", "/v2/models/{m}[/versions/{v}]/stats", Op.MODEL_STATISTICS),
-    ("GET", "/v2/models/stats", Op.ALL_STATISTICS),
-    ("POST", "/v2/models/{m}[/versions/{v}]/infer", Op.INFER),
-    ("POST", "/v2/models/{m}[/versions/{v}]/generate", Op.GENERATE),
-    ("POST", "/v2/models/{m}[/versions/{v}]/generate_stream", Op.GENERATE),
-    ("GET", "/v2/trace/setting", Op.TRACE_GET),
-    ("POST", "/v2/trace/setting", Op.TRACE_UPDATE),
-    ("GET", "/v2/models/{m}/trace/setting", Op.MODEL_TRACE_GET),
-    ("POST", "/v2/models/{m}/trace/setting", Op.MODEL_TRACE_UPDATE),
-    ("GET", "/v2/logging", Op.LOG_GET),
-    ("POST", "/v2/logging", Op.LOG_UPDATE),
-    ("POST", "/v2/repository[/{r}]/index", Op.REPOSITORY_INDEX),
-    ("POST", "/v2/repository[/{r}]/models/{m}/load", Op.REPOSITORY_LOAD),
-    ("POST", "/v2/repository[/{r}]/models/{m}/unload", Op.REPOSITORY_UNLOAD),
-    ("GET", "/v2/systemsharedmemory[/region/{n}]/status", Op.SHM_STATUS),
-    ("POST", "/v2/systemsharedmemory/region/{n}/register", Op.SHM_REGISTER),
-    ("POST", "/v2/systemsharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER),
-    ("GET", "/v2/cudasharedmemory[/region/{n}]/status", Op.SHM_STATUS),
-    ("POST", "/v2/cudasharedmemory/region/{n}/register", Op.SHM_REGISTER),
-    ("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER),
+# ---- HTTP: (method, path template, op, handler) — the table the HTTP front end dispatches by
+# (meshserve/server/http_frontend.py:HttpFrontend, through meshserve/server/http1/routing.py:Router;
+# the handler is the name of the HttpFrontend method that answers). {m} a model name, {v} a
+# version, {r} a repository name, {n} a shared-memory region name; [...] may be left out.
+# A new route is one row here plus its handler.
+HTTP_ROUTES: tuple[tuple[str, str, Op, str], ...] = (
+    ("GET", "/v2/health/live", Op.HEALTH, "live"),
+    ("GET", "/v2/health/ready", Op.HEALTH, "ready"),
+    ("GET", "/metrics", Op.METRICS, "metrics"),
+    ("GET", "/v2", Op.SERVER_METADATA, "server_metadata"),
+    ("GET", "/v2/models/{m}[/versions/{v}]", Op.MODEL_METADATA, "model_metadata"),
+    ("GET", "/v2/models/{m}[/versions/{v}]/ready", Op.MODEL_READY, "model_ready"),
+    ("GET", "/v2/models/{m}[/versions/{v}]/config", Op.MODEL_CONFIG, "model_config"),
+    ("GET", "/v2/models/{m}[/versions/{v}]/stats", Op.MODEL_STATISTICS, "model_statistics"),
+    ("GET", "/v2/models/stats", Op.ALL_STATISTICS, "all_statistics"),
+    ("POST", "/v2/models/{m}[/versions/{v}]/infer", Op.INFER, "infer"),
+    ("POST", "/v2/models/{m}[/versions/{v}]/generate", Op.GENERATE, "generate"),
+    ("POST", "/v2/models/{m}[/versions/{v}]/generate_stream", Op.GENERATE, "generate_stream"),
+    ("GET", "/v2/trace/setting", Op.TRACE_GET, "trace_setting"),
+    ("POST", "/v2/trace/setting", Op.TRACE_UPDATE, "trace_setting"),
+    ("GET", "/v2/models/{m}/trace/setting", Op.MODEL_TRACE_GET, "trace_setting"),
+    ("POST", "/v2/models/{m}/trace/setting", Op.MODEL_TRACE_UPDATE, "trace_setting"),
+    ("GET", "/v2/logging", Op.LOG_GET, "log_setting"),
+    ("POST", "/v2/logging", Op.LOG_UPDATE, "log_setting"),
+    ("POST", "/v2/repository[/{r}]/index", Op.REPOSITORY_INDEX, "repository_index"),
+    ("POST", "/v2/repository[/{r}]/models/{m}/load", Op.REPOSITORY_LOAD, "load"),
+    ("POST", "/v2/repository[/{r}]/models/{m}/unload", Op.REPOSITORY_UNLOAD, "unload"),
+    ("GET", "/v2/systemsharedmemory[/region/{n}]/status", Op.SHM_STATUS, "system_shm_status"),
+    ("POST", "/v2/systemsharedmemory/region/{n}/register", Op.SHM_REGISTER, "system_shm_register"),
+    ("POST", "/v2/systemsharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER, "system_shm_unregister"),
+    ("GET", "/v2/cudasharedmemory[/region/{n}]/status", Op.SHM_STATUS, "cuda_shm_status"),
+    ("POST", "/v2/cudasharedmemory/region/{n}/register", Op.SHM_REGISTER, "cuda_shm_register"),
+    ("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER, "cuda_shm_unregister"),
 )
 
 

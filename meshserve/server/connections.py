@@ -1,7 +1,7 @@
 """Descriptors and client connections, process-wide (docs/security.md, "Descriptors and connections").
 
 At start `raise_nofile` lifts the soft RLIMIT_NOFILE to the hard limit. Every client connection
-of the process's own servers (HTTP/1.1: meshserve/server/http1, aiohttp's fallback; HTTP/2:
+of the process's own servers (HTTP/1.1: meshserve/server/http1; HTTP/2:
 meshserve/server/h2) is counted in one `ConnectionTable` against `--max-connections` (default:
 the soft NOFILE minus a reserve for the hop, shared-memory regions, logs and model files):
 

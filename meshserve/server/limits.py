@@ -9,23 +9,11 @@ tensor (a batch of 1024x1024 RGB FP32 images is 12 MiB per image).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field, fields
 
 from meshserve.server import tls as tls_flags
 
 MiB = 1 << 20
-HTTP_SERVERS = ("aiohttp", "httptools")  # --http-server: meshserve/server/http_frontend.py, meshserve/server/http1
-DEFAULT_HTTP_SERVER = "httptools"  # aiohttp: the older front door, a fallback (docs/security.md)
-HTTP_SERVER_ENV = "MESHSERVE_HTTP_SERVER"  # overrides the default (how the suites run under either server)
-
-
-def default_http_server() -> str:
-    """--http-server's default: $MESHSERVE_HTTP_SERVER when set, else DEFAULT_HTTP_SERVER."""
-    value = os.environ.get(HTTP_SERVER_ENV) or DEFAULT_HTTP_SERVER
-    if value not in HTTP_SERVERS:
-        raise SystemExit(f"{HTTP_SERVER_ENV}={value!r}: expected one of {', '.join(HTTP_SERVERS)}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +69,6 @@ class ServerLimits:
     max_shm_regions: int = 256
     # Bytes of client shared memory registered at once (the sum of the regions' sizes).
     max_shm_bytes: int = 4096 * MiB
-    # ---- the HTTP/1.1 server (both enforce every HTTP limit above) ------------------------------
-    http_server: str = field(default_factory=default_http_server)
     # ---- TLS (meshserve/server/tls.py; docs/security.md, "TLS and mutual TLS") --------------------
     # A TLS handshake must end within this many seconds of the connection's arrival.
     tls_handshake_timeout_s: float = 10.0
@@ -142,8 +128,6 @@ _HELP = {
     "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
     "tls_handshake_timeout_s": "seconds for a TLS handshake to end (0 = no limit)",
     "max_tls_handshakes": "TLS handshakes in progress per port; more close the oldest (0 = unbounded)",
-    "http_server": f"the HTTP/1.1 server: aiohttp's, or httptools (llhttp) with meshserve's connection "
-                   f"handling (default {DEFAULT_HTTP_SERVER}; ${HTTP_SERVER_ENV} overrides it)",
 }
 
 
@@ -158,10 +142,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         if f.name == "tls":
             tls_flags.add_arguments(ap)
             continue
-        if f.name == "http_server":
-            group.add_argument(flag(f.name), dest=f"limit_{f.name}", choices=HTTP_SERVERS,
-                               default=default_http_server(), help=_HELP[f.name])
-            continue
         default = f.default
         group.add_argument(flag(f.name), dest=f"limit_{f.name}", type=type(default), default=default,
                            metavar="N", help=f"{_HELP[f.name]} (default {default})")
@@ -170,6 +150,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> ServerLimits:
     values = {f.name: getattr(args, f"limit_{f.name}") for f in fields(ServerLimits) if f.name != "tls"}
     for name, value in values.items():
-        if not isinstance(value, str) and value < 0:
+        if value < 0:
             raise SystemExit(f"{flag(name)}: must be >= 0, got {value}")
     return ServerLimits(**values, tls=tls_flags.from_args(args))

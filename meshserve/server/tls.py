@@ -193,9 +193,6 @@ def acceptor(limits: ServerLimits, proto: str) -> Acceptor | None:
     return Acceptor(port, proto, limits.tls_handshake_timeout_s, limits.max_tls_handshakes)
 
 
-def ssl_context(port: PortTls | None, proto: str) -> ssl.SSLContext | None:
-    """A fixed context for a server that runs its own handshakes (aiohttp's fallback)."""
-    return context(port, proto) if port is not None else None
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...] | None:

@@ -36,6 +36,7 @@ from meshserve.server.access import Op, Rule
 from meshserve.server.grpc_frontend import register
 from meshserve.server.h2 import H2GrpcServer
 from meshserve.server.health import HealthState
+from meshserve.server.http_frontend import HttpFrontend
 from tests.adversarial.support import add_sub_inputs, raw_http
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 
@@ -284,10 +285,12 @@ def test_table_covers_every_grpc_method_and_http_route() -> None:
     health = health_pb2.DESCRIPTOR.services_by_name["Health"]
     assert health.full_name == access.HEALTH_SERVICE and set(access.HEALTH_METHODS) == {m.name for m in health.methods}
     assert set(access.METRICS_METHODS) == {"Scrape"}  # walked by _scrape below
-    # the walk below has a case for every table entry and every op
-    assert {(c.method, c.route) for c in HTTP_CASES} == {(m, r) for m, r, _ in access.HTTP_ROUTES}
-    assert all(op == dict(((m, r), o) for m, r, o in access.HTTP_ROUTES)[(c.method, c.route)] for c in HTTP_CASES
-               for op in [c.op])
+    # the walk below has a case for every route the HTTP front end dispatches by (its live,
+    # compiled table, built from access.HTTP_ROUTES) and every op
+    live = {(r.method, r.template): r.op for r in _live_routes()}
+    assert len(live) == len(access.HTTP_ROUTES)
+    assert {(c.method, c.route) for c in HTTP_CASES} == set(live)
+    assert all(live[(c.method, c.route)] is c.op for c in HTTP_CASES)
     assert {c.method for c in GRPC_CASES} == set(access.GRPC_METHODS)
     assert all(c.op is access.GRPC_METHODS[c.method].op for c in GRPC_CASES
                if isinstance(access.GRPC_METHODS[c.method].op, Op))
@@ -298,6 +301,11 @@ def test_table_covers_every_grpc_method_and_http_route() -> None:
         (access.GRPC_SERVICE, access.GRPC_METHODS), (access.HEALTH_SERVICE, access.HEALTH_METHODS),
         (access.METRICS_SERVICE, access.METRICS_METHODS)) for name in table}
     assert {c.op for c in GRPC_CASES} | {c.op for c in HTTP_CASES} == set(Op)
+
+
+def _live_routes() -> list[Any]:
+    """The routes an HTTP front end dispatches by (meshserve/server/http1/routing.py:Router)."""
+    return HttpFrontend(None).router.routes  # type: ignore[arg-type]  # (no core needed to build the table)
 
 
 # ---- the walk --------------------------------------------------------------------------------------
@@ -364,7 +372,7 @@ def test_routes_outside_the_table_fail_closed(mesh: Mesh) -> None:
              "trace", "setting", "logging", "repository", "index", "load", "unload", "metrics", "x", "",
              "systemsharedmemory", "region", "status", "register", "unregister"]
     templates = {r.replace("[/versions/{v}]", "").replace("[/{r}]", "").replace("[/region/{n}]", "")
-                 .replace("{m}", ALLOWED).replace("{n}", "r") for _, r, _ in access.HTTP_ROUTES}
+                 .replace("{m}", ALLOWED).replace("{n}", "r") for r in {route.template for route in _live_routes()}}
     paths: set[str] = set()
     for t in templates:
         parts = t.strip("/").split("/")

@@ -1,10 +1,10 @@
-"""HTTP/1.1 conformance of the httptools front door (`--http-server httptools`) on real
-processes: an ONNX service and a gateway in front of it, both started with the flag. The real
+"""HTTP/1.1 conformance of the front door (meshserve/server/http1, on httptools' llhttp) on real
+processes: an ONNX service and a gateway in front of it. The real
 tritonclient (sync with concurrency > 1, and aio) and raw sockets: pipelining, chunked bodies,
 `Expect: 100-continue`, keep-alive, HTTP/1.0, idle and header timeouts, malformed requests.
 
 The other HTTP suites (test_http_limits, test_protocol, test_shared_memory, tests/adversarial)
-run on this server with MESHSERVE_HTTP_SERVER=httptools (meshserve/server/limits.py)."""
+run on the same server (the only one)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +22,7 @@ from tests.support.http1 import Answer, connect, idle_then_ask, read_answer
 
 IDLE_TIMEOUT = 3.0
 HEADER_TIMEOUT = 1.5
-FLAGS = ["--http-server", "httptools", "--idle-timeout-s", str(IDLE_TIMEOUT), "--header-timeout-s",
+FLAGS = ["--idle-timeout-s", str(IDLE_TIMEOUT), "--header-timeout-s",
          str(HEADER_TIMEOUT), "--max-request-bytes", str(1 << 20)]
 
 

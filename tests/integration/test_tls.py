@@ -279,7 +279,6 @@ def test_certificate_reloaded_when_its_files_change(model_repo: Path, pki: Pki, 
     shutil.copy(pki.server.cert, cert)
     shutil.copy(pki.server.key, key)
     gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", "127.0.0.1:1",
-                     "--http-server", "httptools",
                      "--http-use-ssl", "--http-server-cert", str(cert), "--http-server-key", str(key)])
     try:
         old = http_client(Target("g", gateway, False, False), pki)

@@ -1,15 +1,16 @@
 """An HTTP/1.1 server on llhttp (httptools): one asyncio Protocol per connection.
 
-No aiohttp server machinery on the path: `Connection` feeds the socket's bytes to
-`httptools.HttpRequestParser`, hands each request to the handler (`HttpFrontend.answer`) as a
-`request.Request`, and writes the `web.Response` it returns as one buffer (`request.render`);
-a `web.StreamResponse` the handler prepares itself (server-sent events) writes through
-`request.Writer`, chunked.
+`Connection` feeds the socket's bytes to `httptools.HttpRequestParser`, hands each request to
+the handler (`HttpFrontend.answer`) as a `request.Request` (meshserve's own type), and writes
+the `request.Answer` it returns as one buffer (`request.render`); a `request.Stream` the
+handler starts itself (server-sent events) is written as it goes, chunked.
 
 What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
 - keep-alive (HTTP/1.1 by default, HTTP/1.0 with `Connection: keep-alive`), `Connection: close`;
   pipelining: requests run one after the other, answers in order;
-- bodies with Content-Length or chunked, `Expect: 100-continue` (answered by the handler);
+- bodies with Content-Length or chunked, `Expect: 100-continue` (answered when the handler reads
+  the body: `request.Request.read_body`, which also holds the body to --max-request-bytes after
+  decoding and to the process's --max-receive-bytes);
 - a malformed request: 400 and close (after the answers to the requests before it); a request
   line or header field over MAX_FIELD_BYTES, more than MAX_HEADERS fields, or a head over
   MAX_HEAD_BYTES: 400 and close;
@@ -21,8 +22,10 @@ What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
   --max-request-bytes (413), and the whole body must arrive within --body-timeout-s;
 - connections are counted process-wide (meshserve/server/connections.py): near the cap the
   longest idle one is closed; at the cap a new one gets 503 and is closed;
-- ServerLimits' header, read and idle timeouts, enforced by one sweep per server (as the
-  aiohttp server does: `meshserve/server/http_frontend.py:_Server`);
+- ServerLimits' header, read and idle timeouts, enforced by one sweep per server (`Http1Server._sweep`):
+  nothing on the request path but a counter per data arrival;
+- a request that received more than body_worker.TRIM_AFTER_BYTES returns the heap to the OS
+  once its answer is written (and so does a connection that received that much);
 - a response sent before its request's body was read to the end closes the connection;
 - graceful shutdown: stop listening, close idle connections, let in-flight requests finish.
 """
@@ -36,16 +39,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import httptools
-from aiohttp import web
 
 from meshserve.protocol.errors import InferError
 from meshserve.server import body_worker, connections, tls
-from meshserve.server.http1.request import Answer, Request, payload_error, render, render_answer
+from meshserve.server.http1.request import RECEIVING, Answer, BodyError, Request, Stream, render
 from meshserve.server.limits import LISTEN, ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
-Handler = Callable[[Any], Awaitable[web.StreamResponse | Answer]]  # (takes a request.Request: web.BaseRequest's subset)
+Handler = Callable[[Request], Awaitable[Answer | Stream]]
 
 MAX_FIELD_BYTES = 8190  # request line (target) and each header field: aiohttp's limits
 MAX_HEADERS = 128
@@ -66,6 +68,9 @@ FRAMING_FREE = 1 << 20
 FRAMING_RATIO = 16
 
 
+INTERNAL_ERROR = Answer(b'{"error":"internal error"}', {"Content-Type": "application/json"}, 500)
+
+
 class _Refused(Exception):
     """A request head over a size limit (raised from a parser callback)."""
 
@@ -84,7 +89,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "cancel_on_loss", "join_writes")
+                 "join_writes")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -114,7 +119,6 @@ class Connection(asyncio.Protocol):
         self.lingering = 0  # stopped: bytes still to read and drop (_stop)
         self.closing = False  # the last answer is sent: the connection closes (_linger)
         self.eof = False  # the client has closed its side
-        self.cancel_on_loss = False  # the running handler waits on the model: a lost connection cancels it
         self.counted = False  # in connections.TABLE
         self.backlog = b""  # received, not yet parsed: the pipelining bound was reached (_feed)
         self.head_size = 0  # the pending head's target and field bytes
@@ -153,7 +157,7 @@ class Connection(asyncio.Protocol):
             body_worker.release_memory_soon(self.loop)
         body = self.body_of
         if body is not None:
-            body.content.fail(payload_error("the connection was lost before the request body ended"))
+            body.body.fail(BodyError("the connection was lost before the request body ended"))
         for waiter in self.drainers:
             if not waiter.done():
                 waiter.set_exception(ConnectionResetError("the connection was lost"))
@@ -162,7 +166,7 @@ class Connection(asyncio.Protocol):
             self.lost.set_result(None)
         if self.task is None:
             self.queue.clear()
-        elif self.cancel_on_loss:  # (set by the infer route while the core has its request)
+        elif self.queue and self.queue[0].cancel_on_loss:  # (set by the infer route while the core has it)
             self.task.cancel()
 
     def data_received(self, data: bytes) -> None:
@@ -180,7 +184,7 @@ class Connection(asyncio.Protocol):
         if body is not None:
             wire = self.body_wire = self.body_wire + len(data)
             if wire > FRAMING_FREE and (wire > self.server.limits.max_request_bytes > 0
-                                        or wire > FRAMING_RATIO * body.content.received):
+                                        or wire > FRAMING_RATIO * body.body.received):
                 self._refuse_body(wire)
                 return
         if self.in_head:
@@ -231,10 +235,10 @@ class Connection(asyncio.Protocol):
         request = self.body_of
         assert request is not None
         limit = self.server.limits.max_request_bytes
-        request.content.fail(InferError.too_large(
+        request.body.fail(InferError.too_large(
             f"request body exceeds the {limit}-byte limit (--max-request-bytes; bytes on the wire, "
             f"chunk framing included)") if wire > limit > 0 else InferError.invalid(
-            f"malformed request body: {wire} bytes on the wire for {request.content.received} bytes of body "
+            f"malformed request body: {wire} bytes on the wire for {request.body.received} bytes of body "
             f"(chunk sizes and extensions may be at most {FRAMING_RATIO} times the data)"))
         self.body_of = None
         self.last = True
@@ -249,9 +253,9 @@ class Connection(asyncio.Protocol):
         self.eof = True
         body = self.body_of
         if body is not None:
-            body.content.fail(payload_error("the client closed the connection before the request body ended"))
+            body.body.fail(BodyError("the client closed the connection before the request body ended"))
         self.last = self.stopped = True
-        return False  # closed (as aiohttp does): a request in progress loses its answer; `lost` resolves
+        return False  # closed: a request in progress loses its answer; `lost` resolves
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -315,7 +319,7 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         request = self.body_of
         if request is not None:
-            request.content.feed(body)
+            request.body.feed(body)
             self.buffered += len(body)
             if self.buffered > BODY_HIGH_WATER and not self.read_paused:
                 self._update_reading()
@@ -323,7 +327,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self.body_of
         if request is not None:
-            request.content.feed_eof()
+            request.body.feed_eof()
             self.body_of = None
         if self.last:
             self._stop()  # llhttp would call further bytes an error: they are not read
@@ -336,7 +340,7 @@ class Connection(asyncio.Protocol):
     async def _serve(self, request: Request) -> None:
         server = self.server
         try:
-            response = await server.handler(request)
+            answer = await server.handler(request)
         except asyncio.CancelledError:
             self.task = None
             if self.transport is not None:  # the handler gave up on this request: so does the connection
@@ -344,44 +348,37 @@ class Connection(asyncio.Protocol):
             return
         except Exception:
             log.exception("internal error serving %s %s", request.method, request.raw_path)
-            response = web.Response(status=500, body=b'{"error":"internal error"}', content_type="application/json")
+            if request.streamed is not None:  # its head is out: the answer ends unfinished, with the connection
+                self.task = None
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            answer = INTERNAL_ERROR
+        finally:
+            if request.held:
+                RECEIVING.release(request)
         try:
             transport = self.transport
             if transport is None:
                 self.task = None
                 return
-            content = request.content
-            if isinstance(response, Answer):  # the infer route's answer: one buffer, no aiohttp Response
-                keep = request.keep_alive and not server.closing and content.eof and content.error is None
-                buffer = render_answer(response, request, keep)
+            if type(answer) is Answer:
+                body = request.body
+                keep = (request.keep_alive and not answer.close and not server.closing and body.eof
+                        and body.error is None)
+                buffer = render(answer, request, keep)
                 if isinstance(buffer, list):
-                    if self.join_writes:
+                    if self.join_writes:  # TLS: one record
                         transport.write(b"".join(buffer))
                     else:
                         transport.writelines(buffer)
                 else:
                     transport.write(buffer)
             else:
-                keep = (request.keep_alive and response.keep_alive is not False and not server.closing
-                        and content.eof and content.error is None)
-                if not response.prepared:
-                    data = render(response, request, keep) if type(response) is web.Response else None
-                    if data is None:
-                        if not keep:
-                            response.force_close()
-                        await response.prepare(request)  # type: ignore[arg-type]
-                        await response.write_eof()
-                    elif isinstance(data, list) and not self.join_writes:
-                        transport.writelines(data)
-                    elif isinstance(data, list):  # TLS: one record
-                        transport.write(b"".join(data))
-                    else:
-                        transport.write(data)
-                elif not response._eof_sent:
-                    await response.write_eof()
-                if response.keep_alive is False:
-                    keep = False
-        except Exception as exc:  # the client left mid-answer (or a response that cannot be written)
+                assert isinstance(answer, Stream)
+                await answer.end()
+                keep = answer.keep
+        except Exception as exc:  # the client left mid-answer (or an answer that cannot be written)
             self.task = None
             if isinstance(exc, ConnectionError):
                 log.debug("HTTP connection from %s: %s", self.peername, exc)
@@ -390,7 +387,7 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        if request.content.received > body_worker.TRIM_AFTER_BYTES:  # once this request's buffers are gone
+        if request.body.received > body_worker.TRIM_AFTER_BYTES:  # once this request's buffers are gone
             self.loop.call_later(0.05, self.loop.run_in_executor, None, body_worker.release_memory)
         self.task = None
         self._finished(request, keep)
@@ -399,9 +396,9 @@ class Connection(asyncio.Protocol):
         queue = self.queue
         queue.popleft()
         self.queued_bytes -= request.head_size
-        content = request.content
-        if content.size:  # a body the handler did not read
-            self.consumed(content.size)
+        body = request.body
+        if body.size:  # a body the handler did not read
+            self.consumed(body.size)
         transport = self.transport
         if transport is None:
             return
@@ -445,8 +442,23 @@ class Connection(asyncio.Protocol):
         if self.read_paused and self.buffered < BODY_LOW_WATER:
             self._update_reading()
 
+    def write(self, data: bytes) -> None:
+        """Bytes of the running request's answer (a streamed one, 100 Continue)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the connection was lost")
+        transport.write(data)
+
+    def lost_future(self) -> asyncio.Future[None]:
+        """Resolved when this connection is lost (made on demand: most requests never ask)."""
+        if self.lost is None:
+            self.lost = self.loop.create_future()
+            if self.transport is None or self.transport.is_closing():
+                self.lost.set_result(None)
+        return self.lost
+
     async def drain(self) -> None:
-        """Wait while the transport cannot take more (aiohttp's writer.drain)."""
+        """Wait while the transport cannot take more."""
         if self.write_paused:
             if self.transport is None:
                 raise ConnectionResetError("the connection was lost")
@@ -483,7 +495,7 @@ class Connection(asyncio.Protocol):
         self._stop()
         request = self.body_of
         if request is not None:  # its handler answers (400 from the broken body), then the connection ends
-            request.content.fail(payload_error(message))
+            request.body.fail(BodyError(message))
             self.body_of = None
             return
         self.error = _error_bytes(400, "Bad Request", message)
@@ -560,7 +572,7 @@ class Connection(asyncio.Protocol):
 
 
 class Http1Server:
-    """The listening socket and its connections; `shutdown` / `cleanup` as aiohttp's runner
+    """The listening socket and its connections; `shutdown` / `cleanup`
     (what `meshserve/server/process.py:serve` calls)."""
 
     def __init__(self, handler: Handler, limits: ServerLimits, acceptor: tls.Acceptor | None = None) -> None:
@@ -568,6 +580,7 @@ class Http1Server:
         self.tls = acceptor
         self.limits = limits
         self.loop = asyncio.get_running_loop()
+        RECEIVING.limit = limits.max_receive_bytes  # (process-wide: every HTTP port of a process has the same)
         self.connections: set[Connection] = set()
         self.closing = False
         self._server: asyncio.base_events.Server | None = None
@@ -576,8 +589,13 @@ class Http1Server:
         self.tick = min(1.0, max(0.05, min(timeouts) / 4)) if timeouts else 0.0
         self._sweeper: asyncio.TimerHandle | None = None
 
+    def connection(self) -> Connection:
+        """A new connection's protocol (the listening socket's factory; load/bench/http_path.py
+        feeds one bytes in process)."""
+        return Connection(self)
+
     async def start(self, host: str, port: int) -> int:
-        factory: Callable[[], asyncio.Protocol] = lambda: Connection(self)  # noqa: E731
+        factory: Callable[[], asyncio.Protocol] = self.connection
         if self.tls is not None:  # --http-use-ssl: each connection's handshake first (meshserve/server/tls.py)
             factory = self.tls.factory(factory)
         self._server = await self.loop.create_server(factory, host, port,

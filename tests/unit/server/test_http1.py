@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import uvloop
-from aiohttp import web
 
 from meshserve.server import http1
+from meshserve.server.http1 import Answer, Request, Stream
 from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
 from meshserve.server.limits import ServerLimits
 from tests.support import eventually, eventually_async, slow
@@ -38,41 +38,37 @@ class Served:
         return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
 
 
-async def echo(request: Any) -> web.StreamResponse:
+async def echo(request: Request) -> Answer | Stream:
     """POST: the body back; GET /sse: three server-sent events, chunked; GET /slow?s: sleeps."""
     path = request.path
     if path == "/sse":
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
+        events = await request.stream(200, {"Content-Type": "text/event-stream"})
         for i in range(3):
-            await response.write(b"data: %d\n\n" % i)
-        await response.write_eof()
-        return response
+            await events.write(b"data: %d\n\n" % i)
+        return events  # (the server ends it)
     if path == "/slow":
         await slow.work_for_async(float(request.query_string))
     if path == "/big":
-        return web.Response(body=b"z" * int(request.query_string))
+        return Answer(b"z" * int(request.query_string), {})
     if path == "/head-only":  # answers without reading the body
-        return web.Response(body=b"early")
-    if path == "/expect":  # reads the body as http_frontend._read_body does: 100 Continue first
-        if request.headers.get("Expect", "").lower() == "100-continue":
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return Answer(b"early", {})
+    if path == "/expect":  # reads the body as Request.read_body does: 100 Continue first
+        if (request.header("expect") or "").lower() == "100-continue":
+            request.send_continue()
     if path == "/limited":  # refuses a body over 1000 bytes as it arrives (413, connection closed)
         total = 0
-        while chunk := await request.content.readany():
+        while chunk := await request.body.readany():
             total += len(chunk)
             if total > 1000:
-                response = web.Response(status=413, body=b"too large")
-                response.force_close()
-                return response
-    body = await request.content.read()
-    headers = {"X-Method": request.method, "X-Path": request.raw_path,
+                return Answer(b"too large", {}, 413, close=True)
+    body = await request.body.read()
+    headers = {"Content-Type": "application/octet-stream", "X-Method": request.method, "X-Path": request.raw_path,
                "X-Version": "{}.{}".format(*request.version)}
-    return web.Response(body=body, headers=headers, content_type="application/octet-stream")
+    return Answer(body, headers)
 
 
 @contextmanager
-def serving(handler: Callable[[Any], Awaitable[web.StreamResponse]] = echo,
+def serving(handler: Callable[[Any], Awaitable[Answer | Stream]] = echo,
             limits: ServerLimits = NO_TIMEOUTS) -> Iterator[Served]:
     """The server on a loop of its own (uvloop, as in production), in a thread."""
     loop = uvloop.new_event_loop()
@@ -165,18 +161,18 @@ def test_chunked_request_body() -> None:
 
 
 def test_malformed_chunked_body_is_400_and_close() -> None:
-    async def reader(request: Any) -> web.StreamResponse:
+    async def reader(request: Request) -> Answer:
         try:
-            await request.content.read()
-        except Exception as exc:  # what http_frontend._read_body turns into 400
-            return web.Response(status=400, body=type(exc).__name__.encode())
-        return web.Response(body=b"read")
+            await request.body.read()
+        except Exception as exc:  # what Request.read_body turns into 400
+            return Answer(type(exc).__name__.encode(), {}, 400)
+        return Answer(b"read", {})
 
     with serving(reader) as srv, srv.connect() as sock:
         sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n")
         f = sock.makefile("rb")
         a = read_answer(f)
-        assert (a.status, a.body) == (400, b"RequestPayloadError")
+        assert (a.status, a.body) == (400, b"BodyError")
         assert f.read() == b""
 
 
@@ -229,10 +225,10 @@ def test_reading_pauses_while_a_body_waits_for_its_handler() -> None:
     release = threading.Event()
     buffered: list[int] = []
 
-    async def late_reader(request: Any) -> web.StreamResponse:
+    async def late_reader(request: Request) -> Answer:
         await eventually_async(release.is_set, 60, "the test's release")
-        buffered.append(request.protocol.buffered)
-        return web.Response(body=str(len(await request.content.read())).encode())
+        buffered.append(request.conn.buffered)
+        return Answer(str(len(await request.body.read())).encode(), {})
 
     total = 64 << 20
     with serving(late_reader) as srv, srv.connect() as sock:
@@ -331,15 +327,13 @@ def test_a_client_that_leaves_mid_stream_is_noticed() -> None:
     http_frontend's generate_stream waits on), also after a `Connection: close` request."""
     left = threading.Event()
 
-    async def stream(request: Any) -> web.StreamResponse:
-        conn = request.protocol
-        conn.lost = conn.lost or asyncio.get_running_loop().create_future()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: first\n\n")
-        await asyncio.wait_for(conn.lost, 30)  # the next event would be a minute away
+    async def stream(request: Request) -> Stream:
+        lost = request.lost()
+        events = await request.stream(200, {"Content-Type": "text/event-stream"})
+        await events.write(b"data: first\n\n")
+        await asyncio.wait_for(lost, 30)  # the next event would be a minute away
         left.set()
-        return response
+        return events
 
     for extra in (b"", b"Connection: close\r\n"):
         left.clear()
@@ -353,12 +347,11 @@ def test_a_client_that_leaves_mid_stream_is_noticed() -> None:
 
 
 def test_stream_response_to_http10_closes_instead_of_chunking() -> None:
-    async def stream(request: Any) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        await response.write(b"abc")
-        await response.write_eof()
-        return response
+    async def stream(request: Request) -> Stream:
+        events = await request.stream(200, {})
+        await events.write(b"abc")
+        await events.end()
+        return events
 
     with serving(stream) as srv, srv.connect() as sock:
         sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -370,11 +363,27 @@ def test_stream_response_to_http10_closes_instead_of_chunking() -> None:
         assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower() and body == b"abc"
 
 
+def test_a_handler_that_fails_mid_stream_cuts_the_stream() -> None:
+    """After a streamed answer's head is out, a failing handler ends the connection: no 500 is
+    written into the chunked body, and no final chunk says the stream was whole."""
+    async def failing(request: Request) -> Stream:
+        events = await request.stream(200, {"Content-Type": "text/event-stream"})
+        await events.write(b"data: first\n\n")
+        raise RuntimeError("the model failed")
+
+    with serving(failing) as srv, srv.connect() as sock:
+        sock.sendall(b"GET /sse HTTP/1.1\r\nHost: x\r\n\r\nGET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        assert b"data: first" in data and b"500" not in data and not data.endswith(b"0\r\n\r\n"), data
+
+
 def test_handler_errors_are_500_and_the_connection_goes_on() -> None:
-    async def broken(request: Any) -> web.StreamResponse:
+    async def broken(request: Request) -> Answer:
         if request.path == "/boom":
             raise RuntimeError("boom")
-        return web.Response(body=b"fine")
+        return Answer(b"fine", {})
 
     with serving(broken) as srv, srv.connect() as sock:
         sock.sendall(b"GET /boom HTTP/1.1\r\n\r\nGET /ok HTTP/1.1\r\n\r\n")
@@ -384,8 +393,8 @@ def test_handler_errors_are_500_and_the_connection_goes_on() -> None:
 
 
 def test_response_header_injection_is_refused() -> None:
-    async def bad(request: Any) -> web.StreamResponse:
-        return web.Response(body=b"x", headers={"X-A": request.query_string.replace("_", "\r\n")})
+    async def bad(request: Request) -> Answer:
+        return Answer(b"x", {"X-A": request.query_string.replace("_", "\r\n")})
 
     with serving(bad) as srv, srv.connect() as sock:
         sock.sendall(b"GET /?a_Set-Cookie:%20x HTTP/1.1\r\n\r\n")
