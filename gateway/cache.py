@@ -25,7 +25,7 @@ import asyncio
 import hashlib
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -395,7 +395,30 @@ class CacheStage:
         key = request_key(request, version)
         if key is None:
             return self.next.infer(request, ctx, sequence)
-        return self._cached(key, (request.model_name, version), config, request, ctx, sequence)
+        return self._cached(key, (request.model_name, version), config, request, ctx.time_remaining,
+                            lambda: self.next.infer(request, ctx, sequence))
+
+    async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
+                   send: Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]
+                   ) -> pb.ModelInferResponse:
+        """An ensemble step's call (gateway/ensemble/executor.py): answered from the cache when the
+        step model's own config enables it (as Triton caches a composing model's answers), with
+        the same rules, single-flight and counts as a client's request for that model; ``send``
+        otherwise."""
+        config = self._cacheable(request, affinity)
+        version = None if config is None else request.model_version or self._versions(request.model_name)
+        key = None if version is None else request_key(request, version)
+        if config is None or version is None or key is None:
+            return await send(request, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        async def run() -> InferResult:
+            return InferResult(message=await send(request, remaining()))
+
+        return (await self._cached(key, (request.model_name, version), config, request, remaining, run)).message()
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
         return self.next.stream(request, ctx, sequence)  # streamed (decoupled) answers: never cached
@@ -413,7 +436,9 @@ class CacheStage:
             await self.shared.close()
 
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
-                      request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+                      request: pb.ModelInferRequest, remaining: Callable[[], float | None],
+                      run: Callable[[], Awaitable[InferResult]]) -> InferResult:
+        """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model)."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         generation: bytes | None = None
@@ -428,18 +453,18 @@ class CacheStage:
             if flight is None:
                 break
             try:
-                answer = await asyncio.wait_for(asyncio.shield(flight), ctx.time_remaining())
+                answer = await asyncio.wait_for(asyncio.shield(flight), remaining())
             except TimeoutError:
                 raise InferError(Code.DEADLINE_EXCEEDED,
                                  f"deadline exceeded waiting for model '{request.model_name}'") from None
             if answer is not None:
                 return self._hit(model, answer, request, started)
             # the leader failed: nothing was kept; look again (one waiter leads the next try)
-        return await self._lead(key, model, config, request, ctx, sequence, started, generation)
+        return await self._lead(key, model, config, run, started, generation)
 
     async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
-                    request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
-                    started: int, shared_generation: bytes | None) -> InferResult:
+                    run: Callable[[], Awaitable[InferResult]], started: int,
+                    shared_generation: bytes | None) -> InferResult:
         """Run the model for a miss (``shared_generation``: the Redis generation it was looked up
         under, None: do not store in Redis)."""
         flight: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
@@ -450,7 +475,7 @@ class CacheStage:
         answer: bytes | None = None
         inserted = 0
         try:
-            result = await self.next.infer(request, ctx, sequence)
+            result = await run()
             inserting = time.perf_counter_ns()
             if result.message().id:
                 message = pb.ModelInferResponse.FromString(result.serialized())

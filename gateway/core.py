@@ -126,6 +126,8 @@ class GatewayCore:
             LocalCache(cache.size) if cache.kind == "local" else RedisCache(cache.settings),
             self._cache_config_for, self._served_version,
             lambda name: routes is not None and routes.lookup(name) is not None)
+        if ensembles is not None and ensembles.executor is not None:
+            ensembles.executor.step_cache = self.cache  # a step whose model enables the cache uses it
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
                                           self._target_decoupled, admission, routes, ensembles, self.cache)
 
