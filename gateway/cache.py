@@ -27,7 +27,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.http_codec import _CONTENTS_FIELD, BINARY_DATA, BINARY_DATA_OUTPUT
 from meshserve.server.core import InferResult, RequestContext
 from meshserve.telemetry import metrics, tracing
+
+if TYPE_CHECKING:
+    from gateway.shared_cache import SharedCache
 
 ENTRY_SHARE = 8  # an answer larger than 1/ENTRY_SHARE of the cache's size is not cached
 ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the dict slot, the node)
@@ -199,7 +202,7 @@ class LocalCache:
         self.generations: Counter[str] = Counter()
         self.evictions = 0
 
-    def get(self, key: bytes, config: mc.ModelConfig) -> bytes | None:
+    def get(self, key: bytes, config: mc.ModelConfig, model: str = "") -> bytes | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
@@ -233,6 +236,10 @@ class LocalCache:
             if not keys:
                 del self.by_model[entry.model]
 
+    def generation(self, model: str) -> int:
+        """The model's generation (``put`` keeps an answer only if it has not changed since)."""
+        return self.generations[model]
+
     def invalidate(self, model: str) -> None:
         """Drop a model's entries; answers computed before now are not stored after."""
         self.generations[model] += 1
@@ -249,6 +256,14 @@ class CacheCounts:
         self.misses: Counter[tuple[str, str]] = Counter()
         self.hit_ns: Counter[tuple[str, str]] = Counter()
         self.miss_ns: Counter[tuple[str, str]] = Counter()
+
+    def hit(self, model: tuple[str, str], ns: int) -> None:
+        self.hits[model] += 1
+        self.hit_ns[model] += ns
+
+    def miss(self, model: tuple[str, str], ns: int) -> None:
+        self.misses[model] += 1
+        self.miss_ns[model] += ns
 
     def samples(self) -> list[metrics.Sample]:
         out: list[metrics.Sample] = []
@@ -362,11 +377,15 @@ class CacheStage:
 
     next: Any  # pipeline.Stage
 
-    def __init__(self, cache: LocalCache | RedisCache, config_for: Callable[[str, str], mc.ModelConfig | None],
-                 versions: Callable[[str], str | None], is_route: Callable[[str], bool]):
-        self.local = cache if isinstance(cache, LocalCache) else None
+    def __init__(self, cache: LocalCache | SharedCache | RedisCache,
+                 config_for: Callable[[str, str], mc.ModelConfig | None],
+                 versions: Callable[[str], str | None], is_route: Callable[[str], bool],
+                 counts: CacheCounts | None = None):
+        """``cache``: this process's (LocalCache), the workers' (gateway/shared_cache.py) or
+        Redis; ``counts``: where hits and misses are counted (the workers' shared rows)."""
+        self.local = None if isinstance(cache, RedisCache) else cache
         self.shared = cache if isinstance(cache, RedisCache) else None
-        self.counts = CacheCounts()
+        self.counts = counts if counts is not None else CacheCounts()
         self._config_for = config_for
         self._versions = versions  # the version a request without one is routed to
         self._is_route = is_route
@@ -444,7 +463,7 @@ class CacheStage:
         generation: bytes | None = None
         while True:
             if local is not None:
-                answer = local.get(key, config)
+                answer = local.get(key, config, model[0])
             elif shared is not None:
                 answer, generation = await shared.get(key, model[0])
             if answer is not None:
@@ -470,7 +489,7 @@ class CacheStage:
         flight: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
         self.flights[key] = flight
         local = self.local
-        generation = local.generations[model[0]] if local is not None else 0
+        generation = local.generation(model[0]) if local is not None else 0
         looked = time.perf_counter_ns() - started
         answer: bytes | None = None
         inserted = 0
@@ -485,22 +504,20 @@ class CacheStage:
                 answer = result.serialized()
             if local is not None:
                 if not local.put(key, model[0], answer, config, generation) \
-                        and generation != local.generations[model[0]]:
+                        and generation != local.generation(model[0]):
                     answer = None  # reloaded meanwhile: the waiters ask the new model
             elif self.shared is not None and shared_generation is not None:
                 await self.shared.put(key, model[0], answer, shared_generation)
             inserted = time.perf_counter_ns() - inserting
             return result
         finally:
-            self.counts.misses[model] += 1
-            self.counts.miss_ns[model] += looked + inserted
+            self.counts.miss(model, looked + inserted)
             del self.flights[key]
             flight.set_result(answer)
 
     def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
              ) -> InferResult:
-        self.counts.hits[model] += 1
-        self.counts.hit_ns[model] += time.perf_counter_ns() - started
+        self.counts.hit(model, time.perf_counter_ns() - started)
         if tracing.enabled and (span := tracing.current_span()) is not None:
             now = time.time_ns()
             tracing.emit_span("gateway.cache", span, now, now, {"meshserve.cache_hit": True,

@@ -436,3 +436,47 @@ def test_a_hit_has_a_cache_span(stack: tuple[Proc, Proc]) -> None:
     finally:
         gw.stop()
         server.stop(0)
+
+
+def test_workers_share_the_local_cache_and_its_counts(stack: tuple[Proc, Proc]) -> None:
+    """`--workers 2` with a local cache: one file both workers map (gateway/shared_cache.py).
+    A request repeated on fresh connections (the kernel spreads them over both workers) runs
+    the model once; the statistics and nv_cache_* read the same totals whichever worker answers
+    (no worker label on nv_cache_*); a reload through one worker is a miss on every worker."""
+    from tests.integration.test_gateway_workers import served, until_both_served
+    from tests.support.metrics import scrape
+
+    svc, _ = stack
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--workers", "2"])
+    try:
+        _wait_http_ready(gw.http)
+        a, b = fresh(13)
+        runs = service_success(svc)
+        sent = [0]
+
+        def send(i: int) -> None:
+            proto = ("http", "grpc")[i % 2]
+            out = infer(proto, getattr(gw, proto), a, b, request_id=f"r{i}")
+            np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+            sent[0] += 1
+
+        until_both_served(gw, send)
+        assert service_success(svc) == runs + 1  # one miss, every other request a hit on either worker
+        n = sent[0]
+        # the totals, whichever worker answers (each call below is a new connection)
+        assert {gateway_cache(gw) for _ in range(8)} == {(n - 1, 1)}
+        for _ in range(4):
+            samples = scrape(gw.http)
+            cache = {labels: v for (name, labels), v in samples.items() if name == "nv_cache_num_hits_per_model"}
+            assert cache == {frozenset({("model", "add_sub"), ("version", "1")}): n - 1}
+        assert sum(served(gw).values()) >= n
+        with httpclient.InferenceServerClient(gw.http) as c:
+            c.load_model("add_sub")  # through one worker
+        runs = service_success(svc)
+        for i in range(8):
+            send(100 + i)
+        assert service_success(svc) == runs + 1  # a miss once, on whichever worker came first
+        assert {gateway_cache(gw) for _ in range(4)} == {(n - 1 + 7, 2)}
+    finally:
+        gw.stop()
