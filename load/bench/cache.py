@@ -4,6 +4,8 @@ side in one run, and a mix with no repeat (what the cache costs a miss). docs/pe
 
     python -m load.bench --cache [-n 4000] [-c 16] [--rounds 3] [--no-triton] [--json PATH]
     python -m load.bench.cache ...   (the same)
+    python -m load.bench --cache --hit-cost   (the stores alone: one process's vs the workers' shared one)
+    python -m load.bench --cache --instructions -n 500   (the gateway's instructions per request, callgrind)
 
 The model is the team's bench add_sub (../shared/bench/gen_models.py: FP32 [1,16] INPUT0/INPUT1,
 max_batch_size 64, dynamic batching; meshserve serves its ONNX graph, Triton its Python-backend
@@ -216,6 +218,89 @@ def cache_counts(http: str, model: str) -> tuple[int, int]:
     return int(stats["cache_hit"].get("count", 0)), int(stats["cache_miss"].get("count", 0))
 
 
+# ---- what a hit costs in the store: one process's LocalCache vs the workers' SharedCache ---------
+
+def hit_cost(sizes: tuple[int, ...] = (160, 4096, 65536), keys: int = 1000, repeats: int = 20) -> str:
+    """CPU µs per lookup + hit count (process time: the machine's other load does not count),
+    best of 5, for answers of each size (gateway/shared_cache.py's choice, docs/perf/response-cache.md)."""
+    from gateway.cache import CacheCounts, LocalCache
+    from gateway.shared_cache import SharedCache
+    from meshserve._proto import model_config_pb2 as mc
+
+    config = mc.ModelConfig(name="m")
+    lines = ["| answer bytes | in-process µs | shared (--workers) µs |", "|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory(prefix="bench-hit-cost-") as tmp:
+        for size in sizes:
+            answer = os.urandom(size)
+            ids = [os.urandom(16) for _ in range(min(keys, (16 << 20) // size))]  # (all fit in either)
+            local, shared = LocalCache(64 << 20), SharedCache(os.path.join(tmp, f"c{size}"), 64 << 20, 0)
+            row = []
+            for store, counts in ((local, CacheCounts()), (shared, shared.counts)):
+                for key in ids:
+                    store.put(key, "m", answer, config, 0)
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.process_time_ns()
+                    for _ in range(repeats):
+                        for key in ids:
+                            assert store.get(key, config, "m") is not None
+                            counts.hit(("m", "1"), 1)
+                    best = min(best, (time.process_time_ns() - t0) / (repeats * len(ids)) / 1000)
+                row.append(best)
+            shared.close()
+            lines.append(f"| {size} | {row[0]:.2f} | {row[1]:.2f} |")
+    return "\n".join(lines)
+
+
+# ---- instructions per request in the gateway (callgrind: repeats on a busy machine) --------------
+
+def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
+    """The gateway's user-space instructions per request (every thread, callgrind) with the cache
+    off, on with no repeat (a miss's cost), and on with every request a hit."""
+    from load.bench import callgrind
+
+    if not callgrind.available():
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    n = args.requests
+    rows: list[tuple[str, int]] = []
+    svc = procs.service(repo, out / "svc.log")
+    try:
+        for name, extra, cells in (("off", [], [("cache off, 0% repeats", 0.0)]),
+                                   ("on", ["--cache-config", f"local,size={args.size}"],
+                                    [("cache on, 0% repeats (every request a miss)", 0.0),
+                                     ("cache on, 100% repeats (every request a hit)", 1.0)])):
+            dump = out / f"cg-{name}.out"
+            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=extra, timeout=600,
+                               prefix=callgrind.command(dump, instr_at_start=False))
+            try:
+                for label, repeat in cells:
+                    seed = 77 + len(rows)
+                    hot = 10
+                    # warm-up: new inputs, or (for hits) the hot inputs, every one of them answered once
+                    warm = mix("add_sub", 20 * hot, 1.0, hot, seed) if repeat else \
+                        mix("add_sub", args.warmup, 0.0, 1, seed + 9)
+                    asyncio.run(drive(gw.grpc, warm, args.concurrency, args.connections))
+                    before = set(out.glob(dump.name + "*"))
+                    callgrind.control(gw.pid, "--zero")
+                    callgrind.control(gw.pid, "--instr=on")
+                    run = asyncio.run(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
+                                            args.connections))
+                    callgrind.control(gw.pid, "--instr=off")
+                    callgrind.control(gw.pid, "--dump")
+                    total, _ = callgrind.totals(callgrind.wait_dump(dump, before))
+                    if run.errors:
+                        raise SystemExit(f"{label}: {run.errors} requests failed")
+                    rows.append((label, total // n))
+                    print(f"{label}: {total // n} instructions per request", flush=True)
+            finally:
+                gw.stop()
+    finally:
+        svc.stop()
+    base = rows[0][1]
+    return "\n".join(["| gateway | instructions per request | vs cache off |", "|---|---:|---:|",
+                      *(f"| {label} | {count} | {100 * (count / base - 1):+.1f}% |" for label, count in rows)])
+
+
 # ---- the run -----------------------------------------------------------------------------------
 
 @dataclass
@@ -235,10 +320,13 @@ def measure(cell: Cell, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     requests = mix(cell.model, args.requests, cell.repeat, args.hot, seed)
     before = cache_counts(cell.stats_http, cell.model) if cell.stats_http else None
     cpu0, machine0, ours0 = [procs.proc_tree_cpu_s(p) for p in cell.pids], _machine_busy_s(), _ours_s(cell.pids)
+    client0 = time.process_time()
     run = asyncio.run(drive(cell.endpoint, requests, args.concurrency, args.connections))
+    client1 = time.process_time()
     cpu1, machine1, ours1 = [procs.proc_tree_cpu_s(p) for p in cell.pids], _machine_busy_s(), _ours_s(cell.pids)
     row = summarize(run)
     row["server_us_per_req"] = [round((b - a) / max(1, row["requests"]) * 1e6, 1) for a, b in zip(cpu0, cpu1, strict=True)]
+    row["client_us_per_req"] = round((client1 - client0) / max(1, row["requests"]) * 1e6, 1)
     row["foreign_cores"] = round(max(0.0, (machine1 - machine0) - (ours1 - ours0)) / run.wall_s, 2)
     if before is not None and cell.stats_http:
         after = cache_counts(cell.stats_http, cell.model)
@@ -257,20 +345,18 @@ def report(cells: list[Cell], args: argparse.Namespace, env: dict[str, Any]) -> 
     lines = [f"-n {args.requests} per cell, c{args.concurrency} over {args.connections} connections, "
              f"{args.rounds} round(s), median per cell; repeats {args.repeat:.0%} of {args.hot} inputs; "
              f"cache size {args.size} bytes", "",
-             "| cell | rows/s | p50 ms | p99 ms | hit p50 ms | hit p99 ms | server µs/req | hits / misses (server) "
-             "| foreign cores | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cell | rows/s | p50 ms | p99 ms | hit p50 ms | hit p99 ms | server CPU µs/req | client CPU µs/req "
+             "| hits / misses (server) | foreign cores | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         m = med[c.name]
         cpu = "+".join(f"{statistics.median(r['server_us_per_req'][i] for r in c.rows):.0f}"
                        for i in range(len(c.pids)))
         counts = "-" if not c.stats_http else \
             f"{sum(r.get('server_hits', 0) for r in c.rows)} / {sum(r.get('server_misses', 0) for r in c.rows)}"
-        hit = c.repeat > 0 and c.stats_http
-        lines.append(f"| {c.name} | {m['rows_s']:.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
-                     f"{m['hit_p50_ms']:.2f} | {m['hit_p99_ms']:.2f} | {cpu} | {counts} | {m['foreign_cores']:.2f} | "
-                     f"{sum(r['errors'] for r in c.rows)} |" if hit else
-                     f"| {c.name} | {m['rows_s']:.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | - | - | {cpu} | {counts} | "
-                     f"{m['foreign_cores']:.2f} | {sum(r['errors'] for r in c.rows)} |")
+        hit = f"{m['hit_p50_ms']:.2f} | {m['hit_p99_ms']:.2f}" if c.repeat > 0 and c.stats_http else "- | -"
+        client = statistics.median(r.get("client_us_per_req", float("nan")) for r in c.rows)
+        lines.append(f"| {c.name} | {m['rows_s']:.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {hit} | {cpu} | "
+                     f"{client:.0f} | {counts} | {m['foreign_cores']:.2f} | {sum(r['errors'] for r in c.rows)} |")
     by = {c.name: med[c.name] for c in cells}
     lines.append("")
 
@@ -310,7 +396,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--triton-venv", type=Path, default=Path(os.environ.get("TRITON_VENV", "/tmp/bench-venvs/triton")))
     ap.add_argument("--no-zero", action="store_true", help="skip the 0%% repeat cells")
     ap.add_argument("--json", type=Path, default=None, help="every round's numbers")
+    ap.add_argument("--hit-cost", action="store_true",
+                    help="instead: CPU per hit in one process's cache vs the cache --workers share (no servers)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="instead: the gateway's instructions per request under callgrind (cache off, on with "
+                         "no repeat, on with every request a hit); use a small -n (e.g. 500)")
     args = ap.parse_args(argv)
+    if args.hit_cost:
+        print(hit_cost())
+        return
+    if args.instructions:
+        with tempfile.TemporaryDirectory(prefix="bench-cache-cg-") as tmp:
+            d = Path(tmp)
+            (d / "mesh").mkdir()
+            cached_copy((args.repository or bench_models(args.models) / "onnx_repo") / "add_sub", d / "mesh",
+                        "add_sub", True)
+            print(instructions(args, d / "mesh", d))
+        return
     env: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
         d = Path(tmp)
