@@ -5,25 +5,26 @@ the gateway's memory: no hop, no service. The pieces:
 
 - ``CacheConfig.parse``: Triton's ``--cache-config <cache>,<key>=<value>`` syntax (``local``
   with ``size`` in bytes; ``redis`` is refused at start: not built yet).
-- ``request_key``: a 16-byte BLAKE2b digest of the model name, the resolved version, every input
-  (name, datatype, shape, bytes: typed ``contents`` are hashed as the raw bytes they stand for,
-  so a gRPC client's typed tensors and the same values as ``raw_input_contents`` or HTTP JSON
-  share an entry), the requested outputs (names and parameters, but not ``binary_data``: the
-  front door renders binary or JSON per request) and every request parameter but those that
-  cannot change the answer (``_IGNORED_PARAMETERS``). None: never cached (shared memory, a
-  typed tensor that does not convert: the service words the error).
+- ``request_key``: a 16-byte BLAKE2b digest of the resolved version and the request in a
+  canonical form, deterministically serialized: no id, no version, every input as raw bytes
+  (typed ``contents`` become the raw bytes they stand for, so a gRPC client's typed tensors and
+  the same values as ``raw_input_contents`` or HTTP JSON share an entry), the requested outputs
+  (names and parameters, but not ``binary_data``: the front door renders binary or JSON per
+  request) and every request parameter but those that cannot change the answer
+  (``_IGNORED_PARAMETERS``). None: never cached (shared memory, a typed tensor that does not
+  convert: the service words the error).
 - ``LocalCache``: LRU within the byte budget; an entry over ``ENTRY_SHARE`` of it is not kept;
   ``invalidate`` drops a model's entries and bumps its generation (an answer computed before
-  is not stored after); single-flight per key (``flights``).
-- ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``): which
-  requests may be cached, the hit/miss counts and durations (statistics and ``nv_cache_*``).
+  is not stored after). With ``--workers N``: gateway/shared_cache.py's ``SharedCache``.
+- ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``; and
+  ``step`` for an ensemble's steps): which requests may be cached, single-flight per key
+  (``flights``), the hit/miss counts and durations (statistics and ``nv_cache_*``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hashlib
-import struct
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from gateway.shared_cache import SharedCache
 
 ENTRY_SHARE = 8  # an answer larger than 1/ENTRY_SHARE of the cache's size is not cached
+CONFIGS_KEPT = 1024  # configs whose "is it cached" answer is remembered (all dropped when full)
 ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the dict slot, the node)
 # request parameters that cannot change the answer: how it is rendered or scheduled
 _IGNORED_PARAMETERS = frozenset({BINARY_DATA_OUTPUT, "timeout", "priority",
@@ -133,52 +135,83 @@ def _tensor_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes | None
         return None
 
 
-def _parameter(h: Any, key: str, p: pb.InferParameter) -> None:
-    h.update(b"\x00p")
-    h.update(key.encode())
-    h.update(b"\x00")
-    h.update(p.SerializeToString(deterministic=True))
+_TENSOR_SKIP = (BINARY_DATA, "binary_data_size")
+# bytes whose presence in a serialized request sends it to the canonical copy: a parameter that
+# is not part of the key, or shared memory (never cached); data that merely contains them only
+# costs that request the slower path
+_NOT_CANONICAL = (BINARY_DATA.encode(), _SHM.encode())
 
 
 def request_key(request: pb.ModelInferRequest, version: str) -> bytes | None:
-    """The cache key of a request, or None where it is never cached (module docstring)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(request.model_name.encode())
-    h.update(b"\x00v")
-    h.update(version.encode())
-    raws = request.raw_input_contents
-    if raws and len(raws) != len(request.inputs):
-        return None  # the service words the mistake
-    for i, tensor in enumerate(request.inputs):
-        if _SHM in tensor.parameters:
-            return None
-        data = raws[i] if raws else _tensor_bytes(tensor)
-        if data is None:
-            return None
-        h.update(b"\x00i")
-        h.update(tensor.name.encode())
-        h.update(b"\x00")
-        h.update(tensor.datatype.encode())
-        shape = tensor.shape
-        h.update(struct.pack(f"<{len(shape)}q", *shape))  # (as int64 little-endian; cheaper than numpy)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-        for key in sorted(tensor.parameters):
-            if key != BINARY_DATA and key != "binary_data_size":
-                _parameter(h, key, tensor.parameters[key])
-    for out in request.outputs:
-        if _SHM in out.parameters:
-            return None
-        h.update(b"\x00o")
-        h.update(out.name.encode())
-        for key in sorted(out.parameters):
-            if key != BINARY_DATA:
-                _parameter(h, key, out.parameters[key])
+    """The cache key of a request, or None where it is never cached (module docstring).
+
+    The key hashes the version and the request's deterministic serialization without its id and
+    version, when the request is already in the canonical form: every input as raw bytes, no
+    ``binary_data`` / ``binary_data_size`` / shared-memory parameter, no top-level parameter
+    that cannot change the answer (a gRPC client's usual request: one C serialization and one
+    hash, where reading the fields one by one costs a protobuf attribute read each). Any other
+    request is first copied into that form (``_canonical``): typed contents become the raw bytes
+    they stand for, those parameters go, so the same request in any form has one key."""
     params = request.parameters
-    for key in sorted(params):
-        if key not in _IGNORED_PARAMETERS:
-            _parameter(h, key, params[key])
-    return h.digest()
+    raws = request.raw_input_contents
+    canonical = bool(raws) and not (params and not _IGNORED_PARAMETERS.isdisjoint(params))
+    body = b""
+    if canonical:
+        rid, version_asked = request.id, request.model_version
+        if rid:
+            request.id = ""
+        if version_asked:
+            request.model_version = ""
+        try:
+            body = request.SerializeToString(deterministic=True)
+        finally:
+            if rid:
+                request.id = rid
+            if version_asked:
+                request.model_version = version_asked
+        canonical = _NOT_CANONICAL[0] not in body and _NOT_CANONICAL[1] not in body
+    if not canonical:
+        copy = _canonical(request)
+        if copy is None:
+            return None
+        body = copy.SerializeToString(deterministic=True)
+    return hashlib.blake2b(version.encode() + b"\x00" + body, digest_size=16).digest()
+
+
+def _canonical(request: pb.ModelInferRequest) -> pb.ModelInferRequest | None:
+    """The request in the key's canonical form (``request_key``), or None: never cached."""
+    copy = pb.ModelInferRequest()
+    copy.CopyFrom(request)
+    copy.ClearField("id")
+    copy.ClearField("model_version")
+    raws = copy.raw_input_contents
+    typed = not raws
+    if not typed and len(raws) != len(copy.inputs):
+        return None  # the service words the mistake
+    for tensor in copy.inputs:
+        params = tensor.parameters
+        if _SHM in params:
+            return None
+        for key in _TENSOR_SKIP:
+            if key in params:
+                del params[key]
+        if typed or tensor.HasField("contents"):
+            data = _tensor_bytes(tensor) if typed else None
+            if data is None:
+                return None  # no conversion, or raw and typed contents mixed: the service words it
+            tensor.ClearField("contents")
+            raws.append(data)
+    for out in copy.outputs:
+        params = out.parameters
+        if _SHM in params:
+            return None
+        if BINARY_DATA in params:
+            del params[BINARY_DATA]
+    params = copy.parameters
+    for key in _IGNORED_PARAMETERS:
+        if key in params:
+            del params[key]
+    return copy
 
 
 class _Entry:
@@ -392,31 +425,43 @@ class CacheStage:
         self._versions = versions  # the version a request without one is routed to
         self._is_route = is_route
         self.flights: dict[bytes, asyncio.Future[bytes | None]] = {}
+        self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
 
-    def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None) -> mc.ModelConfig | None:
-        config = self._config_for(request.model_name, request.model_version)
-        if config is None or not config.response_cache.enable or sequence is not None:
+    def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
+                   ) -> tuple[mc.ModelConfig, tuple[str, str]] | None:
+        """(the config, (model, version)) of a request that is looked up, else None."""
+        if sequence is not None:
             return None
-        if config.model_transaction_policy.decoupled or config.HasField("sequence_batching"):
+        name, asked = request.model_name, request.model_version
+        config = self._config_for(name, asked)
+        if config is None or not self._enabled(config):
             return None
         params = request.parameters
         if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
             return None
-        if self._is_route(request.model_name):
+        if self._is_route(name):
             return None
-        return config
+        version = asked or self._versions(name)
+        return None if version is None else (config, (name, version))
+
+    def _enabled(self, config: mc.ModelConfig) -> bool:
+        """Whether a config's requests are looked up, worked out once per config (held by its id
+        while it is the served one; a protobuf field read costs more than the dict lookup)."""
+        known = self._configs.get(id(config))
+        if known is None or known[0] is not config:
+            if len(self._configs) >= CONFIGS_KEPT:
+                self._configs.clear()
+            enabled = config.response_cache.enable and not config.model_transaction_policy.decoupled \
+                and not config.HasField("sequence_batching")
+            known = self._configs[id(config)] = (config, enabled)
+        return known[1]
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
-        config = self._cacheable(request, sequence)
-        if config is None:
+        found = self._cacheable(request, sequence)
+        key = None if found is None else request_key(request, found[1][1])
+        if found is None or key is None:
             return self.next.infer(request, ctx, sequence)
-        version = request.model_version or self._versions(request.model_name)
-        if version is None:
-            return self.next.infer(request, ctx, sequence)
-        key = request_key(request, version)
-        if key is None:
-            return self.next.infer(request, ctx, sequence)
-        return self._cached(key, (request.model_name, version), config, request, ctx.time_remaining,
+        return self._cached(key, found[1], found[0], request, ctx.time_remaining,
                             lambda: self.next.infer(request, ctx, sequence))
 
     async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
@@ -426,10 +471,9 @@ class CacheStage:
         step model's own config enables it (as Triton caches a composing model's answers), with
         the same rules, single-flight and counts as a client's request for that model; ``send``
         otherwise."""
-        config = self._cacheable(request, affinity)
-        version = None if config is None else request.model_version or self._versions(request.model_name)
-        key = None if version is None else request_key(request, version)
-        if config is None or version is None or key is None:
+        found = self._cacheable(request, affinity)
+        key = None if found is None else request_key(request, found[1][1])
+        if found is None or key is None:
             return await send(request, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -439,7 +483,7 @@ class CacheStage:
         async def run() -> InferResult:
             return InferResult(message=await send(request, remaining()))
 
-        return (await self._cached(key, (request.model_name, version), config, request, remaining, run)).message()
+        return (await self._cached(key, found[1], found[0], request, remaining, run)).message()
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
         return self.next.stream(request, ctx, sequence)  # streamed (decoupled) answers: never cached

@@ -85,10 +85,12 @@ def mix(model: str, n: int, repeat: float, hot: int, seed: int) -> list[tuple[in
 class Run:
     latencies: list[tuple[int, float, float]] = field(default_factory=list)  # (input id, sent, answered)
     errors: int = 0
+    first_error: str = ""
     wall_s: float = 0.0
 
 
-async def drive(endpoint: str, requests: list[tuple[int, bytes]], concurrency: int, connections: int) -> Run:
+async def drive(endpoint: str, requests: list[tuple[int, bytes]], concurrency: int, connections: int,
+                timeout: float = 30.0) -> Run:
     """Every request, ``concurrency`` in flight over ``connections`` connections (closed loop)."""
     channels = [Channel(endpoint, 10.0) for _ in range(connections)]
     run = Run()
@@ -101,9 +103,10 @@ async def drive(endpoint: str, requests: list[tuple[int, bytes]], concurrency: i
             at[0] += 1
             sent = time.perf_counter()
             try:
-                await conn.unary(_INFER, payload, (), 30.0)
-            except Exception:  # (counted: a benchmark reports its failures)
+                await conn.unary(_INFER, payload, (), timeout)
+            except Exception as exc:  # (counted: a benchmark reports its failures)
                 run.errors += 1
+                run.first_error = run.first_error or repr(exc)[:300]
                 conn = await channel.get()
                 continue
             run.latencies.append((key, sent, time.perf_counter()))
@@ -279,17 +282,17 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                     # warm-up: new inputs, or (for hits) the hot inputs, every one of them answered once
                     warm = mix("add_sub", 20 * hot, 1.0, hot, seed) if repeat else \
                         mix("add_sub", args.warmup, 0.0, 1, seed + 9)
-                    asyncio.run(drive(gw.grpc, warm, args.concurrency, args.connections))
+                    asyncio.run(drive(gw.grpc, warm, args.concurrency, args.connections, 600.0))
                     before = set(out.glob(dump.name + "*"))
                     callgrind.control(gw.pid, "--zero")
                     callgrind.control(gw.pid, "--instr=on")
                     run = asyncio.run(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
-                                            args.connections))
+                                            args.connections, 600.0))  # (a gateway under callgrind is slow)
                     callgrind.control(gw.pid, "--instr=off")
                     callgrind.control(gw.pid, "--dump")
                     total, _ = callgrind.totals(callgrind.wait_dump(dump, before))
                     if run.errors:
-                        raise SystemExit(f"{label}: {run.errors} requests failed")
+                        raise SystemExit(f"{label}: {run.errors} requests failed, the first: {run.first_error}")
                     rows.append((label, total // n))
                     print(f"{label}: {total // n} instructions per request", flush=True)
             finally:
