@@ -135,7 +135,8 @@ def summarize(run: Run) -> dict[str, Any]:
         first[key] = min(done, first.get(key, done))
     hits = [done - sent for key, sent, done in run.latencies if first[key] < sent]
     every = [done - sent for _, sent, done in run.latencies]
-    return {"rows_s": len(run.latencies) / run.wall_s, "errors": run.errors, "requests": len(run.latencies),
+    return {"rows_s": len(run.latencies) / run.wall_s, "errors": run.errors, "first_error": run.first_error,
+            "requests": len(run.latencies),
             "p50_ms": _p(every, 0.5), "p99_ms": _p(every, 0.99), "repeats": len(hits),
             "hit_p50_ms": _p(hits, 0.5), "hit_p99_ms": _p(hits, 0.99)}
 
@@ -273,8 +274,9 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                                     [("cache on, 0% repeats (every request a miss)", 0.0),
                                      ("cache on, 100% repeats (every request a hit)", 1.0)])):
             dump = out / f"cg-{name}.out"
-            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=extra, timeout=600,
-                               prefix=callgrind.command(dump, instr_at_start=False))
+            # (discovery's health calls from a gateway under callgrind are slow: not every 2 s)
+            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=[*extra, "--discovery-interval", "60"],
+                               timeout=600, prefix=callgrind.command(dump, instr_at_start=False))
             try:
                 for label, repeat in cells:
                     seed = 77 + len(rows)
