@@ -432,8 +432,11 @@ class CacheStage:
         """(the config, (model, version)) of a request that is looked up, else None."""
         if sequence is not None:
             return None
-        name, asked = request.model_name, request.model_version
-        config = self._config_for(name, asked)
+        name = request.model_name
+        version = request.model_version or self._versions(name)  # (then the config by its version: one lookup)
+        if version is None:
+            return None
+        config = self._config_for(name, version)
         if config is None or not self._enabled(config):
             return None
         params = request.parameters
@@ -441,8 +444,7 @@ class CacheStage:
             return None
         if self._is_route(name):
             return None
-        version = asked or self._versions(name)
-        return None if version is None else (config, (name, version))
+        return config, (name, version)
 
     def _enabled(self, config: mc.ModelConfig) -> bool:
         """Whether a config's requests are looked up, worked out once per config (held by its id
