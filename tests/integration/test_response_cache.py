@@ -480,3 +480,13 @@ def test_workers_share_the_local_cache_and_its_counts(stack: tuple[Proc, Proc]) 
         assert {gateway_cache(gw) for _ in range(4)} == {(n - 1 + 7, 2)}
     finally:
         gw.stop()
+
+
+@pytest.mark.parametrize(("workers", "size", "said"), [("2", "1000", "at least 1048576 bytes"),
+                                                       ("17", "1048576", "at most 16 workers")])
+def test_a_shared_cache_too_small_or_too_shared_is_refused_at_start(workers: str, size: str, said: str) -> None:
+    from tests.integration.test_gateway_workers import run_gateway
+
+    done = run_gateway("--workers", workers, "--upstream", "127.0.0.1:1", "--cache-config", f"local,size={size}")
+    assert done.returncode != 0 and said in done.stderr, done.stderr
+    assert "MESHSERVE_READY" not in done.stdout
