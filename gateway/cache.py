@@ -505,15 +505,16 @@ class CacheStage:
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
                       request: pb.ModelInferRequest, remaining: Callable[[], float | None],
                       run: Callable[[], Awaitable[InferResult]]) -> InferResult:
-        """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model)."""
+        """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model).
+        One coroutine for all three: a miss's answer resumes through every frame above it."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
-        generation: bytes | None = None
+        shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
         while True:
             if local is not None:
                 answer = local.get(key, config, model[0])
             elif shared is not None:
-                answer, generation = await shared.get(key, model[0])
+                answer, shared_generation = await shared.get(key, model[0])
             if answer is not None:
                 return self._hit(model, answer, request, started)
             flight = self.flights.get(key)
@@ -527,19 +528,11 @@ class CacheStage:
             if answer is not None:
                 return self._hit(model, answer, request, started)
             # the leader failed: nothing was kept; look again (one waiter leads the next try)
-        return await self._lead(key, model, config, run, started, generation)
-
-    async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
-                    run: Callable[[], Awaitable[InferResult]], started: int,
-                    shared_generation: bytes | None) -> InferResult:
-        """Run the model for a miss (``shared_generation``: the Redis generation it was looked up
-        under, None: do not store in Redis)."""
-        flight: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        self.flights[key] = flight
-        local = self.local
+        # the lead: run the model; waiters for the same key share its answer
+        flight = self.flights[key] = asyncio.get_running_loop().create_future()
         generation = local.generation(model[0]) if local is not None else 0
         looked = time.perf_counter_ns() - started
-        answer: bytes | None = None
+        answer = None
         inserted = 0
         try:
             result = await run()
@@ -554,8 +547,8 @@ class CacheStage:
                 if not local.put(key, model[0], answer, config, generation) \
                         and generation != local.generation(model[0]):
                     answer = None  # reloaded meanwhile: the waiters ask the new model
-            elif self.shared is not None and shared_generation is not None:
-                await self.shared.put(key, model[0], answer, shared_generation)
+            elif shared is not None and shared_generation is not None:
+                await shared.put(key, model[0], answer, shared_generation)
             inserted = time.perf_counter_ns() - inserting
             return result
         finally:
