@@ -5,18 +5,20 @@ the gateway's memory: no hop, no service. The pieces:
 
 - ``CacheConfig.parse``: Triton's ``--cache-config <cache>,<key>=<value>`` syntax (``local``
   with ``size`` in bytes; ``redis`` is refused at start: not built yet).
-- ``request_key``: a 16-byte BLAKE2b digest of the model name, the resolved version, every input
-  (name, datatype, shape, bytes: typed ``contents`` are hashed as the raw bytes they stand for,
-  so a gRPC client's typed tensors and the same values as ``raw_input_contents`` or HTTP JSON
-  share an entry), the requested outputs (names and parameters, but not ``binary_data``: the
-  front door renders binary or JSON per request) and every request parameter but those that
-  cannot change the answer (``_IGNORED_PARAMETERS``). None: never cached (shared memory, a
-  typed tensor that does not convert: the service words the error).
+- ``request_key``: a 16-byte BLAKE2b digest of the resolved version and the request in a
+  canonical form, deterministically serialized: no id, no version, every input as raw bytes
+  (typed ``contents`` become the raw bytes they stand for, so a gRPC client's typed tensors and
+  the same values as ``raw_input_contents`` or HTTP JSON share an entry), the requested outputs
+  (names and parameters, but not ``binary_data``: the front door renders binary or JSON per
+  request) and every request parameter but those that cannot change the answer
+  (``_IGNORED_PARAMETERS``). None: never cached (shared memory, a typed tensor that does not
+  convert: the service words the error).
 - ``LocalCache``: LRU within the byte budget; an entry over ``ENTRY_SHARE`` of it is not kept;
   ``invalidate`` drops a model's entries and bumps its generation (an answer computed before
-  is not stored after); single-flight per key (``flights``).
-- ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``): which
-  requests may be cached, the hit/miss counts and durations (statistics and ``nv_cache_*``).
+  is not stored after). With ``--workers N``: gateway/shared_cache.py's ``SharedCache``.
+- ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``; and
+  ``step`` for an ensemble's steps): which requests may be cached, single-flight per key
+  (``flights``), the hit/miss counts and durations (statistics and ``nv_cache_*``).
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ import asyncio
 import hashlib
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,7 +41,11 @@ from meshserve.protocol.http_codec import _CONTENTS_FIELD, BINARY_DATA, BINARY_D
 from meshserve.server.core import InferResult, RequestContext
 from meshserve.telemetry import metrics, tracing
 
+if TYPE_CHECKING:
+    from gateway.shared_cache import SharedCache
+
 ENTRY_SHARE = 8  # an answer larger than 1/ENTRY_SHARE of the cache's size is not cached
+CONFIGS_KEPT = 1024  # configs whose "is it cached" answer is remembered (all dropped when full)
 ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the dict slot, the node)
 # request parameters that cannot change the answer: how it is rendered or scheduled
 _IGNORED_PARAMETERS = frozenset({BINARY_DATA_OUTPUT, "timeout", "priority",
@@ -129,51 +135,83 @@ def _tensor_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes | None
         return None
 
 
-def _parameter(h: Any, key: str, p: pb.InferParameter) -> None:
-    h.update(b"\x00p")
-    h.update(key.encode())
-    h.update(b"\x00")
-    h.update(p.SerializeToString(deterministic=True))
+_TENSOR_SKIP = (BINARY_DATA, "binary_data_size")
+# bytes whose presence in a serialized request sends it to the canonical copy: a parameter that
+# is not part of the key, or shared memory (never cached); data that merely contains them only
+# costs that request the slower path
+_NOT_CANONICAL = (BINARY_DATA.encode(), _SHM.encode())
 
 
 def request_key(request: pb.ModelInferRequest, version: str) -> bytes | None:
-    """The cache key of a request, or None where it is never cached (module docstring)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(request.model_name.encode())
-    h.update(b"\x00v")
-    h.update(version.encode())
-    raws = request.raw_input_contents
-    if raws and len(raws) != len(request.inputs):
-        return None  # the service words the mistake
-    for i, tensor in enumerate(request.inputs):
-        if _SHM in tensor.parameters:
-            return None
-        data = raws[i] if raws else _tensor_bytes(tensor)
-        if data is None:
-            return None
-        h.update(b"\x00i")
-        h.update(tensor.name.encode())
-        h.update(b"\x00")
-        h.update(tensor.datatype.encode())
-        h.update(np.array(tensor.shape, dtype=np.int64).tobytes())
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-        for key in sorted(tensor.parameters):
-            if key != BINARY_DATA and key != "binary_data_size":
-                _parameter(h, key, tensor.parameters[key])
-    for out in request.outputs:
-        if _SHM in out.parameters:
-            return None
-        h.update(b"\x00o")
-        h.update(out.name.encode())
-        for key in sorted(out.parameters):
-            if key != BINARY_DATA:
-                _parameter(h, key, out.parameters[key])
+    """The cache key of a request, or None where it is never cached (module docstring).
+
+    The key hashes the version and the request's deterministic serialization without its id and
+    version, when the request is already in the canonical form: every input as raw bytes, no
+    ``binary_data`` / ``binary_data_size`` / shared-memory parameter, no top-level parameter
+    that cannot change the answer (a gRPC client's usual request: one C serialization and one
+    hash, where reading the fields one by one costs a protobuf attribute read each). Any other
+    request is first copied into that form (``_canonical``): typed contents become the raw bytes
+    they stand for, those parameters go, so the same request in any form has one key."""
     params = request.parameters
-    for key in sorted(params):
-        if key not in _IGNORED_PARAMETERS:
-            _parameter(h, key, params[key])
-    return h.digest()
+    raws = request.raw_input_contents
+    canonical = bool(raws) and not (params and not _IGNORED_PARAMETERS.isdisjoint(params))
+    body = b""
+    if canonical:
+        rid, version_asked = request.id, request.model_version
+        if rid:
+            request.id = ""
+        if version_asked:
+            request.model_version = ""
+        try:
+            body = request.SerializeToString(deterministic=True)
+        finally:
+            if rid:
+                request.id = rid
+            if version_asked:
+                request.model_version = version_asked
+        canonical = _NOT_CANONICAL[0] not in body and _NOT_CANONICAL[1] not in body
+    if not canonical:
+        copy = _canonical(request)
+        if copy is None:
+            return None
+        body = copy.SerializeToString(deterministic=True)
+    return hashlib.blake2b(version.encode() + b"\x00" + body, digest_size=16).digest()
+
+
+def _canonical(request: pb.ModelInferRequest) -> pb.ModelInferRequest | None:
+    """The request in the key's canonical form (``request_key``), or None: never cached."""
+    copy = pb.ModelInferRequest()
+    copy.CopyFrom(request)
+    copy.ClearField("id")
+    copy.ClearField("model_version")
+    raws = copy.raw_input_contents
+    typed = not raws
+    if not typed and len(raws) != len(copy.inputs):
+        return None  # the service words the mistake
+    for tensor in copy.inputs:
+        params = tensor.parameters
+        if _SHM in params:
+            return None
+        for key in _TENSOR_SKIP:
+            if key in params:
+                del params[key]
+        if typed or tensor.HasField("contents"):
+            data = _tensor_bytes(tensor) if typed else None
+            if data is None:
+                return None  # no conversion, or raw and typed contents mixed: the service words it
+            tensor.ClearField("contents")
+            raws.append(data)
+    for out in copy.outputs:
+        params = out.parameters
+        if _SHM in params:
+            return None
+        if BINARY_DATA in params:
+            del params[BINARY_DATA]
+    params = copy.parameters
+    for key in _IGNORED_PARAMETERS:
+        if key in params:
+            del params[key]
+    return copy
 
 
 class _Entry:
@@ -199,7 +237,7 @@ class LocalCache:
         self.generations: Counter[str] = Counter()
         self.evictions = 0
 
-    def get(self, key: bytes, config: mc.ModelConfig) -> bytes | None:
+    def get(self, key: bytes, config: mc.ModelConfig, model: str = "") -> bytes | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
@@ -233,6 +271,10 @@ class LocalCache:
             if not keys:
                 del self.by_model[entry.model]
 
+    def generation(self, model: str) -> int:
+        """The model's generation (``put`` keeps an answer only if it has not changed since)."""
+        return self.generations[model]
+
     def invalidate(self, model: str) -> None:
         """Drop a model's entries; answers computed before now are not stored after."""
         self.generations[model] += 1
@@ -249,6 +291,14 @@ class CacheCounts:
         self.misses: Counter[tuple[str, str]] = Counter()
         self.hit_ns: Counter[tuple[str, str]] = Counter()
         self.miss_ns: Counter[tuple[str, str]] = Counter()
+
+    def hit(self, model: tuple[str, str], ns: int) -> None:
+        self.hits[model] += 1
+        self.hit_ns[model] += ns
+
+    def miss(self, model: tuple[str, str], ns: int) -> None:
+        self.misses[model] += 1
+        self.miss_ns[model] += ns
 
     def samples(self) -> list[metrics.Sample]:
         out: list[metrics.Sample] = []
@@ -362,40 +412,80 @@ class CacheStage:
 
     next: Any  # pipeline.Stage
 
-    def __init__(self, cache: LocalCache | RedisCache, config_for: Callable[[str, str], mc.ModelConfig | None],
-                 versions: Callable[[str], str | None], is_route: Callable[[str], bool]):
-        self.local = cache if isinstance(cache, LocalCache) else None
+    def __init__(self, cache: LocalCache | SharedCache | RedisCache,
+                 config_for: Callable[[str, str], mc.ModelConfig | None],
+                 versions: Callable[[str], str | None], is_route: Callable[[str], bool],
+                 counts: CacheCounts | None = None):
+        """``cache``: this process's (LocalCache), the workers' (gateway/shared_cache.py) or
+        Redis; ``counts``: where hits and misses are counted (the workers' shared rows)."""
+        self.local = None if isinstance(cache, RedisCache) else cache
         self.shared = cache if isinstance(cache, RedisCache) else None
-        self.counts = CacheCounts()
+        self.counts = counts if counts is not None else CacheCounts()
         self._config_for = config_for
         self._versions = versions  # the version a request without one is routed to
         self._is_route = is_route
         self.flights: dict[bytes, asyncio.Future[bytes | None]] = {}
+        self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
 
-    def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None) -> mc.ModelConfig | None:
-        config = self._config_for(request.model_name, request.model_version)
-        if config is None or not config.response_cache.enable or sequence is not None:
+    def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
+                   ) -> tuple[mc.ModelConfig, tuple[str, str]] | None:
+        """(the config, (model, version)) of a request that is looked up, else None."""
+        if sequence is not None:
             return None
-        if config.model_transaction_policy.decoupled or config.HasField("sequence_batching"):
+        name = request.model_name
+        version = request.model_version or self._versions(name)  # (then the config by its version: one lookup)
+        if version is None:
+            return None
+        config = self._config_for(name, version)
+        if config is None or not self._enabled(config):
             return None
         params = request.parameters
         if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
             return None
-        if self._is_route(request.model_name):
+        if self._is_route(name):
             return None
-        return config
+        return config, (name, version)
+
+    def _enabled(self, config: mc.ModelConfig) -> bool:
+        """Whether a config's requests are looked up, worked out once per config (held by its id
+        while it is the served one; a protobuf field read costs more than the dict lookup)."""
+        known = self._configs.get(id(config))
+        if known is None or known[0] is not config:
+            if len(self._configs) >= CONFIGS_KEPT:
+                self._configs.clear()
+            enabled = config.response_cache.enable and not config.model_transaction_policy.decoupled \
+                and not config.HasField("sequence_batching")
+            known = self._configs[id(config)] = (config, enabled)
+        return known[1]
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
-        config = self._cacheable(request, sequence)
-        if config is None:
+        found = self._cacheable(request, sequence)
+        key = None if found is None else request_key(request, found[1][1])
+        if found is None or key is None:
             return self.next.infer(request, ctx, sequence)
-        version = request.model_version or self._versions(request.model_name)
-        if version is None:
-            return self.next.infer(request, ctx, sequence)
-        key = request_key(request, version)
-        if key is None:
-            return self.next.infer(request, ctx, sequence)
-        return self._cached(key, (request.model_name, version), config, request, ctx, sequence)
+        return self._cached(key, found[1], found[0], request, ctx.time_remaining,
+                            lambda: self.next.infer(request, ctx, sequence))
+
+    async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
+                   send: Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]
+                   ) -> pb.ModelInferResponse:
+        """An ensemble step's call (gateway/ensemble/executor.py): answered from the cache when the
+        step model's own config enables it (as Triton caches a composing model's answers), with
+        the same rules, single-flight and counts as a client's request for that model; ``send``
+        otherwise."""
+        found = self._cacheable(request, affinity)
+        key = None if found is None else request_key(request, found[1][1])
+        if found is None or key is None:
+            return await send(request, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        async def run() -> InferResult:
+            return InferResult(message=await send(request, remaining()))
+
+        return (await self._cached(key, found[1], found[0], request, remaining, run)).message()
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
         return self.next.stream(request, ctx, sequence)  # streamed (decoupled) answers: never cached
@@ -413,44 +503,39 @@ class CacheStage:
             await self.shared.close()
 
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
-                      request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+                      request: pb.ModelInferRequest, remaining: Callable[[], float | None],
+                      run: Callable[[], Awaitable[InferResult]]) -> InferResult:
+        """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model).
+        One coroutine for all three: a miss's answer resumes through every frame above it."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
-        generation: bytes | None = None
+        shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
         while True:
             if local is not None:
-                answer = local.get(key, config)
+                answer = local.get(key, config, model[0])
             elif shared is not None:
-                answer, generation = await shared.get(key, model[0])
+                answer, shared_generation = await shared.get(key, model[0])
             if answer is not None:
                 return self._hit(model, answer, request, started)
             flight = self.flights.get(key)
             if flight is None:
                 break
             try:
-                answer = await asyncio.wait_for(asyncio.shield(flight), ctx.time_remaining())
+                answer = await asyncio.wait_for(asyncio.shield(flight), remaining())
             except TimeoutError:
                 raise InferError(Code.DEADLINE_EXCEEDED,
                                  f"deadline exceeded waiting for model '{request.model_name}'") from None
             if answer is not None:
                 return self._hit(model, answer, request, started)
             # the leader failed: nothing was kept; look again (one waiter leads the next try)
-        return await self._lead(key, model, config, request, ctx, sequence, started, generation)
-
-    async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
-                    request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
-                    started: int, shared_generation: bytes | None) -> InferResult:
-        """Run the model for a miss (``shared_generation``: the Redis generation it was looked up
-        under, None: do not store in Redis)."""
-        flight: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        self.flights[key] = flight
-        local = self.local
-        generation = local.generations[model[0]] if local is not None else 0
+        # the lead: run the model; waiters for the same key share its answer
+        flight = self.flights[key] = asyncio.get_running_loop().create_future()
+        generation = local.generation(model[0]) if local is not None else 0
         looked = time.perf_counter_ns() - started
-        answer: bytes | None = None
+        answer = None
         inserted = 0
         try:
-            result = await self.next.infer(request, ctx, sequence)
+            result = await run()
             inserting = time.perf_counter_ns()
             if result.message().id:
                 message = pb.ModelInferResponse.FromString(result.serialized())
@@ -460,22 +545,20 @@ class CacheStage:
                 answer = result.serialized()
             if local is not None:
                 if not local.put(key, model[0], answer, config, generation) \
-                        and generation != local.generations[model[0]]:
+                        and generation != local.generation(model[0]):
                     answer = None  # reloaded meanwhile: the waiters ask the new model
-            elif self.shared is not None and shared_generation is not None:
-                await self.shared.put(key, model[0], answer, shared_generation)
+            elif shared is not None and shared_generation is not None:
+                await shared.put(key, model[0], answer, shared_generation)
             inserted = time.perf_counter_ns() - inserting
             return result
         finally:
-            self.counts.misses[model] += 1
-            self.counts.miss_ns[model] += looked + inserted
+            self.counts.miss(model, looked + inserted)
             del self.flights[key]
             flight.set_result(answer)
 
     def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
              ) -> InferResult:
-        self.counts.hits[model] += 1
-        self.counts.hit_ns[model] += time.perf_counter_ns() - started
+        self.counts.hit(model, time.perf_counter_ns() - started)
         if tracing.enabled and (span := tracing.current_span()) is not None:
             now = time.time_ns()
             tracing.emit_span("gateway.cache", span, now, now, {"meshserve.cache_hit": True,

@@ -4,6 +4,7 @@ gateway/control.py, statistics.py and federation.py; every call to a service goe
 Upstream (gateway/upstream/upstream.py)."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
@@ -16,6 +17,7 @@ from gateway.control import ModelControl
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.federation import Federation
 from gateway.routes import ABRouter
+from gateway.shared_cache import SharedCache
 from gateway.statistics import statistics
 from gateway.turns import SequenceTurns
 from gateway.upstream.coalesce import Coalescer
@@ -87,7 +89,8 @@ class GatewayCore:
                  routes: ABRouter | None = None, ensembles: EnsembleCatalog | None = None,
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
                  federate_metrics: bool = False, server_name: str = SERVER_NAME,
-                 control: ControlPolicy = ControlPolicy(), cache: CacheConfig | None = None):
+                 control: ControlPolicy = ControlPolicy(), cache: CacheConfig | None = None,
+                 cache_share: tuple[str, int] | None = None):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica);
         # every call to a service goes through the Upstream.
         self.upstream = Upstream(pool if pool is not None else ReplicaPool(upstreams), discovery_interval_s)
@@ -121,11 +124,23 @@ class GatewayCore:
             ensembles.bind(self.upstream, self.discovery.config_for)
         # The infer path: the stages, their order and why are in pipeline.assemble.
         self.forward = pipeline.Forward(self.upstream, self.coalescer)
-        # Triton's response cache (--cache-config): None keeps the stage out of the chain.
-        self.cache = None if cache is None else CacheStage(
-            LocalCache(cache.size) if cache.kind == "local" else RedisCache(cache.settings),
-            self._cache_config_for, self._served_version,
-            lambda name: routes is not None and routes.lookup(name) is not None)
+        # Triton's response cache (--cache-config): None keeps the stage out of the chain. With
+        # --workers N (``cache_share``: the workers' directory, this worker's index) the local
+        # cache and its counts are one file the workers share (gateway/shared_cache.py).
+        self.cache = None
+        if cache is not None:
+            store: LocalCache | SharedCache | RedisCache
+            if cache.kind == "redis":
+                store = RedisCache(cache.settings)
+            elif cache_share is not None:
+                store = SharedCache(os.path.join(cache_share[0], "response-cache"), cache.size, cache_share[1])
+            else:
+                store = LocalCache(cache.size)
+            self.cache = CacheStage(store, self._cache_config_for, self._served_version,
+                                    lambda name: routes is not None and routes.lookup(name) is not None,
+                                    store.counts if isinstance(store, SharedCache) else None)
+        if ensembles is not None and ensembles.executor is not None:
+            ensembles.executor.step_cache = self.cache  # a step whose model enables the cache uses it
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
                                           self._target_decoupled, admission, routes, ensembles, self.cache)
 
@@ -307,8 +322,9 @@ class GatewayCore:
         samples, families = self.own_metrics()
         return metrics.render(samples, families, federated), metrics.CONTENT_TYPE
 
-    def own_metrics(self) -> tuple[list[metrics.Sample], dict[str, metrics.Family]]:
-        """This process's samples, and the families they and the services' belong to."""
+    def own_metrics(self, cache: bool = True) -> tuple[list[metrics.Sample], dict[str, metrics.Family]]:
+        """This process's samples, and the families they and the services' belong to (``cache``
+        False: without the response cache's samples, which --workers share)."""
         samples = self._metric_samples()
         families = GATEWAY_FAMILIES
         if self.ensembles is not None or self.federate_metrics:  # Triton's families: ensembles, services
@@ -317,7 +333,8 @@ class GatewayCore:
                 samples += self.ensembles.metric_samples()
         if self.cache is not None:
             families = {**families, **CACHE_FAMILIES}
-            samples += self.cache.counts.samples()
+            if cache:
+                samples += self.cache.counts.samples()
         return samples, families
 
     def _metric_samples(self) -> list[metrics.Sample]:

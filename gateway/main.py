@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from gateway import cache as response_cache
+from gateway import shared_cache
 from gateway.auth import Admission, QuotaStore, TenantDirectory
 from gateway.core import GatewayCore
 from gateway.ensemble.catalog import EnsembleCatalog
@@ -84,6 +85,17 @@ def add_tenant_arguments(ap: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     setup_logging(args.log_level, args.log_format)
     check_workers(args)
+    try:
+        cache = response_cache.CacheConfig.parse(args.cache_config)
+    except ValueError as exc:
+        raise SystemExit(f"meshserve gateway: --cache-config {exc}") from None
+    if cache is not None and cache.kind == "local" and args.workers > 1:  # (gateway/shared_cache.py)
+        if cache.size < shared_cache.MIN_SIZE:
+            raise SystemExit(f"meshserve gateway: --cache-config local,size={cache.size}: with --workers the "
+                             f"workers share the cache, which needs at least {shared_cache.MIN_SIZE} bytes")
+        if args.workers > shared_cache.WORKER_SLOTS:
+            raise SystemExit(f"meshserve gateway: --cache-config local: at most {shared_cache.WORKER_SLOTS} "
+                             f"workers share a local cache, got --workers {args.workers} (use redis)")
     if args.workers > 1:  # a supervisor: its workers are this command with --workers 1
         if not args.upstream and not args.discovery:
             raise SystemExit("meshserve gateway: give at least one --upstream HOST:PORT (or --discovery FILE)")
@@ -99,10 +111,6 @@ def main(args: argparse.Namespace) -> None:
         pool = ReplicaPool(args.upstream, args.discovery, args.resolve_interval)
     except ValueError as exc:
         raise SystemExit(f"meshserve gateway: {exc}") from None
-    try:
-        cache = response_cache.CacheConfig.parse(args.cache_config)
-    except ValueError as exc:
-        raise SystemExit(f"meshserve gateway: --cache-config {exc}") from None
     if cache is not None and cache.kind == "redis":
         try:
             import redis.asyncio  # noqa: F401  (the Redis cache's client)
@@ -129,7 +137,8 @@ def main(args: argparse.Namespace) -> None:
                     pool=pool, routes=routes, ensembles=ensembles,
                     max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
                     federate_metrics=args.federate_metrics, server_name=args.server_name,
-                    control=repository_control.ControlPolicy.from_args(args), cache=cache)
+                    control=repository_control.ControlPolicy.from_args(args), cache=cache,
+                    cache_share=(worker.state.directory, worker.index) if worker is not None else None)
         if isinstance(core, WorkerGatewayCore) and worker is not None:
             core.worker = worker
             worker.metrics.local = core.local_metrics_text

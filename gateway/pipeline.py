@@ -368,7 +368,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
        chosen after this stage, so no hit can answer from an arm the route would not have
        picked); a request that names a model directly is cached by that model's own config.
        An ensemble whose own config enables the cache is cached as a whole here (before
-       ``Ensembles`` runs it); its steps, sent by the ensemble to ``Upstream``, are not.
+       ``Ensembles`` runs it); a step whose model's own config enables it is looked up per
+       step (the executor sends it through gateway/cache.py:CacheStage.step, not this chain).
     6. ``ABRoutes``: rewrites the request to its arm's target, which may itself be an ensemble.
     7. ``Ensembles``: an ensemble runs in the gateway; its steps go to ``Upstream`` directly.
     8. ``Forward``: the coalescer and ``Upstream``.

@@ -22,22 +22,26 @@ class WorkerGatewayCore(GatewayCore):
     its worker (``worker="0"`` ...), next to its own and (with --federate-metrics) the services'
     families, which are read once, by the answering worker. Labels, not sums: a counter summed
     over workers would go backwards when a restarted worker starts again from 0, where
-    Prometheus handles a reset per series; ``sum without (worker)`` gives the gateway's total."""
+    Prometheus handles a reset per series; ``sum without (worker)`` gives the gateway's total.
+    The response cache's ``nv_cache_*`` are the exception: the workers count into one shared
+    table (gateway/shared_cache.py), so the answering worker renders those totals once, without
+    a worker label, as Triton names them."""
 
     worker: workers.Worker
 
     async def local_metrics_text(self) -> tuple[bytes, str]:
-        """This worker's own samples (what a sibling reads)."""
-        samples, families = self.own_metrics()
+        """This worker's own samples (what a sibling reads; not the shared cache counts)."""
+        samples, families = self.own_metrics(cache=False)
         return metrics.render(samples, families), metrics.CONTENT_TYPE
 
     async def metrics_text(self) -> tuple[bytes, str]:
         services = await self.federation.families() if self.federate_metrics else []  # first: it sets up
-        samples, families = self.own_metrics()
+        samples, families = self.own_metrics(cache=False)
         own = metrics.federate(metrics.render(samples, families).decode(), {"worker": str(self.worker.index)})
         siblings = [metrics.federate(text, {"worker": str(index)})
                     for index, text in await self.worker.metrics.sibling_texts()]
-        return metrics.render([], families, [own, *siblings, *services]), metrics.CONTENT_TYPE
+        shared = self.cache.counts.samples() if self.cache is not None else []
+        return metrics.render(shared, families, [own, *siblings, *services]), metrics.CONTENT_TYPE
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

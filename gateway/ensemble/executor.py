@@ -23,6 +23,7 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 
 if TYPE_CHECKING:
+    from gateway.cache import CacheStage
     from gateway.upstream.upstream import Upstream
 
 
@@ -64,6 +65,9 @@ class EnsembleExecutor:
         self._upstream = upstream
         self._slots = asyncio.Semaphore(max_inflight_steps)
         self.max_inflight_steps = max_inflight_steps
+        # the gateway's response cache (--cache-config): a step whose model's config enables it
+        # is answered from it (gateway/cache.py:CacheStage.step); None: every step is sent
+        self.step_cache: CacheStage | None = None
 
     async def run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
                   times: StepTimes | None = None, affinity: str | None = None) -> pb.ModelInferResponse:
@@ -209,7 +213,11 @@ class EnsembleExecutor:
         async with self._slots:
             timeout = self._remaining(plan, step, deadline)
             with _StepCall(plan, step, times):
-                resp = await self._upstream.send(req, None, timeout, affinity)
+                if self.step_cache is None:
+                    resp = await self._upstream.send(req, None, timeout, affinity)
+                else:
+                    resp = await self.step_cache.step(req, timeout, affinity, lambda r, t: self._upstream.send(
+                        r, None, t, affinity))
         return _outputs(plan, step, resp)
 
 

@@ -654,7 +654,14 @@ def main(argv: list[str] | None = None) -> None:
         from load.bench import sbs
 
         raise SystemExit(sbs.main(argv[1:]))
+    if "--cache" in argv:  # the response cache benchmark, with its own flags
+        from load.bench import cache
+
+        cache.main([a for a in argv if a != "--cache"])
+        return
     ap = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__.splitlines()[0] if __doc__ else "")
+    ap.add_argument("--cache", action="store_true",
+                    help="instead: the response cache benchmark (load/bench/cache.py; `--cache --help` for its flags)")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 5 minutes)")
     ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
     ap.add_argument("--models", default="/tmp/bench-models", help="gen_models.py output (generated if missing)")

@@ -34,6 +34,7 @@ CACHE = ["--cache-config", "local,size=1048576"]
 def repo(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cached")
     shutil.copytree(model_repo / "add_sub", root / "add_sub")
+    shutil.copytree(model_repo / "identity_fp32", root / "identity_fp32")  # an ensemble's uncached step
     config = root / "add_sub" / "config.pbtxt"
     config.write_text(config.read_text() + "\nresponse_cache { enable: true }\n")
     return root
@@ -42,7 +43,7 @@ def repo(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(repo: Path) -> Iterator[tuple[Proc, Proc]]:
     with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit",
-                                      "--load-model", "add_sub"], CACHE) as both:
+                                      "--load-model", "add_sub", "--load-model", "identity_fp32"], CACHE) as both:
         yield both
 
 
@@ -66,9 +67,9 @@ def infer(proto: str, url: str, a: np.ndarray, b: np.ndarray, **kw: Any) -> Any:
         return c.infer("add_sub", inputs(mod, a, b, binary), outputs=requested, **kw)
 
 
-def service_success(svc: Proc) -> int:
+def service_success(svc: Proc, name: str = "add_sub") -> int:
     with grpcclient.InferenceServerClient(svc.grpc) as c:
-        stats = c.get_inference_statistics("add_sub", as_json=True)["model_stats"][0]
+        stats = c.get_inference_statistics(name, as_json=True)["model_stats"][0]
     return int(stats["inference_stats"]["success"].get("count", 0))
 
 
@@ -351,6 +352,55 @@ def test_an_ensemble_is_cached_as_a_whole(stack: tuple[Proc, Proc], tmp_path: Pa
         gw.stop()
 
 
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_an_ensemble_step_is_cached_per_step(proto: str, stack: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """An ensemble whose own config does not enable the cache, with a step whose model's does
+    (add_sub) and one whose model's does not (identity_fp32): a repeat answers the add_sub step
+    from the cache (its service sees no request, the gateway's add_sub statistics count the hit)
+    and runs the other step."""
+    svc, _ = stack
+    config = models.ensemble_config("summed", {"X": 16}, {"Y": 16}, [
+        models.step("add_sub", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "S"}),
+        models.step("identity_fp32", {"INPUT0": "S"}, {"OUTPUT0": "Y"})])
+    (tmp_path / "summed" / "1").mkdir(parents=True)
+    (tmp_path / "summed" / "config.pbtxt").write_text(config)
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--repository", str(tmp_path)])
+    try:
+        _wait_http_ready(gw.http)
+        x = fresh(11 if proto == "http" else 12)[0]
+        mod = MODULES[proto]
+
+        def summed(request_id: str) -> Any:
+            inp = mod.InferInput("X", [1, 16], "FP32")
+            inp.set_data_from_numpy(x)
+            with mod.InferenceServerClient(getattr(gw, proto)) as c:
+                return c.infer("summed", [inp], request_id=request_id)
+
+        first = summed("one")
+        np.testing.assert_array_equal(first.as_numpy("Y"), x + x)
+        runs, identities = service_success(svc), service_success(svc, "identity_fp32")
+        assert gateway_cache(gw) == (0, 1)
+        second = summed("two")
+        np.testing.assert_array_equal(second.as_numpy("Y"), x + x)
+        response = second.get_response()
+        assert (response["id"] if proto == "http" else response.id) == "two"
+        assert service_success(svc) == runs  # the cached step's service saw no request
+        assert service_success(svc, "identity_fp32") == identities + 1  # the other step ran
+        assert gateway_cache(gw) == (1, 1)
+        assert metric(gw.http, "nv_cache_num_hits_per_model", model="add_sub", version="1") == 1
+        with httpclient.InferenceServerClient(gw.http) as c:  # the ensemble itself: two requests, no cache
+            ens = c.get_inference_statistics("summed")["model_stats"][0]["inference_stats"]
+        assert int(ens["success"]["count"]) == 2 and int(ens["cache_hit"].get("count", 0)) == 0
+        # a direct client request for the step model with the same inputs shares the entry
+        out = infer(proto, getattr(gw, proto), x, x, outputs=["OUTPUT0"])
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), x + x)
+        assert service_success(svc) == runs
+        assert gateway_cache(gw) == (2, 1)
+    finally:
+        gw.stop()
+
+
 def test_a_hit_has_a_cache_span(stack: tuple[Proc, Proc]) -> None:
     """With tracing (OTLP to a real receiver), a hit's trace has a `gateway.cache` span marked
     `meshserve.cache_hit` and no upstream call."""
@@ -386,3 +436,57 @@ def test_a_hit_has_a_cache_span(stack: tuple[Proc, Proc]) -> None:
     finally:
         gw.stop()
         server.stop(0)
+
+
+def test_workers_share_the_local_cache_and_its_counts(stack: tuple[Proc, Proc]) -> None:
+    """`--workers 2` with a local cache: one file both workers map (gateway/shared_cache.py).
+    A request repeated on fresh connections (the kernel spreads them over both workers) runs
+    the model once; the statistics and nv_cache_* read the same totals whichever worker answers
+    (no worker label on nv_cache_*); a reload through one worker is a miss on every worker."""
+    from tests.integration.test_gateway_workers import served, until_both_served
+    from tests.support.metrics import scrape
+
+    svc, _ = stack
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--workers", "2"])
+    try:
+        _wait_http_ready(gw.http)
+        a, b = fresh(13)
+        runs = service_success(svc)
+        sent = [0]
+
+        def send(i: int) -> None:
+            proto = ("http", "grpc")[i % 2]
+            out = infer(proto, getattr(gw, proto), a, b, request_id=f"r{i}")
+            np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+            sent[0] += 1
+
+        until_both_served(gw, send)
+        assert service_success(svc) == runs + 1  # one miss, every other request a hit on either worker
+        n = sent[0]
+        # the totals, whichever worker answers (each call below is a new connection)
+        assert {gateway_cache(gw) for _ in range(8)} == {(n - 1, 1)}
+        for _ in range(4):
+            samples = scrape(gw.http)
+            cache = {labels: v for (name, labels), v in samples.items() if name == "nv_cache_num_hits_per_model"}
+            assert cache == {frozenset({("model", "add_sub"), ("version", "1")}): n - 1}
+        assert sum(served(gw).values()) >= n
+        with httpclient.InferenceServerClient(gw.http) as c:
+            c.load_model("add_sub")  # through one worker
+        runs = service_success(svc)
+        for i in range(8):
+            send(100 + i)
+        assert service_success(svc) == runs + 1  # a miss once, on whichever worker came first
+        assert {gateway_cache(gw) for _ in range(4)} == {(n - 1 + 7, 2)}
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize(("workers", "size", "said"), [("2", "1000", "at least 1048576 bytes"),
+                                                       ("17", "1048576", "at most 16 workers")])
+def test_a_shared_cache_too_small_or_too_shared_is_refused_at_start(workers: str, size: str, said: str) -> None:
+    from tests.integration.test_gateway_workers import run_gateway
+
+    done = run_gateway("--workers", workers, "--upstream", "127.0.0.1:1", "--cache-config", f"local,size={size}")
+    assert done.returncode != 0 and said in done.stderr, done.stderr
+    assert "MESHSERVE_READY" not in done.stdout

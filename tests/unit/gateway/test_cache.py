@@ -124,3 +124,40 @@ def test_meshserve_up_passes_the_cache_config_to_its_gateway() -> None:
     assert flags[flags.index("--cache-config") + 1] == "redis,host=h"
     assert "redis,port=7" in flags
     assert "--cache-config" not in _up_gateway_flags(build_parser().parse_args(["up"]))
+
+
+def test_the_canonical_form_is_one_key_for_every_form_of_a_request() -> None:
+    """Two typed inputs, the same as raw bytes, with an id, an explicit version, binary_data
+    parameters (HTTP's binary extension) and ignored parameters: one key; shared memory: none;
+    raw and typed contents mixed (a request the service refuses): not the valid request's key."""
+    def two(typed: bool) -> pb.ModelInferRequest:
+        req = pb.ModelInferRequest(model_name="m")
+        for name, values in (("A", [1, 2]), ("B", [3, 4, 5])):
+            tensor = req.inputs.add(name=name, datatype="INT32", shape=[1, len(values)])
+            if typed:
+                tensor.contents.int_contents.extend(values)
+            else:
+                req.raw_input_contents.append(np.array(values, np.int32).tobytes())
+        req.outputs.add(name="Y")
+        return req
+
+    key = request_key(two(False), "1")
+    other = two(True)
+    other.id, other.model_version = "someone", "1"
+    other.inputs[0].parameters["binary_data_size"].int64_param = 8
+    other.outputs[0].parameters["binary_data"].bool_param = True
+    other.parameters["timeout"].int64_param = 5
+    assert request_key(other, "1") == key
+    assert (other.id, other.model_version) == ("someone", "1")  # (restored after the key)
+    raw = two(False)
+    raw.id = "x"
+    raw.parameters["priority"].int64_param = 1
+    assert request_key(raw, "1") == key and raw.id == "x"
+    raw.parameters["custom"].int64_param = 1
+    assert request_key(raw, "1") != key
+    mixed = two(False)
+    mixed.inputs[1].contents.int_contents.extend([3, 4, 5])
+    assert request_key(mixed, "1") not in (key, None)  # refused by the service: it never reaches the raw one's entry
+    shm = two(False)
+    shm.outputs[0].parameters["shared_memory_region"].string_param = "r"
+    assert request_key(shm, "1") is None
