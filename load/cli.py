@@ -121,7 +121,12 @@ def cmd(args: argparse.Namespace) -> None:
         sc = scenario_from_args(args)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"load: {exc}") from None
-    res = run_sync(sc, quiet=args.quiet)
+    from load.runner import ModelNotReady
+
+    try:
+        res = run_sync(sc, quiet=args.quiet)
+    except ModelNotReady as exc:
+        raise SystemExit(f"load: {exc}") from None
     print(summary_text(res))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

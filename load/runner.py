@@ -68,10 +68,22 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+class HttpStatusError(RuntimeError):
+    """A GET answered with a status other than 200."""
+
+    def __init__(self, url: str, status: int, text: str):
+        super().__init__(f"GET {url}: HTTP {status}: {text[:300]}")
+        self.status = status
+
+
+class ModelNotReady(RuntimeError):
+    """A target's model still answered 503 at the end of the setup wait: the run stops."""
+
+
 async def http_get_json(session: aiohttp.ClientSession, url: str, api_key: str | None = None) -> Any:
     async with session.get(url, headers=_auth(api_key)) as r:
         if r.status != 200:
-            raise RuntimeError(f"GET {url}: HTTP {r.status}: {(await r.text())[:300]}")
+            raise HttpStatusError(url, r.status, await r.text())
         return await r.json(content_type=None)
 
 
@@ -82,6 +94,24 @@ async def fetch_model_info(session: aiohttp.ClientSession, http: str, model: str
     md = await http_get_json(session, f"http://{http}/v2/models/{model}{v}", api_key)
     cfg = await http_get_json(session, f"http://{http}/v2/models/{model}{v}/config", api_key)
     return model_info(md, cfg)
+
+
+async def fetch_model_info_when_ready(session: aiohttp.ClientSession, http: str, model: str, version: str,
+                                      api_key: str | None, wait_s: float) -> ModelInfo:
+    """fetch_model_info, read again while the server answers 503 (a gateway whose replicas are all
+    ejected for a while, a model still loading) for up to ``wait_s`` seconds; still 503 then is an
+    error that stops the run (ModelNotReady): requests built without the model's inputs would
+    measure error answers, not the model."""
+    until = time.monotonic() + wait_s
+    while True:
+        try:
+            return await fetch_model_info(session, http, model, version, api_key)
+        except HttpStatusError as exc:
+            if exc.status != 503:
+                raise
+            if time.monotonic() >= until:
+                raise ModelNotReady(f"model {model!r} not ready after {wait_s:g} s: {exc}") from None
+        await asyncio.sleep(0.2)
 
 
 async def fetch_stats(session: aiohttp.ClientSession, http: str, model: str,
@@ -124,9 +154,12 @@ class Driver:
             self.read_keys.setdefault(t.model, key_)
             try:
                 if key not in self.infos:
-                    self.infos[key] = await fetch_model_info(session, sc.http, t.model, t.version, key_)
+                    self.infos[key] = await fetch_model_info_when_ready(session, sc.http, t.model, t.version, key_,
+                                                                        sc.timeout_s)
                 info = self.infos[key]
                 pl = build_payloads(t.model, t.version, info, t.batch, input_file=t.input_file, seed=sc.seed + i)
+            except ModelNotReady:
+                raise
             except Exception as exc:  # an unknown model is a target whose requests fail
                 self.setup_errors.append(f"{t.label}: {exc}")
                 info = ModelInfo(t.model, 0, [], [])
@@ -150,6 +183,12 @@ class Driver:
                 assert channel is not None
                 self.senders.append(StreamSender(channel, t, key_, sc.timeout_s))
 
+    def _close_transports(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.h2 is not None:
+            self.h2.close()
+
     async def run(self) -> RunState:
         sc = self.sc
         conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -158,7 +197,13 @@ class Driver:
             channel = grpc.aio.insecure_channel(sc.grpc, options=[
                 ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         async with aiohttp.ClientSession(connector=conn) as session:
-            await self._prepare(session, channel)
+            try:
+                await self._prepare(session, channel)
+            except ModelNotReady:
+                self._close_transports()
+                if channel is not None:
+                    await channel.close()
+                raise
             models = sorted({t.model for t in sc.targets})
             for m in models:
                 snap = await fetch_stats(session, sc.http, m, self.read_keys.get(m))
@@ -189,10 +234,7 @@ class Driver:
             for s in self.senders:
                 if isinstance(s, StreamSender):
                     await s.close()
-            if self.pool is not None:
-                self.pool.close()
-            if self.h2 is not None:
-                self.h2.close()
+            self._close_transports()
             for m in models:
                 if m in self.stats_before:
                     self.stats_after[m] = await fetch_stats(session, sc.http, m, self.read_keys.get(m))

@@ -88,6 +88,8 @@ def _load(args: argparse.Namespace, target: procs.Server, requests: int, out: Pa
         if run.returncode:
             raise SystemExit(f"python -m load failed ({run.returncode}): {run.stderr[-2000:]}")
         result: dict[str, Any] = json.loads(report.read_text())
+    if result.get("setup_errors"):  # (requests built without the model's inputs: not the model measured)
+        raise SystemExit(f"the load generator's setup failed: {result['setup_errors']}")
     if result.get("failed"):
         raise SystemExit(f"{result['failed']} of the load generator's requests failed: {result.get('errors')}")
     return result

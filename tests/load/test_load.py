@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from load.cli import run_scenario, summary_text
 from load.report import write_report
 from load.scenario import Scenario, Target, load_scenario
-from tests.conftest import Stack, start
+from tests.conftest import Stack, service_and_gateway, start
+from tests.support.waiting import eventually_async
 
 
 def _scenario(stack: Stack, via: str = "gateway", **kw: object) -> Scenario:
@@ -92,11 +97,16 @@ def test_scenario_validation(tmp_path: Path) -> None:
         load_scenario(f)  # the shipped scenarios stay valid
 
 
-async def fake_v2_server(infer: Any) -> tuple[web.AppRunner, int]:
+async def fake_v2_server(infer: Any, not_ready: int = 0) -> tuple[web.AppRunner, int]:
     """A v2 HTTP server for model "m" (one FP32 input, no batching) on a free port; ``infer``
-    answers its inference requests. (runner, port): clean the runner up."""
+    answers its inference requests; its first ``not_ready`` metadata/config reads are 503, as a
+    gateway's while its only replica is ejected. (runner, port): clean the runner up."""
+    reads = [0]
 
     async def meta(request: web.Request) -> web.Response:
+        reads[0] += 1
+        if reads[0] <= not_ready:
+            return web.json_response({"error": "model 'm': no healthy replica"}, status=503)
         if request.path.endswith("/config"):
             return web.json_response({"max_batch_size": 0})
         return web.json_response({"name": "m", "inputs": [{"name": "X", "datatype": "FP32", "shape": [2]}],
@@ -131,6 +141,76 @@ async def test_tenant_api_key_sent_as_bearer() -> None:
         await runner.cleanup()
     assert res["succeeded"] == 10
     assert set(seen) == {"Bearer k-alice"}
+
+
+async def test_model_not_ready_at_setup_waits_instead_of_sending_empty_requests() -> None:
+    """A gateway whose only replica is ejected (a slow health probe) answers the setup reads with
+    503 for a while. The load generator waits for the model: before, it built input-less requests
+    for the whole run, which the service answered "expected 2 inputs but got 0 inputs" once the
+    replica came back (a callgrind run of the gateway: 416 UNAVAILABLE, then 1584 INVALID_ARGUMENT)."""
+    bodies: list[Any] = []
+
+    async def infer(request: web.Request) -> web.Response:
+        bodies.append(json.loads(await request.read()))
+        return web.json_response({"outputs": []})
+
+    runner, port = await fake_v2_server(infer, not_ready=5)
+    try:
+        sc = Scenario(http=f"127.0.0.1:{port}", warmup_s=0, duration_s=None, requests=10, timeout_s=20,
+                      targets=[Target(model="m", protocol="http-json")])
+        res = await run_scenario(sc)
+    finally:
+        await runner.cleanup()
+    assert res["setup_errors"] == [] and res["succeeded"] == 10
+    assert len(bodies) == 10 and all([i["name"] for i in b["inputs"]] == ["X"] for b in bodies), bodies[:2]
+
+
+async def test_run_started_while_the_only_replica_is_ejected(model_repo: Path) -> None:
+    """Real processes: the service stops answering (SIGSTOP) until the gateway ejects it, a run
+    starts while the gateway answers 503 "no healthy replica", the service resumes a second later.
+    Every request of the run carries the model's inputs and succeeds: before, the run sent
+    input-less requests, UNAVAILABLE while ejected, then INVALID_ARGUMENT "expected 2 inputs but
+    got 0 inputs" from the service once the replica was back."""
+    with service_and_gateway("onnx", ["--repository", str(model_repo), "--model-control-mode", "explicit",
+                                      "--load-model", "*"], ["--discovery-interval", "0.5"]) as (svc, gw):
+        os.kill(svc.proc.pid, signal.SIGSTOP)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+                async def ejected() -> bool:
+                    try:
+                        async with session.get(f"http://{gw.http}/v2/models/add_sub/config") as r:
+                            return r.status == 503
+                    except (aiohttp.ClientError, TimeoutError):
+                        return False  # (the gateway still waits on the stopped service)
+
+                await eventually_async(ejected, timeout=60, what="the gateway ejects the stopped replica")
+            asyncio.get_running_loop().call_later(1.0, os.kill, svc.proc.pid, signal.SIGCONT)
+            sc = Scenario(http=gw.http, grpc=gw.grpc, warmup_s=0, duration_s=None, requests=200, concurrency=4,
+                          timeout_s=60, targets=[Target(model="add_sub", protocol="grpc")])
+            res = await run_scenario(sc)
+        finally:
+            os.kill(svc.proc.pid, signal.SIGCONT)
+    assert res["setup_errors"] == [], res["setup_errors"]
+    assert res["errors"] == {} and res["succeeded"] == res["sent"] == 200, res["errors"]
+
+
+async def test_model_never_ready_aborts_the_run() -> None:
+    """Still 503 after the setup wait: the run stops with the reason, sending nothing."""
+    sent: list[int] = []
+
+    async def infer(request: web.Request) -> web.Response:
+        sent.append(1)
+        return web.json_response({"outputs": []})
+
+    runner, port = await fake_v2_server(infer, not_ready=1 << 30)
+    try:
+        sc = Scenario(http=f"127.0.0.1:{port}", warmup_s=0, duration_s=None, requests=10, timeout_s=1,
+                      targets=[Target(model="m", protocol="http-json")])
+        with pytest.raises(RuntimeError, match="not ready.*HTTP 503"):
+            await run_scenario(sc)
+    finally:
+        await runner.cleanup()
+    assert sent == []
 
 
 def test_tune_produces_snippet(model_repo: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
