@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from gateway import cache as response_cache
+from gateway import placement as model_mesh
 from gateway.auth import Admission, QuotaStore, TenantDirectory
 from gateway.core import GatewayCore
 from gateway.ensemble.catalog import EnsembleCatalog
@@ -60,6 +61,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    model_mesh.add_arguments(ap)
     add_worker_arguments(ap)
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
@@ -108,6 +110,10 @@ def main(args: argparse.Namespace) -> None:
         except ImportError:
             raise SystemExit("meshserve gateway: --cache-config redis: the Redis client is not installed "
                              "(pip install 'meshserve[redis]')") from None
+    try:
+        placement = model_mesh.policy_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"meshserve gateway: {exc}") from None
     admission = _admission(args.tenants, args.quota_store)
     if args.metrics_auth and admission is None:
         raise SystemExit("meshserve gateway: --metrics-auth needs --tenants (without tenants there are no keys)")
@@ -126,7 +132,7 @@ def main(args: argparse.Namespace) -> None:
                     pool=pool, routes=routes, ensembles=ensembles,
                     max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
                     federate_metrics=args.federate_metrics, server_name=args.server_name,
-                    control=repository_control.ControlPolicy.from_args(args), cache=cache)
+                    control=repository_control.ControlPolicy.from_args(args), cache=cache, placement=placement)
         if isinstance(core, WorkerGatewayCore) and worker is not None:
             core.worker = worker
             worker.metrics.local = core.local_metrics_text

@@ -65,6 +65,7 @@ class Op(enum.Enum):
     SHM_STATUS = ("shared-memory region status", Rule.OWN)
     SHM_REGISTER = ("register a shared-memory region", Rule.OWN)
     SHM_UNREGISTER = ("unregister shared-memory regions", Rule.OWN)
+    PLACEMENT = ("model placement (the gateway's model mesh)", Rule.ADMIN)  # names every model and replica
 
 
 # ---- HTTP: (method, path) → op; {m} a model name, {v} a version, {r} a repository name,
@@ -97,6 +98,7 @@ HTTP_ROUTES: tuple[tuple[str, str, Op], ...] = (
     ("GET", "/v2/cudasharedmemory[/region/{n}]/status", Op.SHM_STATUS),
     ("POST", "/v2/cudasharedmemory/region/{n}/register", Op.SHM_REGISTER),
     ("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER),
+    ("GET", "/v2/placement", Op.PLACEMENT),
 )
 
 

@@ -295,6 +295,13 @@ class HttpFrontend:
             return await self._shared_memory(request, shm.SYSTEM if head[0] == "s" else shm.CUDA, parts[2:])
         if head == "trace" and parts[2:] == ["setting"]:
             return await self._trace_setting(request, "")
+        if head == "placement" and n == 2:  # the model mesh at a gateway (docs/model-mesh.md)
+            self._method(request, "GET")
+            _allow(core, request, Op.PLACEMENT)
+            view = getattr(core, "placement_view", None)  # (a gateway's; None: no placement policy)
+            if view is None or (answer := await view()) is None:
+                raise InferError.not_found("no model placement here: a gateway with --model-control-mode lazy has one")
+            return _json_response(answer)
         if head == "logging" and n == 2:  # the logging extension
             self._method(request, "GET", "POST")
             _allow(core, request, Op.LOG_UPDATE if request.method == "POST" else Op.LOG_GET)

@@ -1,0 +1,64 @@
+"""Generated models for the model mesh (docs/model-mesh.md): many small ONNX models that each
+hold a weight of a chosen size and answer something that names them, so a client can tell that
+the right model answered. Used by the mesh tests (tests/integration/test_model_mesh.py) and the
+mesh benchmark (load/bench/mesh.py).
+
+Model ``i``: OUTPUT0 = INPUT0 + i over FP32 [batch, 16], computed as INPUT0 + mean(W, axis 0)
+with W a [rows, 16] weight filled with i: the runtime keeps W resident (rows x 64 bytes), and
+every request reads it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+WIDTH = 16
+
+
+def mesh_model(index: int, rows: int) -> object:
+    from onnx import TensorProto, helper, numpy_helper
+
+    from meshserve.examples import onnx_model
+
+    weight = numpy_helper.from_array(np.full((rows, WIDTH), float(index), dtype=np.float32), "W")
+    nodes = [helper.make_node("ReduceMean", ["W"], ["m"], axes=[0], keepdims=0),
+             helper.make_node("Add", ["INPUT0", "m"], ["OUTPUT0"])]
+    return onnx_model(nodes, f"mesh_{index}",
+                      [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", WIDTH])],
+                      [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", WIDTH])], [weight])
+
+
+def config(name: str) -> str:
+    return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+            f'input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]\n'
+            f'output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]\n'
+            "instance_group [ { kind: KIND_CPU count: 1 } ]\n")
+
+
+def name_of(index: int) -> str:
+    return f"mesh_{index:03d}"
+
+
+def write(repo: Path, index: int, rows: int) -> str:
+    """Write model ``index`` (``rows`` x 64 bytes of weight) into ``repo``; its name."""
+    import onnx
+
+    name = name_of(index)
+    folder = repo / name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(config(name))
+    onnx.save(mesh_model(index, rows), str(folder / "1" / "model.onnx"))
+    return name
+
+
+def write_broken(repo: Path, name: str) -> None:
+    """A model whose file is not ONNX: its load fails (the reason names the file, not a path)."""
+    folder = repo / name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(config(name))
+    (folder / "1" / "model.onnx").write_bytes(b"this is not an onnx model\n")
+
+
+def expected(index: int, inputs: np.ndarray) -> np.ndarray:
+    return inputs + np.float32(index)
