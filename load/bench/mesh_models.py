@@ -10,13 +10,14 @@ every request reads it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 WIDTH = 16
 
 
-def mesh_model(index: int, rows: int) -> object:
+def mesh_model(index: int, rows: int) -> Any:
     from onnx import TensorProto, helper, numpy_helper
 
     from meshserve.examples import onnx_model
