@@ -133,7 +133,8 @@ def render(samples: Iterable[Sample], families: dict[str, Family], federated: It
         if isinstance(value, Histogram):
             by_family.setdefault(key, []).extend(value.lines(families[key].name, lab))
         else:
-            by_family.setdefault(key, []).append(f"{families[key].name}{{{lab}}} {value:g}")
+            shown = value if type(value) is int else format(value, "g")  # an int whole (bytes, counts past 1e6)
+            by_family.setdefault(key, []).append(f"{families[key].name}{{{lab}}} {shown}")
     blocks: dict[str, tuple[list[str], list[str]]] = {
         fam.name: ([f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} {fam.kind}"], by_family[key])
         for key, fam in families.items()}

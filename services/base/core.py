@@ -10,7 +10,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshserve._proto import grpc_service_pb2 as pb
@@ -20,6 +20,7 @@ from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import kinds, layout
 from meshserve.repository.config import ConfigError, load_model_config, parse_config_json
 from meshserve.repository.names import check_model_name, check_version, model_file_path
+from meshserve.server import admission
 from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import (
     EXTENSIONS,
@@ -31,6 +32,7 @@ from meshserve.server.core import (
 )
 from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy, poll_failed
 from meshserve.telemetry import metrics
+from services.base import memory
 from services.base.control import ModelControl, fingerprint
 from services.base.model import ModelVersion, early_release
 from services.base.runtime import RuntimeAdapter, RuntimeLoadError, placements
@@ -45,6 +47,7 @@ log = logging.getLogger("meshserve.service")
 # never overwrites files a version still serving reads.
 OVERRIDES_DIR = ".meshserve-overrides"
 NOT_LOADED = "not loaded (explicit model control)"
+EVICTED = "unloaded (evicted to make room under the memory budget)"
 # errors writing a load request's files that the client's paths cause (the whole path over
 # PATH_MAX; "1/a" given as a file and as a directory): 400, Triton's "failed to poll" text
 _CLIENT_PATH_ERRORS = frozenset({errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
@@ -54,7 +57,7 @@ SERVICE_FAMILIES = {
                                     "Batches the dynamic batcher released before max_queue_delay because the "
                                     "clients it expected were all queued (early release)"),
 }
-_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES}
+_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES, **memory.FAMILIES}
 
 
 @dataclass
@@ -72,6 +75,10 @@ class HostedModel:
 
 class ServiceCore:
     """Hosts the repository's models of one kind (e.g. "onnx") and serves them."""
+
+    # a version's instances run in processes of their own (the python kind): a first load's
+    # memory estimate adds an interpreter per instance (services/base/memory.py)
+    instances_are_processes = False
 
     def __init__(self, kind: str, repository: Path, adapters: dict[str, RuntimeAdapter],
                  gpu_available: bool = False):
@@ -94,11 +101,15 @@ class ServiceCore:
         self.access = ControlPolicy()
         # --max-model-load-bytes: an adapter with a guard_load measures an uploaded model's load first
         self.max_model_load_bytes = 0
+        # --memory-budget / --pin: sizes, budget and eviction (services/base/memory.py); main()
+        # enforces it in explicit model control (loads evict, or are refused)
+        self.memory = memory.MemoryBook(budget=memory.default_budget(), enforced=False)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Scan the repository and load every model of our kind (versions per policy)."""
-        for entry in layout.scan(self.repository, gpu_available=self.gpu_available):
+        entries = layout.scan(self.repository, gpu_available=self.gpu_available)
+        for entry in sorted(entries, key=lambda e: e.name not in self.memory.pinned):  # pinned first: they fit
             if not self._is_mine(entry):
                 self._foreign[entry.name] = fingerprint(entry.path)
                 continue
@@ -115,7 +126,7 @@ class ServiceCore:
             if entry.error:
                 log.warning("model '%s': %s", entry.name, entry.error)
             try:
-                await self._load_versions(hosted, entry.config, entry.loadable_versions)
+                await self._load_versions(hosted, entry.config, entry.loadable_versions, evict=False)
             except Exception:
                 continue  # recorded on the model (index shows UNAVAILABLE + reason); others still load
         self._started = True
@@ -128,16 +139,21 @@ class ServiceCore:
                                            and _looks_like(entry.path, self.kind))
 
     async def _load_versions(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int],
-                             path: Path | None = None) -> None:
-        """Load ``versions`` from ``path`` (default: the model's directory), then retire the old ones."""
+                             path: Path | None = None, evict: bool = True) -> None:
+        """Load ``versions`` from ``path`` (default: the model's directory), then retire the old ones.
+        Under an enforced memory budget the load first makes room (``evict``: by unloading idle
+        versions of other models, least recently used first) or is refused."""
         path = hosted.path if path is None else path
         loop = asyncio.get_running_loop()
         loaded: dict[int, ModelVersion] = {}
+        started = time.monotonic()
         try:
+            if self.memory.enforced:
+                await self._make_room(hosted, config, versions, path, evict)
             for v in versions:
                 t0 = time.monotonic()
                 try:
-                    mv = await loop.run_in_executor(None, self._build_version, path, config, v)
+                    mv = await loop.run_in_executor(None, self._measured_build, path, config, v)
                 except InferError:
                     raise
                 except Exception as exc:  # Triton's words for a version that failed to load
@@ -152,6 +168,9 @@ class ServiceCore:
             hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
             log.error("model '%s' failed to load: %s", hosted.name, exc)
             raise
+        for v, mv in loaded.items():
+            self.memory.measured(hosted.name, v, mv.memory_bytes)
+        self.memory.loaded(hosted.name, time.monotonic() - started)
         old, old_path = hosted.versions, hosted.path
         hosted.config = config
         hosted.versions = loaded
@@ -160,8 +179,106 @@ class ServiceCore:
         hosted.state, hosted.reason = ("READY", "") if loaded else ("UNAVAILABLE", "no versions selected")
         for mv in old.values():  # load new, then retire old (drain its queue)
             await mv.close(drain=True)
+        if old:
+            await loop.run_in_executor(None, memory.trim)
         if old_path != path:
             self._remove_override(old_path)
+        if self.memory.enforced and evict:
+            await self._settle(hosted.name)
+
+    def _measured_build(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
+        """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes)."""
+        before = memory.rss_bytes()
+        mv = self._build_version(path, config, version)
+        mv.memory_bytes = memory.version_bytes(memory.rss_bytes() - before, mv.instances,
+                                               memory.files_bytes(path / str(version)))
+        return mv
+
+    # ---- the memory budget -------------------------------------------------------------
+    def used_bytes(self) -> int:
+        """The measured sizes of every loaded version (meshserve_memory_used_bytes)."""
+        return sum(mv.memory_bytes for mv in self._all_versions())
+
+    async def _make_room(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int], path: Path,
+                         evict: bool) -> None:
+        """Unload the least recently used idle, unpinned versions of other models until the
+        load's estimate fits the budget; wait (up to memory.EVICTION_WAIT_S) while busy versions
+        could make room once idle; else refuse with RESOURCE_EXHAUSTED. A reload counts the
+        versions it retires as free (they go once the new ones are up)."""
+        book = self.memory
+        instances = len(placements(config, self.gpu_available))
+        needed = sum(book.estimate(hosted.name, v, memory.files_bytes(path / str(v)), instances,
+                                   self.instances_are_processes) for v in versions)
+        own = sum(mv.memory_bytes for mv in hosted.versions.values())
+        deadline = time.monotonic() + memory.EVICTION_WAIT_S
+        while True:
+            used = self.used_bytes() - own
+            candidates = self._candidates(hosted.name) if evict else []
+            plan = memory.plan_evictions(needed, used, book.budget, candidates)
+            if plan is not None:
+                await self._evict(plan)
+                return
+            idle_later = memory.plan_evictions(needed, used, book.budget, [replace(c, busy=False) for c in candidates])
+            if idle_later is None or time.monotonic() >= deadline:
+                raise InferError.exhausted(self._no_room(hosted.name, needed, used), retry_after_s=admission.RETRY_AFTER_S)
+            await asyncio.sleep(0.05)  # busy versions finish their requests; then plan again
+
+    def _candidates(self, loading: str) -> list[memory.Candidate]:
+        """The loaded versions an eviction may consider: every unpinned one but ``loading``'s."""
+        pinned = self.memory.pinned
+        return [memory.Candidate(name, v, mv.last_used_ms(), mv.memory_bytes, mv.busy())
+                for name, other in self.models.items() if name != loading and name not in pinned
+                for v, mv in other.versions.items()]
+
+    async def _evict(self, plan: list[memory.Candidate]) -> None:
+        """Unload the planned versions: all taken out of service in one step (right after the
+        plan, no await between: no request reaches them), then closed and their memory trimmed."""
+        victims = [self._take_for_eviction(c.model, c.version) for c in plan]
+        for mv in victims:
+            await mv.close(drain=True)
+            self._forget_override(self.models[mv.name])
+        if victims:
+            await asyncio.get_running_loop().run_in_executor(None, memory.trim)
+
+    async def _settle(self, loaded: str) -> None:
+        """After a load: its measured size may be larger than its estimate; while the budget is
+        passed, unload idle versions of other models (least recently used first, no waiting)."""
+        over = self.used_bytes() - self.memory.budget
+        if over > 0:
+            plan = memory.plan_evictions(0, over, 0, self._candidates(loaded))
+            if plan is None:  # not enough idle versions: unload what may go, the rest is reported
+                plan = [c for c in self._candidates(loaded) if not c.busy]
+            await self._evict(plan)
+
+    def _no_room(self, name: str, needed: int, used: int) -> str:
+        budget = self.memory.budget
+        if needed > budget:
+            return (f"failed to load '{name}': it needs about {needed} bytes, more than the whole memory budget "
+                    f"of the {self.kind} service ({budget} bytes)")
+        return (f"failed to load '{name}': not enough room in the memory budget of the {self.kind} service: it needs "
+                f"about {needed} bytes and {used} of {budget} bytes are held by models that cannot be evicted now "
+                "(pinned, or busy with requests in flight or live sequences)")
+
+    def _take_for_eviction(self, name: str, version: int) -> ModelVersion:
+        """Take an idle version out of service at once (no request can reach it after this)."""
+        hosted = self.models[name]
+        mv = hosted.versions.pop(version)
+        mv.ready = False
+        if hosted.versions:
+            assert hosted.config is not None
+            hosted.metadata = _metadata(hosted.config, sorted(hosted.versions))
+        else:
+            hosted.state, hosted.reason = "UNAVAILABLE", EVICTED
+        self.memory.evicted(name)
+        log.info("evicted model '%s' version %d (%d bytes) to make room under the memory budget",
+                 name, version, mv.memory_bytes)
+        return mv
+
+    def _forget_override(self, hosted: HostedModel) -> None:
+        """A model loaded from a load request's files that is no longer loaded: delete the files."""
+        if not hosted.versions and self._is_override(hosted.path):  # not loaded again meanwhile
+            self._remove_override(hosted.path)
+            hosted.path = self.repository / hosted.name
 
     def _build_version(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         backend = config.backend
@@ -487,9 +604,8 @@ class ServiceCore:
             mv.ready = False
         for mv in old.values():
             await mv.close(drain=True)
-        if not hosted.versions and self._is_override(hosted.path):  # not loaded again meanwhile
-            self._remove_override(hosted.path)
-            hosted.path = self.repository / name
+        await asyncio.get_running_loop().run_in_executor(None, memory.trim)
+        self._forget_override(hosted)
 
     async def _poll_repository(self) -> None:
         """poll mode: reload models whose files changed, load new ones, unload removed ones."""
@@ -524,6 +640,10 @@ class ServiceCore:
             samples += mv.stats.samples(labels)
             if isinstance(mv.scheduler, DynamicBatcher):
                 samples.append(("early_release", labels, mv.scheduler.early_releases))
+        gate = admission.gate
+        bound = gate.max_requests if gate.max_requests != admission.UNBOUNDED else 0
+        samples += self.memory.samples(((mv.name, mv.version_str, mv.memory_bytes) for mv in self._all_versions()),
+                                       gate.requests, bound)
         return metrics.render(samples, _FAMILIES), metrics.CONTENT_TYPE
 
 

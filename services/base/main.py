@@ -9,6 +9,7 @@ from meshserve.server import limits as server_limits
 from meshserve.server import repository_control
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
+from services.base import memory
 from services.base.control import MODES, ModelControl
 from services.base.core import ServiceCore
 from services.base.runtime import RuntimeAdapter
@@ -45,9 +46,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="memory an uploaded model's load may take (onnx: measured in a child process under "
                          "this bound before the service loads it; more is a 400); 0 = no bound "
                          f"(default {DEFAULT_MAX_MODEL_LOAD_BYTES >> 20} MiB)")
+    mem = ap.add_argument_group("memory budget (docs/model-mesh.md, Service side)")
+    mem.add_argument("--memory-budget", type=_budget, default=None, metavar="BYTES",
+                     help="bytes this service's loaded models may hold (512Mi, 2G, 80%% of the base); with "
+                          "--model-control-mode explicit a load that would pass it first unloads the least recently "
+                          "used idle unpinned model versions, else it is refused (RESOURCE_EXHAUSTED); default "
+                          f"{memory.DEFAULT_BUDGET_SHARE:.0%} of the cgroup memory limit, or of physical memory")
+    mem.add_argument("--pin", action="append", default=[], metavar="NAME",
+                     help="a model that is never evicted (repeatable)")
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
+
+
+def _budget(text: str) -> int:
+    try:
+        return memory.budget_argument(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_bls_key_argument(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -83,6 +99,8 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
         core.server_name = args.server_name
         core.access = repository_control.ControlPolicy.from_args(args)
         core.max_model_load_bytes = args.max_model_load_bytes
+        budget = args.memory_budget if args.memory_budget is not None else memory.default_budget()
+        core.memory = memory.MemoryBook(budget, frozenset(args.pin), enforced=control.mode == "explicit")
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
                     http_port=args.http_port, metrics_port=args.metrics_port, limits=limits)

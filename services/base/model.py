@@ -104,6 +104,24 @@ class ModelVersion:
         self._ordered = False  # preserve_ordering (dynamic batching)
         self.scheduler: Scheduler[Pending] = self._scheduler(config, len(instances))
         self.ready = True
+        # services/base/memory.py: the measured size (set once loaded) and when it was loaded
+        self.memory_bytes = 0
+        self.loaded_ms = time.time() * 1000
+
+    @property
+    def instances(self) -> list[RuntimeInstance]:
+        return self._instances
+
+    def last_used_ms(self) -> float:
+        """When a request last ran on this version (its load, before any did): the eviction order."""
+        return max(self.stats.last_inference_ms, self.loaded_ms)
+
+    def busy(self) -> bool:
+        """Requests in flight (queued, executing, or awaiting their answer) or a live sequence:
+        an eviction never unloads a busy version."""
+        scheduler = self.scheduler
+        active = getattr(scheduler, "active_sequences", None)
+        return self.stats.pending > 0 or scheduler.inflight() > 0 or (active is not None and active() > 0)
 
     def _scheduler(self, config: mc.ModelConfig, instance_count: int) -> Scheduler[Pending]:
         """The dynamic batcher (Triton's ``dynamic_batching``, or one request per batch without

@@ -36,6 +36,7 @@ class PythonServiceCore(ServiceCore):
     """Hosts the repository's python-backend models."""
 
     options = PythonOptions()
+    instances_are_processes = True
     _loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:

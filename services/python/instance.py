@@ -35,6 +35,7 @@ from meshserve.protocol import datatypes
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.hop import NO_HOP, PRIVATE_PREFIX
 from meshserve.protocol.infer_checks import int_value
+from services.base import memory
 from services.base.runtime import RuntimeLoadError
 from services.base.validation import ModelTensors, Pending, prepare
 from services.python.ipc import Channel, RegionReader, RegionRef, RegionWriter, TensorRef, aligned, region_ref
@@ -130,6 +131,11 @@ class ModelWorker:
     @property
     def pid(self) -> int | None:
         return self._process.proc.pid if self._process is not None else None
+
+    def resident_bytes(self) -> int:
+        """The worker process's proportional set size (services/base/memory.py: a version's size)."""
+        pid = self.pid
+        return memory.pss_bytes(pid) if pid is not None else 0
 
     # ---- lifecycle (start/stop block: call them off the event loop) ----------------------
     def start(self) -> None:

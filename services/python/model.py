@@ -50,6 +50,9 @@ class PythonModelVersion(ModelVersion):
         for w in workers:
             w.on_death = self._on_death
 
+    def busy(self) -> bool:
+        return bool(self._streams) or super().busy()  # a decoupled request's responses still coming
+
     # ---- sequence batching ----------------------------------------------------------------
     def _scheduler(self, config: mc.ModelConfig, instance_count: int) -> Scheduler[Pending]:
         if not config.HasField("sequence_batching"):

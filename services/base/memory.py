@@ -1,0 +1,283 @@
+"""Memory accounting of a service: what each loaded model version costs, the budget it must fit
+in, and which versions go first when a load needs room (docs/model-mesh.md, "Service side").
+
+Every kind measures the same way (`measure_load` around its version build, called by
+`services/base/core.py:ServiceCore`): the resident-set change the load caused in the service
+process, plus the proportional set size of any process the version runs in (a python model's
+worker: `ProcessBound.resident_bytes`), and never less than the version's files on disk (weights
+have to be somewhere; a load that reuses memory freed by an earlier unload shows a smaller
+change than it costs). Before a load the size is estimated: the size the version had when last
+loaded here, else its files times ``ESTIMATE_FACTOR`` per instance.
+
+Memory comes back on unload: `trim` hands freed heap back to the kernel (glibc's malloc_trim)
+after every unload and eviction (docs/perf/memory-return.md has the figures).
+
+The eviction choice (`plan_evictions`) is a pure function: least recently used first, among the
+versions that are neither pinned nor busy.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from meshserve.telemetry.metrics import Family, Histogram, Sample
+
+# --memory-budget's default: this share of the cgroup's memory limit, or of physical memory
+# when the process has no limit (the rest: the service's own heap, requests in flight, headroom)
+DEFAULT_BUDGET_SHARE = 0.8
+# a first load's estimate: its files' size times this, per instance (onnxruntime and torch hold
+# the weights once per session plus a few percent: 50 MB of weights measured 52-53 MiB)
+ESTIMATE_FACTOR = 1.2
+# a version whose runtime runs in processes of its own (python) adds this per instance to a
+# first estimate: an interpreter with numpy, measured at ~30 MiB of PSS each
+PROCESS_ESTIMATE_BYTES = 32 << 20
+# a load that needs room waits at most this long for busy versions (requests in flight, live
+# sequences) to become idle before it is refused
+EVICTION_WAIT_S = 30.0
+# models whose counters are kept once they are no longer loaded (a bound on /metrics label sets)
+MAX_TRACKED_MODELS = 4096
+LOAD_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+FAMILIES = {
+    "memory_budget": Family("meshserve_memory_budget_bytes", "gauge",
+                            "Bytes the service's loaded models may hold (--memory-budget)"),
+    "memory_used": Family("meshserve_memory_used_bytes", "gauge",
+                          "Bytes the service's loaded model versions hold (the sum of their measured sizes)"),
+    "memory_pressure": Family("meshserve_memory_pressure_ratio", "gauge",
+                              "meshserve_memory_used_bytes / meshserve_memory_budget_bytes"),
+    "saturation": Family("meshserve_saturation_ratio", "gauge",
+                         "Inference requests in flight / --max-inflight (0 when unbounded)"),
+    "model_memory": Family("meshserve_model_memory_bytes", "gauge",
+                           "Measured resident size of one loaded model version (all its instances)"),
+    "model_loads": Family("meshserve_model_loads_total", "counter", "Model loads that succeeded"),
+    "model_evictions": Family("meshserve_model_evictions_total", "counter",
+                              "Model versions unloaded to make room under the memory budget"),
+    "model_load_seconds": Family("meshserve_model_load_duration_seconds", "histogram",
+                                 "Time one model load took (every version: files to ready), in seconds"),
+    "cpu_memory_total": Family("nv_cpu_memory_total_bytes", "gauge", "CPU total memory (RAM), in bytes"),
+    "cpu_memory_used": Family("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM), in bytes"),
+}
+
+
+# ---- sizes and limits -----------------------------------------------------------------------
+def parse_bytes(text: str) -> int:
+    """``"536870912"``, ``"512Mi"``, ``"2G"``, ``"1.5GiB"`` -> bytes (Kubernetes' suffixes: K M G T
+    are powers of 1000, Ki Mi Gi Ti of 1024; a trailing B is allowed). ValueError otherwise."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 536870912, 512Mi, 2G)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This process's cgroup memory limit (v2 memory.max, else v1 memory.limit_in_bytes), or None."""
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            raw = path.read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < 1 << 60:  # v1 says "no limit" with a huge number, v2 with "max"
+            return int(raw)
+    return None
+
+
+def system_memory() -> tuple[int, int]:
+    """(total, used) bytes of RAM as Triton's nv_cpu_memory_* report them: MemTotal and
+    MemTotal - MemAvailable of /proc/meminfo (system-wide)."""
+    info: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    info[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    total = info.get("MemTotal", 0)
+    return total, max(0, total - info.get("MemAvailable", total))
+
+
+def default_budget() -> int:
+    """--memory-budget's default: DEFAULT_BUDGET_SHARE of the cgroup limit, or of physical memory."""
+    physical = system_memory()[0]
+    limit = cgroup_limit()
+    base = min(limit, physical) if limit and physical else (limit or physical)
+    return int(base * DEFAULT_BUDGET_SHARE)
+
+
+def budget_argument(text: str) -> int:
+    """--memory-budget's value: bytes (``parse_bytes``), or a share of the default base as ``NN%``."""
+    text = text.strip()
+    if text.endswith("%"):
+        share = float(text[:-1]) / 100
+        if not 0 < share <= 1:
+            raise ValueError(f"--memory-budget {text}: a share must be in (0%, 100%]")
+        return int(default_budget() / DEFAULT_BUDGET_SHARE * share)
+    value = parse_bytes(text)
+    if value <= 0:
+        raise ValueError("--memory-budget must be > 0")
+    return value
+
+
+# ---- measuring ------------------------------------------------------------------------------
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of a process (/proc/<pid>/statm: one read, no parsing of smaps)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process (its private pages plus its share of shared ones):
+    what a worker process costs beside the others (falls back to its RSS)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss_bytes(pid)
+
+
+def files_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (a version directory), or of ``path`` itself."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError:
+        return 0
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if os.name == "posix" else None
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (not musl)
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the kernel (glibc malloc_trim; a no-op elsewhere)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+@runtime_checkable
+class ProcessBound(Protocol):
+    """An instance that runs its model in a process of its own (the python kind's workers)."""
+
+    def resident_bytes(self) -> int: ...
+
+
+def version_bytes(rss_change: int, instances: Iterable[object], files: int) -> int:
+    """A loaded version's size: the service process's resident change during its load, plus what
+    its instances' own processes hold, and at least its files' size."""
+    own = sum(i.resident_bytes() for i in instances if isinstance(i, ProcessBound))
+    return max(files, max(0, rss_change) + own)
+
+
+# ---- the ledger ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """A loaded version the planner may unload: (model, version), when last used, its size."""
+
+    model: str
+    version: int
+    last_used: float
+    size: int
+    busy: bool = False
+
+
+def plan_evictions(needed: int, used: int, budget: int, candidates: Sequence[Candidate]
+                   ) -> list[Candidate] | None:
+    """The versions to unload, least recently used first, so that ``needed`` more bytes fit
+    under ``budget``; [] when they fit already; None when unloading every idle candidate would
+    not make room. Busy candidates are never chosen."""
+    if used + needed <= budget:
+        return []
+    chosen: list[Candidate] = []
+    for c in sorted((c for c in candidates if not c.busy), key=lambda c: (c.last_used, c.model, c.version)):
+        chosen.append(c)
+        used -= c.size
+        if used + needed <= budget:
+            return chosen
+    return None
+
+
+@dataclass
+class MemoryBook:
+    """A service's budget, pins, the sizes last measured per version (the next load's estimate)
+    and its load / eviction counters (per model: /metrics)."""
+
+    budget: int
+    pinned: frozenset[str] = frozenset()
+    enforced: bool = True  # explicit model control: loads evict and may be refused
+    sizes: dict[tuple[str, int], int] = field(default_factory=dict)
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    load_seconds: dict[str, Histogram] = field(default_factory=dict)
+
+    def estimate(self, model: str, version: int, files: int, instances: int, processes: bool) -> int:
+        """Bytes a version is expected to take before it is loaded."""
+        known = self.sizes.get((model, version))
+        if known is not None:
+            return known
+        per_instance = math.ceil(files * ESTIMATE_FACTOR) + (PROCESS_ESTIMATE_BYTES if processes else 0)
+        return max(1, instances) * per_instance
+
+    def measured(self, model: str, version: int, size: int) -> None:
+        self.sizes[(model, version)] = size
+        self._bound(self.sizes)
+
+    def loaded(self, model: str, seconds: float) -> None:
+        self.loads[model] = self.loads.get(model, 0) + 1
+        hist = self.load_seconds.get(model)
+        if hist is None:
+            hist = self.load_seconds[model] = Histogram(LOAD_SECONDS_BUCKETS)
+        hist.observe(seconds)
+        for table in (self.loads, self.load_seconds):
+            self._bound(table)
+
+    def evicted(self, model: str) -> None:
+        self.evictions[model] = self.evictions.get(model, 0) + 1
+        self._bound(self.evictions)
+
+    @staticmethod
+    def _bound(table: dict) -> None:  # type: ignore[type-arg]
+        while len(table) > MAX_TRACKED_MODELS:  # oldest entries first (dicts keep insertion order)
+            del table[next(iter(table))]
+
+    def samples(self, versions: Iterable[tuple[str, str, int]], inflight: int, max_inflight: int) -> list[Sample]:
+        """/metrics samples: ``versions`` are the loaded (model, version, bytes)."""
+        out: list[Sample] = []
+        used = 0
+        for model, version, size in versions:
+            used += size
+            out.append(("model_memory", {"model": model, "version": version}, size))
+        out += [("memory_budget", {}, self.budget), ("memory_used", {}, used),
+                ("memory_pressure", {}, used / self.budget if self.budget else 0.0),
+                ("saturation", {}, inflight / max_inflight if max_inflight else 0.0)]
+        out += [("model_loads", {"model": m}, n) for m, n in self.loads.items()]
+        out += [("model_evictions", {"model": m}, n) for m, n in self.evictions.items()]
+        out += [("model_load_seconds", {"model": m}, h) for m, h in self.load_seconds.items()]
+        total, in_use = system_memory()
+        out += [("cpu_memory_total", {}, total), ("cpu_memory_used", {}, in_use)]
+        return out
+
+
+def now() -> float:
+    """The clock last-use times are compared on (wall milliseconds, as the statistics' last_inference)."""
+    return time.time() * 1000
