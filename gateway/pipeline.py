@@ -323,7 +323,7 @@ class Place:
         try:
             return await self.next.infer(request, ctx, sequence)
         except InferError as exc:
-            if not evicted(exc):
+            if not evicted(exc) and not placement.lost(exc, name, request.model_version):
                 raise
         await placement.ensure(name, ctx.time_remaining(), stale=True)
         try:

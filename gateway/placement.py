@@ -245,6 +245,12 @@ class Placement:
             return replicas is not None and any(r.healthy for r in replicas)
         return any(r.healthy for rs in routes.versions.values() for r in rs)
 
+    def lost(self, exc: InferError, name: str, version: str) -> bool:
+        """Whether ``exc`` (UNAVAILABLE) came from the replicas serving ``name`` leaving the pool:
+        the Upstream ejects a replica only for a request that never reached it, so the request
+        may be placed elsewhere and sent again."""
+        return exc.code is Code.UNAVAILABLE and not self.serving(name, version)
+
     def touch(self, name: str) -> None:
         state = self.models.get(name)
         if state is None:
