@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from gateway.auth import hash_key
 from gateway.routing.placement import rank
 from load.bench import mesh_models
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import ROOT, Proc, _wait_http_ready, start
 from tests.support import eventually
 
 MODELS = 20
@@ -262,3 +265,43 @@ def test_a_killed_replicas_models_answer_again_from_the_other(mesh: Mesh) -> Non
     for name in on_b:  # each answers at once: placed on replica a on its next request
         _right(mesh.g1.grpc, int(name.rsplit("_", 1)[1]))
     assert mesh.b.grpc not in {r for m in _placement(mesh.g1)["models"] for r in m["replicas"]}
+
+
+def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Path) -> None:
+    """`meshserve up --model-control-mode lazy --memory-budget B --replicas 2`: no model loaded at
+    start, each loaded on first use on one replica; `meshserve placement` shows where."""
+    for i in range(4):
+        mesh_models.write(tmp_path, i, 1024)
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(tmp_path), "--http-port", "0",
+                             "--grpc-port", "0", "--metrics-port", "-1", "--model-control-mode", "lazy",
+                             "--memory-budget", "256Mi", "--replicas", "2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        banner = "".join(lines)
+        assert "2 replicas" in banner and "4 service process" not in banner, banner
+        http = next(w for w in banner.split() if w.startswith("http://") and w.endswith("/v2"))
+        hostport = http.removeprefix("http://").removesuffix("/v2").replace("localhost", "127.0.0.1")
+        grpc_port = re.search(r"gRPC\s+\S+:(\d+)", banner)
+        assert grpc_port is not None, banner
+        url = f"127.0.0.1:{grpc_port.group(1)}"
+        gateway = Proc([], proc, {"http": int(hostport.rsplit(":", 1)[1])})
+        view = _placement(gateway)
+        assert len(view["replicas"]) == 2 and all(m["copies"] == 0 for m in view["models"]), view
+        for i in range(4):
+            _right(url, i)
+        out = subprocess.run([sys.executable, "-m", "meshserve", "placement", "--url", f"http://{hostport}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        for i in range(4):
+            row = next(line for line in out.stdout.splitlines() if line.startswith(mesh_models.name_of(i)))
+            assert row.split()[1] == "1", out.stdout  # one copy each
+        assert "256.0Mi" in out.stdout, out.stdout  # the budget each replica announces
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
