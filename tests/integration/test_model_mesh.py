@@ -267,6 +267,15 @@ def test_a_killed_replicas_models_answer_again_from_the_other(mesh: Mesh) -> Non
     assert mesh.b.grpc not in {r for m in _placement(mesh.g1)["models"] for r in m["replicas"]}
 
 
+def _banner(proc: subprocess.Popen[str]) -> str:
+    """`meshserve up`'s output up to its banner's last line."""
+    assert proc.stdout is not None
+    seen = []
+    while "Press Ctrl-C" not in (line := proc.stdout.readline()) and line:
+        seen.append(line)
+    return "".join(seen)
+
+
 def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Path) -> None:
     """`meshserve up --model-control-mode lazy --memory-budget B --replicas 2`: no model loaded at
     start, each loaded on first use on one replica; `meshserve placement` shows where."""
@@ -277,13 +286,7 @@ def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Pat
                              "--memory-budget", "256Mi", "--replicas", "2"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        banner = "".join(lines)
+        banner = _banner(proc)
         assert "2 replicas" in banner and "4 service process" not in banner, banner
         http = next(w for w in banner.split() if w.startswith("http://") and w.endswith("/v2"))
         hostport = http.removeprefix("http://").removesuffix("/v2").replace("localhost", "127.0.0.1")
