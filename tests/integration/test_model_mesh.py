@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,45 @@ def test_a_tenants_request_for_another_model_never_loads_it(mesh: Mesh) -> None:
     x = np.arange(16, dtype=np.float32).reshape(1, 16)
     np.testing.assert_array_equal(_infer(mesh.g3.grpc, 1, headers={"authorization": "Bearer key-t"}),
                                   mesh_models.expected(1, x))
+
+
+def _rss(proc: Proc) -> int:
+    with open(f"/proc/{proc.proc.pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_flood_of_cold_requests_is_bounded_by_admission_not_memory(mesh: Mesh) -> None:
+    """48 clients at once over all 20 models (most of them cold, 2 budgets for ~10): every answer
+    is right or a 503 with a retry hint (no room now), never another error; each replica stays
+    under its budget and its RSS grows less than 100 MiB."""
+    before = {s.grpc: _rss(s) for s in (mesh.a, mesh.b)}
+    outcomes: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(5):
+            i = rng.randrange(MODELS)
+            try:
+                _right(mesh.g2.grpc, i)
+                outcome = "OK"
+            except InferenceServerException as exc:
+                outcome = f"{exc.status()} {exc.message()}"
+            with lock:
+                outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(48)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(outcomes.values()) == 48 * 5
+    assert all(o == "OK" or o.startswith("StatusCode.UNAVAILABLE") for o in outcomes), outcomes
+    assert outcomes["OK"] >= 48 * 5 // 2, outcomes
+    for s in (mesh.a, mesh.b):
+        text = _metrics(s.http)
+        assert _value(text, "meshserve_memory_used_bytes") <= _value(text, "meshserve_memory_budget_bytes")
+        assert _rss(s) - before[s.grpc] < 100 * 2**20, (s.grpc, before[s.grpc], _rss(s))
 
 
 def test_a_killed_replicas_models_answer_again_from_the_other(mesh: Mesh) -> None:
