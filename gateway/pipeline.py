@@ -55,6 +55,7 @@ Answers = AsyncGenerator[Answer, None]
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
+PLACE_ATTEMPTS = 3  # Place: sends of one request whose model was evicted (or lost) before it ran
 FACTS_KEPT = 1024  # per-config merge facts kept (all dropped when full: one rebuild each)
 
 
@@ -320,12 +321,13 @@ class Place:
                       ) -> InferResult:
         placement, name = self.placement, request.model_name
         await self._ensure(request, ctx)
-        try:
-            return await self.next.infer(request, ctx, sequence)
-        except InferError as exc:
-            if not evicted(exc) and not placement.lost(exc, name, request.model_version):
-                raise
-        await placement.ensure(name, ctx.time_remaining(), stale=True)
+        for _ in range(PLACE_ATTEMPTS - 1):
+            try:
+                return await self.next.infer(request, ctx, sequence)
+            except InferError as exc:
+                if not evicted(exc) and not placement.lost(exc, name, request.model_version):
+                    raise
+            await placement.ensure(name, ctx.time_remaining(), stale=True)
         try:
             return await self.next.infer(request, ctx, sequence)
         except InferError as exc:

@@ -48,6 +48,7 @@ log = logging.getLogger("meshserve.gateway.placement")
 
 LOAD_TIMEOUT_S = 600.0  # one load on one replica
 CALL_TIMEOUT_S = 5.0  # an index or a scrape of one replica
+PLACE_RETRY_S = 2.0  # every replica refused a load for room: tried again for this long
 FAILED_HOLD_S = 5.0  # a model whose load failed answers with that failure this long, without a new load
 COLD_START_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RECENT_COLD_STARTS = 16  # per model, for the placement endpoint
@@ -330,19 +331,30 @@ class Placement:
 
     async def _load_first(self, name: str, order: list[Replica]) -> Replica:
         """Load on the first of ``order`` that takes it; RESOURCE_EXHAUSTED (no room) or a replica
-        that is gone moves on to the next; any other failure is the model's and ends it."""
-        refused: list[str] = []
-        for replica in order:
-            try:
-                await self._load_on(replica, name)
-                return replica
-            except InferError as err:
-                if err.code in (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE):
-                    refused.append(f"{replica.endpoint}: {err.message}")
+        that is gone moves on to the next; any other failure is the model's and ends it. When
+        every replica refused for room (their models are busy: a busy model is not evicted),
+        the order is tried again after a pause (busy models finish in milliseconds), for at
+        most PLACE_RETRY_S, then UNAVAILABLE with Retry-After."""
+        pause, waited = 0.02, 0.0
+        while True:
+            refused = 0
+            for replica in order:
+                if not replica.healthy:
                     continue
-                raise
+                try:
+                    await self._load_on(replica, name)
+                    return replica
+                except InferError as err:
+                    if err.code not in (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE):
+                        raise
+                    refused += 1
+            if waited >= PLACE_RETRY_S or not refused:
+                break
+            await asyncio.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, 0.25)
         raise InferError(Code.UNAVAILABLE, f"model '{name}' could not be placed: no replica of its kind has room "
-                         f"({len(refused)} refused; retry later)", retry_after_s=self.policy.retry_after_s)
+                         f"({refused} refused; retry later)", retry_after_s=self.policy.retry_after_s)
 
     async def _load_on(self, replica: Replica, name: str) -> None:
         try:

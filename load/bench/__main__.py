@@ -1,4 +1,5 @@
 """Benchmark suite: `python -m load.bench [--quick]` writes OUT_DIR/<date>-<host>.md (+ .json).
+`python -m load.bench --mesh [--smoke]`: the model mesh benchmark instead (load/bench/mesh.py).
 
 Sections: generator ceiling, serving efficiency (raw onnxruntime vs direct vs gateway), hop cost,
 batching, quotas (noisy neighbour), scale-out, and the same hop/efficiency cells with Triton's
@@ -649,6 +650,12 @@ def summarize_cell(res: dict[str, Any], server_cores: float | None) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--mesh" in argv:  # the model mesh benchmark, with flags of its own (load/bench/mesh.py)
+        from load.bench import mesh
+
+        mesh.main([a for a in argv if a != "--mesh"])
+        return
     ap = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter cells (about 5 minutes)")
     ap.add_argument("--step-s", type=float, default=3.0, help="seconds measured per cell")
