@@ -205,8 +205,7 @@ class ReplicaFacts:
 class ModelState:
     """What this gateway knows of one managed model beyond the routing table."""
 
-    last_used: float = 0.0  # wall clock of its last request here
-    touched: float = 0.0  # the same on the monotonic clock
+    touched: float = 0.0  # monotonic clock of its last request here (0: none yet)
     cold_starts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_COLD_STARTS))
     demand: arith.Demand = field(default_factory=lambda: arith.Demand(0, 0.0))
     served: float = -1.0  # its served count over the replicas at the last refresh
@@ -258,7 +257,6 @@ class Placement:
             if name not in self.catalog:
                 return  # not a model of the repositories: nothing to remember (bounded)
             state = self.models[name] = ModelState()
-        state.last_used = time.time()
         state.touched = time.monotonic()
 
     async def ensure(self, name: str, timeout: float | None, stale: bool = False) -> None:
@@ -548,6 +546,7 @@ class Placement:
                              "loads": None if f is None else f.loads,
                              "evictions": None if f is None else f.evictions})
         models = []
+        now = time.time()
         for name in sorted(self.catalog):
             state = self.models.get(name)
             hosts = self._hosts(name)
@@ -556,7 +555,8 @@ class Placement:
             models.append({"name": name, "replicas": hosts, "copies": len(hosts),
                            "min_copies": self.policy.min_copies_of(name), "pinned": name in self.policy.pinned,
                            "lazy": self.manages(name), "size_bytes": max(sizes) if sizes else None,
-                           "last_used": state.last_used if state is not None and state.last_used else None,
+                           "last_used": None if state is None or not state.touched
+                           else round(now - (time.monotonic() - state.touched), 3),
                            "pending": state.demand.pending if state is not None else 0.0,
                            "cold_starts": len(cold), "cold_start_last_s": cold[-1] if cold else None,
                            "cold_start_max_s": max(cold) if cold else None,

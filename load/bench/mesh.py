@@ -8,7 +8,8 @@ Every answer is checked (model i answers INPUT0 + i).
 
 Cases (``--cases``): ``mesh`` (`--model-control-mode lazy --memory-budget B`) and ``all`` (every
 replica loads every model at start, under the same budget: what a node sized for the mesh's
-budget does without it). Triton in explicit mode with the whole set loaded is ``all`` with
+budget does without it), and ``all-unbounded`` (the same without a budget: the memory every
+replica then needs). Triton in explicit mode with the whole set loaded is ``all`` with
 Triton's memory and no budget: run it where a tritonserver is installed (not here).
 
 Reported per case: requests, failures (by error), warm and cold requests with their p50 / p99
@@ -216,7 +217,9 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 def run_case(case: str, repo: Path, names: list[str], weights: list[float], args: argparse.Namespace,
              budget: int) -> dict[str, Any]:
-    flags = ["--replicas", str(args.replicas), "--memory-budget", str(budget)]
+    flags = ["--replicas", str(args.replicas)]
+    if case != "all-unbounded":  # (that one: each service's default budget, a share of the machine's memory)
+        flags += ["--memory-budget", str(budget)]
     if case == "mesh":
         flags += ["--model-control-mode", "lazy"]
     started = time.monotonic()
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--duration", type=float, default=180.0, metavar="SECONDS", help="per case")
-    ap.add_argument("--cases", default="mesh,all", help="comma list of mesh, all")
+    ap.add_argument("--cases", default="mesh,all", help="comma list of mesh, all, all-unbounded")
     ap.add_argument("--repository", type=Path, default=None, help="where the models go (default: a temp dir)")
     ap.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-results")
     args = ap.parse_args(argv)

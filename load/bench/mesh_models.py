@@ -3,7 +3,7 @@ hold a weight of a chosen size and answer something that names them, so a client
 the right model answered. Used by the mesh tests (tests/integration/test_model_mesh.py) and the
 mesh benchmark (load/bench/mesh.py).
 
-Model ``i``: OUTPUT0 = INPUT0 + i over FP32 [batch, 16], computed as INPUT0 + mean(W, axis 0)
+Model ``i``: OUTPUT0 = INPUT0 + i over FP32 [batch, 16], computed as INPUT0 + max(W, axis 0) (exact: a mean in float32 is not)
 with W a [rows, 16] weight filled with i: the runtime keeps W resident (rows x 64 bytes), and
 every request reads it.
 """
@@ -23,7 +23,7 @@ def mesh_model(index: int, rows: int) -> Any:
     from meshserve.examples import onnx_model
 
     weight = numpy_helper.from_array(np.full((rows, WIDTH), float(index), dtype=np.float32), "W")
-    nodes = [helper.make_node("ReduceMean", ["W"], ["m"], axes=[0], keepdims=0),
+    nodes = [helper.make_node("ReduceMax", ["W"], ["m"], axes=[0], keepdims=0),
              helper.make_node("Add", ["INPUT0", "m"], ["OUTPUT0"])]
     return onnx_model(nodes, f"mesh_{index}",
                       [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", WIDTH])],
