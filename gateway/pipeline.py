@@ -319,23 +319,22 @@ class Place:
 
     async def _placed(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                       ) -> InferResult:
-        placement, name = self.placement, request.model_name
+        placement, name, version = self.placement, request.model_name, request.model_version
         await self._ensure(request, ctx)
-        for _ in range(PLACE_ATTEMPTS - 1):
+        for attempt in range(1, PLACE_ATTEMPTS + 1):
             try:
                 return await self.next.infer(request, ctx, sequence)
             except InferError as exc:
-                if not evicted(exc) and not placement.lost(exc, name, request.model_version):
+                if not evicted(exc) and not placement.lost(exc, name, version):
                     raise
-            await placement.ensure(name, ctx.time_remaining(), stale=True)
-        try:
-            return await self.next.infer(request, ctx, sequence)
-        except InferError as exc:
-            if not evicted(exc):
-                raise
-            raise InferError(Code.UNAVAILABLE, f"model '{name}' was evicted again before its request ran "
-                             "(its replicas' memory budgets are full); retry later",
-                             retry_after_s=placement.policy.retry_after_s) from None
+                if attempt == PLACE_ATTEMPTS:
+                    raise InferError(Code.UNAVAILABLE, f"model '{name}' was evicted again before its request ran "
+                                     "(its replicas' memory budgets are full); retry later",
+                                     retry_after_s=placement.policy.retry_after_s) from None
+                await placement.ensure(name, ctx.time_remaining(), stale=True)
+                if not placement.serving(name, version):
+                    raise  # the model is served, but not that version: the service's answer stands
+        raise AssertionError("unreachable")
 
     async def _ensure(self, request: pb.ModelInferRequest, ctx: RequestContext) -> None:
         """The model's last use noted; loaded first when no healthy replica serves it."""

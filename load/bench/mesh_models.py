@@ -3,9 +3,10 @@ hold a weight of a chosen size and answer something that names them, so a client
 the right model answered. Used by the mesh tests (tests/integration/test_model_mesh.py) and the
 mesh benchmark (load/bench/mesh.py).
 
-Model ``i``: OUTPUT0 = INPUT0 + i over FP32 [batch, 16], computed as INPUT0 + max(W, axis 0) (exact: a mean in float32 is not)
-with W a [rows, 16] weight filled with i: the runtime keeps W resident (rows x 64 bytes), and
-every request reads it.
+Model ``i``: OUTPUT0 = INPUT0 + i over FP32 [batch, 16], computed as INPUT0 + W[k] with W a
+[rows, 16] weight filled with i and k = int(min(INPUT0 * 0)) = 0: an index the runtime cannot know
+before the request, so W is not constant-folded away (a reduction of W alone was: onnxruntime kept
+16 floats of it) and stays resident, rows x 64 bytes.
 """
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ def mesh_model(index: int, rows: int) -> Any:
     from meshserve.examples import onnx_model
 
     weight = numpy_helper.from_array(np.full((rows, WIDTH), float(index), dtype=np.float32), "W")
-    nodes = [helper.make_node("ReduceMax", ["W"], ["m"], axes=[0], keepdims=0),
-             helper.make_node("Add", ["INPUT0", "m"], ["OUTPUT0"])]
+    zero = numpy_helper.from_array(np.zeros((), dtype=np.float32), "zero")
+    # the row's index comes from the input (always 0), so no runtime can fold W away: it stays resident
+    nodes = [helper.make_node("Mul", ["INPUT0", "zero"], ["z"]),
+             helper.make_node("ReduceMin", ["z"], ["zmin"], keepdims=0),
+             helper.make_node("Cast", ["zmin"], ["row"], to=TensorProto.INT64),
+             helper.make_node("Gather", ["W", "row"], ["w"], axis=0),
+             helper.make_node("Add", ["INPUT0", "w"], ["OUTPUT0"])]
     return onnx_model(nodes, f"mesh_{index}",
                       [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", WIDTH])],
-                      [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", WIDTH])], [weight])
+                      [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", WIDTH])], [weight, zero])
 
 
 def config(name: str) -> str:
