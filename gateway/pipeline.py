@@ -332,7 +332,7 @@ class Place:
                                      "(its replicas' memory budgets are full); retry later",
                                      retry_after_s=placement.policy.retry_after_s) from None
                 await placement.ensure(name, ctx.time_remaining(), stale=True)
-                if not placement.serving(name, version):
+                if placement.serving(name, "") and not placement.serving(name, version):
                     raise  # the model is served, but not that version: the service's answer stands
         raise AssertionError("unreachable")
 
