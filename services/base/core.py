@@ -177,10 +177,8 @@ class ServiceCore:
         hosted.path = path
         hosted.metadata = _metadata(config, sorted(loaded))
         hosted.state, hosted.reason = ("READY", "") if loaded else ("UNAVAILABLE", "no versions selected")
-        for mv in old.values():  # load new, then retire old (drain its queue)
-            await mv.close(drain=True)
-        if old:
-            await loop.run_in_executor(None, memory.trim)
+        await self._release(list(old.values()))  # load new, then retire old (drain its queue)
+        del old
         if old_path != path:
             self._remove_override(old_path)
         if self.memory.enforced and evict:
@@ -234,11 +232,23 @@ class ServiceCore:
         """Unload the planned versions: all taken out of service in one step (right after the
         plan, no await between: no request reaches them), then closed and their memory trimmed."""
         victims = [self._take_for_eviction(c.model, c.version) for c in plan]
-        for mv in victims:
+        names = {mv.name for mv in victims}
+        await self._release(victims)
+        for name in names:
+            self._forget_override(self.models[name])
+
+    async def _release(self, versions: list[ModelVersion]) -> None:
+        """Close retired versions (their queues drained), then give their memory back: the
+        versions are freed now (memory.collect) and the heap trimmed (memory.trim). Empties
+        ``versions``: the caller must hold no other reference."""
+        if not versions:
+            return
+        for mv in versions:
             await mv.close(drain=True)
-            self._forget_override(self.models[mv.name])
-        if victims:
-            await asyncio.get_running_loop().run_in_executor(None, memory.trim)
+        del mv
+        versions.clear()
+        memory.collect()
+        await asyncio.get_running_loop().run_in_executor(None, memory.trim)
 
     async def _settle(self, loaded: str) -> None:
         """After a load: its measured size may be larger than its estimate; while the budget is
@@ -602,9 +612,9 @@ class ServiceCore:
         hosted.state, hosted.reason = "UNAVAILABLE", "unloaded"
         for mv in old.values():
             mv.ready = False
-        for mv in old.values():
-            await mv.close(drain=True)
-        await asyncio.get_running_loop().run_in_executor(None, memory.trim)
+        del mv
+        await self._release(list(old.values()))
+        del old
         self._forget_override(hosted)
 
     async def _poll_repository(self) -> None:

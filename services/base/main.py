@@ -51,7 +51,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                      help="bytes this service's loaded models may hold (512Mi, 2G, 80%% of the base); with "
                           "--model-control-mode explicit a load that would pass it first unloads the least recently "
                           "used idle unpinned model versions, else it is refused (RESOURCE_EXHAUSTED); default "
-                          f"{memory.DEFAULT_BUDGET_SHARE:.0%} of the cgroup memory limit, or of physical memory")
+                          f"{memory.DEFAULT_BUDGET_SHARE * 100:.0f}%% of the cgroup memory limit, or of physical memory")
     mem.add_argument("--pin", action="append", default=[], metavar="NAME",
                      help="a model that is never evicted (repeatable)")
     add_server_name_argument(ap)

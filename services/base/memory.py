@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import math
 import os
 import re
@@ -82,16 +83,39 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-def cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """This process's cgroup memory limit (v2 memory.max, else v1 memory.limit_in_bytes), or None."""
-    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+def cgroup_limit(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The smallest memory limit of this process's cgroup and its ancestors (v2 memory.max, v1
+    memory.limit_in_bytes; the cgroup read from /proc/self/cgroup, or the mount's root as a
+    container with its own cgroup namespace sees it), or None when there is none."""
+    files: list[Path] = []
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):  # v1
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        at = base / group.strip("/")
+        while True:
+            files.append(at / name)
+            if at == base:
+                break
+            at = at.parent
+    files += [root / "memory.max", root / "memory" / "memory.limit_in_bytes"]
+    limits = []
+    for path in files:
         try:
             raw = path.read_text().strip()
         except OSError:
             continue
         if raw.isdigit() and int(raw) < 1 << 60:  # v1 says "no limit" with a huge number, v2 with "max"
-            return int(raw)
-    return None
+            limits.append(int(raw))
+    return min(limits) if limits else None
 
 
 def system_memory() -> tuple[int, int]:
@@ -166,13 +190,24 @@ def files_bytes(path: Path) -> int:
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if os.name == "posix" else None
-_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (not musl)
+# glibc only (not musl); MESHSERVE_MALLOC_TRIM=0 leaves it out (how docs/perf/memory-return.md measures without it)
+_malloc_trim = getattr(_libc, "malloc_trim", None) if os.environ.get("MESHSERVE_MALLOC_TRIM", "1") != "0" else None
 
 
 def trim() -> None:
     """Hand the heap's free pages back to the kernel (glibc malloc_trim; a no-op elsewhere)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def collect() -> None:
+    """Free an unloaded version's objects now (called on the event loop after an unload, before
+    ``trim``). The adapters' close() drops the runtime's session or module, so the weights go at
+    once; the rest of a version (its Python objects, its batcher, which calls back into it: a
+    reference cycle) waits for a garbage collection, which the raised young threshold
+    (meshserve/server/process.py:GEN0_THRESHOLD) makes rare. Only what was not frozen at start
+    (gc.freeze) is scanned."""
+    gc.collect()
 
 
 @runtime_checkable

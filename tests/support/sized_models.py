@@ -2,7 +2,8 @@
 
 ``onnx_matmul``: y = x @ W with W an n x n FP32 initializer filled with ``value / n`` (so a row
 of ones answers ``value`` in every column: each model's answer tells which model ran);
-``torch_linear``: the same as TorchScript; ``python_weights``: a python model that loads an
+``torch_linear``: the same as TorchScript; ``onnx_chain`` / ``torch_chain``: the same size in many
+n x n layers (how real models hold their weights); ``python_weights``: a python model that loads an
 n x n FP32 array from its version directory in initialize() and answers the same, sleeping
 INPUT ``ms`` milliseconds first when it has that input (the slow request of the eviction tests).
 """
@@ -23,14 +24,31 @@ def _config(name: str, platform: str, n: int, extra: str = "") -> str:
 
 
 def onnx_matmul(repo: Path, name: str, n: int, value: float) -> Path:
-    """An ONNX model of n*n*4 bytes of weights under ``repo/name`` (version 1)."""
+    """An ONNX model of n*n*4 bytes of weights (one tensor) under ``repo/name`` (version 1)."""
+    return onnx_chain(repo, name, n, value, layers=1)
+
+
+def _layer_value(i: int, layers: int, value: float) -> float:
+    """Each layer's weights differ (onnxruntime shares initializers of equal contents: 48 equal
+    layers held 2 MiB, not 48); the product of the layers is ``value`` within 0.2%."""
+    return value if i == layers - 1 else 1.0 + i * 1e-6
+
+
+def onnx_chain(repo: Path, name: str, n: int, value: float, layers: int = 48) -> Path:
+    """An ONNX model of ``layers`` MatMuls of n x n FP32 weights (many mid-sized tensors, as real
+    models have: what the heap, not mmap, serves); a row of ones answers ``value`` (within 0.2%)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    weights = numpy_helper.from_array(np.full((n, n), value / n, np.float32), "W")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], name,
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], [weights])
+    inits, nodes, prev = [], [], "x"
+    for i in range(layers):
+        w = np.full((n, n), _layer_value(i, layers, value) / n, np.float32)
+        inits.append(numpy_helper.from_array(w, f"W{i}"))
+        out = "y" if i == layers - 1 else f"h{i}"
+        nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [out]))
+        prev = out
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], inits)
     folder = repo / name
     (folder / "1").mkdir(parents=True, exist_ok=True)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
@@ -39,16 +57,28 @@ def onnx_matmul(repo: Path, name: str, n: int, value: float) -> Path:
     return folder
 
 
-def torch_linear(repo: Path, name: str, n: int, value: float) -> Path:
-    """A TorchScript model of n*n*4 bytes of weights under ``repo/name`` (version 1)."""
+def torch_chain(repo: Path, name: str, n: int, value: float, layers: int = 48) -> Path:
+    """``onnx_chain`` as TorchScript: ``layers`` bias-free Linear layers of n x n."""
     import torch
 
-    layer = torch.nn.Linear(n, n, bias=False)
+    linears = [torch.nn.Linear(n, n, bias=False) for _ in range(layers)]
     with torch.no_grad():
-        layer.weight.fill_(value / n)
+        for i, layer in enumerate(linears):
+            layer.weight.fill_(_layer_value(i, layers, value) / n)
+    return _save_torch(repo, name, n, torch.jit.script(torch.nn.Sequential(*linears)))
+
+
+def torch_linear(repo: Path, name: str, n: int, value: float) -> Path:
+    """A TorchScript model of n*n*4 bytes of weights (one tensor) under ``repo/name`` (version 1)."""
+    return torch_chain(repo, name, n, value, layers=1)
+
+
+def _save_torch(repo: Path, name: str, n: int, module: object) -> Path:
+    import torch
+
     folder = repo / name
     (folder / "1").mkdir(parents=True, exist_ok=True)
-    torch.jit.save(torch.jit.script(layer), str(folder / "1" / "model.pt"))
+    torch.jit.save(module, str(folder / "1" / "model.pt"))
     text = _config(name, 'platform: "pytorch_libtorch"', n).replace('name: "x"', 'name: "INPUT__0"')
     (folder / "config.pbtxt").write_text(text.replace('name: "y"', 'name: "OUTPUT__0"'))
     return folder

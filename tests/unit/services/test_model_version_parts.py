@@ -3,6 +3,7 @@ reads of a gateway's hop; the scheduler is the dynamic batcher, or for a sequenc
 sequence batcher alone; and the server's version comes from the package metadata."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import tomllib
 from pathlib import Path
@@ -24,6 +25,7 @@ from services.base.scheduling.sequence import SequenceBatcher
 from services.sequence.model import SequenceModelVersion
 from tests.conftest import ROOT
 from tests.support.slow import work_for
+from tests.support.waiting import eventually_async
 
 TENSORS = """max_batch_size: 4
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
@@ -130,3 +132,35 @@ async def test_a_batch_size_measured_to_run_in_microseconds_runs_on_the_event_lo
         assert stats.inference_stats.compute_infer.count == 4
     finally:
         await mv.close()
+
+
+async def test_busy_and_last_use_are_what_an_eviction_reads(tmp_path: Path) -> None:
+    """services/base/memory.py: a version with a request in flight or a live sequence is busy
+    (never evicted); its last use is its load until a request runs, then that request's end."""
+    gate = threading.Event()
+
+    class Held(Echo):
+        def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+            gate.wait(10)
+            return super().run(inputs, output_names)
+
+    plain = ModelVersion(_config("m"), 1, tmp_path, [Held()], "fake")
+    seq = SequenceModelVersion(_config("s", SEQUENCE), 1, tmp_path, [Echo()], "fake")
+    try:
+        assert not plain.busy() and not seq.busy()
+        loaded = plain.last_used_ms()
+        assert loaded == plain.loaded_ms and plain.stats.last_inference_ms == 0
+        pending = asyncio.ensure_future(plain.infer(_request(1), None))
+        await eventually_async(lambda: plain.busy(), what="the request in flight")
+        gate.set()
+        await pending
+        assert not plain.busy() and plain.last_used_ms() >= loaded
+        r = _request(1)
+        r.parameters["sequence_id"].int64_param = 7
+        r.parameters["sequence_start"].bool_param = True
+        await seq.infer(r, None)
+        assert seq.busy()  # the sequence lives on (no sequence_end): its state would be lost
+    finally:
+        gate.set()
+        await plain.close()
+        await seq.close()
