@@ -16,6 +16,8 @@ from gateway.cache import CacheConfig, CacheStage, LocalCache, RedisCache
 from gateway.control import ModelControl
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.federation import Federation
+from gateway.placement import FAMILIES as PLACEMENT_FAMILIES
+from gateway.placement import Placement, Policy
 from gateway.routes import ABRouter
 from gateway.shared_cache import SharedCache
 from gateway.statistics import statistics
@@ -90,7 +92,7 @@ class GatewayCore:
                  max_request_bytes: int = ServerLimits().max_request_bytes, metrics_auth: bool = False,
                  federate_metrics: bool = False, server_name: str = SERVER_NAME,
                  control: ControlPolicy = ControlPolicy(), cache: CacheConfig | None = None,
-                 cache_share: tuple[str, int] | None = None):
+                 cache_share: tuple[str, int] | None = None, placement: Policy | None = None):
         # The pool resolves --upstream / --discovery endpoints (DNS names: every address a replica);
         # every call to a service goes through the Upstream.
         self.upstream = Upstream(pool if pool is not None else ReplicaPool(upstreams), discovery_interval_s)
@@ -141,8 +143,12 @@ class GatewayCore:
                                     store.counts if isinstance(store, SharedCache) else None)
         if ensembles is not None and ensembles.executor is not None:
             ensembles.executor.step_cache = self.cache  # a step whose model enables the cache uses it
+        # The model mesh (lazy loading, placement: gateway/placement.py); None: no stage, no loop.
+        self.placement = None if placement is None else Placement(
+            self.upstream, placement, ensembles.repository if ensembles is not None else None)
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
-                                          self._target_decoupled, admission, routes, ensembles, self.cache)
+                                          self._target_decoupled, admission, routes, ensembles, self.cache,
+                                          self.placement)
 
     async def start(self) -> None:
         # This process is a front door: a client's hop marker means nothing here (read_hop).
@@ -152,9 +158,13 @@ class GatewayCore:
         await self.discovery.resolve()
         await self.discovery.refresh()
         self.discovery.start()
+        if self.placement is not None:
+            self.placement.start()
 
     async def stop(self, drain: bool = True) -> None:
         self._draining = True
+        if self.placement is not None:
+            await self.placement.stop()
         await self.discovery.stop()
         if self.admission is not None:
             await self.admission.store.close()
@@ -211,6 +221,9 @@ class GatewayCore:
             return md
         if self.ensembles is not None and name in self.ensembles:
             return self.ensembles.model_metadata(name, version)
+        if self.placement is not None and not self.placement.serving(name, version) \
+                and (described := await self.placement.model_metadata(name, version)) is not None:
+            return described  # a lazy model no replica serves: described from the repository, not loaded
         return await self.upstream.call(name, version, lambda r: r.model_metadata(
             pb.ModelMetadataRequest(name=name, version=version)))
 
@@ -222,6 +235,9 @@ class GatewayCore:
             return resp
         if self.ensembles is not None and name in self.ensembles:
             return self.ensembles.model_config(name, version)
+        if self.placement is not None and not self.placement.serving(name, version) \
+                and (config := await self.placement.model_config(name, version)) is not None:
+            return config
         return await self.upstream.call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
 
@@ -335,7 +351,14 @@ class GatewayCore:
             families = {**families, **CACHE_FAMILIES}
             if cache:
                 samples += self.cache.counts.samples()
+        if self.placement is not None:
+            families = {**families, **PLACEMENT_FAMILIES}
+            samples += self.placement.metric_samples()
         return samples, families
+
+    async def placement_view(self) -> dict[str, object] | None:
+        """GET /v2/placement: where each model lives (None: no placement policy on this gateway)."""
+        return None if self.placement is None else self.placement.view()
 
     def _metric_samples(self) -> list[metrics.Sample]:
         samples: list[metrics.Sample] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from gateway import cache as response_cache
+from gateway import placement as model_mesh
 from gateway import shared_cache
 from gateway.auth import Admission, QuotaStore, TenantDirectory
 from gateway.core import GatewayCore
@@ -61,6 +62,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
+    model_mesh.add_arguments(ap)
     add_worker_arguments(ap)
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
@@ -117,6 +119,10 @@ def main(args: argparse.Namespace) -> None:
         except ImportError:
             raise SystemExit("meshserve gateway: --cache-config redis: the Redis client is not installed "
                              "(pip install 'meshserve[redis]')") from None
+    try:
+        placement = model_mesh.policy_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"meshserve gateway: {exc}") from None
     admission = _admission(args.tenants, args.quota_store)
     # with tenants, a mutual-TLS port's client certificates may name them (gateway/auth.py)
     tls.configure_cert_names(limits.tls, tenants=admission is not None)
@@ -138,7 +144,8 @@ def main(args: argparse.Namespace) -> None:
                     max_request_bytes=limits.max_request_bytes, metrics_auth=args.metrics_auth,
                     federate_metrics=args.federate_metrics, server_name=args.server_name,
                     control=repository_control.ControlPolicy.from_args(args), cache=cache,
-                    cache_share=(worker.state.directory, worker.index) if worker is not None else None)
+                    cache_share=(worker.state.directory, worker.index) if worker is not None else None,
+                    placement=placement)
         if isinstance(core, WorkerGatewayCore) and worker is not None:
             core.worker = worker
             worker.metrics.local = core.local_metrics_text

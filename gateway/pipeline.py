@@ -2,12 +2,12 @@
 
 Each stage is a plain object that does one thing and hands the request to ``next``:
 
-    Names → Outcomes → Turns → [Admit] → [Cache] → [ABRoutes] → [Ensembles] → Forward
+    Names → Outcomes → Turns → [Admit] → [Cache] → [ABRoutes] → [Ensembles] → [Place] → Forward
 
 ``infer(request, ctx, sequence)`` answers a unary call and ``stream(request, ctx, sequence)``
 a client's streaming call for a decoupled model (``(response or None, final)`` pairs; the
 outer two stages take no ``sequence``: ``Turns`` is where it is read). A stage whose policy is
-not configured (no --tenants, --cache-config, --routes or --repository) is not in the chain at all, and a stage
+not configured (no --tenants, --cache-config, --routes, --repository or lazy models) is not in the chain at all, and a stage
 that has nothing to do for a request (no sequence id, not a route, not an ensemble) returns the
 next stage's awaitable from a plain method: no coroutine frame of its own. The chain is built
 once, at start: running it allocates nothing per request but the coroutines of the stages that
@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from gateway.auth import Admission, Admitted
 from gateway.cache import CacheStage
 from gateway.ensemble.catalog import EnsembleCatalog
+from gateway.placement import Placement, evicted
 from gateway.routes import ABRouter
 from gateway.routing.ab import Route
 from gateway.routing.table import SEQUENCE_ID, sequence_affinity
@@ -38,7 +39,7 @@ from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import hop
-from meshserve.protocol.errors import InferError
+from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.names import check_model_name, check_version
 from meshserve.server.core import (
     UNARY_DECOUPLED_GRPC,
@@ -54,6 +55,7 @@ Answers = AsyncGenerator[Answer, None]
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
+PLACE_ATTEMPTS = 3  # Place: sends of one request whose model was evicted (or lost) before it ran
 FACTS_KEPT = 1024  # per-config merge facts kept (all dropped when full: one rebuild each)
 
 
@@ -297,6 +299,64 @@ class Ensembles:
         return self.ensembles.infer_stream(request, ctx.time_remaining(), sequence)
 
 
+class Place:
+    """The model mesh (--model-control-mode lazy, gateway/placement.py): a managed model that no
+    healthy replica serves is loaded first (the request waits for the load, within its deadline,
+    holding its admission); a request a replica answers with "unknown model" (it evicted the model
+    after the routing table was read: the request never ran) is placed and sent once more. A
+    model the policy does not manage goes on untouched."""
+
+    next: Stage
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result:
+        if not self.placement.manages(request.model_name):
+            return self.next.infer(request, ctx, sequence)
+        return self._placed(request, ctx, sequence)
+
+    async def _placed(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+                      ) -> InferResult:
+        placement, name, version = self.placement, request.model_name, request.model_version
+        await self._ensure(request, ctx)
+        for attempt in range(1, PLACE_ATTEMPTS + 1):
+            try:
+                return await self.next.infer(request, ctx, sequence)
+            except InferError as exc:
+                if not evicted(exc) and not placement.lost(exc, name, version):
+                    raise
+                if attempt == PLACE_ATTEMPTS:
+                    raise InferError(Code.UNAVAILABLE, f"model '{name}' was evicted again before its request ran "
+                                     "(its replicas' memory budgets are full); retry later",
+                                     retry_after_s=placement.policy.retry_after_s) from None
+                await placement.ensure(name, ctx.time_remaining(), stale=True)
+                if placement.serving(name, "") and not placement.serving(name, version):
+                    raise  # the model is served, but not that version: the service's answer stands
+        raise AssertionError("unreachable")
+
+    async def _ensure(self, request: pb.ModelInferRequest, ctx: RequestContext) -> None:
+        """The model's last use noted; loaded first when no healthy replica serves it."""
+        placement = self.placement
+        placement.touch(request.model_name)
+        if not placement.serving(request.model_name, request.model_version):
+            await placement.ensure(request.model_name, ctx.time_remaining())
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        if not self.placement.manages(request.model_name):
+            return self.next.stream(request, ctx, sequence)
+        return self._placed_stream(request, ctx, sequence)
+
+    async def _placed_stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+                             ) -> Answers:
+        await self._ensure(request, ctx)
+        async with aclosing(self.next.stream(request, ctx, sequence)) as answers:
+            async for answer in answers:
+                yield answer
+
+
 class Forward:
     """The last stage: the request goes to its service through the coalescer and the
     ``Upstream`` (gateway/upstream/). A model with nothing in the coalescer sends at once
@@ -350,7 +410,8 @@ class Forward:
 def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Forward,
              decoupled: Callable[[str, str], bool], target_decoupled: Callable[[str, str], bool],
              admission: Admission | None = None, routes: ABRouter | None = None,
-             ensembles: EnsembleCatalog | None = None, cache: CacheStage | None = None) -> Names:
+             ensembles: EnsembleCatalog | None = None, cache: CacheStage | None = None,
+             placement: Placement | None = None) -> Names:
     """The gateway's infer path, in order; the first stage is returned. The order, and why:
 
     1. ``Names``: nothing routes, counts or forwards a request whose model name, version or
@@ -372,7 +433,12 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
        step (the executor sends it through gateway/cache.py:CacheStage.step, not this chain).
     6. ``ABRoutes``: rewrites the request to its arm's target, which may itself be an ensemble.
     7. ``Ensembles``: an ensemble runs in the gateway; its steps go to ``Upstream`` directly.
-    8. ``Forward``: the coalescer and ``Upstream``.
+    8. ``Place`` (lazy models, gateway/placement.py): after ``Admit``, so a tenant's request for
+       a model it may not use never triggers a load, and a flood of requests for cold models is
+       bounded by admission (each waits holding its slots); after ``ABRoutes``, so the arm's
+       target is what gets loaded. An ensemble's steps go to ``Upstream`` directly and are not
+       loaded lazily (docs/model-mesh.md).
+    9. ``Forward``: the coalescer and ``Upstream``.
     """
     stages: list[Stage] = [Turns(turns)]
     if admission is not None:
@@ -383,6 +449,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
         stages.append(ABRoutes(routes, target_decoupled))
     if ensembles is not None:
         stages.append(Ensembles(ensembles))
+    if placement is not None:
+        stages.append(Place(placement))
     stages.append(forward)
     for stage, after in zip(stages, stages[1:], strict=False):
         stage.next = after  # type: ignore[attr-defined]  # (Forward has no next)

@@ -1,4 +1,4 @@
-"""meshserve command line: `up`, `gateway`, `service KIND`, `build-trt`, `check-repo`.
+"""meshserve command line: `up`, `gateway`, `service KIND`, `placement`, `build-trt`, `check-repo`.
 
 The gateway, the services and load/ are packages of their own that this module imports only
 inside the function of the subcommand that runs them (never at module level: each pulls in
@@ -88,6 +88,53 @@ def _run_load_command(command: str, argv: list[str]) -> None:
         from load.cli import main as load_main
 
         load_main(argv)
+
+
+def _cmd_placement(args: argparse.Namespace) -> None:
+    """`meshserve placement`: where each model lives, from a gateway's GET /v2/placement."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{args.url.rstrip('/')}/v2/placement",
+                                     headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as r:
+            view = json.load(r)
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"meshserve placement: {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"meshserve placement: {args.url}: {exc}") from None
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return
+    print(placement_table(view))
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}Mi"
+
+
+def placement_table(view: dict) -> str:
+    """The placement endpoint's answer as two plain tables (replicas, models)."""
+    lines = [f"{'REPLICA':<24} {'KIND':<12} {'HEALTHY':<8} {'USED':>10} {'BUDGET':>10} {'PENDING':>8} "
+             f"{'LOADS':>6} {'EVICTIONS':>9}"]
+    for r in view.get("replicas", []):
+        lines.append(f"{r['endpoint']:<24} {r.get('kind') or '-':<12} {str(r['healthy']).lower():<8} "
+                     f"{_mib(r.get('used_bytes')):>10} {_mib(r.get('budget_bytes')):>10} "
+                     f"{r.get('pending') if r.get('pending') is not None else '-':>8} "
+                     f"{r.get('loads') if r.get('loads') is not None else '-':>6} "
+                     f"{r.get('evictions') if r.get('evictions') is not None else '-':>9}")
+    lines += ["", f"{'MODEL':<28} {'COPIES':>6} {'MIN':>4} {'SIZE':>9} {'LAST USE':>9} {'COLD':>5} "
+                  f"{'COLD LAST':>9}  REPLICAS"]
+    now = time.time()
+    for m in view.get("models", []):
+        last = "-" if not m.get("last_used") else f"{now - m['last_used']:.0f}s ago"
+        cold = "-" if m.get("cold_start_last_s") is None else f"{m['cold_start_last_s']:.3f}s"
+        flags = " (pinned)" if m.get("pinned") else (" (loading)" if m.get("loading") else "")
+        lines.append(f"{m['name'] + flags:<28} {m['copies']:>6} {m['min_copies']:>4} {_mib(m.get('size_bytes')):>9} "
+                     f"{last:>9} {m.get('cold_starts', 0):>5} {cold:>9}  {', '.join(m['replicas']) or '-'}")
+    return "\n".join(lines)
 
 
 def _cmd_check_repo(args: argparse.Namespace) -> None:
@@ -197,6 +244,21 @@ def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
     return flags + _up_upload_flags(args) + tls.flags(tls.from_args(args))
 
 
+def _up_mesh_service_flags(args: argparse.Namespace) -> list[str]:
+    """A service's model-control and memory flags: every model at start (explicit mode, `*`), or in
+    lazy mode none (the gateway loads each on its first request; docs/model-mesh.md)."""
+    flags = ["--model-control-mode", "explicit"] + ([] if args.model_control_mode == "lazy" else ["--load-model", "*"])
+    if args.memory_budget is not None:
+        flags += ["--memory-budget", args.memory_budget]
+    return flags + [f for name in args.pin for f in ("--pin", name)]
+
+
+def _up_mesh_gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's placement flags (`meshserve up --model-control-mode lazy`)."""
+    flags = ["--model-control-mode", args.model_control_mode, "--min-copies", str(args.min_copies)]
+    return flags + [f for name in args.pin for f in ("--pin", name)]
+
+
 def _up_upload_flags(args: argparse.Namespace) -> list[str]:
     """--allow-model-uploads for the gateway and every service (each checks it)."""
     return ["--allow-model-uploads"] if args.allow_model_uploads else []
@@ -262,6 +324,8 @@ def _cmd_up(args: argparse.Namespace) -> None:
     refusal = _up_refusal(args)
     if refusal:
         raise SystemExit(refusal)
+    if args.replicas < 1:
+        raise SystemExit("meshserve up: --replicas must be at least 1")
     repo: Path = args.repository
     if repo.resolve() == DEFAULT_REPOSITORY.resolve():
         from meshserve import examples
@@ -315,15 +379,16 @@ def _cmd_up(args: argparse.Namespace) -> None:
         raise
     try:
         for kind in runnable:
-            print(f"meshserve up: starting the {kind} service…", flush=True)
+            print(f"meshserve up: starting the {kind} service"
+                  + (f" ({args.replicas} replicas)…" if args.replicas > 1 else "…"), flush=True)
             extra = _up_python_flags(args, gateway_grpc) if kind == "python" else []
-            child = Child(f"{kind} service", [*py, "service", kind, "--repository", str(repo),
-                                              "--host", "127.0.0.1", "--grpc-port", "0",
-                                              "--model-control-mode", "explicit", "--load-model", "*",
-                                              "--server-name", args.server_name, "--log-level", args.log_level,
-                                              *_up_upload_flags(args),
-                                              *service_tls, *extra])
-            services.append(child)
+            for n in range(args.replicas):
+                name = f"{kind} service" + (f" {n + 1}" if args.replicas > 1 else "")
+                child = Child(name, [*py, "service", kind, "--repository", str(repo),
+                                     "--host", "127.0.0.1", "--grpc-port", "0", *_up_mesh_service_flags(args),
+                                     "--server-name", args.server_name, "--log-level", args.log_level,
+                                     *_up_upload_flags(args), *service_tls, *extra])
+                services.append(child)
         for child in services:
             child.wait_ready(args.timeout)
         upstreams = [f"127.0.0.1:{c.ports['grpc']}" for c in services]
@@ -333,7 +398,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                     "--repository", str(repo), "--federate-metrics", "--server-name", args.server_name,
                                     "--workers", str(args.gateway_workers),
                                     *(["--metrics-port", str(args.metrics_port)] if args.metrics_port >= 0 else []),
-                                    *_up_gateway_flags(args), *gateway_hop,
+                                    *_up_gateway_flags(args), *_up_mesh_gateway_flags(args), *gateway_hop,
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
@@ -342,8 +407,10 @@ def _cmd_up(args: argparse.Namespace) -> None:
         scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
         metrics_at = f"{host}:{gateway.ports['metrics']}" if "metrics" in gateway.ports else f"{host}:{http}"
         model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
+        mesh_note = "; models load on first use: `meshserve placement` shows where" \
+            if args.model_control_mode == "lazy" else ""
         print(f"""
-meshserve is up ({len(services)} service process(es) + gateway).
+meshserve is up ({len(services)} service process(es) + gateway{mesh_note}).
   HTTP/REST  {scheme}://{host}:{http}/v2          (health: /v2/health/ready)
   gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
   Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
@@ -402,6 +469,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the gateway-to-service hop on mutual TLS with a throwaway CA made in a run directory "
                          "(needs the cryptography package; default off: plaintext on loopback, each hop stream "
                          "signed with a throwaway --hop-key-file)")
+    up.add_argument("--model-control-mode", choices=("explicit", "lazy"), default="explicit",
+                    help="lazy: the services start with no model loaded and the gateway loads each on its first "
+                         "request on a replica it picks, evicting the least recently used under --memory-budget "
+                         "(docs/model-mesh.md); explicit (default): every model loaded at start")
+    up.add_argument("--memory-budget", default=None, metavar="BYTES",
+                    help="each service replica's memory budget for its models (512Mi, 2G, 80%%; the service's "
+                         "default: a share of the cgroup limit or physical memory)")
+    up.add_argument("--replicas", type=int, default=1, metavar="N", help="service processes per kind")
+    up.add_argument("--pin", action="append", default=[], metavar="NAME",
+                    help="a model placed at start and never evicted (repeatable)")
+    up.add_argument("--min-copies", type=int, default=1, metavar="N",
+                    help="replicas each lazily loaded model is placed on")
     up.set_defaults(func=_cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway")
@@ -422,6 +501,14 @@ def build_parser() -> argparse.ArgumentParser:
     trt.add_argument("--max-batch", type=int, default=8, help="optimization profile: largest batch")
     trt.add_argument("--workspace-mib", type=int, default=None, help="builder workspace limit")
     trt.set_defaults(func=_cmd_build_trt)
+
+    pl = sub.add_parser("placement", help="where each model lives (a lazy gateway's GET /v2/placement)")
+    pl.add_argument("--url", default="http://localhost:8000", help="the gateway's HTTP address")
+    pl.add_argument("--api-key", default=os.environ.get("MESHSERVE_API_KEY"),
+                    help="an admin key, with --tenants (default: $MESHSERVE_API_KEY)")
+    pl.add_argument("--json", action="store_true", help="the endpoint's JSON as it is")
+    pl.add_argument("--timeout", type=float, default=10.0)
+    pl.set_defaults(func=_cmd_placement)
 
     chk = sub.add_parser("check-repo", help="validate a model repository and report each model")
     chk.add_argument("path", type=Path)

@@ -1,4 +1,5 @@
 """Benchmark suite: `python -m load.bench [--quick]` writes OUT_DIR/<date>-<host>.md (+ .json).
+`python -m load.bench --mesh [--smoke]`: the model mesh benchmark instead (load/bench/mesh.py).
 
 Sections: generator ceiling, serving efficiency (raw onnxruntime vs direct vs gateway), hop cost,
 batching, quotas (noisy neighbour), scale-out, and the same hop/efficiency cells with Triton's
@@ -658,6 +659,11 @@ def main(argv: list[str] | None = None) -> None:
         from load.bench import cache
 
         cache.main([a for a in argv if a != "--cache"])
+        return
+    if "--mesh" in argv:  # the model mesh benchmark, with flags of its own (load/bench/mesh.py)
+        from load.bench import mesh
+
+        mesh.main([a for a in argv if a != "--mesh"])
         return
     ap = argparse.ArgumentParser(prog="python -m load.bench", description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--cache", action="store_true",

@@ -66,6 +66,7 @@ class Op(enum.Enum):
     SHM_STATUS = ("shared-memory region status", Rule.OWN)
     SHM_REGISTER = ("register a shared-memory region", Rule.OWN)
     SHM_UNREGISTER = ("unregister shared-memory regions", Rule.OWN)
+    PLACEMENT = ("model placement (the gateway's model mesh)", Rule.ADMIN)  # names every model and replica
 
 
 # ---- HTTP: (method, path template, op, handler) — the table the HTTP front end dispatches by
@@ -101,6 +102,7 @@ HTTP_ROUTES: tuple[tuple[str, str, Op, str], ...] = (
     ("GET", "/v2/cudasharedmemory[/region/{n}]/status", Op.SHM_STATUS, "cuda_shm_status"),
     ("POST", "/v2/cudasharedmemory/region/{n}/register", Op.SHM_REGISTER, "cuda_shm_register"),
     ("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER, "cuda_shm_unregister"),
+    ("GET", "/v2/placement", Op.PLACEMENT, "placement"),
 )
 
 

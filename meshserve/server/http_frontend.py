@@ -296,6 +296,13 @@ class HttpFrontend:
             if request.method == "POST" else None
         return _json_response(observe.log_setting(changes))
 
+    async def placement(self, request: Request, p: Params, grant: Grant) -> Answer:
+        """GET /v2/placement: where each model lives (a gateway's model mesh: docs/model-mesh.md)."""
+        view = getattr(self.core, "placement_view", None)  # (a gateway's; None: no placement policy)
+        if view is None or (answer := await view()) is None:
+            raise InferError.not_found("no model placement here: a gateway with --model-control-mode lazy has one")
+        return _json_response(answer)
+
     # the shared-memory extensions (the caller's tenant's regions only)
     async def _shm_status(self, kind: str, request: Request, p: Params, grant: Grant) -> Answer:
         regions = shm.registry.status(grant.tenant, p["n"], kind)

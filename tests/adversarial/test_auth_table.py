@@ -104,7 +104,8 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit",
                                           "--load-model", "*"],
-                                 ["--tenants", str(tenants), "--discovery-interval", "0.5"]) as (service, gateway):
+                                 ["--tenants", str(tenants), "--discovery-interval", "0.5",
+                                  "--lazy-model", "small_mlp"]) as (service, gateway):  # (a placement to show)
             yield Mesh(service, gateway, repo)
     finally:
         shm.destroy_shared_memory_region(region)
@@ -197,6 +198,7 @@ HTTP_CASES: list[HttpCase] = [
              via_client(lambda c, h: c.register_cuda_shared_memory("r", "AAAA", 0, 64, headers=h)), success=400),
     HttpCase("POST", "/v2/cudasharedmemory[/region/{n}]/unregister", Op.SHM_UNREGISTER,
              via_client(lambda c, h: c.unregister_cuda_shared_memory("r", headers=h))),
+    HttpCase("GET", "/v2/placement", Op.PLACEMENT, via_raw("GET", "/v2/placement")),
 ]
 
 

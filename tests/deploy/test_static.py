@@ -411,7 +411,7 @@ def kustomize(path: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(res.stdout) if d]
 
 
-OVERLAYS = ["deploy/k8s", "deploy/k8s/overlays/gpu"]
+OVERLAYS = ["deploy/k8s", "deploy/k8s/overlays/gpu", "deploy/k8s/overlays/model-mesh"]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,30 @@
+"""`python -m load.bench --mesh --smoke`: the model mesh benchmark's own run, small (24 models of
+1-2 MiB, 3 lazy onnx replicas whose budgets hold about a third of them, 4 clients for 6 s): every answer
+right, warm and cold requests both seen, loads and evictions counted, each replica's RSS growth
+within its budget and the stated margin."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from load.bench.mesh import RSS_MARGIN
+from tests.conftest import ROOT
+
+
+def test_mesh_bench_smoke(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "load.bench", "--mesh", "--smoke", "--out-dir", str(tmp_path),
+                          "--repository", str(tmp_path / "models")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(next(tmp_path.glob("mesh-*.json")).read_text())
+    (case,) = doc["cases"]
+    assert case["case"] == "mesh" and case["requests"] > 50, case
+    assert case["failed"] == 0, case["failures"]
+    assert case["warm"] > 0 and case["cold"] > 0, case
+    assert case["loads_per_min"] > 0 and case["evictions_per_min"] > 0, case
+    assert len(case["peak_rss_bytes"]) == 3
+    for grown in case["peak_over_baseline_bytes"]:
+        assert grown <= doc["budget_bytes"] + RSS_MARGIN, (grown, doc["budget_bytes"])  # (the budget includes the 16 MiB)
+    assert "| mesh |" in out.stdout
