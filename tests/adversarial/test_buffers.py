@@ -8,7 +8,7 @@ gateway with tenants in front of two ONNX replicas) while the good client runs (
 - a chunked body whose chunk extensions make it large on the wire and tiny decoded: 413 once
   the wire bytes pass --max-request-bytes (before: 300 MiB of wire accepted);
 - a body sent one byte at a time (never silent for --read-timeout-s): closed after
-  --body-timeout-s (the mesh runs with 5 s).
+  --body-timeout-s (the mesh runs with 3 s).
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def test_chunk_extension_flood(mesh: Mesh, which: str, flood: str) -> None:
 @pytest.mark.parametrize("which", BOTH)
 def test_body_trickle(mesh: Mesh, which: str) -> None:
     """20 connections send a body a byte every 0.5 s (never silent for --read-timeout-s, 3 s):
-    each is closed (or answered 408/400) within --body-timeout-s (5 s) + a margin."""
+    each is closed (or answered 408/400) within --body-timeout-s (3 s) + a margin."""
     proc = target(mesh, which)
     n = 200 if LONG else 20
 
@@ -189,7 +189,7 @@ def test_body_trickle(mesh: Mesh, which: str) -> None:
 def test_grpc_message_trickle(mesh: Mesh, which: str) -> None:
     """20 ModelInfer calls whose 1 MiB message arrives in 1-byte DATA frames, one every 0.5 s
     (every frame complete: the read timeout never sees a partial one): each call ends with
-    RESOURCE_EXHAUSTED (or the connection closes) within --body-timeout-s (5 s) + a margin."""
+    RESOURCE_EXHAUSTED (or the connection closes) within --body-timeout-s (3 s) + a margin."""
     proc = target(mesh, which)
     n = 200 if LONG else 20
 
