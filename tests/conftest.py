@@ -33,6 +33,30 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `serial` (timing-sensitive: scripts/test.sh runs these alone, after the rest has run
+    in parallel under pytest-xdist) every test judged by the adversarial suite's good client: a
+    module that uses `under_attack` or a `GoodClient`, or a test on the adversarial session mesh
+    (whose good client runs until the session ends). Other timing-sensitive tests (a latency or a
+    rate bound) carry `@pytest.mark.serial` themselves."""
+    serial = pytest.mark.serial
+    for item in items:
+        module = getattr(item, "module", None)
+        if "_mesh_holder" in getattr(item, "fixturenames", ()) or any(
+                hasattr(module, name) for name in ("under_attack", "GoodClient")):
+            item.add_marker(serial)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the controller generates the example models before any worker starts:
+    `meshserve up` (tests/e2e/test_up.py) writes them on first use, not atomically, and a worker
+    copying the example repository (tests/adversarial/test_uploads.py) must not see a half-written one."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from meshserve import examples
+
+        examples.ensure(ROOT / "examples" / "model_repository", progress=lambda _: None)
+
+
 @dataclass
 class Proc(Endpoints):
     """A meshserve process started by a test; ports parsed from its ready line."""
