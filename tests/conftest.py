@@ -33,12 +33,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Under pytest-xdist these folders go first: few files, each long (benchmark tools, `meshserve up`),
+# so that the workers' last files are short ones and neither waits long for the other at the end.
+LONG_FILES_FIRST = ("tests/load/", "tests/e2e/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `serial` (timing-sensitive: scripts/test.sh runs these alone, after the rest has run
     in parallel under pytest-xdist) every test judged by the adversarial suite's good client: a
     module that uses `under_attack` or a `GoodClient`, or a test on the adversarial session mesh
     (whose good client runs until the session ends). Other timing-sensitive tests (a latency or a
     rate bound) carry `@pytest.mark.serial` themselves."""
+    if hasattr(config, "workerinput"):  # an xdist worker (they collect; the controller hands out their files)
+        items.sort(key=lambda item: not item.nodeid.startswith(LONG_FILES_FIRST))  # stable: order kept within
     serial = pytest.mark.serial
     for item in items:
         module = getattr(item, "module", None)
