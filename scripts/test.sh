@@ -48,10 +48,11 @@ python3 -m ruff check . --quiet
 python3 -m mypy
 status=0
 if [ $# = 0 ]; then
-  # The suite in parallel (pytest-xdist, one worker per core, a test file's tests on one worker:
-  # its module fixtures start once), then the timing-sensitive tests (-m serial: every adversarial
-  # test, a few latency and rate bounds) alone, so that no other test's processes share their cores.
-  python3 -m pytest -n auto --dist loadfile -m "not serial" || status=$?
+  # The suite in parallel (pytest-xdist, one worker per core; a worker takes a whole test file, so
+  # its module fixtures start once, and all of tests/adversarial/ as one unit: one attack at a time,
+  # tests/conftest.py:pytest_xdist_make_scheduler), then the tests with a tight latency or rate
+  # bound (-m serial) alone, so that no other test's processes share their cores.
+  python3 -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not serial" || status=$?
   python3 -m pytest -m serial || status=$?
 else
   python3 -m pytest "$@" || status=$?

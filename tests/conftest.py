@@ -33,25 +33,34 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-# Under pytest-xdist these folders go first: few files, each long (benchmark tools, `meshserve up`),
-# so that the workers' last files are short ones and neither waits long for the other at the end.
+# Under pytest-xdist (scripts/test.sh: -n auto --dist loadfile --no-loadscope-reorder) a worker
+# takes a whole file at a time, except tests/adversarial/, which is one unit: one worker runs it
+# from start to end, one attack at a time on one mesh (its good client's p99 is the verdict),
+# while the other workers go through the rest. Workers take the units in this order: the
+# adversarial chain first (the longest), then these folders (few files, each long: benchmark
+# tools, `meshserve up`), then the rest, so that the run ends on short files.
+ADVERSARIAL = "tests/adversarial/"
 LONG_FILES_FIRST = ("tests/load/", "tests/e2e/")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark `serial` (timing-sensitive: scripts/test.sh runs these alone, after the rest has run
-    in parallel under pytest-xdist) every test judged by the adversarial suite's good client: a
-    module that uses `under_attack` or a `GoodClient`, or a test on the adversarial session mesh
-    (whose good client runs until the session ends). Other timing-sensitive tests (a latency or a
-    rate bound) carry `@pytest.mark.serial` themselves."""
-    if hasattr(config, "workerinput"):  # an xdist worker (they collect; the controller hands out their files)
-        items.sort(key=lambda item: not item.nodeid.startswith(LONG_FILES_FIRST))  # stable: order kept within
-    serial = pytest.mark.serial
-    for item in items:
-        module = getattr(item, "module", None)
-        if "_mesh_holder" in getattr(item, "fixturenames", ()) or any(
-                hasattr(module, name) for name in ("under_attack", "GoodClient")):
-            item.add_marker(serial)
+    if hasattr(config, "workerinput"):  # an xdist worker: it collects; the controller hands out the units
+        items.sort(key=lambda item: (not item.nodeid.startswith(ADVERSARIAL),
+                                     not item.nodeid.startswith(LONG_FILES_FIRST)))  # stable within
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """--dist loadfile, with tests/adversarial/ as one unit (see ADVERSARIAL)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndTheAdversarialChain(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ADVERSARIAL if nodeid.startswith(ADVERSARIAL) else super()._split_scope(nodeid)
+
+    return FilesAndTheAdversarialChain(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -164,3 +173,4 @@ def served(kind: str, repo: Path, service_args: Sequence[str] = (), gateway_args
     """``service_and_gateway`` on ``repo`` (``--repository`` is added), as one record."""
     with service_and_gateway(kind, ["--repository", str(repo), *service_args], gateway_args, timeout) as procs:
         yield Served(*procs, repo)
+
