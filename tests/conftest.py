@@ -36,17 +36,18 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 # Under pytest-xdist (scripts/test.sh: -n auto --dist loadfile --no-loadscope-reorder) a worker
 # takes a whole file at a time, except tests/adversarial/, which is one unit: one worker runs it
 # from start to end, one attack at a time on one mesh (its good client's p99 is the verdict),
-# while the other workers go through the rest. Workers take the units in this order: the
-# adversarial chain first (the longest), then these folders (few files, each long: benchmark
-# tools, `meshserve up`), then the rest, so that the run ends on short files.
+# while the other workers go through the rest. The chain is handed out first (the longest unit);
+# the other files keep the plain run's order: tests/load/ after tests/integration/, because
+# test_load.py's traffic on a worker's session `stack` leaves the service's
+# nv_inference_queue_duration_us a few µs off its statistics extension's queue time, which
+# test_metrics.py's test_metrics_agree_with_the_statistics_extension then sees (as a plain run
+# would, were the order reversed).
 ADVERSARIAL = "tests/adversarial/"
-LONG_FILES_FIRST = ("tests/load/", "tests/e2e/")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: it collects; the controller hands out the units
-        items.sort(key=lambda item: (not item.nodeid.startswith(ADVERSARIAL),
-                                     not item.nodeid.startswith(LONG_FILES_FIRST)))  # stable within
+        items.sort(key=lambda item: not item.nodeid.startswith(ADVERSARIAL))  # stable: the order kept within
 
 
 @pytest.hookimpl(optionalhook=True)
