@@ -47,7 +47,16 @@ echo "test.sh: ruff + mypy"
 python3 -m ruff check . --quiet
 python3 -m mypy
 status=0
-python3 -m pytest "$@" || status=$?
+if [ $# = 0 ]; then
+  # The suite in parallel (pytest-xdist, one worker per core; a worker takes a whole test file, so
+  # its module fixtures start once, and all of tests/adversarial/ as one unit: one attack at a time,
+  # tests/conftest.py:pytest_xdist_make_scheduler), then the tests with a tight latency or rate
+  # bound (-m serial) alone, so that no other test's processes share their cores.
+  python3 -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not serial" || status=$?
+  python3 -m pytest -m serial || status=$?
+else
+  python3 -m pytest "$@" || status=$?
+fi
 # The compose stack in a real Docker engine (issue 22; ~2 min with its images built, ~7 min
 # without), after a full green run where the engine is installed. MESHSERVE_SKIP_COMPOSE_E2E=1
 # leaves it out. Its log goes to /tmp: deploy/compose-e2e.log is the committed record.

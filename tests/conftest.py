@@ -33,6 +33,47 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+# Under pytest-xdist (scripts/test.sh: -n auto --dist loadfile --no-loadscope-reorder) a worker
+# takes a whole file at a time, except tests/adversarial/, which is one unit: one worker runs it
+# from start to end, one attack at a time on one mesh (its good client's p99 is the verdict),
+# while the other workers go through the rest. The chain is handed out first (the longest unit);
+# the other files keep the plain run's order: tests/load/ after tests/integration/, because
+# test_load.py's traffic on a worker's session `stack` leaves the service's
+# nv_inference_queue_duration_us a few µs off its statistics extension's queue time, which
+# test_metrics.py's test_metrics_agree_with_the_statistics_extension then sees (as a plain run
+# would, were the order reversed).
+ADVERSARIAL = "tests/adversarial/"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: it collects; the controller hands out the units
+        items.sort(key=lambda item: not item.nodeid.startswith(ADVERSARIAL))  # stable: the order kept within
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """--dist loadfile, with tests/adversarial/ as one unit (see ADVERSARIAL)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndTheAdversarialChain(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ADVERSARIAL if nodeid.startswith(ADVERSARIAL) else super()._split_scope(nodeid)
+
+    return FilesAndTheAdversarialChain(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the controller generates the example models before any worker starts:
+    `meshserve up` (tests/e2e/test_up.py) writes them on first use, not atomically, and a worker
+    copying the example repository (tests/adversarial/test_uploads.py) must not see a half-written one."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from meshserve import examples
+
+        examples.ensure(ROOT / "examples" / "model_repository", progress=lambda _: None)
+
+
 @dataclass
 class Proc(Endpoints):
     """A meshserve process started by a test; ports parsed from its ready line."""
@@ -133,3 +174,4 @@ def served(kind: str, repo: Path, service_args: Sequence[str] = (), gateway_args
     """``service_and_gateway`` on ``repo`` (``--repository`` is added), as one record."""
     with service_and_gateway(kind, ["--repository", str(repo), *service_args], gateway_args, timeout) as procs:
         yield Served(*procs, repo)
+

@@ -37,7 +37,7 @@ P99_FACTOR = 5.0
 RSS_GROWTH_MAX = 100 * MiB
 RSS_RETURN_SLACK = 40 * MiB  # "near baseline": allocator arenas and caches keep some
 RSS_RETURN_WAIT_S = 20.0
-BASELINE_S = 1.5
+BASELINE_S = 1.0  # 100 requests of the good client: the limit is max(250 ms, 5x their p99)
 TAIL_S = 0.5  # the good client is judged this long after the attacker leaves too
 
 
@@ -53,7 +53,7 @@ TENANTS = ("\ntenants:\n" + tenant("acme", KEY, ["add_sub", "identity_fp32"])
            + tenant("mallory", OTHER_KEY, ["add_sub", "identity_fp32"]) + tenant("ops", ADMIN_KEY, admin=True))
 
 # Small timeouts so the slow-client attacks end within the suite's time (ServerLimits flags).
-BODY_TIMEOUT_S = 5.0
+BODY_TIMEOUT_S = 3.0
 LIMIT_FLAGS = ["--header-timeout-s", "2", "--read-timeout-s", "3", "--body-timeout-s", str(BODY_TIMEOUT_S)]
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import tritonclient.http as httpclient
 
 from meshserve._proto import grpc_service_pb2 as pb
 from tests.adversarial import h2raw, harness
@@ -23,10 +24,12 @@ from tests.adversarial.harness import KEY, OTHER_KEY, GoodClient, Mesh, Observat
 from tests.conftest import _wait_http_ready, start
 from tests.models.python_models import model_source
 from tests.support.http1 import connect
+from tests.support.waiting import eventually
 
 MiB = 1 << 20
 COUNT = 300
 CLIENTS = 3
+ENDED_WITHIN_S = 20.0
 
 BIG_STREAM_CONFIG = ('name: "big_stream" backend: "python" max_batch_size: 0 '
                      'model_transaction_policy { decoupled: true }\n'
@@ -76,7 +79,13 @@ def streaming_mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _warm(gateway: str) -> None:
-    """One streamed request read to its end: the python model is loaded and answering."""
+    """One streamed request read to its end: the python model is loaded and answering (polled:
+    on a busy machine the gateway may still count the python replica unhealthy after the
+    previous test's attack, 503 "no healthy replica", until its next health check)."""
+    eventually(lambda: _streamed_two(gateway), 30, "big_stream answering through the gateway")
+
+
+def _streamed_two(gateway: str) -> bool:
     sock = connect(gateway, timeout=60)
     try:
         body = b'{"count": 2}'
@@ -87,6 +96,7 @@ def _warm(gateway: str) -> None:
         while chunk := sock.recv(1 << 20):
             got += chunk
         assert got.startswith(b"HTTP/1.1 200") and got.count(b"data: ") == 2, got[:200]
+        return True
     finally:
         sock.close()
 
@@ -111,9 +121,25 @@ def _stream_request() -> bytes:
     return req.SerializeToString()
 
 
-def _nobody_reads() -> None:
-    """The attack's length: the model answers 300 MiB as fast as it can while nobody reads."""
-    time.sleep(8)  # the point: a stretch of time under attack (not a wait for a condition)
+def _cancelled(service: str) -> int:
+    """How many big_stream requests the python service ended as failed (CANCELED: the gateway
+    gave up on them while their clients were still connected)."""
+    with httpclient.InferenceServerClient(service) as c:
+        stats = c.get_inference_statistics("big_stream")["model_stats"][0]["inference_stats"]
+    return int(stats["fail"]["count"])
+
+
+def _nobody_reads(service: str, before: int) -> bool:
+    """The attack's length: the model answers 300 MiB each as fast as it can while nobody reads,
+    until the service has ended every attacker's request (the gateway cancels one whose answers
+    wait past --max-stream-backlog-bytes; the model stops at is_cancelled()). False when some
+    was still running after ENDED_WITHIN_S (it would have sent 300 MiB by then)."""
+    try:
+        eventually(lambda: _cancelled(service) >= before + CLIENTS, ENDED_WITHIN_S,
+                   "the service ended the unread requests")
+        return True
+    except AssertionError:
+        return False
 
 
 def _never_read_grpc(gateway: str) -> list[h2raw.RawH2]:
@@ -127,16 +153,23 @@ def _never_read_grpc(gateway: str) -> list[h2raw.RawH2]:
     return conns
 
 
-def _unread(open_clients: Callable[[], Sequence[socket.socket | h2raw.RawH2]], what: str) -> Callable[[], Observation]:
-    """The attack: CLIENTS clients (``open_clients``) ask for COUNT x 1 MiB each and read nothing."""
+def _unread(mesh: Mesh, open_clients: Callable[[], Sequence[socket.socket | h2raw.RawH2]],
+            what: str) -> Callable[[], Observation]:
+    """The attack: CLIENTS clients (``open_clients``) ask for COUNT x 1 MiB each and read nothing;
+    it lasts until the service has ended their requests (the backlog bound: refused)."""
     def attack() -> Observation:
+        service = mesh.services[1].http
+        before = _cancelled(service)
         clients = open_clients()
+        t0 = time.monotonic()
         try:
-            _nobody_reads()
+            ended = _nobody_reads(service, before)
         finally:
+            took = time.monotonic() - t0
             for c in clients:
                 c.close()
-        return Observation(f"{CLIENTS} {what} clients asked for {COUNT} x 1 MiB and read nothing", True)
+        return Observation(f"{CLIENTS} {what} clients asked for {COUNT} x 1 MiB and read nothing: their requests "
+                           f"{'ended' if ended else 'still running'} after {took:.1f} s", ended)
     return attack
 
 
@@ -144,11 +177,11 @@ def test_sse_client_that_never_reads(streaming_mesh: Mesh) -> None:
     gateway = streaming_mesh.gateway
     _warm(gateway.http)
     under_attack(streaming_mesh, gateway, "SSE clients that never read",
-                 _unread(lambda: _never_read_sse(gateway.http), "generate_stream")).judge().check()
+                 _unread(streaming_mesh, lambda: _never_read_sse(gateway.http), "generate_stream")).judge().check()
 
 
 def test_grpc_stream_client_that_never_reads(streaming_mesh: Mesh) -> None:
     gateway = streaming_mesh.gateway
     _warm(gateway.http)
     under_attack(streaming_mesh, gateway, "gRPC stream clients that never read",
-                 _unread(lambda: _never_read_grpc(gateway.grpc), "ModelStreamInfer")).judge().check()
+                 _unread(streaming_mesh, lambda: _never_read_grpc(gateway.grpc), "ModelStreamInfer")).judge().check()

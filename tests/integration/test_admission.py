@@ -27,6 +27,8 @@ DELAY_S = 0.4
 BURST = 12
 REJECT_FAST_S = 0.2  # a refusal is answered well inside one delay (it never waits for a slot)
 
+pytestmark = pytest.mark.serial  # bursts sent inside one 0.4 s delay: run alone (scripts/test.sh)
+
 
 def slow(*flags: str) -> Proc:
     return start(["--grpc-port", "0", "--http-port", "0", "--delay-ms", str(DELAY_S * 1000), *flags],

@@ -84,6 +84,7 @@ PARALLEL = models.ensemble_config("parallel", {"X": 4}, {"A": 4, "B": 4}, [
     models.step("sleep_a", {"IN": "X"}, {"OUT": "A"}), models.step("sleep_b", {"IN": "X"}, {"OUT": "B"})])
 
 
+@pytest.mark.serial  # a latency bound: run alone (scripts/test.sh)
 def test_two_independent_100ms_steps_finish_in_about_100ms(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -295,6 +295,7 @@ def test_grpc_contents_with_raw_input_contents_is_invalid_argument(proc: Proc) -
 
 # --- a large JSON body does not hold up other requests -------------------------------------------
 
+@pytest.mark.serial  # a latency/rate bound: run alone (scripts/test.sh)
 def test_large_json_body_does_not_delay_a_concurrent_small_request(model_repo) -> None:
     """A JSON body at the default 64 MiB limit takes ~0.7 s to decode here (json + numpy, all
     holding the GIL): decoded on the event loop (before) every concurrent request waited that

@@ -48,6 +48,7 @@ async def test_batch_rows_counted(stack: Stack) -> None:
     assert res["server_stats"]["add_sub"]["inference_count"] == 200 == res["all_requests"]["succeeded_rows"]
 
 
+@pytest.mark.serial  # a latency/rate bound: run alone (scripts/test.sh)
 async def test_open_loop_rate_within_5_percent(stack: Stack) -> None:
     sc = _scenario(stack, mode="open", rate=200, duration_s=5, warmup_s=0.5,
                    targets=[{"model": "add_sub", "protocol": "grpc"}])

@@ -114,6 +114,7 @@ def request(x: np.ndarray) -> pb.ModelInferRequest:
     return req
 
 
+@pytest.mark.serial  # a latency/rate bound: run alone (scripts/test.sh)
 async def test_independent_steps_run_concurrently() -> None:
     upstream, calls = fake_upstream(0.1)
     plan = compile_plan(ensemble(), lookup)
