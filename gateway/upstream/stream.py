@@ -27,6 +27,8 @@ import itertools
 import logging
 import time
 import zlib
+from collections.abc import Coroutine
+from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
@@ -383,9 +385,11 @@ class StreamPool:
             s = self._streams[i] = _Stream(self._channel, f"service {self.endpoint}")
         return s
 
-    async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
-                    affinity: str | None = None) -> pb.ModelInferResponse:
-        return await self.finish(self.start(raw_request, timeout, affinity, client_id), client_id)
+    def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
+              affinity: str | None = None) -> Coroutine[Any, Any, pb.ModelInferResponse]:
+        """Write the request now (NotSent, raised here, if its stream is closed); the returned
+        awaitable is its answer (``finish``'s coroutine: no frame of its own per request)."""
+        return self.finish(self.start(raw_request, timeout, affinity, client_id), client_id)
 
     def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None,
               client_id: str = "") -> Sent:
