@@ -119,18 +119,19 @@ class _Stream:
             self._on_close(13, f"undecodable response: {exc}")
             return
         self.answered = True
-        fut = self.pending.pop(msg.infer_response.id, None)
+        cid = msg.infer_response.id  # (read once: each upb field read makes a new str)
+        fut = self.pending.pop(cid, None)
         if fut is not None:
             if self._due:
-                self._due.pop(msg.infer_response.id, None)
+                self._due.pop(cid, None)
             if not fut.done():
                 fut.set_result(msg)
             if self.retired:
                 self._end_if_retired()
             return
-        answers = self.answers.get(msg.infer_response.id)
+        answers = self.answers.get(cid)
         if answers is not None and answers.push(msg, len(raw)):
-            del self.answers[msg.infer_response.id]
+            del self.answers[cid]
             if self.retired:
                 self._end_if_retired()
 
