@@ -61,7 +61,8 @@ class Upstream:
         """Call one replica hosting (name, version); on a connection failure try the others
         (Replica.failure). With ``affinity`` (a sequence's correlation key) the replica is chosen
         by rendezvous hashing, so every request of the sequence lands on the same healthy replica."""
-        routes = await self.routes(name)
+        table = self.discovery.table  # (a known model: no coroutine of routes() per request)
+        routes = table.lookup(name) if name in table else await self.routes(name)
         replicas = list(routes.replicas_for(version))
         while True:
             replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
