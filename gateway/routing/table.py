@@ -37,7 +37,8 @@ class ModelRoutes(Generic[R]):
             if not healthy:
                 raise InferError.unavailable(f"model '{self.name}' version {v}: no healthy replica")
             return healthy
-        for v in sorted(self.versions, reverse=True):
+        versions = self.versions  # (one version, the common case: no sorted list per request)
+        for v in versions if len(versions) == 1 else sorted(versions, reverse=True):
             healthy = [r for r in self.versions[v] if r.healthy]
             if healthy:
                 return healthy

@@ -153,33 +153,29 @@ class Coalescer:
         or merged with the requests of its key pending in this event-loop pass."""
         name = request.model_name
         self._busy[name] = self._busy.get(name, 0) + 1
-        try:
-            return await self._submit(key, request, raw, rows, shape, timeout)
+        try:  # (one coroutine: every coalesced request's path)
+            group = self._groups.get(key)
+            if group is None:
+                max_batch = shape.max_batch_size
+                group = self._groups[key] = _Group(shape, max_batch, max_batch * shape.instances)
+            if not group.inflight_rows and not group.pending:
+                # nothing of this group in flight or waiting: send it now, alone
+                group.inflight_rows += rows
+                try:
+                    return InferResult(message=await self._upstream.send(request, raw, timeout))
+                finally:
+                    group.inflight_rows -= rows
+                    self._settle(key, group)
+            fut: asyncio.Future[InferResult] = self._running_loop().create_future()
+            self.queued += 1
+            now = time.monotonic_ns()
+            group.pending.append(_Pending(request, raw, rows, fut, None if timeout is None else now + int(timeout * 1e9),
+                                          now, tracing.current_var.get() if tracing.enabled else None,
+                                          (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
+            self._schedule(key, group)
+            return await fut
         finally:
             self._done(name)
-
-    async def _submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                      shape: ModelShape, timeout: float | None) -> InferResult:
-        group = self._groups.get(key)
-        if group is None:
-            max_batch = shape.max_batch_size
-            group = self._groups[key] = _Group(shape, max_batch, max_batch * shape.instances)
-        if not group.inflight_rows and not group.pending:
-            # nothing of this group in flight or waiting: send it now, alone
-            group.inflight_rows += rows
-            try:
-                return InferResult(message=await self._upstream.send(request, raw, timeout))
-            finally:
-                group.inflight_rows -= rows
-                self._settle(key, group)
-        fut: asyncio.Future[InferResult] = self._running_loop().create_future()
-        self.queued += 1
-        now = time.monotonic_ns()
-        group.pending.append(_Pending(request, raw, rows, fut, None if timeout is None else now + int(timeout * 1e9), now,
-                                      tracing.current_var.get() if tracing.enabled else None,
-                                      (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
-        self._schedule(key, group)
-        return await fut
 
     def _schedule(self, key: Key, group: _Group) -> None:
         if not group.flush_scheduled:

@@ -152,8 +152,14 @@ class Discovery:
             return None
         if version:
             return self.configs.get((name, int(version))) if version.isdigit() else None
-        healthy = [v for v, rs in routes.versions.items() if any(r.healthy for r in rs)]
-        return self.configs.get((name, max(healthy))) if healthy else None
+        best: int | None = None  # the highest version with a healthy replica (plain loops: every request's path)
+        for v, rs in routes.versions.items():
+            if best is None or v > best:
+                for r in rs:
+                    if r.healthy:
+                        best = v
+                        break
+        return self.configs.get((name, best)) if best is not None else None
 
     def mark_unhealthy(self, replica: Replica, reason: BaseException | str = "") -> None:
         if replica.set_healthy(False):

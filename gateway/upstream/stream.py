@@ -27,6 +27,8 @@ import itertools
 import logging
 import time
 import zlib
+from collections.abc import Coroutine
+from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
@@ -117,18 +119,19 @@ class _Stream:
             self._on_close(13, f"undecodable response: {exc}")
             return
         self.answered = True
-        fut = self.pending.pop(msg.infer_response.id, None)
+        cid = msg.infer_response.id  # (read once: each upb field read makes a new str)
+        fut = self.pending.pop(cid, None)
         if fut is not None:
             if self._due:
-                self._due.pop(msg.infer_response.id, None)
+                self._due.pop(cid, None)
             if not fut.done():
                 fut.set_result(msg)
             if self.retired:
                 self._end_if_retired()
             return
-        answers = self.answers.get(msg.infer_response.id)
+        answers = self.answers.get(cid)
         if answers is not None and answers.push(msg, len(raw)):
-            del self.answers[msg.infer_response.id]
+            del self.answers[cid]
             if self.retired:
                 self._end_if_retired()
 
@@ -383,9 +386,11 @@ class StreamPool:
             s = self._streams[i] = _Stream(self._channel, f"service {self.endpoint}")
         return s
 
-    async def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
-                    affinity: str | None = None) -> pb.ModelInferResponse:
-        return await self.finish(self.start(raw_request, timeout, affinity, client_id), client_id)
+    def infer(self, raw_request: bytes, client_id: str, timeout: float | None,
+              affinity: str | None = None) -> Coroutine[Any, Any, pb.ModelInferResponse]:
+        """Write the request now (NotSent, raised here, if its stream is closed); the returned
+        awaitable is its answer (``finish``'s coroutine: no frame of its own per request)."""
+        return self.finish(self.start(raw_request, timeout, affinity, client_id), client_id)
 
     def start(self, raw_request: bytes, timeout: float | None, affinity: str | None = None,
               client_id: str = "") -> Sent:

@@ -14,8 +14,8 @@ replica's streams.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from gateway.routing.table import ModelRoutes, pick, pick_pinned
 from gateway.upstream import traced
@@ -61,7 +61,8 @@ class Upstream:
         """Call one replica hosting (name, version); on a connection failure try the others
         (Replica.failure). With ``affinity`` (a sequence's correlation key) the replica is chosen
         by rendezvous hashing, so every request of the sequence lands on the same healthy replica."""
-        routes = await self.routes(name)
+        table = self.discovery.table  # (a known model: no coroutine of routes() per request)
+        routes = table.lookup(name) if name in table else await self.routes(name)
         replicas = list(routes.replicas_for(version))
         while True:
             replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
@@ -90,15 +91,16 @@ class Upstream:
             self.discovery.mark_unhealthy(replica, err)
         return err, retry
 
-    async def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                   affinity: str | None = None) -> pb.ModelInferResponse:
+    def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+             affinity: str | None = None) -> Coroutine[Any, Any, pb.ModelInferResponse]:
         """Forward one infer request (``raw``: its bytes as the client sent them, if they still
-        name its model); ``affinity``: its sequence's key (routing.table.sequence_affinity)."""
+        name its model); ``affinity``: its sequence's key (routing.table.sequence_affinity). The
+        returned awaitable is ``call``'s (or the traced variant's) coroutine: no frame of its own."""
         body = raw if raw is not None else request.SerializeToString()
         if tracing.enabled and (span := tracing.current_var.get()) is not None:
-            return await traced.send(self, request, body, timeout, affinity, span)
-        return await self.call(request.model_name, request.model_version,
-                               lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
+            return traced.send(self, request, body, timeout, affinity, span)
+        return self.call(request.model_name, request.model_version,
+                         lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
 
     def start(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None
               ) -> Awaitable[pb.ModelInferResponse] | None:

@@ -68,7 +68,7 @@ def _context(call: Call, raw: bytes | None = None) -> RequestContext:
     # the one place a call's metadata is read: the hop marker believed only on an authenticated
     # call (meshserve/protocol/hop.py:vet, once per call: per stream); a gateway with tenants and
     # mutual TLS adds the client certificate's names (meshserve/server/tls.py:client_cert)
-    headers = hop.vet({k: v for k, v in md if isinstance(v, str)})
+    headers = hop.vet({k: v for k, v in md if isinstance(v, str)}) if md else {}  # (none: no comprehension frame)
     if tls.cert_names_grpc:
         tls.client_cert(headers, tls.grpc_transport(call))
     return RequestContext(protocol="grpc", headers=headers, deadline=call.deadline, raw=raw)

@@ -604,7 +604,8 @@ def uses_shared_memory(request: pb.ModelInferRequest, raw: bytes | None = None) 
     serialized verbatim): one substring search instead of the lengths and each tensor's
     ``parameters`` (a upb read is ~3k instructions; perf_analyzer names its outputs). Bytes that
     hold it (a region, or the name in a tensor's data), or more bytes, are read as the message."""
-    if raw is not None and len(raw) <= _SEARCH_MAX and _REGION_BYTES not in raw:
+    # (find, not `in`: bytes.__contains__ tries the argument as an int first, a TypeError each time)
+    if raw is not None and len(raw) <= _SEARCH_MAX and raw.find(_REGION_BYTES) < 0:
         return False
     if len(request.raw_input_contents) == len(request.inputs) and not request.outputs:
         return False

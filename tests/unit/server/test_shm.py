@@ -6,6 +6,7 @@ import ctypes
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -217,6 +218,10 @@ def test_uses_shared_memory_reads_a_large_request_as_the_message() -> None:
         def __contains__(self, item: object) -> bool:
             searched.append(len(self))
             return super().__contains__(item)
+
+        def find(self, sub: Any, *args: Any) -> int:  # (the search uses find: see uses_shared_memory)
+            searched.append(len(self))
+            return super().find(sub, *args)
 
     plain = request_with({"A": big}, {})
     plain.outputs.add(name="O")
