@@ -166,11 +166,26 @@ def _budgets(mesh: Mesh) -> dict[str, float]:
     return {s.grpc: _value(_metrics(s.http), "meshserve_memory_budget_bytes") for s in (mesh.a, mesh.b)}
 
 
+def _all_cold(mesh: Mesh) -> None:
+    """Every model but the pinned one unloaded from both replicas, and both gateways know it: the
+    next models used are the only ones competing for each replica's budget."""
+    eventually(lambda: PINNED in _ready_on(mesh.a) | _ready_on(mesh.b), what="the pinned model placed")
+    for s in (mesh.a, mesh.b):
+        with grpcclient.InferenceServerClient(s.grpc) as c:
+            for name in _ready_on(s) - {PINNED}:
+                c.unload_model(name)
+    eventually(lambda: not _serving_unpinned(mesh.g1) and not _serving_unpinned(mesh.g2),
+               what="both gateways see the unloads")
+
+
 def test_lru_order_shows_in_the_statistics(mesh: Mesh) -> None:
     """The models that rank replica a first, used one after the other (more than its budget
     holds): the ones still loaded are the most recently used (a suffix of the order), and their
     statistics' last_inference are in the order they were used; the oldest still loaded, used
-    once more, stays when an evicted one comes back, and the next oldest goes instead."""
+    once more, stays when an evicted one comes back, and the next oldest goes instead. It starts
+    with every model cold: a model an earlier test left on the replica (placed there when its
+    first choice was full) would be older than all of these and go first."""
+    _all_cold(mesh)
     weights = _budgets(mesh)
     # the replica more of the models rank first (which one depends on the ports the run got: of
     # 19 models at least 10 rank one of the two first)
@@ -218,13 +233,7 @@ def test_two_gateways_agree_on_placement(mesh: Mesh) -> None:
     the replica holding the pinned model (~14 MB) pass its budget (about 31.6 MB of 32 MB was
     seen with their measured sizes), and the least recently used of them is then evicted, on
     purpose, leaving it on no replica."""
-    eventually(lambda: PINNED in _ready_on(mesh.a) | _ready_on(mesh.b), what="the pinned model placed")
-    for s in (mesh.a, mesh.b):  # every model cold, every replica's room free but for the pinned model
-        with grpcclient.InferenceServerClient(s.grpc) as c:
-            for name in _ready_on(s) - {PINNED}:
-                c.unload_model(name)
-    eventually(lambda: not _serving_unpinned(mesh.g1) and not _serving_unpinned(mesh.g2),
-               what="both gateways see the unloads")
+    _all_cold(mesh)
     weights, room = _budgets(mesh), {s.grpc: _room(s) for s in (mesh.a, mesh.b)}
     names: list[int] = []
     for i in range(1, MODELS):
