@@ -258,21 +258,8 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
         if tag & 7 != 2 or field < prev or field > 7 or not field or i + 1 >= n:
             return None
         prev = field
-        size = raw[i + 1]
-        j = i + 2
-        if size & 0x80:
-            size &= 0x7F
-            shift = 7
-            while True:
-                if j >= n or shift > 35:
-                    return None
-                byte = raw[j]
-                j += 1
-                size |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-        end = j + size
+        end, j = _length_at(raw, i + 1)
+        end += j
         if end > n:
             return None
         if field == 7:
@@ -297,6 +284,19 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
     if form is None:
         return None
     return material_key(b"".join((version.encode(), b"\x00", raw[:name_end], form, raw[raws:])), exact)
+
+
+def _length_at(raw: bytes, at: int) -> tuple[int, int]:
+    """(the varint at ``at``, where it ends); a varint that does not end by its fifth byte (no
+    length of a request is that large) or runs past ``raw`` reads as a length past any end."""
+    value = shift = 0
+    for byte in raw[at:at + 5]:
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return len(raw) + 1, at
 
 
 def _canonical_metadata(meta: bytes) -> bytes | None:
