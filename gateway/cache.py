@@ -35,7 +35,7 @@ import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes, wire
+from meshserve.protocol import datatypes, hop, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.http_codec import _CONTENTS_FIELD, BINARY_DATA, BINARY_DATA_OUTPUT
 from meshserve.server.core import InferResult, RequestContext
@@ -142,7 +142,22 @@ _TENSOR_SKIP = (BINARY_DATA, "binary_data_size")
 _NOT_CANONICAL = (BINARY_DATA.encode(), _SHM.encode())
 
 
-def request_key(request: pb.ModelInferRequest, version: str) -> bytes | None:
+EXACT_KEY_MAX = 4096  # LocalCache: a key material up to this many bytes is the key itself (no hash)
+
+
+def material_key(material: bytes, exact: bool) -> bytes:
+    """The key of ``version + b"\\0" + <the request's canonical serialization>``: with ``exact``
+    (this process's ``LocalCache``) and up to ``EXACT_KEY_MAX`` bytes, the material itself (a
+    dict hashes it; equal keys are equal requests, byte for byte, and a hash costs ~6,000
+    instructions for a call of hashlib); else its 16-byte BLAKE2b digest (the workers' store
+    and Redis hold 16-byte keys). A material is longer than 16 bytes (a version, a separator
+    and a model name field at least), so the two kinds never meet."""
+    if exact and 16 < len(material) <= EXACT_KEY_MAX:
+        return material
+    return hashlib.blake2b(material, digest_size=16).digest()
+
+
+def request_key(request: pb.ModelInferRequest, version: str, exact: bool = False) -> bytes | None:
     """The cache key of a request, or None where it is never cached (module docstring).
 
     The key hashes the version and the request's deterministic serialization without its id and
@@ -175,7 +190,7 @@ def request_key(request: pb.ModelInferRequest, version: str) -> bytes | None:
         if copy is None:
             return None
         body = copy.SerializeToString(deterministic=True)
-    return hashlib.blake2b(version.encode() + b"\x00" + body, digest_size=16).digest()
+    return material_key(version.encode() + b"\x00" + body, exact)
 
 
 def _canonical(request: pb.ModelInferRequest) -> pb.ModelInferRequest | None:
@@ -214,70 +229,157 @@ def _canonical(request: pb.ModelInferRequest) -> pb.ModelInferRequest | None:
     return copy
 
 
-class _Entry:
-    __slots__ = ("model", "answer", "config", "size")
+RAW_FORMS_KEPT = 1024  # raw_key's canonical metadata remembered (all dropped when full)
+_raw_forms: dict[bytes, bytes | None] = {}
 
-    def __init__(self, model: str, answer: bytes, config: mc.ModelConfig, size: int):
-        self.model = model
-        self.answer = answer  # the serialized ModelInferResponse, its id cleared
-        self.config = config  # the config it was computed under: another one (a reload) is a miss
-        self.size = size
+
+def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
+    """``request_key`` of the request the front door parsed from ``raw`` (its wire bytes), without
+    a protobuf serialization or field reads: the same key (one hash domain) where ``raw`` is a
+    standard serialization, else another key for the same request (a miss, never a wrong hit).
+    None: ask ``request_key`` (no raw inputs, fields out of field-number order, shared memory, a
+    typed input; anything this scan does not read).
+
+    The top-level fields are walked once (tag and length only): ``model_name`` (1) is hashed as
+    sent; ``model_version`` (2) and ``id`` (3) are left out (the resolved version is hashed
+    instead); the ``parameters``, ``inputs`` and ``outputs`` (4-6: small, and the same from one
+    request of a client to the next) are turned into their canonical form once
+    (``_canonical_metadata``) and remembered by their bytes; the ``raw_input_contents`` (7) are
+    hashed as sent. What is hashed is a valid serialization of the request in canonical form
+    (fields 1, 4-6 and 7 hold disjoint field numbers, so parsing the parts is parsing the
+    whole), so two requests share a key only when they are the same request but for id,
+    version asked and the parameters that cannot change the answer."""
+    n = len(raw)
+    i = prev = 0
+    name_end = meta_start = meta_end = raws = -1
+    while i < n:
+        tag = raw[i]
+        field = tag >> 3
+        if tag & 7 != 2 or field < prev or field > 7 or not field or i + 1 >= n:
+            return None
+        prev = field
+        end, j = _length_at(raw, i + 1)
+        end += j
+        if end > n:
+            return None
+        if field == 7:
+            if raws < 0:
+                raws = i
+        elif field == 1:
+            name_end = end
+        elif field >= 4:
+            if meta_start < 0:
+                meta_start = i
+            meta_end = end
+        i = end
+    if raws < 0 or name_end < 0:
+        return None
+    meta = raw[meta_start:meta_end] if meta_start >= 0 else b""
+    form = _raw_forms.get(meta, b"?")  # (b"?": unseen; no serialization of fields 4-6 is that byte)
+    if form == b"?":
+        form = _canonical_metadata(meta)
+        if len(_raw_forms) >= RAW_FORMS_KEPT:
+            _raw_forms.clear()
+        _raw_forms[meta] = form
+    if form is None:
+        return None
+    return material_key(b"".join((version.encode(), b"\x00", raw[:name_end], form, raw[raws:])), exact)
+
+
+def _length_at(raw: bytes, at: int) -> tuple[int, int]:
+    """(the varint at ``at``, where it ends); a varint that does not end by its fifth byte (no
+    length of a request is that large) or runs past ``raw`` reads as a length past any end."""
+    value = shift = 0
+    for byte in raw[at:at + 5]:
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return len(raw) + 1, at
+
+
+def _canonical_metadata(meta: bytes) -> bytes | None:
+    """The parameters, inputs and outputs of a request (their serialized fields) in the key's
+    canonical form (``_canonical``), deterministically serialized; None: not a plain raw request
+    (shared memory, a typed input, bytes that do not parse)."""
+    try:
+        partial = pb.ModelInferRequest.FromString(meta)
+    except Exception:  # (the front door parsed the whole; a part that does not parse: ask request_key)
+        return None
+    if partial.model_name or partial.model_version or partial.id or partial.raw_input_contents:
+        return None
+    for tensor in partial.inputs:
+        if tensor.HasField("contents"):
+            return None
+    partial.raw_input_contents.extend(b"" for _ in partial.inputs)  # (so _canonical takes them as raw)
+    copy = _canonical(partial)
+    if copy is None:
+        return None
+    del copy.raw_input_contents[:]
+    return copy.SerializeToString(deterministic=True)
 
 
 class LocalCache:
     """LRU over serialized answers within ``size`` bytes (keys, answers and ``ENTRY_OVERHEAD``
-    per entry); one process's."""
+    per entry); one process's. An entry is a tuple (model, answer: the serialized
+    ModelInferResponse with its id cleared, the config it was computed under: another one, a
+    reload, is a miss, its size): a tuple costs a tenth of an object's ``__init__`` per miss."""
 
     def __init__(self, size: int):
         self.size = size
         self.max_entry = size // ENTRY_SHARE
         self.used = 0
-        self.entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self.entries: OrderedDict[bytes, tuple[str, bytes, mc.ModelConfig, int]] = OrderedDict()
         self.by_model: dict[str, set[bytes]] = {}
-        self.generations: Counter[str] = Counter()
+        self.generations: dict[str, int] = {}  # a model's, once invalidated (0 before)
         self.evictions = 0
 
     def get(self, key: bytes, config: mc.ModelConfig, model: str = "") -> bytes | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
-        if entry.config is not config:
+        if entry[2] is not config:
             self._drop(key)
             return None
         self.entries.move_to_end(key)
-        return entry.answer
+        return entry[1]
 
     def put(self, key: bytes, model: str, answer: bytes, config: mc.ModelConfig, generation: int) -> bool:
         """Keep an answer (False: too large, or the model was invalidated since it was asked)."""
         size = len(key) + len(answer) + ENTRY_OVERHEAD
-        if size > self.max_entry or generation != self.generations[model]:
+        if size > self.max_entry or generation != self.generations.get(model, 0):
             return False
-        if key in self.entries:
+        entries = self.entries
+        if key in entries:
             self._drop(key)
-        while self.used + size > self.size and self.entries:
-            self._drop(next(iter(self.entries)))
+        while self.used + size > self.size and entries:
+            self._drop(next(iter(entries)))
             self.evictions += 1
-        self.entries[key] = _Entry(model, answer, config, size)
-        self.by_model.setdefault(model, set()).add(key)
+        entries[key] = (model, answer, config, size)
+        keys = self.by_model.get(model)
+        if keys is None:
+            keys = self.by_model[model] = set()
+        keys.add(key)
         self.used += size
         return True
 
     def _drop(self, key: bytes) -> None:
-        entry = self.entries.pop(key)
-        self.used -= entry.size
-        keys = self.by_model.get(entry.model)
+        model, _, _, size = self.entries.pop(key)
+        self.used -= size
+        keys = self.by_model.get(model)
         if keys is not None:
             keys.discard(key)
             if not keys:
-                del self.by_model[entry.model]
+                del self.by_model[model]
 
     def generation(self, model: str) -> int:
         """The model's generation (``put`` keeps an answer only if it has not changed since)."""
-        return self.generations[model]
+        return self.generations.get(model, 0)
 
     def invalidate(self, model: str) -> None:
         """Drop a model's entries; answers computed before now are not stored after."""
-        self.generations[model] += 1
+        self.generations[model] = self.generations.get(model, 0) + 1
         for key in list(self.by_model.get(model, ())):
             self._drop(key)
 
@@ -424,16 +526,19 @@ class CacheStage:
         self._config_for = config_for
         self._versions = versions  # the version a request without one is routed to
         self._is_route = is_route
-        self.flights: dict[bytes, asyncio.Future[bytes | None]] = {}
+        self.flights: dict[bytes, asyncio.Future[bytes | None] | None] = {}  # None: a lead nobody waits on yet
         self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
+        self._exact = isinstance(cache, LocalCache)  # keys may be their material (material_key)
 
     def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
-                   ) -> tuple[mc.ModelConfig, tuple[str, str]] | None:
-        """(the config, (model, version)) of a request that is looked up, else None."""
+                   ) -> tuple[mc.ModelConfig, tuple[str, str], bool] | None:
+        """(the config, (model, version), whether the request asks no version and has no
+        parameters) of a request that is looked up, else None."""
         if sequence is not None:
             return None
         name = request.model_name
-        version = request.model_version or self._versions(name)  # (then the config by its version: one lookup)
+        asked = request.model_version
+        version = asked or self._versions(name)  # (then the config by its version: one lookup)
         if version is None:
             return None
         config = self._config_for(name, version)
@@ -444,7 +549,7 @@ class CacheStage:
             return None
         if self._is_route(name):
             return None
-        return config, (name, version)
+        return config, (name, version), not asked and not params
 
     def _enabled(self, config: mc.ModelConfig) -> bool:
         """Whether a config's requests are looked up, worked out once per config (held by its id
@@ -460,10 +565,26 @@ class CacheStage:
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
         found = self._cacheable(request, sequence)
-        key = None if found is None else request_key(request, found[1][1])
-        if found is None or key is None:
+        if found is None:
             return self.next.infer(request, ctx, sequence)
-        return self._cached(key, found[1], found[0], request, ctx.time_remaining,
+        config, model, plain = found
+        raw = ctx.raw  # the bytes the request was parsed from (None: changed since, or never had them)
+        key = None
+        if raw is not None and not hop.from_gateway(ctx.headers):
+            # (ctx.raw is None for a request naming shared memory: the front doors' shm.infer
+            # clears it; a gateway's hop is believed to name none, and is keyed from its fields)
+            if plain and ctx.protocol == "grpc" and not request.id:
+                # a gRPC client's usual request: no id, version or parameter to leave out, so
+                # the bytes it sent are the key's material (request_key's, where the client
+                # serialized as protobuf does: any other serialization is another key, a miss)
+                key = material_key(model[1].encode() + b"\x00" + raw, self._exact)
+            else:
+                key = raw_key(raw, model[1], self._exact)
+        if key is None:
+            key = request_key(request, model[1], self._exact)
+            if key is None:
+                return self.next.infer(request, ctx, sequence)
+        return self._cached(key, model, config, request, ctx.time_remaining,
                             lambda: self.next.infer(request, ctx, sequence))
 
     async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
@@ -474,7 +595,7 @@ class CacheStage:
         the same rules, single-flight and counts as a client's request for that model; ``send``
         otherwise."""
         found = self._cacheable(request, affinity)
-        key = None if found is None else request_key(request, found[1][1])
+        key = None if found is None else request_key(request, found[1][1], self._exact)
         if found is None or key is None:
             return await send(request, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -517,9 +638,12 @@ class CacheStage:
                 answer, shared_generation = await shared.get(key, model[0])
             if answer is not None:
                 return self._hit(model, answer, request, started)
-            flight = self.flights.get(key)
-            if flight is None:
+            flights = self.flights
+            if key not in flights:
                 break
+            flight = flights[key]
+            if flight is None:  # the first waiter makes the leader's future
+                flight = flights[key] = asyncio.get_running_loop().create_future()
             try:
                 answer = await asyncio.wait_for(asyncio.shield(flight), remaining())
             except TimeoutError:
@@ -528,8 +652,9 @@ class CacheStage:
             if answer is not None:
                 return self._hit(model, answer, request, started)
             # the leader failed: nothing was kept; look again (one waiter leads the next try)
-        # the lead: run the model; waiters for the same key share its answer
-        flight = self.flights[key] = asyncio.get_running_loop().create_future()
+        # the lead: run the model; waiters for the same key share its answer (a future only
+        # once one waits: most misses have no twin)
+        self.flights[key] = None
         generation = local.generation(model[0]) if local is not None else 0
         looked = time.perf_counter_ns() - started
         answer = None
@@ -553,8 +678,9 @@ class CacheStage:
             return result
         finally:
             self.counts.miss(model, looked + inserted)
-            del self.flights[key]
-            flight.set_result(answer)
+            flight = self.flights.pop(key)
+            if flight is not None:
+                flight.set_result(answer)
 
     def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
              ) -> InferResult:

@@ -301,8 +301,14 @@ class GatewayCore:
         routes = self.discovery.table.models.get(name)
         if routes is None:
             return None
-        healthy = [v for v, rs in routes.versions.items() if any(r.healthy for r in rs)]
-        return str(max(healthy)) if healthy else None
+        best = None  # (loops, not a list and a generator per version: every cached request asks)
+        for v, rs in routes.versions.items():
+            if best is None or v > best:
+                for r in rs:
+                    if r.healthy:
+                        best = v
+                        break
+        return None if best is None else str(best)
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:
         stats = await statistics(self.upstream, self.ensembles, name, version)

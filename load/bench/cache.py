@@ -375,8 +375,10 @@ def report(cells: list[Cell], args: argparse.Namespace, env: dict[str, Any]) -> 
     if "meshserve 0% on" in by:
         on, off = by["meshserve 0% on"], by["meshserve 0% off"]
         gw = {c.name: statistics.median(r["server_us_per_req"][0] for r in c.rows) for c in cells}
+        # (CPU time comes in clock ticks: a small run may see none in a cell)
+        cpu = f"{100 * (gw['meshserve 0% on'] / gw['meshserve 0% off'] - 1):+.1f}%" if gw["meshserve 0% off"] else "n/a"
         lines.append(f"- meshserve 0% on vs off: rows/s {100 * (on['rows_s'] / off['rows_s'] - 1):+.1f}%, "
-                     f"gateway CPU per request {100 * (gw['meshserve 0% on'] / gw['meshserve 0% off'] - 1):+.1f}%")
+                     f"gateway CPU per request {cpu}")
     lines += ["", f"machine: {env['cpus']} CPUs, load average {env['loadavg_start']} at start, "
               f"{env['loadavg_end']} at end; Triton {env.get('triton', '(not run)')}; python {sys.version.split()[0]}"]
     return "\n".join(lines)

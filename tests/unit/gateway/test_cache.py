@@ -97,7 +97,7 @@ def test_invalidate_and_a_new_config() -> None:
     cache = LocalCache(1 << 20)
     cache.put(b"a" * 16, "m", b"1", config, 0)
     cache.put(b"b" * 16, "n", b"2", config, 0)
-    generation = cache.generations["m"]
+    generation = cache.generation("m")
     cache.invalidate("m")
     assert cache.get(b"a" * 16, config) is None and cache.get(b"b" * 16, config) == b"2"
     assert cache.put(b"a" * 16, "m", b"1", config, generation) is False  # asked before the reload
@@ -161,3 +161,128 @@ def test_the_canonical_form_is_one_key_for_every_form_of_a_request() -> None:
     shm = two(False)
     shm.outputs[0].parameters["shared_memory_region"].string_param = "r"
     assert request_key(shm, "1") is None
+
+
+# ---- the key from the bytes the front door holds (raw_key, the stage's gRPC fast path) ------------
+
+def _two_inputs(**changes: object) -> pb.ModelInferRequest:
+    """add_sub's request (two FP32 [1,4] inputs), with one thing changed: name, datatype, shape,
+    byte (index into INPUT1's bytes), parameter, model, id, version."""
+    req = pb.ModelInferRequest(model_name=str(changes.get("model", "add_sub")), id=str(changes.get("id", "")),
+                               model_version=str(changes.get("version", "")))
+    for i in range(2):
+        t = req.inputs.add(name=f"INPUT{i}", datatype="FP32", shape=[1, 4])
+        data = bytearray(np.arange(4, dtype=np.float32).tobytes())
+        if i == 1:
+            if "name" in changes:
+                t.name = str(changes["name"])
+            if "datatype" in changes:
+                t.datatype = str(changes["datatype"])
+            if "shape" in changes:
+                t.shape[:] = [4, 1]
+            if "byte" in changes:
+                data[int(changes["byte"])] ^= 1  # type: ignore[call-overload]
+        req.raw_input_contents.append(bytes(data))
+    if "parameter" in changes:
+        req.parameters["custom"].int64_param = int(changes["parameter"])  # type: ignore[call-overload]
+    return req
+
+
+class _Next:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def infer(self, request: pb.ModelInferRequest, ctx: object, sequence: str | None) -> object:
+        from meshserve.server.core import InferResult
+        self.calls += 1
+        return InferResult(message=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
+
+
+def _stage_keys(requests: list[tuple[pb.ModelInferRequest, bytes | None, str]], exact: bool = True) -> list[bytes]:
+    """The key the stage stored for each request, sent as (message, ctx.raw, protocol)."""
+    import asyncio
+
+    from gateway.cache import CacheStage
+    from gateway.shared_cache import SharedCache
+    from meshserve.server.core import RequestContext
+    config = mc.ModelConfig(name="add_sub")
+    config.response_cache.enable = True
+    keys: list[bytes] = []
+
+    async def run() -> None:
+        for request, raw, protocol in requests:
+            cache: LocalCache | SharedCache = LocalCache(1 << 20)
+            if not exact:
+                import tempfile
+                cache = SharedCache(tempfile.mktemp(), 1 << 20)
+            stage = CacheStage(cache, lambda m, v: config, lambda m: "1", lambda m: False)
+            stage.next = _Next()
+            await stage.infer(request, RequestContext(protocol=protocol, raw=raw), None)
+            if isinstance(cache, LocalCache):
+                keys.extend(cache.entries)
+            else:
+                before = stage.next.calls
+                await stage.infer(request, RequestContext(protocol=protocol, raw=raw), None)
+                assert stage.next.calls == before  # a hit: the same key
+                keys.append(request_key(request, "1") or b"")
+                cache.close()
+    asyncio.run(run())
+    return keys
+
+
+CHANGES = [{"name": "INPUTX"}, {"datatype": "INT32"}, {"shape": 1}, {"byte": 0}, {"byte": 15},
+           {"parameter": 1}, {"model": "add_subx"}]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_key_from_the_wire_bytes_tells_every_change_apart(protocol: str) -> None:
+    """One input byte, shape, datatype, name, a parameter or the model changed: another key, from
+    the gRPC fast path (the bytes), raw_key (the scan) and request_key alike; the id alone or the
+    version asked (resolved to the same): the same key."""
+    from gateway.cache import raw_key
+    base = _two_inputs()
+    sent = [base] + [_two_inputs(**c) for c in CHANGES]
+    keys = _stage_keys([(r, r.SerializeToString(), protocol) for r in sent])
+    assert len(set(keys)) == len(keys)
+    assert keys == [request_key(r, "1", True) for r in sent]  # one key domain: the fields' key
+    assert [raw_key(r.SerializeToString(), "1", True) for r in sent] == keys
+    assert len({raw_key(r.SerializeToString(), "1") for r in sent}) == len(sent)  # digests too
+    same = [_two_inputs(id="x"), _two_inputs(id="y"), _two_inputs(version="1")]
+    assert _stage_keys([(r, r.SerializeToString(), protocol) for r in same]) == [keys[0]] * 3
+    assert _stage_keys([(base, None, protocol)]) == [keys[0]]  # no bytes: the fields' key
+
+
+def test_raw_key_canonical_form_and_what_it_leaves_to_request_key() -> None:
+    from gateway.cache import raw_key
+    base = _two_inputs(id="a")
+    key = raw_key(base.SerializeToString(), "1", True)
+    assert key == request_key(base, "1", True)
+    # an HTTP binary request's bytes: binary_data_size on inputs, binary_data on outputs, an
+    # ignorable parameter: the same key as the plain request
+    plain = _two_inputs()
+    plain.outputs.add(name="OUTPUT0")
+    http = pb.ModelInferRequest()
+    http.CopyFrom(plain)
+    http.id = "7"
+    for t in http.inputs:
+        t.parameters["binary_data_size"].int64_param = 16
+    http.outputs[0].parameters["binary_data"].bool_param = True
+    http.parameters["binary_data_output"].bool_param = True
+    assert raw_key(http.SerializeToString(), "1", True) == request_key(plain, "1", True) is not None
+    # shared memory, a typed input, no raw inputs, fields out of order: request_key decides
+    shm = pb.ModelInferRequest()
+    shm.CopyFrom(plain)
+    shm.outputs[0].parameters["shared_memory_region"].string_param = "r"
+    assert raw_key(shm.SerializeToString(), "1") is None and request_key(shm, "1") is None
+    typed = _request([1, 2, 3], typed=True)
+    assert raw_key(typed.SerializeToString(), "1") is None
+    out_of_order = plain.SerializeToString() + pb.ModelInferRequest(model_name="add_sub").SerializeToString()
+    assert raw_key(out_of_order, "1") is None
+    assert raw_key(b"\x0a\x05add", "1") is None  # truncated
+    # a key of the workers' store is always a 16-byte digest; this process's may be its material
+    assert key is not None and len(key) > 16 and len(raw_key(base.SerializeToString(), "1") or b"") == 16
+
+
+def test_the_workers_store_keys_the_fast_path_as_request_key() -> None:
+    base = _two_inputs()
+    assert _stage_keys([(base, base.SerializeToString(), "grpc")], exact=False) == [request_key(base, "1")]
