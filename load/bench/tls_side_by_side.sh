@@ -11,6 +11,8 @@
 #      BENCH_ORT_THREADS (2), PERF_ANALYZER (../shared/tools/perf_analyzer),
 #      SMOKE=1: add_sub, grpc and http, c8, 300 ms windows, no waiting for a quiet machine (checks that
 #      every piece works, measures nothing worth quoting; most of its time is the two `up` starting).
+#      HOP_TLS (1: the tls-on `up` also runs the hop on mutual TLS, --mesh-tls; 0: the front door
+#      alone on TLS, the hop signed by up's throwaway key as in tls-off: the front door's own cost).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BENCH=${BENCH_DIR:-$ROOT/../shared/bench}
@@ -48,7 +50,7 @@ python3 -m meshserve up --repository "$MODELS/onnx_repo" --http-port "$OFF_HTTP"
   --metrics-port -1 --log-level WARNING > "$RES/up-off.log" 2>&1 &
 OFF_PID=$!; PIDS+=("$OFF_PID")
 python3 -m meshserve up --repository "$MODELS/onnx_repo" --http-port "$ON_HTTP" --grpc-port "$ON_GRPC" \
-  --metrics-port -1 --log-level WARNING --mesh-tls "${FRONT[@]}" > "$RES/up-on.log" 2>&1 &
+  --metrics-port -1 --log-level WARNING $([ "${HOP_TLS:-1}" = 1 ] && echo --mesh-tls) "${FRONT[@]}" > "$RES/up-on.log" 2>&1 &
 ON_PID=$!; PIDS+=("$ON_PID")
 ready() {  # URL [curl args]
   for _ in $(seq 1 240); do
