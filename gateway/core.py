@@ -298,16 +298,7 @@ class GatewayCore:
         an ensemble's is 1)."""
         if self.ensembles is not None and name in self.ensembles:
             return "1"
-        routes = self.discovery.table.models.get(name)
-        if routes is None:
-            return None
-        best = None  # (loops, not a list and a generator per version: every cached request asks)
-        for v, rs in routes.versions.items():
-            if best is None or v > best:
-                for r in rs:
-                    if r.healthy:
-                        best = v
-                        break
+        best = self.discovery.served_version(name)
         return None if best is None else str(best)
 
     async def statistics(self, name: str, version: str) -> pb.ModelStatisticsResponse:

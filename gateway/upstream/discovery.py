@@ -152,14 +152,23 @@ class Discovery:
             return None
         if version:
             return self.configs.get((name, int(version))) if version.isdigit() else None
-        best: int | None = None  # the highest version with a healthy replica (plain loops: every request's path)
+        best = self.served_version(name)
+        return self.configs.get((name, best)) if best is not None else None
+
+    def served_version(self, name: str) -> int | None:
+        """The highest version of ``name`` with a healthy replica: where a request without a
+        version goes (plain loops, not a list and a generator per version: every request's path)."""
+        routes = self.table.models.get(name)
+        if routes is None:
+            return None
+        best: int | None = None
         for v, rs in routes.versions.items():
             if best is None or v > best:
                 for r in rs:
                     if r.healthy:
                         best = v
                         break
-        return self.configs.get((name, best)) if best is not None else None
+        return best
 
     def mark_unhealthy(self, replica: Replica, reason: BaseException | str = "") -> None:
         if replica.set_healthy(False):
