@@ -51,8 +51,15 @@ if [ $# = 0 ]; then
   # The suite in parallel (pytest-xdist, one worker per core; a worker takes a whole test file, so
   # its module fixtures start once, and all of tests/adversarial/ as one unit: one attack at a time,
   # tests/conftest.py:pytest_xdist_make_scheduler), then the tests with a tight latency or rate
-  # bound (-m serial) alone, so that no other test's processes share their cores.
-  python3 -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not serial" || status=$?
+  # bound (-m serial) alone, so that no other test's processes share their cores: every process
+  # the parallel part started carries MESHSERVE_SUITE_RUN in its environment, and the serial part
+  # waits until none is left (tests/support/leftovers.py: at most 30 s, then it lists and kills
+  # them) and the parallel part's written files are flushed (sync).
+  run_token="$$-$(date +%s%N)"
+  MESHSERVE_SUITE_RUN="$run_token" python3 -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not serial" \
+    || status=$?
+  python3 -m tests.support.leftovers "$run_token" --timeout 30 || true
+  sync
   python3 -m pytest -m serial || status=$?
 else
   python3 -m pytest "$@" || status=$?

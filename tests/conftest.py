@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from load.bench.procs import Endpoints, follow_ready, stop_process, wait_ready
+from tests.support.leftovers import end_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,11 +39,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 # takes a whole file at a time, except tests/adversarial/, which is one unit: one worker runs it
 # from start to end, one attack at a time on one mesh (its good client's p99 is the verdict),
 # while the other workers go through the rest. The chain is handed out first (the longest unit);
-# the other files keep the plain run's order: tests/load/ after tests/integration/, because
-# test_load.py's traffic on a worker's session `stack` leaves the service's
-# nv_inference_queue_duration_us a few µs off its statistics extension's queue time, which
-# test_metrics.py's test_metrics_agree_with_the_statistics_extension then sees (as a plain run
-# would, were the order reversed).
+# the other files keep the plain run's order (tests/load/ after tests/integration/). A file that
+# shares a worker's session `stack` with another may find its traffic still draining: a test that
+# compares two reads of the service waits until they are still
+# (test_metrics.py's test_metrics_agree_with_the_statistics_extension).
 ADVERSARIAL = "tests/adversarial/"
 
 
@@ -87,7 +88,15 @@ class Proc(Endpoints):
         return "".join(self.output[-200:])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        return stop_process(self.proc, sig, timeout)
+        """Stop the process (``sig``, SIGKILL after ``timeout`` s), then kill and wait out what is
+        left of its process group after a short grace (``start`` gives each process its own
+        group): no worker outlives the test."""
+        code = stop_process(self.proc, sig, timeout)
+        left = end_group(self.proc.pid)
+        if left and sig != signal.SIGKILL:  # (a SIGKILLed process leaves its workers: killed here)
+            warnings.warn(f"{len(left)} process(es) of {' '.join(self.argv[2:5])} outlived its stop, "
+                          f"killed: {left}", stacklevel=2)
+        return code
 
 
 def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None,

@@ -140,7 +140,7 @@ def front_door(model: str, body: str,
 
     raw = request_bytes(model, body)
     limits = ServerLimits()
-    frontend = HttpFrontend(EchoCore(MODELS[model][1]), limits)  # type: ignore[arg-type]
+    frontend = HttpFrontend(EchoCore(MODELS[model][1]))  # type: ignore[arg-type]
     conn = http1.Http1Server(frontend.answer, limits).connection()
     transport = transport or CountingTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]

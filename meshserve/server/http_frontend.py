@@ -91,7 +91,7 @@ class HttpFrontend:
 
     SEEN_MAX = 1024
 
-    def __init__(self, core: V2Core, limits: ServerLimits | None = None):
+    def __init__(self, core: V2Core):
         self.core = core
         self.router = Router(HTTP_ROUTES, self)  # the live table (tests/adversarial/test_auth_table.py walks it)
         for route in self.router.routes:  # infer: admission in the core; health: open to all
@@ -371,4 +371,4 @@ async def start_http_server(core: V2Core, host: str, port: int,
                             limits: ServerLimits | None = None) -> tuple[http1.Http1Server, int]:
     """Start the REST server on the running loop; returns (server, bound port)."""
     limits = limits or ServerLimits()
-    return await http1.start(HttpFrontend(core, limits).answer, host, port, limits, tls.acceptor(limits, "http"))
+    return await http1.start(HttpFrontend(core).answer, host, port, limits, tls.acceptor(limits, "http"))

@@ -13,6 +13,7 @@ import tritonclient.http as httpclient
 
 from meshserve.server import access
 from tests.support import eventually
+from tests.support.metrics import Samples
 from tests.support.metrics import sample as _get
 from tests.support.metrics import scrape as _scrape
 
@@ -78,12 +79,39 @@ def test_counters_and_histograms_follow_known_traffic(stack) -> None:
     assert _get(gw1, "meshserve_gateway_replica_healthy", **replica) == 1
 
 
+def _settled_stats(hostport: str) -> dict:
+    """The statistics once two successive reads are identical: no request of the model is still
+    being counted (another test's traffic on the session ``stack`` may still be draining)."""
+    last = [_stats(hostport)]
+
+    def same_twice() -> dict:
+        now, before = _stats(hostport), last[0]
+        last[0] = now
+        assert now == before, "the statistics still move"
+        return now
+
+    return eventually(same_twice, what="two identical successive statistics reads")
+
+
+def _scrape_between_equal_stats(hostport: str) -> tuple[Samples, dict]:
+    """A /metrics scrape taken between two identical statistics reads, and those statistics: the
+    two reads are not atomic together, so they are compared only when nothing moved around the
+    scrape (retried while something did)."""
+    def bracketed() -> tuple[Samples, dict]:
+        before = _settled_stats(hostport)
+        samples = _scrape(hostport)
+        assert _stats(hostport) == before, "the statistics moved during the scrape"
+        return samples, before
+
+    return eventually(bracketed, what="a scrape with the statistics unchanged around it")
+
+
 def test_metrics_agree_with_the_statistics_extension(stack) -> None:
     with grpcclient.InferenceServerClient(stack.gateway.grpc) as c:
         c.infer("add_sub", _inputs())
-    samples = _scrape(stack.service.http)
-    stats = _stats(stack.service.http)
+    samples, stats = _scrape_between_equal_stats(stack.service.http)
     inf = stats["inference_stats"]
+    assert inf["success"]["count"] >= 1  # the request above at least
     assert _get(samples, "nv_inference_request_success", **MODEL) == inf["success"]["count"]
     assert _get(samples, "nv_inference_request_failure", **MODEL) == inf["fail"]["count"]
     assert _get(samples, "nv_inference_count", **MODEL) == stats["inference_count"]
