@@ -39,8 +39,8 @@ and ``from_gateway`` compare by identity):
   marker only keeps the hop's framing of the stream's answers (meshserve/server/grpc_frontend.py:
   completion order, ``STREAM`` / ``EMPTY_FINAL``, ``CANCEL`` by id, retry hints in band), which
   touches nothing but the caller's own stream, so that a gateway without a key is still served
-  correctly (its python models' BLS calls would wait behind their callers on a client's
-  in-order stream).
+  correctly (on a client's framing a decoupled model's stream never ends at the gateway: no
+  empty final answer unless its client asked for one).
 
 A gateway, whose callers are clients, never believes the marker (``trusted``, ``trust_marker``).
 
