@@ -1,4 +1,4 @@
-"""meshserve command line: `up`, `gateway`, `service KIND`, `placement`, `build-trt`, `check-repo`.
+"""meshserve command line: `up`, `gateway`, `service KIND`, `hop-key`, `placement`, `build-trt`, `check-repo`.
 
 The gateway, the services and load/ are packages of their own that this module imports only
 inside the function of the subcommand that runs them (never at module level: each pulls in
@@ -288,11 +288,31 @@ def _hop_auth(args: argparse.Namespace, run_dir: Path) -> tuple[list[str], list[
     key = args.hop_key_file
     if key is None:
         key = run_dir / "hop.key"
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+        write_hop_key(key)
     flags = ["--hop-key-file", str(key)]
     return flags, flags
+
+
+def write_hop_key(path: Path) -> None:
+    """A new hop key (32 random bytes as 64 hex digits) in a new file ``path``, readable by its
+    owner alone (0600); FileExistsError when ``path`` exists (a key in use is never overwritten)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def _cmd_hop_key(args: argparse.Namespace) -> None:
+    from meshserve.server.tls import HOP_KEY_ENV
+
+    try:
+        write_hop_key(args.path)
+    except FileExistsError:
+        raise SystemExit(f"meshserve hop-key: {args.path} exists (a key in use is not overwritten: remove it "
+                         f"first to make a new one)") from None
+    except OSError as exc:
+        raise SystemExit(f"meshserve hop-key: cannot write {args.path}: {exc.strerror}") from None
+    print(f"meshserve hop-key: wrote a new hop key to {args.path} (0600); give it to the gateway and to every "
+          f"service: --hop-key-file {args.path} (or ${HOP_KEY_ENV})")
 
 
 def _mesh_tls(run_dir: Path) -> tuple[list[str], list[str]]:
@@ -491,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("kind", choices=sorted(k.name for k in kinds.KINDS))
     service_arguments(svc)
     svc.set_defaults(func=_cmd_service)
+
+    hk = sub.add_parser("hop-key", help="write a new hop key for `gateway` and `service` --hop-key-file "
+                                         "(docs/security.md, \"The authenticated hop\")")
+    hk.add_argument("path", type=Path, metavar="FILE", help="the key file to create (0600; never overwritten)")
+    hk.set_defaults(func=_cmd_hop_key)
 
     trt = sub.add_parser("build-trt", help="build a TensorRT plan (model.plan) from an ONNX model")
     trt.add_argument("onnx", type=Path, metavar="MODEL.onnx")

@@ -1,10 +1,13 @@
 """Shared fixtures: real meshserve processes on free loopback ports."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -99,12 +102,34 @@ class Proc(Endpoints):
         return code
 
 
+HOP_KEY_ENV = "MESHSERVE_HOP_KEY_FILE"  # --hop-key-file's default (meshserve/server/tls.py:HOP_KEY_ENV)
+_hop_key: list[Path] = []
+
+
+def hop_key_file() -> Path:
+    """The suite's hop key: one per test process (0600, in a directory removed at exit). Every
+    process ``start`` runs gets it (``HOP_KEY_ENV``), as `meshserve up` gives its gateway and
+    services a throwaway one, so that a gateway and a service started by hand authenticate their
+    hop and keep its extras (merged counts, coalescer waits, deadlines, traces across the hop;
+    docs/security.md, "The authenticated hop"). A keyless process: ``env={HOP_KEY_ENV: ""}``."""
+    if not _hop_key:
+        from meshserve.cli import write_hop_key
+
+        d = Path(tempfile.mkdtemp(prefix="meshserve-test-hop-"))
+        atexit.register(shutil.rmtree, d, True)
+        write_hop_key(d / "hop.key")
+        _hop_key.append(d / "hop.key")
+    return _hop_key[0]
+
+
 def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None,
           module: str = "meshserve") -> Proc:
-    """Start `python -m meshserve ARGS` (or another server module) and wait for its ready line."""
+    """Start `python -m meshserve ARGS` (or another server module) and wait for its ready line.
+    It gets the suite's hop key (``hop_key_file``) unless ``env`` names another (or "": none)."""
     argv = [sys.executable, "-m", module, *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True)
+                            cwd=ROOT, env={**os.environ, HOP_KEY_ENV: str(hop_key_file()), **(env or {})},
+                            start_new_session=True)
     p = Proc(argv, proc)
     ready = follow_ready(proc, p.ports, p.output.append)
     if not ready.wait(timeout) or not p.ports:
@@ -148,16 +173,18 @@ def _wait_http_ready(hostport: str, timeout: float = 30) -> None:
 
 @contextmanager
 def service_and_gateway(kind: str, service_args: Sequence[str], gateway_args: Sequence[str] = (),
-                        timeout: float = 90, module: str | None = None) -> Iterator[tuple[Proc, Proc]]:
+                        timeout: float = 90, module: str | None = None,
+                        env: dict[str, str] | None = None) -> Iterator[tuple[Proc, Proc]]:
     """``meshserve service KIND SERVICE_ARGS`` (gRPC and HTTP on free ports) and a gateway
     (GATEWAY_ARGS) in front of it, ready; both stopped on exit. ``module``: a stand-in service
-    run as ``python -m MODULE SERVICE_ARGS`` instead (``kind`` unused)."""
+    run as ``python -m MODULE SERVICE_ARGS`` instead (``kind`` unused). ``env``: both
+    processes' environment on top of this one's (``start``)."""
     ports = ["--grpc-port", "0", "--http-port", "0"]
-    service = start([*ports, *service_args], timeout=timeout, module=module) if module is not None \
-        else start(["service", kind, *ports, *service_args], timeout=timeout)
+    service = start([*ports, *service_args], timeout=timeout, module=module, env=env) if module is not None \
+        else start(["service", kind, *ports, *service_args], timeout=timeout, env=env)
     try:
         gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
-                         *gateway_args])
+                         *gateway_args], env=env)
     except Exception:
         service.stop()
         raise

@@ -154,7 +154,13 @@ def wait_ready(server: Server, timeout: float) -> None:
 
 def start_meshserve(label: str, argv: list[str], http: int, grpc: int, res: Path) -> Server:
     log = res / f"{label}.log"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
+    key = res / "hop.key"  # the gateway and the service share a hop key, as under `meshserve up`: without
+    if not key.exists():  # one the service believes none of the hop's extras (docs/security.md, "The authenticated hop")
+        from meshserve.cli import write_hop_key
+
+        write_hop_key(key)
+    env = {"MESHSERVE_HOP_KEY_FILE": str(key), **os.environ,
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
     proc = subprocess.Popen([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=env,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return Server(label, proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", log)

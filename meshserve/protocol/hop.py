@@ -22,19 +22,25 @@ A service answers an error in band: the stream response's ``error_message``, its
 
 The gateway writes them (the ``with_*`` / ``set_*`` functions, ``cancel``, ``set_error``); a
 service reads them once per request at its front door (``decode``) into the ``Hop`` record, which
-is all that the code behind it sees. They are believed only on a call whose marker ``vet`` has
-verified, once per call (per stream), when the call's metadata is read: ``vet`` swaps an
-authenticated call's marker for ``VERIFIED`` (an object no wire can carry: ``decode`` compares
-by identity) and deletes any other. A call is authenticated (docs/security.md, "The
-authenticated hop") when
+is all that the code behind it sees. ``vet`` reads a call's marker once per call (per stream),
+when the call's metadata is read, and makes it one of two objects no wire can carry (``decode``
+and ``from_gateway`` compare by identity):
 
-- the service has a hop key (``--hop-key-file``) and the call's ``AUTH_HEADER`` is a valid,
-  fresh, unused token of it (``token``: an HMAC-SHA256 over a time and a nonce, made by the
-  gateway once per stream, ``stream_metadata``); or
-- the service's gRPC port serves mutual TLS (``--grpc-use-ssl-mutual``): every peer that got
-  through the handshake holds a certificate of ``--grpc-root-cert``, the mesh's CA; or
-- the service has neither (``open``): the hop is not authenticated and the network is the
-  boundary, as before (a warning at start).
+- ``VERIFIED``: the call is authenticated (docs/security.md, "The authenticated hop"): the
+  service has a hop key (``--hop-key-file``) and the call's ``AUTH_HEADER`` is a valid, fresh,
+  unused token of it (``token``: an HMAC-SHA256 over a time and a nonce, made by the gateway
+  once per stream, ``stream_metadata``), or the service's gRPC port serves mutual TLS
+  (``--grpc-use-ssl-mutual``: every peer that got through the handshake holds a certificate of
+  ``--grpc-root-cert``, the mesh's CA). Its requests' hop parameters are believed: merged
+  counts, coalescer waits, deadlines, traceparents, the client's request id.
+- ``FRAMED``: any other call with the gateway's marker, e.g. every call to a service with
+  neither key nor mutual TLS (``open_hop``). Its hop parameters are all ignored (``decode``
+  gives ``NO_HOP``: its statistics, queue times, deadlines and spans are the caller's own); the
+  marker only keeps the hop's framing of the stream's answers (meshserve/server/grpc_frontend.py:
+  completion order, ``STREAM`` / ``EMPTY_FINAL``, ``CANCEL`` by id, retry hints in band), which
+  touches nothing but the caller's own stream, so that a gateway without a key is still served
+  correctly (on a client's framing a decoupled model's stream never ends at the gateway: no
+  empty final answer unless its client asked for one).
 
 A gateway, whose callers are clients, never believes the marker (``trusted``, ``trust_marker``).
 
@@ -78,9 +84,21 @@ NONCES_KEPT = 65_536  # tokens remembered (each usable once) within the window; 
 MIN_KEY_BYTES = 32  # a hop key file's least length (e.g. 64 hex digits of 32 random bytes)
 _MAX_TOKEN = 128  # a longer token is not one of ours
 _MAC_CONTEXT = b"meshserve-hop/1"
-# A verified call's marker: made at run time (never interned, so no string parsed from a wire is
-# this object) with a NUL (which no HTTP/2 header value may hold); decode compares by identity.
+# A verified call's marker and an unverified one's (vet): made at run time (never interned, so no
+# string parsed from a wire is either object) with a NUL (which no HTTP/2 header value may hold);
+# decode and from_gateway compare by identity.
 VERIFIED = "".join((GATEWAY, "\x00verified"))
+FRAMED = "".join((GATEWAY, "\x00framed"))
+OPEN_SERVICE = ("the hop is not authenticated (no --hop-key-file, no --grpc-use-ssl-mutual): this service believes "
+                "no gateway's hop parameters (merged counts, coalescer waits, deadlines, traceparents), a "
+                "gateway's requests count as its own; give the gateway and this service the same --hop-key-file "
+                "(`meshserve hop-key FILE` makes one)")
+OPEN_GATEWAY = ("the hop to the services is not authenticated (no --hop-key-file, no --upstream-client-cert): "
+                "requests are served, but the services believe none of the hop's extras: a merged request counts "
+                "once in their statistics, the coalescer's wait counts as queue time again, the client's "
+                "deadline does not stop a request there, merged members' traces end at the gateway, a python "
+                "model's request_id() is the hop's id; give the gateway and its services the same "
+                "--hop-key-file (`meshserve hop-key FILE` makes one)")
 
 log = logging.getLogger("meshserve.hop")
 
@@ -108,7 +126,8 @@ def authenticate(key: bytes | None, mutual: bool) -> None:
 
 
 def open_hop() -> bool:
-    """No hop key and no mutual TLS: the marker is believed from whoever reaches the port."""
+    """No hop key and no mutual TLS: no call is authenticated (a service believes no hop
+    parameter; a gateway's services believe none of its)."""
     return _hop_key is None and not _mutual
 
 
@@ -156,32 +175,41 @@ def stream_metadata() -> tuple[tuple[str, str], ...]:
 
 def vet(headers: dict[str, str]) -> dict[str, str]:
     """A call's metadata, read once per call (per stream) at the gRPC front door: the marker of
-    an authenticated call becomes ``VERIFIED``, any other is deleted (its hop parameters are then
-    ignored: the caller is treated as a client). A call without the marker (a client's) costs one
-    lookup."""
+    an authenticated call becomes ``VERIFIED`` (its hop parameters believed), the gateway's
+    marker on any other call ``FRAMED`` (its hop parameters ignored: the caller's requests are
+    its own; only the answers keep the hop's framing); a gateway deletes every marker. A call
+    without the marker (a client's) costs one lookup."""
     marker = headers.get(HEADER)
     if marker is None:
         return headers
     auth = headers.pop(AUTH_HEADER, None)
-    why = "this process is a gateway" if not trusted else "not the gateway's marker" if marker != GATEWAY \
-        else None if _mutual or _hop_key is None \
-        else "no token" if auth is None else check_token(_hop_key, auth, int(time.time() * 1000), _nonces)
+    if not trusted or marker != GATEWAY:  # (a gateway ignores its clients' markers silently)
+        del headers[HEADER]
+        return headers
+    why = None if _mutual else "this service has no --hop-key-file and no --grpc-use-ssl-mutual" \
+        if _hop_key is None else "no token" if auth is None \
+        else check_token(_hop_key, auth, int(time.time() * 1000), _nonces)
     if why is None:
         headers[HEADER] = VERIFIED
         return headers
-    del headers[HEADER]
+    headers[HEADER] = FRAMED
     now = time.monotonic()
-    if trusted and now - _warned[0] >= 60.0:  # (a gateway ignores its clients' markers silently)
+    if now - _warned[0] >= 60.0:
         _warned[0] = now
         log.warning("a call carried the hop marker without a valid hop token (%s): its hop parameters are "
-                    "ignored, the caller is served as a client (a gateway without this service's --hop-key-file?)",
-                    why)
+                    "ignored, its requests are the caller's own (a gateway without this service's "
+                    "--hop-key-file?)", why)
     return headers
 
 
 def from_gateway(headers: Mapping[str, str]) -> bool:
-    """Is a call a gateway's hop: its marker verified (``vet``) in a process that believes it?"""
-    return trusted and headers.get(HEADER) is VERIFIED
+    """Are a call's answers framed as on a gateway's hop: its marker vetted (``vet``: verified or
+    not) in a process that believes it? Only the framing: its hop parameters are believed on a
+    ``VERIFIED`` call alone (``decode``)."""
+    if not trusted:
+        return False
+    marker = headers.get(HEADER)
+    return marker is VERIFIED or marker is FRAMED
 
 
 @dataclass(slots=True, eq=False)  # not frozen: a frozen dataclass's __init__ costs ~0.2 µs more per request

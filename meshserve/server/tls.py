@@ -146,17 +146,17 @@ def load_hop_key(path: str) -> bytes:
 
 def configure_hop(settings: TlsSettings, host: str, service: bool) -> None:
     """At start, before any hop stream opens: the hop key (a gateway signs its streams with it, a
-    service checks them) and, in a service, whether its gRPC port's mutual TLS authenticates
-    the hop (meshserve/protocol/hop.py:vet). A service with neither is warned about."""
+    service checks them) and whether mutual TLS authenticates the hop (a service's gRPC port, a
+    gateway's --upstream-client-cert; meshserve/protocol/hop.py:vet). Neither: a service believes
+    no hop parameter, a gateway's services believe none of its (a line at start says so)."""
     from meshserve.protocol import hop
     from meshserve.server.repository_control import is_loopback
 
     key = load_hop_key(settings.hop_key_file) if settings.hop_key_file else None
-    hop.authenticate(key, settings.grpc is not None and settings.grpc.mutual)
-    if service and hop.open_hop():
-        level = logging.INFO if host == "localhost" or is_loopback(host) else logging.WARNING
-        log.log(level, "the hop is not authenticated (no --hop-key-file, no --grpc-use-ssl-mutual): this service "
-                "believes the gateway's hop marker from whoever reaches its gRPC port")
+    hop.authenticate(key, settings.grpc is not None and settings.grpc.mutual if service else bool(UPSTREAM.cert))
+    if hop.open_hop():
+        local = host == "localhost" or is_loopback(host)
+        log.log(logging.INFO if service and local else logging.WARNING, hop.OPEN_SERVICE if service else hop.OPEN_GATEWAY)
 
 
 def flags(settings: TlsSettings) -> list[str]:

@@ -500,7 +500,8 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 @pytest.mark.parametrize("path", OVERLAYS)
 def test_k8s_only_gateways_reach_the_services(path: str) -> None:
-    """A service believes the hop marker from whoever reaches its port (docs/security.md): every
+    """Only gateways may reach a service (docs/security.md: defence in depth beside the
+    authenticated hop, and a service serves every model to whoever reaches it): every
     service Deployment's pods are selected by an Ingress NetworkPolicy under which their
     inference ports (gRPC, HTTP) admit gateway pods only; the /metrics-only port may stay open;
     the quota store is the gateways' alone."""

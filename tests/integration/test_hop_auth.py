@@ -8,6 +8,11 @@ as its own (statistics count it once, its queue time is its own, its spans are i
 while the gateway's signed streams keep every hop fact (merged requests counted per member, the
 members' traceparents). A request signed with the key (a token of its own per call) is believed:
 what tells the two apart is the key, nothing else. `meshserve up` makes a throwaway key itself.
+
+Without a key (and without mutual TLS) nothing is believed: a service started with neither
+serves the same forged request as its own, and a gateway and a service both started without one
+still serve every request correctly (unary, merged, a decoupled model's stream, a client that
+leaves), only without the hop's extras; each says so at start.
 """
 from __future__ import annotations
 
@@ -28,11 +33,12 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from meshserve.protocol import hop
-from tests.conftest import ROOT, Proc, _wait_http_ready, start
+from tests.conftest import HOP_KEY_ENV, ROOT, Proc, _wait_http_ready, service_and_gateway, start
 from tests.integration.test_tracing import Receiver, Span, _otel_env, _traceparent
 from tests.support.waiting import eventually
 
@@ -52,13 +58,16 @@ class Mesh:
     service: Proc
     gateway: Proc
     key: bytes
+    open_service: Proc  # no hop key, no mutual TLS (HOP_KEY_ENV emptied: the suite's key not given)
+    open_gateway: Proc  # the same, in front of open_service
 
 
 @pytest.fixture(scope="module")
 def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     d = tmp_path_factory.mktemp("hop-auth")
     repo = d / "models"
-    shutil.copytree(model_repo / "small_mlp", repo / "small_mlp")
+    for name in ("small_mlp", "add_sub"):
+        shutil.copytree(model_repo / name, repo / name)
     for name in ("slow_forged", "slow_signed"):
         shutil.copytree(model_repo / "add_sub", repo / name)
         (repo / name / "config.pbtxt").write_text(SLOW.format(name=name, delay=SLOW_DELAY_US))
@@ -76,8 +85,14 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         # the coalescer sends one request at a time per model: the rest of a burst is merged
         started.append(start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", started[0].grpc,
                               "--coalesce-inflight", "1", "--hop-key-file", str(d / "hop.key")], env=env))
-        _wait_http_ready(started[1].http)
-        yield Mesh(receiver, started[0], started[1], key)
+        keyless = {**env, HOP_KEY_ENV: ""}
+        started.append(start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"],
+                             env=keyless))
+        started.append(start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", started[2].grpc,
+                              "--coalesce-inflight", "1"], env=keyless))
+        for gateway in (started[1], started[3]):
+            _wait_http_ready(gateway.http)
+        yield Mesh(receiver, started[0], started[1], key, started[2], started[3])
     finally:
         for p in reversed(started):
             p.stop()
@@ -107,14 +122,12 @@ VICTIM = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"  # another client's trace (w
 FORGED_PARAMS = {hop.MERGED: 64, hop.QUEUED: 10_000_000, hop.TRACEPARENTS: VICTIM}
 
 
-def test_a_direct_clients_forged_hop_changes_nothing(mesh: Mesh) -> None:
-    """Marker and private parameters straight to the service, unauthenticated: a merged count of
-    64 over 1 row (believed: INVALID_ARGUMENT) is served as one plain request and counted once;
-    a claimed 10 s in the coalescer does not cut its queue wait; a 1 µs deadline does not fail it;
-    its spans are in its own trace, none in the trace its TRACEPARENTS named."""
+def _forged_hop_changes_nothing(mesh: Mesh, service: Proc, why: str) -> None:
+    """Marker, a token and private parameters straight to ``service``'s gRPC port; the service
+    logged ``why`` it did not believe them."""
     tp, trace_id, client_span = _traceparent()
     forged = {hop.HEADER: hop.GATEWAY, hop.AUTH_HEADER: hop.token(b"not the key" * 4), "traceparent": tp}
-    with grpcclient.InferenceServerClient(mesh.service.grpc) as c:
+    with grpcclient.InferenceServerClient(service.grpc) as c:
         before = _stats(c, "slow_forged")
         r = c.infer("slow_forged", _add_sub_inputs(), headers=forged, parameters={**FORGED_PARAMS, hop.DEADLINE: 1})
         np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.full((1, 16), 2.0, np.float32))
@@ -129,13 +142,30 @@ def test_a_direct_clients_forged_hop_changes_nothing(mesh: Mesh) -> None:
     assert mine["service.request"].parent == client_span
     assert "meshserve.merged_requests" not in mine["service.request"].attributes
     assert not [s for s in spans if s.trace_id == VICTIM.split("-")[1]]
-    assert any("without a valid hop token (a wrong MAC" in line for line in mesh.service.output)
+    assert any(f"without a valid hop token ({why}" in line for line in service.output)
+
+
+def test_a_direct_clients_forged_hop_changes_nothing(mesh: Mesh) -> None:
+    """Marker and private parameters straight to the service, unauthenticated: a merged count of
+    64 over 1 row (believed: INVALID_ARGUMENT) is served as one plain request and counted once;
+    a claimed 10 s in the coalescer does not cut its queue wait; a 1 µs deadline does not fail it;
+    its spans are in its own trace, none in the trace its TRACEPARENTS named."""
+    _forged_hop_changes_nothing(mesh, mesh.service, "a wrong MAC")
+
+
+def test_a_service_without_a_key_believes_no_forged_hop(mesh: Mesh) -> None:
+    """The same at a service with neither --hop-key-file nor mutual TLS (before: it believed
+    the marker from whoever reached its port): served as the client's own request, every forged
+    value ignored; at start it said that it believes no gateway's hop parameters."""
+    assert any("this service believes no gateway's hop parameters" in line for line in mesh.open_service.output)
+    _forged_hop_changes_nothing(mesh, mesh.open_service, "this service has no --hop-key-file")
 
 
 def test_the_marker_alone_on_a_stream_is_a_clients_stream(mesh: Mesh) -> None:
-    """A ModelStreamInfer call with the marker and no token: answered as a client's (Triton's
-    triton_final_response on each answer; on a gateway's hop there is none), its merged count
-    ignored."""
+    """A ModelStreamInfer call with the marker and no token: its requests are a client's (its
+    merged count of 64 over 1 row ignored, not refused); its answers keep the hop's framing
+    (here STREAM: Triton's triton_final_response, no empty final for a model that is not
+    decoupled), which touches nothing but its own stream."""
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     with grpcclient.InferenceServerClient(mesh.service.grpc) as c:
         c.start_stream(lambda result, error: answers.put((result, error)), headers={hop.HEADER: hop.GATEWAY})
@@ -206,6 +236,65 @@ def test_the_gateways_signed_hop_keeps_every_fact(mesh: Mesh) -> None:
                 assert all(m["service.request"].attributes["meshserve.merged_requests"] >= 2 for m in merged)
                 return
     raise AssertionError("no burst of 8 was merged by a gateway with --coalesce-inflight 1 in 3 attempts")
+
+
+def test_a_gateway_and_a_service_without_a_key_serve_correctly(mesh: Mesh) -> None:
+    """A gateway and a service both started without a key: the gateway warns at start which
+    extras are lost; requests through it are served right over HTTP and gRPC, and a burst the
+    coalescer merges too (each member gets its answer), counted as what reached the service: a
+    merged request counts once there (its merged count is not believed)."""
+    assert any("the hop to the services is not authenticated" in line and "a merged request counts once" in line
+               for line in mesh.open_gateway.output)
+    with httpclient.InferenceServerClient(mesh.open_gateway.http) as h:
+        inputs = []
+        for name, value in (("INPUT0", 3.0), ("INPUT1", 1.0)):
+            inp = httpclient.InferInput(name, [1, 16], "FP32")
+            inp.set_data_from_numpy(np.full((1, 16), value, np.float32))
+            inputs.append(inp)
+        r = h.infer("add_sub", inputs, request_id="mine")
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.full((1, 16), 4.0, np.float32))
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), np.full((1, 16), 2.0, np.float32))
+        assert r.get_response()["id"] == "mine"
+    with grpcclient.InferenceServerClient(mesh.open_gateway.grpc) as c, \
+            grpcclient.InferenceServerClient(mesh.open_service.grpc) as direct:
+        r = c.infer("add_sub", _add_sub_inputs(3), request_id="rows")
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.full((3, 16), 2.0, np.float32))
+        assert r.get_response().id == "rows"
+        before = _stats(direct, "small_mlp")
+        expected = c.infer("small_mlp", [_mlp_input()]).as_numpy("OUTPUT0")
+        results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        for i in range(8):
+            c.async_infer("small_mlp", [_mlp_input()], lambda result, error: results.put((result, error)),
+                          request_id=f"b{i}")
+        answers = [results.get(timeout=60) for _ in range(8)]
+        after = _stats(direct, "small_mlp")
+    assert all(error is None for _, error in answers), answers
+    assert sorted(result.get_response().id for result, _ in answers) == [f"b{i}" for i in range(8)]
+    for result, _ in answers:
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), expected, rtol=1e-6)
+    served = after.inference_stats.success.count - before.inference_stats.success.count
+    assert after.inference_count - before.inference_count == 9  # every row ran once
+    assert 1 <= served <= 9 and after.execution_count - before.execution_count <= served
+
+
+@pytest.fixture(scope="module")
+def open_decoupled() -> Iterator[tuple[Proc, Proc]]:
+    """The decoupled stand-in service and a gateway, neither with a key."""
+    with service_and_gateway("", [], module="tests.integration.decoupled_service", timeout=60,
+                             env={HOP_KEY_ENV: ""}) as procs:
+        yield procs
+
+
+def test_decoupled_streams_through_a_gateway_without_a_key(open_decoupled: tuple[Proc, Proc]) -> None:
+    """Without a key the hop keeps its framing: test_gateway_streaming's checks on a keyless
+    pair: a decoupled model's every response with its client's id, the empty final one only
+    where the client asked for it, in-band errors, a client that leaves stops its request at the
+    service (the hop's cancel)."""
+    from tests.integration import test_gateway_streaming as streaming
+
+    streaming.test_a_client_stream_gets_every_response_with_its_id(open_decoupled)
+    streaming.test_errors_and_models_that_are_not_decoupled_on_a_client_stream(open_decoupled)
+    streaming.test_a_client_that_leaves_stops_its_request_at_the_service(open_decoupled)
 
 
 def test_meshserve_up_authenticates_the_hop_by_itself(model_repo: Path) -> None:

@@ -146,9 +146,14 @@ def test_the_nonce_store_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("service")
-def test_an_open_hop_believes_the_marker_and_a_keyed_one_only_with_a_fresh_token() -> None:
+def test_only_an_authenticated_call_is_believed_any_marked_one_keeps_the_framing() -> None:
     marker = dict(hop.METADATA)
-    assert _vetted(marker).queued_ns == 7_000  # no key, no mutual TLS: the network is the boundary
+    assert hop.open_hop()
+    vetted = hop.vet(dict(marker))  # no key, no mutual TLS: nothing is believed
+    assert vetted == {hop.HEADER: hop.FRAMED} and hop.from_gateway(vetted)  # (the answers' framing only)
+    assert _vetted(marker) is hop.NO_HOP
+    assert hop.decode(pb.ModelInferRequest().parameters, vetted) is hop.NO_HOP
+    assert _vetted({**marker, hop.AUTH_HEADER: hop.token(KEY)}) is hop.NO_HOP  # a token, but no key to check it
     hop.authenticate(KEY, mutual=False)
     assert not hop.open_hop()
     assert _vetted(marker) is hop.NO_HOP  # the marker alone
@@ -159,7 +164,9 @@ def test_an_open_hop_believes_the_marker_and_a_keyed_one_only_with_a_fresh_token
     assert vetted == {hop.HEADER: hop.VERIFIED} and hop.from_gateway(vetted)  # (the token is not kept)
     assert hop.decode(pb.ModelInferRequest().parameters, vetted) is hop.GATEWAY_HOP
     assert _vetted(signed) is hop.NO_HOP  # the same token on another call: replayed
+    assert hop.vet(dict(signed)) == {hop.HEADER: hop.FRAMED}
     assert _vetted({hop.HEADER: "client", hop.AUTH_HEADER: hop.token(KEY)}) is hop.NO_HOP
+    assert hop.vet({hop.HEADER: "client"}) == {}  # not the gateway's marker: no framing either
     hop.authenticate(None, mutual=True)  # mutual TLS on the gRPC port: every peer holds the mesh CA's certificate
     assert _vetted(marker).queued_ns == 7_000
 
@@ -173,6 +180,7 @@ def test_only_vet_makes_a_marker_believed() -> None:
     copy = "".join(("gateway", "\x00verified"))
     assert copy == hop.VERIFIED and hop.decode(params, {hop.HEADER: copy}) is hop.NO_HOP
     assert _vetted({hop.HEADER: copy}) is hop.NO_HOP
+    assert not hop.from_gateway({hop.HEADER: hop.GATEWAY}) and not hop.from_gateway({hop.HEADER: copy})
     assert hop.vet({"x": "y"}) == {"x": "y"}
 
 
