@@ -5,6 +5,7 @@ direct run beside it in time.
 
     python -m load.bench --side-by-side [RESULTS_DIR] [--repeats 3] [--models add_sub,mlp]
         [--modes grpc,http,http-json] [--concurrency 1,8,32] [--interval 2000] [--triton auto|off]
+        [--raw-ort mlp@32] [--raw-ort-runs 1000]
     (smoke: --models add_sub --modes grpc --concurrency 8 --repeats 1 --interval 1000 --triton off)
 
 Each run is one perf_analyzer measurement through ../shared/bench/drive.py (the team's harness: same
@@ -665,7 +666,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--raw-ort", type=parse_raw_cells, default=parse_raw_cells(os.environ.get("RAW_ORT", "mlp@32")),
                     help="MODEL@C cells whose gateway and direct runs are each followed by the same graph run "
                          "with onnxruntime alone at the run's rows per execution (CPU per row against it); '' none")
-    ap.add_argument("--raw-ort-runs", type=int, default=int(os.environ.get("RAW_ORT_RUNS", 300)),
+    ap.add_argument("--raw-ort-runs", type=int, default=int(os.environ.get("RAW_ORT_RUNS", 1000)),
                     help="onnxruntime runs per raw measurement")
     return ap.parse_args(argv)
 

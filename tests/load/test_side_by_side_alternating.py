@@ -139,3 +139,15 @@ def test_raw_cells_parse() -> None:
     assert sbs.parse_raw_cells("") == set()
     with pytest.raises(Exception, match="MODEL@CONCURRENCY"):
         sbs.parse_raw_cells("mlp")
+
+
+def test_row_cpu_tells_the_service_threads_apart_by_role() -> None:
+    """load/bench/row_cpu.py: the event loop is the process's own thread, onnxruntime's pools the
+    threads there before any request, the worker a thread started since (the executor's)."""
+    from load.bench import row_cpu
+
+    before = {100: ("python3", 1.0), 101: ("python3", 2.0), 102: ("python3", 0.5), 200: ("python3", 0.1)}
+    after = {100: ("python3", 1.5), 101: ("python3", 2.25), 102: ("python3", 0.5), 200: ("python3", 1.1),
+             300: ("python3", 0.05)}  # 300: started during the interval
+    got = row_cpu.roles(100, {100, 101, 102}, before, after)
+    assert got == pytest.approx({"event loop": 0.5, "onnxruntime pool": 0.25, "worker": 1.05})
