@@ -92,6 +92,9 @@ def test_smoke_one_cell_without_triton(tmp_path: Path) -> None:
         ours = sum(v for n, v in r["cpu_us_per_req"].items() if n != "client")
         assert r["cpu_per_row_vs_raw"] == pytest.approx(ours / raw["cpu_us_per_row"], rel=1e-2)
         assert r["cpu_per_row_vs_raw"] > 0
+        split = r["service_threads_us_per_row"]  # the service's event loop and its other threads
+        assert split["event loop"] > 0
+        assert split["event loop"] + split["other"] == pytest.approx(r["cpu_us_per_req"]["service"], abs=0.2)
     table = (res / "side_by_side.md").read_text().split("## CPU per served row against raw onnxruntime")[1]
     line = next(x for x in table.splitlines() if x.startswith("| add_sub | grpc | 8 | "))
     assert f"{runs[0]['cpu_per_row_vs_raw']:.2f}" in line and f"{runs[1]['cpu_per_row_vs_raw']:.2f}" in line
@@ -103,7 +106,7 @@ def test_another_gateway_worker_count_is_reported_against_the_first_gateway() ->
         records += [rec("gateway", rep, g), rec("gateway-w2", rep, w2, avg_batch=5.0), rec("direct", rep, 1200)]
     text = sbs.report(records, META)
     assert "| model | proto | c | gateway-w2 /s | gateway-w2/gateway | rows/exec |" in text
-    assert "| add_sub | grpc | 8 | 1000 | 1.00 (0.90–1.10) ± | 5.0 |"  # (± : either way) in text
+    assert "| add_sub | grpc | 8 | 1000 | 1.00 (0.90–1.10) ± | 5.0 |" in text  # (± : either way)
 
 
 def test_drift_says_which_server_moved_and_an_old_run_reports_again(tmp_path: Path) -> None:
@@ -130,7 +133,14 @@ def test_cpu_per_row_against_raw_onnxruntime_is_reported_per_repeat() -> None:
     line = next(x for x in text.split("against raw onnxruntime")[1].splitlines() if x.startswith("| add_sub |"))
     # gw path: 240/100, 240/120, 240/90 -> 2.40, 2.00, 2.67; direct: 190/95, 190/110, 190/100
     assert line == ("| add_sub | grpc | 8 | 16.0 / 18.0 | 100 (90–120) | 240 (240–240) | 2.40 (2.00–2.67) | "
-                    "190 (190–190) | 1.90 (1.73–2.00) |")
+                    "190 (190–190) | 1.90 (1.73–2.00) | – / – | – |")  # (no thread split recorded)
+    for r in records:  # the service's threads other than its event loop, in the same runs
+        r["service_threads_us_per_row"] = {"event loop": 40.0, "other": 150.0 if r["label"] == "gateway" else 140.0}
+        if r["label"] == "gateway":
+            r["cpu_per_row_vs_inproc"] = round(240 / 150, 3)
+    line = next(x for x in sbs.report(records, META).split("against raw onnxruntime")[1].splitlines()
+                if x.startswith("| add_sub |"))
+    assert line.endswith("| 150 / 140 | 1.60 (1.60–1.60) |")
     assert "against raw onnxruntime" not in sbs.report([rec("gateway", 0, 1000)], META)  # none measured: no table
 
 
