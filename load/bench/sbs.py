@@ -5,6 +5,7 @@ direct run beside it in time.
 
     python -m load.bench --side-by-side [RESULTS_DIR] [--repeats 3] [--models add_sub,mlp]
         [--modes grpc,http,http-json] [--concurrency 1,8,32] [--interval 2000] [--triton auto|off]
+        [--raw-ort mlp@32] [--raw-ort-runs 1000]
     (smoke: --models add_sub --modes grpc --concurrency 8 --repeats 1 --interval 1000 --triton off)
 
 Each run is one perf_analyzer measurement through ../shared/bench/drive.py (the team's harness: same
@@ -15,6 +16,14 @@ request, per process, for every repeat. The report (``RESULTS_DIR/side_by_side.m
 per cell the median and min–max over the repeats of gw/Triton and gw/direct (each ratio from runs
 of the same repeat), the p99s, and marks a cell whose gw/Triton spread crosses 1.0 ("±": not
 evidence either way). Every run's record is in ``RESULTS_DIR/runs.jsonl``.
+
+CPU per served row against raw onnxruntime (``--raw-ort mlp@32``, the issue's "within 1.5×"): right
+after each gateway and direct run of such a cell, the same ONNX file runs in a separate process
+(``--raw-ort-serve``, started once, pinned as the service is) with onnxruntime alone: the session
+options the service builds from the same config.pbtxt (services/onnx/runtime.py:session_options),
+the perf_analyzer sample tiled to the run's mean rows per execution (floor and ceil mixed to that
+mean), ``--raw-ort-runs`` runs; its process CPU time (every thread) per row is the reference. The
+ratio is (gateway + service CPU per row) / raw, and service / raw for the direct run.
 
 Topology: the same two processes `meshserve up` starts (an ONNX service, a gateway with
 ``--upstream`` to its gRPC port and ``--federate-metrics``), started here one by one so the service
@@ -88,6 +97,15 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             pass
     return total
+
+
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """User + system CPU seconds of one thread ``tid`` of ``pid`` (0.0 when it is gone)."""
+    try:
+        f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / HZ
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -246,6 +264,105 @@ def perf_analyzer() -> tuple[str, dict[str, str]]:
     return str(venv / "bin" / "perf_analyzer"), {"LD_LIBRARY_PATH": lib + (f":{ld}" if ld else "")}
 
 
+# --- raw onnxruntime: the CPU per row of the graph alone -----------------------------------------
+
+def raw_ort_session(repo: Path, model: str) -> Any:
+    """``model``'s newest version in ``repo`` as the ONNX service loads it: the same file, the session
+    options the service builds from the same config.pbtxt, the CPU provider."""
+    import onnxruntime as ort
+    from google.protobuf import text_format
+
+    from meshserve._proto import model_config_pb2 as mc
+    from services.onnx.runtime import session_options
+
+    config = text_format.Parse((repo / model / "config.pbtxt").read_text(), mc.ModelConfig())
+    version = max((d for d in (repo / model).iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    return ort.InferenceSession(str(version / (config.default_model_filename or "model.onnx")),
+                                session_options(config), providers=["CPUExecutionProvider"])
+
+
+def raw_ort_cpu_per_row(session: Any, sample: dict[str, list[float]], batch: float, runs: int) -> dict[str, Any]:
+    """``runs`` runs of ``session`` at a mean of ``batch`` rows (floor and ceil mixed), each row
+    ``sample``; this process's CPU time (all threads: onnxruntime's pool too) per row."""
+    import numpy as np
+
+    lo = max(1, math.floor(batch))
+    n_hi = round(runs * (batch - lo)) if batch > lo else 0
+    feeds = {}
+    for b in {lo, lo + 1}:
+        feeds[b] = {i.name: np.tile(np.asarray(sample[i.name], dtype=np.float32), (b, 1))
+                    for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    for _ in range(5):  # (the first runs allocate the arena)
+        session.run(names, feeds[lo])
+    plan = [lo + 1] * n_hi + [lo] * (runs - n_hi)
+    c0, t0 = time.process_time(), time.perf_counter()
+    for b in plan:
+        session.run(names, feeds[b])
+    cpu, wall, rows = time.process_time() - c0, time.perf_counter() - t0, sum(plan)
+    return {"batch": round(rows / runs, 2), "runs": runs, "rows": rows,
+            "cpu_us_per_row": round(1e6 * cpu / rows, 2), "wall_us_per_row": round(1e6 * wall / rows, 2)}
+
+
+def raw_ort_serve(repo: Path, data: Path) -> int:
+    """``--raw-ort-serve REPO PERF_DATA``: one JSON request a line on stdin ({"model", "batch",
+    "runs"}), one JSON answer a line on stdout; sessions are kept, so only the runs are measured."""
+    sessions: dict[str, Any] = {}
+    for line in sys.stdin:
+        ask = json.loads(line)
+        model = ask["model"]
+        if model not in sessions:
+            sessions[model] = raw_ort_session(repo, model)
+        sample = json.loads((data / f"{model}.json").read_text())["data"][0]
+        print(json.dumps(raw_ort_cpu_per_row(sessions[model], sample, float(ask["batch"]), int(ask["runs"]))),
+              flush=True)
+    return 0
+
+
+class RawOrt:
+    """The ``--raw-ort-serve`` child, started on first use (pinned to ``cpus`` when given)."""
+
+    def __init__(self, repo: Path, data: Path, cpus: set[int] | None):
+        self.repo, self.data, self.cpus = repo, data, cpus
+        self.proc: subprocess.Popen[str] | None = None
+
+    def measure(self, model: str, batch: float, runs: int) -> dict[str, Any]:
+        if self.proc is None:
+            cpus = self.cpus
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "load.bench.sbs", "--raw-ort-serve", str(self.repo), str(self.data)],
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"model": model, "batch": batch, "runs": runs}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"raw onnxruntime process ended (rc {self.proc.wait()})")
+        return dict(json.loads(line))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def parse_raw_cells(text: str) -> set[tuple[str, int]]:
+    """``mlp@32,add_sub@8`` -> {(model, concurrency)}; empty: none."""
+    out = set()
+    for part in filter(None, text.replace(" ", ",").split(",")):
+        model, _, c = part.partition("@")
+        if not model or not c.isdigit():
+            raise argparse.ArgumentTypeError(f"--raw-ort: {part!r} is not MODEL@CONCURRENCY")
+        out.add((model, int(c)))
+    return out
+
+
 # --- one run -------------------------------------------------------------------------------------
 
 @dataclass
@@ -256,6 +373,7 @@ class Bench:
     pa_env: dict[str, str]
     servers: dict[str, Server] = field(default_factory=dict)
     procs: dict[str, dict[str, int]] = field(default_factory=dict)  # label -> process name -> pid
+    raw: RawOrt | None = None
 
     def run(self, label: str, rep: int, key: Key, into: str = "runs.jsonl", interval: int = 0) -> dict[str, Any]:
         model, mode, c = key
@@ -263,6 +381,8 @@ class Bench:
         tmp = self.res / "drive" / f"{label}-{model}-{mode}-c{c}-r{rep}.jsonl"
         tmp.parent.mkdir(exist_ok=True)
         cpu0 = {name: cpu_seconds(pid) for name, pid in self.procs[label].items()}
+        svc = self.procs[label].get("service")
+        loop0 = thread_cpu_seconds(svc, svc) if svc else 0.0  # the service's event loop (its main thread)
         t0 = time.monotonic()
         cmd = [sys.executable, str(BENCH / "drive.py"), "--http", s.http, "--grpc", s.grpc, "--model", model,
                "--label", f"{label}-r{rep}", "--modes", mode, "--concurrency", str(c), "--interval", str(interval or self.args.interval),
@@ -282,6 +402,7 @@ class Bench:
             said = "drive.py did not end"
         wall = time.monotonic() - t0
         cpu1 = {name: cpu_seconds(pid) for name, pid in self.procs[label].items()}
+        loop1 = thread_cpu_seconds(svc, svc) if svc else 0.0
         lines = [json.loads(x) for x in tmp.read_text().splitlines() if x.strip()] if tmp.exists() else []
         rec: dict[str, Any] = lines[-1] if lines else {"ok": False, "error": said[-600:]}
         rec.update(label=label, model=model, mode=mode, concurrency=c, repeat=rep,
@@ -297,6 +418,22 @@ class Bench:
             rec["cpu_us_per_req"] = {n: round(1e6 * (cpu1[n] - cpu0[n]) / served, 1) for n in cpu0}
             if rec.get("cpu_pa_cores") is not None and rec.get("wall_s"):  # perf_analyzer's, over its own run
                 rec["cpu_us_per_req"]["client"] = round(1e6 * rec["cpu_pa_cores"] * rec["wall_s"] / served, 1)
+        if svc and served:
+            # the service's CPU per row split: its event loop, and every other thread (the instance's
+            # worker, which calls Session.run, with onnxruntime's intra-op pool): onnxruntime at work
+            # in the same seconds as the rest, beside the raw reference run a moment later
+            loop = 1e6 * (loop1 - loop0) / served
+            rec["service_threads_us_per_row"] = {"event loop": round(loop, 1),
+                                                 "other": round(rec["cpu_us_per_req"]["service"] - loop, 1)}
+        if (self.raw is not None and into == "runs.jsonl" and label != "triton" and (model, c) in self.args.raw_ort
+                and rec.get("ok") and rec.get("avg_batch") and rec.get("cpu_us_per_req")):
+            # the graph alone at this run's rows per execution, right after it (the same machine state)
+            rec["raw_ort"] = raw = self.raw.measure(model, float(rec["avg_batch"]), self.args.raw_ort_runs)
+            ours = sum(v for n, v in rec["cpu_us_per_req"].items() if n != "client")
+            rec["cpu_per_row_vs_raw"] = round(ours / raw["cpu_us_per_row"], 3)
+            other = (rec.get("service_threads_us_per_row") or {}).get("other")
+            if other and other > 0:
+                rec["cpu_per_row_vs_inproc"] = round(ours / other, 3)
         with (self.res / into).open("a") as f:
             f.write(json.dumps(rec) + "\n")
         tmp.unlink(missing_ok=True)
@@ -311,6 +448,12 @@ def say(rec: dict[str, Any]) -> None:
     per = " ".join(f"{n}={v:.0f}" for n, v in (rec.get("cpu_us_per_req") or {}).items())
     print(f"  {tag}: {rec['infer_per_s']:.0f}/s p99 {rec['p99_us'] / 1e3:.2f} ms rows/exec {rec.get('avg_batch')} "
           f"cpu µs/req {per} foreign {rec.get('cpu_foreign_cores')} load {rec['load_avg']}", flush=True)
+    if rec.get("raw_ort"):
+        raw = rec["raw_ort"]
+        print(f"  {tag}: raw onnxruntime at {raw['batch']} rows/exec {raw['cpu_us_per_row']:.1f} CPU µs/row; "
+              f"server / raw {rec['cpu_per_row_vs_raw']:.2f}; service threads µs/row "
+              f"{rec.get('service_threads_us_per_row')}, server / in-process {rec.get('cpu_per_row_vs_inproc')}",
+              flush=True)
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -359,7 +502,8 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"command: `{meta['command']}`  ", f"commit: {meta['commit']}  ",
            f"knobs: repeats {meta['repeats']}, window {meta['interval']} ms, ORT threads {meta['ort_threads']}, "
            f"gateway workers {meta['gateway_workers']}, CPU placement {meta.get('pin', 'none')}, "
-           f"Triton: {meta['triton']}  ",
+           f"Triton: {meta['triton']}, raw onnxruntime cells {meta.get('raw_ort', '–')} "
+           f"({meta.get('raw_ort_runs', '–')} runs each)  ",
            f"load average at start {meta['load_start']}, at end {meta.get('load_end', '–')}; "
            f"wall {meta.get('wall_min', '–')} min", "",
            "Per cell: median (min–max) over the repeats; each ratio from the runs of one repeat (Triton, "
@@ -413,6 +557,7 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          _f(spread([val(k, m, r, "avg_batch") for r in reps])[0], ".1f")]
             out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cols) + " |")
         out.append("")
+    out += raw_table(records, keys, reps)
     out += drift(records, keys, reps)
     out += ["## Every repeat", "",
             "| model | proto | c | rep | label | infer/s | p99 ms | rows/exec | CPU µs/req per process | foreign | load |",
@@ -426,6 +571,51 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                    f"| {r['model']} | {r['mode']} | {r['concurrency']} | {r['repeat']} | {r['label']} | "
                    f"FAILED | | | | | {r.get('load_avg')} |")
     return "\n".join(out) + "\n"
+
+
+def raw_table(records: list[dict[str, Any]], keys: list[Key], reps: list[int]) -> list[str]:
+    """The cells measured against raw onnxruntime (``--raw-ort``): server CPU per served row over the
+    graph's alone at the same rows per execution, median (min–max) over the repeats."""
+    by = {((r["model"], r["mode"], int(r["concurrency"])), r["label"], int(r["repeat"])): r
+          for r in records if r.get("ok") and r.get("raw_ort")}
+    if not by:
+        return []
+
+    def col(k: Key, label: str, get: Any) -> list[float]:
+        return [float(get(by[(k, label, r)])) for r in reps if (k, label, r) in by]
+
+    def other(r: dict[str, Any]) -> float:
+        return float((r.get("service_threads_us_per_row") or {}).get("other", math.nan))
+
+    def med(vals: list[float], fmt: str) -> str:
+        m, lo, hi = spread(vals)
+        return "–" if math.isnan(m) else f"{m:{fmt}} ({lo:{fmt}}–{hi:{fmt}})"
+
+    out = ["## CPU per served row against raw onnxruntime", "",
+           "Right after each gateway and direct run: the same graph in its own process with onnxruntime "
+           "alone (the service's session options, the same input row), at that run's mean rows per execution; "
+           "process CPU time per row. gw path = (gateway + service) / raw; direct = service / raw. "
+           "Median (min–max) over the repeats; goal (issue 36) gw path ≤ 1.5. In-process: the service's "
+           "threads other than its event loop (the worker that calls Session.run, onnxruntime's pool) in "
+           "the same run, for a reference taken in the same seconds (it includes the worker's own Python: "
+           "a ratio to it is a lower bound).", "",
+           "| model | proto | c | rows/exec gw / d | raw µs/row | gw+svc µs/row | gw path / raw | "
+           "svc direct µs/row | direct / raw | svc non-loop threads µs/row gw / d | gw path / in-process |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        if not any((k, lab, r) in by for lab in ("gateway", "direct") for r in reps):
+            continue
+        srv = col(k, "gateway", lambda r: sum(v for n, v in r["cpu_us_per_req"].items() if n != "client"))
+        out.append(
+            f"| {k[0]} | {k[1]} | {k[2]} | {_f(spread(col(k, 'gateway', lambda r: r['avg_batch']))[0], '.1f')} / "
+            f"{_f(spread(col(k, 'direct', lambda r: r['avg_batch']))[0], '.1f')} | "
+            f"{med(col(k, 'gateway', lambda r: r['raw_ort']['cpu_us_per_row']), '.0f')} | {med(srv, '.0f')} | "
+            f"{med(col(k, 'gateway', lambda r: r['cpu_per_row_vs_raw']), '.2f')} | "
+            f"{med(col(k, 'direct', lambda r: r['cpu_us_per_req']['service']), '.0f')} | "
+            f"{med(col(k, 'direct', lambda r: r['cpu_per_row_vs_raw']), '.2f')} | "
+            f"{_f(spread(col(k, 'gateway', other))[0], '.0f')} / {_f(spread(col(k, 'direct', other))[0], '.0f')} | "
+            f"{med(col(k, 'gateway', lambda r: r.get('cpu_per_row_vs_inproc', math.nan)), '.2f')} |")
+    return out + [""]
 
 
 def drift(records: list[dict[str, Any]], keys: list[Key], reps: list[int]) -> list[str]:
@@ -512,13 +702,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="CPU placement, e.g. gateway=0,service=1,client=0-1 (triton too): every thread of that "
                          "process tree (client: perf_analyzer); default: the scheduler's")
     ap.add_argument("--ort-threads", default=os.environ.get("BENCH_ORT_THREADS", "2"))
+    ap.add_argument("--raw-ort", type=parse_raw_cells, default=parse_raw_cells(os.environ.get("RAW_ORT", "mlp@32")),
+                    help="MODEL@C cells whose gateway and direct runs are each followed by the same graph run "
+                         "with onnxruntime alone at the run's rows per execution (CPU per row against it); '' none")
+    ap.add_argument("--raw-ort-runs", type=int, default=int(os.environ.get("RAW_ORT_RUNS", 1000)),
+                    help="onnxruntime runs per raw measurement")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--report":  # python -m load.bench --side-by-side --report RESULTS_DIR
         print(rewrite(Path(argv[1])), end="")
         return 0
+    if argv and argv[0] == "--raw-ort-serve":  # the raw onnxruntime child (RawOrt)
+        return raw_ort_serve(Path(argv[1]), Path(argv[2]))
     args = parse(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the servers are stopped on the way out)
     res: Path = args.results.resolve()
@@ -569,16 +767,20 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(gw, 120)
             bench.procs[label] = {"gateway": gw.proc.pid, "service": svc.proc.pid}
         bench.procs["direct"] = {"service": svc.proc.pid}
+        if args.raw_ort:
+            bench.raw = RawOrt(Path(repo), args.models_dir / "perf_data", args.pin.get("service"))
         for names in bench.procs.values():
             for name, pid in names.items():
                 if name in args.pin:
                     pin(pid, args.pin[name])
         labels = [lab for lab in LABELS if lab in bench.servers] + [lab for lab in bench.servers if lab not in LABELS]
         meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "repeats": args.repeats,
-                "command": "python -m load.bench --side-by-side " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": "python -m load.bench --side-by-side " + " ".join(argv),
                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                          text=True).stdout.strip(),
                 "interval": args.interval, "ort_threads": args.ort_threads, "gateway_workers": args.gateway_workers,
+                "raw_ort": ", ".join(f"{m}@{c}" for m, c in sorted(args.raw_ort)) or "none",
+                "raw_ort_runs": args.raw_ort_runs,
                 "triton": triton_note, "load_start": load_average(),
                 "pin": ", ".join(f"{k}={min(v)}-{max(v)}" for k, v in args.pin.items()) or "none"}
         print(f"{len(keys)} cells × {args.repeats} repeats × {len(labels)} servers", flush=True)
@@ -609,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== done: report {res / 'side_by_side.md'}, every run {res / 'runs.jsonl'}", flush=True)
         return 0
     finally:
+        if bench.raw is not None:
+            bench.raw.stop()
         for s in reversed(list(bench.servers.values())):
             s.stop()
         shutil.rmtree(res / "triton-work", ignore_errors=True)
