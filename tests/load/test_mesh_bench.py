@@ -1,5 +1,5 @@
 """`python -m load.bench --mesh --smoke`: the model mesh benchmark's own run, small (24 models of
-1-2 MiB, 3 lazy onnx replicas whose budgets hold about a third of them, 4 clients for 6 s): every answer
+1-2 MiB, 3 lazy onnx replicas whose budgets hold about 5 of them each, 4 clients for 6 s): every answer
 right, warm and cold requests both seen, loads and evictions counted, each replica's RSS growth
 under its budget + the base the service measured of itself + the stated slack."""
 from __future__ import annotations
