@@ -8,9 +8,9 @@ Every answer is checked (model i answers INPUT0 + i).
 
 Cases (``--cases``): ``mesh`` (`--model-control-mode lazy --memory-budget B`) and ``all`` (every
 replica loads every model at start, under the same budget: what a node sized for the mesh's
-budget does without it), and ``all-unbounded`` (the same without a budget: the memory every
-replica then needs). Triton in explicit mode with the whole set loaded is ``all`` with
-Triton's memory and no budget: run it where a tritonserver is installed (not here).
+budget does without it), ``all-unbounded`` (the same without a budget: the memory every
+replica then needs), and ``triton`` (the real Triton in explicit mode asked to load the whole set
+under the memory the mesh's replicas may use in all, then the same mix: load/bench/mesh_triton.py).
 
 Reported per case: requests, failures (by error), warm and cold requests with their p50 / p99
 (a request is warm when the gateway's placement showed its model served before it started and
@@ -18,8 +18,9 @@ no load of it happened until after it ended: GET /v2/placement polled every 0.25
 evictions per minute (the services' counters, federated on the gateway's /metrics), each
 replica's peak RSS against its budget, and the gateway's cold-start histogram.
 
-``--smoke``: 24 models of 1-2 MiB, budgets for a third of them (plus 16 MiB each for onnxruntime's
-start), 3 replicas, 6 s, the mesh case only (about 30 s on a quiet box).
+``--smoke``: 24 models of 1-2 MiB, budgets of 4 + 6 MiB (about 5 of them each, 15 of the 24 in all:
+as much room as the earlier smoke's 4 + 16 MiB left once onnxruntime's start was charged to it),
+3 replicas, 6 s, the mesh case only (about 30 s on a quiet box).
 """
 from __future__ import annotations
 
@@ -46,7 +47,13 @@ import numpy as np
 from load.bench import mesh_models
 
 ROOT = Path(__file__).resolve().parents[2]
-RSS_MARGIN = 64 * 2**20  # a replica's RSS growth beyond its budget we call fine (allocator slack, arenas)
+# A replica's RSS stays under budget + base + RSS_SLACK: the base is what the service measured of itself
+# before its first load (meshserve_memory_base_bytes: interpreter, libraries, onnxruntime's one-time
+# start), the slack what the models' measured sizes do not hold: allocator fragmentation and arenas,
+# requests' tensors in flight, and a load's real size over its estimate until the next one settles
+RSS_SLACK = 32 * 2**20
+# the triton case's memory cap when no mesh case ran before it to measure a replica's base
+TRITON_BASE_GUESS = 100 * 2**20
 
 
 @dataclass
@@ -197,6 +204,23 @@ def _client(url: str, names: list[str], weights: list[float], seed: int, until: 
                 out.append(Sample(t0, time.monotonic(), name, outcome))
 
 
+def mix(grpc: str, names: list[str], weights: list[float], clients: int, duration: float
+        ) -> tuple[list[Sample], float]:
+    """``clients`` closed-loop clients asking ``grpc`` for ``names`` by ``weights`` for ``duration``
+    seconds: every request's sample, and the seconds it took."""
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    until = time.monotonic() + duration
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=_client, args=(grpc, names, weights, n, until, samples, lock))
+               for n in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return samples, time.monotonic() - t0
+
+
 def _warm(sample: Sample, snapshots: list[tuple[float, dict[str, tuple[int, int]]]]) -> bool | None:
     """Served before it started and not loaded until after it ended (None: no snapshots around it)."""
     before = next((s for t, s in reversed(snapshots) if t <= sample.start), None)
@@ -228,20 +252,12 @@ def run_case(case: str, repo: Path, names: list[str], weights: list[float], args
     watch = Watch()
     try:
         before = _get(f"http://{up.http}/metrics").decode()
+        bases = [int(float(m.group(1))) for m in
+                 re.finditer(r"^meshserve_memory_base_bytes(?:\{[^}]*\})? (\S+)$", before, re.M)]
         watch.baseline_rss = {pid: _rss(pid) for pid in up.services}
         watcher = threading.Thread(target=_watch, args=(up, watch, case == "mesh"), daemon=True)
         watcher.start()
-        samples: list[Sample] = []
-        lock = threading.Lock()
-        until = time.monotonic() + args.duration
-        t0 = time.monotonic()
-        clients = [threading.Thread(target=_client, args=(up.grpc, names, weights, n, until, samples, lock))
-                   for n in range(args.clients)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-        elapsed = time.monotonic() - t0
+        samples, elapsed = mix(up.grpc, names, weights, args.clients, args.duration)
         watch.stop.set()
         watcher.join()
         after = _get(f"http://{up.http}/metrics").decode()
@@ -263,7 +279,9 @@ def run_case(case: str, repo: Path, names: list[str], weights: list[float], args
                                 - _metric_sum(before, "meshserve_model_loads_total")) / minutes, 1),
         "evictions_per_min": round((_metric_sum(after, "meshserve_model_evictions_total")
                                     - _metric_sum(before, "meshserve_model_evictions_total")) / minutes, 1),
-        "budget_bytes": budget, "rss_margin_bytes": RSS_MARGIN,
+        "budget_bytes": budget, "rss_slack_bytes": RSS_SLACK, "base_bytes": bases,
+        # the bound: the budget this case ran under + the largest base the replicas report + the slack
+        "rss_bound_bytes": budget + max(bases, default=0) + RSS_SLACK if case != "all-unbounded" else None,
         "peak_rss_bytes": [watch.peak_rss.get(p, 0) for p in up.services],
         "baseline_rss_bytes": [watch.baseline_rss.get(p, 0) for p in up.services],
         "peak_over_baseline_bytes": [watch.peak_rss.get(p, 0) - watch.baseline_rss.get(p, 0) for p in up.services],
@@ -271,7 +289,18 @@ def run_case(case: str, repo: Path, names: list[str], weights: list[float], args
         "gateway_cold_starts": _metric_sum(after, "meshserve_gateway_model_cold_start_seconds_count"),
         "duration_s": round(elapsed, 1),
     })
+    bound = result["rss_bound_bytes"]
+    result["rss_within_bound"] = None if bound is None else all(p <= bound for p in result["peak_rss_bytes"])
     return result
+
+
+def triton_cap(args: argparse.Namespace, budget: int, done: list[dict[str, Any]]) -> int:
+    """The triton case's memory: what the mesh's replicas may hold in all (budget + base + slack each,
+    the base measured by a case run before, else TRITON_BASE_GUESS), or --triton-memory-mib."""
+    if args.triton_memory_mib is not None:
+        return int(args.triton_memory_mib * 2**20)
+    bases = [b for r in done for b in r.get("base_bytes", []) if b]
+    return args.replicas * (budget + (max(bases) if bases else TRITON_BASE_GUESS) + RSS_SLACK)
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -280,41 +309,69 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{doc['budget_bytes'] / 2**20:.0f} MiB budgets each ({doc['ratio']:.1f}x their sum); "
              f"{doc['clients']} clients, Zipf s={doc['zipf']}, {doc['duration']} s per case.", "",
              "| case | requests | failed | warm share | warm p50 / p99 ms | cold p50 / p99 ms | loads/min | "
-             "evictions/min | peak RSS per replica, MiB (over its idle start) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "evictions/min | peak RSS per replica, MiB (over its idle start) | bound: budget + base + slack, MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    mib = 2**20
     for r in doc["cases"]:
-        rss = ", ".join(f"{b / 2**20:.0f} ({d / 2**20:+.0f})"
+        if r["case"] == "triton":
+            continue
+        rss = ", ".join(f"{b / mib:.0f} ({d / mib:+.0f})"
                         for b, d in zip(r["peak_rss_bytes"], r["peak_over_baseline_bytes"], strict=True))
+        bound = ("–" if r.get("rss_bound_bytes") is None else
+                 f"{r['rss_bound_bytes'] / mib:.0f} ({'held' if r['rss_within_bound'] else '**passed**'})")
         lines.append(f"| {r['case']} | {r['requests']} | {r['failed']} | {r['warm_share']} | "
                      f"{r['warm_latency']['p50_ms']} / {r['warm_latency']['p99_ms']} | "
                      f"{r['cold_latency']['p50_ms']} / {r['cold_latency']['p99_ms']} | {r['loads_per_min']} | "
-                     f"{r['evictions_per_min']} | {rss} |")
+                     f"{r['evictions_per_min']} | {rss} | {bound} |")
         if r["failures"]:
-            lines.append(f"|  | failures: {json.dumps(r['failures'])[:300]} |  |  |  |  |  |  |  |")
+            lines.append(f"|  | failures: {json.dumps(r['failures'])[:300]} |  |  |  |  |  |  |  |  |")
+    for r in (r for r in doc["cases"] if r["case"] == "triton"):
+        peak = r["peak_cgroup_bytes"] or r["peak_tree_rss_bytes"]
+        lines += ["", f"Triton 2.51, explicit mode, python backend over onnxruntime, memory cap "
+                      f"{r['memory_cap_bytes'] / mib:.0f} MiB ({r['cap_by']}): **{r['outcome']}**", "",
+                  "| models loaded (attempted) | load time s (p50 per model) | READY after loads / after mix | "
+                  "peak memory MiB (cap) | tree RSS / PSS after loads MiB | OOM kills | requests | failed |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {r.get('loads_ok')} ({r.get('load_attempts')}) | {r.get('load_seconds')} "
+                  f"({r.get('load_p50_s')}) | {r.get('ready_after_loads')} / {r.get('ready_after_mix')} | "
+                  f"{peak / mib:.0f} ({r['memory_cap_bytes'] / mib:.0f}) | "
+                  f"{r.get('tree_rss_bytes_after_loads', 0) / mib:.0f} / {r.get('tree_pss_bytes_after_loads', 0) / mib:.0f} | "
+                  f"{r.get('oom_kills_after_mix')} | {r.get('requests')} | {r.get('failed')} |"]
+        for why, n in sorted(r.get("failures", {}).items(), key=lambda kv: -kv[1]):
+            lines.append(f"- {n} requests: {why}")
+        for why, n in sorted(r.get("load_errors", {}).items(), key=lambda kv: -kv[1]):
+            lines.append(f"- {n} loads failed: {why}")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m load.bench --mesh", description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="12 small models, 6 s, the mesh case (about 30 s)")
+    ap.add_argument("--smoke", action="store_true", help="24 small models, 6 s, the mesh case (about 30 s)")
     ap.add_argument("--models", type=int, default=200)
     ap.add_argument("--min-mib", type=float, default=0.5)
     ap.add_argument("--max-mib", type=float, default=8.0)
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--ratio", type=float, default=3.0, help="the models' bytes over the sum of the budgets")
     ap.add_argument("--budget-extra-mib", type=float, default=0.0,
-                    help="added to each replica's budget: the services charge onnxruntime's one-time start (about "
-                         "10 MiB) to a replica's first load, which matters for small budgets")
+                    help="added to each replica's budget (onnxruntime's one-time start is in the services' base, "
+                         "not in a model's size: no need to add room for it)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--duration", type=float, default=180.0, metavar="SECONDS", help="per case")
-    ap.add_argument("--cases", default="mesh,all", help="comma list of mesh, all, all-unbounded")
+    ap.add_argument("--cases", default="mesh,all", help="comma list of mesh, all, all-unbounded, triton")
+    ap.add_argument("--triton-venv", type=Path, default=Path(os.environ.get("TRITON_VENV", "/tmp/bench-venvs/triton")))
+    ap.add_argument("--triton-memory-mib", type=float, default=None,
+                    help="the triton case's memory cap (default: the replicas' budgets + bases + slack, in all)")
+    ap.add_argument("--triton-duration", type=float, default=30.0, metavar="SECONDS",
+                    help="the triton case's mix (after its loads)")
+    ap.add_argument("--triton-load-limit", type=float, default=420.0, metavar="SECONDS",
+                    help="the triton case stops loading after this long")
     ap.add_argument("--repository", type=Path, default=None, help="where the models go (default: a temp dir)")
     ap.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-results")
     args = ap.parse_args(argv)
     if args.smoke:
         args.models, args.min_mib, args.max_mib, args.duration, args.clients = 24, 1.0, 2.0, 6.0, 4
-        args.cases, args.budget_extra_mib = "mesh", 16.0
+        args.cases, args.budget_extra_mib = "mesh", 6.0
     repo = args.repository or Path(tempfile.mkdtemp(prefix="mesh-bench-"))
     repo.mkdir(parents=True, exist_ok=True)
     sizes = build_repository(repo, args.models, args.min_mib, args.max_mib)
@@ -334,6 +391,14 @@ def main(argv: list[str] | None = None) -> None:
     for case in [c for c in args.cases.split(",") if c]:
         print(f"[mesh bench] {case}: {args.models} models, {args.replicas} replicas, budget {budget} bytes each",
               file=sys.stderr, flush=True)
+        if case == "triton":
+            from load.bench import mesh_triton
+
+            cap = triton_cap(args, budget, doc["cases"])
+            print(f"[mesh bench] triton: memory cap {cap} bytes", file=sys.stderr, flush=True)
+            doc["cases"].append(mesh_triton.run(repo, names, weights, args, cap,
+                                                Path(tempfile.mkdtemp(prefix="mesh-triton-"))))
+            continue
         doc["cases"].append(run_case(case, repo, names, weights, args, budget))
     doc["finished_load"] = "load average " + " ".join(f"{v:.1f}" for v in os.getloadavg())
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -343,3 +408,6 @@ def main(argv: list[str] | None = None) -> None:
     stem.with_suffix(".md").write_text(text)
     print(text)
     print(f"[mesh bench] wrote {stem}.json and .md", file=sys.stderr)
+    over = [r["case"] for r in doc["cases"] if r["case"] == "mesh" and r.get("rss_within_bound") is False]
+    if over:  # the policy's promise: a replica's RSS never above its budget + base + slack
+        raise SystemExit(f"[mesh bench] peak RSS above budget + base + slack in: {', '.join(over)}")

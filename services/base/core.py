@@ -90,6 +90,9 @@ class ServiceCore:
         self._started = False
         self._draining = False
         self._load_lock = asyncio.Lock()
+        # plain loads (no parameters) queued or running, per model: another plain load of the same
+        # model meanwhile waits for that one's outcome instead of loading it again (_load_once)
+        self._plain_loads: dict[str, asyncio.Future[None]] = {}
         self.control = ModelControl()
         self._fingerprints: dict[str, tuple] = {}
         # model directories of other kinds (by their fingerprint): not scanned again until they change
@@ -108,6 +111,7 @@ class ServiceCore:
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Scan the repository and load every model of our kind (versions per policy)."""
+        self.memory.base = memory.measure_base(self.adapters.values())  # before any load (services/base/memory.py)
         entries = layout.scan(self.repository, gpu_available=self.gpu_available)
         for entry in sorted(entries, key=lambda e: e.name not in self.memory.pinned):  # pinned first: they fit
             if not self._is_mine(entry):
@@ -515,7 +519,40 @@ class ServiceCore:
                          ctx: RequestContext) -> None:
         """(Re)load a model from the repository: load new versions, then retire old ones."""
         self._check_control("load", name, parameters, ctx)
-        await self._load(name, parameters)
+        if parameters:  # a config override or files: a load of its own
+            await self._load(name, parameters)
+        else:
+            await self._load_once(name)
+
+    async def _load_once(self, name: str) -> None:
+        """A plain load, single-flight: while one of the model is queued or running, another (two
+        gateways placing the same cold model at once) gets its outcome instead of a second load.
+        A load asked for after it ended loads again (Triton's reload)."""
+        while (pending := self._plain_loads.get(name)) is not None:
+            try:
+                await asyncio.shield(pending)
+                return
+            except asyncio.CancelledError:
+                if not pending.cancelled():
+                    raise  # this caller went away
+                # the first caller went away before its load ended: load it here
+            except InferError as exc:  # the same answer, in an error of its own
+                raise InferError(exc.code, exc.message, retry_after_s=exc.retry_after_s) from None
+        done = self._plain_loads[name] = asyncio.get_running_loop().create_future()
+        try:
+            await self._load(name, {})
+        except asyncio.CancelledError:
+            done.cancel()
+            raise
+        except BaseException as exc:
+            done.set_exception(exc)
+            done.exception()  # retrieved: no "never retrieved" warning when nobody waited
+            raise
+        else:
+            done.set_result(None)
+        finally:
+            if self._plain_loads.get(name) is done:
+                del self._plain_loads[name]
 
     def _check_control(self, action: str, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                        ctx: RequestContext) -> None:

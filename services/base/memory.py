@@ -9,6 +9,13 @@ have to be somewhere; a load that reuses memory freed by an earlier unload shows
 change than it costs). Before a load the size is estimated: the size the version had when last
 loaded here, else its files times ``ESTIMATE_FACTOR`` per instance.
 
+The service's own memory is its **base**: its resident size before its first model load, taken
+at start (`measure_base`, `services/base/core.py:ServiceCore.start`) after each runtime adapter's
+optional ``prime()`` has paid the runtime's one-time start (onnxruntime's environment and kernel
+registries: ~19 MiB that its first session keeps for good, charged before to whichever model
+loaded first). It is on /metrics as meshserve_memory_base_bytes: a replica's RSS stays under
+its budget + its base + the slack docs/model-mesh.md states.
+
 Memory comes back on unload: `trim` hands freed heap back to the kernel (glibc's malloc_trim)
 after every unload and eviction (docs/perf/memory-return.md has the figures).
 
@@ -55,6 +62,9 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 FAMILIES = {
     "memory_budget": Family("meshserve_memory_budget_bytes", "gauge",
                             "Bytes the service's loaded models may hold (--memory-budget)"),
+    "memory_base": Family("meshserve_memory_base_bytes", "gauge",
+                          "The service's resident size before its first model load (interpreter, runtime "
+                          "libraries and their one-time start): its RSS beyond the models' budget"),
     "memory_used": Family("meshserve_memory_used_bytes", "gauge",
                           "Bytes the service's loaded model versions hold (the sum of their measured sizes)"),
     "memory_pressure": Family("meshserve_memory_pressure_ratio", "gauge",
@@ -217,6 +227,18 @@ class ProcessBound(Protocol):
     def resident_bytes(self) -> int: ...
 
 
+def measure_base(adapters: Iterable[object]) -> int:
+    """The service's base: its RSS after each adapter's optional ``prime()`` (a runtime's one-time
+    start, paid here rather than by the first model loaded) and a collection and trim."""
+    for adapter in adapters:
+        prime = getattr(adapter, "prime", None)
+        if callable(prime):
+            prime()
+    collect()
+    trim()
+    return rss_bytes()
+
+
 def version_bytes(rss_change: int, instances: Iterable[object], files: int) -> int:
     """A loaded version's size: the service process's resident change during its load, plus what
     its instances' own processes hold, and at least its files' size."""
@@ -260,6 +282,7 @@ class MemoryBook:
     budget: int
     pinned: frozenset[str] = frozenset()
     enforced: bool = True  # explicit model control: loads evict and may be refused
+    base: int = 0  # the service's RSS before its first load (measure_base), on /metrics
     sizes: dict[tuple[str, int], int] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
@@ -302,7 +325,7 @@ class MemoryBook:
         for model, version, size in versions:
             used += size
             out.append(("model_memory", {"model": model, "version": version}, size))
-        out += [("memory_budget", {}, self.budget), ("memory_used", {}, used),
+        out += [("memory_budget", {}, self.budget), ("memory_base", {}, self.base), ("memory_used", {}, used),
                 ("memory_pressure", {}, used / self.budget if self.budget else 0.0),
                 ("saturation", {}, inflight / max_inflight if max_inflight else 0.0)]
         out += [("model_loads", {"model": m}, n) for m, n in self.loads.items()]

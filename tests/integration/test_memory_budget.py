@@ -23,8 +23,8 @@ from tests.support.metrics import sample, scrape
 
 N = 2896  # 2896 x 2896 FP32 weights: 33.5 MB per model
 FILE_BYTES = N * N * 4
-# three models fit (each measured at most ~1.29x its file: the first load in a process also
-# makes onnxruntime's thread pools, ~10 MB), a fourth never does (each is at least its file)
+# three models fit (each measured at most ~1.29x its file; onnxruntime's one-time start is in the
+# service's base: services/base/memory.py:measure_base), a fourth never does (each is at least its file)
 BUDGET = 130_000_000
 SLOW_MS = 5000  # the slow request of the eviction test
 

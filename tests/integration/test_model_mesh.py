@@ -32,7 +32,7 @@ from tests.support import eventually
 
 MODELS = 20
 ROWS = 65536  # 4 MiB of weight each (the services measure about that per load)
-BUDGET = 32_000_000  # about 5 of them (a replica's first load also pays onnxruntime's one-time ~10 MB)
+BUDGET = 32_000_000  # about 5 of them (onnxruntime's one-time start is in the service's base, not in a load)
 PINNED = mesh_models.name_of(0)
 BROKEN = "mesh_broken"
 TENANTS = f"""
@@ -216,7 +216,7 @@ def test_lru_order_shows_in_the_statistics(mesh: Mesh) -> None:
 
 def _room(service: Proc) -> int:
     """How many of the mesh's models fit in a replica's budget beside the pinned model (as it
-    measures there: its first load also paid onnxruntime's one-time cost), each at a first load's
+    measures there), each at a first load's
     estimate (services/base/memory.py:ESTIMATE_FACTOR, more than a load measures)."""
     text = _metrics(service.http)
     free = _value(text, "meshserve_memory_budget_bytes") - _value(text, "meshserve_model_memory_bytes", model=PINNED)

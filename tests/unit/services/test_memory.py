@@ -132,3 +132,36 @@ def test_service_flags() -> None:
     assert ap.parse_args(["--repository", "r"]).memory_budget is None  # main(): memory.default_budget()
     with pytest.raises(SystemExit):
         ap.parse_args(["--repository", "r", "--memory-budget", "lots"])
+
+
+def test_base_is_measured_after_the_runtimes_start() -> None:
+    primed: list[str] = []
+
+    class Primes:
+        def prime(self) -> None:
+            primed.append("yes")
+            held.append(bytearray(b"\x01") * (64 << 20))  # a runtime's one-time start, kept for good
+
+    class Plain:  # no prime(): nothing to start
+        pass
+
+    held: list[bytearray] = []
+    memory.collect()
+    memory.trim()  # as measure_base does: what earlier tests freed is not counted either side
+    before = memory.rss_bytes()
+    base = memory.measure_base([Primes(), Plain()])
+    assert primed == ["yes"]
+    assert base >= before + (56 << 20)  # the start's memory is in the base, not in a first model's size
+    book = MemoryBook(budget=1000, base=base)
+    samples = {k: v for k, labels, v in book.samples([], 0, 0) if not labels}
+    assert samples["memory_base"] == base
+
+
+def test_onnx_adapter_prime_pays_onnxruntimes_start() -> None:
+    pytest.importorskip("onnxruntime")
+    from services.onnx.runtime import OnnxRuntimeAdapter
+
+    OnnxRuntimeAdapter.prime()  # a session made and dropped: no error, and again is cheap
+    after_first = memory.rss_bytes()
+    OnnxRuntimeAdapter.prime()
+    assert memory.rss_bytes() - after_first < 8 << 20
