@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,7 @@ from meshserve.telemetry import metrics, tracing
 if TYPE_CHECKING:
     from gateway.shared_cache import SharedCache
 
+_request_log = logging.getLogger("meshserve.request")  # (meshserve/server/observe.py's: DEBUG logs every request)
 ENTRY_SHARE = 8  # an answer larger than 1/ENTRY_SHARE of the cache's size is not cached
 CONFIGS_KEPT = 1024  # configs whose "is it cached" answer is remembered (all dropped when full)
 ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the dict slot, the node)
@@ -529,6 +531,8 @@ class CacheStage:
         self.flights: dict[bytes, asyncio.Future[bytes | None] | None] = {}  # None: a lead nobody waits on yet
         self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
         self._exact = isinstance(cache, LocalCache)  # keys may be their material (material_key)
+        # the front doors' hits (``FrontDoor``): this process's LocalCache only
+        self.front: FrontDoor | None = None
 
     def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
                    ) -> tuple[mc.ModelConfig, tuple[str, str], bool] | None:
@@ -584,6 +588,14 @@ class CacheStage:
             key = request_key(request, model[1], self._exact)
             if key is None:
                 return self.next.infer(request, ctx, sequence)
+        front = self.front
+        if front is not None and front.pending is raw and raw is not None:
+            # the front door looked this request up and missed: its answer (or a hit here, of an
+            # entry another form stored) is indexed there under the front door's key
+            front.pending = None
+            return self._cached(key, model, config, request, ctx.time_remaining,
+                                lambda: self.next.infer(request, ctx, sequence),
+                                (front.pending_key, front.pending_id, request.model_version))
         return self._cached(key, model, config, request, ctx.time_remaining,
                             lambda: self.next.infer(request, ctx, sequence))
 
@@ -625,9 +637,12 @@ class CacheStage:
 
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
                       request: pb.ModelInferRequest, remaining: Callable[[], float | None],
-                      run: Callable[[], Awaitable[InferResult]]) -> InferResult:
+                      run: Callable[[], Awaitable[InferResult]],
+                      front: tuple[bytes, bytes, str] | None = None) -> InferResult:
         """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model).
-        One coroutine for all three: a miss's answer resumes through every frame above it."""
+        One coroutine for all three: a miss's answer resumes through every frame above it.
+        ``front``: (the front door's key, the id field it cut out, the version asked) of a gRPC
+        request the front door missed, indexed there once its answer is in the cache."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
@@ -637,6 +652,8 @@ class CacheStage:
             elif shared is not None:
                 answer, shared_generation = await shared.get(key, model[0])
             if answer is not None:
+                if front is not None:
+                    self._index(front, request, model, config, key)
                 return self._hit(model, answer, request, started)
             flights = self.flights
             if key not in flights:
@@ -669,8 +686,10 @@ class CacheStage:
             else:
                 answer = result.serialized()
             if local is not None:
-                if not local.put(key, model[0], answer, config, generation) \
-                        and generation != local.generation(model[0]):
+                if local.put(key, model[0], answer, config, generation):
+                    if front is not None:
+                        self._index(front, request, model, config, key)
+                elif generation != local.generation(model[0]):
                     answer = None  # reloaded meanwhile: the waiters ask the new model
             elif shared is not None and shared_generation is not None:
                 await shared.put(key, model[0], answer, shared_generation)
@@ -682,6 +701,15 @@ class CacheStage:
             if flight is not None:
                 flight.set_result(answer)
 
+    def _index(self, front: tuple[bytes, bytes, str], request: pb.ModelInferRequest, model: tuple[str, str],
+               config: mc.ModelConfig, key: bytes) -> None:
+        """Index an entry under the front door's key: only where the id the front door cut out is
+        the request's id (a serialization with its id elsewhere, or twice, is never answered there)."""
+        door = self.front
+        fkey, rid, asked = front
+        if door is not None and rid[2:] == request.id.encode():
+            door.index(fkey, (model[0], asked, model, config, key))
+
     def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
              ) -> InferResult:
         self.counts.hit(model, time.perf_counter_ns() - started)
@@ -690,3 +718,148 @@ class CacheStage:
             tracing.emit_span("gateway.cache", span, now, now, {"meshserve.cache_hit": True,
                                                                  "meshserve.model": model[0]})
         return InferResult(raw=wire.with_request_id(answer, request.id) if request.id else answer)
+
+
+FRONT_ID_MAX = 127  # the front door reads an id of one length byte (longer: the pipeline's path)
+
+
+class FrontDoor:
+    """A hit answered in the gRPC front door (``grpc``), before the pipeline's stages: a key
+    computation, a dict lookup, the id spliced in, the bytes written.
+
+    The key is the request's wire bytes without its id field (``ModelInferRequest.id`` = 3, after
+    the model name and the version asked, where protobuf serializers put it). ``index`` maps it to
+    the entry of ``LocalCache`` that the pipeline's stage found or stored for the same request
+    (``CacheStage._index``: only when the id cut out is the request's id): (model, version asked,
+    (model, version), the config the answer was computed under, the cache's key). A hit needs the
+    model's served config to be that config still (a reload, a version change: the pipeline's
+    path), the name not to have become an A/B route, the entry still in the cache (LRU, byte
+    budget and invalidation are the cache's), tracing off (a traced request takes the pipeline,
+    which records the span) and the request log below DEBUG. The answer is the stored
+    ``ModelInferResponse`` (its id cleared) with the request's id field appended (a singular
+    field's last occurrence wins). It counts as the stage counts a hit (statistics, ``nv_cache_*``)
+    and as ``Outcomes`` counts an answered request. With tenants the request is admitted first
+    (``Admission.admit``: 403 for a model the tenant may not call, its quota and share) and
+    released once answered, as ``Admit`` holds a request until its answer.
+
+    The index holds front-door keys of at most ``EXACT_KEY_MAX`` bytes, in all at most
+    ``1/ENTRY_SHARE`` of the cache's size (then it is emptied and refills from the pipeline's
+    hits): memory beyond the cache's own budget, bounded."""
+
+    def __init__(self, stage: CacheStage, local: LocalCache, request_counts: Counter[tuple[str, str]],
+                 admission: Any = None):
+        self.stage = stage
+        self.local = local
+        self.entries: dict[bytes, tuple[str, str, tuple[str, str], mc.ModelConfig, bytes]] = {}
+        self.bytes = 0
+        self.max_bytes = local.size // ENTRY_SHARE
+        self.request_counts = request_counts
+        self.admission = admission  # gateway/auth.py:Admission, or None (no tenants)
+        # the request the front door just missed, read by the stage on the same pass of the loop
+        # (``CacheStage.infer``, by identity of the bytes): its key and the id field cut out
+        self.pending: bytes | None = None
+        self.pending_key = b""
+        self.pending_id = b""
+
+    def index(self, key: bytes, entry: tuple[str, str, tuple[str, str], mc.ModelConfig, bytes]) -> None:
+        if len(key) > EXACT_KEY_MAX:
+            return
+        if key not in self.entries:
+            self.bytes += len(key)
+            if self.bytes > self.max_bytes:
+                self.entries.clear()
+                self.bytes = len(key)
+        self.entries[key] = entry
+
+    def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext]
+             ) -> bytes | Awaitable[bytes] | None:
+        """The answer of a gRPC ModelInfer call from the cache (with tenants: an awaitable of it,
+        which raises the admission's error), or None: the pipeline's path. ``context``: the
+        front door's RequestContext of a call (read only with tenants)."""
+        # the key: the bytes without the id field (model_name = 1, model_version = 2, id = 3)
+        n = len(raw)
+        if n < 3 or raw[0] != 0x0A or raw[1] > 0x7F or tracing.enabled:
+            return None
+        i = raw[1] + 2
+        if i + 1 < n and raw[i] == 0x12:  # the version asked stays in the key
+            if raw[i + 1] > 0x7F:
+                return None
+            i += raw[i + 1] + 2
+        rid = b""
+        key = raw
+        if i + 1 < n and raw[i] == 0x1A:
+            end = i + 2 + raw[i + 1]
+            if raw[i + 1] > FRONT_ID_MAX or end > n:
+                return None
+            rid = raw[i:end]
+            key = raw[:i] + raw[end:]
+        found = self.entries.get(key)
+        if found is None:
+            self.pending, self.pending_key, self.pending_id = raw, key, rid
+            return None
+        started = time.perf_counter_ns()
+        name, asked, model, config, lkey = found
+        stage = self.stage
+        if stage._config_for(name, asked) is not config or stage._is_route(name) or _request_log.isEnabledFor(10):
+            return None
+        entry = self.local.entries.get(lkey)
+        if entry is None or entry[2] is not config:
+            del self.entries[key]
+            self.bytes -= len(key)
+            return None
+        answer = entry[1] + rid if rid else entry[1]
+        if self.admission is not None:
+            return self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), model, answer, lkey,
+                                  started)
+        self.local.entries.move_to_end(lkey)
+        self.request_counts[(name, "OK")] += 1
+        stage.counts.hit(model, time.perf_counter_ns() - started)
+        return answer
+
+    def http(self, request: pb.ModelInferRequest, ctx: RequestContext) -> bytes | Awaitable[bytes] | None:
+        """The serialized answer of an HTTP infer request from the cache (with tenants: an
+        awaitable of it), or None: the pipeline's path. The key is the stage's (``raw_key`` of
+        the bytes the codec made, else ``request_key``), so HTTP binary, HTTP JSON and gRPC share
+        entries; the front door renders the answer per the request's outputs and binary/JSON
+        choice."""
+        if tracing.enabled:
+            return None
+        started = time.perf_counter_ns()
+        stage = self.stage
+        found = stage._cacheable(request, None)  # (a sequence request: never, by its parameters)
+        if found is None or _request_log.isEnabledFor(10):
+            return None
+        config, model, _ = found
+        raw = ctx.raw
+        key = raw_key(raw, model[1], True) if raw is not None else None
+        if key is None and (key := request_key(request, model[1], True)) is None:
+            return None
+        entry = self.local.entries.get(key)
+        if entry is None or entry[2] is not config:
+            return None
+        answer = wire.with_request_id(entry[1], request.id) if request.id else entry[1]
+        if self.admission is not None:
+            return self._admitted(request, ctx, model, answer, key, started)
+        self.local.entries.move_to_end(key)
+        self.request_counts[(model[0], "OK")] += 1
+        stage.counts.hit(model, time.perf_counter_ns() - started)
+        return answer
+
+    async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, model: tuple[str, str],
+                        answer: bytes, lkey: bytes, started: int) -> bytes:
+        """A hit of a gateway with tenants: admitted as ``Admit`` admits (403, 429 before any
+        answer), released at once (a hit holds nothing while it is written)."""
+        admission = self.admission
+        try:
+            admitted = await admission.admit(request, ctx)
+        except InferError as exc:
+            self.request_counts[(model[0], exc.code.value)] += 1
+            raise
+        try:
+            if lkey in self.local.entries:
+                self.local.entries.move_to_end(lkey)
+            self.request_counts[(model[0], "OK")] += 1
+            self.stage.counts.hit(model, time.perf_counter_ns() - started)
+            return answer
+        finally:
+            await admission.release(admitted)

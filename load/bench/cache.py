@@ -407,13 +407,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--instructions", action="store_true",
                     help="instead: the gateway's instructions per request under callgrind (cache off, on with "
                          "no repeat, on with every request a hit); use a small -n (e.g. 500)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="with --instructions: keep the callgrind dumps (cg-off.out*, cg-on.out*) in this directory")
     args = ap.parse_args(argv)
     if args.hit_cost:
         print(hit_cost())
         return
     if args.instructions:
         with tempfile.TemporaryDirectory(prefix="bench-cache-cg-") as tmp:
-            d = Path(tmp)
+            d = Path(tmp) if args.keep is None else args.keep
+            d.mkdir(parents=True, exist_ok=True)
             (d / "mesh").mkdir()
             cached_copy((args.repository or bench_models(args.models) / "onnx_repo") / "add_sub", d / "mesh",
                         "add_sub", True)
