@@ -388,48 +388,67 @@ class LocalCache:
 
 class CacheCounts:
     """Per (model, version): hits, misses, and their durations in ns (Triton's statistics and
-    ``nv_cache_*``)."""
+    ``nv_cache_*``). Counted in ``rows`` (a list of four ints per pair: hits, misses, hit ns,
+    miss ns; ``row`` hands one to a caller that counts often, as the front door does: an
+    increment of a list item costs a tenth of a ``Counter``'s); the ``Counter``s hold what is
+    added from elsewhere (``SharedCounts.totals``: every worker's). Reads sum both."""
 
     def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], list[int]] = {}
         self.hits: Counter[tuple[str, str]] = Counter()
         self.misses: Counter[tuple[str, str]] = Counter()
         self.hit_ns: Counter[tuple[str, str]] = Counter()
         self.miss_ns: Counter[tuple[str, str]] = Counter()
 
+    def row(self, model: tuple[str, str]) -> list[int]:
+        row = self.rows.get(model)
+        if row is None:
+            row = self.rows[model] = [0, 0, 0, 0]
+        return row
+
     def hit(self, model: tuple[str, str], ns: int) -> None:
-        self.hits[model] += 1
-        self.hit_ns[model] += ns
+        row = self.rows.get(model) or self.row(model)
+        row[0] += 1
+        row[2] += ns
 
     def miss(self, model: tuple[str, str], ns: int) -> None:
-        self.misses[model] += 1
-        self.miss_ns[model] += ns
+        row = self.rows.get(model) or self.row(model)
+        row[1] += 1
+        row[3] += ns
+
+    def table(self) -> dict[tuple[str, str], tuple[int, int, int, int]]:
+        """(hits, misses, hit ns, miss ns) per pair: the rows and the Counters, summed."""
+        out: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+        for key in set(self.rows) | set(self.hits) | set(self.misses):
+            row = self.rows.get(key, (0, 0, 0, 0))
+            out[key] = (row[0] + self.hits[key], row[1] + self.misses[key], row[2] + self.hit_ns[key],
+                        row[3] + self.miss_ns[key])
+        return out
 
     def samples(self) -> list[metrics.Sample]:
         out: list[metrics.Sample] = []
-        for key in sorted(set(self.hits) | set(self.misses)):
+        for key, (hits, misses, hit_ns, miss_ns) in sorted(self.table().items()):
             labels = {"model": key[0], "version": key[1]}
-            out.append(("cache_hits", labels, self.hits[key]))
-            out.append(("cache_misses", labels, self.misses[key]))
-            out.append(("cache_hit_duration", labels, self.hit_ns[key] // 1000))
-            out.append(("cache_miss_duration", labels, self.miss_ns[key] // 1000))
+            out.append(("cache_hits", labels, hits))
+            out.append(("cache_misses", labels, misses))
+            out.append(("cache_hit_duration", labels, hit_ns // 1000))
+            out.append(("cache_miss_duration", labels, miss_ns // 1000))
         return out
 
     def add_to(self, stats: pb.ModelStatistics) -> None:
         """Add the gateway's hits and misses of this model version to merged service statistics
         (as Triton counts them: a hit is also a successful request and its inference)."""
-        key = (stats.name, stats.version)
-        hits = self.hits.get(key, 0)
+        hits, misses, hit_ns, miss_ns = self.table().get((stats.name, stats.version), (0, 0, 0, 0))
         s = stats.inference_stats
         if hits:
             s.cache_hit.count += hits
-            s.cache_hit.ns += self.hit_ns[key]
+            s.cache_hit.ns += hit_ns
             s.success.count += hits
-            s.success.ns += self.hit_ns[key]
+            s.success.ns += hit_ns
             stats.inference_count += hits
-        misses = self.misses.get(key, 0)
         if misses:
             s.cache_miss.count += misses
-            s.cache_miss.ns += self.miss_ns[key]
+            s.cache_miss.ns += miss_ns
 
 
 REDIS_ENTRY_MAX = 4 << 20  # an answer over 4 MiB is not kept in Redis
@@ -589,9 +608,11 @@ class CacheStage:
             if key is None:
                 return self.next.infer(request, ctx, sequence)
         front = self.front
-        if front is not None and front.pending is raw and raw is not None:
-            # the front door looked this request up and missed: its answer (or a hit here, of an
-            # entry another form stored) is indexed there under the front door's key
+        if front is not None and front.pending is raw and raw is not None and key in front.local.entries:
+            # the front door looked this request up and missed, and it is a hit here (of an entry
+            # stored by an earlier miss, or by another form of the request): indexed at the door
+            # from now on. Only a repeat is indexed, so a request that never repeats costs the
+            # index nothing (what Triton counts is unchanged: this one is a hit already)
             front.pending = None
             return self._cached(key, model, config, request, ctx.time_remaining,
                                 lambda: self.next.infer(request, ctx, sequence),
@@ -642,7 +663,7 @@ class CacheStage:
         """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model).
         One coroutine for all three: a miss's answer resumes through every frame above it.
         ``front``: (the front door's key, the id field it cut out, the version asked) of a gRPC
-        request the front door missed, indexed there once its answer is in the cache."""
+        request the front door missed that hits here: indexed there."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
@@ -686,10 +707,8 @@ class CacheStage:
             else:
                 answer = result.serialized()
             if local is not None:
-                if local.put(key, model[0], answer, config, generation):
-                    if front is not None:
-                        self._index(front, request, model, config, key)
-                elif generation != local.generation(model[0]):
+                if not local.put(key, model[0], answer, config, generation) \
+                        and generation != local.generation(model[0]):
                     answer = None  # reloaded meanwhile: the waiters ask the new model
             elif shared is not None and shared_generation is not None:
                 await shared.put(key, model[0], answer, shared_generation)
@@ -708,7 +727,7 @@ class CacheStage:
         door = self.front
         fkey, rid, asked = front
         if door is not None and rid[2:] == request.id.encode():
-            door.index(fkey, (model[0], asked, model, config, key))
+            door.index(fkey, (model[0], asked, config, key, self.counts.row(model), (model[0], "OK")))
 
     def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
              ) -> InferResult:
@@ -720,6 +739,8 @@ class CacheStage:
         return InferResult(raw=wire.with_request_id(answer, request.id) if request.id else answer)
 
 
+# FrontDoor.entries' values: (model, version asked, config, the cache's key, counts row, Outcomes key)
+FrontEntry = tuple[str, str, mc.ModelConfig, bytes, list[int], tuple[str, str]]
 FRONT_ID_MAX = 127  # the front door reads an id of one length byte (longer: the pipeline's path)
 
 
@@ -729,9 +750,11 @@ class FrontDoor:
 
     The key is the request's wire bytes without its id field (``ModelInferRequest.id`` = 3, after
     the model name and the version asked, where protobuf serializers put it). ``index`` maps it to
-    the entry of ``LocalCache`` that the pipeline's stage found or stored for the same request
-    (``CacheStage._index``: only when the id cut out is the request's id): (model, version asked,
-    (model, version), the config the answer was computed under, the cache's key). A hit needs the
+    the entry of ``LocalCache`` that the pipeline's stage found for the same request on its first
+    hit there (``CacheStage._index``: only when the id cut out is the request's id; a miss is not
+    indexed, so a request that never repeats costs the index nothing, and what Triton counts is
+    unchanged): (model, version asked, the config the answer was computed under, the cache's key,
+    the model's counts row, its ``Outcomes`` key). A hit needs the
     model's served config to be that config still (a reload, a version change: the pipeline's
     path), the name not to have become an A/B route, the entry still in the cache (LRU, byte
     budget and invalidation are the cache's), tracing off (a traced request takes the pipeline,
@@ -747,10 +770,13 @@ class FrontDoor:
     hits): memory beyond the cache's own budget, bounded."""
 
     def __init__(self, stage: CacheStage, local: LocalCache, request_counts: Counter[tuple[str, str]],
-                 admission: Any = None):
+                 admission: Any = None, routes: bool = True):
         self.stage = stage
         self.local = local
-        self.entries: dict[bytes, tuple[str, str, tuple[str, str], mc.ModelConfig, bytes]] = {}
+        self.routes = routes  # whether the gateway has A/B routes (--routes) at all
+        # front key -> (model, version asked, config, the cache's key, its counts row
+        # (CacheCounts.row), its Outcomes key)
+        self.entries: dict[bytes, FrontEntry] = {}
         self.bytes = 0
         self.max_bytes = local.size // ENTRY_SHARE
         self.request_counts = request_counts
@@ -761,7 +787,7 @@ class FrontDoor:
         self.pending_key = b""
         self.pending_id = b""
 
-    def index(self, key: bytes, entry: tuple[str, str, tuple[str, str], mc.ModelConfig, bytes]) -> None:
+    def index(self, key: bytes, entry: FrontEntry) -> None:
         if len(key) > EXACT_KEY_MAX:
             return
         if key not in self.entries:
@@ -798,22 +824,25 @@ class FrontDoor:
             self.pending, self.pending_key, self.pending_id = raw, key, rid
             return None
         started = time.perf_counter_ns()
-        name, asked, model, config, lkey = found
+        name, asked, config, lkey, row, ok = found
         stage = self.stage
-        if stage._config_for(name, asked) is not config or stage._is_route(name) or _request_log.isEnabledFor(10):
+        if stage._config_for(name, asked) is not config or (self.routes and stage._is_route(name)) \
+                or _request_log.isEnabledFor(10):
             return None
-        entry = self.local.entries.get(lkey)
+        entries = self.local.entries
+        entry = entries.get(lkey)
         if entry is None or entry[2] is not config:
             del self.entries[key]
             self.bytes -= len(key)
             return None
         answer = entry[1] + rid if rid else entry[1]
         if self.admission is not None:
-            return self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), model, answer, lkey,
+            return self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer, lkey,
                                   started)
-        self.local.entries.move_to_end(lkey)
-        self.request_counts[(name, "OK")] += 1
-        stage.counts.hit(model, time.perf_counter_ns() - started)
+        entries.move_to_end(lkey)
+        self.request_counts[ok] += 1
+        row[0] += 1
+        row[2] += time.perf_counter_ns() - started
         return answer
 
     def http(self, request: pb.ModelInferRequest, ctx: RequestContext) -> bytes | Awaitable[bytes] | None:
@@ -838,28 +867,31 @@ class FrontDoor:
         if entry is None or entry[2] is not config:
             return None
         answer = wire.with_request_id(entry[1], request.id) if request.id else entry[1]
+        row = stage.counts.row(model)
         if self.admission is not None:
-            return self._admitted(request, ctx, model, answer, key, started)
+            return self._admitted(request, ctx, row, (model[0], "OK"), answer, key, started)
         self.local.entries.move_to_end(key)
         self.request_counts[(model[0], "OK")] += 1
-        stage.counts.hit(model, time.perf_counter_ns() - started)
+        row[0] += 1
+        row[2] += time.perf_counter_ns() - started
         return answer
 
-    async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, model: tuple[str, str],
-                        answer: bytes, lkey: bytes, started: int) -> bytes:
+    async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, row: list[int],
+                        ok: tuple[str, str], answer: bytes, lkey: bytes, started: int) -> bytes:
         """A hit of a gateway with tenants: admitted as ``Admit`` admits (403, 429 before any
         answer), released at once (a hit holds nothing while it is written)."""
         admission = self.admission
         try:
             admitted = await admission.admit(request, ctx)
         except InferError as exc:
-            self.request_counts[(model[0], exc.code.value)] += 1
+            self.request_counts[(ok[0], exc.code.value)] += 1
             raise
         try:
             if lkey in self.local.entries:
                 self.local.entries.move_to_end(lkey)
-            self.request_counts[(model[0], "OK")] += 1
-            self.stage.counts.hit(model, time.perf_counter_ns() - started)
+            self.request_counts[ok] += 1
+            row[0] += 1
+            row[2] += time.perf_counter_ns() - started
             return answer
         finally:
             await admission.release(admitted)
