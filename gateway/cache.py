@@ -19,6 +19,9 @@ the gateway's memory: no hop, no service. The pieces:
 - ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``; and
   ``step`` for an ensemble's steps): which requests may be cached, single-flight per key
   (``flights``), the hit/miss counts and durations (statistics and ``nv_cache_*``).
+- ``FrontDoor``: a repeat answered by the gRPC and HTTP front doors before the pipeline (the
+  same rules: admission first with tenants, the served config, routes, counts), from an index
+  the stage fills on a request's first hit.
 """
 from __future__ import annotations
 
@@ -537,10 +540,11 @@ class CacheStage:
 
     def __init__(self, cache: LocalCache | SharedCache | RedisCache,
                  config_for: Callable[[str, str], mc.ModelConfig | None],
-                 versions: Callable[[str], str | None], is_route: Callable[[str], bool],
+                 versions: Callable[[str], str | None], is_route: Callable[[str], bool] | None,
                  counts: CacheCounts | None = None):
         """``cache``: this process's (LocalCache), the workers' (gateway/shared_cache.py) or
-        Redis; ``counts``: where hits and misses are counted (the workers' shared rows)."""
+        Redis; ``is_route``: whether a name is an A/B route (None: the gateway has no routes);
+        ``counts``: where hits and misses are counted (the workers' shared rows)."""
         self.local = None if isinstance(cache, RedisCache) else cache
         self.shared = cache if isinstance(cache, RedisCache) else None
         self.counts = counts if counts is not None else CacheCounts()
@@ -570,7 +574,7 @@ class CacheStage:
         params = request.parameters
         if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
             return None
-        if self._is_route(name):
+        if self._is_route is not None and self._is_route(name):
             return None
         return config, (name, version), not asked and not params
 
@@ -593,7 +597,7 @@ class CacheStage:
         config, model, plain = found
         raw = ctx.raw  # the bytes the request was parsed from (None: changed since, or never had them)
         key = None
-        if raw is not None and not hop.from_gateway(ctx.headers):
+        if raw is not None and not (hop.trusted and hop.from_gateway(ctx.headers)):  # (a gateway: never trusted)
             # (ctx.raw is None for a request naming shared memory: the front doors' shm.infer
             # clears it; a gateway's hop is believed to name none, and is keyed from its fields)
             if plain and ctx.protocol == "grpc" and not request.id:
@@ -770,10 +774,9 @@ class FrontDoor:
     hits): memory beyond the cache's own budget, bounded."""
 
     def __init__(self, stage: CacheStage, local: LocalCache, request_counts: Counter[tuple[str, str]],
-                 admission: Any = None, routes: bool = True):
+                 admission: Any = None):
         self.stage = stage
         self.local = local
-        self.routes = routes  # whether the gateway has A/B routes (--routes) at all
         # front key -> (model, version asked, config, the cache's key, its counts row
         # (CacheCounts.row), its Outcomes key)
         self.entries: dict[bytes, FrontEntry] = {}
@@ -826,7 +829,8 @@ class FrontDoor:
         started = time.perf_counter_ns()
         name, asked, config, lkey, row, ok = found
         stage = self.stage
-        if stage._config_for(name, asked) is not config or (self.routes and stage._is_route(name)) \
+        is_route = stage._is_route
+        if stage._config_for(name, asked) is not config or (is_route is not None and is_route(name)) \
                 or _request_log.isEnabledFor(10):
             return None
         entries = self.local.entries

@@ -141,10 +141,10 @@ class GatewayCore:
             else:
                 store = LocalCache(cache.size)
             self.cache = CacheStage(store, self._cache_config_for, self._served_version,
-                                    lambda name: routes is not None and routes.lookup(name) is not None,
+                                    None if routes is None else lambda name: routes.lookup(name) is not None,
                                     store.counts if isinstance(store, SharedCache) else None)
             if isinstance(store, LocalCache):
-                self.cache.front = FrontDoor(self.cache, store, self.request_counts, admission, routes is not None)
+                self.cache.front = FrontDoor(self.cache, store, self.request_counts, admission)
                 self.grpc_hit, self.http_hit = self.cache.front.grpc, self.cache.front.http
         if ensembles is not None and ensembles.executor is not None:
             ensembles.executor.step_cache = self.cache  # a step whose model enables the cache uses it
