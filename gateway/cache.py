@@ -618,11 +618,9 @@ class CacheStage:
             # from now on. Only a repeat is indexed, so a request that never repeats costs the
             # index nothing (what Triton counts is unchanged: this one is a hit already)
             front.pending = None
-            return self._cached(key, model, config, request, ctx.time_remaining,
-                                lambda: self.next.infer(request, ctx, sequence),
-                                (front.pending_key, front.pending_id, request.model_version))
-        return self._cached(key, model, config, request, ctx.time_remaining,
-                            lambda: self.next.infer(request, ctx, sequence))
+            return self._cached(key, model, config, request, ctx.time_remaining, None,
+                                (front.pending_key, front.pending_id, request.model_version), ctx, sequence)
+        return self._cached(key, model, config, request, ctx.time_remaining, None, None, ctx, sequence)
 
     async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
                    send: Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]
@@ -662,12 +660,14 @@ class CacheStage:
 
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
                       request: pb.ModelInferRequest, remaining: Callable[[], float | None],
-                      run: Callable[[], Awaitable[InferResult]],
-                      front: tuple[bytes, bytes, str] | None = None) -> InferResult:
+                      run: Callable[[], Awaitable[InferResult]] | None,
+                      front: tuple[bytes, bytes, str] | None = None, ctx: RequestContext | None = None,
+                      sequence: str | None = None) -> InferResult:
         """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model).
         One coroutine for all three: a miss's answer resumes through every frame above it.
         ``front``: (the front door's key, the id field it cut out, the version asked) of a gRPC
-        request the front door missed that hits here: indexed there."""
+        request the front door missed that hits here: indexed there. ``run`` None: the rest of the
+        chain (``self.next.infer(request, ctx, sequence)``: no closure per request)."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
@@ -702,7 +702,7 @@ class CacheStage:
         answer = None
         inserted = 0
         try:
-            result = await run()
+            result = await (self.next.infer(request, ctx, sequence) if run is None else run())
             inserting = time.perf_counter_ns()
             if result.message().id:
                 message = pb.ModelInferResponse.FromString(result.serialized())
