@@ -612,14 +612,14 @@ class CacheStage:
             if key is None:
                 return self.next.infer(request, ctx, sequence)
         front = self.front
-        if front is not None and front.pending is raw and raw is not None and key in front.local.entries:
-            # the front door looked this request up and missed, and it is a hit here (of an entry
-            # stored by an earlier miss, or by another form of the request): indexed at the door
-            # from now on. Only a repeat is indexed, so a request that never repeats costs the
-            # index nothing (what Triton counts is unchanged: this one is a hit already)
-            front.pending = None
+        if front is not None and raw is not None and key in front.local.entries and ctx.protocol == "grpc" \
+                and (keyed := front_key(raw)) is not None:
+            # a gRPC request that hits here (an entry stored by an earlier miss, or by another form
+            # of the request): indexed at the front door from now on. Only a repeat is indexed, so
+            # a request that never repeats costs the door nothing (what Triton counts is unchanged:
+            # this one is a hit already)
             return self._cached(key, model, config, request, ctx.time_remaining, None,
-                                (front.pending_key, front.pending_id, request.model_version), ctx, sequence)
+                                (keyed[0], keyed[1], request.model_version), ctx, sequence)
         return self._cached(key, model, config, request, ctx.time_remaining, None, None, ctx, sequence)
 
     async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
@@ -748,6 +748,26 @@ FrontEntry = tuple[str, str, mc.ModelConfig, bytes, list[int], tuple[str, str]]
 FRONT_ID_MAX = 127  # the front door reads an id of one length byte (longer: the pipeline's path)
 
 
+def front_key(raw: bytes) -> tuple[bytes, bytes] | None:
+    """(the front door's key of a serialized ModelInferRequest: its bytes without the id field,
+    the id field cut out, b"" without one), or None: not the layout the door reads (the name, the
+    version asked and the id each with a one-byte length, in field order)."""
+    n = len(raw)
+    if n < 3 or raw[0] != 0x0A or raw[1] > 0x7F:  # model_name = 1
+        return None
+    i = raw[1] + 2
+    if i + 1 < n and raw[i] == 0x12:  # model_version = 2: stays in the key
+        if raw[i + 1] > 0x7F:
+            return None
+        i += raw[i + 1] + 2
+    if i + 1 < n and raw[i] == 0x1A:  # id = 3
+        end = i + 2 + raw[i + 1]
+        if raw[i + 1] > FRONT_ID_MAX or end > n:
+            return None
+        return raw[:i] + raw[end:], raw[i:end]
+    return raw, b""
+
+
 class FrontDoor:
     """A hit answered in the gRPC front door (``grpc``), before the pipeline's stages: a key
     computation, a dict lookup, the id spliced in, the bytes written.
@@ -784,11 +804,6 @@ class FrontDoor:
         self.max_bytes = local.size // ENTRY_SHARE
         self.request_counts = request_counts
         self.admission = admission  # gateway/auth.py:Admission, or None (no tenants)
-        # the request the front door just missed, read by the stage on the same pass of the loop
-        # (``CacheStage.infer``, by identity of the bytes): its key and the id field cut out
-        self.pending: bytes | None = None
-        self.pending_key = b""
-        self.pending_id = b""
 
     def index(self, key: bytes, entry: FrontEntry) -> None:
         if len(key) > EXACT_KEY_MAX:
@@ -805,26 +820,14 @@ class FrontDoor:
         """The answer of a gRPC ModelInfer call from the cache (with tenants: an awaitable of it,
         which raises the admission's error), or None: the pipeline's path. ``context``: the
         front door's RequestContext of a call (read only with tenants)."""
-        # the key: the bytes without the id field (model_name = 1, model_version = 2, id = 3)
-        n = len(raw)
-        if n < 3 or raw[0] != 0x0A or raw[1] > 0x7F or tracing.enabled:
+        if not self.entries or tracing.enabled:  # (nothing repeated yet: not even the key's scan)
             return None
-        i = raw[1] + 2
-        if i + 1 < n and raw[i] == 0x12:  # the version asked stays in the key
-            if raw[i + 1] > 0x7F:
-                return None
-            i += raw[i + 1] + 2
-        rid = b""
-        key = raw
-        if i + 1 < n and raw[i] == 0x1A:
-            end = i + 2 + raw[i + 1]
-            if raw[i + 1] > FRONT_ID_MAX or end > n:
-                return None
-            rid = raw[i:end]
-            key = raw[:i] + raw[end:]
+        keyed = front_key(raw)
+        if keyed is None:
+            return None
+        key, rid = keyed
         found = self.entries.get(key)
         if found is None:
-            self.pending, self.pending_key, self.pending_id = raw, key, rid
             return None
         started = time.perf_counter_ns()
         name, asked, config, lkey, row, ok = found
