@@ -613,7 +613,7 @@ class CacheStage:
                 return self.next.infer(request, ctx, sequence)
         front = self.front
         if front is not None and raw is not None and key in front.local.entries and ctx.protocol == "grpc" \
-                and (keyed := front_key(raw)) is not None:
+                and len(raw) <= FRONT_RAW_MAX and (keyed := front_key(raw)) is not None:
             # a gRPC request that hits here (an entry stored by an earlier miss, or by another form
             # of the request): indexed at the front door from now on. Only a repeat is indexed, so
             # a request that never repeats costs the door nothing (what Triton counts is unchanged:
@@ -746,6 +746,7 @@ class CacheStage:
 # FrontDoor.entries' values: (model, version asked, config, the cache's key, counts row, Outcomes key)
 FrontEntry = tuple[str, str, mc.ModelConfig, bytes, list[int], tuple[str, str]]
 FRONT_ID_MAX = 127  # the front door reads an id of one length byte (longer: the pipeline's path)
+FRONT_RAW_MAX = EXACT_KEY_MAX + FRONT_ID_MAX + 2  # a larger request's key is never indexed: not looked up
 
 
 def front_key(raw: bytes) -> tuple[bytes, bytes] | None:
@@ -820,8 +821,8 @@ class FrontDoor:
         """The answer of a gRPC ModelInfer call from the cache (with tenants: an awaitable of it,
         which raises the admission's error), or None: the pipeline's path. ``context``: the
         front door's RequestContext of a call (read only with tenants)."""
-        if not self.entries or tracing.enabled:  # (nothing repeated yet: not even the key's scan)
-            return None
+        if not self.entries or len(raw) > FRONT_RAW_MAX or tracing.enabled:
+            return None  # (nothing repeated yet, or too large a request to be indexed: not even the scan)
         keyed = front_key(raw)
         if keyed is None:
             return None

@@ -398,3 +398,8 @@ def test_the_front_door_index_is_bounded() -> None:
             _through(stage, _request([i] * 64).SerializeToString())
         assert stage.front.bytes <= stage.front.max_bytes
     assert 0 < len(stage.front.entries) < 200
+    large = _request(list(range(2000))).SerializeToString()  # over 4 KiB: never indexed nor looked up
+    for _ in range(3):
+        _through(stage, large)
+    assert stage.front.grpc(large, None, None) is None
+    assert all(len(key) <= 4096 for key in stage.front.entries)
