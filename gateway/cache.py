@@ -591,13 +591,18 @@ class CacheStage:
         return known[1]
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
-        found = self._cacheable(request, sequence)
+        front = self.front
+        key = None
+        if front is not None and front.missed is request:  # the HTTP front door's look-up, just made
+            found, key = front.missed_found, front.missed_key
+            front.missed = None
+        else:
+            found = self._cacheable(request, sequence)
         if found is None:
             return self.next.infer(request, ctx, sequence)
         config, model, plain = found
         raw = ctx.raw  # the bytes the request was parsed from (None: changed since, or never had them)
-        key = None
-        if raw is not None and not (hop.trusted and hop.from_gateway(ctx.headers)):  # (a gateway: never trusted)
+        if key is None and raw is not None and not (hop.trusted and hop.from_gateway(ctx.headers)):
             # (ctx.raw is None for a request naming shared memory: the front doors' shm.infer
             # clears it; a gateway's hop is believed to name none, and is keyed from its fields)
             if plain and ctx.protocol == "grpc" and not request.id:
@@ -611,7 +616,6 @@ class CacheStage:
             key = request_key(request, model[1], self._exact)
             if key is None:
                 return self.next.infer(request, ctx, sequence)
-        front = self.front
         if front is not None and raw is not None and key in front.local.entries and ctx.protocol == "grpc" \
                 and len(raw) <= FRONT_RAW_MAX and (keyed := front_key(raw)) is not None:
             # a gRPC request that hits here (an entry stored by an earlier miss, or by another form
@@ -805,6 +809,12 @@ class FrontDoor:
         self.max_bytes = local.size // ENTRY_SHARE
         self.request_counts = request_counts
         self.admission = admission  # gateway/auth.py:Admission, or None (no tenants)
+        # the HTTP request ``http`` just missed, its key and ``_cacheable``'s answer: the stage
+        # takes them over (by the request's identity, on the same pass of the loop) rather than
+        # working them out again
+        self.missed: pb.ModelInferRequest | None = None
+        self.missed_key = b""
+        self.missed_found: tuple[mc.ModelConfig, tuple[str, str], bool] | None = None
 
     def index(self, key: bytes, entry: FrontEntry) -> None:
         if len(key) > EXACT_KEY_MAX:
@@ -873,6 +883,7 @@ class FrontDoor:
             return None
         entry = self.local.entries.get(key)
         if entry is None or entry[2] is not config:
+            self.missed, self.missed_key, self.missed_found = request, key, found
             return None
         answer = wire.with_request_id(entry[1], request.id) if request.id else entry[1]
         row = stage.counts.row(model)

@@ -130,7 +130,7 @@ class GatewayCore:
         # --workers N (``cache_share``: the workers' directory, this worker's index) the local
         # cache and its counts are one file the workers share (gateway/shared_cache.py).
         self.cache = None
-        # a hit answered in the gRPC front door (gateway/cache.py:FrontDoor; None: the pipeline's path)
+        # a hit answered in the gRPC and HTTP front doors (gateway/cache.py:FrontDoor; None: the pipeline's path)
         self.grpc_hit = self.http_hit = None
         if cache is not None:
             store: LocalCache | SharedCache | RedisCache
