@@ -19,12 +19,16 @@ the gateway's memory: no hop, no service. The pieces:
 - ``CacheStage`` (in gateway/pipeline.py's chain, after ``Admit``, before ``ABRoutes``; and
   ``step`` for an ensemble's steps): which requests may be cached, single-flight per key
   (``flights``), the hit/miss counts and durations (statistics and ``nv_cache_*``).
+- ``FrontDoor``: a repeat answered by the gRPC and HTTP front doors before the pipeline (the
+  same rules: admission first with tenants, the served config, routes, counts), from an index
+  the stage fills on a request's first hit.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hashlib
+import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -44,6 +48,7 @@ from meshserve.telemetry import metrics, tracing
 if TYPE_CHECKING:
     from gateway.shared_cache import SharedCache
 
+_request_log = logging.getLogger("meshserve.request")  # (meshserve/server/observe.py's: DEBUG logs every request)
 ENTRY_SHARE = 8  # an answer larger than 1/ENTRY_SHARE of the cache's size is not cached
 CONFIGS_KEPT = 1024  # configs whose "is it cached" answer is remembered (all dropped when full)
 ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the dict slot, the node)
@@ -386,48 +391,67 @@ class LocalCache:
 
 class CacheCounts:
     """Per (model, version): hits, misses, and their durations in ns (Triton's statistics and
-    ``nv_cache_*``)."""
+    ``nv_cache_*``). Counted in ``rows`` (a list of four ints per pair: hits, misses, hit ns,
+    miss ns; ``row`` hands one to a caller that counts often, as the front door does: an
+    increment of a list item costs a tenth of a ``Counter``'s); the ``Counter``s hold what is
+    added from elsewhere (``SharedCounts.totals``: every worker's). Reads sum both."""
 
     def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], list[int]] = {}
         self.hits: Counter[tuple[str, str]] = Counter()
         self.misses: Counter[tuple[str, str]] = Counter()
         self.hit_ns: Counter[tuple[str, str]] = Counter()
         self.miss_ns: Counter[tuple[str, str]] = Counter()
 
+    def row(self, model: tuple[str, str]) -> list[int]:
+        row = self.rows.get(model)
+        if row is None:
+            row = self.rows[model] = [0, 0, 0, 0]
+        return row
+
     def hit(self, model: tuple[str, str], ns: int) -> None:
-        self.hits[model] += 1
-        self.hit_ns[model] += ns
+        row = self.rows.get(model) or self.row(model)
+        row[0] += 1
+        row[2] += ns
 
     def miss(self, model: tuple[str, str], ns: int) -> None:
-        self.misses[model] += 1
-        self.miss_ns[model] += ns
+        row = self.rows.get(model) or self.row(model)
+        row[1] += 1
+        row[3] += ns
+
+    def table(self) -> dict[tuple[str, str], tuple[int, int, int, int]]:
+        """(hits, misses, hit ns, miss ns) per pair: the rows and the Counters, summed."""
+        out: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+        for key in set(self.rows) | set(self.hits) | set(self.misses):
+            row = self.rows.get(key, (0, 0, 0, 0))
+            out[key] = (row[0] + self.hits[key], row[1] + self.misses[key], row[2] + self.hit_ns[key],
+                        row[3] + self.miss_ns[key])
+        return out
 
     def samples(self) -> list[metrics.Sample]:
         out: list[metrics.Sample] = []
-        for key in sorted(set(self.hits) | set(self.misses)):
+        for key, (hits, misses, hit_ns, miss_ns) in sorted(self.table().items()):
             labels = {"model": key[0], "version": key[1]}
-            out.append(("cache_hits", labels, self.hits[key]))
-            out.append(("cache_misses", labels, self.misses[key]))
-            out.append(("cache_hit_duration", labels, self.hit_ns[key] // 1000))
-            out.append(("cache_miss_duration", labels, self.miss_ns[key] // 1000))
+            out.append(("cache_hits", labels, hits))
+            out.append(("cache_misses", labels, misses))
+            out.append(("cache_hit_duration", labels, hit_ns // 1000))
+            out.append(("cache_miss_duration", labels, miss_ns // 1000))
         return out
 
     def add_to(self, stats: pb.ModelStatistics) -> None:
         """Add the gateway's hits and misses of this model version to merged service statistics
         (as Triton counts them: a hit is also a successful request and its inference)."""
-        key = (stats.name, stats.version)
-        hits = self.hits.get(key, 0)
+        hits, misses, hit_ns, miss_ns = self.table().get((stats.name, stats.version), (0, 0, 0, 0))
         s = stats.inference_stats
         if hits:
             s.cache_hit.count += hits
-            s.cache_hit.ns += self.hit_ns[key]
+            s.cache_hit.ns += hit_ns
             s.success.count += hits
-            s.success.ns += self.hit_ns[key]
+            s.success.ns += hit_ns
             stats.inference_count += hits
-        misses = self.misses.get(key, 0)
         if misses:
             s.cache_miss.count += misses
-            s.cache_miss.ns += self.miss_ns[key]
+            s.cache_miss.ns += miss_ns
 
 
 REDIS_ENTRY_MAX = 4 << 20  # an answer over 4 MiB is not kept in Redis
@@ -516,10 +540,11 @@ class CacheStage:
 
     def __init__(self, cache: LocalCache | SharedCache | RedisCache,
                  config_for: Callable[[str, str], mc.ModelConfig | None],
-                 versions: Callable[[str], str | None], is_route: Callable[[str], bool],
+                 versions: Callable[[str], str | None], is_route: Callable[[str], bool] | None,
                  counts: CacheCounts | None = None):
         """``cache``: this process's (LocalCache), the workers' (gateway/shared_cache.py) or
-        Redis; ``counts``: where hits and misses are counted (the workers' shared rows)."""
+        Redis; ``is_route``: whether a name is an A/B route (None: the gateway has no routes);
+        ``counts``: where hits and misses are counted (the workers' shared rows)."""
         self.local = None if isinstance(cache, RedisCache) else cache
         self.shared = cache if isinstance(cache, RedisCache) else None
         self.counts = counts if counts is not None else CacheCounts()
@@ -529,6 +554,8 @@ class CacheStage:
         self.flights: dict[bytes, asyncio.Future[bytes | None] | None] = {}  # None: a lead nobody waits on yet
         self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
         self._exact = isinstance(cache, LocalCache)  # keys may be their material (material_key)
+        # the front doors' hits (``FrontDoor``): this process's LocalCache only
+        self.front: FrontDoor | None = None
 
     def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
                    ) -> tuple[mc.ModelConfig, tuple[str, str], bool] | None:
@@ -547,7 +574,7 @@ class CacheStage:
         params = request.parameters
         if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
             return None
-        if self._is_route(name):
+        if self._is_route is not None and self._is_route(name):
             return None
         return config, (name, version), not asked and not params
 
@@ -564,13 +591,18 @@ class CacheStage:
         return known[1]
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
-        found = self._cacheable(request, sequence)
+        front = self.front
+        key = None
+        if front is not None and front.missed is request:  # the HTTP front door's look-up, just made
+            found, key = front.missed_found, front.missed_key
+            front.missed = None
+        else:
+            found = self._cacheable(request, sequence)
         if found is None:
             return self.next.infer(request, ctx, sequence)
         config, model, plain = found
         raw = ctx.raw  # the bytes the request was parsed from (None: changed since, or never had them)
-        key = None
-        if raw is not None and not hop.from_gateway(ctx.headers):
+        if key is None and raw is not None and not (hop.trusted and hop.from_gateway(ctx.headers)):
             # (ctx.raw is None for a request naming shared memory: the front doors' shm.infer
             # clears it; a gateway's hop is believed to name none, and is keyed from its fields)
             if plain and ctx.protocol == "grpc" and not request.id:
@@ -584,8 +616,15 @@ class CacheStage:
             key = request_key(request, model[1], self._exact)
             if key is None:
                 return self.next.infer(request, ctx, sequence)
-        return self._cached(key, model, config, request, ctx.time_remaining,
-                            lambda: self.next.infer(request, ctx, sequence))
+        if front is not None and raw is not None and key in front.local.entries and ctx.protocol == "grpc" \
+                and len(raw) <= FRONT_RAW_MAX and (keyed := front_key(raw)) is not None:
+            # a gRPC request that hits here (an entry stored by an earlier miss, or by another form
+            # of the request): indexed at the front door from now on. Only a repeat is indexed, so
+            # a request that never repeats costs the door nothing (what Triton counts is unchanged:
+            # this one is a hit already)
+            return self._cached(key, model, config, request, ctx.time_remaining, None,
+                                (keyed[0], keyed[1], request.model_version), ctx, sequence)
+        return self._cached(key, model, config, request, ctx.time_remaining, None, None, ctx, sequence)
 
     async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
                    send: Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]
@@ -625,9 +664,14 @@ class CacheStage:
 
     async def _cached(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig,
                       request: pb.ModelInferRequest, remaining: Callable[[], float | None],
-                      run: Callable[[], Awaitable[InferResult]]) -> InferResult:
+                      run: Callable[[], Awaitable[InferResult]] | None,
+                      front: tuple[bytes, bytes, str] | None = None, ctx: RequestContext | None = None,
+                      sequence: str | None = None) -> InferResult:
         """A hit, a wait on the same miss's flight, or the lead of a miss (``run``: the model).
-        One coroutine for all three: a miss's answer resumes through every frame above it."""
+        One coroutine for all three: a miss's answer resumes through every frame above it.
+        ``front``: (the front door's key, the id field it cut out, the version asked) of a gRPC
+        request the front door missed that hits here: indexed there. ``run`` None: the rest of the
+        chain (``self.next.infer(request, ctx, sequence)``: no closure per request)."""
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
@@ -637,6 +681,8 @@ class CacheStage:
             elif shared is not None:
                 answer, shared_generation = await shared.get(key, model[0])
             if answer is not None:
+                if front is not None:
+                    self._index(front, request, model, config, key)
                 return self._hit(model, answer, request, started)
             flights = self.flights
             if key not in flights:
@@ -660,7 +706,7 @@ class CacheStage:
         answer = None
         inserted = 0
         try:
-            result = await run()
+            result = await (self.next.infer(request, ctx, sequence) if run is None else run())
             inserting = time.perf_counter_ns()
             if result.message().id:
                 message = pb.ModelInferResponse.FromString(result.serialized())
@@ -682,6 +728,15 @@ class CacheStage:
             if flight is not None:
                 flight.set_result(answer)
 
+    def _index(self, front: tuple[bytes, bytes, str], request: pb.ModelInferRequest, model: tuple[str, str],
+               config: mc.ModelConfig, key: bytes) -> None:
+        """Index an entry under the front door's key: only where the id the front door cut out is
+        the request's id (a serialization with its id elsewhere, or twice, is never answered there)."""
+        door = self.front
+        fkey, rid, asked = front
+        if door is not None and rid[2:] == request.id.encode():
+            door.index(fkey, (model[0], asked, config, key, self.counts.row(model), (model[0], "OK")))
+
     def _hit(self, model: tuple[str, str], answer: bytes, request: pb.ModelInferRequest, started: int
              ) -> InferResult:
         self.counts.hit(model, time.perf_counter_ns() - started)
@@ -690,3 +745,172 @@ class CacheStage:
             tracing.emit_span("gateway.cache", span, now, now, {"meshserve.cache_hit": True,
                                                                  "meshserve.model": model[0]})
         return InferResult(raw=wire.with_request_id(answer, request.id) if request.id else answer)
+
+
+# FrontDoor.entries' values: (model, version asked, config, the cache's key, counts row, Outcomes key)
+FrontEntry = tuple[str, str, mc.ModelConfig, bytes, list[int], tuple[str, str]]
+FRONT_ID_MAX = 127  # the front door reads an id of one length byte (longer: the pipeline's path)
+FRONT_RAW_MAX = EXACT_KEY_MAX + FRONT_ID_MAX + 2  # a larger request's key is never indexed: not looked up
+
+
+def front_key(raw: bytes) -> tuple[bytes, bytes] | None:
+    """(the front door's key of a serialized ModelInferRequest: its bytes without the id field,
+    the id field cut out, b"" without one), or None: not the layout the door reads (the name, the
+    version asked and the id each with a one-byte length, in field order)."""
+    n = len(raw)
+    if n < 3 or raw[0] != 0x0A or raw[1] > 0x7F:  # model_name = 1
+        return None
+    i = raw[1] + 2
+    if i + 1 < n and raw[i] == 0x12:  # model_version = 2: stays in the key
+        if raw[i + 1] > 0x7F:
+            return None
+        i += raw[i + 1] + 2
+    if i + 1 < n and raw[i] == 0x1A:  # id = 3
+        end = i + 2 + raw[i + 1]
+        if raw[i + 1] > FRONT_ID_MAX or end > n:
+            return None
+        return raw[:i] + raw[end:], raw[i:end]
+    return raw, b""
+
+
+class FrontDoor:
+    """A hit answered in the gRPC front door (``grpc``), before the pipeline's stages: a key
+    computation, a dict lookup, the id spliced in, the bytes written.
+
+    The key is the request's wire bytes without its id field (``ModelInferRequest.id`` = 3, after
+    the model name and the version asked, where protobuf serializers put it). ``index`` maps it to
+    the entry of ``LocalCache`` that the pipeline's stage found for the same request on its first
+    hit there (``CacheStage._index``: only when the id cut out is the request's id; a miss is not
+    indexed, so a request that never repeats costs the index nothing, and what Triton counts is
+    unchanged): (model, version asked, the config the answer was computed under, the cache's key,
+    the model's counts row, its ``Outcomes`` key). A hit needs the
+    model's served config to be that config still (a reload, a version change: the pipeline's
+    path), the name not to have become an A/B route, the entry still in the cache (LRU, byte
+    budget and invalidation are the cache's), tracing off (a traced request takes the pipeline,
+    which records the span) and the request log below DEBUG. The answer is the stored
+    ``ModelInferResponse`` (its id cleared) with the request's id field appended (a singular
+    field's last occurrence wins). It counts as the stage counts a hit (statistics, ``nv_cache_*``)
+    and as ``Outcomes`` counts an answered request. With tenants the request is admitted first
+    (``Admission.admit``: 403 for a model the tenant may not call, its quota and share) and
+    released once answered, as ``Admit`` holds a request until its answer.
+
+    The index holds front-door keys of at most ``EXACT_KEY_MAX`` bytes, in all at most
+    ``1/ENTRY_SHARE`` of the cache's size (then it is emptied and refills from the pipeline's
+    hits): memory beyond the cache's own budget, bounded."""
+
+    def __init__(self, stage: CacheStage, local: LocalCache, request_counts: Counter[tuple[str, str]],
+                 admission: Any = None):
+        self.stage = stage
+        self.local = local
+        # front key -> (model, version asked, config, the cache's key, its counts row
+        # (CacheCounts.row), its Outcomes key)
+        self.entries: dict[bytes, FrontEntry] = {}
+        self.bytes = 0
+        self.max_bytes = local.size // ENTRY_SHARE
+        self.request_counts = request_counts
+        self.admission = admission  # gateway/auth.py:Admission, or None (no tenants)
+        # the HTTP request ``http`` just missed, its key and ``_cacheable``'s answer: the stage
+        # takes them over (by the request's identity, on the same pass of the loop) rather than
+        # working them out again
+        self.missed: pb.ModelInferRequest | None = None
+        self.missed_key = b""
+        self.missed_found: tuple[mc.ModelConfig, tuple[str, str], bool] | None = None
+
+    def index(self, key: bytes, entry: FrontEntry) -> None:
+        if len(key) > EXACT_KEY_MAX:
+            return
+        if key not in self.entries:
+            self.bytes += len(key)
+            if self.bytes > self.max_bytes:
+                self.entries.clear()
+                self.bytes = len(key)
+        self.entries[key] = entry
+
+    def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext]
+             ) -> bytes | Awaitable[bytes] | None:
+        """The answer of a gRPC ModelInfer call from the cache (with tenants: an awaitable of it,
+        which raises the admission's error), or None: the pipeline's path. ``context``: the
+        front door's RequestContext of a call (read only with tenants)."""
+        if not self.entries or len(raw) > FRONT_RAW_MAX or tracing.enabled:
+            return None  # (nothing repeated yet, or too large a request to be indexed: not even the scan)
+        keyed = front_key(raw)
+        if keyed is None:
+            return None
+        key, rid = keyed
+        found = self.entries.get(key)
+        if found is None:
+            return None
+        started = time.perf_counter_ns()
+        name, asked, config, lkey, row, ok = found
+        stage = self.stage
+        is_route = stage._is_route
+        if stage._config_for(name, asked) is not config or (is_route is not None and is_route(name)) \
+                or _request_log.isEnabledFor(10):
+            return None
+        entries = self.local.entries
+        entry = entries.get(lkey)
+        if entry is None or entry[2] is not config:
+            del self.entries[key]
+            self.bytes -= len(key)
+            return None
+        answer = entry[1] + rid if rid else entry[1]
+        if self.admission is not None:
+            return self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer, lkey,
+                                  started)
+        entries.move_to_end(lkey)
+        self.request_counts[ok] += 1
+        row[0] += 1
+        row[2] += time.perf_counter_ns() - started
+        return answer
+
+    def http(self, request: pb.ModelInferRequest, ctx: RequestContext) -> bytes | Awaitable[bytes] | None:
+        """The serialized answer of an HTTP infer request from the cache (with tenants: an
+        awaitable of it), or None: the pipeline's path. The key is the stage's (``raw_key`` of
+        the bytes the codec made, else ``request_key``), so HTTP binary, HTTP JSON and gRPC share
+        entries; the front door renders the answer per the request's outputs and binary/JSON
+        choice."""
+        if tracing.enabled:
+            return None
+        started = time.perf_counter_ns()
+        stage = self.stage
+        found = stage._cacheable(request, None)  # (a sequence request: never, by its parameters)
+        if found is None or _request_log.isEnabledFor(10):
+            return None
+        config, model, _ = found
+        raw = ctx.raw
+        key = raw_key(raw, model[1], True) if raw is not None else None
+        if key is None and (key := request_key(request, model[1], True)) is None:
+            return None
+        entry = self.local.entries.get(key)
+        if entry is None or entry[2] is not config:
+            self.missed, self.missed_key, self.missed_found = request, key, found
+            return None
+        answer = wire.with_request_id(entry[1], request.id) if request.id else entry[1]
+        row = stage.counts.row(model)
+        if self.admission is not None:
+            return self._admitted(request, ctx, row, (model[0], "OK"), answer, key, started)
+        self.local.entries.move_to_end(key)
+        self.request_counts[(model[0], "OK")] += 1
+        row[0] += 1
+        row[2] += time.perf_counter_ns() - started
+        return answer
+
+    async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, row: list[int],
+                        ok: tuple[str, str], answer: bytes, lkey: bytes, started: int) -> bytes:
+        """A hit of a gateway with tenants: admitted as ``Admit`` admits (403, 429 before any
+        answer), released at once (a hit holds nothing while it is written)."""
+        admission = self.admission
+        try:
+            admitted = await admission.admit(request, ctx)
+        except InferError as exc:
+            self.request_counts[(ok[0], exc.code.value)] += 1
+            raise
+        try:
+            if lkey in self.local.entries:
+                self.local.entries.move_to_end(lkey)
+            self.request_counts[ok] += 1
+            row[0] += 1
+            row[2] += time.perf_counter_ns() - started
+            return answer
+        finally:
+            await admission.release(admitted)

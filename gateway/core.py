@@ -12,7 +12,7 @@ from typing import Any
 from gateway import pipeline
 from gateway.auth import Admission
 from gateway.cache import FAMILIES as CACHE_FAMILIES
-from gateway.cache import CacheConfig, CacheStage, LocalCache, RedisCache
+from gateway.cache import CacheConfig, CacheStage, FrontDoor, LocalCache, RedisCache
 from gateway.control import ModelControl
 from gateway.ensemble.catalog import EnsembleCatalog
 from gateway.federation import Federation
@@ -130,6 +130,8 @@ class GatewayCore:
         # --workers N (``cache_share``: the workers' directory, this worker's index) the local
         # cache and its counts are one file the workers share (gateway/shared_cache.py).
         self.cache = None
+        # a hit answered in the gRPC and HTTP front doors (gateway/cache.py:FrontDoor; None: the pipeline's path)
+        self.grpc_hit = self.http_hit = None
         if cache is not None:
             store: LocalCache | SharedCache | RedisCache
             if cache.kind == "redis":
@@ -139,8 +141,11 @@ class GatewayCore:
             else:
                 store = LocalCache(cache.size)
             self.cache = CacheStage(store, self._cache_config_for, self._served_version,
-                                    lambda name: routes is not None and routes.lookup(name) is not None,
+                                    None if routes is None else lambda name: routes.lookup(name) is not None,
                                     store.counts if isinstance(store, SharedCache) else None)
+            if isinstance(store, LocalCache):
+                self.cache.front = FrontDoor(self.cache, store, self.request_counts, admission)
+                self.grpc_hit, self.http_hit = self.cache.front.grpc, self.cache.front.http
         if ensembles is not None and ensembles.executor is not None:
             ensembles.executor.step_cache = self.cache  # a step whose model enables the cache uses it
         # The model mesh (lazy loading, placement: gateway/placement.py); None: no stage, no loop.

@@ -331,10 +331,11 @@ class SharedCounts(CacheCounts):
                 out.misses[key] += misses
                 out.hit_ns[key] += hit_ns
                 out.miss_ns[key] += miss_ns
-        out.hits.update(self.hits)
-        out.misses.update(self.misses)
-        out.hit_ns.update(self.hit_ns)
-        out.miss_ns.update(self.miss_ns)
+        for key, (hits, misses, hit_ns, miss_ns) in self.table().items():  # this worker's overflow
+            out.hits[key] += hits
+            out.misses[key] += misses
+            out.hit_ns[key] += hit_ns
+            out.miss_ns[key] += miss_ns
         return out
 
     def samples(self) -> list[metrics.Sample]:

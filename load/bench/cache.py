@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -275,7 +276,7 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                                      ("cache on, 100% repeats (every request a hit)", 1.0)])):
             dump = out / f"cg-{name}.out"
             # (discovery's health calls from a gateway under callgrind are slow: not every 2 s)
-            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=[*extra, "--discovery-interval", "60"],
+            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=[*extra, "--discovery-interval", "60", *shlex.split(args.gateway_args)],
                                timeout=600, prefix=callgrind.command(dump, instr_at_start=False))
             try:
                 for label, repeat in cells:
@@ -407,13 +408,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--instructions", action="store_true",
                     help="instead: the gateway's instructions per request under callgrind (cache off, on with "
                          "no repeat, on with every request a hit); use a small -n (e.g. 500)")
+    ap.add_argument("--gateway-args", default="",
+                    help="with --instructions: more flags for both gateways (one string, shell words), e.g. "
+                         "\"--coalesce-inflight 0\" (no merging: the count no longer moves with batching)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="with --instructions: keep the callgrind dumps (cg-off.out*, cg-on.out*) in this directory")
     args = ap.parse_args(argv)
     if args.hit_cost:
         print(hit_cost())
         return
     if args.instructions:
         with tempfile.TemporaryDirectory(prefix="bench-cache-cg-") as tmp:
-            d = Path(tmp)
+            d = Path(tmp) if args.keep is None else args.keep
+            d.mkdir(parents=True, exist_ok=True)
             (d / "mesh").mkdir()
             cached_copy((args.repository or bench_models(args.models) / "onnx_repo") / "add_sub", d / "mesh",
                         "add_sub", True)

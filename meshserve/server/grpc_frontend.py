@@ -184,6 +184,8 @@ class InferenceServicer:
         self.core = core
         kind = getattr(core, "kind", None)  # a service announces its kind to gateways (wire.SERVICE_KIND_METADATA)
         self.kind_metadata = ((wire.SERVICE_KIND_METADATA, kind),) if isinstance(kind, str) else ()
+        # a gateway's response cache answers a hit here, before parsing (gateway/cache.py:FrontDoor)
+        self.hit = getattr(core, "grpc_hit", None)
 
     async def ServerLive(self, req: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.core.live())
@@ -250,6 +252,8 @@ class InferenceServicer:
 
     async def ModelInfer(self, raw: bytes, call: Call) -> bytes | None:
         try:
+            if self.hit is not None and (hit := self.hit(raw, call, _context)) is not None:
+                return hit if hit.__class__ is bytes else await hit  # type: ignore[no-any-return,misc]
             try:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:

@@ -28,7 +28,7 @@ from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
 from meshserve.server import admission, body_worker, http1, observe, shm, tls
 from meshserve.server.access import HTTP_ROUTES, Grant, Op, Rule
-from meshserve.server.core import RequestContext, V2Core
+from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.http1 import Answer, Request, Stream
 from meshserve.server.http1.request import SMALL_BODY_BYTES
 from meshserve.server.http1.routing import Match, Router
@@ -99,6 +99,8 @@ class HttpFrontend:
         # raw target (query included) -> its Match, for paths seen before (at most SEEN_MAX, all
         # dropped when full): a request to a known path is dispatched without parsing it
         self.seen: dict[str, Match] = {}
+        # a gateway's response cache answers a hit here, after parsing (gateway/cache.py:FrontDoor)
+        self.hit = getattr(core, "http_hit", None)
 
     def _match(self, request: Request) -> Match:
         found = self.router.match(request.raw_path)
@@ -199,7 +201,10 @@ class HttpFrontend:
         # its service): the connection's connection_lost (the server cancels no other handler)
         request.cancel_on_loss = True
         try:
-            result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
+            if self.hit is not None and not uses_shm and (hit := self.hit(infer_request, ctx)) is not None:
+                result, span = InferResult(raw=hit if hit.__class__ is bytes else await hit), None
+            else:
+                result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
         finally:
             request.cancel_on_loss = False
         message = result.message()

@@ -119,6 +119,83 @@ def test_a_repeat_is_a_hit(proto: str, stack: tuple[Proc, Proc]) -> None:
     assert service_success(svc) == runs + 2
 
 
+def requests_ok(gw: Proc, name: str = "add_sub") -> float:
+    return metric(gw.http, "meshserve_gateway_requests_total", model=name, outcome="OK") or 0.0
+
+
+@pytest.mark.parametrize("form", ["grpc", "http-binary", "http-json"])
+def test_a_hit_at_the_front_door_honours_outputs_form_and_id(form: str, stack: tuple[Proc, Proc]) -> None:
+    """A repeat answered by the front door (gateway/cache.py:FrontDoor): the requested outputs
+    only, the client's binary/JSON choice, its own id (or none), counted as a hit and as an
+    answered request; another output selection is another entry."""
+    svc, gw = stack
+    proto = "grpc" if form == "grpc" else "http"
+    binary = form != "http-json"
+    url = getattr(gw, proto)
+    a, b = fresh({"grpc": 21, "http-binary": 22, "http-json": 23}[form])
+    infer(proto, url, a, b, request_id="x1", outputs=["OUTPUT0", "OUTPUT1"], binary=binary)  # the miss
+    runs = service_success(svc)
+    hits, misses = gateway_cache(gw)
+    ok = requests_ok(gw)
+    for rid in ("x2", "a-longer-id-" + "7" * 40, ""):
+        out = infer(proto, url, a, b, request_id=rid, outputs=["OUTPUT0", "OUTPUT1"], binary=binary)
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT1"), a - b)
+        response = out.get_response()
+        assert (response.get("id", "") if proto == "http" else response.id) == rid
+        if proto == "http":
+            assert all(("data" in o) != binary for o in response["outputs"])
+    assert service_success(svc) == runs  # three hits: the service saw none
+    assert gateway_cache(gw) == (hits + 3, misses)
+    assert requests_ok(gw) == ok + 3
+    # one output: another entry (a miss), then a hit with that output only
+    infer(proto, url, a, b, request_id="y1", outputs=["OUTPUT1"], binary=binary)
+    assert service_success(svc) == runs + 1
+    only = infer(proto, url, a, b, request_id="y2", outputs=["OUTPUT1"], binary=binary)
+    assert service_success(svc) == runs + 1
+    assert only.as_numpy("OUTPUT0") is None
+    np.testing.assert_array_equal(only.as_numpy("OUTPUT1"), a - b)
+    assert gateway_cache(gw) == (hits + 4, misses + 1)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_hit_counts_against_the_tenants_quota(proto: str, stack: tuple[Proc, Proc], tmp_path: Path) -> None:
+    """A tenant's hits take its quota like any request: past its burst, a repeat is 429 /
+    RESOURCE_EXHAUSTED (not a hit, not counted as one), and a tenant that may not call the
+    model gets 403 / PERMISSION_DENIED for a request another tenant made a hit."""
+    svc, _ = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(tenants_yaml(rate=0.001, burst=3))  # acme: three requests, then none for a long time
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--tenants", str(tenants)])
+    try:
+        _wait_http_ready(gw.http)
+        url = getattr(gw, proto)
+        a, b = fresh(24 if proto == "http" else 25)
+        acme = {"x-api-key": "acme-key"}
+        ops = {"x-api-key": "ops-key"}
+        runs = service_success(svc)
+        for rid in ("1", "2", "3"):  # a miss, then two hits
+            out = infer(proto, url, a, b, request_id=rid, headers=acme)
+            assert (out.get_response()["id"] if proto == "http" else out.get_response().id) == rid
+        assert service_success(svc) == runs + 1
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
+        assert int(stats["cache_hit"]["count"]) == 2
+        with pytest.raises(InferenceServerException) as err:
+            infer(proto, url, a, b, headers=acme)  # a hit in the cache, but over the quota
+        assert str(err.value.status()) == ("429" if proto == "http" else "StatusCode.RESOURCE_EXHAUSTED")
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
+        assert int(stats["cache_hit"]["count"]) == 2
+        assert metric(gw.http, "meshserve_gateway_requests_total", model="add_sub",
+                      outcome="RESOURCE_EXHAUSTED") == 1
+        infer(proto, url, a, b, headers=ops)  # ops has quota: a hit
+        assert service_success(svc) == runs + 1
+    finally:
+        gw.stop()
+
+
 @pytest.mark.parametrize("proto", ["http", "grpc"])
 def test_a_changed_byte_or_parameter_is_a_miss(proto: str, stack: tuple[Proc, Proc]) -> None:
     svc, gw = stack

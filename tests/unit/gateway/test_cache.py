@@ -1,13 +1,27 @@
 """gateway/cache.py's pure parts: the key (typed and raw tensors alike, what changes it and what
-does not), the LRU within its byte budget, invalidation, and Triton's --cache-config syntax."""
+does not), the LRU within its byte budget, invalidation, Triton's --cache-config syntax, and the
+front door's hits (FrontDoor, with a stub for the rest of the chain)."""
 from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
 
-from gateway.cache import ENTRY_OVERHEAD, ENTRY_SHARE, CacheConfig, LocalCache, request_key
+from gateway.cache import (
+    ENTRY_OVERHEAD,
+    ENTRY_SHARE,
+    CacheConfig,
+    CacheStage,
+    FrontDoor,
+    LocalCache,
+    request_key,
+)
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.server.core import InferResult, RequestContext
 
 
 def _request(values: list[int], typed: bool = False, datatype: str = "INT32") -> pb.ModelInferRequest:
@@ -286,3 +300,106 @@ def test_raw_key_canonical_form_and_what_it_leaves_to_request_key() -> None:
 def test_the_workers_store_keys_the_fast_path_as_request_key() -> None:
     base = _two_inputs()
     assert _stage_keys([(base, base.SerializeToString(), "grpc")], exact=False) == [request_key(base, "1")]
+
+
+def _front_door(size: int = 1 << 20) -> tuple[Any, Any, mc.ModelConfig, list[int], Counter[tuple[str, str]]]:
+    """A CacheStage over a LocalCache with its FrontDoor; the rest of the chain answers Y = X and
+    counts its calls."""
+    config = mc.ModelConfig(name="m")
+    config.response_cache.enable = True
+    configs = {"config": config}
+    stage = CacheStage(LocalCache(size), lambda name, version: configs["config"], lambda name: "1",
+                       lambda name: name == "route")
+    calls = [0]
+
+    class Rest:
+        async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
+            calls[0] += 1
+            answer = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+            answer.outputs.add(name="Y", datatype="INT32", shape=[1, 3])
+            answer.raw_output_contents.append(request.raw_input_contents[0])
+            return InferResult(message=answer)
+
+    stage.next = Rest()
+    counts: Counter[tuple[str, str]] = Counter()
+    assert isinstance(stage.local, LocalCache)
+    stage.front = FrontDoor(stage, stage.local, counts)
+    return stage, configs, config, calls, counts
+
+
+def _through(stage: Any, raw: bytes) -> pb.ModelInferResponse:
+    """The gRPC front door's order: FrontDoor.grpc, else the stage with the request's bytes."""
+    hit = stage.front.grpc(raw, None, None)
+    if hit is not None:
+        return pb.ModelInferResponse.FromString(hit)
+    ctx = RequestContext(protocol="grpc", raw=raw)
+    return asyncio.run(stage.infer(pb.ModelInferRequest.FromString(raw), ctx, None)).message()
+
+
+def test_the_front_door_answers_a_repeat_with_its_own_id() -> None:
+    stage, configs, config, calls, counts = _front_door()
+    base = _request([1, 2, 3])
+    first = pb.ModelInferRequest()
+    first.CopyFrom(base)
+    first.id = "first"
+    assert stage.front.grpc(first.SerializeToString(), None, None) is None  # not indexed yet
+    assert _through(stage, first.SerializeToString()).id == "first"
+    assert calls[0] == 1
+    assert not stage.front.entries  # a miss is not indexed at the door
+    assert _through(stage, first.SerializeToString()).id == "first"  # a hit in the stage: indexed
+    assert len(stage.front.entries) == 1
+    for rid in ("second", ""):
+        again = pb.ModelInferRequest()
+        again.CopyFrom(base)
+        again.id = rid
+        hit = stage.front.grpc(again.SerializeToString(), None, None)  # answered at the door
+        assert hit is not None
+        answer = pb.ModelInferResponse.FromString(hit)
+        assert answer.id == rid and answer.raw_output_contents[0] == base.raw_input_contents[0]
+    assert calls[0] == 1
+    assert stage.counts.table()[("m", "1")][:2] == (3, 1)
+    assert counts[("m", "OK")] == 2  # (the door's; the stage's hit is counted by Outcomes, not here)
+    # another version asked: its own key (through the pipeline once, then at the door)
+    versioned = pb.ModelInferRequest()
+    versioned.CopyFrom(base)
+    versioned.model_version = "1"
+    for _ in range(2):
+        assert _through(stage, versioned.SerializeToString()).raw_output_contents[0] == base.raw_input_contents[0]
+    assert stage.front.grpc(versioned.SerializeToString(), None, None) is not None
+    # a reload (another served config) or an invalidation: the pipeline's path, never a stale answer
+    configs["config"] = mc.ModelConfig(name="m", response_cache=config.response_cache)
+    assert stage.front.grpc(base.SerializeToString(), None, None) is None
+    configs["config"] = config
+    stage.local.invalidate("m")
+    assert stage.front.grpc(base.SerializeToString(), None, None) is None
+    assert _through(stage, base.SerializeToString()).id == ""
+    assert calls[0] == 2
+
+
+def test_the_front_door_never_answers_what_it_cannot_key() -> None:
+    stage, _, _, calls, _ = _front_door()
+    base = _request([4, 5, 6]).SerializeToString()
+    late_id = base + b"\x1a\x01z"  # an id after the inputs (not where serializers put it): never indexed
+    for _ in range(2):  # a miss, then a hit in the stage
+        assert _through(stage, late_id).id == "z"
+    assert stage.front.grpc(late_id, None, None) is None
+    assert not stage.front.entries
+    routed = _request([4, 5, 6])
+    routed.model_name = "route"  # an A/B route: never cached
+    assert _through(stage, routed.SerializeToString()).id == ""
+    assert stage.front.grpc(routed.SerializeToString(), None, None) is None
+    assert calls[0] == 2
+
+
+def test_the_front_door_index_is_bounded() -> None:
+    stage, _, _, _, _ = _front_door(size=64 * 1024)  # the index: at most 8 KiB of keys
+    for i in range(200):
+        for _ in range(2):  # a miss, then a hit (indexed)
+            _through(stage, _request([i] * 64).SerializeToString())
+        assert stage.front.bytes <= stage.front.max_bytes
+    assert 0 < len(stage.front.entries) < 200
+    large = _request(list(range(2000))).SerializeToString()  # over 4 KiB: never indexed nor looked up
+    for _ in range(3):
+        _through(stage, large)
+    assert stage.front.grpc(large, None, None) is None
+    assert all(len(key) <= 4096 for key in stage.front.entries)
