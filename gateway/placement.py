@@ -230,6 +230,7 @@ class Placement:
         self._failed: dict[str, tuple[float, InferError]] = {}
         self._gate: asyncio.Semaphore | None = None
         self._described: dict[str, tuple[float, mc.ModelConfig, list[int]]] = {}
+        self._describing: set[str] = set()  # described() reads them in the background
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -430,26 +431,31 @@ class Placement:
         return config, versions
 
     def described(self, name: str, version: str) -> mc.ModelConfig | None:
-        """The config of a managed model of the services' repositories as --repository has it,
-        for an ensemble's plan while the step's model is loaded nowhere (gateway/ensemble/catalog.py):
-        read once (a small file, on the loop), then kept; ``describe`` reads it again when its
-        files change. None: not a managed model of the repositories, or not that version."""
+        """The config of a managed model of the services' repositories as --repository has it
+        (``describe``), for an ensemble's plan while the step's model is loaded nowhere
+        (gateway/ensemble/catalog.py): what ``describe`` last read; a model not read yet is
+        read in the background (its files may be large: never on the loop) and None for now.
+        None also: not a managed model of the repositories, or not that version."""
         kept = self._described.get(name)
         if kept is None:
-            if self.repository is None or not self.manages(name) or name not in self.catalog:
-                return None
-            path = self.repository / name
-            stamp = _stamp(path)
-            if stamp is None:
-                return None
-            try:
-                config, versions = _read_model(path)
-            except (ConfigError, OSError):
-                return None
-            kept = self._described[name] = (stamp, config, versions)
+            if (self.repository is not None and self.manages(name) and name in self.catalog
+                    and name not in self._describing):
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    return None  # (not on the loop: nothing to read it in)
+                self._describing.add(name)
+                self._spawn(self._prefetch(name))
+            return None
         if version and (not version.isdigit() or int(version) not in kept[2]):
             return None
         return kept[1]
+
+    async def _prefetch(self, name: str) -> None:
+        try:
+            await self.describe(name)
+        finally:
+            self._describing.discard(name)
 
     async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse | None:
         described = await self.describe(name)

@@ -152,9 +152,10 @@ class EnsembleCatalog:
 
     async def placed_plan(self, name: str, version: str, timeout: float | None) -> Plan:
         """``plan``; when it does not compile because a step's model is one the model mesh
-        manages, that no replica serves and whose config --repository cannot describe (its
-        files do not read), the step's model is placed first (``Placement.ready``: its load's
-        answer, a failed load's reason named after the step) and the plan compiled again."""
+        manages and no replica serves, its config is read from --repository
+        (``Placement.describe``), and when that does not read either (a broken model file) the
+        step's model is placed first (``Placement.ready``: its load's answer, a failed load's
+        reason named after the step); then the plan is compiled again."""
         try:
             return self.plan(name, version)
         except InferError:
@@ -169,6 +170,9 @@ class EnsembleCatalog:
                 raise
         deadline = None if timeout is None else time.monotonic() + timeout
         for i, model, v in cold:
+            await placement.describe(model)
+            if self._lookup(model, v) is not None:
+                continue
             try:
                 await placement.ready(model, v, None if deadline is None else deadline - time.monotonic())
             except InferError as exc:

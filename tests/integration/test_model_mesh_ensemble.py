@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from load.bench import mesh_models
 from tests.conftest import Proc, _wait_http_ready, start
+from tests.integration.test_model_mesh import TENANTS as mesh_tenants
 from tests.integration.test_model_mesh import _metrics, _ready_on, _value
 from tests.support import eventually, models
 
@@ -38,7 +39,9 @@ def _chain(name: str, first: int | str, second: int | str) -> str:
 
 
 ENSEMBLES = {"ens_http": _chain("ens_http", 3, 7), "ens_grpc": _chain("ens_grpc", 5, 11),
-             "ens_broken": _chain("ens_broken", 4, BROKEN)}
+             "ens_broken": _chain("ens_broken", 4, BROKEN), "ens_tenant": _chain("ens_tenant", 13, 14)}
+TENANTS = mesh_tenants.replace("models: [mesh_001]", "models: [ens_tenant]")  # tenant t, key-t
+AS_T = {"authorization": "Bearer key-t"}
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Mesh:
     a: Proc
     b: Proc
     g: Proc
+    gt: Proc  # with tenants
     repo: Path
 
 
@@ -67,12 +71,15 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         for _ in range(2):
             procs.append(start(service))
         a, b = procs
-        g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", a.grpc, "--upstream", b.grpc,
-                   "--model-control-mode", "lazy", "--repository", str(front), "--placement-interval", "0.5",
-                   "--discovery-interval", "1"])
-        procs.append(g)
-        _wait_http_ready(g.http)
-        yield Mesh(a, b, g, repo)
+        lazy = ["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", a.grpc, "--upstream", b.grpc,
+                "--model-control-mode", "lazy", "--repository", str(front), "--placement-interval", "0.5",
+                "--discovery-interval", "1"]
+        tenants = front.parent / "ensemble-tenants.yaml"
+        tenants.write_text(TENANTS)
+        for args in (lazy, [*lazy, "--tenants", str(tenants)]):
+            procs.append(start(args))
+            _wait_http_ready(procs[-1].http)
+        yield Mesh(a, b, procs[2], procs[3], repo)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -82,15 +89,15 @@ def _x() -> np.ndarray:
     return np.arange(16, dtype=np.float32).reshape(1, 16)
 
 
-def _run(proto: str, url: str, name: str) -> np.ndarray:
+def _run(proto: str, url: str, name: str, headers: dict[str, str] | None = None) -> np.ndarray:
     m = MODULES[proto]
     inp = m.InferInput("X", [1, 16], "FP32")
     inp.set_data_from_numpy(_x())
     if proto == "http":
         with httpclient.InferenceServerClient(url, network_timeout=60) as hc:
-            return hc.infer(name, [inp]).as_numpy("Y")
+            return hc.infer(name, [inp], headers=headers).as_numpy("Y")
     with grpcclient.InferenceServerClient(url) as gc:
-        return gc.infer(name, [inp], client_timeout=60).as_numpy("Y")
+        return gc.infer(name, [inp], headers=headers, client_timeout=60).as_numpy("Y")
 
 
 def _placed(g: Proc) -> dict[str, list[str]]:
@@ -173,3 +180,23 @@ def test_a_broken_step_answers_every_waiting_ensemble_request_with_the_reason(me
             c.infer("ens_broken", [inp])
     assert err.value.status() == "400", err.value.status()
     assert f"failed to load '{BROKEN}'" in (err.value.message() or "")
+
+
+def test_a_tenant_allowed_the_ensemble_loads_its_steps_but_no_other_model(mesh: Mesh) -> None:
+    """The ensemble is the unit of permission (docs/security.md): a tenant allowed it runs (and so
+    loads) the steps its config names, not being allowed their models; a direct request for a
+    model it is not allowed is refused before any load."""
+    steps = [mesh_models.name_of(13), mesh_models.name_of(14)]
+    assert not set(steps) & _loaded(mesh)
+    with pytest.raises(InferenceServerException) as caught:  # a step model directly: not the tenant's
+        inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(_x())
+        with grpcclient.InferenceServerClient(mesh.gt.grpc) as c:
+            c.infer(steps[0], [inp], headers=AS_T)
+    assert "PERMISSION_DENIED" in str(caught.value.status()), caught.value.status()
+    assert not set(steps) & _loaded(mesh)
+    with pytest.raises(InferenceServerException) as caught:  # another ensemble: not the tenant's
+        _run("grpc", mesh.gt.grpc, "ens_http", AS_T)
+    assert "PERMISSION_DENIED" in str(caught.value.status()), caught.value.status()
+    np.testing.assert_array_equal(_run("grpc", mesh.gt.grpc, "ens_tenant", AS_T), _x() + np.float32(13 + 14))
+    assert set(steps) <= _loaded(mesh)
