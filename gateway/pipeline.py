@@ -415,8 +415,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     8. ``Place`` (lazy models, gateway/placement.py): after ``Admit``, so a tenant's request for
        a model it may not use never triggers a load, and a flood of requests for cold models is
        bounded by admission (each waits holding its slots); after ``ABRoutes``, so the arm's
-       target is what gets loaded. An ensemble's steps go to ``Upstream`` directly and are not
-       loaded lazily (docs/model-mesh.md).
+       target is what gets loaded. An ensemble's steps go to ``Upstream`` directly, placed by
+       the same ``Placement.ready`` / ``resend`` (docs/model-mesh.md, "Ensembles over lazy models").
     9. ``Forward``: the coalescer and ``Upstream``.
     """
     stages: list[Stage] = [Turns(turns)]
