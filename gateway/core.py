@@ -151,6 +151,8 @@ class GatewayCore:
         # The model mesh (lazy loading, placement: gateway/placement.py); None: no stage, no loop.
         self.placement = None if placement is None else Placement(
             self.upstream, placement, ensembles.repository if ensembles is not None else None)
+        if ensembles is not None and self.placement is not None:
+            ensembles.place(self.placement)  # an ensemble's lazy steps are placed as direct requests are
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
                                           self._target_decoupled, admission, routes, ensembles, self.cache,
                                           self.placement)

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from gateway.auth import Admission, Admitted
 from gateway.cache import CacheStage
 from gateway.ensemble.catalog import EnsembleCatalog
-from gateway.placement import Placement, evicted
+from gateway.placement import Placement
 from gateway.routes import ABRouter
 from gateway.routing.ab import Route
 from gateway.routing.table import SEQUENCE_ID, sequence_affinity
@@ -39,7 +39,7 @@ from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import hop
-from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
 from meshserve.server.core import (
     UNARY_DECOUPLED_GRPC,
@@ -55,7 +55,6 @@ Answers = AsyncGenerator[Answer, None]
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
-PLACE_ATTEMPTS = 3  # Place: sends of one request whose model was evicted (or lost) before it ran
 FACTS_KEPT = 1024  # per-config merge facts kept (all dropped when full: one rebuild each)
 
 
@@ -320,28 +319,8 @@ class Place:
     async def _placed(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                       ) -> InferResult:
         placement, name, version = self.placement, request.model_name, request.model_version
-        await self._ensure(request, ctx)
-        for attempt in range(1, PLACE_ATTEMPTS + 1):
-            try:
-                return await self.next.infer(request, ctx, sequence)
-            except InferError as exc:
-                if not evicted(exc) and not placement.lost(exc, name, version):
-                    raise
-                if attempt == PLACE_ATTEMPTS:
-                    raise InferError(Code.UNAVAILABLE, f"model '{name}' was evicted again before its request ran "
-                                     "(its replicas' memory budgets are full); retry later",
-                                     retry_after_s=placement.policy.retry_after_s) from None
-                await placement.ensure(name, ctx.time_remaining(), stale=True)
-                if placement.serving(name, "") and not placement.serving(name, version):
-                    raise  # the model is served, but not that version: the service's answer stands
-        raise AssertionError("unreachable")
-
-    async def _ensure(self, request: pb.ModelInferRequest, ctx: RequestContext) -> None:
-        """The model's last use noted; loaded first when no healthy replica serves it."""
-        placement = self.placement
-        placement.touch(request.model_name)
-        if not placement.serving(request.model_name, request.model_version):
-            await placement.ensure(request.model_name, ctx.time_remaining())
+        await placement.ready(name, version, ctx.time_remaining())
+        return await placement.resend(name, version, ctx.time_remaining, lambda: self.next.infer(request, ctx, sequence))
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                ) -> Answers:
@@ -351,7 +330,7 @@ class Place:
 
     async def _placed_stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                              ) -> Answers:
-        await self._ensure(request, ctx)
+        await self.placement.ready(request.model_name, request.model_version, ctx.time_remaining())
         async with aclosing(self.next.stream(request, ctx, sequence)) as answers:
             async for answer in answers:
                 yield answer
@@ -436,8 +415,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     8. ``Place`` (lazy models, gateway/placement.py): after ``Admit``, so a tenant's request for
        a model it may not use never triggers a load, and a flood of requests for cold models is
        bounded by admission (each waits holding its slots); after ``ABRoutes``, so the arm's
-       target is what gets loaded. An ensemble's steps go to ``Upstream`` directly and are not
-       loaded lazily (docs/model-mesh.md).
+       target is what gets loaded. An ensemble's steps go to ``Upstream`` directly, placed by
+       the same ``Placement.ready`` / ``resend`` (docs/model-mesh.md, "Ensembles over lazy models").
     9. ``Forward``: the coalescer and ``Upstream``.
     """
     stages: list[Stage] = [Turns(turns)]

@@ -27,10 +27,10 @@ import logging
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.routing import placement as arith
 from gateway.upstream.replica import CALL_ERRORS, Replica
@@ -45,10 +45,12 @@ from meshserve.repository.errors import ConfigError
 from meshserve.telemetry import metrics
 
 log = logging.getLogger("meshserve.gateway.placement")
+T = TypeVar("T")
 
 LOAD_TIMEOUT_S = 600.0  # one load on one replica
 CALL_TIMEOUT_S = 5.0  # an index or a scrape of one replica
 PLACE_RETRY_S = 2.0  # every replica refused a load for room: tried again for this long
+PLACE_ATTEMPTS = 3  # sends of one request whose model was evicted (or lost) before it ran
 FAILED_HOLD_S = 5.0  # a model whose load failed answers with that failure this long, without a new load
 COLD_START_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RECENT_COLD_STARTS = 16  # per model, for the placement endpoint
@@ -228,6 +230,7 @@ class Placement:
         self._failed: dict[str, tuple[float, InferError]] = {}
         self._gate: asyncio.Semaphore | None = None
         self._described: dict[str, tuple[float, mc.ModelConfig, list[int]]] = {}
+        self._describing: set[str] = set()  # described() reads them in the background
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -258,6 +261,35 @@ class Placement:
                 return  # not a model of the repositories: nothing to remember (bounded)
             state = self.models[name] = ModelState()
         state.touched = time.monotonic()
+
+    async def ready(self, name: str, version: str, timeout: float | None) -> None:
+        """The model's last use noted; loaded first (``ensure``) when no healthy replica serves
+        it. The Place stage's (gateway/pipeline.py:Place) and an ensemble step's
+        (gateway/ensemble/executor.py): a step's model is placed as a direct request's is."""
+        self.touch(name)
+        if not self.serving(name, version):
+            await self.ensure(name, timeout)
+
+    async def resend(self, name: str, version: str, remaining: Callable[[], float | None],
+                     send: Callable[[], Awaitable[T]]) -> T:
+        """``send()`` (the request for ``name``, after ``ready``), placed and sent again when a
+        replica answers that it does not hold the model (evicted after the table was read: the
+        request never ran) or the replicas serving it left the pool: at most PLACE_ATTEMPTS
+        sends, then UNAVAILABLE with Retry-After. ``remaining``: the request's time left."""
+        for attempt in range(1, PLACE_ATTEMPTS + 1):
+            try:
+                return await send()
+            except InferError as exc:
+                if not evicted(exc) and not self.lost(exc, name, version):
+                    raise
+                if attempt == PLACE_ATTEMPTS:
+                    raise InferError(Code.UNAVAILABLE, f"model '{name}' was evicted again before its request ran "
+                                     "(its replicas' memory budgets are full); retry later",
+                                     retry_after_s=self.policy.retry_after_s) from None
+                await self.ensure(name, remaining(), stale=True)
+                if self.serving(name, "") and not self.serving(name, version):
+                    raise  # the model is served, but not that version: the service's answer stands
+        raise AssertionError("unreachable")
 
     async def ensure(self, name: str, timeout: float | None, stale: bool = False) -> None:
         """Return once a healthy replica serves ``name``, loading it if none does (one load per
@@ -384,9 +416,8 @@ class Placement:
             if name not in self.catalog:
                 return None
         path = self.repository / name
-        try:
-            stamp = max((p.stat().st_mtime for p in (path, path / "config.pbtxt") if p.exists()), default=0.0)
-        except OSError:
+        stamp = _stamp(path)
+        if stamp is None:
             return None
         kept = self._described.get(name)
         if kept is not None and kept[0] == stamp:
@@ -398,6 +429,33 @@ class Placement:
             return None
         self._described[name] = (stamp, config, versions)
         return config, versions
+
+    def described(self, name: str, version: str) -> mc.ModelConfig | None:
+        """The config of a managed model of the services' repositories as --repository has it
+        (``describe``), for an ensemble's plan while the step's model is loaded nowhere
+        (gateway/ensemble/catalog.py): what ``describe`` last read; a model not read yet is
+        read in the background (its files may be large: never on the loop) and None for now.
+        None also: not a managed model of the repositories, or not that version."""
+        kept = self._described.get(name)
+        if kept is None:
+            if (self.repository is not None and self.manages(name) and name in self.catalog
+                    and name not in self._describing):
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    return None  # (not on the loop: nothing to read it in)
+                self._describing.add(name)
+                self._spawn(self._prefetch(name))
+            return None
+        if version and (not version.isdigit() or int(version) not in kept[2]):
+            return None
+        return kept[1]
+
+    async def _prefetch(self, name: str) -> None:
+        try:
+            await self.describe(name)
+        finally:
+            self._describing.discard(name)
 
     async def model_config(self, name: str, version: str) -> pb.ModelConfigResponse | None:
         described = await self.describe(name)
@@ -582,6 +640,14 @@ class Placement:
                 out.append(("replica_memory_pressure", {"replica": endpoint}, round(f.used / f.budget, 4)))
             out.append(("replica_saturation", {"replica": endpoint}, sum(f.pending.values())))
         return out
+
+
+def _stamp(path: Path) -> float | None:
+    """When a model directory's config last changed (None: unreadable)."""
+    try:
+        return max((p.stat().st_mtime for p in (path, path / "config.pbtxt") if p.exists()), default=0.0)
+    except OSError:
+        return None
 
 
 def _read_model(path: Path) -> tuple[mc.ModelConfig, list[int]]:

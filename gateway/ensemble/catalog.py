@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.ensemble.executor import EnsembleExecutor, StepTimes
+from gateway.ensemble.executor import EnsembleExecutor, StepTimes, named
 from gateway.ensemble.plan import EnsembleError, Plan, compile_plan
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -31,6 +31,7 @@ from meshserve.telemetry.metrics import Sample
 from meshserve.telemetry.model_stats import ModelStats
 
 if TYPE_CHECKING:
+    from gateway.placement import Placement
     from gateway.upstream.upstream import Upstream
 
 log = logging.getLogger("meshserve.gateway.ensemble")
@@ -109,6 +110,17 @@ class EnsembleCatalog:
         self.executor = EnsembleExecutor(upstream, self.max_inflight_steps)
         self._lookup = lookup
 
+    def place(self, placement: Placement) -> None:
+        """The model mesh (--model-control-mode lazy): a step whose model is loaded nowhere is
+        placed before it is sent (executor), and until then the plan compiles against the step
+        model's config as --repository has it (``Placement.described``): the ensemble is
+        described and ready without loading its steps."""
+        assert self.executor is not None, "EnsembleCatalog.bind() was not called"
+        self.executor.placement = placement
+        served, described = self._lookup, placement.described
+        self._lookup = lambda model, version: served(model, version) or described(model, version)
+        self._plans.clear()
+
     def __contains__(self, name: str) -> bool:
         return name in self.configs or name in self.errors
 
@@ -138,6 +150,35 @@ class EnsembleCatalog:
             raise InferError.unavailable(str(cached[1]))
         return cached[1]
 
+    async def placed_plan(self, name: str, version: str, timeout: float | None) -> Plan:
+        """``plan``; when it does not compile because a step's model is one the model mesh
+        manages and no replica serves, its config is read from --repository
+        (``Placement.describe``), and when that does not read either (a broken model file) the
+        step's model is placed first (``Placement.ready``: its load's answer, a failed load's
+        reason named after the step); then the plan is compiled again."""
+        try:
+            return self.plan(name, version)
+        except InferError:
+            placement = None if self.executor is None else self.executor.placement
+            if placement is None or name not in self.configs or name in self.unloaded:
+                raise
+            cold = [(i, s.model_name, "" if s.model_version < 0 else str(s.model_version))
+                    for i, s in enumerate(self.configs[name].ensemble_scheduling.step)
+                    if s.model_name in placement.catalog and placement.manages(s.model_name)]
+            cold = [(i, m, v) for i, m, v in cold if self._lookup(m, v) is None]
+            if not cold:
+                raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, model, v in cold:
+            await placement.describe(model)
+            if self._lookup(model, v) is not None:
+                continue
+            try:
+                await placement.ready(model, v, None if deadline is None else deadline - time.monotonic())
+            except InferError as exc:
+                raise named(name, f"step {i} (model '{model}')", exc) from None
+        return self.plan(name, version)
+
     def decoupled(self, name: str, version: str) -> bool:
         """Whether the ensemble has a decoupled step (False when it does not compile: its
         request then fails with the reason)."""
@@ -150,7 +191,7 @@ class EnsembleCatalog:
                     affinity: str | None = None, protocol: str = "grpc") -> pb.ModelInferResponse:
         """A unary call (``protocol``: the client's, for Triton's refusal of a decoupled ensemble)."""
         arrival = time.monotonic_ns()
-        plan = self.plan(request.model_name, request.model_version)
+        plan = await self.placed_plan(request.model_name, request.model_version, timeout)
         if plan.decoupled:
             raise unary_decoupled_error(protocol)
         reject_mixed_contents(request)  # the gateway runs this request itself (infer_checks)
@@ -172,7 +213,7 @@ class EnsembleCatalog:
                            affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
         """A streaming call: an ensemble with a decoupled step answers each of its responses
         (executor.run_stream), then the final flag alone; any other answers once."""
-        plan = self.plan(request.model_name, request.model_version)
+        plan = await self.placed_plan(request.model_name, request.model_version, timeout)
         if not plan.decoupled:
             yield await self.infer(request, timeout, affinity), True
             return

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,6 +24,7 @@ from meshserve.telemetry import tracing
 
 if TYPE_CHECKING:
     from gateway.cache import CacheStage
+    from gateway.placement import Placement
     from gateway.upstream.upstream import Upstream
 
 
@@ -68,6 +69,9 @@ class EnsembleExecutor:
         # the gateway's response cache (--cache-config): a step whose model's config enables it
         # is answered from it (gateway/cache.py:CacheStage.step); None: every step is sent
         self.step_cache: CacheStage | None = None
+        # the model mesh (gateway/placement.py): a step whose model the policy manages is placed
+        # (loaded where no healthy replica serves it) as a direct request's model is; None: none is
+        self.placement: Placement | None = None
 
     async def run(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
                   times: StepTimes | None = None, affinity: str | None = None) -> pb.ModelInferResponse:
@@ -185,6 +189,8 @@ class EnsembleExecutor:
                            ) -> None:
         """A decoupled step's call: each of its responses' outputs to ``events``."""
         req = _step_request(step, rnd.tensors, request)
+        if self.placement is not None:
+            await self._ready(plan, step, deadline)
         timeout = self._remaining(plan, step, deadline)
         with _StepCall(plan, step, times):
             answers = cast(AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None],
@@ -210,15 +216,37 @@ class EnsembleExecutor:
     async def _step(self, plan: Plan, step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest,
                     deadline: float | None, times: StepTimes, affinity: str | None) -> dict[str, _Tensor]:
         req = _step_request(step, tensors, request)
+        placed = None if self.placement is None else await self._ready(plan, step, deadline)
+
+        def send(r: pb.ModelInferRequest, t: float | None) -> Awaitable[pb.ModelInferResponse]:
+            if placed is None:
+                return self._upstream.send(r, None, t, affinity)
+            return placed.resend(step.model, step.version, lambda: _left(deadline),
+                                 lambda: self._upstream.send(r, None, t, affinity))
+
         async with self._slots:
             timeout = self._remaining(plan, step, deadline)
             with _StepCall(plan, step, times):
                 if self.step_cache is None:
-                    resp = await self._upstream.send(req, None, timeout, affinity)
+                    resp = await send(req, timeout)
                 else:
-                    resp = await self.step_cache.step(req, timeout, affinity, lambda r, t: self._upstream.send(
-                        r, None, t, affinity))
+                    resp = await self.step_cache.step(req, timeout, affinity, send)
         return _outputs(plan, step, resp)
+
+    async def _ready(self, plan: Plan, step: Step, deadline: float | None) -> Placement | None:
+        """A step whose model the mesh manages: placed first when no healthy replica serves it
+        (``Placement.ready``: the load a direct request would start or join, waited for within
+        the ensemble's deadline, before the step takes a slot); the Placement, to send it
+        again if its model is evicted before it runs. None: an unmanaged step."""
+        placement = self.placement
+        if placement is None or not placement.manages(step.model):
+            return None
+        timeout = self._remaining(plan, step, deadline)
+        try:
+            await placement.ready(step.model, step.version, timeout)
+        except InferError as exc:
+            raise named(plan.name, step.label, exc) from None
+        return placement
 
 
 class _StepCall:
@@ -246,8 +274,16 @@ class _StepCall:
         self.times.steps_ns += time.monotonic_ns() - self.sent
         self.span.__exit__(kind, exc, tb)
         if isinstance(exc, InferError):
-            raise InferError(exc.code, f"ensemble '{self.plan.name}' {self.step.label}: {exc.message}",
-                             retry_after_s=exc.retry_after_s) from None
+            raise named(self.plan.name, self.step.label, exc) from None
+
+
+def named(ensemble: str, label: str, exc: InferError) -> InferError:
+    """A step's error, named after the ensemble and the step (``Step.label``)."""
+    return InferError(exc.code, f"ensemble '{ensemble}' {label}: {exc.message}", retry_after_s=exc.retry_after_s)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
 
 
 def _step_request(step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest) -> pb.ModelInferRequest:
