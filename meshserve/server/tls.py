@@ -32,6 +32,7 @@ import asyncio
 import logging
 import os
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -319,7 +320,8 @@ class _Handshake(asyncio.Protocol):
         app = self.make()
         try:
             tls = await asyncio.get_running_loop().start_tls(
-                transport, app, acceptor.current(), server_side=True, ssl_handshake_timeout=acceptor.timeout)
+                transport, Reader(app), acceptor.current(), server_side=True,
+                ssl_handshake_timeout=acceptor.timeout)
         except Exception as exc:
             acceptor.failed += 1
             log.debug("%s TLS handshake failed: %s", acceptor.proto, exc)
@@ -333,9 +335,69 @@ class _Handshake(asyncio.Protocol):
             self.transport = None
         if tls is None or tls.is_closing():
             return
+        if log.isEnabledFor(logging.DEBUG):
+            ssl_object = tls.get_extra_info("ssl_object")
+            log.debug("%s TLS: %s %s", acceptor.proto, ssl_object.version(), ssl_object.cipher())
         if hasattr(app, "join_writes"):  # (one TLS record per flush: see h2.connection.H2Endpoint)
             app.join_writes = True
         app.connection_made(tls)
+
+
+READ_BUFFER_BYTES = 256 << 10  # uvloop's SSL_READ_MAX_SIZE: what one SSLObject.read may give
+_buffers = threading.local()  # .view: the decrypted-input buffer the TLS connections of a thread share
+
+
+def _read_buffer() -> memoryview:
+    view = memoryview(bytearray(READ_BUFFER_BYTES))
+    _buffers.view = view
+    return view
+
+
+class Reader(asyncio.BufferedProtocol):
+    """What the TLS transport (loop.start_tls's SSLProtocol) reads for: it decrypts into one
+    buffer that all connections of the thread share, and ``app`` (an asyncio.Protocol) gets a
+    copy of what arrived.
+
+    Why (docs/perf/tls-cost.md, "Where the front door's time went"): given a plain
+    asyncio.Protocol, uvloop's SSLProtocol (its `_do_read__copied`) asks `SSLObject.read` for
+    256 KiB per read: a 256 KiB bytes object, which glibc maps for it (mmap), shrinks to what
+    arrived (mremap) and unmaps when the app is done with it (munmap), first-touch page faults
+    included. Measured on the gateway at c32 (perf_analyzer, HTTP binary add_sub): those three
+    system calls and the faults were 20% of its CPU, 28 µs of the 140 µs a request cost with
+    TLS. A buffered protocol gets `SSLObject.read(n, buffer)` into its buffer instead: no
+    allocation but the copy (`bytes(view[:n])`, the input's size). One buffer serves all: the
+    transport calls get_buffer, decrypts into it and calls buffer_updated in one go, without
+    yielding to the loop (and without buffer_updated when nothing decrypted), and the bytes are
+    copied out before the app runs."""
+
+    __slots__ = ("app",)
+
+    def __init__(self, app: asyncio.Protocol) -> None:
+        self.app = app
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        try:
+            return _buffers.view  # type: ignore[no-any-return]
+        except AttributeError:
+            return _read_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.app.data_received(bytes(_buffers.view[:nbytes]))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # (start_tls does not call it)
+        self.app.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.app.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self.app.eof_received()
+
+    def pause_writing(self) -> None:
+        self.app.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.app.resume_writing()
 
 
 # ---- a client certificate as a tenant's name (gateway/auth.py:Tenants.authenticate) ---------------

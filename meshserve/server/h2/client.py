@@ -34,6 +34,7 @@ from meshserve.server.h2.frames import (
     literal,
     md_value,
 )
+from meshserve.server.tls import Reader
 
 log = logging.getLogger("meshserve.grpc.h2client")
 
@@ -388,8 +389,10 @@ async def connect(endpoint: str, timeout: float = 5.0, ssl_context: ssl.SSLConte
     loop = asyncio.get_running_loop()
     tls: dict[str, Any] = {} if ssl_context is None else {
         "ssl": ssl_context, "server_hostname": host or "127.0.0.1", "ssl_handshake_timeout": timeout}
-    _, proto = await asyncio.wait_for(
-        loop.create_connection(lambda: H2ClientConnection(endpoint), host or "127.0.0.1", int(port), **tls), timeout)
+    proto = H2ClientConnection(endpoint)
+    # (over TLS a buffered protocol in front: no 256 KiB allocation per read, meshserve/server/tls.py:Reader)
+    factory = (lambda: proto) if ssl_context is None else (lambda: Reader(proto))
+    await asyncio.wait_for(loop.create_connection(factory, host or "127.0.0.1", int(port), **tls), timeout)
     proto.join_writes = ssl_context is not None  # (one TLS record per flush: H2Endpoint.join_writes)
     # Streams wait for the server's SETTINGS (its MAX_CONCURRENT_STREAMS above all): a burst of
     # calls on a new connection would otherwise be refused past that limit.
