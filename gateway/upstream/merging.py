@@ -294,14 +294,19 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
                 _field(b"\x2a", names + _field(b"\x1a", b"".join(wire.varint(d) for d in (n, *inner))))
                 for names, inner in specs), [b"\x32" + wire.varint(n * size) for size in per_row])
         tensors, lengths = cached
-        rid = req.id
-        parts: list[bytes | memoryview] = [head, _field(b"\x1a", rid.encode()) if rid else b"", tensors]
+        rid = req.id.encode()
+        # the id field (3): its one-byte length inline, the usual case (no call of _field, varint)
+        parts: list[bytes | memoryview] = [head, (b"\x1a" + _SHORT[len(rid)] + rid if len(rid) < 0x80 else
+                                                  _field(b"\x1a", rid)) if rid else b"", tensors]
         for view, size, length in zip(views, per_row, lengths, strict=True):
             parts.append(length)
             parts.append(view[start * size:(start + n) * size])
         out.append(b"".join(parts))
         start += n
     return out
+
+
+_SHORT = [bytes((n,)) for n in range(0x80)]  # a one-byte varint, by its value
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
