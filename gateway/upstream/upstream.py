@@ -72,14 +72,21 @@ class Upstream:
             try:
                 return await fn(replica)
             except CALL_ERRORS as exc:
-                err, retry = self._failed(replica, exc, generation)
-                if retry:
-                    replicas.remove(replica)
-                    if replicas:
-                        continue
-                raise err from None
+                if (err := self._another(replicas, replica, exc, generation)) is not None:
+                    raise err from None
             finally:
                 replica.outstanding -= 1
+
+    def _another(self, replicas: list[Replica], replica: Replica, exc: Exception, generation: int
+                 ) -> InferError | None:
+        """``_failed``, in ``call``'s loop: None when another of ``replicas`` may be tried (this
+        one is taken out of the list), else the client's error."""
+        err, retry = self._failed(replica, exc, generation)
+        if retry:
+            replicas.remove(replica)
+            if replicas:
+                return None
+        return err
 
     def _failed(self, replica: Replica, exc: Exception, generation: int) -> tuple[InferError, bool]:
         """A call to ``replica``, begun in its ``generation``, raised ``exc``: (the client's error,
@@ -109,8 +116,7 @@ class Upstream:
         no closure, no frame of ``call``'s and ``finish``'s each); the same replica choice,
         retries and counts."""
         table = self.discovery.table  # (as call)
-        routes = table.lookup(name) if name in table else await self.routes(name)
-        replicas = list(routes.replicas_for(version))
+        replicas = list((table.lookup(name) if name in table else await self.routes(name)).replicas_for(version))
         while True:
             replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
             replica.outstanding += 1
@@ -127,12 +133,8 @@ class Upstream:
                     pool.latency.observe((time.perf_counter_ns() - t0) / 1000)
                 return pool.answer(msg, client_id)
             except CALL_ERRORS as exc:
-                err, retry = self._failed(replica, exc, generation)
-                if retry:
-                    replicas.remove(replica)
-                    if replicas:
-                        continue
-                raise err from None
+                if (err := self._another(replicas, replica, exc, generation)) is not None:
+                    raise err from None
             finally:
                 replica.outstanding -= 1
 
