@@ -134,7 +134,7 @@ class Outcomes:
     async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, params: Params | None
                     ) -> InferResult:
         try:
-            result = await (self.next.infer(request, ctx, None) if params is not None
+            result = await (self.next.infer_with(request, ctx, params) if params is not None
                             else self.past_turns.infer(request, ctx, None))
         except InferError as exc:
             self.counts[(request.model_name if self.renames else name, exc.code.value)] += 1
@@ -168,7 +168,10 @@ class Turns:
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
               ) -> Result:
-        params = request.parameters
+        return self.infer_with(request, ctx, request.parameters)
+
+    def infer_with(self, request: pb.ModelInferRequest, ctx: RequestContext, params: Params) -> Result:
+        """``infer`` with the request's parameters read already (``Outcomes``: from ``Names``)."""
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
             return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
         return self.next.infer(request, ctx, None)
