@@ -9,6 +9,8 @@ response. The scheduler that decides when requests travel together is coalesce.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -313,7 +315,7 @@ def merge(requests: list[pb.ModelInferRequest], rows: list[int], shape: ModelSha
     else:
         for m, (r, n) in enumerate(zip(requests, rows, strict=True)):
             raws = r.raw_input_contents[:]
-            names = order if m == 0 else [t.name for t in r.inputs[:]]
+            names = order if m == 0 else list(map(_NAME, r.inputs[:]))  # (no comprehension frame)
             if len(raws) != len(names):
                 bad.append(m)
                 continue
@@ -335,6 +337,9 @@ def merge(requests: list[pb.ModelInferRequest], rows: list[int], shape: ModelSha
     return merged
 
 
+_NAME = attrgetter("name")
+
+
 class Unmergeable(Exception):
     """Members of a merge whose tensor bytes do not match their shapes (indexes in the chunk)."""
 
@@ -354,7 +359,7 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
     if len(raws) != len(outputs):
         raise InferError.internal(f"model '{response.model_name}': merged response lacks raw output contents")
     per_row = []
-    specs = []  # (name and datatype fields, inner dims) per output
+    tensors_read = []  # (name, datatype, inner dims) per output
     views = []
     for o, raw in zip(outputs[:], raws[:], strict=True):
         shape = o.shape
@@ -363,12 +368,23 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
                 f"model '{response.model_name}': output '{o.name}' of shape {list(shape)} cannot be split "
                 f"into {len(requests)} requests of {rows} rows")
         per_row.append(len(raw) // total)
-        specs.append((_field(b"\x0a", o.name.encode()) + _field(b"\x12", o.datatype.encode()), shape[1:]))
+        tensors_read.append((o.name, o.datatype, tuple(shape[1:])))
         views.append(memoryview(raw))
-    head = _field(b"\x0a", response.model_name.encode()) + _field(b"\x12", response.model_version.encode())
+    # what the members' responses share but their ids and data, built once per layout (_SPLITS)
+    layout = (response.model_name, response.model_version, tuple(tensors_read), tuple(per_row))
+    known = _SPLITS.get(layout)
+    if known is None:
+        if len(_SPLITS) >= _SPLITS_KEPT:
+            _SPLITS.clear()
+        known = _SPLITS[layout] = (
+            _field(b"\x0a", layout[0].encode()) + _field(b"\x12", layout[1].encode()),
+            [(_field(b"\x0a", name.encode()) + _field(b"\x12", datatype.encode()), inner)
+             for name, datatype, inner in tensors_read], {})
+    head, specs, heads = known
+    if len(heads) >= _SPLITS_KEPT:
+        heads.clear()
     # by member rows: the output tensors' fields (without data), and each raw_output_contents
     # (field 6) entry's tag and length
-    heads: dict[int, tuple[bytes, list[bytes]]] = {}
     out = []
     start = 0
     for req, n in zip(requests, rows, strict=True):
@@ -391,6 +407,11 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
 
 
 _SHORT = [bytes((n,)) for n in range(0x80)]  # a one-byte varint, by its value
+# split's bytes shared by the members of a merged response, by its layout (model, version, outputs'
+# names, datatypes and inner dims, bytes per row); each with its tensors' fields by member rows.
+# Bounded: all dropped when full (a model's layouts are few: one per requested-output set).
+_SPLITS: dict[tuple[Any, ...], tuple[bytes, list[tuple[bytes, tuple[int, ...]]], dict[int, tuple[bytes, list[bytes]]]]] = {}
+_SPLITS_KEPT = 256
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
