@@ -11,8 +11,11 @@ not configured (no --tenants, --cache-config, --routes, --repository or lazy mod
 that has nothing to do for a request (no sequence id, not a route, not an ensemble) returns the
 next stage's awaitable from a plain method: no coroutine frame of its own. The chain is built
 once, at start: running it allocates nothing per request but the coroutines of the stages that
-wait (``Outcomes`` and ``Forward`` on the common path, where the core had three before) and a
-sequence's turn.
+wait (``Outcomes``, and the one ``Forward`` picks for the way the request goes: a merge joins
+``Coalescer.submit``'s directly) and a sequence's turn. ``Names`` reads the model name and the
+parameters once and hands them to ``Outcomes``, which takes a request without parameters past
+``Turns`` (nothing for it to read) and counts it by the name read (the request's own only where
+an A/B route may have renamed it).
 
 A new policy is one class here with ``infer`` (and ``stream`` where a streamed request needs it)
 and one line in ``assemble``, at the place its order constraints give it.
@@ -52,6 +55,7 @@ from meshserve.telemetry import tracing
 
 Answer = tuple[pb.ModelInferResponse | None, bool]  # a streamed answer inside the pipeline (None: an empty final)
 Answers = AsyncGenerator[Answer, None]
+Params = Any  # a request's parameters (a upb map of str -> pb.InferParameter)
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
@@ -79,29 +83,34 @@ class Names:
         self._decoupled = decoupled  # GatewayCore.is_decoupled
         self._valid: set[str] = set()  # names that passed the names rule (a set lookup, not its regex)
 
-    def check(self, request: pb.ModelInferRequest) -> None:
+    def check(self, request: pb.ModelInferRequest) -> tuple[str, Params | None]:
+        """(the model name, the request's parameters or None when it has none): read once here
+        and handed on (each upb field read costs ~750 instructions and makes a new object)."""
         name = request.model_name
         if name not in self._valid:
             check_model_name(name)
             if len(self._valid) < _VALID_NAMES_KEPT:
                 self._valid.add(name)
-        if request.model_version:
-            check_version(request.model_version, request.model_name)
+        version = request.model_version
+        if version:
+            check_version(version, name)
         params = request.parameters
-        if params:
-            for key in params:  # (a client's request carries none of the hop's private parameters)
-                if key.startswith(hop.PRIVATE_PREFIX):
-                    raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
-                                             f"parameters starting with '{hop.PRIVATE_PREFIX}' may not be sent")
+        if not params:
+            return name, None
+        for key in params:  # (a client's request carries none of the hop's private parameters)
+            if key.startswith(hop.PRIVATE_PREFIX):
+                raise InferError.invalid(f"request parameter '{key}' is reserved for meshserve's own hops; "
+                                         f"parameters starting with '{hop.PRIVATE_PREFIX}' may not be sent")
+        return name, params
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Result:
-        self.check(request)
-        return self.next.infer(request, ctx)
+        name, params = self.check(request)
+        return self.next.infer(request, ctx, name, params)
 
     async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
-        self.check(request)
-        if not self._decoupled(request.model_name, request.model_version):
-            yield await self.next.infer(request, ctx), True
+        name, params = self.check(request)
+        if not self._decoupled(name, request.model_version):
+            yield await self.next.infer(request, ctx, name, params), True
             return
         async with aclosing(self.next.stream(request, ctx)) as answers:
             async for answer in answers:
@@ -111,20 +120,27 @@ class Names:
 class Outcomes:
     """Every request that passed the name check is counted once, here, by the model it went to
     (an A/B route's target once the arm is chosen: ``request.model_name`` when it ends) and its
-    outcome: ``meshserve_gateway_requests_total``."""
+    outcome: ``meshserve_gateway_requests_total``. A request without parameters (no sequence
+    id) goes past ``Turns`` (``past_turns``: the stage after it) without a look."""
 
-    next: Stage
+    next: Turns
+    past_turns: Stage
 
-    def __init__(self, counts: Counter[tuple[str, str]]):
+    def __init__(self, counts: Counter[tuple[str, str]], renames: bool):
         self.counts = counts
+        self.renames = renames  # an A/B route may point the request at another name (ABRoutes)
 
-    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, params: Params | None
+                    ) -> InferResult:
         try:
-            result = await self.next.infer(request, ctx, None)
+            result = await (self.next.infer_with(request, ctx, params) if params is not None
+                            else self.past_turns.infer(request, ctx, None))
         except InferError as exc:
-            self.counts[(request.model_name, exc.code.value)] += 1
+            self.counts[(request.model_name if self.renames else name, exc.code.value)] += 1
+            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
+                raise unary_decoupled_error(ctx.protocol) from None
             raise
-        self.counts[(request.model_name, "OK")] += 1
+        self.counts[(request.model_name if self.renames else name, "OK")] += 1
         return result
 
     async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
@@ -134,6 +150,8 @@ class Outcomes:
                     yield (None if response is None else InferResult(message=response)), final
         except InferError as exc:
             self.counts[(request.model_name, exc.code.value)] += 1
+            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # (as infer)
+                raise unary_decoupled_error(ctx.protocol) from None
             raise
         self.counts[(request.model_name, "OK")] += 1
 
@@ -149,7 +167,10 @@ class Turns:
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
               ) -> Result:
-        params = request.parameters
+        return self.infer_with(request, ctx, request.parameters)
+
+    def infer_with(self, request: pb.ModelInferRequest, ctx: RequestContext, params: Params) -> Result:
+        """``infer`` with the request's parameters read already (``Outcomes``: from ``Names``)."""
         if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
             return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
         return self.next.infer(request, ctx, None)
@@ -349,25 +370,51 @@ class Forward:
         self._config_for = upstream.discovery.config_for
         self._facts: dict[int, tuple[mc.ModelConfig, ModelShape | None, bool]] = {}  # facts()
 
-    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
-        name = request.model_name
-        timeout = ctx.time_remaining()
-        try:
-            config = self._config_for(name, request.model_version)
-            facts = None if config is None else self.facts(config)
-            if facts is not None and facts[2]:
-                raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by stream)
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Result:
+        """The coroutine of the way the request goes (a plain method: no frame of its own, so a
+        merged request's chain is one coroutine shorter). The service's words for a unary call
+        on a decoupled model are put in the client's protocol's by ``Outcomes``."""
+        name, version = request.model_name, request.model_version  # (read once, handed on)
+        deadline = ctx.deadline  # (ctx.time_remaining(), inline)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        raw = ctx.raw
+        config = self._config_for(name, version)
+        facts = None if config is None else self._facts.get(id(config))
+        if config is not None and (facts is None or facts[0] is not config):
+            facts = self.facts(config)
+        if facts is not None and facts[2]:
+            raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by stream)
+        if self.coalesce:
             coalescer = self.coalescer
-            if self.coalesce and coalescer.idle(name):  # nothing to merge with: no merge check
-                return InferResult(message=await coalescer.send_alone(request, ctx.raw, timeout, sequence))
-            if not self.coalesce or facts is None or (shape := facts[1]) is None or \
-                    (found := merge_key(request, shape, ctx.raw)) is None:  # a sampled request may be merged too
-                return InferResult(message=await self.upstream.send(request, ctx.raw, timeout, sequence))
-            return await coalescer.submit(found[0], request, ctx.raw, found[1], shape, timeout)
-        except InferError as exc:
-            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
-                raise unary_decoupled_error(ctx.protocol) from None
-            raise
+            if name not in coalescer.busy:  # idle: nothing to merge with, no merge check
+                return self._alone(request, name, version, raw, timeout, sequence)
+            if facts is not None and (shape := facts[1]) is not None and \
+                    (found := merge_key(request, shape, raw)) is not None:  # a sampled request may be merged too
+                return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name)
+        return self._sent(request, name, version, raw, timeout, sequence)
+
+    async def _alone(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
+                     timeout: float | None, sequence: str | None) -> InferResult:
+        """``Coalescer.send_alone`` (requests arriving meanwhile see the model busy), without a
+        frame of its own."""
+        busy = self.coalescer.busy
+        busy[name] = busy.get(name, 0) + 1
+        try:
+            return InferResult(message=await self._send(request, name, version, raw, timeout, sequence))
+        finally:
+            self.coalescer.done(name)
+
+    async def _sent(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
+                    timeout: float | None, sequence: str | None) -> InferResult:
+        return InferResult(message=await self._send(request, name, version, raw, timeout, sequence))
+
+    def _send(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
+              timeout: float | None, sequence: str | None) -> Coroutine[Any, Any, pb.ModelInferResponse]:
+        """``Upstream.send``; a client's bytes with tracing off go straight to ``Upstream.infer``
+        with the name and version read already."""
+        if raw is None or tracing.enabled:
+            return self.upstream.send(request, raw, timeout, sequence)
+        return self.upstream.infer(name, version, request.id, raw, timeout, sequence)
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                ) -> Answers:
@@ -419,7 +466,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
        the same ``Placement.ready`` / ``resend`` (docs/model-mesh.md, "Ensembles over lazy models").
     9. ``Forward``: the coalescer and ``Upstream``.
     """
-    stages: list[Stage] = [Turns(turns)]
+    turn = Turns(turns)
+    stages: list[Stage] = [turn]
     if admission is not None:
         stages.append(Admit(admission, forward.upstream.discovery.config_for))
     if cache is not None:
@@ -434,8 +482,9 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     for stage, after in zip(stages, stages[1:], strict=False):
         stage.next = after  # type: ignore[attr-defined]  # (Forward has no next)
     head = Names(decoupled)
-    head.next = Outcomes(counts)
-    head.next.next = stages[0]
+    head.next = Outcomes(counts, renames=routes is not None)
+    head.next.next = turn
+    head.next.past_turns = stages[1]
     return head
 
 

@@ -106,7 +106,7 @@ class Coalescer:
         self.batches_per_replica = batches_per_replica
         self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
-        self._busy: dict[str, int] = {}  # model name -> its requests in flight or waiting here
+        self.busy: dict[str, int] = {}  # model name -> its requests in flight or waiting here (idle: absent)
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self.merged_sends = 0  # merged requests sent (/metrics)
         self.merged_requests = 0  # client requests they carried
@@ -128,31 +128,34 @@ class Coalescer:
     def idle(self, model: str) -> bool:
         """Nothing of ``model`` is in flight or waiting here: its next request goes at once, alone
         (``send_alone``), and skips the merge check (one client at a time pays nothing for it)."""
-        return model not in self._busy
+        return model not in self.busy
 
     async def send_alone(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
                          affinity: str | None = None) -> pb.ModelInferResponse:
         """Send a request of an idle model now; requests arriving meanwhile see the model busy."""
         name = request.model_name
-        self._busy[name] = self._busy.get(name, 0) + 1
+        self.busy[name] = self.busy.get(name, 0) + 1
         try:
             return await self._upstream.send(request, raw, timeout, affinity)
         finally:
-            self._done(name)
+            self.done(name)
 
-    def _done(self, model: str) -> None:
-        n = self._busy[model] - 1
+    def done(self, model: str) -> None:
+        """One request of ``model`` (counted in ``busy``) is over."""
+        n = self.busy[model] - 1
         if n:
-            self._busy[model] = n
+            self.busy[model] = n
         else:
-            del self._busy[model]
+            del self.busy[model]
 
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                     shape: ModelShape, timeout: float | None) -> InferResult:
+                     shape: ModelShape, timeout: float | None, name: str | None = None) -> InferResult:
         """Send ``request`` (merge_key gave ``key`` and ``rows`` for the model's ``shape``), alone
-        or merged with the requests of its key pending in this event-loop pass."""
-        name = request.model_name
-        self._busy[name] = self._busy.get(name, 0) + 1
+        or merged with the requests of its key pending in this event-loop pass (``name``: its
+        model's, when the caller has read it)."""
+        if name is None:
+            name = request.model_name
+        self.busy[name] = self.busy.get(name, 0) + 1
         try:  # (one coroutine: every coalesced request's path)
             group = self._groups.get(key)
             if group is None:
@@ -166,16 +169,17 @@ class Coalescer:
                 finally:
                     group.inflight_rows -= rows
                     self._settle(key, group)
-            fut: asyncio.Future[InferResult] = self._running_loop().create_future()
+            fut: asyncio.Future[InferResult] = (self._loop or self._running_loop()).create_future()
             self.queued += 1
             now = time.monotonic_ns()
             group.pending.append(_Pending(request, raw, rows, fut, None if timeout is None else now + int(timeout * 1e9),
                                           now, tracing.current_var.get() if tracing.enabled else None,
                                           (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
-            self._schedule(key, group)
+            if not group.flush_scheduled:  # (_schedule, inline)
+                self._schedule(key, group)
             return await fut
         finally:
-            self._done(name)
+            self.done(name)
 
     def _schedule(self, key: Key, group: _Group) -> None:
         if not group.flush_scheduled:

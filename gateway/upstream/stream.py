@@ -360,6 +360,7 @@ class StreamPool:
         self._rr = itertools.count()
         self._channel = h2.Channel(endpoint, _CONNECT_TIMEOUT_S, tls.UPSTREAM.context())  # (--upstream-use-ssl)
         self.latency = metrics.Histogram()  # microseconds per upstream infer, any outcome (/metrics)
+        self._where = f"service {endpoint}"  # (an error's words: not formatted per request)
 
     def renew(self) -> None:
         """Let the next requests open new streams instead of joining one still connecting (its
@@ -413,10 +414,16 @@ class StreamPool:
             raise
         finally:
             self.latency.observe((time.perf_counter_ns() - t0) / 1000)
-        error = _error(msg, f"service {self.endpoint}")
-        if error is not None:
-            raise error
-        resp = msg.infer_response
+        return self.answer(msg, client_id)
+
+    def answer(self, msg: pb.ModelStreamInferResponse, client_id: str) -> pb.ModelInferResponse:
+        """The service's answer to one request: its in-band error raised, or its response with
+        the client's id restored."""
+        resp = msg.infer_response  # (read once: each upb read makes a new wrapper)
+        if msg.error_message or _ERROR_CODE in resp.parameters:  # (hop.stream_error's own first test)
+            error = _error(msg, self._where)
+            if error is not None:
+                raise error
         resp.id = client_id
         return resp
 

@@ -14,6 +14,7 @@ replica's streams.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -71,14 +72,21 @@ class Upstream:
             try:
                 return await fn(replica)
             except CALL_ERRORS as exc:
-                err, retry = self._failed(replica, exc, generation)
-                if retry:
-                    replicas.remove(replica)
-                    if replicas:
-                        continue
-                raise err from None
+                if (err := self._another(replicas, replica, exc, generation)) is not None:
+                    raise err from None
             finally:
                 replica.outstanding -= 1
+
+    def _another(self, replicas: list[Replica], replica: Replica, exc: Exception, generation: int
+                 ) -> InferError | None:
+        """``_failed``, in ``call``'s loop: None when another of ``replicas`` may be tried (this
+        one is taken out of the list), else the client's error."""
+        err, retry = self._failed(replica, exc, generation)
+        if retry:
+            replicas.remove(replica)
+            if replicas:
+                return None
+        return err
 
     def _failed(self, replica: Replica, exc: Exception, generation: int) -> tuple[InferError, bool]:
         """A call to ``replica``, begun in its ``generation``, raised ``exc``: (the client's error,
@@ -99,8 +107,36 @@ class Upstream:
         body = raw if raw is not None else request.SerializeToString()
         if tracing.enabled and (span := tracing.current_var.get()) is not None:
             return traced.send(self, request, body, timeout, affinity, span)
-        return self.call(request.model_name, request.model_version,
-                         lambda r: r.streams.infer(body, request.id, timeout, affinity), affinity)
+        return self.infer(request.model_name, request.model_version, request.id, body, timeout, affinity)
+
+    async def infer(self, name: str, version: str, client_id: str, body: bytes, timeout: float | None,
+                    affinity: str | None = None) -> pb.ModelInferResponse:
+        """An untraced infer request's bytes to a replica of (name, version): ``call`` with
+        ``StreamPool.infer`` as its ``fn``, written out as one coroutine (every request's path:
+        no closure, no frame of ``call``'s and ``finish``'s each); the same replica choice,
+        retries and counts."""
+        table = self.discovery.table  # (as call)
+        replicas = list((table.lookup(name) if name in table else await self.routes(name)).replicas_for(version))
+        while True:
+            replica = pick(replicas) if affinity is None else pick_pinned(replicas, affinity)
+            replica.outstanding += 1
+            generation = replica.generation
+            try:
+                pool = replica.streams
+                stream, fut, t0 = pool.start(body, timeout, affinity, client_id)  # (NotSent: another replica)
+                try:
+                    msg = await fut
+                except asyncio.CancelledError:  # (as StreamPool.finish)
+                    stream.forget(fut)
+                    raise
+                finally:
+                    pool.latency.observe((time.perf_counter_ns() - t0) / 1000)
+                return pool.answer(msg, client_id)
+            except CALL_ERRORS as exc:
+                if (err := self._another(replicas, replica, exc, generation)) is not None:
+                    raise err from None
+            finally:
+                replica.outstanding -= 1
 
     def start(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None
               ) -> Awaitable[pb.ModelInferResponse] | None:

@@ -66,8 +66,12 @@ def _context_headers(request: Request) -> dict[str, str]:
     """The request's headers for the core, as valid text: header bytes that are not UTF-8 arrive
     as lone surrogates, which no gRPC metadata or protobuf field can carry (a `tracestate` of
     such bytes was a 500 on a tracing gateway); they become U+FFFD."""
-    headers = {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-               for k, v in request.lower.items()}
+    lower = request.lower
+    if "".join(lower.values()).isascii():  # (the usual request: a copy in C, no comprehension frame)
+        headers = dict(lower)
+    else:
+        headers = {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                   for k, v in lower.items()}
     if tls.cert_names_http:  # a gateway with tenants and mutual TLS: the client certificate's names
         tls.client_cert(headers, request.conn.transport)
     return headers

@@ -24,6 +24,8 @@ from meshserve.server.h2.frames import (
     DATA,
     END_DATA,
     END_STREAM,
+    LOCAL_STREAM_WINDOW,
+    PADDED,
     PREFACE,
     RST_STREAM,
     U32,
@@ -327,8 +329,14 @@ class H2ClientConnection(H2Endpoint):
         if st is None or st.closed:
             self._replenish(None, end - start, True)
             return
-        self._replenish(st, end - start, bool(flags & END_STREAM))
-        start, end = self._unpad(flags, data, start, end)
+        # (_replenish and _unpad inline: one response frame per request at concurrency 1)
+        length = end - start
+        self._release(length)
+        st.recv_unacked += length
+        if st.recv_unacked >= LOCAL_STREAM_WINDOW // 2 and not flags & END_STREAM:
+            self._credit_stream(st, 0, False)  # (the stream's window update, as _replenish gives it)
+        if flags & PADDED:
+            start, end = self._unpad(flags, data, start, end)
         buf = st.buf
         if not buf and end - start >= 5 and int.from_bytes(data[start + 1:start + 5], "big") == end - start - 5 \
                 and not data[start]:

@@ -145,6 +145,66 @@ def test_requests_differing_in_id_and_contents_share_one_answer() -> None:
     assert len(shape.keys) == 2
 
 
+def test_the_remembered_layout_answers_only_requests_laid_out_as_it() -> None:
+    """merge_key's fast path (merging._known): a request laid out as the last one remembered
+    (the same bytes but its id and tensor contents) gets its answer without the walk; any other
+    layout (no id, a long id, a mutation, a field after the tensors, cut bytes) is walked or read
+    from the message, and gets the message's own answer."""
+    shape = ModelShape.of(CONFIG)
+    first = request(np.zeros((1, 16)), np.zeros((1, 16)), rid="7")
+    want = merge_key(first, SHAPE)
+    assert merge_key(first, shape, first.SerializeToString()) == want is not None
+    layout = shape.layout[0]
+    same = request(np.ones((1, 16)), np.full((1, 16), 2.0), rid="a-longer-id")
+    assert merging._known(same.SerializeToString(), layout) == want
+    assert merge_key(same, shape, same.SerializeToString()) == want
+    others = [request(np.zeros((1, 16)), np.zeros((1, 16))),  # no id
+              request(np.zeros((1, 16)), np.zeros((1, 16)), rid="x" * 200),  # a two-byte length
+              request(np.zeros((2, 16)), np.zeros((2, 16)), rid="7")]  # other rows: other bytes
+    for r in others:
+        assert merging._known(r.SerializeToString(), layout) is merging._UNKNOWN
+        assert merge_key(r, shape, r.SerializeToString()) == merge_key(r, SHAPE)
+    raw = same.SerializeToString()
+    for odd in (raw + b"\x22\x00", raw + b"\x1a\x01x", raw[:-1], raw + b"\x3a\x05ab"):
+        assert merging._known(odd, layout) is merging._UNKNOWN
+    for mutate in MUTATIONS:
+        bad = request(np.zeros((1, 16)), np.zeros((1, 16)), rid="8")
+        mutate(bad)
+        assert merging._known(bad.SerializeToString(), shape.layout[0]) is merging._UNKNOWN
+        assert merge_key(bad, shape, bad.SerializeToString()) is None
+        assert merge_key(first, shape, first.SerializeToString()) == want  # (the good layout back)
+
+
+def test_the_layout_s_answer_is_only_given_to_bytes_with_the_same_metadata() -> None:
+    """Exactness of the fast path: any bytes that merging._known answers have the _metadata of
+    the request the layout came from (so the message's own answer); random flips, inserts and
+    cuts of a request's bytes."""
+    rng = np.random.default_rng(3)
+    for rid in ("7", ""):
+        r = request(np.zeros((1, 16)), np.zeros((1, 16)), rid=rid)
+        r.outputs.add(name="OUTPUT0")
+        raw = r.SerializeToString()
+        head, mid = merging._layout(raw)
+        layout = (head, mid, ("the answer",))
+        meta = merging._metadata(raw)
+        answered = 0
+        for _ in range(3000):
+            b = bytearray(raw)
+            for _ in range(int(rng.integers(1, 3))):
+                at = int(rng.integers(0, len(b)))
+                kind = rng.integers(0, 3)
+                if kind == 0:
+                    b[at] = int(rng.integers(0, 256))
+                elif kind == 1:
+                    b.insert(at, int(rng.integers(0, 256)))
+                else:
+                    del b[at]
+            if merging._known(bytes(b), layout) is not merging._UNKNOWN:
+                answered += 1
+                assert merging._metadata(bytes(b)) == meta
+        assert answered  # (flips inside the id or the tensors' contents keep the layout)
+
+
 def test_unusual_bytes_are_read_from_the_message_and_memory_stays_bounded() -> None:
     """Bytes not laid out as usual (a field number above 15, a truncated varint, trailing bytes)
     or metadata larger than _METADATA_MAX are not remembered; at most _KEYS_MAX answers are."""
