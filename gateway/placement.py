@@ -149,7 +149,8 @@ def policy_from_args(args: argparse.Namespace) -> Policy | None:
 # ---- what a replica says about its memory (its /metrics, over meshserve.Metrics/Scrape) ----
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_WANTED = ("meshserve_memory_budget_bytes", "meshserve_memory_used_bytes", "meshserve_model_memory_bytes",
+_WANTED = ("meshserve_memory_budget_bytes", "meshserve_memory_used_bytes", "meshserve_memory_base_bytes",
+           "meshserve_model_memory_bytes",
            "nv_inference_pending_request_count", "nv_inference_request_success", "nv_inference_request_failure",
            "meshserve_model_loads_total", "meshserve_model_evictions_total")
 
@@ -175,6 +176,7 @@ class ReplicaFacts:
 
     budget: float | None = None
     used: float | None = None
+    base: float | None = None  # its RSS beyond the models' budget (services/base/memory.py: the base)
     sizes: dict[str, float] = field(default_factory=dict)  # model -> bytes (all versions)
     pending: dict[str, float] = field(default_factory=dict)  # model -> queued requests
     served: dict[str, float] = field(default_factory=dict)  # model -> requests answered (ok or not)
@@ -190,6 +192,8 @@ class ReplicaFacts:
                 facts.budget = value
             elif name == "meshserve_memory_used_bytes":
                 facts.used = value
+            elif name == "meshserve_memory_base_bytes":
+                facts.base = value
             elif name == "meshserve_model_memory_bytes":
                 facts.sizes[model] = facts.sizes.get(model, 0.0) + value
             elif name == "nv_inference_pending_request_count":
@@ -600,6 +604,7 @@ class Placement:
             replicas.append({"endpoint": r.endpoint, "kind": r.kind, "healthy": r.healthy,
                              "budget_bytes": None if f is None else f.budget,
                              "used_bytes": None if f is None else f.used,
+                             "base_bytes": None if f is None else f.base,
                              "pending": None if f is None else sum(f.pending.values()),
                              "loads": None if f is None else f.loads,
                              "evictions": None if f is None else f.evictions})

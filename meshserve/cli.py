@@ -117,11 +117,13 @@ def _mib(value: float | None) -> str:
 
 def placement_table(view: dict) -> str:
     """The placement endpoint's answer as two plain tables (replicas, models)."""
-    lines = [f"{'REPLICA':<24} {'KIND':<12} {'HEALTHY':<8} {'USED':>10} {'BUDGET':>10} {'PENDING':>8} "
+    lines = [f"{'REPLICA':<24} {'KIND':<12} {'HEALTHY':<8} {'USED':>10} {'BUDGET':>10} {'BASE':>10} "
+             f"{'PENDING':>8} "
              f"{'LOADS':>6} {'EVICTIONS':>9}"]
     for r in view.get("replicas", []):
         lines.append(f"{r['endpoint']:<24} {r.get('kind') or '-':<12} {str(r['healthy']).lower():<8} "
                      f"{_mib(r.get('used_bytes')):>10} {_mib(r.get('budget_bytes')):>10} "
+                     f"{_mib(r.get('base_bytes')):>10} "
                      f"{r.get('pending') if r.get('pending') is not None else '-':>8} "
                      f"{r.get('loads') if r.get('loads') is not None else '-':>6} "
                      f"{r.get('evictions') if r.get('evictions') is not None else '-':>9}")

@@ -111,7 +111,7 @@ class ServiceCore:
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Scan the repository and load every model of our kind (versions per policy)."""
-        self.memory.base = memory.measure_base(self.adapters.values())  # before any load (services/base/memory.py)
+        self.memory.base = memory.measure_base()  # before any load; runtimes add theirs (services/base/memory.py)
         entries = layout.scan(self.repository, gpu_available=self.gpu_available)
         for entry in sorted(entries, key=lambda e: e.name not in self.memory.pinned):  # pinned first: they fit
             if not self._is_mine(entry):
@@ -189,7 +189,9 @@ class ServiceCore:
             await self._settle(hosted.name)
 
     def _measured_build(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
-        """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes)."""
+        """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes),
+        after the runtime's one-time start (if this is its first load here) went to the base."""
+        self.memory.prime(config.backend, self.adapters.get(config.backend))
         before = memory.rss_bytes()
         mv = self._build_version(path, config, version)
         mv.memory_bytes = memory.version_bytes(memory.rss_bytes() - before, mv.instances,

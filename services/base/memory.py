@@ -10,11 +10,14 @@ change than it costs). Before a load the size is estimated: the size the version
 loaded here, else its files times ``ESTIMATE_FACTOR`` per instance.
 
 The service's own memory is its **base**: its resident size before its first model load, taken
-at start (`measure_base`, `services/base/core.py:ServiceCore.start`) after each runtime adapter's
-optional ``prime()`` has paid the runtime's one-time start (onnxruntime's environment and kernel
-registries: ~19 MiB that its first session keeps for good, charged before to whichever model
-loaded first). It is on /metrics as meshserve_memory_base_bytes: a replica's RSS stays under
-its budget + its base + the slack docs/model-mesh.md states.
+at start (`measure_base`, `services/base/core.py:ServiceCore.start`), plus each runtime's one-time
+start (`MemoryBook.prime`): before the first load of a runtime the service hosts, its adapter's
+optional ``prime()`` builds, runs and drops a trivial model (onnxruntime's environment and kernel
+registries: ~19 MiB its first session keeps for good; torch's JIT, allocator and intra-op thread
+pool: ~8 MiB), and what that added to the RSS goes to the base, not to the first model loaded.
+A runtime no model of the service uses is never primed (a sequence service serving only
+TorchScript models pays no onnxruntime start). It is on /metrics as meshserve_memory_base_bytes:
+a replica's RSS stays under its budget + its base + the slack docs/model-mesh.md states.
 
 Memory comes back on unload: `trim` hands freed heap back to the kernel (glibc's malloc_trim)
 after every unload and eviction (docs/perf/memory-return.md has the figures).
@@ -227,16 +230,22 @@ class ProcessBound(Protocol):
     def resident_bytes(self) -> int: ...
 
 
-def measure_base(adapters: Iterable[object]) -> int:
-    """The service's base: its RSS after each adapter's optional ``prime()`` (a runtime's one-time
-    start, paid here rather than by the first model loaded) and a collection and trim."""
-    for adapter in adapters:
-        prime = getattr(adapter, "prime", None)
-        if callable(prime):
-            prime()
+def measure_base() -> int:
+    """The service's base at start: its RSS after a collection and trim, before any load."""
     collect()
     trim()
     return rss_bytes()
+
+
+def prime_cost(adapter: object) -> int:
+    """Run an adapter's optional ``prime()`` (its runtime's one-time start) and return the bytes
+    it added to the RSS (0 without one)."""
+    prime = getattr(adapter, "prime", None)
+    if not callable(prime):
+        return 0
+    before = measure_base()
+    prime()
+    return max(0, measure_base() - before)
 
 
 def version_bytes(rss_change: int, instances: Iterable[object], files: int) -> int:
@@ -282,7 +291,8 @@ class MemoryBook:
     budget: int
     pinned: frozenset[str] = frozenset()
     enforced: bool = True  # explicit model control: loads evict and may be refused
-    base: int = 0  # the service's RSS before its first load (measure_base), on /metrics
+    base: int = 0  # the service's RSS before its first load (measure_base) + its runtimes' starts, on /metrics
+    primed: set[str] = field(default_factory=set)  # the backends whose one-time start is in the base
     sizes: dict[tuple[str, int], int] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
@@ -295,6 +305,14 @@ class MemoryBook:
             return known
         per_instance = math.ceil(files * ESTIMATE_FACTOR) + (PROCESS_ESTIMATE_BYTES if processes else 0)
         return max(1, instances) * per_instance
+
+    def prime(self, backend: str, adapter: object) -> None:
+        """Before the first load of ``backend`` here: pay its runtime's one-time start (``prime_cost``)
+        and add it to the base. Loads are serialized (ServiceCore._load_lock), so once per backend."""
+        if adapter is None or backend in self.primed:
+            return
+        self.primed.add(backend)
+        self.base += prime_cost(adapter)
 
     def measured(self, model: str, version: int, size: int) -> None:
         self.sizes[(model, version)] = size

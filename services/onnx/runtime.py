@@ -243,9 +243,9 @@ class OnnxRuntimeAdapter:
 
     @staticmethod
     def prime() -> None:
-        """onnxruntime's one-time start (its environment, kernel registries: ~19 MiB its first session
-        keeps for good) paid at service start, so that it counts in the service's base and not in the
-        first model's size (services/base/memory.py:measure_base)."""
+        """onnxruntime's one-time start (its environment, kernel registries: ~10-19 MiB its first
+        session keeps for good) paid before the first onnxruntime model loads, so that it counts in the
+        service's base and not in that model's size (services/base/memory.py:MemoryBook.prime)."""
         from onnx import TensorProto, helper
 
         io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in ("x", "y")]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from meshserve._proto import model_config_pb2 as mc
@@ -20,16 +21,24 @@ class LazyTorchScriptAdapter:
     def __init__(self) -> None:
         self._inner: RuntimeAdapter | None = None
 
-    def load(self, model_file: Path, config: mc.ModelConfig, placement: InstancePlacement) -> RuntimeInstance:
+    def prime(self) -> None:
+        """torch's one-time start, before the first pytorch model loads (services/base/memory.py)."""
+        with contextlib.suppress(InferError):  # no torch: the load itself says so
+            getattr(self._adapter(""), "prime", lambda: None)()
+
+    def _adapter(self, model: str) -> RuntimeAdapter:
         if self._inner is None:
             try:
                 from services.torchscript.runtime import TorchScriptAdapter
             except ImportError as exc:
                 raise InferError.unavailable(
-                    f"model '{config.name}': the TorchScript runtime is not available ({exc}); install "
+                    f"model '{model}': the TorchScript runtime is not available ({exc}); install "
                     "the [torch] extra") from None
             self._inner = TorchScriptAdapter()
-        return self._inner.load(model_file, config, placement)
+        return self._inner
+
+    def load(self, model_file: Path, config: mc.ModelConfig, placement: InstancePlacement) -> RuntimeInstance:
+        return self._adapter(config.name).load(model_file, config, placement)
 
 
 def adapters() -> dict[str, RuntimeAdapter]:

@@ -24,7 +24,7 @@ from tests.support.metrics import sample, scrape
 N = 2896  # 2896 x 2896 FP32 weights: 33.5 MB per model
 FILE_BYTES = N * N * 4
 # three models fit (each measured at most ~1.29x its file; onnxruntime's one-time start is in the
-# service's base: services/base/memory.py:measure_base), a fourth never does (each is at least its file)
+# service's base: services/base/memory.py:MemoryBook.prime), a fourth never does (each is at least its file)
 BUDGET = 130_000_000
 SLOW_MS = 5000  # the slow request of the eviction test
 

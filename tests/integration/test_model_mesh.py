@@ -400,6 +400,12 @@ def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Pat
         assert len(view["replicas"]) == 2 and all(m["copies"] == 0 for m in view["models"]), view
         for i in range(4):
             _right(url, i)
+        # each replica's base (its RSS beyond the budget: interpreter, libraries, its runtime's start)
+        def bases() -> list[float] | None:
+            found = [r.get("base_bytes") or 0 for r in _placement(gateway)["replicas"]]
+            return found if all(found) else None  # the placement interval reads each replica's figures
+
+        assert all(b > 32 << 20 for b in eventually(bases, what="each replica's base")), bases()  # interpreter + runtime
         out = subprocess.run([sys.executable, "-m", "meshserve", "placement", "--url", f"http://{hostport}"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -407,6 +413,10 @@ def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Pat
             row = next(line for line in out.stdout.splitlines() if line.startswith(mesh_models.name_of(i)))
             assert row.split()[1] == "1", out.stdout  # one copy each
         assert "256.0Mi" in out.stdout, out.stdout  # the budget each replica announces
+        header = out.stdout.splitlines()[0].split()
+        assert "BASE" in header, out.stdout
+        for line in out.stdout.splitlines()[1:3]:  # each replica's row: its base in MiB, above 0
+            assert float(line.split()[header.index("BASE")].removesuffix("Mi")) > 0, out.stdout
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)

@@ -56,7 +56,7 @@ def test_pick_copies_adds_best_and_drops_worst() -> None:
 def test_replica_facts_from_an_exposition() -> None:
     text = "\n".join([
         "# HELP meshserve_memory_budget_bytes x", "# TYPE meshserve_memory_budget_bytes gauge",
-        "meshserve_memory_budget_bytes 1000", "meshserve_memory_used_bytes 250",
+        "meshserve_memory_budget_bytes 1000", "meshserve_memory_used_bytes 250", "meshserve_memory_base_bytes 90",
         'meshserve_model_memory_bytes{model="a",version="1"} 100',
         'meshserve_model_memory_bytes{model="a",version="2"} 50',
         'nv_inference_pending_request_count{model="a",version="1"} 3',
@@ -65,7 +65,7 @@ def test_replica_facts_from_an_exposition() -> None:
         'meshserve_model_evictions_total{model="b"} 2', 'meshserve_model_loads_total{model="b"} 4',
         'nv_inference_count{model="a",version="1"} 99', "garbage line {", ""])
     facts = ReplicaFacts.parse(text)
-    assert (facts.budget, facts.used) == (1000.0, 250.0)
+    assert (facts.budget, facts.used, facts.base) == (1000.0, 250.0, 90.0)
     assert facts.sizes == {"a": 150.0} and facts.pending == {"a": 3.0} and facts.served == {"a": 8.0}
     assert (facts.loads, facts.evictions) == (4.0, 2.0)
     assert ReplicaFacts.parse("").budget is None
