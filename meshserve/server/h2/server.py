@@ -339,6 +339,7 @@ class ServerConnection(H2Endpoint):
         self.ping_sent: float | None = None
         self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
         self.counted = True  # in connections.TABLE (connection_made)
+        self.starts: list[tuple[ServerStream, Any]] = []  # unary calls to start at the end of this read
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         settings = super()._settings()
@@ -419,6 +420,11 @@ class ServerConnection(H2Endpoint):
     def _flush(self) -> None:
         self.control_unflushed = 0
         super()._flush()
+
+    def _read(self, data: bytes) -> None:
+        super()._read(data)
+        if self.starts:  # the calls this read completed, after all of its frames (_start_unary)
+            self._run_starts()
 
     def _on_ping_ack(self, payload: bytes) -> None:
         if payload == KEEPALIVE_PING:
@@ -842,12 +848,34 @@ class ServerConnection(H2Endpoint):
                 st.task = self.loop.create_task(self._run(st, msg))
                 return
             eager[path] = 0
-        starts = server._starts
-        if not starts:
-            self.loop.call_soon(server._run_starts)
+        starts = self.starts
+        if not starts and not self.reading:  # (a read runs its calls' first steps at its end: _read)
+            self.loop.call_soon(self._run_starts)
         starts.append((st, self._run(st, msg)))
 
     # ---- calling handlers ------------------------------------------------------------------
+    def _run_starts(self) -> None:
+        """The first steps of the unary calls that this read completed (_start_unary), after all
+        of its frames, each in its own context as a Task's; a call that waits goes on in a Task."""
+        starts, self.starts = self.starts, []
+        eager = self.server._eager
+        for st, coro in starts:
+            if st.closed:  # reset or expired before it started: never runs (as a cancelled Task)
+                coro.close()
+                continue
+            context = contextvars.copy_context()
+            try:
+                waited = context.run(coro.send, None)
+            except StopIteration:
+                score = eager.get(st.path, 0)
+                if score < EAGER_MAX:
+                    eager[st.path] = score + 1
+                continue
+            except asyncio.CancelledError:  # (as a Task would end: nobody awaits it)
+                continue
+            eager[st.path] = max(0, eager.get(st.path, 0) - EAGER_WAIT)
+            st.task = self.loop.create_task(_carry_on(coro, waited), context=context)
+
     async def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
         assert st.queue is not None and st.handler is not None
         deser = st.handler.request_deserializer
@@ -1112,7 +1140,6 @@ class H2GrpcServer:
         self.tick = min(1.0, max(0.01, min(timeouts) / 4)) if timeouts else 0.0
         self._methods: dict[str, Method] = {}
         self._eager: dict[str, int] = {}  # method path -> its score (EAGER_MAX), one per method
-        self._starts: list[tuple[ServerStream, Any]] = []  # unary calls to start in the next pass
         self._conns: set[ServerConnection] = set()
         # (path, metadata) -> None, or (gRPC status, details) to refuse the call at its headers,
         # before its message is received (the front end's key check: grpc_frontend.start_grpc_server)
@@ -1131,28 +1158,6 @@ class H2GrpcServer:
     def paths(self) -> list[str]:
         """Every method path this server serves (/service/method)."""
         return list(self._methods)
-
-    def _run_starts(self) -> None:
-        """The first steps of the unary calls started since the last pass (ServerConnection.
-        _start_unary), each in its own context as a Task's; a call that waits goes on in a Task."""
-        starts, self._starts = self._starts, []
-        eager = self._eager
-        for st, coro in starts:
-            if st.closed:  # reset or expired before it started: never runs (as a cancelled Task)
-                coro.close()
-                continue
-            context = contextvars.copy_context()
-            try:
-                waited = context.run(coro.send, None)
-            except StopIteration:
-                score = eager.get(st.path, 0)
-                if score < EAGER_MAX:
-                    eager[st.path] = score + 1
-                continue
-            except asyncio.CancelledError:  # (as a Task would end: nobody awaits it)
-                continue
-            eager[st.path] = max(0, eager.get(st.path, 0) - EAGER_WAIT)
-            st.task = asyncio.get_running_loop().create_task(_carry_on(coro, waited), context=context)
 
     def _stream_done(self) -> None:
         self._active -= 1
