@@ -19,7 +19,10 @@ Scope (what gRPC clients need, RFC 9113 + the gRPC HTTP/2 mapping):
 - handlers are meshserve's own (meshserve/server/h2/call.py): a `Method` per path (all four
   call shapes, async functions / async generators) called with a `ServerCall`, the `Call`
   protocol: metadata, deadline, status, trailing metadata, peer and its TLS certificate,
-  cancellation.
+  cancellation. A unary-request call of a method whose calls mostly answer without waiting
+  starts without a Task (its first step runs at the end of the read that completed it, in a
+  context of its own; `asyncio.current_task()` is None until it first waits, and from then on
+  it runs in a Task that deadlines and resets cancel as before): ServerConnection._start_unary.
 """
 from __future__ import annotations
 
@@ -834,8 +837,9 @@ class ServerConnection(H2Endpoint):
             msg = plain
         # A call's first step runs without a Task when its method's calls mostly answer without
         # waiting (a cached answer): no Task and no Task step (~10k instructions a call). Those
-        # steps run together in the loop's next pass, as the calls' Tasks would have run, so a
-        # handler still sees every call that arrived with it (batching). A call that then waits
+        # steps run at the end of the read (_read), after all of its frames, as the calls' Tasks
+        # would have, so a handler still sees every call that arrived with it (batching), and
+        # their answers go out in the read's one write. A call that then waits
         # goes on in a Task (_carry_on, ~4k more than a Task from the start), so a method whose
         # calls wait (a model run) is started in a Task, and probed again every EAGER_PROBE calls.
         path = st.path
