@@ -342,7 +342,6 @@ class ServerConnection(H2Endpoint):
         self.ping_sent: float | None = None
         self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
         self.counted = True  # in connections.TABLE (connection_made)
-        self.starts: list[tuple[ServerStream, Any]] = []  # unary calls to start at the end of this read
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         settings = super()._settings()
@@ -423,11 +422,6 @@ class ServerConnection(H2Endpoint):
     def _flush(self) -> None:
         self.control_unflushed = 0
         super()._flush()
-
-    def _read(self, data: bytes) -> None:
-        super()._read(data)
-        if self.starts:  # the calls this read completed, after all of its frames (_start_unary)
-            self._run_starts()
 
     def _on_ping_ack(self, payload: bytes) -> None:
         if payload == KEEPALIVE_PING:
@@ -837,7 +831,7 @@ class ServerConnection(H2Endpoint):
             msg = plain
         # A call's first step runs without a Task when its method's calls mostly answer without
         # waiting (a cached answer): no Task and no Task step (~10k instructions a call). Those
-        # steps run at the end of the read (_read), after all of its frames, as the calls' Tasks
+        # steps run at the end of the read (H2Endpoint.data_received), after all of its frames, as the calls' Tasks
         # would have, so a handler still sees every call that arrived with it (batching), and
         # their answers go out in the read's one write. A call that then waits
         # goes on in a Task (_carry_on, ~4k more than a Task from the start), so a method whose
@@ -853,7 +847,7 @@ class ServerConnection(H2Endpoint):
                 return
             eager[path] = 0
         starts = self.starts
-        if not starts and not self.reading:  # (a read runs its calls' first steps at its end: _read)
+        if not starts and not self.reading:  # (a read runs its calls' first steps at its end: data_received)
             self.loop.call_soon(self._run_starts)
         starts.append((st, self._run(st, msg)))
 
