@@ -106,8 +106,6 @@ class H2Endpoint(asyncio.Protocol):
         # that pass, and the deferred flush would cost a loop pass per request), the ones after
         # it at the end of the pass, together.
         self.sent_since_read = False
-        # (server) unary calls to start at the end of this read, without a Task (ServerConnection._start_unary)
-        self.starts: list[tuple[Any, Any]] = []
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         return ((SETTINGS_HEADER_TABLE_SIZE, LOCAL_HEADER_TABLE), (SETTINGS_ENABLE_PUSH, 0),
@@ -131,9 +129,6 @@ class H2Endpoint(asyncio.Protocol):
 
     def _on_reset(self, sid: int, code: int) -> None:
         raise NotImplementedError
-
-    def _run_starts(self) -> None:
-        """Start the calls in `starts` (the server's)."""
 
     def _on_goaway(self, last_sid: int, code: int) -> None:
         self.going_away = True
@@ -192,8 +187,6 @@ class H2Endpoint(asyncio.Protocol):
         self.reading = True
         try:
             self._read(data)
-            if self.starts:  # the server's calls this read completed, after all of its frames
-                self._run_starts()
         finally:
             self.reading = False
         self._flush()

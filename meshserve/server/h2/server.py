@@ -19,17 +19,13 @@ Scope (what gRPC clients need, RFC 9113 + the gRPC HTTP/2 mapping):
 - handlers are meshserve's own (meshserve/server/h2/call.py): a `Method` per path (all four
   call shapes, async functions / async generators) called with a `ServerCall`, the `Call`
   protocol: metadata, deadline, status, trailing metadata, peer and its TLS certificate,
-  cancellation. A unary-request call of a method whose calls mostly answer without waiting
-  starts without a Task (its first step runs at the end of the read that completed it, in a
-  context of its own; `asyncio.current_task()` is None until it first waits, and from then on
-  it runs in a Task that deadlines and resets cancel as before): ServerConnection._start_unary.
+  cancellation.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import collections
-import contextvars
 import functools
 import inspect
 import logging
@@ -99,11 +95,6 @@ MAX_WINDOW = 2**31 - 1  # the largest HTTP/2 flow-control window
 MAX_MESSAGE = 2**31 - 1  # gRPC's own ceiling (a 32-bit length prefix, as grpc's int limit)
 
 _STATUS_NAMES = {c.value: c.name for c in Status}
-# A unary call's first step runs at once, without a Task, for a method whose calls mostly answer
-# without waiting (ServerConnection._start_unary): each such call adds 1 to its method's score (up
-# to EAGER_MAX), a call that waits takes EAGER_WAIT; at 0, calls start in a Task again and every
-# EAGER_PROBE-th of them is tried at once.
-EAGER_MAX, EAGER_WAIT, EAGER_PROBE = 16, 4, 64
 
 
 @functools.lru_cache(maxsize=1024)  # rejections repeat the same few messages
@@ -154,31 +145,6 @@ def _parse_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any,
 
 _EOF = object()
 _COROUTINE = types.CoroutineType
-
-
-@types.coroutine
-def _resume(coro: Any, waited: Any) -> Any:
-    """A call's coroutine whose first step already ran (ServerConnection._start_unary) and
-    yielded `waited`, carried on in a Task: the Task waits for `waited` as if the coroutine had
-    yielded it to it (a future, or None: a bare yield), and delivers its outcome (or the Task's
-    cancellation) into the coroutine, then every later step's, as `await coro` would."""
-    value = waited
-    while True:
-        try:
-            arg = yield value
-        except BaseException as exc:  # the Task's cancellation (or a failed wait): into the call
-            step, arg = coro.throw, exc
-        else:
-            step = coro.send
-        try:
-            value = step(arg)
-        except StopIteration as stop:
-            return stop.value
-
-
-async def _carry_on(coro: Any, waited: Any) -> Any:
-    """_resume as a native coroutine (a Task takes no generator from Python 3.12 on)."""
-    return await _resume(coro, waited)
 
 
 class ServerStream:
@@ -829,51 +795,9 @@ class ServerConnection(H2Endpoint):
             if plain is None:
                 return
             msg = plain
-        # A call's first step runs without a Task when its method's calls mostly answer without
-        # waiting (a cached answer): no Task and no Task step (~10k instructions a call). Those
-        # steps run at the end of the read (H2Endpoint.data_received), after all of its frames, as the calls' Tasks
-        # would have, so a handler still sees every call that arrived with it (batching), and
-        # their answers go out in the read's one write. A call that then waits
-        # goes on in a Task (_carry_on, ~4k more than a Task from the start), so a method whose
-        # calls wait (a model run) is started in a Task, and probed again every EAGER_PROBE calls.
-        path = st.path
-        server = self.server
-        eager = server._eager
-        score = eager.get(path, 1)
-        if score <= 0:
-            if score > 1 - EAGER_PROBE:  # (every EAGER_PROBE-th call is a probe)
-                eager[path] = score - 1
-                st.task = self.loop.create_task(self._run(st, msg))
-                return
-            eager[path] = 0
-        starts = self.starts
-        if not starts and not self.reading:  # (a read runs its calls' first steps at its end: data_received)
-            self.loop.call_soon(self._run_starts)
-        starts.append((st, self._run(st, msg)))
+        st.task = self.loop.create_task(self._run(st, msg))
 
     # ---- calling handlers ------------------------------------------------------------------
-    def _run_starts(self) -> None:
-        """The first steps of the unary calls that this read completed (_start_unary), after all
-        of its frames, each in its own context as a Task's; a call that waits goes on in a Task."""
-        starts, self.starts = self.starts, []
-        eager = self.server._eager
-        for st, coro in starts:
-            if st.closed:  # reset or expired before it started: never runs (as a cancelled Task)
-                coro.close()
-                continue
-            context = contextvars.copy_context()
-            try:
-                waited = context.run(coro.send, None)
-            except StopIteration:
-                score = eager.get(st.path, 0)
-                if score < EAGER_MAX:
-                    eager[st.path] = score + 1
-                continue
-            except asyncio.CancelledError:  # (as a Task would end: nobody awaits it)
-                continue
-            eager[st.path] = max(0, eager.get(st.path, 0) - EAGER_WAIT)
-            st.task = self.loop.create_task(_carry_on(coro, waited), context=context)
-
     async def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
         assert st.queue is not None and st.handler is not None
         deser = st.handler.request_deserializer
@@ -1137,7 +1061,6 @@ class H2GrpcServer:
         # the connection timer's period: a quarter of the shortest timeout, within [10 ms, 1 s]
         self.tick = min(1.0, max(0.01, min(timeouts) / 4)) if timeouts else 0.0
         self._methods: dict[str, Method] = {}
-        self._eager: dict[str, int] = {}  # method path -> its score (EAGER_MAX), one per method
         self._conns: set[ServerConnection] = set()
         # (path, metadata) -> None, or (gRPC status, details) to refuse the call at its headers,
         # before its message is received (the front end's key check: grpc_frontend.start_grpc_server)
