@@ -492,7 +492,8 @@ class H2Endpoint(asyncio.Protocol):
 
     def _write(self, data: bytes | memoryview) -> None:
         self.wbuf.append(data)  # type: ignore[arg-type]
-        self._schedule_flush()
+        if not self.reading:  # (inside data_received: its end writes the lot, no loop callback needed)
+            self._schedule_flush()
 
     def _send_now(self, data: bytes) -> None:
         """Write `data` after anything buffered, at once rather than at the next loop pass. For

@@ -52,7 +52,9 @@ from meshserve.server.h2.frames import (
     LOCAL_MAX_FRAME,
     LOCAL_STREAM_WINDOW,
     MESSAGE_PREFIX,
+    PADDED,
     PING,
+    PRIORITY_FLAG,
     RESPONSE_HEADERS,
     RST_STREAM,
     SETTINGS_MAX_CONCURRENT_STREAMS,
@@ -549,7 +551,7 @@ class ServerConnection(H2Endpoint):
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0 or sid % 2 == 0:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {sid}")
-        block = self._fragment(flags, payload)
+        block = self._fragment(flags, payload) if flags & (PADDED | PRIORITY_FLAG) else payload
         st = self.streams.get(sid)
         if st is None:
             if sid <= self.last_sid:
@@ -574,7 +576,10 @@ class ServerConnection(H2Endpoint):
                 self.streams[sid] = st
                 if self.counted and len(self.streams) == 1:  # busy again: the last to be closed near the cap
                     connections.TABLE.idle_now(self)
-        self._header_block(st, flags, block)
+        if flags & END_HEADERS:  # (the common case of _header_block, inlined)
+            self._headers_complete(st, flags, block)
+        else:
+            self._header_block(st, flags, block)
 
     def _headers_complete(self, st: ServerStream, flags: int, block: bytes) -> None:
         parsed = self.hcache.get(block) or self._decode(block, _parse_request_headers)
@@ -611,7 +616,7 @@ class ServerConnection(H2Endpoint):
             self._finish(st, *refused)  # (before a byte of its message is taken: issue 29, keys before bodies)
             return
         st.handler = handler
-        self.server._stream_started()
+        self.server._active += 1  # a call in progress (H2GrpcServer.stop waits for them)
         if timeout is not None:
             st.due = due = self.loop.time() + timeout
             self.deadlines.add(due)
@@ -637,7 +642,8 @@ class ServerConnection(H2Endpoint):
             st.owed += length
         elif not flags & END_STREAM:  # (an ended stream's window is never needed again)
             self._credit_stream(st, length, False)
-        start, end = self._unpad(flags, data, start, end)
+        if flags & PADDED:
+            start, end = self._unpad(flags, data, start, end)
         if (flags & END_STREAM and st.queue is None and not st.buf and end - start >= 5
                 and U32.unpack_from(data, start + 1)[0] == end - start - 5):
             # the common unary case: the whole message in one frame; one copy, no buffering
@@ -998,7 +1004,8 @@ class ServerConnection(H2Endpoint):
         was_open = not st.closed
         st.closed = True
         self.streams.pop(st.sid, None)
-        self.blocked.discard(st)
+        if self.blocked:
+            self.blocked.discard(st)
         if st.waiter is not None:
             self._wake(st)
         if st.held:
@@ -1072,9 +1079,6 @@ class H2GrpcServer:
     def paths(self) -> list[str]:
         """Every method path this server serves (/service/method)."""
         return list(self._methods)
-
-    def _stream_started(self) -> None:
-        self._active += 1
 
     def _stream_done(self) -> None:
         self._active -= 1
