@@ -265,15 +265,10 @@ class Triton:
         return self.proc.poll() is None
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while self.alive():
-            try:
-                procs.wait_ready(self.http, timeout=1)
-                return
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"tritonserver not ready in {timeout:.0f} s; see {self.log}") from None
-        raise SystemExit(f"tritonserver exited ({self.proc.returncode}); see {self.log}")
+        try:
+            procs.wait_ready(self.http, timeout, self.proc)
+        except RuntimeError as exc:
+            raise SystemExit(f"tritonserver {exc}; see {self.log}") from None
 
     def load(self, name: str) -> tuple[bool, str]:
         req = urllib.request.Request(f"http://{self.http}/v2/repository/models/{name}/load", data=b"", method="POST")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -91,17 +92,23 @@ class Server(Endpoints):
         self.logf.close()
 
 
-def wait_ready(hostport: str, timeout: float = 60) -> None:
+def wait_ready(hostport: str, timeout: float = 60, proc: subprocess.Popen[Any] | None = None,
+               context: ssl.SSLContext | None = None) -> None:
+    """Poll GET /v2/health/ready (over HTTPS with ``context``) until it answers 200; RuntimeError
+    after ``timeout`` s, or at once when ``proc`` (the server's process, if given) has exited."""
+    url = f"{'https' if context else 'http'}://{hostport}/v2/health/ready"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{hostport}: its process exited (rc {proc.returncode})")
         try:
-            with urllib.request.urlopen(f"http://{hostport}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"{hostport} never became ready")
+    raise RuntimeError(f"{hostport}: not ready in {timeout:.0f} s")
 
 
 def explicit_control_args() -> list[str]:

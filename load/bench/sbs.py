@@ -45,10 +45,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from load.bench import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(os.environ.get("BENCH_DIR", ROOT.parent / "shared" / "bench"))
@@ -155,19 +156,10 @@ class Server:
 
 
 def wait_ready(server: Server, timeout: float) -> None:
-    url = f"http://{server.http}/v2/health/ready"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise SystemExit(f"{server.label} exited (rc {server.proc.returncode}); see {server.log}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{server.label}: not ready in {timeout:.0f} s; see {server.log}")
+    try:
+        procs.wait_ready(server.http, timeout, server.proc)
+    except RuntimeError as exc:
+        raise SystemExit(f"{server.label}: {exc}; see {server.log}") from None
 
 
 def start_meshserve(label: str, argv: list[str], http: int, grpc: int, res: Path) -> Server:

@@ -39,16 +39,7 @@ MODES = {"grpc": ["-i", "grpc"], "http": ["-i", "http"],
 
 
 def _ready(gw: procs.Server, ctx: ssl.SSLContext | None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    url = f"{'https' if ctx else 'http'}://{gw.http}/v2/health/ready"
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} never became ready")
+    procs.wait_ready(gw.http, timeout, gw.proc, ctx)
 
 
 def _gateway(tree: Path, upstream: str, log: Path, extra: list[str], ctx: ssl.SSLContext | None) -> procs.Server:
