@@ -1,13 +1,10 @@
 """Shared fixtures: real meshserve processes on free loopback ports."""
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from load.bench.procs import Endpoints, follow_ready, stop_process, wait_ready
-from tests.support.leftovers import end_group
+from load.bench.procs import HOP_KEY_ENV, Endpoints, follow_ready, hop_key_file, stop_group, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,38 +90,21 @@ class Proc(Endpoints):
         """Stop the process (``sig``, SIGKILL after ``timeout`` s), then kill and wait out what is
         left of its process group after a short grace (``start`` gives each process its own
         group): no worker outlives the test."""
-        code = stop_process(self.proc, sig, timeout)
-        left = end_group(self.proc.pid)
+        code, left = stop_group(self.proc, sig, timeout, leader=True)  # (``start``: a session of its own)
         if left and sig != signal.SIGKILL:  # (a SIGKILLed process leaves its workers: killed here)
             warnings.warn(f"{len(left)} process(es) of {' '.join(self.argv[2:5])} outlived its stop, "
                           f"killed: {left}", stacklevel=2)
         return code
 
 
-HOP_KEY_ENV = "MESHSERVE_HOP_KEY_FILE"  # --hop-key-file's default (meshserve/server/tls.py:HOP_KEY_ENV)
-_hop_key: list[Path] = []
-
-
-def hop_key_file() -> Path:
-    """The suite's hop key: one per test process (0600, in a directory removed at exit). Every
-    process ``start`` runs gets it (``HOP_KEY_ENV``), as `meshserve up` gives its gateway and
-    services a throwaway one, so that a gateway and a service started by hand authenticate their
-    hop and keep its extras (merged counts, coalescer waits, deadlines, traces across the hop;
-    docs/security.md, "The authenticated hop"). A keyless process: ``env={HOP_KEY_ENV: ""}``."""
-    if not _hop_key:
-        from meshserve.cli import write_hop_key
-
-        d = Path(tempfile.mkdtemp(prefix="meshserve-test-hop-"))
-        atexit.register(shutil.rmtree, d, True)
-        write_hop_key(d / "hop.key")
-        _hop_key.append(d / "hop.key")
-    return _hop_key[0]
-
-
 def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = None,
           module: str = "meshserve") -> Proc:
     """Start `python -m meshserve ARGS` (or another server module) and wait for its ready line.
-    It gets the suite's hop key (``hop_key_file``) unless ``env`` names another (or "": none)."""
+    It gets the suite's hop key (load/bench/procs.py:hop_key_file: one per test process, as `meshserve
+    up` gives its gateway and services a throwaway one, so that a gateway and a service started
+    by hand authenticate their hop and keep its extras: merged counts, coalescer waits, deadlines,
+    traces across the hop; docs/security.md, "The authenticated hop") unless ``env`` names
+    another (or "": none, ``env={HOP_KEY_ENV: ""}``)."""
     argv = [sys.executable, "-m", module, *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             cwd=ROOT, env={**os.environ, HOP_KEY_ENV: str(hop_key_file()), **(env or {})},

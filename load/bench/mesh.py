@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from load.bench import mesh_models
+from load.bench import mesh_models, procs
 
 ROOT = Path(__file__).resolve().parents[2]
 # A replica's RSS stays under budget + base + RSS_SLACK: the base is what the service measured of itself
@@ -132,7 +132,8 @@ class Up:
     def __init__(self, repo: Path, flags: list[str], timeout: float = 300.0):
         self.proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
                                       "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1", *flags],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # its group: `up`, the services, the gateway
         self.log: list[str] = []
         banner = threading.Event()
         threading.Thread(target=self._drain, args=(banner,), daemon=True).start()
@@ -158,13 +159,8 @@ class Up:
         banner.set()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Ctrl-C (SIGKILL after 60 s), then the rest of its process group waited out (procs.stop_process)."""
+        procs.stop_process(self.proc, signal.SIGINT, 60)
 
 
 def _watch(up: Up, watch: Watch, placement: bool) -> None:

@@ -1,11 +1,22 @@
-"""Start and stop meshserve processes for the benchmark suite (ports from the ready line)."""
+"""Start and stop meshserve processes for the benchmark suite (ports from the ready line).
+
+Every process ``Server`` starts gets a hop key (``hop_key_file``: one per bench process, as
+`meshserve up` gives its gateway and services a throwaway one), so a gateway and a service
+started here authenticate their hop and keep its extras (docs/security.md, "The authenticated
+hop"): the benches measure the production path. ``stop_process`` waits for the whole process
+group of a process that leads one (``start_new_session``: a gateway's workers, a service's
+children), not only for the process itself.
+"""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -13,9 +24,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshserve.server.process import parse_ready_line
-
 ROOT = Path(__file__).resolve().parents[2]
+HOP_KEY_ENV = "MESHSERVE_HOP_KEY_FILE"  # --hop-key-file's default (meshserve/server/tls.py:HOP_KEY_ENV)
+POLL_S = 0.02  # how often the waits below look again
+_hop_key: list[Path] = []
+
+
+def hop_key_file() -> Path:
+    """This process's hop key: one per process (0600, in a directory removed at exit), written as
+    `meshserve hop-key` does (meshserve/cli.py:write_hop_key). Given (``HOP_KEY_ENV``) to every
+    process ``Server`` starts, and by tests/conftest.py:start to every test's process."""
+    if not _hop_key:
+        from meshserve.cli import write_hop_key
+
+        d = Path(tempfile.mkdtemp(prefix="meshserve-hop-"))
+        atexit.register(shutil.rmtree, d, True)
+        write_hop_key(d / "hop.key")
+        _hop_key.append(d / "hop.key")
+    return _hop_key[0]
 
 
 def follow_ready(proc: subprocess.Popen[str], ports: dict[str, int],
@@ -24,6 +50,8 @@ def follow_ready(proc: subprocess.Popen[str], ports: dict[str, int],
     the ports of its ready line (meshserve.server.process.READY_MARKER) into ``ports``. The
     event is set at that line, or at the end of the output (``ports`` empty then: the process
     ended before it was ready)."""
+    from meshserve.server.process import parse_ready_line  # (here: importing this module stays cheap)
+
     ready = threading.Event()
 
     def pump() -> None:
@@ -42,15 +70,96 @@ def follow_ready(proc: subprocess.Popen[str], ports: dict[str, int],
 
 def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
     """Send ``sig`` to ``proc`` if it still runs, give it ``timeout`` seconds to exit, then kill
-    it. Returns its exit code."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
+    it; where it leads a process group of its own, wait out the rest of that group too
+    (``stop_group``). Returns its exit code."""
+    return stop_group(proc, sig, timeout)[0]
+
+
+def stop_group(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20,
+               grace: float = 2.0, leader: bool | None = None) -> tuple[int, dict[int, str]]:
+    """``stop_process``, and what of its group had to be killed (pid -> command line; empty when
+    the stop was clean). A process started with ``start_new_session`` leads its group: after it
+    exited, what is left of the group gets ``grace`` s to follow (a child that sees its parent's
+    pipe close), then SIGKILL (``end_group``). The process is reaped only after that, so its pid,
+    the group's id, cannot be taken by another process meanwhile. ``leader``: whether it was
+    started as one (None: asked of the system, which can tell only while it is not yet reaped)."""
+    if leader is None:
+        leader = proc.returncode is None and _pgid(proc.pid) == proc.pid
+    if not _exited(proc, 0):
+        os.kill(proc.pid, sig)  # (not proc.send_signal: that reaps an exited process)
+        if not _exited(proc, timeout):
+            os.kill(proc.pid, signal.SIGKILL)
+            _exited(proc, 60)
+    left = end_group(proc.pid, grace) if leader else {}
+    proc.wait()
+    return proc.returncode, left
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _exited(proc: subprocess.Popen[Any], timeout: float) -> bool:
+    """Has ``proc`` exited (within ``timeout`` s)? Waits without reaping it (WNOWAIT)."""
+    deadline = time.monotonic() + timeout
+    while proc.returncode is None:
         try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped elsewhere (a Popen.poll meanwhile)
+            proc.poll()
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, _ppid, pgrp = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def end_group(pgid: int, grace: float = 2.0, timeout: float = 10.0) -> dict[int, str]:
+    """After a process started with start_new_session has been stopped: give what is left of its
+    group ``grace`` s to exit on its own, then SIGKILL the rest and wait, at most ``timeout`` s,
+    until none is left. Returns what had to be killed, pid -> command line (empty when the stop
+    was clean). A pid that was no group's leader matches no process: nothing is sent."""
+    deadline = time.monotonic() + grace
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    if not left:
+        return {}
+    killed = {pid: cmdline(pid) for pid in left}
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:  # gone meanwhile
+        pass
+    deadline = time.monotonic() + timeout
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return killed
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` ("" when it is gone or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 class Endpoints:
@@ -70,12 +179,14 @@ class Endpoints:
 class Server(Endpoints):
     def __init__(self, args: list[str], log: Path, timeout: float = 120, env: dict[str, str] | None = None,
                  prefix: list[str] | None = None):
-        """``python -m meshserve ARGS``, run under ``prefix`` (e.g. valgrind's command) if given."""
+        """``python -m meshserve ARGS``, run under ``prefix`` (e.g. valgrind's command) if given;
+        with this process's hop key (``hop_key_file``) unless ``env`` names another (or "": none)."""
         self.argv = [*(prefix or []), sys.executable, "-m", "meshserve", *args]
         self.logf = open(log, "a")  # closed in stop()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
                                      cwd=ROOT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", HOP_KEY_ENV: str(hop_key_file()),
+                                          **(env or {})})
         self.ports: dict[str, int] = {}
         ready = follow_ready(self.proc, self.ports, self.logf.write)
         if not ready.wait(timeout) or not self.ports:
@@ -88,6 +199,7 @@ class Server(Endpoints):
         return self.proc.pid
 
     def stop(self) -> None:
+        """SIGTERM, then wait for it and its process group (its workers): nothing it started runs on."""
         stop_process(self.proc)
         self.logf.close()
 

@@ -34,6 +34,8 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.server import h2
 
 _INFER = "/inference.GRPCInferenceService/ModelInfer"
+# each cell's hop exactly as its flags say: no key from procs.hop_key_file's default
+AS_FLAGGED = {procs.HOP_KEY_ENV: ""}
 CELLS = ("off", "hop key", "hop mTLS", "front door", "front door + hop key", "front door + hop (mTLS)")
 
 
@@ -136,12 +138,12 @@ def main(argv: list[str] | None = None) -> None:
                 if svc is None:
                     svc = procs.Server(["service", "onnx", "--repository", str(args.repository), "--http-port", "0",
                                         "--grpc-port", "0", "--log-level", "WARNING", *load, *svc_flags],
-                                       d / f"svc-{len(services)}.log")
+                                       d / f"svc-{len(services)}.log", env=AS_FLAGGED)
                     services[tuple(svc_flags)] = svc
                     started.append(svc)
                 prefix = callgrind.command(d / f"cg-{len(cells)}.out", instr_at_start=False) if args.callgrind else None
                 gw = procs.gateway([svc.grpc], d / f"gw-{len(cells)}.log", extra=gw_flags, prefix=prefix,
-                                   timeout=300)
+                                   timeout=300, env=AS_FLAGGED)
                 started.append(gw)
                 cells.append((name, gw, svc, ssl.create_default_context(cafile=str(ca.cert)) if tls_front else None))
             results: dict[str, list[dict[str, Any]]] = {}

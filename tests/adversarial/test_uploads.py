@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,11 +30,10 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from load.bench.procs import stop_process
 from meshserve import examples
 from tests.adversarial.harness import ADMIN_KEY, KEY, TENANTS, RssSampler, rss
 from tests.conftest import ROOT, Proc, service_and_gateway
-from tests.e2e.test_up import read_banner
+from tests.support import up as up_helper
 from tests.support.net import free_port as _free_port
 
 MiB = 1 << 20
@@ -130,16 +127,9 @@ def meshserve_up(root: Path, *flags: str) -> Iterator[Up]:
         shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
     examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
     http_port, grpc_port = _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo),
-                             "--http-port", str(http_port), "--grpc-port", str(grpc_port), *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        read_banner(proc, 180)
-        assert proc.stdout is not None
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-        yield Up(proc, repo, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
-    finally:
-        stop_process(proc, signal.SIGINT, 60)
+    with up_helper.meshserve_up("--metrics-port", "0", "--repository", str(repo), "--http-port", str(http_port),
+                                "--grpc-port", str(grpc_port), *flags) as up:
+        yield Up(up.proc, repo, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
 
 
 @pytest.mark.parametrize("uploads", [False, True], ids=["as-documented", "allow-model-uploads"])

@@ -107,6 +107,7 @@ class Proc:
         return f"--- {self.name} ({state}): {' '.join(self.argv)}\n{self.log_tail()}"
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (SIGKILL after ``timeout`` s), then the rest of its process group waited out."""
         stop_process(self.popen, timeout=timeout)
 
 
@@ -114,7 +115,8 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 cwd=ROOT, env=env if env is not None else dict(os.environ))
+                                 cwd=ROOT, env=env if env is not None else dict(os.environ),
+                                 start_new_session=True)  # its own group: stop waits out its workers too
     return Proc(name, argv, log_path, popen)
 
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,12 +23,11 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
-from load.bench.procs import stop_process
 from meshserve import examples
 from tests.conftest import ROOT
-from tests.e2e.test_up import read_banner
 from tests.models import python_models as pm
 from tests.support import eventually
+from tests.support.up import meshserve_up
 
 APP_KEY = "app-key-3f9c1e"  # the client tenant: add_sub_bls and bls_decoupled, not what they call
 BLS_KEY = "bls-key-8a27d4"  # the python service's identity
@@ -60,19 +57,12 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextmanager
 def _up(repo: Path, *flags: str) -> Iterator[tuple[str, str, str, int]]:
     """`meshserve up` with ``flags``: (its banner, gRPC address, HTTP address, its pid)."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo), "--http-port", "0",
-                             "--grpc-port", "0", *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        banner = read_banner(proc, 180)
-        assert proc.stdout is not None
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-        grpc_port = re.search(r"gRPC\s+localhost:(\d+)", banner)
-        http_port = re.search(r"HTTP/REST\s+http://localhost:(\d+)", banner)
-        assert grpc_port and http_port, banner
-        yield banner, f"127.0.0.1:{grpc_port.group(1)}", f"127.0.0.1:{http_port.group(1)}", proc.pid
-    finally:
-        stop_process(proc, signal.SIGINT, 60)
+    with meshserve_up("--metrics-port", "0", "--repository", str(repo), "--http-port", "0", "--grpc-port", "0",
+                      *flags) as up:
+        grpc_port = re.search(r"gRPC\s+localhost:(\d+)", up.banner)
+        http_port = re.search(r"HTTP/REST\s+http://localhost:(\d+)", up.banner)
+        assert grpc_port and http_port, up.banner
+        yield up.banner, up.grpc, up.http, up.pid
 
 
 def _pair(client: type[grpcclient.InferInput] | type[httpclient.InferInput], x: np.ndarray) -> list:

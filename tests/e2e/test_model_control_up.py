@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,12 +17,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from load.bench.procs import stop_process
 from meshserve import examples
 from tests.conftest import ROOT
-from tests.e2e.test_up import read_banner
 from tests.support import eventually, models
 from tests.support.net import free_port as _free_port
+from tests.support.up import meshserve_up
 
 PIPE = models.ensemble_config("pipe", {"X": 16}, {"Y": 16},
                               [models.step("add_sub_dep", {"INPUT0": "X", "INPUT1": "X"}, {"OUTPUT0": "Y"})])
@@ -47,17 +42,10 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
     examples.ensure(repo, progress=lambda _: None, only={"add_sub", "scale"})
     http_port, grpc_port = _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo),
-                             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                             "--allow-model-uploads"], cwd=ROOT,  # the `file:` override tests upload on purpose
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        read_banner(proc, 120)
-        assert proc.stdout is not None
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+    with meshserve_up("--metrics-port", "0", "--repository", str(repo), "--http-port", str(http_port),
+                      "--grpc-port", str(grpc_port), "--allow-model-uploads",  # the `file:` override tests upload on purpose
+                      timeout=120):
         yield Up(repo, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
-    finally:
-        stop_process(proc, signal.SIGINT, 60)
 
 
 def _copy_model(repo: Path, src: str, dst: str) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +13,8 @@ import tritonclient.grpc as grpcclient
 
 from meshserve import examples
 from tests.conftest import ROOT
-from tests.e2e.test_up import read_banner
 from tests.models import python_models as pm
+from tests.support.up import meshserve_up
 
 
 def _workers(pid: int) -> list[int]:
@@ -40,15 +38,13 @@ def test_up_runs_python_models_and_their_bls_calls(tmp_path: Path) -> None:
     examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
     pm.write(repo, "bls_sync", pm.BLS_SYNC, pm.config("bls_sync", [*pm.PAIR_IN, ("MODEL_NAME", "TYPE_STRING", "1")],
                                                       pm.PAIR_OUT))
-    workers: list[int] = []
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(repo), "--http-port", "0",
-                             "--grpc-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        banner = read_banner(proc, 120)
+    with meshserve_up("--metrics-port", "0", "--repository", str(repo), "--http-port", "0", "--grpc-port", "0",
+                      timeout=120) as up:
+        banner = up.banner
         assert "starting the python service" in banner
         port = re.search(r"gRPC\s+localhost:(\d+)", banner)
         assert port is not None, banner
-        workers = _workers(proc.pid)
+        workers = _workers(up.pid)
         assert workers, "the python service runs its model in a worker process"
         x = np.arange(16, dtype=np.float32)
         ins = [grpcclient.InferInput(n, [16], "FP32") for n in ("INPUT0", "INPUT1")]
@@ -60,12 +56,5 @@ def test_up_runs_python_models_and_their_bls_calls(tmp_path: Path) -> None:
             res = c.infer("bls_sync", ins)
         np.testing.assert_allclose(res.as_numpy("OUTPUT0"), x * 3)
         np.testing.assert_allclose(res.as_numpy("OUTPUT1"), -x)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
-    assert [w for w in workers if Path(f"/proc/{w}").exists()] == []  # finalize()d and gone
+        assert up.interrupt() == 0  # Ctrl-C
+        assert [w for w in workers if Path(f"/proc/{w}").exists()] == []  # finalize()d and gone

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
-import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -14,31 +11,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT
 from tests.support import eventually
 from tests.support.net import free_port
+from tests.support.up import meshserve_up
 
 
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
-
-
-def read_banner(proc: subprocess.Popen[str], timeout: float) -> str:
-    """`meshserve up`'s output up to its banner's last line (asserted to arrive in time)."""
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "Press Ctrl-C" in line:
-            break
-    text = "".join(lines)
-    assert "Press Ctrl-C" in text, text
-    return text
 
 
 def _triton_metrics_on_the_printed_url(banner: str) -> None:
@@ -66,14 +46,11 @@ def _triton_metrics_on_the_printed_url(banner: str) -> None:
 
 def test_up_serves_examples_and_stops_cleanly() -> None:
     http_port, grpc_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--http-port", str(http_port),
-                             "--grpc-port", str(grpc_port)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        text = read_banner(proc, 180)
+    with meshserve_up("--metrics-port", "0", "--http-port", str(http_port), "--grpc-port", str(grpc_port)) as up:
+        text = up.banner
         assert f"http://localhost:{http_port}/v2" in text and "curl" in text
         assert "starting the python service" in text  # for add_sub_bls (backend "python")
-        children = _children(proc.pid)
+        children = _children(up.pid)
         assert len(children) == 3  # the onnx service, the python service and the gateway
 
         with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as c:
@@ -105,8 +82,7 @@ def test_up_serves_examples_and_stops_cleanly() -> None:
             assert c.infer("scale", [v]).as_numpy("OUTPUT0").tolist() == [[2.0] * 4]
         _triton_metrics_on_the_printed_url(text)
 
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert up.interrupt() == 0  # Ctrl-C
         for pid in children:  # no orphans
             try:
                 os.kill(pid, 0)
@@ -114,6 +90,3 @@ def test_up_serves_examples_and_stops_cleanly() -> None:
             except ProcessLookupError:
                 alive = False
             assert not alive, f"child {pid} survived meshserve up"
-    finally:
-        if proc.poll() is None:
-            proc.kill()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests.conftest import ROOT, start
-from tests.e2e.test_up import read_banner
 from tests.support import eventually
 from tests.support.identity_backend import ENV, MAGIC
 from tests.support.net import free_port
+from tests.support.up import meshserve_up
 
 # one model per way a config names its kind: the backend, the platform, neither (the model file)
 CONFIGS = {"by_backend": 'backend: "identity"', "by_platform": 'platform: "identity_numpy"', "by_file": ""}
@@ -109,19 +110,10 @@ def test_a_service_of_the_new_kind_behind_a_gateway(tmp_path: Path) -> None:
 def test_meshserve_up_starts_the_new_kind(tmp_path: Path) -> None:
     repo = _repository(tmp_path / "repo")
     http_port, grpc_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--metrics-port", "-1",
-                             "--http-port", str(http_port), "--grpc-port", str(grpc_port)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **ENV}, start_new_session=True)
-    try:
-        banner = read_banner(proc, 120)
-        assert "starting the identity service" in banner and "1 service process(es)" in banner, banner
+    with meshserve_up("--repository", str(repo), "--metrics-port", "-1", "--http-port", str(http_port),
+                      "--grpc-port", str(grpc_port), timeout=120, env=ENV) as up:
+        assert "starting the identity service" in up.banner and "1 service process(es)" in up.banner, up.banner
         for model in CONFIGS:
             _infer(f"127.0.0.1:{http_port}", model, grpc=False)
             _infer(f"127.0.0.1:{grpc_port}", model, grpc=True)
-        proc.terminate()
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert up.stop(signal.SIGTERM) == 0  # a clean exit on SIGTERM

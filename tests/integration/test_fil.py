@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,10 +26,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from load.bench.procs import stop_process
 from tests.conftest import ROOT, Proc, service_and_gateway
-from tests.e2e.test_up import read_banner
 from tests.models import fil  # the libraries it builds with are imported by build()
+from tests.support.up import meshserve_up
 
 pytest.importorskip("treelite", reason="the fil tests need the [fil] extra (treelite, tl2cgen, xgboost, lightgbm)")
 pytest.importorskip("sklearn", reason="the fil tests build a scikit-learn random forest (the [dev] extra)")
@@ -163,18 +163,12 @@ def test_meshserve_up_starts_the_fil_service(stack: FilStack, tmp_path: Path) ->
     repo = tmp_path / "repo"
     shutil.copytree(stack.repo / "lgb_regression", repo / "lgb_regression")
     ports = [_free_port(), _free_port()]
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo), "--metrics-port", "-1",
-                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1])], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    stopped = None
-    try:
-        banner = read_banner(proc, 120)
-        assert "starting the fil service" in banner and "1 service process(es)" in banner, banner
+    with meshserve_up("--repository", str(repo), "--metrics-port", "-1", "--http-port", str(ports[0]),
+                      "--grpc-port", str(ports[1]), timeout=120) as up:
+        assert "starting the fil service" in up.banner and "1 service process(es)" in up.banner, up.banner
         with grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}") as c:
             fil.check(stack.models["lgb_regression"], _infer(c, "grpc", "lgb_regression", fil.rows()))
-    finally:
-        stopped = stop_process(proc, timeout=60)
-    assert stopped == 0  # a clean exit on SIGTERM
+        assert up.stop(signal.SIGTERM) == 0  # a clean exit on SIGTERM
 
 
 def _free_port() -> int:

@@ -86,32 +86,13 @@ PARALLEL = models.ensemble_config("parallel", {"X": 4}, {"A": 4, "B": 4}, [
 
 @pytest.mark.serial  # a latency bound: run alone (scripts/test.sh)
 def test_two_independent_100ms_steps_finish_in_about_100ms(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-    import threading
     import time
-
-    from tests.conftest import ROOT
 
     (tmp_path / "parallel" / "1").mkdir(parents=True)
     (tmp_path / "parallel" / "config.pbtxt").write_text(PARALLEL)
-    slow = subprocess.Popen([sys.executable, "-m", "tests.integration.slow_service", "--delay-ms", "100"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    port: list[int] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert slow.stdout is not None
-        for line in slow.stdout:
-            if line.startswith("MESHSERVE_READY"):
-                port.append(int(line.split("grpc=")[1].split()[0]))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    slow = start(["--delay-ms", "100"], timeout=30, module="tests.integration.slow_service")
     try:
-        assert ready.wait(30) and port, "slow service did not start"
-        g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", f"127.0.0.1:{port[0]}",
+        g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", slow.grpc,
                    "--repository", str(tmp_path), "--coalesce-inflight", "0"])
         try:
             _wait_http_ready(g.http)
@@ -131,8 +112,7 @@ def test_two_independent_100ms_steps_finish_in_about_100ms(tmp_path: Path) -> No
         finally:
             g.stop()
     finally:
-        slow.terminate()
-        slow.wait(10)
+        slow.stop()
 
 
 def _stats(c: object, proto: str, model: str = "") -> dict[tuple[str, str], dict]:

@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
+from load.bench.procs import stop_process
 from tests.adversarial.support import add_sub_inputs
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.support import eventually, eventually_async
@@ -178,8 +179,7 @@ def redis_url() -> Iterator[str]:
         eventually(lambda: _accepts(port), timeout=10, what="redis-server started")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, timeout=10)  # SIGTERM, SIGKILL after 10 s
 
 
 def test_two_gateways_share_one_rate_through_redis(service: Proc, tmp_path: Path, redis_url: str) -> None:

@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import ROOT, Proc, service_and_gateway, start
 from tests.support.metrics import scrape
 from tests.support.shm import in_regions
+from tests.support.up import meshserve_up
 from tests.support.waiting import eventually
 
 F32 = 16 * 4
@@ -300,20 +301,10 @@ def test_ports_of_zero_are_chosen_once() -> None:
 def test_meshserve_up_passes_gateway_workers_and_stops_them_all(model_repo: Path) -> None:
     """`meshserve up --gateway-workers 2`: the gateway runs two workers; the services' Triton
     families are on its /metrics once (not once per worker); Ctrl-C stops every process."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "0", "--repository", str(model_repo),
-                             "--http-port", "0", "--grpc-port", "0", "--gateway-workers", "2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        banner = "".join(lines)
-        http = next(w for w in banner.split() if w.startswith("http://") and w.endswith("/v2"))
-        hostport = http.removeprefix("http://").removesuffix("/v2").replace("localhost", "127.0.0.1")
-        up_children = children(proc.pid)
+    with meshserve_up("--metrics-port", "0", "--repository", str(model_repo), "--http-port", "0", "--grpc-port", "0",
+                      "--gateway-workers", "2") as up:
+        hostport = up.http
+        up_children = children(up.pid)
         gateway_workers = next(w for w in map(children, up_children) if len(w) == 2)  # the supervisor's
         infer(hostport, "http")
 
@@ -326,10 +317,6 @@ def test_meshserve_up_passes_gateway_workers_and_stops_them_all(model_repo: Path
                     if name == "meshserve_gateway_merged_sends_total"} == {"0", "1"}
 
         eventually(federated_once, timeout=30, interval=0.2, what="the services' families once, both workers")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert up.interrupt() == 0  # Ctrl-C
         assert not any(alive(p) for p in [*up_children, *gateway_workers])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 

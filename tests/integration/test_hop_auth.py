@@ -16,13 +16,9 @@ leaves), only without the hop's extras; each says so at start.
 """
 from __future__ import annotations
 
-import itertools
 import queue
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -38,8 +34,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from meshserve.protocol import hop
-from tests.conftest import HOP_KEY_ENV, ROOT, Proc, _wait_http_ready, service_and_gateway, start
+from tests.conftest import HOP_KEY_ENV, Proc, _wait_http_ready, service_and_gateway, start
 from tests.integration.test_tracing import Receiver, Span, _otel_env, _traceparent
+from tests.support.up import meshserve_up
 from tests.support.waiting import eventually
 
 SLOW_DELAY_US = 400_000  # slow_*: a lone request waits this long in the queue for company
@@ -303,17 +300,12 @@ def test_meshserve_up_authenticates_the_hop_by_itself(model_repo: Path) -> None:
     count straight to a service is ignored (believed, 64 over 1 row would be INVALID_ARGUMENT)."""
     from tests.integration.test_tls import _children_argv
 
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "-1", "--repository",
-                             str(model_repo), "--http-port", "0", "--grpc-port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        lines = list(itertools.takewhile(lambda ln: "Press Ctrl-C" not in ln, proc.stdout))
-        grpc_port = int(next(ln for ln in lines if ln.strip().startswith("gRPC")).split()[1].rsplit(":", 1)[1])
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as c:
+    with meshserve_up("--metrics-port", "-1", "--repository", str(model_repo), "--http-port", "0",
+                      "--grpc-port", "0") as up:
+        with grpcclient.InferenceServerClient(up.grpc) as c:
             eventually(lambda: c.is_model_ready("add_sub"), timeout=60, what="add_sub through up")
             c.infer("add_sub", _add_sub_inputs())
-        argvs = _children_argv(proc.pid)
+        argvs = _children_argv(up.pid)
         gateway_argv = next(argv for argv in argvs if "gateway" in argv)
         key_file = Path(gateway_argv[gateway_argv.index("--hop-key-file") + 1])
         assert oct(key_file.stat().st_mode & 0o777) == "0o600" and len(key_file.read_text()) >= hop.MIN_KEY_BYTES
@@ -323,10 +315,5 @@ def test_meshserve_up_authenticates_the_hop_by_itself(model_repo: Path) -> None:
         with grpcclient.InferenceServerClient(upstream) as c:
             r = c.infer("add_sub", _add_sub_inputs(), headers={hop.HEADER: hop.GATEWAY}, parameters={hop.MERGED: 64})
             np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), np.full((1, 16), 2.0, np.float32))
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert up.stop() == 0  # Ctrl-C: a clean exit
         assert not key_file.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

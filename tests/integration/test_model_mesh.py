@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from load.bench import mesh_models
 from services.base.memory import ESTIMATE_FACTOR
 from tests.conftest import ROOT, Proc, _wait_http_ready, start
 from tests.support import eventually
+from tests.support.up import meshserve_up
 
 MODELS = 20
 ROWS = 65536  # 4 MiB of weight each (the services measure about that per load)
@@ -369,33 +369,16 @@ def test_a_killed_replicas_models_answer_again_from_the_other(mesh: Mesh) -> Non
     assert mesh.b.grpc not in {r for m in _placement(mesh.g1)["models"] for r in m["replicas"]}
 
 
-def _banner(proc: subprocess.Popen[str]) -> str:
-    """`meshserve up`'s output up to its banner's last line."""
-    assert proc.stdout is not None
-    seen = []
-    while "Press Ctrl-C" not in (line := proc.stdout.readline()) and line:
-        seen.append(line)
-    return "".join(seen)
-
-
 def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Path) -> None:
     """`meshserve up --model-control-mode lazy --memory-budget B --replicas 2`: no model loaded at
     start, each loaded on first use on one replica; `meshserve placement` shows where."""
     for i in range(4):
         mesh_models.write(tmp_path, i, 1024)
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(tmp_path), "--http-port", "0",
-                             "--grpc-port", "0", "--metrics-port", "-1", "--model-control-mode", "lazy",
-                             "--memory-budget", "256Mi", "--replicas", "2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        banner = _banner(proc)
+    with meshserve_up("--repository", str(tmp_path), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1",
+                      "--model-control-mode", "lazy", "--memory-budget", "256Mi", "--replicas", "2") as up:
+        banner = up.banner
         assert "2 replicas" in banner and "4 service process" not in banner, banner
-        http = next(w for w in banner.split() if w.startswith("http://") and w.endswith("/v2"))
-        hostport = http.removeprefix("http://").removesuffix("/v2").replace("localhost", "127.0.0.1")
-        grpc_port = re.search(r"gRPC\s+\S+:(\d+)", banner)
-        assert grpc_port is not None, banner
-        url = f"127.0.0.1:{grpc_port.group(1)}"
-        gateway = Proc([], proc, {"http": int(hostport.rsplit(":", 1)[1])})
+        hostport, url, gateway = up.http, up.grpc, up
         view = _placement(gateway)
         assert len(view["replicas"]) == 2 and all(m["copies"] == 0 for m in view["models"]), view
         for i in range(4):
@@ -417,6 +400,3 @@ def test_meshserve_up_lazy_with_replicas_and_the_placement_command(tmp_path: Pat
         assert "BASE" in header, out.stdout
         for line in out.stdout.splitlines()[1:3]:  # each replica's row: its base in MiB, above 0
             assert float(line.split()[header.index("BASE")].removesuffix("Mi")) > 0, out.stdout
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)

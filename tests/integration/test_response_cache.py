@@ -7,6 +7,7 @@ and 32 identical concurrent misses run the model once."""
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from load.bench.procs import stop_process
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
 from tests.integration.test_gateway_tenants import _accepts, tenants_yaml
 from tests.support import eventually, models
@@ -333,8 +335,7 @@ def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         eventually(lambda: _accepts(port), timeout=10, what="redis-server accepting")
         yield server, port
     finally:
-        server.kill()
-        server.wait(10)
+        stop_process(server, signal.SIGKILL)
 
 
 def test_two_gateways_share_hits_through_redis(stack: tuple[Proc, Proc],

@@ -15,7 +15,6 @@ UNAVAILABLE), never a 5xx or INTERNAL.
 """
 from __future__ import annotations
 
-import itertools
 import shutil
 import socket
 import ssl
@@ -29,9 +28,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from load.bench.procs import Endpoints
 from tests.conftest import Proc, start
 from tests.support import certs
 from tests.support.http1 import closed_within, connect
+from tests.support.up import meshserve_up
 from tests.support.waiting import eventually
 
 REFUSED_WITHIN_S = 5.0  # a refused handshake or plaintext on a TLS port: closed well within this
@@ -66,7 +67,7 @@ def tls_flags(proto: str, pki: Pki, mutual: bool) -> list[str]:
 @dataclass
 class Target:
     name: str
-    proc: Proc
+    proc: Endpoints  # a Proc, or a `meshserve up` (tests/support/up.py:Up)
     http_mutual: bool
     grpc_mutual: bool
 
@@ -324,24 +325,10 @@ def test_flags_need_files(tmp_path: Path) -> None:
 def test_meshserve_up_serves_tls_on_the_gateway(model_repo: Path, pki: Pki) -> None:
     """`meshserve up` with the TLS flags: its gateway serves HTTPS and gRPC over mutual TLS
     (the services stay plaintext on loopback); the banner says https."""
-    import signal
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "-1", "--repository",
-                             str(model_repo), "--http-port", "0", "--grpc-port", "0",
-                             *tls_flags("http", pki, False), *tls_flags("grpc", pki, True)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        lines = list(itertools.takewhile(lambda ln: "Press Ctrl-C" not in ln, proc.stdout))  # up to the banner's end
-        url = next(w for w in "".join(lines).split() if w.startswith("https://") and w.endswith("/v2"))
-        http_port = int(url.removesuffix("/v2").rsplit(":", 1)[1])
-        grpc_port = int(next(ln for ln in lines if ln.strip().startswith("gRPC")).split()[1].rsplit(":", 1)[1])
-        gateway = Proc([], proc, {"http": http_port, "grpc": grpc_port})
-        target = Target("up", gateway, False, True)
+    with meshserve_up("--metrics-port", "-1", "--repository", str(model_repo), "--http-port", "0", "--grpc-port", "0",
+                      *tls_flags("http", pki, False), *tls_flags("grpc", pki, True)) as up:
+        assert up.scheme == "https", up.banner
+        target = Target("up", up, False, True)
         client = http_client(target, pki)
         try:
             eventually(lambda: client.is_model_ready("add_sub"), timeout=60, what="add_sub ready through up")
@@ -354,12 +341,7 @@ def test_meshserve_up_serves_tls_on_the_gateway(model_repo: Path, pki: Pki) -> N
         finally:
             g.close()
         _grpc_refused(target, pki, client=pki.stranger)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert up.stop() == 0  # Ctrl-C: a clean exit
 
 
 def test_the_hop_over_mutual_tls(model_repo: Path, pki: Pki) -> None:
@@ -442,27 +424,17 @@ def test_meshserve_up_mesh_tls(model_repo: Path) -> None:
     (made in a run directory, removed at exit) that only the gateway holds a certificate of:
     inference through the gateway works; a client reaching a service port directly, plaintext
     or TLS without the CA's client certificate, is refused."""
-    import signal
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--metrics-port", "-1", "--repository",
-                             str(model_repo), "--http-port", "0", "--grpc-port", "0", "--mesh-tls"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert proc.stdout is not None
-        lines = list(itertools.takewhile(lambda ln: "Press Ctrl-C" not in ln, proc.stdout))
-        url = next(w for w in "".join(lines).split() if w.startswith("http://") and w.endswith("/v2"))
-        client = httpclient.InferenceServerClient(url.removeprefix("http://").removesuffix("/v2"))
+    with meshserve_up("--metrics-port", "-1", "--repository", str(model_repo), "--http-port", "0", "--grpc-port", "0",
+                      "--mesh-tls") as up:
+        assert up.scheme == "http", up.banner
+        client = httpclient.InferenceServerClient(up.http)
         try:
             eventually(lambda: client.is_model_ready("add_sub"), timeout=60, what="add_sub through the mTLS hop")
             _check(client.infer("add_sub", _inputs(httpclient)))
         finally:
             client.close()
         # the services' ports, from the gateway's command line (its --upstream flags)
-        gateway_argv = next(argv for argv in _children_argv(proc.pid) if "gateway" in argv)
+        gateway_argv = next(argv for argv in _children_argv(up.pid) if "gateway" in argv)
         upstreams = [gateway_argv[i + 1] for i, a in enumerate(gateway_argv) if a == "--upstream"]
         root = gateway_argv[gateway_argv.index("--upstream-root-cert") + 1]
         run_dir = Path(root).parent
@@ -470,13 +442,8 @@ def test_meshserve_up_mesh_tls(model_repo: Path) -> None:
         for upstream in upstreams:
             _unavailable(grpcclient.InferenceServerClient(upstream))  # plaintext
             _unavailable(grpcclient.InferenceServerClient(upstream, ssl=True, root_certificates=root))  # no cert
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        assert up.stop() == 0  # Ctrl-C: a clean exit
         assert not run_dir.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _children_argv(pid: int) -> list[list[str]]:

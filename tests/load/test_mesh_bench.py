@@ -30,4 +30,10 @@ def test_mesh_bench_smoke(tmp_path: Path) -> None:
     for peak in case["peak_rss_bytes"]:
         assert 0 < peak <= case["rss_bound_bytes"], (peak, case["rss_bound_bytes"])
     assert case["rss_within_bound"] is True
+    # the smoke's setup: each replica's budget holds a model of the largest size per client. At
+    # 4 MiB (about two models each) loads evicted models whose requests had not reached them yet,
+    # and 1 request in ~1,500 got UNAVAILABLE once the gateway's PLACE_ATTEMPTS ran out: the
+    # answer an overcommitted mesh gets (tests/unit/gateway/test_placement_resend.py), not a fault
+    largest = max(f.stat().st_size for f in (tmp_path / "models").rglob("*.onnx"))
+    assert doc["budget_bytes"] >= doc["clients"] * largest, (doc["budget_bytes"], doc["clients"], largest)
     assert "| mesh |" in out.stdout

@@ -21,13 +21,17 @@ import sys
 import time
 from pathlib import Path
 
+# the process-group waits live with the bench's stop_process (load/bench/procs.py), named here too
+from load.bench.procs import cmdline, end_group, group_members  # noqa: F401
+
 ENV = "MESHSERVE_SUITE_RUN"
 INTERVAL_S = 0.1
 
 
-def carrying(token: str) -> dict[int, str]:
-    """pid -> command line of every process (but this one) whose environment has ENV=token."""
-    needle = f"{ENV}={token}".encode()
+def carrying(token: str, name: str = ENV) -> dict[int, str]:
+    """pid -> command line of every process (but this one) whose environment has ``name``=token
+    (ENV by default; tests/support/up.py marks each `meshserve up` with a variable of its own)."""
+    needle = f"{name}={token}".encode()
     found: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -37,17 +41,10 @@ def carrying(token: str) -> dict[int, str]:
                 continue
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        cmdline = _cmdline(int(entry.name))
-        if cmdline:  # a zombie has none: it holds no CPU, only its parent's wait
-            found[int(entry.name)] = cmdline
+        line = cmdline(int(entry.name))
+        if line:  # a zombie has none: it holds no CPU, only its parent's wait
+            found[int(entry.name)] = line
     return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
 
 
 def _age_s(pid: int) -> float:
@@ -59,11 +56,11 @@ def _age_s(pid: int) -> float:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def wait_gone(token: str, timeout: float) -> dict[int, str]:
+def wait_gone(token: str, timeout: float, name: str = ENV) -> dict[int, str]:
     """Poll until no process carries the token or ``timeout`` s pass; what is still there."""
     deadline = time.monotonic() + timeout
     while True:
-        left = carrying(token)
+        left = carrying(token, name)
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(INTERVAL_S)
@@ -78,43 +75,6 @@ def kill(pids: dict[int, str]) -> None:
             pass
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            state, _ppid, pgrp = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == pgid and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def end_group(pgid: int, grace: float = 2.0, timeout: float = 10.0) -> dict[int, str]:
-    """After a process started with start_new_session has been stopped and waited for: give what
-    is left of its group ``grace`` s to exit on its own (a child that sees its parent's pipe
-    close), then SIGKILL the rest and wait, at most ``timeout`` s, until none is left. Returns
-    what had to be killed, pid -> command line (empty when the stop was clean). A pid that was
-    no group's leader matches no process: nothing is sent."""
-    deadline = time.monotonic() + grace
-    while (left := group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(INTERVAL_S)
-    if not left:
-        return {}
-    killed = {pid: _cmdline(pid) for pid in left}
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:  # gone meanwhile
-        pass
-    deadline = time.monotonic() + timeout
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(INTERVAL_S)
-    return killed
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("token")
@@ -127,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"leftovers: {len(left)} process(es) of the run still there after {args.timeout:g} s; killed:",
           file=sys.stderr)
-    for pid, cmdline in sorted(left.items()):
-        print(f"  pid {pid} (up {_age_s(pid):.0f} s): {cmdline[:300]}", file=sys.stderr)
+    for pid, line in sorted(left.items()):
+        print(f"  pid {pid} (up {_age_s(pid):.0f} s): {line[:300]}", file=sys.stderr)
     kill(left)
     still = wait_gone(args.token, 10)
     if still:

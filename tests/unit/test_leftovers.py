@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 
+from load.bench import procs
 from tests.support import leftovers
 from tests.support.waiting import eventually
 
@@ -48,5 +49,21 @@ def test_end_group_kills_what_outlived_the_leader() -> None:
         assert list(leftovers.end_group(parent.pid)) == [child]
         assert leftovers.group_members(parent.pid) == []
         assert leftovers.end_group(parent.pid) == {}  # nothing left: nothing sent
+    finally:
+        leftovers.kill({child: ""})
+
+
+def test_stop_process_waits_out_the_group_of_a_leader() -> None:
+    """load/bench/procs.py:stop_group: the leader stopped, the child it left in its group killed
+    after the grace, and the leader reaped only after that (its pid still names the group)."""
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN_MAKER], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        code, left = procs.stop_group(parent, signal.SIGTERM, 10, grace=0.5)
+        assert code == -signal.SIGTERM and list(left) == [child]  # the child did not follow: killed
+        assert leftovers.group_members(parent.pid) == []
+        assert procs.stop_process(parent) == -signal.SIGTERM  # stopped already: nothing more is sent
     finally:
         leftovers.kill({child: ""})
