@@ -288,7 +288,8 @@ class InferenceServicer:
         # not decoupled leave in request order, as Triton's do: each such request holds a place
         # in `order` (its answer waits there for the earlier ones'); a decoupled model's answers
         # are written as they come. A gateway's hop keeps completion order (it matches by id).
-        out: asyncio.Queue[bytes | tuple[bytes, bool] | None] = asyncio.Queue()
+        # (a list: one answer's pieces, which the h2 server writes without joining them)
+        out: asyncio.Queue[bytes | list[bytes] | tuple[bytes, bool] | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()  # a client's requests, a gateway's streamed ones
         # a gateway's requests in progress by id (to cancel; its unstreamed ones are only here:
         # each takes itself out as its answer is queued, so nothing else tracks it)
@@ -324,7 +325,8 @@ class InferenceServicer:
                     finally:
                         by_id.pop(hop_id, None)
                     owns_slot = False
-                    out.put_nowait(wire.stream_response(result.serialized()))
+                    body = result.serialized()  # (its ModelStreamInferResponse field's head, then the body: not joined)
+                    out.put_nowait([wire.STREAM_RESPONSE_INFER_TAG + wire.varint(len(body)), body])
                     return
                 if not from_gateway and shm.uses_shared_memory(request, raw):
                     result, _ = await shm.infer(core, request, ctx)
