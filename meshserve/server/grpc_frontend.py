@@ -19,7 +19,7 @@ from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
-from meshserve.server.h2 import Abort, Call, H2GrpcServer, Method, Status
+from meshserve.server.h2 import Abort, Call, H2GrpcServer, Inbox, Method, Status
 from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import STREAMS, ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT
@@ -288,8 +288,12 @@ class InferenceServicer:
         # not decoupled leave in request order, as Triton's do: each such request holds a place
         # in `order` (its answer waits there for the earlier ones'); a decoupled model's answers
         # are written as they come. A gateway's hop keeps completion order (it matches by id).
-        # (a list: one answer's pieces, which the h2 server writes without joining them)
-        out: asyncio.Queue[bytes | list[bytes] | tuple[bytes, bool] | None] = asyncio.Queue()
+        # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
+        # each time on Python 3.11
+        loop = asyncio.get_running_loop()
+        # the answers for the writer below, its one reader (a list: one answer's pieces, which the
+        # h2 server writes without joining them)
+        out: Inbox = Inbox(loop)
         pending: set[asyncio.Task[None]] = set()  # a client's requests, a gateway's streamed ones
         # a gateway's requests in progress by id (to cancel; its unstreamed ones are only here:
         # each takes itself out as its answer is queued, so nothing else tracks it)
@@ -402,9 +406,6 @@ class InferenceServicer:
         # whether a client's request is for a decoupled model (its answers are not held in order);
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)
-        # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
-        # each time on Python 3.11
-        loop = asyncio.get_running_loop()
 
         async def reader() -> None:
             try:

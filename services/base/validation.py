@@ -121,12 +121,13 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
     for i, t in enumerate(request.inputs):
         if raw and t.HasField("contents"):  # infer_checks.reject_mixed_contents, in this loop
             raise mixed_contents(t.name, name)
-        spec = specs.get(t.name)
+        tname = t.name  # (each read of a upb field makes a new str)
+        spec = specs.get(tname)
         if spec is None:
             raise InferError.invalid(
                 f"unexpected inference input '{t.name}' for model '{name}'; "
                 f"model inputs are {sorted(specs)}")
-        if t.name in inputs:
+        if tname in inputs:
             raise InferError.invalid(f"input '{t.name}' appears twice in the request for model '{name}'")
         if t.datatype != spec.datatype:
             raise InferError.invalid(
@@ -168,8 +169,8 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 raise InferError.invalid(
                     f"input '{t.name}' for model '{name}': shape {list(shape)} needs {count} BYTES "
                     f"elements, got {got}")
-        inputs[t.name] = InputData(spec, shape, data)
-        sig.append(() if t.name in model.ragged else (shape[1:] if mbs > 0 else shape))
+        inputs[tname] = InputData(spec, shape, data)
+        sig.append(() if tname in model.ragged else (shape[1:] if mbs > 0 else shape))
     if len(inputs) < len(specs):
         missing = [n for n in model.required_inputs if n not in inputs]
         if missing:

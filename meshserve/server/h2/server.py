@@ -148,11 +148,12 @@ _EOF = object()
 _COROUTINE = types.CoroutineType
 
 
-class _Inbox:
-    """A request-streaming call's received messages (and _EOF) for its one reader, the handler's
-    ``_requests``: asyncio.Queue's put_nowait / get / qsize without its putters, maxsize and
-    getters' queue (one reader; per message that machinery was ~3% of a hop request's
-    interpreted work in the service)."""
+class Inbox:
+    """A queue with one reader: asyncio.Queue's put_nowait / get / qsize without its putters,
+    maxsize and getters' queue (per item that machinery was ~3% of a gateway's request's
+    interpreted work in a service). A request-streaming call's received messages (and _EOF) for
+    the handler's ``_requests``; a ModelStreamInfer call's answers for its writer
+    (grpc_frontend.py)."""
 
     __slots__ = ("items", "waiter", "loop")
 
@@ -197,7 +198,7 @@ class ServerStream:
         self.deadline: float | None = None
         self.encoding: bytes | None = None
         self.buf = bytearray()
-        self.queue: _Inbox | None = None
+        self.queue: Inbox | None = None
         self.task: asyncio.Task[None] | None = None
         self.out: collections.deque[tuple[int, Any]] = collections.deque()
         self.remote_ended = False
@@ -657,7 +658,7 @@ class ServerConnection(H2Endpoint):
             st.due = due = self.loop.time() + timeout
             self.deadlines.add(due)
         if handler.request_streaming:
-            st.queue = _Inbox(self.loop)
+            st.queue = Inbox(self.loop)
             st.task = self.loop.create_task(self._run(st, b""))
         if flags & END_STREAM:
             self._remote_end(st)
@@ -708,7 +709,9 @@ class ServerConnection(H2Endpoint):
                 self._receive_budget_full()
                 if st.closed:
                     return
-        if st.queue is not None:
+        # (what the handler took is settled as it takes it, in _requests: here only what it left
+        # unsettled, and a stream window update that is due)
+        if st.queue is not None and (st.taken or st.owed + st.recv_unacked >= STREAM_WINDOW_UPDATE):
             self._settle(st)
         if flags & END_STREAM:
             self._remote_end(st)
