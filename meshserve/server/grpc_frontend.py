@@ -317,12 +317,12 @@ class InferenceServicer:
                     out.put_nowait(held)
 
         async def one(request: pb.ModelInferRequest, raw: bytes, place: list[Any] | None = None,
-                      hop_id: str = "") -> None:
+                      hop_id: str = "", hop_stream: bool = False) -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
-                if from_gateway and not (request.parameters and _STREAM in request.parameters):
+                if from_gateway and not hop_stream:  # (the reader read the parameters: hop_stream)
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
                     try:
                         result, _ = await observe.infer(core, request, ctx)
@@ -425,13 +425,14 @@ class InferenceServicer:
                         continue
                     if from_gateway:
                         hop_id = request.id
-                        task = loop.create_task(one(request, raw, None, hop_id))
+                        hop_stream = bool(params) and _STREAM in params
+                        task = loop.create_task(one(request, raw, None, hop_id, hop_stream))
                         repeated = by_id.get(hop_id)
                         by_id[hop_id] = task
                         if repeated is not None:  # a repeated id (not the gateway's way): still awaited
                             pending.add(repeated)
                             repeated.add_done_callback(pending.discard)
-                        if not (params and _STREAM in params):
+                        if not hop_stream:
                             continue  # (it takes itself out of by_id as its answer is queued)
                         task.add_done_callback(functools.partial(_forget, by_id, hop_id))
                     else:
