@@ -5,9 +5,10 @@ It takes the place of ``loop.run_in_executor(ThreadPoolExecutor, ...)`` on the b
 (services/base/model.py): that makes a concurrent future (a lock and a condition), wraps it in an
 asyncio future chained by two callbacks, and goes through the executor's submit (its shutdown lock,
 a work item, the idle semaphore) for every batch; here a batch is one tuple on a SimpleQueue and
-one asyncio future, resolved on the loop. Threads start with the first batch (as the executor's
-did). A run in flight at interpreter exit still finishes before the interpreter goes away (the
-executor's join at exit, kept: ``_stop_all``).
+one asyncio future, resolved on the loop (docs/perf/mlp-and-onnxruntime.md, "The service process
+per served row"). As with the executor: the thread starts with the first batch, ends once its
+worker is closed or collected, and a batch in flight at interpreter exit still finishes before the
+interpreter goes away (``_stop_all``).
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-_LIVE: weakref.WeakSet[InstanceWorker] = weakref.WeakSet()
-_EXIT_JOIN_S = 60.0  # at interpreter exit: how long a run in flight may take to finish
+_Jobs = queue.SimpleQueue  # of (loop, future, fn, args) tuples; None ends the thread
+
+_RUNNING: dict[threading.Thread, _Jobs[Any]] = {}  # live worker threads and their queues
+_EXIT_JOIN_S = 60.0  # at interpreter exit: how long a batch in flight may take to finish
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
@@ -45,14 +48,29 @@ def _one(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], fn: Callable
         pass
 
 
+def _serve(jobs: _Jobs[Any]) -> None:
+    """A worker thread's loop (it holds the queue, not the worker: a worker dropped without close()
+    is collected, and its finalizer ends the thread)."""
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            _one(*job)
+            job = None  # (nothing of a finished batch is held while the thread waits)
+    finally:
+        _RUNNING.pop(threading.current_thread(), None)
+
+
 class InstanceWorker:
     """The thread of one model instance (named ``name``, as the executor's threads were)."""
 
     def __init__(self, name: str):
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._jobs: _Jobs[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        weakref.finalize(self, self._jobs.put, None)  # (collected without close(): the thread ends)
 
     def submit(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         """``fn(*args)`` on this worker's thread; its result (or exception) in the returned future."""
@@ -60,41 +78,27 @@ class InstanceWorker:
             raise RuntimeError(f"worker {self.name} is closed")
         fut = loop.create_future()
         if self._thread is None:
-            # daemon: it never holds the interpreter up; _stop_all lets a run in flight finish at exit
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
-            _LIVE.add(self)
+            # daemon: it never holds the interpreter up; _stop_all lets a batch in flight finish at exit
+            self._thread = thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
+            _RUNNING[thread] = self._jobs
+            thread.start()
         self._jobs.put((loop, fut, fn, args))
         return fut
 
-    def _run(self) -> None:
-        jobs = self._jobs
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            _one(*job)
-            job = None  # (nothing of a finished batch is held while the thread waits)
-
-    def close(self, wait: bool = False, timeout: float | None = None) -> None:
-        """No more batches; the thread ends after the one it runs (``wait``: joined)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
-        thread = self._thread
-        if wait and thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+    def close(self) -> None:
+        """No more batches; the thread ends after the one it runs."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
 
 
 def _stop_all() -> None:
-    """At interpreter exit: every live worker finishes the batch it runs, then stops."""
-    workers = list(_LIVE)
-    for w in workers:
-        w.close()
-    for w in workers:
-        if w._thread is not None:
-            w._thread.join(_EXIT_JOIN_S)
+    """At interpreter exit: every worker thread finishes the batch it runs, then stops."""
+    running = list(_RUNNING.items())
+    for _, jobs in running:
+        jobs.put(None)
+    for thread, _ in running:
+        thread.join(_EXIT_JOIN_S)
 
 
 atexit.register(_stop_all)
