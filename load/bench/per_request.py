@@ -13,7 +13,9 @@ tool; ``python -m load`` sends ``--warmup`` requests, then the counters start, t
 ``-n`` more at concurrency ``-c``:
 
 - ``callgrind``: user-space instructions per request, every thread of the process, with the
-  garbage collector's share apart (``gc_collect_main``, inclusive). The process runs with
+  garbage collector's share apart (``gc_collect_main``, inclusive) and glibc's memcpy's
+  (``callgrind.MEMCPY_FUNCTION``: valgrind counts its ``rep movsb`` a byte at a time, so a copy
+  weighs far more in this count than in CPU time). The process runs with
   instrumentation off until the warm-up is done. A count that repeats on a busy machine.
 - ``strace``: system calls per request (``strace -c -f`` attached for the measured requests).
 - ``pyspy``: ``py-spy record -f raw --threads`` of the measured requests (2000 Hz) into ``--out``;
@@ -153,8 +155,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if args.mode == "callgrind":
             callgrind.control(pid, "--instr=off")
             callgrind.control(pid, "--dump")
-            total, gc = callgrind.totals(callgrind.wait_dump(out / "cg.out", before))
-            result.update(instructions=total // args.requests, gc=gc // args.requests)
+            dump = callgrind.wait_dump(out / "cg.out", before)
+            total, gc = callgrind.totals(dump)
+            copies = callgrind.totals(dump, callgrind.MEMCPY_FUNCTION)[1]
+            result.update(instructions=total // args.requests, gc=gc // args.requests,
+                          memcpy=copies // args.requests)
         elif monitor is not None:
             monitor.send_signal(signal.SIGINT)
             monitor.wait(60)
@@ -174,8 +179,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def line(r: dict[str, Any]) -> str:
     cell = f"{r['target']} {r['model']} {r['protocol']} c{r['concurrency']} (N={r['requests']})"
     if r["mode"] == "callgrind":
-        return (f"{cell}: {r['instructions']} instructions per request, of which gc {r['gc']} "
-                f"({r['out']})")
+        return (f"{cell}: {r['instructions']} instructions per request, of which gc {r['gc']}, "
+                f"memcpy {r['memcpy']} ({r['out']})")
     if r["mode"] == "strace":
         calls = sorted(r["syscalls"].items(), key=lambda kv: -kv[1])
         return f"{cell}: system calls per request: " + ", ".join(f"{k} {v:.2f}" for k, v in calls[:12])

@@ -19,7 +19,7 @@ from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
-from meshserve.server.h2 import Abort, Call, H2GrpcServer, Method, Status
+from meshserve.server.h2 import Abort, Call, H2GrpcServer, Inbox, Method, Status
 from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import STREAMS, ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT
@@ -288,7 +288,12 @@ class InferenceServicer:
         # not decoupled leave in request order, as Triton's do: each such request holds a place
         # in `order` (its answer waits there for the earlier ones'); a decoupled model's answers
         # are written as they come. A gateway's hop keeps completion order (it matches by id).
-        out: asyncio.Queue[bytes | tuple[bytes, bool] | None] = asyncio.Queue()
+        # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
+        # each time on Python 3.11
+        loop = asyncio.get_running_loop()
+        # the answers for the writer below, its one reader (a list: one answer's pieces, which the
+        # h2 server writes without joining them)
+        out: Inbox = Inbox(loop)
         pending: set[asyncio.Task[None]] = set()  # a client's requests, a gateway's streamed ones
         # a gateway's requests in progress by id (to cancel; its unstreamed ones are only here:
         # each takes itself out as its answer is queued, so nothing else tracks it)
@@ -312,19 +317,20 @@ class InferenceServicer:
                     out.put_nowait(held)
 
         async def one(request: pb.ModelInferRequest, raw: bytes, place: list[Any] | None = None,
-                      hop_id: str = "") -> None:
+                      hop_id: str = "", hop_stream: bool = False) -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
                 ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
-                if from_gateway and not (request.parameters and _STREAM in request.parameters):
+                if from_gateway and not hop_stream:  # (the reader read the parameters: hop_stream)
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
                     try:
                         result, _ = await observe.infer(core, request, ctx)
                     finally:
                         by_id.pop(hop_id, None)
                     owns_slot = False
-                    out.put_nowait(wire.stream_response(result.serialized()))
+                    body = result.serialized()  # (its ModelStreamInferResponse field's head, then the body: not joined)
+                    out.put_nowait([wire.STREAM_RESPONSE_INFER_TAG + wire.varint(len(body)), body])
                     return
                 if not from_gateway and shm.uses_shared_memory(request, raw):
                     result, _ = await shm.infer(core, request, ctx)
@@ -400,9 +406,6 @@ class InferenceServicer:
         # whether a client's request is for a decoupled model (its answers are not held in order);
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)
-        # once per call: asyncio.get_running_loop() (and ensure_future) make a getpid system call
-        # each time on Python 3.11
-        loop = asyncio.get_running_loop()
 
         async def reader() -> None:
             try:
@@ -422,13 +425,14 @@ class InferenceServicer:
                         continue
                     if from_gateway:
                         hop_id = request.id
-                        task = loop.create_task(one(request, raw, None, hop_id))
+                        hop_stream = bool(params) and _STREAM in params
+                        task = loop.create_task(one(request, raw, None, hop_id, hop_stream))
                         repeated = by_id.get(hop_id)
                         by_id[hop_id] = task
                         if repeated is not None:  # a repeated id (not the gateway's way): still awaited
                             pending.add(repeated)
                             repeated.add_done_callback(pending.discard)
-                        if not (params and _STREAM in params):
+                        if not hop_stream:
                             continue  # (it takes itself out of by_id as its answer is queued)
                         task.add_done_callback(functools.partial(_forget, by_id, hop_id))
                     else:

@@ -39,6 +39,7 @@ from services.base.scheduling.request import QueuedRequest, Scheduler
 from services.base.scheduling.sequence import SequenceStartError
 from services.base.serialization import ResponseEncoder
 from services.base.validation import ModelTensors, Pending, prepare, schedule_policy
+from services.base.worker import InstanceWorker
 
 # A group whose runtime call was measured at most this long (its fastest run at that size: rows
 # and input shapes) runs on the event loop instead of the instance's worker thread: the hand-off
@@ -94,7 +95,9 @@ class ModelVersion:
         self.decoupled = config.model_transaction_policy.decoupled
         self._free = list(instances)
         self._instances = list(instances)
+        # (the sequence batcher's runs; the dynamic batcher's go to each instance's own worker)
         self._pool = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"{self.name}-{version}")
+        self._workers = {id(inst): InstanceWorker(f"{self.name}-{version}_{k}") for k, inst in enumerate(instances)}
         self._order_tail: asyncio.Future[None] | None = None
         # (group rows, input shapes) -> the fastest runtime call of that size (INLINE_RUN_NS)
         self._fastest_ns: dict[tuple[int, tuple], int] = {}
@@ -244,7 +247,7 @@ class ModelVersion:
                     if fastest.get(size, _UNMEASURED) <= INLINE_RUN_NS:
                         out, timing = self._run_group(instance, payloads)
                     else:
-                        out, timing = await loop.run_in_executor(self._pool, self._run_group, instance, payloads)
+                        out, timing = await self._workers[id(instance)].submit(loop, self._run_group, instance, payloads)
                     if self._inline_ok and timing[1] < fastest.get(size, _UNMEASURED):
                         if len(fastest) >= _SIZES_MAX:
                             fastest.clear()
@@ -305,5 +308,7 @@ class ModelVersion:
         self.ready = False
         await self.scheduler.stop(drain=drain)
         self._pool.shutdown(wait=False)
+        for worker in self._workers.values():
+            worker.close()
         for inst in self._instances:
             inst.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod
 
 import numpy as np
 
@@ -121,12 +122,13 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
     for i, t in enumerate(request.inputs):
         if raw and t.HasField("contents"):  # infer_checks.reject_mixed_contents, in this loop
             raise mixed_contents(t.name, name)
-        spec = specs.get(t.name)
+        tname = t.name  # (each read of a upb field makes a new str)
+        spec = specs.get(tname)
         if spec is None:
             raise InferError.invalid(
                 f"unexpected inference input '{t.name}' for model '{name}'; "
                 f"model inputs are {sorted(specs)}")
-        if t.name in inputs:
+        if tname in inputs:
             raise InferError.invalid(f"input '{t.name}' appears twice in the request for model '{name}'")
         if t.datatype != spec.datatype:
             raise InferError.invalid(
@@ -134,7 +136,8 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 f"expects '{spec.datatype}'")
         shape = tuple(t.shape)
         if mbs > 0:
-            if len(shape) != len(spec.dims) + 1 or not _dims_match(shape[1:], spec.dims):
+            inner = shape[1:]
+            if inner != spec.dims and (len(shape) != len(spec.dims) + 1 or not _dims_match(inner, spec.dims)):
                 raise InferError.invalid(
                     f"unexpected shape for input '{t.name}' for model '{name}'. Expected "
                     f"{[-1, *spec.dims]}, got {list(shape)}")
@@ -155,7 +158,7 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
         if shape and min(shape) < 0:
             raise InferError.invalid(f"input '{t.name}' for model '{name}' has a negative dimension {list(shape)}")
         data = raw[i] if raw else _typed_to_bytes(t, name)
-        count = datatypes.element_count(shape)
+        count = prod(shape)  # (datatypes.element_count, in C: the shape's entries are ints)
         if spec.element_size:
             expected = count * spec.element_size
             if len(data) != expected:
@@ -168,8 +171,8 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 raise InferError.invalid(
                     f"input '{t.name}' for model '{name}': shape {list(shape)} needs {count} BYTES "
                     f"elements, got {got}")
-        inputs[t.name] = InputData(spec, shape, data)
-        sig.append(() if t.name in model.ragged else (shape[1:] if mbs > 0 else shape))
+        inputs[tname] = InputData(spec, shape, data)
+        sig.append(() if tname in model.ragged else (inner if mbs > 0 else shape))
     if len(inputs) < len(specs):
         missing = [n for n in model.required_inputs if n not in inputs]
         if missing:

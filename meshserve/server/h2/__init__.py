@@ -29,6 +29,7 @@ from meshserve.server.h2.frames import ErrorCode, H2ConnectionError, Status
 from meshserve.server.h2.server import (
     STREAM_MAX_QUEUED,
     H2GrpcServer,
+    Inbox,
     ServerCall,
     ServerConnection,
     ServerStream,
@@ -37,6 +38,6 @@ from meshserve.server.h2.server import (
 __all__ = [
     "STREAM_MAX_QUEUED", "Abort", "Call", "Channel", "Method", "ServerCall", "stream_stream", "stream_unary",
     "unary_stream", "unary_unary", "ClientStream", "ErrorCode", "GrpcError", "H2ClientConnection", "H2ConnectionError",
-    "H2Endpoint", "H2GrpcServer", "ServerConnection", "ServerStream", "Status", "connect",
+    "H2Endpoint", "H2GrpcServer", "Inbox", "ServerConnection", "ServerStream", "Status", "connect",
     "grpc_timeout",
 ]
