@@ -31,12 +31,13 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.quotas.memory import MemoryQuotaStore
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, hop, wire
@@ -809,6 +810,14 @@ class FrontDoor:
         self.max_bytes = local.size // ENTRY_SHARE
         self.request_counts = request_counts
         self.admission = admission  # gateway/auth.py:Admission, or None (no tenants)
+        # every hit answered without waiting (no tenants, or the in-process quota store, whose
+        # admission never waits): the gRPC door runs before the call's Task (the HTTP/2 server's
+        # at_once hook, grpc_frontend.register), admission driven to its end at once (``_now``);
+        # else (Redis quotas: a network round trip) a hit with tenants is an awaitable, in the Task
+        self.at_once = admission is None or type(admission.store) is MemoryQuotaStore
+        # called when the index gets its first entry (the gRPC front end installs its at-once hook
+        # then: while the index is empty, a call pays nothing for the door)
+        self.on_first_entry: Callable[[], object] | None = None
         # the HTTP request ``http`` just missed, its key and ``_cacheable``'s answer: the stage
         # takes them over (by the request's identity, on the same pass of the loop) rather than
         # working them out again
@@ -819,6 +828,8 @@ class FrontDoor:
     def index(self, key: bytes, entry: FrontEntry) -> None:
         if len(key) > EXACT_KEY_MAX:
             return
+        if not self.entries and self.on_first_entry is not None:
+            self.on_first_entry()
         if key not in self.entries:
             self.bytes += len(key)
             if self.bytes > self.max_bytes:
@@ -828,9 +839,10 @@ class FrontDoor:
 
     def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext]
              ) -> bytes | Awaitable[bytes] | None:
-        """The answer of a gRPC ModelInfer call from the cache (with tenants: an awaitable of it,
-        which raises the admission's error), or None: the pipeline's path. ``context``: the
-        front door's RequestContext of a call (read only with tenants)."""
+        """The answer of a gRPC ModelInfer call from the cache (with tenants: admitted first, the
+        admission's error raised; an awaitable of the answer unless ``at_once``), or None: the
+        pipeline's path. ``context``: the front door's RequestContext of a call (read only with
+        tenants). With ``at_once`` it runs before the call's Task is made: nothing here waits."""
         if not self.entries or len(raw) > FRONT_RAW_MAX or tracing.enabled:
             return None  # (nothing repeated yet, or too large a request to be indexed: not even the scan)
         keyed = front_key(raw)
@@ -855,8 +867,9 @@ class FrontDoor:
             return None
         answer = entry[1] + rid if rid else entry[1]
         if self.admission is not None:
-            return self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer, lkey,
-                                  started)
+            admitted = self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer,
+                                      lkey, started)
+            return _now(admitted) if self.at_once else admitted
         entries.move_to_end(lkey)
         self.request_counts[ok] += 1
         row[0] += 1
@@ -888,7 +901,8 @@ class FrontDoor:
         answer = wire.with_request_id(entry[1], request.id) if request.id else entry[1]
         row = stage.counts.row(model)
         if self.admission is not None:
-            return self._admitted(request, ctx, row, (model[0], "OK"), answer, key, started)
+            admitted = self._admitted(request, ctx, row, (model[0], "OK"), answer, key, started)
+            return _now(admitted) if self.at_once else admitted
         self.local.entries.move_to_end(key)
         self.request_counts[(model[0], "OK")] += 1
         row[0] += 1
@@ -898,7 +912,8 @@ class FrontDoor:
     async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, row: list[int],
                         ok: tuple[str, str], answer: bytes, lkey: bytes, started: int) -> bytes:
         """A hit of a gateway with tenants: admitted as ``Admit`` admits (403, 429 before any
-        answer), released at once (a hit holds nothing while it is written)."""
+        answer), released at once (a hit holds nothing while it is written). With ``at_once``
+        it never waits: ``_now`` runs it to its end."""
         admission = self.admission
         try:
             admitted = await admission.admit(request, ctx)
@@ -914,3 +929,15 @@ class FrontDoor:
             return answer
         finally:
             await admission.release(admitted)
+
+
+def _now(coroutine: Coroutine[Any, Any, bytes]) -> bytes:
+    """The result of a coroutine that finishes without waiting (``FrontDoor._admitted`` on the
+    in-process quota store), run to its end here; one that would wait is closed (its cleanup runs:
+    the admission gives its share back) and is an error, never left half run."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("the front door's admission waited: not a synchronous quota store")
