@@ -337,7 +337,6 @@ class LocalCache:
         self.max_entry = size // ENTRY_SHARE
         self.used = 0
         self.entries: OrderedDict[bytes, tuple[str, bytes, mc.ModelConfig, int]] = OrderedDict()
-        self.by_model: dict[str, set[bytes]] = {}
         self.generations: dict[str, int] = {}  # a model's, once invalidated (0 before)
         self.evictions = 0
 
@@ -359,34 +358,27 @@ class LocalCache:
         entries = self.entries
         if key in entries:
             self._drop(key)
-        while self.used + size > self.size and entries:
-            self._drop(next(iter(entries)))
-            self.evictions += 1
+        if self.used + size > self.size:
+            while self.used + size > self.size and entries:
+                self._drop(next(iter(entries)))
+                self.evictions += 1
         entries[key] = (model, answer, config, size)
-        keys = self.by_model.get(model)
-        if keys is None:
-            keys = self.by_model[model] = set()
-        keys.add(key)
         self.used += size
         return True
 
     def _drop(self, key: bytes) -> None:
-        model, _, _, size = self.entries.pop(key)
-        self.used -= size
-        keys = self.by_model.get(model)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self.by_model[model]
+        self.used -= self.entries.pop(key)[3]
 
     def generation(self, model: str) -> int:
         """The model's generation (``put`` keeps an answer only if it has not changed since)."""
         return self.generations.get(model, 0)
 
     def invalidate(self, model: str) -> None:
-        """Drop a model's entries; answers computed before now are not stored after."""
+        """Drop a model's entries; answers computed before now are not stored after. (A scan of
+        every entry: a load or unload is rare, where a per-model key set cost every miss its
+        upkeep.)"""
         self.generations[model] = self.generations.get(model, 0) + 1
-        for key in list(self.by_model.get(model, ())):
+        for key in [key for key, entry in self.entries.items() if entry[0] == model]:
             self._drop(key)
 
 
@@ -555,6 +547,9 @@ class CacheStage:
         self.flights: dict[bytes, asyncio.Future[bytes | None] | None] = {}  # None: a lead nobody waits on yet
         self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
         self._exact = isinstance(cache, LocalCache)  # keys may be their material (material_key)
+        # this process's LocalCache: a miss reads its entries and generations without a call
+        self._entries = cache.entries if isinstance(cache, LocalCache) else None
+        self._generations = cache.generations if isinstance(cache, LocalCache) else None
         # the front doors' hits (``FrontDoor``): this process's LocalCache only
         self.front: FrontDoor | None = None
 
@@ -570,7 +565,10 @@ class CacheStage:
         if version is None:
             return None
         config = self._config_for(name, version)
-        if config is None or not self._enabled(config):
+        if config is None:
+            return None
+        known = self._configs.get(id(config))  # (_enabled's remembered answer, without its call)
+        if not (known[1] if known is not None and known[0] is config else self._enabled(config)):
             return None
         params = request.parameters
         if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
@@ -610,7 +608,9 @@ class CacheStage:
                 # a gRPC client's usual request: no id, version or parameter to leave out, so
                 # the bytes it sent are the key's material (request_key's, where the client
                 # serialized as protobuf does: any other serialization is another key, a miss)
-                key = material_key(model[1].encode() + b"\x00" + raw, self._exact)
+                material = model[1].encode() + b"\x00" + raw
+                key = material if self._exact and 16 < len(material) <= EXACT_KEY_MAX \
+                    else material_key(material, self._exact)  # (material_key, inline)
             else:
                 key = raw_key(raw, model[1], self._exact)
         if key is None:
@@ -676,8 +676,11 @@ class CacheStage:
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
+        entries = self._entries
         while True:
-            if local is not None:
+            if entries is not None and key not in entries:
+                answer = None  # (LocalCache.get's miss, without its call)
+            elif local is not None:
                 answer = local.get(key, config, model[0])
             elif shared is not None:
                 answer, shared_generation = await shared.get(key, model[0])
@@ -702,7 +705,11 @@ class CacheStage:
         # the lead: run the model; waiters for the same key share its answer (a future only
         # once one waits: most misses have no twin)
         self.flights[key] = None
-        generation = local.generation(model[0]) if local is not None else 0
+        generations = self._generations
+        if generations is not None:
+            generation = generations.get(model[0], 0)  # (LocalCache.generation, inline)
+        else:
+            generation = local.generation(model[0]) if local is not None else 0
         looked = time.perf_counter_ns() - started
         answer = None
         inserted = 0
