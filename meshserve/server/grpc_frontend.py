@@ -271,12 +271,14 @@ class InferenceServicer:
             _fail(call, exc)
             return None
 
-    def answer_at_once(self, raw: bytes, call: Call) -> bytes | None:
+    def answer_at_once(self, raw: bytes, call: Call | None) -> bytes | None:
         """ModelInfer's cache hit, before the call's Task is made (H2GrpcServer.at_once): the
-        answer, b"" with the call's error status set (a tenant's 403, 429), or None: ModelInfer."""
+        answer, b"" with the call's error status set (a tenant's 403, 429), or None: ModelInfer.
+        ``call`` is None without tenants (the door reads it only to admit)."""
         try:
             return self.front.grpc(raw, call, _context)  # type: ignore[no-any-return,union-attr]
         except InferError as exc:
+            assert call is not None  # (only admission refuses, and with tenants the call is given)
             _fail(call, exc)
             return b""
 
@@ -548,7 +550,7 @@ def register(server: H2GrpcServer, core: V2Core, health: HealthState) -> None:
     server.add_methods(access.GRPC_SERVICE, methods(servicer, access.GRPC_METHODS, core))
     front = servicer.front
     if front is not None:  # a gateway's cache hits, answered before any Task from the door's first entry on
-        path, hook = f"/{access.GRPC_SERVICE}/ModelInfer", servicer.answer_at_once
+        path, hook = f"/{access.GRPC_SERVICE}/ModelInfer", (servicer.answer_at_once, front.admission is not None)
         front.on_first_entry = lambda: server.at_once.setdefault(path, hook)  # type: ignore[arg-type]
         servicer.hit = None  # (what the door can answer it answers there: ModelInfer goes on to the pipeline)
     server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))

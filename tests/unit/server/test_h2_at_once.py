@@ -15,6 +15,7 @@ from meshserve.server.h2 import Call, H2GrpcServer, Status, unary_unary
 
 SERVICE = "t.AtOnce"
 PATH = f"/{SERVICE}/Ask"
+PLAIN = f"/{SERVICE}/Plain"  # a hook that wants no call: OK answers without trailing metadata
 LARGE = 3 << 20  # more than the client's flow-control windows at the start
 
 
@@ -44,9 +45,15 @@ def _server(seen: Seen) -> H2GrpcServer:
             raise ValueError("/secret/path exploded")
         return None  # the handler, in a Task
 
+    def plain(message: bytes, call: Call | None) -> bytes | None:
+        assert call is None
+        seen.hook_tasks.append(asyncio.current_task())
+        return b"plain:" + message if message else None
+
     server = H2GrpcServer()
-    server.add_methods(SERVICE, {"Ask": unary_unary(handler)})
-    server.at_once[PATH] = hook
+    server.add_methods(SERVICE, {"Ask": unary_unary(handler), "Plain": unary_unary(handler)})
+    server.at_once[PATH] = (hook, True)
+    server.at_once[PLAIN] = (plain, False)
     return server
 
 
@@ -76,6 +83,11 @@ async def test_a_call_the_hook_answers_ends_without_a_task(served: Any) -> None:
         answers = await asyncio.gather(*(ask(b"now-%d" % i if i % 2 else b"t%d" % i, timeout=10)
                                          for i in range(64)))
         assert answers == [b"at-once:now-%d" % i if i % 2 else b"task:t%d" % i for i in range(64)]
+        plain = ch.unary_unary(PLAIN)
+        call = plain(b"p", timeout=10)
+        assert await call == b"plain:p" and not tuple(await call.trailing_metadata() or ())
+        assert await plain(b"", timeout=10) == b"task:"  # declined: the handler
+        assert seen.hook_tasks.count(None) == len(seen.hook_tasks)
     assert server._active == 0
 
 
