@@ -844,12 +844,13 @@ class FrontDoor:
                 self.bytes = len(key)
         self.entries[key] = entry
 
-    def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext]
+    def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext] | None = None
              ) -> bytes | Awaitable[bytes] | None:
         """The answer of a gRPC ModelInfer call from the cache (with tenants: admitted first, the
         admission's error raised; an awaitable of the answer unless ``at_once``), or None: the
         pipeline's path. ``context``: the front door's RequestContext of a call (read only with
-        tenants). With ``at_once`` it runs before the call's Task is made: nothing here waits."""
+        tenants, and then given). With ``at_once`` it runs before the call's Task is made: nothing
+        here waits."""
         if not self.entries or len(raw) > FRONT_RAW_MAX or tracing.enabled:
             return None  # (nothing repeated yet, or too large a request to be indexed: not even the scan)
         keyed = front_key(raw)
@@ -874,6 +875,7 @@ class FrontDoor:
             return None
         answer = entry[1] + rid if rid else entry[1]
         if self.admission is not None:
+            assert context is not None  # (the gRPC front end gives it with tenants)
             admitted = self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer,
                                       lkey, started)
             return _now(admitted) if self.at_once else admitted

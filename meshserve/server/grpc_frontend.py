@@ -550,7 +550,9 @@ def register(server: H2GrpcServer, core: V2Core, health: HealthState) -> None:
     server.add_methods(access.GRPC_SERVICE, methods(servicer, access.GRPC_METHODS, core))
     front = servicer.front
     if front is not None:  # a gateway's cache hits, answered before any Task from the door's first entry on
-        path, hook = f"/{access.GRPC_SERVICE}/ModelInfer", (servicer.answer_at_once, front.admission is not None)
+        # (without tenants the door neither reads the call nor refuses: called as it is, without one)
+        hook = (servicer.answer_at_once, True) if front.admission is not None else (front.grpc, False)
+        path = f"/{access.GRPC_SERVICE}/ModelInfer"
         front.on_first_entry = lambda: server.at_once.setdefault(path, hook)  # type: ignore[arg-type]
         servicer.hit = None  # (what the door can answer it answers there: ModelInfer goes on to the pipeline)
     server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))
