@@ -31,12 +31,13 @@ import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.quotas.memory import MemoryQuotaStore
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, hop, wire
@@ -336,7 +337,6 @@ class LocalCache:
         self.max_entry = size // ENTRY_SHARE
         self.used = 0
         self.entries: OrderedDict[bytes, tuple[str, bytes, mc.ModelConfig, int]] = OrderedDict()
-        self.by_model: dict[str, set[bytes]] = {}
         self.generations: dict[str, int] = {}  # a model's, once invalidated (0 before)
         self.evictions = 0
 
@@ -358,34 +358,27 @@ class LocalCache:
         entries = self.entries
         if key in entries:
             self._drop(key)
-        while self.used + size > self.size and entries:
-            self._drop(next(iter(entries)))
-            self.evictions += 1
+        if self.used + size > self.size:
+            while self.used + size > self.size and entries:
+                self._drop(next(iter(entries)))
+                self.evictions += 1
         entries[key] = (model, answer, config, size)
-        keys = self.by_model.get(model)
-        if keys is None:
-            keys = self.by_model[model] = set()
-        keys.add(key)
         self.used += size
         return True
 
     def _drop(self, key: bytes) -> None:
-        model, _, _, size = self.entries.pop(key)
-        self.used -= size
-        keys = self.by_model.get(model)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self.by_model[model]
+        self.used -= self.entries.pop(key)[3]
 
     def generation(self, model: str) -> int:
         """The model's generation (``put`` keeps an answer only if it has not changed since)."""
         return self.generations.get(model, 0)
 
     def invalidate(self, model: str) -> None:
-        """Drop a model's entries; answers computed before now are not stored after."""
+        """Drop a model's entries; answers computed before now are not stored after. (A scan of
+        every entry: a load or unload is rare, where a per-model key set cost every miss its
+        upkeep.)"""
         self.generations[model] = self.generations.get(model, 0) + 1
-        for key in list(self.by_model.get(model, ())):
+        for key in [key for key, entry in self.entries.items() if entry[0] == model]:
             self._drop(key)
 
 
@@ -554,6 +547,9 @@ class CacheStage:
         self.flights: dict[bytes, asyncio.Future[bytes | None] | None] = {}  # None: a lead nobody waits on yet
         self._configs: dict[int, tuple[mc.ModelConfig, bool]] = {}  # _enabled
         self._exact = isinstance(cache, LocalCache)  # keys may be their material (material_key)
+        # this process's LocalCache: a miss reads its entries and generations without a call
+        self._entries = cache.entries if isinstance(cache, LocalCache) else None
+        self._generations = cache.generations if isinstance(cache, LocalCache) else None
         # the front doors' hits (``FrontDoor``): this process's LocalCache only
         self.front: FrontDoor | None = None
 
@@ -569,7 +565,10 @@ class CacheStage:
         if version is None:
             return None
         config = self._config_for(name, version)
-        if config is None or not self._enabled(config):
+        if config is None:
+            return None
+        known = self._configs.get(id(config))  # (_enabled's remembered answer, without its call)
+        if not (known[1] if known is not None and known[0] is config else self._enabled(config)):
             return None
         params = request.parameters
         if params and not _SEQUENCE_PARAMETERS.isdisjoint(params):
@@ -609,7 +608,9 @@ class CacheStage:
                 # a gRPC client's usual request: no id, version or parameter to leave out, so
                 # the bytes it sent are the key's material (request_key's, where the client
                 # serialized as protobuf does: any other serialization is another key, a miss)
-                key = material_key(model[1].encode() + b"\x00" + raw, self._exact)
+                material = model[1].encode() + b"\x00" + raw
+                key = material if self._exact and 16 < len(material) <= EXACT_KEY_MAX \
+                    else material_key(material, self._exact)  # (material_key, inline)
             else:
                 key = raw_key(raw, model[1], self._exact)
         if key is None:
@@ -675,8 +676,11 @@ class CacheStage:
         started = time.perf_counter_ns()
         local, shared = self.local, self.shared
         shared_generation: bytes | None = None  # the Redis generation looked up under (None: do not store)
+        entries = self._entries
         while True:
-            if local is not None:
+            if entries is not None and key not in entries:
+                answer = None  # (LocalCache.get's miss, without its call)
+            elif local is not None:
                 answer = local.get(key, config, model[0])
             elif shared is not None:
                 answer, shared_generation = await shared.get(key, model[0])
@@ -701,7 +705,11 @@ class CacheStage:
         # the lead: run the model; waiters for the same key share its answer (a future only
         # once one waits: most misses have no twin)
         self.flights[key] = None
-        generation = local.generation(model[0]) if local is not None else 0
+        generations = self._generations
+        if generations is not None:
+            generation = generations.get(model[0], 0)  # (LocalCache.generation, inline)
+        else:
+            generation = local.generation(model[0]) if local is not None else 0
         looked = time.perf_counter_ns() - started
         answer = None
         inserted = 0
@@ -809,6 +817,14 @@ class FrontDoor:
         self.max_bytes = local.size // ENTRY_SHARE
         self.request_counts = request_counts
         self.admission = admission  # gateway/auth.py:Admission, or None (no tenants)
+        # every hit answered without waiting (no tenants, or the in-process quota store, whose
+        # admission never waits): the gRPC door runs before the call's Task (the HTTP/2 server's
+        # at_once hook, grpc_frontend.register), admission driven to its end at once (``_now``);
+        # else (Redis quotas: a network round trip) a hit with tenants is an awaitable, in the Task
+        self.at_once = admission is None or type(admission.store) is MemoryQuotaStore
+        # called when the index gets its first entry (the gRPC front end installs its at-once hook
+        # then: while the index is empty, a call pays nothing for the door)
+        self.on_first_entry: Callable[[], object] | None = None
         # the HTTP request ``http`` just missed, its key and ``_cacheable``'s answer: the stage
         # takes them over (by the request's identity, on the same pass of the loop) rather than
         # working them out again
@@ -819,6 +835,8 @@ class FrontDoor:
     def index(self, key: bytes, entry: FrontEntry) -> None:
         if len(key) > EXACT_KEY_MAX:
             return
+        if not self.entries and self.on_first_entry is not None:
+            self.on_first_entry()
         if key not in self.entries:
             self.bytes += len(key)
             if self.bytes > self.max_bytes:
@@ -826,11 +844,13 @@ class FrontDoor:
                 self.bytes = len(key)
         self.entries[key] = entry
 
-    def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext]
+    def grpc(self, raw: bytes, call: Any, context: Callable[[Any, bytes], RequestContext] | None = None
              ) -> bytes | Awaitable[bytes] | None:
-        """The answer of a gRPC ModelInfer call from the cache (with tenants: an awaitable of it,
-        which raises the admission's error), or None: the pipeline's path. ``context``: the
-        front door's RequestContext of a call (read only with tenants)."""
+        """The answer of a gRPC ModelInfer call from the cache (with tenants: admitted first, the
+        admission's error raised; an awaitable of the answer unless ``at_once``), or None: the
+        pipeline's path. ``context``: the front door's RequestContext of a call (read only with
+        tenants, and then given). With ``at_once`` it runs before the call's Task is made: nothing
+        here waits."""
         if not self.entries or len(raw) > FRONT_RAW_MAX or tracing.enabled:
             return None  # (nothing repeated yet, or too large a request to be indexed: not even the scan)
         keyed = front_key(raw)
@@ -855,8 +875,10 @@ class FrontDoor:
             return None
         answer = entry[1] + rid if rid else entry[1]
         if self.admission is not None:
-            return self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer, lkey,
-                                  started)
+            assert context is not None  # (the gRPC front end gives it with tenants)
+            admitted = self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer,
+                                      lkey, started)
+            return _now(admitted) if self.at_once else admitted
         entries.move_to_end(lkey)
         self.request_counts[ok] += 1
         row[0] += 1
@@ -888,7 +910,8 @@ class FrontDoor:
         answer = wire.with_request_id(entry[1], request.id) if request.id else entry[1]
         row = stage.counts.row(model)
         if self.admission is not None:
-            return self._admitted(request, ctx, row, (model[0], "OK"), answer, key, started)
+            admitted = self._admitted(request, ctx, row, (model[0], "OK"), answer, key, started)
+            return _now(admitted) if self.at_once else admitted
         self.local.entries.move_to_end(key)
         self.request_counts[(model[0], "OK")] += 1
         row[0] += 1
@@ -898,7 +921,8 @@ class FrontDoor:
     async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, row: list[int],
                         ok: tuple[str, str], answer: bytes, lkey: bytes, started: int) -> bytes:
         """A hit of a gateway with tenants: admitted as ``Admit`` admits (403, 429 before any
-        answer), released at once (a hit holds nothing while it is written)."""
+        answer), released at once (a hit holds nothing while it is written). With ``at_once``
+        it never waits: ``_now`` runs it to its end."""
         admission = self.admission
         try:
             admitted = await admission.admit(request, ctx)
@@ -914,3 +938,15 @@ class FrontDoor:
             return answer
         finally:
             await admission.release(admitted)
+
+
+def _now(coroutine: Coroutine[Any, Any, bytes]) -> bytes:
+    """The result of a coroutine that finishes without waiting (``FrontDoor._admitted`` on the
+    in-process quota store), run to its end here; one that would wait is closed (its cleanup runs:
+    the admission gives its share back) and is an error, never left half run."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("the front door's admission waited: not a synchronous quota store")

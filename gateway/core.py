@@ -132,6 +132,7 @@ class GatewayCore:
         self.cache = None
         # a hit answered in the gRPC and HTTP front doors (gateway/cache.py:FrontDoor; None: the pipeline's path)
         self.grpc_hit = self.http_hit = None
+        self.grpc_front: FrontDoor | None = None
         if cache is not None:
             store: LocalCache | SharedCache | RedisCache
             if cache.kind == "redis":
@@ -146,6 +147,8 @@ class GatewayCore:
             if isinstance(store, LocalCache):
                 self.cache.front = FrontDoor(self.cache, store, self.request_counts, admission)
                 self.grpc_hit, self.http_hit = self.cache.front.grpc, self.cache.front.http
+                if self.cache.front.at_once:  # its gRPC hits answered before the call's Task (grpc_frontend.register)
+                    self.grpc_front = self.cache.front
         if ensembles is not None and ensembles.executor is not None:
             ensembles.executor.step_cache = self.cache  # a step whose model enables the cache uses it
         # The model mesh (lazy loading, placement: gateway/placement.py); None: no stage, no loop.

@@ -184,8 +184,10 @@ class InferenceServicer:
         self.core = core
         kind = getattr(core, "kind", None)  # a service announces its kind to gateways (wire.SERVICE_KIND_METADATA)
         self.kind_metadata = ((wire.SERVICE_KIND_METADATA, kind),) if isinstance(kind, str) else ()
-        # a gateway's response cache answers a hit here, before parsing (gateway/cache.py:FrontDoor)
+        # a gateway's response cache answers a hit here, before parsing (gateway/cache.py:FrontDoor);
+        # where it answers without waiting, before the call's Task instead (``answer_at_once``: register)
         self.hit = getattr(core, "grpc_hit", None)
+        self.front = getattr(core, "grpc_front", None)  # gateway/cache.py:FrontDoor, when it never waits
 
     async def ServerLive(self, req: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.core.live())
@@ -268,6 +270,17 @@ class InferenceServicer:
         except Exception as exc:
             _fail(call, exc)
             return None
+
+    def answer_at_once(self, raw: bytes, call: Call | None) -> bytes | None:
+        """ModelInfer's cache hit, before the call's Task is made (H2GrpcServer.at_once): the
+        answer, b"" with the call's error status set (a tenant's 403, 429), or None: ModelInfer.
+        ``call`` is None without tenants (the door reads it only to admit)."""
+        try:
+            return self.front.grpc(raw, call, _context)  # type: ignore[no-any-return,union-attr]
+        except InferError as exc:
+            assert call is not None  # (only admission refuses, and with tenants the call is given)
+            _fail(call, exc)
+            return b""
 
     async def ModelStreamInfer(self, requests: AsyncIterator[bytes], call: Call) -> AsyncIterator[bytes]:
         # Requests on one stream run concurrently; responses are written as they complete
@@ -537,7 +550,15 @@ def inference_methods(core: V2Core) -> dict[str, Method]:
 def register(server: H2GrpcServer, core: V2Core, health: HealthState) -> None:
     """Every gRPC service of a process on `server`: inference, grpc.health.v1 and meshserve.Metrics,
     each from its access table's rows (the table the auth test walks is the one that dispatches)."""
-    server.add_methods(access.GRPC_SERVICE, inference_methods(core))
+    servicer = InferenceServicer(core)
+    server.add_methods(access.GRPC_SERVICE, methods(servicer, access.GRPC_METHODS, core))
+    front = servicer.front
+    if front is not None:  # a gateway's cache hits, answered before any Task from the door's first entry on
+        # (without tenants the door neither reads the call nor refuses: called as it is, without one)
+        hook = (servicer.answer_at_once, True) if front.admission is not None else (front.grpc, False)
+        path = f"/{access.GRPC_SERVICE}/ModelInfer"
+        front.on_first_entry = lambda: server.at_once.setdefault(path, hook)  # type: ignore[arg-type]
+        servicer.hit = None  # (what the door can answer it answers there: ModelInfer goes on to the pipeline)
     server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))
     server.add_methods(access.METRICS_SERVICE, methods(MetricsServicer(core), access.METRICS_METHODS, core))
 

@@ -21,6 +21,7 @@ from gateway.cache import (
 )
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import InferResult, RequestContext
 
 
@@ -403,3 +404,70 @@ def test_the_front_door_index_is_bounded() -> None:
         _through(stage, large)
     assert stage.front.grpc(large, None, None) is None
     assert all(len(key) <= 4096 for key in stage.front.entries)
+
+
+class _WaitingStore:
+    """A quota store whose admission waits (as Redis's does)."""
+
+    async def acquire(self, tenant: str, limits: Any, lease_s: float = 0.0) -> Any:
+        await asyncio.sleep(0)
+        raise AssertionError("never driven here")
+
+    async def release(self, tenant: str, ticket: str) -> None:
+        await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_the_front_door_answers_at_once_only_where_admission_never_waits(tmp_path: Any) -> None:
+    """No tenants, or the in-process quota store: ``at_once`` (a gRPC hit before the call's Task,
+    a tenant's admission run to its end without a loop: its 403 and 429 raised at once, its share
+    given back); a store that waits (Redis): the awaitable, in the Task. The index's first entry
+    tells the front end once (``on_first_entry``: its hook is installed then)."""
+    from gateway.auth import Admission, TenantDirectory
+    from gateway.cache import _now
+    from gateway.quotas.memory import MemoryQuotaStore
+    from tests.integration.test_gateway_tenants import tenants_yaml
+
+    stage, _, _, calls, counts = _front_door()
+    assert stage.front.at_once
+    told: list[int] = []
+    stage.front.on_first_entry = lambda: told.append(1)
+    raw = _request([7, 8, 9]).SerializeToString()
+    for _ in range(3):
+        _through(stage, raw)  # a miss, a hit in the stage (indexed: told), a hit at the door
+    assert told == [1] and calls[0] == 1
+    (tmp_path / "tenants.yaml").write_text(tenants_yaml(rate=0.001, burst=2, models='["m"]'))
+    directory = TenantDirectory(tmp_path / "tenants.yaml")
+    admission = Admission(directory, MemoryQuotaStore())
+    door = FrontDoor(stage, stage.local, counts, admission)
+    door.entries = stage.front.entries
+    assert door.at_once
+
+    def context(key: str) -> Any:
+        return lambda call, data: RequestContext(protocol="grpc", headers={"x-api-key": key}, raw=data)
+
+    for _ in range(2):  # acme's burst: two hits, each an answer at once (bytes, not an awaitable)
+        hit = door.grpc(raw, None, context("acme-key"))
+        assert isinstance(hit, bytes) and pb.ModelInferResponse.FromString(hit).raw_output_contents
+    assert admission.inflight == {}  # each hit's share given back
+    with pytest.raises(InferError) as over:
+        door.grpc(raw, None, context("acme-key"))
+    assert over.value.code is Code.RESOURCE_EXHAUSTED
+    (tmp_path / "tenants.yaml").write_text(tenants_yaml(models='["other"]'))
+    admission.directory = TenantDirectory(tmp_path / "tenants.yaml")
+    with pytest.raises(InferError) as denied:
+        door.grpc(raw, None, context("acme-key"))
+    assert denied.value.code is Code.PERMISSION_DENIED
+    assert counts[("m", Code.RESOURCE_EXHAUSTED.value)] == 1 and counts[("m", Code.PERMISSION_DENIED.value)] == 1
+    assert admission.inflight == {}
+
+    waiting = FrontDoor(stage, stage.local, counts, Admission(directory, _WaitingStore()))
+    assert not waiting.at_once  # its hits: awaitables, in the call's Task
+    waiting.entries = stage.front.entries
+    pending = waiting.grpc(raw, None, context("ops-key"))
+    assert pending is not None and not isinstance(pending, bytes)
+    with pytest.raises(RuntimeError):  # a coroutine that would wait is never half run at once
+        _now(pending)  # type: ignore[arg-type]
+    assert waiting.admission.inflight == {}  # (closed: its share given back)
