@@ -189,7 +189,9 @@ class HttpFrontend:
             gate = admission.gate
             if gate.requests >= gate.max_requests or (gate.bytes + length > gate.max_bytes and gate.requests):
                 raise gate.refuse(name, 1, length)
-        body = await request.read_body()
+        body = request.complete_body()
+        if body is None:
+            body = await request.read_body()
         plan: http_codec.RenderPlan | None = None
         raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
         if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
