@@ -1007,7 +1007,8 @@ def _from_kept(hit: _Rendered | _JsonRendered, raws: Any) -> tuple[bytes, dict[s
 # shapes and parameters: what render_infer_response's key holds), and the outputs' bytes are
 # slices of the answer: no message is made, and nothing serialized again to make the key.
 # Bytes with any other field (an id, parameters, an unknown field) or in another order are
-# rendered from their message. Measured: docs/perf/http1-server.md.
+# rendered from their message, and so are bytes whose part before the data is over
+# TEMPLATE_MAX_HEADER (the key kept). Measured: docs/perf/http1-server.md.
 _HEAD_TAGS = frozenset((0x0A, 0x12, 0x2A))  # model_name, model_version, outputs (length-delimited)
 _RAW_OUTPUT_TAG = 0x32  # raw_output_contents (length-delimited)
 _raw_rendered: dict[tuple[RenderPlan, bytes], _Rendered | _JsonRendered] = {}
@@ -1060,7 +1061,7 @@ def render_infer_raw(raw: bytes, request: pb.ModelInferRequest, plan: RenderPlan
     when a rendering of its kind is kept; None for bytes not of that form (the caller renders
     the message: it may have parameters to read)."""
     found = _output_spans(raw)
-    if found is None:
+    if found is None or found[0] > TEMPLATE_MAX_HEADER:  # (a key of at most that many bytes is kept)
         return None
     first, spans = found
     key = (plan, raw[:first])

@@ -131,3 +131,11 @@ def test_long_lengths_are_read() -> None:
     for seed in range(2):
         message = answer([("OUT", "FP32", [1, 70000], f32(seed, 70000))])  # a 3-byte length varint
         assert render_infer_raw(message.SerializeToString(), request, plan) == render_infer_response(message, request)
+
+
+def test_a_long_head_is_left_to_the_message() -> None:
+    request, plan = request_of(("OUT",), True)
+    message = answer([("OUT", "FP32", [1, 16], f32(1))])
+    message.model_name = "m" * (http_codec.TEMPLATE_MAX_HEADER + 1)  # (not a key to keep)
+    assert render_infer_raw(message.SerializeToString(), request, plan) is None
+    assert not http_codec._raw_rendered
