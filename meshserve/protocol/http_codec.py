@@ -17,7 +17,6 @@ uncompressed JSON part (that is what tritonclient expects).
 """
 from __future__ import annotations
 
-import array
 import base64
 import binascii
 import json
@@ -55,6 +54,7 @@ __all__ = [
     "parse_system_shm_register",
     "parse_cuda_shm_register",
     "parse_unload_request",
+    "render_infer_raw",
     "render_infer_response",
     "repository_index_to_json",
     "server_metadata_to_json",
@@ -105,9 +105,12 @@ def _float_json(values: np.ndarray | list[Any], dtype: Any = None) -> bytes:
     """A float output's JSON array (a flat array, or the typed contents' values as ``dtype``)."""
     arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype)
     data = orjson.dumps(arr, option=_NUMPY)
-    if _EXP_PLUS and b"e+" in data:
+    # (one-byte needles: a memchr each. A number array's only "+" is an exponent's and its only
+    # "n" a null's; `b"e+" in data` and `b"null" in data` took 40k instructions per mlp answer
+    # of 512 floats, 5.4 kB: docs/perf/http1-server.md)
+    if _EXP_PLUS and b"+" in data:
         data = data.replace(b"e+", b"e")
-    if b"null" in data:
+    if b"n" in data:
         tokens = data[1:-1].split(b",")
         for i in np.flatnonzero(~np.isfinite(arr)):
             v = arr[i]
@@ -698,32 +701,61 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
         return _strings_to_raw(where, leaves)
     if datatype == "BF16":
         raise InferError.invalid(f"{where}: BF16 tensors must be sent as binary data, not JSON 'data'")
-    if len(data) >= _FLOATS_MIN and datatype in _FLOAT_TARGETS and type(data[0]) is not bool:
+    if data and datatype in _FLOAT_TARGETS and type(data[0]) is not bool:
         raw = _floats_to_raw(datatype, count, data)
         if raw is not None:
             return raw
     return _numbers_to_raw(where, datatype, shape, count, data)
 
 
-# A long flat list for a float type: array("d") reads it (floats, ints and bools, as np.array
-# does; anything else is a TypeError) without np.array's look at each element's type. Its bytes
-# are np.array(data)'s when that would not have been all-bool (the first element is not a bool)
-# and no integer lost digits as a double (every value below 2**53, so an all-integer list cast
-# to the float type rounds once, as from int64); otherwise, or for any other count, the general
-# path decides. Instructions (callgrind, a list of 512 floats): np.array(data) 177,697,
-# np.array(data, float64) 138,541 (and it takes strings), array("d") + frombuffer 117,940;
-# at 64 elements np.array 25,938 and array("d") 29,670, at 16 15,981 vs 21,554: so from 128.
+# A flat list for a float type is packed by a struct (floats, ints and bools, as np.array reads
+# them; anything else is a struct.error or a TypeError) without np.array's look at each element's
+# type. Its bytes are np.array(data)'s when that would not have been all-bool (the first element
+# is not a bool) and no integer lost digits as a double (every value below 2**53, so an
+# all-integer list cast to the float type rounds once, as from int64); otherwise, or for any
+# other count, the general path decides. From _FLOATS_MIN elements a struct of native doubles
+# packs the list and numpy checks and casts it; below it (FP32 and FP64: FP16 takes the general
+# path) the checks are min / max of the list and a struct of the type itself packs it (a C
+# cast from the double, as numpy's astype). Instructions (callgrind, a list of 512 floats):
+# np.array(data) 177,697, np.array(data, float64) 138,541 (and it takes strings), array("d") +
+# frombuffer 117,940 (array("d") reads each element with PyArg_Parse); Struct.pack took 512 floats
+# in 4.4 µs where array("d") took 11.4, and a list of 16 in 0.36 µs where np.array and its
+# checks took 2.5 (docs/perf/http1-server.md).
 _FLOATS_MIN = 128
 _FLOAT_TARGETS = frozenset({"FP16", "FP32", "FP64"})
 _EXACT_INT = float(2**53)
+_PACKERS: dict[tuple[str, int], struct.Struct] = {}  # (format letter, count) -> its Struct (at most _PACKERS_MAX)
+_PACKERS_MAX = 64
+_SMALL_FORMATS = {"FP32": "f", "FP64": "d"}
+
+
+def _packer(letter: str, count: int) -> struct.Struct:
+    packer = _PACKERS.get((letter, count))
+    if packer is None:
+        if len(_PACKERS) >= _PACKERS_MAX:
+            _PACKERS.clear()
+        packer = _PACKERS[letter, count] = struct.Struct(f"{count}{letter}")  # (native: numpy's order)
+    return packer
 
 
 def _floats_to_raw(datatype: str, count: int, data: list[Any]) -> bytes | None:
-    try:
-        arr = np.frombuffer(array.array("d", data), np.float64)
-    except (TypeError, OverflowError):  # not all numbers (or nested, or an int beyond a double)
+    if len(data) != count:
         return None
-    if arr.size != count:
+    if count < _FLOATS_MIN:
+        letter = _SMALL_FORMATS.get(datatype)
+        if letter is None:
+            return None
+        try:
+            # exact as doubles (an Infinity fails; a NaN is skipped by min and max, or fails as their
+            # first element, and converts as numpy converts it: a C cast either way)
+            if not (-_EXACT_INT < min(data) and max(data) < _EXACT_INT):
+                return None
+            return _packer(letter, count).pack(*data)
+        except (struct.error, TypeError, OverflowError):  # not all numbers (or nested)
+            return None
+    try:
+        arr = np.frombuffer(_packer("d", count).pack(*data), np.float64)
+    except (struct.error, TypeError, OverflowError):  # not all numbers (or nested, or an int beyond a double)
         return None
     top = np.abs(arr).max()
     if not top < _EXACT_INT:  # (NaN / Infinity, from json's reading: the general path)
@@ -938,25 +970,119 @@ def render_infer_response(
         key = (plan, response.model_name, response.model_version, response.id,
                *[o.SerializeToString() for o in outputs])
         hit = _rendered.get(key)
-        if hit is None:
-            pass
-        elif isinstance(hit, _JsonRendered):
-            if len(response.raw_output_contents) == len(outputs):
-                try:
-                    rendered = hit.render(response.raw_output_contents)
-                except (InferError, TypeError):  # the full rendering words it
-                    rendered = None
-                if rendered is not None:
-                    return rendered, _JSON_HEADERS.copy()
-        else:
-            header, sizes, header_length = hit
-            raws = list(response.raw_output_contents)
-            if tuple(map(len, raws)) == sizes:
-                return b"".join([header, *raws]), {HEADER_LENGTH: header_length, "Content-Type": BINARY_CONTENT_TYPE}
+        if hit is not None:
+            done = _from_kept(hit, response.raw_output_contents if isinstance(hit, _JsonRendered)
+                              else list(response.raw_output_contents))
+            if done is not None:
+                return done
     body, headers = _render(response, request)
     if key is not None and not (response.id or request.id) and all(not o.parameters for o in outputs):
         _keep_rendered(key, response, request, body, headers)
     return body, headers
+
+
+def _from_kept(hit: _Rendered | _JsonRendered, raws: Any) -> tuple[bytes, dict[str, str]] | None:
+    """The body and headers of a kept rendering with these outputs' bytes (a sequence of bytes,
+    or for a binary one of buffers); None where only the full rendering can tell."""
+    if isinstance(hit, _JsonRendered):
+        if len(raws) == len(hit.outputs):
+            try:
+                rendered = hit.render(raws)
+            except (InferError, TypeError):  # the full rendering words it
+                return None
+            if rendered is not None:
+                return rendered, _JSON_HEADERS.copy()
+        return None
+    header, sizes, header_length = hit
+    if tuple(map(len, raws)) == sizes:
+        return b"".join([header, *raws]), {HEADER_LENGTH: header_length, "Content-Type": BINARY_CONTENT_TYPE}
+    return None
+
+
+# --- a serialized answer rendered without its message ---------------------------------------
+# A gateway holds most answers as the bytes its service sent (or as split cut them from a merged
+# one): model_name (field 1), model_version (2) and the outputs (5), then one raw_output_contents
+# (6) per output. For such bytes the key of a kept rendering is the plan and the bytes before the
+# first raw_output_contents (they decide the model, its version and the outputs' names, types,
+# shapes and parameters: what render_infer_response's key holds), and the outputs' bytes are
+# slices of the answer: no message is made, and nothing serialized again to make the key.
+# Bytes with any other field (an id, parameters, an unknown field) or in another order are
+# rendered from their message, and so are bytes whose part before the data is over
+# TEMPLATE_MAX_HEADER (the key kept). Measured: docs/perf/http1-server.md.
+_HEAD_TAGS = frozenset((0x0A, 0x12, 0x2A))  # model_name, model_version, outputs (length-delimited)
+_RAW_OUTPUT_TAG = 0x32  # raw_output_contents (length-delimited)
+_raw_rendered: dict[tuple[RenderPlan, bytes], _Rendered | _JsonRendered] = {}
+
+
+def _output_spans(raw: bytes) -> tuple[int, list[tuple[int, int]]] | None:
+    """(where the first raw_output_contents starts, each one's data as (start, end)) of a
+    serialized ModelInferResponse of the form above, else None."""
+    n = len(raw)
+    at = 0
+    first = -1
+    spans: list[tuple[int, int]] = []
+    while at < n:
+        tag = raw[at]
+        if at + 1 >= n:
+            return None
+        size = raw[at + 1]
+        start = at + 2
+        if size >= 0x80:  # a longer length varint
+            longer = _varint_at(raw, at + 1)
+            if longer is None:
+                return None
+            size, start = longer
+        end = start + size
+        if end > n:
+            return None
+        if tag == _RAW_OUTPUT_TAG:
+            if first < 0:
+                first = at
+            spans.append((start, end))
+        elif first >= 0 or tag not in _HEAD_TAGS:
+            return None
+        at = end
+    return (first, spans) if first >= 0 else None
+
+
+def _varint_at(raw: bytes, at: int) -> tuple[int, int] | None:
+    """(value, the offset after it) of the varint of at most 5 bytes at ``at``; None if cut short."""
+    value = 0
+    for i, byte in enumerate(raw[at:at + 5]):
+        value |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            return value, at + i + 1
+    return None
+
+
+def render_infer_raw(raw: bytes, request: pb.ModelInferRequest, plan: RenderPlan
+                     ) -> tuple[bytes, dict[str, str]] | None:
+    """render_infer_response of the serialized answer ``raw`` (see above), without its message
+    when a rendering of its kind is kept; None for bytes not of that form (the caller renders
+    the message: it may have parameters to read)."""
+    found = _output_spans(raw)
+    if found is None or found[0] > TEMPLATE_MAX_HEADER:  # (a key of at most that many bytes is kept)
+        return None
+    first, spans = found
+    key = (plan, raw[:first])
+    hit = _raw_rendered.get(key)
+    if hit is not None:
+        if isinstance(hit, _JsonRendered):
+            done = _from_kept(hit, [raw[a:b] for a, b in spans])
+        else:
+            view = memoryview(raw)
+            done = _from_kept(hit, [view[a:b] for a, b in spans])
+        if done is not None:
+            return done
+    response = pb.ModelInferResponse.FromString(raw)
+    rendered = render_infer_response(response, request, plan)
+    kept = _rendered.get((plan, response.model_name, response.model_version, response.id,
+                          *[o.SerializeToString() for o in response.outputs]))  # (render_infer_response's key)
+    if kept is not None and hit is None:
+        if len(_raw_rendered) >= RENDERED_MAX:
+            _raw_rendered.clear()
+        _raw_rendered[key] = kept
+    return rendered
 
 
 def _keep_rendered(key: tuple[Any, ...], response: pb.ModelInferResponse, request: pb.ModelInferRequest,

@@ -72,6 +72,11 @@ class InferResult:
             self._msg = pb.ModelInferResponse.FromString(self._raw)
         return self._msg
 
+    @property
+    def held_raw(self) -> bytes | None:
+        """The serialized answer when it is held as bytes (nothing is serialized here)."""
+        return self._raw
+
     def serialized(self) -> bytes:
         if self._raw is None:
             assert self._msg is not None

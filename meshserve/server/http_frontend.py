@@ -189,7 +189,9 @@ class HttpFrontend:
             gate = admission.gate
             if gate.requests >= gate.max_requests or (gate.bytes + length > gate.max_bytes and gate.requests):
                 raise gate.refuse(name, 1, length)
-        body = await request.read_body()
+        body = request.complete_body()
+        if body is None:
+            body = await request.read_body()
         plan: http_codec.RenderPlan | None = None
         raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
         if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
@@ -211,12 +213,18 @@ class HttpFrontend:
                 result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
         finally:
             request.cancel_on_loss = False
-        message = result.message()
-        out_body, headers = http_codec.render_infer_response(message, infer_request, plan)
-        if message.parameters:
-            arm = message.parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
-            if arm is not None:
-                headers[wire.ROUTE_ARM_HEADER] = arm.string_param
+        held = result.held_raw  # (a gateway's answer as its service sent it: rendered from its bytes)
+        rendered = http_codec.render_infer_raw(held, infer_request, plan) \
+            if held is not None and plan is not None else None
+        if rendered is not None:  # (bytes with no parameters: no A/B arm below)
+            out_body, headers = rendered
+        else:
+            message = result.message()
+            out_body, headers = http_codec.render_infer_response(message, infer_request, plan)
+            if message.parameters:
+                arm = message.parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
+                if arm is not None:
+                    headers[wire.ROUTE_ARM_HEADER] = arm.string_param
         if span is not None:
             headers["traceparent"] = span.traceparent()
         accept = request.header("accept-encoding")

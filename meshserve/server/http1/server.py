@@ -89,7 +89,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "join_writes")
+                 "join_writes", "lower")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -101,6 +101,7 @@ class Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.url: list[bytes] = []
         self.fields: list[tuple[str, str]] = []
+        self.lower: dict[str, str] = {}  # the pending head's fields by lower-case name (the last of a repeated one)
         self.head_bytes = 0
         self.in_head = False  # a request head is being received
         self.body_of: Request | None = None  # the request whose body is being received
@@ -276,6 +277,7 @@ class Connection(asyncio.Protocol):
         self.head_bytes = self.head_size = 0
         self.url = []
         self.fields = []
+        self.lower = {}
         if self.header_since == 0.0:
             self.header_since = self.loop.time()
 
@@ -293,7 +295,9 @@ class Connection(asyncio.Protocol):
         if len(fields) >= MAX_HEADERS:
             raise _Refused(f"more than {MAX_HEADERS} header fields")
         # (aiohttp's decoding: bytes that are not UTF-8 become lone surrogates)
-        fields.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+        key = name.decode("utf-8", "surrogateescape")
+        text = self.lower[key.lower()] = value.decode("utf-8", "surrogateescape")
+        fields.append((key, text))
 
     def on_headers_complete(self) -> None:
         parser = self.parser
@@ -301,10 +305,11 @@ class Connection(asyncio.Protocol):
         raw = (url[0] if len(url) == 1 else b"".join(url)).decode("utf-8", "surrogateescape")
         keep_alive = parser.should_keep_alive() and not self.server.closing
         request = Request(self, parser.get_method().decode("ascii", "replace"), raw,
-                          parser.get_http_version(), self.fields, keep_alive)
+                          parser.get_http_version(), self.fields, keep_alive, self.lower)
         self.in_head = False
         self.header_since = 0.0
         self.fields = []
+        self.lower = {}
         self.body_of = request
         self.body_wire = 0
         request.head_size = size = self.head_size + len(raw)

@@ -350,33 +350,38 @@ def test_mixed_binary_and_json_outputs_are_not_kept() -> None:
     assert not http_codec._rendered
 
 
-def long_lists() -> list[list[Any]]:
+def float_lists(n: int = 200) -> list[list[Any]]:
     rng = np.random.default_rng(3)
-    floats = rng.standard_normal(200).tolist()
-    ints = rng.integers(-(2**20), 2**20, 200).tolist()
+    floats = rng.standard_normal(n).tolist()
+    ints = rng.integers(-(2**20), 2**20, n).tolist()
     return [
         floats, ints, [*floats[:-1], 7], [*ints[:-1], 0.5], [*floats[:-1], True], [*ints[:-1], False],
-        [True] * 200, [True, *floats[1:]], [*floats[:-1], None], [*floats[:-1], "1.5"], [*floats[:-1], [1.0]],
+        [True] * n, [True, *floats[1:]], [*floats[:-1], None], [*floats[:-1], "1.5"], [*floats[:-1], [1.0]],
         [*ints[:-1], 2**53 + 1], [*ints[:-1], 2**63 + 5], [*ints[:-1], 2**70], [*floats[:-1], 1e300],
         [*floats[:-1], 70000.0], [*ints[:-1], 65504], [*ints[:-1], 65505], [*floats[:-1], 1e39],
-        [*floats[:-1], float("inf")], [*floats[:-1], float("nan")], [16777217] * 200, floats[:150],
+        [*floats[:-1], float("inf")], [*floats[:-1], float("nan")], [16777217] * n, floats[:n * 3 // 4],
+        [*floats[:-1], -0.0], [*floats[:-1], -(2**53) + 1], [*floats[:-1], 2**53 - 1], [*floats[:-2], 1e308, 1e308],
+        [*floats[:-1], 3.4028235e38], [*floats[:-1], 16777217.0], [*floats[:-1], -float("inf")], [[1.0]] * n,
     ]
 
 
 @pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
-def test_long_float_lists_convert_as_numpy_s_reading_does(datatype: str) -> None:
-    # (_floats_to_raw: array("d") for lists of 128 elements or more; _numbers_to_raw: np.array's reading)
-    for data in long_lists():
+@pytest.mark.parametrize("n", [200, 128, 127, 16, 2])
+def test_float_lists_convert_as_numpy_s_reading_does(datatype: str, n: int) -> None:
+    # (_floats_to_raw: a struct's packing, numpy's checks from _FLOATS_MIN elements, the list's
+    # own below; _numbers_to_raw: np.array's reading)
+    for data in float_lists(n):
         try:
-            expected: bytes | str = http_codec._numbers_to_raw("input 'T'", datatype, [200], 200, data)
+            expected: bytes | str = http_codec._numbers_to_raw("input 'T'", datatype, [n], n, data)
         except InferError as e:
             expected = e.message
         try:
-            got: bytes | str = http_codec._json_data_to_raw("input 'T'", datatype, [200], 200, data)
+            got: bytes | str = http_codec._json_data_to_raw("input 'T'", datatype, [n], n, data)
         except InferError as e:
             got = e.message
         assert got == expected, data[-3:]
-    assert http_codec._floats_to_raw(datatype, 200, long_lists()[0]) is not None  # (the fast path is taken)
+    taken = http_codec._floats_to_raw(datatype, n, float_lists(n)[0])
+    assert (taken is None) == (datatype == "FP16" and n < http_codec._FLOATS_MIN)  # (the fast path is taken)
 
 
 # The float text JSON answers promise, whatever orjson is installed (orjson 3.13 began writing

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gzip
 import socket
 import threading
 import time
@@ -448,3 +449,55 @@ def test_graceful_shutdown_finishes_requests_in_flight() -> None:
         finally:
             busy.close()
             idle.close()
+
+
+# ---- a complete small body taken at once (Request.complete_body) ---------------------------------
+
+async def body_reader(request: Request) -> Answer:
+    """The body as the infer route reads it: complete_body, else read_body; X-How says which."""
+    try:
+        body = request.complete_body()
+        how = "at once" if body is not None else "read"
+        if body is None:
+            body = await request.read_body()
+    except Exception as exc:  # (read_body's refusals: their message)
+        return Answer(str(exc).encode(), {"X-How": "refused"}, 400)
+    return Answer(b"".join(body), {"X-How": how})
+
+
+GZIPPED = gzip.compress(b"hello")
+
+
+@pytest.mark.parametrize(("sent", "how", "body"), [
+    (post("/", b"hello"), "at once", b"hello"),
+    (post("/", b""), "at once", b""),
+    (post("/", b"hello", b"Expect:\r\n"), "at once", b"hello"),  # (perf_analyzer's empty Expect)
+    (post("/", b"hello", b"Expect: 100-continue\r\n"), "read", b"hello"),
+    (post("/", GZIPPED, b"Content-Encoding: gzip\r\n"), "read", b"hello"),
+    (post("/", b"hello", b"X-A: 1\r\nX-A: 2\r\n"), "read", b"hello"),  # (a repeated name: header()'s first)
+    (post("/", b"x" * 70_000), "read", b"x" * 70_000),  # over SMALL_BODY_BYTES
+    (post("/", b"x" * 2000), "refused", None),  # over --max-request-bytes: read_body's 413
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", "read", b"hello"),
+])
+def test_a_complete_small_body_is_taken_at_once_and_the_rest_read(sent: bytes, how: str, body: bytes | None) -> None:
+    limits = dataclasses.replace(NO_TIMEOUTS, max_request_bytes=100_000 if len(sent) > 10_000 else 1000)
+    with serving(body_reader, limits) as srv, srv.connect() as sock:
+        sock.sendall(sent)
+        f = sock.makefile("rb")
+        answer = read_answer(f)
+        if b"100-continue" in sent:
+            assert answer.status == 100
+            answer = read_answer(f)
+        assert answer.headers["x-how"] == how
+        if body is not None:
+            assert (answer.status, answer.body) == (200, body)
+
+
+def test_a_body_still_arriving_is_read() -> None:
+    with serving(body_reader) as srv, srv.connect() as sock:
+        sock.sendall(post("/", b"hello")[:-3])
+        f = sock.makefile("rb")
+        time.sleep(0.2)  # (the handler waits for the rest: nothing to take at once)
+        sock.sendall(b"llo")
+        answer = read_answer(f)
+        assert (answer.headers["x-how"], answer.body) == ("read", b"hello")
