@@ -71,12 +71,20 @@ def _gateway(tree: Path, upstream: str, log: Path, extra: list[str], ctx: ssl.SS
     return gw
 
 
-def _answered(gw: procs.Server, model: str) -> int:
+def _counts(gw: procs.Server, model: str) -> tuple[int, int]:
+    """(requests the gateway answered, the calls to its service that carried them: a merged call
+    carries several, meshserve_gateway_merged_*)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{gw.ports['metrics']}/metrics", timeout=5) as r:
         text = r.read().decode()
     line = f'meshserve_gateway_requests_total{{model="{model}",outcome="OK"}} '
     found = re.search(re.escape(line) + r"(\d+)", text)
-    return int(found.group(1)) if found else 0
+    answered = int(found.group(1)) if found else 0
+
+    def total(family: str) -> int:
+        return sum(int(float(v)) for v in re.findall(rf"^{family}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    merged = total("meshserve_gateway_merged_requests_total")
+    return answered, answered - merged + total("meshserve_gateway_merged_sends_total")
 
 
 def _pa(gw: procs.Server, tls: bool, ca: Path, model: str, mode: str, c: int, rate: int, seconds: float
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                                 run["rate"] = n / a.window
                                 runs.setdefault((model, mode, g), []).append(run)
                                 line += (f"  {g} gw {run['gw']:6.1f} client {run['client']:6.1f} svc {run['svc']:5.1f}"
-                                         f" µs/req {run['rate']:6.0f}/s")
+                                         f" µs/req {run['rate']:6.0f}/s {1 / max(run['hop_calls'], 1e-9):4.2f}/call")
                                 if a.callgrind:
                                     line += f" {run['instr']:9.0f} instructions/req"
                         print(f"{line}  (load {os.getloadavg()[0]:.1f}; CPU tick {1e6 / tick:.0f} µs)", flush=True)
@@ -188,15 +196,17 @@ TLS_RECORD_BYTES = 22  # what one TLS 1.3 AEAD record adds: a 5-byte header, the
 def _table(runs: dict[tuple[str, str, str], list[dict[str, float]]], labels: list[str],
            models: list[str], modes: list[str]) -> str:
     """The medians as a markdown table: per cell and label the gateway's, the client's, the
-    service's and all three's CPU µs per request (each against ``off``), requests per second, and
+    service's and all three's CPU µs per request (each against ``off``), requests per second, the
+    requests per call to the service (what merging made of them: more when the gateway holds
+    more requests at once), and
     the gateway's read and write calls per request, with the TLS records that its extra bytes in
     and out per request make (the bytes over ``off``'s / TLS_RECORD_BYTES; /proc/PID/io). (Not
     the client's calls: its plaintext HTTP uses sendto and recvfrom, which /proc/PID/io does not count.)
     Under --callgrind, the gateway's instructions per request too."""
     counted = "instr" in next(iter(runs.values()))[0]
-    out = ["| model | protocol | label | gateway µs | client µs | service µs | all µs | req/s "
+    out = ["| model | protocol | label | gateway µs | client µs | service µs | all µs | req/s | requests per hop call "
            "| gateway reads / writes | TLS records in / out |" + (" gateway instructions |" if counted else ""),
-           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
+           "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if counted else "")]
     for model in models:
         for mode in modes:
             base: dict[str, float] = {}
@@ -212,6 +222,7 @@ def _table(runs: dict[tuple[str, str, str], list[dict[str, float]]], labels: lis
                            f"{(med['gw_in'] - base['gw_in']) / TLS_RECORD_BYTES:.2f} / "
                            f"{(med['gw_out'] - base['gw_out']) / TLS_RECORD_BYTES:.2f}")
                 out.append(f"| {model} | {mode} | {g} | " + " | ".join(cpu) + f" | {med['rate']:.0f} "
+                           f"| {1 / med['hop_calls'] if med['hop_calls'] else 0:.2f} "
                            f"| {med['gw_reads']:.2f} / {med['gw_writes']:.2f} | {records} |"
                            + (f" {med['instr']:,.0f}" + ("" if g == "off" else f" ({100 * (med['instr'] / base['instr'] - 1):+.1f}%)")
                               + " |" if counted else ""))
@@ -229,7 +240,8 @@ def _sample(gw: procs.Server, client: int, service: int, model: str) -> dict[str
     """The counters a window's difference is taken of: requests the gateway answered, the CPU
     seconds of the gateway, the client and the service, the gateway's I/O."""
     gio = _io(gw.pid)
-    return {"answered": _answered(gw, model), "gw": procs.cpu_seconds(gw.pid), "client": procs.cpu_seconds(client),
+    answered, calls = _counts(gw, model)
+    return {"answered": answered, "hop_calls": calls, "gw": procs.cpu_seconds(gw.pid), "client": procs.cpu_seconds(client),
             "svc": procs.cpu_seconds(service), "gw_reads": gio["syscr"], "gw_writes": gio["syscw"],
             "gw_in": gio["rchar"], "gw_out": gio["wchar"]}
 
