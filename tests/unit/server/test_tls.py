@@ -132,3 +132,46 @@ def test_connections_share_the_read_buffer_without_mixing(files: tuple[Path, Pat
         uvloop.run(run())
     else:
         asyncio.run(run())
+
+
+def test_ssl_objects_call_the_ssl_module_directly(files: tuple[Path, Path, certs.Authority]) -> None:
+    """tls._SSLObject: the server's and the hop client's contexts wrap connections in SSLObjects
+    whose read, write and pending are the C methods (no Python frame per record), and they do
+    what SSLObject's own do: a handshake, records both ways, read into a buffer or not."""
+    cert, key, ca = files
+    server_ctx = tls.context(tls.PortTls(str(cert), str(key)), "http")
+    upstream = tls.UpstreamTls(on=True, root=str(ca.cert))
+    client_ctx = upstream.context()
+    assert client_ctx is not None
+    bios = [ssl.MemoryBIO() for _ in range(4)]
+    server = server_ctx.wrap_bio(bios[0], bios[1], server_side=True)
+    client = client_ctx.wrap_bio(bios[2], bios[3], server_hostname="localhost")
+    for obj in (server, client):
+        assert type(obj) is tls._SSLObject
+        raw = obj._sslobj  # type: ignore[attr-defined]
+        assert (obj.read, obj.write, obj.pending) == (raw.read, raw.write, raw.pending)
+    for _ in range(10):  # the handshake, over the memory BIOs
+        for obj in (client, server):
+            try:
+                obj.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+        bios[0].write(bios[3].read())
+        bios[2].write(bios[1].read())
+    assert server.version() == client.version() and server.cipher() is not None
+    assert client.write(b"request") == 7
+    bios[0].write(bios[3].read())
+    buf = bytearray(64)
+    assert server.read(64, buf) == 7 and buf[:7] == b"request"
+    assert server.pending() == 0
+    with pytest.raises(ssl.SSLWantReadError):
+        server.read(64)
+    server.write(b"answer")
+    bios[2].write(bios[1].read())
+    got = b""
+    while len(got) < 6:  # (the server's session tickets come first, in records of their own)
+        try:
+            got += client.read(64)
+        except ssl.SSLWantReadError:
+            break
+    assert got == b"answer"
