@@ -366,8 +366,8 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
     messages). Members with that layout have its metadata (every byte but the id's and the
     contents': the exactness of ``_known``), so the first's inputs are in every member's order
     and their contents are the fields after the id: no upb read per member (``merge`` read
-    ``raw_input_contents`` and the inputs' names of each, ~18k instructions per member, measured;
-    this ~2k). Raises ``Unmergeable`` as ``merge`` does (a member with too few or too many
+    ``raw_input_contents`` and the inputs' names of each: a 20-member add_sub merge and its
+    serialization cost 373k instructions that way, 230k this way, measured). Raises ``Unmergeable`` as ``merge`` does (a member with too few or too many
     contents, or one of the wrong byte size)."""
     if not shape.layout:
         return None
