@@ -71,7 +71,8 @@ def _context(call: Call, raw: bytes | None = None) -> RequestContext:
     headers = hop.vet({k: v for k, v in md if isinstance(v, str)}) if md else {}  # (none: no comprehension frame)
     if tls.cert_names_grpc:
         tls.client_cert(headers, tls.grpc_transport(call))
-    return RequestContext(protocol="grpc", headers=headers, deadline=call.deadline, raw=raw)
+    # (positional: a dataclass __init__ called with keywords costs ~2.3k instructions more)
+    return RequestContext("grpc", headers, call.deadline, raw)
 
 
 def _control_context(call: Call) -> RequestContext:
@@ -334,7 +335,7 @@ class InferenceServicer:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
-                ctx = RequestContext(protocol="grpc", headers=base.headers, deadline=base.deadline, raw=raw)
+                ctx = RequestContext("grpc", base.headers, base.deadline, raw)  # (positional: see _context)
                 if from_gateway and not hop_stream:  # (the reader read the parameters: hop_stream)
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
                     try:

@@ -631,3 +631,86 @@ async def test_a_merge_that_misses_one_member_s_deadline_fails_no_other_member(
     assert isinstance(results[0], InferError) and results[0].code is Code.DEADLINE_EXCEEDED
     assert [o.id for o in results[1:]] == ["r2", "r3"]  # type: ignore[union-attr]
     assert calls[:2] == [1, 3] and sorted(calls[2:]) == [1, 1] and c.deadline_resends == 2
+
+
+def _laid_out(reqs: list[pb.ModelInferRequest], shape: ModelShape) -> list[bytes]:
+    """The requests' bytes, the first one's layout remembered by merge_key (as a busy model's)."""
+    raws = [r.SerializeToString() for r in reqs]
+    for r, raw in zip(reqs, raws, strict=True):
+        assert merge_key(r, shape, raw) is not None
+    return raws
+
+
+@pytest.mark.parametrize("ids", [False, True])
+def test_a_merge_from_the_members_bytes_is_the_merge_byte_for_byte(ids: bool) -> None:
+    """merging.merge_laid_out (the coalescer's merge of members with the remembered layout):
+    the merged request without contents plus the contents' fields it returns are exactly
+    merge's message serialized, for members with or without ids (of different lengths),
+    several rows, requested outputs, and the one-input model's path. (A member's rows are in
+    its metadata: a member with other rows than the layout's has another layout.)"""
+    rng = np.random.default_rng(7)
+    rows = [2, 2, 2, 2]
+    reqs = [request(rng.standard_normal((n, 16)), rng.standard_normal((n, 16)), f"id-{'x' * (i * 9)}" if ids else "")
+            for i, n in enumerate(rows)]
+    for r in reqs:
+        r.outputs.add(name="OUTPUT1")
+    shape = ModelShape.of(CONFIG)
+    raws = _laid_out(reqs, shape)
+    laid = merging.merge_laid_out(reqs, raws, rows, shape)
+    assert laid is not None
+    assert laid[0].SerializeToString() + laid[1] == merge(reqs, rows, shape).SerializeToString()
+    assert not laid[0].raw_input_contents  # (the contents travel in laid[1] only)
+    three = request(rng.standard_normal((3, 16)), rng.standard_normal((3, 16)), "id-" if ids else "")
+    three.outputs.add(name="OUTPUT1")
+    assert merging.merge_laid_out([*reqs, three], [*raws, three.SerializeToString()], [*rows, 3], shape) is None
+    shape = ModelShape(64, {"INPUT0": ("FP32", (64,), 4)}, frozenset({"OUTPUT0"}))  # (the mlp's, 64 wide)
+    one = []
+    for n in rows:  # (2 KiB and more per member: contents' lengths of two-byte varints)
+        r = pb.ModelInferRequest(model_name="mlp", id="q" if ids else "")
+        r.inputs.add(name="INPUT0", datatype="FP32", shape=[n, 64])
+        r.raw_input_contents.append(rng.standard_normal((n, 64)).astype(np.float32).tobytes())
+        one.append(r)
+    laid = merging.merge_laid_out(one, _laid_out(one, shape), rows, shape)
+    assert laid is not None
+    assert laid[0].SerializeToString() + laid[1] == merge(one, rows, shape).SerializeToString()
+
+
+def test_a_merge_from_bytes_reads_the_messages_for_any_other_layout() -> None:
+    """A member whose bytes are not laid out as the remembered layout (inputs in another order,
+    another requested output, a field after the contents, no bytes at all): None, and the
+    coalescer merges the messages (merge), which reorders and checks them."""
+    rows = [1, 1]
+    base = [request(np.zeros((1, 16)), np.ones((1, 16)), "a"), request(np.ones((1, 16)), np.zeros((1, 16)), "b")]
+    shape = ModelShape.of(CONFIG)
+    raws = _laid_out(base, shape)
+    assert merging.merge_laid_out(base, raws, rows, shape) is not None
+    swapped = request(np.ones((1, 16)), np.zeros((1, 16)), "b", order=("INPUT1", "INPUT0"))
+    assert merging.merge_laid_out([base[0], swapped], [raws[0], swapped.SerializeToString()], rows, shape) is None
+    named = request(np.ones((1, 16)), np.zeros((1, 16)), "b")
+    named.outputs.add(name="OUTPUT0")
+    assert merging.merge_laid_out([base[0], named], [raws[0], named.SerializeToString()], rows, shape) is None
+    after = raws[1] + b"\x0a\x07add_sub"  # (a model name again, after the contents)
+    assert merging.merge_laid_out(base, [raws[0], after], rows, shape) is None
+    assert merging.merge_laid_out(base, [raws[0], None], rows, shape) is None
+    assert merging.merge_laid_out(base, raws, rows, ModelShape.of(CONFIG)) is None  # (no layout yet)
+
+
+def test_a_merge_from_bytes_names_the_members_with_wrong_contents() -> None:
+    """As merge: a member whose contents are of the wrong byte size, too few or too many is
+    named (Unmergeable), and travels alone; the layout check still holds for it."""
+    rows = [1, 1, 1, 1, 1]
+    reqs = [request(np.full((n, 16), i), np.ones((n, 16)), f"r{i}") for i, n in enumerate(rows)]
+    shape = ModelShape.of(CONFIG)
+    raws = _laid_out(reqs[:1], shape)
+    reqs[1].raw_input_contents[1] = b"\0" * 10  # wrong size
+    del reqs[2].raw_input_contents[1]  # too few
+    reqs[3].raw_input_contents.append(b"\0" * 64)  # too many
+    raws += [r.SerializeToString() for r in reqs[1:]]
+    for raw in raws:
+        assert merging._known(raw, shape.layout[0]) is not merging._UNKNOWN  # (merge_key's fast path took each)
+    with pytest.raises(Unmergeable) as err:
+        merging.merge_laid_out(reqs, raws, rows, shape)
+    assert err.value.members == [1, 2, 3]
+    with pytest.raises(Unmergeable) as err:
+        merge(reqs, rows, shape)
+    assert err.value.members == [1, 2, 3]
