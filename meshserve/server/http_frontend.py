@@ -182,7 +182,7 @@ class HttpFrontend:
         # Before a byte of the body is read: the key (401 without a valid one, when there are
         # tenants; the model and quota rules follow at admission) and, for a large body, room in
         # the admission gate.
-        ctx = RequestContext(protocol="http", headers=_context_headers(request))
+        ctx = RequestContext("http", _context_headers(request))  # (positional: see grpc_frontend._context)
         self.core.authorize(Op.SERVER_METADATA, "", ctx)  # (its rule: any valid key)
         length = request.content_length
         if length is not None and length > SMALL_BODY_BYTES:
