@@ -264,9 +264,8 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
         if tag & 7 != 2 or field < prev or field > 7 or not field or i + 1 >= n:
             return None
         prev = field
-        end, j = _length_at(raw, i + 1)
-        end += j
-        if end > n:
+        length, j = wire.varint_at(raw, i + 1, n)
+        if length < 0 or (end := j + length) > n:
             return None
         if field == 7:
             if raws < 0:
@@ -290,19 +289,6 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
     if form is None:
         return None
     return material_key(b"".join((version.encode(), b"\x00", raw[:name_end], form, raw[raws:])), exact)
-
-
-def _length_at(raw: bytes, at: int) -> tuple[int, int]:
-    """(the varint at ``at``, where it ends); a varint that does not end by its fifth byte (no
-    length of a request is that large) or runs past ``raw`` reads as a length past any end."""
-    value = shift = 0
-    for byte in raw[at:at + 5]:
-        value |= (byte & 0x7F) << shift
-        at += 1
-        if byte < 0x80:
-            return value, at
-        shift += 7
-    return len(raw) + 1, at
 
 
 def _canonical_metadata(meta: bytes) -> bytes | None:

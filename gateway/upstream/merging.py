@@ -16,6 +16,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, hop, wire
 from meshserve.protocol.errors import InferError
+from meshserve.protocol.wire import field_end, varint_at
 
 # Request parameters that do not change how a request is scheduled or computed. The binary_data
 # ones only say how the gateway's HTTP front end renders the answer (from the client's own
@@ -130,39 +131,11 @@ def _known(raw: bytes, layout: _Layout) -> object:
         length = raw[p + 1]
         if length < 0x80:
             p += 2 + length
-        elif (end := _skip(raw, p + 1, n)) < 0:
+        elif (end := field_end(raw, p + 1, n)) < 0:
             return _UNKNOWN
         else:
             p = end
     return found if p == n else _UNKNOWN
-
-
-def _long(raw: bytes, p: int, n: int) -> tuple[int, int]:
-    """(the varint at ``p``, the position after it); (-1, -1) where it is malformed."""
-    length = shift = 0
-    while True:
-        if p >= n or shift > 28:
-            return -1, -1
-        b = raw[p]
-        p += 1
-        length |= (b & 0x7F) << shift
-        if b < 0x80:
-            return length, p
-        shift += 7
-
-
-def _skip(raw: bytes, p: int, n: int) -> int:
-    """The end of a length-delimited field whose length varint starts at ``p`` (-1: malformed)."""
-    length = shift = 0
-    while True:
-        if p >= n or shift > 28:
-            return -1
-        b = raw[p]
-        p += 1
-        length |= (b & 0x7F) << shift
-        if b < 0x80:
-            return p + length
-        shift += 7
 
 
 def _layout(raw: bytes) -> tuple[bytes, bytes | None] | None:
@@ -174,7 +147,7 @@ def _layout(raw: bytes) -> tuple[bytes, bytes | None] | None:
     id_at = id_end = tail = -1
     while pos < n:
         tag = raw[pos]
-        if tag & 0x87 != 2 or (end := _skip(raw, pos + 1, n)) < 0:
+        if tag & 0x87 != 2 or (end := field_end(raw, pos + 1, n)) < 0:
             return None
         if tag == _RAW_TAG:
             if tail < 0:
@@ -213,7 +186,7 @@ def _metadata(raw: bytes) -> bytes | None:
         length = raw[pos + 1]
         p = pos + 2
         if length >= 0x80:  # a varint of more than one byte
-            length, p = _long(raw, pos + 1, n)
+            length, p = varint_at(raw, pos + 1, n)
             if length < 0:
                 return None
         if tag == _ID_TAG or tag == _RAW_TAG:
@@ -396,7 +369,7 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
             if length < 0x80:
                 p += 2
             else:
-                length, p = _long(raw, p + 1, n)
+                length, p = varint_at(raw, p + 1, n)
                 if length < 0:
                     return None
             end = p + length

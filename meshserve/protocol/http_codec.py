@@ -1028,10 +1028,9 @@ def _output_spans(raw: bytes) -> tuple[int, list[tuple[int, int]]] | None:
         size = raw[at + 1]
         start = at + 2
         if size >= 0x80:  # a longer length varint
-            longer = _varint_at(raw, at + 1)
-            if longer is None:
+            size, start = wire.varint_at(raw, at + 1, n)
+            if size < 0:
                 return None
-            size, start = longer
         end = start + size
         if end > n:
             return None
@@ -1043,16 +1042,6 @@ def _output_spans(raw: bytes) -> tuple[int, list[tuple[int, int]]] | None:
             return None
         at = end
     return (first, spans) if first >= 0 else None
-
-
-def _varint_at(raw: bytes, at: int) -> tuple[int, int] | None:
-    """(value, the offset after it) of the varint of at most 5 bytes at ``at``; None if cut short."""
-    value = 0
-    for i, byte in enumerate(raw[at:at + 5]):
-        value |= (byte & 0x7F) << (7 * i)
-        if byte < 0x80:
-            return value, at + i + 1
-    return None
 
 
 def render_infer_raw(raw: bytes, request: pb.ModelInferRequest, plan: RenderPlan

@@ -44,6 +44,38 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
+def varint_at(raw: bytes, p: int, n: int) -> tuple[int, int]:
+    """(the varint at ``p``, the position after it), reading ``raw`` up to ``n``; (-1, -1) where
+    it is cut short or does not end by its fifth byte (no length meshserve reads is that large).
+    The one reader of the byte-level scanners (gateway/upstream/merging.py, gateway/cache.py,
+    meshserve/protocol/http_codec.py)."""
+    value = shift = 0
+    while True:
+        if p >= n or shift > 28:
+            return -1, -1
+        b = raw[p]
+        p += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, p
+        shift += 7
+
+
+def field_end(raw: bytes, p: int, n: int) -> int:
+    """The end of a length-delimited field whose length varint starts at ``p`` (-1: malformed, as
+    ``varint_at``): its own loop, not a call of ``varint_at``, on the merge check's per-field path."""
+    length = shift = 0
+    while True:
+        if p >= n or shift > 28:
+            return -1
+        b = raw[p]
+        p += 1
+        length |= (b & 0x7F) << shift
+        if b < 0x80:
+            return p + length
+        shift += 7
+
+
 def length_delimited(tag: bytes, payload: bytes) -> bytes:
     return tag + varint(len(payload)) + payload
 
