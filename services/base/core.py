@@ -207,8 +207,10 @@ class ServiceCore:
                          evict: bool) -> None:
         """Unload the least recently used idle, unpinned versions of other models until the
         load's estimate fits the budget; wait (up to memory.EVICTION_WAIT_S) while busy versions
-        could make room once idle; else refuse with RESOURCE_EXHAUSTED. A reload counts the
-        versions it retires as free (they go once the new ones are up)."""
+        could make room once idle; else refuse with RESOURCE_EXHAUSTED, also when only fresh
+        versions (loaded within the grace, not used yet: memory.is_fresh) could make room: a
+        gateway's request for them is on its way. A reload counts the versions it retires as
+        free (they go once the new ones are up)."""
         book = self.memory
         instances = len(placements(config, self.gpu_available))
         needed = sum(book.estimate(hosted.name, v, memory.files_bytes(path / str(v)), instances,
@@ -222,15 +224,20 @@ class ServiceCore:
             if plan is not None:
                 await self._evict(plan)
                 return
-            idle_later = memory.plan_evictions(needed, used, book.budget, [replace(c, busy=False) for c in candidates])
+            # busy versions become idle (and used: no longer fresh) once their requests end
+            later = [replace(c, busy=False, fresh=False) if c.busy else c for c in candidates]
+            idle_later = memory.plan_evictions(needed, used, book.budget, later)
             if idle_later is None or time.monotonic() >= deadline:
                 raise InferError.exhausted(self._no_room(hosted.name, needed, used), retry_after_s=admission.RETRY_AFTER_S)
             await asyncio.sleep(0.05)  # busy versions finish their requests; then plan again
 
     def _candidates(self, loading: str) -> list[memory.Candidate]:
-        """The loaded versions an eviction may consider: every unpinned one but ``loading``'s."""
-        pinned = self.memory.pinned
-        return [memory.Candidate(name, v, mv.last_used_ms(), mv.memory_bytes, mv.busy())
+        """The loaded versions an eviction may consider: every unpinned one but ``loading``'s,
+        each marked busy (requests in flight, live sequences) and fresh (memory.is_fresh)."""
+        pinned, grace_s, now_ms = self.memory.pinned, self.memory.grace_s, memory.now()
+        return [memory.Candidate(name, v, mv.last_used_ms(), mv.memory_bytes, mv.busy(),
+                                 memory.is_fresh(mv.stats.last_inference_ms, mv.stats.fail.count, mv.loaded_ms,
+                                                 grace_s, now_ms))
                 for name, other in self.models.items() if name != loading and name not in pinned
                 for v, mv in other.versions.items()]
 
@@ -258,12 +265,16 @@ class ServiceCore:
 
     async def _settle(self, loaded: str) -> None:
         """After a load: its measured size may be larger than its estimate; while the budget is
-        passed, unload idle versions of other models (least recently used first, no waiting)."""
+        passed, unload idle versions of other models (least recently used first, no waiting).
+        The budget comes before the grace: fresh versions go too when the others are not enough."""
         over = self.used_bytes() - self.memory.budget
         if over > 0:
-            plan = memory.plan_evictions(0, over, 0, self._candidates(loaded))
+            candidates = self._candidates(loaded)
+            plan = memory.plan_evictions(0, over, 0, candidates)
+            if plan is None:
+                plan = memory.plan_evictions(0, over, 0, [replace(c, fresh=False) for c in candidates])
             if plan is None:  # not enough idle versions: unload what may go, the rest is reported
-                plan = [c for c in self._candidates(loaded) if not c.busy]
+                plan = [c for c in candidates if not c.busy]
             await self._evict(plan)
 
     def _no_room(self, name: str, needed: int, used: int) -> str:
@@ -273,7 +284,15 @@ class ServiceCore:
                     f"of the {self.kind} service ({budget} bytes)")
         return (f"failed to load '{name}': not enough room in the memory budget of the {self.kind} service: it needs "
                 f"about {needed} bytes and {used} of {budget} bytes are held by models that cannot be evicted now "
-                "(pinned, or busy with requests in flight or live sequences)")
+                f"(pinned, {self._unevictable_now()})")
+
+    def _unevictable_now(self) -> str:
+        """Why a loaded version may not go now, in the refusal's words (the grace when there is one)."""
+        busy = "busy with requests in flight or live sequences"
+        grace_s = self.memory.grace_s
+        if grace_s <= 0:
+            return f"or {busy}"
+        return f"{busy}, or loaded less than {grace_s:g} s ago and not served a request yet"
 
     def _take_for_eviction(self, name: str, version: int) -> ModelVersion:
         """Take an idle version out of service at once (no request can reach it after this)."""

@@ -23,7 +23,13 @@ Memory comes back on unload: `trim` hands freed heap back to the kernel (glibc's
 after every unload and eviction (docs/perf/memory-return.md has the figures).
 
 The eviction choice (`plan_evictions`) is a pure function: least recently used first, among the
-versions that are neither pinned nor busy.
+versions that are neither pinned nor busy nor fresh. A **fresh** version (`is_fresh`) was loaded
+less than the grace (``--eviction-grace``, ``EVICTION_GRACE_S``) ago and has not served a request
+yet: the load a gateway placed it for is answered before its request arrives, and another load
+that evicted it meanwhile would send that request back for another load (thrash). The grace is
+bounded, so a version whose request never comes is evictable after it (no load waits on it for
+ever); a load that could only make room by evicting fresh versions is refused at once
+(RESOURCE_EXHAUSTED: the gateway tries another replica, or again a moment later).
 """
 from __future__ import annotations
 
@@ -53,6 +59,14 @@ PROCESS_ESTIMATE_BYTES = 32 << 20
 # a load that needs room waits at most this long for busy versions (requests in flight, live
 # sequences) to become idle before it is refused
 EVICTION_WAIT_S = 30.0
+# --eviction-grace's default: a version that has not served a request yet is not evicted (by
+# another load) for this long after its load. As long as the gateway's retry window for a load
+# refused for room (gateway/placement.py:PLACE_RETRY_S), so a load refused because of a fresh
+# version whose request never comes succeeds within that window once its grace is over
+EVICTION_GRACE_S = 2.0
+# --eviction-grace's bound: a longer grace would let loads that arrive together keep a replica's
+# budget for versions nobody asks for (every other load refused meanwhile)
+MAX_EVICTION_GRACE_S = 60.0
 # models whose counters are kept once they are no longer loaded (a bound on /metrics label sets)
 MAX_TRACKED_MODELS = 4096
 LOAD_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -169,6 +183,17 @@ def budget_argument(text: str) -> int:
     return value
 
 
+def grace_argument(text: str) -> float:
+    """--eviction-grace's value: seconds in [0, MAX_EVICTION_GRACE_S] (0: no grace)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"--eviction-grace: not a number of seconds: {text!r}") from None
+    if not 0 <= value <= MAX_EVICTION_GRACE_S:  # (also NaN)
+        raise ValueError(f"--eviction-grace must be between 0 and {MAX_EVICTION_GRACE_S:g} seconds")
+    return value
+
+
 # ---- measuring ------------------------------------------------------------------------------
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process (/proc/<pid>/statm: one read, no parsing of smaps)."""
@@ -265,17 +290,24 @@ class Candidate:
     last_used: float
     size: int
     busy: bool = False
+    fresh: bool = False  # loaded within the grace and not used yet (is_fresh)
+
+
+def is_fresh(last_inference_ms: float, failures: int, loaded_ms: float, grace_s: float, now_ms: float) -> bool:
+    """Whether a version is still in its grace: it has not run a request (no inference, no failed
+    request) and was loaded less than ``grace_s`` ago. A clock that stepped back ends the grace."""
+    return last_inference_ms == 0 and failures == 0 and 0 <= now_ms - loaded_ms < grace_s * 1000
 
 
 def plan_evictions(needed: int, used: int, budget: int, candidates: Sequence[Candidate]
                    ) -> list[Candidate] | None:
     """The versions to unload, least recently used first, so that ``needed`` more bytes fit
     under ``budget``; [] when they fit already; None when unloading every idle candidate would
-    not make room. Busy candidates are never chosen."""
+    not make room. Busy and fresh candidates are never chosen."""
     if used + needed <= budget:
         return []
     chosen: list[Candidate] = []
-    for c in sorted((c for c in candidates if not c.busy), key=lambda c: (c.last_used, c.model, c.version)):
+    for c in sorted((c for c in candidates if not (c.busy or c.fresh)), key=lambda c: (c.last_used, c.model, c.version)):
         chosen.append(c)
         used -= c.size
         if used + needed <= budget:
@@ -291,6 +323,7 @@ class MemoryBook:
     budget: int
     pinned: frozenset[str] = frozenset()
     enforced: bool = True  # explicit model control: loads evict and may be refused
+    grace_s: float = EVICTION_GRACE_S  # --eviction-grace: a version unused since its load stays this long
     base: int = 0  # the service's RSS before its first load (measure_base) + its runtimes' starts, on /metrics
     primed: set[str] = field(default_factory=set)  # the backends whose one-time start is in the base
     sizes: dict[tuple[str, int], int] = field(default_factory=dict)
