@@ -66,6 +66,7 @@ class _Version:
         self.stats = ModelStats(name, 1)
         if served:
             self.stats.last_inference_ms = int(self.loaded_ms) + 1
+        self.gpu_bytes: dict[int, int] = {}  # (test_gpu_memory.py sets it)
         self.closed = False
 
     def last_used_ms(self) -> float:
