@@ -15,7 +15,8 @@ reason answers every waiting request with that reason, and the same answer is gi
 
 Every ``--placement-interval`` the gateway reads each healthy replica's repository index (which
 models its kind lists) and its metrics (budget, memory used, each model's size and pending
-count), and moves copies: pinned models are placed (on ``min_copies`` replicas), a model whose
+count; on a replica with GPUs each GPU's budget and device memory used, and each model's device
+size), and moves copies: pinned models are placed (on ``min_copies`` replicas), a model whose
 pending count per copy stayed high gets a copy more, one idle for ``--scale-down-idle`` a copy
 fewer (never under its ``min_copies``).
 """
@@ -72,6 +73,9 @@ FAMILIES = {
     "replica_memory_pressure": metrics.Family("meshserve_gateway_replica_memory_pressure", "gauge",
                                               "A replica's memory used over its budget (0..1; its own "
                                               "meshserve_memory_* figures as last read)"),
+    "replica_gpu_memory_pressure": metrics.Family("meshserve_gateway_replica_gpu_memory_pressure", "gauge",
+                                                  "A replica's device memory used over its budget on one GPU "
+                                                  "(0..1; its own meshserve_gpu_memory_* figures as last read)"),
     "replica_saturation": metrics.Family("meshserve_gateway_replica_saturation", "gauge",
                                          "Requests queued in a replica (its nv_inference_pending_request_count "
                                          "summed over its models, as last read)"),
@@ -150,7 +154,8 @@ def policy_from_args(args: argparse.Namespace) -> Policy | None:
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _WANTED = ("meshserve_memory_budget_bytes", "meshserve_memory_used_bytes", "meshserve_memory_base_bytes",
-           "meshserve_model_memory_bytes",
+           "meshserve_model_memory_bytes", "meshserve_gpu_memory_budget_bytes", "meshserve_gpu_memory_used_bytes",
+           "meshserve_model_gpu_memory_bytes",
            "nv_inference_pending_request_count", "nv_inference_request_success", "nv_inference_request_failure",
            "meshserve_model_loads_total", "meshserve_model_evictions_total")
 
@@ -178,6 +183,10 @@ class ReplicaFacts:
     used: float | None = None
     base: float | None = None  # its RSS beyond the models' budget (services/base/memory.py: the base)
     sizes: dict[str, float] = field(default_factory=dict)  # model -> bytes (all versions)
+    # device memory, per GPU (its index as the replica names it): none on a replica without one
+    gpu_budget: dict[str, float] = field(default_factory=dict)
+    gpu_used: dict[str, float] = field(default_factory=dict)
+    gpu_sizes: dict[str, float] = field(default_factory=dict)  # model -> device bytes (all versions and GPUs)
     pending: dict[str, float] = field(default_factory=dict)  # model -> queued requests
     served: dict[str, float] = field(default_factory=dict)  # model -> requests answered (ok or not)
     loads: float = 0.0
@@ -196,6 +205,12 @@ class ReplicaFacts:
                 facts.base = value
             elif name == "meshserve_model_memory_bytes":
                 facts.sizes[model] = facts.sizes.get(model, 0.0) + value
+            elif name == "meshserve_gpu_memory_budget_bytes":
+                facts.gpu_budget[labels.get("gpu", "")] = value
+            elif name == "meshserve_gpu_memory_used_bytes":
+                facts.gpu_used[labels.get("gpu", "")] = value
+            elif name == "meshserve_model_gpu_memory_bytes":
+                facts.gpu_sizes[model] = facts.gpu_sizes.get(model, 0.0) + value
             elif name == "nv_inference_pending_request_count":
                 facts.pending[model] = facts.pending.get(model, 0.0) + value
             elif name.startswith("nv_inference_request_"):
@@ -605,6 +620,9 @@ class Placement:
                              "budget_bytes": None if f is None else f.budget,
                              "used_bytes": None if f is None else f.used,
                              "base_bytes": None if f is None else f.base,
+                             "gpus": None if f is None else {
+                                 gpu: {"budget_bytes": f.gpu_budget.get(gpu), "used_bytes": f.gpu_used.get(gpu)}
+                                 for gpu in sorted({*f.gpu_budget, *f.gpu_used})},
                              "pending": None if f is None else sum(f.pending.values()),
                              "loads": None if f is None else f.loads,
                              "evictions": None if f is None else f.evictions})
@@ -614,10 +632,13 @@ class Placement:
             state = self.models.get(name)
             hosts = self._hosts(name)
             sizes = [self.facts[e].sizes[name] for e in hosts if e in self.facts and name in self.facts[e].sizes]
+            gpu_sizes = [self.facts[e].gpu_sizes[name] for e in hosts
+                         if e in self.facts and name in self.facts[e].gpu_sizes]
             cold = list(state.cold_starts) if state is not None else []
             models.append({"name": name, "replicas": hosts, "copies": len(hosts),
                            "min_copies": self.policy.min_copies_of(name), "pinned": name in self.policy.pinned,
                            "lazy": self.manages(name), "size_bytes": max(sizes) if sizes else None,
+                           "gpu_size_bytes": max(gpu_sizes) if gpu_sizes else None,
                            "last_used": None if state is None or not state.touched
                            else round(now - (time.monotonic() - state.touched), 3),
                            "pending": state.demand.pending if state is not None else 0.0,
@@ -644,6 +665,10 @@ class Placement:
             if f.budget and f.used is not None:
                 out.append(("replica_memory_pressure", {"replica": endpoint}, round(f.used / f.budget, 4)))
             out.append(("replica_saturation", {"replica": endpoint}, sum(f.pending.values())))
+            for gpu, budget in sorted(f.gpu_budget.items()):
+                if budget and gpu in f.gpu_used:
+                    out.append(("replica_gpu_memory_pressure", {"replica": endpoint, "gpu": gpu},
+                                round(f.gpu_used[gpu] / budget, 4)))
         return out
 
 

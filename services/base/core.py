@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -174,6 +174,7 @@ class ServiceCore:
             raise
         for v, mv in loaded.items():
             self.memory.measured(hosted.name, v, mv.memory_bytes)
+            self.memory.measured_gpu(hosted.name, v, mv.gpu_bytes)
         self.memory.loaded(hosted.name, time.monotonic() - started)
         old, old_path = hosted.versions, hosted.path
         hosted.config = config
@@ -192,45 +193,93 @@ class ServiceCore:
         """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes),
         after the runtime's one-time start (if this is its first load here) went to the base."""
         self.memory.prime(config.backend, self.adapters.get(config.backend))
+        devices = self._gpu_devices(config)
+        own = [os.getpid()]
+        meter = memory.gpu_meter() if devices else None
+        gpu_before = {d: memory.gpu_read(meter, d, own) for d in devices}
         before = memory.rss_bytes()
         mv = self._build_version(path, config, version)
-        mv.memory_bytes = memory.version_bytes(memory.rss_bytes() - before, mv.instances,
-                                               memory.files_bytes(path / str(version)))
+        files = memory.files_bytes(path / str(version))
+        mv.memory_bytes = memory.version_bytes(memory.rss_bytes() - before, mv.instances, files)
+        if devices:  # its instances' own processes (python workers) hold device memory too
+            pids = own + [pid for i in mv.instances if isinstance(pid := getattr(i, "pid", None), int)]
+            gpu_after = {d: memory.gpu_read(meter, d, pids) for d in devices}
+            mv.gpu_bytes = memory.gpu_version_bytes(gpu_before, gpu_after, devices, files)
         return mv
+
+    def _gpu_devices(self, config: mc.ModelConfig) -> dict[int, int]:
+        """GPU -> the version's instances on it ({} on a host without a GPU: the CPU path)."""
+        if not self.gpu_available:
+            return {}
+        out: dict[int, int] = {}
+        for p in placements(config, True):
+            if p.kind == "gpu":
+                out[p.device_id] = out.get(p.device_id, 0) + 1
+        return out
 
     # ---- the memory budget -------------------------------------------------------------
     def used_bytes(self) -> int:
         """The measured sizes of every loaded version (meshserve_memory_used_bytes)."""
         return sum(mv.memory_bytes for mv in self._all_versions())
 
+    def _held(self, versions: Iterable[ModelVersion]) -> dict[int, int]:
+        """What ``versions`` hold per budget: memory.HOST, and each GPU (device bytes)."""
+        out = {memory.HOST: 0}
+        for mv in versions:
+            out[memory.HOST] += mv.memory_bytes
+            for d, n in mv.gpu_bytes.items():
+                out[d] = out.get(d, 0) + n
+        return out
+
+    def _budgets(self, resources: Iterable[int]) -> dict[int, int]:
+        """The budgets of ``resources`` (a GPU without --gpu-memory-budget nor a readable size: none)."""
+        book = self.memory
+        return {r: book.budget if r == memory.HOST else book.gpu_budgets[r]
+                for r in resources if r == memory.HOST or r in book.gpu_budgets}
+
     async def _make_room(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int], path: Path,
                          evict: bool) -> None:
         """Unload the least recently used idle, unpinned versions of other models until the
         load's estimate fits the budget; wait (up to memory.EVICTION_WAIT_S) while busy versions
-        could make room once idle; else refuse with RESOURCE_EXHAUSTED. A reload counts the
-        versions it retires as free (they go once the new ones are up)."""
+        could make room once idle; else refuse with RESOURCE_EXHAUSTED, also when only fresh
+        versions (loaded within the grace, not used yet: memory.is_fresh) could make room: a
+        gateway's request for them is on its way. A reload counts the versions it retires as
+        free (they go once the new ones are up)."""
         book = self.memory
         instances = len(placements(config, self.gpu_available))
-        needed = sum(book.estimate(hosted.name, v, memory.files_bytes(path / str(v)), instances,
-                                   self.instances_are_processes) for v in versions)
-        own = sum(mv.memory_bytes for mv in hosted.versions.values())
+        devices = self._gpu_devices(config)
+        needed = {memory.HOST: 0, **dict.fromkeys(devices, 0)}
+        for v in versions:
+            files = memory.files_bytes(path / str(v))
+            needed[memory.HOST] += book.estimate(hosted.name, v, files, instances, self.instances_are_processes)
+            for d, n in book.estimate_gpu(hosted.name, v, files, devices).items():
+                needed[d] += n
+        budgets = self._budgets(needed)
+        own = self._held(hosted.versions.values())
         deadline = time.monotonic() + memory.EVICTION_WAIT_S
         while True:
-            used = self.used_bytes() - own
+            held = self._held(self._all_versions())
+            used = {r: held.get(r, 0) - own.get(r, 0) for r in needed}
             candidates = self._candidates(hosted.name) if evict else []
-            plan = memory.plan_evictions(needed, used, book.budget, candidates)
+            plan = memory.plan_room(needed, used, budgets, candidates)
             if plan is not None:
                 await self._evict(plan)
                 return
-            idle_later = memory.plan_evictions(needed, used, book.budget, [replace(c, busy=False) for c in candidates])
+            # busy versions become idle (and used: no longer fresh) once their requests end
+            later = [replace(c, busy=False, fresh=False) if c.busy else c for c in candidates]
+            idle_later = memory.plan_room(needed, used, budgets, later)
             if idle_later is None or time.monotonic() >= deadline:
-                raise InferError.exhausted(self._no_room(hosted.name, needed, used), retry_after_s=admission.RETRY_AFTER_S)
+                raise InferError.exhausted(self._no_room(hosted.name, needed, used, budgets),
+                                           retry_after_s=admission.RETRY_AFTER_S)
             await asyncio.sleep(0.05)  # busy versions finish their requests; then plan again
 
     def _candidates(self, loading: str) -> list[memory.Candidate]:
-        """The loaded versions an eviction may consider: every unpinned one but ``loading``'s."""
-        pinned = self.memory.pinned
-        return [memory.Candidate(name, v, mv.last_used_ms(), mv.memory_bytes, mv.busy())
+        """The loaded versions an eviction may consider: every unpinned one but ``loading``'s,
+        each marked busy (requests in flight, live sequences) and fresh (memory.is_fresh)."""
+        pinned, grace_s, now_ms = self.memory.pinned, self.memory.grace_s, memory.now()
+        return [memory.Candidate(name, v, mv.last_used_ms(), mv.memory_bytes, mv.busy(),
+                                 memory.is_fresh(mv.stats.last_inference_ms, mv.stats.fail.count, mv.loaded_ms,
+                                                 grace_s, now_ms), tuple(sorted(mv.gpu_bytes.items())))
                 for name, other in self.models.items() if name != loading and name not in pinned
                 for v, mv in other.versions.items()]
 
@@ -255,25 +304,47 @@ class ServiceCore:
         versions.clear()
         memory.collect()
         await asyncio.get_running_loop().run_in_executor(None, memory.trim)
+        if self.gpu_available:
+            memory.gpu_trim()
 
     async def _settle(self, loaded: str) -> None:
         """After a load: its measured size may be larger than its estimate; while the budget is
-        passed, unload idle versions of other models (least recently used first, no waiting)."""
-        over = self.used_bytes() - self.memory.budget
-        if over > 0:
-            plan = memory.plan_evictions(0, over, 0, self._candidates(loaded))
+        passed, unload idle versions of other models (least recently used first, no waiting).
+        The budget comes before the grace: fresh versions go too when the others are not enough.
+        The same for each GPU's budget."""
+        held = self._held(self._all_versions())
+        budgets = self._budgets(held)
+        passed = {r for r, b in budgets.items() if held[r] > b}
+        if passed:
+            candidates = self._candidates(loaded)
+            needed = dict.fromkeys(held, 0)
+            plan = memory.plan_room(needed, held, budgets, candidates)
+            if plan is None:
+                plan = memory.plan_room(needed, held, budgets, [replace(c, fresh=False) for c in candidates])
             if plan is None:  # not enough idle versions: unload what may go, the rest is reported
-                plan = [c for c in self._candidates(loaded) if not c.busy]
+                plan = [c for c in candidates if not c.busy and any(c.holds(r) for r in passed)]
             await self._evict(plan)
 
-    def _no_room(self, name: str, needed: int, used: int) -> str:
-        budget = self.memory.budget
+    def _no_room(self, name: str, needs: dict[int, int], used_by: dict[int, int], budgets: dict[int, int]) -> str:
+        """The refusal's words for the budget that is short: host memory's first, else a GPU's."""
+        short = [r for r in budgets if used_by.get(r, 0) + needs[r] > budgets[r]] or [memory.HOST]
+        r = memory.HOST if memory.HOST in short else short[0]
+        needed, used, budget = needs.get(r, 0), used_by.get(r, 0), budgets.get(r, self.memory.budget)
+        which = "memory budget" if r == memory.HOST else f"memory budget of GPU {r}"
         if needed > budget:
-            return (f"failed to load '{name}': it needs about {needed} bytes, more than the whole memory budget "
+            return (f"failed to load '{name}': it needs about {needed} bytes, more than the whole {which} "
                     f"of the {self.kind} service ({budget} bytes)")
-        return (f"failed to load '{name}': not enough room in the memory budget of the {self.kind} service: it needs "
+        return (f"failed to load '{name}': not enough room in the {which} of the {self.kind} service: it needs "
                 f"about {needed} bytes and {used} of {budget} bytes are held by models that cannot be evicted now "
-                "(pinned, or busy with requests in flight or live sequences)")
+                f"(pinned, {self._unevictable_now()})")
+
+    def _unevictable_now(self) -> str:
+        """Why a loaded version may not go now, in the refusal's words (the grace when there is one)."""
+        busy = "busy with requests in flight or live sequences"
+        grace_s = self.memory.grace_s
+        if grace_s <= 0:
+            return f"or {busy}"
+        return f"{busy}, or loaded less than {grace_s:g} s ago and not served a request yet"
 
     def _take_for_eviction(self, name: str, version: int) -> ModelVersion:
         """Take an idle version out of service at once (no request can reach it after this)."""
@@ -692,7 +763,9 @@ class ServiceCore:
         gate = admission.gate
         bound = gate.max_requests if gate.max_requests != admission.UNBOUNDED else 0
         samples += self.memory.samples(((mv.name, mv.version_str, mv.memory_bytes) for mv in self._all_versions()),
-                                       gate.requests, bound)
+                                       gate.requests, bound,
+                                       [(mv.name, mv.version_str, d, n) for mv in self._all_versions()
+                                        for d, n in mv.gpu_bytes.items()])
         return metrics.render(samples, _FAMILIES), metrics.CONTENT_TYPE
 
 

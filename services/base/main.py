@@ -55,6 +55,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                           f"{memory.DEFAULT_BUDGET_SHARE * 100:.0f}%% of the cgroup memory limit, or of physical memory")
     mem.add_argument("--pin", action="append", default=[], metavar="NAME",
                      help="a model that is never evicted (repeatable)")
+    mem.add_argument("--eviction-grace", type=_grace, default=memory.EVICTION_GRACE_S, metavar="SECONDS",
+                     help="a loaded model version that has not served a request yet is not evicted by another load "
+                          "for this long after its load (a load that could only evict such versions is refused); "
+                          f"0 = none (default {memory.EVICTION_GRACE_S:g}, at most {memory.MAX_EVICTION_GRACE_S:g})")
+    mem.add_argument("--gpu-memory-budget", type=_gpu_budget, action="append", default=[],
+                     metavar="[GPU=]BYTES",
+                     help="device memory the loaded models' KIND_GPU instances may hold on each GPU (512Mi, 8G, "
+                          "90%% of the GPU), or on one (0=8G; repeatable); counted and enforced as --memory-budget is; "
+                          f"default {memory.DEFAULT_BUDGET_SHARE * 100:.0f}%% of each GPU's memory (none on a host "
+                          "without a GPU)")
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
@@ -63,6 +73,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _budget(text: str) -> int:
     try:
         return memory.budget_argument(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _gpu_budget(text: str) -> tuple[int | None, int | str]:
+    try:
+        return memory.gpu_budget_argument(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _grace(text: str) -> float:
+    try:
+        return memory.grace_argument(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -115,7 +139,13 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
         core.access = repository_control.ControlPolicy.from_args(args)
         core.max_model_load_bytes = args.max_model_load_bytes
         budget = args.memory_budget if args.memory_budget is not None else memory.default_budget()
-        core.memory = memory.MemoryBook(budget, frozenset(args.pin), enforced=control.mode == "explicit")
+        core.memory = memory.MemoryBook(budget, frozenset(args.pin), enforced=control.mode == "explicit",
+                                        grace_s=args.eviction_grace)
+        if gpu_available:  # device memory is counted per GPU (docs/model-mesh.md, "GPU memory")
+            try:
+                core.memory.gpu_budgets = memory.gpu_budgets(args.gpu_memory_budget, memory.gpu_totals())
+            except ValueError as exc:
+                raise SystemExit(f"meshserve service {kind}: {exc}") from None
         await core.start()
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
                     http_port=args.http_port, metrics_port=args.metrics_port, limits=limits)

@@ -109,6 +109,7 @@ class ModelVersion:
         self.ready = True
         # services/base/memory.py: the measured size (set once loaded) and when it was loaded
         self.memory_bytes = 0
+        self.gpu_bytes: dict[int, int] = {}  # GPU -> device bytes of its instances there (KIND_GPU)
         self.loaded_ms = time.time() * 1000
 
     @property
