@@ -233,7 +233,7 @@ class Acceptor:
         self.proto = proto
         self.timeout = handshake_timeout_s if handshake_timeout_s > 0 else None
         self.cap = max_handshakes
-        self.pending: dict[_Handshake, None] = {}  # in progress, oldest first
+        self.pending: dict[_Handshake | TlsConnection, None] = {}  # in progress, oldest first
         self.stamp = _stamp(self._paths())
         self.ctx = context(port, proto)
         self.checked = time.monotonic()
@@ -265,9 +265,11 @@ class Acceptor:
         return self.ctx
 
     def factory(self, make: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        if self.proto == "http":  # (HTTP/1.1: the TLS records in Python, over memory BIOs: TlsConnection)
+            return lambda: TlsConnection(self, make)
         return lambda: _Handshake(self, make)
 
-    def admit(self, hs: _Handshake) -> None:
+    def admit(self, hs: _Handshake | TlsConnection) -> None:
         pending = self.pending
         if self.cap and len(pending) >= self.cap:
             oldest = next(iter(pending))
@@ -416,6 +418,278 @@ class Reader(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.app.resume_writing()
+
+
+SHUTDOWN_S = 2.0  # after close: the client's bytes are read and dropped this long at most (http1's LINGER_S) ...
+SHUTDOWN_BYTES = 64 << 20  # ... or this many, then the connection closes
+_ROOM = 17 << 10  # room one record's plaintext (16 KiB at most) needs in the read buffer
+_HANDSHAKE, _OPEN, _CLOSING, _CLOSED = range(4)
+
+
+class TlsConnection(asyncio.Protocol):
+    """One connection of a TLS HTTP/1.1 port, its records done here over memory BIOs: the TCP
+    transport's protocol (handshake, then the records) and, once the handshake is done, the
+    transport of the app's protocol (meshserve/server/http1/server.py:Connection).
+
+    Why not loop.start_tls (what `_Handshake` does for the gRPC port): per HTTP/1.1 request
+    uvloop's SSLProtocol makes three `SSLObject.pending()` calls (each releases and retakes the
+    GIL) and two Python calls into `Reader`; here a read is one `incoming.write`, one
+    `read(n, buffer)` per record (two for a request with a body: curl sends head and body as two
+    records), the BIO's `pending` between them, and one copy to the app; an answer one `write`
+    and one `outgoing.read()` (docs/perf/tls-cost.md, "Session 10").
+
+    The same rules as `_Handshake`'s (the module docstring): the handshake within the acceptor's
+    timeout and under its cap (`Acceptor.admit`: the oldest in progress is closed), bytes that
+    are not TLS fail it at once, a failed one closes the connection (its alert sent). After it:
+    the client's close_notify is the app's eof_received, then the connection closes; a TCP EOF
+    without close_notify closes it (uvloop's rule: not a clean end, no eof_received); a record
+    that does not decrypt aborts it; `close` sends close_notify and FIN, then reads and drops
+    what still comes (SHUTDOWN_S, SHUTDOWN_BYTES) until the client's EOF."""
+
+    __slots__ = ("acceptor", "make", "raw", "app", "state", "incoming", "outgoing", "ssl", "_read", "_write",
+                 "timer", "dropped", "view")
+
+    def __init__(self, acceptor: Acceptor, make: Callable[[], asyncio.Protocol]) -> None:
+        self.acceptor = acceptor
+        self.make = make
+        self.raw: asyncio.Transport | None = None
+        self.app: asyncio.Protocol | None = None
+        self.state = _HANDSHAKE
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.ssl: ssl.SSLObject | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.dropped = 0  # bytes read and dropped after close
+        try:
+            self.view: memoryview = _buffers.view  # the thread's read buffer (Reader's)
+        except AttributeError:
+            self.view = _read_buffer()
+
+    # ---- the TCP transport's protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.raw = transport  # type: ignore[assignment]
+        acceptor = self.acceptor
+        acceptor.admit(self)
+        obj = self.ssl = acceptor.current().wrap_bio(self.incoming, self.outgoing, server_side=True)
+        raw = obj._sslobj  # type: ignore[attr-defined]  # (the ssl module's C object: no Python frame a call)
+        self._read, self._write = raw.read, raw.write
+        if acceptor.timeout is not None:
+            self.timer = asyncio.get_running_loop().call_later(acceptor.timeout, self._timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        if self.state != _OPEN:
+            self._not_open(data)
+            return
+        incoming = self.incoming
+        incoming.write(data)
+        view, read = self.view, self._read
+        n = 0
+        try:  # every whole record, decrypted into the thread's read buffer; a partial one waits
+            while True:
+                got = read(READ_BUFFER_BYTES - n, view[n:] if n else view)
+                if not got:  # the client's close_notify
+                    self._close_notify(n)
+                    return
+                n += got
+                if not incoming.pending:
+                    break
+                if n > READ_BUFFER_BYTES - _ROOM:
+                    self.app.data_received(bytes(view[:n]))  # type: ignore[union-attr]
+                    n = 0
+                    if self.state != _OPEN:
+                        return
+        except ssl.SSLWantReadError:  # a record not whole yet (or a handshake message, no data)
+            pass
+        except ssl.SSLError as exc:  # a record that does not decrypt, an alert
+            log.debug("%s TLS: %s", self.acceptor.proto, exc)
+            self.abort()
+            return
+        if n:
+            self.app.data_received(bytes(view[:n]))  # type: ignore[union-attr]
+
+    def _not_open(self, data: bytes) -> None:
+        if self.state == _HANDSHAKE:
+            self._handshake(data)
+        elif self.state == _CLOSING:  # after close_notify: dropped, within a budget
+            self.dropped += len(data)
+            if self.dropped > SHUTDOWN_BYTES and self.raw is not None:
+                self.raw.close()
+
+    def _close_notify(self, n: int) -> None:
+        if n:
+            self.app.data_received(bytes(self.view[:n]))  # type: ignore[union-attr]
+        if self.state == _OPEN:
+            self.app.eof_received()  # type: ignore[union-attr]
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return False  # (the TCP transport closes: connection_lost follows)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state = _CLOSED
+        self.acceptor.pending.pop(self, None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        app, self.app = self.app, None
+        if app is not None:
+            app.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.app is not None:
+            self.app.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.app is not None:
+            self.app.resume_writing()
+
+    # ---- the handshake -----------------------------------------------------------------------------
+
+    def _handshake(self, data: bytes) -> None:
+        incoming = self.incoming
+        incoming.write(data)
+        try:
+            self.ssl.do_handshake()  # type: ignore[union-attr]
+        except ssl.SSLWantReadError:
+            if incoming.pending > EARLY_MAX_BYTES:  # (a record is at most ~16 KiB: OpenSSL takes whole ones)
+                self._failed(ssl.SSLError("handshake bytes over EARLY_MAX_BYTES"))
+                return
+            self._flush()
+            return
+        except Exception as exc:  # a bad certificate, bytes that are not TLS, ...
+            self._failed(exc)
+            return
+        self._opened()
+
+    def _failed(self, exc: Exception) -> None:
+        acceptor = self.acceptor
+        acceptor.failed += 1
+        log.debug("%s TLS handshake failed: %s", acceptor.proto, exc)
+        self.state = _CLOSED
+        acceptor.pending.pop(self, None)
+        if self.raw is not None:
+            self._flush()  # (the alert, when OpenSSL wrote one)
+            self.raw.close()
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.raw is None:
+            return
+        if self.state == _HANDSHAKE:
+            self.acceptor.failed += 1
+            log.debug("%s TLS handshake timed out", self.acceptor.proto)
+            self.state = _CLOSED
+            self.raw.abort()
+        elif self.state == _CLOSING:
+            self.raw.close()
+
+    def _opened(self) -> None:
+        acceptor = self.acceptor
+        acceptor.pending.pop(self, None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self._flush()  # (TLS 1.3: the session tickets)
+        self.state = _OPEN
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s TLS: %s %s", acceptor.proto, self.ssl.version(), self.ssl.cipher())  # type: ignore[union-attr]
+        app = self.app = self.make()
+        if hasattr(app, "join_writes"):  # (one TLS record per answer)
+            app.join_writes = True
+        app.connection_made(self)  # type: ignore[arg-type]
+        if self.state == _OPEN and self.incoming.pending:  # (a request sent with the handshake's last bytes)
+            self.data_received(b"")
+
+    def _flush(self) -> None:
+        data = self.outgoing.read()
+        if data and self.raw is not None:
+            self.raw.write(data)
+
+    # ---- the app's transport -----------------------------------------------------------------------
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.state != _OPEN or not data:
+            return
+        try:
+            self._write(data)
+        except ssl.SSLError as exc:
+            log.debug("%s TLS: %s", self.acceptor.proto, exc)
+            self.abort()
+            return
+        self.raw.write(self.outgoing.read())  # type: ignore[union-attr]
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("TLS: close() sends close_notify")
+
+    def close(self) -> None:
+        """close_notify and FIN after what was written; the client's bytes read and dropped until
+        its EOF (at most SHUTDOWN_S, SHUTDOWN_BYTES)."""
+        raw = self.raw
+        if self.state != _OPEN or raw is None:
+            return
+        self.state = _CLOSING
+        try:
+            self.ssl.unwrap()  # type: ignore[union-attr]  # (raises: the client's close_notify is not here yet)
+        except (ssl.SSLError, ValueError):
+            pass
+        self._flush()
+        if not raw.can_write_eof():
+            raw.close()
+            return
+        raw.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(SHUTDOWN_S, self._timed_out)
+        raw.resume_reading()
+
+    def abort(self) -> None:
+        self.state = _CLOSED
+        if self.raw is not None:
+            self.raw.abort()
+
+    def is_closing(self) -> bool:
+        return self.state != _OPEN
+
+    def pause_reading(self) -> None:
+        if self.state == _OPEN:
+            self.raw.pause_reading()  # type: ignore[union-attr]
+
+    def resume_reading(self) -> None:
+        if self.state == _OPEN:
+            self.raw.resume_reading()  # type: ignore[union-attr]
+
+    def is_reading(self) -> bool:
+        return self.state == _OPEN and self.raw is not None and self.raw.is_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        obj = self.ssl
+        if name == "ssl_object":
+            return obj
+        if name == "peercert" and obj is not None:
+            return obj.getpeercert()
+        if name == "cipher" and obj is not None:
+            return obj.cipher()
+        if name == "sslcontext" and obj is not None:
+            return obj.context
+        return self.raw.get_extra_info(name, default) if self.raw is not None else default
+
+    def get_write_buffer_size(self) -> int:
+        return self.raw.get_write_buffer_size() if self.raw is not None else 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if self.raw is not None:
+            self.raw.set_write_buffer_limits(high, low)
+
+    def get_protocol(self) -> asyncio.BaseProtocol | None:
+        return self.app
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.app = protocol  # type: ignore[assignment]
 
 
 # ---- a client certificate as a tenant's name (gateway/auth.py:Tenants.authenticate) ---------------
