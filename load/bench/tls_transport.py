@@ -10,7 +10,7 @@ client: a plain Python process, not counted, that sends each request as perf_ana
 does, its head and its body in two writes (two TLS records in, one out), one request at a time.
 Each label runs twice under callgrind, with --base requests and with --base + n; the difference of
 the two totals over n is the server's instructions per request (start-up, imports and the handshake
-are in both and cancel out). Runs of the same tree differ by ~2,000 instructions per request
+are in both and cancel out). Runs of the same tree differ by up to ~3,000 instructions per request
 (allocator and dict states); numpy's BLAS threads, which spin otherwise, are held to one.
 Compare trees by running it in each (e.g. `git worktree add /tmp/base <rev>`).
 """
