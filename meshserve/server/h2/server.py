@@ -77,6 +77,10 @@ log = logging.getLogger("meshserve.grpc.h2")
 STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handler may leave unread
 # ... and at most this many of them (a flood of empty messages is bytes-cheap, each one not)
 STREAM_MAX_QUEUED = 4096
+# ... and at most this many bytes of them as the handler will hold them: a compressed message is
+# charged its inflated size (a gzip bomb is small on the wire), and past this the rest waits raw.
+# Uncompressed messages never reach it (the window stops the client at STREAM_BACKLOG + a window).
+STREAM_MAX_HELD = STREAM_BACKLOG + LOCAL_STREAM_WINDOW
 # response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window;
 # once the peer's window has stopped the stream, more than one message queued (2 items) is enough
 # (a peer that never gives window back holds one waiting message of the handler's, whatever its size)
@@ -752,7 +756,7 @@ class ServerConnection(H2Endpoint):
         queue = st.queue
         st.parked = False
         while end - pos >= 5:
-            if queue.qsize() >= STREAM_MAX_QUEUED:  # the rest stays raw until the handler reads on
+            if queue.qsize() >= STREAM_MAX_QUEUED or st.queued > STREAM_MAX_HELD:  # the rest stays raw until the handler reads on
                 st.parked = True
                 break
             compressed, size = MESSAGE_PREFIX.unpack_from(src, pos)
@@ -769,6 +773,8 @@ class ServerConnection(H2Endpoint):
                 if plain is None:
                     return False
                 msg = plain
+                if len(plain) > size:  # charged as inflated (_requests gives back the same)
+                    st.queued += len(plain) - size
             queue.put_nowait((msg, 5 + size))
             st.queued += 5 + size
         if frame_data is not None:
@@ -890,7 +896,7 @@ class ServerConnection(H2Endpoint):
             if item is _EOF:
                 return
             msg, size = item
-            st.queued -= size
+            st.queued -= size if len(msg) + 5 <= size else len(msg) + 5  # (an inflated message: as charged)
             st.taken += size  # released to the connection window by _settle
             if st.parked and not st.closed:  # room in the queue: take messages still waiting in buf
                 unparked = self._messages(st) and not st.parked
