@@ -849,6 +849,11 @@ class FrontDoor:
         found = self.entries.get(key)
         if found is None:
             return None
+        if not rid.isascii():  # (an id that is not UTF-8 is a malformed request: the parse's INVALID_ARGUMENT)
+            try:
+                rid[2:].decode()
+            except UnicodeDecodeError:
+                return None
         started = time.perf_counter_ns()
         name, asked, config, lkey, row, ok = found
         stage = self.stage

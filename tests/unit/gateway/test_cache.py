@@ -496,3 +496,25 @@ def test_raw_key_remembers_only_small_metadata() -> None:
     finally:
         cache._raw_forms.clear()
         cache._raw_forms.update(before)
+
+
+def test_the_front_door_leaves_an_id_that_is_not_utf8_to_the_parse() -> None:
+    """A request whose id is not UTF-8 is malformed (protobuf's parse refuses it: the pipeline's
+    INVALID_ARGUMENT); the front door, which cuts the id out of the key without parsing, answered
+    it from the cache with the bad bytes echoed as the answer's id (session 10 review)."""
+    stage, _, _, _, _ = _front_door()
+    first = _request([7, 8, 9])
+    first.id = "ok"
+    for _ in range(2):  # a miss, then a hit in the stage: indexed at the door
+        assert _through(stage, first.SerializeToString()).id == "ok"
+    again = _request([7, 8, 9])
+    again.id = "yz"
+    assert stage.front.grpc(again.SerializeToString(), None, None) is not None  # a hit at the door
+    bad = again.SerializeToString().replace(b"\x1a\x02yz", b"\x1a\x02\xff\xfe")
+    with pytest.raises(Exception, match="Error parsing"):
+        pb.ModelInferRequest.FromString(bad)
+    assert stage.front.grpc(bad, None, None) is None  # the pipeline's path: its parse says INVALID_ARGUMENT
+    accented = _request([7, 8, 9])
+    accented.id = "é"
+    hit = stage.front.grpc(accented.SerializeToString(), None, None)
+    assert hit is not None and pb.ModelInferResponse.FromString(hit).id == "é"  # UTF-8 beyond ASCII: a hit
