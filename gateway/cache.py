@@ -235,7 +235,8 @@ def _canonical(request: pb.ModelInferRequest) -> pb.ModelInferRequest | None:
     return copy
 
 
-RAW_FORMS_KEPT = 1024  # raw_key's canonical metadata remembered (all dropped when full)
+RAW_FORMS_KEPT = 1024  # raw_key's canonical metadata remembered (all dropped when full) ...
+RAW_FORM_MAX = 4096  # ... each at most this long (a client's larger parameters or inputs: request_key)
 _raw_forms: dict[bytes, bytes | None] = {}
 
 
@@ -282,6 +283,8 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
     meta = raw[meta_start:meta_end] if meta_start >= 0 else b""
     form = _raw_forms.get(meta, b"?")  # (b"?": unseen; no serialization of fields 4-6 is that byte)
     if form == b"?":
+        if len(meta) > RAW_FORM_MAX:  # (kept, 1,024 of them could hold a GiB of one client's parameters)
+            return None
         form = _canonical_metadata(meta)
         if len(_raw_forms) >= RAW_FORMS_KEPT:
             _raw_forms.clear()
@@ -846,6 +849,11 @@ class FrontDoor:
         found = self.entries.get(key)
         if found is None:
             return None
+        if not rid.isascii():  # (an id that is not UTF-8 is a malformed request: the parse's INVALID_ARGUMENT)
+            try:
+                rid[2:].decode()
+            except UnicodeDecodeError:
+                return None
         started = time.perf_counter_ns()
         name, asked, config, lkey, row, ok = found
         stage = self.stage

@@ -257,8 +257,9 @@ class Triton:
                 f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--log-verbose=0"]
         self.log = work / "tritonserver.log"
         # the shell joins the cgroup, then becomes tritonserver: every stub it starts is inside
-        self.proc = subprocess.Popen(["sh", "-c", 'echo $$ > "$CGROUP_PROCS" && exec "$@"', "sh", *argv],
-                                     env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+        # (its own process group: stop() waits out the python stubs it starts too, procs.stop_process)
+        self.proc = procs.spawn(["sh", "-c", 'echo $$ > "$CGROUP_PROCS" && exec "$@"', "sh", *argv],
+                                env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         self.http, self.grpc = f"127.0.0.1:{self.http_port}", f"127.0.0.1:{self.grpc_port}"
 
     def alive(self) -> bool:

@@ -10,6 +10,7 @@ children), not only for the process itself.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,24 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout
     it; where it leads a process group of its own, wait out the rest of that group too
     (``stop_group``). Returns its exit code."""
     return stop_group(proc, sig, timeout)[0]
+
+
+def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(argv, **kwargs)`` as the leader of a process group of its own, so that
+    ``stop_process`` waits out everything it started too (a gateway's workers, tritonserver's
+    python stubs, drive.sh's perf_analyzer), and a terminal's Ctrl-C reaches only the bench, whose
+    ``running`` blocks then stop each in turn."""
+    return subprocess.Popen(argv, start_new_session=True, **kwargs)
+
+
+@contextlib.contextmanager
+def running(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20) -> Iterator[Any]:
+    """``proc`` (from ``spawn``) stopped with its whole group (``stop_process``) when the block
+    ends, however it ends: normally, by an exception or by Ctrl-C's KeyboardInterrupt."""
+    try:
+        yield proc
+    finally:
+        stop_process(proc, sig, timeout)
 
 
 def stop_group(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20,

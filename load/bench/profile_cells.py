@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from load.bench import ratios
-from load.bench.procs import cpu_seconds
+from load.bench.procs import cpu_seconds, running, spawn, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SATURATED = 0.9  # cores: one event loop (plus its helper threads) counts as the ceiling above this
@@ -184,38 +186,48 @@ class Pass:
     def start(self, argv: list[str], ready_url: str, log_name: str) -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         log = open(self.out / log_name, "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = spawn([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=env, stdout=log,
+                     stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"meshserve {' '.join(argv)} exited (rc {proc.returncode}); see {log.name}")
-            try:
-                with urllib.request.urlopen(ready_url, timeout=1) as r:
-                    if r.status == 200:
-                        return proc
-            except OSError:
-                pass
-            time.sleep(0.5)
-        proc.kill()
+        try:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise SystemExit(f"meshserve {' '.join(argv)} exited (rc {proc.returncode}); see {log.name}")
+                try:
+                    with urllib.request.urlopen(ready_url, timeout=1) as r:
+                        if r.status == 200:
+                            return proc
+                except OSError:
+                    pass
+                time.sleep(0.5)
+        except BaseException:  # (not ready, or Ctrl-C meanwhile: nothing left behind)
+            stop_process(proc)
+            raise
+        stop_process(proc)
         raise SystemExit(f"meshserve {' '.join(argv)}: not ready in 120 s; see {log.name}")
 
     def cell(self, label: str, root: subprocess.Popen[bytes], http: str, grpc: str, cell: ratios.Cell) -> None:
         m, mode, c = cell.key
         tag = f"{label}-{m}-{mode}-c{c}"
         procs = meshserve_processes(root.pid)
+        with contextlib.ExitStack() as started:  # drive.sh and the spies stopped with their groups, however this ends
+            self._measure(started, label, tag, procs, root, http, grpc, cell)
+
+    def _measure(self, started: contextlib.ExitStack, label: str, tag: str, procs: dict[str, int],
+                 root: subprocess.Popen[bytes], http: str, grpc: str, cell: ratios.Cell) -> None:
+        m, mode, c = cell.key
         drive_env = dict(os.environ, OUT=str(self.out / "drive.jsonl"))
-        drive = subprocess.Popen(
+        drive = started.enter_context(running(spawn(
             [str(self.bench / "drive.sh"), http, grpc, m, f"profile-{label}", "--server-pid", str(root.pid),
              "--stats", "triton", "--interval", str(self.a.interval), "--concurrency", str(c), "--modes", mode,
              "--input-data", str(self.models / "perf_data" / f"{m}.json"), "--quiet-wait", "0",
              "--stability", "999"],  # three windows, no more: the py-spy window lies inside them
-            env=drive_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=drive_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         time.sleep(self.a.warmup)  # perf_analyzer's own warm-up and first window
-        spies = {name: subprocess.Popen(
+        spies = {name: started.enter_context(running(spawn(
             ["py-spy", "record", "-p", str(pid), "-d", str(self.a.seconds), "-r", str(self.a.rate), "-f", "raw",
              "--nonblocking", "-o", str(self.out / f"{tag}-{name}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in procs.items()}
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), signal.SIGINT)) for name, pid in procs.items()}
         c0 = {name: cpu_seconds(pid) for name, pid in procs.items()}
         b0, t0 = machine_busy()
         w0 = time.monotonic()
@@ -252,12 +264,9 @@ class Pass:
             return
         http, grpc = f"127.0.0.1:{http_port}", f"127.0.0.1:{http_port + 1}"
         proc = self.start(argv, f"http://{http}/v2/health/ready", f"meshserve-{label}.log")
-        try:
+        with running(proc, timeout=30):  # (with a gateway's workers, however the sweep ends)
             for cell in cells:
                 self.cell(label, proc, http, grpc, cell)
-        finally:
-            proc.terminate()
-            proc.wait(30)
 
     def run(self) -> None:
         chosen = [c for c in ratios.cells(self.res) if self.a.all or (c.known and not all(c.goals))]

@@ -146,13 +146,11 @@ class Server:
     log: Path
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stopped with everything it started (a gateway's workers: ``procs.stop_process``)."""
+        if isinstance(self.proc, _Adopted):
+            self.proc.stop()
+        else:
+            procs.stop_process(self.proc, timeout=30)
 
 
 def wait_ready(server: Server, timeout: float) -> None:
@@ -171,8 +169,8 @@ def start_meshserve(label: str, argv: list[str], http: int, grpc: int, res: Path
         write_hop_key(key)
     env = {"MESHSERVE_HOP_KEY_FILE": str(key), **os.environ,
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = procs.spawn([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=env,
+                       stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return Server(label, proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", log)
 
 
@@ -228,6 +226,14 @@ class _Adopted:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             time.sleep(0.2)
         return self.returncode or 0
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
 
 
 def pa_venv() -> Path | None:
@@ -321,7 +327,7 @@ class RawOrt:
     def measure(self, model: str, batch: float, runs: int) -> dict[str, Any]:
         if self.proc is None:
             cpus = self.cpus
-            self.proc = subprocess.Popen(
+            self.proc = procs.spawn(
                 [sys.executable, "-m", "load.bench.sbs", "--raw-ort-serve", str(self.repo), str(self.data)],
                 cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
@@ -334,14 +340,10 @@ class RawOrt:
         return dict(json.loads(line))
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:
             assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.stdin.close()  # (its end: it exits at EOF)
+            procs.stop_process(self.proc, timeout=30)
 
 
 def parse_raw_cells(text: str) -> set[tuple[str, int]]:

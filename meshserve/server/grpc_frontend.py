@@ -558,7 +558,11 @@ def register(server: H2GrpcServer, core: V2Core, health: HealthState) -> None:
         # (without tenants the door neither reads the call nor refuses: called as it is, without one)
         hook = (servicer.answer_at_once, True) if front.admission is not None else (front.grpc, False)
         path = f"/{access.GRPC_SERVICE}/ModelInfer"
-        front.on_first_entry = lambda: server.at_once.setdefault(path, hook)  # type: ignore[arg-type]
+        install = functools.partial(server.at_once.setdefault, path, hook)  # type: ignore[arg-type]
+        earlier = front.on_first_entry  # another gRPC server of this process on the same door: each gets it
+        front.on_first_entry = install if earlier is None else lambda: (earlier(), install())
+        if front.entries:  # (registered after the door's first entry)
+            install()
         servicer.hit = None  # (what the door can answer it answers there: ModelInfer goes on to the pipeline)
     server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))
     server.add_methods(access.METRICS_SERVICE, methods(MetricsServicer(core), access.METRICS_METHODS, core))

@@ -49,6 +49,7 @@ from meshserve.server.h2.frames import (
 
 MAX_SETTINGS = 32  # entries in one SETTINGS frame (nghttp2's max_settings)
 LINGER_S = 1.0  # after a connection error: input read and dropped this long before the close
+HCACHE_BLOCK_MAX = 4096  # header blocks larger than this are parsed each time, never kept (hcache)
 
 log = logging.getLogger("meshserve.grpc.h2")
 logging.getLogger("hpack").setLevel(logging.WARNING)  # it logs every header it decodes at DEBUG
@@ -419,8 +420,8 @@ class H2Endpoint(asyncio.Protocol):
         return parsed
 
     def _cache(self, block: bytes, parsed: tuple[Any, ...]) -> None:
-        if TRACE_FIELD in block:  # a trace id each (a sampled response's trailers): never repeats
-            return
+        if TRACE_FIELD in block or len(block) > HCACHE_BLOCK_MAX:  # (a trace id never repeats; a large block:
+            return  # 256 of them were up to 256 MiB a connection, outside flow control)
         if len(self.hcache) >= 256:  # other one-off blocks: start afresh
             self.hcache.clear()
         self.hcache[block] = parsed

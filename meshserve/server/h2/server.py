@@ -77,6 +77,10 @@ log = logging.getLogger("meshserve.grpc.h2")
 STREAM_BACKLOG = LOCAL_STREAM_WINDOW // 2  # request streaming: messages a handler may leave unread
 # ... and at most this many of them (a flood of empty messages is bytes-cheap, each one not)
 STREAM_MAX_QUEUED = 4096
+# ... and at most this many bytes of them as the handler will hold them: a compressed message is
+# charged its inflated size (a gzip bomb is small on the wire), and past this the rest waits raw.
+# Uncompressed messages never reach it (the window stops the client at STREAM_BACKLOG + a window).
+STREAM_MAX_HELD = STREAM_BACKLOG + LOCAL_STREAM_WINDOW
 # response streaming: queued DATA items (2 per message) beyond which a handler waits for the peer's window;
 # once the peer's window has stopped the stream, more than one message queued (2 items) is enough
 # (a peer that never gives window back holds one waiting message of the handler's, whatever its size)
@@ -335,6 +339,11 @@ class ServerConnection(H2Endpoint):
         self.reset_tokens = float(self.reset_burst)
         self.reset_at = 0.0
         self.send_budget = limits.conn_send_buffer_bytes
+        # answer bytes put in the write buffer since its last flush (_reply, _send_message): the
+        # budget holds within one read or loop pass too, before the socket can back up (at-once
+        # hits make one answer per request of a read; Tasks up to a stream cap's worth per pass)
+        self.unflushed = 0
+        self.unflushed_cap = self.send_budget or MAX_MESSAGE << 8
         self.max_control = limits.max_pending_control_frames
         self.control_backlog = 0
         self.control_unflushed = 0  # PING/SETTINGS ACKs queued since the last write (_control_reply)
@@ -427,7 +436,7 @@ class ServerConnection(H2Endpoint):
                                         f"peer does not read (--max-pending-control-frames)")
 
     def _flush(self) -> None:
-        self.control_unflushed = 0
+        self.control_unflushed = self.unflushed = 0
         super()._flush()
 
     def _on_ping_ack(self, payload: bytes) -> None:
@@ -449,12 +458,14 @@ class ServerConnection(H2Endpoint):
         budget = self.send_budget
         if not budget or self.transport is None:
             return False
-        pending = self.queued_out + self.transport.get_write_buffer_size()
+        pending = self.queued_out + self.transport.get_write_buffer_size() + self.unflushed
         if pending <= budget:
             return False
         log.info("closing HTTP/2 connection from %s: %d response bytes unsent, over --conn-send-buffer-bytes %d",
                  self.peername, pending, budget)
         self.paused = True  # do not wait for the peer: drop what it has not taken (abort)
+        self.going_away = True  # (the rest of this read's streams are refused, not answered into a dead buffer)
+        self.unflushed = 0
         self._fatal(ErrorCode.ENHANCE_YOUR_CALM,
                     f"{pending} response bytes unsent, over the connection's send budget of {budget} bytes")
         for st in list(self.streams.values()):
@@ -745,7 +756,7 @@ class ServerConnection(H2Endpoint):
         queue = st.queue
         st.parked = False
         while end - pos >= 5:
-            if queue.qsize() >= STREAM_MAX_QUEUED:  # the rest stays raw until the handler reads on
+            if queue.qsize() >= STREAM_MAX_QUEUED or st.queued > STREAM_MAX_HELD:  # the rest stays raw until the handler reads on
                 st.parked = True
                 break
             compressed, size = MESSAGE_PREFIX.unpack_from(src, pos)
@@ -762,6 +773,8 @@ class ServerConnection(H2Endpoint):
                 if plain is None:
                     return False
                 msg = plain
+                if len(plain) > size:  # charged as inflated (_requests gives back the same)
+                    st.queued += len(plain) - size
             queue.put_nowait((msg, 5 + size))
             st.queued += 5 + size
         if frame_data is not None:
@@ -883,7 +896,7 @@ class ServerConnection(H2Endpoint):
             if item is _EOF:
                 return
             msg, size = item
-            st.queued -= size
+            st.queued -= size if len(msg) + 5 <= size else len(msg) + 5  # (an inflated message: as charged)
             st.taken += size  # released to the connection window by _settle
             if st.parked and not st.closed:  # room in the queue: take messages still waiting in buf
                 unparked = self._messages(st) and not st.parked
@@ -1003,13 +1016,14 @@ class ServerConnection(H2Endpoint):
     def _reply(self, st: ServerStream, payload: bytes, ctx: ServerCall) -> None:
         """Unary success: HEADERS, one message, trailers — one write when the windows allow."""
         n = len(payload) + 5
-        if self.paused and self._over_send_budget():
+        if (self.paused or self.unflushed > self.unflushed_cap) and self._over_send_budget():
             return
         trailers = _trailers_block(0, None, ctx._trailing) if ctx._trailing else TRAILERS_OK
         if (not st.headers_sent and not st.out and n <= self.send_window and n <= st.send_window
                 and n <= self.peer_max_frame):
             self.send_window -= n
             st.send_window -= n
+            self.unflushed += n
             st.headers_sent = True
             sid = st.sid
             head = _REPLY_HEAD.pack(0, _HEAD_LEN, HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
@@ -1033,7 +1047,8 @@ class ServerConnection(H2Endpoint):
 
     def _send_message(self, st: ServerStream, payload: bytes | list[bytes]) -> None:
         """One message of a stream (a list: its pieces, written one after another, not joined)."""
-        if st.closed or ((self.paused or self.queued_out) and self._over_send_budget()):
+        if st.closed or ((self.paused or self.queued_out or self.unflushed > self.unflushed_cap)
+                         and self._over_send_budget()):
             return
         if not st.headers_sent:
             self._send_headers(st)
@@ -1045,6 +1060,7 @@ class ServerConnection(H2Endpoint):
             # prefix one buffer), without the stream's queue (_drain)
             self.send_window -= n
             st.send_window -= n
+            self.unflushed += n
             self._write(_MESSAGE_HEAD.pack(n >> 16, n & 0xFFFF, DATA, 0, st.sid, 0, size))
             if pieces is None:
                 self._write(payload)  # type: ignore[arg-type]

@@ -471,3 +471,50 @@ def test_the_front_door_answers_at_once_only_where_admission_never_waits(tmp_pat
     with pytest.raises(RuntimeError):  # a coroutine that would wait is never half run at once
         _now(pending)  # type: ignore[arg-type]
     assert waiting.admission.inflight == {}  # (closed: its share given back)
+
+
+def test_raw_key_remembers_only_small_metadata() -> None:
+    """raw_key's remembered canonical forms (``_raw_forms``: RAW_FORMS_KEPT of them, process-wide)
+    are keyed by the request's metadata bytes, which a client chooses: a large parameter made each
+    entry as large as the request (1,024 of 1 MiB: a GiB of the gateway's memory). Metadata over
+    RAW_FORM_MAX is left to request_key (the same key), never remembered (session 10 review)."""
+    from gateway import cache
+    from gateway.cache import RAW_FORM_MAX, _raw_forms, raw_key
+
+    big = _two_inputs()
+    big.parameters["note"].string_param = "x" * (64 << 10)
+    before = dict(_raw_forms)
+    try:
+        for i in range(8):
+            big.parameters["note"].string_param = f"{i}" + "x" * (64 << 10)
+            assert raw_key(big.SerializeToString(), "1", True) is None  # request_key's to decide
+            assert request_key(big, "1", True) is not None
+        assert all(len(meta) <= RAW_FORM_MAX for meta in _raw_forms)
+        small = _two_inputs()
+        small.parameters["note"].string_param = "y"
+        assert raw_key(small.SerializeToString(), "1", True) == request_key(small, "1", True) is not None
+    finally:
+        cache._raw_forms.clear()
+        cache._raw_forms.update(before)
+
+
+def test_the_front_door_leaves_an_id_that_is_not_utf8_to_the_parse() -> None:
+    """A request whose id is not UTF-8 is malformed (protobuf's parse refuses it: the pipeline's
+    INVALID_ARGUMENT); the front door, which cuts the id out of the key without parsing, answered
+    it from the cache with the bad bytes echoed as the answer's id (session 10 review)."""
+    stage, _, _, _, _ = _front_door()
+    first = _request([7, 8, 9])
+    first.id = "ok"
+    for _ in range(2):  # a miss, then a hit in the stage: indexed at the door
+        assert _through(stage, first.SerializeToString()).id == "ok"
+    again = _request([7, 8, 9])
+    again.id = "yz"
+    assert stage.front.grpc(again.SerializeToString(), None, None) is not None  # a hit at the door
+    bad = again.SerializeToString().replace(b"\x1a\x02yz", b"\x1a\x02\xff\xfe")
+    with pytest.raises(Exception, match="Error parsing"):
+        pb.ModelInferRequest.FromString(bad)
+    assert stage.front.grpc(bad, None, None) is None  # the pipeline's path: its parse says INVALID_ARGUMENT
+    accented = _request([7, 8, 9])
+    accented.id = "é"
+    hit = stage.front.grpc(accented.SerializeToString(), None, None)
+    assert hit is not None and pb.ModelInferResponse.FromString(hit).id == "é"  # UTF-8 beyond ASCII: a hit
