@@ -56,6 +56,7 @@ from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
 
 if TYPE_CHECKING:
+    from gateway.pipeline import Outcomes
     from gateway.upstream.upstream import Upstream
 
 # A member's share of a merged message: its own message's size (the bytes the client sent, or
@@ -149,10 +150,13 @@ class Coalescer:
             del self.busy[model]
 
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
-                     shape: ModelShape, timeout: float | None, name: str | None = None) -> InferResult:
+                     shape: ModelShape, timeout: float | None, name: str | None = None,
+                     outcomes: Outcomes | None = None, protocol: str = "grpc") -> InferResult:
         """Send ``request`` (merge_key gave ``key`` and ``rows`` for the model's ``shape``), alone
         or merged with the requests of its key pending in this event-loop pass (``name``: its
-        model's, when the caller has read it)."""
+        model's, when the caller has read it). ``outcomes`` (gateway/pipeline.py:Outcomes)
+        counts the request's outcome here, for a client of ``protocol``, when given: the
+        pipeline's ``Outcomes`` stage then needs no coroutine of its own."""
         if name is None:
             name = request.model_name
         self.busy[name] = self.busy.get(name, 0) + 1
@@ -165,21 +169,30 @@ class Coalescer:
                 # nothing of this group in flight or waiting: send it now, alone
                 group.inflight_rows += rows
                 try:
-                    return InferResult(await self._upstream.send(request, raw, timeout))  # (positional: cheaper)
+                    result = InferResult(await self._upstream.send(request, raw, timeout))  # (positional: cheaper)
                 finally:
                     group.inflight_rows -= rows
                     self._settle(key, group)
-            fut: asyncio.Future[InferResult] = (self._loop or self._running_loop()).create_future()
-            self.queued += 1
-            now = time.monotonic_ns()
-            group.pending.append(_Pending(request, raw, rows, fut, None if timeout is None else now + int(timeout * 1e9),
-                                          now, tracing.current_var.get() if tracing.enabled else None,
-                                          (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
-            if not group.flush_scheduled:  # (_schedule, inline)
-                self._schedule(key, group)
-            return await fut
+            else:
+                fut: asyncio.Future[InferResult] = (self._loop or self._running_loop()).create_future()
+                self.queued += 1
+                now = time.monotonic_ns()
+                group.pending.append(_Pending(request, raw, rows, fut,
+                                              None if timeout is None else now + int(timeout * 1e9), now,
+                                              tracing.current_var.get() if tracing.enabled else None,
+                                              (len(raw) if raw is not None else request.ByteSize()) + _MEMBER_OVERHEAD))
+                if not group.flush_scheduled:  # (_schedule, inline)
+                    self._schedule(key, group)
+                result = await fut
+        except InferError as exc:
+            if outcomes is None:
+                raise
+            raise outcomes.failed(name, exc, protocol) from None
         finally:
             self.done(name)
+        if outcomes is not None:
+            outcomes.counts[(name, "OK")] += 1
+        return result
 
     def _schedule(self, key: Key, group: _Group) -> None:
         if not group.flush_scheduled:
