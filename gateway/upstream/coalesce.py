@@ -159,14 +159,17 @@ class Coalescer:
         pipeline's ``Outcomes`` stage then needs no coroutine of its own."""
         if name is None:
             name = request.model_name
-        self.busy[name] = self.busy.get(name, 0) + 1
+        busy = self.busy[name] = self.busy.get(name, 0) + 1
         try:  # (one coroutine: every coalesced request's path)
             group = self._groups.get(key)
             if group is None:
                 max_batch = shape.max_batch_size
                 group = self._groups[key] = _Group(shape, max_batch, max_batch * shape.instances)
-            if not group.inflight_rows and not group.pending:
-                # nothing of this group in flight or waiting: send it now, alone
+            if busy == 1 and not group.inflight_rows and not group.pending:
+                # nothing of this model in flight or waiting: send it now, alone. (A request sent
+                # alone because its model was idle, gateway/pipeline.py:Forward, is in no group:
+                # the wave's next request waits for the pass's flush with the rest of the wave,
+                # one message instead of two.)
                 group.inflight_rows += rows
                 try:
                     result = InferResult(await self._upstream.send(request, raw, timeout))  # (positional: cheaper)
