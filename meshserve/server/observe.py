@@ -67,6 +67,28 @@ def _admit(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int
     return weight, size
 
 
+def admitted(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int] | None:
+    """``infer``'s common path (tracing off, DEBUG off) for a front door that awaits the core in
+    its own coroutine (one coroutine fewer per request): the request admitted (``_admit``'s
+    (weight, size), handed back to ``release`` when it ends; a refusal raised), its errors
+    mapped and logged by ``failed``. None (nothing admitted): the request goes by ``infer``."""
+    if tracing.enabled or log.isEnabledFor(logging.DEBUG):
+        return None
+    return _admit(request, ctx)
+
+
+def release(admitted: tuple[int, int]) -> None:
+    """A request ``admitted`` admitted has ended (answered, failed or cancelled)."""
+    gate = _gate
+    gate.requests -= admitted[0]
+    gate.bytes -= admitted[1]
+
+
+def failed(request: pb.ModelInferRequest, ctx: RequestContext, exc: Exception) -> InferError:
+    """The error of a request ``admitted`` admitted, logged once (as ``infer`` logs it)."""
+    return _log_error(request, ctx, exc, "", 0)
+
+
 def _weight(request: pb.ModelInferRequest, merged: int) -> int:
     """A merged request's weight in admission: its member count, at least 1 and at most its rows
     (each member brings at least one row, and the model refuses more rows than its max batch),
