@@ -38,6 +38,7 @@ from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
+_levels: dict[int, bool] = log._cache  # type: ignore[attr-defined]  # (cleared in place by setLevel, never replaced)
 _gate = admission.gate  # configured in place by process.serve
 # The request's Hop record, read once at the front door (meshserve/protocol/hop.py: the gateway's
 # private parameters, believed only on a gateway's stream; a request without parameters costs one
@@ -72,7 +73,9 @@ def admitted(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, i
     its own coroutine (one coroutine fewer per request): the request admitted (``_admit``'s
     (weight, size), handed back to ``release`` when it ends; a refusal raised), its errors
     mapped and logged by ``failed``. None (nothing admitted): the request goes by ``infer``."""
-    if tracing.enabled or log.isEnabledFor(logging.DEBUG):
+    # (the logger's own cache of isEnabledFor(DEBUG), read without the call: a level not cached
+    # yet, or DEBUG on, takes ``infer``, which asks the logger and so fills the cache)
+    if tracing.enabled or _levels.get(logging.DEBUG) is not False:
         return None
     return _admit(request, ctx)
 
