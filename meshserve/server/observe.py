@@ -4,7 +4,9 @@ This is the front door every inference request passes: it reads the request's Ho
 gateway's private ``meshserve_*`` parameters and hop marker, ``read_hop``: meshserve.protocol.hop) into
 ``RequestContext.hop`` once, for admission, tracing and the core.
 
-The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
+The common case (tracing off, DEBUG off, success) costs two flag checks; the front doors run it
+in their own coroutine (``admitted``, ``release``, ``failed``: one coroutine fewer per request)
+and everything else by ``infer``. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
 (the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
 from several clients' requests gets one per traced member (``meshserve_traceparents``). In a
