@@ -134,22 +134,38 @@ class Outcomes:
         self.counts = counts
         self.renames = renames  # an A/B route may point the request at another name (ABRoutes)
 
-    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
-                    params: Params | None) -> InferResult:
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
+              params: Params | None) -> Result:
+        """The request's coroutine, counted: a request without parameters where ``Forward`` is
+        the stage past ``Turns`` gets ``Forward``'s own coroutine, which counts it (``ended``,
+        ``failed``: no coroutine of this stage's per request); any other, ``_counted``'s."""
+        if params is None and (forward := self.forward) is not None:
+            try:
+                return forward.named(request, ctx, None, name, version, self)
+            except InferError as exc:  # (refused before it left: counted as it would be inside)
+                raise self.failed(name, exc, ctx.protocol) from None
+        return self._counted(request, ctx, name, params)
+
+    async def _counted(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str,
+                       params: Params | None) -> InferResult:
         try:
             if params is not None:
                 result = await self.next.infer_with(request, ctx, params)
-            elif (forward := self.forward) is not None:
-                result = await forward.named(request, ctx, None, name, version)
             else:
                 result = await self.past_turns.infer(request, ctx, None)
         except InferError as exc:
-            self.counts[(request.model_name if self.renames else name, exc.code.value)] += 1
-            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # the service's words for gRPC
-                raise unary_decoupled_error(ctx.protocol) from None
-            raise
+            raise self.failed(request.model_name if self.renames else name, exc, ctx.protocol) from None
         self.counts[(request.model_name if self.renames else name, "OK")] += 1
         return result
+
+    def failed(self, name: str, exc: InferError, protocol: str) -> InferError:
+        """Count a request of ``name`` that ended with ``exc``; the error for the client (the
+        service's words for a unary call on a decoupled model put in the client's protocol's).
+        An answered one is counted by ``self.counts[(name, "OK")] += 1``, inline where it ends."""
+        self.counts[(name, exc.code.value)] += 1
+        if exc.message == UNARY_DECOUPLED_GRPC and protocol == "http":  # the service's words for gRPC
+            return unary_decoupled_error(protocol)
+        return exc
 
     async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
         try:
@@ -157,10 +173,7 @@ class Outcomes:
                 async for response, final in answers:
                     yield (None if response is None else InferResult(message=response)), final
         except InferError as exc:
-            self.counts[(request.model_name, exc.code.value)] += 1
-            if exc.message == UNARY_DECOUPLED_GRPC and ctx.protocol == "http":  # (as infer)
-                raise unary_decoupled_error(ctx.protocol) from None
-            raise
+            raise self.failed(request.model_name, exc, ctx.protocol) from None
         self.counts[(request.model_name, "OK")] += 1
 
 
@@ -385,9 +398,11 @@ class Forward:
         return self.named(request, ctx, sequence, request.model_name, request.model_version)
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str) -> Result:
+              version: str, outcomes: Outcomes | None = None) -> Result:
         """``infer`` of a request whose model name and version were read already (read once,
-        handed on: ``Outcomes.forward``, where no stage before this one can rename it)."""
+        handed on: ``Outcomes.forward``, where no stage before this one can rename it). With
+        ``outcomes`` the returned coroutine counts the request's outcome there (``Outcomes.failed``;
+        one coroutine fewer per request than ``Outcomes`` awaiting it)."""
         deadline = ctx.deadline  # (ctx.time_remaining(), inline)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         raw = ctx.raw
@@ -400,27 +415,34 @@ class Forward:
         if self.coalesce:
             coalescer = self.coalescer
             if name not in coalescer.busy:  # idle: nothing to merge with, no merge check
-                return self._alone(request, name, version, raw, timeout, sequence)
+                return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol)
             if facts is not None and (shape := facts[1]) is not None and \
                     (found := merge_key(request, shape, raw)) is not None:  # a sampled request may be merged too
-                return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name)
-        return self._sent(request, name, version, raw, timeout, sequence)
+                return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
+                                        ctx.protocol)
+        return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, False)
 
     async def _alone(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
-                     timeout: float | None, sequence: str | None) -> InferResult:
-        """``Coalescer.send_alone`` (requests arriving meanwhile see the model busy), without a
-        frame of its own."""
+                     timeout: float | None, sequence: str | None, outcomes: Outcomes | None, protocol: str,
+                     alone: bool = True) -> InferResult:
+        """``Coalescer.send_alone`` (``alone``: requests arriving meanwhile see the model busy;
+        else just sent), without a frame of its own; counted by ``outcomes`` (see ``named``)."""
         busy = self.coalescer.busy
-        busy[name] = busy.get(name, 0) + 1
+        if alone:
+            busy[name] = busy.get(name, 0) + 1
         try:
             # (InferResult's message positionally: a call with keywords costs ~1.2k instructions more)
-            return InferResult(await self._send(request, name, version, raw, timeout, sequence))
+            result = InferResult(await self._send(request, name, version, raw, timeout, sequence))
+        except InferError as exc:
+            if outcomes is None:
+                raise
+            raise outcomes.failed(name, exc, protocol) from None
         finally:
-            self.coalescer.done(name)
-
-    async def _sent(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
-                    timeout: float | None, sequence: str | None) -> InferResult:
-        return InferResult(await self._send(request, name, version, raw, timeout, sequence))
+            if alone:
+                self.coalescer.done(name)
+        if outcomes is not None:
+            outcomes.counts[(name, "OK")] += 1
+        return result
 
     def _send(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
               timeout: float | None, sequence: str | None) -> Coroutine[Any, Any, pb.ModelInferResponse]:

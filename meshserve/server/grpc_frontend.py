@@ -261,8 +261,20 @@ class InferenceServicer:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            infer = shm.infer if shm.uses_shared_memory(request, raw) else observe.infer
-            result, span = await infer(self.core, request, _context(call, raw))
+            ctx = _context(call, raw)
+            if shm.uses_shared_memory(request, raw):
+                infer = shm.infer
+            elif (admitted := observe.admitted(request, ctx)) is not None:  # observe.infer's common path, here
+                try:
+                    answer = await self.core.infer(request, ctx)
+                except Exception as exc:
+                    raise observe.failed(request, ctx, exc) from None
+                finally:
+                    observe.release(admitted)
+                return answer.serialized()
+            else:
+                infer = observe.infer
+            result, span = await infer(self.core, request, ctx)
             if span is not None:
                 call.set_trailing_metadata(((TRACEPARENT, span.traceparent()),))
             return result.serialized()

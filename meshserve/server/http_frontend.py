@@ -209,8 +209,15 @@ class HttpFrontend:
         try:
             if self.hit is not None and not uses_shm and (hit := self.hit(infer_request, ctx)) is not None:
                 result, span = InferResult(raw=hit if hit.__class__ is bytes else await hit), None
-            else:
+            elif uses_shm or (admitted := observe.admitted(infer_request, ctx)) is None:
                 result, span = await (shm.infer if uses_shm else observe.infer)(self.core, infer_request, ctx)
+            else:  # observe.infer's common path, in this coroutine (one fewer per request)
+                try:
+                    result, span = await self.core.infer(infer_request, ctx), None
+                except Exception as exc:
+                    raise observe.failed(infer_request, ctx, exc) from None
+                finally:
+                    observe.release(admitted)
         finally:
             request.cancel_on_loss = False
         held = result.held_raw  # (a gateway's answer as its service sent it: rendered from its bytes)

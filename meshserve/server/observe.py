@@ -4,7 +4,9 @@ This is the front door every inference request passes: it reads the request's Ho
 gateway's private ``meshserve_*`` parameters and hop marker, ``read_hop``: meshserve.protocol.hop) into
 ``RequestContext.hop`` once, for admission, tracing and the core.
 
-The common case (tracing off, DEBUG off, success) costs two flag checks. When tracing is on,
+The common case (tracing off, DEBUG off, success) costs two flag checks; the front doors run it
+in their own coroutine (``admitted``, ``release``, ``failed``: one coroutine fewer per request)
+and everything else by ``infer``. When tracing is on,
 the request gets a SERVER span whose parent comes from the ``traceparent`` request parameter
 (the gateway -> service hop) or header/metadata (direct clients); a request the gateway merged
 from several clients' requests gets one per traced member (``meshserve_traceparents``). In a
@@ -38,6 +40,7 @@ from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
 
 log = logging.getLogger("meshserve.request")
+_levels: dict[int, bool] = log._cache  # type: ignore[attr-defined]  # (cleared in place by setLevel, never replaced)
 _gate = admission.gate  # configured in place by process.serve
 # The request's Hop record, read once at the front door (meshserve/protocol/hop.py: the gateway's
 # private parameters, believed only on a gateway's stream; a request without parameters costs one
@@ -65,6 +68,30 @@ def _admit(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int
     gate.requests += weight
     gate.bytes += size
     return weight, size
+
+
+def admitted(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, int] | None:
+    """``infer``'s common path (tracing off, DEBUG off) for a front door that awaits the core in
+    its own coroutine (one coroutine fewer per request): the request admitted (``_admit``'s
+    (weight, size), handed back to ``release`` when it ends; a refusal raised), its errors
+    mapped and logged by ``failed``. None (nothing admitted): the request goes by ``infer``."""
+    # (the logger's own cache of isEnabledFor(DEBUG), read without the call: a level not cached
+    # yet, or DEBUG on, takes ``infer``, which asks the logger and so fills the cache)
+    if tracing.enabled or _levels.get(logging.DEBUG) is not False:
+        return None
+    return _admit(request, ctx)
+
+
+def release(admitted: tuple[int, int]) -> None:
+    """A request ``admitted`` admitted has ended (answered, failed or cancelled)."""
+    gate = _gate
+    gate.requests -= admitted[0]
+    gate.bytes -= admitted[1]
+
+
+def failed(request: pb.ModelInferRequest, ctx: RequestContext, exc: Exception) -> InferError:
+    """The error of a request ``admitted`` admitted, logged once (as ``infer`` logs it)."""
+    return _log_error(request, ctx, exc, "", 0)
 
 
 def _weight(request: pb.ModelInferRequest, merged: int) -> int:

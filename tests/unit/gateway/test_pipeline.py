@@ -3,18 +3,21 @@ flag that is off leaves its stage out, and every request that passed the name ch
 exactly once, whichever stage ends it, on the unary and the streamed path."""
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncGenerator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from google.protobuf import text_format
 
 from gateway import pipeline
 from gateway.core import GatewayCore
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server.core import InferResult, RequestContext
+from meshserve.server.core import UNARY_DECOUPLED_GRPC, UNARY_DECOUPLED_HTTP, InferResult, RequestContext
 
 
 def _chain(head: pipeline.Names) -> list[str]:
@@ -102,3 +105,81 @@ async def test_a_refused_name_is_neither_routed_nor_counted() -> None:
     with pytest.raises(InferError):
         await core.infer(request, RequestContext("grpc", {}))
     assert not core.request_counts
+
+
+_ADD = """name: "add_sub" max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { }
+"""
+
+
+def _add(rows: int, rid: str) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="add_sub", id=rid)
+    r.inputs.add(name="INPUT0", datatype="FP32", shape=[rows, 4])
+    r.raw_input_contents.append(bytes(16 * rows))
+    return r
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_without_policies_each_way_forward_sends_counts_a_request_once(protocol: str) -> None:
+    """No policy configured: the coroutine ``Forward`` returns counts the request (no ``Outcomes``
+    coroutine). Each way counts it exactly once by its outcome: the idle model's lone send, a
+    merge, a request that cannot merge (sent alone), a refusal before it leaves (a decoupled
+    model), and the service's words for a unary call on a decoupled model reach an HTTP client
+    in HTTP's."""
+    core = GatewayCore(["127.0.0.1:1"])
+    assert core.pipeline.next.forward is core.forward  # (the path under test)
+    config = text_format.Parse(_ADD, mc.ModelConfig())
+    core.forward._config_for = lambda name, version: config  # type: ignore[method-assign]
+    answer: list[Any] = ["ok"]
+    gate = asyncio.Event()
+    sent: list[int] = []
+
+    async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                   affinity: str | None = None) -> pb.ModelInferResponse:
+        sent.append(request.inputs[0].shape[0])
+        await gate.wait()
+        if isinstance(answer[0], InferError):
+            raise answer[0]
+        out = pb.ModelInferResponse(model_name="add_sub", id=request.id)
+        out.outputs.add(name="OUTPUT0", datatype="FP32", shape=list(request.inputs[0].shape))
+        out.raw_output_contents.append(request.raw_input_contents[0])
+        return out
+
+    core.upstream.send = send  # type: ignore[method-assign]  # the service is not under test here
+    core.upstream.start = lambda request, body, timeout: None  # type: ignore[method-assign]
+    ctx = RequestContext(protocol, {})
+
+    async def call(request: pb.ModelInferRequest) -> InferResult:  # (as a front door: awaited at once)
+        return await core.infer(request, ctx)
+
+    async def wave(*requests: pb.ModelInferRequest) -> list[Any]:
+        sent.clear()
+        gate.clear()
+        calls = [asyncio.ensure_future(call(r)) for r in requests]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        gate.set()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    # the first alone (the model was idle), the next two merged, one of 9 rows (cannot merge) alone
+    out = await wave(_add(1, "a"), _add(1, "b"), _add(1, "c"), _add(9, "d"))
+    assert sorted(sent) == [1, 2, 9] and [o.message().id for o in out] == ["a", "b", "c", "d"]
+    assert dict(core.request_counts) == {("add_sub", "OK"): 4}
+    core.request_counts.clear()
+    answer[0] = InferError.unavailable("no replica")
+    out = await wave(_add(1, "a"), _add(1, "b"), _add(1, "c"), _add(9, "d"))
+    assert sorted(sent) == [1, 2, 9] and all(isinstance(o, InferError) and o.code is Code.UNAVAILABLE for o in out)
+    assert dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 4}
+    core.request_counts.clear()
+    answer[0] = InferError.invalid(UNARY_DECOUPLED_GRPC)  # the service knew the model decoupled
+    out = await wave(_add(1, "a"), _add(1, "b"))
+    words = UNARY_DECOUPLED_HTTP if protocol == "http" else UNARY_DECOUPLED_GRPC
+    assert all(isinstance(o, InferError) and o.message == words for o in out)
+    assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 2}
+    core.request_counts.clear()
+    config = text_format.Parse(_ADD + "model_transaction_policy { decoupled: true }", mc.ModelConfig())  # (a new config)
+    out = await wave(_add(1, "a"))
+    assert sent == [] and isinstance(out[0], InferError) and out[0].message == words
+    assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
