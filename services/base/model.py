@@ -285,8 +285,13 @@ class ModelVersion:
                     q.future.set_result(body)
 
     def _failure(self, exc: BaseException) -> InferError:
-        """What the members of a group whose run raised ``exc`` fail with."""
-        return exc if isinstance(exc, InferError) else InferError.internal(
+        """What the members of a group whose run raised ``exc`` fail with (a cancelled run is
+        the server stopping, not the model failing: UNAVAILABLE, as for a request refused then)."""
+        if isinstance(exc, InferError):
+            return exc
+        if isinstance(exc, asyncio.CancelledError):
+            return InferError.unavailable(f"model '{self.name}' version {self.version}: its run was cancelled")
+        return InferError.internal(
             f"model '{self.name}' version {self.version} failed to execute: {type(exc).__name__}: {exc}")
 
     # ---- compute (worker thread) -----------------------------------------------------

@@ -164,3 +164,16 @@ async def test_busy_and_last_use_are_what_an_eviction_reads(tmp_path: Path) -> N
         gate.set()
         await plain.close()
         await seq.close()
+
+
+async def test_a_cancelled_run_fails_its_members_as_unavailable_not_internal(tmp_path: Path) -> None:
+    """A batch whose run is cancelled (the service stopping) fails its members with UNAVAILABLE
+    (503 / gRPC UNAVAILABLE) and no exception text; a runtime's own exception stays INTERNAL."""
+    mv = ModelVersion(_config("m"), 1, tmp_path, [Echo()], "fake")
+    try:
+        cancelled = mv._failure(asyncio.CancelledError())
+        assert cancelled.code == InferError.unavailable("x").code
+        assert "cancelled" in str(cancelled) and "CancelledError" not in str(cancelled)
+        assert mv._failure(RuntimeError("boom")).code == InferError.internal("x").code
+    finally:
+        await mv.close()
