@@ -58,6 +58,9 @@ _IGNORED_PARAMETERS = frozenset({BINARY_DATA_OUTPUT, "timeout", "priority",
                                  wire.EMPTY_FINAL_REQUEST_PARAMETER})
 _SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 _SHM = wire.SHM_REGION
+_clock = time.perf_counter_ns  # (Triton's lookup and insertion durations)
+# CacheStage.named's facts: (served config, (model, version), the key's prefix, cached, counts row)
+NamedFacts = tuple[mc.ModelConfig, tuple[str, str], bytes, bool, "list[int] | None"]
 
 FAMILIES = {
     "cache_hits": metrics.Family("nv_cache_num_hits_per_model", "counter",
@@ -541,6 +544,14 @@ class CacheStage:
         self._generations = cache.generations if isinstance(cache, LocalCache) else None
         # the front doors' hits (``FrontDoor``): this process's LocalCache only
         self.front: FrontDoor | None = None
+        # ``named``'s facts per model name (version asked: (name, version)): the config they were
+        # worked out under, (model, resolved version), the key's prefix, whether it is cached, the
+        # counts row (this process's CacheCounts only: None otherwise)
+        self._named: dict[str | tuple[str, str], NamedFacts] = {}
+        self._rows = type(self.counts) is CacheCounts
+        # the pipeline's Forward when it is this stage's next (gateway/pipeline.py:assemble): a
+        # miss hands it the name and version read already (no upb reads there)
+        self.forward: Any = None
 
     def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
                    ) -> tuple[mc.ModelConfig, tuple[str, str], bool] | None:
@@ -606,15 +617,122 @@ class CacheStage:
             key = request_key(request, model[1], self._exact)
             if key is None:
                 return self.next.infer(request, ctx, sequence)
+        return self._found(key, model, config, request, ctx, sequence, raw)
+
+    def named(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, asked: str) -> Any:
+        """``infer`` of a request without parameters (so no sequence) whose model name and version
+        asked ``Names`` read already (gateway/pipeline.py:Outcomes): no upb read of them here,
+        the facts of ``_cacheable`` remembered per (name, version asked) while the served config
+        is the one they were worked out under (a reload, a version change: worked out again),
+        and a miss of this process's ``LocalCache`` led by ``_lead`` (no lookup loop, the put
+        and the counts inline). A request of another form (HTTP, bytes the front door missed,
+        no bytes, a gateway's hop): ``infer``."""
+        raw = ctx.raw
+        front = self.front
+        if raw is None or ctx.protocol != "grpc" or (front is not None and front.missed is request) \
+                or (hop.trusted and hop.from_gateway(ctx.headers)):
+            return self.infer(request, ctx, None)
+        config = self._config_for(name, asked)
+        facts = self._named.get(name if not asked else (name, asked))
+        if facts is None or facts[0] is not config:
+            facts = self._learn(name, asked, config)
+            if facts is None:
+                return self.infer(request, ctx, None)
+        if not facts[3] or (self._is_route is not None and self._is_route(name)):
+            forward = self.forward
+            return self.next.infer(request, ctx, None) if forward is None else \
+                forward.named(request, ctx, None, name, asked)
+        config, model = facts[0], facts[1]
+        rid = request.id
+        if asked or rid:  # the version asked and the id are left out of the key: the scan's
+            key = raw_key(raw, model[1], self._exact)
+            if key is None and (key := request_key(request, model[1], self._exact)) is None:
+                return self.next.infer(request, ctx, None)
+        else:  # (as infer's plain gRPC request)
+            material = facts[2] + raw
+            key = material if self._exact and 16 < len(material) <= EXACT_KEY_MAX \
+                else material_key(material, self._exact)
+        entries = self._entries
+        if entries is None or (row := facts[4]) is None:
+            return self._found(key, model, config, request, ctx, None, raw)
+        started = _clock()
+        if key in entries or key in self.flights:
+            return self._found(key, model, config, request, ctx, None, raw)
+        return self._lead(key, model, config, rid, request, ctx, asked, row, started)
+
+    def _learn(self, name: str, asked: str, config: mc.ModelConfig | None) -> NamedFacts | None:
+        """``named``'s facts of (name, version asked) under the served ``config`` (None: ask
+        ``infer``, which works them out per request)."""
+        if config is None:
+            return None
+        version = asked or self._versions(name)
+        if version is None or self._config_for(name, version) is not config:
+            return None
+        if len(self._named) >= CONFIGS_KEPT:
+            self._named.clear()
+        model = (name, version)
+        facts = (config, model, version.encode() + b"\x00", self._enabled(config),
+                 self.counts.row(model) if self._rows else None)
+        self._named[name if not asked else (name, asked)] = facts
+        return facts
+
+    def _found(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig, request: pb.ModelInferRequest,
+               ctx: RequestContext, sequence: str | None, raw: bytes | None) -> Any:
+        """``_cached`` for a request whose key is known: a gRPC request that hits here (an entry
+        stored by an earlier miss, or by another form of the request) is indexed at the front
+        door from now on. Only a repeat is indexed, so a request that never repeats costs the
+        door nothing (what Triton counts is unchanged: this one is a hit already)."""
+        front = self.front
         if front is not None and raw is not None and key in front.local.entries and ctx.protocol == "grpc" \
                 and len(raw) <= FRONT_RAW_MAX and (keyed := front_key(raw)) is not None:
-            # a gRPC request that hits here (an entry stored by an earlier miss, or by another form
-            # of the request): indexed at the front door from now on. Only a repeat is indexed, so
-            # a request that never repeats costs the door nothing (what Triton counts is unchanged:
-            # this one is a hit already)
             return self._cached(key, model, config, request, ctx.time_remaining, None,
                                 (keyed[0], keyed[1], request.model_version), ctx, sequence)
         return self._cached(key, model, config, request, ctx.time_remaining, None, None, ctx, sequence)
+
+    async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig, rid: str,
+                    request: pb.ModelInferRequest, ctx: RequestContext, asked: str, row: list[int],
+                    started: int) -> InferResult:
+        """A miss of this process's ``LocalCache`` with no identical request in flight (``named``
+        looked both up, in this pass of the loop): ``_cached``'s lead, with the rest of the chain
+        called at once (the coalescer sees the request in the same pass as without the cache), the
+        answer kept by ``LocalCache.put`` and counted in the model's row. The answer is kept
+        without an id: the chain answers with the request's own (``rid``; Triton echoes it), so
+        only a request with one has it cut out."""
+        flights = self.flights
+        flights[key] = None
+        name = model[0]
+        generation = self._generations.get(name, 0)  # type: ignore[union-attr]  # (named: a LocalCache)
+        looked = _clock() - started
+        answer = None
+        inserted = 0
+        try:
+            forward = self.forward
+            result = await (self.next.infer(request, ctx, None) if forward is None else
+                            forward.named(request, ctx, None, name, asked))
+            inserting = _clock()
+            answer = result.serialized()
+            if rid:
+                message = pb.ModelInferResponse.FromString(answer)
+                message.ClearField("id")
+                answer = message.SerializeToString()
+            local: LocalCache = self.local  # type: ignore[assignment]  # (named: this process's LocalCache)
+            entries = local.entries
+            size = len(key) + len(answer) + ENTRY_OVERHEAD
+            if key not in entries and local.used + size <= local.size and size <= local.max_entry \
+                    and generation == local.generations.get(name, 0):
+                entries[key] = (name, answer, config, size)  # (LocalCache.put's usual case, inline)
+                local.used += size
+            elif not local.put(key, name, answer, config, generation) \
+                    and generation != local.generations.get(name, 0):
+                answer = None  # reloaded meanwhile: the waiters ask the new model
+            inserted = _clock() - inserting
+            return result
+        finally:
+            row[1] += 1
+            row[3] += looked + inserted
+            flight = flights.pop(key)
+            if flight is not None:
+                flight.set_result(answer)
 
     async def step(self, request: pb.ModelInferRequest, timeout: float | None, affinity: str | None,
                    send: Callable[[pb.ModelInferRequest, float | None], Awaitable[pb.ModelInferResponse]]

@@ -129,6 +129,7 @@ class Outcomes:
     next: Turns
     past_turns: Stage
     forward: Forward | None = None  # past_turns, when it is Forward
+    cache: CacheStage | None = None  # past_turns, when it is the cache (CacheStage.named)
 
     def __init__(self, counts: Counter[tuple[str, str]], renames: bool):
         self.counts = counts
@@ -144,13 +145,15 @@ class Outcomes:
                 return forward.named(request, ctx, None, name, version, self)
             except InferError as exc:  # (refused before it left: counted as it would be inside)
                 raise self.failed(name, exc, ctx.protocol) from None
-        return self._counted(request, ctx, name, params)
+        return self._counted(request, ctx, name, version, params)
 
-    async def _counted(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str,
+    async def _counted(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
                        params: Params | None) -> InferResult:
         try:
             if params is not None:
                 result = await self.next.infer_with(request, ctx, params)
+            elif (cache := self.cache) is not None:
+                result = await cache.named(request, ctx, name, version)
             else:
                 result = await self.past_turns.infer(request, ctx, None)
         except InferError as exc:
@@ -523,6 +526,10 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     head.next.past_turns = stages[1]
     if stages[1] is forward:
         head.next.forward = forward
+    elif stages[1] is cache:
+        head.next.cache = cache
+    if cache is not None and cache.next is forward:
+        cache.forward = forward  # (a miss hands Forward the name and version read)
     return head
 
 

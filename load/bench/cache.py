@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -267,7 +268,7 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
     if not callgrind.available():
         raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
     n = args.requests
-    rows: list[tuple[str, int]] = []
+    rows: list[tuple[str, int, float]] = []
     svc = procs.service(repo, out / "svc.log")
     try:
         for name, extra, cells in (("off", [], [("cache off, 0% repeats", 0.0)]),
@@ -276,7 +277,8 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                                      ("cache on, 100% repeats (every request a hit)", 1.0)])):
             dump = out / f"cg-{name}.out"
             # (discovery's health calls from a gateway under callgrind are slow: not every 2 s)
-            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=[*extra, "--discovery-interval", "60", *shlex.split(args.gateway_args)],
+            gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=[*extra, "--discovery-interval", "60",
+                                                                        "--metrics-port", "0", *shlex.split(args.gateway_args)],
                                timeout=600, prefix=callgrind.command(dump, instr_at_start=False))
             try:
                 for label, repeat in cells:
@@ -287,6 +289,7 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                         mix("add_sub", args.warmup, 0.0, 1, seed + 9)
                     asyncio.run(drive(gw.grpc, warm, args.concurrency, args.connections, 600.0))
                     before = set(out.glob(dump.name + "*"))
+                    calls0 = hop_calls(gw)
                     callgrind.control(gw.pid, "--zero")
                     callgrind.control(gw.pid, "--instr=on")
                     run = asyncio.run(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
@@ -296,15 +299,33 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                     total, _ = callgrind.totals(callgrind.wait_dump(dump, before))
                     if run.errors:
                         raise SystemExit(f"{label}: {run.errors} requests failed, the first: {run.first_error}")
-                    rows.append((label, total // n))
-                    print(f"{label}: {total // n} instructions per request", flush=True)
+                    calls = hop_calls(gw)
+                    merged, sends = calls[0] - calls0[0], calls[1] - calls0[1]
+                    hops = n - merged + sends if repeat < 1 else 0  # (the requests that crossed the hop)
+                    rows.append((label, total // n, n / hops if hops else 0.0))
+                    print(f"{label}: {total // n} instructions per request, {n / hops if hops else 0:.2f} "
+                          f"requests per hop call ({merged} merged into {sends} calls)", flush=True)
             finally:
                 gw.stop()
     finally:
         svc.stop()
     base = rows[0][1]
-    return "\n".join(["| gateway | instructions per request | vs cache off |", "|---|---:|---:|",
-                      *(f"| {label} | {count} | {100 * (count / base - 1):+.1f}% |" for label, count in rows)])
+    return "\n".join(["| gateway | instructions per request | vs cache off | requests per hop call |",
+                      "|---|---:|---:|---:|",
+                      *(f"| {label} | {count} | {100 * (count / base - 1):+.1f}% | {per:.2f} |"
+                        for label, count, per in rows)])
+
+
+def hop_calls(gw: procs.Server) -> tuple[int, int]:
+    """(requests merged so far, the merged calls that carried them): the gateway's
+    meshserve_gateway_merged_* counters."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{gw.ports['metrics']}/metrics", timeout=60) as r:
+        text = r.read().decode()
+
+    def total(family: str) -> int:
+        return sum(int(float(v)) for v in re.findall(rf"^{family}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    return total("meshserve_gateway_merged_requests_total"), total("meshserve_gateway_merged_sends_total")
 
 
 # ---- the run -----------------------------------------------------------------------------------

@@ -518,3 +518,64 @@ def test_the_front_door_leaves_an_id_that_is_not_utf8_to_the_parse() -> None:
     accented.id = "é"
     hit = stage.front.grpc(accented.SerializeToString(), None, None)
     assert hit is not None and pb.ModelInferResponse.FromString(hit).id == "é"  # UTF-8 beyond ASCII: a hit
+
+
+def test_the_pipelines_miss_path_names_ids_single_flight_and_reload() -> None:
+    """Names -> Outcomes -> CacheStage.named -> Forward (a stub): a repeat is a hit, whatever its
+    id (the answer is kept without one and answers with the request's own), 32 identical
+    concurrent misses run the model once, a reload (another served config) is a miss, and every
+    one is counted as Triton counts it."""
+    from gateway import pipeline
+    from gateway.turns import SequenceTurns
+
+    config = mc.ModelConfig(name="m")
+    config.response_cache.enable = True
+    configs = {"config": config}
+    calls: list[str] = []
+
+    class Forward:
+        async def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
+                        name: str, version: str) -> InferResult:
+            calls.append(name)
+            await asyncio.sleep(0)
+            answer = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)
+            answer.raw_output_contents.append(request.raw_input_contents[0])
+            return InferResult(answer)
+
+        def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
+            return self.named(request, ctx, sequence, request.model_name, request.model_version)
+
+    stage = CacheStage(LocalCache(1 << 20), lambda name, version: configs["config"], lambda name: "1", None)
+    forward: Any = Forward()
+    head = pipeline.assemble(Counter(), SequenceTurns(), forward, lambda n, v: False, lambda n, v: False,
+                             cache=stage)
+    assert stage.forward is forward
+
+    def send(values: list[int], rid: str = "") -> Any:
+        request = _request(values)
+        request.id = rid
+        raw = request.SerializeToString()
+        return head.infer(pb.ModelInferRequest.FromString(raw), RequestContext("grpc", {}, None, raw))
+
+    async def run() -> None:
+        first = await send([1, 2, 3], "a")
+        assert first.message().id == "a" and len(calls) == 1
+        assert all(b"\x1a\x01a" not in entry[1] for entry in stage.local.entries.values())  # kept without its id
+        again = await send([1, 2, 3], "b")
+        assert len(calls) == 1 and again.message().id == "b"
+        assert again.message().raw_output_contents == first.message().raw_output_contents
+        plain = await send([1, 2, 3])
+        assert len(calls) == 1 and plain.message().id == ""
+        answers = await asyncio.gather(*(send([7, 8, 9], str(i)) for i in range(32)))
+        assert len(calls) == 2 and [a.message().id for a in answers] == [str(i) for i in range(32)]
+        reloaded = mc.ModelConfig()
+        reloaded.CopyFrom(config)
+        configs["config"] = reloaded  # a reload: the stage's facts and entries of the old config are stale
+        await send([1, 2, 3])
+        assert len(calls) == 3
+        await send([1, 2, 3])
+        assert len(calls) == 3
+
+    asyncio.run(run())
+    hits, misses, hit_ns, miss_ns = stage.counts.table()[("m", "1")]
+    assert (hits, misses) == (2 + 31 + 1, 3) and hit_ns > 0 and miss_ns > 0
