@@ -32,8 +32,8 @@ def default_intra_threads() -> int:
     CPUs this process may run on, at least 1 (1 on a 2-core machine).
 
     onnxruntime's own default (what Triton gives such a config) is one thread per physical core,
-    its pool threads pinned one per core (core 1, 2, ... whatever the process's CPU set: every
-    session's first pool thread on core 1, outside a `taskset -c 0`). That assumes the process
+    its pool threads pinned to cores whatever the process's CPU set (on 2 cores: every session's
+    pool thread on core 1, even in a process started with `taskset -c 0`). That assumes the process
     owns the machine; a meshserve service shares it with its own event loop, the gateway and the
     other services. Measured on 2 shared cores (docs/perf/mlp-and-onnxruntime.md, "Round 4"): mlp
     at ~23 rows per run costs the service's onnxruntime threads ~10% less CPU per row with 1 thread
