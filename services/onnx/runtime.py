@@ -1,7 +1,7 @@
 """onnxruntime adapter honouring Triton's onnxruntime backend parameters.
 
-Config parameters read (as Triton's onnxruntime backend does): `intra_op_thread_count`,
-`inter_op_thread_count`, `execution_mode` (0 sequential, 1 parallel), `enable_mem_arena`,
+Config parameters read (as Triton's onnxruntime backend does): `intra_op_thread_count` (unset:
+`default_intra_threads`, not onnxruntime's default; see there), `inter_op_thread_count`, `execution_mode` (0 sequential, 1 parallel), `enable_mem_arena`,
 `enable_mem_pattern`; `optimization { graph { level } }`: -1 basic, 1 extended,
 2 disable all, unset/0 all. KIND_GPU instances use the CUDA execution provider (device per
 instance) and fail loading with a clear message when onnxruntime has no CUDA provider.
@@ -9,6 +9,7 @@ instance) and fail loading with a clear message when onnxruntime has no CUDA pro
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,31 @@ _LEVELS = {
 }
 
 
+def default_intra_threads() -> int:
+    """Intra-op threads of a session whose config does not set `intra_op_thread_count`: half the
+    CPUs this process may run on, at least 1 (1 on a 2-core machine).
+
+    onnxruntime's own default (what Triton gives such a config) is one thread per physical core,
+    its pool threads pinned to cores whatever the process's CPU set (on 2 cores: every session's
+    pool thread on core 1, even in a process started with `taskset -c 0`). That assumes the process
+    owns the machine; a meshserve service shares it with its own event loop, the gateway and the
+    other services. Measured on 2 shared cores (docs/perf/mlp-and-onnxruntime.md, "Round 4"): mlp
+    at ~23 rows per run costs the service's onnxruntime threads ~10% less CPU per row with 1 thread
+    than with onnxruntime's default, ~13% less than with 2 unpinned threads. A config's
+    `intra_op_thread_count` wins, 0 included (onnxruntime's default, as in Triton)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (no sched_getaffinity on this platform)
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // 2)
+
+
 def session_options(config: mc.ModelConfig) -> ort.SessionOptions:
     so = ort.SessionOptions()
     intra = config_int(config, "intra_op_thread_count")
     inter = config_int(config, "inter_op_thread_count")
     mode = config_int(config, "execution_mode")
-    if intra is not None:
-        so.intra_op_num_threads = intra
+    so.intra_op_num_threads = default_intra_threads() if intra is None else intra
     if inter is not None:
         so.inter_op_num_threads = inter
     if mode is not None:
