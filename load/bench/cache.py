@@ -16,7 +16,8 @@ without response_cache: "off").
 
 A mix of ``-n`` requests: with probability ``--repeat`` a request repeats one of ``--hot`` inputs
 (drawn per round), else its inputs are new. The client is meshserve's own HTTP/2 gRPC client
-(the cheapest client here, so the cells measure the servers): ``-c`` calls in flight over
+on uvloop (the cheapest client here, so the cells measure the servers; the same client for every cell,
+meshserve's and Triton's): ``-c`` calls in flight over
 ``--connections`` connections, closed loop. A request is counted a *hit* when it repeats an input
 whose first answer had come back before it was sent; "hit p99" is their p99, "uncached p99" the
 p99 of every request of the same mix with the cache off. Each round runs every cell once, in turn,
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,13 @@ async def drive(endpoint: str, requests: list[tuple[int, bytes]], concurrency: i
             ch.close()
     run.wall_s = time.perf_counter() - t0
     return run
+
+
+def run_client(coroutine: Coroutine[Any, Any, Run]) -> Run:
+    """The client's calls on uvloop, as meshserve's processes and load/cli.py run theirs (the
+    stdlib loop cost the client ~35,000 more instructions per call: docs/perf/response-cache.md, section 9)."""
+    import uvloop
+    return uvloop.run(coroutine)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -305,11 +314,11 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                     # warm-up: new inputs, or (for hits) the hot inputs, every one of them answered once
                     warm = mix("add_sub", 20 * hot, 1.0, hot, seed) if repeat else \
                         mix("add_sub", args.warmup, 0.0, 1, seed + 9)
-                    asyncio.run(drive(gw.grpc, warm, args.concurrency, args.connections, 600.0))
+                    run_client(drive(gw.grpc, warm, args.concurrency, args.connections, 600.0))
                     before = set(out.glob(dump.name + "*"))
                     callgrind.control(gw.pid, "--zero")
                     callgrind.control(gw.pid, "--instr=on")
-                    run = asyncio.run(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
+                    run = run_client(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
                                             args.connections, 600.0))  # (a gateway under callgrind is slow)
                     callgrind.control(gw.pid, "--instr=off")
                     callgrind.control(gw.pid, "--dump")
@@ -343,7 +352,7 @@ class Cell:
 
 
 def measure(cell: Cell, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    asyncio.run(drive(cell.endpoint, mix(cell.model, args.warmup, 0.0, 1, seed + 1_000_000),
+    run_client(drive(cell.endpoint, mix(cell.model, args.warmup, 0.0, 1, seed + 1_000_000),
                       args.concurrency, args.connections))
     requests = mix(cell.model, args.requests, cell.repeat, args.hot, seed)
     before = cache_counts(cell.stats_http, cell.model) if cell.stats_http else None
@@ -351,7 +360,7 @@ def measure(cell: Cell, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     merged0 = merged(cell.gateway_http) if cell.gateway_http else None
     cpu0, machine0, ours0 = [procs.proc_tree_cpu_s(p) for p in cell.pids], _machine_busy_s(), _ours_s(cell.pids)
     client0 = time.process_time()
-    run = asyncio.run(drive(cell.endpoint, requests, args.concurrency, args.connections))
+    run = run_client(drive(cell.endpoint, requests, args.concurrency, args.connections))
     client1 = time.process_time()
     cpu1, machine1, ours1 = [procs.proc_tree_cpu_s(p) for p in cell.pids], _machine_busy_s(), _ours_s(cell.pids)
     row = summarize(run)

@@ -158,6 +158,44 @@ async def _run(part: str, n: int, batch: int) -> None:
     del sid
 
 
+def _client(endpoint: str, n: int) -> None:
+    """``n`` cache hits through the gateway at ``endpoint`` as ``python -m load.bench --cache``'s client
+    sends them (``load/bench/cache.py:drive``: c16 over 2 connections, its event loop)."""
+    from load.bench.cache import drive, mix, run_client
+
+    run = run_client(drive(endpoint, mix("add_sub", n, 1.0, 10, 77), 16, 2))
+    assert not run.errors, run.first_error
+
+
+def client_instructions(n: int, work: Path) -> int:
+    """The bench client's instructions per request (callgrind, ``n`` and ``2 n`` hits, the
+    difference), against a gateway with the cache on that runs outside callgrind."""
+    from load.bench import procs
+    from load.bench.cache import bench_models, cached_copy, drive, mix, run_client
+
+    (work / "mesh").mkdir()
+    cached_copy(bench_models(Path("/tmp/bench-models")) / "onnx_repo" / "add_sub", work / "mesh", "add_sub", True)
+    svc = procs.service(work / "mesh", work / "svc.log")
+    try:
+        gw = procs.gateway([svc.grpc], work / "gw.log", extra=["--cache-config", "local,size=67108864"])
+        try:
+            run_client(drive(gw.grpc, mix("add_sub", 200, 1.0, 10, 77), 16, 2))  # every hot input answered once
+            counts = []
+            for k in (n, 2 * n):
+                out = work / f"cg-client-{k}.out"
+                subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
+                                "load.bench.hit_split", "--client", gw.grpc, "-n", str(k)],
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})
+                from load.bench import callgrind
+                counts.append(callgrind.program_total(out))
+            return (counts[1] - counts[0]) // n
+        finally:
+            gw.stop()
+    finally:
+        svc.stop()
+
+
 def _count(part: str, n: int, batch: int, work: Path) -> int:
     out = work / f"cg-{part}-{n}.out"
     subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-m",
@@ -174,7 +212,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-n", type=int, default=4000, help="requests (or calls) per run")
     ap.add_argument("--batch", type=int, default=8, help="calls per read (the --instructions bench: 8)")
     ap.add_argument("--parts", default=",".join(PARTS), help="which parts to count")
+    ap.add_argument("--keep", type=Path, default=None, help="with --client: keep its callgrind dumps here")
+    ap.add_argument("--client", nargs="?", const="", default=None, metavar="ENDPOINT",
+                    help="instead: the bench client's instructions per hit (a gateway started here); with an "
+                         "ENDPOINT: run that client once (no callgrind)")
     args = ap.parse_args(argv)
+    if args.client:
+        _client(args.client, args.n)
+        return
+    if args.client is not None:
+        with tempfile.TemporaryDirectory(prefix="hit-split-client-") as tmp:
+            work = Path(tmp) if args.keep is None else args.keep
+            print(f"client: {client_instructions(args.n, work)} instructions per request")
+        return
     if args.part is not None:
         import gc
 

@@ -141,6 +141,27 @@ class H2Endpoint(asyncio.Protocol):
     def _on_goaway(self, last_sid: int, code: int) -> None:
         self.going_away = True
 
+    def _on_deadlines(self, now: float) -> float | None:
+        """The connection's one deadline timer (meshserve/server/deadlines.py) fired: the streams
+        whose deadline (``due``, loop time) is up end (``_expire``); the earliest deadline left."""
+        if self.closed:
+            return None
+        later = None
+        for st in list(self.streams.values()):
+            due = st.due
+            if due is None or st.closed:
+                continue
+            if due <= now:
+                self._expire(st)
+            elif later is None or due < later:
+                later = due
+        self._flush()
+        return later
+
+    def _expire(self, st: Any) -> None:
+        """A stream past its deadline."""
+        raise NotImplementedError
+
     def _closed(self, st: Any) -> None:
         """The stream's final frame (END_STREAM HEADERS) was written."""
         raise NotImplementedError

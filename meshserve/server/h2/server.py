@@ -210,7 +210,7 @@ class ServerStream:
         self.parked = False  # request streaming: STREAM_MAX_QUEUED queued; what follows waits in buf
         self.handler: Method | None = None
         self.headers_sent = False
-        self.due: float | None = None  # the deadline in loop time (ServerConnection._on_deadlines)
+        self.due: float | None = None  # the deadline in loop time (H2Endpoint._on_deadlines)
         self.header_block: bytearray | None = None
         self.header_flags = 0
         self.cancelled = False  # ended by RST_STREAM, a lost connection or the deadline
@@ -1050,24 +1050,8 @@ class ServerConnection(H2Endpoint):
             finally:
                 st.waiter = None
 
-    def _on_deadlines(self, now: float) -> float | None:
-        """The connection's one deadline timer (meshserve/server/deadlines.py) fired: expire the
-        streams whose `grpc-timeout` is up; the earliest deadline left."""
-        if self.closed:
-            return None
-        later = None
-        for st in list(self.streams.values()):
-            due = st.due
-            if due is None or st.closed:
-                continue
-            if due <= now:
-                self._expire(st)
-            elif later is None or due < later:
-                later = due
-        self._flush()
-        return later
-
     def _expire(self, st: ServerStream) -> None:
+        """Its `grpc-timeout` is up (H2Endpoint._on_deadlines)."""
         if st.closed:
             return
         st.cancelled = True
