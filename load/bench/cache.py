@@ -16,7 +16,8 @@ without response_cache: "off").
 
 A mix of ``-n`` requests: with probability ``--repeat`` a request repeats one of ``--hot`` inputs
 (drawn per round), else its inputs are new. The client is meshserve's own HTTP/2 gRPC client
-(the cheapest client here, so the cells measure the servers): ``-c`` calls in flight over
+on uvloop (the cheapest client here, so the cells measure the servers; the same client for every cell,
+meshserve's and Triton's): ``-c`` calls in flight over
 ``--connections`` connections, closed loop. A request is counted a *hit* when it repeats an input
 whose first answer had come back before it was sent; "hit p99" is their p99, "uncached p99" the
 p99 of every request of the same mix with the cache off. Each round runs every cell once, in turn,
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,13 @@ async def drive(endpoint: str, requests: list[tuple[int, bytes]], concurrency: i
             ch.close()
     run.wall_s = time.perf_counter() - t0
     return run
+
+
+def run_client(coroutine: Coroutine[Any, Any, Run]) -> Run:
+    """The client's calls on uvloop, as meshserve's processes and load/cli.py run theirs (the
+    stdlib loop cost the client ~35,000 more instructions per call: docs/perf/response-cache.md, section 9)."""
+    import uvloop
+    return uvloop.run(coroutine)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -217,6 +226,26 @@ class Triton(procs.Endpoints):
         self.log.close()
 
 
+def executions(http: str, model: str) -> tuple[int, int]:
+    """(inference_count, execution_count) of ``model`` in the server's statistics: rows, model runs."""
+    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as r:
+        stats = json.loads(r.read())["model_stats"][0]
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+def merged(http: str) -> tuple[int, int]:
+    """(merged requests sent to the services, client requests inside them) from a gateway's /metrics."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.partition("{")[0]  # (rendered with its labels, here none: "{}")
+        if name in ("meshserve_gateway_merged_sends_total", "meshserve_gateway_merged_requests_total"):
+            found[name] = int(float(value))
+    return found.get("meshserve_gateway_merged_sends_total", 0), found.get("meshserve_gateway_merged_requests_total", 0)
+
+
 def cache_counts(http: str, model: str) -> tuple[int, int]:
     """(cache_hit, cache_miss) counts of ``model`` in the server's statistics."""
     with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as r:
@@ -287,12 +316,12 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
                     # warm-up: new inputs, or (for hits) the hot inputs, every one of them answered once
                     warm = mix("add_sub", 20 * hot, 1.0, hot, seed) if repeat else \
                         mix("add_sub", args.warmup, 0.0, 1, seed + 9)
-                    asyncio.run(drive(gw.grpc, warm, args.concurrency, args.connections, 600.0))
+                    run_client(drive(gw.grpc, warm, args.concurrency, args.connections, 600.0))
                     before = set(out.glob(dump.name + "*"))
                     calls0 = hop_calls(gw)
                     callgrind.control(gw.pid, "--zero")
                     callgrind.control(gw.pid, "--instr=on")
-                    run = asyncio.run(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
+                    run = run_client(drive(gw.grpc, mix("add_sub", n, repeat, hot, seed), args.concurrency,
                                             args.connections, 600.0))  # (a gateway under callgrind is slow)
                     callgrind.control(gw.pid, "--instr=off")
                     callgrind.control(gw.pid, "--dump")
@@ -338,17 +367,21 @@ class Cell:
     repeat: float
     pids: list[int]  # the server processes whose CPU it reports
     stats_http: str | None = None  # where its cache counts are read (None: not cached)
+    service_http: str | None = None  # meshserve: the service, whose rows per model execution are read
+    gateway_http: str | None = None  # meshserve: the gateway, whose merged hop requests are read
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 def measure(cell: Cell, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    asyncio.run(drive(cell.endpoint, mix(cell.model, args.warmup, 0.0, 1, seed + 1_000_000),
+    run_client(drive(cell.endpoint, mix(cell.model, args.warmup, 0.0, 1, seed + 1_000_000),
                       args.concurrency, args.connections))
     requests = mix(cell.model, args.requests, cell.repeat, args.hot, seed)
     before = cache_counts(cell.stats_http, cell.model) if cell.stats_http else None
+    runs0 = executions(cell.service_http, cell.model) if cell.service_http else None
+    merged0 = merged(cell.gateway_http) if cell.gateway_http else None
     cpu0, machine0, ours0 = [procs.proc_tree_cpu_s(p) for p in cell.pids], _machine_busy_s(), _ours_s(cell.pids)
     client0 = time.process_time()
-    run = asyncio.run(drive(cell.endpoint, requests, args.concurrency, args.connections))
+    run = run_client(drive(cell.endpoint, requests, args.concurrency, args.connections))
     client1 = time.process_time()
     cpu1, machine1, ours1 = [procs.proc_tree_cpu_s(p) for p in cell.pids], _machine_busy_s(), _ours_s(cell.pids)
     row = summarize(run)
@@ -358,7 +391,24 @@ def measure(cell: Cell, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     if before is not None and cell.stats_http:
         after = cache_counts(cell.stats_http, cell.model)
         row["server_hits"], row["server_misses"] = after[0] - before[0], after[1] - before[1]
+    if runs0 is not None and cell.service_http:  # the requests that reached the service: how they ran
+        runs1 = executions(cell.service_http, cell.model)
+        row["service_rows"], row["service_executions"] = runs1[0] - runs0[0], runs1[1] - runs0[1]
+    if merged0 is not None and cell.gateway_http:
+        merged1 = merged(cell.gateway_http)
+        row["hop_merged_sends"], row["hop_merged_requests"] = merged1[0] - merged0[0], merged1[1] - merged0[1]
     return row
+
+
+def _hop(rows: list[dict[str, Any]]) -> str:
+    """"rows per model execution / client requests per hop send" of a meshserve cell's rounds (all
+    requests that reached the service: one hop send carries one, or a merge of several)."""
+    if not rows or "service_rows" not in rows[0]:
+        return "-"
+    reached = sum(r["service_rows"] for r in rows)
+    sends = reached - sum(r.get("hop_merged_requests", 0) for r in rows) + sum(r.get("hop_merged_sends", 0) for r in rows)
+    per_run = reached / max(1, sum(r["service_executions"] for r in rows))
+    return f"{per_run:.2f} / {reached / max(1, sends):.2f}"
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
@@ -373,7 +423,8 @@ def report(cells: list[Cell], args: argparse.Namespace, env: dict[str, Any]) -> 
              f"{args.rounds} round(s), median per cell; repeats {args.repeat:.0%} of {args.hot} inputs; "
              f"cache size {args.size} bytes", "",
              "| cell | rows/s | p50 ms | p99 ms | hit p50 ms | hit p99 ms | server CPU µs/req | client CPU µs/req "
-             "| hits / misses (server) | foreign cores | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| hits / misses (server) | rows per run / requests per hop send (service) | foreign cores | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         m = med[c.name]
         cpu = "+".join(f"{statistics.median(r['server_us_per_req'][i] for r in c.rows):.0f}"
@@ -383,7 +434,7 @@ def report(cells: list[Cell], args: argparse.Namespace, env: dict[str, Any]) -> 
         hit = f"{m['hit_p50_ms']:.2f} | {m['hit_p99_ms']:.2f}" if c.repeat > 0 and c.stats_http else "- | -"
         client = statistics.median(r.get("client_us_per_req", float("nan")) for r in c.rows)
         lines.append(f"| {c.name} | {m['rows_s']:.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {hit} | {cpu} | "
-                     f"{client:.0f} | {counts} | {m['foreign_cores']:.2f} | {sum(r['errors'] for r in c.rows)} |")
+                     f"{client:.0f} | {counts} | {_hop(c.rows)} | {m['foreign_cores']:.2f} | {sum(r['errors'] for r in c.rows)} |")
     by = {c.name: med[c.name] for c in cells}
     lines.append("")
 
@@ -462,8 +513,10 @@ def main(argv: list[str] | None = None) -> None:
             started.append(off)
             on = procs.gateway([svc.grpc], d / "gw-on.log", extra=["--cache-config", f"local,size={args.size}"])
             started.append(on)
-            cells += [Cell("meshserve 90% off", off.grpc, "add_sub", args.repeat, [off.pid, svc.pid]),
-                      Cell("meshserve 90% on", on.grpc, "add_sub", args.repeat, [on.pid, svc.pid], on.http)]
+            cells += [Cell("meshserve 90% off", off.grpc, "add_sub", args.repeat, [off.pid, svc.pid], None,
+                           svc.http, off.http),
+                      Cell("meshserve 90% on", on.grpc, "add_sub", args.repeat, [on.pid, svc.pid], on.http,
+                           svc.http, on.http)]
             if not args.no_triton:
                 (d / "triton").mkdir()
                 src = bench_models(args.models) / "triton_repo" / "add_sub"
@@ -475,8 +528,10 @@ def main(argv: list[str] | None = None) -> None:
                 cells += [Cell("Triton 90% off", triton.grpc, "add_sub_nc", args.repeat, [triton.pid]),
                           Cell("Triton 90% on", triton.grpc, "add_sub", args.repeat, [triton.pid], triton.http)]
             if not args.no_zero:
-                cells += [Cell("meshserve 0% off", off.grpc, "add_sub", 0.0, [off.pid, svc.pid]),
-                          Cell("meshserve 0% on", on.grpc, "add_sub", 0.0, [on.pid, svc.pid], on.http)]
+                cells += [Cell("meshserve 0% off", off.grpc, "add_sub", 0.0, [off.pid, svc.pid], None, svc.http,
+                               off.http),
+                          Cell("meshserve 0% on", on.grpc, "add_sub", 0.0, [on.pid, svc.pid], on.http, svc.http,
+                               on.http)]
             for rnd in range(args.rounds):
                 for cell in cells:
                     # (a cell's own inputs: the 0% cells never repeat an input of the 90% cells)

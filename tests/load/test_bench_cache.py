@@ -23,5 +23,9 @@ def test_the_cache_benchmark_runs_small(model_repo: Path, tmp_path: Path, capsys
     hits = cells["meshserve 90% on"][0]
     assert hits["repeats"] > 50 and hits["server_hits"] >= hits["repeats"]  # every repeat after its answer: a hit
     assert cells["meshserve 0% on"][0]["server_hits"] == 0 and cells["meshserve 0% on"][0]["server_misses"] == 120
+    # what reached the service: every request of a cell without the cache, only the misses with it
+    assert cells["meshserve 0% off"][0]["service_rows"] == 120
+    assert hits["service_rows"] == hits["server_misses"] and hits["service_executions"] > 0
+    assert 0 <= hits["hop_merged_requests"] <= hits["service_rows"]
     table = capsys.readouterr().out
-    assert "| meshserve 90% on |" in table and "rows/s" in table
+    assert "| meshserve 90% on |" in table and "rows/s" in table and "requests per hop send" in table

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import ssl
 import struct
@@ -18,15 +19,20 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
     ACK,
     DATA,
     END_DATA,
+    END_HEADERS,
     END_STREAM,
+    FRAME_HEADER,
+    HEADERS,
     LOCAL_STREAM_WINDOW,
     PADDED,
     PREFACE,
+    PRIORITY_FLAG,
     RST_STREAM,
     U32,
     ErrorCode,
@@ -74,6 +80,7 @@ class GrpcError(Exception):
         self.details = details
 
 
+@functools.lru_cache(maxsize=256)  # (a client's calls mostly ask the same timeout)
 def grpc_timeout(seconds: float) -> str:
     """A `grpc-timeout` value (at most 8 digits) for a deadline `seconds` from now."""
     for unit, scale in (("u", 1e6), ("m", 1e3), ("S", 1.0)):
@@ -83,6 +90,8 @@ def grpc_timeout(seconds: float) -> str:
     return "99999999S"
 
 
+MAX_BLOCKS = 64  # request header blocks a connection keeps (H2ClientConnection.blocks)
+MIN_MAX_FRAME = 16384  # the smallest SETTINGS_MAX_FRAME_SIZE a peer may set: a block this small is one frame
 # a DATA frame's header and a message's prefix, in one struct call
 _MESSAGE_HEAD = struct.Struct(">BHBBIBI")
 SMALL_MESSAGE = 1 << 14  # a request message up to this size goes out joined to its frame header
@@ -96,7 +105,7 @@ class ClientStream:
     the end (trailers, reset, lost connection) to `on_close` exactly once."""
 
     __slots__ = ("conn", "sid", "send_window", "out", "closed", "recv_unacked", "buf", "on_message",
-                 "on_close", "header_block", "header_flags", "got_headers", "encoding", "waiter")
+                 "on_close", "header_block", "header_flags", "got_headers", "encoding", "waiter", "due")
 
     def __init__(self, conn: H2ClientConnection, sid: int, on_message: OnMessage, on_close: OnClose):
         self.conn = conn
@@ -113,9 +122,11 @@ class ClientStream:
         self.got_headers = False
         self.encoding: bytes | None = None
         self.waiter: asyncio.Future[None] | None = None  # unused: sends are not awaited
+        self.due: float | None = None  # a unary call's deadline in loop time (H2Endpoint._on_deadlines)
 
-    def send(self, payload: bytes, end_stream: bool = False) -> None:
-        """Write one message; `end_stream` half-closes the call after it (unary requests)."""
+    def send(self, payload: bytes, end_stream: bool = False, headers: bytes = b"") -> None:
+        """Write one message; `end_stream` half-closes the call after it (unary requests);
+        `headers`: the call's HEADERS frames, written just before it (one buffer with it)."""
         if self.closed:
             raise ConnectionError("stream closed")
         conn = self.conn
@@ -124,8 +135,8 @@ class ClientStream:
                 and n + 5 <= conn.peer_max_frame:
             conn.send_window -= n + 5
             self.send_window -= n + 5
-            head = _MESSAGE_HEAD.pack((n + 5) >> 16, (n + 5) & 0xFFFF, DATA, END_STREAM if end_stream else 0, self.sid,
-                                      0, n)
+            head = headers + _MESSAGE_HEAD.pack((n + 5) >> 16, (n + 5) & 0xFFFF, DATA, END_STREAM if end_stream else 0,
+                                                self.sid, 0, n)
             if n <= SMALL_MESSAGE:  # one buffer, one write() (a large payload is not copied)
                 head += payload
             else:
@@ -137,6 +148,8 @@ class ClientStream:
                 conn.sent_since_read = True
                 conn._send_now(head)
             return
+        if headers:
+            conn._write(headers)
         header = b"\x00" + n.to_bytes(4, "big")
         self.out.append((DATA, header))
         conn.queued_out += n + 5
@@ -171,6 +184,11 @@ class H2ClientConnection(H2Endpoint):
         self.max_receive = max_receive
         self.slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.settled: asyncio.Future[None] | None = None  # the server's first SETTINGS arrived
+        # (path, metadata as given, timeout) -> its request header block: a client's unary calls
+        # repeat a few (metadata given as a tuple: the same tuple, or one equal to it)
+        self.blocks: dict[tuple[str, Any, float | None], bytes] = {}
+        # the unary calls' deadlines: one timer for all, not one per call (meshserve/server/deadlines.py)
+        self.deadlines = DeadlineTimer(self.loop, self._on_deadlines)
 
     @property
     def usable(self) -> bool:
@@ -185,6 +203,7 @@ class H2ClientConnection(H2Endpoint):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.deadlines.cancel()
         reason = f"connection to {self.authority.decode()} lost" + (f": {exc}" if exc else "")
         for st in list(self.streams.values()):
             self._end(st, Status.UNAVAILABLE, reason)
@@ -214,20 +233,32 @@ class H2ClientConnection(H2Endpoint):
                     self._free_slots(1)  # pass the slot on
                 raise
 
-    def open_stream(self, path: str, metadata: Iterable[tuple[str, Any]], on_message: OnMessage,
-                    on_close: OnClose) -> ClientStream:
-        if not self.usable:
-            raise ConnectionError(f"connection to {self.authority.decode()} is closing")
+    def _block(self, path: str, metadata: Iterable[tuple[str, Any]]) -> bytes:
+        """A request's header block: literals without indexing, valid on any stream."""
         block = (literal(b":method", b"POST") + literal(b":scheme", b"http") + literal(b":path", path.encode())
                  + literal(b":authority", self.authority) + literal(b"content-type", b"application/grpc")
                  + literal(b"te", b"trailers"))
         for k, v in metadata:
             block += literal(k.lower().encode(), md_value(k, v))
+        return block
+
+    def open_stream(self, path: str, metadata: Iterable[tuple[str, Any]], on_message: OnMessage,
+                    on_close: OnClose) -> ClientStream:
+        """A new call's stream, its HEADERS written."""
+        if not self.usable:
+            raise ConnectionError(f"connection to {self.authority.decode()} is closing")
+        block = self._block(path, metadata)  # (before the stream: bad metadata leaves no stream behind)
+        st = self._stream(on_message, on_close)
+        self._write(self._headers(st.sid, 0, block))  # split into CONTINUATION frames when large
+        return st
+
+    def _stream(self, on_message: OnMessage, on_close: OnClose) -> ClientStream:
+        """A new call's stream, its HEADERS not written yet."""
+        if not self.usable:
+            raise ConnectionError(f"connection to {self.authority.decode()} is closing")
         sid = self.next_sid
         self.next_sid += 2
-        st = ClientStream(self, sid, on_message, on_close)
-        self.streams[sid] = st
-        self._write(self._headers(sid, 0, block))  # split into CONTINUATION frames when large
+        st = self.streams[sid] = ClientStream(self, sid, on_message, on_close)
         return st
 
     async def unary(self, path: str, payload: bytes, metadata: Iterable[tuple[str, Any]] = (),
@@ -240,7 +271,6 @@ class H2ClientConnection(H2Endpoint):
             if not fut.done():
                 fut.set_result((code, details))
 
-        md = tuple(metadata)
         if len(self.streams) >= self.peer_max_streams:
             started = self.loop.time()
             # Woken for a freed stream, this call resumes a loop step or two later (wait_for's
@@ -256,15 +286,30 @@ class H2ClientConnection(H2Endpoint):
                     raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
             if timeout is not None:
                 timeout = max(0.0, timeout - (self.loop.time() - started))
-        if timeout is not None:
-            md += (("grpc-timeout", grpc_timeout(timeout)),)
-        st = self.open_stream(path, md, messages.append, on_close)
-        st.send(payload, end_stream=True)
+        key: tuple[str, Any, float | None] | None = (path, metadata, timeout)
         try:
-            code, details = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
-        except TimeoutError:
-            st.cancel()
-            raise GrpcError(Status.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            block = self.blocks.get(key)  # type: ignore[arg-type]
+        except TypeError:  # (metadata that cannot be a key, a list: the block is made for this call)
+            block = key = None
+        if block is None:
+            md = tuple(metadata)
+            if timeout is not None:
+                md += (("grpc-timeout", grpc_timeout(timeout)),)
+            block = self._block(path, md)
+            if key is not None:
+                if len(self.blocks) >= MAX_BLOCKS:  # (metadata or timeouts that change per call: start afresh)
+                    self.blocks.clear()
+                self.blocks[key] = block
+        st = self._stream(messages.append, on_close)
+        if timeout is not None:  # (_on_deadlines ends the call with DEADLINE_EXCEEDED when it is due)
+            st.due = due = self.loop.time() + timeout
+            self.deadlines.add(due)
+        n = len(block)
+        # (HEADERS and DATA: one buffer; a block larger than a frame as _headers splits it)
+        st.send(payload, True, FRAME_HEADER.pack(0, n, HEADERS, END_HEADERS, st.sid) + block
+                if n <= MIN_MAX_FRAME else self._headers(st.sid, 0, block))
+        try:
+            code, details = await fut
         except asyncio.CancelledError:
             st.cancel()
             raise
@@ -273,6 +318,12 @@ class H2ClientConnection(H2Endpoint):
         if len(messages) != 1:
             raise GrpcError(Status.INTERNAL, f"a unary call answered {len(messages)} messages")
         return messages[0]
+
+    def _expire(self, st: ClientStream) -> None:
+        """A unary call past its deadline (H2Endpoint._on_deadlines): cancelled (RST_STREAM), it
+        ends with DEADLINE_EXCEEDED."""
+        st.cancel()
+        st.on_close(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def close(self) -> None:
         if self.transport is not None:
@@ -300,13 +351,16 @@ class H2ClientConnection(H2Endpoint):
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
         st = self.streams.get(sid)
-        block = self._fragment(flags, payload)
+        block = self._fragment(flags, payload) if flags & (PADDED | PRIORITY_FLAG) else payload
         if st is None:  # a stream we cancelled: keep the HPACK table in step
             if sid % 2 == 0 or sid >= self.next_sid:
                 raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, f"HEADERS on unknown stream {sid}")
             st = ClientStream(self, sid, lambda m: None, lambda c, d: None)
             st.closed = True
-        self._header_block(st, flags, block)
+        if flags & END_HEADERS:  # (the common case of _header_block, inlined)
+            self._headers_complete(st, flags, block)
+        else:
+            self._header_block(st, flags, block)
 
     def _headers_complete(self, st: ClientStream, flags: int, block: bytes) -> None:
         parsed = self.hcache.get(block) or self._decode(block, _parse_response_headers)

@@ -66,6 +66,9 @@ class H2Endpoint(asyncio.Protocol):
     join_writes = False
 
     expect_preface = False
+    # The server's at-once hooks (H2GrpcServer.at_once): while it holds any, a HEADERS frame with
+    # only END_HEADERS is first offered to ``_at_once`` with the frame after it (empty: never)
+    at_once: Any = ()
     # Our receive window for the whole connection. The server sets it to its receive budget
     # (ServerLimits.conn_receive_buffer_bytes) and gives bytes back only as handlers take them.
     conn_window = LOCAL_CONN_WINDOW
@@ -128,11 +131,37 @@ class H2Endpoint(asyncio.Protocol):
     def _on_data(self, flags: int, sid: int, data: bytes, start: int, end: int) -> None:
         raise NotImplementedError
 
+    def _at_once(self, sid: int, data: bytes, start: int, end: int) -> int:
+        """A HEADERS frame (its block ``data[start:end]``) and what follows it in ``data`` taken
+        together: the offset after the frames taken, or 0 (the HEADERS frame goes the usual way)."""
+        return 0
+
     def _on_reset(self, sid: int, code: int) -> None:
         raise NotImplementedError
 
     def _on_goaway(self, last_sid: int, code: int) -> None:
         self.going_away = True
+
+    def _on_deadlines(self, now: float) -> float | None:
+        """The connection's one deadline timer (meshserve/server/deadlines.py) fired: the streams
+        whose deadline (``due``, loop time) is up end (``_expire``); the earliest deadline left."""
+        if self.closed:
+            return None
+        later = None
+        for st in list(self.streams.values()):
+            due = st.due
+            if due is None or st.closed:
+                continue
+            if due <= now:
+                self._expire(st)
+            elif later is None or due < later:
+                later = due
+        self._flush()
+        return later
+
+    def _expire(self, st: Any) -> None:
+        """A stream past its deadline."""
+        raise NotImplementedError
 
     def _closed(self, st: Any) -> None:
         """The stream's final frame (END_STREAM HEADERS) was written."""
@@ -232,6 +261,10 @@ class H2Endpoint(asyncio.Protocol):
                                                 f"DATA beyond the connection window ({-self.recv_window} bytes over)")
                     self._on_data(flags, sid, data, pos + 9, end)
                 elif typ == HEADERS:
+                    # (the server's unary call answered at once from its two frames: _at_once)
+                    if flags == END_HEADERS and self.at_once and (after := self._at_once(sid, data, pos + 9, end)):
+                        pos = after
+                        continue
                     self._on_headers(flags, sid, data[pos + 9:end])
                 elif typ == CONTINUATION:
                     self._on_continuation(flags, sid, data[pos + 9:end])

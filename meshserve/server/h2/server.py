@@ -47,6 +47,7 @@ from meshserve.server.h2.frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
+    FRAME_HEADER,
     GOAWAY,
     HEADERS,
     LOCAL_MAX_FRAME,
@@ -213,7 +214,7 @@ class ServerStream:
         self.parked = False  # request streaming: STREAM_MAX_QUEUED queued; what follows waits in buf
         self.handler: Method | None = None
         self.headers_sent = False
-        self.due: float | None = None  # the deadline in loop time (ServerConnection._on_deadlines)
+        self.due: float | None = None  # the deadline in loop time (H2Endpoint._on_deadlines)
         self.header_block: bytearray | None = None
         self.header_flags = 0
         self.cancelled = False  # ended by RST_STREAM, a lost connection or the deadline
@@ -358,6 +359,8 @@ class ServerConnection(H2Endpoint):
         self.ping_sent: float | None = None
         self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
         self.counted = True  # in connections.TABLE (connection_made)
+        self.at_once = server.at_once  # (the dict itself: hooks installed later are seen)
+        self.marked = False  # made the newest idle connection in this read (_at_once; _flush clears it)
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
         settings = super()._settings()
@@ -437,6 +440,7 @@ class ServerConnection(H2Endpoint):
 
     def _flush(self) -> None:
         self.control_unflushed = self.unflushed = 0
+        self.marked = False
         super()._flush()
 
     def _on_ping_ack(self, payload: bytes) -> None:
@@ -859,6 +863,86 @@ class ServerConnection(H2Endpoint):
             self._unhold(st, st.held)
         self._start_unary(st, bytes(memoryview(buf)[5:]), buf[0])
 
+    def _at_once(self, sid: int, data: bytes, start: int, end: int) -> int:
+        """A unary call answered from its two frames, before any stream is made: its HEADERS
+        (``data[start:end]``, END_HEADERS only, a block this connection has decoded before: the
+        HPACK table stays as it is) followed in the same read by its whole message in one DATA
+        frame with END_STREAM (uncompressed, no padding), to a path whose at-once hook wants no
+        call (H2GrpcServer.at_once). The hook's answer goes out as ``_reply`` writes it (HEADERS,
+        the message and the OK trailers in one buffer) and the call leaves nothing behind but the
+        windows' counts and the last stream id. When the hook declines, raises or answers more
+        than the windows or the peer's frame size allow, the stream is opened as usual
+        (``_opened``) and the call goes on as ``_start_unary`` would (its Task, UNKNOWN, or
+        ``_reply``'s queue). Anything the usual path would refuse or treat apart (a stream id
+        not above the last, a full connection, a non-POST or non-gRPC request, an encoding, the
+        header check's refusal, a message over the limit, the receive window, going away, a
+        paused transport) is left to it. Returns the offset after the DATA frame, or 0: not
+        taken, both frames go the usual way."""
+        if len(data) - end < 14 or self.paused or self.unflushed > self.unflushed_cap:  # (over: _reply's check)
+            return 0
+        hi, lo, typ, flags, dsid = FRAME_HEADER.unpack_from(data, end)
+        length = hi << 16 | lo
+        after = end + 9 + length
+        if (typ != DATA or flags != END_STREAM or dsid != sid or after > len(data) or length < 5 or data[end + 9]
+                or U32.unpack_from(data, end + 10)[0] != length - 5 or sid <= self.last_sid or not sid & 1):
+            return 0
+        block = data[start:end]
+        parsed = self.hcache.get(block)
+        if parsed is None:
+            return 0
+        path, method, ctype, _, encoding, metadata = parsed
+        found = self.at_once.get(path)
+        server = self.server
+        if (found is None or found[1] or method != b"POST" or encoding is not None or ctype is None
+                or not ctype.startswith(b"application/grpc") or length - 5 > server.max_receive
+                or self.recv_window < length or self.going_away or server._stopping
+                or (self.max_streams and len(self.streams) >= self.max_streams)):
+            return 0
+        handler = server._methods.get(path)
+        check = server.check_headers
+        if handler is None or handler.request_streaming or (check is not None and check(path, metadata) is not None):
+            return 0
+        self.recv_window -= length  # (the DATA frame, as _read counts it, given back at once as _on_data does)
+        self.recv_unacked += length
+        if self.recv_unacked >= self.window_update_at or self.recv_window < self.window_update_at:
+            self._release(0)
+        if not self.marked and self.counted and not self.streams:  # (busy again, as _on_headers marks it)
+            self.marked = True
+            connections.TABLE.idle_now(self)
+        msg = data[end + 14:after]
+        try:
+            answer = found[0](msg, None)
+        except Exception as exc:
+            log.exception("error in gRPC at-once hook for %s", path)
+            if (st := self._opened(sid, block)) is not None:
+                self._finish(st, Status.UNKNOWN, internal_error(exc).message)
+            return after
+        n = len(answer) + 5 if answer is not None else 0
+        if not n or n > self.send_window or n > self.peer_initial_window or n > self.peer_max_frame:
+            if (st := self._opened(sid, block)) is not None:
+                if answer is None:
+                    st.task = self.loop.create_task(self._run(st, msg))
+                else:
+                    self._reply(st, answer, _NO_CALL)
+            return after
+        self.last_sid = sid
+        self.send_window -= n
+        self.unflushed += n  # (the send budget counts it as _reply does)
+        self.wbuf.append(_REPLY_HEAD.pack(0, _HEAD_LEN, HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
+                                          n >> 16, n & 0xFFFF, DATA, 0, sid, 0, n - 5)
+                         + answer + _TRAILERS_OK_FRAME.pack(0, _TRAILERS_LEN, HEADERS, END_STREAM | END_HEADERS,
+                                                            sid, TRAILERS_OK))
+        return after
+
+    def _opened(self, sid: int, block: bytes) -> ServerStream | None:
+        """The stream of a call ``_at_once`` did not answer, opened as its HEADERS frame opens it,
+        its message received whole (None: the usual path refused it)."""
+        self._on_headers(END_HEADERS, sid, block)
+        st = self.streams.get(sid)
+        if st is not None:
+            st.remote_ended = True
+        return st
+
     def _start_unary(self, st: ServerStream, msg: bytes, compressed: int) -> None:
         """Run a unary-request call on its (size-checked) message: answered here, without a Task,
         when its path's ``H2GrpcServer.at_once`` hook answers it (see there), else in a Task."""
@@ -980,24 +1064,8 @@ class ServerConnection(H2Endpoint):
             finally:
                 st.waiter = None
 
-    def _on_deadlines(self, now: float) -> float | None:
-        """The connection's one deadline timer (meshserve/server/deadlines.py) fired: expire the
-        streams whose `grpc-timeout` is up; the earliest deadline left."""
-        if self.closed:
-            return None
-        later = None
-        for st in list(self.streams.values()):
-            due = st.due
-            if due is None or st.closed:
-                continue
-            if due <= now:
-                self._expire(st)
-            elif later is None or due < later:
-                later = due
-        self._flush()
-        return later
-
     def _expire(self, st: ServerStream) -> None:
+        """Its `grpc-timeout` is up (H2Endpoint._on_deadlines)."""
         if st.closed:
             return
         st.cancelled = True

@@ -11,7 +11,11 @@ from typing import Any
 import grpc
 import pytest
 
+from load.bench.h2_calls import _Transport
 from meshserve.server.h2 import Call, H2GrpcServer, Status, unary_unary
+from meshserve.server.h2.frames import PREFACE, literal, plain_decode
+from meshserve.server.h2.server import ServerConnection
+from tests.support.waiting import eventually_async
 
 SERVICE = "t.AtOnce"
 PATH = f"/{SERVICE}/Ask"
@@ -48,6 +52,8 @@ def _server(seen: Seen) -> H2GrpcServer:
     def plain(message: bytes, call: Call | None) -> bytes | None:
         assert call is None
         seen.hook_tasks.append(asyncio.current_task())
+        if message == b"boom":
+            raise ValueError("/secret/path exploded")
         return b"plain:" + message if message else None
 
     server = H2GrpcServer()
@@ -109,3 +115,125 @@ async def test_the_hooks_status_exception_compression_and_a_large_answer(served:
         large = await ask(b"large", timeout=30)
         assert len(large) == LARGE and large == b"L" * LARGE
     assert seen.handled == []
+
+
+# ---- a call answered from its two frames (ServerConnection._at_once), the frame loop fed in process ----
+
+class _Wire(_Transport):
+    """A transport that keeps what the server writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def writelines(self, data: Any) -> None:
+        for piece in data:
+            self.out += piece
+
+    def frames(self) -> list[tuple[int, int, int, bytes]]:
+        """(type, flags, stream, payload) of everything written since the last call."""
+        data, self.out = bytes(self.out), bytearray()
+        out, pos = [], 0
+        while pos < len(data):
+            length = int.from_bytes(data[pos:pos + 3], "big")
+            out.append((data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5:pos + 9], "big") & 0x7FFFFFFF,
+                        data[pos + 9:pos + 9 + length]))
+            pos += 9 + length
+        return out
+
+
+def _frame(typ: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((typ, flags)) + sid.to_bytes(4, "big") + payload
+
+
+_BLOCK = (b"".join(literal(k, v) for k, v in ((b":method", b"POST"), (b":scheme", b"http"), (b":path", PLAIN.encode()),
+                                            (b":authority", b"t"), (b"content-type", b"application/grpc"),
+                                            (b"te", b"trailers"), (b"grpc-timeout", b"10S"))))
+
+
+def _call(sid: int, message: bytes, block: bytes = _BLOCK) -> bytes:
+    """A unary call as a client writes it: HEADERS (END_HEADERS), then its message in one DATA frame."""
+    return (_frame(1, 0x4, sid, block)
+            + _frame(0, 0x1, sid, b"\x00" + len(message).to_bytes(4, "big") + message))
+
+
+def _answers(frames: list[tuple[int, int, int, bytes]]) -> dict[int, tuple[bytes, dict[bytes, bytes]]]:
+    """stream -> (its message, its trailers) from a server's frames; a trailers-only answer has no message."""
+    out: dict[int, tuple[bytes, dict[bytes, bytes]]] = {}
+    for typ, flags, sid, payload in frames:
+        message, trailers = out.get(sid, (b"", {}))
+        if typ == 0:
+            message += payload[5:] if payload[:1] == b"\x00" and not message else payload
+        elif typ == 1 and flags & 0x1:
+            trailers = dict(plain_decode(payload) or [])
+        out[sid] = (message, trailers)
+    return out
+
+
+async def _connection(seen: Seen, window: int = 1 << 24) -> tuple[Any, _Wire, ServerConnection]:
+    server = _server(seen)
+    conn = ServerConnection(server)
+    wire = _Wire()
+    conn.connection_made(wire)  # type: ignore[arg-type]
+    settings = (4).to_bytes(2, "big") + window.to_bytes(4, "big")  # the client's INITIAL_WINDOW_SIZE
+    conn.data_received(PREFACE + _frame(4, 0, 0, settings) + _frame(8, 0, 0, (1 << 24).to_bytes(4, "big")))
+    conn.data_received(_call(1, b"first"))  # (its block decoded now: the next calls' blocks are known)
+    assert _answers(wire.frames())[1] == (b"plain:first", {b"grpc-status": b"0"})
+    return server, wire, conn
+
+
+async def test_a_call_whose_frames_arrive_together_is_answered_without_a_stream() -> None:
+    seen = Seen()
+    server, wire, conn = await _connection(seen)
+    opened: list[int] = []
+    usual = conn._on_headers
+    conn._on_headers = lambda flags, sid, block: (opened.append(sid), usual(flags, sid, block))[1]  # type: ignore[method-assign]
+    window = conn.send_window
+    conn.data_received(b"".join(_call(sid, b"m%d" % sid) for sid in (3, 5, 7)))
+    answers = _answers(wire.frames())
+    assert answers == {sid: (b"plain:m%d" % sid, {b"grpc-status": b"0"}) for sid in (3, 5, 7)}
+    assert opened == [] and conn.streams == {} and server._active == 0 and conn.last_sid == 7
+    assert conn.send_window == window - sum(len(b"plain:m3") + 5 for _ in range(3))
+    assert len(seen.hook_tasks) == 4 and seen.handled == []  # (the hook once per call, no handler)
+    # a stream id not above the last one, or frames of two calls interleaved: the usual path
+    conn.data_received(_call(7, b"again"))
+    assert _answers(wire.frames()) == {} and not conn.dead  # (a finished stream's late frames: dropped)
+    conn.data_received(_frame(1, 0x4, 9, _BLOCK) + _frame(1, 0x4, 11, _BLOCK)
+                       + _call(9, b"a")[9 + len(_BLOCK):] + _call(11, b"b")[9 + len(_BLOCK):])
+    assert _answers(wire.frames()) == {9: (b"plain:a", {b"grpc-status": b"0"}), 11: (b"plain:b", {b"grpc-status": b"0"})}
+    assert opened == [7, 9, 11] and conn.streams == {}
+
+
+async def test_a_declined_raising_or_large_answer_opens_the_stream_as_usual() -> None:
+    seen = Seen()
+    server, wire, conn = await _connection(seen, window=64)
+    # declined (the hook says None): the method's handler, in its Task
+    conn.data_received(_call(3, b""))
+    await eventually_async(lambda: seen.handled == [b""] and server._active == 0)
+    assert _answers(wire.frames())[3] == (b"task:", {b"grpc-status": b"0"})
+    # a hook that raises: UNKNOWN, its text only in the log
+    conn.data_received(_call(5, b"boom"))
+    status = _answers(wire.frames())[5][1]
+    assert status[b"grpc-status"] == b"2" and b"secret" not in status.get(b"grpc-message", b"")
+    # an answer larger than the client's stream window (64 bytes): sent as the window allows
+    conn.data_received(_call(7, b"x" * 100))
+    first = _answers(wire.frames())[7]
+    assert len(first[0]) < 106 and not first[1] and 7 in conn.streams
+    conn.data_received(_frame(8, 0, 7, (1 << 16).to_bytes(4, "big")))  # WINDOW_UPDATE: the rest
+    rest = [f for f in wire.frames() if f[2] == 7]
+    assert b"".join(p for t, _, _, p in rest if t == 0) and rest[-1][0] == 1 and rest[-1][1] & 0x1
+    assert conn.streams == {} and server._active == 0
+
+
+async def test_refused_at_its_headers_before_the_hook() -> None:
+    seen = Seen()
+    server, wire, conn = await _connection(seen)
+    asked = len(seen.hook_tasks)
+    server.check_headers = lambda path, metadata: (Status.UNAUTHENTICATED, "no key")
+    conn.data_received(_call(3, b"m"))
+    message, trailers = _answers(wire.frames())[3]  # (trailers-only: one HEADERS frame)
+    assert message == b"" and (trailers[b"grpc-status"], trailers[b"grpc-message"]) == (b"16", b"no key")
+    assert len(seen.hook_tasks) == asked and conn.streams == {}

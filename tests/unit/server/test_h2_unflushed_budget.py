@@ -41,9 +41,14 @@ def _server(seen: dict[str, Any]) -> H2GrpcServer:
     def hook(message: bytes, call: Any) -> bytes:
         return answer(message, call, "hook")
 
+    def frames_hook(message: bytes, call: None) -> bytes:  # no call: ServerConnection._at_once's path
+        seen["frames"] += 1
+        return message * (ANSWER // len(message))
+
     server = H2GrpcServer(limits=ServerLimits(conn_send_buffer_bytes=BUDGET, max_concurrent_streams=100))
     server.add_methods(SERVICE, {"Ask": unary_unary(handler)})
     server.at_once[PATH] = (hook, True)
+    server.frames_hook = frames_hook  # type: ignore[attr-defined]
     return server
 
 
@@ -62,10 +67,12 @@ def _flood(port: int) -> RawH2:
 
 
 async def _attack(via: str) -> tuple[dict[str, Any], RawH2, H2GrpcServer]:
-    seen = {"peak": 0, "hook": 0, "tasks": 0}
+    seen = {"peak": 0, "hook": 0, "tasks": 0, "frames": 0}
     server = _server(seen)
     if via == "task":
         server.at_once.clear()
+    elif via == "frames":  # a hook that wants no call: answered from the two frames, no stream made
+        server.at_once[PATH] = (server.frames_hook, False)  # type: ignore[attr-defined]
     port = await server.bind("127.0.0.1", 0)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -99,4 +106,14 @@ async def test_task_answers_in_one_pass_stay_within_the_send_budget() -> None:
     seen, raw, server = await _attack("task")
     assert raw.seen.eof or raw.seen.goaway == h2raw.ENHANCE_YOUR_CALM, raw.seen  # (aborted: the GOAWAY may be lost)
     assert seen["peak"] <= BUDGET + ANSWER + (1 << 16), seen
+    assert server._active == 0
+
+
+async def test_answers_from_the_two_frames_stay_within_the_send_budget() -> None:
+    """The same class on the path that answers a call from its HEADERS and DATA frames before a
+    stream is made (``ServerConnection._at_once``, a hook that wants no call): once the bytes
+    written since the last flush pass the budget, the rest go the usual way (``_reply``'s check)."""
+    seen, raw, server = await _attack("frames")
+    assert raw.seen.eof or raw.seen.goaway == h2raw.ENHANCE_YOUR_CALM, raw.seen  # (aborted: the GOAWAY may be lost)
+    assert 0 < seen["frames"] <= BUDGET // ANSWER + 2, seen  # not 300 answers of 1 MiB held unflushed
     assert server._active == 0

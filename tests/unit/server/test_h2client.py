@@ -733,6 +733,51 @@ async def test_unary_ok_error_and_deadline() -> None:
         await server.stop(0)
 
 
+class _Silent(asyncio.Protocol):
+    """An HTTP/2 server that says SETTINGS and then answers nothing (nor enforces any deadline):
+    only the client's own timer can end its calls. Keeps what it reads."""
+
+    def __init__(self, got: bytearray) -> None:
+        self.got = got
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.got += data
+
+
+async def test_unary_deadlines_are_the_clients_own() -> None:
+    """H2ClientConnection's one deadline timer (no wait_for per call): a call past its timeout
+    ends with DEADLINE_EXCEEDED and its stream is reset, a later deadline waits its turn, and the
+    header block of repeated calls is made once (H2ClientConnection.blocks)."""
+    got = bytearray()
+    srv = await asyncio.get_running_loop().create_server(lambda: _Silent(got), "127.0.0.1", 0)
+    conn = await connect(f"127.0.0.1:{srv.sockets[0].getsockname()[1]}", timeout=5)
+    try:
+        t0 = time.monotonic()
+        late = asyncio.ensure_future(conn.unary(path("Unary"), b"late", timeout=30))
+        await loop_passes()  # (it starts first: stream 1)
+        with pytest.raises(GrpcError) as err:
+            await conn.unary(path("Unary"), b"soon", timeout=0.3)
+        assert (err.value.code, err.value.details) == (4, "Deadline Exceeded") and 0.25 < time.monotonic() - t0 < 5
+        await until(lambda: struct.pack(">BHBBI", 0, 4, 3, 0, 3) + struct.pack(">I", 8) in got, 5.0,
+                    "RST_STREAM(CANCEL) of the expired call")  # (stream 3: the second call)
+        assert not late.done() and list(conn.streams) == [1]
+        second = asyncio.ensure_future(conn.unary(path("Unary"), b"late", timeout=30))
+        await loop_passes()
+        assert len(conn.blocks) == 2  # (the two 30 s calls share one block, the 0.3 s call has its own)
+        late.cancel()
+        second.cancel()
+        for call in (late, second):
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        assert conn.streams == {}
+    finally:
+        conn.close()
+        srv.close()
+
+
 async def test_channel_reconnects_after_the_server_restarts() -> None:
     server, port = await _unary_server()
     channel = Channel(f"127.0.0.1:{port}", connect_timeout=5)
