@@ -139,13 +139,28 @@ class Outcomes:
               params: Params | None) -> Result:
         """The request's coroutine, counted: a request without parameters where ``Forward`` is
         the stage past ``Turns`` gets ``Forward``'s own coroutine, which counts it (``ended``,
-        ``failed``: no coroutine of this stage's per request); any other, ``_counted``'s."""
-        if params is None and (forward := self.forward) is not None:
-            try:
-                return forward.named(request, ctx, None, name, version, self)
-            except InferError as exc:  # (refused before it left: counted as it would be inside)
-                raise self.failed(name, exc, ctx.protocol) from None
+        ``failed``: no coroutine of this stage's per request); where the cache is (and no A/B
+        route can rename the request), ``CacheStage.named``'s, which counts it the same way;
+        any other, ``_counted``'s."""
+        if params is None:
+            forward, cache = self.forward, self.cache
+            if forward is not None or (cache is not None and not self.renames):
+                try:
+                    return forward.named(request, ctx, None, name, version, self) if forward is not None \
+                        else cache.named(request, ctx, name, version, self)  # type: ignore[union-attr]
+                except InferError as exc:  # (refused before it left: counted as it would be inside)
+                    raise self.failed(name, exc, ctx.protocol) from None
         return self._counted(request, ctx, name, version, params)
+
+    async def counting(self, answer: Result, name: str, protocol: str) -> InferResult:
+        """``answer`` awaited and counted under ``name`` (``CacheStage.named``'s paths other than
+        its lead and ``Forward``'s, which count their own)."""
+        try:
+            result = await answer
+        except InferError as exc:
+            raise self.failed(name, exc, protocol) from None
+        self.counts[(name, "OK")] += 1
+        return result
 
     async def _counted(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
                        params: Params | None) -> InferResult:
