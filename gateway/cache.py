@@ -730,8 +730,8 @@ class CacheStage:
                 raise outcomes.failed(name, exc, ctx.protocol) from None
             inserting = _clock()
             answer = result.serialized()
-            if rid:
-                message = pb.ModelInferResponse.FromString(answer)
+            if rid and (answer := wire.without_response_id(serialized := answer)) is None:  # (the usual layout)
+                message = pb.ModelInferResponse.FromString(serialized)
                 message.ClearField("id")
                 answer = message.SerializeToString()
             local: LocalCache = self.local  # type: ignore[assignment]  # (named: this process's LocalCache)
