@@ -645,7 +645,7 @@ class CacheStage:
         if not facts[3] or (self._is_route is not None and self._is_route(name)):
             forward = self.forward
             return self._other(self.next.infer(request, ctx, None), name, ctx, outcomes) if forward is None \
-                else forward.named(request, ctx, None, name, asked, outcomes)
+                else forward.named(request, ctx, None, name, asked, outcomes, config)
         config, model = facts[0], facts[1]
         rid = request.id
         if asked or rid:  # the version asked and the id are left out of the key: the scan's
@@ -723,7 +723,7 @@ class CacheStage:
             forward = self.forward
             try:
                 result = await (self.next.infer(request, ctx, None) if forward is None else
-                                forward.named(request, ctx, None, name, asked))
+                                forward.named(request, ctx, None, name, asked, None, config))
             except InferError as exc:
                 if outcomes is None:
                     raise

@@ -416,15 +416,18 @@ class Forward:
         return self.named(request, ctx, sequence, request.model_name, request.model_version)
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str, outcomes: Outcomes | None = None) -> Result:
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result:
         """``infer`` of a request whose model name and version were read already (read once,
         handed on: ``Outcomes.forward``, where no stage before this one can rename it). With
         ``outcomes`` the returned coroutine counts the request's outcome there (``Outcomes.failed``;
-        one coroutine fewer per request than ``Outcomes`` awaiting it)."""
+        one coroutine fewer per request than ``Outcomes`` awaiting it). ``config``: the served
+        config of (name, version) when the caller looked it up just now (gateway/cache.py:
+        CacheStage.named, the stage before this one: the same ``Discovery.config_for``)."""
         deadline = ctx.deadline  # (ctx.time_remaining(), inline)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         raw = ctx.raw
-        config = self._config_for(name, version)
+        if config is None:
+            config = self._config_for(name, version)
         facts = None if config is None else self._facts.get(id(config))
         if config is not None and (facts is None or facts[0] is not config):
             facts = self.facts(config)
@@ -544,7 +547,9 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     elif stages[1] is cache:
         head.next.cache = cache
     if cache is not None and cache.next is forward:
-        cache.forward = forward  # (a miss hands Forward the name and version read)
+        # (a miss hands Forward the name, version and config read: with no Ensembles stage the
+        # cache's config look-up, GatewayCore._cache_config_for, is Forward's Discovery.config_for)
+        cache.forward = forward
     return head
 
 
