@@ -619,46 +619,55 @@ class CacheStage:
                 return self.next.infer(request, ctx, sequence)
         return self._found(key, model, config, request, ctx, sequence, raw)
 
-    def named(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, asked: str) -> Any:
+    def named(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, asked: str,
+              outcomes: Any = None) -> Any:
         """``infer`` of a request without parameters (so no sequence) whose model name and version
         asked ``Names`` read already (gateway/pipeline.py:Outcomes): no upb read of them here,
         the facts of ``_cacheable`` remembered per (name, version asked) while the served config
         is the one they were worked out under (a reload, a version change: worked out again),
         and a miss of this process's ``LocalCache`` led by ``_lead`` (no lookup loop, the put
         and the counts inline). A request of another form (HTTP, bytes the front door missed,
-        no bytes, a gateway's hop): ``infer``."""
+        no bytes, a gateway's hop): ``infer``. With ``outcomes`` (gateway/pipeline.py:Outcomes,
+        no A/B route behind) the returned coroutine counts the request's outcome under ``name``:
+        ``_lead`` and ``Forward.named`` their own, any other path through ``Outcomes.counting``
+        (no ``Outcomes`` coroutine on a miss's path)."""
         raw = ctx.raw
         front = self.front
         if raw is None or ctx.protocol != "grpc" or (front is not None and front.missed is request) \
                 or (hop.trusted and hop.from_gateway(ctx.headers)):
-            return self.infer(request, ctx, None)
+            return self._other(self.infer(request, ctx, None), name, ctx, outcomes)
         config = self._config_for(name, asked)
         facts = self._named.get(name if not asked else (name, asked))
         if facts is None or facts[0] is not config:
             facts = self._learn(name, asked, config)
             if facts is None:
-                return self.infer(request, ctx, None)
+                return self._other(self.infer(request, ctx, None), name, ctx, outcomes)
         if not facts[3] or (self._is_route is not None and self._is_route(name)):
             forward = self.forward
-            return self.next.infer(request, ctx, None) if forward is None else \
-                forward.named(request, ctx, None, name, asked)
+            return self._other(self.next.infer(request, ctx, None), name, ctx, outcomes) if forward is None \
+                else forward.named(request, ctx, None, name, asked, outcomes, config)
         config, model = facts[0], facts[1]
         rid = request.id
         if asked or rid:  # the version asked and the id are left out of the key: the scan's
             key = raw_key(raw, model[1], self._exact)
             if key is None and (key := request_key(request, model[1], self._exact)) is None:
-                return self.next.infer(request, ctx, None)
+                return self._other(self.next.infer(request, ctx, None), name, ctx, outcomes)
         else:  # (as infer's plain gRPC request)
             material = facts[2] + raw
             key = material if self._exact and 16 < len(material) <= EXACT_KEY_MAX \
                 else material_key(material, self._exact)
         entries = self._entries
         if entries is None or (row := facts[4]) is None:
-            return self._found(key, model, config, request, ctx, None, raw)
+            return self._other(self._found(key, model, config, request, ctx, None, raw), name, ctx, outcomes)
         started = _clock()
         if key in entries or key in self.flights:
-            return self._found(key, model, config, request, ctx, None, raw)
-        return self._lead(key, model, config, rid, request, ctx, asked, row, started)
+            return self._other(self._found(key, model, config, request, ctx, None, raw), name, ctx, outcomes)
+        return self._lead(key, model, config, rid, request, ctx, asked, row, started, outcomes)
+
+    @staticmethod
+    def _other(answer: Any, name: str, ctx: RequestContext, outcomes: Any) -> Any:
+        """``answer`` counted by ``outcomes`` (None: by the caller)."""
+        return answer if outcomes is None else outcomes.counting(answer, name, ctx.protocol)
 
     def _learn(self, name: str, asked: str, config: mc.ModelConfig | None) -> NamedFacts | None:
         """``named``'s facts of (name, version asked) under the served ``config`` (None: ask
@@ -691,14 +700,19 @@ class CacheStage:
 
     async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig, rid: str,
                     request: pb.ModelInferRequest, ctx: RequestContext, asked: str, row: list[int],
-                    started: int) -> InferResult:
+                    started: int, outcomes: Any = None) -> InferResult:
         """A miss of this process's ``LocalCache`` with no identical request in flight (``named``
         looked both up, in this pass of the loop): ``_cached``'s lead, with the rest of the chain
         called at once (the coalescer sees the request in the same pass as without the cache), the
         answer kept by ``LocalCache.put`` and counted in the model's row. The answer is kept
         without an id: the chain answers with the request's own (``rid``; Triton echoes it), so
-        only a request with one has it cut out."""
+        only a request with one has it cut out. With ``outcomes`` the request's outcome is counted
+        there, as ``Forward.named`` counts it (see ``named``)."""
         flights = self.flights
+        if key in flights or key in self._entries:  # type: ignore[operator]  # (named: a LocalCache)
+            # led (or stored) since ``named`` looked: a caller that did not await at once
+            return await self._other(self._found(key, model, config, request, ctx, None, ctx.raw), model[0],
+                                     ctx, outcomes)
         flights[key] = None
         name = model[0]
         generation = self._generations.get(name, 0)  # type: ignore[union-attr]  # (named: a LocalCache)
@@ -707,12 +721,17 @@ class CacheStage:
         inserted = 0
         try:
             forward = self.forward
-            result = await (self.next.infer(request, ctx, None) if forward is None else
-                            forward.named(request, ctx, None, name, asked))
+            try:
+                result = await (self.next.infer(request, ctx, None) if forward is None else
+                                forward.named(request, ctx, None, name, asked, None, config))
+            except InferError as exc:
+                if outcomes is None:
+                    raise
+                raise outcomes.failed(name, exc, ctx.protocol) from None
             inserting = _clock()
             answer = result.serialized()
-            if rid:
-                message = pb.ModelInferResponse.FromString(answer)
+            if rid and (answer := wire.without_response_id(serialized := answer)) is None:  # (the usual layout)
+                message = pb.ModelInferResponse.FromString(serialized)
                 message.ClearField("id")
                 answer = message.SerializeToString()
             local: LocalCache = self.local  # type: ignore[assignment]  # (named: this process's LocalCache)
@@ -726,6 +745,8 @@ class CacheStage:
                     and generation != local.generations.get(name, 0):
                 answer = None  # reloaded meanwhile: the waiters ask the new model
             inserted = _clock() - inserting
+            if outcomes is not None:
+                outcomes.counts[(name, "OK")] += 1
             return result
         finally:
             row[1] += 1

@@ -139,13 +139,28 @@ class Outcomes:
               params: Params | None) -> Result:
         """The request's coroutine, counted: a request without parameters where ``Forward`` is
         the stage past ``Turns`` gets ``Forward``'s own coroutine, which counts it (``ended``,
-        ``failed``: no coroutine of this stage's per request); any other, ``_counted``'s."""
-        if params is None and (forward := self.forward) is not None:
-            try:
-                return forward.named(request, ctx, None, name, version, self)
-            except InferError as exc:  # (refused before it left: counted as it would be inside)
-                raise self.failed(name, exc, ctx.protocol) from None
+        ``failed``: no coroutine of this stage's per request); where the cache is (and no A/B
+        route can rename the request), ``CacheStage.named``'s, which counts it the same way;
+        any other, ``_counted``'s."""
+        if params is None:
+            forward, cache = self.forward, self.cache
+            if forward is not None or (cache is not None and not self.renames):
+                try:
+                    return forward.named(request, ctx, None, name, version, self) if forward is not None \
+                        else cache.named(request, ctx, name, version, self)  # type: ignore[union-attr]
+                except InferError as exc:  # (refused before it left: counted as it would be inside)
+                    raise self.failed(name, exc, ctx.protocol) from None
         return self._counted(request, ctx, name, version, params)
+
+    async def counting(self, answer: Result, name: str, protocol: str) -> InferResult:
+        """``answer`` awaited and counted under ``name`` (``CacheStage.named``'s paths other than
+        its lead and ``Forward``'s, which count their own)."""
+        try:
+            result = await answer
+        except InferError as exc:
+            raise self.failed(name, exc, protocol) from None
+        self.counts[(name, "OK")] += 1
+        return result
 
     async def _counted(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
                        params: Params | None) -> InferResult:
@@ -401,15 +416,18 @@ class Forward:
         return self.named(request, ctx, sequence, request.model_name, request.model_version)
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str, outcomes: Outcomes | None = None) -> Result:
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result:
         """``infer`` of a request whose model name and version were read already (read once,
         handed on: ``Outcomes.forward``, where no stage before this one can rename it). With
         ``outcomes`` the returned coroutine counts the request's outcome there (``Outcomes.failed``;
-        one coroutine fewer per request than ``Outcomes`` awaiting it)."""
+        one coroutine fewer per request than ``Outcomes`` awaiting it). ``config``: the served
+        config of (name, version) when the caller looked it up just now (gateway/cache.py:
+        CacheStage.named, the stage before this one: the same ``Discovery.config_for``)."""
         deadline = ctx.deadline  # (ctx.time_remaining(), inline)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         raw = ctx.raw
-        config = self._config_for(name, version)
+        if config is None:
+            config = self._config_for(name, version)
         facts = None if config is None else self._facts.get(id(config))
         if config is not None and (facts is None or facts[0] is not config):
             facts = self.facts(config)
@@ -529,7 +547,9 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     elif stages[1] is cache:
         head.next.cache = cache
     if cache is not None and cache.next is forward:
-        cache.forward = forward  # (a miss hands Forward the name and version read)
+        # (a miss hands Forward the name, version and config read: with no Ensembles stage the
+        # cache's config look-up, GatewayCore._cache_config_for, is Forward's Discovery.config_for)
+        cache.forward = forward
     return head
 
 

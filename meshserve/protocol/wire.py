@@ -86,6 +86,29 @@ def with_request_id(raw_request: bytes, request_id: str) -> bytes:
     return raw_request + length_delimited(INFER_REQUEST_ID_TAG, request_id.encode())
 
 
+def without_response_id(raw_response: bytes) -> bytes | None:
+    """A serialized ModelInferResponse less its ``id`` (field 3) where it is laid out as protobuf
+    and the coalescer's split (gateway/upstream/merging.py) write it: model_name (1) and
+    model_version (2) if any, each with a one-byte length, then the id (one-byte length), then
+    parameters (4), outputs (5) or raw_output_contents (6). None for any other layout (the
+    caller parses). Fields are in number order there, so nothing after is another id; the
+    fields after it are not walked (a walk costs more than protobuf's parse of a small answer).
+    The cache keeps an answer without its id (gateway/cache.py:CacheStage._lead)."""
+    n = len(raw_response)
+    p = 0
+    if n > 2 and raw_response[0] == 0x0A and raw_response[1] < 0x80:
+        p = 2 + raw_response[1]
+    if p + 2 < n and raw_response[p] == 0x12 and raw_response[p + 1] < 0x80:
+        p += 2 + raw_response[p + 1]
+    if p + 2 < n and raw_response[p] == 0x1A and raw_response[p + 1] < 0x80 \
+            and (end := p + 2 + raw_response[p + 1]) < n and raw_response[end] in _AFTER_ID:
+        return raw_response[:p] + raw_response[end:]
+    return None
+
+
+_AFTER_ID = frozenset((0x22, 0x2A, 0x32))  # ModelInferResponse parameters, outputs, raw_output_contents
+
+
 def with_int_parameter(raw_request: bytes, key: str, value: int) -> bytes:
     """A serialized ModelInferRequest with parameters[key].int64_param = value (appended map
     entry; for maps the last entry of a key wins)."""

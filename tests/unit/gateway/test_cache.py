@@ -532,10 +532,14 @@ def test_the_pipelines_miss_path_names_ids_single_flight_and_reload() -> None:
     config.response_cache.enable = True
     configs = {"config": config}
     calls: list[str] = []
+    handed: list[bool] = []
 
     class Forward:
         async def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
-                        name: str, version: str) -> InferResult:
+                        name: str, version: str, outcomes: Any = None, known: Any = None) -> InferResult:
+            # (the lead counts a miss; it hands on the config it looked up, _cached's lead none)
+            assert outcomes is None and (known is None or known is configs["config"])
+            handed.append(known is not None)
             calls.append(name)
             await asyncio.sleep(0)
             answer = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)
@@ -547,7 +551,8 @@ def test_the_pipelines_miss_path_names_ids_single_flight_and_reload() -> None:
 
     stage = CacheStage(LocalCache(1 << 20), lambda name, version: configs["config"], lambda name: "1", None)
     forward: Any = Forward()
-    head = pipeline.assemble(Counter(), SequenceTurns(), forward, lambda n, v: False, lambda n, v: False,
+    counts: Counter[tuple[str, str]] = Counter()
+    head = pipeline.assemble(counts, SequenceTurns(), forward, lambda n, v: False, lambda n, v: False,
                              cache=stage)
     assert stage.forward is forward
 
@@ -579,3 +584,5 @@ def test_the_pipelines_miss_path_names_ids_single_flight_and_reload() -> None:
     asyncio.run(run())
     hits, misses, hit_ns, miss_ns = stage.counts.table()[("m", "1")]
     assert (hits, misses) == (2 + 31 + 1, 3) and hit_ns > 0 and miss_ns > 0
+    assert dict(counts) == {("m", "OK"): 3 + 32 + 2}  # each request once (Outcomes)
+    assert any(handed)

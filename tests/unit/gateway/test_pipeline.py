@@ -183,3 +183,97 @@ async def test_without_policies_each_way_forward_sends_counts_a_request_once(pro
     out = await wave(_add(1, "a"))
     assert sent == [] and isinstance(out[0], InferError) and out[0].message == words
     assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
+
+
+def _valued(value: int, rid: str = "") -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="add_sub", id=rid)
+    r.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    r.raw_input_contents.append(bytes([value]) * 16)
+    return r
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_with_the_cache_past_turns_each_path_counts_a_request_once(protocol: str) -> None:
+    """The cache is the stage past ``Turns`` (no policy before it): ``Outcomes`` returns
+    ``CacheStage.named``'s coroutine (no ``Outcomes`` coroutine), and each path counts the
+    request exactly once by its outcome: a miss's lead (answered, failed), a single-flight
+    waiter, a hit in the stage, a model that is not cached (``Forward``'s coroutine), a refusal
+    before anything is awaited (a decoupled model), leads called before either is awaited, and
+    (HTTP) the stage's ``infer``."""
+    from gateway.cache import CacheConfig
+
+    core = GatewayCore(["127.0.0.1:1"], cache=CacheConfig.parse(["local,size=1048576"]))
+    assert core.cache is not None and core.pipeline.next.cache is core.cache and core.pipeline.next.forward is None
+    configs = [text_format.Parse(_ADD + "response_cache { enable: true }", mc.ModelConfig())]
+    core.forward._config_for = lambda name, version: configs[0]  # type: ignore[method-assign]
+    core.cache._config_for = lambda name, version: configs[0]
+    core.cache._versions = lambda name: "1"
+    answer: list[Any] = ["ok"]
+    gate = asyncio.Event()
+    sent: list[int] = []
+
+    async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                   affinity: str | None = None) -> pb.ModelInferResponse:
+        if raw is not None:  # (a merged request's contents are in its body)
+            request = pb.ModelInferRequest.FromString(raw)
+        sent.append(request.inputs[0].shape[0])
+        await gate.wait()
+        if isinstance(answer[0], InferError):
+            raise answer[0]
+        out = pb.ModelInferResponse(model_name="add_sub", model_version="1", id=request.id)
+        out.outputs.add(name="OUTPUT0", datatype="FP32", shape=list(request.inputs[0].shape))
+        out.raw_output_contents.append(request.raw_input_contents[0])
+        return out
+
+    def infer(name: str, version: str, rid: str, raw: bytes, timeout: float | None,
+              affinity: str | None = None) -> Any:  # (a client's bytes, sent alone)
+        return send(pb.ModelInferRequest.FromString(raw), raw, timeout, affinity)
+
+    core.upstream.send = send  # type: ignore[method-assign]  # the service is not under test here
+    core.upstream.infer = infer  # type: ignore[method-assign]
+    core.upstream.start = lambda request, body, timeout: None  # type: ignore[method-assign]
+
+    def ctx(request: pb.ModelInferRequest) -> RequestContext:
+        return RequestContext(protocol, {}, None, request.SerializeToString() if protocol == "grpc" else None)
+
+    async def call(request: pb.ModelInferRequest) -> InferResult:  # (as a front door: awaited at once)
+        return await core.infer(request, ctx(request))
+
+    async def wave(*requests: pb.ModelInferRequest, at_once: bool = True) -> list[Any]:
+        sent.clear()
+        gate.clear()
+        core.request_counts.clear()
+        if at_once:
+            calls = [asyncio.ensure_future(call(r)) for r in requests]
+        else:  # each infer called before any is awaited
+            calls = [asyncio.ensure_future(core.infer(r, ctx(r))) for r in requests]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        gate.set()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    rows = core.cache.counts.row(("add_sub", "1"))
+    # three misses led (the first alone, the next two merged) and a waiter on the third's flight
+    out = await wave(_valued(1, "a"), _valued(2, "b"), _valued(3, "c"), _valued(3, "d"))
+    assert sum(sent) == 3 and [o.message().id for o in out] == ["a", "b", "c", "d"]
+    assert dict(core.request_counts) == {("add_sub", "OK"): 4} and rows[:2] == [1, 3]
+    out = await wave(_valued(1, "e"), _valued(2))  # hits in the stage
+    assert sent == [] and [o.message().id for o in out] == ["e", ""]
+    assert dict(core.request_counts) == {("add_sub", "OK"): 2} and rows[:2] == [3, 3]
+    out = await wave(_valued(4), _valued(4), at_once=False)  # the second sees no flight yet: led, then waits
+    assert sent == [1] and dict(core.request_counts) == {("add_sub", "OK"): 2} and rows[:2] == [4, 4]
+    answer[0] = InferError.unavailable("no replica")
+    out = await wave(_valued(5, "a"), _valued(6, "b"), _valued(6, "c"))  # failed leads, a waiter that leads again
+    assert all(isinstance(o, InferError) and o.code is Code.UNAVAILABLE for o in out)
+    assert dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 3}
+    configs[0] = text_format.Parse(_ADD, mc.ModelConfig())  # not cached: Forward's coroutine counts it
+    out = await wave(_valued(7), _valued(7))
+    assert len(sent) == 2 and dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 2}
+    answer[0] = "ok"
+    out = await wave(_valued(7), _valued(7))
+    assert dict(core.request_counts) == {("add_sub", "OK"): 2}
+    configs[0] = text_format.Parse(_ADD + "model_transaction_policy { decoupled: true }", mc.ModelConfig())
+    out = await wave(_valued(8))  # refused before it left
+    words = UNARY_DECOUPLED_HTTP if protocol == "http" else UNARY_DECOUPLED_GRPC
+    assert sent == [] and isinstance(out[0], InferError) and out[0].message == words
+    assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
