@@ -208,7 +208,7 @@ class Triton(procs.Endpoints):
              f"--cache-directory={ts / 'caches'}", f"--cache-config=local,size={size}",
              "--http-address=127.0.0.1", f"--http-port={self.ports['http']}",
              "--grpc-address=127.0.0.1", f"--grpc-port={self.ports['grpc']}", "--allow-metrics=false",
-             "--log-verbose=0"], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             "--log-verbose=0"], stdout=self.log, stderr=subprocess.STDOUT, env=env, process_group=0)
         try:
             procs.wait_ready(self.http, 180)
         except RuntimeError:

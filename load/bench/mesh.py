@@ -133,7 +133,7 @@ class Up:
         self.proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
                                       "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1", *flags],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)  # its group: `up`, the services, the gateway
+                                     process_group=0)  # its group: `up`, the services, the gateway
         self.log: list[str] = []
         banner = threading.Event()
         threading.Thread(target=self._drain, args=(banner,), daemon=True).start()
