@@ -318,6 +318,18 @@ def _canonical_metadata(meta: bytes) -> bytes | None:
     return copy.SerializeToString(deterministic=True)
 
 
+def _without_id(answer: bytes) -> bytes:
+    """A serialized ModelInferResponse as the cache keeps it: without its id (cut at the wire
+    level where protobuf's layout allows, meshserve/protocol/wire.py:without_response_id, else
+    parsed and serialized again)."""
+    cut = wire.without_response_id(answer)
+    if cut is not None:
+        return cut
+    message = pb.ModelInferResponse.FromString(answer)
+    message.ClearField("id")
+    return message.SerializeToString()
+
+
 class LocalCache:
     """LRU over serialized answers within ``size`` bytes (keys, answers and ``ENTRY_OVERHEAD``
     per entry); one process's. An entry is a tuple (model, answer: the serialized
@@ -730,10 +742,8 @@ class CacheStage:
                 raise outcomes.failed(name, exc, ctx.protocol) from None
             inserting = _clock()
             answer = result.serialized()
-            if rid and (answer := wire.without_response_id(serialized := answer)) is None:  # (the usual layout)
-                message = pb.ModelInferResponse.FromString(serialized)
-                message.ClearField("id")
-                answer = message.SerializeToString()
+            if rid:
+                answer = _without_id(answer)
             local: LocalCache = self.local  # type: ignore[assignment]  # (named: this process's LocalCache)
             entries = local.entries
             size = len(key) + len(answer) + ENTRY_OVERHEAD
@@ -844,12 +854,7 @@ class CacheStage:
         try:
             result = await (self.next.infer(request, ctx, sequence) if run is None else run())
             inserting = time.perf_counter_ns()
-            if result.message().id:
-                message = pb.ModelInferResponse.FromString(result.serialized())
-                message.ClearField("id")
-                answer = message.SerializeToString()
-            else:
-                answer = result.serialized()
+            answer = _without_id(result.serialized()) if result.message().id else result.serialized()
             if local is not None:
                 if not local.put(key, model[0], answer, config, generation) \
                         and generation != local.generation(model[0]):

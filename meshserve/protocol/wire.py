@@ -93,7 +93,7 @@ def without_response_id(raw_response: bytes) -> bytes | None:
     parameters (4), outputs (5) or raw_output_contents (6). None for any other layout (the
     caller parses). Fields are in number order there, so nothing after is another id; the
     fields after it are not walked (a walk costs more than protobuf's parse of a small answer).
-    The cache keeps an answer without its id (gateway/cache.py:CacheStage._lead)."""
+    The cache keeps an answer without its id (gateway/cache.py:_without_id)."""
     n = len(raw_response)
     p = 0
     if n > 2 and raw_response[0] == 0x0A and raw_response[1] < 0x80:
