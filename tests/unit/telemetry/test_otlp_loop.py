@@ -96,7 +96,11 @@ def test_full_batches_go_at_once_the_rest_after_the_delay(receiver: tuple[_Recei
         await eventually_async(lambda: len(servicer.names()) >= 8)  # two full batches, no waiting for the delay
         t0 = time.monotonic()
         await eventually_async(lambda: len(servicer.names()) == 10)  # the last two after the schedule delay
-        return time.monotonic() - t0
+        waited = time.monotonic() - t0
+        # the receiver records an export before its answer reaches the queue: wait for the answer
+        # (or a drop) before the loop closes, then check which it was
+        await eventually_async(lambda: queue.exported + queue.dropped >= 10)
+        return waited
 
     waited = asyncio.run(main())
     assert 0.1 < waited < 3
