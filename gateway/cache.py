@@ -646,8 +646,13 @@ class CacheStage:
         and the counts inline). A request of another form (HTTP, bytes the front door missed,
         no bytes, a gateway's hop): ``infer``. With ``outcomes`` (gateway/pipeline.py:Outcomes,
         no A/B route behind) the returned coroutine counts the request's outcome under ``name``:
-        ``_lead`` and ``Forward.named`` their own, any other path through ``Outcomes.counting``
-        (no ``Outcomes`` coroutine on a miss's path)."""
+        ``_lead`` (through ``Forward.named``'s coroutine) and ``Forward.named`` their own, any other
+        path through ``Outcomes.counting`` (no ``Outcomes`` coroutine on a miss's path).
+
+        The usual request (no version asked, gRPC bytes, no hop marker, the field after the name
+        neither a version nor an id: no id to leave out of the key) goes to ``_lead`` at once, its
+        key the facts' prefix and its bytes (docs/perf/response-cache.md, section 12); every
+        other one takes ``_slow``."""
         raw = ctx.raw
         if raw is not None and not asked and ctx.protocol == "grpc" and _HOP_HEADER not in ctx.headers:
             config = self._config_for(name, "")
