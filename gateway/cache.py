@@ -59,8 +59,11 @@ _IGNORED_PARAMETERS = frozenset({BINARY_DATA_OUTPUT, "timeout", "priority",
 _SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 _SHM = wire.SHM_REGION
 _clock = time.perf_counter_ns  # (Triton's lookup and insertion durations)
-# CacheStage.named's facts: (served config, (model, version), the key's prefix, cached, counts row)
-NamedFacts = tuple[mc.ModelConfig, tuple[str, str], bytes, bool, "list[int] | None"]
+# CacheStage.named's facts: (served config, (model, version), the key's prefix, cached, counts row,
+# the prefix again where a request may take the lead path as it comes (else None), the longest
+# request bytes whose key is their material)
+NamedFacts = tuple[mc.ModelConfig, tuple[str, str], bytes, bool, "list[int] | None", "bytes | None", int]
+_HOP_HEADER = hop.HEADER  # (a call without it is no gateway's hop: hop.from_gateway without its call)
 
 FAMILIES = {
     "cache_hits": metrics.Family("nv_cache_num_hits_per_model", "counter",
@@ -342,6 +345,7 @@ class LocalCache:
         self.used = 0
         self.entries: OrderedDict[bytes, tuple[str, bytes, mc.ModelConfig, int]] = OrderedDict()
         self.generations: dict[str, int] = {}  # a model's, once invalidated (0 before)
+        self.invalidations = 0  # every model's (a lead that saw none since it began stores without a look-up)
         self.evictions = 0
 
     def get(self, key: bytes, config: mc.ModelConfig, model: str = "") -> bytes | None:
@@ -382,6 +386,7 @@ class LocalCache:
         every entry: a load or unload is rare, where a per-model key set cost every miss its
         upkeep.)"""
         self.generations[model] = self.generations.get(model, 0) + 1
+        self.invalidations += 1
         for key in [key for key, entry in self.entries.items() if entry[0] == model]:
             self._drop(key)
 
@@ -641,14 +646,37 @@ class CacheStage:
         and the counts inline). A request of another form (HTTP, bytes the front door missed,
         no bytes, a gateway's hop): ``infer``. With ``outcomes`` (gateway/pipeline.py:Outcomes,
         no A/B route behind) the returned coroutine counts the request's outcome under ``name``:
-        ``_lead`` and ``Forward.named`` their own, any other path through ``Outcomes.counting``
-        (no ``Outcomes`` coroutine on a miss's path)."""
+        ``_lead`` (through ``Forward.named``'s coroutine) and ``Forward.named`` their own, any other
+        path through ``Outcomes.counting`` (no ``Outcomes`` coroutine on a miss's path).
+
+        The usual request (no version asked, gRPC bytes, no hop marker, the field after the name
+        neither a version nor an id: no id to leave out of the key) goes to ``_lead`` at once, its
+        key the facts' prefix and its bytes (docs/perf/response-cache.md, section 12); every
+        other one takes ``_slow``."""
+        raw = ctx.raw
+        if raw is not None and not asked and ctx.protocol == "grpc" and _HOP_HEADER not in ctx.headers:
+            config = self._config_for(name, "")
+            facts = self._named.get(name)
+            # a miss's usual request: the served config the facts were worked out under, a model
+            # this process's LocalCache keeps, and bytes with neither a version nor an id after the
+            # name (the id is left out of the key: such a request takes the scan)
+            if facts is not None and facts[0] is config and (prefix := facts[5]) is not None \
+                    and 16 < (n := len(raw)) <= facts[6] and (i := raw[1] + 2) < n and raw[i] > 0x1A:
+                return self._lead(prefix + raw, facts, request, ctx, outcomes)
+            return self._slow(request, ctx, name, asked, outcomes, config)
+        return self._slow(request, ctx, name, asked, outcomes)
+
+    def _slow(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, asked: str,
+              outcomes: Any, config: Any = False) -> Any:
+        """``named``'s every other request (``config``: the served config, when ``named`` looked it
+        up already)."""
         raw = ctx.raw
         front = self.front
         if raw is None or ctx.protocol != "grpc" or (front is not None and front.missed is request) \
                 or (hop.trusted and hop.from_gateway(ctx.headers)):
             return self._other(self.infer(request, ctx, None), name, ctx, outcomes)
-        config = self._config_for(name, asked)
+        if config is False:
+            config = self._config_for(name, asked)
         facts = self._named.get(name if not asked else (name, asked))
         if facts is None or facts[0] is not config:
             facts = self._learn(name, asked, config)
@@ -668,13 +696,9 @@ class CacheStage:
             material = facts[2] + raw
             key = material if self._exact and 16 < len(material) <= EXACT_KEY_MAX \
                 else material_key(material, self._exact)
-        entries = self._entries
-        if entries is None or (row := facts[4]) is None:
+        if self._entries is None or facts[4] is None:
             return self._other(self._found(key, model, config, request, ctx, None, raw), name, ctx, outcomes)
-        started = _clock()
-        if key in entries or key in self.flights:
-            return self._other(self._found(key, model, config, request, ctx, None, raw), name, ctx, outcomes)
-        return self._lead(key, model, config, rid, request, ctx, asked, row, started, outcomes)
+        return self._lead(key, facts, request, ctx, outcomes, rid, asked)
 
     @staticmethod
     def _other(answer: Any, name: str, ctx: RequestContext, outcomes: Any) -> Any:
@@ -692,8 +716,13 @@ class CacheStage:
         if len(self._named) >= CONFIGS_KEPT:
             self._named.clear()
         model = (name, version)
-        facts = (config, model, version.encode() + b"\x00", self._enabled(config),
-                 self.counts.row(model) if self._rows else None)
+        prefix = version.encode() + b"\x00"
+        cached = self._enabled(config)
+        row = self.counts.row(model) if self._rows else None
+        # named's lead as the request comes: no version asked, no routes, this process's LocalCache
+        lead = prefix if cached and not asked and self._is_route is None and self._entries is not None \
+            and row is not None else None
+        facts = (config, model, prefix, cached, row, lead, EXACT_KEY_MAX - len(prefix))
         self._named[name if not asked else (name, asked)] = facts
         return facts
 
@@ -710,55 +739,60 @@ class CacheStage:
                                 (keyed[0], keyed[1], request.model_version), ctx, sequence)
         return self._cached(key, model, config, request, ctx.time_remaining, None, None, ctx, sequence)
 
-    async def _lead(self, key: bytes, model: tuple[str, str], config: mc.ModelConfig, rid: str,
-                    request: pb.ModelInferRequest, ctx: RequestContext, asked: str, row: list[int],
-                    started: int, outcomes: Any = None) -> InferResult:
-        """A miss of this process's ``LocalCache`` with no identical request in flight (``named``
-        looked both up, in this pass of the loop): ``_cached``'s lead, with the rest of the chain
-        called at once (the coalescer sees the request in the same pass as without the cache), the
-        answer kept by ``LocalCache.put`` and counted in the model's row. The answer is kept
+    async def _lead(self, key: bytes, facts: NamedFacts, request: pb.ModelInferRequest, ctx: RequestContext,
+                    outcomes: Any = None, rid: str = "", asked: str = "") -> InferResult:
+        """A request of ``named`` whose key is known (``facts``: its model's, a model this process's
+        ``LocalCache`` keeps): looked up here, when the coroutine runs (a hit, or an identical
+        request in flight: ``_found``'s path); a miss is led: the rest of the chain called at once
+        (the coalescer sees the request in the same pass as without the cache), the answer kept as
+        ``LocalCache.put`` keeps it, the miss counted in the model's row. The answer is kept
         without an id: the chain answers with the request's own (``rid``; Triton echoes it), so
         only a request with one has it cut out. With ``outcomes`` the request's outcome is counted
-        there, as ``Forward.named`` counts it (see ``named``)."""
+        there: by ``Forward.named``'s coroutine when ``Forward`` is the next stage (its config is
+        cached, so never decoupled: ``Forward.named`` does not refuse it before its coroutine
+        runs), else here."""
+        started = _clock()
+        entries = self._entries
         flights = self.flights
-        if key in flights or key in self._entries:  # type: ignore[operator]  # (named: a LocalCache)
-            # led (or stored) since ``named`` looked: a caller that did not await at once
-            return await self._other(self._found(key, model, config, request, ctx, None, ctx.raw), model[0],
-                                     ctx, outcomes)
+        if key in entries or key in flights:  # type: ignore[operator]  # (named: a LocalCache)
+            return await self._other(self._found(key, facts[1], facts[0], request, ctx, None, ctx.raw),
+                                     facts[1][0], ctx, outcomes)
         flights[key] = None
-        name = model[0]
-        generation = self._generations.get(name, 0)  # type: ignore[union-attr]  # (named: a LocalCache)
+        name = facts[1][0]
+        local: LocalCache = self.local  # type: ignore[assignment]  # (named: this process's LocalCache)
+        invalidations = local.invalidations  # (a model's generation, for every model at once: one read)
         looked = _clock() - started
         answer = None
         inserted = 0
         try:
             forward = self.forward
-            try:
-                result = await (self.next.infer(request, ctx, None) if forward is None else
-                                forward.named(request, ctx, None, name, asked, None, config))
-            except InferError as exc:
-                if outcomes is None:
-                    raise
-                raise outcomes.failed(name, exc, ctx.protocol) from None
+            if forward is not None:
+                result = await forward.named(request, ctx, None, name, asked, outcomes, facts[0])
+            else:
+                try:
+                    result = await self.next.infer(request, ctx, None)
+                except InferError as exc:
+                    if outcomes is None:
+                        raise
+                    raise outcomes.failed(name, exc, ctx.protocol) from None
+                if outcomes is not None:
+                    outcomes.counts[(name, "OK")] += 1
             inserting = _clock()
             answer = result.serialized()
             if rid:
                 answer = _without_id(answer)
-            local: LocalCache = self.local  # type: ignore[assignment]  # (named: this process's LocalCache)
-            entries = local.entries
             size = len(key) + len(answer) + ENTRY_OVERHEAD
-            if key not in entries and local.used + size <= local.size and size <= local.max_entry \
-                    and generation == local.generations.get(name, 0):
-                entries[key] = (name, answer, config, size)  # (LocalCache.put's usual case, inline)
+            if invalidations != local.invalidations:
+                answer = None  # a model was invalidated meanwhile (perhaps this one): not kept, the waiters ask again
+            elif local.used + size <= local.size and size <= local.max_entry and key not in entries:  # type: ignore[operator]
+                entries[key] = (name, answer, facts[0], size)  # type: ignore[index]  # (LocalCache.put's usual case)
                 local.used += size
-            elif not local.put(key, name, answer, config, generation) \
-                    and generation != local.generations.get(name, 0):
-                answer = None  # reloaded meanwhile: the waiters ask the new model
+            else:  # (evictions, an answer too large, a key stored meanwhile)
+                local.put(key, name, answer, facts[0], local.generations.get(name, 0))
             inserted = _clock() - inserting
-            if outcomes is not None:
-                outcomes.counts[(name, "OK")] += 1
             return result
         finally:
+            row: list[int] = facts[4]  # type: ignore[assignment]  # (named: this process's CacheCounts)
             row[1] += 1
             row[3] += looked + inserted
             flight = flights.pop(key)
@@ -984,15 +1018,19 @@ class FrontDoor:
         pipeline's path. ``context``: the front door's RequestContext of a call (read only with
         tenants, and then given). With ``at_once`` it runs before the call's Task is made: nothing
         here waits."""
-        if not self.entries or len(raw) > FRONT_RAW_MAX or tracing.enabled:
+        index = self.entries
+        if not index or (n := len(raw)) > FRONT_RAW_MAX or tracing.enabled:
             return None  # (nothing repeated yet, or too large a request to be indexed: not even the scan)
-        keyed = front_key(raw)
-        if keyed is None:
-            return None
-        key, rid = keyed
-        found = self.entries.get(key)
+        if n > 2 and raw[0] == 0x0A and raw[1] < 0x80 and (i := raw[1] + 2) < n and raw[i] > 0x1A:
+            key, rid = raw, b""  # (front_key's usual case, inline: a name, then neither a version nor an id)
+        else:
+            keyed = front_key(raw)
+            if keyed is None:
+                return None
+            key, rid = keyed
+        found = index.get(key)
         if found is None:
-            return None
+            return None  # (a miss: the pipeline's path)
         if not rid.isascii():  # (an id that is not UTF-8 is a malformed request: the parse's INVALID_ARGUMENT)
             try:
                 rid[2:].decode()

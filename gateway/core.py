@@ -141,7 +141,9 @@ class GatewayCore:
                 store = SharedCache(os.path.join(cache_share[0], "response-cache"), cache.size, cache_share[1])
             else:
                 store = LocalCache(cache.size)
-            self.cache = CacheStage(store, self._cache_config_for, self._served_version,
+            # (no ensembles: the cache's config look-up is Discovery.config_for itself, one call fewer)
+            self.cache = CacheStage(store, self._cache_config_for if ensembles is not None else self.discovery.config_for,
+                                    self._served_version,
                                     None if routes is None else lambda name: routes.lookup(name) is not None,
                                     store.counts if isinstance(store, SharedCache) else None)
             if isinstance(store, LocalCache):

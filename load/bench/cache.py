@@ -6,6 +6,7 @@ side in one run, and a mix with no repeat (what the cache costs a miss). docs/pe
     python -m load.bench.cache ...   (the same)
     python -m load.bench --cache --hit-cost   (the stores alone: one process's vs the workers' shared one)
     python -m load.bench --cache --instructions -n 500   (the gateway's instructions per request, callgrind)
+    python -m load.bench --cache --zero-ab off,on,nostore,hot -n 12000 --rounds 6   (the 0% mix, A/B)
 
 The model is the team's bench add_sub (../shared/bench/gen_models.py: FP32 [1,16] INPUT0/INPUT1,
 max_batch_size 64, dynamic batching; meshserve serves its ONNX graph, Triton its Python-backend
@@ -303,7 +304,9 @@ def instructions(args: argparse.Namespace, repo: Path, out: Path) -> str:
         for name, extra, cells in (("off", [], [("cache off, 0% repeats", 0.0)]),
                                    ("on", ["--cache-config", f"local,size={args.size}"],
                                     [("cache on, 0% repeats (every request a miss)", 0.0),
-                                     ("cache on, 100% repeats (every request a hit)", 1.0)])):
+                                     ("cache on, 100% repeats (every request a hit)", 1.0),
+                                     # (as the bench's 0% cell runs: after the 90% cell's hits)
+                                     ("cache on, 0% repeats, the front door's index filled", 0.0)])):
             dump = out / f"cg-{name}.out"
             # (discovery's health calls from a gateway under callgrind are slow: not every 2 s)
             gw = procs.gateway([svc.grpc], out / f"gw-{name}.log", extra=[*extra, "--discovery-interval", "60",
@@ -355,6 +358,85 @@ def hop_calls(gw: procs.Server) -> tuple[int, int]:
         return sum(int(float(v)) for v in re.findall(rf"^{family}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
     return total("meshserve_gateway_merged_requests_total"), total("meshserve_gateway_merged_sends_total")
+
+
+# ---- the 0% mix, A/B: what a miss costs beyond the instructions (docs/perf/response-cache.md, 12) --
+
+ZERO_AB_GATEWAYS = {
+    "off": [],
+    "on": ["--cache-config", "local,size=SIZE"],
+    # every request a miss, nothing kept: an answer is over 1/8 of 1,000 bytes (the miss's work without the store)
+    "nostore": ["--cache-config", "local,size=1000"],
+    # as the bench's 0% cell finds it: after hits, the front door's index filled
+    "hot": ["--cache-config", "local,size=SIZE"],
+}
+
+
+def _task_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` in ns resolution (/proc/PID/task/*/schedstat), where
+    /proc/PID/stat counts 10 ms ticks."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def _faults_rss(pid: int) -> tuple[int, int]:
+    """(minor page faults so far, resident bytes) of ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7]), int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def zero_ab(args: argparse.Namespace, repo: Path, out: Path) -> str:
+    """The 0% mix against gateways side by side (``--zero-ab off,on,nostore,hot``): each round
+    drives every gateway in turn (the order reversed every other round), so the machine's other load
+    falls on all alike; per gateway the medians of its CPU µs per request (every thread, schedstat),
+    minor page faults per request (a new entry's memory) and the RSS after the last round."""
+    names = args.zero_ab.split(",")
+    unknown = [n for n in names if n not in ZERO_AB_GATEWAYS]
+    if unknown:
+        raise SystemExit(f"--zero-ab: unknown gateway {unknown[0]} (known: {', '.join(ZERO_AB_GATEWAYS)})")
+    svc = procs.service(repo, out / "svc.log")
+    gws: dict[str, procs.Server] = {}
+    rows: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    try:
+        for n in names:
+            extra = [a.replace("SIZE", str(args.size)) for a in ZERO_AB_GATEWAYS[n]]
+            gws[n] = procs.gateway([svc.grpc], out / f"gw-{n}.log", extra=[*extra, *shlex.split(args.gateway_args)])
+            if n == "hot":
+                run_client(drive(gws[n].grpc, mix("add_sub", 20 * 10, 1.0, 10, 4242), args.concurrency, args.connections))
+        for rnd in range(args.rounds):
+            for i, n in enumerate(names if rnd % 2 == 0 else names[::-1]):
+                gw = gws[n]
+                run_client(drive(gw.grpc, mix("add_sub", args.warmup, 0.0, 1, 7000 + rnd), args.concurrency, args.connections))
+                requests = mix("add_sub", args.requests, 0.0, 1, 1000 * rnd + 10 * i + 8)
+                cpu0, (faults0, _) = _task_cpu_s(gw.pid), _faults_rss(gw.pid)
+                run = run_client(drive(gw.grpc, requests, args.concurrency, args.connections))
+                cpu1, (faults1, _) = _task_cpu_s(gw.pid), _faults_rss(gw.pid)
+                if run.errors:
+                    raise SystemExit(f"{n}: {run.errors} requests failed, the first: {run.first_error}")
+                k = len(requests)
+                rows[n].append((k / run.wall_s, (cpu1 - cpu0) / k * 1e6, (faults1 - faults0) / k))
+                print(f"round {rnd + 1} {n}: {rows[n][-1][0]:.0f} rows/s, {rows[n][-1][1]:.2f} µs, "
+                      f"{rows[n][-1][2]:.3f} faults per request", flush=True)
+        rss = {n: _faults_rss(gws[n].pid)[1] for n in names}
+    finally:
+        for gw in gws.values():
+            gw.stop()
+        svc.stop()
+    base = statistics.median(r[1] for r in rows[names[0]])
+    lines = [f"-n {args.requests} per gateway and round, {args.rounds} rounds, c{args.concurrency}, "
+             f"medians; load average {os.getloadavg()[0]:.1f} at the end", "",
+             f"| gateway | rows/s | gateway CPU µs/req | vs {names[0]} | minor faults/req | RSS MiB at the end |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for n in names:
+        cpu = statistics.median(r[1] for r in rows[n])
+        lines.append(f"| {n} | {statistics.median(r[0] for r in rows[n]):.0f} | {cpu:.2f} | "
+                     f"{100 * (cpu / base - 1):+.1f}% | {statistics.median(r[2] for r in rows[n]):.3f} | {rss[n] >> 20} |")
+    return "\n".join(lines)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -481,13 +563,24 @@ def main(argv: list[str] | None = None) -> None:
                     help="instead: the gateway's instructions per request under callgrind (cache off, on with "
                          "no repeat, on with every request a hit); use a small -n (e.g. 500)")
     ap.add_argument("--gateway-args", default="",
-                    help="with --instructions: more flags for both gateways (one string, shell words), e.g. "
+                    help="with --instructions or --zero-ab: more flags for every gateway (one string, shell words), e.g. "
                          "\"--coalesce-inflight 0\" (no merging: the count no longer moves with batching)")
+    ap.add_argument("--zero-ab", default="", metavar="GATEWAYS",
+                    help="instead: the 0%% mix against gateways side by side, alternating (off, on, nostore: "
+                         "nothing kept, hot: the front door's index filled first), e.g. off,on,nostore,hot")
     ap.add_argument("--keep", type=Path, default=None,
                     help="with --instructions: keep the callgrind dumps (cg-off.out*, cg-on.out*) in this directory")
     args = ap.parse_args(argv)
     if args.hit_cost:
         print(hit_cost())
+        return
+    if args.zero_ab:
+        with tempfile.TemporaryDirectory(prefix="bench-cache-ab-") as tmp:
+            d = Path(tmp)
+            (d / "mesh").mkdir()
+            cached_copy((args.repository or bench_models(args.models) / "onnx_repo") / "add_sub", d / "mesh",
+                        "add_sub", True)
+            print(zero_ab(args, d / "mesh", d))
         return
     if args.instructions:
         with tempfile.TemporaryDirectory(prefix="bench-cache-cg-") as tmp:

@@ -377,6 +377,57 @@ def test_the_front_door_answers_a_repeat_with_its_own_id() -> None:
     assert calls[0] == 2
 
 
+def test_an_invalidation_during_a_lead_keeps_nothing_and_the_waiter_asks_again() -> None:
+    """A miss led as it comes (``named``, a request without id or version) while a model is
+    invalidated (a load or unload through the gateway): its answer goes to its own client but is not
+    kept, and an identical request waiting on it runs the model again (it may be the old model's)."""
+    from gateway import pipeline
+    from gateway.turns import SequenceTurns
+
+    config = mc.ModelConfig(name="m")
+    config.response_cache.enable = True
+    gate = asyncio.Event()
+    calls: list[int] = []
+
+    class Forward:
+        async def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
+                        name: str, version: str, outcomes: Any = None, known: Any = None) -> InferResult:
+            calls.append(1)
+            await gate.wait()
+            if outcomes is not None:
+                outcomes.counts[(name, "OK")] += 1
+            return InferResult(pb.ModelInferResponse(model_name=name, model_version="1", id=request.id))
+
+        def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:
+            return self.named(request, ctx, sequence, request.model_name, request.model_version)
+
+    stage = CacheStage(LocalCache(1 << 20), lambda name, version: config, lambda name: "1", None)
+    counts: Counter[tuple[str, str]] = Counter()
+    head = pipeline.assemble(counts, SequenceTurns(), Forward(), lambda n, v: False, lambda n, v: False,  # type: ignore[arg-type]
+                             cache=stage)
+    raw = _request([5, 6, 7]).SerializeToString()
+
+    def send() -> Any:
+        return head.infer(pb.ModelInferRequest.FromString(raw), RequestContext("grpc", {}, None, raw))
+
+    async def run() -> None:
+        lead = asyncio.ensure_future(send())
+        waiter = asyncio.ensure_future(send())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert calls == [1] and len(stage.flights) == 1
+        await stage.invalidate("other")  # any model's invalidation: the lead cannot tell it from its own
+        gate.set()
+        await asyncio.gather(lead, waiter)
+        assert calls == [1, 1] and not stage.flights  # the waiter ran the model itself
+        assert len(stage.local.entries) == 1  # (the waiter's lead began after the invalidation: kept)
+        await send()
+        assert calls == [1, 1]  # a hit
+
+    asyncio.run(run())
+    assert stage.counts.table()[("m", "1")][:2] == (1, 2) and dict(counts) == {("m", "OK"): 3}
+
+
 def test_the_front_door_never_answers_what_it_cannot_key() -> None:
     stage, _, _, calls, _ = _front_door()
     base = _request([4, 5, 6]).SerializeToString()
@@ -385,6 +436,10 @@ def test_the_front_door_never_answers_what_it_cannot_key() -> None:
         assert _through(stage, late_id).id == "z"
     assert stage.front.grpc(late_id, None, None) is None
     assert not stage.front.entries
+    stage.front.entries[b"\x0a\x01m"] = ("m", "", mc.ModelConfig(), b"", [0] * 4, ("m", "OK"))
+    for tiny in (b"", b"\x0a", b"\x0a\x01", b"\x0a\x01m", b"\x0a\x01mZ"):  # (a door with entries: no IndexError)
+        stage.front.grpc(tiny, None, None)
+    stage.front.entries.clear()
     routed = _request([4, 5, 6])
     routed.model_name = "route"  # an A/B route: never cached
     assert _through(stage, routed.SerializeToString()).id == ""
@@ -537,13 +592,16 @@ def test_the_pipelines_miss_path_names_ids_single_flight_and_reload() -> None:
     class Forward:
         async def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None,
                         name: str, version: str, outcomes: Any = None, known: Any = None) -> InferResult:
-            # (the lead counts a miss; it hands on the config it looked up, _cached's lead none)
-            assert outcomes is None and (known is None or known is configs["config"])
+            # (the lead hands on the config it looked up, _cached's lead none; given ``outcomes``,
+            # the request's outcome is counted here, as the real Forward.named's coroutine counts it)
+            assert known is None or known is configs["config"]
             handed.append(known is not None)
             calls.append(name)
             await asyncio.sleep(0)
             answer = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)
             answer.raw_output_contents.append(request.raw_input_contents[0])
+            if outcomes is not None:
+                outcomes.counts[(name, "OK")] += 1
             return InferResult(answer)
 
         def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Any:

@@ -266,6 +266,9 @@ async def test_with_the_cache_past_turns_each_path_counts_a_request_once(protoco
     out = await wave(_valued(5, "a"), _valued(6, "b"), _valued(6, "c"))  # failed leads, a waiter that leads again
     assert all(isinstance(o, InferError) and o.code is Code.UNAVAILABLE for o in out)
     assert dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 3}
+    out = await wave(_valued(9), _valued(10), _valued(10))  # the same without ids (named's lead as they come)
+    assert all(isinstance(o, InferError) and o.code is Code.UNAVAILABLE for o in out)
+    assert dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 3}
     configs[0] = text_format.Parse(_ADD, mc.ModelConfig())  # not cached: Forward's coroutine counts it
     out = await wave(_valued(7), _valued(7))
     assert len(sent) == 2 and dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 2}
