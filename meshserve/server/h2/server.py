@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, NoReturn
 
 from meshserve.protocol.errors import internal_error
-from meshserve.server import connections, tls
+from meshserve.server import connections, inflate, tls
 from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.call import Abort, Method
@@ -946,11 +946,9 @@ class ServerConnection(H2Endpoint):
     def _start_unary(self, st: ServerStream, msg: bytes, compressed: int) -> None:
         """Run a unary-request call on its (size-checked) message: answered here, without a Task,
         when its path's ``H2GrpcServer.at_once`` hook answers it (see there), else in a Task."""
-        if compressed:
-            plain = self._decompress(st, msg)
-            if plain is None:
-                return
-            msg = plain
+        if compressed:  # inflated in slices within the process's budget, then run (meshserve/server/inflate.py)
+            st.task = self.loop.create_task(self._inflated(st, msg))
+            return
         hooks = self.server.at_once
         if hooks and (found := hooks.get(st.path)) is not None:
             hook, wants_call = found
@@ -970,6 +968,24 @@ class ServerConnection(H2Endpoint):
                     self._reply(st, answer, ctx)
                 return
         st.task = self.loop.create_task(self._run(st, msg))
+
+    async def _inflated(self, st: ServerStream, msg: bytes) -> None:
+        """A compressed unary message: inflated (``inflate.Inflation``: in slices, charged to the
+        process's budget of decompressed bytes, held until the call ends), then started as an
+        uncompressed one (its at-once hook, else its own Task)."""
+        inflation = inflate.Inflation()
+        try:
+            msg = await inflation.run(st.encoding, msg, self.server.max_receive)
+        except inflate.Refused as exc:  # (what it held is given back)
+            self._finish(st, Status[exc.code], exc.message)
+            return
+        me = st.task
+        if not st.closed:
+            self._start_unary(st, msg, 0)
+        if st.task is not me and st.task is not None and not st.task.done():
+            st.task.add_done_callback(lambda _: inflation.release())
+        else:
+            inflation.release()
 
     # ---- calling handlers ------------------------------------------------------------------
     async def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
@@ -1233,6 +1249,7 @@ class H2GrpcServer:
         if max_receive_message_length is None:
             max_receive_message_length = limits.max_request_bytes or MAX_MESSAGE
         self.max_receive = min(max_receive_message_length, MAX_MESSAGE)
+        inflate.INFLATING.limit = limits.max_receive_bytes  # (process-wide, as the HTTP ports' budget)
         # The receive budget is the connection window; it always fits one largest message.
         self.conn_window = min(MAX_WINDOW, max(limits.conn_receive_buffer_bytes or MAX_WINDOW,
                                                self.max_receive + 5 + 2 * LOCAL_MAX_FRAME + RECEIVE_SLACK))
