@@ -1,7 +1,7 @@
 """Compressed request floods, decompressed before admission (meshserve/server/inflate.py): a
 tenant with a valid key floods the gateway with small compressed requests that each inflate to
 24 MiB, for a model it may not use, on several connections at once, over gRPC (`grpc-encoding:
-gzip` unary ModelInfer) and over HTTP (`Content-Encoding: gzip`). Admission can refuse them only
+gzip` unary ModelInfer, and ModelStreamInfer calls of several such messages) and over HTTP (`Content-Encoding: gzip`). Admission can refuse them only
 once they are inflated and parsed (the gRPC model name is inside the message), so what holds is
 the decompressing itself: in 1 MiB slices between which other calls run, each slice charged
 before it is inflated to the process's budget of request bytes held (--max-receive-bytes, 32 MiB
@@ -48,6 +48,8 @@ CONNECTIONS = 4
 IN_FLIGHT = 6  # streams each gRPC connection keeps open
 FLOOD_S = 3.0
 REFUSALS = {"5", "7", "8", "3"}  # NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+STREAMED = 3  # messages of each flooded ModelStreamInfer call
 
 
 @functools.cache
@@ -95,11 +97,13 @@ def _on_connections(one: Callable[[], None]) -> None:
         t.join(60)
 
 
-def _grpc_flood(hostport: str) -> Observation:
+def _grpc_flood(hostport: str, stream: bool = False) -> Observation:
     """CONNECTIONS raw HTTP/2 connections, each keeping IN_FLIGHT compressed calls open for
-    FLOOD_S seconds; the grpc-status of every answered call."""
-    block = h2raw.grpc_headers(hostport, key=OTHER_KEY, extra=[("grpc-encoding", "gzip")])
-    message = b"\x01" + len(bomb()).to_bytes(4, "big") + bomb()
+    FLOOD_S seconds; the grpc-status of every answered call. ``stream``: ModelStreamInfer calls of
+    STREAMED messages each (their refusals are in-band: the call itself ends OK)."""
+    block = h2raw.grpc_headers(hostport, path=STREAM if stream else h2raw.INFER, key=OTHER_KEY,
+                               extra=[("grpc-encoding", "gzip")])
+    message = (b"\x01" + len(bomb()).to_bytes(4, "big") + bomb()) * (STREAMED if stream else 1)
     statuses: collections.Counter[str] = collections.Counter()
     unanswered = [0]
     lock = threading.Lock()
@@ -132,7 +136,7 @@ def _grpc_flood(hostport: str) -> Observation:
             conn.close()
 
     _on_connections(one)
-    refused = sum(n for code, n in statuses.items() if code in REFUSALS)
+    refused = sum(n for code, n in statuses.items() if code in REFUSALS or (stream and code == "0"))
     return Observation(f"grpc-status {dict(statuses)}, {unanswered[0]} unanswered",
                        refused > 0 and refused == sum(statuses.values()) and unanswered[0] == 0)
 
@@ -171,10 +175,20 @@ def _http_flood(hostport: str) -> Observation:
     return Observation(f"HTTP statuses {dict(statuses)}", bool(ok))
 
 
-@pytest.mark.parametrize("door", ["grpc", "http"])
+STREAM_GAP = ("known gap (docs/security.md, Session 11: hygiene): ModelStreamInfer's handler reads on while up to "
+              "STREAM_INFLIGHT (1024) requests of a stream are in progress, by count not bytes, each parsed before "
+              "admission refuses it: gateway RSS +2.5 GiB, not given back (the loop no longer stalls: p99 161 ms, "
+              "was 5 s with 2 failures)")
+
+
+@pytest.mark.parametrize("door", ["grpc", "http", pytest.param("grpc-stream", marks=pytest.mark.xfail(
+    strict=True, reason=STREAM_GAP))])  # (last: what it leaves in the gateway does not reach the others)
 def test_a_compressed_flood_costs_the_good_client_nothing(stack: Mesh, door: str) -> None:
-    flood = _grpc_flood if door == "grpc" else _http_flood
-    hostport = stack.gateway.grpc if door == "grpc" else stack.gateway.http
-    verdict = under_attack(stack, stack.gateway, f"compressed {door} flood", lambda: flood(hostport)).judge()
+    def flood() -> Observation:
+        if door == "http":
+            return _http_flood(stack.gateway.http)
+        return _grpc_flood(stack.gateway.grpc, stream=door == "grpc-stream")
+
+    verdict = under_attack(stack, stack.gateway, f"compressed {door} flood", flood).judge()
     print(verdict.summary())  # (the figures, shown with -s)
     verdict.check()
