@@ -252,7 +252,9 @@ def _up_mesh_service_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model-control-mode", "explicit"] + ([] if args.model_control_mode == "lazy" else ["--load-model", "*"])
     if args.memory_budget is not None:
         flags += ["--memory-budget", args.memory_budget]
-    return flags + [f for name in args.pin for f in ("--pin", name)]
+    from services.base.main import eviction_flags
+
+    return flags + eviction_flags(args) + [f for name in args.pin for f in ("--pin", name)]
 
 
 def _up_mesh_gateway_flags(args: argparse.Namespace) -> list[str]:
@@ -498,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--memory-budget", default=None, metavar="BYTES",
                     help="each service replica's memory budget for its models (512Mi, 2G, 80%%; the service's "
                          "default: a share of the cgroup limit or physical memory)")
+    from services.base.main import add_eviction_arguments
+
+    add_eviction_arguments(up)  # --eviction-grace, --gpu-memory-budget: passed on to every service
     up.add_argument("--replicas", type=int, default=1, metavar="N", help="service processes per kind")
     up.add_argument("--pin", action="append", default=[], metavar="NAME",
                     help="a model placed at start and never evicted (repeatable)")

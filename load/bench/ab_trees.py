@@ -67,4 +67,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

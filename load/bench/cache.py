@@ -204,12 +204,12 @@ class Triton(procs.Endpoints):
         env = {**os.environ, "LD_LIBRARY_PATH": f"{sp}/nvidia_pytriton.libs:{os.environ.get('LD_LIBRARY_PATH', '')}",
                "PYTHONPATH": str(sp), "PATH": f"{venv}/bin:{os.environ['PATH']}"}
         self.log = open(work / "tritonserver.log", "w")
-        self.proc = subprocess.Popen(
+        self.proc = procs.spawn(
             [str(ts / "bin" / "tritonserver"), f"--model-repository={repo}", f"--backend-directory={work / 'backends'}",
              f"--cache-directory={ts / 'caches'}", f"--cache-config=local,size={size}",
              "--http-address=127.0.0.1", f"--http-port={self.ports['http']}",
              "--grpc-address=127.0.0.1", f"--grpc-port={self.ports['grpc']}", "--allow-metrics=false",
-             "--log-verbose=0"], stdout=self.log, stderr=subprocess.STDOUT, env=env, process_group=0)
+             "--log-verbose=0"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
             procs.wait_ready(self.http, 180)
         except RuntimeError:
@@ -641,4 +641,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

@@ -135,4 +135,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from load.bench.procs import clean_exit
+
+    clean_exit()
     main()

@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     models = bench_models(a.bench_models)
     out = Path(tempfile.mkdtemp(prefix="hop-instructions-"))
     svc = procs.service(models / "onnx_repo", out / "service.log")
-    gw = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
-                           sys.executable, "-m", "meshserve", "gateway", "--upstream", svc.grpc, "--grpc-port", "0",
-                           "--http-port", "0", "--log-level", "WARNING"],
-                          cwd=procs.ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    gw = procs.spawn(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
+                      sys.executable, "-m", "meshserve", "gateway", "--upstream", svc.grpc, "--grpc-port", "0",
+                      "--http-port", "0", "--log-level", "WARNING"],
+                     cwd=procs.ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         ports: dict[str, int] | None = None
         assert gw.stdout is not None
@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> None:
                 dump = max(dumps, key=lambda d: d.stat().st_mtime)
                 print(f"{model:8s} {protocol:9s} {program_total(dump) / a.requests / 1e6:.3f} M  ({dump})", flush=True)
     finally:
-        gw.terminate()
-        gw.wait()
+        procs.stop_process(gw)
         svc.stop()
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

@@ -130,10 +130,10 @@ class Up:
     """`meshserve up` for one case, its banner read for the ports, its output drained."""
 
     def __init__(self, repo: Path, flags: list[str], timeout: float = 300.0):
-        self.proc = subprocess.Popen([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
-                                      "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1", *flags],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     process_group=0)  # its group: `up`, the services, the gateway
+        # its group: `up`, the services, the gateway (procs.spawn)
+        self.proc = procs.spawn([sys.executable, "-m", "meshserve", "up", "--repository", str(repo),
+                                 "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1", *flags],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         banner = threading.Event()
         threading.Thread(target=self._drain, args=(banner,), daemon=True).start()

@@ -84,4 +84,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from load.bench.procs import clean_exit
+
+    clean_exit()
     main(sys.argv[1:])

@@ -196,4 +196,5 @@ def _spread(xs: list[float], nd: int) -> str:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

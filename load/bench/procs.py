@@ -4,8 +4,14 @@ Every process ``Server`` starts gets a hop key (``hop_key_file``: one per bench 
 `meshserve up` gives its gateway and services a throwaway one), so a gateway and a service
 started here authenticate their hop and keep its extras (docs/security.md, "The authenticated
 hop"): the benches measure the production path. ``stop_process`` waits for the whole process
-group of a process that leads one (``start_new_session``: a gateway's workers, a service's
-children), not only for the process itself.
+group of a process that leads one (``spawn``: a gateway's workers, a service's children), not
+only for the process itself.
+
+No bench leaves a server behind, however it ends (``spawn`` and ``clean_exit``): every bench's
+``__main__`` calls ``clean_exit()``, so SIGTERM and SIGHUP unwind it like Ctrl-C does (its
+``finally`` blocks and ``running`` blocks stop what they started) and at its exit whatever it
+started and did not stop is stopped; a process ``spawn`` started from the main thread gets
+SIGTERM from the kernel when the bench dies, even by SIGKILL (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
@@ -76,6 +82,16 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout
     return stop_group(proc, sig, timeout)[0]
 
 
+# Run before ``argv`` by ``spawn`` (python -I -S -c DEATH_GUARD BENCH_PID ARGV...): SIGTERM to
+# this process when the thread that started it ends (PR_SET_PDEATHSIG, kept across the exec of
+# ARGV), exit at once if the bench has already gone, then exec ARGV (same pid, same group).
+DEATH_GUARD = ("import ctypes, os, sys\n"
+               "ctypes.CDLL(None, use_errno=True).prctl(1, 15)\n"  # PR_SET_PDEATHSIG, SIGTERM
+               "os.getppid() == int(sys.argv[1]) or sys.exit(143)\n"
+               "os.execvp(sys.argv[2], sys.argv[2:])\n")
+_live: dict[int, subprocess.Popen[Any]] = {}  # pid -> what ``spawn`` started and no stop has ended
+
+
 def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(argv, **kwargs)`` as the leader of a process group of its own, so that
     ``stop_process`` waits out everything it started too (a gateway's workers, tritonserver's
@@ -88,8 +104,89 @@ def spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
     server in a session of its own got half the two cores against perf_analyzer's many threads
     where Triton, adopted from ``start_triton.sh`` in the bench's session, competed thread by
     thread. Measured (add_sub HTTP c32 through the gateway, 3 repeats): 15,666/s and 27.6 rows per
-    run in the bench's session, 13,778/s and 11.1 in a session of its own, the code unchanged."""
-    return subprocess.Popen(argv, process_group=0, **kwargs)
+    run in the bench's session, 13,778/s and 11.1 in a session of its own, the code unchanged.
+
+    Never left behind: until a stop (``stop_process``, ``running``) ends it, it is stopped at this
+    process's exit (``stop_spawned``, atexit); started from the main thread, it runs under
+    ``DEATH_GUARD``, so the kernel sends it SIGTERM when this process dies, even by SIGKILL (from
+    another thread it does not: PR_SET_PDEATHSIG fires when the starting *thread* ends)."""
+    if threading.current_thread() is threading.main_thread():
+        argv = [sys.executable, "-I", "-S", "-c", DEATH_GUARD, str(os.getpid()), *argv]
+    proc = subprocess.Popen(argv, process_group=0, **kwargs)
+    _live[proc.pid] = proc
+    return proc
+
+
+def stop_spawned() -> None:
+    """Stop (``stop_process``, the latest first) every process ``spawn`` started that is still
+    running: at exit (atexit), so that no exit path of a bench leaves one behind."""
+    while _live:
+        pid = next(reversed(_live))
+        try:
+            stop_process(_live[pid], timeout=10)
+        except OSError:  # (already reaped elsewhere)
+            _live.pop(pid, None)
+
+
+atexit.register(stop_spawned)
+
+
+def clean_exit() -> None:
+    """Called first by every bench's ``__main__`` (tests/load/test_bench_procs.py checks that
+    each calls it): SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread, so the
+    bench unwinds as on Ctrl-C (every ``finally`` and ``running`` block stops what it started)
+    where Python's default would end it on the spot; a second one ends it the default way. At
+    exit, after ``stop_spawned``, any child it started another way (a bare ``subprocess.Popen``:
+    a load client, a profiler) and left running is stopped too (``stop_children``)."""
+    def unwind(signum: int, _frame: object) -> None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)  # (the next one is not caught: the unwinding is not cut)
+        raise SystemExit(128 + signum)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, unwind)
+    atexit.register(stop_children)  # (registered after stop_spawned: runs before it, and calls it first)
+
+
+def stop_children(timeout: float = 10.0) -> dict[int, str]:
+    """``stop_spawned``, then SIGTERM to every child of this process still running, SIGKILL to
+    those still there after ``timeout`` s, and what is left of the group of one that leads one
+    (``end_group``). Returns what it found, pid -> command line (empty: nothing was left)."""
+    stop_spawned()
+    me = os.getpid()
+    found = {pid: cmdline(pid) for pid in _children(me)}
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in found if _alive_child(p, me)]) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in found:
+        end_group(pid, grace=0.5)  # (nothing is sent to a pid that leads no group)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, ...); [] when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _children(ppid: int) -> list[int]:
+    """The live (not zombie) children of ``ppid``."""
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _alive_child(int(e.name), ppid)]
+
+
+def _alive_child(pid: int, ppid: int) -> bool:
+    f = _stat(pid)
+    return len(f) > 1 and f[0] != "Z" and int(f[1]) == ppid
 
 
 @contextlib.contextmanager
@@ -105,7 +202,7 @@ def running(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: flo
 def stop_group(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20,
                grace: float = 2.0, leader: bool | None = None) -> tuple[int, dict[int, str]]:
     """``stop_process``, and what of its group had to be killed (pid -> command line; empty when
-    the stop was clean). A process started with ``start_new_session`` leads its group: after it
+    the stop was clean). A process started by ``spawn`` leads its group: after it
     exited, what is left of the group gets ``grace`` s to follow (a child that sees its parent's
     pipe close), then SIGKILL (``end_group``). The process is reaped only after that, so its pid,
     the group's id, cannot be taken by another process meanwhile. ``leader``: whether it was
@@ -119,6 +216,7 @@ def stop_group(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: 
             _exited(proc, 60)
     left = end_group(proc.pid, grace) if leader else {}
     proc.wait()
+    _live.pop(proc.pid, None)  # (only now: a stop cut short by a signal is done again at exit)
     return proc.returncode, left
 
 
@@ -149,19 +247,13 @@ def group_members(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group ``pgid``."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            state, _ppid, pgrp = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == pgid and state != "Z":
+        if entry.name.isdigit() and len(f := _stat(int(entry.name))) > 2 and int(f[2]) == pgid and f[0] != "Z":
             found.append(int(entry.name))
     return found
 
 
 def end_group(pgid: int, grace: float = 2.0, timeout: float = 10.0) -> dict[int, str]:
-    """After a process started with start_new_session has been stopped: give what is left of its
+    """After a process that led its group (``spawn``) has been stopped: give what is left of its
     group ``grace`` s to exit on its own, then SIGKILL the rest and wait, at most ``timeout`` s,
     until none is left. Returns what had to be killed, pid -> command line (empty when the stop
     was clean). A pid that was no group's leader matches no process: nothing is sent."""
@@ -210,10 +302,8 @@ class Server(Endpoints):
         with this process's hop key (``hop_key_file``) unless ``env`` names another (or "": none)."""
         self.argv = [*(prefix or []), sys.executable, "-m", "meshserve", *args]
         self.logf = open(log, "a")  # closed in stop()
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1,
-                                     cwd=ROOT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", HOP_KEY_ENV: str(hop_key_file()),
-                                          **(env or {})})
+        self.proc = spawn(self.argv, stdout=subprocess.PIPE, stderr=self.logf, text=True, bufsize=1, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", HOP_KEY_ENV: str(hop_key_file()), **(env or {})})
         self.ports: dict[str, int] = {}
         ready = follow_ready(self.proc, self.ports, self.logf.write)
         if not ready.wait(timeout) or not self.ports:

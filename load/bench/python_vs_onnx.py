@@ -204,4 +204,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -712,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--raw-ort-serve":  # the raw onnxruntime child (RawOrt)
         return raw_ort_serve(Path(argv[1]), Path(argv[2]))
     args = parse(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the servers are stopped on the way out)
+    procs.clean_exit()  # (SIGTERM, SIGHUP: the servers are stopped on the way out)
     res: Path = args.results.resolve()
     res.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -813,4 +812,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     raise SystemExit(main())

@@ -114,4 +114,5 @@ def _measure(proto: str, gateway: procs.Server, size: int, n: int) -> tuple[list
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

@@ -247,4 +247,5 @@ def _sample(gw: procs.Server, client: int, service: int, model: str) -> dict[str
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()

@@ -121,7 +121,8 @@ _HELP = {
     "keepalive_timeout_s": "HTTP/2: seconds to wait for the PING's ACK",
     "body_timeout_s": "seconds for a whole request body to arrive after its headers",
     "max_receive_bytes": "bytes of HTTP request bodies received and not yet answered, all connections "
-                         "together; more get 429 (0 = unbounded)",
+                         "together, decoded bytes of compressed ones too; more get 429 (0 = unbounded); "
+                         "also the bound on inflated gRPC messages held (RESOURCE_EXHAUSTED)",
     "max_stream_backlog_bytes": "bytes of one streamed request's answers waiting for a slow client",
     "max_connections": "client connections at once (HTTP and gRPC); 0 = the soft NOFILE minus a reserve",
     "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",

@@ -55,19 +55,33 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                           f"{memory.DEFAULT_BUDGET_SHARE * 100:.0f}%% of the cgroup memory limit, or of physical memory")
     mem.add_argument("--pin", action="append", default=[], metavar="NAME",
                      help="a model that is never evicted (repeatable)")
-    mem.add_argument("--eviction-grace", type=_grace, default=memory.EVICTION_GRACE_S, metavar="SECONDS",
-                     help="a loaded model version that has not served a request yet is not evicted by another load "
-                          "for this long after its load (a load that could only evict such versions is refused); "
-                          f"0 = none (default {memory.EVICTION_GRACE_S:g}, at most {memory.MAX_EVICTION_GRACE_S:g})")
-    mem.add_argument("--gpu-memory-budget", type=_gpu_budget, action="append", default=[],
-                     metavar="[GPU=]BYTES",
-                     help="device memory the loaded models' KIND_GPU instances may hold on each GPU (512Mi, 8G, "
-                          "90%% of the GPU), or on one (0=8G; repeatable); counted and enforced as --memory-budget is; "
-                          f"default {memory.DEFAULT_BUDGET_SHARE * 100:.0f}%% of each GPU's memory (none on a host "
-                          "without a GPU)")
+    add_eviction_arguments(mem)
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
+
+
+def add_eviction_arguments(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--eviction-grace and --gpu-memory-budget: a service's, and `meshserve up`'s, which passes
+    them on to its services (meshserve/cli.py:_up_mesh_service_flags)."""
+    ap.add_argument("--eviction-grace", type=_grace, default=memory.EVICTION_GRACE_S, metavar="SECONDS",
+                    help="a loaded model version that has not served a request yet is not evicted by another load "
+                         "for this long after its load (a load that could only evict such versions is refused); "
+                         f"0 = none (default {memory.EVICTION_GRACE_S:g}, at most {memory.MAX_EVICTION_GRACE_S:g})")
+    ap.add_argument("--gpu-memory-budget", type=_gpu_budget, action="append", default=[],
+                    metavar="[GPU=]BYTES",
+                    help="device memory the loaded models' KIND_GPU instances may hold on each GPU (512Mi, 8G, "
+                         "90%% of the GPU), or on one (0=8G; repeatable); counted and enforced as --memory-budget is; "
+                         f"default {memory.DEFAULT_BUDGET_SHARE * 100:.0f}%% of each GPU's memory (none on a host "
+                         "without a GPU)")
+
+
+def eviction_flags(args: argparse.Namespace) -> list[str]:
+    """``add_eviction_arguments``' values as flags again (what `meshserve up` gives each service)."""
+    flags = ["--eviction-grace", repr(args.eviction_grace)]
+    for device, amount in args.gpu_memory_budget:
+        flags += ["--gpu-memory-budget", f"{'' if device is None else f'{device}='}{amount}"]
+    return flags
 
 
 def _budget(text: str) -> int:

@@ -597,3 +597,51 @@ def test_k8s_discovery_storage_and_gpus(path: str) -> None:
     assert {"routes.yaml", "tenants.yaml"} <= set(cms["gateway-config"]["data"])
     assert cms["envoy-bootstrap"]["data"]["envoy.yaml"] == ENVOY_FILE.read_text(), \
         "deploy/k8s/base/envoy-bootstrap.yaml must be a copy of deploy/envoy.yaml"
+
+
+# ---- the mesh flags of the services (docs/model-mesh.md): said in every deployment ------------
+
+def _compose_with_mesh() -> dict[str, Any]:
+    exe = need_tool("docker-compose")
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_REPOSITORY", "COMPOSE_PROFILES")}
+    res = subprocess.run([exe, "-f", str(COMPOSE_FILE.relative_to(ROOT)), "-f", "deploy/compose.mesh.yaml", "config"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, f"docker-compose config failed:\n{res.stderr}"
+    return yaml.safe_load(res.stdout)["services"]  # type: ignore[no-any-return]
+
+
+def _meshserve_commands() -> dict[str, list[str]]:
+    """Every meshserve command line of the deployments: compose (every profile, and the mesh
+    override on top) and each Kubernetes overlay, by where it is."""
+    out = {f"compose {name}": as_list(svc["command"]) for name, svc in compose_config("gpu")["services"].items()
+           if is_meshserve(svc) and not is_job(svc)}
+    out.update({f"compose.mesh {name}": as_list(svc["command"]) for name, svc in _compose_with_mesh().items()
+                if is_meshserve(svc) and not is_job(svc)})
+    for path in OVERLAYS:
+        for name, d in by_kind(kustomize(path), "Deployment").items():
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            if c["image"].split(":")[0].startswith("meshserve"):
+                out[f"{path} {name}"] = [str(a) for a in c["args"]]
+    return out
+
+
+def test_every_meshserve_command_of_the_deployments_parses_and_says_the_mesh_flags() -> None:
+    """Each command line is one meshserve's own parser accepts (a misspelt or retired flag fails
+    here, not in a pod's crash loop); a service that manages models (the mesh's onnx) says its
+    eviction grace, each GPU service its GPU memory budget, with the defaults."""
+    from meshserve.cli import build_parser
+
+    parser = build_parser()
+    commands = _meshserve_commands()
+    for where, cmd in commands.items():
+        try:
+            parser.parse_args(cmd)
+        except SystemExit:
+            pytest.fail(f"{where}: meshserve refuses {cmd}")
+    for where in ("compose.mesh onnx", "deploy/k8s/overlays/model-mesh onnx"):
+        assert flag(commands[where], "--eviction-grace") == "2", (where, commands[where])
+    gpu = [w for w in commands if w.split()[-1] in GPU_SERVICES
+           or (w.startswith("deploy/k8s/overlays/gpu ") and w.split()[-1] in GPU_KINDS + ("onnx", "torchscript"))]
+    assert len(gpu) >= 6, sorted(commands)  # compose: 3 (+ the same under the mesh override); k8s: 3
+    for where in gpu:
+        assert flag(commands[where], "--gpu-memory-budget") == "80%", (where, commands[where])

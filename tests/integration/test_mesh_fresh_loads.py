@@ -14,7 +14,15 @@ gateway tries again a moment later, after the first request ran: each model is l
 
 Real processes over loopback; the service-only cases check the refusal's words, that the grace
 ends (a fresh model that never gets its request is evictable after --eviction-grace), and that an
-explicit unload of a fresh model still works."""
+explicit unload of a fresh model still works.
+
+The grace has to outlast the time from a load's answer to its request's arrival at the service
+(and, in the refusal case, to the next load call): on a quiet machine milliseconds, but on a
+2-core box running other suites beside this one, more than the default 2 s was seen. So these
+cases give the service a grace no machine's slowness reaches (``MESH_GRACE_S``, ``GRACE_S``)
+and assert what the grace means, not how fast the box is: each model loaded once, a second load
+refused at once (well within the grace: it did not wait it out), a served model evicted
+without waiting; the grace's end is its own case (a short grace, waited out on purpose)."""
 from __future__ import annotations
 
 import subprocess
@@ -38,7 +46,8 @@ from tests.support.metrics import sample, scrape
 ROWS = 65536  # 4 MiB of weight each (4,194,xxx bytes of file; a first load's estimate 1.2x that)
 BUDGET = 8_000_000  # one first load's estimate fits (1.2 x 4.19 MB), two models never do (2 x 4.19 MB)
 CLIENTS = 4
-GRACE_S = 2.0  # the service's --eviction-grace in the service-only cases (its default)
+MESH_GRACE_S = 30.0  # the mesh's service: longer than any load-to-request time here (the default is 2 s)
+GRACE_S = 20.0  # the service's --eviction-grace in the refusal case
 
 
 @dataclass
@@ -64,7 +73,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mesh(repo: Path) -> Iterator[Mesh]:
     procs: list[Proc] = []
     try:
-        procs.append(svc := _service(repo))
+        procs.append(svc := _service(repo, "--eviction-grace", str(MESH_GRACE_S)))
         procs.append(gw := start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc,
                                   "--model-control-mode", "lazy", "--repository", str(repo),
                                   "--max-concurrent-loads", str(CLIENTS), "--placement-interval", "0.5",
@@ -122,7 +131,7 @@ def test_a_load_that_could_only_evict_a_fresh_model_is_refused_until_it_serves(r
             loaded = time.monotonic()
             with pytest.raises(InferenceServerException) as err:  # the first has not served: nothing may go
                 c.load_model(second)
-            assert time.monotonic() - loaded < GRACE_S, "refused at once, not after waiting"
+            assert time.monotonic() - loaded < GRACE_S / 2, "refused at once, not after waiting the grace out"
             message = err.value.message()
             assert err.value.status() == "429", message
             assert f"failed to load '{second}'" in message and "memory budget" in message, message

@@ -33,12 +33,11 @@ import ssl
 import struct
 import time
 import types
-import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, NoReturn
 
 from meshserve.protocol.errors import internal_error
-from meshserve.server import connections, tls
+from meshserve.server import connections, inflate, tls
 from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
 from meshserve.server.h2.call import Abort, Method
@@ -151,6 +150,20 @@ def _parse_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Any,
 
 _EOF = object()
 _COROUTINE = types.CoroutineType
+
+
+class Compressed:
+    """A request-streaming call's compressed message, queued as it arrived: inflated when its
+    handler takes it (``ServerConnection._requests``, meshserve/server/inflate.py), so unread
+    messages hold only their wire bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 class Inbox:
@@ -737,7 +750,8 @@ class ServerConnection(H2Endpoint):
 
     def _messages(self, st: ServerStream, frame_data: bytes | None = None, pos: int = 0, end: int = 0) -> bool:
         """Move complete messages out of the stream buffer (into its queue, for request-streaming
-        calls). False when the stream was failed (message too large, bad compression).
+        calls). False when the stream was failed (a message too large; a compressed message is
+        inflated only when its handler takes it: ``_requests``).
         With ``frame_data`` (a request-streaming stream whose buffer is empty): the messages are
         taken from ``frame_data[pos:end]`` (a DATA frame's payload) itself, one copy each instead
         of three (into the buffer, a bytearray slice, bytes), and only what is left (a partial
@@ -772,14 +786,8 @@ class ServerConnection(H2Endpoint):
             # (a bytes frame: one copy; the buffer: a bytearray slice, then bytes)
             msg = frame_data[pos + 5:pos + 5 + size] if frame_data is not None else bytes(src[pos + 5:pos + 5 + size])
             pos += 5 + size
-            if compressed:
-                plain = self._decompress(st, msg)
-                if plain is None:
-                    return False
-                msg = plain
-                if len(plain) > size:  # charged as inflated (_requests gives back the same)
-                    st.queued += len(plain) - size
-            queue.put_nowait((msg, 5 + size))
+            # (compressed: inflated when the handler takes it, _requests, not here)
+            queue.put_nowait((Compressed(msg) if compressed else msg, 5 + size))
             st.queued += 5 + size
         if frame_data is not None:
             if pos < end:  # a partial message, or what waits while parked
@@ -817,29 +825,6 @@ class ServerConnection(H2Endpoint):
     def _fail_too_large(self, st: ServerStream, size: int) -> None:
         self._finish(st, Status.RESOURCE_EXHAUSTED,
                      f"Received message larger than max ({size} vs. {self.server.max_receive})")
-
-    def _decompress(self, st: ServerStream, msg: bytes) -> bytes | None:
-        """The decompressed message, bounded by max_receive_message_length like grpc's (never
-        inflate more than the limit: a small gzip bomb must not reach the handler)."""
-        limit = self.server.max_receive
-        try:
-            if st.encoding == b"gzip":
-                d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            elif st.encoding == b"deflate":
-                d = zlib.decompressobj()
-            else:
-                raise ValueError("compressed flag set without a grpc-encoding")
-            plain = d.decompress(msg, limit + 1)
-            if len(plain) > limit:
-                self._finish(st, Status.RESOURCE_EXHAUSTED,
-                             f"Received message larger than max (decompressed over {limit} vs. {limit})")
-                return None
-            if not d.eof:
-                raise zlib.error("incomplete or truncated stream")
-            return plain
-        except (zlib.error, ValueError) as exc:
-            self._finish(st, Status.INVALID_ARGUMENT, f"cannot decompress the request: {exc}")
-            return None
 
     def _remote_end(self, st: ServerStream) -> None:
         st.remote_ended = True
@@ -946,11 +931,9 @@ class ServerConnection(H2Endpoint):
     def _start_unary(self, st: ServerStream, msg: bytes, compressed: int) -> None:
         """Run a unary-request call on its (size-checked) message: answered here, without a Task,
         when its path's ``H2GrpcServer.at_once`` hook answers it (see there), else in a Task."""
-        if compressed:
-            plain = self._decompress(st, msg)
-            if plain is None:
-                return
-            msg = plain
+        if compressed:  # inflated in slices within the process's budget, then run (meshserve/server/inflate.py)
+            st.task = self.loop.create_task(self._inflated(st, msg))
+            return
         hooks = self.server.at_once
         if hooks and (found := hooks.get(st.path)) is not None:
             hook, wants_call = found
@@ -971,6 +954,24 @@ class ServerConnection(H2Endpoint):
                 return
         st.task = self.loop.create_task(self._run(st, msg))
 
+    async def _inflated(self, st: ServerStream, msg: bytes) -> None:
+        """A compressed unary message: inflated (``inflate.Inflation``: in slices, charged to the
+        process's budget of decompressed bytes, held until the call ends), then started as an
+        uncompressed one (its at-once hook, else its own Task)."""
+        inflation = inflate.Inflation()
+        try:
+            msg = await inflation.run(st.encoding, msg, self.server.max_receive)
+        except inflate.Refused as exc:  # (what it held is given back)
+            self._finish(st, Status[exc.code], exc.message)
+            return
+        me = st.task
+        if not st.closed:
+            self._start_unary(st, msg, 0)
+        if st.task is not me and st.task is not None and not st.task.done():
+            st.task.add_done_callback(lambda _: inflation.release())
+        else:
+            inflation.release()
+
     # ---- calling handlers ------------------------------------------------------------------
     async def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
         assert st.queue is not None and st.handler is not None
@@ -987,6 +988,18 @@ class ServerConnection(H2Endpoint):
                 if unparked and st.remote_ended:
                     self._remote_end(st)  # the last parked messages are queued: now the end of the stream
             self._settle(st)
+            if msg.__class__ is Compressed:  # as a unary message is (_inflated), in the handler's task
+                inflation = inflate.Inflation()
+                try:
+                    msg = await inflation.run(st.encoding, msg.data, self.server.max_receive)
+                except inflate.Refused as exc:
+                    self._finish(st, Status[exc.code], exc.message)
+                    return  # (the call has its status: the handler sees the requests end)
+                try:
+                    yield deser(msg) if deser else msg
+                finally:  # (the handler asks for the next one: it holds this one's parse, if anything)
+                    inflation.release()
+                continue
             yield deser(msg) if deser else msg
 
     async def _run(self, st: ServerStream, message: bytes) -> None:  # (b"": request streaming)
@@ -1233,6 +1246,7 @@ class H2GrpcServer:
         if max_receive_message_length is None:
             max_receive_message_length = limits.max_request_bytes or MAX_MESSAGE
         self.max_receive = min(max_receive_message_length, MAX_MESSAGE)
+        inflate.INFLATING.limit = limits.max_receive_bytes  # (process-wide, as the HTTP ports' budget)
         # The receive budget is the connection window; it always fits one largest message.
         self.conn_window = min(MAX_WINDOW, max(limits.conn_receive_buffer_bytes or MAX_WINDOW,
                                                self.max_receive + 5 + 2 * LOCAL_MAX_FRAME + RECEIVE_SLACK))

@@ -12,6 +12,7 @@ writes them: what `meshserve/server/http_frontend.py:HttpFrontend`'s handlers se
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from email.utils import formatdate
@@ -21,7 +22,7 @@ from urllib.parse import parse_qsl, unquote
 
 from meshserve.protocol import http_codec
 from meshserve.protocol.errors import InferError
-from meshserve.server import admission
+from meshserve.server import admission, inflate
 
 if TYPE_CHECKING:
     from meshserve.server.http1.server import Connection
@@ -42,7 +43,8 @@ class BodyError(Exception):
 class ReceiveBudget:
     """Bytes of HTTP request bodies received (beyond SMALL_BODY_BYTES each) and not yet answered,
     process-wide, against --max-receive-bytes: counted as they arrive, before decoding and
-    admission, and given back when the request's handler is done (`Connection._serve`)."""
+    admission, a compressed body's decoded bytes too (before each slice is inflated), and given
+    back when the request's handler is done (`Connection._serve`)."""
 
     __slots__ = ("limit", "used")
 
@@ -58,6 +60,11 @@ class ReceiveBudget:
                 f"{self.limit}); this body's {n} more do not fit, retry later", retry_after_s=admission.RETRY_AFTER_S)
         self.used += n
         request.held += n
+
+    def refund(self, request: Request, n: int) -> None:
+        """n of the bytes charged to ``request`` were not used after all."""
+        self.used -= n
+        request.held -= n
 
     def release(self, request: Request) -> None:
         self.used -= request.held
@@ -413,10 +420,20 @@ class Request:
                 if decoder is None or plain:  # (plain already says it; mypy needs the None test)
                     chunks.append(chunk)
                     continue
-                for n, piece in enumerate(decoder.feed(chunk)):  # bounded slices: let other requests run
-                    if n:
-                        await asyncio.sleep(0)
-                    chunks.append(piece)
+                pieces = decoder.feed(chunk)
+                await inflate.INFLATING_NOW.take()  # (a turn of the process's inflating, as gRPC's)
+                try:
+                    for n in itertools.count():  # bounded slices: let other requests run
+                        if n:
+                            await asyncio.sleep(0)
+                        RECEIVING.charge(self, http_codec.DECODE_SLICE)  # (decoded bytes too, before each slice)
+                        piece = next(pieces, b"")
+                        RECEIVING.refund(self, http_codec.DECODE_SLICE - len(piece))
+                        if not piece:
+                            break
+                        chunks.append(piece)
+                finally:
+                    inflate.INFLATING_NOW.give()
             if decoder is not None:
                 decoder.finish()
         except BodyError as exc:

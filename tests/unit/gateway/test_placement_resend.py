@@ -1,10 +1,16 @@
-"""Placement.resend (docs/model-mesh.md, item 5): a request a replica answers "unknown model"
-(evicted after the gateway's table was read: it never ran) is placed and sent again, at most
-PLACE_ATTEMPTS sends in all; budgets so full that loads evict each other's models before their
-requests run get UNAVAILABLE with Retry-After, never another error. This is the answer the mesh
-bench's smoke saw at 4 MiB budgets (about two models per replica, four clients: 1 request in
-~1,500): an overcommitted mesh, not a placement fault (tests/load/test_mesh_bench.py holds the
-smoke's room)."""
+"""Placement.resend (docs/model-mesh.md, "Lazy loading", item 5) on a recorded placement whose
+send evicts the model by hand: a send answered "unknown model" (the replica dropped the model after
+the gateway's table was read: the request never ran) is placed again (``ensure(stale=True)``) and
+sent again, at most PLACE_ATTEMPTS sends in all. Evicted before every send: UNAVAILABLE with
+Retry-After ("evicted again before its request ran"), never another error; evicted fewer times
+than the attempts: answered; any other error: answered at once, not placed nor sent again.
+
+What reaches resend in a running mesh: an eviction after the service's --eviction-grace (a request
+that arrived later than that after its load), an explicit unload, or the replicas serving the
+model leaving the pool (``Placement.lost``, not exercised here). The thrash that first showed this
+answer (the mesh bench's smoke at 4 MiB budgets: loads evicting each other's models before their
+requests arrived) is now refused at the service instead, by the grace of a fresh version
+(tests/integration/test_mesh_fresh_loads.py)."""
 from __future__ import annotations
 
 import pytest

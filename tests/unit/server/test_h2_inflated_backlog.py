@@ -68,3 +68,42 @@ async def test_compressed_messages_wait_raw_past_the_held_bound() -> None:
     assert seen["peak"] <= STREAM_MAX_HELD + INFLATED, seen["peak"]
     assert seen["firsts"] == [i % 251 for i in range(COUNT)]  # every message, once, in order
     assert server._active == 0
+
+
+async def test_a_streamed_message_is_inflated_when_taken_within_the_limit_and_the_budget() -> None:
+    """Session 11: a stream's compressed messages wait compressed and are inflated in the handler's
+    task as it takes each (meshserve/server/inflate.py: slices, one message at a time, the
+    process's budget); the messages before one that inflates past the limit arrive, in order, and
+    the call ends RESOURCE_EXHAUSTED naming the limit, with every byte of the budget given back."""
+    from meshserve.server import inflate
+
+    got: list[int] = []
+    server = H2GrpcServer(max_receive_message_length=1 << 20)
+
+    async def handler(requests: Any, call: Any) -> bytes:
+        async for msg in requests:
+            got.append(len(msg))
+            assert inflate.INFLATING.used >= len(msg)  # held while the handler has it
+        return b"done"
+
+    server.add_methods(SERVICE, {"Up": stream_unary(handler)})
+    port = await server.bind("127.0.0.1", 0)
+    await server.start()
+
+    async def messages() -> Any:
+        for size in (1000, 500_000, 2 << 20, 7):  # the third inflates past the 1 MiB limit
+            yield bytes(size)
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = ch.stream_unary(PATH)(messages(), timeout=30, compression=grpc.Compression.Gzip)
+            try:
+                await call
+                raise AssertionError("the call should have failed")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert "Received message larger than max" in (exc.details() or ""), exc.details()
+    finally:
+        await server.stop(0)
+    assert got == [1000, 500_000]
+    assert inflate.INFLATING.used == 0 and inflate.INFLATING_NOW.running == 0
