@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -156,7 +156,15 @@ class ModelVersion:
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queued = self._queued(request, pending, deadline_ns, hop, fut)
         self._enqueue(queued)
-        return await self._result(queued, self._in_order(fut) if self._ordered else fut)
+        if self._ordered:
+            return await self._result(queued, self._in_order(fut))
+        # _result's work without its coroutine (one fewer per request)
+        try:
+            return cast(bytes, await fut)
+        except BaseException as exc:
+            self._failed(queued, exc)
+        finally:
+            self.stats.pending -= 1
 
     def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
                      hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
@@ -196,21 +204,28 @@ class ModelVersion:
     async def _result(self, queued: QueuedRequest[Pending], outcome: Awaitable[object]) -> bytes:
         """Await a queued request's outcome, mapping scheduler errors to protocol errors."""
         try:
-            return cast(bytes, await outcome)
-        except DeadlineExceededError as exc:
-            self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
-            raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
-        except UnavailableError as exc:
-            raise InferError.unavailable(str(exc)) from None
-        except InternalBatchError as exc:
-            raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
-        except asyncio.CancelledError:
-            if queued.future.cancelled():  # the client left: counted here, once (its batch, if any, skips it)
-                self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "CANCELED",
-                                          queued.payload.requests)
-            raise
+            body = await outcome
+        except BaseException as exc:
+            self._failed(queued, exc)
         finally:
             self.stats.pending -= 1
+        return cast(bytes, body)
+
+    def _failed(self, queued: QueuedRequest[Pending], exc: BaseException) -> NoReturn:
+        """Raise what a queued request whose outcome raised ``exc`` raises (called while handling
+        it): scheduler errors mapped to protocol errors (a deadline and a client that left counted
+        in the statistics); anything else as it is."""
+        if isinstance(exc, DeadlineExceededError):
+            self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
+            raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
+        if isinstance(exc, UnavailableError):
+            raise InferError.unavailable(str(exc)) from None
+        if isinstance(exc, InternalBatchError):
+            raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
+        if isinstance(exc, asyncio.CancelledError) and queued.future.cancelled():
+            # the client left: counted here, once (its batch, if any, skips it)
+            self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "CANCELED", queued.payload.requests)
+        raise exc
 
     async def _in_order(self, fut: asyncio.Future[object]) -> object:
         """preserve_ordering: a response leaves only after every earlier-enqueued one has
@@ -279,10 +294,13 @@ class ModelVersion:
                 continue
             rows = sum(q.rows for q in group)
             stats.record_batch(rows, sum(q.payload.requests for q in group), t_in, t_infer, t_out)
+            answered: list[tuple[int, int]] = []
             for q, body in zip(group, out, strict=True):
-                if not q.future.done():  # (a cancelled one is counted by _result)
-                    stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
-                    q.future.set_result(body)
+                fut = q.future
+                if not fut.done():  # (a cancelled one is counted by _result)
+                    fut.set_result(body)
+                    answered.append((q.arrival_ns, q.payload.requests))
+            stats.record_successes(end_ns, start_ns, answered)
 
     def _failure(self, exc: BaseException) -> InferError:
         """What the members of a group whose run raised ``exc`` fail with (a cancelled run is

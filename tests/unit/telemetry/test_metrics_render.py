@@ -81,3 +81,21 @@ def test_json_log_lines_carry_request_fields() -> None:
     assert line["msg"] == "infer m failed" and line["level"] == "WARNING"
     assert line["request_id"] == "r1" and line["trace_id"] == "ab" * 16 and line["status"] == "INVALID_ARG"
     assert "exc" not in line
+
+
+def test_record_successes_counts_as_record_success_per_member() -> None:
+    """A batch's answers recorded in one call (services/base/model.py) count what one
+    record_success per request counted: durations, counts and both histograms."""
+    from meshserve.telemetry.model_stats import ModelStats
+
+    members = [(1_000, 1), (250_000, 3), (2_000_000, 1)]  # (arrival ns, client requests)
+    start_ns, end_ns = 3_000_000, 9_500_000
+    one, batch = ModelStats("m", 1), ModelStats("m", 1)
+    for arrival, n in members:
+        one.record_success(end_ns - arrival, start_ns - arrival, n)
+    batch.record_successes(end_ns, start_ns, members)
+    for a, b in ((one.success, batch.success), (one.queue, batch.queue)):
+        assert (a.count, a.ns) == (b.count, b.ns) == (5, a.ns) and a.ns > 0
+    for a, b in ((one.request_hist, batch.request_hist), (one.queue_hist, batch.queue_hist)):
+        assert (a.counts, a.sum, a.count) == (b.counts, b.sum, b.count)
+        assert a.count == 5
