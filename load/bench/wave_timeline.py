@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         raise
     url = gw.grpc if args.protocol == "grpc" else gw.http
 
-    def served() -> int:
+    def served() -> tuple[int, int]:  # (requests, executions) the service counted
         with urllib.request.urlopen(f"http://{svc.http}/v2/models/{args.model}/stats") as r:
-            return int(json.load(r)["model_stats"][0]["inference_count"])
+            stats = json.load(r)["model_stats"][0]
+        return int(stats["inference_count"]), int(stats["execution_count"])
     result: dict[str, Any] = {"mode": args.mode, "model": args.model, "protocol": args.protocol,
                               "concurrency": args.concurrency, "out": str(out)}
     try:
@@ -200,11 +201,13 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.monotonic()
             _perf_analyzer(url, args, 4000, 2, data).wait(600)
             callgrind.control(gw.pid, "--instr=off")
-            n = served() - n0
+            n1 = served()
+            n, runs = n1[0] - n0[0], n1[1] - n0[1]
             seconds = time.monotonic() - t0
             callgrind.control(gw.pid, "--dump")
             total, _ = callgrind.totals(callgrind.wait_dump(out / "cg.out", before))
-            result.update(instructions=total // max(1, n), requests=n, rps=round(n / seconds, 1))
+            result.update(instructions=total // max(1, n), requests=n, rps=round(n / seconds, 1),
+                          rows_per_execution=round(n / max(1, runs), 2))
     finally:
         gw.stop()
         svc.stop()
