@@ -141,15 +141,25 @@ class Outcomes:
         the stage past ``Turns`` gets ``Forward``'s own coroutine, which counts it (``ended``,
         ``failed``: no coroutine of this stage's per request); where the cache is (and no A/B
         route can rename the request), ``CacheStage.named``'s, which counts it the same way;
-        any other, ``_counted``'s."""
+        any other, ``_counted``'s. Where ``Forward`` is past ``Turns``, parameters without a
+        sequence id (perf_analyzer sends ``triton_enable_empty_final_response`` with every
+        request) have nothing for ``Turns``, which would hand the request on unchanged: they take
+        ``Forward``'s own coroutine as well (the cache's path keeps ``_counted``: its key and its
+        rules read the parameters)."""
+        forward = self.forward
         if params is None:
-            forward, cache = self.forward, self.cache
+            cache = self.cache
             if forward is not None or (cache is not None and not self.renames):
                 try:
                     return forward.named(request, ctx, None, name, version, self) if forward is not None \
                         else cache.named(request, ctx, name, version, self)  # type: ignore[union-attr]
                 except InferError as exc:  # (refused before it left: counted as it would be inside)
                     raise self.failed(name, exc, ctx.protocol) from None
+        elif forward is not None and SEQUENCE_ID not in params:
+            try:
+                return forward.named(request, ctx, None, name, version, self)
+            except InferError as exc:
+                raise self.failed(name, exc, ctx.protocol) from None
         return self._counted(request, ctx, name, version, params)
 
     async def counting(self, answer: Result, name: str, protocol: str) -> InferResult:
@@ -399,8 +409,10 @@ class Place:
 class Forward:
     """The last stage: the request goes to its service through the coalescer and the
     ``Upstream`` (gateway/upstream/). A model with nothing in the coalescer sends at once
-    (``Coalescer.send_alone``: no merge check); a request the merge check accepts
-    (gateway/upstream/merging.py:merge_key) joins the coalescer; any other is sent alone."""
+    (``Coalescer.send_alone``: no merge check) unless its last wave was merged
+    (``Coalescer.crowded``: then the wave's first request joins the pass's flush with the
+    rest); a request the merge check accepts (gateway/upstream/merging.py:merge_key) joins the
+    coalescer; any other is sent alone."""
 
     def __init__(self, upstream: Upstream, coalescer: Coalescer):
         self.upstream = upstream
@@ -435,12 +447,19 @@ class Forward:
             raise unary_decoupled_error(ctx.protocol)  # (a streaming call comes by stream)
         if self.coalesce:
             coalescer = self.coalescer
-            if name not in coalescer.busy:  # idle: nothing to merge with, no merge check
-                return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol)
+            idle = name not in coalescer.busy
+            if idle:
+                crowded = coalescer.crowded
+                if name not in crowded:  # idle, one request at a time: nothing to merge with, no merge check
+                    return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol)
+                # the first request of a wave (the last one was merged): it waits for this pass's
+                # flush with the rest of its wave (one hop message); a wave of one forgets it
+                crowded.discard(name)
             if facts is not None and (shape := facts[1]) is not None and \
                     (found := merge_key(request, shape, raw)) is not None:  # a sampled request may be merged too
                 return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
-                                        ctx.protocol)
+                                        ctx.protocol, idle)
+            return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, idle)
         return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, False)
 
     async def _alone(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,

@@ -6,7 +6,11 @@ The internal hop then carries fewer, larger messages: per-message cost, not comp
 Python hop pays most for (see load/README.md). No delay is added, and the service must see what
 it would see without the gateway (its dynamic batcher forms the batches):
 
-* a request for a model with nothing pending or in flight is sent at once;
+* a request for a model with nothing pending or in flight is sent at once, unless the model's
+  last wave was merged (``crowded``: the closed loop of a c8 client sends its requests in
+  waves, and the rest of this one arrives in the same event-loop pass): then it joins the
+  pass's flush with the rest, and the wave is one hop message, one cohort for the service's
+  batcher; a wave of one clears the mark (one client at a time keeps sending at once);
 * otherwise it joins its group, and the group is flushed at the end of the current event-loop
   pass: what arrived in the same pass travels as one request, no later than the hop's own write
   (the HTTP/2 connection also writes at the end of the pass);
@@ -90,6 +94,7 @@ class _Group:
     shape: ModelShape
     max_batch: int  # rows per merged request (the model's max_batch_size)
     batch_rows: int  # rows one full batch on every instance of a replica takes
+    name: str = ""  # its model's
     pending: deque[_Pending] = field(default_factory=deque)
     inflight_rows: int = 0  # rows sent and not answered yet
     flush_scheduled: bool = False
@@ -108,6 +113,11 @@ class Coalescer:
         self.max_bytes = max_bytes or 2**31 - 1
         self._groups: dict[Key, _Group] = {}
         self.busy: dict[str, int] = {}  # model name -> its requests in flight or waiting here (idle: absent)
+        # models whose requests came in waves: a flush merged several of them since the model was
+        # last idle. The first request of the next wave waits for its pass's flush with the rest
+        # of the wave (one hop message, one cohort for the service's batcher) instead of going
+        # alone at once (gateway/pipeline.py:Forward.named; ``submit``'s ``first``).
+        self.crowded: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # see _running_loop
         self.merged_sends = 0  # merged requests sent (/metrics)
         self.merged_requests = 0  # client requests they carried
@@ -151,12 +161,14 @@ class Coalescer:
 
     async def submit(self, key: Key, request: pb.ModelInferRequest, raw: bytes | None, rows: int,
                      shape: ModelShape, timeout: float | None, name: str | None = None,
-                     outcomes: Outcomes | None = None, protocol: str = "grpc") -> InferResult:
+                     outcomes: Outcomes | None = None, protocol: str = "grpc", first: bool = False) -> InferResult:
         """Send ``request`` (merge_key gave ``key`` and ``rows`` for the model's ``shape``), alone
         or merged with the requests of its key pending in this event-loop pass (``name``: its
         model's, when the caller has read it). ``outcomes`` (gateway/pipeline.py:Outcomes)
         counts the request's outcome here, for a client of ``protocol``, when given: the
-        pipeline's ``Outcomes`` stage then needs no coroutine of its own."""
+        pipeline's ``Outcomes`` stage then needs no coroutine of its own. ``first``: the first
+        request of a wave of a ``crowded`` model: it waits for the pass's flush even though
+        nothing of its model is in flight (the rest of its wave comes in the same pass)."""
         if name is None:
             name = request.model_name
         busy = self.busy[name] = self.busy.get(name, 0) + 1
@@ -164,8 +176,8 @@ class Coalescer:
             group = self._groups.get(key)
             if group is None:
                 max_batch = shape.max_batch_size
-                group = self._groups[key] = _Group(shape, max_batch, max_batch * shape.instances)
-            if busy == 1 and not group.inflight_rows and not group.pending:
+                group = self._groups[key] = _Group(shape, max_batch, max_batch * shape.instances, name)
+            if busy == 1 and not first and not group.inflight_rows and not group.pending:
                 # nothing of this model in flight or waiting: send it now, alone. (A request sent
                 # alone because its model was idle, gateway/pipeline.py:Forward, is in no group:
                 # the wave's next request waits for the pass's flush with the rest of the wave,
@@ -234,6 +246,8 @@ class Coalescer:
                 self.wait_ns += now - item[_ENQUEUED]
             if not chunk:
                 continue
+            if len(chunk) > 1:
+                self.crowded.add(group.name)
             group.inflight_rows += total
             # a context of its own: the task must not inherit the trace context of whichever
             # member's request happened to drain the queue

@@ -168,11 +168,29 @@ async def test_without_policies_each_way_forward_sends_counts_a_request_once(pro
     assert sorted(sent) == [1, 2, 9] and [o.message().id for o in out] == ["a", "b", "c", "d"]
     assert dict(core.request_counts) == {("add_sub", "OK"): 4}
     core.request_counts.clear()
+    # that wave merged: the next wave's first request waits for the pass's flush with the rest
+    # (one message of 3 rows), and each request is still counted once
+    assert core.forward.coalescer.crowded == {"add_sub"}
+    out = await wave(_add(1, "a"), _add(1, "b"), _add(1, "c"), _add(9, "d"))
+    assert sorted(sent) == [3, 9] and [o.message().id for o in out] == ["a", "b", "c", "d"]
+    assert dict(core.request_counts) == {("add_sub", "OK"): 4}
+    core.request_counts.clear()
+    # a wave of one (waited for its flush: queued) forgets the mark; the next lone request goes
+    # at once, in no group (not queued)
+    queued = core.forward.coalescer.queued
+    assert [o.message().id for o in await wave(_add(1, "e"))] == ["e"] and sent == [1]
+    assert core.forward.coalescer.queued == queued + 1 and not core.forward.coalescer.crowded
+    assert [o.message().id for o in await wave(_add(1, "f"))] == ["f"] and sent == [1]
+    assert core.forward.coalescer.queued == queued + 1
+    assert dict(core.request_counts) == {("add_sub", "OK"): 2}
+    core.request_counts.clear()
+    core.forward.coalescer.crowded.clear()  # (as after a wave of one: the first goes alone again)
     answer[0] = InferError.unavailable("no replica")
     out = await wave(_add(1, "a"), _add(1, "b"), _add(1, "c"), _add(9, "d"))
     assert sorted(sent) == [1, 2, 9] and all(isinstance(o, InferError) and o.code is Code.UNAVAILABLE for o in out)
     assert dict(core.request_counts) == {("add_sub", "UNAVAILABLE"): 4}
     core.request_counts.clear()
+    core.forward.coalescer.crowded.clear()
     answer[0] = InferError.invalid(UNARY_DECOUPLED_GRPC)  # the service knew the model decoupled
     out = await wave(_add(1, "a"), _add(1, "b"))
     words = UNARY_DECOUPLED_HTTP if protocol == "http" else UNARY_DECOUPLED_GRPC
@@ -183,6 +201,50 @@ async def test_without_policies_each_way_forward_sends_counts_a_request_once(pro
     out = await wave(_add(1, "a"))
     assert sent == [] and isinstance(out[0], InferError) and out[0].message == words
     assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
+
+
+async def test_parameters_without_a_sequence_id_take_forward_s_way_and_count_once() -> None:
+    """perf_analyzer sends ``triton_enable_empty_final_response`` with every request: parameters
+    without a sequence id have nothing for ``Turns``, so (no policy configured) the request takes
+    ``Forward``'s own coroutine, not ``Outcomes._counted``'s, and is counted once by its outcome;
+    a request with a sequence id still goes by ``Turns`` (``_counted``)."""
+    core = GatewayCore(["127.0.0.1:1"])
+    outcomes = core.pipeline.next
+    assert outcomes.forward is core.forward
+    config = text_format.Parse(_ADD, mc.ModelConfig())
+    core.forward._config_for = lambda name, version: config  # type: ignore[method-assign]
+    answer: list[Any] = ["ok"]
+
+    async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                   affinity: str | None = None) -> pb.ModelInferResponse:
+        if isinstance(answer[0], InferError):
+            raise answer[0]
+        return pb.ModelInferResponse(model_name="add_sub", id=request.id)
+
+    core.upstream.send = send  # type: ignore[method-assign]
+    counted: list[str] = []
+    by_turns = outcomes._counted
+
+    def spy(request: pb.ModelInferRequest, *args: Any) -> Any:
+        counted.append(request.id)
+        return by_turns(request, *args)
+
+    outcomes._counted = spy  # type: ignore[method-assign]
+    ctx = RequestContext("grpc", {})
+    flagged = _add(1, "a")
+    flagged.parameters["triton_enable_empty_final_response"].bool_param = True
+    assert (await core.infer(flagged, ctx)).message().id == "a"
+    assert counted == [] and dict(core.request_counts) == {("add_sub", "OK"): 1}
+    answer[0] = InferError.unavailable("no replica")
+    with pytest.raises(InferError) as failed:
+        await core.infer(flagged, ctx)
+    assert failed.value.code is Code.UNAVAILABLE and counted == []
+    assert dict(core.request_counts) == {("add_sub", "OK"): 1, ("add_sub", "UNAVAILABLE"): 1}
+    answer[0] = "ok"
+    sequenced = _add(1, "s")
+    sequenced.parameters["sequence_id"].int64_param = 7
+    assert (await core.infer(sequenced, ctx)).message().id == "s"
+    assert counted == ["s"] and core.request_counts[("add_sub", "OK")] == 2
 
 
 def _valued(value: int, rid: str = "") -> pb.ModelInferRequest:
