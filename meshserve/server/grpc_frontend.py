@@ -30,6 +30,14 @@ SERVICE = access.GRPC_SERVICE
 
 
 STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or awaiting their write
+# bytes of one ModelStreamInfer call's requests in progress (read, not yet ended), each counted
+# twice (its message and its parse): while over it, the next message is not read, so HTTP/2 flow
+# control stops the client (the message that goes over it is still read: one up to the message
+# limit always fits). A gateway's hop carries every tenant's requests, each admitted there (the
+# tenant's share of --max-inflight-bytes) and again here: its bound is the service's default
+# --max-inflight-bytes, so that one tenant's large requests do not hold up the others' on the hop
+STREAM_HELD_BYTES = 64 << 20
+HOP_HELD_BYTES = 256 << 20
 STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
 _STREAM = hop.STREAM
 _CANCEL = hop.CANCEL
@@ -45,6 +53,19 @@ def _flag(request: pb.ModelInferRequest, key: str) -> bool:
         return False
     p = params[key]
     return p.bool_param or bool(p.int64_param) or p.string_param.lower() == "true"
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """A request's error, once answered, lets go of the frames it was raised through: each that
+    held it in a local (observe.infer_stream keeps its error to end its span) made a cycle with
+    its traceback, and with it the request and its bytes stayed alive until the collector ran,
+    which with GEN0_THRESHOLD (meshserve/server/process.py) is rare. A flood of refused 24 MiB
+    ModelStreamInfer requests kept every one: gateway RSS +2.9 GiB, not given back."""
+    seen = 0
+    while exc is not None and seen < 8:  # (the chain: its cause or context, a few deep at most)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
 
 
 def _forget(tasks: dict[str, asyncio.Task[None]], key: str, task: asyncio.Task[None]) -> None:
@@ -300,8 +321,11 @@ class InferenceServicer:
         # (each carries its request id). Per-request errors travel in band, with their status
         # code in an infer_response parameter so a gateway can map them back to a status.
         # At most STREAM_INFLIGHT requests of a stream are in progress or answered but not yet
-        # written: beyond that the next message is not read, so HTTP/2 flow control stops a
-        # client that sends faster than the models answer (or than it reads its answers).
+        # written, and (beyond the one that goes over it) STREAM_HELD_BYTES of them in progress
+        # (HOP_HELD_BYTES on a gateway's hop): beyond either the next message is not read, so
+        # HTTP/2 flow control stops a client that sends faster than the models answer (or than
+        # it reads its answers). A compressed message's inflated bytes stay charged to the
+        # process's budget (inflate.INFLATING) until its request ends (Call.keep_inflated).
         #
         # A client's requests (and a gateway's marked hop.STREAM) go through
         # core.infer_stream: every response of a decoupled model, each with Triton's
@@ -332,6 +356,8 @@ class InferenceServicer:
         room = asyncio.Event()  # (beyond one answer); set when the writer takes one
         failed: list[str] = []
         order: collections.deque[list[Any]] = collections.deque()  # [answer bytes or None, ready]
+        in_bytes = [0]  # bytes of the requests in progress (read, their tasks not ended): at most ``budget``
+        drained: list[asyncio.Future[None] | None] = [None]  # the reader waiting for in_bytes to fall
 
         def in_order(place: list[Any], item: bytes | None) -> None:
             """A request's one answer (None: nothing to write) takes its place; what is ready at
@@ -342,7 +368,7 @@ class InferenceServicer:
                 if held is not None:
                     out.put_nowait(held)
 
-        async def one(request: pb.ModelInferRequest, raw: bytes, place: list[Any] | None = None,
+        async def one(request: pb.ModelInferRequest, raw: bytes, cost: int, place: list[Any] | None = None,
                       hop_id: str = "", hop_stream: bool = False) -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
@@ -410,7 +436,9 @@ class InferenceServicer:
             except Exception as exc:
                 if not isinstance(exc, InferError):
                     log.exception("internal error in a streamed request")
+                    _drop_frames(exc)
                     exc = internal_error(exc)
+                _drop_frames(exc)
                 err = pb.ModelStreamInferResponse(
                     error_message=exc.message,
                     infer_response=pb.ModelInferResponse(
@@ -427,52 +455,79 @@ class InferenceServicer:
             finally:
                 if place is not None and not place[1]:  # (no answer to write: its place is freed)
                     in_order(place, None)
+                in_bytes[0] -= cost
+                if (waiter := drained[0]) is not None and in_bytes[0] <= budget:
+                    drained[0] = None
+                    if not waiter.done():
+                        waiter.set_result(None)
 
         from_gateway = hop.from_gateway(base.headers)  # (this call is a gateway's hop: never in a gateway)
+        budget = HOP_HELD_BYTES if from_gateway else STREAM_HELD_BYTES
         # whether a client's request is for a decoupled model (its answers are not held in order);
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)
+
+        def take(raw: bytes, release: Callable[[], None] | None) -> bool:
+            """One message read: its request started (False: the stream ends here). ``release``
+            gives back its inflated bytes' charge (a compressed message): when its request ends."""
+            cost = 2 * len(raw)  # (its bytes, and their parse)
+            try:
+                request = pb.ModelInferRequest.FromString(raw)
+            except Exception as exc:  # what a failed deserializer reports on a unary call
+                failed.append(f"Exception deserializing request: {exc}")
+                if release is not None:
+                    release()
+                return False
+            params = request.parameters
+            if from_gateway and params and _CANCEL in params:  # the gateway's client went away
+                slots.release()
+                if release is not None:
+                    release()
+                cancelled = by_id.pop(request.id, None)
+                if cancelled is not None:
+                    cancelled.cancel()
+                return True
+            in_bytes[0] += cost
+            if from_gateway:
+                hop_id = request.id
+                hop_stream = bool(params) and _STREAM in params
+                task = loop.create_task(one(request, raw, cost, None, hop_id, hop_stream))
+                repeated = by_id.get(hop_id)
+                by_id[hop_id] = task
+                if repeated is not None:  # a repeated id (not the gateway's way): still awaited
+                    pending.add(repeated)
+                    repeated.add_done_callback(pending.discard)
+                if release is not None:
+                    task.add_done_callback(lambda _: release())
+                if not hop_stream:
+                    return True  # (it takes itself out of by_id as its answer is queued)
+                task.add_done_callback(functools.partial(_forget, by_id, hop_id))
+            else:
+                place = None
+                try:
+                    held = decoupled is None or not decoupled(request.model_name, request.model_version)
+                except Exception:
+                    held = True  # (an unknown model's error comes in order too, as Triton's)
+                if held:
+                    place = [None, False]
+                    order.append(place)
+                task = loop.create_task(one(request, raw, cost, place))
+                if release is not None:
+                    task.add_done_callback(lambda _: release())
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            return True
 
         async def reader() -> None:
             try:
                 async for raw in requests:  # bytes: parsed here, so each request keeps its own (RequestContext.raw)
                     await slots.acquire()  # given back when its answer is written
-                    try:
-                        request = pb.ModelInferRequest.FromString(raw)
-                    except Exception as exc:  # what a failed deserializer reports on a unary call
-                        failed.append(f"Exception deserializing request: {exc}")
+                    if not take(raw, call.keep_inflated()):
                         break
-                    params = request.parameters
-                    if from_gateway and params and _CANCEL in params:  # the gateway's client went away
-                        slots.release()
-                        cancelled = by_id.pop(request.id, None)
-                        if cancelled is not None:
-                            cancelled.cancel()
-                        continue
-                    if from_gateway:
-                        hop_id = request.id
-                        hop_stream = bool(params) and _STREAM in params
-                        task = loop.create_task(one(request, raw, None, hop_id, hop_stream))
-                        repeated = by_id.get(hop_id)
-                        by_id[hop_id] = task
-                        if repeated is not None:  # a repeated id (not the gateway's way): still awaited
-                            pending.add(repeated)
-                            repeated.add_done_callback(pending.discard)
-                        if not hop_stream:
-                            continue  # (it takes itself out of by_id as its answer is queued)
-                        task.add_done_callback(functools.partial(_forget, by_id, hop_id))
-                    else:
-                        place = None
-                        try:
-                            held = decoupled is None or not decoupled(request.model_name, request.model_version)
-                        except Exception:
-                            held = True  # (an unknown model's error comes in order too, as Triton's)
-                        if held:
-                            place = [None, False]
-                            order.append(place)
-                        task = loop.create_task(one(request, raw, place))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
+                    del raw  # (not held while the next one is awaited)
+                    while in_bytes[0] > budget:  # the next message waits: flow control stops the client
+                        drained[0] = waiter = loop.create_future()
+                        await waiter
                 if pending or by_id:
                     await asyncio.gather(*pending, *by_id.values(), return_exceptions=True)
             finally:

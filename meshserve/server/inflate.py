@@ -22,7 +22,11 @@ connection). Here (``Inflation.run``):
 - the message limit holds as before: more than --max-request-bytes inflated is
   RESOURCE_EXHAUSTED "Received message larger than max", never inflated further;
 - the bytes stay charged until the call ends (``Inflation.release``): the handler holds the
-  message, then its parsed request, until it answers.
+  message, then its parsed request, until it answers. A request stream's message is a request of
+  its own: charged until that request ends (ModelStreamInfer keeps the charge, `Call.keep_inflated`,
+  and gives it back as the request's task ends), not until the whole call ends (one long stream
+  would hold the budget for ever) nor only until its handler takes it (the parsed requests of a
+  stream would be bounded by nothing but their count).
 
 The HTTP front door decodes bodies in slices of 1 MiB (`meshserve/protocol/http_codec.py:BodyDecoder`)
 and charges the decoded bytes to its own process-wide budget (--max-receive-bytes,

@@ -71,6 +71,13 @@ class Call(Protocol):
     def secure(self) -> bool:
         """Whether the call came over TLS."""
 
+    def keep_inflated(self) -> Callable[[], None] | None:
+        """Request streaming: when the message the handler just took arrived compressed, its
+        inflated bytes stay charged to the process's budget (meshserve/server/inflate.py) until
+        the function returned here is called (by the handler, once that message's request has
+        ended); None for a message that was not compressed, or called twice. Without it the
+        charge ends when the handler asks for the next message."""
+
     def cancelled(self) -> bool:
         """Whether the call was ended from outside: the client reset it or went away, or its
         deadline passed. The handler's task is then cancelled (it sees CancelledError)."""

@@ -206,7 +206,7 @@ class ServerStream:
     __slots__ = ("sid", "path", "metadata", "deadline", "encoding", "buf", "queue", "task", "send_window",
                  "out", "remote_ended", "closed", "recv_unacked", "handler", "headers_sent", "due",
                  "header_block", "header_flags", "cancelled", "queued", "owed", "parked", "waiter", "held", "taken",
-                 "partial_len", "partial_since")
+                 "partial_len", "partial_since", "inflated")
 
     def __init__(self, sid: int, send_window: int):
         self.sid = sid
@@ -236,6 +236,7 @@ class ServerStream:
         self.taken = 0  # request streaming: bytes of messages the handler took, not yet released
         self.partial_len = 0  # a partly received message as the connection's timer last saw it ...
         self.partial_since = 0.0  # ... and since when (--body-timeout-s; ServerConnection._slow_messages)
+        self.inflated: inflate.Inflation | None = None  # request streaming: the message just taken, inflated
 
 
 class ServerCall:
@@ -313,6 +314,14 @@ class ServerCall:
     def peer_certificate_der(self) -> bytes | None:
         obj = self._ssl()
         return obj.getpeercert(binary_form=True) if obj is not None and obj.getpeercert() else None
+
+    def keep_inflated(self) -> Callable[[], None] | None:
+        st = self._st
+        inflation = st.inflated
+        if inflation is None:
+            return None
+        st.inflated = None
+        return inflation.release
 
     def cancelled(self) -> bool:
         return self._st.cancelled
@@ -981,6 +990,7 @@ class ServerConnection(H2Endpoint):
             if item is _EOF:
                 return
             msg, size = item
+            del item
             st.queued -= size if len(msg) + 5 <= size else len(msg) + 5  # (an inflated message: as charged)
             st.taken += size  # released to the connection window by _settle
             if st.parked and not st.closed:  # room in the queue: take messages still waiting in buf
@@ -995,12 +1005,20 @@ class ServerConnection(H2Endpoint):
                 except inflate.Refused as exc:
                     self._finish(st, Status[exc.code], exc.message)
                     return  # (the call has its status: the handler sees the requests end)
+                # charged until the handler asks for the next one, or, when it keeps the charge
+                # (ServerCall.keep_inflated), until the request ends: each message of a stream is a
+                # request of its own (ModelStreamInfer)
+                st.inflated = inflation
                 try:
                     yield deser(msg) if deser else msg
-                finally:  # (the handler asks for the next one: it holds this one's parse, if anything)
-                    inflation.release()
+                finally:
+                    msg = None  # (not held while the next one is awaited)
+                    if st.inflated is inflation:
+                        st.inflated = None
+                        inflation.release()
                 continue
             yield deser(msg) if deser else msg
+            msg = None  # (not held while the next one is awaited: the handler's request may have ended)
 
     async def _run(self, st: ServerStream, message: bytes) -> None:  # (b"": request streaming)
         handler = st.handler
