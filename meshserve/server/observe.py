@@ -176,6 +176,7 @@ async def infer_stream(core: V2Core, request: pb.ModelInferRequest, ctx: Request
             tracing.end(span)
         if late is not None:
             late.finish(error)
+        error = None  # (the raised error's traceback holds this frame: no cycle through it, which only the GC would free)
 
 
 def _sampled_spans(request: pb.ModelInferRequest, ctx: RequestContext) -> Span | tracing.LateSpans | None:
@@ -255,6 +256,7 @@ async def _infer_late(core: V2Core, request: pb.ModelInferRequest, ctx: RequestC
     finally:
         tracing.deactivate_late(token)
         late.finish(error)
+        error = None  # (as in infer_stream: no frame -> error -> traceback -> frame cycle)
     if t0:
         _log_ok(request, ctx, late.trace_id(), t0)
     return result
