@@ -231,15 +231,20 @@ async def _infer_traced(core: V2Core, request: pb.ModelInferRequest, ctx: Reques
     try:
         result = await core.infer(request, ctx)
     except Exception as exc:
-        err = _log_error(request, ctx, exc, tracing.trace_id(span), t0)
-        tracing.set_error(span, err)
-        raise err from None
+        # (no local holds the raised error: its traceback holds this frame; see infer_stream)
+        raise _spanned(span, _log_error(request, ctx, exc, tracing.trace_id(span), t0)) from None
     finally:
         tracing.deactivate(token)
         tracing.end(span)
     if t0:
         _log_ok(request, ctx, tracing.trace_id(span), t0)
     return result, span
+
+
+def _spanned(span: Span, err: InferError) -> InferError:
+    """``err``, recorded on ``span``."""
+    tracing.set_error(span, err)
+    return err
 
 
 async def _infer_late(core: V2Core, request: pb.ModelInferRequest, ctx: RequestContext,
