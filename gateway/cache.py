@@ -989,8 +989,9 @@ class FrontDoor:
         # at_once hook, grpc_frontend.register), admission driven to its end at once (``_now``);
         # else (Redis quotas: a network round trip) a hit with tenants is an awaitable, in the Task
         self.at_once = admission is None or type(admission.store) is MemoryQuotaStore
-        # called when the index gets its first entry (the gRPC front end installs its at-once hook
-        # then: while the index is empty, a call pays nothing for the door)
+        # called when the index gets its first entry (with tenants the gRPC front end installs its
+        # at-once hook then: while the index is empty, a call pays no ServerCall for the door;
+        # without, the hook is installed at once: grpc_frontend.register)
         self.on_first_entry: Callable[[], object] | None = None
         # the HTTP request ``http`` just missed, its key and ``_cacheable``'s answer: the stage
         # takes them over (by the request's identity, on the same pass of the loop) rather than

@@ -621,14 +621,17 @@ def register(server: H2GrpcServer, core: V2Core, health: HealthState) -> None:
     servicer = InferenceServicer(core)
     server.add_methods(access.GRPC_SERVICE, methods(servicer, access.GRPC_METHODS, core))
     front = servicer.front
-    if front is not None:  # a gateway's cache hits, answered before any Task from the door's first entry on
+    if front is not None:  # a gateway's cache hits, answered before any Task
         # (without tenants the door neither reads the call nor refuses: called as it is, without one)
         hook = (servicer.answer_at_once, True) if front.admission is not None else (front.grpc, False)
         path = f"/{access.GRPC_SERVICE}/ModelInfer"
         install = functools.partial(server.at_once.setdefault, path, hook)  # type: ignore[arg-type]
         earlier = front.on_first_entry  # another gRPC server of this process on the same door: each gets it
         front.on_first_entry = install if earlier is None else lambda: (earlier(), install())
-        if front.entries:  # (registered after the door's first entry)
+        # with tenants from the door's first entry on (a call the door declines cost a ServerCall
+        # more); without, at once: a call declined from its two frames costs less than the usual
+        # path (ServerConnection._at_once opens its stream: docs/perf/response-cache.md, section 13)
+        if front.entries or front.admission is None:
             install()
         servicer.hit = None  # (what the door can answer it answers there: ModelInfer goes on to the pipeline)
     server.add_methods(access.HEALTH_SERVICE, methods(HealthServicer(health), access.HEALTH_METHODS))

@@ -865,9 +865,10 @@ class ServerConnection(H2Endpoint):
         call (H2GrpcServer.at_once). The hook's answer goes out as ``_reply`` writes it (HEADERS,
         the message and the OK trailers in one buffer) and the call leaves nothing behind but the
         windows' counts and the last stream id. When the hook declines, raises or answers more
-        than the windows or the peer's frame size allow, the stream is opened as usual
-        (``_opened``) and the call goes on as ``_start_unary`` would (its Task, UNKNOWN, or
-        ``_reply``'s queue). Anything the usual path would refuse or treat apart (a stream id
+        than the windows or the peer's frame size allow, the stream is opened from what the
+        checks here decoded (``_open``: no second pass over the headers, no second header check)
+        and the call goes on as ``_start_unary`` would (its Task, UNKNOWN, or ``_reply``'s queue).
+        Anything the usual path would refuse or treat apart (a stream id
         not above the last, a full connection, a non-POST or non-gRPC request, an encoding, the
         header check's refusal, a message over the limit, the receive window, going away, a
         paused transport) is left to it. Returns the offset after the DATA frame, or 0: not
@@ -908,16 +909,15 @@ class ServerConnection(H2Endpoint):
             answer = found[0](msg, None)
         except Exception as exc:
             log.exception("error in gRPC at-once hook for %s", path)
-            if (st := self._opened(sid, block)) is not None:
-                self._finish(st, Status.UNKNOWN, internal_error(exc).message)
+            self._finish(self._open(sid, parsed, handler), Status.UNKNOWN, internal_error(exc).message)
             return after
-        n = len(answer) + 5 if answer is not None else 0
-        if not n or n > self.send_window or n > self.peer_initial_window or n > self.peer_max_frame:
-            if (st := self._opened(sid, block)) is not None:
-                if answer is None:
-                    st.task = self.loop.create_task(self._run(st, msg))
-                else:
-                    self._reply(st, answer, _NO_CALL)
+        if answer is None:  # declined (a cache miss): the call's Task, as _start_unary makes it
+            st = self._open(sid, parsed, handler)
+            st.task = self.loop.create_task(self._run(st, msg))
+            return after
+        n = len(answer) + 5
+        if n > self.send_window or n > self.peer_initial_window or n > self.peer_max_frame:
+            self._reply(self._open(sid, parsed, handler), answer, _NO_CALL)
             return after
         self.last_sid = sid
         self.send_window -= n
@@ -928,13 +928,22 @@ class ServerConnection(H2Endpoint):
                                                             sid, TRAILERS_OK))
         return after
 
-    def _opened(self, sid: int, block: bytes) -> ServerStream | None:
-        """The stream of a call ``_at_once`` did not answer, opened as its HEADERS frame opens it,
-        its message received whole (None: the usual path refused it)."""
-        self._on_headers(END_HEADERS, sid, block)
-        st = self.streams.get(sid)
-        if st is not None:
-            st.remote_ended = True
+    def _open(self, sid: int, parsed: tuple[Any, ...], handler: Method) -> ServerStream:
+        """The stream of a call ``_at_once`` took and did not answer, its message received whole:
+        opened as ``_on_headers`` and ``_headers_complete`` open a call they accept, from the
+        block ``_at_once`` looked up (``parsed``) and the method it found, without their second
+        pass (every check that would refuse the call was ``_at_once``'s, in this read; it marked
+        the connection busy as ``_on_headers`` does)."""
+        self.last_sid = sid
+        st = self.streams[sid] = ServerStream(sid, self.peer_initial_window)
+        st.path, _, _, timeout, _, st.metadata = parsed
+        st.handler = handler
+        st.remote_ended = True
+        self.server._active += 1  # (a call in progress: H2GrpcServer.stop waits for it)
+        if timeout is not None:
+            st.deadline = time.monotonic() + timeout
+            st.due = due = self.loop.time() + timeout
+            self.deadlines.add(due)
         return st
 
     def _start_unary(self, st: ServerStream, msg: bytes, compressed: int) -> None:

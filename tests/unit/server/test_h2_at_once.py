@@ -237,3 +237,30 @@ async def test_refused_at_its_headers_before_the_hook() -> None:
     message, trailers = _answers(wire.frames())[3]  # (trailers-only: one HEADERS frame)
     assert message == b"" and (trailers[b"grpc-status"], trailers[b"grpc-message"]) == (b"16", b"no key")
     assert len(seen.hook_tasks) == asked and conn.streams == {}
+
+
+async def test_a_declined_call_is_opened_from_its_checks_once_as_the_usual_path_opens_it() -> None:
+    """A call the hook declines is opened from what ``_at_once`` decoded (``_open``): its path,
+    metadata and deadline as the usual path sets them, counted in progress, the header check run
+    once for it, and its handler sees the same call as one that took the usual path."""
+    seen = Seen()
+    server, wire, conn = await _connection(seen)
+    checked: list[tuple[str, Any]] = []
+    server.check_headers = lambda path, metadata: checked.append((path, metadata))  # type: ignore[assignment,func-returns-value]
+    block = _BLOCK + literal(b"x-tenant", b"t1")
+    conn.data_received(_call(3, b"", block))  # (the usual path: this block is decoded here)
+    await eventually_async(lambda: seen.handled == [b""] and server._active == 0)
+    assert _answers(wire.frames())[3] == (b"task:", {b"grpc-status": b"0"})
+    usual = conn._on_headers
+    opened: list[int] = []
+    conn._on_headers = lambda flags, sid, block: (opened.append(sid), usual(flags, sid, block))[1]  # type: ignore[method-assign]
+    asked = len(seen.hook_tasks)
+    conn.data_received(_call(5, b"", block))  # the same block, now known: at once, declined
+    assert opened == [] and len(seen.hook_tasks) == asked + 1  # (the hook once, no second pass over the headers)
+    st = conn.streams[5]
+    assert (st.path, st.metadata, st.remote_ended, st.handler) == (PLAIN, (("x-tenant", "t1"),), True,
+                                                                   server._methods[PLAIN])
+    assert st.deadline is not None and st.due is not None and st.task is not None and server._active == 1
+    assert checked == [(PLAIN, (("x-tenant", "t1"),))] * 2 and conn.last_sid == 5
+    await eventually_async(lambda: seen.handled == [b"", b""] and server._active == 0)
+    assert _answers(wire.frames())[5] == (b"task:", {b"grpc-status": b"0"}) and conn.streams == {}
