@@ -132,7 +132,7 @@ def test_gzip_bomb_is_413(proc: Proc) -> None:
 @pytest.mark.parametrize(("encoding", "body", "status", "message"), [
     ("gzip", b"garbage, not gzip", 400, "malformed gzip request body"),
     ("deflate", b"garbage, not deflate", 400, "malformed deflate request body"),
-    ("gzip", gzip.compress(add_sub_body())[:-12], 400, "truncated gzip request body"),
+    ("gzip", gzip.compress(add_sub_body(), mtime=0)[:-12], 400, "truncated gzip request body"),
     ("br", add_sub_body(), 415, "unsupported Content-Encoding 'br'"),
     ("zstd", add_sub_body(), 415, "unsupported Content-Encoding 'zstd'"),
 ], ids=["garbage-gzip", "garbage-deflate", "truncated-gzip", "br", "zstd"])

@@ -465,7 +465,7 @@ async def body_reader(request: Request) -> Answer:
     return Answer(b"".join(body), {"X-How": how})
 
 
-GZIPPED = gzip.compress(b"hello")
+GZIPPED = gzip.compress(b"hello", mtime=0)  # (mtime 0: the same bytes, so the same test ids, in every xdist worker)
 
 
 @pytest.mark.parametrize(("sent", "how", "body"), [
