@@ -1177,6 +1177,8 @@ class ServerConnection(H2Endpoint):
         self._drain(st)
 
     def _end(self, st: ServerStream, ctx: ServerCall) -> None:
+        if st.closed:  # (its status is out: a refused message's, _requests; nothing more on it)
+            return
         value = ctx._code
         details = ctx._details if value else None
         if value and not st.headers_sent:
