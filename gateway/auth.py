@@ -43,7 +43,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,7 +163,7 @@ class Tenants:
         """The tenant's share of a process-wide cap ("" = anonymous callers: the file's)."""
         return self.shares.get(tenant, self.spec.share)
 
-    def authenticate(self, headers: dict[str, str]) -> TenantSpec | None:
+    def authenticate(self, headers: Mapping[str, Any]) -> TenantSpec | None:
         """The caller's tenant; None = anonymous (when allowed). Raises 401 otherwise."""
         key = api_key(headers)
         if key is None:
@@ -183,7 +183,7 @@ class Tenants:
         return tenant
 
 
-def api_key(headers: dict[str, str]) -> str | None:
+def api_key(headers: Mapping[str, Any]) -> str | None:
     auth = headers.get("authorization")
     if auth:
         scheme, _, value = auth.strip().partition(" ")
@@ -238,6 +238,16 @@ class Admission:
     def share_of(self, tenant: str) -> float:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
         return self.directory.get().share_of(tenant)
+
+    def caller(self, headers: Mapping[str, Any]) -> tuple[str, float]:
+        """The caller's tenant ("" = anonymous callers) and its share, from a request's headers
+        alone: what the transport counts before a request is parsed (meshserve/server/inflate.py:
+        a compressed body's inflated bytes). Raises 401 as ``admit`` does."""
+        tenants = self.directory.get()
+        tenant = tenants.authenticate(headers)
+        if tenant is None:
+            return "", tenants.share_of("")
+        return tenant.name, tenant.share if tenant.share is not None else tenants.spec.share
 
     async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None = None,
                     sequence_idle_s: float = 0.0) -> Admitted:

@@ -30,7 +30,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
-from meshserve.server import shm
+from meshserve.server import inflate, shm
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import (
     EXTENSIONS,
@@ -164,9 +164,10 @@ class GatewayCore:
 
     async def start(self) -> None:
         # This process is a front door: a client's hop marker means nothing here (read_hop).
-        # With tenants, each holds at most its share of the shared-memory caps.
+        # With tenants, each holds at most its share of the shared-memory caps and of the inflated bytes.
         hop.trust_marker(False)
         shm.share_of = self.admission.share_of if self.admission is not None else None
+        inflate.tenant_of = self.admission.caller if self.admission is not None else None
         await self.discovery.resolve()
         await self.discovery.refresh()
         self.discovery.start()

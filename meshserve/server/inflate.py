@@ -31,6 +31,22 @@ connection). Here (``Inflation.run``):
 The HTTP front door decodes bodies in slices of 1 MiB (`meshserve/protocol/http_codec.py:BodyDecoder`)
 and charges the decoded bytes to its own process-wide budget (--max-receive-bytes,
 `meshserve/server/http1/request.py:Request.read_body`).
+
+With tenants (a gateway's --tenants: ``tenant_of``, set by the gateway), every shared cap has a
+per-tenant share (docs/security.md, "Tenant isolation and the hop marker"); here:
+
+- the caller is named from the request's headers before a byte of its body is inflated (``caller``:
+  its API key, or its client certificate on a mutual-TLS port; "" for anonymous callers, who
+  share one share); a caller that is no tenant is refused UNAUTHENTICATED / 401 there;
+- one tenant holds at most max(one slice, limit x its share) of the inflated bytes (``Tenancy``:
+  gRPC's ``INFLATING``, the HTTP front door's decoded bytes of --max-receive-bytes); past it its
+  message is refused RESOURCE_EXHAUSTED / 429 naming the limit and the share, the others still
+  have the rest;
+- the turns are served round-robin by tenant (``Turns``: a line per tenant), and a holder passes
+  its turn on between two slices while another tenant waits: a tenant's waiting messages hold
+  another tenant back by one slice each round, however many they are.
+
+Without tenants nothing is counted per tenant: one line, no look-up, no share.
 """
 from __future__ import annotations
 
@@ -38,6 +54,11 @@ import asyncio
 import collections
 import contextlib
 import zlib
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
+
+from meshserve.protocol.errors import InferError
+from meshserve.server import tls
 
 STEP = 1 << 16  # output bytes inflated per slice (~0.1 ms quiet, ~0.4 ms on a busy 2-core box)
 TURNS = 1  # messages inflated at once, process-wide
@@ -51,48 +72,152 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
+Caller = tuple[str, float]  # (tenant, its share of a process-wide cap); tenant "" = anonymous callers
+
+# With tenants (gateway/core.py sets it to gateway/auth.py:Admission.caller): a request's tenant
+# and share from its headers; raises InferError (UNAUTHENTICATED) for a caller that is no tenant.
+# None: nothing is counted per tenant (services; a gateway without --tenants).
+tenant_of: Callable[[Mapping[str, Any]], Caller] | None = None
+
+
+def caller(headers: Mapping[str, Any], transport: object, certs: bool) -> Caller | None:
+    """The request's tenant and share, from its headers (``certs``: a mutual-TLS port whose
+    client certificate may name the tenant), before any of its body is inflated; None without
+    tenants. Raises InferError (UNAUTHENTICATED: an unknown key, or none where one is needed)."""
+    find = tenant_of
+    if find is None:
+        return None
+    if certs:
+        headers = tls.client_cert(dict(headers), transport)
+    return find(headers)
+
+
+class Tenancy:
+    """What each tenant holds of one process-wide budget of bytes: at most max(``least``, limit x
+    its share) (``least``: one slice, which a message needs to make any progress)."""
+
+    __slots__ = ("held", "least")
+
+    def __init__(self, least: int) -> None:
+        self.held: dict[str, int] = {}  # tenant -> bytes its messages hold (absent: none)
+        self.least = least
+
+    def cap(self, limit: int, share: float) -> int:
+        return max(self.least, int(limit * share))
+
+    def refusal(self, who: Caller, n: int, limit: int, what: str) -> str | None:
+        """Why ``n`` more bytes for ``who`` would pass its share of ``limit`` (None: they fit)."""
+        tenant, share = who
+        held = self.held.get(tenant, 0)
+        cap = self.cap(limit, share)
+        if held + n <= cap:
+            return None
+        name = f"tenant '{tenant}'" if tenant else "anonymous callers"
+        return (f"{name} holds {held} bytes of {what}; {n} more would pass its share ({share:g} of "
+                f"--max-receive-bytes {limit}: {cap}), retry later")
+
+    def charge(self, tenant: str, n: int) -> None:
+        self.held[tenant] = self.held.get(tenant, 0) + n
+
+    def refund(self, tenant: str, n: int) -> None:
+        left = self.held.get(tenant, 0) - n
+        if left > 0:
+            self.held[tenant] = left
+        else:
+            self.held.pop(tenant, None)
+
+
 class Budget:
     """Decompressed bytes of request messages held by calls not yet ended, process-wide."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "used", "tenants")
 
     def __init__(self) -> None:
         self.limit = 0  # 0: unbounded (set from --max-receive-bytes by the gRPC server)
         self.used = 0
+        self.tenants = Tenancy(STEP)  # what each tenant's messages hold of it (with tenants)
 
 
 INFLATING = Budget()
 
 
 class Turns:
-    """At most TURNS holders at once; the others wait in order (a holder that is cancelled while
-    it waits leaves the line; one cancelled after its turn came passes it on)."""
+    """At most TURNS holders at once; the others wait in line, a line per tenant (None: without
+    tenants, one line), the lines served round-robin (a holder that is cancelled while it waits
+    leaves its line; one cancelled after its turn came passes it on). Between two slices a holder
+    passes its turn on while another tenant waits (``wanted``, ``pass_on``)."""
 
     __slots__ = ("running", "waiting")
 
     def __init__(self) -> None:
         self.running = 0
-        self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        # tenant -> its line, in the order of the round (the next served first)
+        self.waiting: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
 
-    async def take(self) -> None:
+    async def take(self, tenant: Hashable = None) -> None:
         if self.running < TURNS and not self.waiting:
             self.running += 1
             return
         turn = asyncio.get_running_loop().create_future()
-        self.waiting.append(turn)
+        line = self.waiting.get(tenant)
+        if line is None:
+            line = self.waiting[tenant] = collections.deque()
+        line.append(turn)
+        await self._wait(tenant, turn)
+
+    def wanted(self, tenant: Hashable) -> bool:
+        """Another tenant than ``tenant`` waits for a turn (never without tenants)."""
+        waiting = self.waiting
+        return bool(waiting) and (len(waiting) > 1 or tenant not in waiting)
+
+    async def between(self, tenant: Hashable) -> None:
+        """Between two slices of a holder of ``tenant``: the event loop runs other calls, and
+        while another tenant waits the turn goes to it first and comes back in the round.
+        Returning, the holder holds its turn; raising, it holds none."""
+        if not self.wanted(tenant):
+            try:
+                await asyncio.sleep(0)
+            except BaseException:
+                self.give()
+                raise
+            return
+        await self.pass_on(tenant)
+
+    async def pass_on(self, tenant: Hashable) -> None:
+        """A holder's turn to the next tenant in the round; it waits at the head of its own
+        tenant's line, that line last in the round. Raising, it holds no turn."""
+        turn = asyncio.get_running_loop().create_future()
+        line = self.waiting.pop(tenant, None)
+        if line is None:
+            line = collections.deque()
+        line.appendleft(turn)
+        self.waiting[tenant] = line  # (last)
+        self.give()
+        await self._wait(tenant, turn)
+
+    async def _wait(self, tenant: Hashable, turn: asyncio.Future[None]) -> None:
         try:
             await turn  # (give() counted this holder in when it set the result)
         except BaseException:
             if turn.done() and not turn.cancelled():
                 self.give()
             else:
-                with contextlib.suppress(ValueError):
-                    self.waiting.remove(turn)
+                line = self.waiting.get(tenant)
+                if line is not None:
+                    with contextlib.suppress(ValueError):
+                        line.remove(turn)
+                    if not line:
+                        del self.waiting[tenant]
             raise
 
     def give(self) -> None:
-        while self.waiting:
-            turn = self.waiting.popleft()
+        waiting = self.waiting
+        while waiting:
+            tenant = next(iter(waiting))
+            line = waiting.pop(tenant)
+            turn = line.popleft()
+            if line:
+                waiting[tenant] = line  # (to the end of the round)
             if not turn.done():
                 turn.set_result(None)  # handed over: ``running`` stays
                 return
@@ -103,21 +228,29 @@ INFLATING_NOW = Turns()
 
 
 class Inflation:
-    """One message's inflation and what it holds of ``INFLATING``."""
+    """One message's inflation and what it holds of ``INFLATING`` (and, with tenants, of its
+    tenant's share of it). ``metadata``: the call's (name, value) pairs, ``transport`` its
+    connection's: they name the tenant."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "metadata", "transport", "tenant")
 
-    def __init__(self) -> None:
+    def __init__(self, metadata: Iterable[tuple[str, Any]] = (), transport: object = None) -> None:
         self.held = 0
+        self.metadata = metadata
+        self.transport = transport
+        self.tenant: str | None = None  # the tenant charged (with tenants, once run names it)
 
     def release(self) -> None:
         """Give back what the message held (the call ended); idempotent."""
         INFLATING.used -= self.held
+        if self.tenant is not None:
+            INFLATING.tenants.refund(self.tenant, self.held)
         self.held = 0
 
     async def run(self, encoding: bytes | None, data: bytes, limit: int) -> bytes:
         """``data`` inflated (gzip or deflate by ``encoding``), at most ``limit`` bytes of it,
-        in slices of ``STEP`` charged to ``INFLATING`` as they are made. Raises Refused."""
+        in slices of ``STEP`` charged to ``INFLATING`` (and the tenant's share of it) as they are
+        made. Raises Refused."""
         if encoding == b"gzip":
             d = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif encoding == b"deflate":
@@ -125,11 +258,20 @@ class Inflation:
         else:
             raise Refused("INVALID_ARGUMENT",
                           "cannot decompress the request: compressed flag set without a grpc-encoding")
+        who: Caller | None = None
+        if tenant_of is not None:  # (with tenants: named before anything is inflated)
+            try:
+                who = caller(dict(self.metadata), self.transport, tls.cert_names_grpc)
+            except InferError as exc:
+                raise Refused(exc.grpc_status.name, exc.message) from None
+        tenant = None if who is None else who[0]
         parts: list[bytes] = []
         size = 0
         tail = data
         budget = INFLATING
-        await INFLATING_NOW.take()
+        turns = INFLATING_NOW
+        await turns.take(tenant)
+        turn = True  # (this message holds a turn)
         try:
             while True:
                 room = min(STEP, limit + 1 - size)
@@ -137,12 +279,20 @@ class Inflation:
                     raise Refused("RESOURCE_EXHAUSTED",
                                   f"server busy: {budget.used} bytes of decompressed request messages held "
                                   f"(limit --max-receive-bytes {budget.limit}); retry later")
+                if who is not None and budget.limit:
+                    refusal = budget.tenants.refusal(who, room, budget.limit, "decompressed request messages")
+                    if refusal is not None:
+                        raise Refused("RESOURCE_EXHAUSTED", refusal)
+                    self.tenant = tenant
+                    budget.tenants.charge(who[0], room)
                 budget.used += room
                 self.held += room
                 piece = d.decompress(tail, room)
                 unused = room - len(piece)
                 budget.used -= unused
                 self.held -= unused
+                if self.tenant is not None:
+                    budget.tenants.refund(self.tenant, unused)
                 size += len(piece)
                 if size > limit:
                     raise Refused("RESOURCE_EXHAUSTED",
@@ -153,7 +303,9 @@ class Inflation:
                 tail = d.unconsumed_tail
                 if len(piece) < room and not tail:
                     raise zlib.error("incomplete or truncated stream")
-                await asyncio.sleep(0)  # (other calls run between slices)
+                turn = False
+                await turns.between(tenant)  # (other calls run between slices; other tenants' first)
+                turn = True
         except zlib.error as exc:
             self.release()
             raise Refused("INVALID_ARGUMENT", f"cannot decompress the request: {exc}") from None
@@ -161,5 +313,6 @@ class Inflation:
             self.release()
             raise
         finally:
-            INFLATING_NOW.give()
+            if turn:
+                turns.give()
         return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -66,7 +66,11 @@ def bomb() -> bytes:
 def stack(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The suite's mesh (a gateway with tenants before an ONNX service, the good client), with
     the gateway's --max-receive-bytes at 32 MiB."""
-    tmp = tmp_path_factory.mktemp("compressed")
+    yield from compressed_mesh(model_repo, tmp_path_factory.mktemp("compressed"))
+
+
+def compressed_mesh(model_repo: Path, tmp: Path, good: tuple[str, ...] = ()) -> Iterator[Mesh]:
+    """The mesh of ``stack`` (``good``: the good client's extra arguments), stopped after its yield."""
     (tmp / "tenants.yaml").write_text(TENANTS)
     procs: list[Proc] = []
     try:
@@ -77,9 +81,9 @@ def stack(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                                "--upstream", procs[0].grpc, "--max-receive-bytes", str(BUDGET), *LIMIT_FLAGS]))
         for p in procs:
             _wait_http_ready(p.http)
-        good = GoodClient(procs[0])
-        assert good.wait_past(time.monotonic(), 30), "the good client did not start"
-        mesh = Mesh(procs[0], procs[1:], good, tmp)
+        client = GoodClient(procs[0], extra=good)
+        assert client.wait_past(time.monotonic(), 30), "the good client did not start"
+        mesh = Mesh(procs[0], procs[1:], client, tmp)
     except BaseException:
         for p in procs:
             p.stop()

@@ -976,7 +976,7 @@ class ServerConnection(H2Endpoint):
         """A compressed unary message: inflated (``inflate.Inflation``: in slices, charged to the
         process's budget of decompressed bytes, held until the call ends), then started as an
         uncompressed one (its at-once hook, else its own Task)."""
-        inflation = inflate.Inflation()
+        inflation = inflate.Inflation(st.metadata, self.transport)  # (the metadata name the tenant)
         try:
             msg = await inflation.run(st.encoding, msg, self.server.max_receive)
         except inflate.Refused as exc:  # (what it held is given back)
@@ -1008,7 +1008,7 @@ class ServerConnection(H2Endpoint):
                     self._remote_end(st)  # the last parked messages are queued: now the end of the stream
             self._settle(st)
             if msg.__class__ is Compressed:  # as a unary message is (_inflated), in the handler's task
-                inflation = inflate.Inflation()
+                inflation = inflate.Inflation(st.metadata, self.transport)  # (the metadata name the tenant)
                 try:
                     msg = await inflation.run(st.encoding, msg.data, self.server.max_receive)
                 except inflate.Refused as exc:
@@ -1186,6 +1186,8 @@ class ServerConnection(H2Endpoint):
         self._drain(st)
 
     def _end(self, st: ServerStream, ctx: ServerCall) -> None:
+        if st.closed:  # (its status is out: a refused message's, _requests; nothing more on it)
+            return
         value = ctx._code
         details = ctx._details if value else None
         if value and not st.headers_sent:

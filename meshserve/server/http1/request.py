@@ -17,12 +17,12 @@ import time
 from collections import deque
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote
 
 from meshserve.protocol import http_codec
 from meshserve.protocol.errors import InferError
-from meshserve.server import admission, inflate
+from meshserve.server import admission, inflate, tls
 
 if TYPE_CHECKING:
     from meshserve.server.http1.server import Connection
@@ -46,11 +46,15 @@ class ReceiveBudget:
     admission, a compressed body's decoded bytes too (before each slice is inflated), and given
     back when the request's handler is done (`Connection._serve`)."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "used", "tenants", "decoded")
 
     def __init__(self) -> None:
         self.limit = 0  # 0: unbounded
         self.used = 0
+        # with tenants: what each tenant's compressed bodies hold decoded (at most its share of
+        # the limit), and per request its tenant and decoded bytes (given back with the request's)
+        self.tenants = inflate.Tenancy(http_codec.DECODE_SLICE)
+        self.decoded: dict[Request, list[Any]] = {}
 
     def charge(self, request: Request, n: int) -> None:
         """n more bytes held by ``request``; 429 + Retry-After when they do not fit."""
@@ -66,9 +70,33 @@ class ReceiveBudget:
         self.used -= n
         request.held -= n
 
+    def charge_decoded(self, request: Request, n: int, who: inflate.Caller) -> None:
+        """n more decoded bytes held by ``request`` for tenant ``who``, already charged to the
+        whole: 429 + Retry-After past the tenant's share (before they are decoded)."""
+        if not self.limit:
+            return
+        refusal = self.tenants.refusal(who, n, self.limit, "decoded request bodies")
+        if refusal is not None:
+            raise InferError.exhausted(refusal, retry_after_s=admission.RETRY_AFTER_S)
+        self.tenants.charge(who[0], n)
+        mine = self.decoded.get(request)
+        if mine is None:
+            mine = self.decoded[request] = [who[0], 0]
+        mine[1] += n
+
+    def refund_decoded(self, request: Request, n: int) -> None:
+        mine = self.decoded.get(request)
+        if mine is not None:
+            mine[1] -= n
+            self.tenants.refund(mine[0], n)
+
     def release(self, request: Request) -> None:
         self.used -= request.held
         request.held = 0
+        if self.decoded:  # (with tenants, a compressed body's decoded bytes)
+            mine = self.decoded.pop(request, None)
+            if mine is not None:
+                self.tenants.refund(mine[0], mine[1])
 
 
 RECEIVING = ReceiveBudget()
@@ -265,6 +293,15 @@ class Stream:
             await self.conn.drain()
 
 
+def _text(headers: dict[str, str]) -> dict[str, str]:
+    """Header values as valid text (bytes that are not UTF-8 arrive as lone surrogates: they
+    become U+FFFD, as the core's headers do), for naming the tenant."""
+    if "".join(headers.values()).isascii():
+        return headers
+    return {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            for k, v in headers.items()}
+
+
 class Request:
     """One parsed request (see the module docstring).
 
@@ -389,6 +426,10 @@ class Request:
         # (no decoder object for the common plain body: the fast path below stays a few attribute reads)
         decoder = http_codec.BodyDecoder(encoding, limit) if encoding else None
         plain = decoder is None or decoder.identity
+        who = tenant = None
+        if not plain and inflate.tenant_of is not None:  # (with tenants: named before a byte is read)
+            who = inflate.caller(_text(self.lower), self.conn.transport, tls.cert_names_http)
+            tenant = who[0] if who is not None else None
         length = self.content_length
         if length is not None and length > limit:
             raise InferError.too_large(
@@ -421,19 +462,28 @@ class Request:
                     chunks.append(chunk)
                     continue
                 pieces = decoder.feed(chunk)
-                await inflate.INFLATING_NOW.take()  # (a turn of the process's inflating, as gRPC's)
+                turns = inflate.INFLATING_NOW
+                await turns.take(tenant)  # (a turn of the process's inflating, as gRPC's)
+                turn = True
                 try:
                     for n in itertools.count():  # bounded slices: let other requests run
                         if n:
-                            await asyncio.sleep(0)
+                            turn = False
+                            await turns.between(tenant)  # (other tenants' slices first)
+                            turn = True
                         RECEIVING.charge(self, http_codec.DECODE_SLICE)  # (decoded bytes too, before each slice)
+                        if who is not None:
+                            RECEIVING.charge_decoded(self, http_codec.DECODE_SLICE, who)
                         piece = next(pieces, b"")
                         RECEIVING.refund(self, http_codec.DECODE_SLICE - len(piece))
+                        if who is not None:
+                            RECEIVING.refund_decoded(self, http_codec.DECODE_SLICE - len(piece))
                         if not piece:
                             break
                         chunks.append(piece)
                 finally:
-                    inflate.INFLATING_NOW.give()
+                    if turn:
+                        turns.give()
             if decoder is not None:
                 decoder.finish()
         except BodyError as exc:

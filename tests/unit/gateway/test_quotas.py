@@ -198,6 +198,29 @@ tenants:
     await adm.release(first)
 
 
+def test_the_transport_names_the_caller_and_its_share_from_the_headers_alone(tmp_path: Path) -> None:
+    """Admission.caller: what a compressed body's inflated bytes are counted against before the
+    request is parsed (meshserve/server/inflate.py): the key's tenant and share, the anonymous
+    callers' share, 401 for a key that is no tenant's (and for none, when anonymous is off)."""
+    path = tmp_path / "tenants.yaml"
+    tenants = f"""
+share: 0.5
+tenants:
+  - {{name: big, keys_sha256: ["{hash_key('big-key')}"], rate: 1000, burst: 1000}}
+  - {{name: small, keys_sha256: ["{hash_key('small-key')}"], rate: 1000, burst: 1000, share: 0.25}}
+"""
+    path.write_text(tenants)
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+    assert adm.caller({"x-api-key": "big-key"}) == ("big", 0.5)
+    assert adm.caller({"authorization": "Bearer small-key"}) == ("small", 0.25)
+    for headers, text in (({"x-api-key": "nobody"}, "unknown API key"), ({}, "an API key is required")):
+        with pytest.raises(InferError) as err:
+            adm.caller(headers)
+        assert err.value.code is Code.UNAUTHENTICATED and text in err.value.message
+    path.write_text("anonymous: true\nshare: 0.125\n" + tenants.replace("share: 0.5\n", ""))
+    assert Admission(TenantDirectory(path), MemoryQuotaStore()).caller({}) == ("", 0.125)
+
+
 @pytest.mark.parametrize("text", ["share: 0", "share: 1.5", "tenants: [{name: a, keys_sha256: ['"
                                   + "a" * 64 + "'], rate: 1, burst: 1, share: 0}]"])
 def test_a_share_is_a_fraction_of_a_cap(text: str) -> None:
