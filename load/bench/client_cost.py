@@ -295,4 +295,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     raise SystemExit(main())

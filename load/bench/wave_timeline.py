@@ -216,4 +216,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    procs.clean_exit()
     main()
