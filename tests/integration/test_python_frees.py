@@ -5,9 +5,6 @@ raised through, so none of those frames may keep it, or the request stays alive 
 collection (tests/support/cycles.py; docs/security.md, "Session 11: error cycles")."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +12,8 @@ import pytest
 
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.core import RequestContext
-from services.base.control import ModelControl
 from services.python.core import PythonServiceCore
-from tests.integration.test_python_decoupled import request
+from tests.integration.test_python_decoupled import request, started
 from tests.models import python_models
 from tests.support.cycles import collector_off, cyclic_frames
 
@@ -27,19 +23,6 @@ MODELS = frozenset({"faulty_raise", "faulty_error", "repeat_int32"})
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python_models.build(tmp_path_factory.mktemp("frees"), instances=1)
-
-
-@contextlib.contextmanager
-def started(repo: Path) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventLoop]]:
-    loop = asyncio.new_event_loop()
-    c = PythonServiceCore("python", repo, {})
-    c.control = ModelControl("explicit", MODELS)
-    loop.run_until_complete(c.start())
-    try:
-        yield c, loop
-    finally:
-        loop.run_until_complete(c.stop())
-        loop.close()
 
 
 async def _unary(c: PythonServiceCore, model: str) -> Code:
@@ -61,7 +44,7 @@ async def _streamed(c: PythonServiceCore) -> Code:
 
 
 def test_failed_python_requests_leave_no_cycle(repo: Path) -> None:
-    with started(repo) as (c, loop):
+    with started(repo, MODELS) as (c, loop):
         async def failures() -> list[Code]:
             return [await _unary(c, "faulty_raise"), await _unary(c, "faulty_error"), await _streamed(c)]
 
