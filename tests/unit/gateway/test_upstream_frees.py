@@ -6,14 +6,17 @@ collection (tests/support/cycles.py; docs/security.md, "Session 11: error cycles
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.routing.table import pick_pinned
+from gateway.upstream import traced
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import Code, InferError
+from meshserve.telemetry import tracing
 from tests.support.cycles import collector_off, cyclic_frames
 from tests.unit.gateway.support import stream_service
 from tests.unit.gateway.test_upstream import _refused, _upstream, unavailable
@@ -78,3 +81,26 @@ async def test_a_streamed_request_failing_midway_leaves_no_cycle(fails_midway: s
             for _ in range(3):
                 assert await one() == "no"
             assert cyclic_frames() == []
+
+
+async def test_a_traced_request_that_fails_leaves_no_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traced variant keeps the error for its span (gateway/upstream/traced.py:_forward_under)."""
+    monkeypatch.setattr(tracing, "defer", lambda job, *args: None)  # (its span is not what is tested)
+
+    async def refused(body: bytes, client_id: str, timeout: float | None, affinity: str | None) -> None:
+        raise InferError(Code.UNAVAILABLE, "model 'm' is not ready")
+
+    replica = SimpleNamespace(streams=SimpleNamespace(infer=refused), endpoint="127.0.0.1:1")
+
+    async def one() -> str:
+        try:
+            await traced._forward_under([], 0, pb.ModelInferRequest(model_name="m"), replica,  # type: ignore[arg-type]
+                                        b"body", None, None)
+        except InferError as exc:
+            return exc.message
+        raise AssertionError("not failed")
+
+    with collector_off():
+        for _ in range(3):
+            assert await one() == "model 'm' is not ready"
+        assert cyclic_frames() == []
