@@ -3,17 +3,13 @@
 flood of large requests. Run: python -m tests.integration.refusing_service."""
 from __future__ import annotations
 
-import argparse
-
 from google.protobuf import text_format
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import InferError
-from meshserve.server import limits as server_limits
 from meshserve.server.core import InferResult, RequestContext
-from meshserve.server.process import run, serve
-from tests.support.stub_core import StubCore
+from tests.support.stub_core import StubCore, serve_main
 
 REFUSAL = "model 'big' refuses every request"
 
@@ -38,13 +34,7 @@ class RefusingCore(StubCore):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--grpc-port", type=int, default=0)
-    ap.add_argument("--http-port", type=int, default=None)
-    server_limits.add_arguments(ap)
-    args = ap.parse_args()
-    run(serve(RefusingCore(), name="refusing", host="127.0.0.1", grpc_port=args.grpc_port,
-              http_port=args.http_port, limits=server_limits.from_args(args)))
+    serve_main(RefusingCore(), "refusing")
 
 
 if __name__ == "__main__":
