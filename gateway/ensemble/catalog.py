@@ -144,7 +144,7 @@ class EnsembleCatalog:
                 result: Plan | EnsembleError = compile_plan(config, self._lookup)
             except EnsembleError as exc:
                 log.error("%s", exc)
-                result = exc
+                result = exc.with_traceback(None)  # (kept: not the frames of the request that compiled it)
             cached = self._plans[name] = (key, result)
         if isinstance(cached[1], EnsembleError):
             raise InferError.unavailable(str(cached[1]))

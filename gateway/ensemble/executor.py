@@ -109,6 +109,9 @@ class EnsembleExecutor:
         finally:
             for task in running:
                 task.cancel()
+            # (a failed step's task holds its error, whose traceback holds this frame: no local
+            # keeps it, docs/security.md, "Session 11: error cycles")
+            done = task = None  # type: ignore[assignment]
         return _response(plan, request, tensors, wanted)
 
     async def run_stream(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
@@ -182,6 +185,7 @@ class EnsembleExecutor:
                     task.cancel()
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
+                event = None  # type: ignore[assignment]  # (as _run's: the raised error's traceback holds this frame)
 
     async def _stream_step(self, plan: Plan, step: Step, rnd: _Round, request: pb.ModelInferRequest,
                            deadline: float | None, times: StepTimes, affinity: str | None,

@@ -205,6 +205,7 @@ class Coalescer:
             raise outcomes.failed(name, exc, protocol) from None
         finally:
             self.done(name)
+            fut = None  # type: ignore[assignment]  # (as _deliver's: it holds the error)
         if outcomes is not None:
             outcomes.counts[(name, "OK")] += 1
         return result
@@ -361,6 +362,9 @@ class Coalescer:
             for c in chunk:
                 if not c[_FUTURE].done():
                     c[_FUTURE].set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
+            # (the error's traceback holds this frame: no local keeps the futures that hold it, a
+            # cycle only the collector frees, keeping the members: docs/security.md, "Session 11: error cycles")
+            chunk = c = again = None  # type: ignore[assignment]
             return
         for c, resp in zip(chunk, responses, strict=True):
             if not c[_FUTURE].done():

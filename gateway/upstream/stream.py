@@ -324,13 +324,16 @@ class Answers:
         """(the next response, or None for an empty final one; whether it is the last). An
         in-band error is raised as the InferError it carries."""
         await self._wait()
-        item = self._queue.popleft()
         self.waiting_bytes -= self._sizes.popleft()
-        if isinstance(item, BaseException):
-            raise item
+        if isinstance(self._queue[0], BaseException):
+            raise self._queue.popleft()  # (no local holds a raised error: docs/security.md, "Session 11: error cycles")
+        item: pb.ModelStreamInferResponse = self._queue.popleft()  # type: ignore[assignment]  # (not an error: above)
         error = _error(item, self._stream.name)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                del error  # (as above)
         resp = item.infer_response
         params = resp.parameters
         final = params[_FINAL].bool_param if _FINAL in params else True
@@ -414,6 +417,8 @@ class StreamPool:
             raise
         finally:
             self.latency.observe((time.perf_counter_ns() - t0) / 1000)
+            # (a failed future holds its error, whose traceback holds this frame: no local keeps it)
+            del sent, fut
         return self.answer(msg, client_id)
 
     def answer(self, msg: pb.ModelStreamInferResponse, client_id: str) -> pb.ModelInferResponse:
@@ -423,7 +428,10 @@ class StreamPool:
         if msg.error_message or _ERROR_CODE in resp.parameters:  # (hop.stream_error's own first test)
             error = _error(msg, self._where)
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    del error  # (its traceback holds this frame: no cycle through a local, docs/security.md, "Session 11: error cycles")
         resp.id = client_id
         return resp
 

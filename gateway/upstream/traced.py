@@ -112,6 +112,7 @@ async def _forward_under(calls: list[_Call], decided_ns: int, request: pb.ModelI
     finally:
         tracing.defer(_record, calls, decided_ns, time.time_ns(), error, request.model_name, request.model_version,
                       replica.endpoint)
+        error = None  # (the raised error's traceback holds this frame and ``body``: docs/security.md, "Session 11: error cycles")
 
 
 def _record(calls: list[_Call], decided_ns: int, end_ns: int, error: BaseException | None, name: str,

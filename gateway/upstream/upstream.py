@@ -76,6 +76,7 @@ class Upstream:
                     raise err from None
             finally:
                 replica.outstanding -= 1
+                err = None  # (no frame -> error -> traceback -> frame cycle: docs/security.md, "Session 11: error cycles")
 
     def _another(self, replicas: list[Replica], replica: Replica, exc: Exception, generation: int
                  ) -> InferError | None:
@@ -137,6 +138,9 @@ class Upstream:
                     raise err from None
             finally:
                 replica.outstanding -= 1
+                # (the failed future holds its error, whose traceback holds this frame and its
+                # request bytes: neither the error nor the future stays in a local)
+                err = fut = None  # type: ignore[assignment]
 
     def start(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None
               ) -> Awaitable[pb.ModelInferResponse] | None:
@@ -173,6 +177,7 @@ class Upstream:
                 raise err from None
         finally:
             replica.outstanding -= 1
+            err = sent = None  # type: ignore[assignment]  # (as infer: its future holds the error)
         # it never reached the service: on another replica, as send would have
         return await self.call(request.model_name, request.model_version,
                                lambda r: r.streams.infer(body, request.id, timeout))

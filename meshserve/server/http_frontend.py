@@ -275,7 +275,12 @@ class HttpFrontend:
             await answers.aclose()
         if not work.done() or work.cancelled() or isinstance(work.exception(), ConnectionError):
             raise asyncio.CancelledError  # the client is gone: nothing to answer (as a cancelled handler)
-        return work.result()
+        try:
+            return work.result()
+        finally:
+            # (a failed task holds its error, whose traceback holds this frame and the request's
+            # body: no local keeps it, docs/security.md, "Session 11: error cycles")
+            del work
 
     @staticmethod
     async def _generate_events(request: Request, answers: Any, infer_request: Any) -> Stream:

@@ -157,7 +157,10 @@ class ModelVersion:
         queued = self._queued(request, pending, deadline_ns, hop, fut)
         self._enqueue(queued)
         if self._ordered:
-            return await self._result(queued, self._in_order(fut))
+            try:
+                return await self._result(queued, self._in_order(fut))
+            finally:
+                del fut, queued  # (as below)
         # _result's work without its coroutine (one fewer per request)
         try:
             return cast(bytes, await fut)
@@ -165,6 +168,9 @@ class ModelVersion:
             self._failed(queued, exc)
         finally:
             self.stats.pending -= 1
+            # (a failed future holds its error, whose traceback holds this frame: no local keeps
+            # it, nor the request: docs/security.md, "Session 11: error cycles")
+            del fut, queued
 
     def infer_stream(self, request: pb.ModelInferRequest, deadline_ns: int | None,
                      hop: Hop = NO_HOP) -> AsyncGenerator[tuple[bytes | None, bool], None]:
@@ -209,23 +215,29 @@ class ModelVersion:
             self._failed(queued, exc)
         finally:
             self.stats.pending -= 1
+            del queued, outcome  # (as infer's)
         return cast(bytes, body)
 
     def _failed(self, queued: QueuedRequest[Pending], exc: BaseException) -> NoReturn:
         """Raise what a queued request whose outcome raised ``exc`` raises (called while handling
         it): scheduler errors mapped to protocol errors (a deadline and a client that left counted
         in the statistics); anything else as it is."""
-        if isinstance(exc, DeadlineExceededError):
-            self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
-            raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
-        if isinstance(exc, UnavailableError):
-            raise InferError.unavailable(str(exc)) from None
-        if isinstance(exc, InternalBatchError):
-            raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
-        if isinstance(exc, asyncio.CancelledError) and queued.future.cancelled():
-            # the client left: counted here, once (its batch, if any, skips it)
-            self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "CANCELED", queued.payload.requests)
-        raise exc
+        try:
+            if isinstance(exc, DeadlineExceededError):
+                self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "TIMEOUT")
+                raise InferError(Code.DEADLINE_EXCEEDED, str(exc)) from None
+            if isinstance(exc, UnavailableError):
+                raise InferError.unavailable(str(exc)) from None
+            if isinstance(exc, InternalBatchError):
+                raise InferError.internal(f"model '{self.name}' version {self.version}: {exc}") from None
+            if isinstance(exc, asyncio.CancelledError) and queued.future.cancelled():
+                # the client left: counted here, once (its batch, if any, skips it)
+                self.stats.record_failure(time.monotonic_ns() - queued.arrival_ns, "CANCELED", queued.payload.requests)
+            raise exc
+        finally:
+            # (the raised error's traceback holds this frame, and the request's future holds
+            # the error: neither stays in a local, docs/security.md, "Session 11: error cycles")
+            del exc, queued
 
     async def _in_order(self, fut: asyncio.Future[object]) -> object:
         """preserve_ordering: a response leaves only after every earlier-enqueued one has
@@ -242,6 +254,7 @@ class ModelVersion:
         finally:
             if not done.done():
                 done.set_result(None)
+            del fut  # (as infer's)
 
     async def _execute(self, batch: list[QueuedRequest[Pending]]) -> None:
         """Run one batch on a free instance (on the event loop; the group itself runs in
@@ -270,7 +283,10 @@ class ModelVersion:
                         fastest[size] = timing[1]
                     results.append((group, out, timing))
                 except BaseException as exc:  # a failing batch fails only its members
-                    results.append((group, exc, (0, 0, 0)))
+                    # (without its traceback, which no log shows: it holds this frame, which holds
+                    # the batch whose futures fail with it, a cycle only the collector frees,
+                    # keeping every member's request: docs/security.md, "Session 11: error cycles")
+                    results.append((group, exc.with_traceback(None), (0, 0, 0)))
         finally:
             self._free.append(instance)
         end_ns = time.monotonic_ns()

@@ -275,6 +275,7 @@ class ModelWorker:
             self._running.difference_update(keys)
             if timer is not None:
                 timer.cancel()
+            del fut  # (it holds the batch's error, whose traceback holds this frame: docs/security.md, "Session 11: error cycles")
         self.failures = 0
         return result  # type: ignore[return-value]
 

@@ -159,6 +159,9 @@ class PythonModelVersion(ModelVersion):
                     outcome.cancel()
                     with contextlib.suppress(BaseException):
                         await outcome
+            # (the raised error's traceback holds this frame, and its outcome and future hold the
+            # error: none stays in a local, docs/security.md, "Session 11: error cycles")
+            error = item = outcome = fut = queued = None  # type: ignore[assignment]
 
     # ---- batches -----------------------------------------------------------------------
     def _take(self) -> ModelWorker:
@@ -214,7 +217,9 @@ class PythonModelVersion(ModelVersion):
             if answered is not None and out is not None:
                 answered(out)
         except InferError as exc:
-            failure = exc
+            # (without its traceback, which no log shows: it holds this frame, which holds the
+            # batch whose futures fail with it: docs/security.md, "Session 11: error cycles")
+            failure = exc.with_traceback(None)
         except Exception as exc:
             failure = self._failure(exc)
         finally:

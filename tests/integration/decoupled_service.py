@@ -14,7 +14,6 @@ requests in progress (``fake_streaming``). Run: python -m tests.integration.deco
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections.abc import AsyncIterator
 
@@ -25,11 +24,9 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError, model_not_found
-from meshserve.server import limits as server_limits
 from meshserve.server.core import InferResult, RequestContext, StreamAnswer, unary_decoupled_error
-from meshserve.server.process import run, serve
 from tests.support.slow import work_for_async
-from tests.support.stub_core import StubCore
+from tests.support.stub_core import StubCore, serve_main
 
 CONFIGS = {
     "repeat_int32": 'max_batch_size: 0 model_transaction_policy { decoupled: true } '
@@ -152,13 +149,7 @@ class DecoupledCore(StubCore):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--grpc-port", type=int, default=0)
-    ap.add_argument("--http-port", type=int, default=None)
-    server_limits.add_arguments(ap)
-    args = ap.parse_args()
-    run(serve(DecoupledCore(), name="decoupled", host="127.0.0.1", grpc_port=args.grpc_port,
-              http_port=args.http_port, limits=server_limits.from_args(args)))
+    serve_main(DecoupledCore(), "decoupled")
 
 
 if __name__ == "__main__":

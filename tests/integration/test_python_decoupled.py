@@ -37,10 +37,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def started(repo: Path) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventLoop]]:
+def started(repo: Path, models: frozenset[str] = MODELS) -> Iterator[tuple[PythonServiceCore, asyncio.AbstractEventLoop]]:
     loop = asyncio.new_event_loop()
     c = PythonServiceCore("python", repo, {})
-    c.control = ModelControl("explicit", MODELS)
+    c.control = ModelControl("explicit", models)
     loop.run_until_complete(c.start())
     try:
         yield c, loop

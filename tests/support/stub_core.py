@@ -3,9 +3,13 @@ decoupled_service.py) share: everyone allowed, always live and ready, a fixed mo
 (``MODELS``, version 1), empty statistics and metrics, model control a no-op."""
 from __future__ import annotations
 
+import argparse
+
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.server import limits as server_limits
 from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import EXTENSIONS, RequestContext
+from meshserve.server.process import run, serve
 
 
 class StubCore:
@@ -49,3 +53,15 @@ class StubCore:
 
     async def stop(self, drain: bool = True) -> None:
         return None
+
+
+def serve_main(core: object, name: str) -> None:
+    """A stand-in service's ``main``: ``core`` served on --grpc-port / --http-port (0: free
+    ports, printed in the ready line) with a service's limits flags."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--grpc-port", type=int, default=0)
+    ap.add_argument("--http-port", type=int, default=None)
+    server_limits.add_arguments(ap)
+    args = ap.parse_args()
+    run(serve(core, name=name, host="127.0.0.1", grpc_port=args.grpc_port,  # type: ignore[arg-type]
+              http_port=args.http_port, limits=server_limits.from_args(args)))
