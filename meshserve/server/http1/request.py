@@ -102,6 +102,19 @@ class ReceiveBudget:
 RECEIVING = ReceiveBudget()
 
 
+def _again(exc: BaseException) -> BaseException:
+    """A copy of a body's stored error, to raise: raised itself, the stored one would take a
+    traceback holding the reader's frames, which hold the Body, which holds the error: a cycle
+    only the collector frees, keeping the request's body and handler frames (a 413's, a lost
+    connection's; docs/security.md, "Session 11: error cycles"). Its code, message and retry hint
+    are the same."""
+    if type(exc) is InferError:
+        return InferError(exc.code, exc.message, retry_after_s=exc.retry_after_s)
+    if type(exc) is BodyError:
+        return BodyError(*exc.args)
+    return exc  # (only the two above are stored: http1/server.py's fail() calls)
+
+
 class Body:
     """A request body as it arrives, read chunk by chunk (`readany`) or whole (`read`).
 
@@ -144,14 +157,14 @@ class Body:
 
     async def _wait(self) -> None:
         if self.error is not None:
-            raise self.error
+            raise _again(self.error)
         self.waiter = self.conn.loop.create_future()
         try:
             await self.waiter
         finally:
             self.waiter = None
         if self.error is not None and not self.chunks:
-            raise self.error
+            raise _again(self.error)
 
     def _take(self) -> bytes:
         data = self.chunks.popleft()
