@@ -225,7 +225,7 @@ class ServerStream:
         self.metadata: tuple[tuple[str, Any], ...] = ()
         self.deadline: float | None = None
         self.encoding: bytes | None = None
-        self.buf: bytearray = _NO_BUF  # (a bytearray from the first partial bytes on: _hold)
+        self.buf: bytearray = _NO_BUF  # (a bytearray from the first partial bytes on: hold)
         self.queue: Inbox | None = None
         self.task: asyncio.Task[None] | None = None
         self.out: collections.deque[tuple[int, Any]] = _NO_OUT  # (a deque from the first item on: queue_out)
