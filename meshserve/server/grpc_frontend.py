@@ -20,6 +20,7 @@ from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import Abort, Call, H2GrpcServer, Inbox, Method, Status
+from meshserve.server.h2.server import TASK_NAME
 from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import STREAMS, ServerLimits
 from meshserve.telemetry.tracing import TRACEPARENT
@@ -38,6 +39,8 @@ STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or a
 # --max-inflight-bytes, so that one tenant's large requests do not hold up the others' on the hop
 STREAM_HELD_BYTES = 64 << 20
 HOP_HELD_BYTES = 256 << 20
+# a streamed request's Task, named (as the h2 server's calls: meshserve/server/h2/server.py:TASK_NAME)
+_Task = asyncio.Task
 STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
 _STREAM = hop.STREAM
 _CANCEL = hop.CANCEL
@@ -491,7 +494,7 @@ class InferenceServicer:
             if from_gateway:
                 hop_id = request.id
                 hop_stream = bool(params) and _STREAM in params
-                task = loop.create_task(one(request, raw, cost, None, hop_id, hop_stream))
+                task = _Task(one(request, raw, cost, None, hop_id, hop_stream), loop=loop, name=TASK_NAME)
                 repeated = by_id.get(hop_id)
                 by_id[hop_id] = task
                 if repeated is not None:  # a repeated id (not the gateway's way): still awaited
@@ -511,7 +514,7 @@ class InferenceServicer:
                 if held:
                     place = [None, False]
                     order.append(place)
-                task = loop.create_task(one(request, raw, cost, place))
+                task = _Task(one(request, raw, cost, place), loop=loop, name=TASK_NAME)
                 if release is not None:
                     task.add_done_callback(lambda _: release())
             pending.add(task)
@@ -533,7 +536,7 @@ class InferenceServicer:
             finally:
                 out.put_nowait(None)
 
-        read_task = loop.create_task(reader())
+        read_task = _Task(reader(), loop=loop, name=TASK_NAME)
         try:
             while True:
                 item = await out.get()
