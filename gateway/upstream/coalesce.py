@@ -252,8 +252,8 @@ class Coalescer:
             group.inflight_rows += total
             # a context of its own: the task must not inherit the trace context of whichever
             # member's request happened to drain the queue
-            self._running_loop().create_task(self._send_chunk(key, group, chunk, total, self._start(group, chunk)),
-                                             context=contextvars.Context(), name="chunk")  # (named: meshserve/server/http1/server.py:TASK_NAME)
+            asyncio.Task(self._send_chunk(key, group, chunk, total, self._start(group, chunk)),
+                         loop=self._running_loop(), context=contextvars.Context(), name="chunk")  # (see meshserve/server/http1/server.py:TASK_NAME)
         if not group.pending:
             self._settle(key, group)
         else:  # the bound holds them: rows coming back flush again (marked: a new tuple each)

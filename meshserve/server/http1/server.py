@@ -61,9 +61,10 @@ LINGER_BYTES = 64 << 20  # ... or this many (see Connection._linger)
 PIPELINE_MAX = 64
 PIPELINE_MAX_BYTES = 1 << 20  # their heads' bytes (request target and header fields)
 PIPELINE_LOW = 16
-# A request's Task is named: CPython 3.11 formats "Task-N" for every Task made without a name
-# (~1,840 instructions, helper svcrow's callgrind count; 1.56 -> 1.40 us per Task made and run in a
-# microbenchmark here); nothing reads the names.
+# A request's Task, made as asyncio.Task(coro, loop=, name=): CPython 3.11 formats "Task-N" for
+# every Task made without a name (~1,840 instructions), and uvloop's loop.create_task makes it
+# without one and renames it after (name= there costs ~900 more; meshserve/server/h2/server.py:TASK_NAME).
+# Nothing reads the names.
 TASK_NAME = "request"
 PIPELINE_SLICE = 16 << 10  # a read larger than this is parsed a slice at a time (to stop at the bound)
 # A body's bytes on the wire (chunk framing and extensions included) past FRAMING_FREE may be at
@@ -344,7 +345,7 @@ class Connection(asyncio.Protocol):
     # ---- requests ------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        self.task = self.loop.create_task(self._serve(self.queue[0]), name=TASK_NAME)
+        self.task = asyncio.Task(self._serve(self.queue[0]), loop=self.loop, name=TASK_NAME)
 
     async def _serve(self, request: Request) -> None:
         server = self.server
@@ -421,9 +422,9 @@ class Connection(asyncio.Protocol):
                 return
         if queue:
             if self.write_paused:
-                self.loop.create_task(self._after_drain(), name=TASK_NAME)
+                asyncio.Task(self._after_drain(), loop=self.loop, name=TASK_NAME)
             else:
-                self.task = self.loop.create_task(self._serve(queue[0]), name=TASK_NAME)
+                self.task = asyncio.Task(self._serve(queue[0]), loop=self.loop, name=TASK_NAME)
             return
         if self.error is not None:
             transport.write(self.error)

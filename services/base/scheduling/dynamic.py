@@ -523,7 +523,7 @@ class DynamicBatcher(Generic[P]):
         self._idle_arrival = (None, 0)
         self._free_slots -= 1
         self._executing += len(batch)
-        task = self._loop.create_task(self._run_batch(batch, mark), name="batch")  # (named: see meshserve/server/http1/server.py:TASK_NAME)
+        task = asyncio.Task(self._run_batch(batch, mark), loop=self._loop, name="batch")  # (see meshserve/server/http1/server.py:TASK_NAME)
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 

@@ -447,7 +447,7 @@ class SequenceBatcher(Generic[P]):
     def _dispatch(self, batch: SequenceBatch) -> None:
         n = len(batch.requests)
         self._executing += n
-        task = asyncio.get_running_loop().create_task(self._run_batch(batch, n), name="batch")
+        task = asyncio.Task(self._run_batch(batch, n), loop=asyncio.get_running_loop(), name="batch")  # (see meshserve/server/http1/server.py:TASK_NAME)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
