@@ -30,7 +30,7 @@ from meshserve.server import admission, body_worker, http1, observe, shm, tls
 from meshserve.server.access import HTTP_ROUTES, Grant, Op, Rule
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.http1 import Answer, Request, Stream
-from meshserve.server.http1.request import SMALL_BODY_BYTES
+from meshserve.server.http1.request import SMALL_BODY_BYTES, text_headers
 from meshserve.server.http1.routing import Match, Router
 from meshserve.server.limits import ServerLimits
 
@@ -63,15 +63,9 @@ def _joined(chunks: list[bytes]) -> bytes:
 
 
 def _context_headers(request: Request) -> dict[str, str]:
-    """The request's headers for the core, as valid text: header bytes that are not UTF-8 arrive
-    as lone surrogates, which no gRPC metadata or protobuf field can carry (a `tracestate` of
-    such bytes was a 500 on a tracing gateway); they become U+FFFD."""
-    lower = request.lower
-    if "".join(lower.values()).isascii():  # (the usual request: a copy in C, no comprehension frame)
-        headers = dict(lower)
-    else:
-        headers = {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-                   for k, v in lower.items()}
+    """The request's headers for the core, as valid text (`meshserve/server/http1/request.py:text_headers`),
+    with the client certificate's names where a gateway with tenants serves mutual TLS."""
+    headers = text_headers(request.lower)
     if tls.cert_names_http:  # a gateway with tenants and mutual TLS: the client certificate's names
         tls.client_cert(headers, request.conn.transport)
     return headers

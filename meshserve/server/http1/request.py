@@ -306,11 +306,14 @@ class Stream:
             await self.conn.drain()
 
 
-def _text(headers: dict[str, str]) -> dict[str, str]:
-    """Header values as valid text (bytes that are not UTF-8 arrive as lone surrogates: they
-    become U+FFFD, as the core's headers do), for naming the tenant."""
-    if "".join(headers.values()).isascii():
-        return headers
+def text_headers(headers: dict[str, str]) -> dict[str, str]:
+    """A copy of a request's headers as valid text: header bytes that are not UTF-8 arrive as
+    lone surrogates (`Connection` decodes them with surrogateescape), which no gRPC metadata or
+    protobuf field can carry (a `tracestate` of such bytes was a 500 on a tracing gateway); they
+    become U+FFFD. For the core's headers (`meshserve/server/http_frontend.py:_context_headers`)
+    and for naming a compressed body's tenant."""
+    if "".join(headers.values()).isascii():  # (the usual request: a copy in C, no comprehension frame)
+        return dict(headers)
     return {k: v if v.isascii() else v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
             for k, v in headers.items()}
 
@@ -441,7 +444,7 @@ class Request:
         plain = decoder is None or decoder.identity
         who = tenant = None
         if not plain and inflate.tenant_of is not None:  # (with tenants: named before a byte is read)
-            who = inflate.caller(_text(self.lower), self.conn.transport, tls.cert_names_http)
+            who = inflate.caller(text_headers(self.lower), self.conn.transport, tls.cert_names_http)
             tenant = who[0] if who is not None else None
         length = self.content_length
         if length is not None and length > limit:
