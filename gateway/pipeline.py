@@ -128,8 +128,11 @@ class Outcomes:
 
     next: Turns
     past_turns: Stage
-    forward: Forward | None = None  # past_turns, when it is Forward
+    forward: Forward | None = None  # past_turns, when it is Forward (or Ensembles then Forward)
     cache: CacheStage | None = None  # past_turns, when it is the cache (CacheStage.named)
+    # past_turns is Ensembles and Forward comes next: the ensembles' names go by ``_counted``
+    # (through Ensembles), any other name straight to ``forward``
+    ensembles: EnsembleCatalog | None = None
 
     def __init__(self, counts: Counter[tuple[str, str]], renames: bool):
         self.counts = counts
@@ -145,8 +148,12 @@ class Outcomes:
         sequence id (perf_analyzer sends ``triton_enable_empty_final_response`` with every
         request) have nothing for ``Turns``, which would hand the request on unchanged: they take
         ``Forward``'s own coroutine as well (the cache's path keeps ``_counted``: its key and its
-        rules read the parameters)."""
+        rules read the parameters). Where ``Ensembles`` and then ``Forward`` are past ``Turns``
+        (``--repository`` without other policies: the usual deployment), a name that is not an
+        ensemble takes ``Forward``'s coroutine the same way; an ensemble's goes by ``_counted``."""
         forward = self.forward
+        if forward is not None and (ensembles := self.ensembles) is not None and name in ensembles:
+            forward = None  # (an ensemble: run by the Ensembles stage)
         if params is None:
             cache = self.cache
             if forward is not None or (cache is not None and not self.renames):
@@ -563,6 +570,8 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
     head.next.past_turns = stages[1]
     if stages[1] is forward:
         head.next.forward = forward
+    elif len(stages) == 3 and isinstance(stages[1], Ensembles) and stages[2] is forward:
+        head.next.forward, head.next.ensembles = forward, ensembles  # (a name that is not an ensemble: Forward)
     elif stages[1] is cache:
         head.next.cache = cache
     if cache is not None and cache.next is forward:

@@ -14,6 +14,7 @@ from google.protobuf import text_format
 
 from gateway import pipeline
 from gateway.core import GatewayCore
+from gateway.ensemble.catalog import EnsembleCatalog
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
@@ -203,6 +204,29 @@ async def test_without_policies_each_way_forward_sends_counts_a_request_once(pro
     assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
 
 
+def _answering(answer: list[Any]) -> Any:
+    """An ``Upstream.send`` that raises ``answer[0]`` when it is an InferError, else answers."""
+    async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                   affinity: str | None = None) -> pb.ModelInferResponse:
+        if isinstance(answer[0], InferError):
+            raise answer[0]
+        return pb.ModelInferResponse(model_name="add_sub", id=request.id)
+    return send
+
+
+def _spy_counted(outcomes: Any) -> list[str]:
+    """The ids of the requests that take ``Outcomes._counted`` from now on."""
+    counted: list[str] = []
+    by_turns = outcomes._counted
+
+    def spy(request: pb.ModelInferRequest, *args: Any) -> Any:
+        counted.append(request.id)
+        return by_turns(request, *args)
+
+    outcomes._counted = spy
+    return counted
+
+
 async def test_parameters_without_a_sequence_id_take_forward_s_way_and_count_once() -> None:
     """perf_analyzer sends ``triton_enable_empty_final_response`` with every request: parameters
     without a sequence id have nothing for ``Turns``, so (no policy configured) the request takes
@@ -214,22 +238,10 @@ async def test_parameters_without_a_sequence_id_take_forward_s_way_and_count_onc
     config = text_format.Parse(_ADD, mc.ModelConfig())
     core.forward._config_for = lambda name, version: config  # type: ignore[method-assign]
     answer: list[Any] = ["ok"]
-
-    async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                   affinity: str | None = None) -> pb.ModelInferResponse:
-        if isinstance(answer[0], InferError):
-            raise answer[0]
-        return pb.ModelInferResponse(model_name="add_sub", id=request.id)
+    send = _answering(answer)
 
     core.upstream.send = send  # type: ignore[method-assign]
-    counted: list[str] = []
-    by_turns = outcomes._counted
-
-    def spy(request: pb.ModelInferRequest, *args: Any) -> Any:
-        counted.append(request.id)
-        return by_turns(request, *args)
-
-    outcomes._counted = spy  # type: ignore[method-assign]
+    counted = _spy_counted(outcomes)
     ctx = RequestContext("grpc", {})
     flagged = _add(1, "a")
     flagged.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -245,6 +257,50 @@ async def test_parameters_without_a_sequence_id_take_forward_s_way_and_count_onc
     sequenced.parameters["sequence_id"].int64_param = 7
     assert (await core.infer(sequenced, ctx)).message().id == "s"
     assert counted == ["s"] and core.request_counts[("add_sub", "OK")] == 2
+
+
+async def test_with_ensembles_a_model_that_is_not_one_takes_forward_s_way(tmp_path: Any) -> None:
+    """``--repository`` puts ``Ensembles`` past ``Turns`` (the usual deployment): a name that is not
+    an ensemble takes ``Forward``'s own coroutine (not ``Outcomes._counted``'s), with or without
+    parameters, and is counted once by its outcome; an ensemble's name goes by ``_counted`` to the
+    ``Ensembles`` stage, which runs it."""
+    (tmp_path / "ens").mkdir()
+    (tmp_path / "ens" / "config.pbtxt").write_text(
+        'name: "ens" platform: "ensemble" max_batch_size: 8 input [{name: "INPUT0" data_type: TYPE_FP32 dims: [4]}] '
+        'output [{name: "OUTPUT0" data_type: TYPE_FP32 dims: [4]}] ensemble_scheduling { step [{model_name: "add_sub" '
+        'model_version: -1 input_map {key: "INPUT0" value: "INPUT0"} output_map {key: "OUTPUT0" value: "OUTPUT0"}}] }')
+    catalog = EnsembleCatalog(tmp_path)
+    core = GatewayCore(["127.0.0.1:1"], ensembles=catalog)
+    assert _chain(core.pipeline) == ["Names", "Outcomes", "Turns", "Ensembles", "Forward"]
+    outcomes = core.pipeline.next
+    assert outcomes.forward is core.forward and outcomes.ensembles is catalog
+    config = text_format.Parse(_ADD, mc.ModelConfig())
+    core.forward._config_for = lambda name, version: config  # type: ignore[method-assign]
+    answer: list[Any] = ["ok"]
+    send = _answering(answer)
+
+    async def run(request: pb.ModelInferRequest, *args: Any) -> pb.ModelInferResponse:
+        return pb.ModelInferResponse(model_name="ens", id=request.id)
+
+    core.upstream.send = send  # type: ignore[method-assign]
+    catalog.infer = run  # type: ignore[method-assign]  # (the ensemble's steps are not under test here)
+    counted = _spy_counted(outcomes)
+    ctx = RequestContext("grpc", {})
+    flagged = _add(1, "a")
+    flagged.parameters["triton_enable_empty_final_response"].bool_param = True
+    assert (await core.infer(flagged, ctx)).message().id == "a"
+    assert (await core.infer(_add(1, "b"), ctx)).message().id == "b"
+    assert counted == [] and dict(core.request_counts) == {("add_sub", "OK"): 2}
+    answer[0] = InferError.unavailable("no replica")
+    with pytest.raises(InferError) as failed:
+        await core.infer(_add(1, "c"), ctx)
+    assert failed.value.code is Code.UNAVAILABLE and counted == []
+    assert core.request_counts[("add_sub", "UNAVAILABLE")] == 1
+    whole = _add(1, "e")
+    whole.model_name = "ens"
+    assert (await core.infer(whole, ctx)).message().model_name == "ens"
+    assert counted == ["e"] and core.request_counts[("ens", "OK")] == 1
+    assert sum(core.request_counts.values()) == 4
 
 
 def _valued(value: int, rid: str = "") -> pb.ModelInferRequest:
