@@ -15,14 +15,26 @@ before them. The suite's rules hold for acme: p99 under max(250 ms, 5x its basel
 failure, the gateway's RSS grows < 100 MiB and comes back, no 5xx / INTERNAL for mallory."""
 from __future__ import annotations
 
+import select
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from tests.adversarial import h2raw
-from tests.adversarial.harness import Mesh, Observation, under_attack
-from tests.adversarial.test_compressed_floods import STREAM, _grpc_flood, _http_flood, bomb, compressed_mesh
+from tests.adversarial.harness import KEY, OTHER_KEY, Mesh, Observation, under_attack
+from tests.adversarial.test_compressed_floods import (
+    STREAM,
+    MiB,
+    _grpc_flood,
+    _http_flood,
+    bomb,
+    compressed_mesh,
+)
+from tests.support.http1 import connect, read_answer
 from tests.support.waiting import eventually
 
 
@@ -62,3 +74,41 @@ def test_a_compressed_stream_of_a_caller_that_is_no_tenant_is_refused_before_it_
         assert conn.seen.statuses[1] == "16", conn.seen  # UNAUTHENTICATED
     finally:
         conn.close()
+
+
+def test_one_tenants_unfinished_plain_bodies_hold_only_its_share_of_the_receive_budget(shared: Mesh) -> None:
+    """Plain HTTP bodies count against --max-receive-bytes (32 MiB here) from their headers until
+    they are answered; with tenants, a tenant's bodies hold at most its share (0.5: 16 MiB).
+    mallory opens four connections, each announcing a 6 MiB body and sending only its first
+    64 KiB: two of them are refused 429 naming mallory's share, and while the other two hold
+    their 12 MiB, acme's 12 MiB inference through the real tritonclient is served (before:
+    mallory's four held 24 of the 32 MiB, and acme's body was refused 429 "server busy")."""
+    head = (f"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: {shared.gateway.http}\r\n"
+            f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: 0\r\n"
+            f"x-api-key: {OTHER_KEY}\r\nContent-Length: {6 * MiB}\r\n\r\n").encode()
+    held = [connect(shared.gateway.http, timeout=10) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(head + bytes(64 * 1024))
+        answered: list[socket.socket] = []
+
+        def two_answered() -> bool:
+            answered[:] = select.select(held, [], [], 0.05)[0]
+            return len(answered) >= 2
+        eventually(two_answered, 10, "two of mallory's bodies refused")
+        assert len(answered) == 2, "only two of mallory's four bodies were over its share"
+        for sock in answered:
+            refused = read_answer(sock.makefile("rb"))
+            assert refused.status == 429, refused
+            assert "tenant 'mallory' holds" in refused.body.decode() and "share (0.5" in refused.body.decode()
+        values = np.arange(3 * MiB, dtype=np.float32)  # 12 MiB
+        client = httpclient.InferenceServerClient(shared.gateway.http, network_timeout=30)
+        tensor = httpclient.InferInput("INPUT0", [1, values.size], "FP32")
+        tensor.set_data_from_numpy(values[None, :], binary_data=True)
+        got = client.infer("identity_fp32", [tensor], headers={"x-api-key": KEY}).as_numpy("OUTPUT0")
+        assert got is not None and np.array_equal(got[0], values)
+        waiting = [sock for sock in held if sock not in answered]
+        assert not select.select(waiting, [], [], 0)[0], "mallory's other two bodies were let go before acme's"
+    finally:
+        for sock in held:
+            sock.close()

@@ -44,24 +44,35 @@ class ReceiveBudget:
     """Bytes of HTTP request bodies received (beyond SMALL_BODY_BYTES each) and not yet answered,
     process-wide, against --max-receive-bytes: counted as they arrive, before decoding and
     admission, a compressed body's decoded bytes too (before each slice is inflated), and given
-    back when the request's handler is done (`Connection._serve`)."""
+    back when the request's handler is done (`Connection._serve`). With tenants every body's
+    bytes, wire and decoded, count against its tenant's share of the limit as well (``who``)."""
 
-    __slots__ = ("limit", "used", "tenants", "decoded")
+    __slots__ = ("limit", "used", "tenants", "held_by")
 
     def __init__(self) -> None:
         self.limit = 0  # 0: unbounded
         self.used = 0
-        # with tenants: what each tenant's compressed bodies hold decoded (at most its share of
-        # the limit), and per request its tenant and decoded bytes (given back with the request's)
+        # with tenants: what each tenant's bodies hold (at most its share of the limit), and per
+        # request its tenant and bytes (given back with the request's)
         self.tenants = inflate.Tenancy(http_codec.DECODE_SLICE)
-        self.decoded: dict[Request, list[Any]] = {}
+        self.held_by: dict[Request, list[Any]] = {}
 
-    def charge(self, request: Request, n: int) -> None:
-        """n more bytes held by ``request``; 429 + Retry-After when they do not fit."""
+    def charge(self, request: Request, n: int, who: inflate.Caller | None = None) -> None:
+        """n more bytes held by ``request`` (for tenant ``who``, with tenants); 429 + Retry-After
+        when they do not fit the whole or the tenant's share."""
         if self.limit and self.used + n > self.limit:
             raise InferError.exhausted(
                 f"server busy: {self.used} bytes of request bodies being received (limit --max-receive-bytes "
                 f"{self.limit}); this body's {n} more do not fit, retry later", retry_after_s=admission.RETRY_AFTER_S)
+        if who is not None and self.limit:
+            refusal = self.tenants.refusal(who, n, self.limit, "request bodies")
+            if refusal is not None:
+                raise InferError.exhausted(refusal, retry_after_s=admission.RETRY_AFTER_S)
+            self.tenants.charge(who[0], n)
+            mine = self.held_by.get(request)
+            if mine is None:
+                mine = self.held_by[request] = [who[0], 0]
+            mine[1] += n
         self.used += n
         request.held += n
 
@@ -69,32 +80,15 @@ class ReceiveBudget:
         """n of the bytes charged to ``request`` were not used after all."""
         self.used -= n
         request.held -= n
-
-    def charge_decoded(self, request: Request, n: int, who: inflate.Caller) -> None:
-        """n more decoded bytes held by ``request`` for tenant ``who``, already charged to the
-        whole: 429 + Retry-After past the tenant's share (before they are decoded)."""
-        if not self.limit:
-            return
-        refusal = self.tenants.refusal(who, n, self.limit, "decoded request bodies")
-        if refusal is not None:
-            raise InferError.exhausted(refusal, retry_after_s=admission.RETRY_AFTER_S)
-        self.tenants.charge(who[0], n)
-        mine = self.decoded.get(request)
-        if mine is None:
-            mine = self.decoded[request] = [who[0], 0]
-        mine[1] += n
-
-    def refund_decoded(self, request: Request, n: int) -> None:
-        mine = self.decoded.get(request)
-        if mine is not None:
+        if self.held_by and (mine := self.held_by.get(request)) is not None:
             mine[1] -= n
             self.tenants.refund(mine[0], n)
 
     def release(self, request: Request) -> None:
         self.used -= request.held
         request.held = 0
-        if self.decoded:  # (with tenants, a compressed body's decoded bytes)
-            mine = self.decoded.pop(request, None)
+        if self.held_by:  # (with tenants)
+            mine = self.held_by.pop(request, None)
             if mine is not None:
                 self.tenants.refund(mine[0], mine[1])
 
@@ -442,11 +436,12 @@ class Request:
         # (no decoder object for the common plain body: the fast path below stays a few attribute reads)
         decoder = http_codec.BodyDecoder(encoding, limit) if encoding else None
         plain = decoder is None or decoder.identity
+        length = self.content_length
+        small = length is not None and plain and length <= SMALL_BODY_BYTES
         who = tenant = None
-        if not plain and inflate.tenant_of is not None:  # (with tenants: named before a byte is read)
+        if not small and inflate.tenant_of is not None:  # (with tenants: named before a byte is charged)
             who = inflate.caller(text_headers(self.lower), self.conn.transport, tls.cert_names_http)
             tenant = who[0] if who is not None else None
-        length = self.content_length
         if length is not None and length > limit:
             raise InferError.too_large(
                 f"request body of {length} bytes exceeds the {limit}-byte limit (--max-request-bytes)")
@@ -457,10 +452,10 @@ class Request:
         chunks: list[bytes] = []
         wire_size = 0
         try:
-            if length is not None and plain and length <= SMALL_BODY_BYTES:
+            if small:
                 return [await body.read()]  # the common case: one read, not the chunk loop below
             if length is not None:  # all of it must fit (refused before it is read)
-                RECEIVING.charge(self, length)
+                RECEIVING.charge(self, length, who)
                 charged = length
             else:
                 charged = 0
@@ -472,7 +467,7 @@ class Request:
                 if wire_size > limit:
                     raise InferError.too_large(f"request body exceeds the {limit}-byte limit (--max-request-bytes)")
                 if wire_size > charged:  # (chunked: as it comes)
-                    RECEIVING.charge(self, wire_size - charged)
+                    RECEIVING.charge(self, wire_size - charged, who)
                     charged = wire_size
                 if decoder is None or plain:  # (plain already says it; mypy needs the None test)
                     chunks.append(chunk)
@@ -487,13 +482,9 @@ class Request:
                             turn = False
                             await turns.between(tenant)  # (other tenants' slices first)
                             turn = True
-                        RECEIVING.charge(self, http_codec.DECODE_SLICE)  # (decoded bytes too, before each slice)
-                        if who is not None:
-                            RECEIVING.charge_decoded(self, http_codec.DECODE_SLICE, who)
+                        RECEIVING.charge(self, http_codec.DECODE_SLICE, who)  # (decoded bytes too, before each slice)
                         piece = next(pieces, b"")
                         RECEIVING.refund(self, http_codec.DECODE_SLICE - len(piece))
-                        if who is not None:
-                            RECEIVING.refund_decoded(self, http_codec.DECODE_SLICE - len(piece))
                         if not piece:
                             break
                         chunks.append(piece)

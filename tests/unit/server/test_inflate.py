@@ -298,27 +298,28 @@ class _Request:
         self.held = 0
 
 
-def test_the_http_budget_holds_a_tenants_decoded_bytes_to_its_share() -> None:
-    """meshserve/server/http1/request.py:ReceiveBudget: a compressed body's decoded bytes count
-    against its tenant's share of --max-receive-bytes too, given back with the request's."""
+def test_the_http_budget_holds_a_tenants_body_bytes_to_its_share() -> None:
+    """meshserve/server/http1/request.py:ReceiveBudget: with tenants a body's bytes, on the wire
+    and decoded, count against its tenant's share of --max-receive-bytes as well as the whole,
+    given back with the request's; a refund gives back to the tenant too."""
     budget = ReceiveBudget()
     budget.limit = 8 * MiB
     r1, r2, r3 = _Request(), _Request(), _Request()
     a, b = ("a", 0.25), ("b", 0.25)  # 2 MiB each
     for _ in range(2):
-        budget.charge(r1, MiB)  # type: ignore[arg-type]
-        budget.charge_decoded(r1, MiB, a)  # type: ignore[arg-type]
-    budget.charge(r2, MiB)  # type: ignore[arg-type]
+        budget.charge(r1, MiB, a)  # type: ignore[arg-type]
     with pytest.raises(InferError) as info:
-        budget.charge_decoded(r2, MiB, a)  # type: ignore[arg-type]
+        budget.charge(r2, MiB, a)  # type: ignore[arg-type]
     assert info.value.http_status == 429 and info.value.retry_after_s
-    assert "tenant 'a' holds 2097152 bytes of decoded request bodies" in info.value.message
+    assert "tenant 'a' holds 2097152 bytes of request bodies" in info.value.message
     assert "share (0.25 of --max-receive-bytes 8388608: 2097152)" in info.value.message
-    budget.charge_decoded(r3, MiB, b)  # type: ignore[arg-type]  # (another tenant: its own share)
-    budget.refund_decoded(r1, MiB // 2)  # type: ignore[arg-type]
-    assert budget.tenants.held == {"a": MiB + MiB // 2, "b": MiB}
+    assert budget.used == 2 * MiB and r2.held == 0  # (refused: nothing charged)
+    budget.charge(r3, MiB, b)  # type: ignore[arg-type]  # (another tenant: its own share)
+    budget.charge(r2, 3 * MiB)  # type: ignore[arg-type]  # (no tenant named: the whole only)
+    budget.refund(r1, MiB // 2)  # type: ignore[arg-type]
+    assert budget.tenants.held == {"a": MiB + MiB // 2, "b": MiB} and budget.used == 5 * MiB + MiB // 2
     budget.release(r1)  # type: ignore[arg-type]
-    assert budget.tenants.held == {"b": MiB} and budget.used == MiB
+    assert budget.tenants.held == {"b": MiB} and budget.used == 4 * MiB
     budget.release(r2)  # type: ignore[arg-type]
     budget.release(r3)  # type: ignore[arg-type]
-    assert budget.used == 0 and not budget.tenants.held and not budget.decoded
+    assert budget.used == 0 and not budget.tenants.held and not budget.held_by
