@@ -454,7 +454,14 @@ async def connect(endpoint: str, timeout: float = 5.0, ssl_context: ssl.SSLConte
     proto = H2ClientConnection(endpoint)
     # (over TLS a buffered protocol in front: no 256 KiB allocation per read, meshserve/server/tls.py:Reader)
     factory = (lambda: proto) if ssl_context is None else (lambda: Reader(proto))
-    await asyncio.wait_for(loop.create_connection(factory, host or "127.0.0.1", int(port), **tls), timeout)
+    try:
+        await asyncio.wait_for(loop.create_connection(factory, host or "127.0.0.1", int(port), **tls), timeout)
+    except (OSError, TimeoutError) as exc:
+        # (its traceback holds asyncio.wait_for's frame, whose future holds the error: a cycle
+        # only the collector frees, keeping this frame and the connection's protocol alive per
+        # failed connect to a replica that is down; the caller reports the error, not where it came from)
+        exc.__traceback__ = None
+        raise
     proto.join_writes = ssl_context is not None  # (one TLS record per flush: H2Endpoint.join_writes)
     # Streams wait for the server's SETTINGS (its MAX_CONCURRENT_STREAMS above all): a burst of
     # calls on a new connection would otherwise be refused past that limit.
