@@ -3,14 +3,14 @@ rounds: what sharing two cores with a gateway, a service's event loop and a clie
 onnxruntime's own CPU per row (issue 36: mlp's onnxruntime cost 87 µs per row alone, 143 inside
 the service beside the gateway and the client).
 
-    python -m load.bench.ort_beside [--batch 16] [--threads 1,2] [--beside alone,spin,mem,stack]
+    python -m load.bench.ort_beside [--batch 16[,32,...]] [--threads 1,2] [--beside alone,spin,mem,stack]
         [--rounds 5] [--runs 300] [--stack-rate 3000]
 
 Each measurement is ``--runs`` runs of the bench models' mlp (``load/bench/sbs.py:raw_ort_session``
 with the config's session options and ``intra_op_thread_count`` set to each of ``--threads``, 0 for
-not set) at
-``--batch`` rows, each run fed a fresh input (64 different batches in turn: the service's inputs are
-never the one cached array), this process's CPU seconds (every thread) per row. Beside:
+not set) at each of ``--batch``'s rows per run (a list of them tells a run's fixed cost from its cost
+per row), each run fed a fresh input (64 different batches in turn: the service's inputs are never
+the one cached array), this process's CPU seconds (every thread) per row. Beside:
 
 - ``alone``: nothing started.
 - ``spin``: one process running a pure-Python loop (takes a core, touches next to no memory).
@@ -140,7 +140,7 @@ class Beside:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m load.bench.ort_beside", description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", default="16", help="rows per run (a comma list: each measured in turn)")
     ap.add_argument("--threads", default="0,1,2",
                     help="intra_op_thread_count values (0: not set, onnxruntime's default)")
     ap.add_argument("--beside", default="alone,spin,mem,stack")
@@ -155,10 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     repo = bench_models(a.bench_models) / "onnx_repo"
     threads = [int(t) for t in a.threads.split(",")]
+    batches = [int(b) for b in a.batch.split(",")]
     kinds = a.beside.split(",")
     sessions = {t: session(repo, "mlp", t) for t in threads}
     work = Path(tempfile.mkdtemp(prefix="ort-beside-"))
-    cells: dict[tuple[str, int], list[float]] = {}
+    cells: dict[tuple[str, int, int], list[float]] = {}
     cores: dict[str, list[float]] = {}
     out = a.json.open("w") if a.json else None
     others: dict[str, list[float]] = {}
@@ -168,24 +169,25 @@ def main(argv: list[str] | None = None) -> None:
             beside = Beside(kind, a.stack_rate, work)
             beside.start()
             try:
-                for t in threads if r % 2 == 0 else threads[::-1]:
-                    us, rest = cpu_per_row(sessions[t], a.batch, a.runs)
-                    cells.setdefault((kind, t), []).append(us)
+                for t, b in [(t, b) for t in threads for b in batches][::1 if r % 2 == 0 else -1]:
+                    us, rest = cpu_per_row(sessions[t], b, a.runs)
+                    cells.setdefault((kind, t, b), []).append(us)
                     others.setdefault(kind, []).append(rest)
                     if out:
-                        print(json.dumps({"round": r, "beside": kind, "threads": t, "batch": a.batch,
+                        print(json.dumps({"round": r, "beside": kind, "threads": t, "batch": b,
                                           "cpu_us_per_row": round(us, 1), "rest_cores": round(rest, 2)}),
                               file=out, flush=True)
                 cores.setdefault(kind, []).append(beside.cores())
             finally:
                 beside.stop()
-    print(f"raw onnxruntime, mlp at {a.batch} rows per run, CPU µs per row: median (min-max) over {a.rounds} rounds")
-    print("| beside | beside's cores | the rest of the machine (beside included), cores | "
+    print(f"raw onnxruntime, mlp, CPU µs per row: median (min-max) over {a.rounds} rounds")
+    print("| beside | rows per run | beside's cores | the rest of the machine (beside included), cores | "
           + " | ".join(f"intra_op_thread_count {t or 'unset'}" for t in threads) + " |")
-    print("|---|---|---|" + "---|" * len(threads))
+    print("|---|---|---|---|" + "---|" * len(threads))
     for kind in kinds:
-        row = [_spread(cells[(kind, t)], 1) for t in threads]
-        print(f"| {kind} | {_spread(cores[kind], 2)} | {_spread(others[kind], 2)} | " + " | ".join(row) + " |")
+        for b in batches:
+            row = [_spread(cells[(kind, t, b)], 1) for t in threads]
+            print(f"| {kind} | {b} | {_spread(cores[kind], 2)} | {_spread(others[kind], 2)} | " + " | ".join(row) + " |")
     if out:
         out.close()
 

@@ -37,8 +37,11 @@ def default_intra_threads() -> int:
     owns the machine; a meshserve service shares it with its own event loop, the gateway and the
     other services. Measured on 2 shared cores (docs/perf/mlp-and-onnxruntime.md, "Round 4"): mlp
     at ~23 rows per run costs the service's onnxruntime threads ~10% less CPU per row with 1 thread
-    than with onnxruntime's default, ~13% less than with 2 unpinned threads. A config's
-    `intra_op_thread_count` wins, 0 included (onnxruntime's default, as in Triton)."""
+    than with onnxruntime's default, ~13% less than with 2 unpinned threads: with 2, the calling
+    thread busy-waits (`pause`, whatever `session.intra_op.allow_spinning` says) at the end of every
+    parallel section for a pool thread that the other processes keep off its core ("Session 12":
+    10-12% of the service's CPU through the gateway at c32). A config's `intra_op_thread_count`
+    wins, 0 included (onnxruntime's default, as in Triton)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (no sched_getaffinity on this platform)
