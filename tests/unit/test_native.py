@@ -133,3 +133,42 @@ def test_a_compiled_gateway_and_service_answer_the_real_tritonclient(built: Path
                     client.close()
                 np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), a + b)
                 np.testing.assert_array_equal(res.as_numpy("OUTPUT1"), a - b)
+
+
+LEFT_OPEN = """
+import asyncio, sys
+from tests.unit.server import test_h2client as t
+
+async def main():
+    async with t.serving("h2grpc") as s:  # a request stream left open when its server stops
+        c = await t.connect(s.target, timeout=5)
+        first = t.Call(c, "Echo")
+        first.send(b"x")
+        assert await first.received(1) == [b"x"]
+        c.close()
+    assert sys.exc_info() == (None, None, None), sys.exc_info()
+    async with t.serving("h2grpc") as s:  # then a stream on a new server ends OK
+        c = await t.connect(s.target, timeout=5)
+        call = t.Call(c, "Echo")
+        call.send(b"y")
+        assert await call.received(1) == [b"y"]
+        call.send(b"end")
+        print(await call.closed())
+        c.close()
+
+asyncio.run(main())
+"""
+
+
+@real_build
+def test_a_cancelled_stream_leaves_no_exception_for_the_next_call(built: Path) -> None:
+    """mypyc 2.4 leaves the exception a coroutine unwound through an ``await`` in ``finally`` as
+    the thread's handled exception, and a later call raises it again: the response-streaming
+    loop stays interpreted (meshserve/server/h2/requests.py:answered). Before that, every
+    request stream after one cancelled at a server's stop ended CANCELLED."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_NATIVE")}
+    env.update(MESHSERVE_NATIVE="1", MESHSERVE_NATIVE_DIR=str(built), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", LEFT_OPEN], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert "meshserve native: running compiled" in proc.stderr
+    assert proc.returncode == 0 and proc.stdout.split("\n")[-2] == "(0, '')", proc.stdout + proc.stderr

@@ -1,7 +1,9 @@
-"""A request-streaming handler's iterator of requests (``ServerConnection._requests``,
-meshserve/server/h2/server.py). An async generator: kept in a module of its own because mypyc
-does not compile async generators and server.py is one of the modules ``python -m meshserve.native
-build`` compiles (docs/perf/native.md)."""
+"""A streaming call's loops that stay interpreted: the requests a request-streaming handler takes
+(``ServerConnection._requests``, meshserve/server/h2/server.py: an async generator, which mypyc
+does not compile) and the answers of a response-streaming one (``answered``: its ``finally``
+awaits, and mypyc 2.4's coroutines then leave the exception they unwound, a CancelledError, as
+the thread's handled exception, raised again by a later call). server.py is one of the modules
+``python -m meshserve.native build`` compiles (docs/perf/native.md)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -49,3 +51,21 @@ async def taken(self: Any, st: Any, eof: object, compressed: Any) -> AsyncIterat
             continue
         yield deser(msg) if deser else msg
         msg = None  # (not held while the next one is awaited: the handler's request may have ended)
+
+
+async def answered(self: Any, st: Any, result: Any, ser: Any, queue_max: int) -> bool:
+    """``ServerConnection._run``: each answer of the response-streaming handler's ``result`` sent
+    on ``st`` as it comes, waiting for the peer's window when it does not read; the handler's
+    generator closed whatever happens. True when the stream closed meanwhile (nothing more to send)."""
+    try:
+        async for item in result:
+            if st.closed:
+                return True
+            self._send_message(st, ser(item) if ser else item)
+            if (len(st.out) > queue_max or self.paused
+                    or (st in self.blocked and len(st.out) > 2)):  # the peer is not reading: wait for its window
+                await self._writable(st)
+    finally:
+        if hasattr(result, "aclose"):
+            await result.aclose()
+    return False

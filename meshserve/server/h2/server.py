@@ -1037,17 +1037,9 @@ class ServerConnection(H2Endpoint):
             ser = handler.response_serializer
             if handler.response_streaming:
                 if hasattr(result, "__aiter__"):
-                    try:
-                        async for item in result:
-                            if st.closed:
-                                return
-                            self._send_message(st, ser(item) if ser else item)
-                            if (len(st.out) > STREAM_SEND_QUEUE or self.paused
-                                    or (st in self.blocked and len(st.out) > 2)):  # the peer is not reading: wait for its window
-                                await self._writable(st)
-                    finally:
-                        if hasattr(result, "aclose"):
-                            await result.aclose()
+                    # (in requests.py: its ``finally`` awaits, which mypyc gets wrong: docs/perf/native.md)
+                    if await requests.answered(self, st, result, ser, STREAM_SEND_QUEUE):
+                        return
                 elif result is not None and not inspect.isawaitable(result):
                     for item in result:
                         self._send_message(st, ser(item) if ser else item)
