@@ -14,8 +14,10 @@ trusts the types of what it imports).
 ``enable`` (``meshserve/__init__.py`` calls it when ``MESHSERVE_NATIVE`` is set, before any
 compiled module can be imported) computes the key of the sources this process would import and
 installs a finder for the build of that key, all modules or none (they share one library). When
-there is no build of that key, or one of the modules is already imported, nothing is installed
-and the pure-Python modules run. Either way one line on stderr says which runs.
+there is no build of that key, or it is not trusted (the cache directory, the build's directories
+and files must belong to this user or root and be writable by nobody else: a build is code the
+process runs), or one of the modules is already imported, nothing is installed and the
+pure-Python modules run. Either way one line on stderr says which runs.
 """
 from __future__ import annotations
 
@@ -113,14 +115,28 @@ class _Finder(importlib.abc.MetaPathFinder):
                                                       loader=importlib.machinery.ExtensionFileLoader(name, file))
 
 
+def _trusted(path: Path) -> bool:
+    """``path`` is owned by this user (or root) and nobody else may write it: a build is code
+    this process will run, so its directory and files get the trust of the sources themselves."""
+    st = path.stat()
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & 0o022
+
+
 def _manifest(where: Path, key: str) -> dict[str, Any] | None:
+    """The manifest of the build in ``where`` when it is the build of ``key``, complete and
+    trusted (``_trusted``: the directories from the cache down, the manifest, every file)."""
     try:
         manifest = json.loads((where / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if manifest.get("key") != key or manifest.get("modules") != list(MODULES):
-        return None
-    if not all((where / rel).is_file() for rel in manifest["files"].values()):
+        if manifest.get("key") != key or manifest.get("modules") != list(MODULES):
+            return None
+        top = where.resolve()
+        files = [(top / rel).resolve() for rel in manifest["files"].values()]  # (links followed)
+        if not all(f.is_file() and top in f.parents for f in files):
+            return None
+        dirs = {top.parent, top, *(p for f in files for p in f.parents if top in p.parents)}
+        if not all(_trusted(p) for p in [*dirs, top / MANIFEST, *files]):
+            return None
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
     return manifest  # type: ignore[no-any-return]
 
@@ -136,7 +152,8 @@ def enable(quiet: bool = False) -> bool:
         if early:
             reason = f"already imported before enable(): {', '.join(early)}"
         elif manifest is None:
-            reason = f"no build for these sources (key {key} in {cache_dir()}: python -m meshserve.native build)"
+            reason = (f"no build for these sources that this user owns and only it may write (key {key} in "
+                      f"{cache_dir()}: python -m meshserve.native build)")
         else:
             sys.meta_path.insert(0, _Finder(where, manifest["files"]))
             reason = f"build {key}"
@@ -164,7 +181,7 @@ def build(base: Path | None = None, out: Path | None = None, jobs: int | None = 
     final = out / key
     if _manifest(final, key) is not None:
         return final
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True, mode=0o755)
     with tempfile.TemporaryDirectory(prefix="native-", dir=out) as tmp:
         work = Path(tmp) / "src"
         for pkg in PACKAGES:

@@ -82,6 +82,36 @@ def test_a_manifest_of_another_key_or_missing_files_is_not_used(tmp_path: Path) 
         assert out[:3] == ["pure", "pure", "pure"] and "no build for these sources" in err
 
 
+def test_a_build_others_may_write_is_not_used(tmp_path: Path) -> None:
+    """A build is code the process runs: a manifest that matches but sits in a directory (or
+    names files) that another user could have written is refused."""
+    key = "k" * 32
+    where = tmp_path / "cache" / key
+    files = {}
+    for m in native.MODULES:
+        f = where / (m.replace(".", "/") + ".so")
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"")
+        files[m] = str(f.relative_to(where))
+    (where / native.MANIFEST).write_text(json.dumps({"key": key, "modules": list(native.MODULES), "files": files}))
+    for p in [tmp_path / "cache", *sorted(where.rglob("*")), where]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    assert native._manifest(where, key) is not None
+    for loose in (where / files[native.MODULES[2]], where / native.MANIFEST, where, tmp_path / "cache",
+                  (where / files[native.MODULES[0]]).parent):
+        mode = loose.stat().st_mode
+        loose.chmod(mode | 0o002)
+        assert native._manifest(where, key) is None, loose
+        loose.chmod(mode | 0o020)
+        assert native._manifest(where, key) is None, loose
+        loose.chmod(mode)
+    assert native._manifest(where, key) is not None
+    escaping = dict(files, **{native.MODULES[0]: "../elsewhere.so"})  # a file outside the build
+    (tmp_path / "cache" / "elsewhere.so").write_bytes(b"")
+    (where / native.MANIFEST).write_text(json.dumps({"key": key, "modules": list(native.MODULES), "files": escaping}))
+    assert native._manifest(where, key) is None
+
+
 def test_the_finder_answers_only_the_names_of_its_manifest(tmp_path: Path) -> None:
     finder = native._Finder(tmp_path, {"meshserve.server.h2.frames": "x/frames.so"})
     spec = finder.find_spec("meshserve.server.h2.frames")
