@@ -240,7 +240,7 @@ def _merge_key(request: pb.ModelInferRequest, shape: ModelShape) -> tuple[Key, i
                     return None
             inner = dims
         inner_shapes.append((name, inner))
-    outputs = ()
+    outputs: tuple[str, ...] = ()
     if request.outputs:
         names = []
         for o in request.outputs:

@@ -305,9 +305,9 @@ class H2Endpoint(asyncio.Protocol):
         except H2ConnectionError as exc:
             self._fatal(exc.code, str(exc))
             return
-        except Exception as exc:  # never let one connection's bug take the loop down
+        except Exception as err:  # never let one connection's bug take the loop down
             log.exception("HTTP/2 connection error")
-            self._fatal(ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
+            self._fatal(ErrorCode.INTERNAL_ERROR, f"internal error: {err}")
 
     def _keep(self, data: bytes, need: int) -> None:
         self.chunks = [data]
@@ -439,7 +439,7 @@ class H2Endpoint(asyncio.Protocol):
             parsed = parse(plain)
             self._cache(block, parsed)
             return parsed
-        table = self.decoder.header_table.dynamic_entries
+        table: Any = self.decoder.header_table.dynamic_entries  # (Any: entries compared by identity, never re-boxed by mypyc)
         before = (len(table), table[0] if table else None)
         try:
             headers = self.decoder.decode(block, raw=True)

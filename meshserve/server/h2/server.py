@@ -40,6 +40,7 @@ from meshserve.protocol.errors import internal_error
 from meshserve.server import connections, inflate, tls
 from meshserve.server.body_worker import release_memory, release_memory_soon
 from meshserve.server.deadlines import DeadlineTimer
+from meshserve.server.h2 import requests
 from meshserve.server.h2.call import Abort, Method
 from meshserve.server.h2.connection import H2Endpoint
 from meshserve.server.h2.frames import (
@@ -225,7 +226,7 @@ class ServerStream:
         self.metadata: tuple[tuple[str, Any], ...] = ()
         self.deadline: float | None = None
         self.encoding: bytes | None = None
-        self.buf: bytearray = _NO_BUF  # (a bytearray from the first partial bytes on: hold)
+        self.buf: Any = _NO_BUF  # (a bytearray from the first partial bytes on: hold)
         self.queue: Inbox | None = None
         self.task: asyncio.Task[None] | None = None
         self.out: collections.deque[tuple[int, Any]] = _NO_OUT  # (a deque from the first item on: queue_out)
@@ -360,8 +361,7 @@ class ServerCall:
 
 
 # the call of an at-once hook's answer made without one (H2GrpcServer.at_once): OK, no trailing metadata
-_NO_CALL = ServerCall.__new__(ServerCall)
-_NO_CALL._trailing = ()
+_NO_CALL: ServerCall | None = None
 
 KEEPALIVE_PING = b"meshkeep"
 WRITE_HIGH_WATER = 1 << 20  # socket write buffer bytes beyond which the transport pauses us
@@ -1015,43 +1015,10 @@ class ServerConnection(H2Endpoint):
             inflation.release()
 
     # ---- calling handlers ------------------------------------------------------------------
-    async def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
-        assert st.queue is not None and st.handler is not None
-        deser = st.handler.request_deserializer
-        while True:
-            item = await st.queue.get()
-            if item is _EOF:
-                return
-            msg, size = item
-            del item
-            st.queued -= size if len(msg) + 5 <= size else len(msg) + 5  # (an inflated message: as charged)
-            st.taken += size  # released to the connection window by _settle
-            if st.parked and not st.closed:  # room in the queue: take messages still waiting in buf
-                unparked = self._messages(st) and not st.parked
-                if unparked and st.remote_ended:
-                    self._remote_end(st)  # the last parked messages are queued: now the end of the stream
-            self._settle(st)
-            if msg.__class__ is Compressed:  # as a unary message is (_inflated), in the handler's task
-                inflation = inflate.Inflation(st.metadata, self.transport)  # (the metadata name the tenant)
-                try:
-                    msg = await inflation.run(st.encoding, msg.data, self.server.max_receive)
-                except inflate.Refused as exc:
-                    self._finish(st, Status[exc.code], exc.message)
-                    return  # (the call has its status: the handler sees the requests end)
-                # charged until the handler asks for the next one, or, when it keeps the charge
-                # (ServerCall.keep_inflated), until the request ends: each message of a stream is a
-                # request of its own (ModelStreamInfer)
-                st.inflated = inflation
-                try:
-                    yield deser(msg) if deser else msg
-                finally:
-                    msg = None  # (not held while the next one is awaited)
-                    if st.inflated is inflation:
-                        st.inflated = None
-                        inflation.release()
-                continue
-            yield deser(msg) if deser else msg
-            msg = None  # (not held while the next one is awaited: the handler's request may have ended)
+    def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
+        """A request-streaming handler's requests (meshserve/server/h2/requests.py: an async
+        generator, which mypyc does not compile: docs/perf/native.md)."""
+        return requests.taken(self, st, _EOF, Compressed)
 
     async def _run(self, st: ServerStream, message: bytes) -> None:  # (b"": request streaming)
         handler = st.handler
@@ -1070,17 +1037,9 @@ class ServerConnection(H2Endpoint):
             ser = handler.response_serializer
             if handler.response_streaming:
                 if hasattr(result, "__aiter__"):
-                    try:
-                        async for item in result:
-                            if st.closed:
-                                return
-                            self._send_message(st, ser(item) if ser else item)
-                            if (len(st.out) > STREAM_SEND_QUEUE or self.paused
-                                    or (st in self.blocked and len(st.out) > 2)):  # the peer is not reading: wait for its window
-                                await self._writable(st)
-                    finally:
-                        if hasattr(result, "aclose"):
-                            await result.aclose()
+                    # (in requests.py: its ``finally`` awaits, which mypyc gets wrong: docs/perf/native.md)
+                    if await requests.answered(self, st, result, ser, STREAM_SEND_QUEUE):
+                        return
                 elif result is not None and not inspect.isawaitable(result):
                     for item in result:
                         self._send_message(st, ser(item) if ser else item)
@@ -1145,12 +1104,12 @@ class ServerConnection(H2Endpoint):
         st.headers_sent = True
         self._write(self._headers(st.sid, 0, block))
 
-    def _reply(self, st: ServerStream, payload: bytes, ctx: ServerCall) -> None:
+    def _reply(self, st: ServerStream, payload: bytes, ctx: ServerCall | None) -> None:
         """Unary success: HEADERS, one message, trailers — one write when the windows allow."""
         n = len(payload) + 5
         if (self.paused or self.unflushed > self.unflushed_cap) and self._over_send_budget():
             return
-        trailers = _trailers_block(0, None, ctx._trailing) if ctx._trailing else TRAILERS_OK
+        trailers = _trailers_block(0, None, ctx._trailing) if ctx is not None and ctx._trailing else TRAILERS_OK
         if (not st.headers_sent and not st.out and n <= self.send_window and n <= st.send_window
                 and n <= self.peer_max_frame):
             self.send_window -= n
@@ -1350,10 +1309,12 @@ class H2GrpcServer:
             factory = self.tls.factory(factory)
         srv = await loop.create_server(factory, host or None, port, reuse_address=True,
                                        reuse_port=LISTEN.reuse_port, backlog=1024)
-        ports = {s.getsockname()[1] for s in srv.sockets}
+        held: Any = srv  # (its sockets: a list under uvloop, a tuple in typeshed, which mypyc would check)
+        sockets = held.sockets
+        ports = {s.getsockname()[1] for s in sockets}
         if port == 0 and len(ports) > 1:
             srv.close()
-            chosen = srv.sockets[0].getsockname()[1]
+            chosen = sockets[0].getsockname()[1]
             srv = await loop.create_server(factory, host or None, chosen, reuse_address=True,
                                            reuse_port=LISTEN.reuse_port, backlog=1024)
             ports = {chosen}
