@@ -85,9 +85,10 @@ def test_a_full_queue_drops_and_counts_never_blocks() -> None:
     keep = _Keep()
     queue = sp.ExportQueue([keep], {"OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_BSP_MAX_QUEUE_SIZE": "4",
                                     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100"})
-    for i in range(10):
-        _span(queue, i + 1).end()
-    assert queue.dropped == 6
+    with queue._idle:  # (the export thread, woken by the full batch, waits here: the queue stays full)
+        for i in range(10):
+            _span(queue, i + 1).end()
+        assert queue.dropped == 6
     queue.shutdown()  # exports what is queued
     assert [s.span_id for b in keep.batches for s in b] == [1, 2, 3, 4]
     _span(queue, 99).end()  # after shutdown: dropped, not queued
