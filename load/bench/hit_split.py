@@ -106,7 +106,7 @@ async def _run(part: str, n: int, batch: int) -> None:
         WINDOW_UPDATE,
         frame,
     )
-    from meshserve.server.h2.server import _NO_CALL, ServerConnection, ServerStream
+    from meshserve.server.h2.server import ServerConnection, ServerStream
 
     raw = _request()
     door = await _door(raw) if part.startswith("door") else None
@@ -152,7 +152,7 @@ async def _run(part: str, n: int, batch: int) -> None:
             st = ServerStream(sid, 65535)
             st.remote_ended = True
             conn.streams[sid] = st
-            conn._reply(st, answer, _NO_CALL)
+            conn._reply(st, answer, None)
             sid += 2
         conn._flush()
     del sid

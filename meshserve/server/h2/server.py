@@ -360,9 +360,6 @@ class ServerCall:
         self._callbacks.append(callback)
 
 
-# the call of an at-once hook's answer made without one (H2GrpcServer.at_once): OK, no trailing metadata
-_NO_CALL: ServerCall | None = None
-
 KEEPALIVE_PING = b"meshkeep"
 WRITE_HIGH_WATER = 1 << 20  # socket write buffer bytes beyond which the transport pauses us
 
@@ -941,7 +938,7 @@ class ServerConnection(H2Endpoint):
             return after
         n = len(answer) + 5
         if n > self.send_window or n > self.peer_initial_window or n > self.peer_max_frame:
-            self._reply(self._open(sid, parsed, handler), answer, _NO_CALL)
+            self._reply(self._open(sid, parsed, handler), answer, None)
             return after
         self.last_sid = sid
         self.send_window -= n
@@ -988,7 +985,7 @@ class ServerConnection(H2Endpoint):
                 return
             if answer is not None:  # (as _run ends a unary call: the hook's answer, or its status)
                 if ctx is None:
-                    self._reply(st, answer, _NO_CALL)
+                    self._reply(st, answer, None)
                 elif ctx._code:
                     self._end(st, ctx)
                 else:
@@ -1105,7 +1102,9 @@ class ServerConnection(H2Endpoint):
         self._write(self._headers(st.sid, 0, block))
 
     def _reply(self, st: ServerStream, payload: bytes, ctx: ServerCall | None) -> None:
-        """Unary success: HEADERS, one message, trailers — one write when the windows allow."""
+        """Unary success: HEADERS, one message, trailers — one write when the windows allow.
+        ``ctx`` None: an at-once hook's answer made without a call (H2GrpcServer.at_once): OK, no
+        trailing metadata."""
         n = len(payload) + 5
         if (self.paused or self.unflushed > self.unflushed_cap) and self._over_send_budget():
             return

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote
 
 from meshserve.protocol import http_codec
@@ -53,9 +53,10 @@ class ReceiveBudget:
         self.limit = 0  # 0: unbounded
         self.used = 0
         # with tenants: what each tenant's bodies hold (at most its share of the limit), and per
-        # request its tenant and bytes (given back with the request's)
+        # request its tenant; every byte a request holds (``request.held``) is charged for that one
+        # caller (``read_body`` names it once), so the tenant gets back what the request gives back
         self.tenants = inflate.Tenancy(http_codec.DECODE_SLICE)
-        self.held_by: dict[Request, list[Any]] = {}
+        self.held_by: dict[Request, str] = {}
 
     def charge(self, request: Request, n: int, who: inflate.Caller | None = None) -> None:
         """n more bytes held by ``request`` (for tenant ``who``, with tenants); 429 + Retry-After
@@ -69,10 +70,7 @@ class ReceiveBudget:
             if refusal is not None:
                 raise InferError.exhausted(refusal, retry_after_s=admission.RETRY_AFTER_S)
             self.tenants.charge(who[0], n)
-            mine = self.held_by.get(request)
-            if mine is None:
-                mine = self.held_by[request] = [who[0], 0]
-            mine[1] += n
+            self.held_by[request] = who[0]
         self.used += n
         request.held += n
 
@@ -80,17 +78,14 @@ class ReceiveBudget:
         """n of the bytes charged to ``request`` were not used after all."""
         self.used -= n
         request.held -= n
-        if self.held_by and (mine := self.held_by.get(request)) is not None:
-            mine[1] -= n
-            self.tenants.refund(mine[0], n)
+        if self.held_by and (tenant := self.held_by.get(request)) is not None:
+            self.tenants.refund(tenant, n)
 
     def release(self, request: Request) -> None:
+        if self.held_by and (tenant := self.held_by.pop(request, None)) is not None:  # (with tenants)
+            self.tenants.refund(tenant, request.held)
         self.used -= request.held
         request.held = 0
-        if self.held_by:  # (with tenants)
-            mine = self.held_by.pop(request, None)
-            if mine is not None:
-                self.tenants.refund(mine[0], mine[1])
 
 
 RECEIVING = ReceiveBudget()
