@@ -304,7 +304,13 @@ class ModelWorker:
         out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [request_key()]), self.loop).result(timeout)
         answer = out[0] if out else None
         if isinstance(answer, InferError):
-            raise answer
+            # raised from a local, the error's traceback would hold this frame and the frame the
+            # error (a cycle only the collector frees): the frame lets go of it as it leaves
+            error, answer, out = answer, None, None
+            try:
+                raise error
+            finally:
+                del error
         if answer is None:
             return {}  # a decoupled model's responses go to no one here
         resp = pb.ModelInferResponse.FromString(answer)

@@ -5,6 +5,8 @@ local, or the request stays alive until the next collection (tests/support/cycle
 docs/security.md, "Session 11: error cycles")."""
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,8 @@ from google.protobuf import text_format
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
 from services.base.model import ModelVersion
+from services.base.validation import ModelTensors
+from services.python.instance import ModelWorker, WorkerSpec
 from tests.support.cycles import collector_off, cyclic_frames
 from tests.unit.services.test_ordering_and_warmup import CONFIG, request
 
@@ -48,3 +52,35 @@ async def test_a_failed_run_leaves_no_cycle(preserve: bool, tmp_path: Path) -> N
             assert cyclic_frames() == []
     finally:
         await mv.close()
+
+
+def test_a_failed_python_warmup_request_leaves_no_cycle(tmp_path: Path) -> None:
+    """services/python/instance.py:ModelWorker.run (model_warmup's request) raises the error the
+    worker answered without its frame keeping it (the error was a local the traceback held)."""
+    class Answers(ModelWorker):
+        async def execute(self, payloads, keys, sinks=None):  # type: ignore[no-untyped-def]
+            return [InferError(Code.INVALID_ARG, "the model refused it")], 0
+
+    config = text_format.Parse(CONFIG % "", mc.ModelConfig())
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        spec = WorkerSpec(model_py=tmp_path / "model.py", args={}, instance="m_0", model=config.name, version="1",
+                          decoupled=False, bls_target="", execute_timeout_s=5, load_timeout_s=5,
+                          tensors=ModelTensors.from_config(config))
+        worker = Answers(spec, loop)
+        inputs = {t.name: np.zeros([1, *t.dims], np.float32) for t in config.input}
+        with collector_off():
+            for _ in range(3):
+                try:
+                    worker.run(inputs, [t.name for t in config.output])
+                except InferError as exc:
+                    assert exc.code is Code.INVALID_ARG
+                else:
+                    raise AssertionError("not failed")
+            assert cyclic_frames() == []
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
