@@ -576,7 +576,7 @@ class ServerConnection(H2Endpoint):
                     return
         else:
             self.partial = None
-        if self.held and limits.body_timeout_s:  # (nothing to look at unless message bytes are held)
+        if self.streams and limits.body_timeout_s:  # (nothing to look at without a call in progress)
             self._slow_messages(now, limits.body_timeout_s)
         idle = limits.idle_timeout_s
         if idle:
@@ -607,10 +607,15 @@ class ServerConnection(H2Endpoint):
     def _slow_messages(self, now: float, limit: float) -> None:
         """Fail a stream whose request message has been arriving for longer than `limit`
         (--body-timeout-s: a message trickled in 1-byte DATA frames is never silent long enough for
-        the read timeout). A message is seen as the same one while its partial bytes do not shrink."""
+        the read timeout). A message is seen as the same one while its partial bytes do not shrink.
+        A unary call's one message is awaited from its HEADERS on, its first byte or not: a call
+        opened without END_STREAM whose DATA never comes would otherwise hold its stream, and keep
+        its connection from the idle timeout, for ever (tests/adversarial/test_unary_without_message.py)."""
         for st in list(self.streams.values()):
             n = len(st.buf)
-            if not n or n < st.partial_len:  # none, or a message completed since the last look
+            # (a unary call has no Task until its message is whole; a request-streaming one has its queue)
+            awaited = st.task is None and st.queue is None and st.handler is not None and not st.closed
+            if n < st.partial_len or not (n or awaited):  # a message completed since the last look, or none due
                 st.partial_len, st.partial_since = n, (now if n else 0.0)
                 continue
             st.partial_len = n
