@@ -27,7 +27,9 @@ in flight, which streams hold until their last answer; ``--max-shm-regions`` and
 ``--max-shm-bytes`` of shared-memory regions) is held by one tenant up to max(1, cap * share);
 past it the tenant's next request or registration gets 429 / RESOURCE_EXHAUSTED naming the
 limit, while the others still have the rest. Anonymous callers (``anonymous: true``) share one
-tenant's share between them. Without a tenants file nothing is counted per tenant.
+tenant's share between them. Without a tenants file nothing is counted per tenant. A cap the
+gateway's own work under a request shares (``--ensemble-max-inflight-steps``) reads the admitted
+request's tenant and share from ``CALLER``, which ``Admission.admit`` sets in the request's context.
 
 Client certificates: on a port with mutual TLS, a request without an API key is the tenant one
 of whose ``certificate_names`` equals a name of the client's verified certificate (its subject's
@@ -44,6 +46,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -221,6 +224,12 @@ class Admitted:
     size: int = 0  # the request's bytes, counted against the tenant's share until it ends
 
 
+# the tenant ("" = anonymous callers) and share of the request the running task serves, set when
+# the request is admitted (with tenants: None in a gateway without); the work the gateway does for
+# the request (an ensemble's steps: gateway/ensemble/executor.py:StepSlots) counts against it
+CALLER: ContextVar[tuple[str, float] | None] = ContextVar("meshserve_tenant", default=None)
+
+
 class Admission:
     """authenticate → authorize the model/route → take quota. The core calls it before routing."""
 
@@ -267,6 +276,7 @@ class Admission:
                 except BaseException:
                     self._give_share("", size)
                     raise
+            CALLER.set(("", share))
             return Admitted("", "", size)
         name = tenant.name
         if not tenant.may_call(request.model_name):
@@ -298,6 +308,7 @@ class Admission:
         if tenant.priority is not None and "priority" not in request.parameters:
             request.parameters["priority"].uint64_param = tenant.priority
             ctx.raw = None  # the forwarded bytes must carry the new parameter
+        CALLER.set((name, share))
         return Admitted(name, ticket, size)
 
     def _take_share(self, tenant: str, share: float, size: int, model: str) -> None:
