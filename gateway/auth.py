@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
@@ -222,12 +223,26 @@ class Admitted:
     tenant: str  # "" = anonymous
     ticket: str  # the quota store's ("" for anonymous callers)
     size: int = 0  # the request's bytes, counted against the tenant's share until it ends
+    queued: str | None = None  # the model whose queue share it holds (``Admission.queue_room``), if any
 
 
 # the tenant ("" = anonymous callers) and share of the request the running task serves, set when
 # the request is admitted (with tenants: None in a gateway without); the work the gateway does for
 # the request (an ensemble's steps: gateway/ensemble/executor.py:StepSlots) counts against it
 CALLER: ContextVar[tuple[str, float] | None] = ContextVar("meshserve_tenant", default=None)
+
+
+def queue_room(config: mc.ModelConfig, replicas: int) -> int:
+    """How many requests for a model its ``replicas`` hold at once before one refuses "exceeds
+    maximum queue size": each one's queue (``dynamic_batching.default_queue_policy.max_queue_size``)
+    and what its instances run (``max_batch_size`` rows each); 0 = unbounded (no such bound)."""
+    if not config.HasField("dynamic_batching"):
+        return 0
+    size = config.dynamic_batching.default_queue_policy.max_queue_size
+    if size <= 0:
+        return 0
+    instances = sum(max(1, g.count) for g in config.instance_group) or 1
+    return (size + max(1, config.max_batch_size) * instances) * max(1, replicas)
 
 
 class Admission:
@@ -243,6 +258,11 @@ class Admission:
         self._sequences_held: Counter[str] = Counter()
         # requests and bytes each tenant ("" anonymous) has in flight in this process (its share)
         self.inflight: dict[str, list[int]] = {}
+        # a model whose config bounds its queue at the services (max_queue_size): the requests its
+        # replicas queue and run at once, 0 = unbounded (gateway/core.py:GatewayCore.queue_room;
+        # None: no such bound is looked up); what each (tenant, model) has in flight of that room
+        self.queue_room: Callable[[str, str], int] | None = None
+        self.queued: Counter[tuple[str, str]] = Counter()
 
     def share_of(self, tenant: str) -> float:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
@@ -269,21 +289,23 @@ class Admission:
         size = len(raw) if raw is not None else ctx.nbytes
         if tenant is None:  # anonymous (allowed by the file): one share between them, no quota
             share = tenants.share_of("")
-            self._take_share("", share, size, request.model_name)
+            model = request.model_name if self._take_share("", share, size, request.model_name,
+                                                            request.model_version) else None
             if sequence is not None:
                 try:
                     self._bind_sequence("", share, request, sequence, sequence_idle_s)
                 except BaseException:
-                    self._give_share("", size)
+                    self._give_share("", size, model)
                     raise
             CALLER.set(("", share))
-            return Admitted("", "", size)
+            return Admitted("", "", size, model)
         name = tenant.name
         if not tenant.may_call(request.model_name):
             raise InferError(Code.PERMISSION_DENIED,
                              f"tenant '{name}' may not call model '{request.model_name}'")
         share = tenant.share if tenant.share is not None else tenants.spec.share
-        self._take_share(name, share, size, request.model_name)
+        model = request.model_name if self._take_share(name, share, size, request.model_name,
+                                                        request.model_version) else None
         lease = ctx.time_remaining() or 0.0
         try:
             try:
@@ -303,18 +325,20 @@ class Admission:
                     await self._release_ticket(name, ticket)
                     raise
         except BaseException:
-            self._give_share(name, size)
+            self._give_share(name, size, model)
             raise
         if tenant.priority is not None and "priority" not in request.parameters:
             request.parameters["priority"].uint64_param = tenant.priority
             ctx.raw = None  # the forwarded bytes must carry the new parameter
         CALLER.set((name, share))
-        return Admitted(name, ticket, size)
+        return Admitted(name, ticket, size, model)
 
-    def _take_share(self, tenant: str, share: float, size: int, model: str) -> None:
+    def _take_share(self, tenant: str, share: float, size: int, model: str, version: str) -> bool:
         """Count one request of ``size`` bytes against the tenant's share of this process's
         --max-inflight / --max-inflight-bytes (an unbounded cap has no share); 429 past it. As
-        the process-wide gate, a tenant with nothing in flight is admitted whatever the size."""
+        the process-wide gate, a tenant with nothing in flight is admitted whatever the size.
+        For a model whose queue its services bound (``queue_room``), its share of that room too:
+        True when the request is counted there (``_give_share`` gives it back)."""
         held = self.inflight.get(tenant)
         if held is None:
             held = self.inflight[tenant] = [0, 0]
@@ -336,8 +360,22 @@ class Admission:
                     f"{who} has {held[1]} bytes of inference requests in flight; this one's {size} would pass its "
                     f"share ({share:g} of {flag('max_inflight_bytes')} {gate.max_bytes}: {cap}); request for model "
                     f"'{model}' refused, retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+        room_of = self.queue_room
+        queued = False
+        if room_of is not None and (room := room_of(model, version)):
+            cap = tenant_cap(room, share)
+            key = (tenant, model)
+            if self.queued[key] >= cap:
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {self.queued[key]} requests for model '{model}' in flight, its share ({share:g} of "
+                    f"the {room} its replicas queue and run at once (max_queue_size): {cap}); retry later",
+                    retry_after_s=gate_module.RETRY_AFTER_S)
+            self.queued[key] += 1
+            queued = True
         held[0] += 1
         held[1] += size
+        return queued
 
     def _bind_sequence(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str,
                        idle_s: float) -> None:
@@ -382,17 +420,24 @@ class Admission:
                 del self.sequences[key]
                 self._sequences_held[tenant] -= 1
 
-    def _give_share(self, tenant: str, size: int) -> None:
+    def _give_share(self, tenant: str, size: int, model: str | None) -> None:
         held = self.inflight[tenant]
         held[0] -= 1
         held[1] -= size
         if not held[0]:
             del self.inflight[tenant]
+        if model is not None:
+            key = (tenant, model)
+            left = self.queued[key] - 1
+            if left:
+                self.queued[key] = left
+            else:
+                del self.queued[key]
 
     async def release(self, admitted: Admitted | None) -> None:
         if admitted is None:
             return
-        self._give_share(admitted.tenant, admitted.size)
+        self._give_share(admitted.tenant, admitted.size, admitted.queued)
         if admitted.ticket:
             await self._release_ticket(admitted.tenant, admitted.ticket)
 

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
-from gateway import pipeline
+from gateway import auth, pipeline
 from gateway.auth import Admission
 from gateway.cache import FAMILIES as CACHE_FAMILIES
 from gateway.cache import CacheConfig, CacheStage, FrontDoor, LocalCache, RedisCache
@@ -108,6 +108,10 @@ class GatewayCore:
         self.turns = SequenceTurns()
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
+        # with tenants: each tenant's share of a model's queue at its services (max_queue_size)
+        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, int]] = {}
+        if admission is not None:
+            admission.queue_room = self.queue_room
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
         # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
@@ -187,6 +191,25 @@ class GatewayCore:
             await self.cache.close()
 
     # ---- V2Core -----------------------------------------------------------------------
+    def queue_room(self, name: str, version: str) -> int:
+        """The requests for (name, version) its replicas queue and run at once before refusing
+        (gateway/auth.py:queue_room; 0: its config bounds no queue, or it is not served here: an
+        ensemble, a route), kept per config and replica count."""
+        config = self.discovery.config_for(name, version)
+        if config is None:
+            return 0
+        routes = self.discovery.table.models.get(name)
+        served = int(version) if version else self.discovery.served_version(name)
+        replicas = len(routes.versions.get(served, ())) if routes is not None and served is not None else 1
+        kept = self._rooms.get((name, version))
+        if kept is not None and kept[0] is config and kept[1] == replicas:
+            return kept[2]
+        if len(self._rooms) >= 4096:  # (names of models served here; a new config replaces its entry)
+            self._rooms.clear()
+        room = auth.queue_room(config, replicas)
+        self._rooms[(name, version)] = (config, replicas, room)
+        return room
+
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
         """The access table (meshserve.server.access) applied to the caller's key; without
         --tenants every call is allowed."""

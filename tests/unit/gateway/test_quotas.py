@@ -198,6 +198,52 @@ tenants:
     await adm.release(first)
 
 
+async def test_each_tenant_holds_at_most_its_share_of_a_models_queue(tmp_path: Path) -> None:
+    """A model whose config bounds its queue (max_queue_size): a tenant holds at most
+    max(1, room * share) of the requests its replicas queue and run at once (queue + max_batch_size
+    x instances, per replica), 429 naming the share past it, given back when a request ends or
+    fails to be admitted; a model without the bound, another model and another tenant are not
+    counted against it."""
+    from google.protobuf import text_format
+
+    from gateway.auth import queue_room
+    from meshserve._proto import model_config_pb2 as mc
+
+    def config(text: str) -> mc.ModelConfig:
+        return text_format.Parse(text, mc.ModelConfig())
+
+    bounded = config('name: "q" max_batch_size: 2 dynamic_batching { default_queue_policy { max_queue_size: 4 } } '
+                     'instance_group [ { count: 2 } ]')
+    assert queue_room(bounded, 1) == 4 + 2 * 2 and queue_room(bounded, 3) == 3 * 8
+    assert queue_room(config('name: "b" max_batch_size: 8 dynamic_batching { }'), 2) == 0
+    assert queue_room(config('name: "p" max_batch_size: 0'), 1) == 0
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: acme, keys_sha256: ["{hash_key('acme-key')}"], rate: 1000, burst: 1000}}
+  - {{name: mallory, keys_sha256: ["{hash_key('mallory-key')}"], rate: 1000, burst: 1000}}
+""")
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+    adm.queue_room = lambda model, version: queue_room(bounded, 1) if model == "q" else 0  # 8: a share of 4
+
+    def ctx(key: str) -> RequestContext:
+        return RequestContext("grpc", {"x-api-key": key}, raw=b"x")
+
+    q, other = pb.ModelInferRequest(model_name="q"), pb.ModelInferRequest(model_name="other")
+    held = [await adm.admit(q, ctx("mallory-key")) for _ in range(4)]
+    with pytest.raises(InferError) as err:
+        await adm.admit(q, ctx("mallory-key"))
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert "tenant 'mallory' has 4 requests for model 'q' in flight, its share (0.5 of the 8" in err.value.message
+    held += [await adm.admit(other, ctx("mallory-key")), await adm.admit(q, ctx("acme-key"))]
+    await adm.release(held.pop(0))
+    held.append(await adm.admit(q, ctx("mallory-key")))
+    assert adm.queued == {("mallory", "q"): 4, ("acme", "q"): 1}
+    for a in held:
+        await adm.release(a)
+    assert adm.queued == {} and adm.inflight == {}
+
+
 def test_the_transport_names_the_caller_and_its_share_from_the_headers_alone(tmp_path: Path) -> None:
     """Admission.caller: what a compressed body's inflated bytes are counted against before the
     request is parsed (meshserve/server/inflate.py): the key's tenant and share, the anonymous
