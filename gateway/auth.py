@@ -245,6 +245,20 @@ def queue_room(config: mc.ModelConfig, replicas: int) -> int:
     return (size + max(1, config.max_batch_size) * instances) * max(1, replicas)
 
 
+def sequence_room(config: mc.ModelConfig, instances: int, replicas: int) -> int:
+    """How many live sequences of a model its ``replicas`` hold at once (the rest wait in a
+    backlog): direct, ``max_batch_size`` x instances slots each; oldest, its
+    ``max_candidate_sequences``; 0 = unbounded (oldest without it, or no sequence batching)."""
+    if not config.HasField("sequence_batching"):
+        return 0
+    sb = config.sequence_batching
+    if sb.WhichOneof("strategy_choice") == "oldest":
+        each = sb.oldest.max_candidate_sequences
+    else:
+        each = max(1, config.max_batch_size) * instances
+    return each * max(1, replicas) if each > 0 else 0
+
+
 class Admission:
     """authenticate → authorize the model/route → take quota. The core calls it before routing."""
 
@@ -263,6 +277,10 @@ class Admission:
         # None: no such bound is looked up); what each (tenant, model) has in flight of that room
         self.queue_room: Callable[[str, str], int] | None = None
         self.queued: Counter[tuple[str, str]] = Counter()
+        # the same for a sequence model's slots (the sequences its replicas hold at once), and per
+        # (tenant, model) its sequences in use: sequence -> when last used (oldest first)
+        self.sequence_room: Callable[[str, str], int] | None = None
+        self._live: dict[tuple[str, str], dict[str, float]] = {}
 
     def share_of(self, tenant: str) -> float:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
@@ -391,22 +409,32 @@ class Admission:
                              f"{who} may not use sequence {sequence[2:]} of model '{request.model_name}': another "
                              "tenant's sequence with that id is in progress")
         params = request.parameters
+        model = request.model_name
         if "sequence_end" in params and params["sequence_end"].bool_param:
             if bound is not None:  # its last request: the id is free once it has run (turns keep the order)
                 del self.sequences[key]
                 self._sequences_held[bound[0]] -= 1
+                self._unlive(bound[0], model, sequence)
             return
         lapses = now + max(SEQUENCE_BINDING_MIN_S, 2 * idle_s)
         if bound is not None and bound[0] == tenant:
             bound[1] = lapses
+            live = self._live.get((tenant, model))
+            if live is not None and live.pop(sequence, None) is not None:
+                live[sequence] = now  # (to the end: the most recently used)
+            else:  # (its slot was counted idle: it holds one again)
+                self._take_slot(tenant, share, request, sequence, idle_s, now)
             return
+        self._take_slot(tenant, share, request, sequence, idle_s, now)
         if bound is not None:  # lapsed: the other tenant's sequence is over
             self._sequences_held[bound[0]] -= 1
+            self._unlive(bound[0], model, sequence)
         elif len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= tenant_cap(MAX_SEQUENCES, share):
             self._sweep_sequences(now)
             cap = tenant_cap(MAX_SEQUENCES, share)
             if len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= cap:
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
+                self._unlive(tenant, model, sequence)
                 raise InferError.exhausted(
                     f"{who} has {self._sequences_held[tenant]} sequences in progress (its share: {cap} of the "
                     f"{MAX_SEQUENCES} this gateway tracks, {len(self.sequences)} in progress); end one or retry later",
@@ -414,11 +442,48 @@ class Admission:
         self.sequences[key] = [tenant, lapses]
         self._sequences_held[tenant] += 1
 
+    def _take_slot(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str, idle_s: float,
+                   now: float) -> None:
+        """A sequence of a model whose services hold a bounded number of live sequences
+        (``sequence_room``) takes one of the tenant's share of them: at most max(1, room x share)
+        used within twice the model's idle timeout (older ones the service has let go); 429 past it."""
+        room_of = self.sequence_room
+        if room_of is None:
+            return
+        model = request.model_name
+        room = room_of(model, request.model_version)
+        if not room:
+            return
+        live = self._live.get((tenant, model))
+        if live is None:
+            live = self._live[(tenant, model)] = {}
+        cap = tenant_cap(room, share)
+        if len(live) >= cap:
+            idle_since = now - 2 * idle_s
+            for old in [k for k, used in live.items() if used < idle_since]:  # (at most cap entries)
+                del live[old]
+            if len(live) >= cap:
+                who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {len(live)} sequences of model '{model}' in progress, its share ({share:g} of the "
+                    f"{room} its replicas hold at once: {cap}); end one or retry later",
+                    retry_after_s=gate_module.RETRY_AFTER_S)
+        live[sequence] = now
+
+    def _unlive(self, tenant: str, model: str, sequence: str) -> None:
+        live = self._live.get((tenant, model))
+        if live is not None:
+            live.pop(sequence, None)
+            if not live:
+                del self._live[(tenant, model)]
+
     def _sweep_sequences(self, now: float) -> None:
         for key, (tenant, lapses) in list(self.sequences.items()):
             if lapses <= now:
                 del self.sequences[key]
                 self._sequences_held[tenant] -= 1
+                self._unlive(tenant, key[0], key[1])
 
     def _give_share(self, tenant: str, size: int, model: str | None) -> None:
         held = self.inflight[tenant]

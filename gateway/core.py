@@ -108,10 +108,11 @@ class GatewayCore:
         self.turns = SequenceTurns()
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
-        # with tenants: each tenant's share of a model's queue at its services (max_queue_size)
-        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, int]] = {}
+        # with tenants: each tenant's share of a model's queue and sequence slots at its services
+        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, int, int]] = {}
         if admission is not None:
             admission.queue_room = self.queue_room
+            admission.sequence_room = self.sequence_room
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
         # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
@@ -194,7 +195,16 @@ class GatewayCore:
     def queue_room(self, name: str, version: str) -> int:
         """The requests for (name, version) its replicas queue and run at once before refusing
         (gateway/auth.py:queue_room; 0: its config bounds no queue, or it is not served here: an
-        ensemble, a route), kept per config and replica count."""
+        ensemble, a route)."""
+        return self._room(name, version, 0)
+
+    def sequence_room(self, name: str, version: str) -> int:
+        """The live sequences of (name, version) its replicas hold at once
+        (gateway/auth.py:sequence_room; 0: unbounded, or not served here)."""
+        return self._room(name, version, 1)
+
+    def _room(self, name: str, version: str, which: int) -> int:
+        """``queue_room`` (0) or ``sequence_room`` (1), kept per config and replica count."""
         config = self.discovery.config_for(name, version)
         if config is None:
             return 0
@@ -202,13 +212,13 @@ class GatewayCore:
         served = int(version) if version else self.discovery.served_version(name)
         replicas = len(routes.versions.get(served, ())) if routes is not None and served is not None else 1
         kept = self._rooms.get((name, version))
-        if kept is not None and kept[0] is config and kept[1] == replicas:
-            return kept[2]
-        if len(self._rooms) >= 4096:  # (names of models served here; a new config replaces its entry)
-            self._rooms.clear()
-        room = auth.queue_room(config, replicas)
-        self._rooms[(name, version)] = (config, replicas, room)
-        return room
+        if kept is None or kept[0] is not config or kept[1] != replicas:
+            if len(self._rooms) >= 4096:  # (names of models served here; a new config replaces its entry)
+                self._rooms.clear()
+            instances = sum(max(1, g.count) for g in config.instance_group) or 1
+            kept = self._rooms[(name, version)] = (config, replicas, auth.queue_room(config, replicas),
+                                                   auth.sequence_room(config, instances, replicas))
+        return kept[2 + which]
 
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
         """The access table (meshserve.server.access) applied to the caller's key; without

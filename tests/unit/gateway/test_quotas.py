@@ -321,6 +321,55 @@ tenants:
     assert len(adm.sequences) <= 4 and adm.inflight == {}
 
 
+async def test_each_tenant_holds_at_most_its_share_of_a_models_sequence_slots(tmp_path: Path) -> None:
+    """A sequence model whose services hold 4 live sequences (sequence_room): a tenant's new
+    sequences take at most max(1, 4 x 0.5) = 2 of them (429 naming the share past it); its own go
+    on; an ended one, or one unused for twice the model's idle timeout (the service has let it
+    go), gives its slot back; another tenant's and another model's are not counted."""
+    from google.protobuf import text_format
+
+    from gateway.auth import sequence_room
+    from meshserve._proto import model_config_pb2 as mc
+
+    direct = text_format.Parse('name: "s" max_batch_size: 2 sequence_batching { direct { } }', mc.ModelConfig())
+    oldest = text_format.Parse('name: "o" max_batch_size: 8 sequence_batching { oldest { max_candidate_sequences: 3 } }',
+                               mc.ModelConfig())
+    assert sequence_room(direct, 2, 1) == 4 and sequence_room(direct, 1, 3) == 6 and sequence_room(oldest, 4, 2) == 6
+    assert sequence_room(text_format.Parse('name: "u" sequence_batching { oldest { } }', mc.ModelConfig()), 1, 1) == 0
+    assert sequence_room(mc.ModelConfig(name="plain"), 1, 1) == 0
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: a, keys_sha256: ["{hash_key('a-key')}"], rate: 1000, burst: 1000}}
+  - {{name: b, keys_sha256: ["{hash_key('b-key')}"], rate: 1000, burst: 1000}}
+""")
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock=clock), MemoryQuotaStore(clock=clock), clock=clock)
+    adm.sequence_room = lambda model, version: 4 if model == "s" else 0
+
+    async def call(key: str, seq: int, model: str = "s", end: bool = False) -> None:
+        r = pb.ModelInferRequest(model_name=model)
+        if end:
+            r.parameters["sequence_end"].bool_param = True
+        await adm.release(await adm.admit(r, RequestContext("grpc", {"x-api-key": key}), f"i:{seq}", 1.0))
+
+    await call("b-key", 1)
+    await call("b-key", 2)
+    with pytest.raises(InferError) as err:
+        await call("b-key", 3)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert "tenant 'b' has 2 sequences of model 's' in progress, its share (0.5 of the 4" in err.value.message
+    await call("b-key", 2)  # its own go on
+    await call("b-key", 3, model="other")  # another model's
+    await call("a-key", 4)
+    await call("a-key", 5)  # a's own share
+    await call("b-key", 1, end=True)
+    await call("b-key", 6)  # the ended one's slot
+    clock.t += 2.5  # unused for twice the idle timeout of 1 s: let go at the service
+    await call("b-key", 7)
+    assert set(adm._live[("b", "s")]) == {"i:7"}
+
+
 def test_certificate_names_name_a_tenant_only_when_verified() -> None:
     """A tenant's certificate_names (mutual TLS): matched against the names of a certificate the
     handshake verified (tls.CertNames, a type no header from a wire has), the CN first; a key wins."""
