@@ -502,6 +502,7 @@ class Admission:
     async def release(self, admitted: Admitted | None) -> None:
         if admitted is None:
             return
+        CALLER.set(None)  # (the task may serve another request next: its admission names its own)
         self._give_share(admitted.tenant, admitted.size, admitted.queued)
         if admitted.ticket:
             await self._release_ticket(admitted.tenant, admitted.ticket)

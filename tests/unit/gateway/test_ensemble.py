@@ -206,5 +206,5 @@ async def test_a_tenants_steps_hold_at_most_its_share_of_the_step_slots() -> Non
     for t in (mallory[1], mallory[2], acme[1]):
         slots.give(t.result())
     anyone = StepSlots(4)
-    held = [await anyone.take() for _ in range(4)]
+    held = [await loop.create_task(anyone.take(), context=as_tenant(None)) for _ in range(4)]
     assert held == [None] * 4 and anyone.all.locked()
