@@ -27,7 +27,9 @@ in flight, which streams hold until their last answer; ``--max-shm-regions`` and
 ``--max-shm-bytes`` of shared-memory regions) is held by one tenant up to max(1, cap * share);
 past it the tenant's next request or registration gets 429 / RESOURCE_EXHAUSTED naming the
 limit, while the others still have the rest. Anonymous callers (``anonymous: true``) share one
-tenant's share between them. Without a tenants file nothing is counted per tenant.
+tenant's share between them. Without a tenants file nothing is counted per tenant. A cap the
+gateway's own work under a request shares (``--ensemble-max-inflight-steps``) reads the admitted
+request's tenant and share from ``CALLER``, which ``Admission.admit`` sets in the request's context.
 
 Client certificates: on a port with mutual TLS, a request without an API key is the tenant one
 of whose ``certificate_names`` equals a name of the client's verified certificate (its subject's
@@ -44,6 +46,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
@@ -219,6 +223,40 @@ class Admitted:
     tenant: str  # "" = anonymous
     ticket: str  # the quota store's ("" for anonymous callers)
     size: int = 0  # the request's bytes, counted against the tenant's share until it ends
+    queued: str | None = None  # the model whose queue share it holds (``Admission.queue_room``), if any
+
+
+# the tenant ("" = anonymous callers) and share of the request the running task serves, set when
+# the request is admitted (with tenants: None in a gateway without); the work the gateway does for
+# the request (an ensemble's steps: gateway/ensemble/executor.py:StepSlots) counts against it
+CALLER: ContextVar[tuple[str, float] | None] = ContextVar("meshserve_tenant", default=None)
+
+
+def queue_room(config: mc.ModelConfig, replicas: int) -> int:
+    """How many requests for a model its ``replicas`` hold at once before one refuses "exceeds
+    maximum queue size": each one's queue (``dynamic_batching.default_queue_policy.max_queue_size``)
+    and what its instances run (``max_batch_size`` rows each); 0 = unbounded (no such bound)."""
+    if not config.HasField("dynamic_batching"):
+        return 0
+    size = config.dynamic_batching.default_queue_policy.max_queue_size
+    if size <= 0:
+        return 0
+    instances = sum(max(1, g.count) for g in config.instance_group) or 1
+    return (size + max(1, config.max_batch_size) * instances) * max(1, replicas)
+
+
+def sequence_room(config: mc.ModelConfig, instances: int, replicas: int) -> int:
+    """How many live sequences of a model its ``replicas`` hold at once (the rest wait in a
+    backlog): direct, ``max_batch_size`` x instances slots each; oldest, its
+    ``max_candidate_sequences``; 0 = unbounded (oldest without it, or no sequence batching)."""
+    if not config.HasField("sequence_batching"):
+        return 0
+    sb = config.sequence_batching
+    if sb.WhichOneof("strategy_choice") == "oldest":
+        each = sb.oldest.max_candidate_sequences
+    else:
+        each = max(1, config.max_batch_size) * instances
+    return each * max(1, replicas) if each > 0 else 0
 
 
 class Admission:
@@ -234,6 +272,15 @@ class Admission:
         self._sequences_held: Counter[str] = Counter()
         # requests and bytes each tenant ("" anonymous) has in flight in this process (its share)
         self.inflight: dict[str, list[int]] = {}
+        # a model whose config bounds its queue at the services (max_queue_size): the requests its
+        # replicas queue and run at once, 0 = unbounded (gateway/core.py:GatewayCore.queue_room;
+        # None: no such bound is looked up); what each (tenant, model) has in flight of that room
+        self.queue_room: Callable[[str, str], int] | None = None
+        self.queued: Counter[tuple[str, str]] = Counter()
+        # the same for a sequence model's slots (the sequences its replicas hold at once), and per
+        # (tenant, model) its sequences in use: sequence -> when last used (oldest first)
+        self.sequence_room: Callable[[str, str], int] | None = None
+        self._live: dict[tuple[str, str], dict[str, float]] = {}
 
     def share_of(self, tenant: str) -> float:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
@@ -260,20 +307,23 @@ class Admission:
         size = len(raw) if raw is not None else ctx.nbytes
         if tenant is None:  # anonymous (allowed by the file): one share between them, no quota
             share = tenants.share_of("")
-            self._take_share("", share, size, request.model_name)
+            model = request.model_name if self._take_share("", share, size, request.model_name,
+                                                            request.model_version) else None
             if sequence is not None:
                 try:
                     self._bind_sequence("", share, request, sequence, sequence_idle_s)
                 except BaseException:
-                    self._give_share("", size)
+                    self._give_share("", size, model)
                     raise
-            return Admitted("", "", size)
+            CALLER.set(("", share))
+            return Admitted("", "", size, model)
         name = tenant.name
         if not tenant.may_call(request.model_name):
             raise InferError(Code.PERMISSION_DENIED,
                              f"tenant '{name}' may not call model '{request.model_name}'")
         share = tenant.share if tenant.share is not None else tenants.spec.share
-        self._take_share(name, share, size, request.model_name)
+        model = request.model_name if self._take_share(name, share, size, request.model_name,
+                                                        request.model_version) else None
         lease = ctx.time_remaining() or 0.0
         try:
             try:
@@ -293,17 +343,20 @@ class Admission:
                     await self._release_ticket(name, ticket)
                     raise
         except BaseException:
-            self._give_share(name, size)
+            self._give_share(name, size, model)
             raise
         if tenant.priority is not None and "priority" not in request.parameters:
             request.parameters["priority"].uint64_param = tenant.priority
             ctx.raw = None  # the forwarded bytes must carry the new parameter
-        return Admitted(name, ticket, size)
+        CALLER.set((name, share))
+        return Admitted(name, ticket, size, model)
 
-    def _take_share(self, tenant: str, share: float, size: int, model: str) -> None:
+    def _take_share(self, tenant: str, share: float, size: int, model: str, version: str) -> bool:
         """Count one request of ``size`` bytes against the tenant's share of this process's
         --max-inflight / --max-inflight-bytes (an unbounded cap has no share); 429 past it. As
-        the process-wide gate, a tenant with nothing in flight is admitted whatever the size."""
+        the process-wide gate, a tenant with nothing in flight is admitted whatever the size.
+        For a model whose queue its services bound (``queue_room``), its share of that room too:
+        True when the request is counted there (``_give_share`` gives it back)."""
         held = self.inflight.get(tenant)
         if held is None:
             held = self.inflight[tenant] = [0, 0]
@@ -325,8 +378,22 @@ class Admission:
                     f"{who} has {held[1]} bytes of inference requests in flight; this one's {size} would pass its "
                     f"share ({share:g} of {flag('max_inflight_bytes')} {gate.max_bytes}: {cap}); request for model "
                     f"'{model}' refused, retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+        room_of = self.queue_room
+        queued = False
+        if room_of is not None and (room := room_of(model, version)):
+            cap = tenant_cap(room, share)
+            key = (tenant, model)
+            if self.queued[key] >= cap:
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {self.queued[key]} requests for model '{model}' in flight, its share ({share:g} of "
+                    f"the {room} its replicas queue and run at once (max_queue_size): {cap}); retry later",
+                    retry_after_s=gate_module.RETRY_AFTER_S)
+            self.queued[key] += 1
+            queued = True
         held[0] += 1
         held[1] += size
+        return queued
 
     def _bind_sequence(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str,
                        idle_s: float) -> None:
@@ -342,22 +409,32 @@ class Admission:
                              f"{who} may not use sequence {sequence[2:]} of model '{request.model_name}': another "
                              "tenant's sequence with that id is in progress")
         params = request.parameters
+        model = request.model_name
         if "sequence_end" in params and params["sequence_end"].bool_param:
             if bound is not None:  # its last request: the id is free once it has run (turns keep the order)
                 del self.sequences[key]
                 self._sequences_held[bound[0]] -= 1
+                self._unlive(bound[0], model, sequence)
             return
         lapses = now + max(SEQUENCE_BINDING_MIN_S, 2 * idle_s)
         if bound is not None and bound[0] == tenant:
             bound[1] = lapses
+            live = self._live.get((tenant, model))
+            if live is not None and live.pop(sequence, None) is not None:
+                live[sequence] = now  # (to the end: the most recently used)
+            else:  # (its slot was counted idle: it holds one again)
+                self._take_slot(tenant, share, request, sequence, idle_s, now)
             return
+        self._take_slot(tenant, share, request, sequence, idle_s, now)
         if bound is not None:  # lapsed: the other tenant's sequence is over
             self._sequences_held[bound[0]] -= 1
+            self._unlive(bound[0], model, sequence)
         elif len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= tenant_cap(MAX_SEQUENCES, share):
             self._sweep_sequences(now)
             cap = tenant_cap(MAX_SEQUENCES, share)
             if len(self.sequences) >= MAX_SEQUENCES or self._sequences_held[tenant] >= cap:
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
+                self._unlive(tenant, model, sequence)
                 raise InferError.exhausted(
                     f"{who} has {self._sequences_held[tenant]} sequences in progress (its share: {cap} of the "
                     f"{MAX_SEQUENCES} this gateway tracks, {len(self.sequences)} in progress); end one or retry later",
@@ -365,23 +442,68 @@ class Admission:
         self.sequences[key] = [tenant, lapses]
         self._sequences_held[tenant] += 1
 
+    def _take_slot(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str, idle_s: float,
+                   now: float) -> None:
+        """A sequence of a model whose services hold a bounded number of live sequences
+        (``sequence_room``) takes one of the tenant's share of them: at most max(1, room x share)
+        used within twice the model's idle timeout (older ones the service has let go); 429 past it."""
+        room_of = self.sequence_room
+        if room_of is None:
+            return
+        model = request.model_name
+        room = room_of(model, request.model_version)
+        if not room:
+            return
+        live = self._live.get((tenant, model))
+        if live is None:
+            live = self._live[(tenant, model)] = {}
+        cap = tenant_cap(room, share)
+        if len(live) >= cap:
+            idle_since = now - 2 * idle_s
+            for old in [k for k, used in live.items() if used < idle_since]:  # (at most cap entries)
+                del live[old]
+            if len(live) >= cap:
+                who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+                self.rejections[(tenant or "(anonymous)", "share")] += 1
+                raise InferError.exhausted(
+                    f"{who} has {len(live)} sequences of model '{model}' in progress, its share ({share:g} of the "
+                    f"{room} its replicas hold at once: {cap}); end one or retry later",
+                    retry_after_s=gate_module.RETRY_AFTER_S)
+        live[sequence] = now
+
+    def _unlive(self, tenant: str, model: str, sequence: str) -> None:
+        live = self._live.get((tenant, model))
+        if live is not None:
+            live.pop(sequence, None)
+            if not live:
+                del self._live[(tenant, model)]
+
     def _sweep_sequences(self, now: float) -> None:
         for key, (tenant, lapses) in list(self.sequences.items()):
             if lapses <= now:
                 del self.sequences[key]
                 self._sequences_held[tenant] -= 1
+                self._unlive(tenant, key[0], key[1])
 
-    def _give_share(self, tenant: str, size: int) -> None:
+    def _give_share(self, tenant: str, size: int, model: str | None) -> None:
         held = self.inflight[tenant]
         held[0] -= 1
         held[1] -= size
         if not held[0]:
             del self.inflight[tenant]
+        if model is not None:
+            key = (tenant, model)
+            left = self.queued[key] - 1
+            if left:
+                self.queued[key] = left
+            else:
+                del self.queued[key]
 
     async def release(self, admitted: Admitted | None) -> None:
         if admitted is None:
             return
-        self._give_share(admitted.tenant, admitted.size)
+        CALLER.set(None)  # (the task may serve another request next: its admission names its own)
+        self._give_share(admitted.tenant, admitted.size, admitted.queued)
         if admitted.ticket:
             await self._release_ticket(admitted.tenant, admitted.ticket)
 

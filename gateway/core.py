@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
-from gateway import pipeline
+from gateway import auth, pipeline
 from gateway.auth import Admission
 from gateway.cache import FAMILIES as CACHE_FAMILIES
 from gateway.cache import CacheConfig, CacheStage, FrontDoor, LocalCache, RedisCache
@@ -85,6 +85,41 @@ GATEWAY_FAMILIES = {
 }
 
 
+MAX_MODEL_LABELS = 4096  # (model, outcome) keys of the request counts before unknown names are folded
+OTHER_MODELS = "(other)"  # the label they are folded into
+
+
+class RequestCounts(Counter[tuple[str, str]]):
+    """``meshserve_gateway_requests_total``'s counts by (model, outcome). Every name that passed
+    the name check is counted, and a client can make names up (a model that does not exist, one
+    its tenant may not call: 404 / 403), each a new key and a new /metrics line for ever. So once a
+    new key would pass ``limit``, the names this gateway does not serve (``known``) are folded
+    into the model label ``"(other)"`` (their counts kept, summed); were every name known the bound
+    doubles. A key already counted costs what a Counter's does (the fold runs from
+    ``__missing__``, on a new key past the bound only)."""
+
+    def __init__(self, known: Callable[[str], bool], limit: int = MAX_MODEL_LABELS):
+        super().__init__()
+        self.known = known
+        self.limit = limit
+
+    def __missing__(self, key: tuple[str, str]) -> int:
+        if len(self) >= self.limit:
+            folded: Counter[tuple[str, str]] = Counter()
+            kept = {}
+            for (model, outcome), n in self.items():
+                if model == OTHER_MODELS or not self.known(model):
+                    folded[(OTHER_MODELS, outcome)] += n
+                else:
+                    kept[(model, outcome)] = n
+            self.clear()
+            dict.update(self, kept)
+            dict.update(self, folded)
+            if len(self) >= self.limit // 2:  # mostly names it serves: room for more
+                self.limit = 2 * len(self)
+        return 0
+
+
 class GatewayCore:
     def __init__(self, upstreams: list[str], discovery_interval_s: float = 2.0, coalesce_inflight: int = 2,
                  admission: Admission | None = None, pool: ReplicaPool | None = None,
@@ -100,7 +135,8 @@ class GatewayCore:
         self.replicas = self.upstream.replicas  # one list, updated in place as replicas come and go
         self.discovery = self.upstream.discovery
         self._draining = False
-        self.request_counts: Counter[tuple[str, str]] = Counter()  # (model, outcome): pipeline.Outcomes
+        # (model, outcome): pipeline.Outcomes; names this gateway does not serve folded past a bound
+        self.request_counts: Counter[tuple[str, str]] = RequestCounts(self._known)
         # Full batches (max_batch_size rows per instance) in flight per model and healthy replica
         # before requests wait in the gateway (coalesce.py; 0 disables coalescing).
         # A merge stays within the services' message limit (assumed the same as ours: --max-request-bytes).
@@ -108,6 +144,11 @@ class GatewayCore:
         self.turns = SequenceTurns()
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
+        # with tenants: each tenant's share of a model's queue and sequence slots at its services
+        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, int, int]] = {}
+        if admission is not None:
+            admission.queue_room = self.queue_room
+            admission.sequence_room = self.sequence_room
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
         # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
@@ -187,6 +228,45 @@ class GatewayCore:
             await self.cache.close()
 
     # ---- V2Core -----------------------------------------------------------------------
+    def _known(self, name: str) -> bool:
+        """A model name this gateway serves or can serve (its services', an ensemble's, a route's,
+        the model mesh's catalog): its request counts keep their own label."""
+        if name in self.discovery.table.models:
+            return True
+        if self.ensembles is not None and name in self.ensembles:
+            return True
+        if self.routes is not None and self.routes.lookup(name) is not None:
+            return True
+        return self.placement is not None and name in self.placement.catalog
+
+    def queue_room(self, name: str, version: str) -> int:
+        """The requests for (name, version) its replicas queue and run at once before refusing
+        (gateway/auth.py:queue_room; 0: its config bounds no queue, or it is not served here: an
+        ensemble, a route)."""
+        return self._room(name, version, 0)
+
+    def sequence_room(self, name: str, version: str) -> int:
+        """The live sequences of (name, version) its replicas hold at once
+        (gateway/auth.py:sequence_room; 0: unbounded, or not served here)."""
+        return self._room(name, version, 1)
+
+    def _room(self, name: str, version: str, which: int) -> int:
+        """``queue_room`` (0) or ``sequence_room`` (1), kept per config and replica count."""
+        config = self.discovery.config_for(name, version)
+        if config is None:
+            return 0
+        routes = self.discovery.table.models.get(name)
+        served = int(version) if version else self.discovery.served_version(name)
+        replicas = len(routes.versions.get(served, ())) if routes is not None and served is not None else 1
+        kept = self._rooms.get((name, version))
+        if kept is None or kept[0] is not config or kept[1] != replicas:
+            if len(self._rooms) >= 4096:  # (names of models served here; a new config replaces its entry)
+                self._rooms.clear()
+            instances = sum(max(1, g.count) for g in config.instance_group) or 1
+            kept = self._rooms[(name, version)] = (config, replicas, auth.queue_room(config, replicas),
+                                                   auth.sequence_room(config, instances, replicas))
+        return kept[2 + which]
+
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
         """The access table (meshserve.server.access) applied to the caller's key; without
         --tenants every call is allowed."""

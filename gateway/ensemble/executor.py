@@ -1,6 +1,7 @@
 """Run a compiled ensemble plan: a step fires the moment its inputs exist, so independent
 branches run concurrently; tensors stay bytes between steps; the first failing step fails the
-request with that step's model and status; a semaphore bounds step calls in flight. A run
+request with that step's model and status; StepSlots bounds step calls in flight (with tenants,
+one tenant's at most its share). A run
 reports when its first step left and how long its steps took (StepTimes: the ensemble's
 statistics).
 
@@ -17,9 +18,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from gateway.auth import CALLER
 from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
+from meshserve.server.admission import tenant_cap
 from meshserve.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -61,10 +64,48 @@ class _Round:
     answered: bool = False
 
 
+class StepSlots:
+    """At most ``cap`` step calls at once, all ensembles together (--ensemble-max-inflight-steps);
+    with tenants, one tenant's steps (the admitted request's: gateway/auth.py:CALLER) at most
+    max(1, cap x its share): its further steps wait in a line of its own, so that another
+    tenant's steps find the rest of the slots (a tenant's share of --max-inflight times an
+    ensemble's parallel steps can be every slot). Without tenants one line, as before."""
+
+    __slots__ = ("cap", "all", "tenants")
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.all = asyncio.Semaphore(cap)
+        # (tenant, share) -> the slots it may hold: one per tenant of the file (and share it had)
+        self.tenants: dict[tuple[str, float], asyncio.Semaphore] = {}
+
+    async def take(self) -> asyncio.Semaphore | None:
+        """A slot (waiting for one); the tenant's own semaphore, to give back with it."""
+        who = CALLER.get()
+        own = None
+        if who is not None:
+            own = self.tenants.get(who)
+            if own is None:
+                own = self.tenants[who] = asyncio.Semaphore(tenant_cap(self.cap, who[1]))
+            await own.acquire()
+        try:
+            await self.all.acquire()
+        except BaseException:
+            if own is not None:
+                own.release()
+            raise
+        return own
+
+    def give(self, own: asyncio.Semaphore | None) -> None:
+        self.all.release()
+        if own is not None:
+            own.release()
+
+
 class EnsembleExecutor:
     def __init__(self, upstream: Upstream, max_inflight_steps: int = DEFAULT_MAX_INFLIGHT_STEPS):
         self._upstream = upstream
-        self._slots = asyncio.Semaphore(max_inflight_steps)
+        self._slots = StepSlots(max_inflight_steps)
         self.max_inflight_steps = max_inflight_steps
         # the gateway's response cache (--cache-config): a step whose model's config enables it
         # is answered from it (gateway/cache.py:CacheStage.step); None: every step is sent
@@ -200,8 +241,11 @@ class EnsembleExecutor:
             answers = cast(AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None],
                            self._upstream.stream(req, None, timeout, affinity))
             async with contextlib.aclosing(answers):
-                async with self._slots:  # (held until its first response: the call is open then)
+                own = await self._slots.take()  # (held until its first response: the call is open then)
+                try:
                     first = await anext(answers, None)
+                finally:
+                    self._slots.give(own)
                 response: tuple[pb.ModelInferResponse | None, bool] | None = first
                 while response is not None:
                     if response[0] is not None:
@@ -228,13 +272,16 @@ class EnsembleExecutor:
             return placed.resend(step.model, step.version, lambda: _left(deadline),
                                  lambda: self._upstream.send(r, None, t, affinity))
 
-        async with self._slots:
+        own = await self._slots.take()
+        try:
             timeout = self._remaining(plan, step, deadline)
             with _StepCall(plan, step, times):
                 if self.step_cache is None:
                     resp = await send(req, timeout)
                 else:
                     resp = await self.step_cache.step(req, timeout, affinity, send)
+        finally:
+            self._slots.give(own)
         return _outputs(plan, step, resp)
 
     async def _ready(self, plan: Plan, step: Step, deadline: float | None) -> Placement | None:

@@ -12,7 +12,11 @@ The body goes to the worker as the chunks it arrived in (the pipe writes release
 remains on this side is one protobuf parse of the decoded request (memcpy speed).
 
 The worker decodes one body at a time, and restarts itself when its resident memory exceeds
-WORKER_RSS_LIMIT after a job, so the memory a huge JSON document needed is given back.
+WORKER_RSS_LIMIT after a job, so the memory a huge JSON document needed is given back. The
+bodies waiting for it wait in a line per tenant (with a gateway's --tenants; one line without),
+the lines served round-robin (`meshserve/server/inflate.py:Turns`, as the inflating turns): one
+tenant's flood of large bodies delays another tenant's body by one of its decodes, not by its
+whole line (docs/security.md, "Session 13: every shared cap and its tenant share").
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -33,6 +37,7 @@ from typing import IO, Any
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec
 from meshserve.protocol.errors import Code, InferError, internal_error
+from meshserve.server.inflate import Turns
 
 log = logging.getLogger("meshserve.http")
 
@@ -97,16 +102,21 @@ class BodyWorker:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = asyncio.Lock()
+        self._turns = Turns()  # one body at a time; who waits, in a line per tenant
         self._io = ThreadPoolExecutor(1, thread_name_prefix="meshserve-body-worker")
         self._guard = threading.Lock()
 
-    async def call(self, fn_name: str, body: Body, *args: Any) -> Any:
+    async def call(self, fn_name: str, body: Body, *args: Any, tenant: Hashable = None) -> Any:
         """FUNCTIONS[fn_name](body, *args) in the worker; its InferError is raised here.
-        `body` may be a list of chunks (sent one after the other: never joined here)."""
-        async with self._lock:
+        `body` may be a list of chunks (sent one after the other: never joined here). ``tenant``:
+        the body's (None without tenants), whose line it waits in for its turn."""
+        turns = self._turns
+        await turns.take(tenant)
+        try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._io, self._call_sync, fn_name, body, args)
+        finally:
+            turns.give()
 
     def _start(self) -> subprocess.Popen[bytes]:
         root = str(Path(__file__).resolve().parents[2])  # the tree this meshserve runs from

@@ -26,7 +26,7 @@ from typing import Any
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
-from meshserve.server import admission, body_worker, http1, observe, shm, tls
+from meshserve.server import admission, body_worker, http1, inflate, observe, shm, tls
 from meshserve.server.access import HTTP_ROUTES, Grant, Op, Rule
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.http1 import Answer, Request, Stream
@@ -76,12 +76,15 @@ def _inline(chunks: list[bytes], size: int | None = None) -> bool:
     return (sum(map(len, chunks)) if size is None else size) <= body_worker.OFFLOAD_BYTES
 
 
-async def _decode(fn: Any, chunks: list[bytes], *args: Any, size: int | None = None) -> Any:
+async def _decode(request: Request, fn: Any, chunks: list[bytes], *args: Any, size: int | None = None) -> Any:
     """fn(body, *args) (an http_codec parser): in place when the JSON to decode is small
-    (_inline), else in the body worker process, off this event loop."""
+    (_inline), else in the body worker process, off this event loop, in the line of the
+    request's tenant (with tenants: one tenant's large bodies do not hold another's back)."""
     if _inline(chunks, size):
         return fn(_joined(chunks), *args)
-    return await body_worker.worker().call(fn.__name__, chunks, *args)
+    who = None if inflate.tenant_of is None else \
+        inflate.caller(text_headers(request.lower), request.conn.transport, tls.cert_names_http)
+    return await body_worker.worker().call(fn.__name__, chunks, *args, tenant=None if who is None else who[0])
 
 
 class HttpFrontend:
@@ -191,7 +194,7 @@ class HttpFrontend:
         if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
             infer_request, plan, raw = http_codec.parse_infer(_joined(body), header_length, name, version)
         else:
-            infer_request = await _decode(http_codec.parse_infer_request, body, header_length, name, version,
+            infer_request = await _decode(request, http_codec.parse_infer_request, body, header_length, name, version,
                                           size=header_length)
         ctx.raw = raw
         ctx.nbytes = sum(map(len, body))
@@ -250,7 +253,7 @@ class HttpFrontend:
         core = self.core
         body = await request.read_body()
         metadata = await core.model_metadata(name, version)
-        infer_request = await _decode(generate_codec.parse_generate_request, body, name, version,
+        infer_request = await _decode(request, generate_codec.parse_generate_request, body, name, version,
                                       metadata.SerializeToString())
         ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
         answers = observe.infer_stream(core, infer_request, ctx)
@@ -308,14 +311,14 @@ class HttpFrontend:
 
     async def trace_setting(self, request: Request, p: Params, grant: Grant) -> Answer:
         """GET/POST /v2[/models/{m}]/trace/setting (the trace extension)."""
-        changes = await _decode(http_codec.parse_trace_settings, await request.read_body()) \
+        changes = await _decode(request, http_codec.parse_trace_settings, await request.read_body()) \
             if request.method == "POST" else None
         return _json_response(http_codec.trace_settings_to_json(
             await observe.trace_setting(self.core, p.get("m", ""), changes)))
 
     async def log_setting(self, request: Request, p: Params, grant: Grant) -> Answer:
         """GET/POST /v2/logging (the logging extension)."""
-        changes = await _decode(http_codec.parse_json_object, await request.read_body(), "log settings") \
+        changes = await _decode(request, http_codec.parse_json_object, await request.read_body(), "log settings") \
             if request.method == "POST" else None
         return _json_response(observe.log_setting(changes))
 
@@ -353,18 +356,18 @@ class HttpFrontend:
 
     # the repository extension (meshserve serves one repository per process: {r} is not read)
     async def repository_index(self, request: Request, p: Params, grant: Grant) -> Answer:
-        ready = await _decode(http_codec.parse_index_request, await request.read_body())
+        ready = await _decode(request, http_codec.parse_index_request, await request.read_body())
         idx = grant.filter(await self.core.repository_index(ready))
         return _json_response(http_codec.repository_index_to_json(idx))
 
     async def load(self, request: Request, p: Params, grant: Grant) -> Answer:
         body = await request.read_body()
-        await self.core.load_model(p["m"], await _decode(http_codec.parse_load_request, body), self._control(request))
+        await self.core.load_model(p["m"], await _decode(request, http_codec.parse_load_request, body), self._control(request))
         return _empty(200)
 
     async def unload(self, request: Request, p: Params, grant: Grant) -> Answer:
         body = await request.read_body()
-        await self.core.unload_model(p["m"], await _decode(http_codec.parse_unload_request, body),
+        await self.core.unload_model(p["m"], await _decode(request, http_codec.parse_unload_request, body),
                                      self._control(request))
         return _empty(200)
 

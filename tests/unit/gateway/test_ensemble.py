@@ -172,3 +172,39 @@ async def test_bad_inputs_are_client_errors() -> None:
     req.outputs.add(name="NOPE")
     with pytest.raises(InferError, match="no output 'NOPE'"):
         await EnsembleExecutor(upstream).run(plan, req, timeout=5)
+
+
+async def test_a_tenants_steps_hold_at_most_its_share_of_the_step_slots() -> None:
+    """StepSlots(4): mallory (share 0.5) holds 2 and its third waits in its own line; acme still
+    takes the other 2 at once; mallory's third runs when one of its own ends (not acme's).
+    Without tenants (CALLER unset) every slot is anyone's, as before."""
+    import asyncio
+    import contextvars
+
+    from gateway.auth import CALLER
+    from gateway.ensemble.executor import StepSlots
+
+    slots = StepSlots(4)
+
+    def as_tenant(who: tuple[str, float] | None) -> contextvars.Context:
+        ctx = contextvars.copy_context()
+        ctx.run(CALLER.set, who)
+        return ctx
+
+    loop = asyncio.get_running_loop()
+    mallory = [loop.create_task(slots.take(), context=as_tenant(("mallory", 0.5))) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert [t.done() for t in mallory] == [True, True, False]
+    acme = [loop.create_task(slots.take(), context=as_tenant(("acme", 0.5))) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert all(t.done() for t in acme) and not mallory[2].done()
+    slots.give(acme[0].result())
+    await asyncio.sleep(0)
+    assert not mallory[2].done()  # acme's slot is free, but mallory holds its share
+    slots.give(mallory[0].result())
+    await asyncio.wait_for(mallory[2], 1)
+    for t in (mallory[1], mallory[2], acme[1]):
+        slots.give(t.result())
+    anyone = StepSlots(4)
+    held = [await loop.create_task(anyone.take(), context=as_tenant(None)) for _ in range(4)]
+    assert held == [None] * 4 and anyone.all.locked()

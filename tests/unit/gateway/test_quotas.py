@@ -198,6 +198,52 @@ tenants:
     await adm.release(first)
 
 
+async def test_each_tenant_holds_at_most_its_share_of_a_models_queue(tmp_path: Path) -> None:
+    """A model whose config bounds its queue (max_queue_size): a tenant holds at most
+    max(1, room * share) of the requests its replicas queue and run at once (queue + max_batch_size
+    x instances, per replica), 429 naming the share past it, given back when a request ends or
+    fails to be admitted; a model without the bound, another model and another tenant are not
+    counted against it."""
+    from google.protobuf import text_format
+
+    from gateway.auth import queue_room
+    from meshserve._proto import model_config_pb2 as mc
+
+    def config(text: str) -> mc.ModelConfig:
+        return text_format.Parse(text, mc.ModelConfig())
+
+    bounded = config('name: "q" max_batch_size: 2 dynamic_batching { default_queue_policy { max_queue_size: 4 } } '
+                     'instance_group [ { count: 2 } ]')
+    assert queue_room(bounded, 1) == 4 + 2 * 2 and queue_room(bounded, 3) == 3 * 8
+    assert queue_room(config('name: "b" max_batch_size: 8 dynamic_batching { }'), 2) == 0
+    assert queue_room(config('name: "p" max_batch_size: 0'), 1) == 0
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: acme, keys_sha256: ["{hash_key('acme-key')}"], rate: 1000, burst: 1000}}
+  - {{name: mallory, keys_sha256: ["{hash_key('mallory-key')}"], rate: 1000, burst: 1000}}
+""")
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+    adm.queue_room = lambda model, version: queue_room(bounded, 1) if model == "q" else 0  # 8: a share of 4
+
+    def ctx(key: str) -> RequestContext:
+        return RequestContext("grpc", {"x-api-key": key}, raw=b"x")
+
+    q, other = pb.ModelInferRequest(model_name="q"), pb.ModelInferRequest(model_name="other")
+    held = [await adm.admit(q, ctx("mallory-key")) for _ in range(4)]
+    with pytest.raises(InferError) as err:
+        await adm.admit(q, ctx("mallory-key"))
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert "tenant 'mallory' has 4 requests for model 'q' in flight, its share (0.5 of the 8" in err.value.message
+    held += [await adm.admit(other, ctx("mallory-key")), await adm.admit(q, ctx("acme-key"))]
+    await adm.release(held.pop(0))
+    held.append(await adm.admit(q, ctx("mallory-key")))
+    assert adm.queued == {("mallory", "q"): 4, ("acme", "q"): 1}
+    for a in held:
+        await adm.release(a)
+    assert adm.queued == {} and adm.inflight == {}
+
+
 def test_the_transport_names_the_caller_and_its_share_from_the_headers_alone(tmp_path: Path) -> None:
     """Admission.caller: what a compressed body's inflated bytes are counted against before the
     request is parsed (meshserve/server/inflate.py): the key's tenant and share, the anonymous
@@ -273,6 +319,55 @@ tenants:
         await call("b-key", seq="i:3")
     assert err.value.code is Code.RESOURCE_EXHAUSTED and "sequences in progress" in err.value.message
     assert len(adm.sequences) <= 4 and adm.inflight == {}
+
+
+async def test_each_tenant_holds_at_most_its_share_of_a_models_sequence_slots(tmp_path: Path) -> None:
+    """A sequence model whose services hold 4 live sequences (sequence_room): a tenant's new
+    sequences take at most max(1, 4 x 0.5) = 2 of them (429 naming the share past it); its own go
+    on; an ended one, or one unused for twice the model's idle timeout (the service has let it
+    go), gives its slot back; another tenant's and another model's are not counted."""
+    from google.protobuf import text_format
+
+    from gateway.auth import sequence_room
+    from meshserve._proto import model_config_pb2 as mc
+
+    direct = text_format.Parse('name: "s" max_batch_size: 2 sequence_batching { direct { } }', mc.ModelConfig())
+    oldest = text_format.Parse('name: "o" max_batch_size: 8 sequence_batching { oldest { max_candidate_sequences: 3 } }',
+                               mc.ModelConfig())
+    assert sequence_room(direct, 2, 1) == 4 and sequence_room(direct, 1, 3) == 6 and sequence_room(oldest, 4, 2) == 6
+    assert sequence_room(text_format.Parse('name: "u" sequence_batching { oldest { } }', mc.ModelConfig()), 1, 1) == 0
+    assert sequence_room(mc.ModelConfig(name="plain"), 1, 1) == 0
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: a, keys_sha256: ["{hash_key('a-key')}"], rate: 1000, burst: 1000}}
+  - {{name: b, keys_sha256: ["{hash_key('b-key')}"], rate: 1000, burst: 1000}}
+""")
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock=clock), MemoryQuotaStore(clock=clock), clock=clock)
+    adm.sequence_room = lambda model, version: 4 if model == "s" else 0
+
+    async def call(key: str, seq: int, model: str = "s", end: bool = False) -> None:
+        r = pb.ModelInferRequest(model_name=model)
+        if end:
+            r.parameters["sequence_end"].bool_param = True
+        await adm.release(await adm.admit(r, RequestContext("grpc", {"x-api-key": key}), f"i:{seq}", 1.0))
+
+    await call("b-key", 1)
+    await call("b-key", 2)
+    with pytest.raises(InferError) as err:
+        await call("b-key", 3)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert "tenant 'b' has 2 sequences of model 's' in progress, its share (0.5 of the 4" in err.value.message
+    await call("b-key", 2)  # its own go on
+    await call("b-key", 3, model="other")  # another model's
+    await call("a-key", 4)
+    await call("a-key", 5)  # a's own share
+    await call("b-key", 1, end=True)
+    await call("b-key", 6)  # the ended one's slot
+    clock.t += 2.5  # unused for twice the idle timeout of 1 s: let go at the service
+    await call("b-key", 7)
+    assert set(adm._live[("b", "s")]) == {"i:7"}
 
 
 def test_certificate_names_name_a_tenant_only_when_verified() -> None:

@@ -1,6 +1,7 @@
 """The body worker process: same results and errors as decoding in place; survives its own end."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -51,3 +52,21 @@ async def test_a_worker_that_died_is_replaced(worker: BodyWorker) -> None:
     worker._proc.kill()
     worker._proc.wait()
     assert await worker.call("parse_index_request", b'{"ready": 1}') is True  # a fresh process
+
+
+async def test_bodies_wait_in_a_line_per_tenant_served_round_robin(worker: BodyWorker) -> None:
+    """Six bodies of one tenant, then one of another: the other's is decoded after at most two of
+    the first's (the one running and the next of its line), not after the whole line (it was
+    last, first come first served); without tenants (None) one line, in arrival order."""
+    order: list[tuple[object, int]] = []
+
+    async def one(tenant: object, i: int) -> None:
+        assert await worker.call("parse_index_request", b'{"ready": true}', tenant=tenant) is True
+        order.append((tenant, i))
+
+    await asyncio.gather(*[one("mallory", i) for i in range(6)], one("acme", 0))
+    assert order.index(("acme", 0)) <= 2, order
+    assert [i for t, i in order if t == "mallory"] == list(range(6))  # in order within a tenant
+    order.clear()
+    await asyncio.gather(*[one(None, i) for i in range(4)])
+    assert order == [(None, i) for i in range(4)]
