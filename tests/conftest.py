@@ -117,6 +117,20 @@ def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = Non
     return p
 
 
+def take_down(service: Proc, gateway: Proc, timeout: float = 20) -> None:
+    """``service`` goes down behind ``gateway`` as a stopped one does: SIGTERM (its health watch
+    says NOT_SERVING, it stops listening), and once the gateway's log says the replica left its
+    pool, SIGKILL, so the test goes on with the process gone. Not ``service.stop()``: the drain
+    would wait out the grace period (10 s) for the gateway's hop streams, which stay open."""
+    from tests.support import eventually
+
+    left = f"replica {service.grpc} left the pool"
+    service.proc.send_signal(signal.SIGTERM)
+    eventually(lambda: any(left in line for line in list(gateway.output)), timeout,
+               what=f"the gateway's word that {service.grpc} left the pool")
+    service.stop(signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def model_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.models.generate import build
