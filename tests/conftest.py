@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -105,16 +106,50 @@ def start(args: list[str], timeout: float = 90, env: dict[str, str] | None = Non
     by hand authenticate their hop and keep its extras: merged counts, coalescer waits, deadlines,
     traces across the hop; docs/security.md, "The authenticated hop") unless ``env`` names
     another (or "": none, ``env={HOP_KEY_ENV: ""}``)."""
+    return _ready(*_launch(args, env, module), timeout)
+
+
+def start_all(*argss: list[str], timeout: float = 90) -> list[Proc]:
+    """``start`` each of ``argss`` side by side: all are launched, then waited for, so that their
+    start-ups overlap (one that imports torch, one that spawns python workers, ...). If one does
+    not become ready, all are stopped."""
+    launched = [_launch(args, None, "meshserve") for args in argss]
+    try:
+        return [_ready(p, ready, timeout) for p, ready in launched]
+    except BaseException:
+        for p, _ in launched:
+            p.stop(signal.SIGKILL)
+        raise
+
+
+def _launch(args: list[str], env: dict[str, str] | None, module: str) -> tuple[Proc, threading.Event]:
     argv = [sys.executable, "-m", module, *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             cwd=ROOT, env={**os.environ, HOP_KEY_ENV: str(hop_key_file()), **(env or {})},
                             start_new_session=True)
     p = Proc(argv, proc)
-    ready = follow_ready(proc, p.ports, p.output.append)
+    return p, follow_ready(proc, p.ports, p.output.append)
+
+
+def _ready(p: Proc, ready: threading.Event, timeout: float) -> Proc:
     if not ready.wait(timeout) or not p.ports:
         p.stop(signal.SIGKILL)
-        raise RuntimeError(f"{' '.join(args)} did not become ready in {timeout}s:\n{p.log()}")
+        raise RuntimeError(f"{' '.join(p.argv[3:])} did not become ready in {timeout}s:\n{p.log()}")
     return p
+
+
+def take_down(service: Proc, gateway: Proc, timeout: float = 20) -> None:
+    """``service`` goes down behind ``gateway`` as a stopped one does: SIGTERM (its health watch
+    says NOT_SERVING, it stops listening), and once the gateway's log says the replica left its
+    pool, SIGKILL, so the test goes on with the process gone. Not ``service.stop()``: the drain
+    would wait out the grace period (10 s) for the gateway's hop streams, which stay open."""
+    from tests.support import eventually
+
+    left = f"replica {service.grpc} left the pool"
+    service.proc.send_signal(signal.SIGTERM)
+    eventually(lambda: any(left in line for line in list(gateway.output)), timeout,
+               what=f"the gateway's word that {service.grpc} left the pool")
+    service.stop(signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

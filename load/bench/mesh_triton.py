@@ -50,6 +50,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT.parent / "shared" / "bench"
 LOAD_TIMEOUT_S = 120.0
 STOP_AFTER_FAILURES = 5  # consecutive failed loads that end the load phase (the cap is reached)
+# tritonserver's --exit-timeout-secs (its default: 30): how long its exit waits for models to
+# unload. A model whose stub the cap OOM-killed never does, so at the default every "out of
+# memory" run ended with 30 s of "Found 1 live models" before tritonserver exited; the mix is
+# over by then, nothing is in flight
+EXIT_TIMEOUT_S = 2
 
 
 # ---- the repository Triton serves --------------------------------------------------------------
@@ -254,7 +259,8 @@ class Triton:
         argv = [str(binary), f"--model-repository={repo}", f"--backend-directory={work / 'backends'}",
                 "--model-control-mode=explicit", "--http-address=127.0.0.1", f"--http-port={self.http_port}",
                 "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}", "--metrics-address=127.0.0.1",
-                f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--log-verbose=0"]
+                f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--log-verbose=0",
+                f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
         self.log = work / "tritonserver.log"
         # the shell joins the cgroup, then becomes tritonserver: every stub it starts is inside
         # (its own process group: stop() waits out the python stubs it starts too, procs.stop_process)

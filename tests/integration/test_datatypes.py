@@ -22,7 +22,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Proc, _wait_http_ready, start, start_all
 from tests.models.tensors import (
     ONNX_TYPES,
     TORCH_TYPES,
@@ -133,14 +133,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              "python": build_python_identities(base / "python")}
     procs: list[Proc] = []
     try:
-        services = {}
+        argss = []
         for kind in KINDS:
             args = ["service", kind, "--repository", str(repos[kind]), "--grpc-port", "0", "--http-port", "0",
                     "--model-control-mode", "explicit"]
             for dt in served(kind):
                 args += ["--load-model", model_name(kind, dt)]
-            services[kind] = start(args, timeout=180)
-            procs.append(services[kind])
+            argss.append(args)
+        procs += start_all(*argss, timeout=180)
+        services = dict(zip(KINDS, procs, strict=True))
         upstreams = [a for kind in KINDS for a in ("--upstream", services[kind].grpc)]
         gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", *upstreams])
         procs.append(gateway)

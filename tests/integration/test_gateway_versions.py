@@ -9,7 +9,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import _wait_http_ready, start
+from tests.conftest import _wait_http_ready, start, take_down
 from tests.support import eventually
 
 PROTOCOLS = {"http": (httpclient, "404", "503"), "grpc": (grpcclient, "StatusCode.NOT_FOUND",
@@ -42,7 +42,7 @@ def test_version_known_but_not_served_is_503_naming_it(model_repo: Path) -> None
             assert _infer(proto, url, "2").tolist() == [[2.0] * 4]
             status, msg = _status(proto, url, "7")
             assert status == PROTOCOLS[proto][1] and "version 7" in msg
-        service.stop()
+        take_down(service, gateway)
         # a discovery round notices the replica is gone
         eventually(lambda: _status("http", gateway.http, "1")[0] == PROTOCOLS["http"][2], timeout=10,
                    what="version 1 unavailable")

@@ -25,9 +25,11 @@ from tests.conftest import Proc, _wait_http_ready, start
 from tests.support.http1 import closed_within, connect, idle_then_ask, send_slowly
 
 LIMIT = 4 << 20  # --max-request-bytes of the `limited` processes
-HEADER_TIMEOUT = 1.5
-READ_TIMEOUT = 1.5
-IDLE_TIMEOUT = 6.0
+# small, so that the tests that wait one out are quick; the idle timeout above the keep-alive
+# test's idle wait (HEADER_TIMEOUT + TICK + 0.5) by 1.5 s
+HEADER_TIMEOUT = 1.0
+READ_TIMEOUT = 1.0
+IDLE_TIMEOUT = 4.0
 FLAGS = ["--max-request-bytes", str(LIMIT), "--header-timeout-s", str(HEADER_TIMEOUT),
          "--read-timeout-s", str(READ_TIMEOUT), "--idle-timeout-s", str(IDLE_TIMEOUT)]
 TICK = 1.0  # the largest sweep interval: a connection is closed within timeout + TICK
@@ -239,7 +241,7 @@ def test_a_slow_but_steady_body_is_not_cut(proc: Proc) -> None:
     with connect(proc.http) as sock:
         sock.sendall(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
         step = max(1, len(body) // 6)
-        # ~3 s in total, never silent for a read timeout
+        # ~2 s in total, never silent for a read timeout
         send_slowly(sock, [body[i:i + step] for i in range(0, len(body), step)], READ_TIMEOUT / 3)
         assert read_head(sock).startswith(b"HTTP/1.1 200")
 

@@ -21,7 +21,7 @@ def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> 
     url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http
     report = tmp_path / "pa.csv"
     cmd = [str(TOOL), "-m", "small_mlp", "-u", url, "-i", protocol.split("-")[0], "--concurrency-range", "1:16:5",
-           "--measurement-interval", "500", "--stability-percentage", "999", "--max-trials", "4",
+           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "4",
            "-f", str(report)]
     if protocol == "http-json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]

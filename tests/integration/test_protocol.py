@@ -332,7 +332,7 @@ def test_binary_size_mismatch_is_400(target: dict[str, str]) -> None:
 
 
 def test_backend_down_is_unavailable(model_repo) -> None:
-    from tests.conftest import start
+    from tests.conftest import start, take_down
 
     service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"])
     gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc,
@@ -340,7 +340,7 @@ def test_backend_down_is_unavailable(model_repo) -> None:
     try:
         a = np.zeros((1, 16), np.float32)
         assert infer_one("grpc", gateway.grpc, "add_sub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"].shape == (1, 16)
-        service.stop()
+        take_down(service, gateway)
         for proto, status in (("http", "503"), ("grpc", "StatusCode.UNAVAILABLE")):
             m = mod(proto)
             with client(proto, getattr(gateway, proto)) as c, pytest.raises(InferenceServerException) as err:

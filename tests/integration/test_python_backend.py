@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Proc, _wait_http_ready, start
+from tests.conftest import Proc, _wait_http_ready, start, start_all
 from tests.models import python_models
 from tests.support import models
 from tests.support.metrics import sample, scrape
@@ -71,10 +71,10 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     gateway_grpc = _free_port()
     procs: list[Proc] = []
     try:
-        procs.append(start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                            "--bls-target", f"127.0.0.1:{gateway_grpc}"]))
-        procs.append(start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"]))
-        procs.append(start(["service", "torchscript", "--repository", str(ts_repo), "--grpc-port", "0"], timeout=120))
+        procs += start_all(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                            "--bls-target", f"127.0.0.1:{gateway_grpc}"],
+                           ["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"],
+                           ["service", "torchscript", "--repository", str(ts_repo), "--grpc-port", "0"], timeout=120)
         procs.append(start(["gateway", "--grpc-port", str(gateway_grpc), "--http-port", "0", "--repository", str(ens),
                             "--upstream", procs[0].grpc, "--upstream", procs[1].grpc, "--upstream", procs[2].grpc]))
         _wait_http_ready(procs[3].http)
@@ -372,7 +372,7 @@ def test_perf_analyzer_against_python_add_sub(protocol: str, mesh: Mesh, tmp_pat
     url = getattr(mesh.gateway, protocol)
     report = tmp_path / "pa.csv"
     cmd = [str(PERF_ANALYZER), "-m", "py_add_sub", "-u", url, "-i", protocol, "--concurrency-range", "1:4:3",
-           "--measurement-interval", "500", "--stability-percentage", "999", "--max-trials", "4", "-f", str(report)]
+           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "4", "-f", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))

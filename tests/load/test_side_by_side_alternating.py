@@ -64,7 +64,7 @@ def test_smoke_one_cell_without_triton(tmp_path: Path) -> None:
     res = tmp_path / "res"
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "load.bench", "--side-by-side", str(res), "--models", "add_sub",
-                          "--modes", "grpc", "--concurrency", "8", "--repeats", "1", "--interval", "500",
+                          "--modes", "grpc", "--concurrency", "8", "--repeats", "1", "--interval", "200",
                           "--max-trials", "4", "--stability", "999", "--warmup", "0", "--triton-venv", str(tmp_path / "no-triton"),
                           "--raw-ort", "add_sub@8", "--raw-ort-runs", "20"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
