@@ -81,6 +81,8 @@ class Replica:
         if healthy:
             self.generation += 1
             self.streams.renew()
+        else:
+            self.streams.leave()
         return True
 
     async def index(self, ready_only: bool, timeout: float) -> pb.RepositoryIndexResponse:

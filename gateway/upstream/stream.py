@@ -376,6 +376,19 @@ class StreamPool:
                 self._retired.append(s)
                 s.retire()
 
+    def leave(self) -> None:
+        """The replica left the pool (its service drains, or failed): each stream takes no more
+        requests and ends once those it has are answered, so that a draining service's calls end
+        with its work instead of holding its stop for the grace; requests from now on (the
+        replica back, or one that picked it before it left) get new streams."""
+        self._retired = [s for s in self._retired if not s.broken]
+        for i, s in enumerate(self._streams):
+            if s is not None:
+                self._streams[i] = None
+                if not s.broken:
+                    self._retired.append(s)
+                    s.retire()
+
     @property
     def connected(self) -> bool:
         """Whether the connection the streams run on is up."""

@@ -19,12 +19,24 @@ class HealthState:
     def __init__(self) -> None:
         self._status: dict[str, Any] = {"": NOT_SERVING}
         self._changed = asyncio.Event()
+        self.closed = False  # draining: every service NOT_SERVING for good, and watches end
 
     def set(self, service: str, status: Any) -> None:
+        if self.closed:
+            return
         if self._status.get(service) != status:
             self._status[service] = status
             self._changed.set()
             self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        """The process drains: every service NOT_SERVING from now on (as grpc's own servicer's
+        ``enter_graceful_shutdown``), and each Watch call ends once it has said so, so that an
+        open watch (a gateway's) does not hold the drain for its whole grace."""
+        for service in self._status:
+            self._status[service] = NOT_SERVING
+        self.closed = True
+        self._changed.set()
 
     def get(self, service: str) -> Any:
         return self._status.get(service, SERVICE_UNKNOWN)
@@ -53,4 +65,6 @@ class HealthServicer:
             if status != last:
                 last = status
                 yield health_pb2.HealthCheckResponse(status=status)
+            if self.state.closed:  # (its last word said: the call ends, OK)
+                return
             await self.state.wait_change()

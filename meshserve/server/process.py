@@ -19,7 +19,7 @@ from meshserve.server import admission, connections, observe, shm, workers
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
 from meshserve.server.h2.client import Channel, GrpcError
-from meshserve.server.health import NOT_SERVING, SERVING, HealthState
+from meshserve.server.health import SERVING, HealthState
 from meshserve.server.http_frontend import start_http_server, start_metrics_server
 from meshserve.server.limits import LISTEN, STREAMS, ServerLimits
 from meshserve.server.workers import Worker
@@ -117,7 +117,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
     await stop.wait()
     log.info("%s draining", who)
-    health.set("", NOT_SERVING)
+    health.close()  # (NOT_SERVING; open watches end once they have said it)
     stops: list[Awaitable[Any]] = [grpc_server.stop(grace_s)]
     if worker is not None and private is not None:
         worker.metrics.withdraw()
