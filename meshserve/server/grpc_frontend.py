@@ -17,7 +17,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
-from meshserve.server import access, observe, shm, tls
+from meshserve.server import access, admission, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import Abort, Call, H2GrpcServer, Inbox, Method, Status
 from meshserve.server.h2.server import TASK_NAME
@@ -35,10 +35,22 @@ STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or a
 # twice (its message and its parse): while over it, the next message is not read, so HTTP/2 flow
 # control stops the client (the message that goes over it is still read: one up to the message
 # limit always fits). A gateway's hop carries every tenant's requests, each admitted there (the
-# tenant's share of --max-inflight-bytes) and again here: its bound is the service's default
-# --max-inflight-bytes, so that one tenant's large requests do not hold up the others' on the hop
+# tenant's share of --max-inflight-bytes) and again here: its bound follows the service's
+# --max-inflight-bytes (held_budget), so that one tenant's large requests do not hold up the others' on the hop
 STREAM_HELD_BYTES = 64 << 20
 HOP_HELD_BYTES = 256 << 20
+
+
+def held_budget(from_gateway: bool) -> int:
+    """The bytes one ModelStreamInfer call may hold in progress (each request counted twice):
+    a client's STREAM_HELD_BYTES; a gateway's hop at least HOP_HELD_BYTES and twice this process's
+    --max-inflight-bytes, so that where the flag is raised the service's admission (per request,
+    its refusal carried back to the tenant) bounds the hop, not the stream's reading, which would
+    hold up every tenant's requests behind one tenant's large ones."""
+    if not from_gateway:
+        return STREAM_HELD_BYTES
+    bound = admission.gate.max_bytes
+    return HOP_HELD_BYTES if bound >= admission.UNBOUNDED else max(HOP_HELD_BYTES, 2 * bound)
 # a streamed request's Task, named (as the h2 server's calls: meshserve/server/h2/server.py:TASK_NAME)
 _Task = asyncio.Task
 STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
@@ -465,7 +477,7 @@ class InferenceServicer:
                         waiter.set_result(None)
 
         from_gateway = hop.from_gateway(base.headers)  # (this call is a gateway's hop: never in a gateway)
-        budget = HOP_HELD_BYTES if from_gateway else STREAM_HELD_BYTES
+        budget = held_budget(from_gateway)
         # whether a client's request is for a decoupled model (its answers are not held in order);
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)

@@ -132,3 +132,19 @@ async def test_a_refused_streamed_request_is_freed_without_the_collector() -> No
         await eventually_async(lambda: all(m() is None for m in core.markers), 2.0, "every refused request freed")
     finally:
         gc.enable()
+
+
+def test_a_hops_budget_follows_the_process_s_inflight_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway's hop holds at least HOP_HELD_BYTES in progress, and twice --max-inflight-bytes
+    where that is raised: the service's admission (per request) bounds it then, not the stream's
+    reading (which would hold up every tenant's requests on the hop behind one tenant's); a
+    client's stream keeps its own bound."""
+    from meshserve.server import admission
+
+    monkeypatch.setattr(admission.gate, "max_bytes", admission.UNBOUNDED)
+    assert grpc_frontend.held_budget(True) == grpc_frontend.HOP_HELD_BYTES
+    monkeypatch.setattr(admission.gate, "max_bytes", 64 << 20)  # (lowered: the hop keeps its floor)
+    assert grpc_frontend.held_budget(True) == grpc_frontend.HOP_HELD_BYTES
+    monkeypatch.setattr(admission.gate, "max_bytes", 1 << 30)  # --max-inflight-bytes 1 GiB
+    assert grpc_frontend.held_budget(True) == 2 << 30
+    assert grpc_frontend.held_budget(False) == grpc_frontend.STREAM_HELD_BYTES
