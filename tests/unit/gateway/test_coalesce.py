@@ -185,7 +185,9 @@ def test_the_layout_s_answer_is_only_given_to_bytes_with_the_same_metadata() -> 
         r.outputs.add(name="OUTPUT0")
         raw = r.SerializeToString()
         head, mid = merging._layout(raw)
-        layout = (head, mid, ("the answer",))
+        answer = merge_key(r, SHAPE)  # (the layout's answer: typed as the fast path keeps it)
+        assert answer is not None
+        layout = (head, mid, answer)
         meta = merging._metadata(raw)
         answered = 0
         for _ in range(3000):
