@@ -123,6 +123,35 @@ class Names:
         return streams.names(self, request, ctx)  # (an async generator: interpreted, pipeline_streams.py)
 
 
+class Turns:
+    """A sequence's requests go on one at a time, in arrival order (gateway/turns.py), all to one
+    replica: the sequence key is parsed here, once, and travels with the request."""
+
+    next: Stage
+
+    def __init__(self, turns: SequenceTurns):
+        self.turns = turns
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result:
+        return self.infer_with(request, ctx, request.parameters)
+
+    def infer_with(self, request: pb.ModelInferRequest, ctx: RequestContext, params: Params) -> Result:
+        """``infer`` with the request's parameters read already (``Outcomes``: from ``Names``)."""
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
+        return self.next.infer(request, ctx, None)
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        params = request.parameters
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            return streams.turn(self, request, ctx, sequence)  # (the sequence's next waits for its last answer)
+        return self.next.stream(request, ctx, None)
+
+
+# (before Outcomes, which names it: compiled, a Python class's annotation of a native class defined
+# after it crashes the module's import)
 @mypyc_attr(native_class=False)  # (compiled: a Python class, its class defaults and methods as in pure Python)
 class Outcomes:
     """Every request that passed the name check is counted once, here, by the model it went to
@@ -210,33 +239,6 @@ class Outcomes:
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
         return streams.outcomes(self, request, ctx)
-
-
-class Turns:
-    """A sequence's requests go on one at a time, in arrival order (gateway/turns.py), all to one
-    replica: the sequence key is parsed here, once, and travels with the request."""
-
-    next: Stage
-
-    def __init__(self, turns: SequenceTurns):
-        self.turns = turns
-
-    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
-              ) -> Result:
-        return self.infer_with(request, ctx, request.parameters)
-
-    def infer_with(self, request: pb.ModelInferRequest, ctx: RequestContext, params: Params) -> Result:
-        """``infer`` with the request's parameters read already (``Outcomes``: from ``Names``)."""
-        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
-            return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
-        return self.next.infer(request, ctx, None)
-
-    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
-               ) -> Answers:
-        params = request.parameters
-        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
-            return streams.turn(self, request, ctx, sequence)  # (the sequence's next waits for its last answer)
-        return self.next.stream(request, ctx, None)
 
 
 class Admit:
