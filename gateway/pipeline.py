@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from contextlib import aclosing
 from typing import Any, Protocol
 
+from gateway import pipeline_streams as streams
 from gateway.auth import Admission, Admitted
 from gateway.cache import CacheStage
 from gateway.ensemble.catalog import EnsembleCatalog
@@ -41,6 +41,7 @@ from gateway.upstream.merging import ModelShape, merge_key
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.native import mypyc_attr
 from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.names import check_model_name, check_version
@@ -70,6 +71,16 @@ class Stage(Protocol):
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                ) -> Answers: ...
+
+
+class Forwarding(Stage, Protocol):
+    """What ``Outcomes`` and ``assemble`` need of the last stage (``Forward``). (A protocol:
+    compiled, a value typed with a class refuses any other type; unit tests give their own.)"""
+
+    upstream: Upstream
+
+    def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result: ...
 
 
 class Names:
@@ -108,16 +119,40 @@ class Names:
         name, version, params = self.check(request)
         return self.next.infer(request, ctx, name, version, params)
 
-    async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
-        name, version, params = self.check(request)
-        if not self._decoupled(name, version):
-            yield await self.next.infer(request, ctx, name, version, params), True
-            return
-        async with aclosing(self.next.stream(request, ctx)) as answers:
-            async for answer in answers:
-                yield answer
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
+        return streams.names(self, request, ctx)  # (an async generator: interpreted, pipeline_streams.py)
 
 
+class Turns:
+    """A sequence's requests go on one at a time, in arrival order (gateway/turns.py), all to one
+    replica: the sequence key is parsed here, once, and travels with the request."""
+
+    next: Stage
+
+    def __init__(self, turns: SequenceTurns):
+        self.turns = turns
+
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+              ) -> Result:
+        return self.infer_with(request, ctx, request.parameters)
+
+    def infer_with(self, request: pb.ModelInferRequest, ctx: RequestContext, params: Params) -> Result:
+        """``infer`` with the request's parameters read already (``Outcomes``: from ``Names``)."""
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
+        return self.next.infer(request, ctx, None)
+
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
+               ) -> Answers:
+        params = request.parameters
+        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
+            return streams.turn(self, request, ctx, sequence)  # (the sequence's next waits for its last answer)
+        return self.next.stream(request, ctx, None)
+
+
+# (before Outcomes, which names it: compiled, a Python class's annotation of a native class defined
+# after it crashes the module's import)
+@mypyc_attr(native_class=False)  # (compiled: a Python class, its class defaults and methods as in pure Python)
 class Outcomes:
     """Every request that passed the name check is counted once, here, by the model it went to
     (an A/B route's target once the arm is chosen: ``request.model_name`` when it ends) and its
@@ -128,7 +163,7 @@ class Outcomes:
 
     next: Turns
     past_turns: Stage
-    forward: Forward | None = None  # past_turns, when it is Forward (or Ensembles then Forward)
+    forward: Forwarding | None = None  # past_turns, when it is Forward (or Ensembles then Forward)
     cache: CacheStage | None = None  # past_turns, when it is the cache (CacheStage.named)
     # past_turns is Ensembles and Forward comes next: the ensembles' names go by ``_counted``
     # (through Ensembles), any other name straight to ``forward``
@@ -202,48 +237,8 @@ class Outcomes:
             return unary_decoupled_error(protocol)
         return exc
 
-    async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
-        try:
-            async with aclosing(self.next.stream(request, ctx, None)) as answers:
-                async for response, final in answers:
-                    yield (None if response is None else InferResult(message=response)), final
-        except InferError as exc:
-            raise self.failed(request.model_name, exc, ctx.protocol) from None
-        self.counts[(request.model_name, "OK")] += 1
-
-
-class Turns:
-    """A sequence's requests go on one at a time, in arrival order (gateway/turns.py), all to one
-    replica: the sequence key is parsed here, once, and travels with the request."""
-
-    next: Stage
-
-    def __init__(self, turns: SequenceTurns):
-        self.turns = turns
-
-    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
-              ) -> Result:
-        return self.infer_with(request, ctx, request.parameters)
-
-    def infer_with(self, request: pb.ModelInferRequest, ctx: RequestContext, params: Params) -> Result:
-        """``infer`` with the request's parameters read already (``Outcomes``: from ``Names``)."""
-        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
-            return self.turns.run((request.model_name, sequence), lambda: self.next.infer(request, ctx, sequence))
-        return self.next.infer(request, ctx, None)
-
-    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
-               ) -> Answers:
-        params = request.parameters
-        if SEQUENCE_ID in params and (sequence := sequence_affinity(params)) is not None:
-            return self._turn(request, ctx, sequence)
-        return self.next.stream(request, ctx, None)
-
-    async def _turn(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str) -> Answers:
-        """The sequence's next request waits for this one's last answer."""
-        async with self.turns.turn((request.model_name, sequence)), \
-                aclosing(self.next.stream(request, ctx, sequence)) as answers:
-            async for answer in answers:
-                yield answer
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
+        return streams.outcomes(self, request, ctx)
 
 
 class Admit:
@@ -279,23 +274,13 @@ class Admit:
             return 0.0
         return (config.sequence_batching.max_sequence_idle_microseconds or 1_000_000) / 1e6
 
-    async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> InferResult:
-        admitted = await self._admit(request, ctx, sequence)
-        try:
-            return await self.next.infer(request, ctx, sequence)
-        finally:
-            await self.admission.release(admitted)
+    def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Result:
+        # (released in a finally that awaits: interpreted, pipeline_streams.py, as mypyc can leave
+        # a cancelled coroutine's error behind there: docs/perf/native.md)
+        return streams.admitted_infer(self, request, ctx, sequence)
 
-    async def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
-                     ) -> Answers:
-        idle_s = self._sequence_idle_s(request) if sequence is not None else 0.0
-        admitted = await self.admission.admit(request, ctx, sequence, idle_s)
-        try:
-            async with aclosing(self.next.stream(request, ctx, sequence)) as answers:
-                async for answer in answers:
-                    yield answer
-        finally:
-            await self.admission.release(admitted)
+    def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None) -> Answers:
+        return streams.admitted(self, request, ctx, sequence)
 
 
 class ABRoutes:
@@ -331,23 +316,7 @@ class ABRoutes:
         route = self.routes.lookup(request.model_name)
         if route is None:
             return self.next.stream(request, ctx, sequence)
-        return self._routed_stream(route, request, ctx, sequence)
-
-    async def _routed_stream(self, route: Route, request: pb.ModelInferRequest, ctx: RequestContext,
-                             sequence: str | None) -> Answers:
-        target = self.routes.choose(route, request, ctx, sequence)
-        try:
-            if not self._target_decoupled(request.model_name, request.model_version):
-                answers: Answers = _once(self.next.infer(request, ctx, sequence))
-            else:
-                answers = self.next.stream(request, ctx, sequence)
-            async with aclosing(answers):
-                async for response, final in answers:
-                    yield (None if response is None else self.routes.marked(target, response)), final
-        except InferError as exc:
-            self.routes.failed(route, target, exc)
-            raise
-        self.routes.arm_counts[(route.name, target.name, "OK")] += 1
+        return streams.routed(self, route, request, ctx, sequence)
 
 
 class Ensembles:
@@ -403,16 +372,10 @@ class Place:
                ) -> Answers:
         if not self.placement.manages(request.model_name):
             return self.next.stream(request, ctx, sequence)
-        return self._placed_stream(request, ctx, sequence)
-
-    async def _placed_stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
-                             ) -> Answers:
-        await self.placement.ready(request.model_name, request.model_version, ctx.time_remaining())
-        async with aclosing(self.next.stream(request, ctx, sequence)) as answers:
-            async for answer in answers:
-                yield answer
+        return streams.placed(self, request, ctx, sequence)
 
 
+@mypyc_attr(native_class=False)  # (compiled: a Python class, its methods patchable; native.md)
 class Forward:
     """The last stage: the request goes to its service through the coalescer and the
     ``Upstream`` (gateway/upstream/). A model with nothing in the coalescer sends at once
@@ -516,7 +479,7 @@ class Forward:
         return facts
 
 
-def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Forward,
+def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Forwarding,
              decoupled: Callable[[str, str], bool], target_decoupled: Callable[[str, str], bool],
              admission: Admission | None = None, routes: ABRouter | None = None,
              ensembles: EnsembleCatalog | None = None, cache: CacheStage | None = None,
@@ -580,6 +543,3 @@ def assemble(counts: Counter[tuple[str, str]], turns: SequenceTurns, forward: Fo
         cache.forward = forward
     return head
 
-
-async def _once(answer: Result) -> Answers:
-    yield (await answer).message(), True

@@ -36,8 +36,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+try:  # (a compiled module's class that must stay patchable: @mypyc_attr(native_class=False))
+    from mypy_extensions import mypyc_attr
+except ImportError:  # pure Python without mypy installed: the decorator changes nothing
+    def mypyc_attr(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        return lambda cls: cls
+
 # what is compiled: the gateway's and the service's per-request HTTP/2 (gRPC) code, and the
-# gateway's merge keys. Each needs mypyc-safe source (docs/perf/native.md, "Rules for compiled modules").
+# gateway's own per-request modules (merge keys, coalescer, hop streams, upstream, pipeline).
+# Each needs mypyc-safe source (docs/perf/native.md, "What mypyc changed in meaning").
 MODULES = (
     "meshserve.server.h2.frames",
     "meshserve.server.h2.connection",
@@ -45,6 +52,10 @@ MODULES = (
     "meshserve.server.h2.call",
     "meshserve.server.h2.client",
     "gateway.upstream.merging",
+    "gateway.upstream.coalesce",
+    "gateway.upstream.stream",
+    "gateway.upstream.upstream",
+    "gateway.pipeline",
 )
 PACKAGES = ("meshserve", "gateway")
 ENV = "MESHSERVE_NATIVE"

@@ -45,9 +45,9 @@ import asyncio
 import contextvars
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from gateway.upstream.merging import Key, ModelShape, Unmergeable, merge, merge_laid_out, split
 from gateway.upstream.traced import Member
@@ -61,7 +61,25 @@ from meshserve.telemetry.spans import Span
 
 if TYPE_CHECKING:
     from gateway.pipeline import Outcomes
-    from gateway.upstream.upstream import Upstream
+    from gateway.upstream.replica import Replica
+
+
+class Sender(Protocol):
+    """What the coalescer needs of gateway/upstream/upstream.py:Upstream. (A protocol: compiled,
+    an attribute typed with a class refuses any other type; unit tests give their own.)"""
+
+    def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+             affinity: str | None = None) -> Awaitable[pb.ModelInferResponse]: ...
+
+    def start(self, request: pb.ModelInferRequest, body: bytes, timeout: float | None
+              ) -> Awaitable[pb.ModelInferResponse] | None: ...
+
+    def send_merged(self, request: pb.ModelInferRequest, timeout: float | None,
+                    members: Sequence[Member]) -> Awaitable[pb.ModelInferResponse]: ...
+
+    @property
+    def replicas(self) -> list[Replica]: ...
+
 
 # A member's share of a merged message: its own message's size (the bytes the client sent, or
 # ByteSize when there are none: never its tensors summed, which would copy each out of upb) plus a
@@ -106,7 +124,7 @@ class Coalescer:
     never grows past `max_bytes` (the services' --max-request-bytes: a larger merged message would
     be refused with RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, upstream: Upstream, batches_per_replica: int, max_bytes: int = _DEFAULT_MAX_BYTES):
+    def __init__(self, upstream: Sender, batches_per_replica: int, max_bytes: int = _DEFAULT_MAX_BYTES):
         self._upstream = upstream
         self._replicas = upstream.replicas  # one list, updated in place
         self.batches_per_replica = batches_per_replica
@@ -321,6 +339,10 @@ class Coalescer:
         answer is there) and give every member its outcome."""
         requests = [c[_REQUEST] for c in chunk]
         rows = [c[_ROWS] for c in chunk]
+        # (no await inside an except or finally block here: compiled, mypyc can leave the error it
+        # handled behind when the coroutine is cancelled there, docs/perf/native.md; the awaits of
+        # both handlers below come after them, with what they decided)
+        failure: BaseException | None = None
         try:
             if started is not None and started[1] is not None:
                 response = await started[1]
@@ -328,14 +350,17 @@ class Coalescer:
                 if started is not None:
                     out = started[0]
                 else:
+                    parts: list[list[_Pending]] | None = None
                     try:
                         out = self._outgoing(group, chunk)
-                    except Unmergeable as exc:  # malformed members go alone, for their own errors
-                        bad = set(exc.members)
+                    except Unmergeable as refused:  # malformed members go alone, for their own errors
+                        # (named apart from the handler's below: compiled, one name has one type)
+                        bad = set(refused.members)
                         parts = [[c] for i, c in enumerate(chunk) if i in bad]
                         rest = [c for i, c in enumerate(chunk) if i not in bad]
                         if rest:
                             parts.append(rest)
+                    if parts is not None:
                         await asyncio.gather(*(self._deliver(group, part) for part in parts))
                         return
                 message, body, timeout = out
@@ -352,23 +377,38 @@ class Coalescer:
             else:  # (positional: a call with keywords costs ~1.2k instructions more, per member)
                 responses = [InferResult(None, r) for r in split(response, requests, rows)]
         except BaseException as exc:  # every member gets the outcome
+            again: list[_Pending] = []
             if len(chunk) > 1 and isinstance(exc, InferError) and exc.code is Code.DEADLINE_EXCEEDED:
                 # the earliest member's deadline: the others are not failed with it
                 now = time.monotonic_ns()
                 again = [c for c in chunk if not c[_FUTURE].done() and ((due := c[_DEADLINE]) is None or due > now)]
-                if again:
-                    self.deadline_resends += len(again)
-                    await asyncio.gather(*(self._deliver(group, [c]) for c in again))
-            for c in chunk:
-                if not c[_FUTURE].done():
-                    c[_FUTURE].set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
-            # (the error's traceback holds this frame: no local keeps the futures that hold it, a
-            # cycle only the collector frees, keeping the members: docs/security.md, "Session 11: error cycles")
-            chunk = c = again = None  # type: ignore[assignment]
+            if not again:
+                _fail(chunk, exc)
+                # (the error's traceback holds this frame: no local keeps the futures that hold it, a
+                # cycle only the collector frees, keeping the members: docs/security.md, "Session 11: error
+                # cycles"; cleared with values of their own types: compiled, a typed local refuses None)
+                chunk = []
+                return
+            self.deadline_resends += len(again)
+            failure = exc
+        if failure is not None:  # sent again alone first, then the rest failed (as above)
+            await asyncio.gather(*(self._deliver(group, [c]) for c in again))
+            _fail(chunk, failure)
+            chunk = []
+            again = []
+            failure = None
             return
         for c, resp in zip(chunk, responses, strict=True):
             if not c[_FUTURE].done():
                 c[_FUTURE].set_result(resp)
+
+
+def _fail(chunk: list[_Pending], exc: BaseException) -> None:
+    """Every member of ``chunk`` not answered yet gets ``exc`` (an InferError for one that is
+    not an Exception: a cancellation)."""
+    for c in chunk:
+        if not c[_FUTURE].done():
+            c[_FUTURE].set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
 
 
 _Outgoing = tuple[pb.ModelInferRequest, bytes, float | None]  # Coalescer._outgoing

@@ -28,7 +28,7 @@ import logging
 import time
 import zlib
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, wire
@@ -253,10 +253,19 @@ class _Stream:
         self._on_close(1, "stream closed by the gateway")
 
 
+class _Told(Protocol):
+    """What Answers needs of its stream (a _Stream): its name, and telling the service to stop a
+    request. (A protocol: compiled, a parameter typed with a class refuses any other type.)"""
+
+    name: str
+
+    def cancel(self, cid: str) -> None: ...
+
+
 class Answers:
     """The answers of one streamed request, in the order they arrive; the last is final."""
 
-    def __init__(self, stream: _Stream, cid: str, client_id: str, deadline: float | None):
+    def __init__(self, stream: _Told, cid: str, client_id: str, deadline: float | None):
         self._stream = stream
         self._cid = cid
         self._client_id = client_id
@@ -349,7 +358,10 @@ class Answers:
             self._stream.cancel(self._cid)
 
 
-Sent = tuple[_Stream, "asyncio.Future[pb.ModelStreamInferResponse]", int]  # StreamPool.start: (stream, answer, t0 ns)
+# StreamPool.start: (stream, answer, t0 ns). The stream is held as Any: a frame clears its Sent with
+# UNSENT (compiled, a tuple-typed local cannot be deleted, and its _Stream slot would refuse None)
+Sent = tuple[Any, "asyncio.Future[pb.ModelStreamInferResponse]", int]
+UNSENT: Sent = (None, None, 0)  # type: ignore[assignment]
 
 
 class StreamPool:
@@ -431,7 +443,8 @@ class StreamPool:
         finally:
             self.latency.observe((time.perf_counter_ns() - t0) / 1000)
             # (a failed future holds its error, whose traceback holds this frame: no local keeps it)
-            del sent, fut
+            sent = UNSENT
+            del fut
         return self.answer(msg, client_id)
 
     def answer(self, msg: pb.ModelStreamInferResponse, client_id: str) -> pb.ModelInferResponse:

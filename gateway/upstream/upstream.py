@@ -19,19 +19,20 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequ
 from typing import Any, TypeVar
 
 from gateway.routing.table import ModelRoutes, pick, pick_pinned
-from gateway.upstream import traced
+from gateway.upstream import streamed, traced
 from gateway.upstream.discovery import Discovery
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.replica import CALL_ERRORS, Replica
-from gateway.upstream.stream import NotSent, Sent
+from gateway.upstream.stream import UNSENT, NotSent, Sent
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import hop
+from meshserve.native import mypyc_attr
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 
 T = TypeVar("T")
 
 
+@mypyc_attr(native_class=False)  # (compiled: a Python class, its methods patchable; docs/perf/native.md)
 class Upstream:
     def __init__(self, pool: ReplicaPool, discovery_interval_s: float = 2.0):
         self.pool = pool
@@ -177,29 +178,19 @@ class Upstream:
                 raise err from None
         finally:
             replica.outstanding -= 1
-            err = sent = None  # type: ignore[assignment]  # (as infer: its future holds the error)
+            err = None  # type: ignore[assignment]  # (as infer: its future holds the error)
+            sent = UNSENT
         # it never reached the service: on another replica, as send would have
         return await self.call(request.model_name, request.model_version,
                                lambda r: r.streams.infer(body, request.id, timeout))
 
-    async def stream(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                     affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
+    def stream(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+               affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
         """Forward a request of a client's streaming call (never merged): every answer of the
         service as it arrives, (response or None for an empty final one, final). Leaving early
-        (the client went away) tells the service to stop the request."""
-        body = hop.with_stream(raw if raw is not None else request.SerializeToString())
-        if tracing.enabled and (span := tracing.current_var.get()) is not None:
-            body = tracing.inject_parameters(body, span)  # the service's span is this request's child
-        answers = await self.call(request.model_name, request.model_version,
-                                  lambda r: r.streams.open(body, request.id, timeout, affinity), affinity)
-        try:
-            while True:
-                response, final = await answers.next()
-                yield response, final
-                if final:
-                    return
-        finally:
-            answers.close()
+        (the client went away) tells the service to stop the request. (An async generator:
+        interpreted, in streamed.py, so that this module compiles: docs/perf/native.md.)"""
+        return streamed.answers(self, request, raw, timeout, affinity)
 
     async def send_merged(self, request: pb.ModelInferRequest, timeout: float | None,
                           members: Sequence[traced.Member]) -> pb.ModelInferResponse:

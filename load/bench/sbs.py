@@ -31,6 +31,13 @@ also opens an HTTP port (the direct HTTP cells) and each process's PID is known.
 
 Without Triton (no tritonserver in ``--triton-venv``, or ``--triton off``) the Triton columns are
 dashes and the rest runs; without perf_analyzer it stops with the reason.
+
+``--native``: meshserve's processes (service and gateway) run the mypyc build of the hot path
+(docs/perf/native.md): the build of these sources is made first if the cache lacks it
+(``python -m meshserve.native build``), the processes start with ``MESHSERVE_NATIVE=1``, and each
+process's log must say "running compiled", else the run stops with the log's line. Without it
+they run pure Python (``MESHSERVE_NATIVE`` removed from their environment). The mode is in the
+report's knobs line, meta.json and every meshserve record of runs.jsonl (``native``).
 """
 from __future__ import annotations
 
@@ -159,16 +166,62 @@ def wait_ready(server: Server, timeout: float) -> None:
         raise SystemExit(f"{server.label}: {exc}; see {server.log}") from None
 
 
-def start_meshserve(label: str, argv: list[str], http: int, grpc: int, res: Path) -> Server:
+NATIVE_ENV = "MESHSERVE_NATIVE"  # (meshserve/native.py:ENV)
+COMPILED_LINE = "meshserve native: running compiled"  # what a process with the build loaded prints
+
+
+def meshserve_env(key: Path, native: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a meshserve process of the bench: the shared hop key, this tree first on
+    the path, and MESHSERVE_NATIVE=1 with ``native`` (the build of these sources, made by
+    ``prepare_native``), else without MESHSERVE_NATIVE at all (pure Python, whatever the caller's
+    environment says)."""
+    base = dict(os.environ if base is None else base)
+    env = {"MESHSERVE_HOP_KEY_FILE": str(key), **base,
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{base.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
+    env.pop(NATIVE_ENV, None)
+    if native:
+        env[NATIVE_ENV] = "1"
+    return env
+
+
+def prepare_native() -> str:
+    """Build the mypyc cache of these sources when it lacks it; the build's key. Stops the bench
+    with the reason when it cannot be made."""
+    from meshserve import native
+
+    try:
+        where = native.build(ROOT)
+    except (RuntimeError, OSError) as exc:
+        raise SystemExit(f"--native: the build could not be made: {exc}") from None
+    print(f"native build: {where}", flush=True)
+    return where.name
+
+
+def native_line(log: Path) -> str:
+    """The "meshserve native: ..." line a process printed at start (empty when none)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    return next((ln.strip() for ln in text.splitlines() if ln.startswith("meshserve native:")), "")
+
+
+def check_native(server: Server) -> None:
+    """With --native: the process must run the build (its log says so), else the bench stops."""
+    line = native_line(server.log)
+    if not line.startswith(COMPILED_LINE):
+        raise SystemExit(f"--native: {server.label} does not run the build: {line or 'no meshserve native line'}; "
+                         f"see {server.log}")
+
+
+def start_meshserve(label: str, argv: list[str], http: int, grpc: int, res: Path, native: bool = False) -> Server:
     log = res / f"{label}.log"
     key = res / "hop.key"  # the gateway and the service share a hop key, as under `meshserve up`: without
     if not key.exists():  # one the service believes none of the hop's extras (docs/security.md, "The authenticated hop")
         from meshserve.cli import write_hop_key
 
         write_hop_key(key)
-    env = {"MESHSERVE_HOP_KEY_FILE": str(key), **os.environ,
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
-    proc = procs.spawn([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=env,
+    proc = procs.spawn([sys.executable, "-m", "meshserve", *argv], cwd=ROOT, env=meshserve_env(key, native),
                        stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return Server(label, proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", log)
 
@@ -367,6 +420,7 @@ class Bench:
     servers: dict[str, Server] = field(default_factory=dict)
     procs: dict[str, dict[str, int]] = field(default_factory=dict)  # label -> process name -> pid
     raw: RawOrt | None = None
+    native: str = "pure"  # meshserve's mode: "pure", or "compiled <build key>" (--native)
 
     def run(self, label: str, rep: int, key: Key, into: str = "runs.jsonl", interval: int = 0) -> dict[str, Any]:
         model, mode, c = key
@@ -400,6 +454,8 @@ class Bench:
         rec: dict[str, Any] = lines[-1] if lines else {"ok": False, "error": said[-600:]}
         rec.update(label=label, model=model, mode=mode, concurrency=c, repeat=rep,
                    load_avg=load_average(), drive_wall_s=round(wall, 1))
+        if label != "triton":
+            rec["native"] = self.native
         served = rec.get("server_inferences") or 0
         rec["cpu_s"] = {n: round(cpu1[n] - cpu0[n], 3) for n in cpu0}
         if rec.get("wall_s") and rec.get("cpu_busy_cores") is not None:
@@ -496,7 +552,7 @@ def report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"knobs: repeats {meta['repeats']}, window {meta['interval']} ms, ORT threads {meta['ort_threads']}, "
            f"gateway workers {meta['gateway_workers']}, CPU placement {meta.get('pin', 'none')}, "
            f"Triton: {meta['triton']}, raw onnxruntime cells {meta.get('raw_ort', '–')} "
-           f"({meta.get('raw_ort_runs', '–')} runs each)  ",
+           f"({meta.get('raw_ort_runs', '–')} runs each), meshserve {meta.get('native', 'pure')}  ",
            f"load average at start {meta['load_start']}, at end {meta.get('load_end', '–')}; "
            f"wall {meta.get('wall_min', '–')} min", "",
            "Per cell: median (min–max) over the repeats; each ratio from the runs of one repeat (Triton, "
@@ -695,6 +751,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="CPU placement, e.g. gateway=0,service=1,client=0-1 (triton too): every thread of that "
                          "process tree (client: perf_analyzer); default: the scheduler's")
     ap.add_argument("--ort-threads", default=os.environ.get("BENCH_ORT_THREADS", "2"))
+    ap.add_argument("--native", action="store_true",
+                    help="meshserve's processes run the mypyc build (made if missing; docs/perf/native.md); "
+                         "default pure Python")
     ap.add_argument("--raw-ort", type=parse_raw_cells, default=parse_raw_cells(os.environ.get("RAW_ORT", "mlp@32")),
                     help="MODEL@C cells whose gateway and direct runs are each followed by the same graph run "
                          "with onnxruntime alone at the run's rows per execution (CPU per row against it); '' none")
@@ -726,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
             for c in args.concurrency.split(",")]
     triton_note = "off (--triton off)"
     bench = Bench(args, res, pa, pa_env)
+    if args.native:
+        bench.native = f"compiled {prepare_native()}"
     try:
         if args.triton == "auto":
             if triton_binary(args.triton_venv) is None:
@@ -742,9 +803,11 @@ def main(argv: list[str] | None = None) -> int:
         svc = start_meshserve("direct", ["service", "onnx", "--repository", repo, "--host", "127.0.0.1",
                                          "--grpc-port", str(svc_grpc), "--http-port", str(svc_http),
                                          "--model-control-mode", "explicit", "--load-model", "*",
-                                         "--log-level", "WARNING"], svc_http, svc_grpc, res)
+                                         "--log-level", "WARNING"], svc_http, svc_grpc, res, args.native)
         bench.servers["direct"] = svc
         wait_ready(svc, 120)
+        if args.native:
+            check_native(svc)
         workers = [int(w) for w in str(args.gateway_workers).split(",")]
         for i, n in enumerate(workers):
             # the first gateway is "gateway"; more (--gateway-workers 1,2: another worker count in
@@ -755,9 +818,12 @@ def main(argv: list[str] | None = None) -> int:
                                          "--grpc-port", str(gw_grpc), "--log-level", "WARNING",
                                          "--repository", repo, "--federate-metrics",
                                          "--workers", str(n), "--metrics-port", "0",
-                                         "--upstream", f"127.0.0.1:{svc_grpc}"], gw_http, gw_grpc, res)
+                                         "--upstream", f"127.0.0.1:{svc_grpc}"], gw_http, gw_grpc, res,
+                                 args.native)
             bench.servers[label] = gw
             wait_ready(gw, 120)
+            if args.native:
+                check_native(gw)
             bench.procs[label] = {"gateway": gw.proc.pid, "service": svc.proc.pid}
         bench.procs["direct"] = {"service": svc.proc.pid}
         if args.raw_ort:
@@ -774,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
                 "interval": args.interval, "ort_threads": args.ort_threads, "gateway_workers": args.gateway_workers,
                 "raw_ort": ", ".join(f"{m}@{c}" for m, c in sorted(args.raw_ort)) or "none",
                 "raw_ort_runs": args.raw_ort_runs,
-                "triton": triton_note, "load_start": load_average(),
+                "triton": triton_note, "load_start": load_average(), "native": bench.native,
                 "pin": ", ".join(f"{k}={min(v)}-{max(v)}" for k, v in args.pin.items()) or "none"}
         print(f"{len(keys)} cells × {args.repeats} repeats × {len(labels)} servers", flush=True)
         if args.warmup:

@@ -34,7 +34,7 @@ def answer(value: int | None, final: bool, empty: bool = False) -> pb.ModelStrea
 
 
 async def test_answers_come_in_order_with_the_clients_id_and_end_at_the_final_one() -> None:
-    answers = Answers(_Stream(), "~gw1", "client-7", None)  # type: ignore[arg-type]
+    answers = Answers(_Stream(), "~gw1", "client-7", None)
     assert answers.push(answer(1, False)) is False
     assert answers.push(answer(2, False)) is False
     assert answers.push(answer(None, True, empty=True)) is True
@@ -46,7 +46,7 @@ async def test_answers_come_in_order_with_the_clients_id_and_end_at_the_final_on
 
 
 async def test_an_in_band_error_is_raised_with_its_code() -> None:
-    answers = Answers(_Stream(), "~gw1", "c", None)  # type: ignore[arg-type]
+    answers = Answers(_Stream(), "~gw1", "c", None)
     err = pb.ModelStreamInferResponse(error_message="boom", infer_response=pb.ModelInferResponse(id="~gw1"))
     err.infer_response.parameters["meshserve_error_code"].string_param = "INVALID_ARG"
     assert answers.push(err) is True
@@ -56,7 +56,7 @@ async def test_an_in_band_error_is_raised_with_its_code() -> None:
 
 
 async def test_a_stream_that_never_answered_fails_the_first_wait_as_not_sent() -> None:
-    answers = Answers(_Stream(), "~gw1", "c", None)  # type: ignore[arg-type]
+    answers = Answers(_Stream(), "~gw1", "c", None)
     answers.push(NotSent("service test: cannot connect"))
     with pytest.raises(NotSent):
         await answers.first()
@@ -65,7 +65,7 @@ async def test_a_stream_that_never_answered_fails_the_first_wait_as_not_sent() -
 async def test_a_client_that_reads_too_slowly_fails_and_the_service_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stream_mod, "MAX_WAITING_ANSWERS", 3)
     hop = _Stream()
-    answers = Answers(hop, "~gw1", "c", None)  # type: ignore[arg-type]
+    answers = Answers(hop, "~gw1", "c", None)
     assert [answers.push(answer(i, False)) for i in range(4)] == [False, False, False, True]
     assert hop.cancelled == ["~gw1"]
     for _ in range(3):
@@ -80,7 +80,7 @@ async def test_answers_waiting_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPa
     ends (RESOURCE_EXHAUSTED, its one end) and the service is told; reading gives bytes back."""
     monkeypatch.setattr(stream_mod.STREAMS, "backlog_bytes", 2500)
     hop = _Stream()
-    answers = Answers(hop, "~gw1", "c", None)  # type: ignore[arg-type]
+    answers = Answers(hop, "~gw1", "c", None)
     assert answers.push(answer(0, False), 4000) is False  # alone: any size
     await answers.next()
     assert answers.waiting_bytes == 0
@@ -96,12 +96,12 @@ async def test_answers_waiting_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPa
 
 async def test_leaving_early_cancels_at_the_service_once() -> None:
     hop = _Stream()
-    answers = Answers(hop, "~gw1", "c", None)  # type: ignore[arg-type]
+    answers = Answers(hop, "~gw1", "c", None)
     answers.push(answer(1, False))
     answers.close()
     answers.close()
     assert hop.cancelled == ["~gw1"]
-    done = Answers(hop, "~gw2", "c", None)  # type: ignore[arg-type]
+    done = Answers(hop, "~gw2", "c", None)
     done.push(answer(1, True))
     done.close()  # its last answer came: nothing to cancel
     assert hop.cancelled == ["~gw1"]
@@ -109,7 +109,7 @@ async def test_leaving_early_cancels_at_the_service_once() -> None:
 
 async def test_the_deadline_bounds_the_wait_for_the_next_answer() -> None:
     hop = _Stream()
-    answers = Answers(hop, "~gw1", "c", asyncio.get_running_loop().time() + 0.05)  # type: ignore[arg-type]
+    answers = Answers(hop, "~gw1", "c", asyncio.get_running_loop().time() + 0.05)
     with pytest.raises(InferError) as exc:
         await answers.next()
     assert exc.value.code is Code.DEADLINE_EXCEEDED and hop.cancelled == ["~gw1"]

@@ -12,10 +12,17 @@ import grpc
 import pytest
 
 from load.bench.h2_calls import _Transport
+from meshserve import native
+from meshserve.server import connections
 from meshserve.server.h2 import Call, H2GrpcServer, Status, unary_unary
+from meshserve.server.h2 import server as h2server
 from meshserve.server.h2.frames import PREFACE, literal, plain_decode
 from meshserve.server.h2.server import ServerConnection
 from tests.support.waiting import eventually_async
+
+# compiled (MESHSERVE_NATIVE=1 with the build: docs/perf/native.md), the connection calls its own
+# methods directly: a test that replaces one on the instance sees nothing
+COMPILED = native.running(h2server) == "compiled"
 
 SERVICE = "t.AtOnce"
 PATH = f"/{SERVICE}/Ask"
@@ -185,6 +192,8 @@ async def _connection(seen: Seen, window: int = 1 << 24) -> tuple[Any, _Wire, Se
     return server, wire, conn
 
 
+@pytest.mark.skipif(COMPILED, reason="watches which method of the connection runs (pure-Python internals); "
+                                     "on the build: test_frames_that_arrive_together_open_no_stream_compiled_or_not")
 async def test_a_call_whose_frames_arrive_together_is_answered_without_a_stream() -> None:
     seen = Seen()
     server, wire, conn = await _connection(seen)
@@ -205,6 +214,41 @@ async def test_a_call_whose_frames_arrive_together_is_answered_without_a_stream(
                        + _call(9, b"a")[9 + len(_BLOCK):] + _call(11, b"b")[9 + len(_BLOCK):])
     assert _answers(wire.frames()) == {9: (b"plain:a", {b"grpc-status": b"0"}), 11: (b"plain:b", {b"grpc-status": b"0"})}
     assert opened == [7, 9, 11] and conn.streams == {}
+
+
+async def test_frames_that_arrive_together_open_no_stream_compiled_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test above through what both builds show: the connection tells the connection table
+    it is busy again (ConnectionTable.idle_now) at its first call, from the usual path with that
+    call's stream open (``conn.streams``, until the call ends), from the at-once path (once per
+    connection) with no stream at all."""
+    seen = Seen()
+    server, wire, conn = await _connection(seen)
+    busy: list[list[int]] = []  # the connection's streams each time it turned busy
+    idle_now = connections.ConnectionTable.idle_now
+
+    def watching(table: connections.ConnectionTable, c: Any) -> None:
+        if c is conn:
+            busy.append(sorted(conn.streams))
+        idle_now(table, c)
+
+    monkeypatch.setattr(connections.ConnectionTable, "idle_now", watching)
+    window = conn.send_window
+    conn.data_received(b"".join(_call(sid, b"m%d" % sid) for sid in (3, 5, 7)))
+    answers = _answers(wire.frames())
+    assert answers == {sid: (b"plain:m%d" % sid, {b"grpc-status": b"0"}) for sid in (3, 5, 7)}
+    assert busy == [[]] and conn.streams == {} and server._active == 0 and conn.last_sid == 7
+    assert conn.send_window == window - sum(len(b"plain:m3") + 5 for _ in range(3))
+    assert len(seen.hook_tasks) == 4 and seen.handled == []  # (the hook once per call, no handler)
+    conn.data_received(_call(7, b"again"))  # a stream id not above the last one: dropped
+    assert _answers(wire.frames()) == {} and not conn.dead and busy == [[]]
+    # frames of two calls interleaved: each HEADERS opens its stream, the usual way
+    conn.data_received(_frame(1, 0x4, 9, _BLOCK))
+    assert busy == [[], [9]] and list(conn.streams) == [9]
+    conn.data_received(_frame(1, 0x4, 11, _BLOCK))
+    assert sorted(conn.streams) == [9, 11]
+    conn.data_received(_call(9, b"a")[9 + len(_BLOCK):] + _call(11, b"b")[9 + len(_BLOCK):])
+    assert _answers(wire.frames()) == {9: (b"plain:a", {b"grpc-status": b"0"}), 11: (b"plain:b", {b"grpc-status": b"0"})}
+    assert conn.streams == {} and busy == [[], [9]]
 
 
 async def test_a_declined_raising_or_large_answer_opens_the_stream_as_usual() -> None:

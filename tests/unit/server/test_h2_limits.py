@@ -16,7 +16,7 @@ import grpc
 import hpack
 import pytest
 
-from meshserve.server import access
+from meshserve.server import access, connections
 from meshserve.server.grpc_frontend import methods
 from meshserve.server.h2 import ErrorCode
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
@@ -80,21 +80,18 @@ def the_connection(env: Env) -> ServerConnection:
     return conn
 
 
-class Seen(set):  # type: ignore[type-arg]
-    """The server's connection set, remembering every connection it ever held (one may come
-    and go between two polls)."""
+def watch(monkeypatch: pytest.MonkeyPatch) -> list[ServerConnection]:
+    """Every connection the server opens, remembered (one may come and go between two polls):
+    each is told to the connection table (meshserve/server/connections.py:ConnectionTable.opened) as it opens, in
+    pure Python and compiled alike (a compiled server adds to its own set with the C call)."""
+    seen: list[ServerConnection] = []
+    opened = connections.ConnectionTable.opened
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.all: list[ServerConnection] = []
+    def watching(table: connections.ConnectionTable, conn: Any) -> bool:
+        seen.append(conn)
+        return opened(table, conn)
 
-    def add(self, conn: Any) -> None:
-        self.all.append(conn)
-        super().add(conn)
-
-
-def watch(env: Env) -> Seen:
-    env.server._conns = seen = Seen()
+    monkeypatch.setattr(connections.ConnectionTable, "opened", watching)
     return seen
 
 
@@ -332,9 +329,10 @@ async def test_a_zero_window_reader_is_closed_after_the_send_budget_and_its_memo
         await still_serving(env)
 
 
-async def test_a_client_that_does_not_read_its_socket_is_closed_after_the_send_budget() -> None:
+async def test_a_client_that_does_not_read_its_socket_is_closed_after_the_send_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     async with serving(limits=limits(conn_send_buffer_bytes=2 * MiB)) as env:
-        seen = watch(env)
+        seen = watch(monkeypatch)
         writer = await unread_connection(env.port)
         enc = hpack.Encoder()
         writer.write(PREFACE + settings(initial_window_size=2**31 - 1)
@@ -342,8 +340,8 @@ async def test_a_client_that_does_not_read_its_socket_is_closed_after_the_send_b
         for sid in range(1, 2 * 200, 2):  # 200 MiB of answers asked for, none read
             writer.write(frame(HEADERS, END_HEADERS, sid, request_headers(enc, "Fill"))
                          + frame(DATA, END_STREAM, sid, grpc_message(b"%d" % MiB)))
-        await until(lambda: seen.all)
-        conn = seen.all[0]
+        await until(lambda: seen)
+        conn = seen[0]
         await until(lambda: conn.closed, 15)
         assert conn.queued_out == 0 and not conn.streams and not conn.wbuf
         await until(lambda: env.server._active == 0)
@@ -352,16 +350,16 @@ async def test_a_client_that_does_not_read_its_socket_is_closed_after_the_send_b
 
 
 # ---- control-frame floods ----------------------------------------------------------------------
-async def test_a_ping_flood_that_is_not_read_gets_goaway_enhance_your_calm() -> None:
+async def test_a_ping_flood_that_is_not_read_gets_goaway_enhance_your_calm(monkeypatch: pytest.MonkeyPatch) -> None:
     async with serving(limits=limits(max_pending_control_frames=100)) as env:
-        seen = watch(env)
+        seen = watch(monkeypatch)
         writer = await unread_connection(env.port)
         writer.write(PREFACE + settings())
         pings = frame(PING, 0, 0, b"floodpng") * 10000
         for _ in range(30):  # 300k PINGs (5 MB), none of the ACKs read
             writer.write(pings)
-        await until(lambda: seen.all)
-        conn = seen.all[0]
+        await until(lambda: seen)
+        conn = seen[0]
         await until(lambda: conn.closed, 15)
         writer.transport.abort()
         await still_serving(env)

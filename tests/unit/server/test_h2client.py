@@ -561,14 +561,16 @@ async def test_metadata_reaches_the_handler(srv: Srv, conn: H2ClientConnection) 
 
 
 async def test_open_stream_that_raises_leaves_no_stream_behind() -> None:
-    """Metadata that cannot be encoded (a key that is not a string): open_stream raises, and the
-    caller, who got no stream, must never hear of it again (no on_close when the connection goes)."""
+    """Metadata that cannot be encoded (a key with a lone surrogate: UnicodeEncodeError in pure
+    Python and compiled alike; a key that is not a string fails too, AttributeError pure and the
+    declared type's TypeError compiled): open_stream raises, and the caller, who got no stream,
+    must never hear of it again (no on_close when the connection goes)."""
     async with serving("h2grpc") as srv:
         conn = await connect(srv.target, timeout=5)
         try:
             closes: list[tuple[int, str]] = []
-            with pytest.raises(AttributeError):
-                conn.open_stream(path("Echo"), ((123, "v"),), lambda m: None,  # type: ignore[arg-type]
+            with pytest.raises(UnicodeEncodeError):
+                conn.open_stream(path("Echo"), (("x-\udc80", "v"),), lambda m: None,
                                  lambda code, details: closes.append((code, details)))
             ok = Call(conn, "Echo")  # the connection is unaffected
             ok.send(b"fine")

@@ -1,0 +1,36 @@
+"""A client's streamed request forwarded to a service (``Upstream.stream``), as an async generator.
+
+mypyc does not compile async generators, so this body lives here, always interpreted, and
+``gateway/upstream/upstream.py:Upstream.stream`` (a plain method) returns it: upstream.py can
+then be compiled (docs/perf/native.md) with the same behaviour in pure Python.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
+
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import hop
+from meshserve.telemetry import tracing
+
+if TYPE_CHECKING:
+    from gateway.upstream.upstream import Upstream
+
+
+async def answers(upstream: Upstream, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
+                  affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
+    """Every answer of the service as it arrives, (response or None for an empty final one,
+    final); leaving early (the client went away) tells the service to stop the request."""
+    body = hop.with_stream(raw if raw is not None else request.SerializeToString())
+    if tracing.enabled and (span := tracing.current_var.get()) is not None:
+        body = tracing.inject_parameters(body, span)  # the service's span is this request's child
+    answers = await upstream.call(request.model_name, request.model_version,
+                                  lambda r: r.streams.open(body, request.id, timeout, affinity), affinity)
+    try:
+        while True:
+            response, final = await answers.next()
+            yield response, final
+            if final:
+                return
+    finally:
+        answers.close()
