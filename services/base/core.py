@@ -7,9 +7,11 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy
 from meshserve.telemetry import metrics
 from services.base import memory
 from services.base.control import ModelControl, fingerprint
+from services.base.load_threads import DEFAULT_LOAD_THREADS, SharedGrowth
 from services.base.model import ModelVersion, early_release
 from services.base.runtime import RuntimeAdapter, RuntimeLoadError, placements
 from services.base.scheduling.dynamic import DynamicBatcher
@@ -90,6 +93,15 @@ class ServiceCore:
         self._started = False
         self._draining = False
         self._load_lock = asyncio.Lock()
+        # --model-load-thread-count: models loaded at once at start, and the threads they load on
+        self.load_threads = DEFAULT_LOAD_THREADS
+        self._load_pool: ThreadPoolExecutor | None = None
+        # the resident growth of overlapping builds, split among them (services/base/load_threads.py)
+        self._growth = SharedGrowth(memory.rss_bytes)
+        self._gpu_measure = threading.Lock()  # builds with GPU instances are measured one at a time
+        # what the loads in flight are expected to take, per budget (memory.HOST, GPUs): counted as
+        # used by another load's room check, so loads at once cannot all fit in the same room
+        self._reserved: dict[int, dict[int, int]] = {}
         # plain loads (no parameters) queued or running, per model: another plain load of the same
         # model meanwhile waits for that one's outcome instead of loading it again (_load_once)
         self._plain_loads: dict[str, asyncio.Future[None]] = {}
@@ -110,10 +122,16 @@ class ServiceCore:
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
-        """Scan the repository and load every model of our kind (versions per policy)."""
+        """Scan the repository and load every model of our kind (versions per policy): up to
+        ``load_threads`` models at once (--model-load-thread-count), the pinned ones first (they
+        fit), each model's failure its own; returns once every load has ended."""
         self.memory.base = memory.measure_base()  # before any load; runtimes add theirs (services/base/memory.py)
-        entries = layout.scan(self.repository, gpu_available=self.gpu_available)
-        for entry in sorted(entries, key=lambda e: e.name not in self.memory.pinned):  # pinned first: they fit
+        loop = asyncio.get_running_loop()
+        pool = self._loads()
+        dirs = layout.model_dirs(self.repository)  # (a python model's auto_complete_config runs in its scan)
+        entries = await asyncio.gather(*(loop.run_in_executor(pool, self._scan_one, d) for d in dirs))
+        todo: list[tuple[HostedModel, layout.ModelEntry]] = []
+        for entry in entries:
             if not self._is_mine(entry):
                 self._foreign[entry.name] = fingerprint(entry.path)
                 continue
@@ -129,13 +147,34 @@ class ServiceCore:
                 continue
             if entry.error:
                 log.warning("model '%s': %s", entry.name, entry.error)
-            try:
-                await self._load_versions(hosted, entry.config, entry.loadable_versions, evict=False)
-            except Exception:
-                continue  # recorded on the model (index shows UNAVAILABLE + reason); others still load
+            todo.append((hosted, entry))
+        for backend in sorted({entry.config.backend for _, entry in todo if entry.config is not None}):
+            # each runtime's one-time start, alone: what it adds goes to the base, not to a model loading beside it
+            await loop.run_in_executor(pool, self.memory.prime, backend, self.adapters.get(backend))
+        slots = asyncio.Semaphore(self.load_threads)
+        pinned = [job for job in todo if job[0].name in self.memory.pinned]
+        for group in (pinned, [job for job in todo if job[0].name not in self.memory.pinned]):  # pinned first
+            await asyncio.gather(*(self._start_load(hosted, entry, slots) for hosted, entry in group))
         self._started = True
         if self.control.mode == "poll":
             self._poller = asyncio.ensure_future(self._poll_repository())
+
+    def _scan_one(self, model_dir: Path) -> layout.ModelEntry:
+        return layout.scan_model(model_dir, gpu_available=self.gpu_available)
+
+    async def _start_load(self, hosted: HostedModel, entry: layout.ModelEntry, slots: asyncio.Semaphore) -> None:
+        assert entry.config is not None
+        async with slots:
+            try:
+                await self._load_versions(hosted, entry.config, entry.loadable_versions, evict=False)
+            except Exception:
+                pass  # recorded on the model (index shows UNAVAILABLE + reason); others still load
+
+    def _loads(self) -> ThreadPoolExecutor:
+        """The threads builds and start-up scans run on: --model-load-thread-count of them."""
+        if self._load_pool is None:
+            self._load_pool = ThreadPoolExecutor(self.load_threads, thread_name_prefix="meshserve-load")
+        return self._load_pool
 
     def _is_mine(self, entry: layout.ModelEntry) -> bool:
         """A model of this service's kind (or one whose config is broken but whose files are)."""
@@ -151,27 +190,31 @@ class ServiceCore:
         loop = asyncio.get_running_loop()
         loaded: dict[int, ModelVersion] = {}
         started = time.monotonic()
+        reservation = object()
         try:
-            if self.memory.enforced:
-                await self._make_room(hosted, config, versions, path, evict)
-            for v in versions:
-                t0 = time.monotonic()
-                try:
-                    mv = await loop.run_in_executor(None, self._measured_build, path, config, v)
-                except InferError:
-                    raise
-                except Exception as exc:  # Triton's words for a version that failed to load
-                    raise RuntimeLoadError(f"load failed for model '{hosted.name}': version {v} is at "
-                                           f"UNAVAILABLE state: {exc}") from None
-                loaded[v] = mv
-                mv.stats.load_duration_s = time.monotonic() - t0  # nv_model_load_duration_secs
-                log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, mv.stats.load_duration_s)
-        except Exception as exc:
-            for mv in loaded.values():
-                await mv.close(drain=False)
-            hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
-            log.error("model '%s' failed to load: %s", hosted.name, exc)
-            raise
+            try:
+                if self.memory.enforced:
+                    await self._make_room(hosted, config, versions, path, evict, id(reservation))
+                for v in versions:
+                    t0 = time.monotonic()
+                    try:
+                        mv = await loop.run_in_executor(self._loads(), self._measured_build, path, config, v)
+                    except InferError:
+                        raise
+                    except Exception as exc:  # Triton's words for a version that failed to load
+                        raise RuntimeLoadError(f"load failed for model '{hosted.name}': version {v} is at "
+                                               f"UNAVAILABLE state: {exc}") from None
+                    loaded[v] = mv
+                    mv.stats.load_duration_s = time.monotonic() - t0  # nv_model_load_duration_secs
+                    log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, mv.stats.load_duration_s)
+            except Exception as exc:
+                for mv in loaded.values():
+                    await mv.close(drain=False)
+                hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
+                log.error("model '%s' failed to load: %s", hosted.name, exc)
+                raise
+        finally:
+            self._reserved.pop(id(reservation), None)  # its versions' measured sizes count from here
         for v, mv in loaded.items():
             self.memory.measured(hosted.name, v, mv.memory_bytes)
             self.memory.measured_gpu(hosted.name, v, mv.gpu_bytes)
@@ -194,13 +237,23 @@ class ServiceCore:
         after the runtime's one-time start (if this is its first load here) went to the base."""
         self.memory.prime(config.backend, self.adapters.get(config.backend))
         devices = self._gpu_devices(config)
+        if devices:  # device memory is read per process: one such build at a time is measured right
+            with self._gpu_measure:
+                return self._build_measuring(path, config, version, devices)
+        return self._build_measuring(path, config, version, devices)
+
+    def _build_measuring(self, path: Path, config: mc.ModelConfig, version: int,
+                         devices: dict[int, int]) -> ModelVersion:
         own = [os.getpid()]
         meter = memory.gpu_meter() if devices else None
         gpu_before = {d: memory.gpu_read(meter, d, own) for d in devices}
-        before = memory.rss_bytes()
-        mv = self._build_version(path, config, version)
+        token = self._growth.begin()
+        try:
+            mv = self._build_version(path, config, version)
+        finally:
+            grown = self._growth.end(token)  # its share of the growth, other builds running beside it
         files = memory.files_bytes(path / str(version))
-        mv.memory_bytes = memory.version_bytes(memory.rss_bytes() - before, mv.instances, files)
+        mv.memory_bytes = memory.version_bytes(grown, mv.instances, files)
         if devices:  # its instances' own processes (python workers) hold device memory too
             pids = own + [pid for i in mv.instances if isinstance(pid := getattr(i, "pid", None), int)]
             gpu_after = {d: memory.gpu_read(meter, d, pids) for d in devices}
@@ -238,13 +291,14 @@ class ServiceCore:
                 for r in resources if r == memory.HOST or r in book.gpu_budgets}
 
     async def _make_room(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int], path: Path,
-                         evict: bool) -> None:
+                         evict: bool, reservation: int) -> None:
         """Unload the least recently used idle, unpinned versions of other models until the
         load's estimate fits the budget; wait (up to memory.EVICTION_WAIT_S) while busy versions
         could make room once idle; else refuse with RESOURCE_EXHAUSTED, also when only fresh
         versions (loaded within the grace, not used yet: memory.is_fresh) could make room: a
         gateway's request for them is on its way. A reload counts the versions it retires as
-        free (they go once the new ones are up)."""
+        free (they go once the new ones are up). Loads in flight count with their estimates; the
+        room found is reserved under ``reservation`` until the load ends."""
         book = self.memory
         instances = len(placements(config, self.gpu_available))
         devices = self._gpu_devices(config)
@@ -259,10 +313,12 @@ class ServiceCore:
         deadline = time.monotonic() + memory.EVICTION_WAIT_S
         while True:
             held = self._held(self._all_versions())
-            used = {r: held.get(r, 0) - own.get(r, 0) for r in needed}
+            used = {r: held.get(r, 0) - own.get(r, 0) + sum(o.get(r, 0) for o in self._reserved.values())
+                    for r in needed}
             candidates = self._candidates(hosted.name) if evict else []
             plan = memory.plan_room(needed, used, budgets, candidates)
             if plan is not None:
+                self._reserved[reservation] = needed  # (no await since the plan: no other load took this room)
                 await self._evict(plan)
                 return
             # busy versions become idle (and used: no longer fresh) once their requests end
@@ -391,6 +447,8 @@ class ServiceCore:
         self._draining = True
         if self._poller is not None:
             self._poller.cancel()
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=False)  # (a build running finishes; its thread then ends)
         for hosted in self.models.values():
             for mv in hosted.versions.values():
                 await mv.close(drain=drain)

@@ -1,0 +1,149 @@
+"""--model-load-thread-count (Triton's flag, default 4): a service loads up to N models of its
+repository at once at start, and runs the python models' auto_complete_config side by side too.
+
+Each model records when its own auto_complete_config and initialize() started and ended (a file
+in its directory, written by the model's code), so the tests assert on the order the service ran
+them in, not on wall-clock thresholds of a busy machine."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.conftest import ROOT, start
+from tests.models import python_models
+
+SLEEP_S = 1.0
+SLEEPERS = 6
+
+# initialize() sleeps SLEEP_S between two timestamps it appends to <model dir>/init_times;
+# auto_complete_config does the same (a shorter sleep) to <model dir>/complete_times
+SLEEPER = f'''
+import time
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def _record(name, seconds):
+    start = time.time()
+    time.sleep(seconds)
+    with open(HERE / name, "a") as f:
+        f.write(f"{{start}} {{time.time()}}\\n")
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        _record("complete_times", {SLEEP_S / 2})
+        return auto_complete_model_config
+
+    def initialize(self, args):
+        _record("init_times", {SLEEP_S})
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(
+            r, "X").as_numpy())]) for r in requests]
+'''
+
+BROKEN = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("broken on purpose: no weights")
+'''
+
+
+def _repository(root: Path) -> Path:
+    repo = root / "repo"
+    for i in range(SLEEPERS):
+        name = f"sleeper_{i}"
+        python_models.write(repo, name, SLEEPER, python_models.config(
+            name, [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
+            extra="instance_group [ { count: 1 kind: KIND_CPU } ]\n"))
+    python_models.write(repo, "broken", BROKEN, python_models.config(
+        "broken", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
+        extra="instance_group [ { count: 1 kind: KIND_CPU } ]\n"))
+    return repo
+
+
+def _intervals(repo: Path, file: str) -> list[tuple[float, float]]:
+    out = []
+    for i in range(SLEEPERS):
+        lines = (repo / f"sleeper_{i}" / file).read_text().split("\n")
+        rows = [tuple(float(x) for x in ln.split()) for ln in lines if ln.strip()]
+        assert len(rows) == 1, f"sleeper_{i} ran {file} {len(rows)} times"
+        out.append((rows[0][0], rows[0][1]))
+    return out
+
+
+def _most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The largest number of intervals running at one moment."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])  # an end before a start
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def _serve(repo: Path, threads: int):
+    return start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                  "--model-load-thread-count", str(threads)], timeout=180)
+
+
+@pytest.mark.parametrize("threads", [4, 1])
+def test_models_load_at_once_up_to_the_thread_count(tmp_path: Path, threads: int) -> None:
+    repo = _repository(tmp_path)
+    proc = _serve(repo, threads)
+    try:
+        http = httpclient.InferenceServerClient(proc.http)
+        grpc = grpcclient.InferenceServerClient(proc.grpc)
+        assert http.is_server_ready() and grpc.is_server_ready()
+        for i in range(SLEEPERS):  # every load ended before the ready line
+            assert http.is_model_ready(f"sleeper_{i}") and grpc.is_model_ready(f"sleeper_{i}")
+        # the broken model's failure is its own: UNAVAILABLE with its own reason, the others READY
+        index = {m["name"]: m for m in http.get_model_repository_index()}
+        assert index["broken"]["state"] == "UNAVAILABLE"
+        assert "broken on purpose: no weights" in index["broken"]["reason"]
+        assert not http.is_model_ready("broken")
+        assert {index[f"sleeper_{i}"]["state"] for i in range(SLEEPERS)} == {"READY"}
+        grpc_index = {m.name: m for m in grpc.get_model_repository_index().models}
+        assert grpc_index["broken"].state == "UNAVAILABLE" and "broken on purpose" in grpc_index["broken"].reason
+
+        inits = _intervals(repo, "init_times")
+        completes = _intervals(repo, "complete_times")
+        # everything the service ran for a model stays within the bound
+        assert _most_at_once(inits) <= threads, inits
+        assert _most_at_once(completes) <= threads, completes
+        span = max(e for _, e in inits) - min(s for s, _ in inits)
+        serial = sum(e - s for s, e in inits)
+        if threads == 1:  # one after the other: no two initialize() overlap, the span is the sum or more
+            assert _most_at_once(inits) == 1 and _most_at_once(completes) == 1
+            assert span >= serial
+        else:  # side by side: several at once, the whole well under the serial time
+            assert _most_at_once(inits) >= 2, inits
+            assert _most_at_once(completes) >= 2, completes
+            assert span < 0.75 * serial, (span, serial)
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four"])
+@pytest.mark.parametrize("kind", ["python", "onnx"])
+def test_bad_thread_counts_are_refused_naming_the_flag(tmp_path: Path, kind: str, value: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "meshserve", "service", kind, "--repository", str(tmp_path),
+                           "--grpc-port", "0", "--model-load-thread-count", value],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "--model-load-thread-count" in done.stderr, done.stderr
+    assert ("at least 1" if value.lstrip("-").isdigit() else "not a whole number") in done.stderr, done.stderr
