@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -92,10 +93,14 @@ class ServiceCore:
         self.models: dict[str, HostedModel] = {}
         self._started = False
         self._draining = False
-        self._load_lock = asyncio.Lock()
-        # --model-load-thread-count: models loaded at once at start, and the threads they load on
+        # a runtime's one-time start (MemoryBook.prime) happens once, in the first build of its backend
+        self._load_lock = threading.Lock()
+        # --model-load-thread-count: models loaded at once (at start, by load requests), the threads
+        # they load on; loads of one model go one after the other (name -> its lock and its users)
         self.load_threads = DEFAULT_LOAD_THREADS
         self._load_pool: ThreadPoolExecutor | None = None
+        self._load_slots: asyncio.Semaphore | None = None
+        self._model_loads: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         # the resident growth of overlapping builds, split among them (services/base/load_threads.py)
         self._growth = SharedGrowth(memory.rss_bytes)
         self._gpu_measure = threading.Lock()  # builds with GPU instances are measured one at a time
@@ -151,10 +156,9 @@ class ServiceCore:
         for backend in sorted({entry.config.backend for _, entry in todo if entry.config is not None}):
             # each runtime's one-time start, alone: what it adds goes to the base, not to a model loading beside it
             await loop.run_in_executor(pool, self.memory.prime, backend, self.adapters.get(backend))
-        slots = asyncio.Semaphore(self.load_threads)
         pinned = [job for job in todo if job[0].name in self.memory.pinned]
         for group in (pinned, [job for job in todo if job[0].name not in self.memory.pinned]):  # pinned first
-            await asyncio.gather(*(self._start_load(hosted, entry, slots) for hosted, entry in group))
+            await asyncio.gather(*(self._start_load(hosted, entry) for hosted, entry in group))
         self._started = True
         if self.control.mode == "poll":
             self._poller = asyncio.ensure_future(self._poll_repository())
@@ -162,13 +166,29 @@ class ServiceCore:
     def _scan_one(self, model_dir: Path) -> layout.ModelEntry:
         return layout.scan_model(model_dir, gpu_available=self.gpu_available)
 
-    async def _start_load(self, hosted: HostedModel, entry: layout.ModelEntry, slots: asyncio.Semaphore) -> None:
+    async def _start_load(self, hosted: HostedModel, entry: layout.ModelEntry) -> None:
         assert entry.config is not None
-        async with slots:
+        async with self._one_load(hosted.name):
             try:
                 await self._load_versions(hosted, entry.config, entry.loadable_versions, evict=False)
             except Exception:
                 pass  # recorded on the model (index shows UNAVAILABLE + reason); others still load
+
+    @contextlib.asynccontextmanager
+    async def _one_load(self, name: str) -> AsyncIterator[None]:
+        """A load of ``name`` may run: after the loads of the same model before it, and while fewer
+        than ``load_threads`` loads run (Triton's load thread pool)."""
+        if self._load_slots is None:
+            self._load_slots = asyncio.Semaphore(self.load_threads)
+        lock, users = self._model_loads.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock, self._load_slots:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:  # (no entry is kept for a name nobody loads now)
+                del self._model_loads[name]
 
     def _loads(self) -> ThreadPoolExecutor:
         """The threads builds and start-up scans run on: --model-load-thread-count of them."""
@@ -235,7 +255,8 @@ class ServiceCore:
     def _measured_build(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes),
         after the runtime's one-time start (if this is its first load here) went to the base."""
-        self.memory.prime(config.backend, self.adapters.get(config.backend))
+        with self._load_lock:
+            self.memory.prime(config.backend, self.adapters.get(config.backend))
         devices = self._gpu_devices(config)
         if devices:  # device memory is read per process: one such build at a time is measured right
             with self._gpu_measure:
@@ -291,7 +312,7 @@ class ServiceCore:
                 for r in resources if r == memory.HOST or r in book.gpu_budgets}
 
     async def _make_room(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int], path: Path,
-                         evict: bool, reservation: int) -> None:
+                         evict: bool, reservation: int | None = None) -> None:
         """Unload the least recently used idle, unpinned versions of other models until the
         load's estimate fits the budget; wait (up to memory.EVICTION_WAIT_S) while busy versions
         could make room once idle; else refuse with RESOURCE_EXHAUSTED, also when only fresh
@@ -318,7 +339,8 @@ class ServiceCore:
             candidates = self._candidates(hosted.name) if evict else []
             plan = memory.plan_room(needed, used, budgets, candidates)
             if plan is not None:
-                self._reserved[reservation] = needed  # (no await since the plan: no other load took this room)
+                if reservation is not None:  # (no await since the plan: no other load took this room)
+                    self._reserved[reservation] = needed
                 await self._evict(plan)
                 return
             # busy versions become idle (and used: no longer fresh) once their requests end
@@ -710,7 +732,7 @@ class ServiceCore:
                 raise poll_failed(name, f"Invalid config override: {exc.message}") from None
         if not files and not path.is_dir():
             raise InferError.not_found(f"failed to load '{name}', failed to poll from model repository")
-        async with self._load_lock:
+        async with self._one_load(name):
             if files:
                 path = await asyncio.get_running_loop().run_in_executor(None, self._write_override, name, files)
             try:
@@ -743,7 +765,9 @@ class ServiceCore:
 
     async def _load_from(self, name: str, path: Path, override: str | None) -> None:
         try:
-            config = load_model_config(path, override_json=override, gpu_available=self.gpu_available)
+            config = await asyncio.get_running_loop().run_in_executor(  # (a python model's auto_complete_config)
+                self._loads(), functools.partial(load_model_config, path, override_json=override,
+                                                 gpu_available=self.gpu_available))
         except ConfigError as exc:
             raise InferError.invalid(f"failed to load '{name}': {exc}") from None
         kind = layout.service_kind(config)

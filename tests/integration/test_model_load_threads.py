@@ -9,11 +9,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, start
 from tests.models import python_models
@@ -147,3 +149,35 @@ def test_bad_thread_counts_are_refused_naming_the_flag(tmp_path: Path, kind: str
     assert done.returncode == 2, done.stderr
     assert "--model-load-thread-count" in done.stderr, done.stderr
     assert ("at least 1" if value.lstrip("-").isdigit() else "not a whole number") in done.stderr, done.stderr
+
+
+def test_load_requests_run_at_once_up_to_the_thread_count(tmp_path: Path) -> None:
+    """As in Triton, whose load requests share its load thread pool: loads of different models
+    asked for at once run side by side, at most N at a time; the broken one fails on its own."""
+    repo = _repository(tmp_path)
+    proc = start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                  "--model-control-mode", "explicit", "--model-load-thread-count", "2"], timeout=120)
+    try:
+        names = [f"sleeper_{i}" for i in range(SLEEPERS)] + ["broken"]
+
+        def load(name: str) -> str:
+            client = httpclient.InferenceServerClient(proc.http, network_timeout=120)
+            try:
+                client.load_model(name)
+                return ""
+            except InferenceServerException as exc:
+                return str(exc)
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            outcomes = dict(zip(names, pool.map(load, names), strict=True))
+        assert "broken on purpose: no weights" in outcomes.pop("broken")
+        assert outcomes == dict.fromkeys(outcomes, ""), outcomes
+        grpc = grpcclient.InferenceServerClient(proc.grpc)
+        assert all(grpc.is_model_ready(n) for n in outcomes)
+        inits = _intervals(repo, "init_times")
+        assert _most_at_once(inits) == 2, inits  # the bound, and reached
+        assert _most_at_once(_intervals(repo, "complete_times")) <= 2
+    finally:
+        proc.stop(signal.SIGKILL)
