@@ -103,7 +103,7 @@ class ServiceCore:
         self._model_loads: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         # the resident growth of overlapping builds, split among them (services/base/load_threads.py)
         self._growth = SharedGrowth(memory.rss_bytes)
-        self._gpu_measure = threading.Lock()  # builds with GPU instances are measured one at a time
+        self._one_build = threading.Lock()  # the builds that are measured one at a time (_measured_build)
         # what the loads in flight are expected to take, per budget (memory.HOST, GPUs): counted as
         # used by another load's room check, so loads at once cannot all fit in the same room
         self._reserved: dict[int, dict[int, int]] = {}
@@ -258,8 +258,10 @@ class ServiceCore:
         with self._load_lock:
             self.memory.prime(config.backend, self.adapters.get(config.backend))
         devices = self._gpu_devices(config)
-        if devices:  # device memory is read per process: one such build at a time is measured right
-            with self._gpu_measure:
+        if devices or (self.memory.enforced and not self.instances_are_processes):
+            # one such build at a time: device memory is read per process, and an in-process
+            # runtime's growth can only be told apart alone (docs/model-control.md, "Loading in parallel")
+            with self._one_build:
                 return self._build_measuring(path, config, version, devices)
         return self._build_measuring(path, config, version, devices)
 
@@ -268,12 +270,12 @@ class ServiceCore:
         own = [os.getpid()]
         meter = memory.gpu_meter() if devices else None
         gpu_before = {d: memory.gpu_read(meter, d, own) for d in devices}
-        token = self._growth.begin()
+        files = memory.files_bytes(path / str(version))
+        token = self._growth.begin(files)
         try:
             mv = self._build_version(path, config, version)
         finally:
             grown = self._growth.end(token)  # its share of the growth, other builds running beside it
-        files = memory.files_bytes(path / str(version))
         mv.memory_bytes = memory.version_bytes(grown, mv.instances, files)
         if devices:  # its instances' own processes (python workers) hold device memory too
             pids = own + [pid for i in mv.instances if isinstance(pid := getattr(i, "pid", None), int)]
