@@ -812,14 +812,18 @@ class ServiceCore:
         self._forget_override(hosted)
 
     async def _poll_repository(self) -> None:
-        """poll mode: reload models whose files changed, load new ones, unload removed ones."""
+        """poll mode: reload models whose files changed, load new ones, unload removed ones. The
+        directories are read, and the changed models loaded, up to ``load_threads`` at once."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.control.poll_secs)
             try:
-                entries = {e.name: e for e in layout.scan(self.repository, gpu_available=self.gpu_available)}
+                scans = [loop.run_in_executor(self._loads(), self._scan_one, d) for d in layout.model_dirs(self.repository)]
+                entries = {e.name: e for e in await asyncio.gather(*scans)}
             except Exception:
                 log.exception("repository poll failed")
                 continue
+            changed = []
             for name, entry in entries.items():
                 if entry.kind != self.kind:
                     continue
@@ -827,15 +831,19 @@ class ServiceCore:
                 if self._fingerprints.get(name) == fp and name in self.models:
                     continue
                 self._fingerprints[name] = fp
-                log.info("repository poll: model '%s' changed; reloading", name)
-                try:
-                    await self._load(name, {})
-                except Exception as exc:  # the old versions keep serving
-                    log.error("repository poll: reloading model '%s' failed: %s", name, exc)
+                changed.append(name)
+            await asyncio.gather(*(self._poll_load(name) for name in changed))
             for name in [n for n in self.models if n not in entries]:
                 log.info("repository poll: model '%s' was removed; unloading", name)
                 self._fingerprints.pop(name, None)
                 await self._unload(name)
+
+    async def _poll_load(self, name: str) -> None:
+        log.info("repository poll: model '%s' changed; reloading", name)
+        try:
+            await self._load(name, {})
+        except Exception as exc:  # the old versions keep serving
+            log.error("repository poll: reloading model '%s' failed: %s", name, exc)
 
     async def metrics_text(self) -> tuple[bytes, str]:
         samples: list[metrics.Sample] = []

@@ -19,12 +19,14 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, start
 from tests.models import python_models
+from tests.support.waiting import eventually
 
 SLEEP_S = 1.0
 SLEEPERS = 6
 
-# initialize() sleeps SLEEP_S between two timestamps it appends to <model dir>/init_times;
-# auto_complete_config does the same (a shorter sleep) to <model dir>/complete_times
+# initialize() sleeps SLEEP_S between two timestamps it appends to <repository>/.<model>.init_times;
+# auto_complete_config does the same (a shorter sleep) to .<model>.complete_times (hidden files
+# beside the model directories: a poll sees no change in the model's own files)
 SLEEPER = f'''
 import time
 from pathlib import Path
@@ -37,7 +39,7 @@ HERE = Path(__file__).resolve().parent.parent
 def _record(name, seconds):
     start = time.time()
     time.sleep(seconds)
-    with open(HERE / name, "a") as f:
+    with open(HERE.parent / f".{{HERE.name}}.{{name}}", "a") as f:
         f.write(f"{{start}} {{time.time()}}\\n")
 
 
@@ -81,7 +83,7 @@ def _repository(root: Path) -> Path:
 def _intervals(repo: Path, file: str) -> list[tuple[float, float]]:
     out = []
     for i in range(SLEEPERS):
-        lines = (repo / f"sleeper_{i}" / file).read_text().split("\n")
+        lines = (repo / f".sleeper_{i}.{file}").read_text().split("\n")
         rows = [tuple(float(x) for x in ln.split()) for ln in lines if ln.strip()]
         assert len(rows) == 1, f"sleeper_{i} ran {file} {len(rows)} times"
         out.append((rows[0][0], rows[0][1]))
@@ -179,5 +181,27 @@ def test_load_requests_run_at_once_up_to_the_thread_count(tmp_path: Path) -> Non
         inits = _intervals(repo, "init_times")
         assert _most_at_once(inits) == 2, inits  # the bound, and reached
         assert _most_at_once(_intervals(repo, "complete_times")) <= 2
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_a_poll_loads_the_models_it_finds_at_once_up_to_the_thread_count(tmp_path: Path) -> None:
+    """Poll mode: the models that appear between two polls load side by side, at most N at once."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    proc = start(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                  "--model-control-mode", "poll", "--repository-poll-secs", "0.5",
+                  "--model-load-thread-count", "2"], timeout=120)
+    try:
+        staging = _repository(tmp_path / "staging")
+        for d in sorted(staging.iterdir()):
+            d.rename(repo / d.name)  # (whole directories at once: a poll never sees half of one)
+        grpc = grpcclient.InferenceServerClient(proc.grpc)
+        eventually(lambda: all(grpc.is_model_ready(f"sleeper_{i}") for i in range(SLEEPERS)), 120,
+                   what="the models the poll found, loaded")
+        inits = _intervals(repo, "init_times")
+        assert _most_at_once(inits) == 2, inits
+        index = {m.name: m for m in grpc.get_model_repository_index().models}
+        assert index["broken"].state == "UNAVAILABLE" and "broken on purpose" in index["broken"].reason
     finally:
         proc.stop(signal.SIGKILL)
