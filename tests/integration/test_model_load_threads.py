@@ -19,6 +19,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, start
 from tests.models import python_models
+from tests.support.metrics import sample, scrape
+from tests.support.net import free_port
 from tests.support.waiting import eventually
 
 SLEEP_S = 1.0
@@ -203,5 +205,31 @@ def test_a_poll_loads_the_models_it_finds_at_once_up_to_the_thread_count(tmp_pat
         assert _most_at_once(inits) == 2, inits
         index = {m.name: m for m in grpc.get_model_repository_index().models}
         assert index["broken"].state == "UNAVAILABLE" and "broken on purpose" in index["broken"].reason
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_loads_at_once_share_the_memory_budget(tmp_path: Path) -> None:
+    """Explicit mode enforces the memory budget: 6 ONNX models of 16 MiB (each estimated at 19.2
+    MiB) loaded 4 at once at start under a 50 MiB budget. Each load in flight holds its estimate,
+    so only two fit, as one at a time would; the others are refused with the budget's reason."""
+    from load.bench import mesh_models
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    names = [mesh_models.write(repo, i, (16 << 20) // mesh_models.WIDTH // 4) for i in range(6)]
+    metrics_port = free_port()
+    proc = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                  "--metrics-port", str(metrics_port), "--model-control-mode", "explicit", "--load-model", "*",
+                  "--memory-budget", "50Mi", "--model-load-thread-count", "4"], timeout=120)
+    try:
+        index = {m["name"]: m for m in httpclient.InferenceServerClient(proc.http).get_model_repository_index()}
+        ready = [n for n in names if index[n]["state"] == "READY"]
+        refused = [n for n in names if n not in ready]
+        assert len(ready) == 2, index
+        for n in refused:
+            assert index[n]["state"] == "UNAVAILABLE" and "memory budget" in index[n]["reason"], index[n]
+        used = sample(scrape(f"127.0.0.1:{metrics_port}"), "meshserve_memory_used_bytes")
+        assert 0 < used <= 50 << 20
     finally:
         proc.stop(signal.SIGKILL)
