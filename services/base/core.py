@@ -4,12 +4,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy
 from meshserve.telemetry import metrics
 from services.base import memory
 from services.base.control import ModelControl, fingerprint
+from services.base.load_threads import DEFAULT_LOAD_THREADS, SharedGrowth
 from services.base.model import ModelVersion, early_release
 from services.base.runtime import RuntimeAdapter, RuntimeLoadError, placements
 from services.base.scheduling.dynamic import DynamicBatcher
@@ -89,7 +93,20 @@ class ServiceCore:
         self.models: dict[str, HostedModel] = {}
         self._started = False
         self._draining = False
-        self._load_lock = asyncio.Lock()
+        # a runtime's one-time start (MemoryBook.prime) happens once, in the first build of its backend
+        self._load_lock = threading.Lock()
+        # --model-load-thread-count: models loaded at once (at start, by load requests), the threads
+        # they load on; loads of one model go one after the other (name -> its lock and its users)
+        self.load_threads = DEFAULT_LOAD_THREADS
+        self._load_pool: ThreadPoolExecutor | None = None
+        self._load_slots: asyncio.Semaphore | None = None
+        self._model_loads: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        # the resident growth of overlapping builds, split among them (services/base/load_threads.py)
+        self._growth = SharedGrowth(memory.rss_bytes)
+        self._one_build = threading.Lock()  # the builds that are measured one at a time (_measured_build)
+        # what the loads in flight are expected to take, per budget (memory.HOST, GPUs): counted as
+        # used by another load's room check, so loads at once cannot all fit in the same room
+        self._reserved: dict[int, dict[int, int]] = {}
         # plain loads (no parameters) queued or running, per model: another plain load of the same
         # model meanwhile waits for that one's outcome instead of loading it again (_load_once)
         self._plain_loads: dict[str, asyncio.Future[None]] = {}
@@ -110,10 +127,16 @@ class ServiceCore:
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
-        """Scan the repository and load every model of our kind (versions per policy)."""
+        """Scan the repository and load every model of our kind (versions per policy): up to
+        ``load_threads`` models at once (--model-load-thread-count), the pinned ones first (they
+        fit), each model's failure its own; returns once every load has ended."""
         self.memory.base = memory.measure_base()  # before any load; runtimes add theirs (services/base/memory.py)
-        entries = layout.scan(self.repository, gpu_available=self.gpu_available)
-        for entry in sorted(entries, key=lambda e: e.name not in self.memory.pinned):  # pinned first: they fit
+        loop = asyncio.get_running_loop()
+        pool = self._loads()
+        dirs = layout.model_dirs(self.repository)  # (a python model's auto_complete_config runs in its scan)
+        entries = await asyncio.gather(*(loop.run_in_executor(pool, self._scan_one, d) for d in dirs))
+        todo: list[tuple[HostedModel, layout.ModelEntry]] = []
+        for entry in entries:
             if not self._is_mine(entry):
                 self._foreign[entry.name] = fingerprint(entry.path)
                 continue
@@ -129,13 +152,49 @@ class ServiceCore:
                 continue
             if entry.error:
                 log.warning("model '%s': %s", entry.name, entry.error)
-            try:
-                await self._load_versions(hosted, entry.config, entry.loadable_versions, evict=False)
-            except Exception:
-                continue  # recorded on the model (index shows UNAVAILABLE + reason); others still load
+            todo.append((hosted, entry))
+        for backend in sorted({entry.config.backend for _, entry in todo if entry.config is not None}):
+            # each runtime's one-time start, alone: what it adds goes to the base, not to a model loading beside it
+            await loop.run_in_executor(pool, self.memory.prime, backend, self.adapters.get(backend))
+        pinned = [job for job in todo if job[0].name in self.memory.pinned]
+        for group in (pinned, [job for job in todo if job[0].name not in self.memory.pinned]):  # pinned first
+            await asyncio.gather(*(self._start_load(hosted, entry) for hosted, entry in group))
         self._started = True
         if self.control.mode == "poll":
             self._poller = asyncio.ensure_future(self._poll_repository())
+
+    def _scan_one(self, model_dir: Path) -> layout.ModelEntry:
+        return layout.scan_model(model_dir, gpu_available=self.gpu_available)
+
+    async def _start_load(self, hosted: HostedModel, entry: layout.ModelEntry) -> None:
+        assert entry.config is not None
+        async with self._one_load(hosted.name):
+            try:
+                await self._load_versions(hosted, entry.config, entry.loadable_versions, evict=False)
+            except Exception:
+                pass  # recorded on the model (index shows UNAVAILABLE + reason); others still load
+
+    @contextlib.asynccontextmanager
+    async def _one_load(self, name: str) -> AsyncIterator[None]:
+        """A load of ``name`` may run: after the loads of the same model before it, and while fewer
+        than ``load_threads`` loads run (Triton's load thread pool)."""
+        if self._load_slots is None:
+            self._load_slots = asyncio.Semaphore(self.load_threads)
+        lock, users = self._model_loads.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock, self._load_slots:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:  # (no entry is kept for a name nobody loads now)
+                del self._model_loads[name]
+
+    def _loads(self) -> ThreadPoolExecutor:
+        """The threads builds and start-up scans run on: --model-load-thread-count of them."""
+        if self._load_pool is None:
+            self._load_pool = ThreadPoolExecutor(self.load_threads, thread_name_prefix="meshserve-load")
+        return self._load_pool
 
     def _is_mine(self, entry: layout.ModelEntry) -> bool:
         """A model of this service's kind (or one whose config is broken but whose files are)."""
@@ -151,27 +210,31 @@ class ServiceCore:
         loop = asyncio.get_running_loop()
         loaded: dict[int, ModelVersion] = {}
         started = time.monotonic()
+        reservation = object()
         try:
-            if self.memory.enforced:
-                await self._make_room(hosted, config, versions, path, evict)
-            for v in versions:
-                t0 = time.monotonic()
-                try:
-                    mv = await loop.run_in_executor(None, self._measured_build, path, config, v)
-                except InferError:
-                    raise
-                except Exception as exc:  # Triton's words for a version that failed to load
-                    raise RuntimeLoadError(f"load failed for model '{hosted.name}': version {v} is at "
-                                           f"UNAVAILABLE state: {exc}") from None
-                loaded[v] = mv
-                mv.stats.load_duration_s = time.monotonic() - t0  # nv_model_load_duration_secs
-                log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, mv.stats.load_duration_s)
-        except Exception as exc:
-            for mv in loaded.values():
-                await mv.close(drain=False)
-            hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
-            log.error("model '%s' failed to load: %s", hosted.name, exc)
-            raise
+            try:
+                if self.memory.enforced:
+                    await self._make_room(hosted, config, versions, path, evict, id(reservation))
+                for v in versions:
+                    t0 = time.monotonic()
+                    try:
+                        mv = await loop.run_in_executor(self._loads(), self._measured_build, path, config, v)
+                    except InferError:
+                        raise
+                    except Exception as exc:  # Triton's words for a version that failed to load
+                        raise RuntimeLoadError(f"load failed for model '{hosted.name}': version {v} is at "
+                                               f"UNAVAILABLE state: {exc}") from None
+                    loaded[v] = mv
+                    mv.stats.load_duration_s = time.monotonic() - t0  # nv_model_load_duration_secs
+                    log.info("loaded model '%s' version %d in %.2fs", hosted.name, v, mv.stats.load_duration_s)
+            except Exception as exc:
+                for mv in loaded.values():
+                    await mv.close(drain=False)
+                hosted.state, hosted.reason = "UNAVAILABLE", str(exc)
+                log.error("model '%s' failed to load: %s", hosted.name, exc)
+                raise
+        finally:
+            self._reserved.pop(id(reservation), None)  # its versions' measured sizes count from here
         for v, mv in loaded.items():
             self.memory.measured(hosted.name, v, mv.memory_bytes)
             self.memory.measured_gpu(hosted.name, v, mv.gpu_bytes)
@@ -192,15 +255,28 @@ class ServiceCore:
     def _measured_build(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes),
         after the runtime's one-time start (if this is its first load here) went to the base."""
-        self.memory.prime(config.backend, self.adapters.get(config.backend))
+        with self._load_lock:
+            self.memory.prime(config.backend, self.adapters.get(config.backend))
         devices = self._gpu_devices(config)
+        if devices or (self.memory.enforced and not self.instances_are_processes):
+            # one such build at a time: device memory is read per process, and an in-process
+            # runtime's growth can only be told apart alone (docs/model-control.md, "Loading in parallel")
+            with self._one_build:
+                return self._build_measuring(path, config, version, devices)
+        return self._build_measuring(path, config, version, devices)
+
+    def _build_measuring(self, path: Path, config: mc.ModelConfig, version: int,
+                         devices: dict[int, int]) -> ModelVersion:
         own = [os.getpid()]
         meter = memory.gpu_meter() if devices else None
         gpu_before = {d: memory.gpu_read(meter, d, own) for d in devices}
-        before = memory.rss_bytes()
-        mv = self._build_version(path, config, version)
         files = memory.files_bytes(path / str(version))
-        mv.memory_bytes = memory.version_bytes(memory.rss_bytes() - before, mv.instances, files)
+        token = self._growth.begin(files)
+        try:
+            mv = self._build_version(path, config, version)
+        finally:
+            grown = self._growth.end(token)  # its share of the growth, other builds running beside it
+        mv.memory_bytes = memory.version_bytes(grown, mv.instances, files)
         if devices:  # its instances' own processes (python workers) hold device memory too
             pids = own + [pid for i in mv.instances if isinstance(pid := getattr(i, "pid", None), int)]
             gpu_after = {d: memory.gpu_read(meter, d, pids) for d in devices}
@@ -238,13 +314,14 @@ class ServiceCore:
                 for r in resources if r == memory.HOST or r in book.gpu_budgets}
 
     async def _make_room(self, hosted: HostedModel, config: mc.ModelConfig, versions: list[int], path: Path,
-                         evict: bool) -> None:
+                         evict: bool, reservation: int | None = None) -> None:
         """Unload the least recently used idle, unpinned versions of other models until the
         load's estimate fits the budget; wait (up to memory.EVICTION_WAIT_S) while busy versions
         could make room once idle; else refuse with RESOURCE_EXHAUSTED, also when only fresh
         versions (loaded within the grace, not used yet: memory.is_fresh) could make room: a
         gateway's request for them is on its way. A reload counts the versions it retires as
-        free (they go once the new ones are up)."""
+        free (they go once the new ones are up). Loads in flight count with their estimates; the
+        room found is reserved under ``reservation`` until the load ends."""
         book = self.memory
         instances = len(placements(config, self.gpu_available))
         devices = self._gpu_devices(config)
@@ -259,10 +336,13 @@ class ServiceCore:
         deadline = time.monotonic() + memory.EVICTION_WAIT_S
         while True:
             held = self._held(self._all_versions())
-            used = {r: held.get(r, 0) - own.get(r, 0) for r in needed}
+            used = {r: held.get(r, 0) - own.get(r, 0) + sum(o.get(r, 0) for o in self._reserved.values())
+                    for r in needed}
             candidates = self._candidates(hosted.name) if evict else []
             plan = memory.plan_room(needed, used, budgets, candidates)
             if plan is not None:
+                if reservation is not None:  # (no await since the plan: no other load took this room)
+                    self._reserved[reservation] = needed
                 await self._evict(plan)
                 return
             # busy versions become idle (and used: no longer fresh) once their requests end
@@ -391,6 +471,8 @@ class ServiceCore:
         self._draining = True
         if self._poller is not None:
             self._poller.cancel()
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=False)  # (a build running finishes; its thread then ends)
         for hosted in self.models.values():
             for mv in hosted.versions.values():
                 await mv.close(drain=drain)
@@ -652,7 +734,7 @@ class ServiceCore:
                 raise poll_failed(name, f"Invalid config override: {exc.message}") from None
         if not files and not path.is_dir():
             raise InferError.not_found(f"failed to load '{name}', failed to poll from model repository")
-        async with self._load_lock:
+        async with self._one_load(name):
             if files:
                 path = await asyncio.get_running_loop().run_in_executor(None, self._write_override, name, files)
             try:
@@ -685,7 +767,9 @@ class ServiceCore:
 
     async def _load_from(self, name: str, path: Path, override: str | None) -> None:
         try:
-            config = load_model_config(path, override_json=override, gpu_available=self.gpu_available)
+            config = await asyncio.get_running_loop().run_in_executor(  # (a python model's auto_complete_config)
+                self._loads(), functools.partial(load_model_config, path, override_json=override,
+                                                 gpu_available=self.gpu_available))
         except ConfigError as exc:
             raise InferError.invalid(f"failed to load '{name}': {exc}") from None
         kind = layout.service_kind(config)
@@ -728,14 +812,18 @@ class ServiceCore:
         self._forget_override(hosted)
 
     async def _poll_repository(self) -> None:
-        """poll mode: reload models whose files changed, load new ones, unload removed ones."""
+        """poll mode: reload models whose files changed, load new ones, unload removed ones. The
+        directories are read, and the changed models loaded, up to ``load_threads`` at once."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.control.poll_secs)
             try:
-                entries = {e.name: e for e in layout.scan(self.repository, gpu_available=self.gpu_available)}
+                scans = [loop.run_in_executor(self._loads(), self._scan_one, d) for d in layout.model_dirs(self.repository)]
+                entries = {e.name: e for e in await asyncio.gather(*scans)}
             except Exception:
                 log.exception("repository poll failed")
                 continue
+            changed = []
             for name, entry in entries.items():
                 if entry.kind != self.kind:
                     continue
@@ -743,15 +831,19 @@ class ServiceCore:
                 if self._fingerprints.get(name) == fp and name in self.models:
                     continue
                 self._fingerprints[name] = fp
-                log.info("repository poll: model '%s' changed; reloading", name)
-                try:
-                    await self._load(name, {})
-                except Exception as exc:  # the old versions keep serving
-                    log.error("repository poll: reloading model '%s' failed: %s", name, exc)
+                changed.append(name)
+            await asyncio.gather(*(self._poll_load(name) for name in changed))
             for name in [n for n in self.models if n not in entries]:
                 log.info("repository poll: model '%s' was removed; unloading", name)
                 self._fingerprints.pop(name, None)
                 await self._unload(name)
+
+    async def _poll_load(self, name: str) -> None:
+        log.info("repository poll: model '%s' changed; reloading", name)
+        try:
+            await self._load(name, {})
+        except Exception as exc:  # the old versions keep serving
+            log.error("repository poll: reloading model '%s' failed: %s", name, exc)
 
     async def metrics_text(self) -> tuple[bytes, str]:
         samples: list[metrics.Sample] = []

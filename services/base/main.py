@@ -9,7 +9,7 @@ from meshserve.server import limits as server_limits
 from meshserve.server import repository_control, tls
 from meshserve.server.core import add_server_name_argument
 from meshserve.server.process import configure_tracing, run, serve, setup_logging
-from services.base import memory
+from services.base import load_threads, memory
 from services.base.control import MODES, ModelControl
 from services.base.core import ServiceCore
 from services.base.runtime import RuntimeAdapter
@@ -32,6 +32,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--load-model", action="append", default=[], metavar="NAME",
                     help="explicit mode: a model to load at start ('*' = all); repeatable")
     ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
+    ap.add_argument(load_threads.FLAG, type=load_threads.thread_count_argument,
+                    default=load_threads.DEFAULT_LOAD_THREADS, metavar="N",
+                    help="models loaded at once at start (each on a thread of its own; a python model's "
+                         "auto_complete_config runs too), pinned models first (Triton's flag; default "
+                         f"{load_threads.DEFAULT_LOAD_THREADS}; docs/model-control.md)")
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
     py = ap.add_argument_group("python service")
@@ -152,6 +157,7 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
         core.server_name = args.server_name
         core.access = repository_control.ControlPolicy.from_args(args)
         core.max_model_load_bytes = args.max_model_load_bytes
+        core.load_threads = args.model_load_thread_count
         budget = args.memory_budget if args.memory_budget is not None else memory.default_budget()
         core.memory = memory.MemoryBook(budget, frozenset(args.pin), enforced=control.mode == "explicit",
                                         grace_s=args.eviction_grace)

@@ -551,7 +551,7 @@ class MemoryBook:
 
     def prime(self, backend: str, adapter: object) -> None:
         """Before the first load of ``backend`` here: pay its runtime's one-time start (``prime_cost``)
-        and add it to the base. Loads are serialized (ServiceCore._load_lock), so once per backend."""
+        and add it to the base. The builds calling it hold ServiceCore._load_lock, so once per backend."""
         if adapter is None or backend in self.primed:
             return
         self.primed.add(backend)
