@@ -1,0 +1,171 @@
+"""Every shared cap has a per-tenant share: client connections too (docs/security.md, "Session 13:
+connections by tenant").
+
+`--max-connections` is counted at accept, before a header names a tenant, and a connection with a
+call in progress is never idle, so it is never closed near the cap. Before: mallory, with a valid
+key, opened connections that each hold an idle ModelStreamInfer call (HTTP/2) or a slow request
+body (HTTP/1.1 keep-alive) until the gateway's 16 were full, and acme's new connections were
+refused at accept (503 / closed at once), its good client's evicted. Now a connection counts for
+the tenant of its first request, at most max(1, 16 x 0.5) = 8 each: mallory's ninth and later
+are refused naming the share (gRPC RESOURCE_EXHAUSTED + GOAWAY; HTTP 429 + Retry-After, closed),
+while acme's new connections (the real tritonclient, gRPC and HTTP) and its good client are
+served within the harness's bound."""
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.adversarial.h2raw import END_HEADERS, HEADERS, RawH2, frame, grpc_headers
+from tests.adversarial.harness import (
+    KEY,
+    LIMIT_FLAGS,
+    OTHER_KEY,
+    TENANTS,
+    GoodClient,
+    Mesh,
+    Observation,
+    under_attack,
+)
+from tests.adversarial.support import add_sub_inputs
+from tests.conftest import _wait_http_ready, start
+from tests.support.http1 import connect
+
+CAP = 16
+SHARE = 8  # max(1, 16 x 0.5): the tenants file's default share
+STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+SHARE_TEXT = f"tenant 'mallory' has {SHARE} connections open, its share (0.5 of --max-connections {CAP}: {SHARE})"
+
+
+@pytest.fixture(scope="module")
+def capped(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("connshare")
+    (tmp / "tenants.yaml").write_text(TENANTS)
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
+                     "--model-control-mode", "explicit", "--load-model", "add_sub", *LIMIT_FLAGS])
+    gateway = good = None
+    try:
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--tenants", str(tmp / "tenants.yaml"),
+                         "--upstream", service.grpc, "--max-connections", str(CAP), *LIMIT_FLAGS])
+        _wait_http_ready(gateway.http)
+        good = GoodClient(gateway)
+        assert good.wait_past(time.monotonic(), 30), "the good client did not start"
+        yield Mesh(gateway, [service], good, tmp)
+    finally:
+        if good is not None:
+            good.stop()
+        if gateway is not None:
+            gateway.stop()
+        service.stop()
+
+
+def _stream(hostport: str) -> RawH2:
+    """A connection holding one ModelStreamInfer call with no request in it (busy, never idle)."""
+    h2 = RawH2(hostport)
+    h2.send(frame(HEADERS, END_HEADERS, 1, grpc_headers(hostport, STREAM, OTHER_KEY)))
+    return h2
+
+
+def _slow_body(hostport: str) -> socket.socket:
+    """A keep-alive connection whose infer request's body stops after its first bytes."""
+    s = connect(hostport, timeout=5.0)
+    s.sendall(f"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: {hostport}\r\nx-api-key: {OTHER_KEY}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n{{\"inputs\": [".encode())
+    return s
+
+
+def _answer(s: socket.socket, timeout: float) -> bytes:
+    """What the server sent before closing (b"" when it sent nothing and kept the connection)."""
+    s.settimeout(timeout)
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except TimeoutError:
+        return got
+    except OSError:
+        pass
+    return got + b"<closed>"
+
+
+def _acme_new_connections(proc_grpc: str, proc_http: str) -> list[str]:
+    """Fresh tritonclient clients (a connection each: a local subchannel pool for gRPC), 5 requests each."""
+    out = []
+    headers = {"x-api-key": KEY}
+    g = grpcclient.InferenceServerClient(proc_grpc, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+    h = httpclient.InferenceServerClient(proc_http, network_timeout=5, connection_timeout=5)
+    try:
+        for m, c in ((grpcclient, g), (httpclient, h)):
+            for _ in range(5):
+                try:
+                    kw = {"client_timeout": 5} if m is grpcclient else {}
+                    r = c.infer("add_sub", add_sub_inputs(m), headers=dict(headers), **kw)  # type: ignore[attr-defined]
+                    out.append("ok" if r.as_numpy("OUTPUT0") is not None else "no output")
+                except InferenceServerException as exc:
+                    out.append(f"{exc.status()}: {exc.message()}")
+    finally:
+        g.close()
+        h.close()
+    return out
+
+
+def test_one_tenants_busy_connections_hold_only_its_share(capped: Mesh) -> None:
+    proc = capped.gateway
+    seen: dict[str, object] = {}
+
+    def attack() -> Observation:
+        streams: list[RawH2] = []
+        slow: list[socket.socket] = []
+        try:
+            for i in range(CAP):  # alternately: an idle stream call, a slow request body
+                if i % 2 == 0:
+                    streams.append(_stream(proc.grpc))
+                    streams[-1].wait_answered(1, 0.1)  # (a refused one is answered at once: one at a time)
+                else:
+                    slow.append(_slow_body(proc.http))
+                    seen.setdefault("http", []).append(_answer(slow[-1], 0.1))  # type: ignore[attr-defined]
+            seen["acme"] = _acme_new_connections(proc.grpc, proc.http)
+            seen["grpc"] = [(h2.seen.statuses.get(1), h2.seen.statuses.get(1) is not None and h2.wait("closed", 2.0))
+                            for h2 in streams]
+            # mallory with the real tritonclient on a new connection: refused naming the share
+            try:
+                with grpcclient.InferenceServerClient(
+                        proc.grpc, channel_args=[("grpc.use_local_subchannel_pool", 1)]) as m:
+                    m.infer("add_sub", add_sub_inputs(grpcclient), headers={"x-api-key": OTHER_KEY}, client_timeout=5)
+                seen["mallory"] = "served"
+            except InferenceServerException as exc:
+                seen["mallory"] = f"{exc.status()}: {exc.message()}"
+        finally:
+            for h2 in streams:
+                h2.close()
+            for s in slow:
+                s.close()
+        grpc = seen["grpc"]
+        assert isinstance(grpc, list)
+        refused = sum(1 for status, closed in grpc if status == "8" and closed)
+        http = seen["http"]
+        assert isinstance(http, list)
+        refused += sum(1 for a in http if a.startswith(b"HTTP/1.1 429 ") and a.endswith(b"<closed>"))
+        return Observation(f"mallory's {CAP} busy connections: {refused} refused; grpc {grpc}; "
+                           f"http {[a[:60] for a in http]}; acme {seen['acme']}", refused == CAP - SHARE)
+
+    under_attack(capped, proc, "one tenant's busy connections past its share", attack).judge().check()
+    assert seen["acme"] == ["ok"] * 10, seen["acme"]
+    grpc, http = seen["grpc"], seen["http"]
+    assert isinstance(grpc, list) and isinstance(http, list)
+    # held: no answer (a call with no request yet; a request waiting for its body), SHARE of them
+    held = sum(1 for status, _ in grpc if status is None) + sum(1 for a in http if a == b"")
+    assert held == SHARE, (grpc, http)
+    for a in http:  # the rest refused naming the share, told when to retry, closed
+        if a:
+            assert a.startswith(b"HTTP/1.1 429 Too Many Requests\r\n") and b"Retry-After: 1\r\n" in a, a
+            assert SHARE_TEXT.encode() in a and a.endswith(b"<closed>"), a
+    assert all(closed for status, closed in grpc if status is not None), grpc
+    assert {status for status, _ in grpc} <= {None, "8"}, grpc
+    assert str(seen["mallory"]).startswith("StatusCode.RESOURCE_EXHAUSTED: " + SHARE_TEXT), seen["mallory"]
