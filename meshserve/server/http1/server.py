@@ -22,6 +22,9 @@ What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
   --max-request-bytes (413), and the whole body must arrive within --body-timeout-s;
 - connections are counted process-wide (meshserve/server/connections.py): near the cap the
   longest idle one is closed; at the cap a new one gets 503 and is closed;
+- with tenants, a connection counts for the tenant of its first request named (`_claim`:
+  connections.TABLE.claim); past the tenant's share of the cap, that request gets 429 +
+  Retry-After and the connection is closed after the answers before it;
 - ServerLimits' header, read and idle timeouts, enforced by one sweep per server (`Http1Server._sweep`):
   nothing on the request path but a counter per data arrival;
 - a request that received more than body_worker.TRIM_AFTER_BYTES returns the heap to the OS
