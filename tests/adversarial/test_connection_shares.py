@@ -36,6 +36,7 @@ from tests.adversarial.harness import (
 from tests.adversarial.support import add_sub_inputs
 from tests.conftest import _wait_http_ready, start
 from tests.support.http1 import connect
+from tests.support.waiting import eventually
 
 CAP = 16
 SHARE = 8  # max(1, 16 x 0.5): the tenants file's default share
@@ -169,3 +170,59 @@ def test_one_tenants_busy_connections_hold_only_its_share(capped: Mesh) -> None:
     assert all(closed for status, closed in grpc if status is not None), grpc
     assert {status for status, _ in grpc} <= {None, "8"}, grpc
     assert str(seen["mallory"]).startswith("StatusCode.RESOURCE_EXHAUSTED: " + SHARE_TEXT), seen["mallory"]
+
+
+def _held(hostport: str, timeout: float = 0.3) -> tuple[RawH2, bool]:
+    """A new stream-call connection of mallory's, and whether it is held (not refused)."""
+    h2 = _stream(hostport)
+    h2.wait_answered(1, timeout)
+    return h2, h2.seen.statuses.get(1) is None and not h2.seen.eof
+
+
+def _full_share_then_refused(hostport: str) -> list[RawH2]:
+    """Mallory's share taken anew by stream calls (each held), and the next one refused naming it."""
+    conns: list[RawH2] = []
+
+    def one_more() -> RawH2 | None:  # (the closes before may still be on their way to the server)
+        h2, held = _held(hostport)
+        if held:
+            return h2
+        h2.close()
+        return None
+
+    for _ in range(SHARE):
+        conns.append(eventually(one_more, 10.0, f"mallory's connection {len(conns) + 1} held"))
+    extra, held = _held(hostport, 5.0)
+    extra.close()
+    assert not held and extra.seen.statuses.get(1) == "8", extra.seen
+    return conns
+
+
+def test_a_tenants_connections_are_given_back_on_every_close(capped: Mesh) -> None:
+    """Its share comes back whichever way its connections end: the server's body timeout, a
+    protocol error it closes for, the client's close (each time all SHARE held again, the next refused)."""
+    proc = capped.gateway
+    slow = [_slow_body(proc.http) for _ in range(SHARE)]
+    try:
+        assert [_answer(s, 0.1) for s in slow] == [b""] * SHARE  # held
+        extra, held = _held(proc.grpc, 5.0)
+        extra.close()
+        assert not held, extra.seen
+        # --body-timeout-s (3 s) ends each: the server closes them
+        assert all(_answer(s, 10.0).endswith(b"<closed>") for s in slow)
+    finally:
+        for s in slow:
+            s.close()
+    conns = _full_share_then_refused(proc.grpc)
+    try:
+        for h2 in conns:  # DATA on stream 0: a connection error, GOAWAY(PROTOCOL_ERROR), closed by the server
+            h2.send(frame(0, 0, 0, b"x"))
+        assert all(h2.wait("closed", 5.0) for h2 in conns)
+    finally:
+        for h2 in conns:
+            h2.close()
+    conns = _full_share_then_refused(proc.grpc)
+    for h2 in conns:  # the client's own close
+        h2.close()
+    for h2 in _full_share_then_refused(proc.grpc):
+        h2.close()
