@@ -142,6 +142,12 @@ def test_one_tenants_busy_connections_hold_only_its_share(capped: Mesh) -> None:
                 seen["mallory"] = "served"
             except InferenceServerException as exc:
                 seen["mallory"] = f"{exc.status()}: {exc.message()}"
+            try:
+                with httpclient.InferenceServerClient(proc.http, network_timeout=5, connection_timeout=5) as m:
+                    m.infer("add_sub", add_sub_inputs(httpclient), headers={"x-api-key": OTHER_KEY})
+                seen["mallory_http"] = "served"
+            except InferenceServerException as exc:
+                seen["mallory_http"] = f"{exc.status()}: {exc.message()}"
         finally:
             for h2 in streams:
                 h2.close()
@@ -170,6 +176,7 @@ def test_one_tenants_busy_connections_hold_only_its_share(capped: Mesh) -> None:
     assert all(closed for status, closed in grpc if status is not None), grpc
     assert {status for status, _ in grpc} <= {None, "8"}, grpc
     assert str(seen["mallory"]).startswith("StatusCode.RESOURCE_EXHAUSTED: " + SHARE_TEXT), seen["mallory"]
+    assert str(seen["mallory_http"]).startswith("429: " + SHARE_TEXT), seen["mallory_http"]
 
 
 def _held(hostport: str, timeout: float = 0.3) -> tuple[RawH2, bool]:
