@@ -25,7 +25,9 @@ max(1, cap x its share) connections (`meshserve/server/admission.py:tenant_cap`)
 that would make a connection its tenant's next one past that is refused (HTTP 429 and the
 connection closed after the answer; gRPC RESOURCE_EXHAUSTED and GOAWAY) and the connection is
 not counted for it. A request whose key is no tenant's names nothing (its own check refuses it);
-the next request of the connection is asked again. The first attribution stays for the
+the next request of the connection is asked again, except a call that stays open (a
+ModelStreamInfer call answers a missing key in band): it counts as anonymous callers'. The first
+attribution stays for the
 connection's life: a later request naming another tenant is served and counted as usual
 (`meshserve/server/admission.py`), the connection is not counted twice. A counted connection is
 given back exactly once: when it is evicted (`_evict_oldest`) or when it closes (`closed`),
@@ -150,17 +152,27 @@ class ConnectionTable:
                 return
             idle[conn] = None
 
-    def claim(self, conn: Closable, headers: Mapping[str, Any], transport: object, certs: bool) -> str | None:
+    def claim(self, conn: Closable, headers: Mapping[str, Any], transport: object, certs: bool,
+              holds: bool = False) -> str | None:
         """With tenants: count `conn` for the tenant a request of it names by `headers` (its key,
         or on a mutual-TLS port (`certs`) its client certificate). None: no tenant named (no
         tenants, or a key that is no tenant's: the request's own check answers it), ask again
         at the connection's next request; "": counted, the connection is named for good; any
         other text: refused, the tenant holds its share already (the text says so): the server
-        answers the request with it and closes the connection, which is not counted for the tenant."""
+        answers the request with it and closes the connection, which is not counted for the tenant.
+        `holds`: a call that stays open whatever its requests' answers (a ModelStreamInfer call,
+        whose errors, a missing key's too, are answered in band): without a tenant's key it counts
+        as anonymous callers' (their one share), so keyless calls cannot hold every connection."""
         try:
             who = inflate.caller(headers, transport, certs)
         except InferError:
-            return None
+            if not holds:
+                return None
+            from meshserve.server import shm  # (the tenants file's share, as the shared-memory caps read it)
+            share_of = shm.share_of
+            if share_of is None:
+                return None
+            who = ("", share_of(""))
         if who is None:
             return None
         tenant, share = who

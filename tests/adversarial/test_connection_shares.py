@@ -233,3 +233,24 @@ def test_a_tenants_connections_are_given_back_on_every_close(capped: Mesh) -> No
         h2.close()
     for h2 in _full_share_then_refused(proc.grpc):
         h2.close()
+
+
+def test_calls_without_a_key_that_stay_open_hold_only_the_anonymous_share(capped: Mesh) -> None:
+    """A ModelStreamInfer call answers a missing key in band and stays open: measured before, a
+    client without any key held every connection this way. Now such calls count as anonymous
+    callers' (one share between them): the ninth is refused, acme's new connections are served."""
+    proc = capped.gateway
+    conns: list[RawH2] = []
+    try:
+        for _ in range(CAP):
+            h2 = RawH2(proc.grpc)
+            h2.send(frame(HEADERS, END_HEADERS, 1, grpc_headers(proc.grpc, STREAM, None)))
+            h2.wait_answered(1, 0.1)
+            conns.append(h2)
+        acme = _acme_new_connections(proc.grpc, proc.http)
+        statuses = [h2.seen.statuses.get(1) for h2 in conns]
+    finally:
+        for h2 in conns:
+            h2.close()
+    assert acme == ["ok"] * 10, acme
+    assert statuses.count(None) == SHARE and statuses.count("8") == CAP - SHARE, statuses

@@ -724,7 +724,7 @@ class ServerConnection(H2Endpoint):
         if check is not None and (refused := check(path, st.metadata)) is not None:
             self._finish(st, *refused)  # (before a byte of its message is taken: issue 29, keys before bodies)
             return
-        if not self.named and self._claim(st):
+        if not self.named and self._claim(st, handler.request_streaming):
             return
         st.handler = handler
         self.server._active += 1  # a call in progress (H2GrpcServer.stop waits for them)
@@ -979,14 +979,15 @@ class ServerConnection(H2Endpoint):
             self.deadlines.add(due)
         return st
 
-    def _claim(self, st: ServerStream) -> bool:
+    def _claim(self, st: ServerStream, holds: bool) -> bool:
         """With tenants, until the connection is named: count it for the tenant this call's
-        metadata names (connections.TABLE.claim). True: refused, the tenant holds its share of
+        metadata names (connections.TABLE.claim; `holds`: a request-streaming call, which counts as
+        anonymous callers' without a tenant's key). True: refused, the tenant holds its share of
         --max-connections; the call ends RESOURCE_EXHAUSTED and the connection goes away.
         (Never on the at-once path: with tenants its hook wants the call, and that path is not taken.)"""
         if not self.counted:
             return False
-        refusal = connections.TABLE.claim(self, dict(st.metadata), self.transport, tls.cert_names_grpc)
+        refusal = connections.TABLE.claim(self, dict(st.metadata), self.transport, tls.cert_names_grpc, holds)
         if refusal is None:
             return False
         self.named = True

@@ -119,3 +119,25 @@ def test_an_unbounded_table_names_without_counting() -> None:
     c = Conn()
     table.opened(c)
     assert _claim(table, c, "acme") == "" and table.by_tenant == {}
+
+
+def test_a_call_that_stays_open_without_a_tenants_key_counts_as_anonymous_callers() -> None:
+    from meshserve.server import shm
+
+    before = shm.share_of
+    shm.share_of = SHARES.__getitem__
+    try:
+        table = ConnectionTable(4)  # anonymous callers: 2
+        conns = [Conn(busy=True) for _ in range(4)]
+        for c in conns:
+            table.opened(c)
+        assert _claim(table, conns[0], "no-such-key") is None  # a unary call: its own check answers it
+        headers = {"x-api-key": "no-such-key"}
+        assert [table.claim(c, headers, None, False, holds=True) for c in conns[:2]] == ["", ""]
+        assert (table.claim(conns[2], headers, None, False, holds=True) or "").startswith(
+            "anonymous callers have 2 connections open")
+        assert table.by_tenant == {"": 2}
+        table.closed(conns[0])
+        assert table.by_tenant == {"": 1}
+    finally:
+        shm.share_of = before
