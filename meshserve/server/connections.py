@@ -16,12 +16,34 @@ the soft NOFILE minus a reserve for the hop, shared-memory regions, logs and mod
 a request runs (`busy`) and puts it back at the end after (`idle_now`); the HTTP/2 server moves
 a connection to the end when a stream starts, and `evict` skips one with streams open. Two dict
 operations per request.
+
+With tenants (a gateway's --tenants: `meshserve/server/inflate.py:tenant_of`), a connection is
+also its tenant's (docs/security.md, "Session 13: connections by tenant"): `claim` counts it
+against the tenant its first request names (its API key, or its client certificate on a
+mutual-TLS port; anonymous callers, where allowed, share one share), and a tenant holds at most
+max(1, cap x its share) connections (`meshserve/server/admission.py:tenant_cap`); the request
+that would make a connection its tenant's next one past that is refused (HTTP 429 and the
+connection closed after the answer; gRPC RESOURCE_EXHAUSTED and GOAWAY) and the connection is
+not counted for it. A request whose key is no tenant's names nothing (its own check refuses it);
+the next request of the connection is asked again, except a call that stays open (a
+ModelStreamInfer call answers a missing key in band): it counts as anonymous callers'. The first
+attribution stays for the
+connection's life: a later request naming another tenant is served and counted as usual
+(`meshserve/server/admission.py`), the connection is not counted twice. A counted connection is
+given back exactly once: when it is evicted (`_evict_oldest`) or when it closes (`closed`),
+whichever comes first. Each server asks only until the connection is named (one attribute test
+per request after that); without tenants nothing is asked.
 """
 from __future__ import annotations
 
 import logging
 import resource
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from meshserve.protocol.errors import InferError
+from meshserve.server import inflate
+from meshserve.server.admission import tenant_cap
 
 log = logging.getLogger("meshserve.connections")
 
@@ -59,7 +81,8 @@ def derived_cap(nofile: int, shm_regions: int) -> int:
 class ConnectionTable:
     """The process's client connections (see the module docstring)."""
 
-    __slots__ = ("limit", "headroom", "count", "idle", "closing", "refused", "evicted")
+    __slots__ = ("limit", "headroom", "count", "idle", "closing", "refused", "evicted", "owner", "by_tenant",
+                 "refused_share")
 
     def __init__(self, limit: int = 0) -> None:
         self.count = 0
@@ -67,6 +90,9 @@ class ConnectionTable:
         self.closing: set[Closable] = set()  # evicted, not yet closed: no longer counted
         self.refused = 0  # connections accepted and closed at the cap
         self.evicted = 0  # idle connections closed to make room
+        self.owner: dict[Closable, str] = {}  # with tenants: each connection counted for a tenant ("" anonymous)
+        self.by_tenant: dict[str, int] = {}  # ... and how many each tenant holds
+        self.refused_share = 0  # requests refused because their connection was past its tenant's share
         self.limit = self.headroom = 0
         self.configure(limit)
 
@@ -90,6 +116,8 @@ class ConnectionTable:
 
     def closed(self, conn: Closable) -> None:
         self.idle.pop(conn, None)
+        if self.owner:
+            self._disown(conn)
         if self.closing:
             try:
                 self.closing.remove(conn)
@@ -118,9 +146,59 @@ class ConnectionTable:
             if conn.evict():  # its descriptor is released as the loop closes it: counted free now
                 self.evicted += 1
                 self.count -= 1
+                if self.owner:
+                    self._disown(conn)
                 self.closing.add(conn)
                 return
             idle[conn] = None
+
+    def claim(self, conn: Closable, headers: Mapping[str, Any], transport: object, certs: bool,
+              holds: bool = False) -> str | None:
+        """With tenants: count `conn` for the tenant a request of it names by `headers` (its key,
+        or on a mutual-TLS port (`certs`) its client certificate). None: no tenant named (no
+        tenants, or a key that is no tenant's: the request's own check answers it), ask again
+        at the connection's next request; "": counted, the connection is named for good; any
+        other text: refused, the tenant holds its share already (the text says so): the server
+        answers the request with it and closes the connection, which is not counted for the tenant.
+        `holds`: a call that stays open whatever its requests' answers (a ModelStreamInfer call,
+        whose errors, a missing key's too, are answered in band): without a tenant's key it counts
+        as anonymous callers' (their one share), so keyless calls cannot hold every connection."""
+        try:
+            who = inflate.caller(headers, transport, certs)
+        except InferError:
+            if not holds:
+                return None
+            from meshserve.server import shm  # (the tenants file's share, as the shared-memory caps read it)
+            share_of = shm.share_of
+            if share_of is None:
+                return None
+            who = ("", share_of(""))
+        if who is None:
+            return None
+        tenant, share = who
+        limit = self.limit
+        if not limit or conn in self.owner:
+            return ""
+        held = self.by_tenant.get(tenant, 0)
+        cap = tenant_cap(limit, share)
+        if held >= cap:
+            self.refused_share += 1
+            who_text = f"tenant '{tenant}' has" if tenant else "anonymous callers have"
+            return (f"{who_text} {held} connections open, its share ({share:g} of --max-connections {limit}: "
+                    f"{cap}); this connection is closed, retry later on one already open")
+        self.by_tenant[tenant] = held + 1
+        self.owner[conn] = tenant
+        return ""
+
+    def _disown(self, conn: Closable) -> None:
+        """`conn` no longer counts for its tenant (at most once: the entry goes)."""
+        tenant = self.owner.pop(conn, None)
+        if tenant is not None:
+            left = self.by_tenant[tenant] - 1
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]
 
 
 TABLE = ConnectionTable()

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +160,30 @@ def start_mesh(model_repo: Path, tmp: Path) -> Mesh:
         for p in ([gateway] if gateway else []) + services:
             p.stop()
         raise
+
+
+@contextlib.contextmanager
+def one_service_mesh(model_repo: Path, tmp: Path, gateway_argv: Callable[[Proc, Path], list[str]],
+                     module: str = "meshserve") -> Iterator[Mesh]:
+    """A mesh of one onnx service (add_sub) behind a gateway with the tenants file, started by
+    ``gateway_argv(service, tenants_file)`` (``module``: the server module it runs), with the good
+    client running; everything stopped after."""
+    (tmp / "tenants.yaml").write_text(TENANTS)
+    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
+                     "--model-control-mode", "explicit", "--load-model", "add_sub", *LIMIT_FLAGS])
+    gateway = good = None
+    try:
+        gateway = start(gateway_argv(service, tmp / "tenants.yaml"), module=module)
+        _wait_http_ready(gateway.http)
+        good = GoodClient(gateway)
+        assert good.wait_past(time.monotonic(), 30), "the good client did not start"
+        yield Mesh(gateway, [service], good, tmp)
+    finally:
+        if good is not None:
+            good.stop()
+        if gateway is not None:
+            gateway.stop()
+        service.stop()
 
 
 def p99(latencies: list[float]) -> float:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.adversarial.h2raw import PREFACE, settings
-from tests.adversarial.harness import LIMIT_FLAGS, TENANTS, GoodClient, Mesh, Observation, under_attack
-from tests.conftest import _wait_http_ready, start
+from tests.adversarial.harness import LIMIT_FLAGS, Mesh, Observation, one_service_mesh, under_attack
+from tests.conftest import start
 from tests.support.http1 import connect
 
 NOFILE = 1024
@@ -26,27 +26,11 @@ HTTP_CONNS, H2_CONNS = 1000, 200
 
 @pytest.fixture(scope="module")
 def capped(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    tmp = tmp_path_factory.mktemp("capped")
-    (tmp / "tenants.yaml").write_text(TENANTS)
-    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0",
-                     "--model-control-mode", "explicit", "--load-model", "add_sub", *LIMIT_FLAGS])
-    gateway = None
-    good = None
-    try:
-        gateway = start([str(NOFILE), str(NOFILE), "gateway", "--grpc-port", "0", "--http-port", "0",
-                         "--tenants", str(tmp / "tenants.yaml"), "--upstream", service.grpc, *LIMIT_FLAGS],
-                        module="tests.adversarial.lownofile")
-        _wait_http_ready(gateway.http)
-        good = GoodClient(gateway)
-        assert good.wait_past(time.monotonic(), 30), "the good client did not start"
-        mesh = Mesh(gateway, [service], good, tmp)
+    with one_service_mesh(model_repo, tmp_path_factory.mktemp("capped"), lambda service, tenants: [
+            str(NOFILE), str(NOFILE), "gateway", "--grpc-port", "0", "--http-port", "0",
+            "--tenants", str(tenants), "--upstream", service.grpc, *LIMIT_FLAGS],
+            module="tests.adversarial.lownofile") as mesh:
         yield mesh
-    finally:
-        if good is not None:
-            good.stop()
-        if gateway is not None:
-            gateway.stop()
-        service.stop()
 
 
 def _closed(sock: socket.socket) -> bool:

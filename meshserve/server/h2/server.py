@@ -103,6 +103,9 @@ MAX_MESSAGE = 2**31 - 1  # gRPC's own ceiling (a 32-bit length prefix, as grpc's
 _STATUS_NAMES = {c.value: c.name for c in Status}
 
 
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # (meshserve/protocol/wire.py: HTTP's Retry-After, as gRPC's pushback)
+
+
 @functools.lru_cache(maxsize=1024)  # rejections repeat the same few messages
 def _status_block(code: int, details: str | None) -> bytes:
     block = TRAILERS_OK if code == 0 else literal(b"grpc-status", str(code).encode())
@@ -402,6 +405,8 @@ class ServerConnection(H2Endpoint):
         self.ping_sent: float | None = None
         self.partial: tuple[bytes, float] | None = None  # an incomplete frame seen by the timer
         self.counted = True  # in connections.TABLE (connection_made)
+        # counted for its tenant, or nothing to count (no tenants): no more asking (connections.TABLE.claim)
+        self.named = inflate.tenant_of is None
         self.at_once = server.at_once  # (the dict itself: hooks installed later are seen)
         self.marked = False  # made the newest idle connection in this read (_at_once; _flush clears it)
 
@@ -719,6 +724,8 @@ class ServerConnection(H2Endpoint):
         if check is not None and (refused := check(path, st.metadata)) is not None:
             self._finish(st, *refused)  # (before a byte of its message is taken: issue 29, keys before bodies)
             return
+        if not self.named and self._claim(st, handler.request_streaming):
+            return
         st.handler = handler
         self.server._active += 1  # a call in progress (H2GrpcServer.stop waits for them)
         if timeout is not None:
@@ -971,6 +978,24 @@ class ServerConnection(H2Endpoint):
             st.due = due = self.loop.time() + timeout
             self.deadlines.add(due)
         return st
+
+    def _claim(self, st: ServerStream, holds: bool) -> bool:
+        """With tenants, until the connection is named: count it for the tenant this call's
+        metadata names (connections.TABLE.claim; `holds`: a request-streaming call, which counts as
+        anonymous callers' without a tenant's key). True: refused, the tenant holds its share of
+        --max-connections; the call ends RESOURCE_EXHAUSTED and the connection goes away.
+        (Never on the at-once path: with tenants its hook wants the call, and that path is not taken.)"""
+        if not self.counted:
+            return False
+        refusal = connections.TABLE.claim(self, dict(st.metadata), self.transport, tls.cert_names_grpc, holds)
+        if refusal is None:
+            return False
+        self.named = True
+        if not refusal:
+            return False
+        self._finish(st, Status.RESOURCE_EXHAUSTED, refusal, ((RETRY_PUSHBACK, "1000"),))
+        self.goaway()
+        return True
 
     def _start_unary(self, st: ServerStream, msg: bytes, compressed: int) -> None:
         """Run a unary-request call on its (size-checked) message: answered here, without a Task,

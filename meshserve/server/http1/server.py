@@ -22,6 +22,9 @@ What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
   --max-request-bytes (413), and the whole body must arrive within --body-timeout-s;
 - connections are counted process-wide (meshserve/server/connections.py): near the cap the
   longest idle one is closed; at the cap a new one gets 503 and is closed;
+- with tenants, a connection counts for the tenant of its first request named (`_claim`:
+  connections.TABLE.claim); past the tenant's share of the cap, that request gets 429 +
+  Retry-After and the connection is closed after the answers before it;
 - ServerLimits' header, read and idle timeouts, enforced by one sweep per server (`Http1Server._sweep`):
   nothing on the request path but a counter per data arrival;
 - a request that received more than body_worker.TRIM_AFTER_BYTES returns the heap to the OS
@@ -41,8 +44,8 @@ from typing import Any, cast
 import httptools
 
 from meshserve.protocol.errors import InferError
-from meshserve.server import body_worker, connections, tls
-from meshserve.server.http1.request import RECEIVING, Answer, BodyError, Request, Stream, render
+from meshserve.server import body_worker, connections, inflate, tls
+from meshserve.server.http1.request import RECEIVING, Answer, BodyError, Request, Stream, render, text_headers
 from meshserve.server.limits import LISTEN, ServerLimits
 
 log = logging.getLogger("meshserve.http")
@@ -80,6 +83,11 @@ class _Refused(Exception):
     """A request head over a size limit (raised from a parser callback)."""
 
 
+class _OverShare(Exception):
+    """A request naming a tenant that holds its share of --max-connections (connections.TABLE.claim;
+    raised from on_headers_complete: nothing after it is parsed): 429 and close."""
+
+
 def _error_bytes(status: int, reason: str, message: str, extra: str = "") -> bytes:
     body = json.dumps({"error": message}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -94,7 +102,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "join_writes", "lower")
+                 "join_writes", "lower", "named")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -126,6 +134,8 @@ class Connection(asyncio.Protocol):
         self.closing = False  # the last answer is sent: the connection closes (_linger)
         self.eof = False  # the client has closed its side
         self.counted = False  # in connections.TABLE
+        # counted for its tenant, or nothing to count (no tenants): no more asking (connections.TABLE.claim)
+        self.named = inflate.tenant_of is None
         self.backlog = b""  # received, not yet parsed: the pipelining bound was reached (_feed)
         self.head_size = 0  # the pending head's target and field bytes
         self.queued_bytes = 0  # head bytes of the queued requests
@@ -305,6 +315,8 @@ class Connection(asyncio.Protocol):
         fields.append((key, text))
 
     def on_headers_complete(self) -> None:
+        if not self.named and self.counted:
+            self._claim()
         parser = self.parser
         url = self.url
         raw = (url[0] if len(url) == 1 else b"".join(url)).decode("utf-8", "surrogateescape")
@@ -325,6 +337,15 @@ class Connection(asyncio.Protocol):
         if self.task is None:
             connections.TABLE.busy(self)
             self._start()
+
+    def _claim(self) -> None:
+        """With tenants, until the connection is named: count it for the tenant this request's
+        headers name (connections.TABLE.claim); past the tenant's share, _OverShare (429, closed)."""
+        refusal = connections.TABLE.claim(self, text_headers(self.lower), self.transport, tls.cert_names_http)
+        if refusal is not None:
+            self.named = True
+            if refusal:
+                raise _OverShare(refusal)
 
     def on_body(self, body: bytes) -> None:
         request = self.body_of
@@ -500,7 +521,7 @@ class Connection(asyncio.Protocol):
     def _malformed(self, exc: BaseException) -> None:
         """400 and close: at once, or after the answers to the requests before it."""
         cause = exc.__context__ if isinstance(exc, httptools.HttpParserCallbackError) else exc
-        message = str(cause) if isinstance(cause, _Refused) else f"malformed HTTP request: {exc}"
+        message = str(cause) if isinstance(cause, (_Refused, _OverShare)) else f"malformed HTTP request: {exc}"
         self.last = True
         self._stop()
         request = self.body_of
@@ -508,7 +529,8 @@ class Connection(asyncio.Protocol):
             request.body.fail(BodyError(message))
             self.body_of = None
             return
-        self.error = _error_bytes(400, "Bad Request", message)
+        self.error = _error_bytes(429, "Too Many Requests", message, "Retry-After: 1\r\n") \
+            if isinstance(cause, _OverShare) else _error_bytes(400, "Bad Request", message)
         if self.task is None and not self.queue and self.transport is not None:
             self.transport.write(self.error)
             self._linger()
