@@ -254,6 +254,8 @@ def _up_mesh_service_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--memory-budget", args.memory_budget]
     from services.base.main import eviction_flags
 
+    if args.model_load_thread_count is not None:
+        flags += ["--model-load-thread-count", str(args.model_load_thread_count)]
     return flags + eviction_flags(args) + [f for name in args.pin for f in ("--pin", name)]
 
 
@@ -504,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eviction_arguments(up)  # --eviction-grace, --gpu-memory-budget: passed on to every service
     up.add_argument("--replicas", type=int, default=1, metavar="N", help="service processes per kind")
+    from services.base import load_threads
+
+    up.add_argument(load_threads.FLAG, type=load_threads.thread_count_argument, default=None, metavar="N",
+                    help="models each service loads at once (Triton's flag; the services' default: "
+                         f"{load_threads.DEFAULT_LOAD_THREADS})")
     up.add_argument("--pin", action="append", default=[], metavar="NAME",
                     help="a model placed at start and never evicted (repeatable)")
     up.add_argument("--min-copies", type=int, default=1, metavar="N",
