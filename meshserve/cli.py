@@ -506,11 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eviction_arguments(up)  # --eviction-grace, --gpu-memory-budget: passed on to every service
     up.add_argument("--replicas", type=int, default=1, metavar="N", help="service processes per kind")
-    from services.base import load_threads
+    from services.base.main import add_load_thread_argument
 
-    up.add_argument(load_threads.FLAG, type=load_threads.thread_count_argument, default=None, metavar="N",
-                    help="models each service loads at once (Triton's flag; the services' default: "
-                         f"{load_threads.DEFAULT_LOAD_THREADS})")
+    add_load_thread_argument(up, None)  # passed on to every service
     up.add_argument("--pin", action="append", default=[], metavar="NAME",
                     help="a model placed at start and never evicted (repeatable)")
     up.add_argument("--min-copies", type=int, default=1, metavar="N",

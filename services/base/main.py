@@ -32,11 +32,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--load-model", action="append", default=[], metavar="NAME",
                     help="explicit mode: a model to load at start ('*' = all); repeatable")
     ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
-    ap.add_argument(load_threads.FLAG, type=load_threads.thread_count_argument,
-                    default=load_threads.DEFAULT_LOAD_THREADS, metavar="N",
-                    help="models loaded at once at start (each on a thread of its own; a python model's "
-                         "auto_complete_config runs too), pinned models first (Triton's flag; default "
-                         f"{load_threads.DEFAULT_LOAD_THREADS}; docs/model-control.md)")
+    add_load_thread_argument(ap, load_threads.DEFAULT_LOAD_THREADS)
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
     py = ap.add_argument_group("python service")
@@ -64,6 +60,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_server_name_argument(ap)
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
+
+
+def add_load_thread_argument(ap: argparse.ArgumentParser | argparse._ArgumentGroup, default: int | None) -> None:
+    """--model-load-thread-count: a service's (``default``: Triton's 4), and `meshserve up`'s
+    (None: not passed on, the services' own default; meshserve/cli.py:_up_mesh_service_flags)."""
+    ap.add_argument(load_threads.FLAG, type=load_threads.thread_count_argument, default=default, metavar="N",
+                    help="models loaded at once (each on a thread of its own; a python model's "
+                         "auto_complete_config runs too), pinned models first (Triton's flag; default "
+                         f"{load_threads.DEFAULT_LOAD_THREADS}; docs/model-control.md)")
 
 
 def add_eviction_arguments(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
