@@ -26,7 +26,7 @@ from typing import Any
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
-from meshserve.server import admission, body_worker, http1, inflate, observe, shm, tls
+from meshserve.server import admission, body_worker, http1, observe, shm, tls
 from meshserve.server.access import HTTP_ROUTES, Grant, Op, Rule
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.http1 import Answer, Request, Stream
@@ -82,8 +82,7 @@ async def _decode(request: Request, fn: Any, chunks: list[bytes], *args: Any, si
     request's tenant (with tenants: one tenant's large bodies do not hold another's back)."""
     if _inline(chunks, size):
         return fn(_joined(chunks), *args)
-    who = None if inflate.tenant_of is None else \
-        inflate.caller(text_headers(request.lower), request.conn.transport, tls.cert_names_http)
+    who = request.caller()
     return await body_worker.worker().call(fn.__name__, chunks, *args, tenant=None if who is None else who[0])
 
 

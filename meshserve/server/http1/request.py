@@ -339,6 +339,14 @@ class Request:
             return self.lower.get(lower_name)
         return next((v for k, v in self.fields if k.lower() == lower_name), None)
 
+    def caller(self) -> inflate.Caller | None:
+        """With tenants, the tenant and share this request's headers (or, on a mutual-TLS port,
+        its client certificate) name (``inflate.caller``: UNAUTHENTICATED for a key that is no
+        tenant's); None without tenants, with no header looked at."""
+        if inflate.tenant_of is None:
+            return None
+        return inflate.caller(text_headers(self.lower), self.conn.transport, tls.cert_names_http)
+
     @property
     def remote(self) -> str | None:
         peer = self.conn.peername
@@ -434,9 +442,8 @@ class Request:
         length = self.content_length
         small = length is not None and plain and length <= SMALL_BODY_BYTES
         who = tenant = None
-        if not small and inflate.tenant_of is not None:  # (with tenants: named before a byte is charged)
-            who = inflate.caller(text_headers(self.lower), self.conn.transport, tls.cert_names_http)
-            tenant = who[0] if who is not None else None
+        if not small and (who := self.caller()) is not None:  # (with tenants: named before a byte is charged)
+            tenant = who[0]
         if length is not None and length > limit:
             raise InferError.too_large(
                 f"request body of {length} bytes exceeds the {limit}-byte limit (--max-request-bytes)")
