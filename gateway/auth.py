@@ -59,6 +59,7 @@ from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
+from meshserve.repository.config import instance_count
 from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.admission import tenant_cap
@@ -241,8 +242,7 @@ def queue_room(config: mc.ModelConfig, replicas: int) -> int:
     size = config.dynamic_batching.default_queue_policy.max_queue_size
     if size <= 0:
         return 0
-    instances = sum(max(1, g.count) for g in config.instance_group) or 1
-    return (size + max(1, config.max_batch_size) * instances) * max(1, replicas)
+    return (size + max(1, config.max_batch_size) * instance_count(config)) * max(1, replicas)
 
 
 def sequence_room(config: mc.ModelConfig, instances: int, replicas: int) -> int:

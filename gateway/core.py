@@ -29,6 +29,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
+from meshserve.repository.config import instance_count
 from meshserve.repository.names import check_model_name, check_version
 from meshserve.server import inflate, shm
 from meshserve.server.access import ALL, Grant, Op, Rule
@@ -262,9 +263,8 @@ class GatewayCore:
         if kept is None or kept[0] is not config or kept[1] != replicas:
             if len(self._rooms) >= 4096:  # (names of models served here; a new config replaces its entry)
                 self._rooms.clear()
-            instances = sum(max(1, g.count) for g in config.instance_group) or 1
             kept = self._rooms[(name, version)] = (config, replicas, auth.queue_room(config, replicas),
-                                                   auth.sequence_room(config, instances, replicas))
+                                                   auth.sequence_room(config, instance_count(config), replicas))
         return kept[2 + which]
 
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:

@@ -17,6 +17,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, hop, wire
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.wire import field_end, varint_at
+from meshserve.repository.config import instance_count
 
 # Request parameters that do not change how a request is scheduled or computed. The binary_data
 # ones only say how the gateway's HTTP front end renders the answer (from the client's own
@@ -67,8 +68,8 @@ class ModelShape:
         for o in config.output:
             if not datatypes.element_size(datatypes.config_to_wire(o.data_type)):
                 return None
-        instances = max(1, sum(max(1, g.count) for g in config.instance_group))
-        return cls(config.max_batch_size, inputs, frozenset(o.name for o in config.output), instances)
+        return cls(config.max_batch_size, inputs, frozenset(o.name for o in config.output),
+                   instance_count(config))
 
 
 # merge_key answers remembered per model config (distinct request layouts: clients send few), and

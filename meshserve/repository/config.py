@@ -92,6 +92,12 @@ _PARSE_FIELD_PATTERNS = (
 )
 
 
+def instance_count(config: mc.ModelConfig) -> int:
+    """The instances a config's instance groups make, at least one (a group's count of 0, unset,
+    is one instance, as Triton's)."""
+    return max(1, sum(max(1, g.count) for g in config.instance_group))
+
+
 def _copy(config: mc.ModelConfig) -> mc.ModelConfig:
     out = mc.ModelConfig()
     out.CopyFrom(config)
