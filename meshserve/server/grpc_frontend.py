@@ -40,6 +40,15 @@ STREAM_INFLIGHT = 1024  # requests of one ModelStreamInfer call in progress or a
 STREAM_HELD_BYTES = 64 << 20
 HOP_HELD_BYTES = 256 << 20
 
+# a streamed request's Task, named (as the h2 server's calls: meshserve/server/h2/server.py:TASK_NAME)
+_Task = asyncio.Task
+STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
+_STREAM = hop.STREAM
+_CANCEL = hop.CANCEL
+_FINAL = wire.FINAL_RESPONSE_PARAMETER
+_FINAL_TRUE = wire.bool_parameter_entry(_FINAL, True)
+_FINAL_FALSE = wire.bool_parameter_entry(_FINAL, False)
+
 
 def held_budget(from_gateway: bool) -> int:
     """The bytes one ModelStreamInfer call may hold in progress (each request counted twice):
@@ -51,14 +60,6 @@ def held_budget(from_gateway: bool) -> int:
         return STREAM_HELD_BYTES
     bound = admission.gate.max_bytes
     return HOP_HELD_BYTES if bound >= admission.UNBOUNDED else max(HOP_HELD_BYTES, 2 * bound)
-# a streamed request's Task, named (as the h2 server's calls: meshserve/server/h2/server.py:TASK_NAME)
-_Task = asyncio.Task
-STREAM_BACKLOG = 256  # responses of decoupled models answered on one call but not yet written
-_STREAM = hop.STREAM
-_CANCEL = hop.CANCEL
-_FINAL = wire.FINAL_RESPONSE_PARAMETER
-_FINAL_TRUE = wire.bool_parameter_entry(_FINAL, True)
-_FINAL_FALSE = wire.bool_parameter_entry(_FINAL, False)
 
 
 def _flag(request: pb.ModelInferRequest, key: str) -> bool:
