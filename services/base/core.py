@@ -133,8 +133,7 @@ class ServiceCore:
         self.memory.base = memory.measure_base()  # before any load; runtimes add theirs (services/base/memory.py)
         loop = asyncio.get_running_loop()
         pool = self._loads()
-        dirs = layout.model_dirs(self.repository)  # (a python model's auto_complete_config runs in its scan)
-        entries = await asyncio.gather(*(loop.run_in_executor(pool, self._scan_one, d) for d in dirs))
+        entries = await self._scan()
         todo: list[tuple[HostedModel, layout.ModelEntry]] = []
         for entry in entries:
             if not self._is_mine(entry):
@@ -162,6 +161,14 @@ class ServiceCore:
         self._started = True
         if self.control.mode == "poll":
             self._poller = asyncio.ensure_future(self._poll_repository())
+
+    async def _scan(self) -> list[layout.ModelEntry]:
+        """Every model directory of the repository read (its config: a python model's
+        auto_complete_config runs here), ``load_threads`` at once on the load threads."""
+        loop = asyncio.get_running_loop()
+        pool = self._loads()
+        return await asyncio.gather(*(loop.run_in_executor(pool, self._scan_one, d)
+                                      for d in layout.model_dirs(self.repository)))
 
     def _scan_one(self, model_dir: Path) -> layout.ModelEntry:
         return layout.scan_model(model_dir, gpu_available=self.gpu_available)
@@ -814,12 +821,10 @@ class ServiceCore:
     async def _poll_repository(self) -> None:
         """poll mode: reload models whose files changed, load new ones, unload removed ones. The
         directories are read, and the changed models loaded, up to ``load_threads`` at once."""
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.control.poll_secs)
             try:
-                scans = [loop.run_in_executor(self._loads(), self._scan_one, d) for d in layout.model_dirs(self.repository)]
-                entries = {e.name: e for e in await asyncio.gather(*scans)}
+                entries = {e.name: e for e in await self._scan()}
             except Exception:
                 log.exception("repository poll failed")
                 continue
