@@ -12,6 +12,11 @@ budget is full of models it may not evict) or is gone is skipped for the next; w
 it the request is answered UNAVAILABLE with Retry-After. A load that fails for the model's own
 reason answers every waiting request with that reason, and the same answer is given for
 ``FAILED_HOLD_S`` without another load (a broken model cannot be made to load in a loop).
+With ``--tenants`` a load counts against the tenant whose request started it
+(``gateway/auth.py:CALLER``; anonymous callers as one tenant) from its start to its end, queued
+or running, at most max(1, ``--max-concurrent-loads`` x its share) at once: a request that would
+start one more waits in its tenant's own line, within its deadline, and no load starts for it
+meanwhile (``Placement._start``); a request that joins a load in flight never waits for a share.
 
 Every ``--placement-interval`` the gateway reads each healthy replica's repository index (which
 models its kind lists) and its metrics (budget, memory used, each model's size and pending
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway.auth import CALLER
 from gateway.routing import placement as arith
 from gateway.upstream.replica import CALL_ERRORS, Replica
 from gateway.upstream.upstream import Upstream
@@ -43,6 +50,7 @@ from meshserve.protocol.errors import Code, InferError, model_not_found
 from meshserve.repository import layout
 from meshserve.repository.config import load_model_config
 from meshserve.repository.errors import ConfigError
+from meshserve.server.admission import tenant_cap
 from meshserve.telemetry import metrics
 
 log = logging.getLogger("meshserve.gateway.placement")
@@ -70,6 +78,9 @@ FAMILIES = {
                                    "Healthy replicas serving the model"),
     "cold_waiting": metrics.Family("meshserve_gateway_cold_waiting_requests", "gauge",
                                    "Requests waiting for their model's lazy load"),
+    "load_share_waits": metrics.Family("meshserve_gateway_lazy_load_share_waits_total", "counter",
+                                       "Requests whose model's load waited for one of their tenant's loads to end "
+                                       "(its share of --max-concurrent-loads in flight), by tenant"),
     "replica_memory_pressure": metrics.Family("meshserve_gateway_replica_memory_pressure", "gauge",
                                               "A replica's memory used over its budget (0..1; its own "
                                               "meshserve_memory_* figures as last read)"),
@@ -246,6 +257,11 @@ class Placement:
         self.unload_counts: Counter[str] = Counter()
         self.waiting = 0
         self._loads: dict[str, asyncio.Future[None]] = {}
+        # with tenants: the loads in flight (queued or running) each tenant's requests started
+        # ("" = anonymous callers; a tenant with none has no key: bounded by the tenants file)
+        self.loads_held: Counter[str] = Counter()
+        self.share_waits: Counter[str] = Counter()  # tenant -> requests that waited for its load share
+        self._change: asyncio.Future[None] | None = None  # set when a load starts or a counted one ends
         self._failed: dict[str, tuple[float, InferError]] = {}
         self._gate: asyncio.Semaphore | None = None
         self._described: dict[str, tuple[float, mc.ModelConfig, list[int]]] = {}
@@ -318,23 +334,85 @@ class Placement:
             await self.discovery.refresh()
             if self.serving(name, ""):
                 return
-        load = self._loads.get(name)
-        if load is None:
-            failed = self._failed.get(name)
-            if failed is not None and time.monotonic() < failed[0]:
-                raise InferError(failed[1].code, failed[1].message, retry_after_s=failed[1].retry_after_s)
-            load = self._loads[name] = asyncio.ensure_future(self._place(name, time.monotonic()))
-            load.add_done_callback(lambda f: self._done(name, f))
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.waiting += 1
         try:
-            await asyncio.wait_for(asyncio.shield(load), timeout)
+            load = self._loads.get(name)
+            if load is None:
+                load = await self._start(name, deadline)
+            await asyncio.wait_for(asyncio.shield(load), None if deadline is None
+                                   else max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise InferError(Code.DEADLINE_EXCEEDED,
                              f"model '{name}' was still loading when the request's deadline passed") from None
         finally:
             self.waiting -= 1
 
-    def _done(self, name: str, load: asyncio.Future[None]) -> None:
+    async def _start(self, name: str, deadline: float | None) -> asyncio.Future[None]:
+        """The load of ``name``: the one under way (joined, whoever started it), or one started
+        now. With tenants a load counts against the tenant whose request starts it
+        (``gateway/auth.py:CALLER``; "" anonymous callers) until it ends (``_done``), at most
+        max(1, --max-concurrent-loads x its share) at once: past that the request waits in its
+        tenant's own line, within its deadline, for one of its tenant's loads to end (or for
+        another request to start this model's load, which it joins); no load is started for it
+        meanwhile, so a request that gives up leaves nothing behind. No tenants, or the
+        gateway's own load of a pinned model (no ``CALLER``): nothing counted."""
+        caller = CALLER.get()
+        waited = False
+        while True:
+            load = self._loads.get(name)
+            if load is not None:
+                return load
+            failed = self._failed.get(name)
+            if failed is not None and time.monotonic() < failed[0]:
+                raise InferError(failed[1].code, failed[1].message, retry_after_s=failed[1].retry_after_s)
+            tenant = None
+            if caller is not None:
+                tenant, share = caller
+                held = self.loads_held[tenant]
+                cap = tenant_cap(self.policy.max_loads, share)
+                if held >= cap:
+                    if not waited:
+                        waited = True
+                        self.share_waits[tenant or "(anonymous)"] += 1
+                    if not await self._changed(deadline):
+                        who = f"tenant '{tenant}' has" if tenant else "anonymous callers have"
+                        raise InferError(Code.DEADLINE_EXCEEDED,
+                                         f"model '{name}' was not loaded when the request's deadline passed: {who} "
+                                         f"{held} lazy model loads in flight, its share ({share:g} of "
+                                         f"--max-concurrent-loads {self.policy.max_loads}: {cap})")
+                    continue
+                self.loads_held[tenant] = held + 1
+            load = self._loads[name] = asyncio.ensure_future(self._place(name, time.monotonic()))
+            load.add_done_callback(functools.partial(self._done, name, tenant=tenant))
+            self._wake()
+            return load
+
+    async def _changed(self, deadline: float | None) -> bool:
+        """Wait for a load to start or end (``_wake``); False: the deadline passed first."""
+        if self._change is None:
+            self._change = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._change), None if deadline is None
+                                   else max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
+
+    def _wake(self) -> None:
+        """The requests waiting in their tenants' lines look again (``_start``)."""
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
+
+    def _done(self, name: str, load: asyncio.Future[None], tenant: str | None = None) -> None:
+        if tenant is not None:
+            left = self.loads_held[tenant] - 1
+            if left > 0:
+                self.loads_held[tenant] = left
+            else:
+                del self.loads_held[tenant]
+            self._wake()
         if self._loads.get(name) is load:
             del self._loads[name]
         if not load.cancelled() and isinstance(exc := load.exception(), InferError) \
@@ -661,6 +739,8 @@ class Placement:
         for name in sorted(self.models):
             out.append(("model_copies", {"model": name}, len(self._hosts(name))))
         out.append(("cold_waiting", {}, self.waiting))
+        for tenant, n in sorted(self.share_waits.items()):
+            out.append(("load_share_waits", {"tenant": tenant}, n))
         for endpoint, f in sorted(self.facts.items()):
             if f.budget and f.used is not None:
                 out.append(("replica_memory_pressure", {"replica": endpoint}, round(f.used / f.budget, 4)))
