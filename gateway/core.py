@@ -146,7 +146,7 @@ class GatewayCore:
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
         # with tenants: each tenant's share of a model's queue and sequence slots at its services
-        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, int, int]] = {}
+        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, auth.QueueRooms | None, int]] = {}
         if admission is not None:
             admission.queue_room = self.queue_room
             admission.sequence_room = self.sequence_room
@@ -240,22 +240,24 @@ class GatewayCore:
             return True
         return self.placement is not None and name in self.placement.catalog
 
-    def queue_room(self, name: str, version: str) -> int:
-        """The requests for (name, version) its replicas queue and run at once before refusing
-        (gateway/auth.py:queue_room; 0: its config bounds no queue, or it is not served here: an
-        ensemble, a route)."""
-        return self._room(name, version, 0)
+    def queue_room(self, name: str, version: str) -> auth.QueueRooms | None:
+        """The requests for (name, version) its replicas queue and run at once at each priority
+        level before refusing (gateway/auth.py:queue_room; None: its config bounds no queue, or it
+        is not served here: an ensemble, a route)."""
+        kept = self._kept(name, version)
+        return None if kept is None else kept[2]
 
     def sequence_room(self, name: str, version: str) -> int:
         """The live sequences of (name, version) its replicas hold at once
         (gateway/auth.py:sequence_room; 0: unbounded, or not served here)."""
-        return self._room(name, version, 1)
+        kept = self._kept(name, version)
+        return 0 if kept is None else kept[3]
 
-    def _room(self, name: str, version: str, which: int) -> int:
-        """``queue_room`` (0) or ``sequence_room`` (1), kept per config and replica count."""
+    def _kept(self, name: str, version: str) -> tuple[mc.ModelConfig, int, auth.QueueRooms | None, int] | None:
+        """(config, replicas, ``queue_room``, ``sequence_room``), kept per config and replica count."""
         config = self.discovery.config_for(name, version)
         if config is None:
-            return 0
+            return None
         routes = self.discovery.table.models.get(name)
         served = int(version) if version else self.discovery.served_version(name)
         replicas = len(routes.versions.get(served, ())) if routes is not None and served is not None else 1
@@ -265,7 +267,7 @@ class GatewayCore:
                 self._rooms.clear()
             kept = self._rooms[(name, version)] = (config, replicas, auth.queue_room(config, replicas),
                                                    auth.sequence_room(config, instance_count(config), replicas))
-        return kept[2 + which]
+        return kept
 
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
         """The access table (meshserve.server.access) applied to the caller's key; without
