@@ -31,7 +31,7 @@ from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.config import instance_count
 from meshserve.repository.names import check_model_name, check_version
-from meshserve.server import inflate, shm
+from meshserve.server import connections, inflate, shm
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import (
     EXTENSIONS,
@@ -433,10 +433,10 @@ class GatewayCore:
     def own_metrics(self, cache: bool = True) -> tuple[list[metrics.Sample], dict[str, metrics.Family]]:
         """This process's samples, and the families they and the services' belong to (``cache``
         False: without the response cache's samples, which --workers share)."""
-        samples = self._metric_samples()
-        families = GATEWAY_FAMILIES
+        samples = self._metric_samples() + connections.samples()
+        families = {**GATEWAY_FAMILIES, **connections.FAMILIES}
         if self.ensembles is not None or self.federate_metrics:  # Triton's families: ensembles, services
-            families = {**GATEWAY_FAMILIES, **metrics.MODEL_FAMILIES}
+            families = {**families, **metrics.MODEL_FAMILIES}
             if self.ensembles is not None:
                 samples += self.ensembles.metric_samples()
         if self.cache is not None:
