@@ -306,6 +306,11 @@ class Admission:
         # (tenant, model) its sequences in use: sequence -> when last used (oldest first)
         self.sequence_room: Callable[[str, str], int] | None = None
         self._live: dict[tuple[str, str], dict[str, float]] = {}
+        # with several replicas, the one a sequence key is pinned to and how many serve the model
+        # (gateway/core.py:GatewayCore.sequence_replica; None: one replica, or not looked up), and
+        # each live sequence's replica, (tenant, model, sequence) -> its endpoint
+        self.sequence_replica: Callable[[str, str, str], tuple[str, int] | None] | None = None
+        self._pinned: dict[tuple[str, str, str], str] = {}
 
     def share_of(self, tenant: str) -> float:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
@@ -492,23 +497,49 @@ class Admission:
         if live is None:
             live = self._live[(tenant, model)] = {}
         cap = tenant_cap(room, share)
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
         if len(live) >= cap:
-            idle_since = now - 2 * idle_s
-            for old in [k for k, used in live.items() if used < idle_since]:  # (at most cap entries)
-                del live[old]
+            self._let_go(tenant, model, live, now - 2 * idle_s)
             if len(live) >= cap:
-                who = f"tenant '{tenant}'" if tenant else "anonymous callers"
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
                 raise InferError.exhausted(
                     f"{who} has {len(live)} sequences of model '{model}' in progress, its share ({share:g} of the "
                     f"{room} its replicas hold at once: {cap}); end one or retry later",
                     retry_after_s=gate_module.RETRY_AFTER_S)
+        pin_of = self.sequence_replica
+        pinned = pin_of(model, request.model_version, sequence) if pin_of is not None else None
+        if pinned is not None:  # several replicas: the tenant's share of the one its sequence is pinned to
+            endpoint, replicas = pinned
+            each = tenant_cap(room // replicas, share)
+            pins = self._pinned
+            on = sum(1 for s in live if pins.get((tenant, model, s)) == endpoint)
+            if on >= each:
+                self._let_go(tenant, model, live, now - 2 * idle_s)
+                on = sum(1 for s in live if pins.get((tenant, model, s)) == endpoint)
+                if on >= each:
+                    self.rejections[(tenant or "(anonymous)", "share")] += 1
+                    raise InferError.exhausted(
+                        f"{who} has {on} sequences of model '{model}' in progress on the replica sequence "
+                        f"{sequence[2:]} is pinned to, its share ({share:g} of the {room // replicas} one replica "
+                        f"holds at once: {each}); end one, or start it with another sequence id, or retry later",
+                        retry_after_s=gate_module.RETRY_AFTER_S)
+            pins[(tenant, model, sequence)] = endpoint
         live[sequence] = now
+
+    def _let_go(self, tenant: str, model: str, live: dict[str, float], idle_since: float) -> None:
+        """The tenant's sequences of the model unused since ``idle_since`` (the service has let them
+        go) no longer hold a slot."""
+        for old in [k for k, used in live.items() if used < idle_since]:  # (at most its share)
+            del live[old]
+            if self._pinned:
+                self._pinned.pop((tenant, model, old), None)
 
     def _unlive(self, tenant: str, model: str, sequence: str) -> None:
         live = self._live.get((tenant, model))
         if live is not None:
             live.pop(sequence, None)
+            if self._pinned:
+                self._pinned.pop((tenant, model, sequence), None)
             if not live:
                 del self._live[(tenant, model)]
 

@@ -19,6 +19,7 @@ from gateway.federation import Federation
 from gateway.placement import FAMILIES as PLACEMENT_FAMILIES
 from gateway.placement import Placement, Policy
 from gateway.routes import ABRouter
+from gateway.routing.table import pick_pinned
 from gateway.shared_cache import SharedCache
 from gateway.statistics import statistics
 from gateway.turns import SequenceTurns
@@ -150,6 +151,7 @@ class GatewayCore:
         if admission is not None:
             admission.queue_room = self.queue_room
             admission.sequence_room = self.sequence_room
+            admission.sequence_replica = self.sequence_replica
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
         # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
@@ -252,6 +254,21 @@ class GatewayCore:
         (gateway/auth.py:sequence_room; 0: unbounded, or not served here)."""
         kept = self._kept(name, version)
         return 0 if kept is None else kept[3]
+
+    def sequence_replica(self, name: str, version: str, key: str) -> tuple[str, int] | None:
+        """With several healthy replicas serving (name, version): the one a sequence key is pinned
+        to (gateway/routing/table.py:pick_pinned, as gateway/upstream/upstream.py:Upstream.call
+        picks it) and how many there are; None with one, or none known."""
+        routes = self.discovery.table.models.get(name)
+        if routes is None:
+            return None
+        try:
+            replicas = routes.replicas_for(version)
+        except InferError:  # (no such version, none healthy: the call refuses it)
+            return None
+        if len(replicas) < 2:
+            return None
+        return pick_pinned(replicas, key).endpoint, len(replicas)
 
     def _kept(self, name: str, version: str) -> tuple[mc.ModelConfig, int, auth.QueueRooms | None, int] | None:
         """(config, replicas, ``queue_room``, ``sequence_room``), kept per config and replica count."""

@@ -433,6 +433,49 @@ tenants:
     assert set(adm._live[("b", "s")]) == {"i:7"}
 
 
+async def test_with_several_replicas_a_tenant_holds_its_share_of_each_replicas_sequence_slots(tmp_path: Path) -> None:
+    """Sequences are pinned to replicas by their id (rendezvous hashing), so a tenant choosing ids
+    could put its whole share of the model's slots on one replica: with several, its new
+    sequence also takes at most max(1, one replica's slots x share) of the replica its id is
+    pinned to (GatewayCore.sequence_replica); an ended or let-go one gives that back too."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: b, keys_sha256: ["{hash_key('b-key')}"], rate: 1000, burst: 1000}}
+""")
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock=clock), MemoryQuotaStore(clock=clock), clock=clock)
+    adm.sequence_room = lambda model, version: 8  # 2 replicas x 4 slots: b's share 4, of each replica 2
+    adm.sequence_replica = lambda model, version, key: ("odd" if int(key[2:]) % 2 else "even", 2)
+
+    async def call(seq: int, end: bool = False) -> None:
+        r = pb.ModelInferRequest(model_name="s")
+        if end:
+            r.parameters["sequence_end"].bool_param = True
+        await adm.release(await adm.admit(r, RequestContext("grpc", {"x-api-key": "b-key"}), f"i:{seq}", 1.0))
+
+    await call(1)
+    await call(3)
+    with pytest.raises(InferError) as err:
+        await call(5)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert ("tenant 'b' has 2 sequences of model 's' in progress on the replica sequence 5 is pinned to, its share "
+            "(0.5 of the 4 one replica holds at once: 2)") in err.value.message
+    await call(3)  # its own go on
+    await call(2)
+    await call(4)  # the other replica's share
+    with pytest.raises(InferError) as err:
+        await call(6)
+    assert "its share (0.5 of the 8 its replicas hold at once: 4)" in err.value.message
+    await call(1, end=True)
+    await call(5)  # the ended one's slot on its replica
+    assert adm._pinned == {("b", "s", "i:3"): "odd", ("b", "s", "i:5"): "odd", ("b", "s", "i:2"): "even",
+                           ("b", "s", "i:4"): "even"}
+    clock.t += 2.5  # unused for twice the idle timeout of 1 s: let go at the service
+    await call(7)
+    assert set(adm._live[("b", "s")]) == {"i:7"} and adm._pinned == {("b", "s", "i:7"): "odd"}
+
+
 def test_certificate_names_name_a_tenant_only_when_verified() -> None:
     """A tenant's certificate_names (mutual TLS): matched against the names of a certificate the
     handshake verified (tls.CertNames, a type no header from a wire has), the CN first; a key wins."""
