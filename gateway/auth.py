@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -59,6 +59,7 @@ from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.infer_checks import int_value
 from meshserve.repository.config import instance_count
 from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
@@ -224,7 +225,7 @@ class Admitted:
     tenant: str  # "" = anonymous
     ticket: str  # the quota store's ("" for anonymous callers)
     size: int = 0  # the request's bytes, counted against the tenant's share until it ends
-    queued: str | None = None  # the model whose queue share it holds (``Admission.queue_room``), if any
+    queued: tuple[str, int] | None = None  # the model and level whose queue share it holds (``Admission.queue_room``)
 
 
 # the tenant ("" = anonymous callers) and share of the request the running task serves, set when
@@ -233,16 +234,39 @@ class Admitted:
 CALLER: ContextVar[tuple[str, float] | None] = ContextVar("meshserve_tenant", default=None)
 
 
-def queue_room(config: mc.ModelConfig, replicas: int) -> int:
-    """How many requests for a model its ``replicas`` hold at once before one refuses "exceeds
-    maximum queue size": each one's queue (``dynamic_batching.default_queue_policy.max_queue_size``)
-    and what its instances run (``max_batch_size`` rows each); 0 = unbounded (no such bound)."""
+class QueueRooms(NamedTuple):
+    """A model's bounded queues at its services (``queue_room``), one per priority level."""
+
+    default: int  # the level of a request without a `priority` (or with one outside the levels)
+    rooms: tuple[int, ...]  # rooms[level - 1]: the requests its replicas queue and run at once there, 0 unbounded
+
+    def level_of(self, priority: int) -> int:
+        """The level a request's ``priority`` (0: none) queues at, as the service's
+        ``services/base/scheduling/policy.py:BatchingPolicy.level_for`` takes it (a priority out of
+        range, which the service refuses, counts at the default level)."""
+        return priority if 0 < priority <= len(self.rooms) else self.default
+
+
+def queue_room(config: mc.ModelConfig, replicas: int) -> QueueRooms | None:
+    """How many requests for a model its ``replicas`` hold at once at each priority level before
+    one refuses "exceeds maximum queue size": each one's queue at that level (the level's own
+    ``dynamic_batching.priority_queue_policy`` entry, else ``default_queue_policy``, as Triton
+    reads them; ``max_queue_size``) and what its instances run (``max_batch_size`` rows each);
+    None when no level is bounded. Without ``priority_levels`` one queue, the default policy's."""
     if not config.HasField("dynamic_batching"):
-        return 0
-    size = config.dynamic_batching.default_queue_policy.max_queue_size
-    if size <= 0:
-        return 0
-    return (size + max(1, config.max_batch_size) * instance_count(config)) * max(1, replicas)
+        return None
+    db = config.dynamic_batching
+    levels = int(db.priority_levels)
+    size = db.default_queue_policy.max_queue_size
+    sizes = [size] if not levels else [
+        db.priority_queue_policy[level].max_queue_size if level in db.priority_queue_policy else size
+        for level in range(1, levels + 1)]
+    if not any(s > 0 for s in sizes):
+        return None
+    running = max(1, config.max_batch_size) * instance_count(config)
+    each = max(1, replicas)
+    default = min(max(1, int(db.default_priority_level)), len(sizes))
+    return QueueRooms(default, tuple((s + running) * each if s > 0 else 0 for s in sizes))
 
 
 def sequence_room(config: mc.ModelConfig, instances: int, replicas: int) -> int:
@@ -272,15 +296,21 @@ class Admission:
         self._sequences_held: Counter[str] = Counter()
         # requests and bytes each tenant ("" anonymous) has in flight in this process (its share)
         self.inflight: dict[str, list[int]] = {}
-        # a model whose config bounds its queue at the services (max_queue_size): the requests its
-        # replicas queue and run at once, 0 = unbounded (gateway/core.py:GatewayCore.queue_room;
-        # None: no such bound is looked up); what each (tenant, model) has in flight of that room
-        self.queue_room: Callable[[str, str], int] | None = None
-        self.queued: Counter[tuple[str, str]] = Counter()
+        # a model whose config bounds a queue at the services (max_queue_size): the requests its
+        # replicas queue and run at once at each priority level, None = unbounded
+        # (gateway/core.py:GatewayCore.queue_room; the attribute None: no such bound is looked up);
+        # what each (tenant, model, level) has in flight of that level's room
+        self.queue_room: Callable[[str, str], QueueRooms | None] | None = None
+        self.queued: Counter[tuple[str, str, int]] = Counter()
         # the same for a sequence model's slots (the sequences its replicas hold at once), and per
         # (tenant, model) its sequences in use: sequence -> when last used (oldest first)
         self.sequence_room: Callable[[str, str], int] | None = None
         self._live: dict[tuple[str, str], dict[str, float]] = {}
+        # with several replicas, the one a sequence key is pinned to and how many serve the model
+        # (gateway/core.py:GatewayCore.sequence_replica; None: one replica, or not looked up), and
+        # each live sequence's replica, (tenant, model, sequence) -> its endpoint
+        self.sequence_replica: Callable[[str, str, str], tuple[str, int] | None] | None = None
+        self._pinned: dict[tuple[str, str, str], str] = {}
 
     def share_of(self, tenant: str) -> float:
         """The tenant's share of this process's caps (meshserve/server/shm.py counts regions by it)."""
@@ -307,23 +337,21 @@ class Admission:
         size = len(raw) if raw is not None else ctx.nbytes
         if tenant is None:  # anonymous (allowed by the file): one share between them, no quota
             share = tenants.share_of("")
-            model = request.model_name if self._take_share("", share, size, request.model_name,
-                                                            request.model_version) else None
+            queued = self._take_share("", share, size, request, None)
             if sequence is not None:
                 try:
                     self._bind_sequence("", share, request, sequence, sequence_idle_s)
                 except BaseException:
-                    self._give_share("", size, model)
+                    self._give_share("", size, queued)
                     raise
             CALLER.set(("", share))
-            return Admitted("", "", size, model)
+            return Admitted("", "", size, queued)
         name = tenant.name
         if not tenant.may_call(request.model_name):
             raise InferError(Code.PERMISSION_DENIED,
                              f"tenant '{name}' may not call model '{request.model_name}'")
         share = tenant.share if tenant.share is not None else tenants.spec.share
-        model = request.model_name if self._take_share(name, share, size, request.model_name,
-                                                        request.model_version) else None
+        queued = self._take_share(name, share, size, request, tenant.priority)
         lease = ctx.time_remaining() or 0.0
         try:
             try:
@@ -343,20 +371,24 @@ class Admission:
                     await self._release_ticket(name, ticket)
                     raise
         except BaseException:
-            self._give_share(name, size, model)
+            self._give_share(name, size, queued)
             raise
         if tenant.priority is not None and "priority" not in request.parameters:
             request.parameters["priority"].uint64_param = tenant.priority
             ctx.raw = None  # the forwarded bytes must carry the new parameter
         CALLER.set((name, share))
-        return Admitted(name, ticket, size, model)
+        return Admitted(name, ticket, size, queued)
 
-    def _take_share(self, tenant: str, share: float, size: int, model: str, version: str) -> bool:
+    def _take_share(self, tenant: str, share: float, size: int, request: pb.ModelInferRequest,
+                    priority: int | None) -> tuple[str, int] | None:
         """Count one request of ``size`` bytes against the tenant's share of this process's
         --max-inflight / --max-inflight-bytes (an unbounded cap has no share); 429 past it. As
         the process-wide gate, a tenant with nothing in flight is admitted whatever the size.
-        For a model whose queue its services bound (``queue_room``), its share of that room too:
-        True when the request is counted there (``_give_share`` gives it back)."""
+        For a model whose queues its services bound (``queue_room``), its share of the room of the
+        level the request queues at (its ``priority`` parameter, else the tenant's ``priority``,
+        else the model's default level) too: (model, level) when the request is counted there
+        (``_give_share`` gives it back), None otherwise."""
+        model = request.model_name
         held = self.inflight.get(tenant)
         if held is None:
             held = self.inflight[tenant] = [0, 0]
@@ -379,18 +411,25 @@ class Admission:
                     f"share ({share:g} of {flag('max_inflight_bytes')} {gate.max_bytes}: {cap}); request for model "
                     f"'{model}' refused, retry later", retry_after_s=gate_module.RETRY_AFTER_S)
         room_of = self.queue_room
-        queued = False
-        if room_of is not None and (room := room_of(model, version)):
-            cap = tenant_cap(room, share)
-            key = (tenant, model)
-            if self.queued[key] >= cap:
-                self.rejections[(tenant or "(anonymous)", "share")] += 1
-                raise InferError.exhausted(
-                    f"{who} has {self.queued[key]} requests for model '{model}' in flight, its share ({share:g} of "
-                    f"the {room} its replicas queue and run at once (max_queue_size): {cap}); retry later",
-                    retry_after_s=gate_module.RETRY_AFTER_S)
-            self.queued[key] += 1
-            queued = True
+        queued = None
+        if room_of is not None and (rooms := room_of(model, request.model_version)) is not None:
+            params = request.parameters
+            if "priority" in params:
+                priority = int_value(params["priority"])
+            level = rooms.level_of(priority or 0)
+            room = rooms.rooms[level - 1]
+            if room:
+                cap = tenant_cap(room, share)
+                key = (tenant, model, level)
+                if self.queued[key] >= cap:
+                    self.rejections[(tenant or "(anonymous)", "share")] += 1
+                    where = f" at priority level {level}" if len(rooms.rooms) > 1 else ""
+                    raise InferError.exhausted(
+                        f"{who} has {self.queued[key]} requests for model '{model}' in flight{where}, its share "
+                        f"({share:g} of the {room} its replicas queue and run at once{where} (max_queue_size): "
+                        f"{cap}); retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+                self.queued[key] += 1
+                queued = (model, level)
         held[0] += 1
         held[1] += size
         return queued
@@ -458,23 +497,49 @@ class Admission:
         if live is None:
             live = self._live[(tenant, model)] = {}
         cap = tenant_cap(room, share)
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
         if len(live) >= cap:
-            idle_since = now - 2 * idle_s
-            for old in [k for k, used in live.items() if used < idle_since]:  # (at most cap entries)
-                del live[old]
+            self._let_go(tenant, model, live, now - 2 * idle_s)
             if len(live) >= cap:
-                who = f"tenant '{tenant}'" if tenant else "anonymous callers"
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
                 raise InferError.exhausted(
                     f"{who} has {len(live)} sequences of model '{model}' in progress, its share ({share:g} of the "
                     f"{room} its replicas hold at once: {cap}); end one or retry later",
                     retry_after_s=gate_module.RETRY_AFTER_S)
+        pin_of = self.sequence_replica
+        pinned = pin_of(model, request.model_version, sequence) if pin_of is not None else None
+        if pinned is not None:  # several replicas: the tenant's share of the one its sequence is pinned to
+            endpoint, replicas = pinned
+            each = tenant_cap(room // replicas, share)
+            pins = self._pinned
+            on = sum(1 for s in live if pins.get((tenant, model, s)) == endpoint)
+            if on >= each:
+                self._let_go(tenant, model, live, now - 2 * idle_s)
+                on = sum(1 for s in live if pins.get((tenant, model, s)) == endpoint)
+                if on >= each:
+                    self.rejections[(tenant or "(anonymous)", "share")] += 1
+                    raise InferError.exhausted(
+                        f"{who} has {on} sequences of model '{model}' in progress on the replica sequence "
+                        f"{sequence[2:]} is pinned to, its share ({share:g} of the {room // replicas} one replica "
+                        f"holds at once: {each}); end one, or start it with another sequence id, or retry later",
+                        retry_after_s=gate_module.RETRY_AFTER_S)
+            pins[(tenant, model, sequence)] = endpoint
         live[sequence] = now
+
+    def _let_go(self, tenant: str, model: str, live: dict[str, float], idle_since: float) -> None:
+        """The tenant's sequences of the model unused since ``idle_since`` (the service has let them
+        go) no longer hold a slot."""
+        for old in [k for k, used in live.items() if used < idle_since]:  # (at most its share)
+            del live[old]
+            if self._pinned:
+                self._pinned.pop((tenant, model, old), None)
 
     def _unlive(self, tenant: str, model: str, sequence: str) -> None:
         live = self._live.get((tenant, model))
         if live is not None:
             live.pop(sequence, None)
+            if self._pinned:
+                self._pinned.pop((tenant, model, sequence), None)
             if not live:
                 del self._live[(tenant, model)]
 
@@ -485,14 +550,14 @@ class Admission:
                 self._sequences_held[tenant] -= 1
                 self._unlive(tenant, key[0], key[1])
 
-    def _give_share(self, tenant: str, size: int, model: str | None) -> None:
+    def _give_share(self, tenant: str, size: int, queued: tuple[str, int] | None) -> None:
         held = self.inflight[tenant]
         held[0] -= 1
         held[1] -= size
         if not held[0]:
             del self.inflight[tenant]
-        if model is not None:
-            key = (tenant, model)
+        if queued is not None:
+            key = (tenant, *queued)
             left = self.queued[key] - 1
             if left:
                 self.queued[key] = left

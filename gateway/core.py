@@ -19,6 +19,7 @@ from gateway.federation import Federation
 from gateway.placement import FAMILIES as PLACEMENT_FAMILIES
 from gateway.placement import Placement, Policy
 from gateway.routes import ABRouter
+from gateway.routing.table import pick_pinned
 from gateway.shared_cache import SharedCache
 from gateway.statistics import statistics
 from gateway.turns import SequenceTurns
@@ -31,7 +32,7 @@ from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.config import instance_count
 from meshserve.repository.names import check_model_name, check_version
-from meshserve.server import inflate, shm
+from meshserve.server import connections, inflate, shm
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import (
     EXTENSIONS,
@@ -146,10 +147,11 @@ class GatewayCore:
         # Tenants and quotas (--tenants); None keeps the infer path free of any auth work.
         self.admission = admission
         # with tenants: each tenant's share of a model's queue and sequence slots at its services
-        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, int, int]] = {}
+        self._rooms: dict[tuple[str, str], tuple[mc.ModelConfig, int, auth.QueueRooms | None, int]] = {}
         if admission is not None:
             admission.queue_room = self.queue_room
             admission.sequence_room = self.sequence_room
+            admission.sequence_replica = self.sequence_replica
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
         # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
@@ -240,22 +242,39 @@ class GatewayCore:
             return True
         return self.placement is not None and name in self.placement.catalog
 
-    def queue_room(self, name: str, version: str) -> int:
-        """The requests for (name, version) its replicas queue and run at once before refusing
-        (gateway/auth.py:queue_room; 0: its config bounds no queue, or it is not served here: an
-        ensemble, a route)."""
-        return self._room(name, version, 0)
+    def queue_room(self, name: str, version: str) -> auth.QueueRooms | None:
+        """The requests for (name, version) its replicas queue and run at once at each priority
+        level before refusing (gateway/auth.py:queue_room; None: its config bounds no queue, or it
+        is not served here: an ensemble, a route)."""
+        kept = self._kept(name, version)
+        return None if kept is None else kept[2]
 
     def sequence_room(self, name: str, version: str) -> int:
         """The live sequences of (name, version) its replicas hold at once
         (gateway/auth.py:sequence_room; 0: unbounded, or not served here)."""
-        return self._room(name, version, 1)
+        kept = self._kept(name, version)
+        return 0 if kept is None else kept[3]
 
-    def _room(self, name: str, version: str, which: int) -> int:
-        """``queue_room`` (0) or ``sequence_room`` (1), kept per config and replica count."""
+    def sequence_replica(self, name: str, version: str, key: str) -> tuple[str, int] | None:
+        """With several healthy replicas serving (name, version): the one a sequence key is pinned
+        to (gateway/routing/table.py:pick_pinned, as gateway/upstream/upstream.py:Upstream.call
+        picks it) and how many there are; None with one, or none known."""
+        routes = self.discovery.table.models.get(name)
+        if routes is None:
+            return None
+        try:
+            replicas = routes.replicas_for(version)
+        except InferError:  # (no such version, none healthy: the call refuses it)
+            return None
+        if len(replicas) < 2:
+            return None
+        return pick_pinned(replicas, key).endpoint, len(replicas)
+
+    def _kept(self, name: str, version: str) -> tuple[mc.ModelConfig, int, auth.QueueRooms | None, int] | None:
+        """(config, replicas, ``queue_room``, ``sequence_room``), kept per config and replica count."""
         config = self.discovery.config_for(name, version)
         if config is None:
-            return 0
+            return None
         routes = self.discovery.table.models.get(name)
         served = int(version) if version else self.discovery.served_version(name)
         replicas = len(routes.versions.get(served, ())) if routes is not None and served is not None else 1
@@ -265,7 +284,7 @@ class GatewayCore:
                 self._rooms.clear()
             kept = self._rooms[(name, version)] = (config, replicas, auth.queue_room(config, replicas),
                                                    auth.sequence_room(config, instance_count(config), replicas))
-        return kept[2 + which]
+        return kept
 
     def authorize(self, op: Op, model: str, ctx: RequestContext) -> Grant:
         """The access table (meshserve.server.access) applied to the caller's key; without
@@ -431,10 +450,10 @@ class GatewayCore:
     def own_metrics(self, cache: bool = True) -> tuple[list[metrics.Sample], dict[str, metrics.Family]]:
         """This process's samples, and the families they and the services' belong to (``cache``
         False: without the response cache's samples, which --workers share)."""
-        samples = self._metric_samples()
-        families = GATEWAY_FAMILIES
+        samples = self._metric_samples() + connections.samples()
+        families = {**GATEWAY_FAMILIES, **connections.FAMILIES}
         if self.ensembles is not None or self.federate_metrics:  # Triton's families: ensembles, services
-            families = {**GATEWAY_FAMILIES, **metrics.MODEL_FAMILIES}
+            families = {**families, **metrics.MODEL_FAMILIES}
             if self.ensembles is not None:
                 samples += self.ensembles.metric_samples()
         if self.cache is not None:

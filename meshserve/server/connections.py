@@ -33,6 +33,19 @@ connection's life: a later request naming another tenant is served and counted a
 given back exactly once: when it is evicted (`_evict_oldest`) or when it closes (`closed`),
 whichever comes first. Each server asks only until the connection is named (one attribute test
 per request after that); without tenants nothing is asked.
+
+With tenants, connections not yet named (accepted, no request naming a tenant yet: a first head
+or HEADERS block not finished, or only requests without a tenant's key) are one share between
+them, as anonymous callers are (docs/security.md, "Session 14: shares, round 2"): `unnamed`,
+oldest first, holds at most max(1, cap x the tenants file's share); a connection accepted past
+that closes the oldest unnamed one (`evict` when it is idle, else `drop`: at once, a request in
+progress or not); a connection accepted near the cap closes the oldest unnamed one rather than
+the oldest idle one while the unnamed hold half their share or more (else, as before, the oldest
+idle one), and one accepted at the cap with nothing idle to close closes the oldest unnamed one
+rather than be refused. So connections that never name a tenant cannot hold the cap against a tenant's
+new connection, which takes the place of the oldest of them. A connection leaves `unnamed` when
+it is named (`claim`), evicted, dropped or closed: one dict operation per connection, none per
+request.
 """
 from __future__ import annotations
 
@@ -44,6 +57,7 @@ from typing import Any, Protocol
 from meshserve.protocol.errors import InferError
 from meshserve.server import inflate
 from meshserve.server.admission import tenant_cap
+from meshserve.telemetry import metrics
 
 log = logging.getLogger("meshserve.connections")
 
@@ -56,6 +70,9 @@ EVICT_SCAN = 64  # connections looked at per eviction
 class Closable(Protocol):
     def evict(self) -> bool:
         """Close now if no request is in progress; whether it did."""
+
+    def drop(self) -> None:
+        """Close now, a request in progress or not (an unnamed connection past its share)."""
 
 
 def raise_nofile() -> int:
@@ -82,7 +99,7 @@ class ConnectionTable:
     """The process's client connections (see the module docstring)."""
 
     __slots__ = ("limit", "headroom", "count", "idle", "closing", "refused", "evicted", "owner", "by_tenant",
-                 "refused_share")
+                 "refused_share", "unnamed", "dropped")
 
     def __init__(self, limit: int = 0) -> None:
         self.count = 0
@@ -93,6 +110,8 @@ class ConnectionTable:
         self.owner: dict[Closable, str] = {}  # with tenants: each connection counted for a tenant ("" anonymous)
         self.by_tenant: dict[str, int] = {}  # ... and how many each tenant holds
         self.refused_share = 0  # requests refused because their connection was past its tenant's share
+        self.unnamed: dict[Closable, None] = {}  # with tenants: connections not named yet, oldest first
+        self.dropped = 0  # unnamed connections closed past their share (or at the cap, for a new one)
         self.limit = self.headroom = 0
         self.configure(limit)
 
@@ -106,16 +125,50 @@ class ConnectionTable:
         limit = self.limit
         if limit:
             if self.count >= limit - self.headroom:
-                self._evict_oldest()
+                unnamed = self.unnamed
+                if unnamed and 2 * len(unnamed) >= self.unnamed_cap(limit):
+                    self._drop_oldest_unnamed()  # many that name nobody: the oldest of them, not a tenant's idle one
+                else:
+                    self._evict_oldest()
+                    if self.count >= limit and unnamed:  # nothing idle: the oldest unnamed one makes room
+                        self._drop_oldest_unnamed()
             if self.count >= limit:
                 self.refused += 1
                 return False
         self.count += 1
         self.idle[conn] = None
+        if inflate.tenant_of is not None:  # with tenants: unnamed until a request names its tenant
+            unnamed = self.unnamed
+            unnamed[conn] = None
+            if len(unnamed) > 1 and limit and len(unnamed) > self.unnamed_cap(limit):
+                self._drop_oldest_unnamed()
         return True
+
+    @staticmethod
+    def unnamed_cap(limit: int) -> int:
+        """The connections not named yet may hold max(1, cap x the tenants file's share), the share
+        anonymous callers have (``meshserve/server/shm.py:share_of``: the gateway's tenants file)."""
+        from meshserve.server import shm  # (as `claim` reads it)
+        share_of = shm.share_of
+        return tenant_cap(limit, share_of("") if share_of is not None else 0.5)
+
+    def _drop_oldest_unnamed(self) -> None:
+        """Close the oldest connection not named yet (as an idle one is closed when it is idle,
+        at once whatever it is doing otherwise); uncounted at once."""
+        unnamed = self.unnamed
+        conn = next(iter(unnamed))
+        del unnamed[conn]
+        self.idle.pop(conn, None)
+        self.dropped += 1
+        self.count -= 1
+        self.closing.add(conn)
+        if not conn.evict():
+            conn.drop()
 
     def closed(self, conn: Closable) -> None:
         self.idle.pop(conn, None)
+        if self.unnamed:
+            self.unnamed.pop(conn, None)
         if self.owner:
             self._disown(conn)
         if self.closing:
@@ -148,6 +201,8 @@ class ConnectionTable:
                 self.count -= 1
                 if self.owner:
                     self._disown(conn)
+                if self.unnamed:
+                    self.unnamed.pop(conn, None)
                 self.closing.add(conn)
                 return
             idle[conn] = None
@@ -176,6 +231,8 @@ class ConnectionTable:
         if who is None:
             return None
         tenant, share = who
+        if self.unnamed:
+            self.unnamed.pop(conn, None)  # named, or refused and closed: no longer one of them
         limit = self.limit
         if not limit or conn in self.owner:
             return ""
@@ -202,6 +259,34 @@ class ConnectionTable:
 
 
 TABLE = ConnectionTable()
+
+# the table's counts in /metrics, gateway and services alike (docs/observability.md)
+FAMILIES = {
+    "connections_open": metrics.Family("meshserve_connections_open", "gauge",
+                                       "Client connections open (HTTP/1.1 and HTTP/2), counted against "
+                                       "--max-connections"),
+    "connections_refused": metrics.Family("meshserve_connections_refused_total", "counter",
+                                          "Connections accepted and closed at once at --max-connections "
+                                          "(nothing idle or unnamed to close)"),
+    "connections_evicted": metrics.Family("meshserve_connections_evicted_total", "counter",
+                                          "Idle connections closed to make room near --max-connections"),
+    "connections_refused_share": metrics.Family(
+        "meshserve_connections_refused_share_total", "counter",
+        "Requests refused because their connection would have been their tenant's next past its share of "
+        "--max-connections (with tenants; the connection is closed)"),
+    "connections_unnamed_dropped": metrics.Family(
+        "meshserve_connections_unnamed_dropped_total", "counter",
+        "Connections that named no tenant yet closed past their share of --max-connections, or to make room "
+        "at it for a new one (with tenants)"),
+}
+
+
+def samples(table: ConnectionTable | None = None) -> list[metrics.Sample]:
+    """The table's counts as /metrics samples (``FAMILIES``)."""
+    t = TABLE if table is None else table
+    return [("connections_open", {}, t.count), ("connections_refused", {}, t.refused),
+            ("connections_evicted", {}, t.evicted), ("connections_refused_share", {}, t.refused_share),
+            ("connections_unnamed_dropped", {}, t.dropped)]
 
 
 def configure(max_connections: int, shm_regions: int) -> int:

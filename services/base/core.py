@@ -23,7 +23,7 @@ from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import kinds, layout
 from meshserve.repository.config import ConfigError, load_model_config, parse_config_json
 from meshserve.repository.names import check_model_name, check_version, model_file_path
-from meshserve.server import admission
+from meshserve.server import admission, connections
 from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import (
     EXTENSIONS,
@@ -61,7 +61,7 @@ SERVICE_FAMILIES = {
                                     "Batches the dynamic batcher released before max_queue_delay because the "
                                     "clients it expected were all queued (early release)"),
 }
-_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES, **memory.FAMILIES}
+_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES, **memory.FAMILIES, **connections.FAMILIES}
 
 
 @dataclass
@@ -863,6 +863,7 @@ class ServiceCore:
                                        gate.requests, bound,
                                        [(mv.name, mv.version_str, d, n) for mv in self._all_versions()
                                         for d, n in mv.gpu_bytes.items()])
+        samples += connections.samples()
         return metrics.render(samples, _FAMILIES), metrics.CONTENT_TYPE
 
 

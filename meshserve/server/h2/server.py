@@ -1267,6 +1267,13 @@ class ServerConnection(H2Endpoint):
         self.transport.close()
         return True
 
+    def drop(self) -> None:
+        """Closed at once, a call in progress or not: a connection that names no tenant yet, past
+        their share (connections.TABLE.unnamed)."""
+        if self.transport is not None:
+            log.debug("closing HTTP/2 connection from %s: unnamed connections past their share", self.peername)
+            self.transport.abort()
+
     def goaway(self) -> None:
         if self.transport is None or self.transport.is_closing():
             return

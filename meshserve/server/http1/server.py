@@ -594,6 +594,13 @@ class Connection(asyncio.Protocol):
             return True
         return False
 
+    def drop(self) -> None:
+        """Closed at once, a request in progress or not: a connection that names no tenant yet,
+        past their share (connections.TABLE.unnamed)."""
+        if self.transport is not None:
+            log.debug("closing HTTP connection from %s: unnamed connections past their share", self.peername)
+            self.transport.abort()
+
     def close_if_idle(self) -> bool:
         """Close now when no request is in progress (graceful shutdown); else after it."""
         self.last = True

@@ -206,7 +206,7 @@ async def test_each_tenant_holds_at_most_its_share_of_a_models_queue(tmp_path: P
     counted against it."""
     from google.protobuf import text_format
 
-    from gateway.auth import queue_room
+    from gateway.auth import QueueRooms, queue_room
     from meshserve._proto import model_config_pb2 as mc
 
     def config(text: str) -> mc.ModelConfig:
@@ -214,9 +214,9 @@ async def test_each_tenant_holds_at_most_its_share_of_a_models_queue(tmp_path: P
 
     bounded = config('name: "q" max_batch_size: 2 dynamic_batching { default_queue_policy { max_queue_size: 4 } } '
                      'instance_group [ { count: 2 } ]')
-    assert queue_room(bounded, 1) == 4 + 2 * 2 and queue_room(bounded, 3) == 3 * 8
-    assert queue_room(config('name: "b" max_batch_size: 8 dynamic_batching { }'), 2) == 0
-    assert queue_room(config('name: "p" max_batch_size: 0'), 1) == 0
+    assert queue_room(bounded, 1) == QueueRooms(1, (4 + 2 * 2,)) and queue_room(bounded, 3) == QueueRooms(1, (3 * 8,))
+    assert queue_room(config('name: "b" max_batch_size: 8 dynamic_batching { }'), 2) is None
+    assert queue_room(config('name: "p" max_batch_size: 0'), 1) is None
     path = tmp_path / "tenants.yaml"
     path.write_text(f"""
 tenants:
@@ -224,7 +224,7 @@ tenants:
   - {{name: mallory, keys_sha256: ["{hash_key('mallory-key')}"], rate: 1000, burst: 1000}}
 """)
     adm = Admission(TenantDirectory(path), MemoryQuotaStore())
-    adm.queue_room = lambda model, version: queue_room(bounded, 1) if model == "q" else 0  # 8: a share of 4
+    adm.queue_room = lambda model, version: queue_room(bounded, 1) if model == "q" else None  # 8: a share of 4
 
     def ctx(key: str) -> RequestContext:
         return RequestContext("grpc", {"x-api-key": key}, raw=b"x")
@@ -238,7 +238,70 @@ tenants:
     held += [await adm.admit(other, ctx("mallory-key")), await adm.admit(q, ctx("acme-key"))]
     await adm.release(held.pop(0))
     held.append(await adm.admit(q, ctx("mallory-key")))
-    assert adm.queued == {("mallory", "q"): 4, ("acme", "q"): 1}
+    assert adm.queued == {("mallory", "q", 1): 4, ("acme", "q", 1): 1}
+    for a in held:
+        await adm.release(a)
+    assert adm.queued == {} and adm.inflight == {}
+
+
+async def test_each_tenant_holds_at_most_its_share_of_each_priority_levels_queue(tmp_path: Path) -> None:
+    """With priority levels, each level's queue is its own (the level's priority_queue_policy,
+    else the default policy, as the service reads them): a tenant holds at most its share of the
+    room of the level its requests queue at (the request's `priority`, else the tenant's, else the
+    model's default level); an unbounded level is not counted; a level's share does not count
+    against another level's."""
+    from google.protobuf import text_format
+
+    from gateway.auth import QueueRooms, queue_room
+    from meshserve._proto import model_config_pb2 as mc
+
+    levels = text_format.Parse(
+        'name: "q" max_batch_size: 1 dynamic_batching { priority_levels: 3 default_priority_level: 2 '
+        'priority_queue_policy { key: 1 value { max_queue_size: 0 } } '
+        'priority_queue_policy { key: 3 value { max_queue_size: 7 } } '
+        'default_queue_policy { max_queue_size: 3 } }', mc.ModelConfig())
+    assert queue_room(levels, 1) == QueueRooms(2, (0, 3 + 1, 7 + 1))
+    only_one = text_format.Parse('name: "o" dynamic_batching { priority_levels: 2 '
+                                 'priority_queue_policy { key: 2 value { max_queue_size: 4 } } }', mc.ModelConfig())
+    assert queue_room(only_one, 2) == QueueRooms(1, (0, 2 * 5))  # (the default level 1 is unbounded)
+    no_levels = text_format.Parse('name: "n" dynamic_batching { priority_queue_policy { key: 1 value '
+                                  '{ max_queue_size: 4 } } }', mc.ModelConfig())
+    assert queue_room(no_levels, 1) is None  # (without priority_levels the service reads the default policy)
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: mallory, keys_sha256: ["{hash_key('mallory-key')}"], rate: 1000, burst: 1000}}
+  - {{name: urgent, keys_sha256: ["{hash_key('urgent-key')}"], rate: 1000, burst: 1000, priority: 3}}
+""")
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+    adm.queue_room = lambda model, version: queue_room(levels, 1)  # shares: level 1 none, 2: 2, 3: 4
+
+    def req(priority: int | None) -> pb.ModelInferRequest:
+        r = pb.ModelInferRequest(model_name="q")
+        if priority is not None:
+            r.parameters["priority"].uint64_param = priority
+        return r
+
+    def ctx(key: str) -> RequestContext:
+        return RequestContext("grpc", {"x-api-key": key}, raw=b"x")
+
+    held = [await adm.admit(req(3), ctx("mallory-key")) for _ in range(4)]
+    with pytest.raises(InferError) as err:
+        await adm.admit(req(3), ctx("mallory-key"))
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert ("tenant 'mallory' has 4 requests for model 'q' in flight at priority level 3, its share (0.5 of the 8 "
+            "its replicas queue and run at once at priority level 3 (max_queue_size): 4)") in err.value.message
+    held += [await adm.admit(req(None), ctx("mallory-key")) for _ in range(2)]  # the default level, 2
+    with pytest.raises(InferError):
+        await adm.admit(req(0), ctx("mallory-key"))  # (0: the default level too)
+    held += [await adm.admit(req(1), ctx("mallory-key")) for _ in range(5)]  # level 1: unbounded, not counted
+    held += [await adm.admit(req(None), ctx("urgent-key")) for _ in range(4)]  # its own priority: level 3
+    with pytest.raises(InferError):
+        await adm.admit(req(None), ctx("urgent-key"))
+    held.append(await adm.admit(req(2), ctx("urgent-key")))
+    assert adm.queued == {("mallory", "q", 3): 4, ("mallory", "q", 2): 2, ("urgent", "q", 3): 4, ("urgent", "q", 2): 1}
+    await adm.release(held.pop(0))
+    held.append(await adm.admit(req(3), ctx("mallory-key")))
     for a in held:
         await adm.release(a)
     assert adm.queued == {} and adm.inflight == {}
@@ -368,6 +431,49 @@ tenants:
     clock.t += 2.5  # unused for twice the idle timeout of 1 s: let go at the service
     await call("b-key", 7)
     assert set(adm._live[("b", "s")]) == {"i:7"}
+
+
+async def test_with_several_replicas_a_tenant_holds_its_share_of_each_replicas_sequence_slots(tmp_path: Path) -> None:
+    """Sequences are pinned to replicas by their id (rendezvous hashing), so a tenant choosing ids
+    could put its whole share of the model's slots on one replica: with several, its new
+    sequence also takes at most max(1, one replica's slots x share) of the replica its id is
+    pinned to (GatewayCore.sequence_replica); an ended or let-go one gives that back too."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - {{name: b, keys_sha256: ["{hash_key('b-key')}"], rate: 1000, burst: 1000}}
+""")
+    clock = Clock()
+    adm = Admission(TenantDirectory(path, clock=clock), MemoryQuotaStore(clock=clock), clock=clock)
+    adm.sequence_room = lambda model, version: 8  # 2 replicas x 4 slots: b's share 4, of each replica 2
+    adm.sequence_replica = lambda model, version, key: ("odd" if int(key[2:]) % 2 else "even", 2)
+
+    async def call(seq: int, end: bool = False) -> None:
+        r = pb.ModelInferRequest(model_name="s")
+        if end:
+            r.parameters["sequence_end"].bool_param = True
+        await adm.release(await adm.admit(r, RequestContext("grpc", {"x-api-key": "b-key"}), f"i:{seq}", 1.0))
+
+    await call(1)
+    await call(3)
+    with pytest.raises(InferError) as err:
+        await call(5)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED and err.value.retry_after_ms is not None
+    assert ("tenant 'b' has 2 sequences of model 's' in progress on the replica sequence 5 is pinned to, its share "
+            "(0.5 of the 4 one replica holds at once: 2)") in err.value.message
+    await call(3)  # its own go on
+    await call(2)
+    await call(4)  # the other replica's share
+    with pytest.raises(InferError) as err:
+        await call(6)
+    assert "its share (0.5 of the 8 its replicas hold at once: 4)" in err.value.message
+    await call(1, end=True)
+    await call(5)  # the ended one's slot on its replica
+    assert adm._pinned == {("b", "s", "i:3"): "odd", ("b", "s", "i:5"): "odd", ("b", "s", "i:2"): "even",
+                           ("b", "s", "i:4"): "even"}
+    clock.t += 2.5  # unused for twice the idle timeout of 1 s: let go at the service
+    await call(7)
+    assert set(adm._live[("b", "s")]) == {"i:7"} and adm._pinned == {("b", "s", "i:7"): "odd"}
 
 
 def test_certificate_names_name_a_tenant_only_when_verified() -> None:

@@ -12,12 +12,16 @@ class Conn:
     def __init__(self, busy: bool = False) -> None:
         self.busy = busy
         self.evicted = False
+        self.dropped = False
 
     def evict(self) -> bool:
         if self.busy:
             return False
         self.evicted = True
         return True
+
+    def drop(self) -> None:
+        self.dropped = True
 
 
 def test_near_the_cap_the_oldest_idle_connection_is_closed_and_at_it_new_ones_are_refused() -> None:
