@@ -4,7 +4,9 @@ repository: every example exits 0 and prints its own success text (the check Tri
 
 The examples are not in this tree: point MESHSERVE_NVIDIA_CLIENT_EXAMPLES at their folder
 (docs/nvidia-examples.md: one `git archive` from a clone or mirror of the client repository);
-without it the tests are skipped. Nothing here needs the network.
+without it the tests are skipped. Nothing here needs the network. MESHSERVE_NVIDIA_MODEL_REPOSITORY,
+when set, names Triton's own docs/examples/model_repository: its models replace ours of the same
+name (simple, simple_int8, simple_string, simple_identity, simple_sequence, simple_dyna_sequence).
 
 The two model-control examples count the repository index (8 models over gRPC, 7 over HTTP: Triton
 CI's repositories), so each gets a mesh of its own, in explicit mode with uploads allowed as in
@@ -31,6 +33,8 @@ from tests.support.up import Up, meshserve_up
 
 ENV = "MESHSERVE_NVIDIA_CLIENT_EXAMPLES"
 EXAMPLES = Path(os.environ[ENV]) if os.environ.get(ENV) else None
+# optional: Triton's docs/examples/model_repository; its models (those with files) replace ours
+MODELS_ENV = "MESHSERVE_NVIDIA_MODEL_REPOSITORY"
 TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.skipif(EXAMPLES is None, reason=f"{ENV} is not set (the folder of NVIDIA's "
@@ -119,6 +123,9 @@ def _passed(example: Example, done: subprocess.CompletedProcess[str]) -> None:
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Up, dict[str, str]]]:
     folder = tmp_path_factory.mktemp("nvidia")
     repo = nvidia_models.build(folder / "models")
+    if os.environ.get(MODELS_ENV):
+        replaced = nvidia_models.overlay(repo, Path(os.environ[MODELS_ENV]))
+        assert replaced, f"{MODELS_ENV}={os.environ[MODELS_ENV]}: no model of the examples' with its files there"
     files = {"{ppm}": str(nvidia_models.write_image(folder / "image.ppm")), "{image}": str(folder / "image.jpg")}
     if importlib.util.find_spec("PIL") is not None:
         from PIL import Image

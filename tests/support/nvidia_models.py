@@ -24,11 +24,13 @@ onnx.helper or written as a python-backend model, so the repository needs nothin
 
     python -m tests.support.nvidia_models OUT_DIR      # the repository (and OUT_DIR.ppm: an image)
 
+``overlay`` puts Triton's own example models (where a checkout has their files) in their place;
 ``model_control_repository`` writes the repositories the two model-control examples expect (they
 count the index: 8 models over gRPC, 7 over HTTP, Triton's CI repositories).
 """
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -309,6 +311,19 @@ def build(repo: Path) -> Path:
     (repo / "preprocess_inception_ensemble" / "1").mkdir(parents=True, exist_ok=True)
     (repo / "preprocess_inception_ensemble" / "config.pbtxt").write_text(ENSEMBLE)
     return repo
+
+
+def overlay(repo: Path, theirs: Path) -> list[str]:
+    """Replace the models of ``repo`` by those of the same name in ``theirs`` (e.g. Triton's own
+    docs/examples/model_repository) that have a model file in a version folder (its densenet_onnx
+    and inception_onnx are downloaded by a script, so a checkout lacks them). Returns their names."""
+    replaced = []
+    for model in sorted(p for p in theirs.iterdir() if (repo / p.name).is_dir() and (p / "config.pbtxt").is_file()):
+        if any(f.is_file() for v in model.iterdir() if v.is_dir() and v.name.isdigit() for f in v.iterdir()):
+            shutil.rmtree(repo / model.name)
+            shutil.copytree(model, repo / model.name)
+            replaced.append(model.name)
+    return replaced
 
 
 def model_control_repository(repo: Path, count: int) -> Path:
