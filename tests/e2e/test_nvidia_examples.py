@@ -10,9 +10,10 @@ name (simple, simple_int8, simple_string, simple_identity, simple_sequence, simp
 
 The two model-control examples count the repository index (8 models over gRPC, 7 over HTTP: Triton
 CI's repositories), so each gets a mesh of its own, in explicit mode with uploads allowed as in
-Triton. The rows the tests skip say why (hard-coded ports, CUDA, client-side packages); the one
-deliberate difference from Triton (a load naming a 256-byte file is INVALID_ARGUMENT here, INTERNAL
-in Triton) is asserted as what it is.
+Triton; the four examples with TLS flags get a mesh with mutual TLS. NOT_RUN says why the others
+are not run (hard-coded ports, CUDA, a broken client-side package), and the image examples are
+skipped where Pillow is missing; the one deliberate difference from Triton (a load naming a
+256-byte file is INVALID_ARGUMENT here, INTERNAL in Triton) is asserted as what it is.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import nvidia_models
+from tests.support import certs, nvidia_models
 from tests.support.net import free_port
 from tests.support.up import Up, meshserve_up
 
@@ -108,7 +109,7 @@ def _run(example: Example, up: Up, files: dict[str, str]) -> subprocess.Complete
     if not script.is_file():
         pytest.fail(f"{script} is missing: {ENV} must name the whole src/python/examples folder")
     fill = {"{http}": up.http, "{grpc}": up.grpc, **files}
-    argv = [sys.executable, str(script), *(fill.get(a, a) for a in example.args)]
+    argv = [sys.executable, str(script), "-v", *(fill.get(a, a) for a in example.args)]  # -v: as Triton's CI
     done = subprocess.run(argv, cwd=EXAMPLES, capture_output=True, text=True, timeout=TIMEOUT_S)
     return done
 
@@ -167,3 +168,23 @@ def test_http_model_control_example(tmp_path: Path) -> None:
     example = Example("simple_http_model_control.py", HTTP, "PASS: model control")
     with _model_control_mesh(nvidia_models.model_control_repository(tmp_path / "models", 7)) as up:
         _passed(example, _run(example, up, {}))
+
+
+def test_tls_examples(tmp_path: Path) -> None:
+    """The four examples with TLS flags, each given the CA and a client certificate, against a
+    mesh with mutual TLS on both ports (Triton's --{grpc,http}-use-ssl[-mutual] flags)."""
+    ca = certs.authority(tmp_path, "ca")
+    server, client = ca.issue(tmp_path, "server", server=True), ca.issue(tmp_path, "client", server=False)
+    tls = [flag for proto in ("grpc", "http") for flag in (
+        f"--{proto}-use-ssl", f"--{proto}-use-ssl-mutual=true", f"--{proto}-server-cert", str(server.cert),
+        f"--{proto}-server-key", str(server.key), f"--{proto}-root-cert", str(ca.cert))]
+    grpc_tls = ("-s", "-r", str(ca.cert), "-p", str(client.key), "-x", str(client.cert))
+    http_tls = ("-s", "--ca-certs", str(ca.cert), "--key-file", str(client.key), "--cert-file", str(client.cert))
+    repo = nvidia_models.model_control_repository(tmp_path / "models", 1)
+    with meshserve_up("--repository", str(repo), "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+                      "--metrics-port", "-1", *tls) as up:
+        for example in (Example("simple_grpc_infer_client.py", (*GRPC, *grpc_tls), "PASS: infer"),
+                        Example("simple_grpc_aio_infer_client.py", (*GRPC, *grpc_tls), "PASS: grpc aio infer"),
+                        Example("simple_http_infer_client.py", (*HTTP, *http_tls), "Request for unknown model"),
+                        Example("simple_http_aio_infer_client.py", (*HTTP, *http_tls), "PASS: infer")):
+            _passed(example, _run(example, up, {}))
