@@ -11,8 +11,8 @@ name (simple, simple_int8, simple_string, simple_identity, simple_sequence, simp
 The two model-control examples count the repository index (8 models over gRPC, 7 over HTTP: Triton
 CI's repositories), so each gets a mesh of its own, in explicit mode with uploads allowed as in
 Triton; the four examples with TLS flags get a mesh with mutual TLS. NOT_RUN says why the others
-are not run (hard-coded ports, CUDA, a broken client-side package), and the image examples are
-skipped where Pillow is missing; the one deliberate difference from Triton (a load naming a
+are not run (hard-coded ports, CUDA), and the image examples are skipped where their client-side
+packages (Pillow; attrdict for image_client.py over HTTP) are missing; the one deliberate difference from Triton (a load naming a
 256-byte file is INVALID_ARGUMENT here, INTERNAL in Triton) is asserted as what it is.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Example:
     script: str
     args: tuple[str, ...] = ()  # {http} / {grpc} / {image} / {ppm} filled in at run time
     expect: str = ""  # the example's own success text ("" where it prints none: exit code 0 only)
-    needs: str = ""  # a module the example imports that this suite does not install
+    needs: tuple[str, ...] = ()  # modules the example imports that this suite does not install
 
     @property
     def id(self) -> str:
@@ -91,12 +91,15 @@ EXAMPLES_ON_ONE_MESH = [
     Example("simple_grpc_aio_sequence_stream_infer_client.py", (*GRPC, "-d"), "PASS: grpc aio sequence stream"),
     Example("ensemble_image_client.py", (*HTTP, "{ppm}"), "PASS"),
     Example("ensemble_image_client.py", (*GRPC, "-i", "grpc", "{ppm}"), "PASS"),
-    *(Example(script, (*IMAGE, *mode, *url, "{image}"), "PASS", needs="PIL") for mode in ((), ("-a",), ("-a", "--streaming"))
+    *(Example(script, (*IMAGE, *mode, *url, "{image}"), "PASS", needs=("PIL",)) for mode in ((), ("-a",), ("-a", "--streaming"))
       for script, url in (("image_client.py", ("-i", "grpc", *GRPC)), ("grpc_image_client.py", GRPC))),
+    # over HTTP it also needs attrdict (which it patches to load on Python >= 3.10); no streaming
+    *(Example("image_client.py", (*IMAGE, *mode, *HTTP, "{image}"), "PASS", needs=("PIL", "attrdict"))
+      for mode in ((), ("-a",))),
 ]
 
 NOT_RUN = {
-    "image_client.py over HTTP": "imports attrdict for HTTP, which NVIDIA notes is broken on Python >= 3.10",
+    "image_client.py -a --streaming over HTTP": "the example refuses it itself (streaming is gRPC only)",
     "memory_growth_test.py": "its server address is hard-coded (localhost:8000 / :8001); run by hand "
                              "(docs/nvidia-examples.md)",
     "simple_http_cudashm_client.py, simple_grpc_cudashm_client.py": "CUDA shared memory needs a GPU",
@@ -140,8 +143,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Up, dict[st
 
 @pytest.mark.parametrize("example", EXAMPLES_ON_ONE_MESH, ids=lambda e: e.id)
 def test_example_passes(example: Example, mesh: tuple[Up, dict[str, str]]) -> None:
-    if example.needs and importlib.util.find_spec(example.needs) is None:
-        pytest.skip(f"{example.script} imports {example.needs}, not installed here (a client-side package)")
+    missing = [m for m in example.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{example.script} imports {', '.join(missing)}, not installed here (client-side packages)")
     up, files = mesh
     _passed(example, _run(example, up, files))
 
