@@ -233,7 +233,7 @@ class EnsembleExecutor:
                            events: asyncio.Queue[tuple[_Round, Step, dict[str, _Tensor] | None] | BaseException]
                            ) -> None:
         """A decoupled step's call: each of its responses' outputs to ``events``."""
-        req = _step_request(step, rnd.tensors, request)
+        req = _step_request(plan, step, rnd.tensors, request)
         if self.placement is not None:
             await self._ready(plan, step, deadline)
         timeout = self._remaining(plan, step, deadline)
@@ -263,7 +263,7 @@ class EnsembleExecutor:
 
     async def _step(self, plan: Plan, step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest,
                     deadline: float | None, times: StepTimes, affinity: str | None) -> dict[str, _Tensor]:
-        req = _step_request(step, tensors, request)
+        req = _step_request(plan, step, tensors, request)
         placed = None if self.placement is None else await self._ready(plan, step, deadline)
 
         def send(r: pb.ModelInferRequest, t: float | None) -> Awaitable[pb.ModelInferResponse]:
@@ -337,7 +337,8 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _step_request(step: Step, tensors: dict[str, _Tensor], request: pb.ModelInferRequest) -> pb.ModelInferRequest:
+def _step_request(plan: Plan, step: Step, tensors: dict[str, _Tensor],
+                  request: pb.ModelInferRequest) -> pb.ModelInferRequest:
     """A step's request: its inputs from ``tensors``, the ensemble request's id and parameters."""
     req = pb.ModelInferRequest(model_name=step.model, model_version=step.version, id=request.id)
     for key, value in request.parameters.items():
@@ -346,9 +347,21 @@ def _step_request(step: Step, tensors: dict[str, _Tensor], request: pb.ModelInfe
         t = tensors[tensor]
         req.inputs.add(name=model_input, datatype=t.datatype, shape=list(t.shape))
         req.raw_input_contents.append(t.data)
-    for model_output, _ in step.outputs:
-        req.outputs.add(name=model_output)
+    for model_output, tensor in step.outputs:
+        wanted = req.outputs.add(name=model_output)
+        if request.outputs:
+            _classification(plan, request, tensor, wanted)
     return req
+
+
+def _classification(plan: Plan, request: pb.ModelInferRequest, tensor: str,
+                    wanted: pb.ModelInferRequest.InferRequestedOutputTensor) -> None:
+    """Triton's classification of an ensemble output the client asks it of (``class_count``): asked
+    of the step that makes the output, when no other step takes it, so it comes classified with
+    the labels of the model that made it (Triton's ensembles inherit those labels)."""
+    for asked in request.outputs:
+        if asked.name == tensor and "classification" in asked.parameters and not plan.consumers(tensor):
+            wanted.parameters["classification"].CopyFrom(asked.parameters["classification"])
 
 
 def _outputs(plan: Plan, step: Step, resp: pb.ModelInferResponse) -> dict[str, _Tensor]:

@@ -102,11 +102,13 @@ def check_region_name(name: str) -> str:
 
 
 def check_version(version: str, model: str = "") -> str:
-    """``version`` when it is decimal digits or empty (latest); else InferError.invalid."""
+    """``version`` when it is decimal digits or empty (latest); else InferError.invalid, whose
+    message begins as Triton's (NVIDIA's grpc_explicit_int8_content_client.py looks for it)."""
     if version and not (version.isascii() and version.isdigit() and len(version) <= NAME_MAX):
         of = f" of model {model!r}" if model else ""
-        _invalid(f"invalid version {version!r}{of}: a version must be decimal digits "
-                                 f"(at most {NAME_MAX}; or empty for the latest)")
+        shown = f"'{version}'" if version.isprintable() and len(version) <= 64 else _shown(version)
+        _invalid(f"failed to get model version from specified version string {shown}{of}: invalid version, "
+                 f"a version must be decimal digits (at most {NAME_MAX}; or empty for the latest)")
     return version
 
 
