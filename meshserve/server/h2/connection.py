@@ -271,7 +271,12 @@ class H2Endpoint(asyncio.Protocol):
                 elif typ == SETTINGS:
                     self._on_settings(flags, sid, data[pos + 9:end])
                 elif typ == WINDOW_UPDATE:
-                    self._on_window_update(sid, data[pos + 9:end])
+                    if length != 4:
+                        raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
+                    # (read in place: a gRPC client sends about two per call, one of them for the stream
+                    # just answered, gone from ``streams``: no slice, no call, for that one)
+                    if sid == 0 or sid in self.streams:
+                        self._window_update(sid, U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF)
                 elif typ == PING:
                     if length != 8:
                         raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
@@ -381,16 +386,16 @@ class H2Endpoint(asyncio.Protocol):
         if grown:
             self._unblock_all()
 
-    def _on_window_update(self, sid: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
-        inc = U32.unpack(payload)[0] & 0x7FFFFFFF
+    def _window_update(self, sid: int, inc: int) -> None:
+        """A WINDOW_UPDATE frame's increment (its 4-byte length checked by ``_read``) for the
+        connection (``sid`` 0) or a stream; one for a stream we no longer know is dropped."""
         if sid == 0:
             if inc == 0 or self.send_window + inc > 0x7FFFFFFF:
                 raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR if inc == 0 else ErrorCode.FLOW_CONTROL_ERROR,
                                        "invalid connection WINDOW_UPDATE")
             self.send_window += inc
-            self._unblock_all()
+            if self.blocked:
+                self._unblock_all()
             return
         st = self.streams.get(sid)
         if st is not None:

@@ -1250,8 +1250,11 @@ class ServerConnection(H2Endpoint):
             self._write(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.NO_ERROR)))
             if st.queue is not None:
                 st.queue.put_nowait(_EOF)
-        if was_open and st.handler is not None:
-            self.server._stream_done()
+        if was_open and st.handler is not None:  # (H2GrpcServer._stream_done, inlined: every call's end)
+            server = self.server
+            server._active -= 1
+            if server._active <= 0 and server._idle is not None:
+                server._idle.set()
         if self.going_away and not self.streams and self.transport is not None:
             self._flush()
             self.transport.close()
