@@ -37,7 +37,7 @@ from gateway.routing.ab import Route
 from gateway.routing.table import SEQUENCE_ID, sequence_affinity
 from gateway.turns import SequenceTurns
 from gateway.upstream.coalesce import Coalescer
-from gateway.upstream.merging import ModelShape, merge_key
+from gateway.upstream.merging import _UNKNOWN, ModelShape, _known, _layout, merge_key
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -59,6 +59,10 @@ Answers = AsyncGenerator[Answer, None]
 Params = Any  # a request's parameters (a upb map of str -> pb.InferParameter)
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
+# Parameters without a sequence id nor a hop's private name, read by ``Names`` from a request of
+# a layout seen before (``Names._seen``): ``Outcomes`` needs only that there are some and none is
+# ``SEQUENCE_ID`` (a path that reads them reads the request's own: ``Outcomes.infer``)
+PLAIN: Params = frozenset()
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
 FACTS_KEPT = 1024  # per-config merge facts kept (all dropped when full: one rebuild each)
 
@@ -93,6 +97,12 @@ class Names:
     def __init__(self, decoupled: Callable[[str, str], bool]):
         self._decoupled = decoupled  # GatewayCore.is_decoupled
         self._valid: set[str] = set()  # names that passed the names rule (a set lookup, not its regex)
+        # The last request bytes' layout that passed ``check`` (merging._layout: all its bytes but the
+        # id's and the tensors' contents) and what ``check`` read from it: (head, mid, (name, version,
+        # PLAIN or None)). A request with the same layout (merging._known: two byte comparisons and a
+        # step per tensor) has the same name, version and parameters; its upb reads are skipped.
+        self._seen: tuple[bytes, bytes | None, tuple[str, str, Params | None]] | None = None
+        self._misses = 0  # requests since the last that took a layout (see ``_remember``)
 
     def check(self, request: pb.ModelInferRequest) -> tuple[str, str, Params | None]:
         """(the model name, its version, the request's parameters or None when it has none):
@@ -116,8 +126,31 @@ class Names:
         return name, version, params
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Result:
+        raw = ctx.raw
+        if raw is not None:
+            seen = self._seen
+            if seen is not None and _known(raw, seen) is not _UNKNOWN:
+                name, version, params = seen[2]
+                self._misses = 0
+                return self.next.infer(request, ctx, name, version, params)
+            name, version, params = self.check(request)
+            self._remember(raw, name, version, params)
+            return self.next.infer(request, ctx, name, version, params)
         name, version, params = self.check(request)
         return self.next.infer(request, ctx, name, version, params)
+
+    def _remember(self, raw: bytes, name: str, version: str, params: Params | None) -> None:
+        """Keep the layout of ``raw``, which passed ``check``, for the requests after it
+        (``_seen``). Parameters with a sequence id are never kept (``Turns`` reads them). The
+        first miss after a hit takes the new layout, later ones one in 64: a client whose layouts
+        change with every request (ids of 128 bytes or more, fields out of protobuf's order) pays
+        the walk (``_layout``) for one request in 64."""
+        misses = self._misses
+        self._misses = misses + 1 if misses < 63 else 0
+        if misses or (params is not None and SEQUENCE_ID in params):
+            return
+        if (layout := _layout(raw)) is not None:
+            self._seen = (layout[0], layout[1], (name, version, None if params is None else PLAIN))
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
         return streams.names(self, request, ctx)  # (an async generator: interpreted, pipeline_streams.py)
@@ -202,7 +235,7 @@ class Outcomes:
                 return forward.named(request, ctx, None, name, version, self)
             except InferError as exc:
                 raise self.failed(name, exc, ctx.protocol) from None
-        return self._counted(request, ctx, name, version, params)
+        return self._counted(request, ctx, name, version, request.parameters if params is PLAIN else params)
 
     async def counting(self, answer: Result, name: str, protocol: str) -> InferResult:
         """``answer`` awaited and counted under ``name`` (``CacheStage.named``'s paths other than
