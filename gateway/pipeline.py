@@ -59,6 +59,7 @@ Answers = AsyncGenerator[Answer, None]
 Params = Any  # a request's parameters (a upb map of str -> pb.InferParameter)
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
+Laid = tuple[bytes, "bytes | None", Any]  # a layout of request bytes (merging._layout's, and what goes with it)
 # Parameters without a sequence id nor a hop's private name, read by ``Names`` from a request of
 # a layout seen before (``Names._seen``): ``Outcomes`` needs only that there are some and none is
 # ``SEQUENCE_ID`` (a path that reads them reads the request's own: ``Outcomes.infer``)
@@ -84,7 +85,8 @@ class Forwarding(Stage, Protocol):
     upstream: Upstream
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result: ...
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None,
+              laid: Laid | None = None) -> Result: ...
 
 
 class Names:
@@ -132,7 +134,7 @@ class Names:
             if seen is not None and _known(raw, seen) is not _UNKNOWN:
                 name, version, params = seen[2]
                 self._misses = 0
-                return self.next.infer(request, ctx, name, version, params)
+                return self.next.infer(request, ctx, name, version, params, seen)
             name, version, params = self.check(request)
             self._remember(raw, name, version, params)
             return self.next.infer(request, ctx, name, version, params)
@@ -207,8 +209,9 @@ class Outcomes:
         self.renames = renames  # an A/B route may point the request at another name (ABRoutes)
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
-              params: Params | None) -> Result:
-        """The request's coroutine, counted: a request without parameters where ``Forward`` is
+              params: Params | None, laid: Laid | None = None) -> Result:
+        """The request's coroutine, counted (``laid``: the layout ``Names`` found the request's bytes
+        in, handed to ``Forward.named``): a request without parameters where ``Forward`` is
         the stage past ``Turns`` gets ``Forward``'s own coroutine, which counts it (``ended``,
         ``failed``: no coroutine of this stage's per request); where the cache is (and no A/B
         route can rename the request), ``CacheStage.named``'s, which counts it the same way;
@@ -226,13 +229,13 @@ class Outcomes:
             cache = self.cache
             if forward is not None or (cache is not None and not self.renames):
                 try:
-                    return forward.named(request, ctx, None, name, version, self) if forward is not None \
+                    return forward.named(request, ctx, None, name, version, self, None, laid) if forward is not None \
                         else cache.named(request, ctx, name, version, self)  # type: ignore[union-attr]
                 except InferError as exc:  # (refused before it left: counted as it would be inside)
                     raise self.failed(name, exc, ctx.protocol) from None
         elif forward is not None and SEQUENCE_ID not in params:
             try:
-                return forward.named(request, ctx, None, name, version, self)
+                return forward.named(request, ctx, None, name, version, self, None, laid)
             except InferError as exc:
                 raise self.failed(name, exc, ctx.protocol) from None
         return self._counted(request, ctx, name, version, request.parameters if params is PLAIN else params)
@@ -431,13 +434,16 @@ class Forward:
         return self.named(request, ctx, sequence, request.model_name, request.model_version)
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result:
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None,
+              laid: Laid | None = None) -> Result:
         """``infer`` of a request whose model name and version were read already (read once,
         handed on: ``Outcomes.forward``, where no stage before this one can rename it). With
         ``outcomes`` the returned coroutine counts the request's outcome there (``Outcomes.failed``;
         one coroutine fewer per request than ``Outcomes`` awaiting it). ``config``: the served
         config of (name, version) when the caller looked it up just now (gateway/cache.py:
-        CacheStage.named, the stage before this one: the same ``Discovery.config_for``)."""
+        CacheStage.named, the stage before this one: the same ``Discovery.config_for``). ``laid``:
+        the layout ``Names`` found the request's bytes in (``Names._seen``): where the model's
+        merge key remembers the same layout (``ModelShape.layout``), its answer is the request's."""
         deadline = ctx.deadline  # (ctx.time_remaining(), inline)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         raw = ctx.raw
@@ -458,10 +464,13 @@ class Forward:
                 # the first request of a wave (the last one was merged): it waits for this pass's
                 # flush with the rest of its wave (one hop message); a wave of one forgets it
                 crowded.discard(name)
-            if facts is not None and (shape := facts[1]) is not None and \
-                    (found := merge_key(request, shape, raw)) is not None:  # a sampled request may be merged too
-                return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
-                                        ctx.protocol, idle)
+            if facts is not None and (shape := facts[1]) is not None:
+                # (the merge key's layout is the one Names found the bytes in: its answer, without a second walk)
+                found = lay[0][2] if laid is not None and raw is not None and (lay := shape.layout) and \
+                    lay[0][0] == laid[0] and lay[0][1] == laid[1] else merge_key(request, shape, raw)
+                if found is not None:  # a sampled request may be merged too
+                    return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
+                                            ctx.protocol, idle)
             return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, idle)
         return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, False)
 

@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from gateway import pipeline
 from gateway.core import GatewayCore
 from gateway.ensemble.catalog import EnsembleCatalog
+from meshserve import native
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
@@ -409,7 +410,7 @@ async def test_a_request_laid_out_as_the_last_checked_one_is_not_read_again(monk
     once in 64. ``Outcomes`` gives a path that reads the parameters the request's own."""
     names = GatewayCore(["127.0.0.1:1"]).pipeline
     handed: list[tuple[str, str, Any]] = []
-    names.next = SimpleNamespace(infer=lambda request, ctx, name, version, params: handed.append(
+    names.next = SimpleNamespace(infer=lambda request, ctx, name, version, params, *laid: handed.append(
         (name, version, params)))  # type: ignore[assignment]
     checked: list[str] = []
     check = names.check
@@ -464,3 +465,39 @@ async def test_a_request_laid_out_as_the_last_checked_one_is_not_read_again(monk
     outcomes._counted = lambda request, ctx, name, version, params: got.append(params)  # type: ignore[method-assign]
     outcomes.infer(flagged[1], RequestContext("grpc", {}), "add_sub", "2", pipeline.PLAIN)
     assert got[0] is not pipeline.PLAIN and "triton_enable_empty_final_response" in got[0]
+
+
+@pytest.mark.skipif(native.running(pipeline) == "compiled", reason="watches a module function (pure Python)")
+async def test_forward_takes_the_merge_key_of_the_layout_names_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Forward.named`` given the layout ``Names`` found the request's bytes in (``laid``) takes
+    the answer its model's merge key remembers for the same layout, without walking the bytes
+    again (``merge_key``); another layout, or none, goes by ``merge_key``."""
+    core = GatewayCore(["127.0.0.1:1"])
+    forward = core.forward
+    config = text_format.Parse(_ADD, mc.ModelConfig())
+    forward._config_for = lambda name, version: config  # type: ignore[method-assign]
+    shape = forward.facts(config)[1]
+    assert shape is not None
+    first = _add(1, "a")
+    raw = first.SerializeToString()
+    assert pipeline.merge_key(first, shape, raw) is not None and shape.layout  # (the layout remembered)
+    keys: list[str] = []
+    merge_key = pipeline.merge_key
+    monkeypatch.setattr(pipeline, "merge_key", lambda request, shape, raw: keys.append(request.id) or merge_key(
+        request, shape, raw))
+    forward.coalescer.busy["add_sub"] = 1  # (busy: the merge check runs)
+    laid = pipeline._layout(raw)
+    assert laid is not None
+
+    def named(r: pb.ModelInferRequest, seen: Any) -> str:
+        coro = forward.named(r, RequestContext("grpc", {}, None, r.SerializeToString()), None, "add_sub", "",
+                             None, None, seen)
+        coro.close()
+        return str(coro.__qualname__)
+
+    assert named(_add(1, "b"), (laid[0], laid[1], None)) == "Coalescer.submit" and keys == []
+    assert named(_add(1, "c"), None) == "Coalescer.submit" and keys == ["c"]
+    two = _add(2, "d")  # (another layout: its rows are in its bytes)
+    other = pipeline._layout(two.SerializeToString())
+    assert other is not None and other[:2] != laid[:2]
+    assert named(two, (other[0], other[1], None)) == "Coalescer.submit" and keys == ["c", "d"]
