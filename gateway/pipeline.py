@@ -37,7 +37,7 @@ from gateway.routing.ab import Route
 from gateway.routing.table import SEQUENCE_ID, sequence_affinity
 from gateway.turns import SequenceTurns
 from gateway.upstream.coalesce import Coalescer
-from gateway.upstream.merging import ModelShape, merge_key
+from gateway.upstream.merging import _UNKNOWN, ModelShape, _known, _layout, merge_key
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -59,6 +59,11 @@ Answers = AsyncGenerator[Answer, None]
 Params = Any  # a request's parameters (a upb map of str -> pb.InferParameter)
 Result = Coroutine[Any, Any, InferResult]  # what ``infer`` returns: the awaitable, not yet awaited
 ConfigFor = Callable[[str, str], mc.ModelConfig | None]  # Discovery.config_for
+Laid = tuple[bytes, "bytes | None", Any]  # a layout of request bytes (merging._layout's, and what goes with it)
+# Parameters without a sequence id nor a hop's private name, read by ``Names`` from a request of
+# a layout seen before (``Names._seen``): ``Outcomes`` needs only that there are some and none is
+# ``SEQUENCE_ID`` (a path that reads them reads the request's own: ``Outcomes.infer``)
+PLAIN: Params = frozenset()
 _VALID_NAMES_KEPT = 4096  # bounded: a client sending random valid names cannot grow it further
 FACTS_KEPT = 1024  # per-config merge facts kept (all dropped when full: one rebuild each)
 
@@ -80,7 +85,8 @@ class Forwarding(Stage, Protocol):
     upstream: Upstream
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result: ...
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None,
+              laid: Laid | None = None) -> Result: ...
 
 
 class Names:
@@ -93,6 +99,12 @@ class Names:
     def __init__(self, decoupled: Callable[[str, str], bool]):
         self._decoupled = decoupled  # GatewayCore.is_decoupled
         self._valid: set[str] = set()  # names that passed the names rule (a set lookup, not its regex)
+        # The last request bytes' layout that passed ``check`` (merging._layout: all its bytes but the
+        # id's and the tensors' contents) and what ``check`` read from it: (head, mid, (name, version,
+        # PLAIN or None)). A request with the same layout (merging._known: two byte comparisons and a
+        # step per tensor) has the same name, version and parameters; its upb reads are skipped.
+        self._seen: tuple[bytes, bytes | None, tuple[str, str, Params | None]] | None = None
+        self._misses = 0  # requests since the last that took a layout (see ``_remember``)
 
     def check(self, request: pb.ModelInferRequest) -> tuple[str, str, Params | None]:
         """(the model name, its version, the request's parameters or None when it has none):
@@ -116,8 +128,31 @@ class Names:
         return name, version, params
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Result:
+        raw = ctx.raw
+        if raw is not None:
+            seen = self._seen
+            if seen is not None and _known(raw, seen) is not _UNKNOWN:
+                name, version, params = seen[2]
+                self._misses = 0
+                return self.next.infer(request, ctx, name, version, params, seen)
+            name, version, params = self.check(request)
+            self._remember(raw, name, version, params)
+            return self.next.infer(request, ctx, name, version, params)
         name, version, params = self.check(request)
         return self.next.infer(request, ctx, name, version, params)
+
+    def _remember(self, raw: bytes, name: str, version: str, params: Params | None) -> None:
+        """Keep the layout of ``raw``, which passed ``check``, for the requests after it
+        (``_seen``). Parameters with a sequence id are never kept (``Turns`` reads them). The
+        first miss after a hit takes the new layout, later ones one in 64: a client whose layouts
+        change with every request (ids of 128 bytes or more, fields out of protobuf's order) pays
+        the walk (``_layout``) for one request in 64."""
+        misses = self._misses
+        self._misses = misses + 1 if misses < 63 else 0
+        if misses or (params is not None and SEQUENCE_ID in params):
+            return
+        if (layout := _layout(raw)) is not None:
+            self._seen = (layout[0], layout[1], (name, version, None if params is None else PLAIN))
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext) -> AsyncGenerator[StreamAnswer, None]:
         return streams.names(self, request, ctx)  # (an async generator: interpreted, pipeline_streams.py)
@@ -174,8 +209,9 @@ class Outcomes:
         self.renames = renames  # an A/B route may point the request at another name (ABRoutes)
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, version: str,
-              params: Params | None) -> Result:
-        """The request's coroutine, counted: a request without parameters where ``Forward`` is
+              params: Params | None, laid: Laid | None = None) -> Result:
+        """The request's coroutine, counted (``laid``: the layout ``Names`` found the request's bytes
+        in, handed to ``Forward.named``): a request without parameters where ``Forward`` is
         the stage past ``Turns`` gets ``Forward``'s own coroutine, which counts it (``ended``,
         ``failed``: no coroutine of this stage's per request); where the cache is (and no A/B
         route can rename the request), ``CacheStage.named``'s, which counts it the same way;
@@ -193,16 +229,16 @@ class Outcomes:
             cache = self.cache
             if forward is not None or (cache is not None and not self.renames):
                 try:
-                    return forward.named(request, ctx, None, name, version, self) if forward is not None \
+                    return forward.named(request, ctx, None, name, version, self, None, laid) if forward is not None \
                         else cache.named(request, ctx, name, version, self)  # type: ignore[union-attr]
                 except InferError as exc:  # (refused before it left: counted as it would be inside)
                     raise self.failed(name, exc, ctx.protocol) from None
         elif forward is not None and SEQUENCE_ID not in params:
             try:
-                return forward.named(request, ctx, None, name, version, self)
+                return forward.named(request, ctx, None, name, version, self, None, laid)
             except InferError as exc:
                 raise self.failed(name, exc, ctx.protocol) from None
-        return self._counted(request, ctx, name, version, params)
+        return self._counted(request, ctx, name, version, request.parameters if params is PLAIN else params)
 
     async def counting(self, answer: Result, name: str, protocol: str) -> InferResult:
         """``answer`` awaited and counted under ``name`` (``CacheStage.named``'s paths other than
@@ -398,13 +434,16 @@ class Forward:
         return self.named(request, ctx, sequence, request.model_name, request.model_version)
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None, name: str,
-              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None) -> Result:
+              version: str, outcomes: Outcomes | None = None, config: mc.ModelConfig | None = None,
+              laid: Laid | None = None) -> Result:
         """``infer`` of a request whose model name and version were read already (read once,
         handed on: ``Outcomes.forward``, where no stage before this one can rename it). With
         ``outcomes`` the returned coroutine counts the request's outcome there (``Outcomes.failed``;
         one coroutine fewer per request than ``Outcomes`` awaiting it). ``config``: the served
         config of (name, version) when the caller looked it up just now (gateway/cache.py:
-        CacheStage.named, the stage before this one: the same ``Discovery.config_for``)."""
+        CacheStage.named, the stage before this one: the same ``Discovery.config_for``). ``laid``:
+        the layout ``Names`` found the request's bytes in (``Names._seen``): where the model's
+        merge key remembers the same layout (``ModelShape.layout``), its answer is the request's."""
         deadline = ctx.deadline  # (ctx.time_remaining(), inline)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         raw = ctx.raw
@@ -425,10 +464,13 @@ class Forward:
                 # the first request of a wave (the last one was merged): it waits for this pass's
                 # flush with the rest of its wave (one hop message); a wave of one forgets it
                 crowded.discard(name)
-            if facts is not None and (shape := facts[1]) is not None and \
-                    (found := merge_key(request, shape, raw)) is not None:  # a sampled request may be merged too
-                return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
-                                        ctx.protocol, idle)
+            if facts is not None and (shape := facts[1]) is not None:
+                # (the merge key's layout is the one Names found the bytes in: its answer, without a second walk)
+                found = lay[0][2] if laid is not None and raw is not None and (lay := shape.layout) and \
+                    lay[0][0] == laid[0] and lay[0][1] == laid[1] else merge_key(request, shape, raw)
+                if found is not None:  # a sampled request may be merged too
+                    return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
+                                            ctx.protocol, idle)
             return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, idle)
         return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, False)
 

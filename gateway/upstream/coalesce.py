@@ -222,7 +222,11 @@ class Coalescer:
                 raise
             raise outcomes.failed(name, exc, protocol) from None
         finally:
-            self.done(name)
+            busy = self.busy[name] - 1  # (done, inline: every request's path)
+            if busy:
+                self.busy[name] = busy
+            else:
+                del self.busy[name]
             fut = None  # type: ignore[assignment]  # (as _deliver's: it holds the error)
         if outcomes is not None:
             outcomes.counts[(name, "OK")] += 1
@@ -319,7 +323,7 @@ class Coalescer:
                 raw = hop.with_queued(raw, waited_us)
             elif waited_us is not None:
                 hop.set_queued(single, waited_us)
-            return single, raw if raw is not None else single.SerializeToString(), timeout
+            return single, raw if raw is not None else single.SerializeToString(), timeout, None
         requests, rows = [c[_REQUEST] for c in chunk], [c[_ROWS] for c in chunk]
         # from the members' bytes where they have the remembered layout and no member's spans
         # need the whole merged message (send_merged serializes it): merging.merge_laid_out
@@ -331,8 +335,8 @@ class Coalescer:
         if waited_us is not None:
             hop.set_queued(merged, waited_us)
         if laid is not None:  # (the contents' fields, field 7, last: as protobuf writes them)
-            return merged, merged.SerializeToString() + laid[1], timeout
-        return merged, merged.SerializeToString(), timeout
+            return merged, merged.SerializeToString() + laid[1], timeout, laid[2]
+        return merged, merged.SerializeToString(), timeout, None
 
     async def _deliver(self, group: _Group, chunk: list[_Pending], started: _Started | None = None) -> None:
         """Send ``chunk`` (alone or merged; ``started``: already built, and written if its
@@ -343,8 +347,10 @@ class Coalescer:
         # handled behind when the coroutine is cancelled there, docs/perf/native.md; the awaits of
         # both handlers below come after them, with what they decided)
         failure: BaseException | None = None
+        ids: list[bytes] | None = None  # the members' id fields, cut from their bytes (_outgoing)
         try:
             if started is not None and started[1] is not None:
+                ids = started[0][3]
                 response = await started[1]
             else:
                 if started is not None:
@@ -363,7 +369,7 @@ class Coalescer:
                     if parts is not None:
                         await asyncio.gather(*(self._deliver(group, part) for part in parts))
                         return
-                message, body, timeout = out
+                message, body, timeout, ids = out
                 if len(chunk) == 1:
                     if (span := chunk[0][_SPAN]) is not None:
                         tracing.activate(span)  # this task's own context: sent as the member's request
@@ -375,7 +381,7 @@ class Coalescer:
             if len(chunk) == 1:
                 responses = [InferResult(response)]
             else:  # (positional: a call with keywords costs ~1.2k instructions more, per member)
-                responses = [InferResult(None, r) for r in split(response, requests, rows)]
+                responses = [InferResult(None, r) for r in split(response, requests, rows, ids)]
         except BaseException as exc:  # every member gets the outcome
             again: list[_Pending] = []
             if len(chunk) > 1 and isinstance(exc, InferError) and exc.code is Code.DEADLINE_EXCEEDED:
@@ -411,5 +417,6 @@ def _fail(chunk: list[_Pending], exc: BaseException) -> None:
             c[_FUTURE].set_exception(exc if isinstance(exc, Exception) else InferError.unavailable(str(exc)))
 
 
-_Outgoing = tuple[pb.ModelInferRequest, bytes, float | None]  # Coalescer._outgoing
+# Coalescer._outgoing: (the request, its bytes, its timeout, the members' id fields or None: split)
+_Outgoing = tuple[pb.ModelInferRequest, bytes, float | None, "list[bytes] | None"]
 _Started = tuple[_Outgoing, "Awaitable[pb.ModelInferResponse] | None"]  # Coalescer._start: built, and written?

@@ -152,23 +152,14 @@ class Discovery:
             return None
         if version:
             return self.configs.get((name, int(version))) if version.isdigit() else None
-        best = self.served_version(name)
+        best = _served(routes.versions)
         return self.configs.get((name, best)) if best is not None else None
 
     def served_version(self, name: str) -> int | None:
         """The highest version of ``name`` with a healthy replica: where a request without a
-        version goes (plain loops, not a list and a generator per version: every request's path)."""
+        version goes."""
         routes = self.table.models.get(name)
-        if routes is None:
-            return None
-        best: int | None = None
-        for v, rs in routes.versions.items():
-            if best is None or v > best:
-                for r in rs:
-                    if r.healthy:
-                        best = v
-                        break
-        return best
+        return None if routes is None else _served(routes.versions)
 
     def mark_unhealthy(self, replica: Replica, reason: BaseException | str = "") -> None:
         if replica.set_healthy(False):
@@ -194,3 +185,16 @@ class Discovery:
             await watch.stop()
         for r in self.replicas:
             await r.close()
+
+
+def _served(versions: dict[int, list[Replica]]) -> int | None:
+    """``Discovery.served_version`` of a model's routes (plain loops, not a list and a generator
+    per version: every request's path, by ``config_for``)."""
+    best: int | None = None
+    for v, rs in versions.items():
+        if best is None or v > best:
+            for r in rs:
+                if r.healthy:
+                    best = v
+                    break
+    return best

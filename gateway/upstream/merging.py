@@ -115,8 +115,9 @@ def merge_key(request: pb.ModelInferRequest, shape: ModelShape, raw: bytes | Non
 _Layout = tuple[bytes, "bytes | None", "tuple[Key, int] | None"]
 
 
-def _known(raw: bytes, layout: _Layout) -> object:
-    """``layout``'s answer if ``raw`` has that layout, else _UNKNOWN."""
+def _known(raw: bytes, layout: tuple[bytes, bytes | None, Any]) -> object:
+    """``layout``'s answer if ``raw`` has that layout, else _UNKNOWN (a ``_Layout``, or
+    gateway/pipeline.py:Names._seen, with what that reads instead of merge_key's answer)."""
     head, mid, found = layout
     if not raw.startswith(head):
         return _UNKNOWN
@@ -333,9 +334,10 @@ def _merged(first: pb.ModelInferRequest, members: int, total: int, specs: list[t
 
 
 def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None], rows: list[int],
-                   shape: ModelShape) -> tuple[pb.ModelInferRequest, bytes] | None:
+                   shape: ModelShape) -> tuple[pb.ModelInferRequest, bytes, list[bytes]] | None:
     """``merge`` from the members' bytes: (the merged request without its tensors' contents,
-    the serialized raw_input_contents fields to append to its bytes), or None when a member's
+    the serialized raw_input_contents fields to append to its bytes, each member's id field as
+    its answer carries it: ``split``'s ``ids``), or None when a member's
     bytes are not laid out as the shape's remembered layout (``_known``: then ``merge`` reads the
     messages). Members with that layout have its metadata (every byte but the id's and the
     contents': the exactness of ``_known``), so the first's inputs are in every member's order
@@ -351,6 +353,7 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
     parts: list[list[bytes]] = [[] for _ in specs]
     k = len(specs)
     bad = []
+    ids: list[bytes] = []
     for m, raw in enumerate(raws):
         if raw is None or not raw.startswith(head):
             return None
@@ -359,7 +362,10 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
         if mid is not None:  # (as _known)
             if p + 1 >= n or raw[p] != _ID_TAG or (length := raw[p + 1]) >= 0x80 or not raw.startswith(mid, p + 2 + length):
                 return None
+            ids.append(raw[p:p + 2 + length] if length else b"")  # (an empty id: no field, as protobuf writes it)
             p += 2 + length + len(mid)
+        else:
+            ids.append(b"")
         i = 0
         ok = True
         want = rows[m]
@@ -392,7 +398,7 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
     for chunks in parts:
         data = b"".join(chunks)
         contents.append(b"\x3a" + wire.varint(len(data)) + data)
-    return merged, b"".join(contents)
+    return merged, b"".join(contents), ids
 
 
 _NAME = attrgetter("name")
@@ -406,12 +412,15 @@ class Unmergeable(Exception):
         self.members = members
 
 
-def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int]) -> list[bytes]:
+def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest], rows: list[int],
+          ids: list[bytes] | None = None) -> list[bytes]:
     """Cut a merged response back into one response per original request, each serialized (a
     ModelInferResponse's bytes, written here field by field: building a message per member and
     serializing it again cost more than the rest of the split). A member's rows of an output are
     a bytes slice (cheaper than a memoryview's, measured: ~0.9k instructions per member of an
-    add_sub merge of 20), and no zip(strict=True) runs per member (its keyword costs ~2k)."""
+    add_sub merge of 20), and no zip(strict=True) runs per member (its keyword costs ~2k).
+    ``ids``: each member's id field (tag, length, the id) as ``merge_laid_out`` cut it from the
+    member's bytes, or None: read from the member's message (a upb read and an encode each)."""
     total = sum(rows)
     raws = response.raw_output_contents
     outputs = response.outputs
@@ -445,17 +454,22 @@ def split(response: pb.ModelInferResponse, requests: list[pb.ModelInferRequest],
     # (field 6) entry's tag and length with the output's bytes per row
     out = []
     start = 0
-    for req, n in zip(requests, rows, strict=True):
+    if ids is not None and len(ids) != len(requests):
+        raise ValueError(f"{len(ids)} ids for {len(requests)} requests")
+    for m, (req, n) in enumerate(zip(requests, rows, strict=True)):
         cached = heads.get(n)
         if cached is None:
             cached = heads[n] = (b"".join(
                 _field(b"\x2a", names + _field(b"\x1a", b"".join(wire.varint(d) for d in (n, *inner))))
                 for names, inner in specs), [(b"\x32" + wire.varint(n * size), size) for size in per_row])
         tensors, lengths = cached
-        rid = req.id.encode()
-        # the id field (3): its one-byte length inline, the usual case (no call of _field, varint)
-        parts = [head, (b"\x1a" + _SHORT[len(rid)] + rid if len(rid) < 0x80 else _field(b"\x1a", rid)) if rid else b"",
-                 tensors]
+        if ids is not None:
+            id_field = ids[m]
+        else:
+            rid = req.id.encode()
+            # the id field (3): its one-byte length inline, the usual case (no call of _field, varint)
+            id_field = (b"\x1a" + _SHORT[len(rid)] + rid if len(rid) < 0x80 else _field(b"\x1a", rid)) if rid else b""
+        parts = [head, id_field, tensors]
         for i, (length, size) in enumerate(lengths):
             parts.append(length)
             parts.append(contents[i][start * size:(start + n) * size])

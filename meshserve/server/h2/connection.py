@@ -66,9 +66,11 @@ class H2Endpoint(asyncio.Protocol):
     join_writes = False
 
     expect_preface = False
-    # The server's at-once hooks (H2GrpcServer.at_once): while it holds any, a HEADERS frame with
-    # only END_HEADERS is first offered to ``_at_once`` with the frame after it (empty: never)
+    # The server's at-once hooks (H2GrpcServer.at_once; the server's ``_at_once`` reads them)
     at_once: Any = ()
+    # The server's unary calls taken from their two frames: a HEADERS frame with only END_HEADERS
+    # is first offered to ``_at_once`` with the frame after it (the client: never)
+    two_frames = False
     # Our receive window for the whole connection. The server sets it to its receive budget
     # (ServerLimits.conn_receive_buffer_bytes) and gives bytes back only as handlers take them.
     conn_window = LOCAL_CONN_WINDOW
@@ -262,7 +264,7 @@ class H2Endpoint(asyncio.Protocol):
                     self._on_data(flags, sid, data, pos + 9, end)
                 elif typ == HEADERS:
                     # (the server's unary call answered at once from its two frames: _at_once)
-                    if flags == END_HEADERS and self.at_once and (after := self._at_once(sid, data, pos + 9, end)):
+                    if flags == END_HEADERS and self.two_frames and (after := self._at_once(sid, data, pos + 9, end)):
                         pos = after
                         continue
                     self._on_headers(flags, sid, data[pos + 9:end])
@@ -271,7 +273,20 @@ class H2Endpoint(asyncio.Protocol):
                 elif typ == SETTINGS:
                     self._on_settings(flags, sid, data[pos + 9:end])
                 elif typ == WINDOW_UPDATE:
-                    self._on_window_update(sid, data[pos + 9:end])
+                    if length != 4:
+                        raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
+                    # (read in place: a gRPC client sends about two per call, one of them for the stream
+                    # just answered, gone from ``streams``: no slice, no call, for that one)
+                    if sid == 0:  # (the connection's: inline, about one per call too)
+                        inc = U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF
+                        if inc == 0 or self.send_window + inc > 0x7FFFFFFF:
+                            raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR if inc == 0 else ErrorCode.FLOW_CONTROL_ERROR,
+                                                    "invalid connection WINDOW_UPDATE")
+                        self.send_window += inc
+                        if self.blocked:
+                            self._unblock_all()
+                    elif sid in self.streams:
+                        self._stream_window(sid, U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF)
                 elif typ == PING:
                     if length != 8:
                         raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
@@ -381,17 +396,9 @@ class H2Endpoint(asyncio.Protocol):
         if grown:
             self._unblock_all()
 
-    def _on_window_update(self, sid: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
-        inc = U32.unpack(payload)[0] & 0x7FFFFFFF
-        if sid == 0:
-            if inc == 0 or self.send_window + inc > 0x7FFFFFFF:
-                raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR if inc == 0 else ErrorCode.FLOW_CONTROL_ERROR,
-                                       "invalid connection WINDOW_UPDATE")
-            self.send_window += inc
-            self._unblock_all()
-            return
+    def _stream_window(self, sid: int, inc: int) -> None:
+        """A WINDOW_UPDATE frame's increment for a stream (``_read`` checked its length and takes
+        the connection's itself; one for a stream we no longer know is dropped there)."""
         st = self.streams.get(sid)
         if st is not None:
             st.send_window += inc

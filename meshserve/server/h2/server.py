@@ -93,6 +93,13 @@ _REPLY_HEAD = struct.Struct(f">BHBBI{len(RESPONSE_HEADERS)}sBHBBIBI")
 _TRAILERS_OK_FRAME = struct.Struct(f">BHBBI{len(TRAILERS_OK)}s")
 _MESSAGE_HEAD = struct.Struct(">BHBBIBI")  # a DATA frame's header and the message's prefix
 _HEAD_LEN, _TRAILERS_LEN = len(RESPONSE_HEADERS), len(TRAILERS_OK)
+# ... and a small one whole (_reply's usual case): its three frames and the message from one struct
+# call with the stream id thrice and the bytes that depend only on the message's size made once per
+# size (one buffer made instead of three, no concatenation). Bounded: all dropped when full.
+_REPLY_FRAMES: dict[int, tuple[struct.Struct, bytes, bytes]] = {}
+_REPLY_FRAMES_KEPT = 256
+_HEADERS_FRAME_HEAD = struct.pack(">BHBB", 0, _HEAD_LEN, HEADERS, END_HEADERS)  # (the stream id follows)
+_TRAILERS_FRAME_HEAD = struct.pack(">BHBB", 0, _TRAILERS_LEN, HEADERS, END_STREAM | END_HEADERS)
 SMALL_REPLY = 1 << 14  # a unary answer up to this size is joined into one buffer (one write, no writev)  # stream window credit is sent in steps this big
 # The connection receive budget is full when less than this is left of it (a frame or so): the
 # newest partly received message is then failed so that the others can complete.
@@ -104,6 +111,17 @@ _STATUS_NAMES = {c.value: c.name for c in Status}
 
 
 RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # (meshserve/protocol/wire.py: HTTP's Retry-After, as gRPC's pushback)
+
+
+def _reply_frames(n: int) -> tuple[struct.Struct, bytes, bytes]:
+    """(the struct, the response headers and the DATA frame's head before its stream id, the
+    message's prefix) of a unary OK answer whose DATA frame carries ``n`` bytes (``_REPLY_FRAMES``)."""
+    if len(_REPLY_FRAMES) >= _REPLY_FRAMES_KEPT:
+        _REPLY_FRAMES.clear()
+    data_head = RESPONSE_HEADERS + struct.pack(">BHBB", n >> 16, n & 0xFFFF, DATA, 0)
+    found = _REPLY_FRAMES[n] = (struct.Struct(f">5sI{len(data_head)}sI5s{n - 5}s5sI{_TRAILERS_LEN}s"), data_head,
+                                MESSAGE_PREFIX.pack(0, n - 5))
+    return found
 
 
 @functools.lru_cache(maxsize=1024)  # rejections repeat the same few messages
@@ -270,11 +288,14 @@ class ServerStream:
 class ServerCall:
     """`Call` (meshserve/server/h2/call.py) on this server: one per call, handed to its handler."""
 
-    __slots__ = ("_conn", "_st", "_code", "_details", "_trailing", "_callbacks")
+    __slots__ = ("_conn", "_st", "_code", "_details", "_trailing", "_callbacks", "deadline")
 
     def __init__(self, conn: ServerConnection, st: ServerStream):
         self._conn = conn
         self._st = st
+        # (the stream's, set at its headers before any call is made: an attribute, not a property,
+        # read by every handler's context: grpc_frontend._context)
+        self.deadline = st.deadline
         self._code = 0
         self._details = ""
         self._trailing: tuple[tuple[str, Any], ...] = ()
@@ -283,12 +304,8 @@ class ServerCall:
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
         return self._st.metadata
 
-    @property
-    def deadline(self) -> float | None:
-        return self._st.deadline
-
     def time_remaining(self) -> float | None:
-        d = self._st.deadline
+        d = self.deadline
         return None if d is None else max(0.0, d - time.monotonic())
 
     def set_status(self, code: Status | int, details: str = "") -> None:
@@ -374,6 +391,7 @@ class ServerConnection(H2Endpoint):
     replies the peer does not read, and header / idle / keepalive timeouts on one timer."""
 
     expect_preface = True
+    two_frames = True  # (_at_once)
 
     def __init__(self, server: H2GrpcServer):
         self.conn_window = server.conn_window  # before H2Endpoint sizes the receive window by it
@@ -901,18 +919,29 @@ class ServerConnection(H2Endpoint):
         than the windows or the peer's frame size allow, the stream is opened from what the
         checks here decoded (``_open``: no second pass over the headers, no second header check)
         and the call goes on as ``_start_unary`` would (its Task, UNKNOWN, or ``_reply``'s queue).
+        A path without a hook is taken as one whose hook declines (its Task at once: the gateway's
+        every ModelInfer without the cache), but only on a connection with nothing left to count
+        for a tenant (``named``: with tenants, ``_headers_complete``'s ``_claim`` names it first).
         Anything the usual path would refuse or treat apart (a stream id
         not above the last, a full connection, a non-POST or non-gRPC request, an encoding, the
         header check's refusal, a message over the limit, the receive window, going away, a
-        paused transport) is left to it. Returns the offset after the DATA frame, or 0: not
-        taken, both frames go the usual way."""
+        paused transport) is left to it. A WINDOW_UPDATE of the stream between the two frames
+        (grpc's C++ client, perf_analyzer's, writes one there) is taken with them: the stream, if
+        opened, starts with its increment, as the usual path would give it. Returns the offset
+        after the DATA frame, or 0: not taken, the frames go the usual way."""
         if len(data) - end < 14 or self.paused or self.unflushed > self.unflushed_cap:  # (over: _reply's check)
             return 0
-        hi, lo, typ, flags, dsid = FRAME_HEADER.unpack_from(data, end)
+        d = end  # the DATA frame
+        hi, lo, typ, flags, dsid = FRAME_HEADER.unpack_from(data, d)
+        inc = 0
+        if typ == WINDOW_UPDATE and dsid == sid and hi == 0 and lo == 4 and len(data) - d >= 27:
+            inc = U32.unpack_from(data, d + 9)[0] & 0x7FFFFFFF  # (as _read takes a stream's: no check)
+            d += 13
+            hi, lo, typ, flags, dsid = FRAME_HEADER.unpack_from(data, d)
         length = hi << 16 | lo
-        after = end + 9 + length
-        if (typ != DATA or flags != END_STREAM or dsid != sid or after > len(data) or length < 5 or data[end + 9]
-                or U32.unpack_from(data, end + 10)[0] != length - 5 or sid <= self.last_sid or not sid & 1):
+        after = d + 9 + length
+        if (typ != DATA or flags != END_STREAM or dsid != sid or after > len(data) or length < 5 or data[d + 9]
+                or U32.unpack_from(data, d + 10)[0] != length - 5 or sid <= self.last_sid or not sid & 1):
             return 0
         block = data[start:end]
         parsed = self.hcache.get(block)
@@ -921,7 +950,7 @@ class ServerConnection(H2Endpoint):
         path, method, ctype, _, encoding, metadata = parsed
         found = self.at_once.get(path)
         server = self.server
-        if (found is None or found[1] or method != b"POST" or encoding is not None or ctype is None
+        if ((found[1] if found is not None else not self.named) or method != b"POST" or encoding is not None or ctype is None
                 or not ctype.startswith(b"application/grpc") or length - 5 > server.max_receive
                 or self.recv_window < length or self.going_away or server._stopping
                 or (self.max_streams and len(self.streams) >= self.max_streams)):
@@ -937,20 +966,24 @@ class ServerConnection(H2Endpoint):
         if not self.marked and self.counted and not self.streams:  # (busy again, as _on_headers marks it)
             self.marked = True
             connections.TABLE.idle_now(self)
-        msg = data[end + 14:after]
+        msg = data[d + 14:after]
+        if found is None:  # (no hook for the path: its Task, as _start_unary makes it)
+            st = self._open(sid, parsed, handler, inc)
+            st.task = _Task(self._run(st, msg), loop=self.loop, name=TASK_NAME)
+            return after
         try:
             answer = found[0](msg, None)
         except Exception as exc:
             log.exception("error in gRPC at-once hook for %s", path)
-            self._finish(self._open(sid, parsed, handler), Status.UNKNOWN, internal_error(exc).message)
+            self._finish(self._open(sid, parsed, handler, inc), Status.UNKNOWN, internal_error(exc).message)
             return after
         if answer is None:  # declined (a cache miss): the call's Task, as _start_unary makes it
-            st = self._open(sid, parsed, handler)
+            st = self._open(sid, parsed, handler, inc)
             st.task = _Task(self._run(st, msg), loop=self.loop, name=TASK_NAME)
             return after
         n = len(answer) + 5
-        if n > self.send_window or n > self.peer_initial_window or n > self.peer_max_frame:
-            self._reply(self._open(sid, parsed, handler), answer, None)
+        if n > self.send_window or n > self.peer_initial_window + inc or n > self.peer_max_frame:
+            self._reply(self._open(sid, parsed, handler, inc), answer, None)
             return after
         self.last_sid = sid
         self.send_window -= n
@@ -961,14 +994,15 @@ class ServerConnection(H2Endpoint):
                                                             sid, TRAILERS_OK))
         return after
 
-    def _open(self, sid: int, parsed: tuple[Any, ...], handler: Method) -> ServerStream:
+    def _open(self, sid: int, parsed: tuple[Any, ...], handler: Method, inc: int = 0) -> ServerStream:
         """The stream of a call ``_at_once`` took and did not answer, its message received whole:
         opened as ``_on_headers`` and ``_headers_complete`` open a call they accept, from the
         block ``_at_once`` looked up (``parsed``) and the method it found, without their second
         pass (every check that would refuse the call was ``_at_once``'s, in this read; it marked
-        the connection busy as ``_on_headers`` does)."""
+        the connection busy as ``_on_headers`` does); ``inc``: the stream's WINDOW_UPDATE taken
+        with its frames."""
         self.last_sid = sid
-        st = self.streams[sid] = ServerStream(sid, self.peer_initial_window)
+        st = self.streams[sid] = ServerStream(sid, self.peer_initial_window + inc)
         st.path, _, _, timeout, _, st.metadata = parsed
         st.handler = handler
         st.remote_ended = True
@@ -1146,15 +1180,20 @@ class ServerConnection(H2Endpoint):
             self.unflushed += n
             st.headers_sent = True
             sid = st.sid
-            head = _REPLY_HEAD.pack(0, _HEAD_LEN, HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
-                                    n >> 16, n & 0xFFFF, DATA, 0, sid, 0, n - 5)
-            end = _TRAILERS_OK_FRAME.pack(0, _TRAILERS_LEN, HEADERS, END_STREAM | END_HEADERS, sid, TRAILERS_OK) \
-                if trailers is TRAILERS_OK else self._headers(sid, END_STREAM, trailers)
-            if n <= SMALL_REPLY:  # one buffer, one write() (a large payload is not copied)
-                end = head + payload + end
+            if trailers is TRAILERS_OK and n <= SMALL_REPLY and payload.__class__ is bytes:  # (the usual answer)
+                frames = _REPLY_FRAMES.get(n) or _reply_frames(n)
+                end = frames[0].pack(_HEADERS_FRAME_HEAD, sid, frames[1], sid, frames[2], payload,
+                                     _TRAILERS_FRAME_HEAD, sid, TRAILERS_OK)
             else:
-                self.wbuf.append(head)
-                self.wbuf.append(payload)
+                head = _REPLY_HEAD.pack(0, _HEAD_LEN, HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
+                                        n >> 16, n & 0xFFFF, DATA, 0, sid, 0, n - 5)
+                end = _TRAILERS_OK_FRAME.pack(0, _TRAILERS_LEN, HEADERS, END_STREAM | END_HEADERS, sid, TRAILERS_OK) \
+                    if trailers is TRAILERS_OK else self._headers(sid, END_STREAM, trailers)
+                if n <= SMALL_REPLY:  # one buffer, one write() (a large payload is not copied)
+                    end = head + payload + end
+                else:
+                    self.wbuf.append(head)
+                    self.wbuf.append(payload)
             if len(self.streams) > 1:  # other calls of this connection may answer in this pass: one write at its end
                 self._write(end)
             else:  # nothing else of this connection can write in this pass: now
@@ -1250,8 +1289,11 @@ class ServerConnection(H2Endpoint):
             self._write(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.NO_ERROR)))
             if st.queue is not None:
                 st.queue.put_nowait(_EOF)
-        if was_open and st.handler is not None:
-            self.server._stream_done()
+        if was_open and st.handler is not None:  # (H2GrpcServer._stream_done, inlined: every call's end)
+            server = self.server
+            server._active -= 1
+            if server._active <= 0 and server._idle is not None:
+                server._idle.set()
         if self.going_away and not self.streams and self.transport is not None:
             self._flush()
             self.transport.close()

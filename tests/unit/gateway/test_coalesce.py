@@ -679,6 +679,29 @@ def test_a_merge_from_the_members_bytes_is_the_merge_byte_for_byte(ids: bool) ->
     assert laid[0].SerializeToString() + laid[1] == merge(one, rows, shape).SerializeToString()
 
 
+@pytest.mark.parametrize("ids", [False, True])
+def test_the_id_fields_a_merge_cuts_from_the_bytes_split_as_the_messages_ids(ids: bool) -> None:
+    """merging.merge_laid_out also gives each member's id field as cut from its bytes (nothing
+    for an empty id, as protobuf writes none); split with those gives byte for byte what split
+    reading each member's id from its message gives, and each member's answer carries its id."""
+    rng = np.random.default_rng(11)
+    rows = [2, 2, 2, 2]  # (a member's rows are in its layout)
+    rid = (lambda i: f"id-{'x' * (i * 30)}") if ids else (lambda i: "")  # (up to a 93-byte id)
+    reqs = [request(rng.standard_normal((n, 16)), rng.standard_normal((n, 16)), rid(i)) for i, n in enumerate(rows)]
+    shape = ModelShape.of(CONFIG)
+    raws = _laid_out(reqs, shape)
+    laid = merging.merge_laid_out(reqs, raws, rows, shape)
+    assert laid is not None
+    assert laid[2] == [(b"\x1a" + bytes((len(r.id),)) + r.id.encode()) if r.id else b"" for r in reqs]
+    merged = merge(reqs, rows, shape)
+    answer = fake_service(merged)
+    by_bytes = split(answer, reqs, rows, laid[2])
+    assert by_bytes == split(answer, reqs, rows)
+    assert [pb.ModelInferResponse.FromString(b).id for b in by_bytes] == [r.id for r in reqs]
+    with pytest.raises(ValueError):
+        split(answer, reqs, rows, laid[2][1:])
+
+
 def test_a_merge_from_bytes_reads_the_messages_for_any_other_layout() -> None:
     """A member whose bytes are not laid out as the remembered layout (inputs in another order,
     another requested output, a field after the contents, no bytes at all): None, and the

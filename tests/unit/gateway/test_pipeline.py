@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from gateway import pipeline
 from gateway.core import GatewayCore
 from gateway.ensemble.catalog import EnsembleCatalog
+from meshserve import native
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.errors import Code, InferError
@@ -398,3 +399,105 @@ async def test_with_the_cache_past_turns_each_path_counts_a_request_once(protoco
     words = UNARY_DECOUPLED_HTTP if protocol == "http" else UNARY_DECOUPLED_GRPC
     assert sent == [] and isinstance(out[0], InferError) and out[0].message == words
     assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
+
+
+async def test_a_request_laid_out_as_the_last_checked_one_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Names`` keeps the last layout of request bytes that passed its check (all but the id's
+    and the tensors' contents): a request with that layout is handed on with the name, version
+    and parameters read from the first (parameters as ``PLAIN``: some, no sequence id), without
+    ``check``; any other layout is checked (a refused name or a hop's private parameter is still
+    refused), parameters with a sequence id are never kept, and misses in a row take a new layout
+    once in 64. ``Outcomes`` gives a path that reads the parameters the request's own."""
+    names = GatewayCore(["127.0.0.1:1"]).pipeline
+    handed: list[tuple[str, str, Any]] = []
+    names.next = SimpleNamespace(infer=lambda request, ctx, name, version, params, *laid: handed.append(
+        (name, version, params)))  # type: ignore[assignment]
+    checked: list[str] = []
+    check = names.check
+
+    def spy(request: pb.ModelInferRequest) -> Any:
+        checked.append(request.id)
+        return check(request)
+
+    names.check = spy  # type: ignore[method-assign]
+    walks: list[int] = []
+    layout = pipeline._layout
+    monkeypatch.setattr(pipeline, "_layout", lambda raw: walks.append(1) or layout(raw))
+
+    def call(r: pb.ModelInferRequest) -> Any:
+        names.infer(r, RequestContext("grpc", {}, None, r.SerializeToString()))
+        return handed[-1]
+
+    flagged = [_add(1, rid) for rid in ("a", "bb", "ccc")]
+    for r in flagged:
+        r.model_version = "2"
+        r.parameters["triton_enable_empty_final_response"].bool_param = True
+        r.raw_input_contents[0] = bytes(range(16))  # (other contents than the first's: the same layout)
+    first = call(flagged[0])
+    assert first[:2] == ("add_sub", "2") and first[2] is not pipeline.PLAIN and first[2]
+    assert call(flagged[1]) == ("add_sub", "2", pipeline.PLAIN) and call(flagged[2]) == ("add_sub", "2", pipeline.PLAIN)
+    assert checked == ["a"] and walks == [1]
+    assert call(_add(1, "c")) == ("add_sub", "", None) and checked == ["a", "c"]  # (another layout: read)
+    assert call(_add(1, "d")) == ("add_sub", "", None) and checked == ["a", "c"]  # (its layout kept)
+    bad = _add(1, "e")
+    bad.model_name = "../x"
+    with pytest.raises(InferError):
+        call(bad)
+    private = _add(1, "f")
+    private.parameters["meshserve_merged"].int64_param = 2
+    with pytest.raises(InferError):
+        call(private)
+    sequenced = [_add(1, rid) for rid in ("s", "t")]
+    for r in sequenced:
+        r.parameters["sequence_id"].int64_param = 7
+    assert [call(r)[2] is not pipeline.PLAIN for r in sequenced] == [True, True]
+    assert checked[-2:] == ["s", "t"] and call(_add(1, "g"))[2] is None
+    # misses in a row (each request another layout): a walk for the first, then one in 64
+    walks.clear()
+    for i in range(130):
+        odd = _add(1, "x" * (128 + i))  # (an id of 128 bytes or more: a layout merge_key never keeps)
+        call(odd)
+    assert 2 <= len(walks) <= 4
+    # a path that reads the parameters gets the request's own, not PLAIN
+    outcomes = GatewayCore(["127.0.0.1:1"]).pipeline.next
+    got: list[Any] = []
+    outcomes.forward = None
+    outcomes._counted = lambda request, ctx, name, version, params: got.append(params)  # type: ignore[method-assign]
+    outcomes.infer(flagged[1], RequestContext("grpc", {}), "add_sub", "2", pipeline.PLAIN)
+    assert got[0] is not pipeline.PLAIN and "triton_enable_empty_final_response" in got[0]
+
+
+@pytest.mark.skipif(native.running(pipeline) == "compiled", reason="watches a module function (pure Python)")
+async def test_forward_takes_the_merge_key_of_the_layout_names_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Forward.named`` given the layout ``Names`` found the request's bytes in (``laid``) takes
+    the answer its model's merge key remembers for the same layout, without walking the bytes
+    again (``merge_key``); another layout, or none, goes by ``merge_key``."""
+    core = GatewayCore(["127.0.0.1:1"])
+    forward = core.forward
+    config = text_format.Parse(_ADD, mc.ModelConfig())
+    forward._config_for = lambda name, version: config  # type: ignore[method-assign]
+    shape = forward.facts(config)[1]
+    assert shape is not None
+    first = _add(1, "a")
+    raw = first.SerializeToString()
+    assert pipeline.merge_key(first, shape, raw) is not None and shape.layout  # (the layout remembered)
+    keys: list[str] = []
+    merge_key = pipeline.merge_key
+    monkeypatch.setattr(pipeline, "merge_key", lambda request, shape, raw: keys.append(request.id) or merge_key(
+        request, shape, raw))
+    forward.coalescer.busy["add_sub"] = 1  # (busy: the merge check runs)
+    laid = pipeline._layout(raw)
+    assert laid is not None
+
+    def named(r: pb.ModelInferRequest, seen: Any) -> str:
+        coro = forward.named(r, RequestContext("grpc", {}, None, r.SerializeToString()), None, "add_sub", "",
+                             None, None, seen)
+        coro.close()
+        return str(coro.__qualname__)
+
+    assert named(_add(1, "b"), (laid[0], laid[1], None)) == "Coalescer.submit" and keys == []
+    assert named(_add(1, "c"), None) == "Coalescer.submit" and keys == ["c"]
+    two = _add(2, "d")  # (another layout: its rows are in its bytes)
+    other = pipeline._layout(two.SerializeToString())
+    assert other is not None and other[:2] != laid[:2]
+    assert named(two, (other[0], other[1], None)) == "Coalescer.submit" and keys == ["c", "d"]

@@ -308,3 +308,66 @@ async def test_a_declined_call_is_opened_from_its_checks_once_as_the_usual_path_
     assert checked == [(PLAIN, (("x-tenant", "t1"),))] * 2 and conn.last_sid == 5
     await eventually_async(lambda: seen.handled == [b"", b""] and server._active == 0)
     assert _answers(wire.frames())[5] == (b"task:", {b"grpc-status": b"0"}) and conn.streams == {}
+
+
+_NO_HOOK_BLOCK = (b"".join(literal(k, v) for k, v in (
+    (b":method", b"POST"), (b":scheme", b"http"), (b":path", f"/{SERVICE}/Bare".encode()), (b":authority", b"t"),
+    (b"content-type", b"application/grpc"), (b"te", b"trailers"), (b"grpc-timeout", b"10S"))))
+
+
+@pytest.mark.skipif(COMPILED, reason="watches which method of the connection runs (pure-Python internals)")
+@pytest.mark.parametrize("named", [True, False])
+async def test_a_path_without_a_hook_is_opened_from_its_two_frames_unless_a_tenant_is_to_be_counted(named: bool) -> None:
+    """A unary call to a path without a hook (the gateway's ModelInfer without the cache), its two
+    frames in one read, is opened as a declined hook's (``_open``: no second pass over its headers,
+    its Task at once) with what the usual path would give it; on a connection that still has a
+    tenant to count (``named`` False: ``_claim`` at its headers) it takes the usual path."""
+    seen = Seen()
+    server, wire, conn = await _connection(seen)
+    server.add_methods(SERVICE, {"Bare": server._methods[PLAIN]})
+    conn.data_received(_call(3, b"one", _NO_HOOK_BLOCK))  # (its block decoded the usual way)
+    await eventually_async(lambda: seen.handled == [b"one"] and server._active == 0)
+    assert _answers(wire.frames())[3] == (b"task:one", {b"grpc-status": b"0"})
+    conn.named = named
+    opened: list[int] = []
+    usual = conn._on_headers
+    conn._on_headers = lambda flags, sid, block: (opened.append(sid), usual(flags, sid, block))[1]  # type: ignore[method-assign]
+    claimed: list[int] = []
+    conn._claim = lambda st, holds: claimed.append(st.sid) or False  # type: ignore[method-assign,func-returns-value]
+    asked = len(seen.hook_tasks)
+    call = _call(5, b"two", _NO_HOOK_BLOCK)
+    head = 9 + len(_NO_HOOK_BLOCK)  # (grpc's C++ client writes the stream's WINDOW_UPDATE between the two)
+    conn.data_received(call[:head] + _frame(8, 0, 5, (1280).to_bytes(4, "big")) + call[head:])
+    st = conn.streams[5]
+    assert (st.path, st.remote_ended, st.handler, server._active) == (f"/{SERVICE}/Bare", True,
+                                                                     server._methods[PLAIN], 1)
+    assert st.deadline is not None and st.due is not None and st.task is not None
+    assert st.send_window == conn.peer_initial_window + 1280
+    assert (opened, claimed) == (([], []) if named else ([5], [5])) and len(seen.hook_tasks) == asked
+    await eventually_async(lambda: seen.handled == [b"one", b"two"] and server._active == 0)
+    assert _answers(wire.frames())[5] == (b"task:two", {b"grpc-status": b"0"}) and conn.streams == {}
+
+
+@pytest.mark.skipif(COMPILED, reason="watches which method of the connection runs (pure-Python internals)")
+async def test_a_stream_window_update_between_the_two_frames_is_taken_with_them() -> None:
+    """The hook answers a call whose HEADERS and DATA have the stream's WINDOW_UPDATE between
+    them (grpc's C++ client), without a stream; a WINDOW_UPDATE of another stream, or of another
+    length, leaves the frames to the usual path (test_h2grpc.py: a bad length is a connection error)."""
+    seen = Seen()
+    server, wire, conn = await _connection(seen)
+    opened: list[int] = []
+    usual = conn._on_headers
+    conn._on_headers = lambda flags, sid, block: (opened.append(sid), usual(flags, sid, block))[1]  # type: ignore[method-assign]
+    head = 9 + len(_BLOCK)
+
+    def between(sid: int, message: bytes, update: bytes) -> bytes:
+        call = _call(sid, message)
+        return call[:head] + update + call[head:]
+
+    conn.data_received(between(3, b"m3", _frame(8, 0, 3, (5).to_bytes(4, "big"))))
+    assert _answers(wire.frames()) == {3: (b"plain:m3", {b"grpc-status": b"0"})}
+    assert opened == [] and conn.streams == {} and conn.last_sid == 3
+    conn.data_received(between(5, b"m5", _frame(8, 0, 1, (5).to_bytes(4, "big"))))  # (another stream's)
+    assert _answers(wire.frames()) == {5: (b"plain:m5", {b"grpc-status": b"0"})} and opened == [5]
+    bad = between(7, b"m7", _frame(8, 0, 7, (5).to_bytes(5, "big")))  # (5 bytes: the usual path refuses it)
+    assert conn._at_once(7, bad, 9, head) == 0 and conn.last_sid == 5

@@ -862,6 +862,8 @@ async def test_garbage_connection_is_closed(env: Env, garbage: bytes) -> None:
     (frame(SETTINGS, 0, 1, b""), PROTOCOL_ERROR),
     (frame(PING, 0, 0, b"1234567"), FRAME_SIZE_ERROR),
     (frame(WINDOW_UPDATE, 0, 0, b"\x00\x01"), FRAME_SIZE_ERROR),
+    (frame(WINDOW_UPDATE, 0, 9, b"\x00\x00\x00\x00\x01"), FRAME_SIZE_ERROR),  # (a stream we do not know)
+    (frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), PROTOCOL_ERROR),  # a zero increment for the connection
     (frame(DATA, 0, 1, length=2 * MiB), FRAME_SIZE_ERROR),  # over our MAX_FRAME_SIZE of 1 MiB
     (frame(CONTINUATION, END_HEADERS, 1, b"\x82"), PROTOCOL_ERROR),
     (frame(HEADERS, 0, 1, b"\x83") + frame(DATA, 0, 1, b"x"), PROTOCOL_ERROR),  # CONTINUATION expected
@@ -870,7 +872,8 @@ async def test_garbage_connection_is_closed(env: Env, garbage: bytes) -> None:
     (frame(HEADERS, END_HEADERS | PADDED, 1, b"\x09\x82"), PROTOCOL_ERROR),  # padding beyond the frame
     (frame(PUSH_PROMISE, END_HEADERS, 1, b"\x00\x00\x00\x02\x82"), PROTOCOL_ERROR),
 ], ids=["data-on-0", "even-stream", "settings-length", "small-max-frame", "huge-window", "settings-on-stream",
-        "ping-length", "window-update-length", "oversized-frame", "stray-continuation",
+        "ping-length", "window-update-length", "unknown-stream-window-update-length", "zero-window-update",
+        "oversized-frame", "stray-continuation",
         "interrupted-headers", "continuation-other-stream", "hpack-garbage", "headers-padding",
         "push-promise"])
 async def test_protocol_violations_get_goaway_and_close(env: Env, frames: bytes, code: int) -> None:
