@@ -334,8 +334,9 @@ class Coalescer:
         self.merged_requests += len(chunk)
         if waited_us is not None:
             hop.set_queued(merged, waited_us)
-        if laid is not None:  # (the contents' fields, field 7, last: as protobuf writes them)
-            return merged, merged.SerializeToString() + laid[1], timeout, laid[2]
+        if laid is not None:  # (the contents' fields, field 7, last: as protobuf writes them; laid[3]: the
+            # merged request's bytes without them, as merge_laid_out built or kept them)
+            return merged, (laid[3] if waited_us is None else merged.SerializeToString()) + laid[1], timeout, laid[2]
         return merged, merged.SerializeToString(), timeout, None
 
     async def _deliver(self, group: _Group, chunk: list[_Pending], started: _Started | None = None) -> None:

@@ -334,10 +334,10 @@ def _merged(first: pb.ModelInferRequest, members: int, total: int, specs: list[t
 
 
 def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None], rows: list[int],
-                   shape: ModelShape) -> tuple[pb.ModelInferRequest, bytes, list[bytes]] | None:
+                   shape: ModelShape) -> tuple[pb.ModelInferRequest, bytes, list[bytes], bytes] | None:
     """``merge`` from the members' bytes: (the merged request without its tensors' contents,
     the serialized raw_input_contents fields to append to its bytes, each member's id field as
-    its answer carries it: ``split``'s ``ids``), or None when a member's
+    its answer carries it: ``split``'s ``ids``; the merged request's bytes, ``_LAID``'s), or None when a member's
     bytes are not laid out as the shape's remembered layout (``_known``: then ``merge`` reads the
     messages). Members with that layout have its metadata (every byte but the id's and the
     contents': the exactness of ``_known``), so the first's inputs are in every member's order
@@ -347,9 +347,15 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
     contents, or one of the wrong byte size)."""
     if not shape.layout:
         return None
-    head, mid, _ = shape.layout[0]
+    lay = shape.layout[0]
+    head, mid, _ = lay
     start = len(head)
-    specs = _specs(requests[0], shape)
+    kept = _LAID.get(id(lay))
+    if kept is None or kept[0] is not lay:
+        kept = None
+        specs = _specs(requests[0], shape)
+    else:
+        specs = kept[1]
     parts: list[list[bytes]] = [[] for _ in specs]
     k = len(specs)
     bad = []
@@ -391,14 +397,36 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
             p = end
         if not ok or i != k:  # (a content of the wrong size, too few or too many)
             bad.append(m)
+    if kept is None:  # (every member, the first too, has the layout's metadata: its specs are the layout's)
+        if len(_LAID) >= _LAID_KEPT:
+            _LAID.clear()
+        kept = _LAID[id(lay)] = (lay, specs, {})
     if bad:
         raise Unmergeable(bad)
-    merged = _merged(requests[0], len(requests), sum(rows), specs)
+    counts = (len(requests), sum(rows))
+    body = kept[2].get(counts)
+    if body is None:
+        merged = _merged(requests[0], counts[0], counts[1], specs)
+        if len(kept[2]) >= _LAID_KEPT:
+            kept[2].clear()
+        body = kept[2][counts] = merged.SerializeToString()
+    else:  # (the same bytes _merged's message serializes to, read back: no upb writes)
+        merged = pb.ModelInferRequest.FromString(body)
     contents = []
     for chunks in parts:
         data = b"".join(chunks)
         contents.append(b"\x3a" + wire.varint(len(data)) + data)
-    return merged, b"".join(contents), ids
+    return merged, b"".join(contents), ids, body
+
+
+# merge_laid_out's work that depends only on the shape's remembered layout (every member has its
+# metadata bytes) and the counts: by the layout (its id, the layout held with it: an id is not
+# reused while its object lives), the inputs' specs read from the first member once, and the merged
+# request without contents (its bytes, as _merged's message serializes them) by (members, rows).
+# Bounded: _LAID_KEPT layouts (one per shape at a time: a model's config), _LAID_KEPT counts each
+# (at most its max batch size's members and rows), all dropped when full.
+_LAID: dict[int, tuple[_Layout, list[tuple[str, str, list[int], int]], dict[tuple[int, int], bytes]]] = {}
+_LAID_KEPT = 256
 
 
 _NAME = attrgetter("name")

@@ -100,14 +100,37 @@ def _empty_final(request: pb.ModelInferRequest, on_hop: bool) -> bytes:
     return response.SerializeToString()
 
 
+# A call's vetted headers by its metadata tuple, which the h2 server keeps per header block
+# (meshserve/server/h2/connection.py:H2Endpoint.hcache: the same block, the same tuple): a
+# connection's calls with the same headers share one dict (read only: nothing writes a context's
+# headers but vet and tls.client_cert, which never run on a kept one). Keyed by the tuple's id, the
+# tuple held with it (an id is not reused while its object lives); only a call without the hop
+# marker (vet hands those on unchanged; a marked call's token is checked per call) and without
+# mutual-TLS certificate names (per connection). Bounded: all dropped when full (16 tuples, each
+# within the header list limit, meshserve/server/h2/frames.py:MAX_HEADER_BLOCK; a client's few KB).
+_VETTED: dict[int, tuple[tuple[tuple[str, Any], ...], dict[str, str]]] = {}
+_VETTED_KEPT = 16
+
+
 def _context(call: Call, raw: bytes | None = None) -> RequestContext:
     md = call.invocation_metadata()
     # the one place a call's metadata is read: the hop marker believed only on an authenticated
     # call (meshserve/protocol/hop.py:vet, once per call: per stream); a gateway with tenants and
     # mutual TLS adds the client certificate's names (meshserve/server/tls.py:client_cert)
-    headers = hop.vet({k: v for k, v in md if isinstance(v, str)}) if md else {}  # (none: no comprehension frame)
-    if tls.cert_names_grpc:
-        tls.client_cert(headers, tls.grpc_transport(call))
+    if not md:
+        headers: dict[str, str] = {}
+    elif (kept := _VETTED.get(id(md))) is not None and kept[0] is md and not tls.cert_names_grpc:
+        headers = kept[1]
+    else:
+        headers = {k: v for k, v in md if isinstance(v, str)}
+        if hop.HEADER in headers or tls.cert_names_grpc:
+            headers = hop.vet(headers)
+            if tls.cert_names_grpc:
+                tls.client_cert(headers, tls.grpc_transport(call))
+        else:  # (vet would hand it on unchanged)
+            if len(_VETTED) >= _VETTED_KEPT:
+                _VETTED.clear()
+            _VETTED[id(md)] = (md, headers)
     # (positional: a dataclass __init__ called with keywords costs ~2.3k instructions more)
     return RequestContext("grpc", headers, call.deadline, raw)
 

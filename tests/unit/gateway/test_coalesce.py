@@ -722,6 +722,33 @@ def test_a_merge_from_bytes_reads_the_messages_for_any_other_layout() -> None:
     assert merging.merge_laid_out(base, raws, rows, ModelShape.of(CONFIG)) is None  # (no layout yet)
 
 
+def test_a_merge_from_bytes_keeps_what_its_layout_and_counts_fix() -> None:
+    """merging.merge_laid_out keeps, by the remembered layout, the inputs' specs (once every member,
+    the first too, had the layout) and the merged request's bytes by (members, rows): a later merge
+    of other members with the same layout and counts is still merge's message byte for byte (its
+    own ids and contents), other counts build their own, and a first member of another layout
+    (None: merge reads the messages) leaves nothing kept that a later merge could take."""
+    merging._LAID.clear()
+    shape = ModelShape.of(CONFIG)
+    assert shape is not None
+    base = [request(np.zeros((1, 16)), np.ones((1, 16)), "a"), request(np.ones((1, 16)), np.zeros((1, 16)), "b")]
+    raws = _laid_out(base, shape)
+    swapped = request(np.ones((1, 16)), np.zeros((1, 16)), "b", order=("INPUT1", "INPUT0"))
+    assert merging.merge_laid_out([swapped, base[0]], [swapped.SerializeToString(), raws[0]], [1, 1], shape) is None
+    assert not merging._LAID
+    rng = np.random.default_rng(5)
+    for members, rid in ((2, "c"), (2, "dd"), (3, "e"), (2, "f")):
+        reqs = [request(rng.standard_normal((1, 16)), rng.standard_normal((1, 16)), f"{rid}{i}")
+                for i in range(members)]
+        rows = [1] * members
+        laid = merging.merge_laid_out(reqs, [r.SerializeToString() for r in reqs], rows, shape)
+        assert laid is not None and laid[3] == laid[0].SerializeToString()
+        assert laid[3] + laid[1] == merge(reqs, rows, shape).SerializeToString()
+        assert laid[0].model_name == "add_sub" and hop.merged_count(laid[0]) == members
+    (lay, _, by_counts), = merging._LAID.values()
+    assert lay is shape.layout[0] and sorted(by_counts) == [(2, 2), (3, 3)]
+
+
 def test_a_merge_from_bytes_names_the_members_with_wrong_contents() -> None:
     """As merge: a member whose contents are of the wrong byte size, too few or too many is
     named (Unmergeable), and travels alone; the layout check still holds for it."""
