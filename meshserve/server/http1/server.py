@@ -287,12 +287,11 @@ class Connection(asyncio.Protocol):
                           dict(known.lower))
         self._queued(request, known.head_size, keep_alive)
         body = data[len(known.head):]
+        request.body.whole(body)  # (its on_body and on_message_complete)
         if body:
-            request.body.feed(body)
             self.buffered += len(body)
             if self.buffered > BODY_HIGH_WATER and not self.read_paused:
                 self._update_reading()
-        request.body.feed_eof()
         if self.last:
             self._stop()
 
