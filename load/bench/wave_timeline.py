@@ -2,7 +2,7 @@
 per request with perf_analyzer as the client (what the side by side sends).
 
     python -m load.bench.wave_timeline timeline [-m add_sub] [--protocol grpc] [-c 8]
-    python -m load.bench.wave_timeline callgrind [-m add_sub] [--protocol grpc] [-c 8]
+    python -m load.bench.wave_timeline callgrind [-m add_sub] [--protocol grpc|http|http-json] [-c 8]
 
 ``timeline``: an ONNX service and a gateway (this tree) on the bench models, perf_analyzer
 driving the gateway; after 3 s, ``perf record`` takes the read/write/sendmsg system calls of the
@@ -140,7 +140,9 @@ def waves(script: str, gw: int, svc: int, gw_hop: int, svc_hop: int) -> dict[str
 def _perf_analyzer(url: str, args: argparse.Namespace, window_ms: int, trials: int,
                    data: Path) -> subprocess.Popen[bytes]:
     tool, env = sbs.perf_analyzer()
+    json_formats = ["--input-tensor-format=json", "--output-tensor-format=json"] if args.protocol == "http-json" else []
     return subprocess.Popen([tool, "-m", args.model, "-u", url, "-i", "grpc" if args.protocol == "grpc" else "http",
+                             *json_formats,
                              "--concurrency-range", str(args.concurrency), "--measurement-interval", str(window_ms),
                              "--max-trials", str(trials), "--input-data", str(data), "--stability-percentage", "999"],
                             env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["timeline", "callgrind"])
     ap.add_argument("-m", "--model", default="add_sub")
-    ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    ap.add_argument("--protocol", choices=["grpc", "http", "http-json"], default="grpc")
     ap.add_argument("-c", "--concurrency", type=int, default=8)
     ap.add_argument("--bench-models", default="/tmp/bench-models", help="gen_models.py output (made if missing)")
     ap.add_argument("--out", help="output directory (default: a new temporary one)")

@@ -1044,17 +1044,44 @@ def _output_spans(raw: bytes) -> tuple[int, list[tuple[int, int]]] | None:
     return (first, spans) if first >= 0 else None
 
 
+# The last answer's structure (render_infer_raw): its plan, size, the bytes before the first
+# raw_output_contents, each raw_output_contents' tag and length bytes (where, what), the spans
+# and the kept rendering. An answer of the same plan and size with those bytes at those places
+# is walked by _output_spans to the same spans and key: neither is made again. One kept.
+_raw_last: tuple[RenderPlan, int, bytes, tuple[tuple[int, bytes], ...], list[tuple[int, int]],
+                 _Rendered | _JsonRendered] | None = None
+
+
+def _raw_learn(plan: RenderPlan, raw: bytes, head: bytes, spans: list[tuple[int, int]],
+               hit: _Rendered | _JsonRendered) -> None:
+    global _raw_last
+    prefixes = []
+    at = len(head)
+    for start, end in spans:  # (_output_spans: they follow one another to the end of raw)
+        prefixes.append((at, raw[at:start]))
+        at = end
+    _raw_last = (plan, len(raw), head, tuple(prefixes), spans, hit)
+
+
 def render_infer_raw(raw: bytes, request: pb.ModelInferRequest, plan: RenderPlan
                      ) -> tuple[bytes, dict[str, str]] | None:
     """render_infer_response of the serialized answer ``raw`` (see above), without its message
     when a rendering of its kind is kept; None for bytes not of that form (the caller renders
     the message: it may have parameters to read)."""
-    found = _output_spans(raw)
-    if found is None or found[0] > TEMPLATE_MAX_HEADER:  # (a key of at most that many bytes is kept)
-        return None
-    first, spans = found
-    key = (plan, raw[:first])
-    hit = _raw_rendered.get(key)
+    hit: _Rendered | _JsonRendered | None
+    last = _raw_last
+    if (last is not None and last[0] is plan and len(raw) == last[1] and raw.startswith(last[2])
+            and all(raw.startswith(prefix, at) for at, prefix in last[3])):
+        spans, hit = last[4], last[5]  # (the same structure as the last: the same spans and key)
+    else:
+        found = _output_spans(raw)
+        if found is None or found[0] > TEMPLATE_MAX_HEADER:  # (a key of at most that many bytes is kept)
+            return None
+        first, spans = found
+        key = (plan, raw[:first])
+        hit = _raw_rendered.get(key)
+        if hit is not None:
+            _raw_learn(plan, raw, key[1], spans, hit)
     if hit is not None:
         if isinstance(hit, _JsonRendered):
             done = _from_kept(hit, [raw[a:b] for a, b in spans])

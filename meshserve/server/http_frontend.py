@@ -190,13 +190,16 @@ class HttpFrontend:
             body = await request.read_body()
         plan: http_codec.RenderPlan | None = None
         raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
-        if _inline(body, header_length):  # _decode's first case without its coroutine: every request's path
-            infer_request, plan, raw = http_codec.parse_infer(_joined(body), header_length, name, version)
+        nbytes = sum(map(len, body))
+        # _decode's first case without its coroutine (and _inline, _joined in line): every request's path
+        if (nbytes if header_length is None else header_length) <= body_worker.OFFLOAD_BYTES:
+            infer_request, plan, raw = http_codec.parse_infer(body[0] if len(body) == 1 else b"".join(body),
+                                                              header_length, name, version)
         else:
             infer_request = await _decode(request, http_codec.parse_infer_request, body, header_length, name, version,
                                           size=header_length)
         ctx.raw = raw
-        ctx.nbytes = sum(map(len, body))
+        ctx.nbytes = nbytes
         uses_shm = plan.shared_memory if plan is not None else shm.uses_shared_memory(infer_request)
         # a client that leaves now cancels this handler, and so the request in the core (its
         # queued entry leaves the queue, a running model sees is_cancelled(), a gateway tells

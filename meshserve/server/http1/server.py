@@ -94,6 +94,32 @@ def _error_bytes(status: int, reason: str, message: str, extra: str = "") -> byt
             f"{extra}Connection: close\r\n\r\n").encode() + body
 
 
+# A client sends the same request head again and again (perf_analyzer, a tritonclient loop: the
+# same target, fields and Content-Length; only the body's bytes differ). A connection keeps the
+# head of its last plain request read whole in one piece (Connection._learn) with what the
+# parser made of it; a read that is that head again and a body of its length is taken as that
+# request (Connection._replay) without llhttp's pass and the parser's callbacks. One per
+# connection, at most KNOWN_HEAD_MAX bytes of head (and its decoded fields).
+KNOWN_HEAD_MAX = 2048
+_PLAIN = frozenset(("transfer-encoding", "expect", "upgrade", "content-encoding"))  # (none in a known head)
+
+
+class _Known:
+    """A known request head (see KNOWN_HEAD_MAX): its bytes, the read's size with its body,
+    and the request's method, target, fields and head size as the parser gave them."""
+
+    __slots__ = ("head", "size", "method", "raw_path", "fields", "lower", "head_size")
+
+    def __init__(self, head: bytes, size: int, request: Request) -> None:
+        self.head = head
+        self.size = size
+        self.method = request.method
+        self.raw_path = request.raw_path
+        self.fields = list(request.fields)
+        self.lower = dict(request.lower)
+        self.head_size = request.head_size
+
+
 class Connection(asyncio.Protocol):
     """One client connection (see the module docstring)."""
 
@@ -102,7 +128,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "join_writes", "lower", "named")
+                 "join_writes", "lower", "named", "known")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -144,6 +170,7 @@ class Connection(asyncio.Protocol):
         self.body_since = 0.0  # ... and when (--body-timeout-s: nothing on the request path)
         self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
         self.join_writes = False  # TLS: an answer's buffers joined, one TLS record (set by meshserve/server/tls.py)
+        self.known: _Known | None = None  # the last whole request read in one piece (_learn, _replay)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -208,7 +235,17 @@ class Connection(asyncio.Protocol):
         if len(data) > PIPELINE_SLICE or self.backlog:
             self._feed(data)
             return
+        if body is not None or self.in_head:
+            self._parse(data)
+            return
+        known = self.known
+        if known is not None and len(data) == known.size and data.startswith(known.head) and self.named:
+            self._replay(known, data)
+            return
+        queued = len(self.queue)
         self._parse(data)
+        if len(self.queue) == queued + 1 and self.body_of is None and not self.in_head and not self.stopped:
+            self._learn(data)
 
     def _parse(self, data: bytes | memoryview) -> None:
         try:
@@ -221,6 +258,42 @@ class Connection(asyncio.Protocol):
             return
         if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
             self._malformed(_Refused(f"request head over {MAX_HEAD_BYTES} bytes"))
+
+    def _learn(self, data: bytes) -> None:
+        """`data`, read with the parser between requests, was one whole request and nothing more
+        (the newest in the queue): where it is a plain one (HTTP/1.1 keep-alive, a Content-Length
+        body received whole, no Transfer-Encoding, Expect, Upgrade or Content-Encoding, no field
+        repeated, a head of at most KNOWN_HEAD_MAX bytes), its head is kept with what the parser
+        made of it (_Known): the next read of the same head and length is that request again."""
+        request = self.queue[-1]
+        lower = request.lower
+        length = lower.get("content-length")
+        if length is None or not request.keep_alive or request.version != (1, 1):
+            return
+        size = int(length)  # (llhttp checked it is a number)
+        head = len(data) - size
+        if (head > KNOWN_HEAD_MAX or request.body.received != size or len(lower) != len(request.fields)
+                or not _PLAIN.isdisjoint(lower) or not data.endswith(b"\r\n\r\n", 0, head)):
+            return
+        self.known = _Known(data[:head], len(data), request)
+
+    def _replay(self, known: _Known, data: bytes) -> None:
+        """The parser's callbacks for a read that is the known request's head again and a body
+        of its length (data_received: the parser is between requests, the connection named):
+        what on_message_begin .. on_message_complete make of those bytes, made without parsing
+        them again (the same bytes, so the same request: every limit they passed holds)."""
+        keep_alive = not self.server.closing
+        request = Request(self, known.method, known.raw_path, "1.1", list(known.fields), keep_alive,
+                          dict(known.lower))
+        self._queued(request, known.head_size, keep_alive)
+        body = data[len(known.head):]
+        request.body.whole(body)  # (its on_body and on_message_complete)
+        if body:
+            self.buffered += len(body)
+            if self.buffered > BODY_HIGH_WATER and not self.read_paused:
+                self._update_reading()
+        if self.last:
+            self._stop()
 
     def _feed(self, data: bytes) -> None:
         """Parse a large read (or one behind a backlog) a slice at a time, stopping where the
@@ -324,12 +397,17 @@ class Connection(asyncio.Protocol):
         request = Request(self, parser.get_method().decode("ascii", "replace"), raw,
                           parser.get_http_version(), self.fields, keep_alive, self.lower)
         self.in_head = False
-        self.header_since = 0.0
         self.fields = []
         self.lower = {}
         self.body_of = request
+        self._queued(request, self.head_size + len(raw), keep_alive)
+
+    def _queued(self, request: Request, size: int, keep_alive: bool) -> None:
+        """A request whose head is complete joins the queue (`size`: its head's bytes), and runs
+        now when no other does."""
+        self.header_since = 0.0
         self.body_wire = 0
-        request.head_size = size = self.head_size + len(raw)
+        request.head_size = size
         self.queued_bytes += size
         self.queue.append(request)
         if not keep_alive:

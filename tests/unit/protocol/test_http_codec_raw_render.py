@@ -22,6 +22,7 @@ def _empty_caches() -> None:
     http_codec._json_templates.clear()
     http_codec._rendered.clear()
     http_codec._raw_rendered.clear()
+    http_codec._raw_last = None
 
 
 def request_of(outputs: tuple[str, ...], binary_out: bool) -> tuple[pb.ModelInferRequest, http_codec.RenderPlan]:
@@ -124,6 +125,29 @@ def test_a_kept_rendering_that_does_not_fit_is_rendered_in_full() -> None:
     with pytest.raises(InferError) as bad:
         render_infer_raw(wrong.SerializeToString(), request, plan)
     assert "needs 64" in bad.value.message
+
+
+@pytest.mark.parametrize("binary_out", [True, False])
+def test_the_last_structure_is_taken_only_for_the_same_bytes_around_the_data(binary_out: bool) -> None:
+    """render_infer_raw's `_raw_last`: an answer of the plan and size of the last one, with its
+    bytes before the data and each output's tag and length, takes its spans; an answer of the
+    same size whose model version or outputs' lengths differ is walked again (rendered right)."""
+    request, plan = request_of(("A", "B"), binary_out)
+
+    def two(version: str, a: bytes, b: bytes) -> pb.ModelInferResponse:
+        message = answer([("A", "BYTES", [1, 1], strings(a)), ("B", "BYTES", [1, 1], strings(b))])
+        message.model_version = version
+        return message
+
+    for message in (two("1", b"x" * 10, b"y" * 20), two("1", b"p" * 10, b"q" * 20),  # the same structure
+                    two("2", b"x" * 10, b"y" * 20),  # another version, the same size
+                    two("2", b"r" * 10, b"s" * 20),  # (its structure kept)
+                    two("2", b"x" * 20, b"y" * 10),  # the same head and size, the data split elsewhere
+                    two("2", b"z" * 20, b"w" * 10)):
+        raw = message.SerializeToString()
+        assert render_infer_raw(raw, request, plan) == render_infer_response(message, request)
+    last = http_codec._raw_last
+    assert last is not None and last[1] == len(raw) and last[4] == http_codec._output_spans(raw)[1]  # type: ignore[index]
 
 
 def test_long_lengths_are_read() -> None:

@@ -118,6 +118,49 @@ def test_pipelined_requests_are_answered_in_order() -> None:
         assert read_answer(f).headers["x-path"] == "/again"
 
 
+def test_a_repeated_head_is_taken_as_its_request_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that is the last plain request's head again with a body of its length is that
+    request (Connection._replay: not parsed again); anything else is parsed: another body
+    length, two requests in one read, a closing or HTTP/1.0 request, a malformed one after."""
+    replayed: list[bytes] = []
+    replay = http1.server.Connection._replay
+
+    def counted(conn: Any, known: Any, data: bytes) -> None:
+        replayed.append(data)
+        replay(conn, known, data)
+
+    monkeypatch.setattr(http1.server.Connection, "_replay", counted)
+    with serving() as srv, srv.connect() as sock:
+        f = sock.makefile("rb")
+        for i in range(5):  # one read each (the answer comes before the next is sent)
+            sock.sendall(post("/same", b"body-%d" % i, b"X-Tag: t\r\n"))
+            answer = read_answer(f)
+            assert (answer.status, answer.body, answer.headers["x-path"]) == (200, b"body-%d" % i, "/same")
+        assert replayed == [post("/same", b"body-%d" % i, b"X-Tag: t\r\n") for i in (1, 2, 3, 4)]
+        sock.sendall(post("/same", b"longer body", b"X-Tag: t\r\n"))  # another length: parsed (and known next)
+        assert read_answer(f).body == b"longer body"
+        sock.sendall(post("/same", b"body-5", b"X-Tag: t\r\n") * 2)  # two in one read: parsed
+        assert [read_answer(f).body for _ in range(2)] == [b"body-5", b"body-5"]
+        assert len(replayed) == 4
+        for body in (b"body-6", b"body-8"):  # the first learnt again (the last known had another length)
+            sock.sendall(post("/same", body, b"X-Tag: t\r\n"))
+            assert read_answer(f).body == body
+        assert len(replayed) == 5
+        sock.sendall(post("/same", b"body-7", b"X-Tag: t\r\n") + b"\x01")  # the head and more: parsed, 400
+        assert read_answer(f).body == b"body-7"
+        assert read_answer(f).status == 400
+        assert closed(sock)
+    with serving() as srv, srv.connect() as sock:
+        f = sock.makefile("rb")
+        for _ in range(2):  # HTTP/1.0 keep-alive: never kept
+            sock.sendall(b"POST /old HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nab")
+            assert read_answer(f).body == b"ab"
+        sock.sendall(post("/c", b"cd", b"Connection: close\r\n"))  # closing: answered, then closed
+        assert read_answer(f).body == b"cd"
+        assert closed(sock)
+        assert len(replayed) == 5
+
+
 def test_connection_close_and_http10() -> None:
     with serving() as srv:
         with srv.connect() as sock:
