@@ -162,7 +162,7 @@ def test_perf_analyzer_streams_a_decoupled_model_through_the_gateway(mesh: tuple
     report = tmp_path / "pa.csv"
     proc = subprocess.run([str(PERF_ANALYZER), "-m", "square_int32", "-u", gateway.grpc, "-i", "grpc", "--async",
                            "--streaming", "--input-data", str(data), "--concurrency-range", "2",
-                           "--measurement-interval", "300", "--stability-percentage", "999", "--max-trials", "3",
+                           "--measurement-interval", "300", "--stability-percentage", "999", "--max-trials", "8",
                            "-f", str(report)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Detected decoupled model" in proc.stdout

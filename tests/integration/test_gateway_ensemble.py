@@ -202,7 +202,7 @@ def test_perf_analyzer_on_an_ensemble(protocol: str, gateway: Proc, tmp_path: Pa
         pytest.skip(f"perf_analyzer wrapper not found at {TOOL}")
     report = tmp_path / "pa.csv"
     cmd = [str(TOOL), "-m", "sum3", "-u", getattr(gateway, protocol), "-i", protocol, "--concurrency-range", "2",
-           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "3",
+           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "8",
            "-f", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,7 +21,7 @@ def test_perf_analyzer_against_gateway(protocol: str, stack, tmp_path: Path) -> 
     url = stack.gateway.grpc if protocol == "grpc" else stack.gateway.http
     report = tmp_path / "pa.csv"
     cmd = [str(TOOL), "-m", "small_mlp", "-u", url, "-i", protocol.split("-")[0], "--concurrency-range", "1:16:5",
-           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "4",
+           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "8",
            "-f", str(report)]
     if protocol == "http-json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
@@ -49,7 +49,7 @@ def test_perf_analyzer_system_shared_memory(protocol: str, stack, tmp_path: Path
     before = registered()
     cmd = [str(TOOL), "-m", "add_sub", "-u", url, "-i", protocol, "--shared-memory", "system",
            "--output-shared-memory-size", "1024", "--concurrency-range", "2", "--measurement-interval", "300",
-           "--stability-percentage", "999", "--max-trials", "4", "-f", str(report)]
+           "--stability-percentage", "999", "--max-trials", "8", "-f", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = list(csv.DictReader(report.open()))

@@ -372,7 +372,7 @@ def test_perf_analyzer_against_python_add_sub(protocol: str, mesh: Mesh, tmp_pat
     url = getattr(mesh.gateway, protocol)
     report = tmp_path / "pa.csv"
     cmd = [str(PERF_ANALYZER), "-m", "py_add_sub", "-u", url, "-i", protocol, "--concurrency-range", "1:4:3",
-           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "4", "-f", str(report)]
+           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "8", "-f", str(report)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(report.open()))

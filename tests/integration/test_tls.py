@@ -410,7 +410,7 @@ def test_perf_analyzer_over_mutual_tls(procs: dict[str, Target], pki: Pki, name:
                str(pki.ca.cert), "--ssl-https-client-certificate-file", str(pki.client.cert),
                "--ssl-https-private-key-file", str(pki.client.key)]
     cmd = [str(PERF_ANALYZER), "-m", "add_sub", "-u", url, "-i", proto, "--concurrency-range", "1:4:3",
-           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "4",
+           "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "8",
            "-f", str(report), *tls]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

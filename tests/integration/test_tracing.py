@@ -484,7 +484,7 @@ def test_perf_analyzer_trace_flags_set_the_settings(traced: TracedStack) -> None
     before = _roots(traced.receiver, "small_mlp")
     try:
         proc = subprocess.run([str(TOOL), "-m", "small_mlp", "-u", gw.grpc, "-i", "grpc", "--concurrency-range", "1",
-                               "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "4",
+                               "--measurement-interval", "200", "--stability-percentage", "999", "--max-trials", "8",
                                "--trace-level", "TIMESTAMPS", "--trace-rate", "1", "--trace-count", "3",
                                "--log-frequency", "7"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
