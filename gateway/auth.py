@@ -388,25 +388,26 @@ class Admission:
         else the model's default level) too: (model, level) when the request is counted there
         (``_give_share`` gives it back), None otherwise."""
         model = request.model_name
+        # (the tenant's entry is made when the request is counted, at the end: a refusal, or a
+        # failed lookup, leaves none for a tenant with nothing in flight; _give_share drops it at 0)
         held = self.inflight.get(tenant)
-        if held is None:
-            held = self.inflight[tenant] = [0, 0]
+        requests, nbytes = (0, 0) if held is None else held
         gate = gate_module.gate
         who = f"tenant '{tenant}'" if tenant else "anonymous callers"
         if gate.max_requests != gate_module.UNBOUNDED:
             cap = tenant_cap(gate.max_requests, share)
-            if held[0] >= cap:
+            if requests >= cap:
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
                 raise InferError.exhausted(
-                    f"{who} has {held[0]} inference requests in flight, its share ({share:g} of "
+                    f"{who} has {requests} inference requests in flight, its share ({share:g} of "
                     f"{flag('max_inflight')} {gate.max_requests}: {cap}); request for model '{model}' refused, "
                     "retry later", retry_after_s=gate_module.RETRY_AFTER_S)
-        if held[0] and gate.max_bytes != gate_module.UNBOUNDED:
+        if requests and gate.max_bytes != gate_module.UNBOUNDED:
             cap = tenant_cap(gate.max_bytes, share)
-            if held[1] + size > cap:
+            if nbytes + size > cap:
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
                 raise InferError.exhausted(
-                    f"{who} has {held[1]} bytes of inference requests in flight; this one's {size} would pass its "
+                    f"{who} has {nbytes} bytes of inference requests in flight; this one's {size} would pass its "
                     f"share ({share:g} of {flag('max_inflight_bytes')} {gate.max_bytes}: {cap}); request for model "
                     f"'{model}' refused, retry later", retry_after_s=gate_module.RETRY_AFTER_S)
         room_of = self.queue_room
@@ -429,8 +430,11 @@ class Admission:
                         f"{cap}); retry later", retry_after_s=gate_module.RETRY_AFTER_S)
                 self.queued[key] += 1
                 queued = (model, level)
-        held[0] += 1
-        held[1] += size
+        if held is None:
+            self.inflight[tenant] = [1, size]
+        else:
+            held[0] += 1
+            held[1] += size
         return queued
 
     def _bind_sequence(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str,
