@@ -58,7 +58,10 @@ class BatchingPolicy:
     # Derived once so that the per-decision code does set lookups, not tuple scans.
     preferred_set: frozenset[int] = field(init=False, repr=False, compare=False)
     max_preferred: int = field(init=False, repr=False, compare=False)
-    policy_of_level: dict[int, QueuePolicy] = field(init=False, repr=False, compare=False)
+    # each level's queue policy (index level - 1), by the shared rule, once: a request's look-up
+    # is an index (the rule's call per look-up cost ~390 instructions, measured: docs/perf/
+    # side-by-side-round-3.md, "Session 15")
+    level_policies: tuple[QueuePolicy, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
@@ -87,7 +90,10 @@ class BatchingPolicy:
             object.__setattr__(self, "default_queue_policy", QueuePolicy(
                 self.max_queue_size, self.default_queue_policy.default_timeout_ns,
                 self.default_queue_policy.delay_on_timeout, self.default_queue_policy.allow_timeout_override))
-        object.__setattr__(self, "policy_of_level", dict(self.priority_queue_policies))
+        own = dict(self.priority_queue_policies)
+        object.__setattr__(self, "level_policies", tuple(
+            level_queue_policy(level, self.priority_levels, own, self.default_queue_policy)
+            for level in range(1, self.levels + 1)))
         object.__setattr__(self, "preferred_batch_sizes", preferred)
         object.__setattr__(self, "preferred_set", frozenset(preferred))
         # Triton normalises an empty preferred list to [max_batch_size]; this is the same.
@@ -109,8 +115,10 @@ class BatchingPolicy:
         return level
 
     def queue_policy(self, level: int) -> QueuePolicy:
-        """The queue policy of ``level`` (``meshserve/priorities.py:level_queue_policy``)."""
-        return level_queue_policy(level, self.priority_levels, self.policy_of_level, self.default_queue_policy)
+        """The queue policy of ``level`` (``meshserve/priorities.py:level_queue_policy``, applied
+        at construction: ``level_policies``); the default policy for a level outside them."""
+        policies = self.level_policies
+        return policies[level - 1] if 0 < level <= len(policies) else self.default_queue_policy
 
     @property
     def batching(self) -> bool:
