@@ -58,6 +58,7 @@ from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
+from meshserve.priorities import level_queue_policy, priority_level
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import int_value
 from meshserve.repository.config import instance_count
@@ -241,26 +242,24 @@ class QueueRooms(NamedTuple):
     rooms: tuple[int, ...]  # rooms[level - 1]: the requests its replicas queue and run at once there, 0 unbounded
 
     def level_of(self, priority: int) -> int:
-        """The level a request's ``priority`` (0: none) queues at, as the service's
-        ``services/base/scheduling/policy.py:BatchingPolicy.level_for`` takes it (a priority out of
-        range, which the service refuses, counts at the default level)."""
-        return priority if 0 < priority <= len(self.rooms) else self.default
+        """The level a request's ``priority`` (0: none) queues at, by the services' rule
+        (``meshserve/priorities.py:priority_level``; a priority out of range, which the
+        service refuses, counts at the default level)."""
+        return priority_level(priority, len(self.rooms), self.default) or self.default
 
 
 def queue_room(config: mc.ModelConfig, replicas: int) -> QueueRooms | None:
     """How many requests for a model its ``replicas`` hold at once at each priority level before
-    one refuses "exceeds maximum queue size": each one's queue at that level (the level's own
-    ``dynamic_batching.priority_queue_policy`` entry, else ``default_queue_policy``, as Triton
-    reads them; ``max_queue_size``) and what its instances run (``max_batch_size`` rows each);
-    None when no level is bounded. Without ``priority_levels`` one queue, the default policy's."""
+    one refuses "exceeds maximum queue size": each one's queue at that level (its policy's
+    ``max_queue_size``, by the services' rule: ``meshserve/priorities.py:level_queue_policy``)
+    and what its instances run (``max_batch_size`` rows each); None when no level is bounded.
+    Without ``priority_levels`` one queue, the default policy's."""
     if not config.HasField("dynamic_batching"):
         return None
     db = config.dynamic_batching
     levels = int(db.priority_levels)
-    size = db.default_queue_policy.max_queue_size
-    sizes = [size] if not levels else [
-        db.priority_queue_policy[level].max_queue_size if level in db.priority_queue_policy else size
-        for level in range(1, levels + 1)]
+    sizes = [level_queue_policy(level, levels, db.priority_queue_policy, db.default_queue_policy).max_queue_size
+             for level in range(1, max(1, levels) + 1)]
     if not any(s > 0 for s in sizes):
         return None
     running = max(1, config.max_batch_size) * instance_count(config)
@@ -389,25 +388,26 @@ class Admission:
         else the model's default level) too: (model, level) when the request is counted there
         (``_give_share`` gives it back), None otherwise."""
         model = request.model_name
+        # (the tenant's entry is made when the request is counted, at the end: a refusal, or a
+        # failed lookup, leaves none for a tenant with nothing in flight; _give_share drops it at 0)
         held = self.inflight.get(tenant)
-        if held is None:
-            held = self.inflight[tenant] = [0, 0]
+        requests, nbytes = (0, 0) if held is None else held
         gate = gate_module.gate
         who = f"tenant '{tenant}'" if tenant else "anonymous callers"
         if gate.max_requests != gate_module.UNBOUNDED:
             cap = tenant_cap(gate.max_requests, share)
-            if held[0] >= cap:
+            if requests >= cap:
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
                 raise InferError.exhausted(
-                    f"{who} has {held[0]} inference requests in flight, its share ({share:g} of "
+                    f"{who} has {requests} inference requests in flight, its share ({share:g} of "
                     f"{flag('max_inflight')} {gate.max_requests}: {cap}); request for model '{model}' refused, "
                     "retry later", retry_after_s=gate_module.RETRY_AFTER_S)
-        if held[0] and gate.max_bytes != gate_module.UNBOUNDED:
+        if requests and gate.max_bytes != gate_module.UNBOUNDED:
             cap = tenant_cap(gate.max_bytes, share)
-            if held[1] + size > cap:
+            if nbytes + size > cap:
                 self.rejections[(tenant or "(anonymous)", "share")] += 1
                 raise InferError.exhausted(
-                    f"{who} has {held[1]} bytes of inference requests in flight; this one's {size} would pass its "
+                    f"{who} has {nbytes} bytes of inference requests in flight; this one's {size} would pass its "
                     f"share ({share:g} of {flag('max_inflight_bytes')} {gate.max_bytes}: {cap}); request for model "
                     f"'{model}' refused, retry later", retry_after_s=gate_module.RETRY_AFTER_S)
         room_of = self.queue_room
@@ -430,8 +430,11 @@ class Admission:
                         f"{cap}); retry later", retry_after_s=gate_module.RETRY_AFTER_S)
                 self.queued[key] += 1
                 queued = (model, level)
-        held[0] += 1
-        held[1] += size
+        if held is None:
+            self.inflight[tenant] = [1, size]
+        else:
+            held[0] += 1
+            held[1] += size
         return queued
 
     def _bind_sequence(self, tenant: str, share: float, request: pb.ModelInferRequest, sequence: str,

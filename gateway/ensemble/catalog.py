@@ -39,9 +39,14 @@ log = logging.getLogger("meshserve.gateway.ensemble")
 Lookup = Callable[[str, str], "mc.ModelConfig | None"]
 
 
-def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], dict[str, str]]:
-    """(name → validated config, name → load error) for every `platform: "ensemble"` model."""
+Labels = dict[str, tuple[str, ...]]  # an ensemble's own classification labels, by output
+
+
+def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], dict[str, Labels], dict[str, str]]:
+    """(name → validated config, name → its own labels (``read_labels``), name → load error)
+    for every `platform: "ensemble"` model."""
     configs: dict[str, mc.ModelConfig] = {}
+    labels: dict[str, Labels] = {}
     errors: dict[str, str] = {}
     for d in model_dirs(repository):
         cfg_file = d / "config.pbtxt"
@@ -50,16 +55,41 @@ def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], d
         try:
             if parse_config(cfg_file).platform != ENSEMBLE_PLATFORM:
                 continue
-            configs[d.name] = load_model_config(d)
+            config = load_model_config(d)
+            labels[d.name] = read_labels(d, config)
+            configs[d.name] = config
         except ConfigError as exc:
             errors[d.name] = str(exc)
-    return configs, errors
+    return configs, labels, errors
+
+
+def read_labels(model_dir: Path, config: mc.ModelConfig) -> Labels:
+    """The labels of each output whose config names a ``label_filename`` (the file's lines, read
+    once at load), with which the gateway classifies that output (executor.py:_classification).
+    As Triton's (core's model.cc: Model::Init), a file outside the model's folder or one that
+    does not read fails the load: ConfigError."""
+    out: Labels = {}
+    root = model_dir.resolve()
+    for i, t in enumerate(config.output):
+        if not t.label_filename:
+            continue
+        path = (model_dir / t.label_filename).resolve()
+        field = f"output[{i}].label_filename"
+        if not path.is_relative_to(root):
+            raise ConfigError(model_dir / "config.pbtxt", model_dir.name, field,
+                              f"label file '{t.label_filename}' is outside the model directory")
+        try:
+            out[t.name] = tuple(path.read_text(encoding="utf-8", errors="replace").splitlines())
+        except OSError as exc:
+            raise ConfigError(model_dir / "config.pbtxt", model_dir.name, field,
+                              f"cannot read label file '{t.label_filename}': {exc.strerror or exc}") from None
+    return out
 
 
 class EnsembleCatalog:
     def __init__(self, repository: str | Path, max_inflight_steps: int = 256):
         self.repository = Path(repository)
-        self.configs, self.errors = read_ensembles(self.repository)
+        self.configs, self.labels, self.errors = read_ensembles(self.repository)
         self.max_inflight_steps = max_inflight_steps
         self.executor: EnsembleExecutor | None = None
         self._lookup: Lookup = lambda model, version: None
@@ -88,11 +118,13 @@ class EnsembleCatalog:
             raise InferError.not_found(f"failed to load '{name}', failed to poll from model repository")
         try:
             config = load_model_config(model_dir, override_json=override_json)
+            if config.platform != ENSEMBLE_PLATFORM:
+                raise InferError.invalid(f"failed to load '{name}': not an ensemble (platform '{config.platform}')")
+            labels = read_labels(model_dir, config)
         except ConfigError as exc:
             raise InferError.invalid(f"failed to load '{name}': {exc}") from None
-        if config.platform != ENSEMBLE_PLATFORM:
-            raise InferError.invalid(f"failed to load '{name}': not an ensemble (platform '{config.platform}')")
         self.configs[name] = config
+        self.labels[name] = labels
         self.stats.setdefault(name, ModelStats(name, 1))  # an ensemble added to the repository at run time
         self.errors.pop(name, None)
         self.unloaded.discard(name)
@@ -141,7 +173,7 @@ class EnsembleCatalog:
         cached = self._plans.get(name)
         if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key, strict=True)):
             try:
-                result: Plan | EnsembleError = compile_plan(config, self._lookup)
+                result: Plan | EnsembleError = compile_plan(config, self._lookup, self.labels.get(name))
             except EnsembleError as exc:
                 log.error("%s", exc)
                 result = exc.with_traceback(None)  # (kept: not the frames of the request that compiled it)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 from gateway.auth import CALLER
 from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
 from meshserve.protocol.errors import Code, InferError
 from meshserve.server.admission import tenant_cap
 from meshserve.telemetry import tracing
@@ -358,10 +359,43 @@ def _classification(plan: Plan, request: pb.ModelInferRequest, tensor: str,
                     wanted: pb.ModelInferRequest.InferRequestedOutputTensor) -> None:
     """Triton's classification of an ensemble output the client asks it of (``class_count``): asked
     of the step that makes the output, when no other step takes it, so it comes classified with
-    the labels of the model that made it (Triton's ensembles inherit those labels)."""
+    the labels of the model that made it (Triton's ensembles inherit those labels), or, where the
+    ensemble's config names the output's own ``label_filename``, relabelled with the ensemble's
+    (``_relabelled``)."""
     for asked in request.outputs:
         if asked.name == tensor and "classification" in asked.parameters and not plan.consumers(tensor):
             wanted.parameters["classification"].CopyFrom(asked.parameters["classification"])
+
+
+def _own_labelled(plan: Plan, request: pb.ModelInferRequest) -> set[str]:
+    """The outputs the request's step asked classified (``_classification``) that the ensemble
+    has labels of its own for."""
+    return {o.name for o in request.outputs if o.name in plan.labels and "classification" in o.parameters
+            and not plan.consumers(o.name)}
+
+
+def _relabelled(plan: Plan, name: str, data: bytes) -> bytes:
+    """A classified output's "score:index[:label]" entries (the step's, with its model's labels,
+    if any) with the ensemble's own labels instead. Triton's rule (core's
+    model_lifecycle.cc: an ensemble's output takes the producing step's labels only when its
+    config names none of its own; server's classification.cc: an index past the labels, or an
+    empty label, gets none)."""
+    labels = plan.labels[name]
+    out = []
+    try:
+        entries = deserialize_bytes(data)
+    except InferError:
+        entries = [b""]  # (refused below: not what a step answers)
+    for entry in entries:
+        score, _, rest = entry.partition(b":")
+        index = rest.split(b":", 1)[0]
+        if not score or not index.isdigit():
+            raise InferError.internal(f"ensemble '{plan.name}' output '{name}': the step's classification "
+                                      f"{entry[:64]!r} is not 'score:index[:label]'")
+        i = int(index)
+        label = labels[i] if i < len(labels) else ""
+        out.append(score + b":" + index + (b":" + label.encode() if label else b""))
+    return serialize_bytes(out)
 
 
 def _outputs(plan: Plan, step: Step, resp: pb.ModelInferResponse) -> dict[str, _Tensor]:
@@ -393,10 +427,11 @@ def _wanted(plan: Plan, request: pb.ModelInferRequest) -> list[str]:
 def _response(plan: Plan, request: pb.ModelInferRequest, tensors: dict[str, _Tensor],
               wanted: list[str]) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=plan.name, model_version="1", id=request.id)
+    own = _own_labelled(plan, request) if plan.labels else ()
     for name in wanted:
         t = tensors[name]
         response.outputs.add(name=name, datatype=t.datatype, shape=list(t.shape))
-        response.raw_output_contents.append(t.data)
+        response.raw_output_contents.append(_relabelled(plan, name, t.data) if name in own else t.data)
     return response
 
 

@@ -13,8 +13,8 @@ step is decoupled itself.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol.datatypes import config_to_wire
@@ -65,6 +65,10 @@ class Plan:
     step_lineage: tuple[int, ...] = ()  # by step index: the lineage of its inputs (see the module docstring)
     step_out_lineage: tuple[int, ...] = ()  # by step index: the lineage of its outputs (a decoupled step's own)
     output_lineage: int = 0  # the lineage of the ensemble's outputs
+    # the ensemble's own classification labels (its outputs' label_filename, read at load:
+    # catalog.py:read_labels), by output; an output without them is classified with the labels
+    # of the step model that makes it (executor.py:_classification)
+    labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def decoupled(self) -> bool:
@@ -87,8 +91,10 @@ def _specs(entries: Iterable[mc.ModelInput] | Iterable[mc.ModelOutput], max_batc
     return out
 
 
-def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup) -> Plan:
-    """`lookup(model, version)` gives a step model's config (None = unknown / not served)."""
+def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup,
+                 labels: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
+    """`lookup(model, version)` gives a step model's config (None = unknown / not served);
+    ``labels``: the ensemble's own classification labels by output (``Plan.labels``)."""
     name = config.name
     if not config.HasField("ensemble_scheduling") or not config.ensemble_scheduling.step:
         raise EnsembleError(f"ensemble '{name}': ensemble_scheduling has no steps")
@@ -156,7 +162,8 @@ def compile_plan(config: mc.ModelConfig, lookup: ConfigLookup) -> Plan:
     order = _topological(steps, producer, fail)
     lineages, output_lineage = _lineages(name, steps, order, decoupled, producer, list(outputs), fail)
     return Plan(name, config.max_batch_size, inputs, outputs, tuple(steps), order, config,
-                tuple(decoupled), tuple(i for i, _ in lineages), tuple(o for _, o in lineages), output_lineage)
+                tuple(decoupled), tuple(i for i, _ in lineages), tuple(o for _, o in lineages), output_lineage,
+                dict(labels or {}))
 
 
 def _lineages(name: str, steps: list[Step], order: tuple[int, ...], decoupled: list[bool], producer: dict[str, Step],

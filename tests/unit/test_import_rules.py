@@ -142,16 +142,30 @@ def test_the_kinds_registry_imports_only_the_standard_library() -> None:
     assert {m for m in mods if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"} == set()
 
 
+# the shared modules of standard-library code the schedulers may import: the rule of priority
+# levels that the gateway's queue shares follow too (each imports only the standard library itself)
+SCHEDULING_SHARED = ("meshserve.priorities",)
+
+
 def test_scheduling_imports_only_the_standard_library_and_itself() -> None:
     """Scheduling imports neither grpc nor the server nor the runtime (docs/architecture.md, "Layers and their import rules"): only
-    the standard library, and its own modules relatively."""
+    the standard library, its own modules relatively, and SCHEDULING_SHARED."""
     offenders = []
     for path in _modules("services/base/scheduling"):
         for mod in _imports(path):  # absolute imports only: relative ones stay inside the package
             top = mod.split(".")[0]
-            if top != "__future__" and top not in sys.stdlib_module_names:
+            if top != "__future__" and top not in sys.stdlib_module_names and mod not in SCHEDULING_SHARED:
                 offenders.append(f"{path.name}: import {mod}")
     assert offenders == []
+
+
+def test_the_modules_scheduling_shares_import_only_the_standard_library() -> None:
+    """SCHEDULING_SHARED import nothing outside the standard library, so scheduling pulls in
+    nothing more through them."""
+    for name in SCHEDULING_SHARED:
+        path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        mods = _imports(path)
+        assert {m for m in mods if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"} == set(), path
 
 
 # The service layer: the event loop, batching and the gRPC/HTTP front ends (services/base), and the

@@ -5,6 +5,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshserve.priorities import level_queue_policy, priority_level
+
 
 @dataclass(frozen=True, slots=True)
 class QueuePolicy:
@@ -56,6 +58,10 @@ class BatchingPolicy:
     # Derived once so that the per-decision code does set lookups, not tuple scans.
     preferred_set: frozenset[int] = field(init=False, repr=False, compare=False)
     max_preferred: int = field(init=False, repr=False, compare=False)
+    # each level's queue policy (index level - 1), by the shared rule, once: a request's look-up
+    # is an index (the rule's call per look-up cost ~390 instructions, measured: docs/perf/
+    # side-by-side-round-3.md, "Session 15")
+    level_policies: tuple[QueuePolicy, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
@@ -84,6 +90,10 @@ class BatchingPolicy:
             object.__setattr__(self, "default_queue_policy", QueuePolicy(
                 self.max_queue_size, self.default_queue_policy.default_timeout_ns,
                 self.default_queue_policy.delay_on_timeout, self.default_queue_policy.allow_timeout_override))
+        own = dict(self.priority_queue_policies)
+        object.__setattr__(self, "level_policies", tuple(
+            level_queue_policy(level, self.priority_levels, own, self.default_queue_policy)
+            for level in range(1, self.levels + 1)))
         object.__setattr__(self, "preferred_batch_sizes", preferred)
         object.__setattr__(self, "preferred_set", frozenset(preferred))
         # Triton normalises an empty preferred list to [max_batch_size]; this is the same.
@@ -95,21 +105,20 @@ class BatchingPolicy:
         return max(1, self.priority_levels)
 
     def level_for(self, priority: int) -> int:
-        """Queue level (1-based) of a request's ``priority`` parameter (0 = the default)."""
-        if self.priority_levels == 0:
-            return 1
-        if priority == 0:
-            return self.default_priority_level
-        if not 1 <= priority <= self.priority_levels:
+        """Queue level (1-based) of a request's ``priority`` parameter (0 = the default), by the
+        rule the gateway's queue shares use too (``meshserve/priorities.py:priority_level``);
+        ValueError for a priority outside the levels."""
+        level = priority_level(priority, self.priority_levels, self.default_priority_level)
+        if level is None:
             raise ValueError(f"priority {priority} is outside 1..{self.priority_levels} "
                              "(1 is the highest; 0 means the model's default)")
-        return priority
+        return level
 
     def queue_policy(self, level: int) -> QueuePolicy:
-        for lvl, qp in self.priority_queue_policies:
-            if lvl == level:
-                return qp
-        return self.default_queue_policy
+        """The queue policy of ``level`` (``meshserve/priorities.py:level_queue_policy``, applied
+        at construction: ``level_policies``); the default policy for a level outside them."""
+        policies = self.level_policies
+        return policies[level - 1] if 0 < level <= len(policies) else self.default_queue_policy
 
     @property
     def batching(self) -> bool:

@@ -4,6 +4,7 @@ upstream (no sockets)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -208,3 +209,36 @@ async def test_a_tenants_steps_hold_at_most_its_share_of_the_step_slots() -> Non
     anyone = StepSlots(4)
     held = [await loop.create_task(anyone.take(), context=as_tenant(None)) for _ in range(4)]
     assert held == [None] * 4 and anyone.all.locked()
+
+
+def test_an_ensembles_label_file_is_read_inside_its_folder_only(tmp_path: Path) -> None:
+    from gateway.ensemble.catalog import read_labels
+    from meshserve.repository.config import ConfigError
+
+    folder = tmp_path / "ens"
+    folder.mkdir()
+    (folder / "labels.txt").write_text("cat\ndog\n")
+    (tmp_path / "secret.txt").write_text("not a label\n")
+    config = ensemble()
+    config.output[0].label_filename = "labels.txt"
+    assert read_labels(folder, config) == {"Y": ("cat", "dog")}
+    config.output[1].label_filename = "../secret.txt"
+    with pytest.raises(ConfigError, match=r"output\[1\].label_filename.*outside the model directory"):
+        read_labels(folder, config)
+    config.output[1].label_filename = "gone.txt"
+    with pytest.raises(ConfigError, match=r"output\[1\].label_filename.*cannot read label file 'gone.txt'"):
+        read_labels(folder, config)
+
+
+def test_a_steps_classification_is_relabelled_with_the_ensembles_labels() -> None:
+    from gateway.ensemble.executor import _relabelled
+    from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
+
+    plan = compile_plan(ensemble(), lookup, {"Y": ("a", "", "c")})
+    step = serialize_bytes([b"0.900000:2:two", b"0.500000:1:one", b"0.100000:3", b"-1.000000:0:zero"])
+    assert deserialize_bytes(_relabelled(plan, "Y", step)) == [b"0.900000:2:c", b"0.500000:1", b"0.100000:3",
+                                                               b"-1.000000:0:a"]
+    for bad in (serialize_bytes([b"0.9"]), serialize_bytes([b"0.9:x:two"]), b"\x09\x00"):
+        with pytest.raises(InferError) as err:
+            _relabelled(plan, "Y", bad)
+        assert err.value.code == Code.INTERNAL and "ensemble 'diamond' output 'Y'" in err.value.message

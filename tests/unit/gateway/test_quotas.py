@@ -505,3 +505,38 @@ tenants:
                 " {name: b, certificate_names: [x], rate: 1, burst: 1}]"):
         with pytest.raises(ValueError):
             parse_tenants(bad)
+
+
+async def test_a_tenant_with_nothing_in_flight_keeps_no_entry_when_its_request_is_not_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission.inflight holds an entry only for a tenant with requests in flight: a request
+    that is not counted (its model's queue-room lookup fails, or it is refused) leaves none for a
+    tenant that had nothing in flight, and one that had keeps its counts unchanged."""
+    from meshserve.server import admission as gate_module
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+share: 0.5
+tenants:
+  - {{name: acme, keys_sha256: ["{hash_key('acme-key')}"], rate: 1000, burst: 1000}}
+""")
+    monkeypatch.setattr(gate_module, "gate", gate_module.Gate(max_requests=2))  # acme's share: 1
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+    ctx = RequestContext("grpc", {"x-api-key": "acme-key"}, raw=b"x" * 10)
+
+    def lookup_fails(model: str, version: str) -> None:
+        raise InferError.unavailable(f"no config for model '{model}'")
+
+    adm.queue_room = lookup_fails  # type: ignore[assignment]
+    with pytest.raises(InferError):
+        await adm.admit(pb.ModelInferRequest(model_name="m"), ctx)
+    assert adm.inflight == {} and adm.queued == {}
+    adm.queue_room = None
+    held = await adm.admit(pb.ModelInferRequest(model_name="m"), ctx)
+    assert adm.inflight == {"acme": [1, 10]}
+    with pytest.raises(InferError) as err:
+        await adm.admit(pb.ModelInferRequest(model_name="m"), ctx)
+    assert err.value.code is Code.RESOURCE_EXHAUSTED
+    assert adm.inflight == {"acme": [1, 10]}
+    await adm.release(held)
+    assert adm.inflight == {}

@@ -115,3 +115,20 @@ def test_policy_from_config_reads_priorities_and_queue_policies() -> None:
     assert (p.priority_levels, p.default_priority_level) == (3, 2)
     assert p.queue_policy(2) == QueuePolicy(4, 100_000, True, False)
     assert p.queue_policy(1) == QueuePolicy(1, 0, False, True)
+
+
+def test_without_priority_levels_a_level_1_entry_is_not_the_queues_policy() -> None:
+    """One queue, the default policy's, as Triton's (scheduler_utils.cc) and the gateway's queue
+    shares (gateway/auth.py:queue_room) read it: a ``priority_queue_policy`` entry without
+    ``priority_levels`` sets neither the queue's size nor its timeouts."""
+    from google.protobuf import text_format
+
+    from meshserve._proto import model_config_pb2 as mc
+
+    dyn = text_format.Parse("""
+      default_queue_policy { max_queue_size: 4 default_timeout_microseconds: 100 }
+      priority_queue_policy { key: 1 value { max_queue_size: 1 default_timeout_microseconds: 7 allow_timeout_override: true } }
+    """, mc.ModelDynamicBatching())
+    p = BatchingPolicy.from_config(8, dyn)
+    assert p.level_for(0) == p.level_for(1) == p.level_for(5) == 1
+    assert p.queue_policy(1) == QueuePolicy(4, 100_000, False, False) and p.max_queue_size == 4

@@ -1,0 +1,40 @@
+"""Triton's priority levels (``dynamic_batching { priority_levels default_priority_level
+priority_queue_policy default_queue_policy }``): the one rule of which queue a request waits in
+and which ModelQueuePolicy that queue keeps, followed by the services' queues
+(``services/base/scheduling/policy.py:BatchingPolicy``) and by the gateway's shares of them
+(``gateway/auth.py:queue_room``, ``QueueRooms``). ``levels`` is ``priority_levels`` (0: one queue,
+level 1), ``default_level`` its ``default_priority_level``; a policy is whatever the caller keeps
+(the config's ModelQueuePolicy, the services' QueuePolicy).
+
+Standard library only: the services' schedulers import nothing else (docs/architecture.md,
+"Layers and their import rules"; tests/unit/test_import_rules.py)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+_Policy = TypeVar("_Policy")
+
+
+def priority_level(priority: int, levels: int, default_level: int) -> int | None:
+    """The queue (priority level, 1 the highest) of a request whose ``priority`` parameter is
+    ``priority`` (0: none): the default level for 0, the priority itself inside 1..levels, level
+    1 without priority levels; None for a priority outside the levels (the service refuses it
+    INVALID_ARGUMENT, the gateway counts it at the default level; Triton queues it at the
+    default level: core's infer_request.cc, InferenceRequest::SetPriority)."""
+    if not levels:
+        return 1
+    if not priority:
+        return default_level
+    return priority if 1 <= priority <= levels else None
+
+
+def level_queue_policy(level: int, levels: int, policies: Mapping[int, _Policy], default: _Policy) -> _Policy:
+    """The queue policy of priority ``level``: its own ``priority_queue_policy`` entry
+    (``policies``), else ``default_queue_policy`` (``default``); without priority levels the
+    default policy whatever the entries say (Triton's PriorityQueue: core's scheduler_utils.cc
+    keeps only the default policy's queue when priority_levels is 0)."""
+    if not levels:
+        return default
+    found = policies.get(level)
+    return default if found is None else found
