@@ -205,6 +205,13 @@ class GatewayCore:
         self.pipeline = pipeline.assemble(self.request_counts, self.turns, self.forward, self.is_decoupled,
                                           self._target_decoupled, admission, routes, ensembles, self.cache,
                                           self.placement)
+        # The HTTP front door may hand the pipeline a request whose message is made only if read
+        # (http_codec.ForwardedRequest) where the request goes Names -> Outcomes -> Forward: no
+        # policy stage reads, copies or rewrites it, and Forward sends its bytes (an ensemble's
+        # name excepted: http_frontend.HttpFrontend.forwarded).
+        outcomes = self.pipeline.next
+        self.forwards_bytes = outcomes.forward is not None
+        self.forward_ensembles = outcomes.ensembles
 
     async def start(self) -> None:
         # This process is a front door: a client's hop marker means nothing here (read_hop).

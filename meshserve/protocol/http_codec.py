@@ -50,6 +50,7 @@ __all__ = [
     "parse_trace_settings",
     "parse_infer_request",
     "parse_infer",
+    "ForwardedRequest",
     "parse_load_request",
     "parse_system_shm_register",
     "parse_cuda_shm_register",
@@ -419,7 +420,7 @@ class RenderPlan:
 
 
 class _Template:
-    __slots__ = ("skeleton", "slices", "binary_bytes", "plan")
+    __slots__ = ("skeleton", "slices", "binary_bytes", "plan", "id")
 
     def __init__(self, request: pb.ModelInferRequest) -> None:
         sizes = [len(r) for r in request.raw_input_contents]
@@ -430,29 +431,99 @@ class _Template:
         self.slices = tuple((_RAW_INPUT_TAG + wire.varint(n), n) for n in sizes)
         self.binary_bytes = sum(sizes)
         self.plan = RenderPlan(request)
+        self.id = request.id  # (the header's: every request of the template has it)
 
 
-_templates: dict[tuple[str, str, bytes], _Template] = {}
+class ForwardedRequest:
+    """A templated request whose message is made only when something reads it (``parse_infer``
+    with ``forwarded``: a gateway's core that forwards the request's bytes, ``raw``, as they are
+    and, on its usual path, reads nothing of the message but its model name, version and id,
+    which the template knows). Any other attribute is the message's, parsed from ``raw`` on
+    its first read (``message``; a write to a field writes the message). Measured: the upb parse
+    of an add_sub request (~1.9 us, docs/perf/side-by-side-round-3.md, "Session 15") was
+    every gateway HTTP request's, though the gateway forwards ``raw`` and its pipeline reads the
+    request's layout from those bytes. Only a core that says so gets one (the http front end
+    asks ``forwards_bytes``: never where a stage passes the message to protobuf itself, as the
+    cache's and the A/B routes' copies do)."""
+
+    __slots__ = ("raw", "_name", "_version", "_id", "_message")
+
+    def __init__(self, raw: bytes, name: str, version: str, request_id: str) -> None:
+        self.raw = raw
+        self._name = name
+        self._version = version
+        self._id = request_id
+        self._message: pb.ModelInferRequest | None = None
+
+    def message(self) -> pb.ModelInferRequest:
+        """The request's message (parsed from ``raw`` once)."""
+        message = self._message
+        if message is None:
+            message = self._message = pb.ModelInferRequest.FromString(self.raw)
+        return message
+
+    def __getattr__(self, name: str) -> Any:  # (only for names the class does not have: the message's)
+        return getattr(self.message(), name)
+
+    # the three fields the template knows, read without the message until it is made (then its
+    # own: a write, or a method of the message, may have changed them)
+    model_name = property(lambda self: self._name if self._message is None else self._message.model_name,
+                          lambda self, value: setattr(self.message(), "model_name", value))
+    model_version = property(lambda self: self._version if self._message is None else self._message.model_version,
+                             lambda self, value: setattr(self.message(), "model_version", value))
+    id = property(lambda self: self._id if self._message is None else self._message.id,
+                  lambda self, value: setattr(self.message(), "id", value))
+
+
+class _Templates(dict[tuple[str, str, bytes], _Template]):
+    """The templates by (model name, version, header bytes), and the last one found or made
+    (``last``: (name, version, header, template), forgotten with the rest by ``clear``): a
+    request of the same name and version whose body starts with that header has that key, so it
+    takes the template without the key's slice of the body and its hash (a client's requests
+    come with one header: measured in docs/perf/side-by-side-round-3.md, "Session 15")."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple[str, str, bytes, _Template] | None = None
+
+    def clear(self) -> None:
+        self.last = None
+        super().clear()
+
+
+_templates = _Templates()
 
 
 def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None, model_name: str,
-                model_version: str = "") -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
+                model_version: str = "", forwarded: bool = False
+                ) -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
     """parse_infer_request, through the binary request's template (see above) when the body
     has a binary section, or the JSON request's (below) when it is all JSON. Also returns the
     request's RenderPlan for render_infer_response and, when made from a template, the request
     serialized (what a gateway forwards as it is, as it does a gRPC client's bytes); None for
-    either when the body has no template yet."""
+    either when the body has no template yet. ``forwarded``: a request made from a template
+    that names no shared-memory region is a ``ForwardedRequest`` of those bytes (its message
+    made only if read)."""
     if header_length is None or header_length == len(body):  # all JSON (perf_analyzer sends the length)
         if header_length != 0 and isinstance(body, (bytes, bytearray)):
-            return _parse_json_infer(body, header_length, model_name, model_version)
+            return _parse_json_infer(body, header_length, model_name, model_version, forwarded)
         return parse_infer_request(body, header_length, model_name, model_version), None, None
     if not 0 < header_length <= TEMPLATE_MAX_HEADER or header_length > len(body):
         return parse_infer_request(body, header_length, model_name, model_version), None, None
     view = memoryview(body)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
-    key = (model_name, model_version, bytes(view[:header_length]))
-    template = _templates.get(key)
+    last = _templates.last
+    if last is not None and last[0] == model_name and last[1] == model_version and len(last[2]) == header_length \
+            and body.__class__ is bytes and body.startswith(last[2]):  # type: ignore[union-attr]  # (bytes)
+        template: _Template | None = last[3]
+    else:
+        key = (model_name, model_version, bytes(view[:header_length]))
+        template = _templates.get(key)
+        if template is not None:
+            _templates.last = (model_name, model_version, key[2], template)
     if template is not None and len(view) - header_length == template.binary_bytes:
         parts: list[bytes | memoryview] = [template.skeleton]
         offset = header_length
@@ -461,6 +532,8 @@ def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None,
             parts.append(view[offset:offset + size])
             offset += size
         raw = b"".join(parts)
+        if forwarded and not template.plan.shared_memory:
+            return ForwardedRequest(raw, model_name, model_version, template.id), template.plan, raw  # type: ignore[return-value]
         return pb.ModelInferRequest.FromString(raw), template.plan, raw
     request = parse_infer_request(view, header_length, model_name, model_version)
     if sum(map(len, request.raw_input_contents)) != len(view) - header_length:
@@ -468,7 +541,9 @@ def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None,
     template = _Template(request)
     if len(_templates) >= TEMPLATES_MAX:
         _templates.clear()
+    key = (model_name, model_version, bytes(view[:header_length]))
     _templates[key] = template
+    _templates.last = (model_name, model_version, key[2], template)
     return request, template.plan, None
 
 
@@ -487,7 +562,7 @@ def parse_infer(body: bytes | bytearray | memoryview, header_length: int | None,
 # Measured: docs/perf/json-templates.md.
 
 class _JsonTemplate:
-    __slots__ = ("skeleton", "inputs", "plan")
+    __slots__ = ("skeleton", "inputs", "plan", "id")
 
     def __init__(self, request: pb.ModelInferRequest) -> None:
         bare = pb.ModelInferRequest()
@@ -497,13 +572,15 @@ class _JsonTemplate:
         self.inputs = tuple((f"input '{t.name}'", t.datatype, list(t.shape), datatypes.element_count(t.shape))
                             for t in request.inputs)
         self.plan = RenderPlan(request)
+        self.id = request.id  # (the skeleton's: every request of the template has it)
 
 
 _json_templates: dict[tuple[str, str, bool, bytes], _JsonTemplate] = {}
 
 
 def _parse_json_infer(body: bytes | bytearray, header_length: int | None, model_name: str,
-                      model_version: str) -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
+                      model_version: str, forwarded: bool = False
+                      ) -> tuple[pb.ModelInferRequest, RenderPlan | None, bytes | None]:
     """parse_infer of an all-JSON body (its template: see above)."""
     try:
         doc = orjson.loads(body)
@@ -525,6 +602,9 @@ def _parse_json_infer(body: bytes | bytearray, header_length: int | None, model_
         except InferError:  # the full parse words it (on json's exact reading where orjson's is refused)
             return parse_infer_request(body, header_length, model_name, model_version), None, None
         serialized = b"".join(parts)
+        if forwarded and not template.plan.shared_memory:
+            return (ForwardedRequest(serialized, model_name, model_version, template.id),  # type: ignore[return-value]
+                    template.plan, serialized)
         return pb.ModelInferRequest.FromString(serialized), template.plan, serialized
     for item, data in zip(items, lists, strict=True):
         item["data"] = data
@@ -1070,9 +1150,15 @@ def render_infer_raw(raw: bytes, request: pb.ModelInferRequest, plan: RenderPlan
     the message: it may have parameters to read)."""
     hit: _Rendered | _JsonRendered | None
     last = _raw_last
-    if (last is not None and last[0] is plan and len(raw) == last[1] and raw.startswith(last[2])
-            and all(raw.startswith(prefix, at) for at, prefix in last[3])):
-        spans, hit = last[4], last[5]  # (the same structure as the last: the same spans and key)
+    same = False
+    if last is not None and last[0] is plan and len(raw) == last[1] and raw.startswith(last[2]):
+        same = True
+        for at, prefix in last[3]:  # (a loop, not all() of a generator: a frame per answer and output)
+            if not raw.startswith(prefix, at):
+                same = False
+                break
+    if same:
+        spans, hit = last[4], last[5]  # type: ignore[index]  # (the same structure as the last: its spans and key)
     else:
         found = _output_spans(raw)
         if found is None or found[0] > TEMPLATE_MAX_HEADER:  # (a key of at most that many bytes is kept)

@@ -11,6 +11,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,14 +26,16 @@ def url_of(stack: Any, target: str) -> str:
     return stack.gateway.http if target == "gateway" else stack.service.http
 
 
-def add_sub(client: httpclient.InferenceServerClient, a: np.ndarray, b: np.ndarray) -> httpclient.InferResult:
+def add_sub(client: httpclient.InferenceServerClient, a: np.ndarray, b: np.ndarray, binary: bool = False,
+            request_id: str = "") -> httpclient.InferResult:
+    """add_sub of a and b, its tensors as JSON (``binary``: binary, both ways)."""
     inputs = []
     for name, value in (("INPUT0", a), ("INPUT1", b)):
         t = httpclient.InferInput(name, list(value.shape), "FP32")
-        t.set_data_from_numpy(value, binary_data=False)
+        t.set_data_from_numpy(value, binary_data=binary)
         inputs.append(t)
-    outputs = [httpclient.InferRequestedOutput(n, binary_data=False) for n in ("OUTPUT0", "OUTPUT1")]
-    return client.infer("add_sub", inputs, outputs=outputs)
+    outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")]
+    return client.infer("add_sub", inputs, outputs=outputs, request_id=request_id)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -85,20 +88,22 @@ def test_every_datatype_round_trips_as_json_with_changing_shapes(stack: Any, tar
             np.testing.assert_array_equal(got, value)
 
 
-def test_concurrent_json_clients_through_the_gateway_get_their_own_rows(stack: Any) -> None:
+def clients_get_their_own_rows(url: str, answered: Callable[[Any, int, np.ndarray, np.ndarray], bool],
+                               requests: int = 10) -> None:
+    """8 concurrent clients of ``url`` (their requests merged by a gateway), ``requests`` each
+    with their own rows: ``answered(client, i, a, b)`` says whether client i's request of inputs
+    a, b got its own answer."""
     results: dict[int, Any] = {}
     start = threading.Barrier(8)
 
     def client(i: int) -> None:
-        with httpclient.InferenceServerClient(stack.gateway.http) as c:
+        with httpclient.InferenceServerClient(url) as c:
             start.wait()
             got = []
-            for k in range(10):
+            for k in range(requests):
                 a = np.full((1, 16), i * 100 + k, np.float32)
                 b = np.arange(16, dtype=np.float32).reshape(1, 16) * (k + 1)
-                r = add_sub(c, a, b)
-                got.append(bool(np.array_equal(r.as_numpy("OUTPUT0"), a + b))
-                           and bool(np.array_equal(r.as_numpy("OUTPUT1"), a - b)))
+                got.append(answered(c, i, a, b))
             results[i] = got
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
@@ -106,7 +111,15 @@ def test_concurrent_json_clients_through_the_gateway_get_their_own_rows(stack: A
         t.start()
     for t in threads:
         t.join(60)
-    assert results == {i: [True] * 10 for i in range(8)}
+    assert results == {i: [True] * requests for i in range(8)}
+
+
+def test_concurrent_json_clients_through_the_gateway_get_their_own_rows(stack: Any) -> None:
+    def answered(c: Any, i: int, a: np.ndarray, b: np.ndarray) -> bool:
+        r = add_sub(c, a, b)
+        return bool(np.array_equal(r.as_numpy("OUTPUT0"), a + b)) and bool(np.array_equal(r.as_numpy("OUTPUT1"), a - b))
+
+    clients_get_their_own_rows(stack.gateway.http, answered)
 
 
 def post(url: str, body: bytes, header_length: bool) -> tuple[int, dict[str, Any]]:

@@ -255,21 +255,51 @@ def _fields(head: list[str], headers: dict[str, str]) -> None:
         head.append(f"{k}: {v}\r\n")
 
 
+# The last answer's head as render formatted it, for the next answer of the same status,
+# headers, version and keep-alive (an infer answer's are those of the answers before it but
+# for a changed Inference-Header-Content-Length): (headers (a copy), status, version, keep_alive,
+# the bytes from the status line to "Content-Length: ", the bytes after the Date line). One kept:
+# a server whose answers alternate between two heads formats each, as before. Measured:
+# docs/perf/side-by-side-round-3.md, "Session 15".
+_head_last: tuple[dict[str, str] | None, int, Version | None, bool, bytes, bytes] = (None, 0, None, False, b"", b"")
+# the Date line between them, "\r\nDate: ...\r\n", for the second it was formatted in
+_dated: tuple[int, bytes] = (0, b"")
+
+
+def _head(answer: Answer, version: Version, keep_alive: bool) -> tuple[bytes, bytes]:
+    """(the head's bytes before the Content-Length value, those after the Date line) of an
+    answer; kept in ``_head_last``. Raises ValueError for a header with CR or LF in it."""
+    global _head_last
+    headers = answer.headers
+    head = [_STATUS_LINES.get((version, answer.status)) or _status_line(version, answer.status)]
+    _fields(head, headers)
+    head.append("Content-Length: ")
+    connection = _connection(keep_alive, version)
+    prefix, suffix = "".join(head).encode(), f"{connection}\r\n\r\n".encode() if connection else b"\r\n"
+    _head_last = (dict(headers), answer.status, version, keep_alive, prefix, suffix)
+    return prefix, suffix
+
+
+def _date_line(now: int) -> bytes:
+    global _dated
+    _dated = (now, f"\r\nDate: {formatdate(now, usegmt=True)}\r\n".encode())
+    return _dated[1]
+
+
 def render(answer: Answer, request: Request, keep_alive: bool) -> bytes | list[bytes]:
     """An Answer's bytes, status line to body, as one buffer (two for a large body: not copied;
-    the head alone for HEAD)."""
+    the head alone for HEAD). The head of the same status, headers, version and keep-alive as
+    the last answer's is that one's but for Content-Length and Date (``_head_last``)."""
     version = request.version
     body = answer.body
-    line = _STATUS_LINES.get((version, answer.status)) or _status_line(version, answer.status)
-    head = [line]
-    for k, v in answer.headers.items():
-        if "\r" in v or "\n" in v or "\r" in k or "\n" in k:  # no header injection
-            raise ValueError(f"newline or carriage return in the response header {k!r}")
-        head.append(f"{k}: {v}\r\n")
-    head.append(f"Content-Length: {len(body)}\r\nDate: {http_date()}\r\n")
-    connection = _connection(keep_alive, version)
-    head.append(f"{connection}\r\n\r\n" if connection else "\r\n")
-    data = "".join(head).encode()
+    last = _head_last
+    if last[0] == answer.headers and last[1] == answer.status and last[2] == version and last[3] == keep_alive:
+        prefix, suffix = last[4], last[5]
+    else:
+        prefix, suffix = _head(answer, version, keep_alive)
+    now = int(time.time())
+    dated = _dated
+    data = b"%b%d%b%b" % (prefix, len(body), dated[1] if dated[0] == now else _date_line(now), suffix)
     if request.method == "HEAD":
         return data
     if len(body) > 65536:

@@ -544,3 +544,69 @@ def test_a_body_still_arriving_is_read() -> None:
         sock.sendall(b"llo")
         answer = read_answer(f)
         assert (answer.headers["x-how"], answer.body) == ("read", b"hello")
+
+
+# ---- the answer's head (render: the last head kept, Content-Length and Date per answer) ---------------
+
+def test_an_answer_s_head_is_the_last_one_s_but_for_its_length_and_date(monkeypatch: pytest.MonkeyPatch) -> None:
+    """render keeps the last answer's head (request.py:_head_last): an answer of the same status,
+    headers, version and keep-alive gets it with its own Content-Length and the second's Date;
+    any other is formatted (its own headers only, the Connection its request needs); a header with
+    CR or LF is still refused after a kept head."""
+    from email.utils import formatdate
+
+    now = [1_800_000_000.25]
+    monkeypatch.setattr(http1.request.time, "time", lambda: now[0])
+
+    async def heads(request: Request) -> Answer:
+        body = await request.body.read()
+        if request.path == "/bad":
+            return Answer(b"x", {"X-A": "a\r\nSet-Cookie: x"})
+        if request.path == "/created":
+            return Answer(body, {"Content-Type": "text/plain", "X-N": "1"}, 201)
+        return Answer(body, {"Content-Type": "text/plain", "X-N": request.path[1:]})
+
+    def date(t: float) -> str:
+        return formatdate(int(t), usegmt=True)
+
+    with serving(heads) as srv, srv.connect() as sock:
+        f = sock.makefile("rb")
+        for body in (b"a", b"bb", b"", b"c" * 70_000):  # the same head, another length each
+            sock.sendall(post("/1", body))
+            answer = read_answer(f)
+            assert (answer.status, answer.body) == (200, body)
+            assert answer.headers == {"content-type": "text/plain", "x-n": "1", "content-length": str(len(body)),
+                                      "date": date(now[0])}
+        now[0] += 1.0  # the next second: the next answer's Date
+        sock.sendall(post("/1", b"d"))
+        assert read_answer(f).headers["date"] == date(now[0])
+        sock.sendall(post("/2", b"e"))  # other headers
+        assert read_answer(f).headers == {"content-type": "text/plain", "x-n": "2", "content-length": "1",
+                                          "date": date(now[0])}
+        sock.sendall(post("/created", b"f"))  # the same headers as /1, another status
+        answer = read_answer(f)
+        assert (answer.status, answer.headers["x-n"], answer.body) == (201, "1", b"f")
+        sock.sendall(post("/1", b"g"))
+        answer = read_answer(f)
+        assert (answer.status, answer.headers["x-n"], answer.body) == (200, "1", b"g")
+        sock.sendall(b"HEAD /1 HTTP/1.1\r\nHost: x\r\n\r\n")  # the head alone, its Content-Length the body's
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += f.read(1)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nContent-Length: 0\r\n" in head
+        sock.sendall(b"POST /1 HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\nh")  # HTTP/1.0
+        answer = read_answer(f)
+        assert (answer.version, answer.headers["connection"], answer.body) == ("HTTP/1.0", "keep-alive", b"h")
+        sock.sendall(post("/1", b"i"))  # HTTP/1.1 again: no Connection header
+        answer = read_answer(f)
+        assert (answer.version, answer.body, "connection" in answer.headers) == ("HTTP/1.1", b"i", False)
+        sock.sendall(post("/bad", b""))  # after kept heads, a header with CR LF is still refused
+        assert closed(sock)
+    with serving(heads) as srv, srv.connect() as sock:
+        f = sock.makefile("rb")
+        sock.sendall(post("/1", b"j"))
+        assert "connection" not in read_answer(f).headers
+        sock.sendall(post("/1", b"k", b"Connection: close\r\n"))  # the same answer, closing
+        answer = read_answer(f)
+        assert (answer.headers["connection"], answer.body) == ("close", b"k")
+        assert closed(sock)
