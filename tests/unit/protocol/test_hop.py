@@ -75,7 +75,10 @@ def test_a_stream_error_round_trips_its_code_message_and_retry_hint() -> None:
     assert hop.stream_error(pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id="a")), "x") is None
     unknown = pb.ModelStreamInferResponse(error_message="odd")
     unknown.infer_response.parameters[hop.ERROR_CODE].string_param = "NOT_A_CODE"
-    assert (error := hop.stream_error(unknown, "x")) is not None and error.code is Code.UNKNOWN
+    # (no walrus inside the assert: pytest 9.0.3's rewriting of one raises UnboundLocalError here,
+    # pytest-dev/pytest#14445)
+    error = hop.stream_error(unknown, "x")
+    assert error is not None and error.code is Code.UNKNOWN
 
 
 def test_a_cancel_names_the_request_it_stops() -> None:
