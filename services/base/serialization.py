@@ -132,7 +132,10 @@ class ResponseEncoder:
         out = []
         for r in rows:
             top = np.argsort(-r, kind="stable")[:k]
-            out.append([f"{r[i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) else "") for i in top])
+            # an index past the labels, or whose label line is empty, gets none (Triton: server's
+            # classification.cc AddClassResults adds ":label" only for a non-null label, and core's
+            # InferenceResponse::ClassificationLabel gives null for an empty one)
+            out.append([f"{r[i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) and labels[i] else "") for i in top])
         res = np.array(out, dtype=np.object_)
         return res if batched else res.reshape((k,))
 

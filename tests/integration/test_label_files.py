@@ -2,7 +2,7 @@
 in front, with the real tritonclient: as Triton (core's model.cc, Model::Init) they are read at
 load, a file outside the model's folder (by its name, or by a symbolic link) or one that does not
 read fails the load with an error naming the model and the field (never the file's content); a
-good one classifies (``class_count``) with its labels."""
+good one classifies (``class_count``) with its labels, an empty line of it giving no label."""
 from __future__ import annotations
 
 import json
@@ -47,10 +47,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Pat
     linked = models.write(repo, "linked", config("linked", "labels.txt"), identity)
     (linked / "labels.txt").symlink_to(secret)
     models.write(repo, "missing", config("missing", "no_such_labels.txt"), identity)
+    blank = models.write(repo, "blank", config("blank", "labels.txt"), identity)
+    (blank / "labels.txt").write_text("cat\n\nbird\n")  # index 1: an empty line; index 3: none
     big = models.write(repo, "big", config("big", "labels.txt"), identity)
     (big / "labels.txt").write_bytes(b"x" * 64 + b"\n" * ((4 << 20) + 1))
     with service_and_gateway("onnx", ["--repository", str(repo), "--model-control-mode", "explicit",
-                                      "--load-model", "good"]) as (_, g):
+                                      "--load-model", "good", "--load-model", "blank"]) as (_, g):
         yield g, secret
 
 
@@ -69,6 +71,16 @@ def test_a_model_with_good_labels_classifies_with_them(proto: str, served: tuple
     gateway, _ = served
     assert classify(proto, getattr(gateway, proto), "good", 3) == [["0.400000:1:dog", "0.300000:3:fish",
                                                                      "0.200000:2:bird"]]
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_an_empty_label_line_gives_no_label(proto: str, served: tuple[Proc, Path]) -> None:
+    """As Triton's: an empty label is none (server's classification.cc AddClassResults adds
+    ":label" only for a non-null one; core's InferenceResponse::ClassificationLabel gives null for
+    an empty line), like an index past the file's lines."""
+    gateway, _ = served
+    assert classify(proto, getattr(gateway, proto), "blank", 4) == [["0.400000:1", "0.300000:3",
+                                                                      "0.200000:2:bird", "0.100000:0:cat"]]
 
 
 @pytest.mark.parametrize(("model", "why"), [
