@@ -243,9 +243,9 @@ class QueueRooms(NamedTuple):
 
     def level_of(self, priority: int) -> int:
         """The level a request's ``priority`` (0: none) queues at, by the services' rule
-        (``meshserve/priorities.py:priority_level``; a priority out of range, which the
-        service refuses, counts at the default level)."""
-        return priority_level(priority, len(self.rooms), self.default) or self.default
+        (``meshserve/priorities.py:priority_level``: 0 or one above the levels at the default
+        level; a negative one, which the service refuses, counts there too)."""
+        return priority_level(priority, len(self.rooms), self.default)
 
 
 def queue_room(config: mc.ModelConfig, replicas: int) -> QueueRooms | None:

@@ -16,17 +16,17 @@ from typing import TypeVar
 _Policy = TypeVar("_Policy")
 
 
-def priority_level(priority: int, levels: int, default_level: int) -> int | None:
+def priority_level(priority: int, levels: int, default_level: int) -> int:
     """The queue (priority level, 1 the highest) of a request whose ``priority`` parameter is
-    ``priority`` (0: none): the default level for 0, the priority itself inside 1..levels, level
-    1 without priority levels; None for a priority outside the levels (the service refuses it
-    INVALID_ARGUMENT, the gateway counts it at the default level; Triton queues it at the
-    default level: core's infer_request.cc, InferenceRequest::SetPriority)."""
+    ``priority`` (0: none): the priority itself inside 1..levels, else (0, or above the levels)
+    the default level; level 1 without priority levels. Triton's rule (core's infer_request.cc,
+    InferenceRequest::SetPriority: ``p == 0 || p > MaxPriorityLevel()`` queues at
+    DefaultPriorityLevel()). A negative priority is the caller's to refuse first (Triton's
+    frontends answer INVALID_ARG "expected value >= 0": server's grpc infer_handler.cc); here it
+    counts at the default level too."""
     if not levels:
         return 1
-    if not priority:
-        return default_level
-    return priority if 1 <= priority <= levels else None
+    return priority if 1 <= priority <= levels else default_level
 
 
 def level_queue_policy(level: int, levels: int, policies: Mapping[int, _Policy], default: _Policy) -> _Policy:

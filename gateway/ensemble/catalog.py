@@ -25,6 +25,7 @@ from meshserve.protocol.datatypes import config_to_wire
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.protocol.infer_checks import reject_mixed_contents
 from meshserve.repository.config import ENSEMBLE_PLATFORM, ConfigError, load_model_config, parse_config
+from meshserve.repository.labels import Labels, read_labels
 from meshserve.repository.layout import model_dirs
 from meshserve.server.core import unary_decoupled_error
 from meshserve.telemetry.metrics import Sample
@@ -39,12 +40,12 @@ log = logging.getLogger("meshserve.gateway.ensemble")
 Lookup = Callable[[str, str], "mc.ModelConfig | None"]
 
 
-Labels = dict[str, tuple[str, ...]]  # an ensemble's own classification labels, by output
-
-
 def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], dict[str, Labels], dict[str, str]]:
-    """(name → validated config, name → its own labels (``read_labels``), name → load error)
-    for every `platform: "ensemble"` model."""
+    """(name → validated config, name → its own labels, name → load error) for every
+    `platform: "ensemble"` model. The labels (with which the gateway classifies those outputs:
+    executor.py:_classification) are read at load by the services' rule
+    (meshserve/repository/labels.py:read_labels): a file outside the model's folder, or one that
+    does not read, fails the load (Triton's: core's model.cc, Model::Init)."""
     configs: dict[str, mc.ModelConfig] = {}
     labels: dict[str, Labels] = {}
     errors: dict[str, str] = {}
@@ -61,29 +62,6 @@ def read_ensembles(repository: str | Path) -> tuple[dict[str, mc.ModelConfig], d
         except ConfigError as exc:
             errors[d.name] = str(exc)
     return configs, labels, errors
-
-
-def read_labels(model_dir: Path, config: mc.ModelConfig) -> Labels:
-    """The labels of each output whose config names a ``label_filename`` (the file's lines, read
-    once at load), with which the gateway classifies that output (executor.py:_classification).
-    As Triton's (core's model.cc: Model::Init), a file outside the model's folder or one that
-    does not read fails the load: ConfigError."""
-    out: Labels = {}
-    root = model_dir.resolve()
-    for i, t in enumerate(config.output):
-        if not t.label_filename:
-            continue
-        path = (model_dir / t.label_filename).resolve()
-        field = f"output[{i}].label_filename"
-        if not path.is_relative_to(root):
-            raise ConfigError(model_dir / "config.pbtxt", model_dir.name, field,
-                              f"label file '{t.label_filename}' is outside the model directory")
-        try:
-            out[t.name] = tuple(path.read_text(encoding="utf-8", errors="replace").splitlines())
-        except OSError as exc:
-            raise ConfigError(model_dir / "config.pbtxt", model_dir.name, field,
-                              f"cannot read label file '{t.label_filename}': {exc.strerror or exc}") from None
-    return out
 
 
 class EnsembleCatalog:

@@ -66,7 +66,7 @@ class Plan:
     step_out_lineage: tuple[int, ...] = ()  # by step index: the lineage of its outputs (a decoupled step's own)
     output_lineage: int = 0  # the lineage of the ensemble's outputs
     # the ensemble's own classification labels (its outputs' label_filename, read at load:
-    # catalog.py:read_labels), by output; an output without them is classified with the labels
+    # meshserve/repository/labels.py:read_labels), by output; an output without them is classified with the labels
     # of the step model that makes it (executor.py:_classification)
     labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 

@@ -22,6 +22,7 @@ from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import kinds, layout
 from meshserve.repository.config import ConfigError, load_model_config, parse_config_json
+from meshserve.repository.labels import read_labels
 from meshserve.repository.names import check_model_name, check_version, model_file_path
 from meshserve.server import admission, connections
 from meshserve.server.access import ALL, Grant, Op
@@ -262,6 +263,9 @@ class ServiceCore:
     def _measured_build(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         """``_build_version`` with the version's size measured (services/base/memory.py:version_bytes),
         after the runtime's one-time start (if this is its first load here) went to the base."""
+        # the outputs' label files, read before any instance is made: one outside the model's folder,
+        # or that does not read, fails the load (Triton's core model.cc, Model::Init)
+        labels = read_labels(path, config)
         with self._load_lock:
             self.memory.prime(config.backend, self.adapters.get(config.backend))
         devices = self._gpu_devices(config)
@@ -269,8 +273,12 @@ class ServiceCore:
             # one such build at a time: device memory is read per process, and an in-process
             # runtime's growth can only be told apart alone (docs/model-control.md, "Loading in parallel")
             with self._one_build:
-                return self._build_measuring(path, config, version, devices)
-        return self._build_measuring(path, config, version, devices)
+                mv = self._build_measuring(path, config, version, devices)
+        else:
+            mv = self._build_measuring(path, config, version, devices)
+        if labels:  # (most models have none)
+            mv.encoder.labels = labels
+        return mv
 
     def _build_measuring(self, path: Path, config: mc.ModelConfig, version: int,
                          devices: dict[int, int]) -> ModelVersion:

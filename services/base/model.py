@@ -88,7 +88,8 @@ class ModelVersion:
         self.tensors = ModelTensors.from_config(config)
         self.inputs = self.tensors.inputs
         self.outputs = self.tensors.outputs
-        self.encoder = ResponseEncoder(self.tensors, self.version_str, model_dir)
+        # (its labels: set by the load, which reads them before any instance: services/base/core.py)
+        self.encoder = ResponseEncoder(self.tensors, self.version_str)
         self.stats = ModelStats(self.name, version)
         # model_transaction_policy { decoupled: true }: zero or more responses per request
         # (infer_stream); only kinds that can run such models (python) load them

@@ -9,8 +9,7 @@ classification nor scattering is not even sliced into arrays: each request's row
 one contiguous buffer per output."""
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -33,13 +32,13 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 
 class ResponseEncoder:
-    """Encodes one model version's responses; holds its classification labels (read once)."""
+    """Encodes one model version's responses; holds its classification labels (``labels``: each
+    output's, read at load by meshserve/repository/labels.py:read_labels; none until then)."""
 
-    def __init__(self, model: ModelTensors, version: str, model_dir: Path):
+    def __init__(self, model: ModelTensors, version: str, labels: Mapping[str, Sequence[str]] | None = None):
         self.model = model
         self.version = version
-        self.model_dir = model_dir
-        self._labels: dict[str, list[str]] = {}
+        self.labels: Mapping[str, Sequence[str]] = labels or {}
         name = model.name.encode()
         # every response starts with the model's name and version
         self._prefix = (_field(_NAME, name) if name else b"") + (_field(_VERSION, version.encode()) if version else b"")
@@ -127,26 +126,18 @@ class ResponseEncoder:
         return part, spec.datatype
 
     def _classify(self, arr: np.ndarray, k: int, spec: TensorSpec, batched: bool) -> np.ndarray:
-        labels = self._labels_for(spec)
+        labels = self.labels.get(spec.name, ())
         rows = arr.reshape((arr.shape[0], -1)) if batched else arr.reshape((1, -1))
         k = min(k, rows.shape[1])
         out = []
         for r in rows:
             top = np.argsort(-r, kind="stable")[:k]
-            out.append([f"{r[i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) else "") for i in top])
+            # an index past the labels, or whose label line is empty, gets none (Triton: server's
+            # classification.cc AddClassResults adds ":label" only for a non-null label, and core's
+            # InferenceResponse::ClassificationLabel gives null for an empty one)
+            out.append([f"{r[i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) and labels[i] else "") for i in top])
         res = np.array(out, dtype=np.object_)
         return res if batched else res.reshape((k,))
-
-    def _labels_for(self, spec: TensorSpec) -> list[str]:
-        if not spec.label_filename:
-            return []
-        if spec.name not in self._labels:
-            path = self.model_dir / spec.label_filename
-            try:
-                self._labels[spec.name] = path.read_text().splitlines()
-            except OSError:
-                self._labels[spec.name] = []
-        return self._labels[spec.name]
 
 
 def scatter(model: ModelTensors, payloads: Sequence[Pending], produced: dict[str, np.ndarray]

@@ -232,12 +232,34 @@ def test_the_model_is_slow_enough_for_these_tests(gateway: Proc) -> None:
     assert per_request_ms > 60, f"the test model runs in {per_request_ms:.1f} ms: timing assumptions break"
 
 
-def test_priority_outside_the_levels_is_invalid(gateway: Proc) -> None:
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_priority_above_the_levels_queues_at_the_default_level(gateway: Proc, protocol: str) -> None:
+    """As Triton's (core's infer_request.cc, InferenceRequest::SetPriority: 0 or a priority
+    above priority_levels queues at default_priority_level): priority 99 on this model of 2
+    levels is served, behind the default level's requests queued before it and behind a
+    priority-1 request sent after it."""
     o = Outcomes()
-    o.send(gateway, "bad", priority=5)
+    arrived = Arrivals(gateway)
+    o.send(gateway, "blocker")
+    arrived.wait(1)  # the blocker is executing; the rest queue behind it
+    o.send(gateway, "default")  # level 2 (the default)
+    arrived.wait(2)
+    o.send(gateway, "p99", protocol, priority=99)
+    arrived.wait(3)
+    o.send(gateway, "high", priority=1)
     o.wait()
-    assert o.errors["bad"].status() == "StatusCode.INVALID_ARGUMENT"
-    assert "priority 5" in o.errors["bad"].message()
+    assert not o.errors, o.errors
+    assert o.order == ["blocker", "high", "default", "p99"]
+
+
+def test_a_negative_priority_is_invalid(gateway: Proc) -> None:
+    """Triton's frontends refuse it (server's grpc infer_handler.cc: "invalid value for
+    'priority', expected value >= 0"); tritonclient's gRPC client cannot send one (uint64)."""
+    o = Outcomes()
+    o.send(gateway, "negative", "http", priority=-1)
+    o.wait()
+    assert o.errors["negative"].status() == "400", o.errors
+    assert "expected value >= 0" in o.errors["negative"].message()
 
 
 def test_a_client_deadline_expires_the_request_in_the_service_queue(gateway: Proc) -> None:

@@ -24,10 +24,13 @@ def test_a_priority_inside_the_levels_is_its_own_level() -> None:
     assert [priority_level(p, 3, 2) for p in (1, 2, 3)] == [1, 2, 3]
 
 
-def test_a_priority_outside_the_levels_has_none() -> None:
-    assert priority_level(4, 3, 2) is None
-    assert priority_level(2**64 - 1, 3, 2) is None
-    assert priority_level(-1, 3, 2) is None  # (a signed parameter: not a level either)
+def test_a_priority_above_the_levels_is_the_default_level() -> None:
+    # Triton (core's infer_request.cc, InferenceRequest::SetPriority): p > MaxPriorityLevel()
+    # queues at DefaultPriorityLevel(), as 0 does
+    assert priority_level(4, 3, 2) == 2
+    assert priority_level(99, 2, 1) == 1
+    assert priority_level(2**64 - 1, 3, 2) == 2
+    assert priority_level(-1, 3, 2) == 2  # (a signed parameter: the service refuses it first)
 
 
 def test_a_level_keeps_its_own_policy_else_the_default() -> None:

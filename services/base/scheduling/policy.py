@@ -105,14 +105,13 @@ class BatchingPolicy:
         return max(1, self.priority_levels)
 
     def level_for(self, priority: int) -> int:
-        """Queue level (1-based) of a request's ``priority`` parameter (0 = the default), by the
-        rule the gateway's queue shares use too (``meshserve/priorities.py:priority_level``);
-        ValueError for a priority outside the levels."""
-        level = priority_level(priority, self.priority_levels, self.default_priority_level)
-        if level is None:
-            raise ValueError(f"priority {priority} is outside 1..{self.priority_levels} "
-                             "(1 is the highest; 0 means the model's default)")
-        return level
+        """Queue level (1-based) of a request's ``priority`` parameter, by the rule the gateway's
+        queue shares use too (``meshserve/priorities.py:priority_level``): 0 or one above the
+        levels queues at the default level, as Triton's; ValueError for a negative priority
+        (Triton's frontends refuse it: "expected value >= 0")."""
+        if priority < 0:
+            raise ValueError(f"invalid value for 'priority', expected value >= 0, got {priority}")
+        return priority_level(priority, self.priority_levels, self.default_priority_level)
 
     def queue_policy(self, level: int) -> QueuePolicy:
         """The queue policy of ``level`` (``meshserve/priorities.py:level_queue_policy``, applied

@@ -49,12 +49,15 @@ async def test_higher_priority_runs_first_and_fills_the_batch_first() -> None:
     assert batches[1:] == [["high1", "high2"], ["low1", "low2"], ["low3"]]
 
 
-async def test_level_for_maps_zero_to_the_default_and_rejects_out_of_range() -> None:
+async def test_level_for_maps_zero_and_above_the_levels_to_the_default_and_rejects_negative() -> None:
     policy = BatchingPolicy(max_batch_size=4, priority_levels=3, default_priority_level=2)
-    assert [policy.level_for(p) for p in (0, 1, 3)] == [2, 1, 3]
-    with pytest.raises(ValueError, match="outside 1..3"):
-        policy.level_for(4)
+    # (Triton: core's infer_request.cc, InferenceRequest::SetPriority)
+    assert [policy.level_for(p) for p in (0, 1, 3, 4, 2**64 - 1)] == [2, 1, 3, 2, 2]
+    with pytest.raises(ValueError, match="expected value >= 0, got -1"):
+        policy.level_for(-1)
     assert BatchingPolicy(max_batch_size=4).level_for(7) == 1  # no priorities: one queue
+    with pytest.raises(ValueError, match="expected value >= 0"):
+        BatchingPolicy(max_batch_size=4).level_for(-1)
 
 
 async def test_max_queue_size_per_level() -> None:

@@ -3,8 +3,6 @@ exactly what building the message and SerializeToString gives (the reference bel
 message-building encoder it replaced), for every kind of output it handles."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -84,9 +82,9 @@ def _batched_outputs(rows: int, width: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("version", ["1", "12"])
-def test_batched_responses_are_the_bytes_the_message_gives(tmp_path: Path, version: str) -> None:
+def test_batched_responses_are_the_bytes_the_message_gives(version: str) -> None:
     model = _tensors(BATCHED)
-    encoder = ResponseEncoder(model, version, tmp_path)
+    encoder = ResponseEncoder(model, version)
     width = 150  # rows of 600 bytes: two-byte lengths
     sizes = [1, 3, 1, 2]
     payloads = [
@@ -100,21 +98,21 @@ def test_batched_responses_are_the_bytes_the_message_gives(tmp_path: Path, versi
     assert encoder.encode(payloads, produced) == _reference(encoder, payloads, produced)
 
 
-def test_an_output_with_other_rows_than_the_batch_is_sliced_as_before(tmp_path: Path) -> None:
+def test_an_output_with_other_rows_than_the_batch_is_sliced_as_before() -> None:
     model = _tensors(BATCHED)
-    encoder = ResponseEncoder(model, "1", tmp_path)
+    encoder = ResponseEncoder(model, "1")
     payloads = [_payload(model, {"IN": ("FP32", np.ones((2, 3), np.float32))}, outputs=(("SUM", 0),))
                 for _ in range(2)]
     produced = {"SUM": np.arange(9, dtype=np.float32).reshape(3, 3)}  # 3 rows for a batch of 4
     assert encoder.encode(payloads, produced) == _reference(encoder, payloads, produced)
 
 
-def test_unbatched_and_scattered_outputs_are_the_bytes_the_message_gives(tmp_path: Path) -> None:
+def test_unbatched_and_scattered_outputs_are_the_bytes_the_message_gives() -> None:
     plain = _tensors("""name: "p" max_batch_size: 0
         input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
         output [ { name: "OUT" data_type: TYPE_FP16 dims: [ 2, 2 ] reshape { shape: [ 4 ] } },
                  { name: "SCALAR" data_type: TYPE_BOOL dims: [ 1 ] reshape { shape: [ ] } } ]""")
-    encoder = ResponseEncoder(plain, "3", tmp_path)
+    encoder = ResponseEncoder(plain, "3")
     payloads = [_payload(plain, {"IN": ("FP32", np.ones(4, np.float32))}, request_id="q")]
     produced = {"OUT": np.arange(4, dtype=np.float16), "SCALAR": np.array(True)}
     assert encoder.encode(payloads, produced) == _reference(encoder, payloads, produced)
@@ -123,7 +121,7 @@ def test_unbatched_and_scattered_outputs_are_the_bytes_the_message_gives(tmp_pat
         input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]
         output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
         batch_output [ { target_name: "OUT" kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "IN" } ]""")
-    encoder = ResponseEncoder(ragged, "1", tmp_path)
+    encoder = ResponseEncoder(ragged, "1")
     payloads = [_payload(ragged, {"IN": ("FP32", np.ones((1, n), np.float32))}, request_id=str(n)) for n in (2, 5)]
     produced = {"OUT": np.arange(7, dtype=np.float32)}
     assert encoder.encode(payloads, produced) == _reference(encoder, payloads, produced)
