@@ -15,6 +15,17 @@ from meshserve.server import tls as tls_flags
 
 MiB = 1 << 20
 
+# Bytes one connection's reads take before the loop serves the others: past them its reading
+# pauses until the next loop pass (Connection._yield_reads). libuv reads a readable socket up to
+# 32 times per poll (256 KiB each under uvloop) before the next connection's callback, so a
+# client sending at loopback speed held the loop ~8 MiB at a time, and other clients' requests
+# waited behind it (a chunk-extension flood: a good client's p99 157-292 ms on a slow 2-core
+# box, tests/adversarial/test_buffers.py::test_chunk_extension_flood). A request of a few KiB
+# never reaches it; a large body pauses once per READ_BURST bytes (one loop pass each). Taken by
+# both front doors: meshserve/server/http1/server.py:Connection._yield_reads and
+# meshserve/server/h2/connection.py:H2Endpoint._yield_reads (the server's connections).
+READ_BURST = 512 << 10
+
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:

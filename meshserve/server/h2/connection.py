@@ -74,6 +74,10 @@ class H2Endpoint(asyncio.Protocol):
     # Our receive window for the whole connection. The server sets it to its receive budget
     # (ServerLimits.conn_receive_buffer_bytes) and gives bytes back only as handlers take them.
     conn_window = LOCAL_CONN_WINDOW
+    # Bytes a connection's reads take before the loop serves the others (0: no bound; the
+    # server's: meshserve/server/http1/server.py:READ_BURST, the same rule as its HTTP/1.1
+    # connections): past them, reading pauses until the loop's next pass (``_yield_reads``).
+    read_burst = 0
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -95,6 +99,8 @@ class H2Endpoint(asyncio.Protocol):
         self.recv_window = self.conn_window  # what the peer may still send us (enforced)
         self.window_update_at = self.conn_window // 8
         self.last_sid = 0
+        self.rx_burst = 0  # bytes read since the connection last yielded the loop (read_burst)
+        self.read_yielded = False
         self.wbuf: list[bytes] = []
         self.flush_scheduled = False
         self.blocked: set[Any] = set()
@@ -212,6 +218,12 @@ class H2Endpoint(asyncio.Protocol):
 
     # ---- reading ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.read_burst:
+            burst = self.rx_burst + len(data)
+            if burst > self.read_burst:
+                burst = 0
+                self._yield_reads()
+            self.rx_burst = burst
         if self.dead:
             return  # after our GOAWAY: the peer's frames are read and dropped until the close
         self.heard = True
@@ -222,6 +234,22 @@ class H2Endpoint(asyncio.Protocol):
         finally:
             self.reading = False
         self._flush()
+
+    def _yield_reads(self) -> None:
+        """Reading pauses until the loop's next pass (the data in hand is still read): a peer
+        sending at loopback speed takes ``read_burst`` bytes per pass, not libuv's 32 reads of
+        one readable socket, and the other connections' callbacks come between."""
+        transport = self.transport
+        if not self.read_yielded and transport is not None and not transport.is_closing():
+            self.read_yielded = True
+            transport.pause_reading()
+            self.loop.call_soon(self._reads_resume)
+
+    def _reads_resume(self) -> None:
+        self.read_yielded = False
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
 
     def _read(self, data: bytes) -> None:
         if self.chunks:

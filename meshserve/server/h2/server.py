@@ -71,7 +71,7 @@ from meshserve.server.h2.frames import (
     parse_timeout,
     percent_encode,
 )
-from meshserve.server.limits import LISTEN, ServerLimits
+from meshserve.server.limits import LISTEN, READ_BURST, ServerLimits
 
 log = logging.getLogger("meshserve.grpc.h2")
 
@@ -392,6 +392,7 @@ class ServerConnection(H2Endpoint):
 
     expect_preface = True
     two_frames = True  # (_at_once)
+    read_burst = READ_BURST  # (H2Endpoint._yield_reads: a client's reads yield the loop past it)
 
     def __init__(self, server: H2GrpcServer):
         self.conn_window = server.conn_window  # before H2Endpoint sizes the receive window by it

@@ -46,7 +46,7 @@ import httptools
 from meshserve.protocol.errors import InferError
 from meshserve.server import body_worker, connections, inflate, tls
 from meshserve.server.http1.request import RECEIVING, Answer, BodyError, Request, Stream, render, text_headers
-from meshserve.server.limits import LISTEN, ServerLimits
+from meshserve.server.limits import LISTEN, READ_BURST, ServerLimits
 
 log = logging.getLogger("meshserve.http")
 
@@ -128,7 +128,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "join_writes", "lower", "named", "known")
+                 "join_writes", "lower", "named", "known", "burst_mark", "burst_paused")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -166,6 +166,8 @@ class Connection(asyncio.Protocol):
         self.head_size = 0  # the pending head's target and field bytes
         self.queued_bytes = 0  # head bytes of the queued requests
         self.body_wire = 0  # raw bytes received during the pending body (framing included)
+        self.burst_mark = READ_BURST  # rx_bytes past which this connection yields the loop (_yield_reads)
+        self.burst_paused = False  # ... and reading waits for the loop's next pass
         self.body_seen: Request | None = None  # the pending body the sweep first saw ...
         self.body_since = 0.0  # ... and when (--body-timeout-s: nothing on the request path)
         self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
@@ -214,7 +216,9 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.rx += 1
-        self.rx_bytes += len(data)
+        rx_bytes = self.rx_bytes = self.rx_bytes + len(data)
+        if rx_bytes > self.burst_mark:
+            self._yield_reads()
         if self.stopped:  # nothing more is parsed on this connection: dropped, within a budget
             self.lingering -= min(len(data), self.lingering)
             if not self.lingering and self.transport is not None:
@@ -583,12 +587,27 @@ class Connection(asyncio.Protocol):
             self.stopped = True
             self.lingering = LINGER_BYTES
 
+    def _yield_reads(self) -> None:
+        """This connection's reads passed READ_BURST bytes since it last yielded: reading pauses
+        until the loop's next pass (the data in hand is still handled), so that a client sending
+        at loopback speed takes one burst per pass, not libuv's 32 reads, and the other
+        connections' callbacks come between (see READ_BURST)."""
+        self.burst_mark = self.rx_bytes + READ_BURST
+        if not self.burst_paused:
+            self.burst_paused = True
+            self._update_reading()
+            self.loop.call_soon(self._burst_over)
+
+    def _burst_over(self) -> None:
+        self.burst_paused = False
+        self._update_reading()
+
     def _update_reading(self) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         pause = (self.write_paused or self.buffered > BODY_HIGH_WATER or (self.stopped and not self.lingering)
-                 or bool(self.backlog))
+                 or bool(self.backlog) or self.burst_paused)
         if pause and not self.read_paused:
             self.read_paused = True
             transport.pause_reading()

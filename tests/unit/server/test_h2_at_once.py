@@ -371,3 +371,52 @@ async def test_a_stream_window_update_between_the_two_frames_is_taken_with_them(
     assert _answers(wire.frames()) == {5: (b"plain:m5", {b"grpc-status": b"0"})} and opened == [5]
     bad = between(7, b"m7", _frame(8, 0, 7, (5).to_bytes(5, "big")))  # (5 bytes: the usual path refuses it)
     assert conn._at_once(7, bad, 9, head) == 0 and conn.last_sid == 5
+
+
+# ---- a client's reads yield the loop past READ_BURST (H2Endpoint._yield_reads) -------------------------
+
+class _Pausing(_Wire):
+    """A transport that records the server's pause_reading / resume_reading calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading: list[str] = []
+
+    def pause_reading(self) -> None:
+        self.reading.append("pause")
+
+    def resume_reading(self) -> None:
+        self.reading.append("resume")
+
+
+async def test_a_client_s_reads_past_the_read_burst_pause_reading_until_the_next_loop_pass() -> None:
+    """A client sending at loopback speed is read at most READ_BURST bytes (and the read that
+    passes it) per loop pass: past them reading pauses once and resumes on the next pass (the
+    data in hand is still read: its call is answered), so other connections' callbacks come
+    between (libuv would read one readable socket up to 32 times, 256 KiB each, in one pass)."""
+    from meshserve.server.limits import READ_BURST
+    seen = Seen()
+    server = _server(seen)
+    conn = ServerConnection(server)
+    wire = _Pausing()
+    conn.connection_made(wire)  # type: ignore[arg-type]
+    settings = (4).to_bytes(2, "big") + (1 << 24).to_bytes(4, "big")
+    conn.data_received(PREFACE + _frame(4, 0, 0, settings) + _frame(8, 0, 0, (1 << 24).to_bytes(4, "big")))
+    conn.data_received(_call(1, b"small"))
+    assert wire.reading == []  # (a few hundred bytes: nothing to yield)
+    message = b"m" * (READ_BURST // 2)
+    conn.data_received(_call(3, message))
+    assert wire.reading == []  # (half the burst)
+    conn.data_received(_call(5, message))  # passes READ_BURST in this pass
+    assert wire.reading == ["pause"]
+    await asyncio.sleep(0)  # the loop's next pass
+    assert wire.reading == ["pause", "resume"]
+    conn.data_received(_call(7, b"after"))  # the count starts again: no pause
+    assert wire.reading == ["pause", "resume"]
+    got: set[int] = set()
+
+    def answered() -> bool:
+        got.update(_answers(wire.frames()))
+        return {1, 3, 5, 7} <= got
+
+    await eventually_async(answered, 5, "every call answered")

@@ -309,6 +309,37 @@ def test_a_client_that_does_not_read_pauses_the_connection() -> None:
                 assert len(read_answer(f).body) == 4_000_000
 
 
+def test_a_connection_sending_at_full_speed_yields_the_loop_each_read_burst(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body arriving at loopback speed is read at most READ_BURST bytes (plus the read that
+    passes it) per loop pass: the connection's reading pauses until the next pass, so other
+    connections' callbacks come between (libuv would read one readable socket up to 32 times,
+    256 KiB each, in one pass). The body still arrives whole."""
+    from meshserve.server.limits import READ_BURST
+    passes = [0]
+    per_pass: dict[tuple[int, int], int] = {}
+    received = http1.server.Connection.data_received
+
+    def counted(conn: Any, data: bytes) -> None:
+        key = (id(conn), passes[0])
+        per_pass[key] = per_pass.get(key, 0) + len(data)
+        received(conn, data)
+
+    monkeypatch.setattr(http1.server.Connection, "data_received", counted)
+    body = b"b" * (24 << 20)
+    with serving() as srv:
+        def tick() -> None:  # once per loop pass
+            passes[0] += 1
+            srv.loop.call_soon(tick)
+        srv.loop.call_soon_threadsafe(tick)
+        with srv.connect(timeout=30) as sock:
+            sender = threading.Thread(target=sock.sendall, args=(post("/flood", body),))
+            sender.start()
+            answer = read_answer(sock.makefile("rb"))
+            sender.join(30)
+        assert answer.status == 200 and answer.body == body
+    assert max(per_pass.values()) <= READ_BURST + (256 << 10), sorted(per_pass.values())[-5:]
+
+
 # ---- malformed and oversized heads ---------------------------------------------------------------
 
 @pytest.mark.parametrize("head", [
