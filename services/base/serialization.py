@@ -35,10 +35,12 @@ class ResponseEncoder:
     """Encodes one model version's responses; holds its classification labels (``labels``: each
     output's, read at load by meshserve/repository/labels.py:read_labels; none until then)."""
 
-    def __init__(self, model: ModelTensors, version: str, labels: Mapping[str, Sequence[str]] | None = None):
+    def __init__(self, model: ModelTensors, version: str):
         self.model = model
         self.version = version
-        self.labels: Mapping[str, Sequence[str]] = labels or {}
+        # set by the load (services/base/core.py:ServiceCore._measured_build), which reads them
+        # before any instance is made; a model without label files keeps none
+        self.labels: Mapping[str, Sequence[str]] = {}
         name = model.name.encode()
         # every response starts with the model's name and version
         self._prefix = (_field(_NAME, name) if name else b"") + (_field(_VERSION, version.encode()) if version else b"")
