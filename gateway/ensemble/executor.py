@@ -23,6 +23,7 @@ from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
 from meshserve.protocol.errors import Code, InferError
+from meshserve.repository.labels import label_of
 from meshserve.server.admission import tenant_cap
 from meshserve.telemetry import tracing
 
@@ -378,8 +379,7 @@ def _relabelled(plan: Plan, name: str, data: bytes) -> bytes:
     """A classified output's "score:index[:label]" entries (the step's, with its model's labels,
     if any) with the ensemble's own labels instead. Triton's rule (core's
     model_lifecycle.cc: an ensemble's output takes the producing step's labels only when its
-    config names none of its own; server's classification.cc: an index past the labels, or an
-    empty label, gets none)."""
+    config names none of its own; which index gets a label: meshserve/repository/labels.py:label_of)."""
     labels = plan.labels[name]
     out = []
     try:
@@ -392,8 +392,7 @@ def _relabelled(plan: Plan, name: str, data: bytes) -> bytes:
         if not score or not index.isdigit():
             raise InferError.internal(f"ensemble '{plan.name}' output '{name}': the step's classification "
                                       f"{entry[:64]!r} is not 'score:index[:label]'")
-        i = int(index)
-        label = labels[i] if i < len(labels) else ""
+        label = label_of(labels, int(index))
         out.append(score + b":" + index + (b":" + label.encode() if label else b""))
     return serialize_bytes(out)
 

@@ -10,6 +10,7 @@ the file is bounded in size (``LABELS_MAX_BYTES``). Errors name the model, the o
 the name the config gave, never a path outside the repository (no resolved path, no content)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from meshserve._proto import model_config_pb2 as mc
@@ -50,3 +51,12 @@ def read_labels(model_dir: Path, config: mc.ModelConfig, max_bytes: int = LABELS
             raise ConfigError("", name, field, f"label file '{shown}' is larger than {max_bytes} bytes")
         out[t.name] = tuple(data.decode("utf-8", errors="replace").splitlines())
     return out
+
+
+def label_of(labels: Sequence[str], index: int) -> str:
+    """The label a classification gives class ``index`` ("" for none: an index past the labels,
+    or an empty label line). Triton's rule: server's classification.cc (AddClassResults) adds
+    ":label" only for a non-null label, and core's InferenceResponse::ClassificationLabel gives
+    null for an empty one. Used by the services' classification and the gateway's relabelling of
+    an ensemble's outputs."""
+    return labels[index] if index < len(labels) else ""

@@ -16,6 +16,7 @@ import numpy as np
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.wire import varint
+from meshserve.repository.labels import label_of
 from services.base.validation import ModelTensors, Pending, TensorSpec
 
 # ModelInferResponse field tags: model_name = 1, model_version = 2, id = 3, outputs = 5,
@@ -134,10 +135,11 @@ class ResponseEncoder:
         out = []
         for r in rows:
             top = np.argsort(-r, kind="stable")[:k]
-            # an index past the labels, or whose label line is empty, gets none (Triton: server's
-            # classification.cc AddClassResults adds ":label" only for a non-null label, and core's
-            # InferenceResponse::ClassificationLabel gives null for an empty one)
-            out.append([f"{r[i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) and labels[i] else "") for i in top])
+            entries = []
+            for i in top:
+                label = label_of(labels, i)  # ("" for none: Triton's rule)
+                entries.append(f"{r[i]:f}:{i}:{label}" if label else f"{r[i]:f}:{i}")
+            out.append(entries)
         res = np.array(out, dtype=np.object_)
         return res if batched else res.reshape((k,))
 
