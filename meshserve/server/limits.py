@@ -23,7 +23,10 @@ MiB = 1 << 20
 # box, tests/adversarial/test_buffers.py::test_chunk_extension_flood). A request of a few KiB
 # never reaches it; a large body pauses once per READ_BURST bytes (one loop pass each). Taken by
 # both front doors: meshserve/server/http1/server.py:Connection._yield_reads and
-# meshserve/server/h2/connection.py:H2Endpoint._yield_reads (the server's connections).
+# meshserve/server/h2/connection.py:H2Endpoint._yield_reads (the server's connections), and by
+# the hop client (meshserve/server/h2/client.py:H2ClientConnection): a service streaming 1 MiB
+# answers held the gateway's loop the same way, 41-95 ms at a time (a good client's p99 72-312 ms
+# during tests/adversarial/test_stream_backlog.py::test_sse_client_that_never_reads; 37-53 ms after).
 READ_BURST = 512 << 10
 
 

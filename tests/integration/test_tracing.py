@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import shutil
 import threading
 import time
 import urllib.error
@@ -107,6 +108,30 @@ def _extra_gateway(traced: TracedStack, *args: str) -> Proc:
     return gateway
 
 
+# small_mlp gathering exactly BURST requests per batch: a full batch runs at once, and none runs
+# before it is full (a 60 s delay, early release off), so the burst below shares one batch
+# however slowly the suite's load lets its requests arrive.
+BURST = 8
+MLP_BURST = f"""name: "mlp_burst"
+platform: "onnxruntime_onnx"
+max_batch_size: {BURST}
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 64 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 64 ] }} ]
+dynamic_batching {{ max_queue_delay_microseconds: 60000000 }}
+parameters {{ key: "meshserve_early_release" value: {{ string_value: "false" }} }}
+"""
+
+
+def _traced_repo(model_repo: Path, repo: Path) -> Path:
+    """The tests' small_mlp and scale, and mlp_burst (small_mlp's graph, MLP_BURST's config)."""
+    for name in ("small_mlp", "scale"):
+        shutil.copytree(model_repo / name, repo / name)
+    (repo / "mlp_burst" / "1").mkdir(parents=True)
+    shutil.copy(model_repo / "small_mlp" / "1" / "model.onnx", repo / "mlp_burst" / "1" / "model.onnx")
+    (repo / "mlp_burst" / "config.pbtxt").write_text(MLP_BURST)
+    return repo
+
+
 @pytest.fixture(scope="module")
 def traced(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedStack]:
     receiver = Receiver()
@@ -115,7 +140,8 @@ def traced(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     env = _otel_env(f"http://127.0.0.1:{port}")
-    service = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0", "--http-port", "0"],
+    repo = _traced_repo(model_repo, tmp_path_factory.mktemp("traced-models"))
+    service = start(["service", "onnx", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0"],
                     env=env)
     try:
         ens = tmp_path_factory.mktemp("traced-ensembles")
@@ -172,13 +198,13 @@ def _complete(trace_id: str):
     return lambda spans: names <= {s.name for s in spans if s.trace_id == trace_id}
 
 
-def _burst(url: str, n: int = 8) -> set[str]:
-    """``n`` concurrent small_mlp requests, each with a sampled traceparent of its own; their trace ids."""
+def _burst(url: str, model: str = "mlp_burst", n: int = BURST) -> set[str]:
+    """``n`` concurrent requests, each with a sampled traceparent of its own; their trace ids."""
     parents = [_traceparent() for _ in range(n)]
     done: list[object] = []
     with grpcclient.InferenceServerClient(url) as c:
         for i, (tp, _, _) in enumerate(parents):
-            c.async_infer("small_mlp", [_mlp_input(i)], lambda result, error, out=done: out.append(error),
+            c.async_infer(model, [_mlp_input(i)], lambda result, error, out=done: out.append(error),
                           headers={"traceparent": tp})
         eventually(lambda: len(done) >= n, what=f"{n} answers")
     assert done == [None] * n
@@ -227,21 +253,15 @@ def test_one_trace_client_gateway_service_batch(traced: TracedStack) -> None:
 
 
 def test_batch_span_links_every_request_that_shared_it(traced: TracedStack) -> None:
-    for _attempt in range(3):  # the 8 must land within small_mlp's 5 ms queue delay
-        trace_ids = _burst(traced.gateway.grpc)
-        spans = traced.receiver.wait(_all_batched(trace_ids))
-        requests = {s.trace_id: s for s in spans if s.name == "service.request" and s.trace_id in trace_ids}
-        assert set(requests) == trace_ids
-        wanted = {(s.trace_id, s.span_id) for s in requests.values()}
-        batches = [s for s in spans if s.name == "service.batch" and set(s.links) & wanted]
-        full = [b for b in batches if wanted <= set(b.links)]
-        if full:
-            assert full[0].attributes["meshserve.batch.size"] == 8
-            assert full[0].attributes["meshserve.batch.requests"] == 8
-            return
-        # every request is linked from exactly one batch span even when they were split
-        assert sorted(lk for b in batches for lk in b.links if lk in wanted) == sorted(wanted)
-    raise AssertionError("8 concurrent requests never shared one batch in 3 attempts")
+    trace_ids = _burst(traced.gateway.grpc)  # (mlp_burst runs them as one batch of BURST: MLP_BURST)
+    spans = traced.receiver.wait(_all_batched(trace_ids))
+    requests = {s.trace_id: s for s in spans if s.name == "service.request" and s.trace_id in trace_ids}
+    assert set(requests) == trace_ids
+    wanted = {(s.trace_id, s.span_id) for s in requests.values()}
+    batches = [s for s in spans if s.name == "service.batch" and set(s.links) & wanted]
+    assert len(batches) == 1 and set(batches[0].links) == wanted, [b.links for b in batches]
+    assert batches[0].attributes["meshserve.batch.size"] == BURST
+    assert batches[0].attributes["meshserve.batch.requests"] == BURST
 
 
 def test_trace_id_returned_http_header_and_grpc_trailer(traced: TracedStack) -> None:
@@ -375,7 +395,7 @@ def merging(traced: TracedStack) -> Iterator[Proc]:
 
 def test_merged_requests_keep_one_trace_each(traced: TracedStack, merging: Proc) -> None:
     for _attempt in range(3):  # the burst must reach the coalescer while the first request is out
-        trace_ids = _burst(merging.grpc)
+        trace_ids = _burst(merging.grpc, "small_mlp")
         spans = traced.receiver.wait(_all_batched(trace_ids))
         by_trace: dict[str, dict[str, Span]] = {t: {} for t in trace_ids}
         for s in spans:

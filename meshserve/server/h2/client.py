@@ -42,6 +42,7 @@ from meshserve.server.h2.frames import (
     literal,
     md_value,
 )
+from meshserve.server.limits import READ_BURST
 from meshserve.server.tls import Reader
 
 log = logging.getLogger("meshserve.grpc.h2client")
@@ -177,6 +178,8 @@ MAX_RESPONSE_BYTES = 1 << 30
 
 
 class H2ClientConnection(H2Endpoint):
+    read_burst = READ_BURST  # (H2Endpoint._yield_reads: a service answering at loopback speed yields the loop past it)
+
     def __init__(self, authority: str, max_receive: int = MAX_RESPONSE_BYTES):
         super().__init__()
         self.authority = authority.encode()

@@ -75,8 +75,8 @@ class H2Endpoint(asyncio.Protocol):
     # (ServerLimits.conn_receive_buffer_bytes) and gives bytes back only as handlers take them.
     conn_window = LOCAL_CONN_WINDOW
     # Bytes a connection's reads take before the loop serves the others (0: no bound; the
-    # server's: meshserve/server/http1/server.py:READ_BURST, the same rule as its HTTP/1.1
-    # connections): past them, reading pauses until the loop's next pass (``_yield_reads``).
+    # server's and the client's: meshserve/server/limits.py:READ_BURST, the same rule as the
+    # HTTP/1.1 connections): past them, reading pauses until the loop's next pass (``_yield_reads``).
     read_burst = 0
 
     def __init__(self) -> None:

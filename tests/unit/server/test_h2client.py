@@ -14,12 +14,14 @@ import contextlib
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 
 from meshserve.server.h2 import (
@@ -33,6 +35,7 @@ from meshserve.server.h2 import (
     stream_stream,
     unary_unary,
 )
+from meshserve.server.h2.frames import ACK, DATA, END_HEADERS, END_STREAM, HEADERS, SETTINGS, frame
 from tests.support import eventually_async as until
 from tests.support import loop_passes
 from tests.unit.server.h2_support import BaseProbe, MiB, method_path
@@ -295,6 +298,94 @@ async def test_bidi_empty_one_byte_and_20_mib_messages(srv: Srv, conn: H2ClientC
     other.send(b"small")
     assert await other.received(1) == [b"small"]
     assert call.closes == other.closes == []
+
+
+def _flooding_server(message: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A raw HTTP/2 peer in a thread of its own (so it writes while the test's loop reads, as a
+    service process does): its SETTINGS, then, once the client's first HEADERS arrive, stream 1's
+    answer (``message`` as one gRPC message in 1 MiB DATA frames, then OK trailers) in one
+    sendall, at loopback speed. What the client sends is read and dropped."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    encoder = hpack.Encoder()
+    head = encoder.encode([(":status", "200"), ("content-type", "application/grpc")])
+    trailers = encoder.encode([("grpc-status", "0")])
+    body = b"\0" + struct.pack(">I", len(message)) + message
+    answer = (frame(SETTINGS, ACK, 0) + frame(HEADERS, END_HEADERS, 1, head)
+              + b"".join(frame(DATA, 0, 1, body[i:i + MiB]) for i in range(0, len(body), MiB))
+              + frame(HEADERS, END_HEADERS | END_STREAM, 1, trailers))
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            sock.sendall(frame(SETTINGS, 0, 0))
+            seen = b""
+            while True:  # the preface, then frames, until stream 1's HEADERS
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    return
+                seen += chunk
+                pos, found = 24, False
+                while pos + 9 <= len(seen):
+                    n = int.from_bytes(seen[pos:pos + 3], "big")
+                    found = found or (seen[pos + 3] == HEADERS and int.from_bytes(seen[pos + 5:pos + 9], "big") == 1)
+                    pos += 9 + n
+                if found:
+                    break
+            sock.sendall(answer)
+            while sock.recv(1 << 16):  # (the client's window updates, until it closes)
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_large_answer_is_read_at_most_a_read_burst_per_loop_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server answering at loopback speed is read at most READ_BURST bytes (plus the read that
+    passes it) per loop pass, on uvloop as in production: the connection's reading pauses until
+    the next pass, so the process's other connections' callbacks come between (libuv would read
+    one readable socket up to 32 times, 256 KiB each, in one pass: the gateway's loop was held by
+    a python service streaming 1 MiB answers, tests/adversarial/test_stream_backlog.py). The
+    answer still arrives whole."""
+    uvloop = pytest.importorskip("uvloop")
+    from meshserve.server.limits import READ_BURST
+    passes = [0]
+    per_pass: dict[int, int] = {}
+    received = H2ClientConnection.data_received
+
+    def counted(c: H2ClientConnection, data: bytes) -> None:
+        per_pass[passes[0]] = per_pass.get(passes[0], 0) + len(data)
+        received(c, data)
+
+    monkeypatch.setattr(H2ClientConnection, "data_received", counted)
+    message = os.urandom(12 * MiB)  # (within the client's 16 MiB stream window: sent without waiting)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        listener, thread = _flooding_server(message)
+        running = [True]
+
+        def tick() -> None:  # once per loop pass
+            passes[0] += 1
+            if running[0]:
+                loop.call_soon(tick)
+
+        conn = await connect(f"127.0.0.1:{listener.getsockname()[1]}", timeout=5)
+        try:
+            loop.call_soon(tick)
+            call = Call(conn, "Echo")
+            call.send(b"go")
+            assert await call.received(1, timeout=60) == [message]
+            assert await call.closed() == (OK, "")
+        finally:
+            running[0] = False
+            conn.close()
+            listener.close()
+            await asyncio.to_thread(thread.join, 10)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(asyncio.wait_for(scenario(), 60))
+    assert max(per_pass.values()) <= READ_BURST + (256 << 10), sorted(per_pass.values())[-5:]
 
 
 # ---- 2. many streams on one connection -----------------------------------------------------------
