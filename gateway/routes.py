@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from gateway.routing.ab import Route, Routes, Target, parse_routes
+from gateway.routing.ab import Route, Routes, parse_routes
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import InferError
@@ -21,6 +21,7 @@ from meshserve.server.core import InferResult, RequestContext
 from meshserve.telemetry import tracing
 
 if TYPE_CHECKING:
+    from gateway.routing.routes_file import Target
     from gateway.upstream.upstream import Upstream
 
 log = logging.getLogger("meshserve.gateway.routes")

@@ -29,6 +29,7 @@ from meshserve.server.process import parse_ready_line
 from meshserve.server.workers import DEFAULT_WORKERS, die_with_parent
 
 _LOAD_COMMANDS = ("load", "tune")  # load/ package, imported on use
+_COMMANDS = ("up", "gateway", "service", "hop-key", "build-trt", "placement", "check-repo", *_LOAD_COMMANDS)
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
 
@@ -457,11 +458,8 @@ Press Ctrl-C to stop.""", flush=True)
         print("meshserve up: stopped", flush=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    up = sub.add_parser("up", help="run the services and the gateway locally on one repository")
+def _up_arguments(up: argparse.ArgumentParser) -> None:
+    """`meshserve up`'s arguments (with the gateway's and the services' definitions it passes on)."""
     up.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
     up.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     up.add_argument("--http-port", type=int, default=8000)
@@ -474,7 +472,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gateway-workers", type=int, default=DEFAULT_WORKERS, metavar="N",
                     help="gateway processes sharing its ports (`meshserve gateway --workers`)")
     add_server_name_argument(up)
-    from gateway.main import add_arguments as gateway_arguments
     from gateway.main import add_tenant_arguments
     from meshserve.server import repository_control
 
@@ -483,7 +480,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_arguments(up)  # --cache-config, passed on to the gateway
     repository_control.add_arguments(up)
-    from services.base.main import add_arguments as service_arguments
     from services.base.main import add_bls_key_argument, add_bls_tls_arguments
 
     add_bls_key_argument(up)
@@ -515,13 +511,37 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replicas each lazily loaded model is placed on")
     up.set_defaults(func=_cmd_up)
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line's parser; with ``command`` (the subcommand a command line names,
+    ``command_of``), only that subcommand's arguments are defined, the others' left empty: `up`'s
+    and `gateway`'s definitions import the gateway's package, `up`'s and `service`'s the services',
+    so a `service` process would import the whole gateway (pydantic, yaml, its stages) and a
+    `gateway` the services' core for nothing (docs/perf/suite-time.md). The chosen subcommand's
+    parser, and so its parsing, help and errors, is the same either way."""
+    ap = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def full(name: str) -> bool:
+        return command is None or command == name
+
+    up = sub.add_parser("up", help="run the services and the gateway locally on one repository")
+    if full("up"):
+        _up_arguments(up)
+
     gw = sub.add_parser("gateway", help="run the gateway")
-    gateway_arguments(gw)
+    if full("gateway"):
+        from gateway.main import add_arguments as gateway_arguments
+
+        gateway_arguments(gw)
     gw.set_defaults(func=_cmd_gateway)
 
     svc = sub.add_parser("service", help="run one backend service")
-    svc.add_argument("kind", choices=sorted(k.name for k in kinds.KINDS))
-    service_arguments(svc)
+    if full("service"):
+        from services.base.main import add_arguments as service_arguments
+
+        svc.add_argument("kind", choices=sorted(k.name for k in kinds.KINDS))
+        service_arguments(svc)
     svc.set_defaults(func=_cmd_service)
 
     hk = sub.add_parser("hop-key", help="write a new hop key for `gateway` and `service` --hop-key-file "
@@ -562,13 +582,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word, where that is one), or None (no word, an
+    option such as --help, or a word that is none: the parser then says so, over all of them)."""
+    return argv[0] if argv and argv[0] in _COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _LOAD_COMMANDS:  # own argument parsers (argparse REMAINDER drops leading flags)
         _run_load_command(argv[0], argv[1:])
         return
-    args = build_parser().parse_args(argv)
+    args = build_parser(command_of(argv)).parse_args(argv)
     args.raw_argv = argv  # `meshserve gateway --workers N` starts its workers with these
     args.func(args)
 

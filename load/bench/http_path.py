@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import gc
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -218,18 +219,22 @@ def timed(a: argparse.Namespace) -> list[float]:
 
 def instructions(a: argparse.Namespace) -> int:
     """Instructions per request: the run with ``n`` requests per round minus the run with none.
-    The run with none is taken before and after the other and the smaller kept: a cost paid once
-    by whichever process comes first (a fresh clone's CI once counted the empty run ~58M
-    instructions above its usual, and the difference came out negative) is not a request's."""
+    A cost paid once by whichever process comes first is not a request's: a fresh clone's CI once
+    counted its first run ~58M instructions above its usual (the bytecode caches of every module
+    it imports written then; the difference came out negative). So the run with none goes once
+    without valgrind first (it imports and writes what the counted runs read), then once under
+    callgrind, then the run with ``n``. (Until 2026-11-30 the run with none was counted before and
+    after the other and the smaller kept: a third start-up under callgrind, ~25 s on a 2-core CI
+    machine, for the same guard; docs/perf/suite-time.md.)"""
     if not callgrind.available():
         raise SystemExit("--instructions needs valgrind, which is not installed")
     base = [sys.executable, "-m", "load.bench.http_path", "--what", a.what, "-m", a.model, "--body", a.body,
             "--rounds", str(a.rounds)]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT)}
+    subprocess.run([*base, "-n", "0"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, check=True)
     with tempfile.TemporaryDirectory() as tmp:
-        before = callgrind.run_total([*base, "-n", "0"], Path(tmp) / "cg.0", ROOT, env)
+        empty = callgrind.run_total([*base, "-n", "0"], Path(tmp) / "cg.0", ROOT, env)
         full = callgrind.run_total([*base, "-n", str(a.requests)], Path(tmp) / "cg.n", ROOT, env)
-        empty = min(before, callgrind.run_total([*base, "-n", "0"], Path(tmp) / "cg.0b", ROOT, env))
     return (full - empty) // (a.rounds * a.requests)
 
 

@@ -14,7 +14,6 @@ Triton 2.51 where the source left them open. The worker installs the connection 
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -23,9 +22,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import asyncio
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -683,6 +685,8 @@ class InferenceRequest:
 
     def async_exec(self, decoupled: bool = False) -> asyncio.Future[Any]:
         """``exec`` as an awaitable, for ``async def execute`` (run on a thread of the worker)."""
+        import asyncio  # (here: a worker imports asyncio only for a model that awaits; docs/perf/suite-time.md)
+
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(None, self.exec, decoupled)
 

@@ -14,7 +14,7 @@ runs the model's ``auto_complete_config`` on it and prints the result (services/
 """
 from __future__ import annotations
 
-import asyncio
+import collections.abc
 import ctypes
 import importlib.util
 import json
@@ -28,16 +28,24 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from services.python import pb_utils
 from services.python.ipc import Channel, Region, RegionReader, RegionWriter, TensorRef, aligned, region_ref
 
+if TYPE_CHECKING:
+    import asyncio
+
 log = logging.getLogger("meshserve.python.worker")
+
+# every type asyncio.iscoroutine takes (3.11: these three; 3.12 on: without GeneratorType) or
+# more: what is none of them is no coroutine, and asyncio need not be imported to say so
+_MAYBE_COROUTINE = (types.CoroutineType, types.GeneratorType, collections.abc.Coroutine)
 
 # (key, request_id, correlation_id, flags, timeout (µs), parameters JSON, requested output names, inputs)
 RequestMeta = tuple[int, str, "int | str", int, int, str, list[str], list[TensorRef]]
@@ -174,6 +182,10 @@ class Worker:
 
     def _maybe_await(self, value: Any) -> Any:
         """Run a coroutine (``async def execute``/``initialize``) to completion on the worker's loop."""
+        if not isinstance(value, _MAYBE_COROUTINE):
+            return value
+        import asyncio  # (only for a model that needs it: ~15% of a worker's start, docs/perf/suite-time.md)
+
         if not asyncio.iscoroutine(value):
             return value
         if self._loop is None:
