@@ -5,6 +5,13 @@
 # and how long it took: no silent minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The suite starts a great many Python processes (services, gateways, python-backend workers,
+# load tools). Where the shell sets PYTHONDONTWRITEBYTECODE (this project's dev machines do), each
+# of them compiled every module of ours it imports, at every start: importing gateway.main and
+# services.base.main took 0.80-1.00 s of CPU so, 0.44-0.58 s with the caches written (three runs
+# each, docs/perf/suite-time.md). The caches go to __pycache__/ (git-ignored); the repository
+# poll's fingerprint reads only a version folder's files, not its folders (services/base/control.py).
+unset PYTHONDONTWRITEBYTECODE
 KSERVE_VERSION=0.21.0  # the newest when this was written; the test drives its REST and gRPC clients
 
 # step WHAT CMD...: "test.sh: WHAT", CMD's output indented as it comes, then "WHAT: done in N s"
