@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway import yaml_file
 from gateway.quotas.bucket import Limits
 
 
@@ -84,8 +84,4 @@ class TenantsFile(BaseModel):
 
 def parse(text: str, source: str = "tenants.yaml") -> TenantsFile:
     """Parse and validate; errors name the file and the offending field."""
-    try:
-        data = yaml.safe_load(text) or {}
-        return TenantsFile.model_validate(data)
-    except (yaml.YAMLError, ValidationError) as exc:
-        raise ValueError(f"{source}: {exc}") from None
+    return yaml_file.parse(TenantsFile, text, source)

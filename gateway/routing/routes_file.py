@@ -2,9 +2,9 @@
 gateway has a routes file (docs/perf/suite-time.md)."""
 from __future__ import annotations
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway import yaml_file
 from meshserve.repository.names import NAME_RULE, is_valid_model_name
 
 
@@ -95,7 +95,4 @@ class RoutesFile(BaseModel):
 
 
 def parse(text: str, source: str = "routes.yaml") -> RoutesFile:
-    try:
-        return RoutesFile.model_validate(yaml.safe_load(text) or {})
-    except (yaml.YAMLError, ValidationError) as exc:
-        raise ValueError(f"{source}: {exc}") from None
+    return yaml_file.parse(RoutesFile, text, source)

@@ -2,9 +2,9 @@
 when a gateway has a discovery file (docs/perf/suite-time.md)."""
 from __future__ import annotations
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway import yaml_file
 from gateway.upstream.pool import split_endpoint
 
 
@@ -34,7 +34,4 @@ class DiscoveryFile(BaseModel):
 
 
 def parse(text: str, source: str = "discovery.yaml") -> DiscoveryFile:
-    try:
-        return DiscoveryFile.model_validate(yaml.safe_load(text) or {})
-    except (yaml.YAMLError, ValidationError) as exc:
-        raise ValueError(f"{source}: {exc}") from None
+    return yaml_file.parse(DiscoveryFile, text, source)
