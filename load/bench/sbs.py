@@ -46,7 +46,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from load.bench import procs
+from tests.support.net import free_port as free_port  # (client_cost uses sbs.free_port)
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(os.environ.get("BENCH_DIR", ROOT.parent / "shared" / "bench"))
@@ -66,12 +66,6 @@ Key = tuple[str, str, int]
 
 def env_list(name: str, default: str) -> str:
     return os.environ.get(name, default).replace(" ", ",")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- /proc ---------------------------------------------------------------------------------------

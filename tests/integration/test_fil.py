@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ROOT, Proc, service_and_gateway
 from tests.models import fil  # the libraries it builds with are imported by build()
+from tests.support.net import free_port
 from tests.support.up import meshserve_up
 
 pytest.importorskip("treelite", reason="the fil tests need the [fil] extra (treelite, tl2cgen, xgboost, lightgbm)")
@@ -162,7 +162,7 @@ def test_meshserve_up_starts_the_fil_service(stack: FilStack, tmp_path: Path) ->
     """`meshserve up` finds the kind from the registry row: one fil service, models served."""
     repo = tmp_path / "repo"
     shutil.copytree(stack.repo / "lgb_regression", repo / "lgb_regression")
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     with meshserve_up("--repository", str(repo), "--metrics-port", "-1", "--http-port", str(ports[0]),
                       "--grpc-port", str(ports[1]), timeout=120) as up:
         assert "starting the fil service" in up.banner and "1 service process(es)" in up.banner, up.banner
@@ -170,8 +170,3 @@ def test_meshserve_up_starts_the_fil_service(stack: FilStack, tmp_path: Path) ->
             fil.check(stack.models["lgb_regression"], _infer(c, "grpc", "lgb_regression", fil.rows()))
         assert up.stop(signal.SIGTERM) == 0  # a clean exit on SIGTERM
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ import asyncio
 import csv
 import os
 import signal
-import socket
 import subprocess
 import threading
 import warnings
@@ -27,6 +26,7 @@ from tests.conftest import Proc, _wait_http_ready, start, start_all
 from tests.models import python_models
 from tests.support import models
 from tests.support.metrics import sample, scrape
+from tests.support.net import free_port
 from tests.support.waiting import eventually
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
@@ -41,11 +41,6 @@ class Mesh:
     gateway: Proc
     repo: Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +63,7 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         models.write(ts_repo, "ts_add_sub", models.pair_config(
             "ts_add_sub", "pytorch_libtorch", W, ("INPUT__0", "INPUT__1"), ("OUTPUT__0", "OUTPUT__1")),
             {1: models.torch_add_sub(W)}, "model.pt")
-    gateway_grpc = _free_port()
+    gateway_grpc = free_port()
     procs: list[Proc] = []
     try:
         procs += start_all(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",

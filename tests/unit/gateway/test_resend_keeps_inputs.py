@@ -8,7 +8,6 @@ docs/perf/side-by-side-round-3.md, "What remains", whose cause was the load gene
 """
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,13 +20,8 @@ from gateway.upstream.merging import merge
 from gateway.upstream.pool import ReplicaPool
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
+from tests.support.net import refused_address
 from tests.unit.gateway.support import stream_service
-
-
-def _refused() -> str:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _request(value: float, rid: str) -> pb.ModelInferRequest:
@@ -78,7 +72,7 @@ async def _two_replicas(dead: str, alive: str, monkeypatch: pytest.MonkeyPatch) 
 async def test_a_client_request_sent_again_keeps_its_inputs(
         recording: tuple[str, list[pb.ModelInferRequest]], monkeypatch: pytest.MonkeyPatch) -> None:
     alive, got = recording
-    upstream = await _two_replicas(_refused(), alive, monkeypatch)
+    upstream = await _two_replicas(refused_address(), alive, monkeypatch)
     try:
         request = _request(3.0, "c1")
         raw = request.SerializeToString()
@@ -95,7 +89,7 @@ async def test_a_client_request_sent_again_keeps_its_inputs(
 async def test_a_merged_request_sent_again_keeps_every_member_s_inputs(
         recording: tuple[str, list[pb.ModelInferRequest]], monkeypatch: pytest.MonkeyPatch) -> None:
     alive, got = recording
-    upstream = await _two_replicas(_refused(), alive, monkeypatch)
+    upstream = await _two_replicas(refused_address(), alive, monkeypatch)
     try:
         members = [_request(float(i), f"r{i}") for i in range(3)]
         merged = merge(members, [1, 1, 1])

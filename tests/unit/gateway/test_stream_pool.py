@@ -7,7 +7,6 @@ back), and requests that come in once the connection is up must not overtake the
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from gateway.upstream.stream import NotSent, StreamPool
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
+from tests.support.net import refused_address
 from tests.unit.gateway.support import stream_service
 
 
@@ -54,10 +54,9 @@ async def test_requests_keep_their_order_across_the_first_connect(service: tuple
 
 
 async def test_a_refused_connect_fails_the_waiting_requests_as_not_sent() -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    pool = StreamPool(f"127.0.0.1:{port}")
+    address = refused_address()
+    port = int(address.rsplit(":", 1)[1])
+    pool = StreamPool(address)
     try:
         calls = [asyncio.ensure_future(pool.infer(_request(i), f"client-{i}", 10)) for i in range(3)]
         for call in calls:

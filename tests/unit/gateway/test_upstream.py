@@ -7,7 +7,6 @@ channel, which an infer does not use.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,6 +20,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop
 from meshserve.protocol.errors import Code, InferError
 from tests.support import eventually_async, loop_passes
+from tests.support.net import refused_address
 from tests.unit.gateway.support import stream_service
 
 
@@ -37,12 +37,6 @@ async def unavailable() -> AsyncIterator[str]:
 
     async with stream_service(stream_infer) as endpoint:
         yield endpoint
-
-
-def _refused() -> str:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @asynccontextmanager
@@ -69,7 +63,7 @@ async def _send_pinned(upstream: Upstream, endpoint: str) -> InferError:
 
 
 async def test_an_answer_on_the_stream_is_not_retried_and_keeps_the_replica(unavailable: str) -> None:
-    async with _upstream(unavailable, _refused()) as upstream:
+    async with _upstream(unavailable, refused_address()) as upstream:
         err = await _send_pinned(upstream, unavailable)
         # the service's own answer, from the replica that gave it; the other was never tried
         assert err.code is Code.UNAVAILABLE and err.message == "model 'm' is not ready"
@@ -81,7 +75,7 @@ async def test_an_answer_on_the_stream_is_not_retried_and_keeps_the_replica(unav
 
 
 async def test_a_request_never_written_goes_to_another_replica(unavailable: str) -> None:
-    refused = _refused()
+    refused = refused_address()
     async with _upstream(refused, unavailable) as upstream:
         err = await _send_pinned(upstream, refused)
         assert err.message == "model 'm' is not ready"  # the second replica's answer

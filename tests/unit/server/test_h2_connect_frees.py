@@ -4,17 +4,9 @@ holds, so without care every failed reconnect kept the connect's frame and its p
 until the next collection (tests/support/cycles.py; docs/security.md, "Session 11: error cycles")."""
 from __future__ import annotations
 
-import socket
-
 from meshserve.server.h2.client import connect
 from tests.support.cycles import collector_off, cyclic_frames
-
-
-def _refused() -> str:
-    """An address nothing listens on (a port just released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+from tests.support.net import refused_address
 
 
 async def _fails(endpoint: str) -> str:
@@ -26,7 +18,7 @@ async def _fails(endpoint: str) -> str:
 
 
 async def test_a_refused_connect_leaves_no_cycle() -> None:
-    endpoint = _refused()
+    endpoint = refused_address()
     with collector_off():
         for _ in range(3):
             assert await _fails(endpoint) == "ConnectionRefusedError"
