@@ -209,10 +209,20 @@ def _stop_all(children: list[Child], timeout: float = 20.0) -> None:
             c.proc.wait()
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
+def _reserve_port(host: str) -> socket.socket:
+    """A port on ``host`` held for the gateway until it is listening: bound with SO_REUSEADDR and
+    never listening, so the gateway (which binds with SO_REUSEADDR too) can bind and listen on it,
+    while neither an outgoing connection's local port nor another bind of port 0 can take it in
+    the seconds the services take to start. (Picking a port and closing the socket left it free
+    to be taken: a test run lost a gateway's gRPC port that way, `address already in use`.)"""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 def _loopback(host: str) -> str:
@@ -395,14 +405,17 @@ def _cmd_up(args: argparse.Namespace) -> None:
               "reach the gateway's gRPC port without a client certificate and will be refused (docs/security.md)",
               flush=True)
     # python models call other models (BLS) through the gateway: its gRPC port must be known
-    # before the services start, so a port of 0 is picked here
-    gateway_grpc = args.grpc_port or _free_port(args.host)
+    # before the services start, so a port of 0 is picked here and held until the gateway listens
+    reserved = None if args.grpc_port else _reserve_port(args.host)
+    gateway_grpc = int(reserved.getsockname()[1]) if reserved is not None else args.grpc_port
     # the run directory (0700, removed at exit): the hop's throwaway key or mesh CA
     mesh_dir = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
     try:
         service_tls, gateway_hop = _hop_auth(args, mesh_dir)
     except BaseException:
         shutil.rmtree(mesh_dir, ignore_errors=True)
+        if reserved is not None:
+            reserved.close()
         raise
     try:
         for kind in runnable:
@@ -429,6 +442,8 @@ def _cmd_up(args: argparse.Namespace) -> None:
                                     *sum((["--upstream", u] for u in upstreams), [])])
         children = [gateway, *services]
         gateway.wait_ready(args.timeout)
+        if reserved is not None:
+            reserved.close()  # the gateway listens on it now
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
         scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
@@ -454,6 +469,8 @@ Press Ctrl-C to stop.""", flush=True)
     finally:
         print("meshserve up: stopping…", flush=True)
         _stop_all(children or services)
+        if reserved is not None:
+            reserved.close()
         shutil.rmtree(mesh_dir, ignore_errors=True)
         print("meshserve up: stopped", flush=True)
 

@@ -45,8 +45,11 @@ def _triton_metrics_on_the_printed_url(banner: str) -> None:
 
 
 def test_up_serves_examples_and_stops_cleanly() -> None:
-    http_port, grpc_port = free_port(), free_port()
-    with meshserve_up("--metrics-port", "0", "--http-port", str(http_port), "--grpc-port", str(grpc_port)) as up:
+    http_port = free_port()
+    # a gRPC port of 0: `up` picks the gateway's port before the python service starts (its BLS
+    # calls go there) and holds it until the gateway listens (cli.py:_reserve_port)
+    with meshserve_up("--metrics-port", "0", "--http-port", str(http_port), "--grpc-port", "0") as up:
+        grpc_port = up.ports["grpc"]
         text = up.banner
         assert f"http://localhost:{http_port}/v2" in text and "curl" in text
         assert "starting the python service" in text  # for add_sub_bls (backend "python")
