@@ -18,8 +18,9 @@ from meshserve.protocol import hop, wire
 from meshserve.protocol.errors import Code, InferError
 from meshserve.telemetry import tracing
 from tests.support.cycles import collector_off, cyclic_frames
+from tests.support.net import refused_address
 from tests.unit.gateway.support import stream_service
-from tests.unit.gateway.test_upstream import _refused, _upstream, unavailable
+from tests.unit.gateway.test_upstream import _upstream, unavailable
 
 __all__ = ["unavailable"]  # (the fixture)
 
@@ -36,7 +37,7 @@ async def _failed(upstream: Upstream, endpoint: str) -> tuple[Code, str]:
 
 
 async def test_a_refused_request_and_its_retry_leave_no_cycle(unavailable: str) -> None:
-    refused = _refused()
+    refused = refused_address()
     async with _upstream(refused, unavailable) as upstream:
         await _failed(upstream, refused)  # (connects, and fails to: asyncio.wait_for's own cycle, not a request's)
         with collector_off():
