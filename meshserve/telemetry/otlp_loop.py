@@ -23,6 +23,7 @@ of their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -160,18 +161,32 @@ class LoopExportQueue:
         loop = self._loop
         if loop is None or loop.is_closed():
             try:
-                loop = self._loop = asyncio.get_running_loop()
+                loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (yet): sent by a later flush, or at exit
                 self._spans.append(self._encoded(span))
                 return
-            self._loop_thread = threading.get_ident()
-            self._encode_pending = False  # a closed loop's timer never fires: schedule on this one
+            self._adopt(loop)
         if threading.get_ident() != self._loop_thread:
             loop.call_soon_threadsafe(self._queue_ended, span)
         else:
             self._queue_ended(span)
 
     on_record = on_end
+
+    def _adopt(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from ``loop`` (this thread's) from now on. What belonged to the loop before it,
+        now closed, is forgotten: its timers never fire (an encode or a schedule-delay timer still
+        marked as armed held every later span back), and its connection is that loop's (an export
+        on it from this one never completes). A process may run loops in turn: tests, a CLI."""
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._encode_pending = False
+        self._timer = None
+        self._sending = False  # (a send in flight was cancelled with its loop: counted as dropped)
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the socket is closed here
+                channel.close()
 
     # ---- what is waiting (tests and diagnostics read these instead of the lists) ------------
     def queued(self) -> list[bytes]:
@@ -251,6 +266,9 @@ class LoopExportQueue:
     async def _send(self, batch: list[tuple[Scope, bytes]]) -> None:
         try:
             await self._export(batch)
+        except asyncio.CancelledError:  # its loop is closing (asyncio.run ends): counted, not sent
+            self.dropped += len(batch)
+            raise
         finally:
             self._sending = False
             self._poke()

@@ -199,3 +199,57 @@ class socket_bound:  # a context manager named for what it holds
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+def test_a_loop_closed_with_its_export_timer_pending_does_not_hold_up_the_next(receiver: tuple[_Receiver, int]) -> None:
+    """The first loop encodes span 1 and arms the schedule-delay timer, then closes before it is
+    due: that timer never fires, and the second loop's spans must not wait on it (they did: the
+    queue saw a timer and armed none, and nothing was sent again)."""
+    servicer, port = receiver
+    queue = _queue(port, OTEL_BSP_SCHEDULE_DELAY="300")
+
+    async def first() -> None:
+        _end(queue, 1)
+        await eventually_async(lambda: queue.queued())  # encoded: the 300 ms timer is armed on this loop
+
+    async def second() -> None:
+        _end(queue, 2)
+        _end(queue, 3)
+        await eventually_async(lambda: sorted(servicer.names()) == ["s1", "s2", "s3"])
+        await eventually_async(lambda: queue.exported == 3)
+
+    asyncio.run(first())
+    asyncio.run(second())
+    assert queue.dropped == 0
+
+
+def test_the_next_loop_exports_on_a_connection_of_its_own(receiver: tuple[_Receiver, int]) -> None:
+    """An export on the first loop leaves its connection behind, bound to that (closed) loop: the
+    second loop's export must open its own."""
+    servicer, port = receiver
+    queue = _queue(port, OTEL_BSP_SCHEDULE_DELAY="20", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1")
+
+    async def run(i: int) -> None:
+        _end(queue, i)
+        await eventually_async(lambda: queue.exported == i, what=f"span {i} exported")
+
+    asyncio.run(run(1))
+    asyncio.run(run(2))
+    assert servicer.names() == ["s1", "s2"] and queue.dropped == 0
+
+
+def test_an_export_cut_short_by_its_loop_closing_counts_its_spans_as_dropped() -> None:
+    """A collector that accepts and never answers: the loop closes (asyncio.run ends) with the
+    export in flight; its span is counted once, as dropped, not lost from the counts."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listening, never answering
+        queue = _queue(silent.getsockname()[1], OTEL_BSP_SCHEDULE_DELAY="20", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="1")
+
+        async def main() -> None:
+            _end(queue, 1)
+            await eventually_async(lambda: not queue.queued() and queue.deferred_jobs() == 0
+                                   and queue._sending)  # taken for export, in flight
+
+        asyncio.run(main())
+        assert (queue.exported, queue.dropped) == (0, 1)
