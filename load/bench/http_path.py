@@ -15,10 +15,11 @@ Bodies: ``binary`` (tensors after the JSON header), ``json`` (tritonclient's all
 ``json-pa`` (perf_analyzer's: JSON with ``Inference-Header-Content-Length`` = its length). Models:
 ``add_sub`` (two FP32 inputs of 16) and ``mlp`` (one FP32 input of 512), as the bench models.
 
-``--instructions``: the same run under callgrind with ``-n`` requests per round and with none;
-the difference over ``rounds × n`` is the path's user-space instructions per request (a count that
-repeats on a busy machine; start-up objects are frozen out of the collector so that a full
-collection does not fall in one run and not the other). ``--profile``: cProfile of one round.
+``--instructions``: the same work in one process under callgrind, counted in two windows after
+its warm-up, one of ``rounds × n`` requests and one of none; the difference over ``rounds × n`` is
+the path's user-space instructions per request (a count that repeats on a busy machine; start-up
+objects are frozen out of the collector so that a full collection does not fall in one window and
+not the other). ``--profile``: cProfile of one round.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="cProfile one round instead of timing")
     ap.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
+    ap.add_argument("--counted-windows", action="store_true", help=argparse.SUPPRESS)  # (instructions' child)
     return ap.parse_args(argv)
 
 
@@ -217,31 +219,98 @@ def timed(a: argparse.Namespace) -> list[float]:
     return uvloop.run(_run_front_door(a))
 
 
+def _windows() -> Iterator[int]:
+    """The measured process's side of ``instructions``: says "ready" and reads how many requests
+    per round the next window runs, until its stdin closes."""
+    while True:
+        print("ready", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield int(line)
+
+
+def _counted(a: argparse.Namespace) -> None:
+    """``--instructions``' measured process (run under callgrind, instrumentation off until
+    ``instructions`` turns it on): the warm-up, then one window per line on stdin."""
+    if a.what == "codec":
+        one = codec(a.model, a.body)
+        for i in range(20):
+            one(i)
+        gc.freeze()
+        for k in _windows():
+            for _ in range(a.rounds):
+                for i in range(k):
+                    one(i)
+        return
+    import uvloop
+
+    async def run() -> None:
+        one = front_door(a.model, a.body)
+        for _ in range(200):
+            await one()
+        gc.freeze()
+        for k in _windows():
+            for _ in range(a.rounds):
+                for _ in range(k):
+                    await one()
+
+    uvloop.run(run())
+
+
 def instructions(a: argparse.Namespace) -> int:
-    """Instructions per request: the run with ``n`` requests per round minus the run with none.
-    A cost paid once by whichever process comes first is not a request's: a fresh clone's CI once
-    counted its first run ~58M instructions above its usual (the bytecode caches of every module
-    it imports written then; the difference came out negative). So the run with none goes once
-    without valgrind first (it imports and writes what the counted runs read), then once under
-    callgrind, then the run with ``n``. (Until 2026-11-30 the run with none was counted before and
-    after the other and the smaller kept: a third start-up under callgrind, ~25 s on a 2-core CI
-    machine, for the same guard; docs/perf/suite-time.md.)"""
+    """Instructions per request: one process under callgrind with its instrumentation off while
+    it starts and warms up; then two windows counted with ``callgrind_control`` (zeroed and turned
+    on, then off and dumped), one of no requests and one of ``rounds × n``: the difference over
+    ``rounds × n``. The start-up is never counted, so nothing it does once (importing, writing
+    bytecode caches: a fresh clone's first run once counted ~58M instructions more) enters the
+    count, and the windows' own hand-over (a line each way on a pipe) cancels out. (Until
+    2026-11-30 two whole runs were counted, with none and with ``n``, each start-up instrumented:
+    ~40 s for the suite's test on this 2-core machine; docs/perf/suite-time.md.)"""
     if not callgrind.available():
         raise SystemExit("--instructions needs valgrind, which is not installed")
-    base = [sys.executable, "-m", "load.bench.http_path", "--what", a.what, "-m", a.model, "--body", a.body,
-            "--rounds", str(a.rounds)]
+    argv = [sys.executable, "-m", "load.bench.http_path", "--what", a.what, "-m", a.model, "--body", a.body,
+            "--rounds", str(a.rounds), "--counted-windows"]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT)}
-    subprocess.run([*base, "-n", "0"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, check=True)
+    totals = []
     with tempfile.TemporaryDirectory() as tmp:
-        empty = callgrind.run_total([*base, "-n", "0"], Path(tmp) / "cg.0", ROOT, env)
-        full = callgrind.run_total([*base, "-n", str(a.requests)], Path(tmp) / "cg.n", ROOT, env)
-    return (full - empty) // (a.rounds * a.requests)
+        out = Path(tmp) / "cg"
+        proc = subprocess.Popen([*callgrind.command(out, instr_at_start=False), *argv], cwd=ROOT, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+
+        def ready() -> None:  # (after its warm-up, and after each window)
+            if proc.stdout.readline() != "ready\n":  # type: ignore[union-attr]
+                raise RuntimeError(f"the measured process stopped (exit code {proc.poll()})")
+
+        try:
+            ready()
+            for requests in (0, a.requests):
+                before = set(out.parent.glob(out.name + "*"))
+                callgrind.control(proc.pid, "--zero")
+                callgrind.control(proc.pid, "--instr=on")
+                proc.stdin.write(f"{requests}\n")
+                proc.stdin.flush()
+                ready()
+                callgrind.control(proc.pid, "--instr=off")
+                callgrind.control(proc.pid, "--dump")
+                totals.append(callgrind.program_total(callgrind.wait_dump(out, before)))
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return (totals[1] - totals[0]) // (a.rounds * a.requests)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     cell = f"{a.what} {a.model} {a.body}"
-    if a.instructions:
+    if a.counted_windows:
+        _counted(a)
+    elif a.instructions:
         print(f"{cell}: {instructions(a)} instructions per request ({a.rounds} x {a.requests}, callgrind)")
     elif a.profile:
         import cProfile
