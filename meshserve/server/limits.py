@@ -86,7 +86,8 @@ class ServerLimits:
     # ---- TLS (meshserve/server/tls.py; docs/security.md, "TLS and mutual TLS") --------------------
     # A TLS handshake must end within this many seconds of the connection's arrival.
     tls_handshake_timeout_s: float = 10.0
-    # TLS handshakes in progress per port; one more closes the oldest in progress (0 = unbounded).
+    # TLS handshakes in progress per port; one more closes the oldest silent one (no byte yet),
+    # else the oldest in progress (0 = unbounded).
     max_tls_handshakes: int = 256
     # Which ports serve TLS, and with which files: the --grpc-use-ssl / --http-use-ssl flags.
     tls: tls_flags.TlsSettings = field(default_factory=tls_flags.TlsSettings)
@@ -142,7 +143,8 @@ _HELP = {
     "max_shm_regions": "shared-memory regions registered at once (all tenants); 0 = registration off",
     "max_shm_bytes": "bytes of shared-memory regions registered at once (all tenants)",
     "tls_handshake_timeout_s": "seconds for a TLS handshake to end (0 = no limit)",
-    "max_tls_handshakes": "TLS handshakes in progress per port; more close the oldest (0 = unbounded)",
+    "max_tls_handshakes": "TLS handshakes in progress per port; more close the oldest silent one, else the oldest "
+                          "(0 = unbounded)",
 }
 
 

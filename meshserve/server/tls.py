@@ -11,9 +11,12 @@ sees the connection, so that the handshakes in progress are counted and bounded:
 
 - a handshake must end within `--tls-handshake-timeout-s` (a client that sends its ClientHello a
   byte at a time, or never, is closed);
-- at most `--max-tls-handshakes` are in progress per port; one more closes the OLDEST in progress
-  (as the connection table closes the longest idle connection), so a flood of stalled
-  handshakes cannot keep a good client, whose handshake takes a millisecond, from completing;
+- at most `--max-tls-handshakes` are in progress per port; one more closes the OLDEST of those
+  that have not sent a byte yet, and only when every one has, the oldest of all (as the
+  connection table closes the longest idle connection). A TLS client speaks first (its
+  ClientHello): the handshake starts when its first bytes come, so a flood of connections that
+  stay silent is closed in turn among itself and never takes a good client's handshake, which
+  has begun, out of the way (it did, on a loaded machine, when the oldest of all went first);
 - bytes that are not TLS (plaintext HTTP or gRPC sent to a TLS port) fail the handshake at once:
   the connection is closed;
 - a failed handshake (wrong CA, an expired certificate, no client certificate under mutual TLS)
@@ -225,15 +228,16 @@ class Acceptor:
     """One TLS port: its current context (reloaded when the files change) and the handshakes in
     progress (see the module docstring). `factory(make)` is the listening socket's protocol factory."""
 
-    __slots__ = ("port", "proto", "timeout", "cap", "pending", "ctx", "stamp", "checked", "bad", "evicted",
-                 "failed")
+    __slots__ = ("port", "proto", "timeout", "cap", "silent", "pending", "ctx", "stamp", "checked", "bad",
+                 "evicted", "failed")
 
     def __init__(self, port: PortTls, proto: str, handshake_timeout_s: float, max_handshakes: int) -> None:
         self.port = port
         self.proto = proto
         self.timeout = handshake_timeout_s if handshake_timeout_s > 0 else None
         self.cap = max_handshakes
-        self.pending: dict[_Handshake, None] = {}  # in progress, oldest first
+        self.silent: dict[_Handshake, None] = {}  # accepted, no byte received yet: oldest first
+        self.pending: dict[_Handshake, None] = {}  # its ClientHello began, handshake in progress: oldest first
         self.stamp = _stamp(self._paths())
         self.ctx = context(port, proto)
         self.checked = time.monotonic()
@@ -268,13 +272,25 @@ class Acceptor:
         return lambda: _Handshake(self, make)
 
     def admit(self, hs: _Handshake) -> None:
-        pending = self.pending
-        if self.cap and len(pending) >= self.cap:
-            oldest = next(iter(pending))
-            del pending[oldest]
+        """A new connection: at the cap, one in progress is closed to make room, the oldest silent
+        one (no byte yet) if there is one, else the oldest of all."""
+        if self.cap and len(self.silent) + len(self.pending) >= self.cap:
+            room = self.silent or self.pending
+            oldest = next(iter(room))
+            del room[oldest]
             self.evicted += 1
             oldest.abort()
-        pending[hs] = None
+        self.silent[hs] = None
+
+    def spoke(self, hs: _Handshake) -> None:
+        """``hs``'s first bytes came: its handshake starts (and it is no longer the first to go)."""
+        if hs in self.silent:
+            del self.silent[hs]
+            self.pending[hs] = None
+
+    def done(self, hs: _Handshake) -> None:
+        self.silent.pop(hs, None)
+        self.pending.pop(hs, None)
 
 
 class _Handshake(asyncio.Protocol):
@@ -284,7 +300,7 @@ class _Handshake(asyncio.Protocol):
     `connection_made` returns, whatever it paused): they are kept (at most EARLY_MAX_BYTES) and
     handed to the TLS protocol before its own `connection_made` runs (`_hand_over`)."""
 
-    __slots__ = ("acceptor", "make", "transport", "task", "early")
+    __slots__ = ("acceptor", "make", "transport", "task", "early", "timer")
 
     def __init__(self, acceptor: Acceptor, make: Callable[[], asyncio.Protocol]) -> None:
         self.acceptor = acceptor
@@ -292,26 +308,51 @@ class _Handshake(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task[None] | None = None
         self.early = b""
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = t = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]
         self.acceptor.admit(self)
-        loop = asyncio.get_running_loop()
-        self.task = loop.create_task(self._handshake(t))  # type: ignore[arg-type]
-        loop.call_soon(self._hand_over)  # (after the task's first step: start_tls has taken the transport)
+        timeout = self.acceptor.timeout
+        if timeout is not None:  # (from the accept: a client that never speaks is closed too)
+            self.timer = asyncio.get_running_loop().call_later(timeout, self._expire)
 
     def data_received(self, data: bytes) -> None:
         self.early += data
+        t = self.transport
+        if t is None:
+            return
+        t.pause_reading()
+        if len(self.early) > EARLY_MAX_BYTES:
+            t.abort()
+        elif self.task is None:  # its first bytes: the handshake starts
+            self.acceptor.spoke(self)
+            loop = asyncio.get_running_loop()
+            self.task = loop.create_task(self._handshake(t))
+            loop.call_soon(self._hand_over)  # (after the task's first step: start_tls has taken the transport)
+
+    def _expire(self) -> None:
+        """The handshake timeout, counted from the accept: a connection still silent, or still
+        in its handshake, is closed (a handshake under way then fails in ``_handshake``, which
+        counts it; start_tls's own timeout, from the first bytes, is the later one)."""
+        self.timer = None
         if self.transport is not None:
-            self.transport.pause_reading()
-            if len(self.early) > EARLY_MAX_BYTES:
-                self.transport.abort()
+            if self.task is None:
+                self.acceptor.failed += 1
+            self.transport.abort()
 
     def eof_received(self) -> bool | None:
         return None  # (closes the transport: a client gone before its handshake began)
 
     def connection_lost(self, exc: Exception | None) -> None:  # (before start_tls took the transport)
-        self.acceptor.pending.pop(self, None)
+        self._end()
+
+    def _end(self) -> None:
+        self.acceptor.done(self)
+        self.transport = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def _hand_over(self) -> None:
         t, data = self.transport, memoryview(self.early)
@@ -349,8 +390,7 @@ class _Handshake(asyncio.Protocol):
             transport.abort()
             raise
         finally:
-            acceptor.pending.pop(self, None)
-            self.transport = None
+            self._end()
         if tls is None or tls.is_closing():
             return
         if log.isEnabledFor(logging.DEBUG):

@@ -179,6 +179,29 @@ def test_stalled_handshakes_do_not_lock_out_fresh_clients(tls_mesh: TlsMesh) -> 
     _with_prober(tls_mesh, "stalled TLS handshakes", attack)
 
 
+def test_a_handshake_under_way_outlives_a_flood_of_silent_connections(tls_mesh: TlsMesh) -> None:
+    """At the cap the silent connections go first: a client whose ClientHello came (the server
+    answered it) keeps its handshake while more silent connections than the cap arrive after it.
+    On the old rule (the oldest of all first) the cap-th of them closed it: on a loaded machine a
+    fresh client of the stalled-handshakes test above was closed that way (SSLEOFError)."""
+    port = tls_mesh.ports["http"]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+        client.sendall(_client_hello())
+        assert client.recv(1 << 16), "no answer to the ClientHello"  # the server's first flight: under way
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_HANDSHAKES + 10)]
+        try:
+            # the cap holds the client and the newest MAX_HANDSHAKES - 1 silent ones: the 11 oldest
+            # silent ones are closed to make room (well within the 2 s timeout)
+            over = len(silent) + 1 - MAX_HANDSHAKES
+            eventually(lambda: all(_closed(s) for s in silent[:over]), timeout=HANDSHAKE_TIMEOUT_S - 0.5,
+                       what="the oldest silent connections closed at the cap", interval=0.02)
+            assert not _closed(client), "the handshake under way was closed to make room for silent connections"
+            assert not any(_closed(s) for s in silent[over:])
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_slow_handshake_closed_at_the_timeout(tls_mesh: TlsMesh) -> None:
     hello = _client_hello()
 

@@ -61,9 +61,11 @@ def test_reload_keeps_the_old_context_while_the_new_files_do_not_load(
     assert acceptor.current() is not first
 
 
-def test_at_the_cap_the_oldest_handshake_is_closed(files: tuple[Path, Path, certs.Authority]) -> None:
+def test_at_the_cap_the_oldest_silent_connection_is_closed_first(files: tuple[Path, Path, certs.Authority]) -> None:
+    """A connection that sent its first bytes (its handshake began) is closed to make room only
+    when no silent one is left; among each kind the oldest goes first."""
     cert, key, _ = files
-    acceptor = tls.Acceptor(tls.PortTls(str(cert), str(key)), "grpc", 10.0, 2)
+    acceptor = tls.Acceptor(tls.PortTls(str(cert), str(key)), "grpc", 10.0, 3)
 
     class Fake:
         aborted = False
@@ -71,11 +73,21 @@ def test_at_the_cap_the_oldest_handshake_is_closed(files: tuple[Path, Path, cert
         def abort(self) -> None:
             self.aborted = True
 
-    a, b, c = Fake(), Fake(), Fake()
-    for hs in (a, b, c):
+    good, a, b, c, d, e = (Fake() for _ in range(6))
+    acceptor.admit(good)  # type: ignore[arg-type]
+    acceptor.spoke(good)  # type: ignore[arg-type]  # its ClientHello came
+    for hs in (a, b, c):  # silent ones: the oldest silent goes, never the one that spoke
         acceptor.admit(hs)  # type: ignore[arg-type]
-    assert a.aborted and not b.aborted and not c.aborted
-    assert list(acceptor.pending) == [b, c] and acceptor.evicted == 1
+    assert a.aborted and not (good.aborted or b.aborted or c.aborted)
+    assert list(acceptor.silent) == [b, c] and list(acceptor.pending) == [good] and acceptor.evicted == 1
+    acceptor.spoke(b)  # type: ignore[arg-type]
+    acceptor.spoke(c)  # type: ignore[arg-type]
+    acceptor.admit(d)  # type: ignore[arg-type]  # no silent one left: the oldest of all
+    assert good.aborted and list(acceptor.pending) == [b, c] and list(acceptor.silent) == [d]
+    acceptor.done(b)  # type: ignore[arg-type]  # b's handshake ended: room without closing anyone
+    acceptor.admit(e)  # type: ignore[arg-type]
+    assert not (b.aborted or c.aborted or d.aborted) and acceptor.evicted == 2
+    assert list(acceptor.pending) == [c] and list(acceptor.silent) == [d, e]
 
 
 class _Sink(asyncio.Protocol):
