@@ -404,20 +404,20 @@ def _cmd_up(args: argparse.Namespace) -> None:
         print("meshserve up: warning: --grpc-use-ssl-mutual without --bls-client-cert: python models' BLS calls "
               "reach the gateway's gRPC port without a client certificate and will be refused (docs/security.md)",
               flush=True)
-    # python models call other models (BLS) through the gateway: its gRPC port must be known
-    # before the services start, so a port of 0 is picked here and held until the gateway listens
-    reserved = None if args.grpc_port else _reserve_port(args.host)
-    gateway_grpc = int(reserved.getsockname()[1]) if reserved is not None else args.grpc_port
     # the run directory (0700, removed at exit): the hop's throwaway key or mesh CA
     mesh_dir = Path(tempfile.mkdtemp(prefix="meshserve-up-"))
     try:
         service_tls, gateway_hop = _hop_auth(args, mesh_dir)
     except BaseException:
         shutil.rmtree(mesh_dir, ignore_errors=True)
-        if reserved is not None:
-            reserved.close()
         raise
+    reserved: socket.socket | None = None
     try:
+        # python models call other models (BLS) through the gateway: its gRPC port must be known
+        # before the services start, so a port of 0 is picked here and held until the gateway listens
+        if not args.grpc_port:
+            reserved = _reserve_port(args.host)
+        gateway_grpc = int(reserved.getsockname()[1]) if reserved is not None else args.grpc_port
         for kind in runnable:
             print(f"meshserve up: starting the {kind} service"
                   + (f" ({args.replicas} replicas)…" if args.replicas > 1 else "…"), flush=True)
