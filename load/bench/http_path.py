@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,80 +182,57 @@ def codec(model: str, body: str) -> Callable[[int], None]:
     return one
 
 
-async def _run_front_door(a: argparse.Namespace) -> list[float]:
+async def _run_front_door(a: argparse.Namespace, windows: Iterable[int]) -> list[float]:
     one = front_door(a.model, a.body)
     for _ in range(200):
         await one()
     gc.freeze()
     rounds = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        for _ in range(a.requests):
-            await one()
-        rounds.append(time.perf_counter() - t0)
+    for k in windows:
+        for _ in range(a.rounds):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                await one()
+            rounds.append(time.perf_counter() - t0)
     return rounds
 
 
-def _run_codec(a: argparse.Namespace) -> list[float]:
+def _run_codec(a: argparse.Namespace, windows: Iterable[int]) -> list[float]:
     one = codec(a.model, a.body)
     for i in range(20):
         one(i)
     gc.freeze()
     rounds = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        for i in range(a.requests):
-            one(i)
-        rounds.append(time.perf_counter() - t0)
+    for k in windows:
+        for _ in range(a.rounds):
+            t0 = time.perf_counter()
+            for i in range(k):
+                one(i)
+            rounds.append(time.perf_counter() - t0)
     return rounds
 
 
-def timed(a: argparse.Namespace) -> list[float]:
-    """Seconds of each round."""
+def timed(a: argparse.Namespace, windows: Iterable[int] | None = None) -> list[float]:
+    """Seconds of each round: after the warm-up, ``--rounds`` rounds of ``k`` requests for each
+    ``k`` of ``windows`` (default: one window of ``-n``)."""
+    windows = [a.requests] if windows is None else windows
     if a.what == "codec":
-        return _run_codec(a)
+        return _run_codec(a, windows)
     import uvloop
 
-    return uvloop.run(_run_front_door(a))
+    return uvloop.run(_run_front_door(a, windows))
 
 
 def _windows() -> Iterator[int]:
-    """The measured process's side of ``instructions``: says "ready" and reads how many requests
-    per round the next window runs, until its stdin closes."""
+    """``--instructions``' measured process (run under callgrind, instrumentation off until
+    ``instructions`` turns it on), after its warm-up: says "ready" and reads how many requests per
+    round the next window runs, until its stdin closes."""
     while True:
         print("ready", flush=True)
         line = sys.stdin.readline()
         if not line:
             return
         yield int(line)
-
-
-def _counted(a: argparse.Namespace) -> None:
-    """``--instructions``' measured process (run under callgrind, instrumentation off until
-    ``instructions`` turns it on): the warm-up, then one window per line on stdin."""
-    if a.what == "codec":
-        one = codec(a.model, a.body)
-        for i in range(20):
-            one(i)
-        gc.freeze()
-        for k in _windows():
-            for _ in range(a.rounds):
-                for i in range(k):
-                    one(i)
-        return
-    import uvloop
-
-    async def run() -> None:
-        one = front_door(a.model, a.body)
-        for _ in range(200):
-            await one()
-        gc.freeze()
-        for k in _windows():
-            for _ in range(a.rounds):
-                for _ in range(k):
-                    await one()
-
-    uvloop.run(run())
 
 
 def instructions(a: argparse.Namespace) -> int:
@@ -277,10 +254,11 @@ def instructions(a: argparse.Namespace) -> int:
         out = Path(tmp) / "cg"
         proc = subprocess.Popen([*callgrind.command(out, instr_at_start=False), *argv], cwd=ROOT, env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
+        stdout = proc.stdout
+        assert proc.stdin is not None and stdout is not None
 
         def ready() -> None:  # (after its warm-up, and after each window)
-            if proc.stdout.readline() != "ready\n":  # type: ignore[union-attr]
+            if stdout.readline() != "ready\n":
                 raise RuntimeError(f"the measured process stopped (exit code {proc.poll()})")
 
         try:
@@ -309,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     cell = f"{a.what} {a.model} {a.body}"
     if a.counted_windows:
-        _counted(a)
+        timed(a, _windows())
     elif a.instructions:
         print(f"{cell}: {instructions(a)} instructions per request ({a.rounds} x {a.requests}, callgrind)")
     elif a.profile:
