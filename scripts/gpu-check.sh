@@ -13,8 +13,11 @@
 # directly at a service, KIND_GPU TorchScript / torch.export models through a real service (also
 # fed from CUDA shared memory), the TorchScript sequence model on KIND_GPU, the torch adapter's
 # CUDA unit test, the ONNX service's KIND_GPU (CUDA execution provider, where onnxruntime has
-# it), and the TensorRT service (where tensorrt imports). The whole torchscript integration module
-# runs too: with a GPU its models' KIND_AUTO resolves to KIND_GPU.
+# it), the TensorRT service (where tensorrt imports), and KIND_GPU models' device memory counted
+# and evicted under --gpu-memory-budget. The whole torchscript integration module runs too: with a
+# GPU its models' KIND_AUTO resolves to KIND_GPU. With MESHSERVE_NVIDIA_CLIENT_EXAMPLES set (the
+# folder of NVIDIA's src/python/examples, docs/nvidia-examples.md), NVIDIA's example clients run
+# too, their two CUDA shared-memory clients among them.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-check-out}
@@ -77,15 +80,22 @@ import tritonclient
 print(f"protobuf {google.protobuf.__version__}, grpcio {grpc.__version__}, tritonclient {tritonclient.__file__}")
 EOF
 
+examples=()
+if [ -n "${MESHSERVE_NVIDIA_CLIENT_EXAMPLES:-}" ]; then
+  examples=(tests/e2e/test_nvidia_examples.py)
+fi
+
 echo "== tests"
-timeout 330 python3 -m pytest -p no:cacheprovider -q -rA --timeout 90 --junitxml "$out/junit.xml" \
+timeout 450 python3 -m pytest -p no:cacheprovider -q -rA --timeout 90 --junitxml "$out/junit.xml" \
   tests/unit/server/test_shm.py \
   tests/unit/torchscript/test_torch_runtime.py \
   tests/integration/test_shared_memory.py \
   tests/integration/test_gpu.py \
   tests/integration/test_torchscript.py \
   "tests/integration/test_sequence.py::test_torchscript_sequence_model" \
-  tests/integration/test_tensorrt.py
+  tests/integration/test_tensorrt.py \
+  tests/integration/test_gpu_memory_budget.py \
+  "${examples[@]}"
 rc=$?
 echo "== pytest exit $rc; $(($(date +%s) - start)) s in all"
 nvidia-smi --query-gpu=memory.used --format=csv || true

@@ -10,10 +10,12 @@ name (simple, simple_int8, simple_string, simple_identity, simple_sequence, simp
 
 The two model-control examples count the repository index (8 models over gRPC, 7 over HTTP: Triton
 CI's repositories), so each gets a mesh of its own, in explicit mode with uploads allowed as in
-Triton; the four examples with TLS flags get a mesh with mutual TLS. NOT_RUN says why the others
-are not run (hard-coded ports, CUDA), and the image examples are skipped where their client-side
-packages (Pillow; attrdict for image_client.py over HTTP) are missing; the one deliberate difference from Triton (a load naming a
-256-byte file is INVALID_ARGUMENT here, INTERNAL in Triton) is asserted as what it is.
+Triton; the four examples with TLS flags get a mesh with mutual TLS; the two CUDA shared-memory
+examples run where the client can make a CUDA allocation (scripts/gpu-check.sh runs them on a GPU).
+NOT_RUN says why the others are not run (hard-coded ports), and the image examples are skipped
+where their client-side packages (Pillow; attrdict for image_client.py over HTTP) are missing; the
+one deliberate difference from Triton (a load naming a 256-byte file is INVALID_ARGUMENT here,
+INTERNAL in Triton) is asserted as what it is.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from meshserve.server.shm import cuda_devices
 from tests.support import certs, nvidia_models
 from tests.support.net import free_port
 from tests.support.up import Up, meshserve_up
@@ -102,8 +105,10 @@ NOT_RUN = {
     "image_client.py -a --streaming over HTTP": "the example refuses it itself (streaming is gRPC only)",
     "memory_growth_test.py": "its server address is hard-coded (localhost:8000 / :8001); run by hand "
                              "(docs/nvidia-examples.md)",
-    "simple_http_cudashm_client.py, simple_grpc_cudashm_client.py": "CUDA shared memory needs a GPU",
 }
+# run only where the client can make a CUDA allocation (a GPU and cuda-python; scripts/gpu-check.sh)
+CUDA_EXAMPLES = [Example("simple_http_cudashm_client.py", HTTP, "PASS: cuda shared memory"),
+                 Example("simple_grpc_cudashm_client.py", GRPC, "PASS: cudashm")]
 
 
 def _run(example: Example, up: Up, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -146,6 +151,13 @@ def test_example_passes(example: Example, mesh: tuple[Up, dict[str, str]]) -> No
     missing = [m for m in example.needs if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"{example.script} imports {', '.join(missing)}, not installed here (client-side packages)")
+    up, files = mesh
+    _passed(example, _run(example, up, files))
+
+
+@pytest.mark.skipif(cuda_devices() == 0, reason="CUDA shared memory needs a GPU and cuda-python")
+@pytest.mark.parametrize("example", CUDA_EXAMPLES, ids=lambda e: e.id)
+def test_cuda_shared_memory_example_passes(example: Example, mesh: tuple[Up, dict[str, str]]) -> None:
     up, files = mesh
     _passed(example, _run(example, up, files))
 
