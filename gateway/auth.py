@@ -58,6 +58,7 @@ from meshserve.priorities import level_queue_policy, priority_level
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import int_value
 from meshserve.repository.config import instance_count
+from meshserve.repository.names import is_valid_model_name
 from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.admission import tenant_cap
@@ -92,6 +93,8 @@ class Tenants:
         self.by_key = {k: t for t in spec.tenants for k in t.keys_sha256}
         self.by_cert = {n: t for t in spec.tenants for n in t.certificate_names}
         self.shares = {t.name: t.share for t in spec.tenants if t.share is not None}
+        # the smallest share any caller holds: below its cap in flight in all, no caller is at its own
+        self.least_share = min([spec.share, *self.shares.values()])
 
     def share_of(self, tenant: str) -> float:
         """The tenant's share of a process-wide cap ("" = anonymous callers: the file's)."""
@@ -305,6 +308,46 @@ class Admission:
         CALLER.set((name, share))
         return Admitted(name, ticket, size, queued)
 
+    def crowded(self) -> bool:
+        """Whether some caller may hold its whole share of --max-inflight requests: the process
+        has as many in flight as the smallest share's cap (a caller's are among the process's)."""
+        gate = gate_module.gate
+        return gate.requests >= tenant_cap(gate.max_requests, self.directory.get().least_share)
+
+    def at_door(self, model: str, headers: Mapping[str, Any]) -> InferError | None:
+        """The refusal ``admit`` would give a request for ``model`` from a caller that already
+        holds its whole share of --max-inflight requests, found from the request's headers and
+        its model's name alone: the front doors ask (when ``crowded``) before they parse the
+        request, so that a tenant's flood past its share costs the gateway a refusal each and no
+        more (docs/security.md, "Refused at the door"). Counted as ``_take_share`` counts it.
+        None for anything else (a caller that is no tenant, a model it may not call or whose name
+        is not valid, room in its share), which ``admit`` decides as before."""
+        gate = gate_module.gate
+        tenants = self.directory.get()
+        try:
+            tenant = tenants.authenticate(headers)
+        except InferError:
+            return None  # (admit answers 401)
+        if tenant is None:
+            name, share = "", tenants.share_of("")
+        elif not tenant.may_call(model):
+            return None  # (admit answers 403)
+        else:
+            name, share = tenant.name, tenant.share if tenant.share is not None else tenants.spec.share
+        held = self.inflight.get(name)
+        if held is None or held[0] < (cap := tenant_cap(gate.max_requests, share)) or not is_valid_model_name(model):
+            return None
+        return self._over_share(name, share, held[0], cap, model)
+
+    def _over_share(self, tenant: str, share: float, requests: int, cap: int, model: str) -> InferError:
+        """A request refused because its caller holds its whole share of --max-inflight (counted)."""
+        self.rejections[(tenant or "(anonymous)", "share")] += 1
+        who = f"tenant '{tenant}'" if tenant else "anonymous callers"
+        return InferError.exhausted(
+            f"{who} has {requests} inference requests in flight, its share ({share:g} of "
+            f"{flag('max_inflight')} {gate_module.gate.max_requests}: {cap}); request for model '{model}' refused, "
+            "retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+
     def _take_share(self, tenant: str, share: float, size: int, request: pb.ModelInferRequest,
                     priority: int | None) -> tuple[str, int] | None:
         """Count one request of ``size`` bytes against the tenant's share of this process's
@@ -324,11 +367,7 @@ class Admission:
         if gate.max_requests != gate_module.UNBOUNDED:
             cap = tenant_cap(gate.max_requests, share)
             if requests >= cap:
-                self.rejections[(tenant or "(anonymous)", "share")] += 1
-                raise InferError.exhausted(
-                    f"{who} has {requests} inference requests in flight, its share ({share:g} of "
-                    f"{flag('max_inflight')} {gate.max_requests}: {cap}); request for model '{model}' refused, "
-                    "retry later", retry_after_s=gate_module.RETRY_AFTER_S)
+                raise self._over_share(tenant, share, requests, cap, model)
         if requests and gate.max_bytes != gate_module.UNBOUNDED:
             cap = tenant_cap(gate.max_bytes, share)
             if nbytes + size > cap:

@@ -32,7 +32,7 @@ from meshserve.protocol import hop
 from meshserve.protocol.errors import InferError
 from meshserve.repository.config import instance_count
 from meshserve.repository.names import check_model_name, check_version
-from meshserve.server import connections, inflate, shm
+from meshserve.server import connections, inflate, observe, shm
 from meshserve.server.access import ALL, Grant, Op, Rule
 from meshserve.server.core import (
     EXTENSIONS,
@@ -211,6 +211,8 @@ class GatewayCore:
         # name excepted: http_frontend.HttpFrontend.forwarded).
         outcomes = self.pipeline.next
         self.forwards_bytes = outcomes.forward is not None
+        if admission is None:  # (the front doors ask nothing before they parse: nobody has a share)
+            self.grpc_door = self.http_door = None  # type: ignore[assignment]
         self.forward_ensembles = outcomes.ensembles
 
     async def start(self) -> None:
@@ -359,6 +361,41 @@ class GatewayCore:
             return config
         return await self.upstream.call(name, version, lambda r: r.model_config(
             pb.ModelConfigRequest(name=name, version=version)))
+
+    def grpc_door(self, raw: bytes, ctx: RequestContext) -> InferError | None:
+        """What the gRPC front door asks before it parses a ModelInfer request: ``http_door``'s
+        answer for the model its bytes name first (field 1, as protobuf writers put it; any other
+        layout, or a name of 128 bytes or more, is parsed and admitted the usual way)."""
+        admission = self.admission
+        if admission is None or not admission.crowded():
+            return None
+        n = len(raw)
+        if n < 2 or raw[0] != 0x0A or (length := raw[1]) >= 0x80 or length + 2 > n:
+            return None
+        try:
+            model = raw[2:2 + length].decode()
+        except UnicodeDecodeError:
+            return None
+        return self._at_door(admission, model, ctx)
+
+    def http_door(self, model: str, ctx: RequestContext) -> InferError | None:
+        """What the HTTP front door asks before it reads an infer request's body (``model`` from
+        its path): the refusal of a caller that already holds its whole share of --max-inflight
+        (``Admission.at_door``), counted in meshserve_gateway_requests_total as the pipeline counts
+        a refused request (``pipeline.Outcomes``), or None: the request goes the pipeline's way.
+        Never with tracing or DEBUG logs on (the pipeline's refusal has a span and a log line)."""
+        admission = self.admission
+        if admission is None or not admission.crowded():
+            return None
+        return self._at_door(admission, model, ctx)
+
+    def _at_door(self, admission: Admission, model: str, ctx: RequestContext) -> InferError | None:
+        if not observe.plain():
+            return None
+        refused = admission.at_door(model, ctx.headers)
+        if refused is not None:
+            self.request_counts[(model, refused.code.value)] += 1
+        return refused
 
     def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> Coroutine[Any, Any, InferResult]:
         """A unary call: the pipeline's stages, from the name check to the service."""

@@ -249,6 +249,8 @@ class InferenceServicer:
         # where it answers without waiting, before the call's Task instead (``answer_at_once``: register)
         self.hit = getattr(core, "grpc_hit", None)
         self.front = getattr(core, "grpc_front", None)  # gateway/cache.py:FrontDoor, when it never waits
+        # a gateway with tenants refuses a caller past its share before the parse (gateway/core.py)
+        self.door = getattr(core, "grpc_door", None)
 
     async def ServerLive(self, req: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.core.live())
@@ -317,11 +319,14 @@ class InferenceServicer:
         try:
             if self.hit is not None and (hit := self.hit(raw, call, _context)) is not None:
                 return hit if hit.__class__ is bytes else await hit  # type: ignore[no-any-return,misc]
+            ctx = _context(call, raw)
+            if (door := self.door) is not None and (refused := door(raw, ctx)) is not None:
+                _fail(call, refused)  # (a caller past its share, refused before the parse: gateway/core.py)
+                return None
             try:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            ctx = _context(call, raw)
             if shm.uses_shared_memory(request, raw):
                 infer = shm.infer
             elif (admitted := observe.admitted(request, ctx)) is not None:  # observe.infer's common path, here

@@ -102,6 +102,7 @@ class HttpFrontend:
         self.seen: dict[str, Match] = {}
         # a gateway's response cache answers a hit here, after parsing (gateway/cache.py:FrontDoor)
         self.hit = getattr(core, "http_hit", None)
+        self.door = getattr(core, "http_door", None)  # a gateway with tenants: a caller past its share
         # a gateway that forwards a templated request's bytes without reading its message
         # (gateway/core.py: no policy stage; not an ensemble's name): ``forwarded``
         self.forwards = getattr(core, "forwards_bytes", False) and self.hit is None
@@ -199,6 +200,8 @@ class HttpFrontend:
         # the admission gate.
         ctx = RequestContext("http", _context_headers(request))  # (positional: see grpc_frontend._context)
         self.core.authorize(Op.SERVER_METADATA, "", ctx)  # (its rule: any valid key)
+        if (door := self.door) is not None and (refused := door(name, ctx)) is not None:
+            raise refused  # (a caller past its share, refused before its body is read: gateway/core.py)
         length_text = lower.get("content-length") if single else request.header("content-length")
         if length_text is not None and (length := int(length_text)) > SMALL_BODY_BYTES:  # (llhttp checked the number)
             gate = admission.gate

@@ -82,6 +82,12 @@ def admitted(request: pb.ModelInferRequest, ctx: RequestContext) -> tuple[int, i
     return _admit(request, ctx)
 
 
+def plain() -> bool:
+    """Whether a request takes the common path (tracing off, DEBUG off: ``admitted``'s test), where
+    an error needs neither a span nor a log line (a gateway's refusal at the door)."""
+    return not tracing.enabled and _levels.get(logging.DEBUG) is False
+
+
 def release(admitted: tuple[int, int]) -> None:
     """A request ``admitted`` admitted has ended (answered, failed or cancelled)."""
     gate = _gate

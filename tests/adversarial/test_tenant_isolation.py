@@ -206,18 +206,26 @@ def test_key_binding_holds_across_gateway_workers(mesh: Mesh, tmp_path: Path, re
         g.stop()
 
 
+def slow_mesh(tmp_path: Path, delay_ms: int) -> tuple[Proc, Proc]:
+    """A gateway (--max-inflight 8, acme and mallory with a share of 0.5 each, no coalescing) in
+    front of the slow stand-in service whose models answer after ``delay_ms``; the caller stops both."""
+    (tmp_path / "tenants.yaml").write_text(TENANTS)
+    slow = start(["--grpc-port", "0", "--http-port", "0", "--delay-ms", str(delay_ms)],
+                 module="tests.integration.slow_service")
+    try:
+        return slow, start(["gateway", "--grpc-port", "0", "--http-port", "0", "--tenants",
+                            str(tmp_path / "tenants.yaml"), "--upstream", slow.grpc, "--max-inflight", "8",
+                            "--coalesce-inflight", "0"])
+    except Exception:
+        slow.stop()
+        raise
+
+
 def test_one_tenant_cannot_take_every_in_flight_slot(tmp_path: Path) -> None:
     """--max-inflight 8 in front of a slow service: mallory's 8 concurrent requests get 4 slots
     (its share) and 4 refusals naming the limit; acme's 4 concurrent requests, sent meanwhile,
     all run (before the fix mallory held all 8 and acme got 429)."""
-    (tmp_path / "tenants.yaml").write_text(TENANTS)
-    slow = start(["--grpc-port", "0", "--http-port", "0", "--delay-ms", "1500"], module="tests.integration.slow_service")
-    try:
-        g = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--tenants", str(tmp_path / "tenants.yaml"),
-                   "--upstream", slow.grpc, "--max-inflight", "8", "--coalesce-inflight", "0"])
-    except Exception:
-        slow.stop()
-        raise
+    slow, g = slow_mesh(tmp_path, 1500)
     outcomes: dict[str, list[str]] = {"acme": [], "mallory": []}
     lock = threading.Lock()
 
@@ -253,6 +261,97 @@ def test_one_tenant_cannot_take_every_in_flight_slot(tmp_path: Path) -> None:
             assert text.startswith("StatusCode.RESOURCE_EXHAUSTED"), text
             assert "tenant 'mallory' has 4 inference requests in flight" in text, text
             assert "0.5 of --max-inflight 8: 4" in text, text
+    finally:
+        g.stop()
+        slow.stop()
+
+
+def test_a_caller_at_its_share_is_refused_before_its_request_is_read(tmp_path: Path) -> None:
+    """A caller holding its whole share of --max-inflight is refused at the front door, before its
+    request is parsed or its body read (gateway/core.py: grpc_door, http_door; a flood past a share
+    costs a refusal each, no more). With mallory's 4 slow requests in flight (0.5 of --max-inflight
+    8), a gRPC message that names the model and then is no ModelInferRequest, and an HTTP body that
+    is no JSON, get mallory 429 / RESOURCE_EXHAUSTED naming its share, while acme's same bytes get the
+    parse's 400 / INVALID_ARGUMENT; the HTTP connection goes on to its next request; each refusal
+    is counted once (meshserve_gateway_requests_total, the share rejections); once mallory's
+    requests have ended, its bytes are parsed again."""
+    import http.client
+
+    import grpc
+
+    from tests.support.metrics import sample, scrape
+
+    slow, g = slow_mesh(tmp_path, 6000)
+    garbled = b"\x0a\x07sleep_a\xff\xff\xff"  # field 1 (the model's name), then no valid field
+    outcomes: list[str] = []
+
+    def held() -> None:
+        with grpcclient.InferenceServerClient(g.grpc) as c:
+            inp = grpcclient.InferInput("IN", [1, 4], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 4), np.float32))
+            try:
+                c.infer("sleep_a", [inp], headers=dict(M), client_timeout=60)
+                outcomes.append("ok")
+            except InferenceServerException as exc:
+                outcomes.append(f"{exc.status()}: {exc.message()}")
+
+    def raw_grpc(headers: dict[str, str]) -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(g.grpc) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            with pytest.raises(grpc.RpcError) as err:
+                call(garbled, metadata=tuple(headers.items()), timeout=10)
+        return err.value.code(), err.value.details() or ""  # type: ignore[attr-defined]
+
+    def raw_http(conn: http.client.HTTPConnection, headers: dict[str, str]) -> tuple[int, str, str | None]:
+        conn.request("POST", "/v2/models/sleep_a/infer", body=b"{not json" + b" " * 4096,
+                     headers={**headers, "Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode(), r.getheader("Retry-After")
+
+    threads = [threading.Thread(target=held) for _ in range(4)]
+    try:
+        _wait_http_ready(g.http)
+        assert raw_grpc(M)[0] is grpc.StatusCode.INVALID_ARGUMENT  # below its share: the parse answers
+        for t in threads:
+            t.start()
+        refusals = 0
+
+        def at_share() -> bool:
+            nonlocal refusals
+            code, details = raw_grpc(M)
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refusals += 1
+                assert "tenant 'mallory' has 4 inference requests in flight, its share (0.5 of --max-inflight 8: 4)" \
+                    in details, details
+                return True
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+            return False
+
+        eventually(at_share, 5, "mallory's 4 requests in flight")
+        code, details = raw_grpc(A)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "malformed ModelInferRequest" in details, details
+        host, port = g.http.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            status, text, retry = raw_http(conn, M)
+            assert status == 429 and retry is not None and "its share (0.5 of --max-inflight 8: 4)" in text, text
+            refusals += 1
+            conn.request("GET", "/v2/health/ready")  # the same connection, past the body it did not read
+            ready = conn.getresponse()
+            ready.read()
+            assert ready.status == 200
+            status, text, _ = raw_http(conn, A)
+            assert status == 400, text
+        finally:
+            conn.close()
+        samples = scrape(g.http)
+        assert sample(samples, "meshserve_gateway_requests_total", model="sleep_a",
+                      outcome="RESOURCE_EXHAUSTED") == refusals
+        assert sample(samples, "meshserve_gateway_quota_rejections_total", tenant="mallory", reason="share") == refusals
+        for t in threads:
+            t.join(60)
+        assert outcomes == ["ok"] * 4, outcomes
+        assert raw_grpc(M)[0] is grpc.StatusCode.INVALID_ARGUMENT  # its share given back: parsed again
     finally:
         g.stop()
         slow.stop()

@@ -154,6 +154,16 @@ async def test_admission_keys_models_quota_priority(tmp_path: Path) -> None:
     assert adm.directory.get().by_key  # still the previous, valid file
 
 
+# two tenants and anonymous callers: big (the file's share, 0.5) and small (its own, 0.25)
+SHARES = f"""
+share: 0.5
+anonymous: true
+tenants:
+  - {{name: big, keys_sha256: ["{hash_key('big-key')}"], rate: 1000, burst: 1000}}
+  - {{name: small, keys_sha256: ["{hash_key('small-key')}"], rate: 1000, burst: 1000, share: 0.25}}
+"""
+
+
 async def test_each_tenant_holds_at_most_its_share_of_the_process_caps(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests and bytes in flight: max(1, cap * share) per tenant (the file's share, or the
@@ -161,13 +171,7 @@ async def test_each_tenant_holds_at_most_its_share_of_the_process_caps(tmp_path:
     from meshserve.server import admission as gate_module
 
     path = tmp_path / "tenants.yaml"
-    path.write_text(f"""
-share: 0.5
-anonymous: true
-tenants:
-  - {{name: big, keys_sha256: ["{hash_key('big-key')}"], rate: 1000, burst: 1000}}
-  - {{name: small, keys_sha256: ["{hash_key('small-key')}"], rate: 1000, burst: 1000, share: 0.25}}
-""")
+    path.write_text(SHARES)
     monkeypatch.setattr(gate_module, "gate", gate_module.Gate(max_requests=8, max_bytes=1000))
     adm = Admission(TenantDirectory(path), MemoryQuotaStore())
     req = pb.ModelInferRequest(model_name="m")
@@ -539,4 +543,56 @@ tenants:
     assert err.value.code is Code.RESOURCE_EXHAUSTED
     assert adm.inflight == {"acme": [1, 10]}
     await adm.release(held)
+    assert adm.inflight == {}
+
+
+async def test_a_caller_at_its_share_is_refused_at_the_door(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission.at_door: what ``admit`` would answer a caller that holds its whole share of
+    --max-inflight (the same error, counted the same), from its headers and model name alone; None
+    for anything ``admit`` answers otherwise (an unknown key: 401; a model the tenant may not call:
+    403; an invalid name: 400) or lets in. ``crowded``: only once the process has the smallest
+    share's cap in flight."""
+    from meshserve.server import admission as gate_module
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(SHARES + f"""  - {{name: narrow, keys_sha256: ["{hash_key('narrow-key')}"], rate: 1000, burst: 1000, models: ["a*"]}}
+""")
+    gate = gate_module.Gate(max_requests=8)
+    monkeypatch.setattr(gate_module, "gate", gate)
+    adm = Admission(TenantDirectory(path), MemoryQuotaStore())
+
+    def ctx(key: str) -> RequestContext:
+        return RequestContext("grpc", {"x-api-key": key} if key else {}, raw=b"x")
+
+    async def hold(key: str, model: str, n: int) -> list:
+        held = [await adm.admit(pb.ModelInferRequest(model_name=model), ctx(key)) for _ in range(n)]
+        gate.requests += n  # (observe counts a request in the process's gate before admission)
+        return held
+
+    gate.requests = 1
+    assert not adm.crowded()  # the smallest share's cap: 0.25 of 8 = 2
+    held = await hold("big-key", "m", 4)
+    assert adm.crowded()
+    refused = adm.at_door("m", {"x-api-key": "big-key"})
+    assert refused is not None and refused.code is Code.RESOURCE_EXHAUSTED and refused.retry_after_ms is not None
+    with pytest.raises(InferError) as err:
+        await adm.admit(pb.ModelInferRequest(model_name="m"), ctx("big-key"))
+    assert refused.message == err.value.message and refused.retry_after_ms == err.value.retry_after_ms
+    assert "tenant 'big' has 4 inference requests in flight, its share (0.5 of --max-inflight 8: 4)" in refused.message
+    assert adm.rejections[("big", "share")] == 2
+    assert adm.at_door("m", {"x-api-key": "small-key"}) is None  # nothing in flight
+    assert adm.at_door("m", {"x-api-key": "no-such-key"}) is None  # admit: 401
+    assert adm.at_door("m", {}) is None  # anonymous callers: nothing in flight yet
+    assert adm.at_door("../m", {"x-api-key": "big-key"}) is None  # the name check: 400
+    held += await hold("narrow-key", "a1", 4)
+    assert adm.at_door("b1", {"x-api-key": "narrow-key"}) is None  # admit: 403
+    assert adm.at_door("a2", {"x-api-key": "narrow-key"}) is not None
+    held += await hold("", "m", 4)
+    anonymous = adm.at_door("m", {})
+    assert anonymous is not None and "anonymous callers has 4 inference requests in flight" in anonymous.message
+    assert adm.rejections[("big", "share")] == 2 and adm.rejections[("(anonymous)", "share")] == 1
+    await adm.release(held.pop(0))  # big: 3 of its 4
+    assert adm.at_door("m", {"x-api-key": "big-key"}) is None
+    for h in held:
+        await adm.release(h)
     assert adm.inflight == {}
