@@ -276,11 +276,14 @@ class HttpFrontend:
         the first response is a JSON error with its status; one after it is an error event (the
         status is already sent: Triton's rule, so a client must look for error events)."""
         core = self.core
+        ctx = RequestContext(protocol="http", headers=_context_headers(request))
+        if (door := self.door) is not None and (refused := door(name, ctx)) is not None:
+            raise refused  # (a caller past its share, refused before its body is read: gateway/core.py)
         body = await request.read_body()
         metadata = await core.model_metadata(name, version)
         infer_request = await _decode(request, generate_codec.parse_generate_request, body, name, version,
                                       metadata.SerializeToString())
-        ctx = RequestContext(protocol="http", headers=_context_headers(request), nbytes=sum(map(len, body)))
+        ctx.nbytes = sum(map(len, body))
         answers = observe.infer_stream(core, infer_request, ctx)
         # the model's work stops when the connection is lost (the answers' generator is
         # closed: the core stops the request)

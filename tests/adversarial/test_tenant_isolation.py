@@ -270,8 +270,8 @@ def test_a_caller_at_its_share_is_refused_before_its_request_is_read(tmp_path: P
     """A caller holding its whole share of --max-inflight is refused at the front door, before its
     request is parsed or its body read (gateway/core.py: grpc_door, http_door; a flood past a share
     costs a refusal each, no more). With mallory's 4 slow requests in flight (0.5 of --max-inflight
-    8), a gRPC message that names the model and then is no ModelInferRequest, and an HTTP body that
-    is no JSON, get mallory 429 / RESOURCE_EXHAUSTED naming its share, while acme's same bytes get the
+    8), a gRPC message that names the model and then is no ModelInferRequest, and an HTTP infer,
+    generate or generate_stream body that is no JSON, get mallory 429 / RESOURCE_EXHAUSTED naming its share, while acme's same bytes get the
     parse's 400 / INVALID_ARGUMENT; the HTTP connection goes on to its next request; each refusal
     is counted once (meshserve_gateway_requests_total, the share rejections); once mallory's
     requests have ended, its bytes are parsed again."""
@@ -302,8 +302,9 @@ def test_a_caller_at_its_share_is_refused_before_its_request_is_read(tmp_path: P
                 call(garbled, metadata=tuple(headers.items()), timeout=10)
         return err.value.code(), err.value.details() or ""  # type: ignore[attr-defined]
 
-    def raw_http(conn: http.client.HTTPConnection, headers: dict[str, str]) -> tuple[int, str, str | None]:
-        conn.request("POST", "/v2/models/sleep_a/infer", body=b"{not json" + b" " * 4096,
+    def raw_http(conn: http.client.HTTPConnection, headers: dict[str, str], route: str = "infer"
+                 ) -> tuple[int, str, str | None]:
+        conn.request("POST", f"/v2/models/sleep_a/{route}", body=b"{not json" + b" " * 4096,
                      headers={**headers, "Content-Type": "application/json"})
         r = conn.getresponse()
         return r.status, r.read().decode(), r.getheader("Retry-After")
@@ -342,6 +343,12 @@ def test_a_caller_at_its_share_is_refused_before_its_request_is_read(tmp_path: P
             assert ready.status == 200
             status, text, _ = raw_http(conn, A)
             assert status == 400, text
+            for route in ("generate", "generate_stream"):  # Triton's generate extension: the same door
+                status, text, retry = raw_http(conn, M, route)
+                assert status == 429 and retry is not None and "its share (0.5 of --max-inflight 8: 4)" in text, text
+                refusals += 1
+                status, text, _ = raw_http(conn, A, route)
+                assert status == 400, text
         finally:
             conn.close()
         samples = scrape(g.http)
