@@ -11,16 +11,21 @@ loop stalled ~700 ms; offloaded, concurrent small requests saw at worst 8-12 ms 
 The body goes to the worker as the chunks it arrived in (the pipe writes release the GIL); what
 remains on this side is one protobuf parse of the decoded request (memcpy speed).
 
-The worker decodes one body at a time, and restarts itself when its resident memory exceeds
-WORKER_RSS_LIMIT after a job, so the memory a huge JSON document needed is given back. The
-bodies waiting for it wait in a line per tenant (with a gateway's --tenants; one line without),
-the lines served round-robin (`meshserve/server/inflate.py:Turns`, as the inflating turns): one
-tenant's flood of large bodies delays another tenant's body by one of its decodes, not by its
-whole line (docs/security.md, "Session 13: every shared cap and its tenant share").
+There are WORKERS such processes (each started on first use), each decoding one body at a
+time, and each restarts itself when its resident memory exceeds WORKER_RSS_LIMIT after a job, so
+the memory a huge JSON document needed is given back. The bodies waiting for one wait in a line
+per tenant (with a gateway's --tenants; one line without), the lines served round-robin, and a
+tenant holds at most its share of the workers at once (``Slots``; max(1, WORKERS x share): one
+of the two at the default share of 0.5): one tenant's flood of large bodies never makes another
+tenant's body wait for one of the flood's decodes, while a worker the flood may not take is
+free (docs/security.md, "Session 13: every shared cap and its tenant share" and "Session 18: the
+body workers"). Without tenants the bodies take any free worker, in order.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import os
 import pickle
@@ -37,11 +42,15 @@ from typing import IO, Any
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec
 from meshserve.protocol.errors import Code, InferError, internal_error
-from meshserve.server.inflate import Turns
+from meshserve.server.admission import tenant_cap
 
 log = logging.getLogger("meshserve.http")
 
 OFFLOAD_BYTES = 64 * 1024  # JSON larger than this is decoded in the worker
+# Worker processes: two, so that a tenant at its share (0.5: one) leaves the other to the rest. Both
+# start at the first large body (~49 MiB resident each, idle); a third would add memory and, on 2
+# cores, only contention.
+WORKERS = 2
 WORKER_RSS_LIMIT = 256 << 20  # the worker exits after a job that left it larger than this
 
 # What a worker may run: pure functions of (body, *args), each with how its result crosses the
@@ -97,26 +106,93 @@ def _write_all(stream: IO[bytes], data: bytes | bytearray) -> None:
         view = view[stream.write(view) or 0:]
 
 
+class Slots:
+    """``n`` slots (the worker processes, by index), a holder of ``tenant`` at most ``cap`` of them
+    at once. The others wait in a line per tenant, and a freed slot goes to the first tenant in
+    the round that may take one more (then to the end of the round); a tenant at its cap lets the
+    next one go first. A waiter cancelled while it waits leaves its line; one cancelled after its
+    slot was handed over gives it back."""
+
+    __slots__ = ("free", "held", "waiting")
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n - 1, -1, -1))  # (the lowest index first: worker 0 is the one usually started)
+        self.held: collections.Counter[Hashable] = collections.Counter()
+        # tenant -> its line of (waiter, its cap), in the order of the round (the next served first)
+        self.waiting: dict[Hashable, collections.deque[tuple[asyncio.Future[int], int]]] = {}
+
+    async def take(self, tenant: Hashable, cap: int) -> int:
+        """A slot's index for a holder of ``tenant``, which may hold ``cap`` at once."""
+        if self.free and self.held[tenant] < cap:  # (a waiter that could take a free slot has it already)
+            return self._grant(tenant)
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        line = self.waiting.get(tenant)
+        if line is None:
+            line = self.waiting[tenant] = collections.deque()
+        line.append((waiter, cap))
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.give(waiter.result(), tenant)  # (handed over, then cancelled: passed on)
+            else:
+                line = self.waiting.get(tenant)
+                if line is not None:
+                    with contextlib.suppress(ValueError):
+                        line.remove((waiter, cap))
+                    if not line:
+                        del self.waiting[tenant]
+            raise
+
+    def give(self, index: int, tenant: Hashable) -> None:
+        """Slot ``index``, held for ``tenant``, is free: to the next waiter in the round that may take it."""
+        held = self.held
+        held[tenant] -= 1
+        if not held[tenant]:
+            del held[tenant]
+        self.free.append(index)
+        waiting = self.waiting
+        while self.free and waiting:
+            for who, line in waiting.items():
+                if held[who] < line[0][1]:
+                    break
+            else:
+                return  # (every tenant waiting is at its cap)
+            waiter, _ = line.popleft()
+            del waiting[who]
+            if line:
+                waiting[who] = line  # (to the end of the round)
+            if not waiter.done():
+                waiter.set_result(self._grant(who))
+
+    def _grant(self, tenant: Hashable) -> int:
+        self.held[tenant] += 1
+        return self.free.pop()
+
+
 class BodyWorker:
-    """The parent's side: one worker process, one job at a time, started on first use."""
+    """The parent's side: WORKERS worker processes, one job at a time each, each started on first use."""
 
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._turns = Turns()  # one body at a time; who waits, in a line per tenant
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="meshserve-body-worker")
-        self._guard = threading.Lock()
+    def __init__(self, workers: int = WORKERS) -> None:
+        self.workers = workers
+        self._procs: list[subprocess.Popen[bytes] | None] = [None] * workers
+        self._slots = Slots(workers)  # who decodes now; who waits, in a line per tenant
+        self._io = ThreadPoolExecutor(workers, thread_name_prefix="meshserve-body-worker")
+        self._guards = [threading.Lock() for _ in range(workers)]
 
-    async def call(self, fn_name: str, body: Body, *args: Any, tenant: Hashable = None) -> Any:
-        """FUNCTIONS[fn_name](body, *args) in the worker; its InferError is raised here.
+    async def call(self, fn_name: str, body: Body, *args: Any, tenant: Hashable = None, share: float = 1.0) -> Any:
+        """FUNCTIONS[fn_name](body, *args) in a worker; its InferError is raised here.
         `body` may be a list of chunks (sent one after the other: never joined here). ``tenant``:
-        the body's (None without tenants), whose line it waits in for its turn."""
-        turns = self._turns
-        await turns.take(tenant)
+        the body's (None without tenants), whose line it waits in for a worker; ``share``: the
+        tenant's share of the workers (the tenants file's)."""
+        slots = self._slots
+        cap = self.workers if tenant is None else tenant_cap(self.workers, share)
+        index = await slots.take(tenant, cap)
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._io, self._call_sync, fn_name, body, args)
+            return await loop.run_in_executor(self._io, self._call_sync, index, fn_name, body, args)
         finally:
-            turns.give()
+            slots.give(index, tenant)
 
     def _start(self) -> subprocess.Popen[bytes]:
         root = str(Path(__file__).resolve().parents[2])  # the tree this meshserve runs from
@@ -124,12 +200,27 @@ class BodyWorker:
         return subprocess.Popen([sys.executable, "-m", "meshserve.server.body_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, cwd=root, bufsize=0)
 
-    def _call_sync(self, fn_name: str, body: Body, args: tuple[Any, ...]) -> Any:
+    def _warm(self, started: int) -> None:
+        """Start every other worker that is not running (and not in use), beside worker ``started``:
+        a worker's first job would otherwise wait for its interpreter to start (~0.3 s, over 1 s on
+        a busy machine), and the one a tenant at its share leaves free is needed exactly when the
+        machine is busy with that tenant's flood."""
+        for other, guard in enumerate(self._guards):
+            if other != started and guard.acquire(blocking=False):
+                try:
+                    proc = self._procs[other]
+                    if proc is None or proc.poll() is not None:
+                        self._procs[other] = self._start()
+                finally:
+                    guard.release()
+
+    def _call_sync(self, index: int, fn_name: str, body: Body, args: tuple[Any, ...]) -> Any:
         chunks = body if isinstance(body, list) else [body]
-        with self._guard:
-            proc = self._proc
+        with self._guards[index]:
+            proc = self._procs[index]
             if proc is None or proc.poll() is not None:
-                proc = self._proc = self._start()
+                proc = self._procs[index] = self._start()
+                self._warm(index)
             assert proc.stdin is not None and proc.stdout is not None
             head = pickle.dumps((fn_name, args))
             reply: bytearray | None = None
@@ -147,11 +238,11 @@ class BodyWorker:
             if reply is None:
                 proc.kill()
                 proc.wait()
-                self._proc = None
+                self._procs[index] = None
                 raise InferError.unavailable("the HTTP body decoder process exited; retry the request")
-            if flags & _EXIT:
+            if flags & _EXIT:  # (its replacement starts now, while it is not needed)
                 proc.wait()
-                self._proc = None
+                self._procs[index] = self._start()
         # A parsed infer request comes back as its serialized bytes, parsed once here (the
         # only part of a big body's decode that holds this process's GIL: a memcpy-speed parse).
         if flags & _RAW:
@@ -163,10 +254,11 @@ class BodyWorker:
         raise InferError(Code(code), message)
 
     def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        procs, self._procs = self._procs, [None] * self.workers
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
         self._io.shutdown(wait=False)
 
 

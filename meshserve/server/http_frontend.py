@@ -80,11 +80,13 @@ def _inline(chunks: list[bytes], size: int | None = None) -> bool:
 async def _decode(request: Request, fn: Any, chunks: list[bytes], *args: Any, size: int | None = None) -> Any:
     """fn(body, *args) (an http_codec parser): in place when the JSON to decode is small
     (_inline), else in the body worker process, off this event loop, in the line of the
-    request's tenant (with tenants: one tenant's large bodies do not hold another's back)."""
+    request's tenant (with tenants: one tenant's large bodies hold at most its share of the workers)."""
     if _inline(chunks, size):
         return fn(_joined(chunks), *args)
     who = request.caller()
-    return await body_worker.worker().call(fn.__name__, chunks, *args, tenant=None if who is None else who[0])
+    if who is None:
+        return await body_worker.worker().call(fn.__name__, chunks, *args)
+    return await body_worker.worker().call(fn.__name__, chunks, *args, tenant=who[0], share=who[1])
 
 
 class HttpFrontend:

@@ -10,10 +10,12 @@ acme, with the real tritonclient, sends identity_fp32 requests whose ~100 KB JSO
 too.
 
 Before (one line, first come first served): acme's body waited behind every body of mallory's
-queued before it. Now a line per tenant, served round-robin (`meshserve/server/inflate.py:Turns`):
-acme's body waits for at most the one being decoded and one more of mallory's. The suite's rules
-hold for acme (p99 under max(250 ms, 5x its baseline), no failure; the gateway's RSS); every one
-of mallory's bodies is a client error."""
+queued before it. Session 13: a line per tenant, served round-robin: acme's body waited for at
+most the one being decoded and one more of mallory's (p99 110-264 ms here, 344 ms in a fresh-clone
+suite, limit 250). Session 18: two workers, a tenant at most its share of them at once
+(`meshserve/server/body_worker.py:Slots`): mallory's bodies hold one, acme's take the other and
+wait for none of mallory's. The suite's rules hold for acme (p99 under max(250 ms, 5x its
+baseline), no failure; the gateway's RSS); every one of mallory's bodies is a client error."""
 from __future__ import annotations
 
 import ast

@@ -10,7 +10,7 @@ import pytest
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import http_codec
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server.body_worker import BodyWorker
+from meshserve.server.body_worker import BodyWorker, Slots
 
 
 @pytest.fixture
@@ -48,25 +48,93 @@ async def test_errors_keep_their_code_and_message(worker: BodyWorker) -> None:
 
 async def test_a_worker_that_died_is_replaced(worker: BodyWorker) -> None:
     assert await worker.call("parse_index_request", b"") is False
-    assert worker._proc is not None
-    worker._proc.kill()
-    worker._proc.wait()
+    proc = worker._procs[0]
+    assert proc is not None
+    proc.kill()
+    proc.wait()
     assert await worker.call("parse_index_request", b'{"ready": 1}') is True  # a fresh process
 
 
-async def test_bodies_wait_in_a_line_per_tenant_served_round_robin(worker: BodyWorker) -> None:
-    """Six bodies of one tenant, then one of another: the other's is decoded after at most two of
-    the first's (the one running and the next of its line), not after the whole line (it was
-    last, first come first served); without tenants (None) one line, in arrival order."""
+async def test_a_tenant_at_its_share_of_the_workers_leaves_the_other_to_another_tenant(worker: BodyWorker) -> None:
+    """Six large bodies of one tenant (share 0.5: one of the two workers), then a small one of
+    another: the other's is decoded at once beside the first large one, and answered first
+    (before: it waited for that one, one worker serving a line per tenant round-robin); each
+    tenant's bodies in order; without tenants (None) the bodies take both workers."""
+    ready = b'{"ready": true}'
+    assert await asyncio.gather(*[worker.call("parse_index_request", ready) for _ in range(2)]) == [True, True]
+    assert worker._procs[0] is not None and worker._procs[1] is not None  # (both started: no start-up below)
+    large = infer_body(300_000)
     order: list[tuple[object, int]] = []
 
-    async def one(tenant: object, i: int) -> None:
-        assert await worker.call("parse_index_request", b'{"ready": true}', tenant=tenant) is True
+    async def one(tenant: object, i: int, body: bytes, fn: str, *args: object) -> None:
+        assert await worker.call(fn, body, *args, tenant=tenant, share=0.5) is not None
         order.append((tenant, i))
 
-    await asyncio.gather(*[one("mallory", i) for i in range(6)], one("acme", 0))
-    assert order.index(("acme", 0)) <= 2, order
+    await asyncio.gather(*[one("mallory", i, large, "parse_infer_request", None, "m", "") for i in range(6)],
+                         one("acme", 0, ready, "parse_index_request"))
+    assert order[0] == ("acme", 0), order
     assert [i for t, i in order if t == "mallory"] == list(range(6))  # in order within a tenant
     order.clear()
-    await asyncio.gather(*[one(None, i) for i in range(4)])
-    assert order == [(None, i) for i in range(4)]
+    await asyncio.gather(*[one(None, i, ready, "parse_index_request") for i in range(4)])
+    assert sorted(order) == [(None, i) for i in range(4)]
+
+
+def test_slots_give_a_tenant_at_most_its_cap_round_robin() -> None:
+    """Slots: a tenant at its cap waits while a slot is free for another; a freed slot goes to
+    the first tenant of the round that may take one more, which then goes to the end of the
+    round; without a cap's limit (None, cap n) in arrival order."""
+
+    async def main() -> None:
+        slots = Slots(2)
+        granted: list[tuple[str, int]] = []
+
+        async def take(who: str, cap: int) -> int:
+            index = await slots.take(who, cap)
+            granted.append((who, index))
+            return index
+
+        assert await take("m", 1) == 0
+        m2 = asyncio.ensure_future(take("m", 1))
+        await asyncio.sleep(0)
+        assert not m2.done() and slots.free == [1]  # at its cap, with a slot free
+        assert await take("a", 1) == 1
+        slots.give(0, "m")
+        assert await m2 == 0
+        # both held (m: 0, a: 1); m with cap 2 and a queue behind, round m, a
+        waiters = [asyncio.ensure_future(take(who, 2)) for who in ("m", "m", "a")]
+        await asyncio.sleep(0)
+        slots.give(1, "a")  # -> m (first in the round), which goes to the end
+        await asyncio.sleep(0)
+        slots.give(0, "m")  # -> a
+        await asyncio.sleep(0)
+        assert granted[-2:] == [("m", 1), ("a", 0)]
+        slots.give(1, "m")  # -> the last m
+        await asyncio.gather(*waiters)
+        assert granted[-1] == ("m", 1)
+        for index, who in ((0, "a"), (1, "m")):
+            slots.give(index, who)
+        assert sorted(slots.free) == [0, 1] and not slots.held and not slots.waiting
+
+    asyncio.run(main())
+
+
+def test_slots_a_cancelled_waiter_leaves_its_line_or_passes_its_slot_on() -> None:
+    async def main() -> None:
+        slots = Slots(1)
+        assert await slots.take(None, 1) == 0
+        gone = asyncio.ensure_future(slots.take(None, 1))
+        kept = asyncio.ensure_future(slots.take(None, 1))
+        await asyncio.sleep(0)
+        gone.cancel()  # while it waits: it leaves the line
+        await asyncio.sleep(0)
+        slots.give(0, None)
+        assert await kept == 0
+        handed = asyncio.ensure_future(slots.take("t", 1))
+        await asyncio.sleep(0)
+        slots.give(0, None)  # handed over to ``handed`` ...
+        handed.cancel()  # ... which is cancelled before it runs: the slot is given back
+        with pytest.raises(asyncio.CancelledError):
+            await handed
+        assert slots.free == [0] and not slots.held and not slots.waiting
+
+    asyncio.run(main())

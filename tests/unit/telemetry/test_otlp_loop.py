@@ -181,6 +181,9 @@ def test_spans_ended_on_a_later_loop_are_sent_from_it(receiver: tuple[_Receiver,
         _end(queue, 2)
         _end(queue, 3)
         await eventually_async(lambda: len(servicer.names()) == 3)
+        # (the collector has them before its answer arrives: an export still awaiting it when the
+        # loop ends is cancelled and counts its spans as dropped, so wait for the answer too)
+        await eventually_async(lambda: queue.exported == 3)
 
     asyncio.run(first())
     asyncio.run(second())
