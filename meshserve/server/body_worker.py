@@ -11,9 +11,9 @@ loop stalled ~700 ms; offloaded, concurrent small requests saw at worst 8-12 ms 
 The body goes to the worker as the chunks it arrived in (the pipe writes release the GIL); what
 remains on this side is one protobuf parse of the decoded request (memcpy speed).
 
-There are WORKERS such processes (each started on first use), each decoding one body at a
-time, and each restarts itself when its resident memory exceeds WORKER_RSS_LIMIT after a job, so
-the memory a huge JSON document needed is given back. The bodies waiting for one wait in a line
+There are WORKERS such processes (started together at the first large body), each decoding one
+body at a time; each restarts itself when its resident memory exceeds WORKER_RSS_LIMIT after a
+job, so the memory a huge JSON document needed is given back. The bodies waiting for one wait in a line
 per tenant (with a gateway's --tenants; one line without), the lines served round-robin, and a
 tenant holds at most its share of the workers at once (``Slots``; max(1, WORKERS x share): one
 of the two at the default share of 0.5): one tenant's flood of large bodies never makes another
@@ -171,7 +171,7 @@ class Slots:
 
 
 class BodyWorker:
-    """The parent's side: WORKERS worker processes, one job at a time each, each started on first use."""
+    """The parent's side: WORKERS worker processes, one job at a time each, started together on first use."""
 
     def __init__(self, workers: int = WORKERS) -> None:
         self.workers = workers
