@@ -271,10 +271,10 @@ def test_a_caller_at_its_share_is_refused_before_its_request_is_read(tmp_path: P
     request is parsed or its body read (gateway/core.py: grpc_door, http_door; a flood past a share
     costs a refusal each, no more). With mallory's 4 slow requests in flight (0.5 of --max-inflight
     8), a gRPC message that names the model and then is no ModelInferRequest, and an HTTP infer,
-    generate or generate_stream body that is no JSON, get mallory 429 / RESOURCE_EXHAUSTED naming its share, while acme's same bytes get the
-    parse's 400 / INVALID_ARGUMENT; the HTTP connection goes on to its next request; each refusal
-    is counted once (meshserve_gateway_requests_total, the share rejections); once mallory's
-    requests have ended, its bytes are parsed again."""
+    generate or generate_stream body that is no JSON, get mallory 429 / RESOURCE_EXHAUSTED naming
+    its share, while acme's same bytes get the parse's 400 / INVALID_ARGUMENT; the HTTP connection
+    goes on to its next request; each refusal is counted once (meshserve_gateway_requests_total,
+    the share rejections); once mallory's requests have ended, its bytes are parsed again."""
     import http.client
 
     import grpc
