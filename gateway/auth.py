@@ -251,9 +251,8 @@ class Admission:
         a compressed body's inflated bytes). Raises 401 as ``admit`` does."""
         tenants = self.directory.get()
         tenant = tenants.authenticate(headers)
-        if tenant is None:
-            return "", tenants.share_of("")
-        return tenant.name, tenant.share if tenant.share is not None else tenants.spec.share
+        name = "" if tenant is None else tenant.name
+        return name, tenants.share_of(name)
 
     async def admit(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None = None,
                     sequence_idle_s: float = 0.0) -> Admitted:
@@ -279,7 +278,7 @@ class Admission:
         if not tenant.may_call(request.model_name):
             raise InferError(Code.PERMISSION_DENIED,
                              f"tenant '{name}' may not call model '{request.model_name}'")
-        share = tenant.share if tenant.share is not None else tenants.spec.share
+        share = tenants.share_of(name)
         queued = self._take_share(name, share, size, request, tenant.priority)
         lease = ctx.time_remaining() or 0.0
         try:
@@ -328,12 +327,10 @@ class Admission:
             tenant = tenants.authenticate(headers)
         except InferError:
             return None  # (admit answers 401)
-        if tenant is None:
-            name, share = "", tenants.share_of("")
-        elif not tenant.may_call(model):
+        if tenant is not None and not tenant.may_call(model):
             return None  # (admit answers 403)
-        else:
-            name, share = tenant.name, tenant.share if tenant.share is not None else tenants.spec.share
+        name = "" if tenant is None else tenant.name
+        share = tenants.share_of(name)
         held = self.inflight.get(name)
         if held is None or held[0] < (cap := tenant_cap(gate.max_requests, share)) or not is_valid_model_name(model):
             return None
