@@ -44,7 +44,7 @@ from meshserve.server.core import (
 )
 from meshserve.server.limits import ServerLimits
 from meshserve.server.repository_control import ControlPolicy
-from meshserve.telemetry import metrics
+from meshserve.telemetry import loop_lag, metrics
 
 GATEWAY_FAMILIES = {
     "route_requests": metrics.Family("meshserve_gateway_route_requests_total", "counter",
@@ -494,8 +494,8 @@ class GatewayCore:
     def own_metrics(self, cache: bool = True) -> tuple[list[metrics.Sample], dict[str, metrics.Family]]:
         """This process's samples, and the families they and the services' belong to (``cache``
         False: without the response cache's samples, which --workers share)."""
-        samples = self._metric_samples() + connections.samples()
-        families = {**GATEWAY_FAMILIES, **connections.FAMILIES}
+        samples = self._metric_samples() + connections.samples() + loop_lag.samples()
+        families = {**GATEWAY_FAMILIES, **connections.FAMILIES, **loop_lag.FAMILIES}
         if self.ensembles is not None or self.federate_metrics:  # Triton's families: ensembles, services
             families = {**families, **metrics.MODEL_FAMILIES}
             if self.ensembles is not None:

@@ -23,7 +23,7 @@ from meshserve.server.health import SERVING, HealthState
 from meshserve.server.http_frontend import start_http_server, start_metrics_server
 from meshserve.server.limits import LISTEN, STREAMS, ServerLimits
 from meshserve.server.workers import Worker
-from meshserve.telemetry import tracing
+from meshserve.telemetry import loop_lag, tracing
 from meshserve.telemetry.otlp_loop import Transport
 
 log = logging.getLogger("meshserve.process")
@@ -115,6 +115,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
+    loop_lag.WATCH.start(loop)  # meshserve_event_loop_lag_seconds (telemetry/loop_lag.py)
     await stop.wait()
     log.info("%s draining", who)
     health.close()  # (NOT_SERVING; open watches end once they have said it)
@@ -131,6 +132,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     if runner is not None:
         await runner.cleanup()
     shm.registry.close()  # unmap the clients' shared-memory regions (never unlinked: they are theirs)
+    loop_lag.WATCH.stop()
     log.info("%s stopped", who)
 
 

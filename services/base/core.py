@@ -35,7 +35,7 @@ from meshserve.server.core import (
     unary_decoupled_error,
 )
 from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy, poll_failed
-from meshserve.telemetry import metrics
+from meshserve.telemetry import loop_lag, metrics
 from services.base import memory
 from services.base.control import ModelControl, fingerprint
 from services.base.load_threads import DEFAULT_LOAD_THREADS, SharedGrowth
@@ -62,7 +62,8 @@ SERVICE_FAMILIES = {
                                     "Batches the dynamic batcher released before max_queue_delay because the "
                                     "clients it expected were all queued (early release)"),
 }
-_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES, **memory.FAMILIES, **connections.FAMILIES}
+_FAMILIES = {**metrics.MODEL_FAMILIES, **SERVICE_FAMILIES, **memory.FAMILIES, **connections.FAMILIES,
+             **loop_lag.FAMILIES}
 
 
 @dataclass
@@ -871,7 +872,7 @@ class ServiceCore:
                                        gate.requests, bound,
                                        [(mv.name, mv.version_str, d, n) for mv in self._all_versions()
                                         for d, n in mv.gpu_bytes.items()])
-        samples += connections.samples()
+        samples += connections.samples() + loop_lag.samples()
         return metrics.render(samples, _FAMILIES), metrics.CONTENT_TYPE
 
 

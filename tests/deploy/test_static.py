@@ -301,6 +301,7 @@ def test_grafana_dashboard() -> None:
     for metric in TRITON_METRICS:
         assert re.search(rf"\b{metric}\b", text), f"no panel shows {metric}"
     assert "meshserve_gateway_requests_total" in text and "meshserve_gateway_upstream_errors_total" in text
+    assert "meshserve_event_loop_lag_seconds_bucket" in text  # (every process: docs/observability.md)
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert "_bucket" in variables["histogram"]["definition"] and "histogram_quantile" in text
     assert variables["datasource"]["current"]["value"] == "prometheus"

@@ -225,3 +225,44 @@ def test_gateway_counts_the_requests_it_merges(stack) -> None:
             <= sent - merged + sends  # each merged send ran as (at most) one execution
     finally:
         gateway.stop()
+
+
+def test_every_process_reports_how_late_its_event_loop_runs(tmp_path) -> None:
+    """meshserve_event_loop_lag_seconds on a service's and a gateway's /metrics: its count grows
+    while the loop turns, and a process held still (SIGSTOP for 0.4 s, as a long callback or the
+    scheduler would hold its loop) shows an observation over 0.25 s, on that process only."""
+    import os
+    import time
+
+    from tests.conftest import _wait_http_ready, start
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    service = start(["service", "onnx", "--repository", str(empty), "--grpc-port", "0", "--http-port", "0"])
+    gateway = None
+    try:
+        gateway = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", service.grpc])
+        _wait_http_ready(gateway.http)
+        name = "meshserve_event_loop_lag_seconds"
+
+        def late(hostport: str) -> tuple[float, float]:
+            """(observations, those over 0.25 s)"""
+            got = _scrape(hostport)
+            count = _get(got, f"{name}_count")
+            return count, count - _get(got, f"{name}_bucket", le="0.25")
+
+        for proc, what in ((service, "the service"), (gateway, "the gateway")):
+            first, _ = late(proc.http)
+            eventually(lambda p=proc, n=first: late(p.http)[0] >= n + 3, what=f"{name} counting on {what}")
+        before = {p.http: late(p.http)[1] for p in (service, gateway)}
+        os.kill(service.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.4)
+        finally:
+            os.kill(service.proc.pid, signal.SIGCONT)
+        eventually(lambda: late(service.http)[1] >= before[service.http] + 1, what="the service's stall observed")
+        assert late(gateway.http)[1] == before[gateway.http]  # (the gateway was not held)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        service.stop()
