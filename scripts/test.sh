@@ -62,12 +62,13 @@ if [ $# = 0 ]; then
   # the parallel part started carries MESHSERVE_SUITE_RUN in its environment, and the serial part
   # waits until none is left (tests/support/leftovers.py: at most 30 s, then it lists and kills
   # them) and the parallel part's written files are flushed (sync).
-  # MESHSERVE_TEST_WORKERS: the number of workers instead (xdist's -n). The parallel part waits
-  # more than it computes (1.27 cores busy of 2 over a whole run; tests/load + e2e + deploy: 116 s
-  # with 2 workers, 85 s with 3), so a third worker may shorten it; not the default until fresh-
-  # clone runs show the parallel part's timing bounds hold with it.
+  # Workers: one more than the cores (MESHSERVE_TEST_WORKERS: another number, xdist's -n). The
+  # parallel part waits more than it computes (1.27 cores busy of 2 over a whole run), so on CI's 2
+  # cores a third worker shortens it: fresh clones here, parallel part 661 s with 2 workers, 598 s
+  # with 3, the adversarial chain then the longest unit (docs/perf/suite-time.md, session 19).
   run_token="$$-$(date +%s%N)"
-  MESHSERVE_SUITE_RUN="$run_token" python3 -m pytest -n "${MESHSERVE_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder -m "not serial" \
+  workers="${MESHSERVE_TEST_WORKERS:-$(($(nproc) + 1))}"
+  MESHSERVE_SUITE_RUN="$run_token" python3 -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not serial" \
     || status=$?
   python3 -m tests.support.leftovers "$run_token" --timeout 30 || true
   sync

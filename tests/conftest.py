@@ -35,7 +35,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-# Under pytest-xdist (scripts/test.sh: -n auto --dist loadfile --no-loadscope-reorder) a worker
+# Under pytest-xdist (scripts/test.sh: -n CORES+1 --dist loadfile --no-loadscope-reorder) a worker
 # takes a whole file at a time, except tests/adversarial/, which is one unit: one worker runs it
 # from start to end, one attack at a time on one mesh (its good client's p99 is the verdict),
 # while the other workers go through the rest. The chain is handed out first (the longest unit);
