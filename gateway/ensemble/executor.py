@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,6 +25,7 @@ from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository.labels import label_of
 from meshserve.server.admission import tenant_cap
+from meshserve.server.slots import Slots
 from meshserve.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -69,39 +70,25 @@ class _Round:
 class StepSlots:
     """At most ``cap`` step calls at once, all ensembles together (--ensemble-max-inflight-steps);
     with tenants, one tenant's steps (the admitted request's: gateway/auth.py:CALLER) at most
-    max(1, cap x its share): its further steps wait in a line of its own, so that another
-    tenant's steps find the rest of the slots (a tenant's share of --max-inflight times an
-    ensemble's parallel steps can be every slot). Without tenants one line, as before."""
+    max(1, cap x its share): its further steps wait in a line of its own, served round-robin with
+    the other tenants' (``meshserve/server/slots.py:Slots``), so that another tenant's steps find
+    the rest of the slots (a tenant's share of --max-inflight times an ensemble's parallel steps
+    can be every slot). Without tenants one line, as before."""
 
-    __slots__ = ("cap", "all", "tenants")
+    __slots__ = ("cap", "slots")
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.all = asyncio.Semaphore(cap)
-        # (tenant, share) -> the slots it may hold: one per tenant of the file (and share it had)
-        self.tenants: dict[tuple[str, float], asyncio.Semaphore] = {}
+        self.slots = Slots(cap)
 
-    async def take(self) -> asyncio.Semaphore | None:
-        """A slot (waiting for one); the tenant's own semaphore, to give back with it."""
-        who = CALLER.get()
-        own = None
-        if who is not None:
-            own = self.tenants.get(who)
-            if own is None:
-                own = self.tenants[who] = asyncio.Semaphore(tenant_cap(self.cap, who[1]))
-            await own.acquire()
-        try:
-            await self.all.acquire()
-        except BaseException:
-            if own is not None:
-                own.release()
-            raise
-        return own
+    async def take(self) -> tuple[int, Hashable]:
+        """A slot (waiting for one), to give back: its index and the tenant it is held for."""
+        who = CALLER.get()  # (tenant, share), or None
+        cap = self.cap if who is None else tenant_cap(self.cap, who[1])
+        return await self.slots.take(who, cap), who
 
-    def give(self, own: asyncio.Semaphore | None) -> None:
-        self.all.release()
-        if own is not None:
-            own.release()
+    def give(self, held: tuple[int, Hashable]) -> None:
+        self.slots.give(*held)
 
 
 class EnsembleExecutor:

@@ -24,8 +24,6 @@ body workers"). Without tenants the bodies take any free worker, in order.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import os
 import pickle
@@ -43,6 +41,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.server.admission import tenant_cap
+from meshserve.server.slots import Slots
 
 log = logging.getLogger("meshserve.http")
 
@@ -104,70 +103,6 @@ def _write_all(stream: IO[bytes], data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         view = view[stream.write(view) or 0:]
-
-
-class Slots:
-    """``n`` slots (the worker processes, by index), a holder of ``tenant`` at most ``cap`` of them
-    at once. The others wait in a line per tenant, and a freed slot goes to the first tenant in
-    the round that may take one more (then to the end of the round); a tenant at its cap lets the
-    next one go first. A waiter cancelled while it waits leaves its line; one cancelled after its
-    slot was handed over gives it back."""
-
-    __slots__ = ("free", "held", "waiting")
-
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n - 1, -1, -1))  # (the lowest index first: worker 0 is the one usually started)
-        self.held: collections.Counter[Hashable] = collections.Counter()
-        # tenant -> its line of (waiter, its cap), in the order of the round (the next served first)
-        self.waiting: dict[Hashable, collections.deque[tuple[asyncio.Future[int], int]]] = {}
-
-    async def take(self, tenant: Hashable, cap: int) -> int:
-        """A slot's index for a holder of ``tenant``, which may hold ``cap`` at once."""
-        if self.free and self.held[tenant] < cap:  # (a waiter that could take a free slot has it already)
-            return self._grant(tenant)
-        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        line = self.waiting.get(tenant)
-        if line is None:
-            line = self.waiting[tenant] = collections.deque()
-        line.append((waiter, cap))
-        try:
-            return await waiter
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.give(waiter.result(), tenant)  # (handed over, then cancelled: passed on)
-            else:
-                line = self.waiting.get(tenant)
-                if line is not None:
-                    with contextlib.suppress(ValueError):
-                        line.remove((waiter, cap))
-                    if not line:
-                        del self.waiting[tenant]
-            raise
-
-    def give(self, index: int, tenant: Hashable) -> None:
-        """Slot ``index``, held for ``tenant``, is free: to the next waiter in the round that may take it."""
-        held = self.held
-        held[tenant] -= 1
-        if not held[tenant]:
-            del held[tenant]
-        self.free.append(index)
-        waiting = self.waiting
-        while self.free and waiting:
-            for who, line in waiting.items():
-                if held[who] < line[0][1]:
-                    break
-            else:
-                return  # (every tenant waiting is at its cap)
-            waiter, _ = line.popleft()
-            del waiting[who]
-            if line:
-                waiting[who] = line  # (to the end of the round)
-            if not waiter.done():
-                waiter.set_result(self._grant(who))
-
-    def _grant(self, tenant: Hashable) -> int:
-        self.held[tenant] += 1
-        return self.free.pop()
 
 
 class BodyWorker:

@@ -42,7 +42,7 @@ per-tenant share (docs/security.md, "Tenant isolation and the hop marker"); here
   gRPC's ``INFLATING``, the HTTP front door's decoded bytes of --max-receive-bytes); past it its
   message is refused RESOURCE_EXHAUSTED / 429 naming the limit and the share, the others still
   have the rest;
-- the turns are served round-robin by tenant (``Turns``: a line per tenant), and a holder passes
+- the turns are served round-robin by tenant (``meshserve/server/slots.py:Slots``: a line per tenant), and a holder passes
   its turn on between two slices while another tenant waits: a tenant's waiting messages hold
   another tenant back by one slice each round, however many they are.
 
@@ -50,15 +50,13 @@ Without tenants nothing is counted per tenant: one line, no look-up, no share.
 """
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import zlib
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from meshserve.protocol.errors import InferError
 from meshserve.server import tls
+from meshserve.server.slots import Slots
 
 STEP = 1 << 16  # output bytes inflated per slice (~0.1 ms quiet, ~0.4 ms on a busy 2-core box)
 TURNS = 1  # messages inflated at once, process-wide
@@ -141,90 +139,7 @@ class Budget:
 INFLATING = Budget()
 
 
-class Turns:
-    """At most TURNS holders at once; the others wait in line, a line per tenant (None: without
-    tenants, one line), the lines served round-robin (a holder that is cancelled while it waits
-    leaves its line; one cancelled after its turn came passes it on). Between two slices a holder
-    passes its turn on while another tenant waits (``wanted``, ``pass_on``)."""
-
-    __slots__ = ("running", "waiting")
-
-    def __init__(self) -> None:
-        self.running = 0
-        # tenant -> its line, in the order of the round (the next served first)
-        self.waiting: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
-
-    async def take(self, tenant: Hashable = None) -> None:
-        if self.running < TURNS and not self.waiting:
-            self.running += 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        line = self.waiting.get(tenant)
-        if line is None:
-            line = self.waiting[tenant] = collections.deque()
-        line.append(turn)
-        await self._wait(tenant, turn)
-
-    def wanted(self, tenant: Hashable) -> bool:
-        """Another tenant than ``tenant`` waits for a turn (never without tenants)."""
-        waiting = self.waiting
-        return bool(waiting) and (len(waiting) > 1 or tenant not in waiting)
-
-    async def between(self, tenant: Hashable) -> None:
-        """Between two slices of a holder of ``tenant``: the event loop runs other calls, and
-        while another tenant waits the turn goes to it first and comes back in the round.
-        Returning, the holder holds its turn; raising, it holds none."""
-        if not self.wanted(tenant):
-            try:
-                await asyncio.sleep(0)
-            except BaseException:
-                self.give()
-                raise
-            return
-        await self.pass_on(tenant)
-
-    async def pass_on(self, tenant: Hashable) -> None:
-        """A holder's turn to the next tenant in the round; it waits at the head of its own
-        tenant's line, that line last in the round. Raising, it holds no turn."""
-        turn = asyncio.get_running_loop().create_future()
-        line = self.waiting.pop(tenant, None)
-        if line is None:
-            line = collections.deque()
-        line.appendleft(turn)
-        self.waiting[tenant] = line  # (last)
-        self.give()
-        await self._wait(tenant, turn)
-
-    async def _wait(self, tenant: Hashable, turn: asyncio.Future[None]) -> None:
-        try:
-            await turn  # (give() counted this holder in when it set the result)
-        except BaseException:
-            if turn.done() and not turn.cancelled():
-                self.give()
-            else:
-                line = self.waiting.get(tenant)
-                if line is not None:
-                    with contextlib.suppress(ValueError):
-                        line.remove(turn)
-                    if not line:
-                        del self.waiting[tenant]
-            raise
-
-    def give(self) -> None:
-        waiting = self.waiting
-        while waiting:
-            tenant = next(iter(waiting))
-            line = waiting.pop(tenant)
-            turn = line.popleft()
-            if line:
-                waiting[tenant] = line  # (to the end of the round)
-            if not turn.done():
-                turn.set_result(None)  # handed over: ``running`` stays
-                return
-        self.running -= 1
-
-
-INFLATING_NOW = Turns()
+INFLATING_NOW = Slots(TURNS)  # the process's turns of inflating and decoding (``Slots``: a line per tenant)
 
 
 class Inflation:
@@ -270,7 +185,7 @@ class Inflation:
         tail = data
         budget = INFLATING
         turns = INFLATING_NOW
-        await turns.take(tenant)
+        index = await turns.take(tenant, TURNS)
         turn = True  # (this message holds a turn)
         try:
             while True:
@@ -304,7 +219,7 @@ class Inflation:
                 if len(piece) < room and not tail:
                     raise zlib.error("incomplete or truncated stream")
                 turn = False
-                await turns.between(tenant)  # (other calls run between slices; other tenants' first)
+                index = await turns.between(index, tenant, TURNS)  # (other calls run between slices; other tenants' first)
                 turn = True
         except zlib.error as exc:
             self.release()
@@ -314,5 +229,5 @@ class Inflation:
             raise
         finally:
             if turn:
-                turns.give()
+                turns.give(index, tenant)
         return parts[0] if len(parts) == 1 else b"".join(parts)

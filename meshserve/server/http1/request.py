@@ -513,13 +513,13 @@ class Request:
                     continue
                 pieces = decoder.feed(chunk)
                 turns = inflate.INFLATING_NOW
-                await turns.take(tenant)  # (a turn of the process's inflating, as gRPC's)
+                index = await turns.take(tenant, inflate.TURNS)  # (a turn of the process's inflating, as gRPC's)
                 turn = True
                 try:
                     for n in itertools.count():  # bounded slices: let other requests run
                         if n:
                             turn = False
-                            await turns.between(tenant)  # (other tenants' slices first)
+                            index = await turns.between(index, tenant, inflate.TURNS)  # (other tenants' slices first)
                             turn = True
                         RECEIVING.charge(self, http_codec.DECODE_SLICE, who)  # (decoded bytes too, before each slice)
                         piece = next(pieces, b"")
@@ -529,7 +529,7 @@ class Request:
                         chunks.append(piece)
                 finally:
                     if turn:
-                        turns.give()
+                        turns.give(index, tenant)
             if decoder is not None:
                 decoder.finish()
         except BodyError as exc:

@@ -206,9 +206,15 @@ async def test_a_tenants_steps_hold_at_most_its_share_of_the_step_slots() -> Non
     await asyncio.wait_for(mallory[2], 1)
     for t in (mallory[1], mallory[2], acme[1]):
         slots.give(t.result())
+    assert slots.slots.busy == 0 and not slots.slots.held  # every slot given back
     anyone = StepSlots(4)
     held = [await loop.create_task(anyone.take(), context=as_tenant(None)) for _ in range(4)]
-    assert held == [None] * 4 and anyone.all.locked()
+    assert sorted(index for index, _ in held) == [0, 1, 2, 3] and {who for _, who in held} == {None}
+    fifth = loop.create_task(anyone.take(), context=as_tenant(None))
+    await asyncio.sleep(0)
+    assert not fifth.done()  # all 4 held
+    anyone.give(held[2])
+    assert await asyncio.wait_for(fifth, 1) == held[2]
 
 
 def test_an_ensembles_label_file_is_read_inside_its_folder_only(tmp_path: Path) -> None:

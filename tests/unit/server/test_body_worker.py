@@ -10,7 +10,7 @@ import pytest
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import http_codec
 from meshserve.protocol.errors import Code, InferError
-from meshserve.server.body_worker import BodyWorker, Slots
+from meshserve.server.body_worker import BodyWorker
 
 
 @pytest.fixture
@@ -77,64 +77,3 @@ async def test_a_tenant_at_its_share_of_the_workers_leaves_the_other_to_another_
     order.clear()
     await asyncio.gather(*[one(None, i, ready, "parse_index_request") for i in range(4)])
     assert sorted(order) == [(None, i) for i in range(4)]
-
-
-def test_slots_give_a_tenant_at_most_its_cap_round_robin() -> None:
-    """Slots: a tenant at its cap waits while a slot is free for another; a freed slot goes to
-    the first tenant of the round that may take one more, which then goes to the end of the
-    round; without a cap's limit (None, cap n) in arrival order."""
-
-    async def main() -> None:
-        slots = Slots(2)
-        granted: list[tuple[str, int]] = []
-
-        async def take(who: str, cap: int) -> int:
-            index = await slots.take(who, cap)
-            granted.append((who, index))
-            return index
-
-        assert await take("m", 1) == 0
-        m2 = asyncio.ensure_future(take("m", 1))
-        await asyncio.sleep(0)
-        assert not m2.done() and slots.free == [1]  # at its cap, with a slot free
-        assert await take("a", 1) == 1
-        slots.give(0, "m")
-        assert await m2 == 0
-        # both held (m: 0, a: 1); m with cap 2 and a queue behind, round m, a
-        waiters = [asyncio.ensure_future(take(who, 2)) for who in ("m", "m", "a")]
-        await asyncio.sleep(0)
-        slots.give(1, "a")  # -> m (first in the round), which goes to the end
-        await asyncio.sleep(0)
-        slots.give(0, "m")  # -> a
-        await asyncio.sleep(0)
-        assert granted[-2:] == [("m", 1), ("a", 0)]
-        slots.give(1, "m")  # -> the last m
-        await asyncio.gather(*waiters)
-        assert granted[-1] == ("m", 1)
-        for index, who in ((0, "a"), (1, "m")):
-            slots.give(index, who)
-        assert sorted(slots.free) == [0, 1] and not slots.held and not slots.waiting
-
-    asyncio.run(main())
-
-
-def test_slots_a_cancelled_waiter_leaves_its_line_or_passes_its_slot_on() -> None:
-    async def main() -> None:
-        slots = Slots(1)
-        assert await slots.take(None, 1) == 0
-        gone = asyncio.ensure_future(slots.take(None, 1))
-        kept = asyncio.ensure_future(slots.take(None, 1))
-        await asyncio.sleep(0)
-        gone.cancel()  # while it waits: it leaves the line
-        await asyncio.sleep(0)
-        slots.give(0, None)
-        assert await kept == 0
-        handed = asyncio.ensure_future(slots.take("t", 1))
-        await asyncio.sleep(0)
-        slots.give(0, None)  # handed over to ``handed`` ...
-        handed.cancel()  # ... which is cancelled before it runs: the slot is given back
-        with pytest.raises(asyncio.CancelledError):
-            await handed
-        assert slots.free == [0] and not slots.held and not slots.waiting
-
-    asyncio.run(main())

@@ -106,4 +106,4 @@ async def test_a_streamed_message_is_inflated_when_taken_within_the_limit_and_th
     finally:
         await server.stop(0)
     assert got == [1000, 500_000]
-    assert inflate.INFLATING.used == 0 and inflate.INFLATING_NOW.running == 0
+    assert inflate.INFLATING.used == 0 and inflate.INFLATING_NOW.busy == 0

@@ -24,12 +24,12 @@ MiB = 1 << 20
 def fresh() -> Iterator[None]:
     budget, turns = inflate.INFLATING, inflate.INFLATING_NOW
     saved, tenant_of = budget.limit, inflate.tenant_of
-    assert budget.used == 0 and turns.running == 0 and not turns.waiting and not budget.tenants.held
+    assert budget.used == 0 and turns.busy == 0 and not turns.waiting and not budget.tenants.held
     yield
     budget.limit, inflate.tenant_of = saved, tenant_of
     assert budget.used == 0, "every test gives back what it held"
     assert not budget.tenants.held, "every tenant too"
-    assert turns.running == 0 and not turns.waiting, "and its turn"
+    assert turns.busy == 0 and not turns.waiting, "and its turn"
 
 
 async def inflated(inflation: inflate.Inflation, data: bytes, done: list[str], name: str) -> None:
@@ -121,7 +121,7 @@ def test_one_message_inflates_at_a_time_in_order_and_a_cancelled_one_passes_its_
         await asyncio.sleep(0)  # a has the turn and its first slice
         b, c = one("b"), one("c")
         await asyncio.sleep(0)
-        assert inflate.INFLATING_NOW.running == 1 and waiting() == 2
+        assert inflate.INFLATING_NOW.busy == 1 and waiting() == 2
         b.cancel()  # waiting: leaves the line
         a.cancel()  # inflating: gives back its bytes and its turn
         await asyncio.gather(a, b, c, return_exceptions=True)
@@ -210,7 +210,7 @@ def test_an_unknown_key_is_refused_before_anything_is_inflated() -> None:
         with pytest.raises(inflate.Refused) as info:
             await held.run(b"gzip", gzip.compress(bytes(MiB)), 64 * MiB)
         assert (info.value.code, info.value.message) == ("UNAUTHENTICATED", "unknown API key")
-        assert held.held == 0 and inflate.INFLATING.used == 0 and inflate.INFLATING_NOW.running == 0
+        assert held.held == 0 and inflate.INFLATING.used == 0 and inflate.INFLATING_NOW.busy == 0
 
     asyncio.run(run())
 
@@ -254,7 +254,7 @@ def test_turns_go_round_by_tenant_so_one_tenants_line_holds_another_back_one_sli
         a = [asyncio.create_task(one("key-a", big)) for _ in range(3)]
         await asyncio.sleep(0)  # the first of a's has the turn and its first slice, the others wait
         await asyncio.sleep(0)
-        assert inflate.INFLATING_NOW.running == 1 and waiting() == 2 and slices() == 2
+        assert inflate.INFLATING_NOW.busy == 1 and waiting() == 2 and slices() == 2
         await one("key-b", gzip.compress(b"small"))
         await asyncio.gather(*a)
         if tenants:
