@@ -54,7 +54,7 @@ from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.priorities import level_queue_policy, priority_level
+from meshserve.priorities import default_level, level_queue_policy, priority_level
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import int_value
 from meshserve.repository.config import instance_count
@@ -194,7 +194,7 @@ def queue_room(config: mc.ModelConfig, replicas: int) -> QueueRooms | None:
         return None
     running = max(1, config.max_batch_size) * instance_count(config)
     each = max(1, replicas)
-    default = min(max(1, int(db.default_priority_level)), len(sizes))
+    default = default_level(levels, int(db.default_priority_level))
     return QueueRooms(default, tuple((s + running) * each if s > 0 else 0 for s in sizes))
 
 

@@ -29,6 +29,14 @@ def priority_level(priority: int, levels: int, default_level: int) -> int:
     return priority if 1 <= priority <= levels else default_level
 
 
+def default_level(levels: int, configured: int) -> int:
+    """The queue (priority level) of a request without a priority: ``configured``
+    (``default_priority_level``) with priority levels, where the config's check keeps it in
+    1..levels (meshserve/repository/config.py; Triton's rule) and this clamps it there; level 1
+    without (one queue)."""
+    return min(max(1, configured), levels) if levels else 1
+
+
 def level_queue_policy(level: int, levels: int, policies: Mapping[int, _Policy], default: _Policy) -> _Policy:
     """The queue policy of priority ``level``: its own ``priority_queue_policy`` entry
     (``policies``), else ``default_queue_policy`` (``default``); without priority levels the

@@ -5,7 +5,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshserve.priorities import level_queue_policy, priority_level
+from meshserve.priorities import default_level, level_queue_policy, priority_level
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class BatchingPolicy:
     preserve_ordering: bool = False
     # Priorities (Triton): levels 1..priority_levels, 1 is the highest; 0 levels = one queue.
     priority_levels: int = 0
-    default_priority_level: int = 0
+    default_priority_level: int = 1  # (level 1 without priority levels: priorities.default_level)
     default_queue_policy: QueuePolicy = field(default_factory=QueuePolicy)
     priority_queue_policies: tuple[tuple[int, QueuePolicy], ...] = ()
     # Derived once so that the per-decision code does set lookups, not tuple scans.
@@ -145,7 +145,7 @@ class BatchingPolicy:
         levels = int(dynamic_batching.priority_levels)
         priorities: dict[str, Any] = dict(
             priority_levels=levels,
-            default_priority_level=int(dynamic_batching.default_priority_level) or (levels and 1),
+            default_priority_level=default_level(levels, int(dynamic_batching.default_priority_level)),
             default_queue_policy=default_qp,
             priority_queue_policies=tuple(sorted(
                 (int(k), QueuePolicy.from_config(v)) for k, v in dynamic_batching.priority_queue_policy.items())),

@@ -135,3 +135,28 @@ def test_without_priority_levels_a_level_1_entry_is_not_the_queues_policy() -> N
     p = BatchingPolicy.from_config(8, dyn)
     assert p.level_for(0) == p.level_for(1) == p.level_for(5) == 1
     assert p.queue_policy(1) == QueuePolicy(4, 100_000, False, False) and p.max_queue_size == 4
+
+
+@pytest.mark.parametrize(("dynamic_batching", "default"), [
+    ("max_queue_delay_microseconds: 100 default_queue_policy { max_queue_size: 2 }", 1),  # one queue
+    ("priority_levels: 3 default_priority_level: 2 default_queue_policy { max_queue_size: 2 }", 2),
+    ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 2 value { max_queue_size: 1 } }", 1),
+])
+def test_the_services_and_the_gateway_read_one_default_level(dynamic_batching: str, default: int) -> None:
+    """meshserve/priorities.py:default_level is the one rule: the services' queues
+    (BatchingPolicy.from_config) and the gateway's shares of them (gateway/auth.py:queue_room)
+    put a request without a priority at the same level."""
+    from google.protobuf import text_format
+
+    from gateway.auth import queue_room
+    from meshserve._proto import model_config_pb2 as mc
+    from meshserve.priorities import default_level
+
+    config = text_format.Parse(f"max_batch_size: 4 dynamic_batching {{ {dynamic_batching} }}", mc.ModelConfig())
+    rooms = queue_room(config, replicas=1)
+    assert rooms is not None
+    policy = BatchingPolicy.from_config(4, config.dynamic_batching)
+    assert rooms.default == policy.default_priority_level == policy.level_for(0) == default
+    assert rooms.level_of(0) == default
+    # clamped into 1..levels (a config that skipped the check), level 1 without levels
+    assert [default_level(0, 5), default_level(3, 0), default_level(3, 9), default_level(3, 2)] == [1, 1, 3, 2]
