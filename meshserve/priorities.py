@@ -31,10 +31,11 @@ def priority_level(priority: int, levels: int, default_level: int) -> int:
 
 def default_level(levels: int, configured: int) -> int:
     """The queue (priority level) of a request without a priority: ``configured``
-    (``default_priority_level``) with priority levels, where the config's check keeps it in
-    1..levels (meshserve/repository/config.py; Triton's rule) and this clamps it there; level 1
-    without (one queue)."""
-    return min(max(1, configured), levels) if levels else 1
+    (``default_priority_level``; unset, 0, is level 1) with priority levels, level 1 without (one
+    queue). Within 1..levels is the config's to hold (meshserve/repository/config.py refuses a
+    config otherwise, as Triton does, and so does the services' ``BatchingPolicy``): a level past
+    them is not moved into range here, so that it is still refused."""
+    return (configured or 1) if levels else 1
 
 
 def level_queue_policy(level: int, levels: int, policies: Mapping[int, _Policy], default: _Policy) -> _Policy:

@@ -150,7 +150,6 @@ def test_the_services_and_the_gateway_read_one_default_level(dynamic_batching: s
 
     from gateway.auth import queue_room
     from meshserve._proto import model_config_pb2 as mc
-    from meshserve.priorities import default_level
 
     config = text_format.Parse(f"max_batch_size: 4 dynamic_batching {{ {dynamic_batching} }}", mc.ModelConfig())
     rooms = queue_room(config, replicas=1)
@@ -158,5 +157,16 @@ def test_the_services_and_the_gateway_read_one_default_level(dynamic_batching: s
     policy = BatchingPolicy.from_config(4, config.dynamic_batching)
     assert rooms.default == policy.default_priority_level == policy.level_for(0) == default
     assert rooms.level_of(0) == default
-    # clamped into 1..levels (a config that skipped the check), level 1 without levels
-    assert [default_level(0, 5), default_level(3, 0), default_level(3, 9), default_level(3, 2)] == [1, 1, 3, 2]
+
+
+def test_the_default_level_is_level_1_without_levels_and_never_moved_into_range() -> None:
+    """An out-of-range default_priority_level is refused, not clamped: the config's check
+    (meshserve/repository/config.py) refuses it first, and the services' BatchingPolicy again."""
+    from meshserve._proto import model_config_pb2 as mc
+    from meshserve.priorities import default_level
+
+    assert [default_level(0, 5), default_level(0, 0), default_level(3, 0), default_level(3, 2), default_level(3, 9)
+            ] == [1, 1, 1, 2, 9]
+    bad = mc.ModelDynamicBatching(priority_levels=3, default_priority_level=9)
+    with pytest.raises(ValueError, match="default_priority_level 9 must be between 1 and priority_levels 3"):
+        BatchingPolicy.from_config(4, bad)
