@@ -67,7 +67,9 @@ if [ $# = 0 ]; then
   # cores a third worker shortens it: fresh clones here, parallel part 661 s with 2 workers, 598 s
   # with 3, the adversarial chain then the longest unit (docs/perf/suite-time.md, session 19).
   run_token="$$-$(date +%s%N)"
-  workers="${MESHSERVE_TEST_WORKERS:-$(($(nproc 2>/dev/null || echo 2) + 1))}"
+  # (the cores as xdist's -n auto counts them without psutil: the CPUs this process may run on;
+  # not nproc, which OMP_NUM_THREADS also moves)
+  workers="${MESHSERVE_TEST_WORKERS:-$(python3 -c 'import os; print(len(os.sched_getaffinity(0)) + 1)')}"
   MESHSERVE_SUITE_RUN="$run_token" python3 -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not serial" \
     || status=$?
   python3 -m tests.support.leftovers "$run_token" --timeout 30 || true
