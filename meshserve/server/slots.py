@@ -1,11 +1,13 @@
 """A few slots shared fairly between tenants: ``Slots``.
 
-Two of the process's shared resources are handed out this way:
+Three of the process's shared resources are handed out this way:
 
 - the turns of the process's inflating and decoding (``meshserve/server/inflate.py:INFLATING_NOW``:
   one slot; a holder passes it on between two slices while another tenant waits);
 - the body worker processes (``meshserve/server/body_worker.py:BodyWorker``: a slot per worker,
-  and a tenant holds at most its share of them).
+  and a tenant holds at most its share of them);
+- a gateway's ensemble step calls in flight (``gateway/ensemble/executor.py:StepSlots``:
+  --ensemble-max-inflight-steps slots, a tenant at most its share of them).
 
 A waiter waits in its tenant's line (None: without tenants, one line); the lines are served
 round-robin, so one tenant's many waiters hold another tenant back by one turn each round,
