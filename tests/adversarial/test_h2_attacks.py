@@ -3,7 +3,8 @@ runs, judged by harness.Verdict: the good client's p99 and failures, the attacke
 RSS, and what the attacker's own connection saw (GOAWAY, RST_STREAM(REFUSED_STREAM), EOF, or
 RESOURCE_EXHAUSTED). The new attacks run against the gateway and a service replica; the ones
 that already held (CONTINUATION flood, HPACK bomb, huge header list, bad preface, invalid
-frames) against the gateway (both with MESHSERVE_ADVERSARIAL_LONG=1).
+frames) against the gateway (both with MESHSERVE_ADVERSARIAL_LONG=1), as does MadeYouReset (session 20:
+the services' front door is the same server, whose unit tests are test_h2_server_resets.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from tests.adversarial.harness import LONG, OTHER_KEY, Mesh, Observation, under_
 from tests.conftest import Proc
 
 BOTH = ["gateway", "service"]
+STREAM_CLOSED = 5  # RST_STREAM's code for a frame on a stream the client has ended (RFC 9113 5.1)
 GATEWAY_ONLY = BOTH if LONG else ["gateway"]
 CLOSE_WAIT_S = 3.0  # how long an attacker waits for the server's verdict after its last frame
 
@@ -115,6 +117,30 @@ def test_rapid_reset(mesh: Mesh, which: str) -> None:
                            conn.seen.goaway == ENHANCE_YOUR_CALM)
 
     on_one_connection(mesh, which, "rapid reset", attack)
+
+
+@pytest.mark.parametrize("which", GATEWAY_ONLY)  # (the services' front door is the same server: both in LONG)
+def test_made_you_reset(mesh: Mesh, which: str) -> None:
+    """CVE-2025-8671 (MadeYouReset): 20k whole requests, each followed by a DATA frame after its
+    END_STREAM, a protocol error the server answers with RST_STREAM(STREAM_CLOSED). Each such
+    reset stops the request's work and is charged as the client's own reset would be, so the
+    flood ends in GOAWAY(ENHANCE_YOUR_CALM), as a rapid reset does. (Before: each call was
+    answered an error while its inference went on, outside MAX_CONCURRENT_STREAMS, until the
+    queues' shares refused the rest and new streams were REFUSED_STREAM. A call the server
+    answered before the DATA after its end was read may show its OK.)"""
+    n = 100_000 if LONG else 20_000
+    body = h2raw.grpc_message(identity_request(16))
+
+    def attack(conn: RawH2) -> Observation:
+        block = h2raw.grpc_headers(conn.authority, key=key_for(which))
+        sent = batched(conn, lambda i: frame(HEADERS, END_HEADERS, 2 * i + 1, block)
+                       + frame(DATA, END_STREAM, 2 * i + 1, body) + frame(DATA, 0, 2 * i + 1, body), n, 200)
+        conn.wait("closed", CLOSE_WAIT_S)
+        return Observation(f"sent {sent} requests with DATA after their end; {conn.seen}",
+                           conn.seen.goaway == ENHANCE_YOUR_CALM and set(conn.seen.rst) <= {STREAM_CLOSED}
+                           and set(conn.seen.statuses.values()) <= {"0"})
+
+    on_one_connection(mesh, which, "MadeYouReset", attack)
 
 
 @pytest.mark.parametrize("which", BOTH)

@@ -35,8 +35,8 @@ async def taken(self: Any, st: Any, eof: object, compressed: Any) -> AsyncIterat
             try:
                 msg = await inflation.run(st.encoding, msg.data, self.server.max_receive)
             except inflate.Refused as exc:
-                self._finish(st, Status[exc.code], exc.message)
-                return  # (the call has its status: the handler sees the requests end)
+                self._fail(st, Status[exc.code], exc.message)
+                return  # (the call has its status and its Task is cancelled: its requests in progress end)
             # charged until the handler asks for the next one, or, when it keeps the charge
             # (ServerCall.keep_inflated), until the request ends: each message of a stream is a
             # request of its own (ModelStreamInfer)

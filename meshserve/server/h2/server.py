@@ -564,10 +564,10 @@ class ServerConnection(H2Endpoint):
         if not partial:
             return  # held by complete messages that handlers will take: flow control waits for them
         st = max(partial, key=lambda s: s.sid)
-        self._finish(st, Status.RESOURCE_EXHAUSTED,
-                     f"connection receive buffer full: {self.held} bytes of partly received messages held "
-                     f"(--conn-receive-buffer-bytes {self.conn_window}); send large messages one at a time "
-                     f"or on separate connections")
+        self._fail(st, Status.RESOURCE_EXHAUSTED,
+                   f"connection receive buffer full: {self.held} bytes of partly received messages held "
+                   f"(--conn-receive-buffer-bytes {self.conn_window}); send large messages one at a time "
+                   f"or on separate connections")
 
     def _on_tick(self) -> None:
         """One timer per connection, every `tick` seconds: header, idle and keepalive timeouts.
@@ -646,12 +646,33 @@ class ServerConnection(H2Endpoint):
             if not st.partial_since:
                 st.partial_since = now
             elif now - st.partial_since >= limit:
-                st.cancelled = True
-                self._finish(st, Status.RESOURCE_EXHAUSTED, f"request message not complete after {limit:g} s "
-                                                            f"(--body-timeout-s)")
-                if st.task is not None and not st.task.done():
-                    st.task.cancel()
+                self._fail(st, Status.RESOURCE_EXHAUSTED, f"request message not complete after {limit:g} s "
+                                                          f"(--body-timeout-s)")
         self._flush()
+
+    def _after_end(self, st: ServerStream) -> None:
+        """DATA or HEADERS on a stream the client has ended (half-closed remote): a stream error,
+        STREAM_CLOSED (RFC 9113 5.1), the stream's work stopped as a client's reset stops it, and
+        the reset charged as one (MadeYouReset, CVE-2025-8671: resets the server is made to send
+        must cost the client what its own cost; docs/security.md)."""
+        self.streams.pop(st.sid, None)
+        self.wbuf.append(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.STREAM_CLOSED)))
+        self._abandon(st)
+        self._charge_reset()
+
+    def _fail(self, st: ServerStream, code: int, details: str) -> None:
+        """The server ends a stream on its own (a limit, the client's protocol error, the deadline):
+        its status goes out and its work stops, as a client's RST_STREAM stops it (_abandon). A call
+        whose client has its answer never runs on, and never outlives the stream's place under
+        MAX_CONCURRENT_STREAMS (MadeYouReset, CVE-2025-8671). Also from the stream's own Task
+        (requests.taken): the cancel then lands at its next await."""
+        if st.closed:
+            return
+        st.cancelled = True
+        self._finish(st, code, details)
+        task = st.task
+        if task is not None and not task.done():
+            task.cancel()
 
     def _abandon(self, st: ServerStream) -> None:
         """The peer is gone or reset the stream: stop its work, send nothing more."""
@@ -714,7 +735,9 @@ class ServerConnection(H2Endpoint):
         if st.closed:
             return
         if st.handler is not None or st.path:  # trailers from the client: end of its stream
-            if flags & END_STREAM:
+            if st.remote_ended:  # a second end of a stream the client already ended
+                self._after_end(st)
+            elif flags & END_STREAM:
                 self._remote_end(st)
             return
         path, method, ctype, timeout, st.encoding, st.metadata = parsed
@@ -763,6 +786,10 @@ class ServerConnection(H2Endpoint):
         st = self.streams.get(sid)
         if st is None or st.closed or st.handler is None:  # refused or already answered: drop
             self._release(length)
+            return
+        if st.remote_ended:  # DATA after the client's END_STREAM
+            self._release(length)
+            self._after_end(st)
             return
         # The stream's window: a unary call's comes back as data arrives (its one message is
         # bounded by max_receive from its length prefix on); a request-streaming call's as its
@@ -825,7 +852,7 @@ class ServerConnection(H2Endpoint):
                     self._fail_too_large(st, size)
                     return False
                 if len(buf) > 5 + size:
-                    self._finish(st, Status.INVALID_ARGUMENT, "a unary call needs exactly one request message")
+                    self._fail(st, Status.INVALID_ARGUMENT, "a unary call needs exactly one request message")
                     return False
             return True
         if frame_data is not None:
@@ -884,8 +911,8 @@ class ServerConnection(H2Endpoint):
                     self._release(0)
 
     def _fail_too_large(self, st: ServerStream, size: int) -> None:
-        self._finish(st, Status.RESOURCE_EXHAUSTED,
-                     f"Received message larger than max ({size} vs. {self.server.max_receive})")
+        self._fail(st, Status.RESOURCE_EXHAUSTED,
+                   f"Received message larger than max ({size} vs. {self.server.max_receive})")
 
     def _remote_end(self, st: ServerStream) -> None:
         st.remote_ended = True
@@ -895,14 +922,14 @@ class ServerConnection(H2Endpoint):
             if st.parked:
                 return  # messages still wait in buf: _requests ends the stream once they are queued
             if st.buf:
-                self._finish(st, Status.INVALID_ARGUMENT, "incomplete message at end of stream")
+                self._fail(st, Status.INVALID_ARGUMENT, "incomplete message at end of stream")
                 return
             st.queue.put_nowait(_EOF)
             return
         buf = st.buf
         if len(buf) < 5 or len(buf) != 5 + U32.unpack_from(buf, 1)[0]:
-            self._finish(st, Status.INVALID_ARGUMENT,
-                         "a unary call needs exactly one request message")
+            self._fail(st, Status.INVALID_ARGUMENT,
+                       "a unary call needs exactly one request message")
             return
         st.buf = _NO_BUF
         if st.held:
@@ -1153,10 +1180,7 @@ class ServerConnection(H2Endpoint):
         """Its `grpc-timeout` is up (H2Endpoint._on_deadlines)."""
         if st.closed:
             return
-        st.cancelled = True
-        self._finish(st, Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        if st.task is not None and not st.task.done():
-            st.task.cancel()
+        self._fail(st, Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     # ---- writing ---------------------------------------------------------------------------
     def _send_headers(self, st: ServerStream, metadata: Iterable[tuple[str, Any]] = ()) -> None:
