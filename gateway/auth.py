@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from gateway.quotas import StoreUnavailable
 from gateway.quotas.bucket import Decision, Limits
 from gateway.watched import WatchedFile
 from meshserve._proto import grpc_service_pb2 as pb
@@ -138,7 +139,10 @@ class TenantDirectory(WatchedFile[Tenants]):
 
 
 class QuotaStore(Protocol):
-    async def acquire(self, tenant: str, limits: Limits, lease_s: float = 0.0) -> tuple[Decision, str]: ...
+    async def acquire(self, tenant: str, limits: Limits, lease_s: float = 0.0) -> tuple[Decision, str]:
+        """The tenant's decision and its concurrency ticket; StoreUnavailable when the store
+        cannot answer (the request is refused 503 / UNAVAILABLE)."""
+        ...
 
     async def release(self, tenant: str, ticket: str) -> None: ...
 
@@ -284,8 +288,11 @@ class Admission:
         try:
             try:
                 decision, ticket = await self.store.acquire(name, tenant.limits, lease)
-            except Exception as exc:  # the store is down: refuse rather than run unmetered
-                raise InferError.unavailable(f"quota store unavailable: {exc}") from None
+            except StoreUnavailable as exc:  # the store is down or slow: refuse rather than run unmetered
+                raise InferError(Code.UNAVAILABLE, str(exc), retry_after_s=exc.retry_after_s) from None
+            except Exception:  # (its text is not a client's: a Redis error names Redis's address)
+                log.exception("quota store failed")
+                raise InferError.unavailable("quota store unavailable") from None
             if not decision.allowed:
                 what = "rate limit" if decision.reason == "rate" else "concurrency limit"
                 # labels: tenants from the config and four reasons (rate, concurrency, share, sequence): bounded

@@ -3,9 +3,6 @@ admin-only model control, reload without restart, and one rate shared by two gat
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,11 +15,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
-from load.bench.procs import stop_process
 from tests.adversarial.support import add_sub_inputs
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.support import eventually, eventually_async
-from tests.support.net import free_port
+from tests.support.redis import redis_server
 
 MODULES = {"http": httpclient, "grpc": grpcclient}
 STATUS = {
@@ -159,27 +155,10 @@ def test_http_429_has_retry_after_and_reload(service: Proc, tmp_path: Path) -> N
 
 # ---- two gateways, one Redis -------------------------------------------------------------------
 
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-    except OSError:
-        return False
-    return True
-
-
 @pytest.fixture
 def redis_url() -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (scripts/test.sh installs it)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        eventually(lambda: _accepts(port), timeout=10, what="redis-server started")
+    with redis_server() as (_, port):
         yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        stop_process(proc, timeout=10)  # SIGTERM, SIGKILL after 10 s
 
 
 def test_two_gateways_share_one_rate_through_redis(service: Proc, tmp_path: Path, redis_url: str) -> None:

@@ -7,7 +7,6 @@ and 32 identical concurrent misses run the model once."""
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -21,12 +20,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from load.bench.procs import stop_process
 from tests.conftest import Proc, _wait_http_ready, service_and_gateway, start
-from tests.integration.test_gateway_tenants import _accepts, tenants_yaml
+from tests.integration.test_gateway_tenants import tenants_yaml
 from tests.support import eventually, models
+from tests.support import redis as support_redis
 from tests.support.metrics import metric
-from tests.support.net import free_port
 
 MODULES: dict[str, Any] = {"http": httpclient, "grpc": grpcclient}
 CACHE = ["--cache-config", "local,size=1048576"]
@@ -336,17 +334,8 @@ def test_json_inputs_and_raw_inputs_share_an_entry(stack: tuple[Proc, Proc]) -> 
 
 @pytest.fixture
 def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (scripts/test.sh installs it)")
-    port = free_port()
-    server = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        eventually(lambda: _accepts(port), timeout=10, what="redis-server accepting")
-        yield server, port
-    finally:
-        stop_process(server, signal.SIGKILL)
+    with support_redis.redis_server() as server:
+        yield server
 
 
 def test_two_gateways_share_hits_through_redis(stack: tuple[Proc, Proc],
