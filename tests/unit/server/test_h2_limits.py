@@ -19,6 +19,7 @@ import pytest
 from meshserve.server import access, connections
 from meshserve.server.grpc_frontend import methods
 from meshserve.server.h2 import ErrorCode
+from meshserve.server.h2.connection import FRAMES_PER_PASS
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
 from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import ServerLimits
@@ -501,3 +502,33 @@ async def test_malformed_requests_are_invalid_argument() -> None:
         blocks, _ = responses(got)
         assert {sid: b[-1][b"grpc-status"] for sid, b in blocks.items()} == {1: b"3", 3: b"3", 5: b"3", 7: b"3"}
         raw.close()
+
+
+# ---- frames one loop pass takes from a connection -----------------------------------------------
+async def test_a_read_of_many_frames_is_taken_over_several_loop_passes_in_order() -> None:
+    """100,000 frames that carry nothing (an unknown type, ignored), then an Echo call, in one
+    write: the server takes at most FRAMES_PER_PASS of them per pass of the loop (reading paused
+    for the rest), so the loop runs other work at least 100,000 / FRAMES_PER_PASS times before the
+    call is answered; the call after them is answered, its frames taken in order. (On the code
+    before, each read's ~29,000 frames were taken in one pass: ~10 passes in all.)"""
+    async with serving(limits=limits()) as env:
+        raw = await RawConn.open(env.port)
+        enc = hpack.Encoder()
+        junk = 100_000
+        raw.send(PREFACE + settings() + frame(0x20, 0, 0, b"") * junk
+                 + frame(HEADERS, END_HEADERS, 1, request_headers(enc, "Echo"))
+                 + frame(DATA, END_STREAM, 1, grpc_message(b"after the junk")))
+        passes = 0
+        answered = asyncio.ensure_future(raw.read_until(stream_ended(1), timeout=30.0))
+        while not answered.done():
+            await asyncio.sleep(0)  # one pass of the loop each
+            passes += 1
+        got = answered.result()
+        blocks, data = responses(got)
+        assert blocks[1][-1][b"grpc-status"] == b"0" and data[1] == grpc_message(b"after the junk")
+        assert passes >= junk // FRAMES_PER_PASS, passes
+        assert goaway_code(got) is None and not raw.eof
+        conn = the_connection(env)
+        assert not conn.frames_waiting and not conn.chunks
+        raw.close()
+        await still_serving(env)
