@@ -27,7 +27,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop as _hop
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.protocol.hop import NO_HOP, decode
-from meshserve.server import admission
+from meshserve.server import admission, inflate
 from meshserve.server.core import (
     InferResult,
     RequestContext,
@@ -318,28 +318,84 @@ def _log_ok(request: pb.ModelInferRequest, ctx: RequestContext, trace_id: str, t
                      "trace_id": trace_id, "protocol": ctx.protocol, "status": "OK", "duration_ms": round(ms, 3)})
 
 
+# Failed requests' log lines, per caller (a tenant; with no tenants, every caller is one):
+# a token bucket of this many lines a second and this burst. A client's flood of bad requests
+# wrote one line each (~23% of a service's CPU under a ModelStreamInfer flood of unknown models,
+# and the log's disk); past the budget they are counted and the caller's next line says how many
+# were left out. Every failure is still counted in the metrics (nv_inference_request_failure).
+ERROR_LINES_PER_S = 10.0
+ERROR_LINES_BURST = 100.0
+ERROR_LINE_CALLERS = 4096  # callers with a bucket (tenants come from the tenants file: far fewer)
+
+
+class LineBudget:
+    """One caller's budget of failed requests' log lines (``take``)."""
+
+    __slots__ = ("tokens", "at", "left_out")
+
+    def __init__(self, now: float) -> None:
+        self.tokens, self.at, self.left_out = ERROR_LINES_BURST, now, 0
+
+    def take(self, now: float) -> int | None:
+        """None: over the budget (counted as left out); else how many lines were left out
+        before this one (then reset)."""
+        self.tokens = min(ERROR_LINES_BURST, self.tokens + (now - self.at) * ERROR_LINES_PER_S)
+        self.at = now
+        if self.tokens < 1.0:
+            self.left_out += 1
+            return None
+        self.tokens -= 1.0
+        left_out, self.left_out = self.left_out, 0
+        return left_out
+
+
+_line_budgets: dict[str, LineBudget] = {}
+
+
+def _line_budget(ctx: RequestContext) -> LineBudget:
+    """The budget of the request's caller: its tenant (a gateway with --tenants), else one for all."""
+    name = ""
+    if (find := inflate.tenant_of) is not None:
+        try:
+            name = find(ctx.headers)[0]
+        except Exception:  # (no tenant: a refused key's lines share one budget)
+            name = "\0unknown"
+    budget = _line_budgets.get(name)
+    if budget is None:
+        if len(_line_budgets) >= ERROR_LINE_CALLERS:
+            _line_budgets.clear()
+        budget = _line_budgets[name] = LineBudget(time.monotonic())
+    return budget
+
+
 def _log_error(request: pb.ModelInferRequest, ctx: RequestContext, exc: Exception, trace_id: str,
                t0: int) -> InferError:
-    """Log one line for a failed request; returns the InferError the front end reports."""
+    """Log one line for a failed request, within its caller's budget of lines
+    (ERROR_LINES_PER_S); returns the InferError the front end reports."""
     internal = not isinstance(exc, InferError)
     err = internal_error(exc) if internal else exc
     assert isinstance(err, InferError)
     if not log.isEnabledFor(logging.WARNING):
+        return err
+    # Quota rejections come by the thousand under a flood: DEBUG (the gateway counts them per
+    # tenant in meshserve_gateway_quota_rejections_total); every other error at WARNING.
+    level = logging.DEBUG if err.code is Code.RESOURCE_EXHAUSTED else logging.WARNING
+    if level == logging.DEBUG and not log.isEnabledFor(logging.DEBUG):
+        return err
+    left_out = _line_budget(ctx).take(time.monotonic())
+    if left_out is None:
         return err
     if not trace_id and tracing.enabled:
         span = tracing.current_span()
         trace_id = tracing.trace_id(span)
     ms = (time.perf_counter_ns() - t0) / 1e6 if t0 else None
     stack = internal  # client mistakes and mapped statuses: one line, no stack trace
-    # Quota rejections come by the thousand under a flood: DEBUG (the gateway counts them per
-    # tenant in meshserve_gateway_quota_rejections_total); every other error at WARNING.
-    level = logging.DEBUG if err.code is Code.RESOURCE_EXHAUSTED else logging.WARNING
-    if level == logging.DEBUG and not log.isEnabledFor(logging.DEBUG):
-        return err
-    log.log(level, "infer %s/%s id=%s trace=%s %s %s: %s", request.model_name, request.model_version or "-",
-                request.id or "-", trace_id or "-", ctx.protocol, err.code.value, err.message,
-                exc_info=exc if stack else None,
-                extra={"model": request.model_name, "version": request.model_version, "request_id": request.id,
-                       "trace_id": trace_id, "protocol": ctx.protocol, "status": err.code.value,
-                       **({"duration_ms": round(ms, 3)} if ms is not None else {})})
+    log.log(level, "infer %s/%s id=%s trace=%s %s %s: %s%s", request.model_name, request.model_version or "-",
+            request.id or "-", trace_id or "-", ctx.protocol, err.code.value, err.message,
+            f" ({left_out} failed requests of this caller not logged before this one: over "
+            f"{ERROR_LINES_PER_S:g} lines a second)" if left_out else "",
+            exc_info=exc if stack else None,
+            extra={"model": request.model_name, "version": request.model_version, "request_id": request.id,
+                   "trace_id": trace_id, "protocol": ctx.protocol, "status": err.code.value,
+                   **({"duration_ms": round(ms, 3)} if ms is not None else {})})
     return err

@@ -38,6 +38,14 @@ def configure_tracing(service_name: str, role: str) -> bool:
     return tracing.configure(service_name, role, transport=OTLP_TRANSPORT)
 
 GEN0_THRESHOLD = 20_000  # see serve(): the garbage collector's young generation, in container allocations
+# The longest a thread waits for the GIL while another runs Python (CPython's default: 5 ms). A
+# service's model runs in its instance's worker thread (services/base/worker.py), which takes the
+# GIL back a few times a run (the queue's wake-up, around onnxruntime's run, the loop's wake-up
+# pipe). With the event loop busy on every core it can get, each take waited the whole 5 ms: a
+# 50 µs add_sub run took ~100 ms on the thread and its caller ~0.3-0.6 s under a flood of stream
+# messages (docs/security.md, "Session 20: messages in a row"). At 0.5 ms: 23-70 ms; throughput
+# the same within the runs' spread (mlp c8/c32, add_sub c32, gRPC direct, 3 alternating rounds).
+GIL_SWITCH_INTERVAL_S = 0.0005
 READY_MARKER = "MESHSERVE_READY"  # printed once on stdout when serving; `meshserve up` waits for it
 
 
@@ -115,6 +123,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     loop_lag.WATCH.start(loop)  # meshserve_event_loop_lag_seconds (telemetry/loop_lag.py)
     await stop.wait()
     log.info("%s draining", who)

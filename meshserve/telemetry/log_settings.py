@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshserve.telemetry.logs import TEXT_FORMAT, formatter
+from meshserve.telemetry.logs import TEXT_FORMAT, TextFormatter, formatter
 
 KEYS = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
 FORMATS = ("default", "ISO8601", "json")
@@ -93,7 +93,7 @@ class LogSettings:
 
 def _formatter(fmt: str) -> logging.Formatter:
     if fmt == "ISO8601":
-        iso = logging.Formatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%SZ")
+        iso = TextFormatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%SZ")
         iso.converter = time.gmtime
         return iso
     return formatter("json" if fmt == "json" else "text")

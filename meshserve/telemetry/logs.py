@@ -10,6 +10,7 @@ import logging
 import time
 
 from meshserve.telemetry import tracing
+from meshserve.telemetry.text_lines import TextFormatter
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # LogRecord attributes a request line may carry via `extra=`.
@@ -43,5 +44,5 @@ def formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         return JsonFormatter()
     if fmt == "text":
-        return logging.Formatter(TEXT_FORMAT)
+        return TextFormatter(TEXT_FORMAT)
     raise ValueError(f"unknown log format '{fmt}' (text, json)")

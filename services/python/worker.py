@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshserve.telemetry.text_lines import TextFormatter
 from services.python import pb_utils
 from services.python.ipc import Channel, Region, RegionReader, RegionWriter, TensorRef, aligned, region_ref
 
@@ -131,8 +132,9 @@ class Worker:
         self.instance = opts["instance"]
         self.decoupled = opts["decoupled"]
         self._bls_target = opts.get("bls_target") or ""
-        logging.basicConfig(level=opts.get("log_level", "INFO"),
-                            format=f"%(asctime)s %(levelname)s [{self.instance}] %(name)s: %(message)s")
+        handler = logging.StreamHandler()  # (stderr; control characters in a message escaped)
+        handler.setFormatter(TextFormatter(f"%(asctime)s %(levelname)s [{self.instance}] %(name)s: %(message)s"))
+        logging.basicConfig(level=opts.get("log_level", "INFO"), handlers=[handler])
         pb_utils._install(self)
         module = load_model_module(Path(opts["model_py"]), opts["args"]["model_name"])
         self.model = module.TritonPythonModel()

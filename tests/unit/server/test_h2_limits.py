@@ -20,6 +20,7 @@ from meshserve.server import access, connections
 from meshserve.server.grpc_frontend import methods
 from meshserve.server.h2 import ErrorCode
 from meshserve.server.h2.connection import FRAMES_PER_PASS
+from meshserve.server.h2.requests import MESSAGES_PER_PASS
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
 from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import ServerLimits
@@ -532,3 +533,27 @@ async def test_a_read_of_many_frames_is_taken_over_several_loop_passes_in_order(
         assert not conn.frames_waiting and not conn.chunks
         raw.close()
         await still_serving(env)
+
+
+async def test_a_streaming_handler_takes_at_most_messages_per_pass_in_a_row() -> None:
+    """3,000 messages of one request-streaming call in one DATA frame (a 16 KiB frame holds ~3,000
+    empty ones): the handler (Bidi: it echoes each) takes at most MESSAGES_PER_PASS of them
+    before the loop passes, so the loop runs other work at least 3,000 / MESSAGES_PER_PASS times
+    before the last echo; every message is echoed, in order. (On the code before, the queued
+    messages were all taken in one pass.)"""
+    async with serving(limits=limits()) as env:
+        raw = await RawConn.open(env.port)
+        count = 3000
+        body = b"".join(grpc_message(b"%d" % i) for i in range(count))
+        raw.send(PREFACE + settings() + frame(HEADERS, END_HEADERS, 1, request_headers(hpack.Encoder(), "Bidi"))
+                 + frame(DATA, END_STREAM, 1, body))
+        passes = 0
+        answered = asyncio.ensure_future(raw.read_until(stream_ended(1), timeout=30.0))
+        while not answered.done():
+            await asyncio.sleep(0)
+            passes += 1
+        blocks, data = responses(answered.result())
+        assert blocks[1][-1][b"grpc-status"] == b"0"
+        assert data[1] == body
+        assert passes >= count // MESSAGES_PER_PASS, passes
+        raw.close()
