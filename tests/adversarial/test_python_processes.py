@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, start
 from tests.support.waiting import eventually
@@ -136,6 +137,18 @@ def infer(proc: Proc, model: str) -> None:
     assert client.infer(model, [x]).as_numpy("Y").tolist() == [0.0, 1.0, 2.0]
 
 
+def serves(proc: Proc, model: str) -> bool:
+    """The model's answer is right (True), or it is refused because its instance is still
+    restarting (False); any other error fails the test."""
+    try:
+        infer(proc, model)
+    except InferenceServerException as exc:
+        if exc.status() == "503" and "is not healthy" in (exc.message() or ""):
+            return False
+        raise
+    return True
+
+
 def test_a_killed_worker_restarts_though_children_of_its_model_hold_its_socket(repo: Path) -> None:
     try:
         with service(repo, "forker_escape") as proc:
@@ -154,7 +167,9 @@ def test_a_killed_worker_restarts_though_children_of_its_model_hold_its_socket(r
                        what="the killed instance restarted (initialize() ran again)")
             eventually(lambda: all(gone(p) for p in members), timeout=10,
                        what=f"the killed worker's process group {sorted(members)} gone")
-            infer(proc, "forker_escape")
+            # initialize() has run in the new worker; the instance serves once the service has its
+            # handshake (until then a request is refused: Triton's "Stub process ... is not healthy")
+            eventually(lambda: serves(proc, "forker_escape"), timeout=30, what="the restarted instance serving")
             # what the model left behind became the service's (its subreaper) and was reaped
             assert not zombies_of(proc.proc.pid)
     finally:  # a child that left the group (setsid) is out of the service's reach, as in Triton
