@@ -13,29 +13,32 @@ from typing import Any
 from meshserve.server import inflate
 from meshserve.server.h2.frames import Status
 
-# Messages a request-streaming handler takes in a row without the loop passing (the ones already
-# queued: taking them does not wait), before it lets the loop serve the rest of the process. One
-# 16 KiB DATA frame holds ~3,000 empty messages, and a stream queues up to STREAM_MAX_QUEUED
+# Messages the request-streaming handlers of one connection take in one pass of the loop without
+# waiting (the ones already queued), before they let the loop serve the rest of the process. One
+# 16 KiB DATA frame holds ~3,000 empty messages, and each stream queues up to STREAM_MAX_QUEUED
 # (4096): a ModelStreamInfer handler started a request for each in one pass, and their thousands
-# of steps ran in the next one, ~200 ms of the loop (a good client's p99 6 -> 345 ms on a
-# service, 15 -> 191 ms on a gateway; docs/security.md, "Session 20: messages in a row").
+# of steps ran in the next one (a good client's p99 6 -> 345 ms on a service under one stream;
+# under 200 streams of one connection, 1.5-3.2 s and 2-3 requests in 20 s). Counted per connection,
+# not per stream: a connection's many streams share one allowance (docs/security.md, "Session 20:
+# messages in a row").
 MESSAGES_PER_PASS = 64
 
 
 async def taken(self: Any, st: Any, eof: object, compressed: Any) -> AsyncIterator[Any]:
-    """``ServerConnection._requests``: each message of the stream ``st`` as the handler takes it;
-    after MESSAGES_PER_PASS in a row that were already waiting, one pass of the loop first."""
+    """``ServerConnection._requests``: each message of the stream ``st`` as the handler takes it.
+    A message already waiting is taken at once while the connection's handlers have taken fewer
+    than MESSAGES_PER_PASS so in this pass of the loop (``pass_taken``, reset by ``_next_pass``
+    at the next one); past that, after the loop has passed."""
     assert st.queue is not None and st.handler is not None
     deser = st.handler.request_deserializer
-    in_a_row = 0
     while True:
         if st.queue.qsize():
-            in_a_row += 1
-            if in_a_row > MESSAGES_PER_PASS:
-                in_a_row = 0
-                await asyncio.sleep(0)
-        else:
-            in_a_row = 0
+            if self.pass_taken >= MESSAGES_PER_PASS:
+                await asyncio.sleep(0)  # (the connection's share of this pass is spent)
+                continue
+            if not self.pass_taken:
+                self.loop.call_soon(self._next_pass)
+            self.pass_taken += 1
         item = await st.queue.get()
         if item is eof:
             return

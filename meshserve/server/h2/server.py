@@ -403,6 +403,7 @@ class ServerConnection(H2Endpoint):
         self.reset_burst = limits.stream_reset_burst
         self.reset_rate = limits.stream_reset_rate
         self.reset_tokens = float(self.reset_burst)
+        self.pass_taken = 0  # streamed messages its handlers took without waiting in this pass (requests.taken)
         self.reset_at = 0.0
         self.send_budget = limits.conn_send_buffer_bytes
         # answer bytes put in the write buffer since its last flush (_reply, _send_message): the
@@ -1104,6 +1105,10 @@ class ServerConnection(H2Endpoint):
             inflation.release()
 
     # ---- calling handlers ------------------------------------------------------------------
+    def _next_pass(self) -> None:
+        """The loop's next pass: this connection's handlers may take MESSAGES_PER_PASS more."""
+        self.pass_taken = 0
+
     def _requests(self, st: ServerStream) -> AsyncIterator[Any]:
         """A request-streaming handler's requests (meshserve/server/h2/requests.py: an async
         generator, which mypyc does not compile: docs/perf/native.md)."""

@@ -535,25 +535,29 @@ async def test_a_read_of_many_frames_is_taken_over_several_loop_passes_in_order(
         await still_serving(env)
 
 
-async def test_a_streaming_handler_takes_at_most_messages_per_pass_in_a_row() -> None:
-    """3,000 messages of one request-streaming call in one DATA frame (a 16 KiB frame holds ~3,000
-    empty ones): the handler (Bidi: it echoes each) takes at most MESSAGES_PER_PASS of them
-    before the loop passes, so the loop runs other work at least 3,000 / MESSAGES_PER_PASS times
-    before the last echo; every message is echoed, in order. (On the code before, the queued
-    messages were all taken in one pass.)"""
+async def test_a_connections_streaming_handlers_take_at_most_messages_per_pass_together() -> None:
+    """10 request-streaming calls (Bidi: it echoes each message) of one connection, 300 messages
+    each, all in one write: the connection's handlers take at most MESSAGES_PER_PASS messages
+    in one pass of the loop, all its streams together, so the loop runs other work at least
+    3,000 / MESSAGES_PER_PASS times before the last echo; every message is echoed, each stream's
+    in order. (On the code before, each stream's queued messages were all taken in one pass: ~7
+    passes; with the allowance counted per stream, ~10 x fewer than here.)"""
     async with serving(limits=limits()) as env:
         raw = await RawConn.open(env.port)
-        count = 3000
-        body = b"".join(grpc_message(b"%d" % i) for i in range(count))
-        raw.send(PREFACE + settings() + frame(HEADERS, END_HEADERS, 1, request_headers(hpack.Encoder(), "Bidi"))
-                 + frame(DATA, END_STREAM, 1, body))
+        enc = hpack.Encoder()
+        streams, each = 10, 300
+        bodies = {2 * k + 1: b"".join(grpc_message(b"%d:%d" % (k, i)) for i in range(each)) for k in range(streams)}
+        raw.send(PREFACE + settings() + b"".join(
+            frame(HEADERS, END_HEADERS, sid, request_headers(enc, "Bidi")) + frame(DATA, END_STREAM, sid, body)
+            for sid, body in bodies.items()))
         passes = 0
-        answered = asyncio.ensure_future(raw.read_until(stream_ended(1), timeout=30.0))
+        answered = asyncio.ensure_future(raw.read_until(
+            lambda frames: all(stream_ended(sid)(frames) for sid in bodies), timeout=30.0))
         while not answered.done():
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one pass of the loop each
             passes += 1
         blocks, data = responses(answered.result())
-        assert blocks[1][-1][b"grpc-status"] == b"0"
-        assert data[1] == body
-        assert passes >= count // MESSAGES_PER_PASS, passes
+        for sid, body in bodies.items():
+            assert blocks[sid][-1][b"grpc-status"] == b"0" and data[sid] == body
+        assert passes >= streams * each // MESSAGES_PER_PASS, passes
         raw.close()
