@@ -350,8 +350,11 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
     lay = shape.layout[0]
     head, mid, _ = lay
     start = len(head)
-    kept = _LAID.get(id(lay))
-    if kept is None or kept[0] is not lay:
+    kept = _LAID.get(id(shape))
+    # (the layout compared by value: a compiled build boxes a new tuple of the same items for each
+    # call, so `is` never held there and every merge read its specs again; `!=` of one tuple with
+    # itself costs three identity checks)
+    if kept is None or kept[0] != lay:
         kept = None
         specs = _specs(requests[0], shape)
     else:
@@ -400,7 +403,7 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
     if kept is None:  # (every member, the first too, has the layout's metadata: its specs are the layout's)
         if len(_LAID) >= _LAID_KEPT:
             _LAID.clear()
-        kept = _LAID[id(lay)] = (lay, specs, {})
+        kept = _LAID[id(shape)] = (lay, specs, {})
     if bad:
         raise Unmergeable(bad)
     counts = (len(requests), sum(rows))
@@ -420,9 +423,11 @@ def merge_laid_out(requests: list[pb.ModelInferRequest], raws: list[bytes | None
 
 
 # merge_laid_out's work that depends only on the shape's remembered layout (every member has its
-# metadata bytes) and the counts: by the layout (its id, the layout held with it: an id is not
-# reused while its object lives), the inputs' specs read from the first member once, and the merged
+# metadata bytes) and the counts: the inputs' specs read from the first member once, and the merged
 # request without contents (its bytes, as _merged's message serializes them) by (members, rows).
+# Keyed by the shape's id, with the layout they were made for kept beside them and compared by
+# value (a shape's new layout replaces its entry; an id another shape takes over later finds
+# another layout: the layout's bytes hold the model's name and its inputs' names, types and shapes).
 # Bounded: _LAID_KEPT layouts (one per shape at a time: a model's config), _LAID_KEPT counts each
 # (at most its max batch size's members and rows), all dropped when full.
 _LAID: dict[int, tuple[_Layout, list[tuple[str, str, list[int], int]], dict[tuple[int, int], bytes]]] = {}

@@ -401,6 +401,8 @@ async def test_with_the_cache_past_turns_each_path_counts_a_request_once(protoco
     assert dict(core.request_counts) == {("add_sub", "INVALID_ARG"): 1}
 
 
+@pytest.mark.skipif(native.running(pipeline) == "compiled",
+                    reason="stands in for the next stage and the check (a compiled Names takes an Outcomes only)")
 async def test_a_request_laid_out_as_the_last_checked_one_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Names`` keeps the last layout of request bytes that passed its check (all but the id's
     and the tensors' contents): a request with that layout is handed on with the name, version
