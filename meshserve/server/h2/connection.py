@@ -257,27 +257,23 @@ class H2Endpoint(asyncio.Protocol):
     def _reads_resume(self) -> None:
         self.read_yielded = False
         transport = self.transport
-        if transport is not None and not transport.is_closing() and not self.frames_waiting:
+        if self.frames_waiting:  # (a read's frames past FRAMES_PER_PASS: taken now, as many again at most)
+            self.frames_waiting = False
+            if self.closed or transport is None or transport.is_closing():
+                return
+            self.data_received(b"")
+            if self.frames_waiting or self.read_yielded:  # (it yields again: resumed at the next pass)
+                return
+        if transport is not None and not transport.is_closing():
             transport.resume_reading()
 
     def _frames_later(self, rest: bytes) -> None:
         """More than FRAMES_PER_PASS frames in one read: the rest waits for the loop's next pass,
-        reading paused meanwhile (so what waits is at most one read)."""
+        reading paused meanwhile as ``_yield_reads`` pauses it (so what waits is at most one
+        read), and ``_reads_resume`` takes it before reading on."""
         self._keep(rest, 9)
         self.frames_waiting = True
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.pause_reading()
-        self.loop.call_soon(self._frames_now)
-
-    def _frames_now(self) -> None:
-        self.frames_waiting = False
-        transport = self.transport
-        if self.closed or transport is None or transport.is_closing():
-            return
-        self.data_received(b"")  # (the frames kept: up to FRAMES_PER_PASS more)
-        if not self.frames_waiting and not self.read_yielded and not transport.is_closing():
-            transport.resume_reading()
+        self._yield_reads()
 
     def _read(self, data: bytes) -> None:
         if self.chunks:

@@ -656,10 +656,8 @@ class ServerConnection(H2Endpoint):
         STREAM_CLOSED (RFC 9113 5.1), the stream's work stopped as a client's reset stops it, and
         the reset charged as one (MadeYouReset, CVE-2025-8671: resets the server is made to send
         must cost the client what its own cost; docs/security.md)."""
-        self.streams.pop(st.sid, None)
         self.wbuf.append(frame(RST_STREAM, 0, st.sid, U32.pack(ErrorCode.STREAM_CLOSED)))
-        self._abandon(st)
-        self._charge_reset()
+        self._on_reset(st.sid, ErrorCode.STREAM_CLOSED)  # (as the client's own reset: abandoned, charged)
 
     def _fail(self, st: ServerStream, code: int, details: str) -> None:
         """The server ends a stream on its own (a limit, the client's protocol error, the deadline):
