@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -173,6 +175,38 @@ def test_expect_100_continue(proc: Proc) -> None:
         assert f.read() == b""
 
 
+# what curl --http2 sends on an http:// URL (Java's HttpClient asks the same): no upgrade is
+# offered, so the request, its body and the requests after it are HTTP/1.1 (RFC 9110 7.8)
+H2C_UPGRADE = {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AAMAAABkAAQCAAAAAAIAAAAA"}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_h2c_upgrade_asked_for_is_ignored_and_the_infer_answered(proc: Proc, chunked: bool) -> None:
+    jobs = [infer_bytes(i, binary=i == 1) for i in range(3)]
+    with connect(proc.http) as sock:
+        sock.sendall(b"".join(request("/v2/models/add_sub/infer", body, {**headers, **H2C_UPGRADE}, chunked)
+                              for body, headers, _ in jobs))
+        f = sock.makefile("rb")
+        for i, (_, _, want) in enumerate(jobs):  # (the body was b"" before: 400 "failed to parse the request JSON")
+            got_id, got = output0(read_answer(f))
+            assert got_id == str(i)
+            np.testing.assert_array_equal(got, want)
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_answer(f).status == 200
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine (the raw test above sends its bytes)")
+def test_curl_http2_on_an_http_url(proc: Proc) -> None:
+    body, _, want = infer_bytes(5, binary=False)
+    done = subprocess.run(["curl", "-sS", "--http2", "--max-time", "30", "-H", "Content-Type: application/json",
+                           "--data-binary", "@-", f"http://{proc.http}/v2/models/add_sub/infer"],
+                          input=body, capture_output=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["id"] == "5", answer
+    np.testing.assert_array_equal(np.array(answer["outputs"][0]["data"], np.float32).reshape(want.shape), want)
+
+
 def test_http10_and_connection_close(proc: Proc) -> None:
     with connect(proc.http) as sock:
         sock.sendall(b"GET /v2/health/live HTTP/1.0\r\n\r\n")
@@ -209,7 +243,11 @@ def test_keepalive_many_requests_then_the_idle_timeout(proc: Proc) -> None:
     b"POST /v2/models/add_sub/infer HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
     b"POST /v2/models/add_sub/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nnot-hex\r\n",
     b"GET /v2 HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
-], ids=["garbage", "no-colon", "two-lengths", "bad-chunk", "long-field"])
+    # request smuggling through an HTTP/1.0 hop (RFC 9112 6.1): the GET after the chunks went unanswered
+    b"POST /v2/models/add_sub/infer HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /v2/models/mlp HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /v2/health/ready HTTP/2.0\r\nHost: x\r\n\r\n",
+], ids=["garbage", "no-colon", "two-lengths", "bad-chunk", "long-field", "http10-chunked", "http20"])
 def test_malformed_requests_are_400_and_close(proc: Proc, raw: bytes) -> None:
     with connect(proc.http) as sock:
         sock.sendall(raw)

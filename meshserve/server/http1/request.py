@@ -139,6 +139,11 @@ class Body:
         self.eof = True
         self._wake()
 
+    def reopen(self) -> None:
+        """The body did not end: llhttp ended it early, before any handler read it (an upgrade
+        request's: Connection._upgrade); it comes on after all."""
+        self.eof = False
+
     def fail(self, exc: BaseException) -> None:
         if not self.eof:
             self.error = exc

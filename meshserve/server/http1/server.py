@@ -11,9 +11,12 @@ What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
 - bodies with Content-Length or chunked, `Expect: 100-continue` (answered when the handler reads
   the body: `request.Request.read_body`, which also holds the body to --max-request-bytes after
   decoding and to the process's --max-receive-bytes);
+- an upgrade asked for (Upgrade: h2c, websocket) is not offered: the request and its body are
+  read and answered, and the connection goes on in HTTP/1.1 (a CONNECT is answered, then closed);
 - a malformed request: 400 and close (after the answers to the requests before it); a request
   line or header field over MAX_FIELD_BYTES, more than MAX_HEADERS fields, or a head over
-  MAX_HEAD_BYTES: 400 and close;
+  MAX_HEAD_BYTES: 400 and close; so is a request of a version other than HTTP/1.1 and HTTP/1.0,
+  and an HTTP/1.0 request with Transfer-Encoding (RFC 9112 6.1: SERVED_VERSIONS);
 - backpressure both ways: reading stops while more than BODY_HIGH_WATER bytes of request
   bodies wait for a handler, while more than PIPELINE_MAX requests (or PIPELINE_MAX_BYTES of
   their heads) wait for their answers (the rest of that read waits, unparsed, until they drain),
@@ -88,6 +91,28 @@ class _OverShare(Exception):
     raised from on_headers_complete: nothing after it is parsed): 429 and close."""
 
 
+# The request versions served. llhttp also takes "0.9" (a request line without a version, and
+# "HTTP/0.9") and "2.0" as a request line; the answer would echo them ("HTTP/2.0 200 OK" on an
+# HTTP/1 connection). They are 400 and close.
+SERVED_VERSIONS = frozenset(("1.1", "1.0"))
+
+
+def _version_refusal(version: str) -> str:
+    """Why a request head of this version is refused (on_headers_complete)."""
+    if version in SERVED_VERSIONS:
+        # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing. llhttp reads
+        # it chunked (and keeps the connection for Connection: keep-alive), where an HTTP/1.0
+        # intermediary may not: the bytes after the chunks would be a request of the client's
+        # making that the proxy never saw (request smuggling).
+        return "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request (RFC 9112 6.1)"
+    return f"malformed HTTP request: HTTP/{version} is not served here (HTTP/1.1 or HTTP/1.0)"
+
+
+# The heads _upgrade gives a fresh parser for an upgrade request's body: its Content-Length, or
+# chunked (llhttp checked that chunked is the last coding).
+UPGRADE_HEADS = (b"PUT / HTTP/1.1\r\nContent-Length: %d\r\n\r\n", b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+
 def _error_bytes(status: int, reason: str, message: str, extra: str = "") -> bytes:
     body = json.dumps({"error": message}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -128,7 +153,7 @@ class Connection(asyncio.Protocol):
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
                  "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
-                 "join_writes", "lower", "named", "known", "burst_mark", "burst_paused")
+                 "join_writes", "lower", "named", "known", "burst_mark", "burst_paused", "splice")
 
     def __init__(self, server: Http1Server) -> None:
         self.server = server
@@ -173,6 +198,7 @@ class Connection(asyncio.Protocol):
         self.rx_bytes = 0  # bytes received (for the heap trim after a connection that received much)
         self.join_writes = False  # TLS: an answer's buffers joined, one TLS record (set by meshserve/server/tls.py)
         self.known: _Known | None = None  # the last whole request read in one piece (_learn, _replay)
+        self.splice = False  # the parser is reading the head made up for an upgrade request's body (_upgrade)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -254,14 +280,47 @@ class Connection(asyncio.Protocol):
     def _parse(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.last = True  # (an upgrade is not offered: the request is answered, then the connection ends)
-            self._stop()
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade(data, exc.args[0])
         except httptools.HttpParserError as exc:
             self._malformed(exc)
             return
         if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
             self._malformed(_Refused(f"request head over {MAX_HEAD_BYTES} bytes"))
+
+    def _upgrade(self, data: bytes | memoryview, at: int) -> None:
+        """llhttp stopped at `at` in `data` after a request head asking for an upgrade (Upgrade and
+        Connection: upgrade; curl --http2 on http:// sends "Upgrade: h2c") or a CONNECT.
+
+        No upgrade is offered (RFC 9110 7.8: a server may ignore Upgrade): the connection goes on
+        in HTTP/1.1. httptools had llhttp skip such a request's body and end the request there
+        (its empty body went to the handler: the request was answered 400 "failed to parse the
+        request JSON", or run on no data, and the body's bytes were read as the next request). So
+        the body's framing is given to a fresh parser as a head made up of it alone (UPGRADE_HEADS;
+        on_headers_complete takes it as that request's, `splice`), and `data[at:]`, the body and
+        what follows, is parsed on. A CONNECT's bytes after its head are a tunnel's: the CONNECT
+        is answered (no route), and the connection ends."""
+        request = self.queue[-1] if self.queue else None
+        if request is None or request.method == "CONNECT":
+            self.last = True
+            self._stop()
+            return
+        lower = request.lower
+        chunked = "transfer-encoding" in lower
+        length = int(lower.get("content-length") or 0)  # (llhttp checked it is a number)
+        if not (chunked or length) and self.stopped:
+            return  # the last request (Connection: close), whole: nothing more is read
+        self.parser = parser = httptools.HttpRequestParser(self)
+        if chunked or length:
+            request.body.reopen()
+            self.body_of = request
+            self.splice = True
+            # on_message_complete stopped the connection after a last request: its body comes first
+            self.stopped = False
+            self.lingering = 0
+            parser.feed_data(UPGRADE_HEADS[1] if chunked else UPGRADE_HEADS[0] % length)
+        if at < len(data):
+            self._parse(data[at:])
 
     def _learn(self, data: bytes) -> None:
         """`data`, read with the parser between requests, was one whole request and nothing more
@@ -392,9 +451,16 @@ class Connection(asyncio.Protocol):
         fields.append((key, text))
 
     def on_headers_complete(self) -> None:
+        if self.splice:  # the head made up for an upgrade request's body: the body is that request's (_upgrade)
+            self.splice = self.in_head = False
+            self.header_since = 0.0
+            return
         if not self.named and self.counted:
             self._claim()
         parser = self.parser
+        version = parser.get_http_version()
+        if version not in SERVED_VERSIONS or version == "1.0" and "transfer-encoding" in self.lower:
+            raise _Refused(_version_refusal(version))
         url = self.url
         raw = (url[0] if len(url) == 1 else b"".join(url)).decode("utf-8", "surrogateescape")
         keep_alive = parser.should_keep_alive() and not self.server.closing
