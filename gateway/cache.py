@@ -265,7 +265,9 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
     n = len(raw)
     i = prev = 0
     name_end = meta_start = meta_end = raws = -1
-    while i < n:
+    for _ in wire.SCAN_STEPS:
+        if i >= n:
+            break
         tag = raw[i]
         field = tag >> 3
         if tag & 7 != 2 or field < prev or field > 7 or not field or i + 1 >= n:
@@ -284,6 +286,8 @@ def raw_key(raw: bytes, version: str, exact: bool = False) -> bytes | None:
                 meta_start = i
             meta_end = end
         i = end
+    else:
+        return None  # (more fields than SCAN_FIELDS_MAX: request_key reads the message)
     if raws < 0 or name_end < 0:
         return None
     meta = raw[meta_start:meta_end] if meta_start >= 0 else b""

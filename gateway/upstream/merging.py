@@ -16,7 +16,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes, hop, wire
 from meshserve.protocol.errors import InferError
-from meshserve.protocol.wire import field_end, varint_at
+from meshserve.protocol.wire import SCAN_STEPS, field_end, varint_at
 from meshserve.repository.config import instance_count
 
 # Request parameters that do not change how a request is scheduled or computed. The binary_data
@@ -147,7 +147,9 @@ def _layout(raw: bytes) -> tuple[bytes, bytes | None] | None:
     n = len(raw)
     pos = 0
     id_at = id_end = tail = -1
-    while pos < n:
+    for _ in SCAN_STEPS:
+        if pos >= n:
+            break
         tag = raw[pos]
         if tag & 0x87 != 2 or (end := field_end(raw, pos + 1, n)) < 0:
             return None
@@ -161,6 +163,8 @@ def _layout(raw: bytes) -> tuple[bytes, bytes | None] | None:
                 return None
             id_at, id_end = pos, end
         pos = end
+    else:
+        return None  # (more fields than SCAN_FIELDS_MAX: the message is read)
     if pos != n:
         return None
     tail = n if tail < 0 else tail
@@ -181,7 +185,9 @@ def _metadata(raw: bytes) -> bytes | None:
     n = len(raw)
     pos = start = 0
     parts: list[bytes] = []
-    while pos < n:
+    for _ in SCAN_STEPS:
+        if pos >= n:
+            break
         tag = raw[pos]
         if tag & 0x87 != 2 or pos + 1 >= n:  # wire type 2 (length-delimited), field number < 16
             return None
@@ -196,6 +202,8 @@ def _metadata(raw: bytes) -> bytes | None:
                 parts.append(raw[start:pos])
             start = p + length
         pos = p + length
+    else:
+        return None  # (more fields than SCAN_FIELDS_MAX: the message is read)
     if pos != n:
         return None
     if start < n:

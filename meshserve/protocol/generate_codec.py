@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, infer_checks
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.http_codec import (
     _contents_to_json,
@@ -52,16 +52,26 @@ def parse_generate_request(body: bytes | bytearray, name: str, version: str,
     if not isinstance(doc, dict):
         raise InferError.invalid(f"the generate request must be a JSON object, got {_json_type(doc)}")
     inputs = {t.name: t for t in md.inputs}
+    # (every key that names no input is a parameter: at most MAX_PARAMETERS of them, counted first)
+    if len(doc) > infer_checks.MAX_PARAMETERS + len(inputs) + 1:
+        raise InferError.invalid(f"the generate request has {len(doc)} keys; at most {infer_checks.MAX_PARAMETERS} "
+                                 f"parameters besides the model's {len(inputs)} inputs")
     request = pb.ModelInferRequest(model_name=name, model_version=version)
     for key, value in doc.items():
         if key == PARAMETERS:
             if not isinstance(value, dict):
                 raise InferError.invalid("Expected JSON object for keyword: 'parameters': attempt to access "
                                          "JSON non-object as object")
+            if len(value) > infer_checks.MAX_PARAMETERS:
+                raise infer_checks.too_many("the generate request's 'parameters'", len(value), "keys",
+                                            infer_checks.MAX_PARAMETERS)
             for inner, v in value.items():
                 _map(request, inputs, inner, v, "Converting keyword: 'parameters': ")
         else:
             _map(request, inputs, key, value, "")
+    if len(request.parameters) > infer_checks.MAX_PARAMETERS:
+        raise infer_checks.too_many("the generate request", len(request.parameters), "parameters",
+                                    infer_checks.MAX_PARAMETERS)
     return request
 
 

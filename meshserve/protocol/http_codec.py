@@ -33,7 +33,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
-from meshserve.protocol import datatypes, wire
+from meshserve.protocol import datatypes, infer_checks, wire
 from meshserve.protocol.errors import InferError
 
 __all__ = [
@@ -630,7 +630,10 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
     req = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
     if "id" in doc:
         req.id = _string(doc["id"], "request 'id'")
-    for key, value in _object(doc.get("parameters"), "request 'parameters'").items():
+    params = _object(doc.get("parameters"), "request 'parameters'")
+    if len(params) > infer_checks.MAX_PARAMETERS:
+        raise infer_checks.too_many("the request", len(params), "parameters", infer_checks.MAX_PARAMETERS)
+    for key, value in params.items():
         if key == BINARY_DATA_OUTPUT and not isinstance(value, bool):
             raise InferError.invalid(
                 f"request parameter '{BINARY_DATA_OUTPUT}' must be a boolean, got {_show(value)}")
@@ -641,6 +644,8 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
     inputs = doc["inputs"]
     if not isinstance(inputs, list):
         raise InferError.invalid(f"request 'inputs' must be a JSON array, got {_json_type(inputs)}")
+    if len(inputs) > infer_checks.MAX_TENSORS:
+        raise infer_checks.too_many("the request", len(inputs), "inputs", infer_checks.MAX_TENSORS)
 
     offset = json_end  # next unread byte of the binary section
     last_binary = ""
@@ -653,6 +658,8 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
 
         tensor = req.inputs.add(name=name, datatype=datatype, shape=shape)
         params = _object(item.get("parameters"), f"{where} 'parameters'")
+        if len(params) > infer_checks.MAX_PARAMETERS:
+            raise infer_checks.too_many(where, len(params), "parameters", infer_checks.MAX_PARAMETERS)
         binary_size: int | None = None
         for key, value in params.items():
             if key == BINARY_DATA_SIZE:
@@ -723,6 +730,8 @@ def _parse_tensor_spec(item: dict[str, Any], where: str) -> tuple[str, list[int]
     if "shape" not in item:
         raise InferError.invalid(f"{where} has no 'shape'")
     shape = item["shape"]
+    if isinstance(shape, list) and len(shape) > infer_checks.MAX_DIMS:
+        raise infer_checks.too_many(where, len(shape), "dimensions in its shape", infer_checks.MAX_DIMS)
     if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _INT64_MAX for d in shape):
         raise InferError.invalid(
@@ -733,11 +742,15 @@ def _parse_tensor_spec(item: dict[str, Any], where: str) -> tuple[str, list[int]
 def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool) -> None:
     if not isinstance(outputs, list):
         raise InferError.invalid(f"request 'outputs' must be a JSON array, got {_json_type(outputs)}")
+    if len(outputs) > infer_checks.MAX_TENSORS:
+        raise infer_checks.too_many("the request", len(outputs), "requested outputs", infer_checks.MAX_TENSORS)
     seen: set[str] = set()
     for index, item in enumerate(outputs):
         name = _entry_name(item, "requested output", index, seen, "output '{}' is requested more than once")
         where = f"output '{name}'"
         params = _object(item.get("parameters"), f"{where} 'parameters'")
+        if len(params) > infer_checks.MAX_PARAMETERS:
+            raise infer_checks.too_many(where, len(params), "parameters", infer_checks.MAX_PARAMETERS)
         out = req.outputs.add(name=name)
         for key, value in params.items():
             if key == BINARY_DATA and not isinstance(value, bool):

@@ -40,3 +40,48 @@ def int_value(p: pb.InferParameter) -> int | None:
     if which == "double_param" and float(p.double_param).is_integer():
         return int(p.double_param)
     return None
+
+
+
+# ---- how many parts one request may have --------------------------------------------------------
+# Past these a request is refused (INVALID_ARGUMENT, HTTP 400) before anything walks its parts:
+# each part costs Python work at every hop (the gateway's shared-memory check, its merging and
+# pipeline, a service's preparation), ~3 us per input on a 2-core box. Before these bounds one
+# gRPC message of 9.5 MiB (5 million empty inputs, 2 bytes each) held a gateway's event loop for
+# 7 s, a service's for 4.7 s; a million request parameters (16 MiB), 2.4 s (docs/security.md,
+# "Session 21: the parts of one request"). Triton sets none of these; no model of ours nor any of
+# NVIDIA's examples comes near them.
+MAX_TENSORS = 1024  # inputs, requested outputs, raw_input_contents entries: each
+MAX_PARAMETERS = 1024  # the request's parameters, and each tensor's
+MAX_DIMS = 64  # a shape's dimensions (numpy 2's NPY_MAXDIMS)
+# A serialized request of at most this many bytes is not counted (check_counts): it has at most
+# COUNT_FROM // 2 parts, so what they cost is bounded by its size, and the common request
+# (~100-2,000 bytes) pays nothing (a upb read is ~3k instructions).
+COUNT_FROM = 4096
+
+
+def too_many(whose: str, count: int, what: str, bound: int) -> InferError:
+    """The refusal of a request past one of the bounds above: "the request has 2000 inputs; at most 1024"."""
+    return InferError.invalid(f"{whose} has {count} {what}; at most {bound}")
+
+
+def check_counts(request: pb.ModelInferRequest) -> None:
+    """Raise INVALID_ARGUMENT where ``request`` has more parts than MAX_TENSORS, MAX_PARAMETERS
+    or MAX_DIMS allow: a length read per container, and per tensor (at most MAX_TENSORS of them
+    once the first reads pass). The gRPC front door calls it on a request parsed from more than
+    COUNT_FROM bytes, before anything else reads it; the HTTP codec counts the JSON as it reads it."""
+    inputs, outputs = request.inputs, request.outputs
+    for count, what in ((len(inputs), "inputs"), (len(outputs), "requested outputs"),
+                        (len(request.raw_input_contents), "raw_input_contents entries")):
+        if count > MAX_TENSORS:
+            raise too_many("the request", count, what, MAX_TENSORS)
+    if (count := len(request.parameters)) > MAX_PARAMETERS:
+        raise too_many("the request", count, "parameters", MAX_PARAMETERS)
+    for tensor in inputs:
+        if (count := len(tensor.parameters)) > MAX_PARAMETERS:
+            raise too_many(f"input '{tensor.name}'", count, "parameters", MAX_PARAMETERS)
+        if (count := len(tensor.shape)) > MAX_DIMS:
+            raise too_many(f"input '{tensor.name}'", count, "dimensions in its shape", MAX_DIMS)
+    for output in outputs:
+        if (count := len(output.parameters)) > MAX_PARAMETERS:
+            raise too_many(f"requested output '{output.name}'", count, "parameters", MAX_PARAMETERS)

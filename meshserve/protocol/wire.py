@@ -25,6 +25,12 @@ SERVICE_KIND_METADATA = "meshserve-service-kind"
 SHM_REGION = "shared_memory_region"
 SHM_BYTE_SIZE = "shared_memory_byte_size"
 SHM_OFFSET = "shared_memory_offset"
+# The byte-level scanners of a request's top-level fields (gateway/upstream/merging.py, gateway/cache.py)
+# read at most this many fields, then leave the request to the parsed message's reads: a message
+# of many small fields (a model name sent two million times, 4 MiB) cost them ~2 us a field on
+# a 2-core box. The usual request has under ten; infer_checks bounds what the message holds.
+SCAN_FIELDS_MAX = 256
+SCAN_STEPS = range(SCAN_FIELDS_MAX)  # (a for loop over it: the bound costs no counter)
 _REQUEST_PARAMETERS_TAG = b"\x22"  # ModelInferRequest.parameters = 4 (map entries, length-delimited)
 
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import hop, wire
+from meshserve.protocol import hop, infer_checks, wire
 from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, admission, observe, shm, tls
@@ -327,6 +327,8 @@ class InferenceServicer:
                 request = pb.ModelInferRequest.FromString(raw)
             except Exception as exc:
                 raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
+            if len(raw) > infer_checks.COUNT_FROM:
+                infer_checks.check_counts(request)
             if shm.uses_shared_memory(request, raw):
                 infer = shm.infer
             elif (admitted := observe.admitted(request, ctx)) is not None:  # observe.infer's common path, here
@@ -418,6 +420,8 @@ class InferenceServicer:
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
                 ctx = RequestContext("grpc", base.headers, base.deadline, raw)  # (positional: see _context)
+                if len(raw) > infer_checks.COUNT_FROM:
+                    infer_checks.check_counts(request)
                 if from_gateway and not hop_stream:  # (the reader read the parameters: hop_stream)
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
                     try:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import queue
+import re
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -16,6 +19,7 @@ import tritonclient.http.aio as httpaio
 from google.protobuf.json_format import MessageToJson
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from meshserve.protocol.infer_checks import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS
 from tests.models.generate import DATATYPES, MAX_BATCH
 
 PROTOCOLS = ["http", "grpc"]
@@ -262,6 +266,55 @@ def test_error_statuses(proto: str, target: dict[str, str]) -> None:
                   f"<= {MAX_BATCH}")
     _expect_error(proto, url, "add_sub", _fp32_inputs(m, ok), "400", "StatusCode.INVALID_ARGUMENT", "NOPE",
                   outputs=[m.InferRequestedOutput("NOPE")])
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_a_request_past_its_bounds_on_parts_is_refused(proto: str, target: dict[str, str]) -> None:
+    """meshserve/protocol/infer_checks.py: at most MAX_TENSORS requested outputs (inputs,
+    raw entries) and MAX_PARAMETERS parameters per request and per tensor; a request at the
+    bounds is answered as before (its parts checked against the model as always)."""
+    m, url = mod(proto), target[proto]
+    ok = {"INPUT0": (1, 16), "INPUT1": (1, 16)}
+    many = [m.InferRequestedOutput(f"OUT{i}") for i in range(MAX_TENSORS + 1)]
+    _expect_error(proto, url, "add_sub", _fp32_inputs(m, ok), "400", "StatusCode.INVALID_ARGUMENT",
+                  f"the request has {MAX_TENSORS + 1} requested outputs; at most {MAX_TENSORS}", outputs=many)
+    with client(proto, url) as c:
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("add_sub", _fp32_inputs(m, ok), parameters={f"p{i}": i for i in range(MAX_PARAMETERS + 1)})
+        assert err.value.status() == ("400" if proto == "http" else "StatusCode.INVALID_ARGUMENT")
+        # (tritonclient's HTTP client adds binary_data_output: one more than the caller's)
+        assert re.fullmatch(rf"the request has 102[56] parameters; at most {MAX_PARAMETERS}", err.value.message())
+        inputs = _fp32_inputs(m, ok)
+        result = c.infer("add_sub", inputs, parameters={f"p{i}": i for i in range(MAX_PARAMETERS - 1)})
+        assert result.as_numpy("OUTPUT0").shape == (1, 16)
+    if proto == "http":  # (numpy, and so tritonclient, makes no array of more than 64 dimensions)
+        body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1] * (MAX_DIMS + 1),
+                                       "data": [0.0]}]}).encode()
+        req = urllib.request.Request(f"http://{url}/v2/models/add_sub/infer", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(req, timeout=30)
+        assert http_err.value.code == 400
+        assert json.loads(http_err.value.read())["error"] == \
+            f"input 'INPUT0' has {MAX_DIMS + 1} dimensions in its shape; at most {MAX_DIMS}"
+
+
+def test_a_streamed_request_past_its_bounds_is_answered_in_band(target: dict[str, str]) -> None:
+    m = grpcclient
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(target["grpc"]) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            ok = {"INPUT0": (1, 16), "INPUT1": (1, 16)}
+            c.async_stream_infer("add_sub", _fp32_inputs(m, ok), request_id="many",
+                                 outputs=[m.InferRequestedOutput(f"OUT{i}") for i in range(MAX_TENSORS + 1)])
+            c.async_stream_infer("add_sub", _fp32_inputs(m, ok), request_id="fine")
+            got = [answers.get(timeout=30) for _ in range(2)]
+        finally:
+            c.stop_stream()
+    errors = [e for _, e in got if e is not None]
+    results = [r for r, _ in got if r is not None]
+    assert len(errors) == 1 and f"at most {MAX_TENSORS}" in errors[0].message(), got
+    assert len(results) == 1 and results[0].get_response().id == "fine"
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)

@@ -1,0 +1,59 @@
+"""One request of many small parts (session 21; docs/security.md, "Session 21: the parts of one
+request").
+
+A ModelInferRequest's parts are cheap to send: an empty input, requested output or
+raw_input_contents entry is 2 bytes, and so is a model name sent again (protobuf keeps the last).
+Each cost Python work at every hop: the gateway's shared-memory check read every input's
+parameters, its merging and response-cache scans walked every top-level field, a service
+prepared every input. One 9.5 MiB message of 5 million empty inputs held a gateway's event loop
+for 7 s (a service's for 4.7 s). Now a request may have at most MAX_TENSORS tensors of each kind
+and MAX_PARAMETERS parameters (meshserve/protocol/infer_checks.py:check_counts, before anything
+reads the parts), and the byte-level scans stop after wire.SCAN_FIELDS_MAX fields. What remains
+is protobuf's own parse of the message (C, ~40 ms per MiB of 2-byte fields on a slow 2-core box).
+
+Each message below is ~1 MiB of one kind of part (500,000 of them), sent unary on a gRPC channel
+of the attacker's while the good client runs. Before: ~1.5 s of the loop per message; the good
+client's p99 went over the suite's limit.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tests.adversarial.harness import LONG, OTHER_KEY, Mesh, Observation, under_attack
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+PARTS = 500_000
+KINDS = {  # one field of ModelInferRequest, empty, repeated
+    "inputs": b"\x2a\x00",  # inputs (5)
+    "requested outputs": b"\x32\x00",  # outputs (6)
+    "raw_input_contents": b"\x3a\x00",  # raw_input_contents (7)
+    "model names": b"\x0a\x00",  # model_name (1), the last one kept
+}
+NAME = b"\x0a\x0didentity_fp32"  # (last: the model named is one the mesh serves)
+
+
+@pytest.mark.parametrize("which", ["gateway", "service"])
+def test_requests_of_many_parts(mesh: Mesh, which: str) -> None:
+    proc = mesh.gateway if which == "gateway" else mesh.services[0]
+    metadata = (("x-api-key", OTHER_KEY),) if which == "gateway" else ()
+    rounds = 4 if LONG else 1
+
+    def attack() -> Observation:
+        codes: list[str] = []
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        with grpc.insecure_channel(proc.grpc, options=options) as channel:
+            infer = channel.unary_unary(INFER)
+            for _ in range(rounds):
+                for kind, part in KINDS.items():
+                    try:
+                        infer(part * PARTS + NAME, metadata=metadata, timeout=60)
+                        codes.append(f"{kind}: OK")
+                    except grpc.RpcError as exc:
+                        codes.append(f"{kind}: {exc.code().name} {exc.details()[:80]}")
+        refused = all(": INVALID_ARGUMENT" in c for c in codes)
+        return Observation("; ".join(codes), refused)
+
+    verdict = under_attack(mesh, proc, f"requests of many parts on {which}", attack)
+    print(verdict.summary())
+    verdict.judge().check()

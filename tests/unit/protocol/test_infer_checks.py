@@ -1,0 +1,135 @@
+"""meshserve/protocol/infer_checks.py: how many parts one request may have (check_counts, the
+HTTP and generate codecs' counts of the JSON), and the byte-level scanners' bound on the fields
+they walk (wire.SCAN_FIELDS_MAX: gateway/upstream/merging.py, gateway/cache.py)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from gateway import cache
+from gateway.upstream import merging
+from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import generate_codec, http_codec, wire
+from meshserve.protocol.errors import InferError
+from meshserve.protocol.infer_checks import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS, check_counts
+
+
+def request(inputs: int = 1, outputs: int = 0, raw: int = 1, params: int = 0, tensor_params: int = 0,
+            output_params: int = 0, dims: int = 2) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="m")
+    for i in range(inputs):
+        t = r.inputs.add(name=f"i{i}", datatype="FP32", shape=[1] * dims)
+        for k in range(tensor_params if i == 0 else 0):
+            t.parameters[f"k{k}"].int64_param = k
+    for i in range(outputs):
+        o = r.outputs.add(name=f"o{i}")
+        for k in range(output_params if i == 0 else 0):
+            o.parameters[f"k{k}"].bool_param = True
+    r.raw_input_contents.extend([b"\0\0\0\0"] * raw)
+    for k in range(params):
+        r.parameters[f"p{k}"].string_param = "v"
+    return r
+
+
+OVER: dict[str, tuple[dict[str, int], str]] = {
+    "inputs": ({"inputs": MAX_TENSORS + 1}, f"the request has {MAX_TENSORS + 1} inputs; at most {MAX_TENSORS}"),
+    "outputs": ({"outputs": MAX_TENSORS + 1},
+                f"the request has {MAX_TENSORS + 1} requested outputs; at most {MAX_TENSORS}"),
+    "raw": ({"raw": MAX_TENSORS + 1},
+            f"the request has {MAX_TENSORS + 1} raw_input_contents entries; at most {MAX_TENSORS}"),
+    "params": ({"params": MAX_PARAMETERS + 1},
+               f"the request has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}"),
+    "tensor params": ({"tensor_params": MAX_PARAMETERS + 1},
+                      f"input 'i0' has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}"),
+    "output params": ({"outputs": 1, "output_params": MAX_PARAMETERS + 1},
+                      f"requested output 'o0' has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}"),
+    "dims": ({"dims": MAX_DIMS + 1}, f"input 'i0' has {MAX_DIMS + 1} dimensions in its shape; at most {MAX_DIMS}"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVER))
+def test_check_counts_refuses_one_part_over_its_bound(case: str) -> None:
+    kwargs, message = OVER[case]
+    with pytest.raises(InferError) as err:
+        check_counts(request(**kwargs))
+    assert err.value.message == message and err.value.code.name == "INVALID_ARG"
+
+
+def test_check_counts_takes_a_request_at_every_bound() -> None:
+    check_counts(request(inputs=MAX_TENSORS, outputs=MAX_TENSORS, raw=MAX_TENSORS, params=MAX_PARAMETERS,
+                         tensor_params=MAX_PARAMETERS, output_params=MAX_PARAMETERS, dims=MAX_DIMS))
+
+
+def json_request(inputs: int = 1, outputs: int = 0, params: int = 0, tensor_params: int = 0,
+                 output_params: int = 0, dims: int = 2) -> bytes:
+    doc = {"inputs": [{"name": f"i{i}", "datatype": "FP32", "shape": [1] * dims, "data": [0.0],
+                       "parameters": {f"k{k}": k for k in range(tensor_params if i == 0 else 0)}}
+                      for i in range(inputs)],
+           "parameters": {f"p{k}": "v" for k in range(params)}}
+    if outputs:
+        doc["outputs"] = [{"name": f"o{i}", "parameters": {f"k{k}": True for k in range(output_params if i == 0 else 0)}}
+                          for i in range(outputs)]
+    return json.dumps(doc).encode()
+
+
+# the same bounds, counted in the JSON (no raw entries there; a requested output is "output 'o0'")
+JSON_OVER = {**{case: OVER[case] for case in OVER if case not in ("raw", "output params")},
+             "output params": (OVER["output params"][0],
+                               f"output 'o0' has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}")}
+
+
+@pytest.mark.parametrize("case", list(JSON_OVER))
+def test_the_http_codec_counts_the_json_as_it_reads_it(case: str) -> None:
+    kwargs, message = JSON_OVER[case]
+    with pytest.raises(InferError) as err:
+        http_codec.parse_infer_request(json_request(**kwargs), None, "m")
+    assert err.value.message == message
+
+
+def test_the_http_codec_takes_a_request_at_the_bounds() -> None:
+    body = json_request(inputs=MAX_TENSORS, outputs=MAX_TENSORS, params=MAX_PARAMETERS,
+                        tensor_params=MAX_PARAMETERS, output_params=MAX_PARAMETERS, dims=MAX_DIMS)
+    parsed = http_codec.parse_infer_request(body, None, "m")
+    assert len(parsed.inputs) == len(parsed.outputs) == MAX_TENSORS and len(parsed.parameters) == MAX_PARAMETERS
+    check_counts(parsed)
+
+
+def test_a_generate_request_of_too_many_keys_is_refused_before_they_are_read() -> None:
+    md = pb.ModelMetadataResponse(name="m")
+    md.inputs.add(name="text", datatype="BYTES", shape=[1])
+    at = {"text": "hi", **{f"p{k}": k for k in range(MAX_PARAMETERS)}}
+    assert len(generate_codec.parse_generate_request(json.dumps(at).encode(), "m", "", md).parameters) == MAX_PARAMETERS
+    with pytest.raises(InferError) as err:
+        generate_codec.parse_generate_request(json.dumps({**at, "one-more": 1}).encode(), "m", "", md)
+    assert err.value.message == f"the generate request has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}"
+    many = {"text": "hi", **{f"p{k}": k for k in range(MAX_PARAMETERS + 5)}}
+    with pytest.raises(InferError) as err:
+        generate_codec.parse_generate_request(json.dumps(many).encode(), "m", "", md)
+    assert err.value.message.startswith(f"the generate request has {MAX_PARAMETERS + 6} keys")
+    nested = {"text": "hi", "parameters": {f"p{k}": k for k in range(MAX_PARAMETERS + 1)}}
+    with pytest.raises(InferError) as err:
+        generate_codec.parse_generate_request(json.dumps(nested).encode(), "m", "", md)
+    assert err.value.message == (f"the generate request's 'parameters' has {MAX_PARAMETERS + 1} keys; "
+                                 f"at most {MAX_PARAMETERS}")
+
+
+SCANNERS: dict[str, Callable[[bytes], object]] = {
+    "merging._metadata": merging._metadata,
+    "merging._layout": merging._layout,
+    "cache.raw_key": lambda raw: cache.raw_key(raw, "1"),
+}
+
+
+@pytest.mark.parametrize("scanner", list(SCANNERS))
+def test_the_byte_level_scanners_stop_after_scan_fields_max(scanner: str) -> None:
+    scan = SCANNERS[scanner]
+    usual = request(inputs=2, raw=2).SerializeToString()
+    assert scan(usual) is not None  # (the usual request: read by its bytes)
+    # a request of the usual layout with a model name sent again and again (protobuf keeps the
+    # last): the scan stops at the bound (before, it walked all 2 million fields, ~4 s)
+    names = b"\x0a\x01m" * (wire.SCAN_FIELDS_MAX - 6)  # (with the usual 5 fields: one under the bound)
+    assert scan(names + usual) is not None
+    assert scan(b"\x0a\x01m" * wire.SCAN_FIELDS_MAX + usual) is None
+    assert scan(b"\x0a\x00" * 2_000_000 + usual) is None
