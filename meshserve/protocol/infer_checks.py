@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
 
 
@@ -85,3 +86,40 @@ def check_counts(request: pb.ModelInferRequest) -> None:
     for output in outputs:
         if (count := len(output.parameters)) > MAX_PARAMETERS:
             raise too_many(f"requested output '{output.name}'", count, "parameters", MAX_PARAMETERS)
+
+
+# ---- which messages are parsed off the event loop -------------------------------------------------
+# protobuf's parse is C but not free: ~40 ms per MiB of 2-byte fields on a slow 2-core box (an
+# empty input, a map entry of one key sent again), ~15-20 ms per MiB of one-byte bytes_contents
+# elements, ~0.2 ms per MiB of raw_input_contents or packed numbers. A gRPC message over
+# HEAVY_FROM bytes whose fields other than raw_input_contents hold more than HEAVY_BYTES, or that
+# has more top-level fields than wire.SCAN_FIELDS_MAX, is parsed by the body worker
+# (http_codec.parse_grpc_infer_request), which sends back a message that parses at memcpy speed.
+# A client's usual large request (tritonclient's and perf_analyzer's: the tensors in
+# raw_input_contents) is parsed in place as before, after a walk of its few top-level fields.
+HEAVY_FROM = 1 << 20
+HEAVY_BYTES = 256 << 10
+
+
+def heavy(raw: bytes) -> bool:
+    """Is the serialized ModelInferRequest ``raw`` (over HEAVY_FROM bytes) to be parsed off the
+    event loop? Its top-level fields are walked, tag and length only, at most SCAN_FIELDS_MAX."""
+    n = len(raw)
+    pos = other = 0
+    for _ in wire.SCAN_STEPS:
+        if pos >= n:
+            return other > HEAVY_BYTES
+        key, p = wire.varint_at(raw, pos, n)
+        wire_type = key & 7
+        if key < 0 or wire_type != 2:  # (no field of the request is anything but length-delimited)
+            return True
+        length, p = wire.varint_at(raw, p, n)
+        if length < 0:
+            return True
+        if key != _RAW_KEY:
+            other += p - pos + length
+        pos = p + length
+    return True
+
+
+_RAW_KEY = 7 << 3 | 2  # raw_input_contents (7), length-delimited

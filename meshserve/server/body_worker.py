@@ -1,10 +1,14 @@
-"""Decode large HTTP request bodies in a worker process, so the event loop never waits on them.
+"""Decode large HTTP request bodies (and gRPC messages whose parse would be slow) in a worker
+process, so the event loop never waits on them.
 
 A 64 MiB JSON body takes seconds to decode (json, then numpy on the `data` lists), in C calls
 that hold the GIL throughout: in a thread it would stall the event loop just the same. So a
 body whose JSON part exceeds OFFLOAD_BYTES goes to one worker process (started on first use)
 that runs the same `http_codec` function and sends back its result; the event loop only waits
-on a pipe. Smaller bodies, the common case, are decoded in place as before.
+on a pipe. Smaller bodies, the common case, are decoded in place as before. A gRPC ModelInferRequest over
+1 MiB made of other fields than raw tensors (meshserve/protocol/infer_checks.py:heavy) is parsed
+here too (http_codec.parse_grpc_infer_request): protobuf's parse costs up to ~40 ms per MiB of
+small fields.
 
 Measured on a 63.7 MiB JSON infer body (3.3 M FP32 values; docs/security.md): inline, the
 loop stalled ~700 ms; offloaded, concurrent small requests saw at worst 8-12 ms (baseline 4 ms).
@@ -70,6 +74,8 @@ FUNCTIONS: dict[str, tuple[Callable[..., Any], Callable[[Any], Any], Callable[[A
     fn.__name__: (fn, out, back)
     for fn, out, back in (
         (http_codec.parse_infer_request, pb.ModelInferRequest.SerializeToString, pb.ModelInferRequest.FromString),
+        (http_codec.parse_grpc_infer_request, pb.ModelInferRequest.SerializeToString,
+         pb.ModelInferRequest.FromString),
         (http_codec.parse_json_object, _same, _same),
         (http_codec.parse_trace_settings, _same, _same),
         (http_codec.parse_load_request, _params_out, _params_in),

@@ -17,7 +17,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import hop, infer_checks, wire
 from meshserve.protocol.errors import InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
-from meshserve.server import access, admission, observe, shm, tls
+from meshserve.server import access, admission, body_worker, inflate, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import Abort, Call, H2GrpcServer, Inbox, Method, Status
 from meshserve.server.h2.server import TASK_NAME
@@ -110,6 +110,17 @@ def _empty_final(request: pb.ModelInferRequest, on_hop: bool) -> bytes:
 # within the header list limit, meshserve/server/h2/frames.py:MAX_HEADER_BLOCK; a client's few KB).
 _VETTED: dict[int, tuple[tuple[tuple[str, Any], ...], dict[str, str]]] = {}
 _VETTED_KEPT = 16
+
+
+async def parse_off_loop(raw: bytes, headers: dict[str, str]) -> pb.ModelInferRequest:
+    """The ModelInferRequest ``raw`` (infer_checks.heavy) read by the body worker
+    (http_codec.parse_grpc_infer_request), in the line of the caller's tenant (``headers``: its
+    RequestContext's; an unknown key is UNAUTHENTICATED here as at admission)."""
+    worker = body_worker.worker()
+    if (find := inflate.tenant_of) is None:
+        return await worker.call("parse_grpc_infer_request", raw)  # type: ignore[no-any-return]
+    tenant, share = find(headers)
+    return await worker.call("parse_grpc_infer_request", raw, tenant=tenant, share=share)  # type: ignore[no-any-return]
 
 
 def _context(call: Call, raw: bytes | None = None) -> RequestContext:
@@ -323,13 +334,19 @@ class InferenceServicer:
             if (door := self.door) is not None and (refused := door(raw, ctx)) is not None:
                 _fail(call, refused)  # (a caller past its share, refused before the parse: gateway/core.py)
                 return None
-            try:
-                request = pb.ModelInferRequest.FromString(raw)
-            except Exception as exc:
-                raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
-            if len(raw) > infer_checks.COUNT_FROM:
-                infer_checks.check_counts(request)
-            if shm.uses_shared_memory(request, raw):
+            data: bytes | None = raw  # (the request's bytes; None: the worker's message is the request)
+            if len(raw) > infer_checks.HEAVY_FROM and infer_checks.heavy(raw):
+                request = await parse_off_loop(raw, ctx.headers)
+                ctx.raw = data = None
+                ctx.nbytes = len(raw)  # (what admission counts)
+            else:
+                try:
+                    request = pb.ModelInferRequest.FromString(raw)
+                except Exception as exc:
+                    raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
+                if len(raw) > infer_checks.COUNT_FROM:
+                    infer_checks.check_counts(request)
+            if shm.uses_shared_memory(request, data):
                 infer = shm.infer
             elif (admitted := observe.admitted(request, ctx)) is not None:  # observe.infer's common path, here
                 try:
@@ -414,13 +431,15 @@ class InferenceServicer:
                 if held is not None:
                     out.put_nowait(held)
 
-        async def one(request: pb.ModelInferRequest, raw: bytes, cost: int, place: list[Any] | None = None,
+        async def one(request: pb.ModelInferRequest, raw: bytes | None, cost: int, place: list[Any] | None = None,
                       hop_id: str = "", hop_stream: bool = False) -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
                 ctx = RequestContext("grpc", base.headers, base.deadline, raw)  # (positional: see _context)
-                if len(raw) > infer_checks.COUNT_FROM:
+                if raw is None:
+                    ctx.nbytes = cost // 2  # (the worker's message: admission counts the bytes that came)
+                elif len(raw) > infer_checks.COUNT_FROM:
                     infer_checks.check_counts(request)
                 if from_gateway and not hop_stream:  # (the reader read the parameters: hop_stream)
                     # the gateway's hop, one answer per request (its requests name no shared-memory region)
@@ -515,17 +534,22 @@ class InferenceServicer:
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)
 
-        def take(raw: bytes, release: Callable[[], None] | None) -> bool:
+        def take(raw: bytes, release: Callable[[], None] | None, parsed: pb.ModelInferRequest | None = None) -> bool:
             """One message read: its request started (False: the stream ends here). ``release``
-            gives back its inflated bytes' charge (a compressed message): when its request ends."""
+            gives back its inflated bytes' charge (a compressed message): when its request ends.
+            ``parsed``: the request the body worker read from ``raw`` (parse_off_loop)."""
             cost = 2 * len(raw)  # (its bytes, and their parse)
-            try:
-                request = pb.ModelInferRequest.FromString(raw)
-            except Exception as exc:  # what a failed deserializer reports on a unary call
-                failed.append(f"Exception deserializing request: {exc}")
-                if release is not None:
-                    release()
-                return False
+            kept: bytes | None = raw  # (the request's bytes for its RequestContext; None: the worker's message)
+            if parsed is not None:
+                request, kept = parsed, None
+            else:
+                try:
+                    request = pb.ModelInferRequest.FromString(raw)
+                except Exception as exc:  # what a failed deserializer reports on a unary call
+                    failed.append(f"Exception deserializing request: {exc}")
+                    if release is not None:
+                        release()
+                    return False
             params = request.parameters
             if from_gateway and params and _CANCEL in params:  # the gateway's client went away
                 slots.release()
@@ -539,7 +563,7 @@ class InferenceServicer:
             if from_gateway:
                 hop_id = request.id
                 hop_stream = bool(params) and _STREAM in params
-                task = _Task(one(request, raw, cost, None, hop_id, hop_stream), loop=loop, name=TASK_NAME)
+                task = _Task(one(request, kept, cost, None, hop_id, hop_stream), loop=loop, name=TASK_NAME)
                 repeated = by_id.get(hop_id)
                 by_id[hop_id] = task
                 if repeated is not None:  # a repeated id (not the gateway's way): still awaited
@@ -559,7 +583,7 @@ class InferenceServicer:
                 if held:
                     place = [None, False]
                     order.append(place)
-                task = _Task(one(request, raw, cost, place), loop=loop, name=TASK_NAME)
+                task = _Task(one(request, kept, cost, place), loop=loop, name=TASK_NAME)
                 if release is not None:
                     task.add_done_callback(lambda _: release())
             pending.add(task)
@@ -570,7 +594,14 @@ class InferenceServicer:
             try:
                 async for raw in requests:  # bytes: parsed here, so each request keeps its own (RequestContext.raw)
                     await slots.acquire()  # given back when its answer is written
-                    if not take(raw, call.keep_inflated()):
+                    parsed = None
+                    if len(raw) > infer_checks.HEAVY_FROM and infer_checks.heavy(raw):
+                        try:
+                            parsed = await parse_off_loop(raw, base.headers)
+                        except InferError as exc:  # (malformed, or past infer_checks' bounds: as a failed parse)
+                            failed.append(exc.message)
+                            break
+                    if not take(raw, call.keep_inflated(), parsed):
                         break
                     del raw  # (not held while the next one is awaited)
                     while in_bytes[0] > budget:  # the next message waits: flow control stops the client

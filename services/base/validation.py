@@ -17,18 +17,12 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.hop import MERGED, Hop
+from meshserve.protocol.http_codec import typed_to_bytes
 from meshserve.protocol.infer_checks import int_value, mixed_contents, reject_mixed_contents
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
 from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import SequenceControl
-
-_CONTENTS_FIELD = {
-    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-    "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
-    "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +155,7 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 f"{list(spec.dims)}, got {list(shape)}")
         if shape and min(shape) < 0:
             raise InferError.invalid(f"input '{t.name}' for model '{name}' has a negative dimension {list(shape)}")
-        data = raw[i] if raw else _typed_to_bytes(t, name)
+        data = raw[i] if raw else typed_to_bytes(t, name)
         count = prod(shape)  # (datatypes.element_count, in C: the shape's entries are ints)
         if spec.element_size:
             expected = count * spec.element_size
@@ -230,22 +224,6 @@ def _dims_match(shape: Sequence[int], dims: Sequence[int]) -> bool:
     if len(shape) != len(dims):
         return False
     return all(d == -1 or d == s for s, d in zip(shape, dims, strict=True))
-
-
-def _typed_to_bytes(t: pb.ModelInferRequest.InferInputTensor, model: str) -> bytes:
-    """Typed InferTensorContents (KServe SDK, hand-written stubs) -> raw little-endian bytes."""
-    field_name = _CONTENTS_FIELD.get(t.datatype)
-    if field_name is None:
-        raise InferError.invalid(
-            f"input '{t.name}' for model '{model}': datatype {t.datatype} cannot travel in typed "
-            "contents; use raw_input_contents")
-    values = getattr(t.contents, field_name)
-    if t.datatype == "BYTES":
-        return datatypes.serialize_bytes(values)
-    try:
-        return np.asarray(values, dtype=datatypes.numpy_dtype(t.datatype)).tobytes()
-    except (OverflowError, ValueError) as exc:
-        raise InferError.invalid(f"input '{t.name}' for model '{model}': {exc}") from None
 
 
 def schedule_policy(policy: BatchingPolicy, model: str, request: pb.ModelInferRequest, arrival: int,

@@ -355,6 +355,64 @@ def test_stream_answers_each_request_and_a_malformed_message_ends_the_stream_wit
         assert "deserializing" in (err.value.details() or "")
 
 
+@pytest.mark.parametrize("dt", ["BYTES", "FP32"])
+def test_a_large_request_of_typed_contents_is_read_off_the_loop_and_answered(dt: str, target: dict[str, str]) -> None:
+    """A gRPC request over infer_checks.HEAVY_FROM whose tensors travel in typed contents (the
+    KServe SDK's way) is parsed by the body worker, its contents moved to raw_input_contents
+    (http_codec.parse_grpc_infer_request): answered as before, unary and streamed; a streamed one
+    past the bounds ends the stream with INVALID_ARGUMENT (its parse failed)."""
+    import grpc
+
+    from meshserve._proto import grpc_service_pb2 as pb
+    from meshserve.protocol.infer_checks import HEAVY_FROM, heavy
+
+    n = 400_000  # 1.2-1.6 MiB
+    req = pb.ModelInferRequest(model_name=f"identity_{dt.lower()}", id="typed")
+    tensor = req.inputs.add(name="INPUT0", datatype=dt, shape=[1, n])
+    if dt == "BYTES":
+        values = [b"%d" % (i % 1000) for i in range(n)]
+        tensor.contents.bytes_contents.extend(values)
+    else:
+        floats = np.arange(n, dtype=np.float32)
+        tensor.contents.fp32_contents.extend(floats.tolist())
+    raw = req.SerializeToString()
+    assert len(raw) > HEAVY_FROM and heavy(raw)
+    over = pb.ModelInferRequest(model_name="add_sub", id="over")
+    over.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([0.0] * 16)
+    over_raw = over.SerializeToString() + b"\x32\x00" * HEAVY_FROM  # empty requested outputs
+
+    def check(answer: pb.ModelInferResponse) -> None:
+        assert answer.id == "typed" and list(answer.outputs[0].shape) == [1, n]
+        data = answer.raw_output_contents[0]
+        if dt == "BYTES":
+            got = []
+            at = 0
+            while at < len(data):
+                size = int.from_bytes(data[at:at + 4], "little")
+                got.append(data[at + 4:at + 4 + size])
+                at += 4 + size
+            assert got == values
+        else:
+            assert np.array_equal(np.frombuffer(data, np.float32), floats)
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    with grpc.insecure_channel(target["grpc"], options=options) as channel:
+        check(pb.ModelInferResponse.FromString(
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(raw, timeout=60)))
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        first = pb.ModelStreamInferResponse.FromString(next(stream(iter([raw]), timeout=60)))
+        assert first.error_message == ""
+        check(first.infer_response)
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(over_raw, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "requested outputs; at most" in (err.value.details() or "")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream(iter([over_raw]), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "requested outputs; at most" in (err.value.details() or "")
+
+
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
     try:

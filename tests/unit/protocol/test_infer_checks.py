@@ -1,9 +1,11 @@
 """meshserve/protocol/infer_checks.py: how many parts one request may have (check_counts, the
-HTTP and generate codecs' counts of the JSON), and the byte-level scanners' bound on the fields
-they walk (wire.SCAN_FIELDS_MAX: gateway/upstream/merging.py, gateway/cache.py)."""
+HTTP and generate codecs' counts of the JSON), the byte-level scanners' bound on the fields
+they walk (wire.SCAN_FIELDS_MAX: gateway/upstream/merging.py, gateway/cache.py), and which gRPC
+messages the body worker parses (heavy, http_codec.parse_grpc_infer_request)."""
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +15,15 @@ from gateway.upstream import merging
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import InferError
-from meshserve.protocol.infer_checks import MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS, check_counts
+from meshserve.protocol.infer_checks import (
+    HEAVY_BYTES,
+    HEAVY_FROM,
+    MAX_DIMS,
+    MAX_PARAMETERS,
+    MAX_TENSORS,
+    check_counts,
+    heavy,
+)
 
 
 def request(inputs: int = 1, outputs: int = 0, raw: int = 1, params: int = 0, tensor_params: int = 0,
@@ -133,3 +143,69 @@ def test_the_byte_level_scanners_stop_after_scan_fields_max(scanner: str) -> Non
     assert scan(names + usual) is not None
     assert scan(b"\x0a\x01m" * wire.SCAN_FIELDS_MAX + usual) is None
     assert scan(b"\x0a\x00" * 2_000_000 + usual) is None
+
+
+# ---- which messages the body worker parses (infer_checks.heavy, http_codec.parse_grpc_infer_request)
+
+def big_raw_request() -> bytes:
+    """tritonclient's and perf_analyzer's large request: the tensors in raw_input_contents."""
+    r = request(inputs=2, raw=0, params=3)
+    r.raw_input_contents.extend([b"\1" * (2 << 20), b"\2" * (2 << 20)])
+    return r.SerializeToString()
+
+
+def test_a_large_request_of_raw_tensors_is_parsed_in_place() -> None:
+    raw = big_raw_request()
+    assert len(raw) > HEAVY_FROM and not heavy(raw)
+
+
+@pytest.mark.parametrize("case", ["small fields", "typed contents", "a large parameter", "a varint field"])
+def test_a_large_message_of_other_fields_goes_to_the_worker(case: str) -> None:
+    r = pb.ModelInferRequest(model_name="m")
+    if case == "small fields":
+        raw = r.SerializeToString() + b"\x2a\x00" * (HEAVY_FROM // 2 + 1)
+    elif case == "typed contents":
+        r.inputs.add(name="x", datatype="BYTES", shape=[1]).contents.bytes_contents.extend([b"ab"] * 400_000)
+        raw = r.SerializeToString()
+    elif case == "a large parameter":
+        r.parameters["p"].string_param = "x" * (HEAVY_BYTES + 1)
+        r.raw_input_contents.append(b"\0" * HEAVY_FROM)
+        raw = r.SerializeToString()
+    else:  # (an unknown field of wire type 0: no field of a request is one)
+        raw = b"\xf8\x01\x01" + big_raw_request()
+    assert len(raw) > HEAVY_FROM and heavy(raw)
+
+
+def test_the_workers_parse_sends_back_a_message_that_parses_at_memcpy_speed() -> None:
+    r = pb.ModelInferRequest(model_name="m", id="the-id")
+    r.parameters["keep"].int64_param = 7
+    a = r.inputs.add(name="a", datatype="BYTES", shape=[3])
+    a.contents.bytes_contents.extend([b"x", b"", b"yz"])
+    b = r.inputs.add(name="b", datatype="FP32", shape=[2])
+    b.contents.fp32_contents.extend([1.5, -2.0])
+    c = r.inputs.add(name="c", datatype="INT32", shape=[2])
+    c.parameters["shared_memory_region"].string_param = "region"
+    # the same map key sent 1000 times, an unknown field, the name sent twice: one entry, none, one
+    raw = (b"\x0a\x01z" + r.SerializeToString() + b"\x22\x00" * 1000 + b"\xf8\x01\x05")
+    parsed = http_codec.parse_grpc_infer_request([raw[:100], raw[100:]])  # (the chunks it arrived in)
+    assert parsed.model_name == "m" and parsed.id == "the-id" and dict(parsed.parameters)["keep"].int64_param == 7
+    assert set(parsed.parameters) == {"keep", ""}
+    assert not any(t.HasField("contents") for t in parsed.inputs)
+    assert list(parsed.raw_input_contents) == [  # (no entry for the input in shared memory, as a gRPC client sends it)
+        b"\1\0\0\0x" + b"\0\0\0\0" + b"\2\0\0\0yz", struct.pack("<2f", 1.5, -2.0)]
+    assert b"\xf8\x01" not in parsed.SerializeToString()  # (the unknown field dropped)
+
+
+@pytest.mark.parametrize("case", ["malformed", "counts", "mixed"])
+def test_the_workers_parse_refuses_what_the_loop_would(case: str) -> None:
+    r = request(inputs=1, raw=1)
+    if case == "malformed":
+        raw, want = b"\x0a\x05ab", "malformed ModelInferRequest"
+    elif case == "counts":
+        raw, want = request(outputs=MAX_TENSORS + 1).SerializeToString(), "requested outputs; at most"
+    else:
+        r.inputs[0].contents.fp32_contents.append(1.0)
+        raw, want = r.SerializeToString(), "contents field must not be specified when using raw_input_contents"
+    with pytest.raises(InferError) as err:
+        http_codec.parse_grpc_infer_request(raw)
+    assert want in err.value.message
