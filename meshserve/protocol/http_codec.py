@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -1019,6 +1020,26 @@ def parse_grpc_infer_request(body: bytes | bytearray | list[bytes]) -> pb.ModelI
     return request
 
 
+def parse_grpc_message(body: bytes | bytearray | list[bytes], type_name: str) -> bytes:
+    """A unary request of the inference service other than ModelInfer (``type_name``: its
+    message type in grpc_service.proto) over infer_checks.COUNT_FROM bytes, read in the body
+    worker: parsed, its maps and repeated fields (nested too) at most MAX_PARAMETERS entries,
+    unknown fields dropped, sent back serialized (one entry per key: it parses at memcpy speed).
+    A million parameters of a model load held a gateway's loop 1.5 s on the loop's own parse and
+    walk of them."""
+    kind = getattr(pb, type_name, None)
+    if kind is None or not isinstance(kind, type) or not issubclass(kind, Message):
+        raise InferError.invalid(f"no request type {type_name!r}")
+    message = kind()
+    try:
+        message.ParseFromString(b"".join(body) if isinstance(body, list) else body)
+    except Exception as exc:
+        raise InferError.invalid(f"Exception deserializing request: {exc}") from None
+    infer_checks.check_message_counts(message)
+    message.DiscardUnknownFields()
+    return message.SerializeToString()  # type: ignore[no-any-return]
+
+
 # A response of binary outputs only, with no parameters and no id, is rendered from its
 # request's RenderPlan and its outputs' names, datatypes and shapes: the same header again for
 # every request of a template. Such headers are kept (at most RENDERED_MAX, all dropped when
@@ -1490,6 +1511,8 @@ def _object_body(body: bytes | bytearray, where: str, complaint: Callable[[Any],
     doc = _loads(body, where) if body.strip() else {}
     if not isinstance(doc, dict):
         raise InferError.invalid(complaint(doc))
+    if len(doc) > infer_checks.MAX_PARAMETERS:  # (read in the body worker when large: never sent back)
+        raise infer_checks.too_many(f"the {where} body", len(doc), "keys", infer_checks.MAX_PARAMETERS)
     return doc
 
 
@@ -1510,6 +1533,8 @@ def parse_trace_settings(body: bytes | bytearray) -> dict[str, list[str] | None]
     out: dict[str, list[str] | None] = {}
     for key, value in obj.items():
         items = value if isinstance(value, list) else [value] if value is not None else None
+        if items is not None and len(items) > infer_checks.MAX_PARAMETERS:
+            raise infer_checks.too_many(f"trace setting '{key}'", len(items), "values", infer_checks.MAX_PARAMETERS)
         if items is not None and not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in items):
             raise InferError.invalid(f"trace setting '{key}': a value must be a string, an integer or a list of "
                                      f"them, got {json.dumps(value)}")
@@ -1571,7 +1596,10 @@ def _repository_parameters(body: bytes | bytearray | memoryview, what: str) -> d
     doc = _loads(body, f"{what} request")
     if not isinstance(doc, dict):
         raise InferError.invalid(f"the {what} request JSON must be an object, got {_json_type(doc)}")
-    return _object(doc.get("parameters"), f"{what} request 'parameters'")
+    params = _object(doc.get("parameters"), f"{what} request 'parameters'")
+    if len(params) > infer_checks.MAX_PARAMETERS:
+        raise infer_checks.too_many(f"the {what} request", len(params), "parameters", infer_checks.MAX_PARAMETERS)
+    return params
 
 
 def _set_repository_param(target: pb.ModelRepositoryParameter, value: Any, where: str) -> None:

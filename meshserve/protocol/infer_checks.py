@@ -1,6 +1,8 @@
 """Checks every front door applies to a parsed ModelInferRequest before it goes anywhere."""
 from __future__ import annotations
 
+from google.protobuf.message import Message
+
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import wire
 from meshserve.protocol.errors import InferError
@@ -59,6 +61,24 @@ MAX_DIMS = 64  # a shape's dimensions (numpy 2's NPY_MAXDIMS)
 # COUNT_FROM // 2 parts, so what they cost is bounded by its size, and the common request
 # (~100-2,000 bytes) pays nothing (a upb read is ~3k instructions).
 COUNT_FROM = 4096
+
+
+def check_message_counts(message: Message, where: str = "the request") -> None:
+    """Raise INVALID_ARGUMENT where a repeated field or map of ``message``, or of a message in
+    it, has more than MAX_PARAMETERS entries: the other unary requests' bound (their maps of
+    parameters and settings; a model load's files), checked in the body worker
+    (http_codec.parse_grpc_message)."""
+    for field, value in message.ListFields():
+        if isinstance(value, (str, bytes)):
+            continue
+        if hasattr(value, "__len__"):  # a repeated field or a map
+            if len(value) > MAX_PARAMETERS:
+                raise too_many(where, len(value), f"'{field.name}' entries", MAX_PARAMETERS)
+            for item in (value.values() if hasattr(value, "values") else value):
+                if isinstance(item, Message):
+                    check_message_counts(item, where)
+        elif isinstance(value, Message):
+            check_message_counts(value, where)
 
 
 def too_many(whose: str, count: int, what: str, bound: int) -> InferError:

@@ -211,6 +211,8 @@ def _checked(core: V2Core | None, row: access.GrpcMethod,
 
     async def handler(request: Any, call: Call) -> Any:
         try:
+            if request.__class__ is _Unread:
+                request = await request.read(_context(call).headers)
             op, model = row.resolve(request)
             if op.rule is access.Rule.OPEN:
                 grant = access.ALL
@@ -242,8 +244,54 @@ def methods(servicer: Any, table: dict[str, access.GrpcMethod], core: V2Core | N
         elif row.request_streaming or row.response_streaming:
             out[name] = Method(fn, row.request_streaming, row.response_streaming, row.request.FromString, _serialize)
         else:
-            out[name] = Method(_checked(core, row, fn), False, False, row.request.FromString, _serialize)
+            out[name] = Method(_checked(core, row, fn), False, False, _reader(row.request), _serialize)
     return out
+
+
+class _Unread:
+    """A unary request over body_worker.OFFLOAD_BYTES, parsed by the body worker when its handler
+    starts (_reader, _checked)."""
+
+    __slots__ = ("raw", "type_name", "parse")
+
+    def __init__(self, raw: bytes, type_name: str, parse: Callable[[bytes], Any]) -> None:
+        self.raw, self.type_name, self.parse = raw, type_name, parse
+
+    async def read(self, headers: dict[str, str]) -> Any:
+        worker = body_worker.worker()
+        if (find := inflate.tenant_of) is None:
+            normal = await worker.call("parse_grpc_message", self.raw, self.type_name)
+        else:
+            tenant, share = find(headers)
+            normal = await worker.call("parse_grpc_message", self.raw, self.type_name, tenant=tenant, share=share)
+        return self.parse(normal)
+
+
+def _reader(kind: Any) -> Callable[[bytes], Any]:
+    """The request deserializer of a unary method of message type ``kind``: a message of at most
+    infer_checks.COUNT_FROM bytes is parsed; one of at most body_worker.OFFLOAD_BYTES is parsed
+    and its maps and repeated fields counted (infer_checks.check_message_counts: MAX_PARAMETERS
+    entries each); a larger one of grpc_service.proto is left to the body worker (_Unread), whose
+    parse drops what a parse on the loop would cost for (a million map entries of a model load:
+    1.5 s of the loop before). A deserializer's ValueError is the call's INVALID_ARGUMENT."""
+    parse = kind.FromString
+    name: str = kind.DESCRIPTOR.name
+    type_name = name if getattr(pb, name, None) is kind else None  # (grpc_service.proto's: the worker knows it)
+
+    def read(raw: bytes) -> Any:
+        n = len(raw)
+        if n <= infer_checks.COUNT_FROM:
+            return parse(raw)
+        if n > body_worker.OFFLOAD_BYTES and type_name is not None:
+            return _Unread(raw, type_name, parse)
+        message = parse(raw)
+        try:
+            infer_checks.check_message_counts(message)
+        except InferError as exc:
+            raise ValueError(exc.message) from None
+        return message
+
+    return read
 
 
 class InferenceServicer:

@@ -365,11 +365,14 @@ class HttpFrontend:
         return _json_response(shm.system_status_json(regions) if kind == shm.SYSTEM else shm.cuda_status_json(regions))
 
     async def _shm_register(self, kind: str, request: Request, p: Params, grant: Grant) -> Answer:
-        body = _joined(await request.read_body())
+        # (a body over 64 KiB, which no register needs, is read in the body worker: _decode)
+        body = await request.read_body()
         if kind == shm.SYSTEM:
-            shm.registry.register_system(grant.tenant, p["n"], *http_codec.parse_system_shm_register(body))
+            shm.registry.register_system(grant.tenant, p["n"],
+                                         *await _decode(request, http_codec.parse_system_shm_register, body))
         else:
-            shm.registry.register_cuda(grant.tenant, p["n"], *http_codec.parse_cuda_shm_register(body))
+            shm.registry.register_cuda(grant.tenant, p["n"],
+                                       *await _decode(request, http_codec.parse_cuda_shm_register, body))
         return _empty(200)
 
     async def _shm_unregister(self, kind: str, request: Request, p: Params, grant: Grant) -> Answer:

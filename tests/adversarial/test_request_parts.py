@@ -66,3 +66,73 @@ def test_requests_of_many_parts(mesh: Mesh, which: str) -> None:
     verdict = under_attack(mesh, proc, f"requests of many parts on {which}", attack)
     print(verdict.summary())
     verdict.judge().check()
+
+
+# ---- the other requests with maps: model control, trace and log settings, shared memory ----------
+# A model load's parameters, a trace or log settings update's settings: a million entries (~10 MB)
+# held a gateway's loop 1.3-1.7 s over gRPC (the parse, then a walk of every entry before any check)
+# and 0.3-1.0 s over HTTP (the JSON read in the body worker, but the million-key result sent back
+# and read on the loop; a shared-memory register's body read in place, 0.5 s). Now at most
+# MAX_PARAMETERS entries per map or list (infer_checks.check_message_counts, the codecs' counts),
+# and a gRPC message over body_worker.OFFLOAD_BYTES is read by the body worker
+# (grpc_frontend._reader, http_codec.parse_grpc_message), as a large JSON body is.
+ENTRIES = 300_000
+
+
+def _control_payloads() -> list[tuple[str, str, bytes]]:
+    """(what, where: a gRPC method or an HTTP path, the message or body)."""
+    import json
+
+    from meshserve._proto import grpc_service_pb2 as pb
+
+    load = pb.RepositoryModelLoadRequest(model_name="identity_fp32")
+    trace = pb.TraceSettingRequest()
+    logs = pb.LogSettingsRequest()
+    for i in range(ENTRIES):
+        load.parameters[f"k{i}"].string_param = "x"
+        trace.settings[f"k{i}"].value.append("x")
+        logs.settings[f"k{i}"].bool_param = True
+    keys = {f"k{i}": True for i in range(ENTRIES)}
+    return [("load (gRPC)", "RepositoryModelLoad", load.SerializeToString()),
+            ("trace settings (gRPC)", "TraceSetting", trace.SerializeToString()),
+            ("log settings (gRPC)", "LogSettings", logs.SerializeToString()),
+            ("load (HTTP)", "/v2/repository/models/identity_fp32/load", json.dumps({"parameters": keys}).encode()),
+            ("log settings (HTTP)", "/v2/logging", json.dumps(keys).encode()),
+            ("shm register (HTTP)", "/v2/systemsharedmemory/region/x/register", json.dumps(keys).encode())]
+
+
+def test_control_requests_of_many_entries(mesh: Mesh) -> None:
+    import urllib.error
+    import urllib.request
+
+    from tests.adversarial.harness import ADMIN_KEY
+
+    payloads = _control_payloads()  # (built before the good client's baseline)
+    gateway = mesh.gateway
+
+    def attack() -> Observation:
+        codes: list[str] = []
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        with grpc.insecure_channel(gateway.grpc, options=options) as channel:
+            for what, where, body in payloads:
+                if where.startswith("/"):
+                    req = urllib.request.Request(f"http://{gateway.http}{where}", data=body, method="POST",
+                                                 headers={"x-api-key": ADMIN_KEY})
+                    try:
+                        urllib.request.urlopen(req, timeout=60).close()
+                        codes.append(f"{what}: 200")
+                    except urllib.error.HTTPError as exc:
+                        codes.append(f"{what}: {exc.code} {exc.read()[:80]!r}")
+                    continue
+                try:
+                    channel.unary_unary(f"/inference.GRPCInferenceService/{where}")(
+                        body, metadata=(("x-api-key", ADMIN_KEY),), timeout=60)
+                    codes.append(f"{what}: OK")
+                except grpc.RpcError as exc:
+                    codes.append(f"{what}: {exc.code().name} {exc.details()[:80]}")
+        refused = all(": INVALID_ARGUMENT" in c or ": 400" in c for c in codes)
+        return Observation("; ".join(codes), refused)
+
+    verdict = under_attack(mesh, gateway, "control requests of many entries", attack)
+    print(verdict.summary())
+    verdict.judge().check()

@@ -298,6 +298,23 @@ def test_a_request_past_its_bounds_on_parts_is_refused(proto: str, target: dict[
             f"input 'INPUT0' has {MAX_DIMS + 1} dimensions in its shape; at most {MAX_DIMS}"
 
 
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_control_requests_past_their_bounds_are_refused(proto: str, target: dict[str, str]) -> None:
+    """A log settings update of MAX_PARAMETERS + 1 settings (a small message: counted where it is
+    read) and a model load of MAX_PARAMETERS + 1 files of 100 bytes (over 64 KiB: read by the
+    body worker) are refused, by tritonclient's own calls."""
+    want = "400" if proto == "http" else "StatusCode.INVALID_ARGUMENT"
+    with client(proto, target[proto]) as c:
+        with pytest.raises(InferenceServerException) as err:
+            c.update_log_settings({f"k{i}": True for i in range(MAX_PARAMETERS + 1)})
+        assert err.value.status() == want and f"{MAX_PARAMETERS + 1} " in err.value.message(), err.value
+        assert f"at most {MAX_PARAMETERS}" in err.value.message()
+        with pytest.raises(InferenceServerException) as err:
+            c.load_model("add_sub", files={f"file:1/f{i}": b"x" * 100 for i in range(MAX_PARAMETERS + 1)})
+        assert err.value.status() == want and f"at most {MAX_PARAMETERS}" in err.value.message(), err.value
+        assert c.is_model_ready("add_sub")
+
+
 def test_a_streamed_request_past_its_bounds_is_answered_in_band(target: dict[str, str]) -> None:
     m = grpcclient
     answers: queue.Queue = queue.Queue()

@@ -16,12 +16,14 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.infer_checks import (
+    COUNT_FROM,
     HEAVY_BYTES,
     HEAVY_FROM,
     MAX_DIMS,
     MAX_PARAMETERS,
     MAX_TENSORS,
     check_counts,
+    check_message_counts,
     heavy,
 )
 
@@ -209,3 +211,72 @@ def test_the_workers_parse_refuses_what_the_loop_would(case: str) -> None:
     with pytest.raises(InferError) as err:
         http_codec.parse_grpc_infer_request(raw)
     assert want in err.value.message
+
+
+# ---- the other requests with maps (check_message_counts, parse_grpc_message, the JSON bodies) -----
+
+def test_check_message_counts_bounds_every_map_and_list_nested_too() -> None:
+    load = pb.RepositoryModelLoadRequest(model_name="m")
+    for i in range(MAX_PARAMETERS):
+        load.parameters[f"file:1/f{i}"].bytes_param = b"x"
+    check_message_counts(load)
+    load.parameters["one-more"].bool_param = True
+    with pytest.raises(InferError) as err:
+        check_message_counts(load)
+    assert err.value.message == f"the request has {MAX_PARAMETERS + 1} 'parameters' entries; at most {MAX_PARAMETERS}"
+    trace = pb.TraceSettingRequest()
+    trace.settings["trace_level"].value.extend(["TIMESTAMPS"] * (MAX_PARAMETERS + 1))  # (inside a map's value)
+    with pytest.raises(InferError) as err:
+        check_message_counts(trace)
+    assert err.value.message == f"the request has {MAX_PARAMETERS + 1} 'value' entries; at most {MAX_PARAMETERS}"
+
+
+def test_the_workers_parse_of_another_request_sends_back_one_entry_per_key() -> None:
+    raw = pb.LogSettingsRequest(settings={"log_info": pb.LogSettingsRequest.SettingValue(bool_param=True)})
+    body = raw.SerializeToString() * 5000 + b"\xf8\x01\x05"  # the same key 5000 times, an unknown field
+    back = http_codec.parse_grpc_message([body[:7], body[7:]], "LogSettingsRequest")
+    assert back == raw.SerializeToString()
+    with pytest.raises(InferError) as err:
+        http_codec.parse_grpc_message(b"\x0a\x05ab", "LogSettingsRequest")
+    assert err.value.message.startswith("Exception deserializing request")
+    for name in ("DESCRIPTOR", "no_such_type", "_sym_db"):
+        with pytest.raises(InferError):
+            http_codec.parse_grpc_message(b"", name)
+
+
+def test_a_unary_methods_reader_parses_counts_or_leaves_to_the_worker() -> None:
+    from meshserve.server import body_worker
+    from meshserve.server.grpc_frontend import _reader, _Unread
+
+    read = _reader(pb.RepositoryModelLoadRequest)
+    small = pb.RepositoryModelLoadRequest(model_name="m")
+    assert read(small.SerializeToString()) == small
+    many = pb.RepositoryModelLoadRequest(model_name="m")
+    for i in range(MAX_PARAMETERS + 1):
+        many.parameters[f"k{i}"].bool_param = True
+    raw = many.SerializeToString()
+    assert COUNT_FROM < len(raw) <= body_worker.OFFLOAD_BYTES
+    with pytest.raises(ValueError, match=f"at most {MAX_PARAMETERS}"):  # (the server's INVALID_ARGUMENT)
+        read(raw)
+    big = pb.RepositoryModelLoadRequest(model_name="m")
+    big.parameters["file:1/model.onnx"].bytes_param = b"\0" * (body_worker.OFFLOAD_BYTES + 1)
+    unread = read(big.SerializeToString())
+    assert isinstance(unread, _Unread) and unread.type_name == "RepositoryModelLoadRequest"
+
+
+@pytest.mark.parametrize("parse,body,message", [
+    (lambda b: http_codec.parse_json_object(b, "log settings"), {f"k{i}": 1 for i in range(MAX_PARAMETERS + 1)},
+     f"the log settings body has {MAX_PARAMETERS + 1} keys; at most {MAX_PARAMETERS}"),
+    (http_codec.parse_trace_settings, {"trace_level": ["TIMESTAMPS"] * (MAX_PARAMETERS + 1)},
+     f"trace setting 'trace_level' has {MAX_PARAMETERS + 1} values; at most {MAX_PARAMETERS}"),
+    (http_codec.parse_load_request, {"parameters": {f"k{i}": 1 for i in range(MAX_PARAMETERS + 1)}},
+     f"the load request has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}"),
+    (http_codec.parse_unload_request, {"parameters": {f"k{i}": 1 for i in range(MAX_PARAMETERS + 1)}},
+     f"the unload request has {MAX_PARAMETERS + 1} parameters; at most {MAX_PARAMETERS}"),
+    (http_codec.parse_system_shm_register, {f"k{i}": 1 for i in range(MAX_PARAMETERS + 1)},
+     f"the system shared memory register request body has {MAX_PARAMETERS + 1} keys; at most {MAX_PARAMETERS}"),
+], ids=["log settings", "trace values", "load", "unload", "shm register"])
+def test_the_http_control_bodies_are_counted(parse: Callable[[bytes], object], body: object, message: str) -> None:
+    with pytest.raises(InferError) as err:
+        parse(json.dumps(body).encode())
+    assert err.value.message == message
