@@ -20,6 +20,7 @@ from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, admission, body_worker, inflate, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
 from meshserve.server.h2 import Abort, Call, H2GrpcServer, Inbox, Method, Status
+from meshserve.server.h2.connection import HCACHE_FIELDS_MAX
 from meshserve.server.h2.server import TASK_NAME
 from meshserve.server.health import HealthServicer, HealthState
 from meshserve.server.limits import STREAMS, ServerLimits
@@ -138,7 +139,7 @@ def _context(call: Call, raw: bytes | None = None) -> RequestContext:
             headers = hop.vet(headers)
             if tls.cert_names_grpc:
                 tls.client_cert(headers, tls.grpc_transport(call))
-        else:  # (vet would hand it on unchanged)
+        elif len(md) <= HCACHE_FIELDS_MAX:  # (vet would hand it on unchanged; a long one is not kept)
             if len(_VETTED) >= _VETTED_KEPT:
                 _VETTED.clear()
             _VETTED[id(md)] = (md, headers)
@@ -177,9 +178,11 @@ def _key_check(core: V2Core) -> Callable[[str, tuple[tuple[str, Any], ...]], tup
             core.authorize(access.Op.SERVER_METADATA, "", RequestContext(protocol="grpc", headers=dict(metadata)))
         except InferError as exc:
             return exc.grpc_status.value[0], exc.message
-        if len(passed) >= 1024:
-            passed.clear()
-        passed.add(metadata)
+        # (metadata of ~2,000 fields is ~250 KB: 1,024 of them kept were 256 MiB of the process)
+        if len(metadata) <= HCACHE_FIELDS_MAX:
+            if len(passed) >= 1024:
+                passed.clear()
+            passed.add(metadata)
         return None
 
     return check

@@ -165,6 +165,38 @@ def test_frames_that_carry_nothing(mesh: Mesh, which: str) -> None:
     on_one_connection(mesh, which, "frames that carry nothing", attack)
 
 
+@pytest.mark.parametrize("which", GATEWAY_ONLY)  # (the services' front door is the same server: both in LONG)
+def test_requests_of_many_header_fields(mesh: Mesh, which: str) -> None:
+    """400 unary calls in one write, each with ~1,750 metadata fields (1-byte references to one
+    HPACK table entry, and a field of its own so that no block is the one before: each is
+    decoded). Each field costs ~3 us of pure-Python decoding and parsing: the server advertises
+    and holds a header list of MAX_HEADER_LIST (64 KiB; a larger one is a COMPRESSION_ERROR), and
+    a read's decoded fields count against its FRAMES_PER_PASS (meshserve/server/h2/frames.py,
+    connection.py). Before: 1 MiB lists (29,000 such fields a call), and a pass decoded every
+    block of a read; these 400 calls stalled a good client 3.9 s."""
+    import hpack
+
+    calls, fields = (1000, 1750) if LONG else (400, 1750)  # (1750 x 36 bytes: under MAX_HEADER_LIST)
+
+    def attack(conn: RawH2) -> Observation:
+        enc = hpack.Encoder()
+        base = [(":method", "POST"), (":scheme", "http"), (":path", h2raw.INFER), (":authority", conn.authority),
+                ("content-type", "application/grpc"), ("te", "trailers")]
+        if key_for(which):
+            base.append(("x-api-key", key_for(which)))  # type: ignore[arg-type]
+        body = h2raw.grpc_message(identity_request(4))
+        conn.send(b"".join(
+            h2raw.header_frames(2 * i + 1, enc.encode(base + [("x-a", "b")] * fields
+                                                      + [hpack.NeverIndexedHeaderTuple("x-n", str(i))]))
+            + frame(DATA, END_STREAM, 2 * i + 1, body) for i in range(calls)))
+        conn.wait_answered(2 * calls - 1, 60)
+        answered = len(conn.seen.statuses)
+        return Observation(f"{calls} calls of {fields} header fields; {answered} answered; {conn.seen}",
+                           conn.seen.closed_or_refused() or answered > 0)
+
+    on_one_connection(mesh, which, "requests of many header fields", attack)
+
+
 @pytest.mark.parametrize("which", BOTH if LONG else ["service"])  # (the gateway's ModelStreamInfer is the same code)
 def test_stream_messages_in_a_row(mesh: Mesh, which: str) -> None:
     """One connection with 20 ModelStreamInfer calls, each sending 2,000 empty messages at once

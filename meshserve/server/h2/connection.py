@@ -49,7 +49,8 @@ from meshserve.server.h2.frames import (
 
 MAX_SETTINGS = 32  # entries in one SETTINGS frame (nghttp2's max_settings)
 LINGER_S = 1.0  # after a connection error: input read and dropped this long before the close
-HCACHE_BLOCK_MAX = 4096  # header blocks larger than this are parsed each time, never kept (hcache)
+HCACHE_BLOCK_MAX = 4096  # header blocks larger than this are parsed each time, never kept (hcache) ...
+HCACHE_FIELDS_MAX = 64  # ... and so are blocks of more fields than this (a gRPC call has ~8-12)
 # Frames one read is taken at within one pass of the loop (with read_burst set: the server's and
 # the client's), the rest left for the next pass with reading paused. read_burst bounds a pass's
 # bytes, but a peer sending frames that carry nothing (empty DATA, PRIORITY, WINDOW_UPDATE, unknown
@@ -57,6 +58,10 @@ HCACHE_BLOCK_MAX = 4096  # header blocks larger than this are parsed each time, 
 # loop, and a good client's p99 rose from ~3-15 ms to 165-365 ms under one such connection
 # (tests/adversarial/test_h2_attacks.py::test_frames_that_carry_nothing). A request takes 2-3
 # frames and a large message's are 16 KiB or more: no client that sends work meets the bound.
+# Header fields decoded count too, each as one frame (~3 us each: a pass of 1024 frames of
+# header blocks at the server's MAX_HEADER_LIST could otherwise decode two million of them). A
+# block seen before on the connection is not decoded again (hcache): tritonclient's repeated
+# calls count their frames alone.
 FRAMES_PER_PASS = 1024
 
 log = logging.getLogger("meshserve.grpc.h2")
@@ -86,12 +91,14 @@ class H2Endpoint(asyncio.Protocol):
     # server's and the client's: meshserve/server/limits.py:READ_BURST, the same rule as the
     # HTTP/1.1 connections): past them, reading pauses until the loop's next pass (``_yield_reads``).
     read_burst = 0
+    # the header list a peer's block may decode to (the server's: MAX_HEADER_LIST, advertised)
+    header_list_max = MAX_HEADER_BLOCK
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.peername: Any = None
-        self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
+        self.decoder = hpack.Decoder(max_header_list_size=self.header_list_max)
         self.decoder.max_allowed_table_size = LOCAL_HEADER_TABLE
         self.streams: dict[int, Any] = {}
         self.preface = not self.expect_preface
@@ -110,6 +117,7 @@ class H2Endpoint(asyncio.Protocol):
         self.rx_burst = 0  # bytes read since the connection last yielded the loop (read_burst)
         self.read_yielded = False
         self.frames_waiting = False  # frames read past FRAMES_PER_PASS wait in ``chunks`` for the next pass
+        self.pass_fields = 0  # header fields decoded in this read (_decode): each counts as a frame
         self.wbuf: list[bytes] = []
         self.flush_scheduled = False
         self.blocked: set[Any] = set()
@@ -297,10 +305,10 @@ class H2Endpoint(asyncio.Protocol):
                 self.preface = True
                 pos = 24
             n = len(data)
-            frames = 0
+            frames = self.pass_fields = 0
             while n - pos >= 9:
                 frames += 1
-                if frames > FRAMES_PER_PASS and self.read_burst:
+                if frames + self.pass_fields > FRAMES_PER_PASS and self.read_burst:
                     self._frames_later(data[pos:])
                     return
                 hi, lo, typ, flags, sid = FRAME_HEADER.unpack_from(data, pos)
@@ -498,27 +506,32 @@ class H2Endpoint(asyncio.Protocol):
         it was (a repeat request whose fields are all indexed: every gRPC call after the first
         on a connection) is cached, and the cache is dropped whenever a block changes the
         table, since indexes then shift."""
-        plain = plain_decode(block)
+        plain = plain_decode(block, self.header_list_max)
         if plain is not None:  # the table is untouched: no need for the hpack decoder
+            self.pass_fields += len(plain)
             parsed = parse(plain)
-            self._cache(block, parsed)
+            self._cache(block, parsed, len(plain))
             return parsed
         table: Any = self.decoder.header_table.dynamic_entries  # (Any: entries compared by identity, never re-boxed by mypyc)
         before = (len(table), table[0] if table else None)
         try:
-            headers = self.decoder.decode(block, raw=True)
+            headers: Any = self.decoder.decode(block, raw=True)  # (a list, typed as an Iterable)
         except Exception as exc:
             raise H2ConnectionError(ErrorCode.COMPRESSION_ERROR, f"HPACK: {exc}") from None
+        self.pass_fields += len(headers)
         parsed = parse(headers)
         if len(table) != before[0] or (table[0] if table else None) is not before[1]:
             self.hcache.clear()
         else:
-            self._cache(block, parsed)
+            self._cache(block, parsed, len(headers))
         return parsed
 
-    def _cache(self, block: bytes, parsed: tuple[Any, ...]) -> None:
-        if TRACE_FIELD in block or len(block) > HCACHE_BLOCK_MAX:  # (a trace id never repeats; a large block:
-            return  # 256 of them were up to 256 MiB a connection, outside flow control)
+    def _cache(self, block: bytes, parsed: tuple[Any, ...], fields: int) -> None:
+        if TRACE_FIELD in block or len(block) > HCACHE_BLOCK_MAX or fields > HCACHE_FIELDS_MAX:
+            # (a trace id never repeats; a large block: 256 of them were up to 256 MiB a connection,
+            # outside flow control; many fields: a 2 KB block of 1-byte references decoded to ~1,900
+            # fields, ~250 KB of Python objects, 256 of them ~64 MiB a connection, kept)
+            return
         if len(self.hcache) >= 256:  # other one-off blocks: start afresh
             self.hcache.clear()
         self.hcache[block] = parsed

@@ -65,7 +65,7 @@ class Status(enum.IntEnum):
 
 
 SETTINGS_HEADER_TABLE_SIZE, SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
 # Our receive side: big windows (replenished as data arrives) and frames up to 1 MiB, so a
 # large tensor arrives in few frames; the peer's limits govern what we send.
@@ -74,6 +74,13 @@ LOCAL_CONN_WINDOW = 1 << 30
 LOCAL_MAX_FRAME = 1 << 20
 LOCAL_HEADER_TABLE = 4096
 MAX_HEADER_BLOCK = 1 << 20
+# A server's bound on one request's header list (RFC 9113's SETTINGS_MAX_HEADER_LIST_SIZE, which
+# it advertises: names and values plus 32 bytes a field). Each field costs ~3 us of pure-Python
+# HPACK decoding and parsing here; under MAX_HEADER_BLOCK a block of 1-byte references to one
+# table entry held 29,000 fields (~85 ms of the loop from 29 KB on the wire; 40 of them stalled
+# a good client 3.4 s). 64 KiB is at most ~2,000 fields; grpc-core's own hard limit on metadata
+# (Triton's gRPC server) is 16 KiB, Envoy's default 60 KiB. The hop client keeps MAX_HEADER_BLOCK.
+MAX_HEADER_LIST = 64 << 10
 DEFAULT_WINDOW = 65535
 
 FRAME_HEADER = struct.Struct(">BHBBI")  # 24-bit length as (hi byte, lo short), type, flags, stream id
@@ -125,12 +132,13 @@ def _read_int(block: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
             raise IndexError("HPACK integer too long")
 
 
-def plain_decode(block: bytes) -> list[tuple[bytes, bytes]] | None:
+def plain_decode(block: bytes, limit: int = MAX_HEADER_BLOCK) -> list[tuple[bytes, bytes]] | None:
     """Decode a header block made only of representations that leave the dynamic table alone
     and need no Huffman table: static-table indexes and literals without indexing / never
     indexed with plain strings (what meshserve itself sends, e.g. trailers carrying a
     traceparent). None for anything else, which the hpack decoder then handles: a block
-    like that is usually unique, so it would miss the cache and cost a pure-Python decode."""
+    like that is usually unique, so it would miss the cache and cost a pure-Python decode.
+    Also None past ``limit`` bytes of header list (the decoder then refuses it)."""
     out = []
     i = 0
     end = len(block)
@@ -165,7 +173,7 @@ def plain_decode(block: bytes) -> list[tuple[bytes, bytes]] | None:
             else:  # incremental indexing or a table size update: changes the dynamic table
                 return None
             size += len(field[0]) + len(field[1]) + 32
-            if size > MAX_HEADER_BLOCK:
+            if size > limit:
                 return None
             out.append(field)
     except IndexError:

@@ -52,6 +52,7 @@ from meshserve.server.h2.frames import (
     HEADERS,
     LOCAL_MAX_FRAME,
     LOCAL_STREAM_WINDOW,
+    MAX_HEADER_LIST,
     MESSAGE_PREFIX,
     PADDED,
     PING,
@@ -59,6 +60,7 @@ from meshserve.server.h2.frames import (
     RESPONSE_HEADERS,
     RST_STREAM,
     SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
     TRAILERS_OK,
     U32,
     WINDOW_UPDATE,
@@ -393,6 +395,7 @@ class ServerConnection(H2Endpoint):
     expect_preface = True
     two_frames = True  # (_at_once)
     read_burst = READ_BURST  # (H2Endpoint._yield_reads: a client's reads yield the loop past it)
+    header_list_max = MAX_HEADER_LIST  # (advertised in _settings; over it the block is a COMPRESSION_ERROR)
 
     def __init__(self, server: H2GrpcServer):
         self.conn_window = server.conn_window  # before H2Endpoint sizes the receive window by it
@@ -431,7 +434,7 @@ class ServerConnection(H2Endpoint):
         self.marked = False  # made the newest idle connection in this read (_at_once; _flush clears it)
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
-        settings = super()._settings()
+        settings = super()._settings() + ((SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),)
         if self.max_streams:
             settings += ((SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams),)
         return settings

@@ -20,6 +20,7 @@ from meshserve.server import access, connections
 from meshserve.server.grpc_frontend import methods
 from meshserve.server.h2 import ErrorCode
 from meshserve.server.h2.connection import FRAMES_PER_PASS
+from meshserve.server.h2.frames import MAX_HEADER_LIST, SETTINGS_MAX_HEADER_LIST_SIZE
 from meshserve.server.h2.requests import MESSAGES_PER_PASS
 from meshserve.server.h2.server import KEEPALIVE_PING, ServerConnection
 from meshserve.server.health import HealthServicer, HealthState
@@ -532,6 +533,61 @@ async def test_a_read_of_many_frames_is_taken_over_several_loop_passes_in_order(
         conn = the_connection(env)
         assert not conn.frames_waiting and not conn.chunks
         raw.close()
+        await still_serving(env)
+
+
+async def test_a_read_of_many_header_fields_is_taken_over_several_loop_passes() -> None:
+    """100 Echo calls in one write, each block ~1,000 fields (one table entry referenced again and
+    again, and a field of its own: no block is the one before, so each is decoded): each decoded
+    field counts as a frame of the pass's FRAMES_PER_PASS, so the loop runs other work about once
+    per call. (On the code before, one pass decoded every block of the read: a few passes in all.)
+    The server advertises its MAX_HEADER_LIST."""
+    async with serving(limits=limits()) as env:
+        raw = await RawConn.open(env.port)
+        enc = hpack.Encoder()
+        calls, fields = 100, 1000
+        raw.send(PREFACE + settings() + b"".join(
+            frame(HEADERS, END_HEADERS, 2 * i + 1, request_headers(
+                enc, "Echo", extra=(("x-a", "b"),) * fields + (hpack.NeverIndexedHeaderTuple("x-n", str(i)),)))
+            + frame(DATA, END_STREAM, 2 * i + 1, grpc_message(b"%d" % i)) for i in range(calls)))
+        passes = 0
+        last = 2 * calls - 1
+        answered = asyncio.ensure_future(raw.read_until(stream_ended(last), timeout=60.0))
+        while not answered.done():
+            await asyncio.sleep(0)  # one pass of the loop each
+            passes += 1
+        got = answered.result()
+        blocks, data = responses(got)
+        assert all(blocks[2 * i + 1][-1][b"grpc-status"] == b"0" for i in range(calls))
+        # (a block is decoded whole: a pass may end one block past its FRAMES_PER_PASS)
+        assert passes >= calls * fields // (FRAMES_PER_PASS + fields), passes
+        advertised = {struct.unpack_from(">H", p, i)[0]: struct.unpack_from(">I", p, i + 2)[0]
+                      for t, f, _, p in got if t == SETTINGS and not f & 1 for i in range(0, len(p), 6)}
+        assert advertised[SETTINGS_MAX_HEADER_LIST_SIZE] == MAX_HEADER_LIST
+        raw.close()
+        await still_serving(env)
+
+
+async def test_a_header_list_over_max_header_list_is_a_compression_error() -> None:
+    """A block that decodes to more than MAX_HEADER_LIST (names, values and 32 bytes a field:
+    RFC 9113's SETTINGS_MAX_HEADER_LIST_SIZE, which the server advertises) ends the connection
+    with COMPRESSION_ERROR, as one over MAX_HEADER_BLOCK did; one under it is served. 29,000
+    1-byte references to one table entry (29 KB on the wire) were ~85 ms of the loop each."""
+    async with serving(limits=limits()) as env:
+        under = MAX_HEADER_LIST // (len("x-a") + len("b") + 32) - 20  # (with the call's own fields)
+        for fields, served in ((under, True), (under + 40, False), (29_000, False)):
+            raw = await RawConn.open(env.port)
+            enc = hpack.Encoder()
+            raw.send(PREFACE + settings()
+                     + frame(HEADERS, END_HEADERS, 1, request_headers(enc, "Echo", extra=(("x-a", "b"),) * fields))
+                     + frame(DATA, END_STREAM, 1, grpc_message(b"x")))
+            got = await raw.read_until(lambda frames: stream_ended(1)(frames) or goaway_code(frames) is not None,
+                                       timeout=30.0)
+            if served:
+                assert responses(got)[0][1][-1][b"grpc-status"] == b"0", fields
+            else:
+                assert goaway_code(got) == ErrorCode.COMPRESSION_ERROR, fields
+            raw.close()
         await still_serving(env)
 
 
