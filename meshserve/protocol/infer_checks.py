@@ -66,8 +66,8 @@ COUNT_FROM = 4096
 def check_message_counts(message: Message, where: str = "the request") -> None:
     """Raise INVALID_ARGUMENT where a repeated field or map of ``message``, or of a message in
     it, has more than MAX_PARAMETERS entries: the other unary requests' bound (their maps of
-    parameters and settings; a model load's files), checked in the body worker
-    (http_codec.parse_grpc_message)."""
+    parameters and settings; a model load's files), checked where the message is parsed
+    (grpc_frontend._reader, or the body worker's http_codec.parse_grpc_message)."""
     for field, value in message.ListFields():
         if isinstance(value, (str, bytes)):
             continue

@@ -113,15 +113,20 @@ _VETTED: dict[int, tuple[tuple[tuple[str, Any], ...], dict[str, str]]] = {}
 _VETTED_KEPT = 16
 
 
-async def parse_off_loop(raw: bytes, headers: dict[str, str]) -> pb.ModelInferRequest:
-    """The ModelInferRequest ``raw`` (infer_checks.heavy) read by the body worker
-    (http_codec.parse_grpc_infer_request), in the line of the caller's tenant (``headers``: its
-    RequestContext's; an unknown key is UNAUTHENTICATED here as at admission)."""
+async def _in_worker(fn_name: str, raw: bytes, headers: dict[str, str], *args: Any) -> Any:
+    """body_worker's ``fn_name``(raw, *args), in the line of the caller's tenant (``headers``: its
+    RequestContext's; an unknown key is UNAUTHENTICATED here, as at admission)."""
     worker = body_worker.worker()
     if (find := inflate.tenant_of) is None:
-        return await worker.call("parse_grpc_infer_request", raw)  # type: ignore[no-any-return]
+        return await worker.call(fn_name, raw, *args)
     tenant, share = find(headers)
-    return await worker.call("parse_grpc_infer_request", raw, tenant=tenant, share=share)  # type: ignore[no-any-return]
+    return await worker.call(fn_name, raw, *args, tenant=tenant, share=share)
+
+
+async def parse_off_loop(raw: bytes, headers: dict[str, str]) -> pb.ModelInferRequest:
+    """The ModelInferRequest ``raw`` (infer_checks.heavy) read by the body worker
+    (http_codec.parse_grpc_infer_request)."""
+    return await _in_worker("parse_grpc_infer_request", raw, headers)  # type: ignore[no-any-return]
 
 
 def _context(call: Call, raw: bytes | None = None) -> RequestContext:
@@ -261,22 +266,17 @@ class _Unread:
         self.raw, self.type_name, self.parse = raw, type_name, parse
 
     async def read(self, headers: dict[str, str]) -> Any:
-        worker = body_worker.worker()
-        if (find := inflate.tenant_of) is None:
-            normal = await worker.call("parse_grpc_message", self.raw, self.type_name)
-        else:
-            tenant, share = find(headers)
-            normal = await worker.call("parse_grpc_message", self.raw, self.type_name, tenant=tenant, share=share)
-        return self.parse(normal)
+        return self.parse(await _in_worker("parse_grpc_message", self.raw, headers, self.type_name))
 
 
 def _reader(kind: Any) -> Callable[[bytes], Any]:
     """The request deserializer of a unary method of message type ``kind``: a message of at most
     infer_checks.COUNT_FROM bytes is parsed; one of at most body_worker.OFFLOAD_BYTES is parsed
     and its maps and repeated fields counted (infer_checks.check_message_counts: MAX_PARAMETERS
-    entries each); a larger one of grpc_service.proto is left to the body worker (_Unread), whose
-    parse drops what a parse on the loop would cost for (a million map entries of a model load:
-    1.5 s of the loop before). A deserializer's ValueError is the call's INVALID_ARGUMENT."""
+    entries each); a larger one of grpc_service.proto is left to the body worker (_Unread): it
+    sends back the message with one entry per key, which parses at memcpy speed (a million map
+    entries of a model load held the loop 1.5 s before). A deserializer's ValueError is the
+    call's INVALID_ARGUMENT."""
     parse = kind.FromString
     name: str = kind.DESCRIPTOR.name
     type_name = name if getattr(pb, name, None) is kind else None  # (grpc_service.proto's: the worker knows it)
