@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
 import re
 import struct
 import zlib
@@ -405,6 +406,14 @@ def parse_infer_request(
 # header costs a parse and a dict entry, as before).
 
 TEMPLATE_MAX_HEADER = 4096
+# The bytes a request's tensors may hold once their JSON 'data' is decoded: the process's
+# --max-request-bytes (meshserve/server/process.py sets it; the body worker's processes get it in
+# their environment). A JSON element can be 2 bytes ("0,") and decode to 4-8: a 61 MiB body of
+# zeros became 128 MB of tensors, the gateway's RSS peaked at 527 MiB, and the service refused
+# the forwarded message (the client saw 503 "stream to the service broke"). Now 413 before the
+# data past the bound is decoded.
+DECODED_MAX_ENV = "MESHSERVE_DECODED_MAX"
+DECODED_MAX = int(os.environ.get(DECODED_MAX_ENV) or 64 << 20)
 TEMPLATES_MAX = 256
 _RAW_INPUT_TAG = bytes([(pb.ModelInferRequest.RAW_INPUT_CONTENTS_FIELD_NUMBER << 3) | 2])  # length-delimited
 
@@ -649,6 +658,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
         raise infer_checks.too_many("the request", len(inputs), "inputs", infer_checks.MAX_TENSORS)
 
     offset = json_end  # next unread byte of the binary section
+    decoded = 0  # bytes of the tensors decoded from JSON 'data' so far (at most DECODED_MAX)
     last_binary = ""
     seen: set[str] = set()
     raw = req.raw_input_contents
@@ -700,7 +710,17 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
             offset += binary_size
             last_binary = name
         elif "data" in item:
+            size = datatypes.element_size(datatype) or 4  # (BYTES: its 4-byte length prefixes at least)
+            if decoded + count * size > DECODED_MAX:
+                raise InferError.too_large(
+                    f"{where}: the request's tensors decode to more than {DECODED_MAX} bytes "
+                    f"(--max-request-bytes)")
             raw.append(_json_data_to_raw(where, datatype, shape, count, item["data"]))
+            decoded += len(raw[-1])
+            if decoded > DECODED_MAX:  # (BYTES elements: their length known once decoded)
+                raise InferError.too_large(
+                    f"{where}: the request's tensors decode to more than {DECODED_MAX} bytes "
+                    f"(--max-request-bytes)")
         else:
             raise InferError.invalid(
                 f"{where} has neither 'data' nor a '{BINARY_DATA_SIZE}' parameter")

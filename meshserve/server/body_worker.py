@@ -140,7 +140,8 @@ class BodyWorker:
 
     def _start(self) -> subprocess.Popen[bytes]:
         root = str(Path(__file__).resolve().parents[2])  # the tree this meshserve runs from
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               http_codec.DECODED_MAX_ENV: str(http_codec.DECODED_MAX)}
         return subprocess.Popen([sys.executable, "-m", "meshserve.server.body_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, cwd=root, bufsize=0)
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from meshserve.protocol import http_codec
 from meshserve.server import admission, connections, observe, shm, workers
 from meshserve.server.core import V2Core
 from meshserve.server.grpc_frontend import start_grpc_server
@@ -85,6 +86,7 @@ async def serve(core: StoppableCore, *, name: str, host: str, grpc_port: int, ht
     log.debug("at most %d client connections (--max-connections)", cap)
     STREAMS.backlog_bytes = limits.max_stream_backlog_bytes or sys.maxsize
     shm.configure(limits, worker.state if worker is not None else None)
+    http_codec.DECODED_MAX = limits.max_request_bytes or sys.maxsize  # (and the body worker's: its environment)
     private = None
     if worker is not None:
         private = await _join_siblings(worker, limits)  # before LISTEN.reuse_port: that port is its own

@@ -131,6 +131,22 @@ def test_gzip_bomb_is_413(proc: Proc) -> None:
     assert f"exceeds {LIMIT} bytes" in json.loads(body)["error"]
 
 
+def test_json_data_that_decodes_past_the_limit_is_413(proc: Proc) -> None:
+    """A JSON element may be 2 bytes ("0,") and decode to 4 (FP32): a body under the limit whose
+    tensors decode past it is 413 before the rest is decoded. (Before: a 61 MiB body of zeros
+    became 128 MB of tensors, the gateway's RSS peaked at 527 MiB, and the service refused the
+    forwarded message: the client saw 503 "stream to the service broke".)"""
+    rows = 40_000  # 2 x 640,000 elements: a 2.6 MB body, 5.1 MB of tensors
+    zeros = ",".join(["0"] * (rows * 16))
+    body = json.dumps({"inputs": [{"name": name, "shape": [rows, 16], "datatype": "FP32", "data": ["ZEROS"]}
+                                  for name in ("INPUT0", "INPUT1")]}).replace('"ZEROS"', zeros).encode()
+    assert len(body) < LIMIT < 2 * rows * 16 * 4
+    status, _, answer = post(proc.http, "/v2/models/add_sub/infer", body)
+    assert status == 413, answer
+    assert json.loads(answer)["error"] == (f"input 'INPUT1': the request's tensors decode to more than {LIMIT} "
+                                           "bytes (--max-request-bytes)")
+
+
 @pytest.mark.parametrize(("encoding", "body", "status", "message"), [
     ("gzip", b"garbage, not gzip", 400, "malformed gzip request body"),
     ("deflate", b"garbage, not deflate", 400, "malformed deflate request body"),

@@ -10,7 +10,7 @@ import tritonclient.http as httpclient
 from tritonclient.http._utils import _get_inference_request
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, http_codec
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.http_codec import (
     HEADER_LENGTH,
@@ -560,3 +560,24 @@ def test_response_errors() -> None:
     typed_count.outputs.add(name="I", datatype="INT32", shape=[3]).contents.int_contents.extend([1])
     invalid(render_infer_response, typed_count, make_request(), code=Code.INTERNAL,
             match="output 'I' holds 1 elements in contents.int_contents but shape [3] needs 3")
+
+
+def test_json_data_decoded_past_decoded_max_is_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """http_codec.DECODED_MAX (the process's --max-request-bytes): the request's tensors decoded
+    from JSON may hold at most that many bytes; past it, 413 before the input past the bound is
+    decoded (fixed-size types by their shape, BYTES once decoded). At the bound: decoded."""
+    monkeypatch.setattr(http_codec, "DECODED_MAX", 1000)
+
+    def body(*inputs: tuple[str, list[int], str, list[object]]) -> bytes:
+        return json.dumps({"inputs": [{"name": n, "shape": s, "datatype": d, "data": x}
+                                      for n, s, d, x in inputs]}).encode()
+
+    at = http_codec.parse_infer_request(body(("a", [1, 200], "FP32", [0] * 200), ("b", [50], "INT32", [0] * 50)),
+                                        None, "m")
+    assert [len(r) for r in at.raw_input_contents] == [800, 200]
+    for past in (body(("a", [1, 200], "FP32", [0] * 200), ("b", [51], "INT32", [0] * 51)),
+                 body(("a", [2], "BYTES", ["x" * 600, "y" * 600]))):
+        with pytest.raises(InferError) as err:
+            http_codec.parse_infer_request(past, None, "m")
+        assert err.value.code == Code.TOO_LARGE
+        assert err.value.message.endswith("the request's tensors decode to more than 1000 bytes (--max-request-bytes)")
