@@ -1014,6 +1014,16 @@ def typed_to_bytes(t: pb.ModelInferRequest.InferInputTensor, model: str) -> byte
         raise InferError.invalid(f"input '{t.name}' for model '{model}': {exc}") from None
 
 
+def _typed_size(t: pb.ModelInferRequest.InferInputTensor) -> int:
+    """The bytes typed_to_bytes would make of ``t``'s contents (0 where it refuses them)."""
+    field_name = _CONTENTS_FIELD.get(t.datatype)
+    if field_name is None:
+        return 0
+    values = getattr(t.contents, field_name)
+    size = datatypes.element_size(t.datatype)
+    return len(values) * size if size else 4 * len(values) + sum(map(len, values))
+
+
 def parse_grpc_infer_request(body: bytes | bytearray | list[bytes]) -> pb.ModelInferRequest:
     """A gRPC ModelInferRequest whose parse would hold the event loop (infer_checks.heavy), read
     in the body worker: parsed, its parts counted (infer_checks.check_counts), its unknown fields
@@ -1032,6 +1042,11 @@ def parse_grpc_infer_request(body: bytes | bytearray | list[bytes]) -> pb.ModelI
     inputs = request.inputs
     if not request.raw_input_contents and any(t.HasField("contents") for t in inputs):
         model = request.model_name
+        # (a packed zero is 1 byte and an INT64 8 decoded: what the raw tensors would hold is
+        # bounded as JSON data is, before any is made)
+        if (total := sum(_typed_size(t) for t in inputs if t.HasField("contents"))) > DECODED_MAX:
+            raise InferError.too_large(f"the request's typed contents hold {total} bytes as tensors, more than "
+                                       f"{DECODED_MAX} (--max-request-bytes)")
         request.raw_input_contents.extend(
             typed_to_bytes(t, model) if t.HasField("contents") else b""
             for t in inputs if SHM_REGION not in t.parameters)

@@ -280,3 +280,16 @@ def test_the_http_control_bodies_are_counted(parse: Callable[[bytes], object], b
     with pytest.raises(InferError) as err:
         parse(json.dumps(body).encode())
     assert err.value.message == message
+
+
+def test_the_workers_parse_bounds_what_typed_contents_decode_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed zero is one byte and an INT64 eight once raw: the raw tensors the worker would
+    make are bounded by http_codec.DECODED_MAX (--max-request-bytes) before any is made."""
+    monkeypatch.setattr(http_codec, "DECODED_MAX", 8000)
+    r = pb.ModelInferRequest(model_name="m")
+    r.inputs.add(name="a", datatype="INT64", shape=[1000]).contents.int64_contents.extend([0] * 1000)
+    assert len(http_codec.parse_grpc_infer_request(r.SerializeToString()).raw_input_contents[0]) == 8000
+    r.inputs.add(name="b", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"")
+    with pytest.raises(InferError) as err:
+        http_codec.parse_grpc_infer_request(r.SerializeToString())
+    assert err.value.message == "the request's typed contents hold 8004 bytes as tensors, more than 8000 (--max-request-bytes)"
