@@ -658,6 +658,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
         raise infer_checks.too_many("the request", len(inputs), "inputs", infer_checks.MAX_TENSORS)
 
     offset = json_end  # next unread byte of the binary section
+    parameters = len(req.parameters)  # the request's and its tensors' (at most MAX_PARAMETERS_TOTAL)
     decoded = 0  # bytes of the tensors decoded from JSON 'data' so far (at most DECODED_MAX)
     last_binary = ""
     seen: set[str] = set()
@@ -671,6 +672,10 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
         params = _object(item.get("parameters"), f"{where} 'parameters'")
         if len(params) > infer_checks.MAX_PARAMETERS:
             raise infer_checks.too_many(where, len(params), "parameters", infer_checks.MAX_PARAMETERS)
+        parameters += len(params)
+        if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
+            raise infer_checks.too_many("the request", parameters, "parameters in all (its tensors' included)",
+                                        infer_checks.MAX_PARAMETERS_TOTAL)
         binary_size: int | None = None
         for key, value in params.items():
             if key == BINARY_DATA_SIZE:
@@ -737,7 +742,10 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
 
     outputs = doc.get("outputs")
     if outputs is not None:
-        _parse_requested_outputs(req, outputs, fast)
+        parameters += _parse_requested_outputs(req, outputs, fast)
+    if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
+        raise infer_checks.too_many("the request", parameters, "parameters in all (its tensors' included)",
+                                    infer_checks.MAX_PARAMETERS_TOTAL)
     return req
 
 
@@ -760,18 +768,24 @@ def _parse_tensor_spec(item: dict[str, Any], where: str) -> tuple[str, list[int]
     return datatype, shape
 
 
-def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool) -> None:
+def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool) -> int:
+    """The requested outputs into ``req``; returns how many parameters they have."""
     if not isinstance(outputs, list):
         raise InferError.invalid(f"request 'outputs' must be a JSON array, got {_json_type(outputs)}")
     if len(outputs) > infer_checks.MAX_TENSORS:
         raise infer_checks.too_many("the request", len(outputs), "requested outputs", infer_checks.MAX_TENSORS)
     seen: set[str] = set()
+    parameters = 0
     for index, item in enumerate(outputs):
         name = _entry_name(item, "requested output", index, seen, "output '{}' is requested more than once")
         where = f"output '{name}'"
         params = _object(item.get("parameters"), f"{where} 'parameters'")
         if len(params) > infer_checks.MAX_PARAMETERS:
             raise infer_checks.too_many(where, len(params), "parameters", infer_checks.MAX_PARAMETERS)
+        parameters += len(params)
+        if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
+            raise infer_checks.too_many("the request", parameters, "parameters in its requested outputs",
+                                        infer_checks.MAX_PARAMETERS_TOTAL)
         out = req.outputs.add(name=name)
         for key, value in params.items():
             if key == BINARY_DATA and not isinstance(value, bool):
@@ -781,6 +795,7 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
                 raise InferError.invalid(
                     f"{where}: '{CLASSIFICATION}' must be a non-negative integer, got {_show(value)}")
             set_parameter(out.parameters[key], value, f"{where} parameter '{key}'", fast)
+    return parameters
 
 
 # --- JSON data -> raw bytes -------------------------------------------------------------

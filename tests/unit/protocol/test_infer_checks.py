@@ -21,6 +21,7 @@ from meshserve.protocol.infer_checks import (
     HEAVY_FROM,
     MAX_DIMS,
     MAX_PARAMETERS,
+    MAX_PARAMETERS_TOTAL,
     MAX_TENSORS,
     check_counts,
     check_message_counts,
@@ -293,3 +294,31 @@ def test_the_workers_parse_bounds_what_typed_contents_decode_to(monkeypatch: pyt
     with pytest.raises(InferError) as err:
         http_codec.parse_grpc_infer_request(r.SerializeToString())
     assert err.value.message == "the request's typed contents hold 8004 bytes as tensors, more than 8000 (--max-request-bytes)"
+
+
+def test_all_the_parameters_of_a_request_together_are_bounded() -> None:
+    """MAX_PARAMETERS per map allows 1024 x 1024: 1,000 requested outputs of 1,000 parameters
+    (11 MiB) held a gateway's loop 1.1 s a request. All of a request's parameters together, its
+    tensors' included, are at most MAX_PARAMETERS_TOTAL (protobuf, JSON, and the other requests'
+    maps and lists)."""
+    r = request(inputs=1, raw=1)
+    for i in range(5):
+        o = r.outputs.add(name=f"o{i}")
+        for k in range(1000):
+            o.parameters[f"k{k}"].bool_param = True
+    with pytest.raises(InferError) as err:
+        check_counts(r)
+    assert err.value.message == (f"the request has 5000 parameters in all (its tensors' included); "
+                                 f"at most {MAX_PARAMETERS_TOTAL}")
+    doc = {"inputs": [{"name": "i0", "datatype": "FP32", "shape": [1], "data": [0.0]}],
+           "outputs": [{"name": f"o{i}", "parameters": {f"k{k}": True for k in range(1000)}} for i in range(5)]}
+    with pytest.raises(InferError) as err:
+        http_codec.parse_infer_request(json.dumps(doc).encode(), None, "m")
+    assert err.value.message == (f"the request has 5000 parameters in its requested outputs; at most "
+                                 f"{MAX_PARAMETERS_TOTAL}")
+    trace = pb.TraceSettingRequest()
+    for i in range(5):
+        trace.settings[f"s{i}"].value.extend(["x"] * 1000)
+    with pytest.raises(InferError) as err:
+        check_message_counts(trace)
+    assert err.value.message == f"the request has more than {MAX_PARAMETERS_TOTAL} entries in its maps and lists together"
