@@ -640,10 +640,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
     req = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
     if "id" in doc:
         req.id = _string(doc["id"], "request 'id'")
-    params = _object(doc.get("parameters"), "request 'parameters'")
-    if len(params) > infer_checks.MAX_PARAMETERS:
-        raise infer_checks.too_many("the request", len(params), "parameters", infer_checks.MAX_PARAMETERS)
-    for key, value in params.items():
+    for key, value in _parameters(doc.get("parameters"), "request 'parameters'", "the request").items():
         if key == BINARY_DATA_OUTPUT and not isinstance(value, bool):
             raise InferError.invalid(
                 f"request parameter '{BINARY_DATA_OUTPUT}' must be a boolean, got {_show(value)}")
@@ -669,13 +666,8 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
         datatype, shape = _parse_tensor_spec(item, where)
 
         tensor = req.inputs.add(name=name, datatype=datatype, shape=shape)
-        params = _object(item.get("parameters"), f"{where} 'parameters'")
-        if len(params) > infer_checks.MAX_PARAMETERS:
-            raise infer_checks.too_many(where, len(params), "parameters", infer_checks.MAX_PARAMETERS)
-        parameters += len(params)
-        if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
-            raise infer_checks.too_many("the request", parameters, "parameters in all (its tensors' included)",
-                                        infer_checks.MAX_PARAMETERS_TOTAL)
+        params = _parameters(item.get("parameters"), f"{where} 'parameters'", where)
+        parameters = _counted(parameters + len(params), infer_checks.PARAMETERS_IN_ALL)
         binary_size: int | None = None
         for key, value in params.items():
             if key == BINARY_DATA_SIZE:
@@ -717,15 +709,11 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
         elif "data" in item:
             size = datatypes.element_size(datatype) or 4  # (BYTES: its 4-byte length prefixes at least)
             if decoded + count * size > DECODED_MAX:
-                raise InferError.too_large(
-                    f"{where}: the request's tensors decode to more than {DECODED_MAX} bytes "
-                    f"(--max-request-bytes)")
+                raise _decoded_past(where)
             raw.append(_json_data_to_raw(where, datatype, shape, count, item["data"]))
             decoded += len(raw[-1])
             if decoded > DECODED_MAX:  # (BYTES elements: their length known once decoded)
-                raise InferError.too_large(
-                    f"{where}: the request's tensors decode to more than {DECODED_MAX} bytes "
-                    f"(--max-request-bytes)")
+                raise _decoded_past(where)
         else:
             raise InferError.invalid(
                 f"{where} has neither 'data' nor a '{BINARY_DATA_SIZE}' parameter")
@@ -742,11 +730,29 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
 
     outputs = doc.get("outputs")
     if outputs is not None:
-        parameters += _parse_requested_outputs(req, outputs, fast)
-    if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
-        raise infer_checks.too_many("the request", parameters, "parameters in all (its tensors' included)",
-                                    infer_checks.MAX_PARAMETERS_TOTAL)
+        _counted(parameters + _parse_requested_outputs(req, outputs, fast), infer_checks.PARAMETERS_IN_ALL)
     return req
+
+
+def _parameters(value: Any, where: str, whose: str) -> dict[str, Any]:
+    """``_object(value, where)``, a JSON 'parameters' object, of at most MAX_PARAMETERS keys
+    (``whose``: the request or tensor named in the refusal)."""
+    params = _object(value, where)
+    if len(params) > infer_checks.MAX_PARAMETERS:
+        raise infer_checks.too_many(whose, len(params), "parameters", infer_checks.MAX_PARAMETERS)
+    return params
+
+
+def _counted(parameters: int, what: str) -> int:
+    """``parameters``, the request's counted so far, while they are at most MAX_PARAMETERS_TOTAL."""
+    if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
+        raise infer_checks.too_many("the request", parameters, what, infer_checks.MAX_PARAMETERS_TOTAL)
+    return parameters
+
+
+def _decoded_past(where: str) -> InferError:
+    return InferError.too_large(f"{where}: the request's tensors decode to more than {DECODED_MAX} bytes "
+                                f"(--max-request-bytes)")
 
 
 def _parse_tensor_spec(item: dict[str, Any], where: str) -> tuple[str, list[int]]:
@@ -779,13 +785,8 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
     for index, item in enumerate(outputs):
         name = _entry_name(item, "requested output", index, seen, "output '{}' is requested more than once")
         where = f"output '{name}'"
-        params = _object(item.get("parameters"), f"{where} 'parameters'")
-        if len(params) > infer_checks.MAX_PARAMETERS:
-            raise infer_checks.too_many(where, len(params), "parameters", infer_checks.MAX_PARAMETERS)
-        parameters += len(params)
-        if parameters > infer_checks.MAX_PARAMETERS_TOTAL:
-            raise infer_checks.too_many("the request", parameters, "parameters in its requested outputs",
-                                        infer_checks.MAX_PARAMETERS_TOTAL)
+        params = _parameters(item.get("parameters"), f"{where} 'parameters'", where)
+        parameters = _counted(parameters + len(params), "parameters in its requested outputs")
         out = req.outputs.add(name=name)
         for key, value in params.items():
             if key == BINARY_DATA and not isinstance(value, bool):
@@ -1646,10 +1647,7 @@ def _repository_parameters(body: bytes | bytearray | memoryview, what: str) -> d
     doc = _loads(body, f"{what} request")
     if not isinstance(doc, dict):
         raise InferError.invalid(f"the {what} request JSON must be an object, got {_json_type(doc)}")
-    params = _object(doc.get("parameters"), f"{what} request 'parameters'")
-    if len(params) > infer_checks.MAX_PARAMETERS:
-        raise infer_checks.too_many(f"the {what} request", len(params), "parameters", infer_checks.MAX_PARAMETERS)
-    return params
+    return _parameters(doc.get("parameters"), f"{what} request 'parameters'", f"the {what} request")
 
 
 def _set_repository_param(target: pb.ModelRepositoryParameter, value: Any, where: str) -> None:

@@ -61,6 +61,7 @@ MAX_DIMS = 64  # a shape's dimensions (numpy 2's NPY_MAXDIMS)
 # 1024 x 1024, and 1,000 requested outputs of 1,000 parameters each (11 MiB) held a gateway's loop
 # 1.1 s a request. A request of 1024 inputs in shared memory has 3,072 (three each).
 MAX_PARAMETERS_TOTAL = 4096
+PARAMETERS_IN_ALL = "parameters in all (its tensors' included)"  # (what the refusal past it counts)
 # A serialized request of at most this many bytes is not counted (check_counts): it has at most
 # COUNT_FROM // 2 parts, so what they cost is bounded by its size, and the common request
 # (~100-2,000 bytes) pays nothing (a upb read is ~3k instructions).
@@ -121,7 +122,7 @@ def check_counts(request: pb.ModelInferRequest) -> None:
             raise too_many(f"requested output '{output.name}'", count, "parameters", MAX_PARAMETERS)
         total += len(output.parameters)
     if total > MAX_PARAMETERS_TOTAL:
-        raise too_many("the request", total, "parameters in all (its tensors' included)", MAX_PARAMETERS_TOTAL)
+        raise too_many("the request", total, PARAMETERS_IN_ALL, MAX_PARAMETERS_TOTAL)
 
 
 # ---- which messages are parsed off the event loop -------------------------------------------------

@@ -434,7 +434,7 @@ class ServerConnection(H2Endpoint):
         self.marked = False  # made the newest idle connection in this read (_at_once; _flush clears it)
 
     def _settings(self) -> tuple[tuple[int, int], ...]:
-        settings = super()._settings() + ((SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),)
+        settings = super()._settings() + ((SETTINGS_MAX_HEADER_LIST_SIZE, self.header_list_max),)
         if self.max_streams:
             settings += ((SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams),)
         return settings
