@@ -38,6 +38,7 @@ from meshserve.server.core import (
 from meshserve.server.workers import LOG, TRACE, SettingsShare
 from meshserve.telemetry import log_settings, trace_settings, tracing
 from meshserve.telemetry.spans import Span
+from meshserve.telemetry.text_lines import clip
 
 log = logging.getLogger("meshserve.request")
 _levels: dict[int, bool] = log._cache  # type: ignore[attr-defined]  # (cleared in place by setLevel, never replaced)
@@ -226,7 +227,7 @@ def _server_span(request: pb.ModelInferRequest, ctx: RequestContext, parent: tra
         return None
     tracing.share(span, _fixed_attributes(request, ctx))
     if request.id:
-        span.attributes["meshserve.request_id"] = request.id
+        span.attributes["meshserve.request_id"] = clip(request.id)  # (the client's: up to a message)
     return span
 
 

@@ -10,7 +10,8 @@ attributes the SDK's exporters read (``context``, ``parent``, ``kind``, ``status
 in-memory) accepts it; meshserve's own OTLP encoder reads the slots directly.
 
 What the SDK would do and this does not: span limits (our spans carry a handful of
-attributes), events, and span processors other than the batching one (``OTEL_BSP_*`` are
+attributes; those a client's request fills, its id and an error's text, are cut at
+``text_lines.ARG_MAX`` characters where they are set, and a ``tracestate`` keeps W3C's lengths), events, and span processors other than the batching one (``OTEL_BSP_*`` are
 honoured: schedule delay, queue size, batch size, export timeout).
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
+
+from meshserve.telemetry.text_lines import clip
 
 log = logging.getLogger("meshserve.tracing")
 
@@ -122,7 +125,7 @@ class Span:
 
     def set_error(self, description: str) -> None:
         self.status_code = ERROR
-        self.status_description = description
+        self.status_description = clip(description)  # (an error's text may quote a client's input)
 
     def end(self, end_time: int | None = None) -> None:
         if self.end_time is not None:

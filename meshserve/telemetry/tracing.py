@@ -49,6 +49,7 @@ from meshserve.telemetry.spans import (
     Scope,
     Span,
 )
+from meshserve.telemetry.text_lines import clip
 
 if TYPE_CHECKING:
     from meshserve.telemetry.otlp_loop import LoopExportQueue, Transport
@@ -278,12 +279,27 @@ def parse_traceparent(value: str) -> tuple[int, int, int] | None:
     return trace_id, span_id, flags
 
 
+# W3C Trace Context: a tracestate member's key is at most 256 characters, its value at most 256.
+# A client's header is copied into every span of its request and onto the hop, so a header of
+# longer members (up to a header list: 64 KiB) is dropped as the spec lets a vendor drop an
+# invalid one, and what is kept is at most 32 members of 513 characters.
+STATE_KEY_MAX = 256
+STATE_VALUE_MAX = 256
+
+
 def _clean_state(value: str | None) -> str:
-    """A tracestate header as list members (W3C: at most 32, empty members dropped)."""
+    """A tracestate header as list members (W3C: at most 32, empty members dropped, a key and a
+    value of at most 256 characters each); "" when it breaks those rules."""
     if not value:
         return ""
     members = [m.strip() for m in value.split(",") if "=" in m]
-    return ",".join(members[:32]) if len(members) <= 32 and all(members) else ""
+    if len(members) > 32 or not all(members):
+        return ""
+    for m in members:
+        key, _, v = m.partition("=")
+        if len(key) > STATE_KEY_MAX or len(v) > STATE_VALUE_MAX:
+            return ""
+    return ",".join(members)
 
 
 def parent_context(traceparent: str | None, tracestate: str | None = None) -> Remote | None:
@@ -419,7 +435,7 @@ class LateSpans:
         self.lines = lines  # traceparent[\ttracestate] per member, "\n"-separated; "" for an untraced one
         self.merged = merged  # members of a merged request; 0: a request sent alone
         self.fixed = fixed
-        self.request_id = request_id
+        self.request_id = clip(request_id)
         self.start_ns = time.time_ns()
         self._members: list[tuple[int, Remote, Ref]] | None = None
 
@@ -537,7 +553,8 @@ def emit_span(name: str, parent: Span | Ref, start_ns: int, end_ns: int, attribu
         on_record((state.scope, (parent.trace_id, span_id, parent.trace_state, parent.span_id, name, kind,
                                    start_ns, end_ns if end_ns > start_ns else start_ns, fixed, attributes,
                                    [(s.trace_id, s.span_id) for s in links] if links else None,
-                                   ERROR if error is not None else UNSET, error or "", remote_parent)))
+                                   ERROR if error is not None else UNSET, clip(error) if error else "",
+                                   remote_parent)))
         return Ref(parent.trace_id, span_id, parent.flags, parent.trace_state)
     span = start_span(name, parent, kind, attributes, start_ns, links, fixed, span_id, remote_parent)
     if error is not None:

@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from tritonclient.utils import InferenceServerException
 
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.telemetry.text_lines import ARG_MAX
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.integration.test_gateway_routes import ROUTES
 from tests.support import eventually, models
@@ -42,6 +44,8 @@ class Span:
     links: list[tuple[str, str]]
     attributes: dict[str, object]
     status: int
+    status_message: str = ""
+    trace_state: str = ""
 
 
 @dataclass
@@ -61,7 +65,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                         attrs[a.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
                     got.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                     s.kind, [(lk.trace_id.hex(), lk.span_id.hex()) for lk in s.links], attrs,
-                                    s.status.code))
+                                    s.status.code, s.status.message, s.trace_state))
         with self.lock:
             self.spans.extend(got)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -317,6 +321,37 @@ def test_failed_request_marks_spans_as_errors(traced: TracedStack) -> None:
     assert by_name["gateway.request"].status == 2  # STATUS_CODE_ERROR
     assert by_name["service.request"].status == 2
     assert by_name["gateway.upstream"].status == 2
+
+
+def test_a_clients_long_strings_are_cut_in_spans_and_log_lines(traced: TracedStack) -> None:
+    """A request id and an input name of a million characters each, and a tracestate member past
+    W3C's 256 characters: every span keeps at most ``ARG_MAX`` characters of them (and no
+    tracestate), every log line of the failed request is a few KiB (text_lines.py; the code
+    before: each span and each line held the whole id and name, ~2 MB a line)."""
+    tp, trace_id, _ = _traceparent()
+    long_id, long_name = "LONGID" + "i" * 1_000_000, "LONGNAME" + "n" * 1_000_000
+    bad = grpcclient.InferInput(long_name, [1, 64], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 64), dtype=np.float32))
+    with grpcclient.InferenceServerClient(traced.gateway.grpc) as c, \
+            pytest.raises(InferenceServerException, match="unexpected inference input 'LONGNAMEnnn"):
+        c.infer("small_mlp", [bad], request_id=long_id,
+                headers={"traceparent": tp, "tracestate": f"ok=1,vendor={'v' * 257}"})
+    spans = traced.receiver.wait(
+        lambda ss: {"gateway.request", "service.request"} <= {s.name for s in ss if s.trace_id == trace_id})
+    mine = [s for s in spans if s.trace_id == trace_id]
+    assert {"gateway.request", "service.request"} <= {s.name for s in mine}, mine
+    most = ARG_MAX + len("...[1000000 more characters]")
+    for s in mine:
+        assert s.trace_state == "", (s.name, s.trace_state[:80])
+        assert len(s.status_message) <= most, (s.name, len(s.status_message))
+        assert all(len(v) <= most for v in s.attributes.values() if isinstance(v, str)), \
+            (s.name, {k: len(v) for k, v in s.attributes.items() if isinstance(v, str)})
+    assert any(str(s.attributes.get("meshserve.request_id", "")).startswith("LONGIDiii") for s in mine), mine
+    # (the service's line has the gateway's id for the hop, and the input name)
+    for proc, what in ((traced.gateway, "the gateway's JSON line"), (traced.service, "the service's text line")):
+        eventually(lambda p=proc: any("LONGNAMEnnn" in line for line in p.output), what=what)
+        logged = [line for line in proc.output if "LONGIDiii" in line or "LONGNAMEnnn" in line]
+        assert all(len(line) <= 4 * ARG_MAX for line in logged), [len(line) for line in logged]
 
 
 def test_ensemble_steps_are_children_of_the_ensemble_span(traced: TracedStack) -> None:

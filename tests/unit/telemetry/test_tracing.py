@@ -16,6 +16,7 @@ from meshserve.server import observe
 from meshserve.server.core import InferResult, RequestContext
 from meshserve.server.process import OTLP_TRANSPORT
 from meshserve.telemetry import tracing
+from meshserve.telemetry.text_lines import ARG_MAX
 from tests.support import eventually, eventually_async
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -91,6 +92,49 @@ def test_inject_parameters_last_entry_wins(spans: InMemorySpanExporter) -> None:
     assert out.parameters["traceparent"].string_param == tracing.traceparent(span)
     assert out.parameters["tracestate"].string_param == "k=v"
     assert out.id == "r1" and out.model_name == "m"
+
+
+@pytest.mark.parametrize(("sent", "kept"), [
+    ("k=v", "k=v"),
+    (" a=1 , ,b=2 ", "a=1,b=2"),  # (empty members dropped)
+    (",".join(f"k{i}=v" for i in range(32)), ",".join(f"k{i}=v" for i in range(32))),
+    (",".join(f"k{i}=v" for i in range(33)), ""),  # W3C: at most 32 members
+    (f"{'k' * 256}={'v' * 256}", f"{'k' * 256}={'v' * 256}"),
+    (f"ok=1,{'k' * 257}=v", ""),  # a key past 256 characters
+    (f"ok=1,k={'v' * 257}", ""),  # a value past 256
+])
+def test_a_tracestate_keeps_w3c_lengths(sent: str, kept: str) -> None:
+    parent = tracing.parent_context(f"00-{TRACE}-{PARENT}-01", sent)
+    assert parent is not None and parent.state == kept
+
+
+def test_a_clients_strings_are_cut_in_spans(spans: InMemorySpanExporter) -> None:
+    """The request id and an error's text (which may quote a client's input) in a span: at most
+    text_lines.ARG_MAX characters, on every path a span is made (observe's SERVER span, an
+    emitted span's error, a forwarded request's LateSpans)."""
+    cut = ARG_MAX + len("...[1000000 more characters]")
+    req = pb.ModelInferRequest(model_name="m", id="i" * 1_000_000)
+    ctx = RequestContext("grpc", {"traceparent": f"00-{TRACE}-{PARENT}-01"})
+
+    class _Quoting(_Core):
+        async def infer(self, request: pb.ModelInferRequest, ctx: RequestContext) -> InferResult:
+            raise InferError.invalid(f"unexpected inference input '{'n' * 1_000_000}'")
+
+    with pytest.raises(InferError):
+        asyncio.run(observe.infer(_Quoting(), req, ctx))  # type: ignore[arg-type]
+    parent = tracing.start_server_span("p", tracing.parent_context(f"00-{TRACE}-{PARENT}-01"))
+    assert parent is not None
+    tracing.emit_span("x", parent, 1, 2, error="e" * 1_000_000)
+    parent.end()
+    late = tracing.LateSpans(f"00-{TRACE}-{PARENT}-01", 0, tracing.fixed_attributes(), "r" * 1_000_000)
+    late._record(3, ValueError("v" * 1_000_000))
+    assert tracing.force_flush(5)
+    done = spans.get_finished_spans()
+    assert len(done) == 4
+    for span in done:
+        assert len(span.status.description or "") <= cut, (span.name, len(span.status.description or ""))
+        assert all(len(v) <= cut for v in (span.attributes or {}).values() if isinstance(v, str)), span.name
+    assert sum("meshserve.request_id" in (s.attributes or {}) for s in done) == 2
 
 
 class _Core:
