@@ -9,6 +9,7 @@ from typing import Generic, Protocol, TypeVar
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import InferError, model_not_found
+from meshserve.protocol.infer_checks import check_sequence_id
 
 
 class Balanced(Protocol):
@@ -90,13 +91,13 @@ def sequence_affinity(parameters: Mapping[str, pb.InferParameter]) -> str | None
 
     Integer ids arrive as int64 (tritonclient, perf_analyzer), uint64 (HTTP JSON above
     2**63) or, rarely, an integral double; all map to the same unsigned key. 0 / "" = no
-    sequence."""
+    sequence. A string id past ``infer_checks.SEQUENCE_ID_MAX`` is refused (InferError)."""
     p = parameters.get(SEQUENCE_ID)
     if p is None:
         return None
     which = p.WhichOneof("parameter_choice")
-    if which == "string_param":
-        return f"s:{p.string_param}" if p.string_param else None
+    if which == "string_param":  # (kept while the sequence lives: its length bounded, 400 past it)
+        return f"s:{check_sequence_id(p.string_param)}" if p.string_param else None
     if which in ("int64_param", "uint64_param"):
         value = int(getattr(p, which)) % (1 << 64)
     elif which == "double_param" and float(p.double_param).is_integer():

@@ -46,6 +46,24 @@ def int_value(p: pb.InferParameter) -> int | None:
 
 
 
+# A string sequence id is kept for as long as its sequence lives, after the request that named it
+# is answered: in a service's batcher (services/base/scheduling/sequence.py, up to the model's
+# max_sequence_idle_microseconds after its last request) and with tenants in the gateway's
+# binding of the sequence to its tenant (gateway/auth.py). Unbounded, 300 open sequences of 1 MB
+# ids held 290 MB of a service until they went idle (docs/security.md, "Session 22: sequence
+# ids"). Triton sets no bound; a UUID is 36 characters, tritonclient's and perf_analyzer's ids
+# are numbers or short strings.
+SEQUENCE_ID_MAX = 1024  # characters of a string sequence_id
+
+
+def check_sequence_id(corrid: str) -> str:
+    """``corrid`` (a request's string sequence_id), refused past ``SEQUENCE_ID_MAX`` characters."""
+    if len(corrid) > SEQUENCE_ID_MAX:
+        raise InferError.invalid(
+            f"a string sequence_id may have at most {SEQUENCE_ID_MAX} characters, this one has {len(corrid)}")
+    return corrid
+
+
 # ---- how many parts one request may have --------------------------------------------------------
 # Past these a request is refused (INVALID_ARGUMENT, HTTP 400) before anything walks its parts:
 # each part costs Python work at every hop (the gateway's shared-memory check, its merging and

@@ -22,6 +22,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.hop import NO_HOP, Hop
+from meshserve.protocol.infer_checks import check_sequence_id
 from meshserve.telemetry import tracing
 from services.base import batch_trace
 from services.base.model import ModelVersion
@@ -113,7 +114,12 @@ def policy_from_config(config: mc.ModelConfig, instance_count: int) -> SequenceP
     idle_ns = int(sb.max_sequence_idle_microseconds or 1_000_000) * 1000
     if sb.WhichOneof("strategy_choice") == "oldest":
         o = sb.oldest
-        return SequencePolicy("oldest", slots, instance_count, int(o.max_candidate_sequences),
+        # Without max_candidate_sequences, Triton's default: the direct strategy's slots,
+        # max(1, max_batch_size) per instance (sequence_batch_scheduler.cc's seq_slot_cnt_). 0 left
+        # the candidates unbounded: every sequence started and left open held its id and state
+        # until it went idle (docs/security.md, "Session 22: sequence ids").
+        candidates = int(o.max_candidate_sequences) if o.max_candidate_sequences > 0 else slots * instance_count
+        return SequencePolicy("oldest", slots, instance_count, candidates,
                               tuple(sorted({int(s) for s in o.preferred_batch_size})),
                               int(o.max_queue_delay_microseconds) * 1000, idle_ns=idle_ns)
     d = sb.direct
@@ -144,7 +150,7 @@ def sequence_control(request: pb.ModelInferRequest, model: str) -> SequenceContr
         elif which == "uint64_param":
             corrid = p.uint64_param
         elif which == "string_param":
-            corrid = p.string_param
+            corrid = check_sequence_id(p.string_param)
         elif which == "double_param" and float(p.double_param).is_integer() and p.double_param >= 0:
             corrid = int(p.double_param)
         else:

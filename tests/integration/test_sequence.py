@@ -213,6 +213,78 @@ def test_request_without_sequence_id_is_rejected(seq: SeqStack) -> None:
     grpc.close()
 
 
+def test_a_string_sequence_id_is_at_most_its_bound(seq: SeqStack) -> None:
+    """A string sequence id is kept while its sequence lives (the service's batcher, the gateway's
+    tenant binding), so its length is bounded (infer_checks.SEQUENCE_ID_MAX): past it 400 /
+    INVALID_ARGUMENT through the gateway (unary and streamed) and direct to the service, and
+    nothing is started. The code before started each one (300 open sequences of 1 MB ids held
+    ~290 MB of the service until they went idle)."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from meshserve.protocol.infer_checks import SEQUENCE_ID_MAX
+
+    longest, past = "L" * SEQUENCE_ID_MAX, "P" * (SEQUENCE_ID_MAX + 1)
+    said = f"a string sequence_id may have at most {SEQUENCE_ID_MAX} characters, this one has {SEQUENCE_ID_MAX + 1}"
+    for where in (seq.gateway, seq.services[0]):
+        http = httpclient.InferenceServerClient(where.http)
+        with pytest.raises(InferenceServerException) as info:
+            http.infer("seq_accum", [_input(httpclient, 1.0)], sequence_id=past, sequence_start=True)
+        assert info.value.status() == "400" and said in info.value.message()
+        grpc = grpcclient.InferenceServerClient(where.grpc)
+        with pytest.raises(InferenceServerException) as ginfo:
+            grpc.infer("seq_accum", [_input(grpcclient, 1.0)], sequence_id=past + "g", sequence_start=True)
+        assert ginfo.value.status() == "StatusCode.INVALID_ARGUMENT" and "may have at most" in ginfo.value.message()
+        answers: queue.Queue[Any] = queue.Queue()
+        grpc.start_stream(lambda result, error, out=answers: out.put((result, error)))
+        grpc.async_stream_infer("seq_accum", [_input(grpcclient, 1.0)], sequence_id=past, sequence_start=True)
+        grpc.async_stream_infer("seq_accum", [_input(grpcclient, 2.0)], sequence_id=longest, sequence_start=True,
+                                sequence_end=True)
+        refused, served = answers.get(timeout=30), answers.get(timeout=30)
+        grpc.stop_stream()
+        assert refused[0] is None and said in refused[1].message()  # (in band: the stream goes on)
+        assert served[1] is None and _value(served[0]) == 2.0
+        r = http.infer("seq_accum", [_input(httpclient, 3.0)], sequence_id=longest, sequence_start=True,
+                       sequence_end=True)
+        assert _value(r) == 3.0
+        http.close()
+        grpc.close()
+
+
+def test_oldest_without_candidates_holds_triton_s_default_slots(seq_repo: Path, tmp_path: Path) -> None:
+    """oldest without max_candidate_sequences: Triton's default, max(1, max_batch_size) sequences
+    per instance at once (services/sequence/model.py:policy_from_config); the next new sequence
+    waits in the backlog until one ends. The code before took every sequence as a candidate at
+    once (each open one holding its id and state until it went idle)."""
+    import shutil
+
+    import grpc as grpc_core
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    shutil.copytree(seq_repo / "seq_accum", tmp_path / "seq_open")
+    config = (tmp_path / "seq_open" / "config.pbtxt").read_text()
+    (tmp_path / "seq_open" / "config.pbtxt").write_text(
+        config.replace('name: "seq_accum"', 'name: "seq_open"').replace("max_batch_size: 8", "max_batch_size: 2")
+        .replace("max_candidate_sequences: 16 ", ""))
+    assert "max_candidate_sequences" not in (tmp_path / "seq_open" / "config.pbtxt").read_text()
+    service = start(["service", "sequence", "--repository", str(tmp_path), "--grpc-port", "0", "--http-port", "0"])
+    try:
+        c = grpcclient.InferenceServerClient(service.grpc)
+        for sid in (1, 2):  # the two slots (max_batch_size 2, one instance), left open
+            assert _value(c.infer("seq_open", [_input(grpcclient, float(sid))], sequence_id=sid,
+                                  sequence_start=True)) == float(sid)
+        with pytest.raises(InferenceServerException) as info:  # a third waits for a slot
+            c.infer("seq_open", [_input(grpcclient, 3.0)], sequence_id=3, sequence_start=True, client_timeout=2.0)
+        assert info.value.status() == str(grpc_core.StatusCode.DEADLINE_EXCEEDED), info.value
+        assert _value(c.infer("seq_open", [_input(grpcclient, 1.0)], sequence_id=1, sequence_end=True)) == 2.0
+        assert _value(c.infer("seq_open", [_input(grpcclient, 1.0)], sequence_id=2, sequence_end=True)) == 3.0
+        c.close()
+    finally:
+        service.stop()
+
+
 def test_control_and_state_inputs_are_not_client_visible(seq: SeqStack) -> None:
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException

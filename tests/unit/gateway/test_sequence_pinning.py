@@ -8,6 +8,8 @@ import pytest
 
 from gateway.routing.table import pick_pinned, rendezvous_score, sequence_affinity
 from meshserve._proto import grpc_service_pb2 as pb
+from meshserve.protocol.errors import Code, InferError
+from meshserve.protocol.infer_checks import SEQUENCE_ID_MAX
 
 
 @dataclass
@@ -35,6 +37,18 @@ def test_sequence_affinity_accepts_every_integer_member_and_strings() -> None:
     assert sequence_affinity(params(sequence_id=("string_param", ""))) is None
     assert sequence_affinity(params(priority=("uint64_param", 1))) is None
     assert sequence_affinity({}) is None
+
+
+def test_a_string_id_past_its_bound_is_refused() -> None:
+    """The gateway keeps a sequence's key while it lives (its turns, a tenant's binding): a string
+    id is at most SEQUENCE_ID_MAX characters (meshserve/protocol/infer_checks.py)."""
+    longest = "x" * SEQUENCE_ID_MAX
+    assert sequence_affinity(params(sequence_id=("string_param", longest))) == f"s:{longest}"
+    with pytest.raises(InferError) as err:
+        sequence_affinity(params(sequence_id=("string_param", longest + "y")))
+    assert err.value.code is Code.INVALID_ARG
+    assert err.value.message == (f"a string sequence_id may have at most {SEQUENCE_ID_MAX} characters, "
+                                 f"this one has {SEQUENCE_ID_MAX + 1}")
 
 
 def test_pinned_choice_is_deterministic_and_spreads() -> None:

@@ -80,6 +80,14 @@ def test_controls_states_and_policy(tmp_path: Path) -> None:
     assert (policy.strategy, policy.slots_per_instance, policy.instance_count) == ("oldest", 4, 2)
     assert (policy.max_candidate_sequences, policy.preferred_batch_sizes) == (3, (2, 4))
     assert (policy.max_queue_delay_ns, policy.idle_ns) == (100_000, 250_000_000)
+    # oldest without max_candidate_sequences: Triton's default, max(1, max_batch_size) per instance
+    # (it was unbounded: every sequence left open held its id and state until it went idle)
+    unset = mc.ModelConfig()
+    unset.CopyFrom(CONFIG)
+    unset.sequence_batching.oldest.ClearField("max_candidate_sequences")
+    assert policy_from_config(unset, instance_count=2).capacity == 8
+    unset.max_batch_size = 0
+    assert policy_from_config(unset, instance_count=1).capacity == 1
 
 
 def test_runtime_config_lists_hidden_tensors_but_the_client_config_does_not() -> None:
