@@ -25,7 +25,7 @@ import re
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -1047,11 +1047,41 @@ def parse_grpc_infer_request(body: bytes | bytearray | list[bytes]) -> pb.ModelI
     with raw ones too it is Triton's error), so that the message the worker sends back parses at
     memcpy speed: repeated fields made one, map keys once, numbers packed, BYTES elements one
     buffer per input."""
+    return _checked_grpc_request(_parsed_grpc_request(body))
+
+
+class Refused(NamedTuple):
+    """A ModelStreamInfer message that parsed but was refused (``parse_grpc_stream_request``):
+    what its answer in band needs."""
+
+    code: str
+    message: str
+    id: str
+    model_name: str
+    model_version: str
+
+
+def parse_grpc_stream_request(body: bytes | bytearray | list[bytes]) -> pb.ModelInferRequest | Refused:
+    """``parse_grpc_infer_request`` for a message of a ModelStreamInfer call: one that parses but
+    is refused (its counts, its typed contents) comes back as a ``Refused``, to be answered in
+    band as the stream's other refused messages are, and the stream goes on; a malformed one
+    raises (the stream ends, as it does for a failed parse read in place)."""
+    request = _parsed_grpc_request(body)
+    try:
+        return _checked_grpc_request(request)
+    except InferError as exc:
+        return Refused(exc.code.value, exc.message, request.id, request.model_name, request.model_version)
+
+
+def _parsed_grpc_request(body: bytes | bytearray | list[bytes]) -> pb.ModelInferRequest:
     raw = b"".join(body) if isinstance(body, list) else body
     try:
-        request = pb.ModelInferRequest.FromString(raw)
+        return pb.ModelInferRequest.FromString(raw)
     except Exception as exc:
         raise InferError.invalid(f"malformed ModelInferRequest: {exc}") from None
+
+
+def _checked_grpc_request(request: pb.ModelInferRequest) -> pb.ModelInferRequest:
     infer_checks.check_counts(request)
     infer_checks.reject_mixed_contents(request)
     request.DiscardUnknownFields()

@@ -70,12 +70,21 @@ def _params_in(params: dict[str, bytes]) -> dict[str, pb.ModelRepositoryParamete
     return {k: pb.ModelRepositoryParameter.FromString(v) for k, v in params.items()}
 
 
+def _stream_out(result: pb.ModelInferRequest | http_codec.Refused) -> bytes | tuple[str, ...]:
+    return result.SerializeToString() if isinstance(result, pb.ModelInferRequest) else tuple(result)
+
+
+def _stream_in(value: bytes | bytearray | tuple[str, ...]) -> pb.ModelInferRequest | http_codec.Refused:
+    return http_codec.Refused(*value) if isinstance(value, tuple) else pb.ModelInferRequest.FromString(value)
+
+
 FUNCTIONS: dict[str, tuple[Callable[..., Any], Callable[[Any], Any], Callable[[Any], Any]]] = {
     fn.__name__: (fn, out, back)
     for fn, out, back in (
         (http_codec.parse_infer_request, pb.ModelInferRequest.SerializeToString, pb.ModelInferRequest.FromString),
         (http_codec.parse_grpc_infer_request, pb.ModelInferRequest.SerializeToString,
          pb.ModelInferRequest.FromString),
+        (http_codec.parse_grpc_stream_request, _stream_out, _stream_in),
         (http_codec.parse_grpc_message, _same, _same),
         (http_codec.parse_json_object, _same, _same),
         (http_codec.parse_trace_settings, _same, _same),

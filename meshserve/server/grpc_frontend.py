@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import hop, infer_checks, wire
-from meshserve.protocol.errors import InferError, internal_error
+from meshserve.protocol import hop, http_codec, infer_checks, wire
+from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.protocol.wire import MAX_MESSAGE_BYTES
 from meshserve.server import access, admission, body_worker, inflate, observe, shm, tls
 from meshserve.server.core import RequestContext, V2Core
@@ -127,6 +127,19 @@ async def parse_off_loop(raw: bytes, headers: dict[str, str]) -> pb.ModelInferRe
     """The ModelInferRequest ``raw`` (infer_checks.heavy) read by the body worker
     (http_codec.parse_grpc_infer_request)."""
     return await _in_worker("parse_grpc_infer_request", raw, headers)  # type: ignore[no-any-return]
+
+
+async def parse_stream_message(raw: bytes, headers: dict[str, str]) -> tuple[pb.ModelInferRequest,
+                                                                              InferError | None]:
+    """A ModelStreamInfer message ``raw`` (infer_checks.heavy) read by the body worker
+    (http_codec.parse_grpc_stream_request): (the request, None), or (what its answer in band
+    needs: its id, model and version, the refusal) for one that parsed but was refused. A
+    malformed one raises."""
+    got = await _in_worker("parse_grpc_stream_request", raw, headers)
+    if isinstance(got, http_codec.Refused):
+        return (pb.ModelInferRequest(id=got.id, model_name=got.model_name, model_version=got.model_version),
+                InferError(Code(got.code), got.message))
+    return got, None
 
 
 def _context(call: Call, raw: bytes | None = None) -> RequestContext:
@@ -483,10 +496,14 @@ class InferenceServicer:
                     out.put_nowait(held)
 
         async def one(request: pb.ModelInferRequest, raw: bytes | None, cost: int, place: list[Any] | None = None,
-                      hop_id: str = "", hop_stream: bool = False) -> None:
+                      hop_id: str = "", hop_stream: bool = False, refused: InferError | None = None) -> None:
             streamed = False
             owns_slot = True  # until an item that ends the request is queued (the writer gives it back)
             try:
+                if refused is not None:  # (read by the body worker: answered in band below)
+                    if from_gateway:
+                        by_id.pop(hop_id, None)
+                    raise refused
                 ctx = RequestContext("grpc", base.headers, base.deadline, raw)  # (positional: see _context)
                 if raw is None:
                     ctx.nbytes = cost // 2  # (the worker's message: admission counts the bytes that came)
@@ -585,10 +602,13 @@ class InferenceServicer:
         # a core that cannot tell serves none
         decoupled: Callable[[str, str], bool] | None = None if from_gateway else getattr(core, "is_decoupled", None)
 
-        def take(raw: bytes, release: Callable[[], None] | None, parsed: pb.ModelInferRequest | None = None) -> bool:
+        def take(raw: bytes, release: Callable[[], None] | None, parsed: pb.ModelInferRequest | None = None,
+                 refused: InferError | None = None) -> bool:
             """One message read: its request started (False: the stream ends here). ``release``
             gives back its inflated bytes' charge (a compressed message): when its request ends.
-            ``parsed``: the request the body worker read from ``raw`` (parse_off_loop)."""
+            ``parsed``: the request the body worker read from ``raw`` (parse_stream_message);
+            ``refused``: the worker's refusal of it (``parsed`` then holds only its id, model and
+            version), answered in band."""
             cost = 2 * len(raw)  # (its bytes, and their parse)
             kept: bytes | None = raw  # (the request's bytes for its RequestContext; None: the worker's message)
             if parsed is not None:
@@ -614,7 +634,7 @@ class InferenceServicer:
             if from_gateway:
                 hop_id = request.id
                 hop_stream = bool(params) and _STREAM in params
-                task = _Task(one(request, kept, cost, None, hop_id, hop_stream), loop=loop, name=TASK_NAME)
+                task = _Task(one(request, kept, cost, None, hop_id, hop_stream, refused), loop=loop, name=TASK_NAME)
                 repeated = by_id.get(hop_id)
                 by_id[hop_id] = task
                 if repeated is not None:  # a repeated id (not the gateway's way): still awaited
@@ -634,7 +654,7 @@ class InferenceServicer:
                 if held:
                     place = [None, False]
                     order.append(place)
-                task = _Task(one(request, kept, cost, place), loop=loop, name=TASK_NAME)
+                task = _Task(one(request, kept, cost, place, refused=refused), loop=loop, name=TASK_NAME)
                 if release is not None:
                     task.add_done_callback(lambda _: release())
             pending.add(task)
@@ -645,14 +665,14 @@ class InferenceServicer:
             try:
                 async for raw in requests:  # bytes: parsed here, so each request keeps its own (RequestContext.raw)
                     await slots.acquire()  # given back when its answer is written
-                    parsed = None
+                    parsed = refused = None
                     if len(raw) > infer_checks.HEAVY_FROM and infer_checks.heavy(raw):
                         try:
-                            parsed = await parse_off_loop(raw, base.headers)
-                        except InferError as exc:  # (malformed, or past infer_checks' bounds: as a failed parse)
+                            parsed, refused = await parse_stream_message(raw, base.headers)
+                        except InferError as exc:  # (malformed: as a failed parse; the stream ends)
                             failed.append(exc.message)
                             break
-                    if not take(raw, call.keep_inflated(), parsed):
+                    if not take(raw, call.keep_inflated(), parsed, refused):
                         break
                     del raw  # (not held while the next one is awaited)
                     while in_bytes[0] > budget:  # the next message waits: flow control stops the client

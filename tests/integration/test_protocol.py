@@ -376,8 +376,10 @@ def test_stream_answers_each_request_and_a_malformed_message_ends_the_stream_wit
 def test_a_large_request_of_typed_contents_is_read_off_the_loop_and_answered(dt: str, target: dict[str, str]) -> None:
     """A gRPC request over infer_checks.HEAVY_FROM whose tensors travel in typed contents (the
     KServe SDK's way) is parsed by the body worker, its contents moved to raw_input_contents
-    (http_codec.parse_grpc_infer_request): answered as before, unary and streamed; a streamed one
-    past the bounds ends the stream with INVALID_ARGUMENT (its parse failed)."""
+    (http_codec.parse_grpc_infer_request): answered as before, unary and streamed. A streamed one
+    past the bounds is answered in band and the stream goes on, as for a message read in place
+    (http_codec.parse_grpc_stream_request: the code before ended the stream); a malformed one
+    ends it with INVALID_ARGUMENT."""
     import grpc
 
     from meshserve._proto import grpc_service_pb2 as pb
@@ -424,10 +426,18 @@ def test_a_large_request_of_typed_contents_is_read_off_the_loop_and_answered(dt:
             channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(over_raw, timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "requested outputs; at most" in (err.value.details() or "")
+        refused, served = (pb.ModelStreamInferResponse.FromString(m)
+                           for m in stream(iter([over_raw, raw]), timeout=60))
+        assert "requested outputs; at most" in refused.error_message, refused.error_message
+        assert (refused.infer_response.id, refused.infer_response.model_name) == ("over", "add_sub")
+        assert served.error_message == ""
+        check(served.infer_response)
+        malformed = over_raw + b"\x0a\xff\xff\xff\x07"  # (a last field longer than the message)
+        assert heavy(malformed)
         with pytest.raises(grpc.RpcError) as err:
-            list(stream(iter([over_raw]), timeout=60))
+            list(stream(iter([malformed]), timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "requested outputs; at most" in (err.value.details() or "")
+        assert "malformed ModelInferRequest" in (err.value.details() or "")
 
 
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
