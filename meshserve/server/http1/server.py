@@ -22,7 +22,8 @@ What a connection guarantees (docs/security.md, "The HTTP/1.1 front door"):
   their heads) wait for their answers (the rest of that read waits, unparsed, until they drain),
   and while the transport cannot take more response bytes;
 - a request body's raw bytes on the wire (chunk framing and extensions included) are bounded by
-  --max-request-bytes (413), and the whole body must arrive within --body-timeout-s;
+  --max-request-bytes (413), its chunks past BODY_PIECES_FREE must average BODY_PIECE_MIN bytes
+  (400), and the whole body must arrive within --body-timeout-s;
 - connections are counted process-wide (meshserve/server/connections.py): near the cap the
   longest idle one is closed; at the cap a new one gets 503 and is closed;
 - with tenants, a connection counts for the tenant of its first request named (`_claim`:
@@ -77,6 +78,15 @@ PIPELINE_SLICE = 16 << 10  # a read larger than this is parsed a slice at a time
 # most FRAMING_RATIO times its data (1-byte chunks, "1\r\nX\r\n", are 6) and --max-request-bytes.
 FRAMING_FREE = 1 << 20
 FRAMING_RATIO = 16
+# ... and past BODY_PIECES_FREE pieces (the parser hands a body over one piece per chunk, or per
+# part of a chunk in a read: one Python call and one buffered bytes object each), its pieces
+# may average no less than BODY_PIECE_MIN bytes. 1-byte chunks are 6 bytes of wire each, within
+# FRAMING_RATIO: a 64 MiB request of them was 11 million calls (~5 us each: a minute of a core)
+# and 11 million 1-byte objects (~45 bytes each held: 0.5 GB) (docs/security.md, "Session 22: a
+# body of tiny chunks"). Clients' chunks are KiBs (curl: 64 KiB), and a read of a body sent with
+# Content-Length is at least a TCP segment's worth.
+BODY_PIECES_FREE = 4096
+BODY_PIECE_MIN = 256
 
 
 INTERNAL_ERROR = Answer(b'{"error":"internal error"}', {"Content-Type": "application/json"}, 500)
@@ -152,7 +162,7 @@ class Connection(asyncio.Protocol):
                  "head_bytes", "in_head", "body_of", "buffered", "header_since", "idle_since", "rx",
                  "rx_seen", "quiet_since", "read_paused", "write_paused", "drainers", "last", "stopped",
                  "error", "lost", "lingering", "eof", "closing", "counted", "backlog", "head_size",
-                 "queued_bytes", "body_wire", "body_seen", "body_since", "rx_bytes",
+                 "queued_bytes", "body_wire", "body_pieces", "body_seen", "body_since", "rx_bytes",
                  "join_writes", "lower", "named", "known", "burst_mark", "burst_paused", "splice")
 
     def __init__(self, server: Http1Server) -> None:
@@ -191,6 +201,7 @@ class Connection(asyncio.Protocol):
         self.head_size = 0  # the pending head's target and field bytes
         self.queued_bytes = 0  # head bytes of the queued requests
         self.body_wire = 0  # raw bytes received during the pending body (framing included)
+        self.body_pieces = 0  # ... and the pieces the parser handed it over in (on_body calls)
         self.burst_mark = READ_BURST  # rx_bytes past which this connection yields the loop (_yield_reads)
         self.burst_paused = False  # ... and reading waits for the loop's next pass
         self.body_seen: Request | None = None  # the pending body the sweep first saw ...
@@ -476,7 +487,7 @@ class Connection(asyncio.Protocol):
         """A request whose head is complete joins the queue (`size`: its head's bytes), and runs
         now when no other does."""
         self.header_since = 0.0
-        self.body_wire = 0
+        self.body_wire = self.body_pieces = 0
         request.head_size = size
         self.queued_bytes += size
         self.queue.append(request)
@@ -498,6 +509,11 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         request = self.body_of
         if request is not None:
+            pieces = self.body_pieces = self.body_pieces + 1
+            if pieces > BODY_PIECES_FREE and pieces * BODY_PIECE_MIN > request.body.received + len(body):
+                raise _Refused(  # (the parse stops here: _malformed, 400 from the body's handler)
+                    f"malformed request body: {pieces} chunks for {request.body.received + len(body)} bytes of "
+                    f"body (past {BODY_PIECES_FREE} chunks, they may average no less than {BODY_PIECE_MIN} bytes)")
             request.body.feed(body)
             self.buffered += len(body)
             if self.buffered > BODY_HIGH_WATER and not self.read_paused:

@@ -6,6 +6,7 @@ gateway and service processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gzip
 import socket
@@ -20,7 +21,13 @@ import uvloop
 
 from meshserve.server import http1
 from meshserve.server.http1 import Answer, Request, Stream
-from meshserve.server.http1.server import BODY_HIGH_WATER, MAX_FIELD_BYTES, MAX_HEADERS
+from meshserve.server.http1.server import (
+    BODY_HIGH_WATER,
+    BODY_PIECE_MIN,
+    BODY_PIECES_FREE,
+    MAX_FIELD_BYTES,
+    MAX_HEADERS,
+)
 from meshserve.server.limits import ServerLimits
 from tests.support import eventually, eventually_async, slow
 from tests.support.http1 import closed_within, read_answer, send_slowly
@@ -218,6 +225,42 @@ def test_malformed_chunked_body_is_400_and_close() -> None:
         a = read_answer(f)
         assert (a.status, a.body) == (400, b"BodyError")
         assert f.read() == b""
+
+
+@pytest.mark.parametrize("size", [1, 200])
+def test_a_body_of_tiny_chunks_is_400_past_its_free_pieces(size: int) -> None:
+    """Past BODY_PIECES_FREE pieces, a body's chunks may average no less than BODY_PIECE_MIN
+    bytes: 1-byte chunks (6 bytes of wire each, within FRAMING_RATIO) are refused after the free
+    ones, not read for a minute of a core (a 64 MiB request: 11 million of them). The message
+    names the rule; nothing more is read from the connection."""
+    async def reader(request: Request) -> Answer:
+        try:
+            await request.body.read()
+        except Exception as exc:  # what Request.read_body turns into 400
+            return Answer(str(exc).encode(), {}, 400)
+        return Answer(b"read", {})
+
+    chunk = b"%x\r\n%s\r\n" % (size, b"x" * size)
+    with serving(reader) as srv, srv.connect() as sock:
+        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(OSError):  # (the server may stop reading once it has refused)
+            for _ in range(2 * BODY_PIECES_FREE // 256):
+                sock.sendall(chunk * 256)
+        a = read_answer(sock.makefile("rb"))
+        assert a.status == 400 and b"they may average no less than 256 bytes" in a.body, a
+
+
+def test_a_body_of_tiny_chunks_then_larger_ones_is_read() -> None:
+    """1-byte chunks (a quarter of BODY_PIECES_FREE), then 1 KiB ones: past the free pieces they
+    average well over BODY_PIECE_MIN, and the body is read whole."""
+    n_tiny, n_big = BODY_PIECES_FREE // 4, BODY_PIECES_FREE
+    with serving() as srv, srv.connect() as sock:
+        big = b"400\r\n" + b"y" * 1024 + b"\r\n"
+        sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"1\r\nx\r\n" * n_tiny + big * n_big + b"0\r\n\r\n")
+        a = read_answer(sock.makefile("rb"))
+        assert a.status == 200 and a.body == b"x" * n_tiny + b"y" * (1024 * n_big)
+    assert BODY_PIECE_MIN < 1024 * (BODY_PIECES_FREE - n_tiny) // BODY_PIECES_FREE
 
 
 def test_expect_100_continue() -> None:
