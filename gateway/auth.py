@@ -204,16 +204,14 @@ def queue_room(config: mc.ModelConfig, replicas: int) -> QueueRooms | None:
 
 def sequence_room(config: mc.ModelConfig, instances: int, replicas: int) -> int:
     """How many live sequences of a model its ``replicas`` hold at once (the rest wait in a
-    backlog): direct, ``max_batch_size`` x instances slots each; oldest, its
-    ``max_candidate_sequences``, or without it the direct strategy's slots (Triton's default:
-    services/base/scheduling/sequence.py:SequencePolicy.capacity); 0 = unbounded (no sequence
-    batching)."""
+    backlog): per instance, direct ``max_batch_size`` slots, oldest its
+    ``max_candidate_sequences`` or without it the direct strategy's slots (Triton's rule:
+    services/sequence/model.py:policy_from_config); 0 = unbounded (no sequence batching)."""
     if not config.HasField("sequence_batching"):
         return 0
     sb = config.sequence_batching
     each = sb.oldest.max_candidate_sequences if sb.WhichOneof("strategy_choice") == "oldest" else 0
-    if each <= 0:
-        each = max(1, config.max_batch_size) * instances
+    each = (each if each > 0 else max(1, config.max_batch_size)) * instances
     return each * max(1, replicas) if each > 0 else 0
 
 

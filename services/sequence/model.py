@@ -114,11 +114,13 @@ def policy_from_config(config: mc.ModelConfig, instance_count: int) -> SequenceP
     idle_ns = int(sb.max_sequence_idle_microseconds or 1_000_000) * 1000
     if sb.WhichOneof("strategy_choice") == "oldest":
         o = sb.oldest
-        # Without max_candidate_sequences, Triton's default: the direct strategy's slots,
-        # max(1, max_batch_size) per instance (sequence_batch_scheduler.cc's seq_slot_cnt_). 0 left
-        # the candidates unbounded: every sequence started and left open held its id and state
-        # until it went idle (docs/security.md, "Session 22: sequence ids").
-        candidates = int(o.max_candidate_sequences) if o.max_candidate_sequences > 0 else slots * instance_count
+        # Triton's candidates (sequence_batch_scheduler.cc: seq_slot_cnt_ per instance, a batcher
+        # per instance): max_candidate_sequences per instance, or without it the direct strategy's
+        # slots, max(1, max_batch_size) per instance. Our oldest batcher shares its candidates
+        # between the instances: as many in all. 0 left the candidates unbounded (every sequence
+        # started and left open held its id and state until it went idle), and a set value held
+        # that many in all, not per instance (docs/security.md, "Session 22: sequence ids").
+        candidates = (int(o.max_candidate_sequences) if o.max_candidate_sequences > 0 else slots) * instance_count
         return SequencePolicy("oldest", slots, instance_count, candidates,
                               tuple(sorted({int(s) for s in o.preferred_batch_size})),
                               int(o.max_queue_delay_microseconds) * 1000, idle_ns=idle_ns)

@@ -1,7 +1,7 @@
 """Every shared cap has a per-tenant share: a sequence model's slots too.
 
 A stateful model's service holds at most so many live sequences at once (the direct strategy:
-`max_batch_size` x instances slots; oldest: `max_candidate_sequences`); a new sequence beyond
+`max_batch_size` x instances slots; oldest: `max_candidate_sequences`, or `max(1, max_batch_size)`, x instances); a new sequence beyond
 them waits in the backlog until a live one ends or idles past `max_sequence_idle_microseconds`.
 A tenant's share of the gateway's bound sequences (32,768) is far more: its sequences, started and
 kept alive, held every slot, and another tenant's new sequence waited without end.

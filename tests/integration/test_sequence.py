@@ -252,11 +252,22 @@ def test_a_string_sequence_id_is_at_most_its_bound(seq: SeqStack) -> None:
         grpc.close()
 
 
-def test_oldest_without_candidates_holds_triton_s_default_slots(seq_repo: Path, tmp_path: Path) -> None:
-    """oldest without max_candidate_sequences: Triton's default, max(1, max_batch_size) sequences
-    per instance at once (services/sequence/model.py:policy_from_config); the next new sequence
-    waits in the backlog until one ends. The code before took every sequence as a candidate at
-    once (each open one holding its id and state until it went idle)."""
+# (how seq_accum's config is changed, what Triton's rule makes of it: 2 sequences at once)
+OLDEST_SLOTS = {
+    # without max_candidate_sequences: max(1, max_batch_size) per instance
+    "default": (("max_batch_size: 8", "max_batch_size: 2"), ("max_candidate_sequences: 16 ", "")),
+    # max_candidate_sequences per instance: 1 x 2 instances
+    "per instance": (("max_candidate_sequences: 16", "max_candidate_sequences: 1"), ("count: 1", "count: 2")),
+}
+
+
+@pytest.mark.parametrize("case", list(OLDEST_SLOTS))
+def test_oldest_holds_triton_s_candidates(seq_repo: Path, tmp_path: Path, case: str) -> None:
+    """oldest's candidates as Triton counts them (services/sequence/model.py:policy_from_config):
+    per instance, max_candidate_sequences or without it max(1, max_batch_size). Both configs
+    here hold 2 sequences at once; the next new sequence waits in the backlog until one ends.
+    The code before took every sequence at once without max_candidate_sequences (each open one
+    holding its id and state until it went idle), and 1 in all for 1 per instance x 2."""
     import shutil
 
     import grpc as grpc_core
@@ -264,18 +275,20 @@ def test_oldest_without_candidates_holds_triton_s_default_slots(seq_repo: Path, 
     from tritonclient.utils import InferenceServerException
 
     shutil.copytree(seq_repo / "seq_accum", tmp_path / "seq_open")
-    config = (tmp_path / "seq_open" / "config.pbtxt").read_text()
-    (tmp_path / "seq_open" / "config.pbtxt").write_text(
-        config.replace('name: "seq_accum"', 'name: "seq_open"').replace("max_batch_size: 8", "max_batch_size: 2")
-        .replace("max_candidate_sequences: 16 ", ""))
-    assert "max_candidate_sequences" not in (tmp_path / "seq_open" / "config.pbtxt").read_text()
+    config = (tmp_path / "seq_open" / "config.pbtxt").read_text().replace('name: "seq_accum"', 'name: "seq_open"')
+    # (an idle timeout longer than the test, however slow the machine: none of the two goes idle)
+    for old, new in (("max_sequence_idle_microseconds: 5000000", "max_sequence_idle_microseconds: 600000000"),
+                     *OLDEST_SLOTS[case]):
+        assert old in config
+        config = config.replace(old, new)
+    (tmp_path / "seq_open" / "config.pbtxt").write_text(config)
     service = start(["service", "sequence", "--repository", str(tmp_path), "--grpc-port", "0", "--http-port", "0"])
     try:
         c = grpcclient.InferenceServerClient(service.grpc)
-        for sid in (1, 2):  # the two slots (max_batch_size 2, one instance), left open
+        for sid in (1, 2):  # the two places, left open
             assert _value(c.infer("seq_open", [_input(grpcclient, float(sid))], sequence_id=sid,
-                                  sequence_start=True)) == float(sid)
-        with pytest.raises(InferenceServerException) as info:  # a third waits for a slot
+                                  sequence_start=True, client_timeout=30.0)) == float(sid)
+        with pytest.raises(InferenceServerException) as info:  # a third waits for a place
             c.infer("seq_open", [_input(grpcclient, 3.0)], sequence_id=3, sequence_start=True, client_timeout=2.0)
         assert info.value.status() == str(grpc_core.StatusCode.DEADLINE_EXCEEDED), info.value
         assert _value(c.infer("seq_open", [_input(grpcclient, 1.0)], sequence_id=1, sequence_end=True)) == 2.0

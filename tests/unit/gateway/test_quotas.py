@@ -401,7 +401,8 @@ async def test_each_tenant_holds_at_most_its_share_of_a_models_sequence_slots(tm
     direct = text_format.Parse('name: "s" max_batch_size: 2 sequence_batching { direct { } }', mc.ModelConfig())
     oldest = text_format.Parse('name: "o" max_batch_size: 8 sequence_batching { oldest { max_candidate_sequences: 3 } }',
                                mc.ModelConfig())
-    assert sequence_room(direct, 2, 1) == 4 and sequence_room(direct, 1, 3) == 6 and sequence_room(oldest, 4, 2) == 6
+    # Triton's rule: per instance (max_candidate_sequences 3 x 4 instances x 2 replicas)
+    assert sequence_room(direct, 2, 1) == 4 and sequence_room(direct, 1, 3) == 6 and sequence_room(oldest, 4, 2) == 24
     # oldest without max_candidate_sequences: Triton's default, the direct strategy's slots
     unset = text_format.Parse('name: "u" max_batch_size: 4 sequence_batching { oldest { } }', mc.ModelConfig())
     assert sequence_room(unset, 2, 3) == 24

@@ -78,7 +78,8 @@ def test_controls_states_and_policy(tmp_path: Path) -> None:
     assert state.initial.tolist() == [1.5, -2.0]
     policy = policy_from_config(CONFIG, instance_count=2)
     assert (policy.strategy, policy.slots_per_instance, policy.instance_count) == ("oldest", 4, 2)
-    assert (policy.max_candidate_sequences, policy.preferred_batch_sizes) == (3, (2, 4))
+    # Triton's candidates are per instance: max_candidate_sequences 3 x 2 instances, shared here
+    assert (policy.max_candidate_sequences, policy.preferred_batch_sizes) == (6, (2, 4))
     assert (policy.max_queue_delay_ns, policy.idle_ns) == (100_000, 250_000_000)
     # oldest without max_candidate_sequences: Triton's default, max(1, max_batch_size) per instance
     # (it was unbounded: every sequence left open held its id and state until it went idle)
