@@ -11,7 +11,8 @@ in-memory) accepts it; meshserve's own OTLP encoder reads the slots directly.
 
 What the SDK would do and this does not: span limits (our spans carry a handful of
 attributes; those a client's request fills, its id and an error's text, are cut at
-``text_lines.ARG_MAX`` characters where they are set, and a ``tracestate`` keeps W3C's lengths), events, and span processors other than the batching one (``OTEL_BSP_*`` are
+``text_lines.ARG_MAX`` characters where they are set, and a ``tracestate`` keeps W3C's
+lengths), events, and span processors other than the batching one (``OTEL_BSP_*`` are
 honoured: schedule delay, queue size, batch size, export timeout).
 """
 from __future__ import annotations
