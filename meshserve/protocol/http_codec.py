@@ -826,6 +826,7 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
     if not isinstance(data, list):
         raise InferError.invalid(f"{where}: 'data' must be a JSON array, got {_json_type(data)}")
     if datatype == "BYTES":
+        infer_checks.check_bytes_elements(count, where)  # (one input's; the service bounds them together)
         leaves = _flatten(data)
         _check_count(where, shape, count, len(leaves))
         return _strings_to_raw(where, leaves)

@@ -64,6 +64,23 @@ def check_sequence_id(corrid: str) -> str:
     return corrid
 
 
+# A BYTES element costs far more than its bytes once a model runs on it: a Python object on each
+# side of the runtime and a std::string inside onnxruntime, ~280 bytes an element end to end, and
+# a Python loop step in each walk of the framing (the count, the decode, the answer's encode).
+# One 16 MB message of 4 million empty elements took a service 8 s and 92 -> 1,227 MiB, with a
+# good client's worst latency 1.1 s (docs/security.md, "Session 22: BYTES elements"). Checked
+# from the declared shape, before any element is walked. Triton sets no bound.
+MAX_BYTES_ELEMENTS = 1 << 18  # BYTES elements of one request, all its BYTES inputs together
+
+
+def check_bytes_elements(total: int, where: str) -> None:
+    """``total``: the BYTES elements of a request so far (by their shapes); past
+    ``MAX_BYTES_ELEMENTS``, INVALID_ARGUMENT naming ``where`` (the input that passed it)."""
+    if total > MAX_BYTES_ELEMENTS:
+        raise InferError.invalid(
+            f"{where}: the request's BYTES inputs hold {total} elements, more than {MAX_BYTES_ELEMENTS}")
+
+
 # ---- how many parts one request may have --------------------------------------------------------
 # Past these a request is refused (INVALID_ARGUMENT, HTTP 400) before anything walks its parts:
 # each part costs Python work at every hop (the gateway's shared-memory check, its merging and

@@ -18,7 +18,13 @@ from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.hop import MERGED, Hop
 from meshserve.protocol.http_codec import typed_to_bytes
-from meshserve.protocol.infer_checks import int_value, mixed_contents, reject_mixed_contents
+from meshserve.protocol.infer_checks import (
+    MAX_BYTES_ELEMENTS,
+    check_bytes_elements,
+    int_value,
+    mixed_contents,
+    reject_mixed_contents,
+)
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
 from services.base.scheduling.policy import BatchingPolicy
@@ -111,6 +117,7 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
     specs = model.inputs
     inputs: dict[str, InputData] = {}
     batch = -1
+    strings = 0  # BYTES elements so far
     sig: list[tuple[int, ...]] = []
     mbs = model.max_batch_size
     # (index loops over the repeated fields: upb's containers iterate by the sequence protocol,
@@ -155,15 +162,19 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 f"{list(spec.dims)}, got {list(shape)}")
         if shape and min(shape) < 0:
             raise InferError.invalid(f"input '{t.name}' for model '{name}' has a negative dimension {list(shape)}")
-        data = raw[i] if raw else typed_to_bytes(t, name)
         count = prod(shape)  # (datatypes.element_count, in C: the shape's entries are ints)
         if spec.element_size:
+            data = raw[i] if raw else typed_to_bytes(t, name)
             expected = count * spec.element_size
             if len(data) != expected:
                 raise InferError.invalid(
                     f"input '{t.name}' for model '{name}': shape {list(shape)} of {spec.datatype} needs "
                     f"{expected} bytes, got {len(data)}")
-        else:
+        else:  # BYTES: bounded by the shape before any element is walked (infer_checks.MAX_BYTES_ELEMENTS)
+            strings += count
+            if strings > MAX_BYTES_ELEMENTS:
+                check_bytes_elements(strings, f"input '{t.name}' for model '{name}'")
+            data = raw[i] if raw else typed_to_bytes(t, name)
             got = datatypes.bytes_element_count(data)
             if got != count:
                 raise InferError.invalid(

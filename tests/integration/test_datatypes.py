@@ -218,6 +218,30 @@ def test_non_utf8_bytes_into_onnxruntime_is_a_client_error(stack: Stack, wire: s
         assert same("BYTES", got, data, wire)
 
 
+@pytest.mark.parametrize("wire", WIRES)
+def test_bytes_elements_past_the_bound_are_refused_by_their_shape(stack: Stack, wire: str) -> None:
+    """A request's BYTES elements are at most infer_checks.MAX_BYTES_ELEMENTS, checked from the
+    declared shape before any element is walked (each costs ~280 bytes and a loop step per walk
+    once a model runs: one 16 MB message of 4 million empty elements took a service 8 s and
+    1.1 GB). Past it 400 / INVALID_ARGUMENT naming the input, at a service and through the
+    gateway, for an onnx and a python model; at the bound, served (gRPC: the JSON of 262,144
+    strings is a slow request of its own). The code before ran them."""
+    from meshserve.protocol.infer_checks import MAX_BYTES_ELEMENTS
+
+    past = np.array([[b""] * (MAX_BYTES_ELEMENTS + 1)], dtype=np.object_)
+    for hop in HOPS:
+        for kind, model in (("onnx", "identity_bytes"), ("python", "py_identity_bytes")):
+            url = stack.url(kind, hop, "grpc" if wire == "grpc" else "http")
+            with pytest.raises(InferenceServerException) as err:
+                infer(url, wire, model, ("INPUT0", "OUTPUT0"), "BYTES", past)
+            text = str(err.value)
+            assert f"hold {MAX_BYTES_ELEMENTS + 1} elements, more than {MAX_BYTES_ELEMENTS}" in text, text
+            assert "[400]" in text or "INVALID_ARGUMENT" in text, text
+            if wire == "grpc":
+                at = np.array([[b"x"] * MAX_BYTES_ELEMENTS], dtype=np.object_)
+                assert same("BYTES", infer(url, wire, model, ("INPUT0", "OUTPUT0"), "BYTES", at), at, wire)
+
+
 @pytest.mark.parametrize("proto", ["http", "grpc"])
 def test_unservable_types_are_refused_at_load(stack: Stack, proto: str) -> None:
     """TorchScript takes no UINT16/32/64, BF16 or BYTES (Triton's pytorch backend neither): each

@@ -19,10 +19,12 @@ from meshserve.protocol.infer_checks import (
     COUNT_FROM,
     HEAVY_BYTES,
     HEAVY_FROM,
+    MAX_BYTES_ELEMENTS,
     MAX_DIMS,
     MAX_PARAMETERS,
     MAX_PARAMETERS_TOTAL,
     MAX_TENSORS,
+    check_bytes_elements,
     check_counts,
     check_message_counts,
     heavy,
@@ -322,3 +324,17 @@ def test_all_the_parameters_of_a_request_together_are_bounded() -> None:
     with pytest.raises(InferError) as err:
         check_message_counts(trace)
     assert err.value.message == f"the request has more than {MAX_PARAMETERS_TOTAL} entries in its maps and lists together"
+
+
+def test_bytes_elements_are_bounded_by_the_declared_shape() -> None:
+    """check_bytes_elements (the services' validation sums every BYTES input's shape; the HTTP
+    codec checks each JSON input before decoding its strings)."""
+    check_bytes_elements(MAX_BYTES_ELEMENTS, "input 'X'")
+    with pytest.raises(InferError) as err:
+        check_bytes_elements(MAX_BYTES_ELEMENTS + 1, "input 'X'")
+    assert err.value.message == (f"input 'X': the request's BYTES inputs hold {MAX_BYTES_ELEMENTS + 1} elements, "
+                                 f"more than {MAX_BYTES_ELEMENTS}")
+    body = json.dumps({"inputs": [{"name": "X", "datatype": "BYTES", "shape": [1, MAX_BYTES_ELEMENTS + 1],
+                                   "data": ["a"]}]}).encode()
+    with pytest.raises(InferError, match="BYTES inputs hold"):  # before the one string is decoded
+        http_codec.parse_infer_request(body, None, "m")
