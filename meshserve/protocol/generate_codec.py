@@ -89,7 +89,12 @@ def _map(request: pb.ModelInferRequest, inputs: dict[str, pb.ModelMetadataRespon
         raise InferError.invalid(f"{context}input '{key}' already exists in request")
     shape = _shape(key, list(meta.shape), len(value) if isinstance(value, list) else 1)
     data = value if isinstance(value, list) else [value]
-    raw = _json_data_to_raw(f"input '{key}'", meta.datatype, shape, datatypes.element_count(shape), data)
+    count = datatypes.element_count(shape)
+    if meta.datatype == "BYTES":  # (the request's BYTES inputs together, before this one's strings are decoded)
+        infer_checks.check_bytes_elements(
+            count + sum(datatypes.element_count(t.shape) for t in request.inputs if t.datatype == "BYTES"),
+            f"input '{key}'")
+    raw = _json_data_to_raw(f"input '{key}'", meta.datatype, shape, count, data)
     request.inputs.add(name=key, datatype=meta.datatype, shape=shape)
     request.raw_input_contents.append(raw)
 

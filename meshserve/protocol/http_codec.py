@@ -657,6 +657,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
     offset = json_end  # next unread byte of the binary section
     parameters = len(req.parameters)  # the request's and its tensors' (at most MAX_PARAMETERS_TOTAL)
     decoded = 0  # bytes of the tensors decoded from JSON 'data' so far (at most DECODED_MAX)
+    strings = 0  # BYTES elements by the shapes so far (at most MAX_BYTES_ELEMENTS, as a service counts them)
     last_binary = ""
     seen: set[str] = set()
     raw = req.raw_input_contents
@@ -679,6 +680,9 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
                 set_parameter(tensor.parameters[key], value, f"{where} parameter '{key}'", fast)
 
         count = datatypes.element_count(shape)
+        if datatype == "BYTES":  # (before any of its strings is decoded)
+            strings += count
+            infer_checks.check_bytes_elements(strings, where)
         if SHM_REGION in params:
             # in a shared-memory region: no data here and no raw_input_contents entry (as a gRPC
             # client sends it); meshserve.server.shm reads it into the request
@@ -826,7 +830,6 @@ def _json_data_to_raw(where: str, datatype: str, shape: list[int], count: int, d
     if not isinstance(data, list):
         raise InferError.invalid(f"{where}: 'data' must be a JSON array, got {_json_type(data)}")
     if datatype == "BYTES":
-        infer_checks.check_bytes_elements(count, where)  # (one input's; the service bounds them together)
         leaves = _flatten(data)
         _check_count(where, shape, count, len(leaves))
         return _strings_to_raw(where, leaves)

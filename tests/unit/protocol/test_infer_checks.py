@@ -338,3 +338,20 @@ def test_bytes_elements_are_bounded_by_the_declared_shape() -> None:
                                    "data": ["a"]}]}).encode()
     with pytest.raises(InferError, match="BYTES inputs hold"):  # before the one string is decoded
         http_codec.parse_infer_request(body, None, "m")
+    # the request's BYTES inputs together, as a service counts them: two halves and one more
+    half = MAX_BYTES_ELEMENTS // 2
+    two = {"inputs": [{"name": n, "datatype": "BYTES", "shape": [1, half + i], "data": ["a"] * (half + i)}
+                      for i, n in enumerate(("X", "Y"))]}
+    with pytest.raises(InferError) as err:
+        http_codec.parse_infer_request(json.dumps(two).encode(), None, "m")
+    assert err.value.message.startswith(f"input 'Y': the request's BYTES inputs hold {MAX_BYTES_ELEMENTS + 1} ")
+    two["inputs"][1]["shape"] = [1, half]
+    two["inputs"][1]["data"] = ["a"] * half
+    assert len(http_codec.parse_infer_request(json.dumps(two).encode(), None, "m").raw_input_contents) == 2
+    md = pb.ModelMetadataResponse(name="m")
+    for n in ("X", "Y"):
+        md.inputs.add(name=n, datatype="BYTES", shape=[-1])
+    generate = {"X": ["a"] * half, "Y": ["a"] * (half + 1)}
+    with pytest.raises(InferError) as err:
+        generate_codec.parse_generate_request(json.dumps(generate).encode(), "m", "", md)
+    assert err.value.message.startswith(f"input 'Y': the request's BYTES inputs hold {MAX_BYTES_ELEMENTS + 1} ")
