@@ -481,7 +481,7 @@ class InferenceServicer:
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
         queued = [0]  # bytes of streamed answers queued, not yet written: at most --max-stream-backlog-bytes
         room = asyncio.Event()  # (beyond one answer); set when the writer takes one
-        failed: list[str] = []
+        failed: list[tuple[int, str]] = []  # what ends the stream: (gRPC status, details)
         order: collections.deque[list[Any]] = collections.deque()  # [answer bytes or None, ready]
         in_bytes = [0]  # bytes of the requests in progress (read, their tasks not ended): at most ``budget``
         drained: list[asyncio.Future[None] | None] = [None]  # the reader waiting for in_bytes to fall
@@ -617,7 +617,7 @@ class InferenceServicer:
                 try:
                     request = pb.ModelInferRequest.FromString(raw)
                 except Exception as exc:  # what a failed deserializer reports on a unary call
-                    failed.append(f"Exception deserializing request: {exc}")
+                    failed.append((Status.INVALID_ARGUMENT, f"Exception deserializing request: {exc}"))
                     if release is not None:
                         release()
                     return False
@@ -670,7 +670,7 @@ class InferenceServicer:
                         try:
                             parsed, refused = await parse_stream_message(raw, base.headers)
                         except InferError as exc:  # (malformed: as a failed parse; the stream ends)
-                            failed.append(exc.message)
+                            failed.append((exc.grpc_status.value[0], exc.message))  # (or the worker's UNAVAILABLE)
                             break
                     if not take(raw, call.keep_inflated(), parsed, refused):
                         break
@@ -700,7 +700,7 @@ class InferenceServicer:
                 yield item  # type: ignore[misc]
                 slots.release()
             if failed:
-                await call.abort(Status.INVALID_ARGUMENT, failed[0])
+                await call.abort(*failed[0])
         finally:
             read_task.cancel()
             for t in [*pending, *by_id.values()]:

@@ -146,6 +146,29 @@ async def test_a_unary_call_on_a_decoupled_model_gets_tritons_error(servers: Ser
     assert err.value.details() == "ModelInfer RPC doesn't support models with decoupled transaction policy"
 
 
+async def test_a_heavy_streamed_message_ends_the_stream_with_the_workers_own_status(
+        servers: Servers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message the body worker reads (infer_checks.heavy) and cannot answer for: the stream ends
+    with the worker's status, UNAVAILABLE where its process is gone (INVALID_ARGUMENT was every
+    such end's status before), and INVALID_ARGUMENT for a malformed message, as before."""
+    from meshserve.protocol.errors import InferError
+    from meshserve.protocol.infer_checks import HEAVY_FROM, heavy
+
+    heavy_request = repeat("h", [1])
+    heavy_request.outputs.extend(pb.ModelInferRequest.InferRequestedOutputTensor() for _ in range(HEAVY_FROM))
+    assert heavy(heavy_request.SerializeToString())
+    for error, code in ((InferError.unavailable("the HTTP body decoder process exited; retry the request"),
+                         grpc.StatusCode.UNAVAILABLE),
+                        (InferError.invalid("malformed ModelInferRequest: x"), grpc.StatusCode.INVALID_ARGUMENT)):
+        async def worker(*args: object, error: InferError = error) -> object:
+            raise error
+
+        monkeypatch.setattr(grpc_frontend, "_in_worker", worker)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream(servers.grpc, [heavy_request])
+        assert (err.value.code(), err.value.details()) == (code, error.message)
+
+
 # ---- the gateway's hop ---------------------------------------------------------------------------
 
 HOP = ((hop.HEADER, hop.GATEWAY),)
