@@ -58,7 +58,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.priorities import default_level, level_queue_policy, priority_level
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.infer_checks import int_value
-from meshserve.repository.config import instance_count
+from meshserve.repository.config import instance_count, sequence_slots
 from meshserve.repository.names import is_valid_model_name
 from meshserve.server import admission as gate_module
 from meshserve.server.access import ALL, Grant, Op, Rule
@@ -204,15 +204,11 @@ def queue_room(config: mc.ModelConfig, replicas: int) -> QueueRooms | None:
 
 def sequence_room(config: mc.ModelConfig, instances: int, replicas: int) -> int:
     """How many live sequences of a model its ``replicas`` hold at once (the rest wait in a
-    backlog): per instance, direct ``max_batch_size`` slots, oldest its
-    ``max_candidate_sequences`` or without it the direct strategy's slots (Triton's rule:
+    backlog): each replica's ``sequence_slots`` (Triton's rule, as the services hold them:
     services/sequence/model.py:policy_from_config); 0 = unbounded (no sequence batching)."""
     if not config.HasField("sequence_batching"):
         return 0
-    sb = config.sequence_batching
-    each = sb.oldest.max_candidate_sequences if sb.WhichOneof("strategy_choice") == "oldest" else 0
-    each = (each if each > 0 else max(1, config.max_batch_size)) * instances
-    return each * max(1, replicas) if each > 0 else 0
+    return sequence_slots(config, instances) * max(1, replicas)
 
 
 class Admission:

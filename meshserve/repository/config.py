@@ -98,6 +98,16 @@ def instance_count(config: mc.ModelConfig) -> int:
     return max(1, sum(max(1, g.count) for g in config.instance_group))
 
 
+def sequence_slots(config: mc.ModelConfig, instances: int) -> int:
+    """The sequences a stateful model's ``instances`` hold at once (the rest wait in a backlog),
+    Triton's rule (sequence_batch_scheduler.cc: seq_slot_cnt_ per instance, a batcher each):
+    oldest's ``max_candidate_sequences`` per instance, else ``max(1, max_batch_size)`` per
+    instance (direct's slots, and oldest's without it)."""
+    sb = config.sequence_batching
+    each = sb.oldest.max_candidate_sequences if sb.WhichOneof("strategy_choice") == "oldest" else 0
+    return (each if each > 0 else max(1, config.max_batch_size)) * instances
+
+
 def _copy(config: mc.ModelConfig) -> mc.ModelConfig:
     out = mc.ModelConfig()
     out.CopyFrom(config)

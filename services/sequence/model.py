@@ -23,6 +23,7 @@ from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.hop import NO_HOP, Hop
 from meshserve.protocol.infer_checks import check_sequence_id
+from meshserve.repository.config import sequence_slots
 from meshserve.telemetry import tracing
 from services.base import batch_trace
 from services.base.model import ModelVersion
@@ -114,14 +115,11 @@ def policy_from_config(config: mc.ModelConfig, instance_count: int) -> SequenceP
     idle_ns = int(sb.max_sequence_idle_microseconds or 1_000_000) * 1000
     if sb.WhichOneof("strategy_choice") == "oldest":
         o = sb.oldest
-        # Triton's candidates (sequence_batch_scheduler.cc: seq_slot_cnt_ per instance, a batcher
-        # per instance): max_candidate_sequences per instance, or without it the direct strategy's
-        # slots, max(1, max_batch_size) per instance. Our oldest batcher shares its candidates
+        # Triton's candidates, per instance (sequence_slots); our oldest batcher shares them
         # between the instances: as many in all. 0 left the candidates unbounded (every sequence
         # started and left open held its id and state until it went idle), and a set value held
         # that many in all, not per instance (docs/security.md, "Session 22: sequence ids").
-        candidates = (int(o.max_candidate_sequences) if o.max_candidate_sequences > 0 else slots) * instance_count
-        return SequencePolicy("oldest", slots, instance_count, candidates,
+        return SequencePolicy("oldest", slots, instance_count, sequence_slots(config, instance_count),
                               tuple(sorted({int(s) for s in o.preferred_batch_size})),
                               int(o.max_queue_delay_microseconds) * 1000, idle_ns=idle_ns)
     d = sb.direct
