@@ -266,8 +266,8 @@ class ModelVersion:
         start_ns = time.monotonic_ns()
         try:
             groups = batching.group_by_signature(batch)
-            results: list[tuple[list[QueuedRequest[Pending]], list[bytes] | BaseException, tuple[int, int, int]]] = []
-            out: list[bytes] | BaseException
+            results: list[tuple[list[QueuedRequest[Pending]], list[bytes | InferError] | BaseException, tuple[int, int, int]]] = []
+            out: list[bytes | InferError] | BaseException
             fastest = self._fastest_ns
             for group in groups:
                 payloads = [q.payload for q in group]
@@ -315,6 +315,10 @@ class ModelVersion:
             for q, body in zip(group, out, strict=True):
                 fut = q.future
                 if not fut.done():  # (a cancelled one is counted by _result)
+                    if isinstance(body, InferError):  # this request's own (its classification)
+                        stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
+                        fut.set_exception(body)
+                        continue
                     fut.set_result(body)
                     answered.append((q.arrival_ns, q.payload.requests))
             stats.record_successes(end_ns, start_ns, answered)
@@ -331,8 +335,9 @@ class ModelVersion:
 
     # ---- compute (worker thread) -----------------------------------------------------
     def _run_group(self, instance: RuntimeInstance, payloads: Sequence[Pending]
-                   ) -> tuple[list[bytes], tuple[int, int, int]]:
-        """Run one group (requests with equal input shapes): its serialized responses and the
+                   ) -> tuple[list[bytes | InferError], tuple[int, int, int]]:
+        """Run one group (requests with equal input shapes): its serialized responses (or a
+        request's own error: ResponseEncoder.encode) and the
         (input, infer, output) nanoseconds the statistics report."""
         t0 = time.perf_counter_ns()
         feeds = batching.feeds(self.tensors, payloads, sum(p.rows for p in payloads))

@@ -1,6 +1,6 @@
 """Response encoding, in the worker thread: the model's outputs for one group of requests
-sliced back per request (rows, scattered batch outputs, reshapes), classified where asked,
-and serialized into one ModelInferResponse per request.
+sliced back per request (rows, scattered batch outputs, reshapes), classified where asked
+(services/base/classification.py), and serialized into one ModelInferResponse per request.
 
 The ModelInferResponse is written directly in protobuf's wire format, the bytes
 ``SerializeToString`` gives (fields in number order; tests/unit/services compares them): building
@@ -16,7 +16,7 @@ import numpy as np
 from meshserve.protocol import datatypes
 from meshserve.protocol.errors import InferError
 from meshserve.protocol.wire import varint
-from meshserve.repository.labels import label_of
+from services.base.classification import MAX_CLASSIFIED, classify
 from services.base.validation import ModelTensors, Pending, TensorSpec
 
 # ModelInferResponse field tags: model_name = 1, model_version = 2, id = 3, outputs = 5,
@@ -61,8 +61,9 @@ class ResponseEncoder:
             self._heads[key] = head
         return head
 
-    def encode(self, payloads: Sequence[Pending], produced: dict[str, np.ndarray]) -> list[bytes]:
-        """One serialized response per request of the group, in order."""
+    def encode(self, payloads: Sequence[Pending], produced: dict[str, np.ndarray]) -> list[bytes | InferError]:
+        """One serialized response per request of the group, in order, or the error that request
+        alone fails with (a classification past its bound: services/base/classification.py)."""
         model = self.model
         batched = model.max_batch_size > 0
         scattered = scatter(model, payloads, produced)
@@ -83,12 +84,14 @@ class ResponseEncoder:
                 # (memoryview.cast refuses a shape with a zero in it: an empty output has no bytes)
                 rows_of[out_name] = (arr.data.cast("B") if arr.size else _EMPTY, arr.nbytes // total, arr.shape[1:])
         prefix = self._prefix
-        bodies: list[bytes] = []
+        bodies: list[bytes | InferError] = []
         row = 0
         for i, p in enumerate(payloads):
             rid = p.request.id
             heads: list[bytes | memoryview] = [prefix, _field(_ID, rid.encode())] if rid else [prefix]
             raws: list[bytes | memoryview] = []
+            room = MAX_CLASSIFIED
+            failed: InferError | None = None
             for out_name, k in p.outputs:
                 fast = rows_of.get(out_name) if not k else None
                 if fast is not None:
@@ -98,21 +101,30 @@ class ResponseEncoder:
                     raws.append(varint(row_bytes * p.rows))
                     raws.append(buf[row * row_bytes:(row + p.rows) * row_bytes])
                     continue
-                part, datatype = self._part(out_name, k, produced, scattered, i, row, p.rows, batched)
+                try:
+                    part, datatype = self._part(out_name, k, produced, scattered, i, row, p.rows, batched, room)
+                except InferError as exc:  # (a classification past its bound: this request's own)
+                    failed = exc
+                    break
+                if k:
+                    room -= part.size
                 data = _to_bytes(part, datatype)
                 heads.append(self._head(out_name, datatype, tuple(part.shape)))
                 raws.append(_RAW)
                 raws.append(varint(len(data)))
                 raws.append(data)
+            row += p.rows
+            if failed is not None:
+                bodies.append(failed)
+                continue
             heads += raws
             bodies.append(b"".join(heads))
-            row += p.rows
         return bodies
 
     def _part(self, out_name: str, k: int, produced: dict[str, np.ndarray], scattered: dict[str, list[np.ndarray]],
-              i: int, row: int, rows: int, batched: bool) -> tuple[np.ndarray, str]:
+              i: int, row: int, rows: int, batched: bool, room: int) -> tuple[np.ndarray, str]:
         """Request ``i``'s part of output ``out_name`` (its rows from ``row``, its scattered
-        piece, reshaped, classified with ``k``) and its datatype on the wire."""
+        piece, reshaped, classified with ``k`` within ``room`` entries) and its datatype on the wire."""
         spec = self.model.outputs[out_name]
         full = produced[out_name]
         if not full.ndim:  # (batched: encode gave it its shape)
@@ -125,23 +137,9 @@ class ResponseEncoder:
         elif not batched and spec.reshape is not None:
             part = part.reshape(spec.dims)
         if k:
-            return self._classify(part, k, spec, batched), "BYTES"
+            where = f"model '{self.model.name}' output '{out_name}'"
+            return classify(part, k, spec.datatype, self.labels.get(out_name, ()), batched, room, where), "BYTES"
         return part, spec.datatype
-
-    def _classify(self, arr: np.ndarray, k: int, spec: TensorSpec, batched: bool) -> np.ndarray:
-        labels = self.labels.get(spec.name, ())
-        rows = arr.reshape((arr.shape[0], -1)) if batched else arr.reshape((1, -1))
-        k = min(k, rows.shape[1])
-        out = []
-        for r in rows:
-            top = np.argsort(-r, kind="stable")[:k]
-            entries = []
-            for i in top:
-                label = label_of(labels, i)  # ("" for none: Triton's rule)
-                entries.append(f"{r[i]:f}:{i}:{label}" if label else f"{r[i]:f}:{i}")
-            out.append(entries)
-        res = np.array(out, dtype=np.object_)
-        return res if batched else res.reshape((k,))
 
 
 def scatter(model: ModelTensors, payloads: Sequence[Pending], produced: dict[str, np.ndarray]

@@ -27,6 +27,7 @@ from meshserve.protocol.infer_checks import (
 )
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
+from services.base.classification import check_classifiable
 from services.base.scheduling.policy import BatchingPolicy
 from services.base.scheduling.request import SequenceControl
 
@@ -203,6 +204,8 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 k = int_param(o.parameters["classification"])
                 if k < 0:
                     raise InferError.invalid(f"output '{o.name}': classification count must be >= 0")
+                if k:
+                    check_classifiable(model.outputs[o.name].datatype)
             outputs.append((o.name, k))
     rows = batch if mbs > 0 else 1
     merged = hop.merged  # client requests a gateway merged into this one

@@ -36,9 +36,20 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.hop import NO_HOP, PRIVATE_PREFIX
 from meshserve.protocol.infer_checks import int_value
 from services.base import memory
+from services.base.classification import MAX_CLASSIFIED, check_classifiable, classify
 from services.base.runtime import RuntimeLoadError
+from services.base.serialization import ResponseEncoder
 from services.base.validation import ModelTensors, Pending, prepare
-from services.python.ipc import Channel, RegionReader, RegionRef, RegionWriter, TensorRef, aligned, region_ref
+from services.python.ipc import (
+    Channel,
+    Region,
+    RegionReader,
+    RegionRef,
+    RegionWriter,
+    TensorRef,
+    aligned,
+    region_ref,
+)
 
 log = logging.getLogger("meshserve.python")
 
@@ -120,9 +131,13 @@ class ModelWorker:
         # batches sent to the worker: their future, requests and keys
         self._pending: dict[int, tuple[asyncio.Future[object], Sequence[Pending], Sequence[int]]] = {}
         self._streams: dict[int, StreamSink] = {}
+        self._stream_classes: dict[int, dict[str, int]] = {}  # a streamed request's classified outputs, if any
         self._running: set[int] = set()  # keys of the requests in the batch execute() is running
         self._metric_requests: dict[int, asyncio.Future[object]] = {}
         self._stopping = False
+        # the model version's response encoder, for its outputs' classification labels (which the
+        # load sets after the instances are made: services/base/core.py); PythonModelVersion sets it
+        self.encoder: ResponseEncoder | None = None
 
     @property
     def name(self) -> str:
@@ -225,6 +240,7 @@ class ModelWorker:
         """A request's client went away: its responses are dropped and, if this worker still runs
         it (its batch, or a decoupled request before its final response), the model is told
         (``request.is_cancelled()``); a finished or unknown request is left alone."""
+        self._stream_classes.pop(key, None)
         if (self._streams.pop(key, None) is not None or key in self._running) and self.alive:
             try:
                 self._send(("cancel", key))
@@ -255,6 +271,9 @@ class ModelWorker:
             request_id = p.request.id if p.request_id is None else p.request_id  # (the client's, behind a gateway)
             metas.append((key, request_id, corrid, flags, timeout_us, params, wanted, refs))
         if sinks:
+            for p, key in zip(payloads, keys, strict=True):
+                if key in sinks and any(k for _, k in p.outputs):  # (its responses classified: _stream_item)
+                    self._stream_classes[key] = {name: k for name, k in p.outputs if k}
             self._streams.update(sinks)
         batch_id = next(self._ids)
         fut: asyncio.Future[object] = self.loop.create_future()
@@ -383,8 +402,13 @@ class ModelWorker:
             _, key, err, outs, flags = msg
             final = bool(flags & 1)
             sink = self._streams.pop(key, None) if final else self._streams.get(key)
+            classes = self._stream_classes.pop(key, None) if final else self._stream_classes.get(key)
             if sink is not None:
-                item = self._stream_item(err, outs, final)
+                try:
+                    item = self._stream_item(err, outs, final, classes)
+                except InferError as exc:  # a classification past its bound: the request ends with it
+                    item = exc
+                    self.loop.call_soon_threadsafe(self.cancel, key)  # (its model is told; the rest dropped)
                 self.loop.call_soon_threadsafe(sink, item)
             return
         if kind == "metrics":
@@ -403,6 +427,7 @@ class ModelWorker:
         else:  # "failed": execute() raised: a decoupled request ends with that error (model.py)
             for key in keys:
                 self._streams.pop(key, None)
+                self._stream_classes.pop(key, None)
             # Triton 2.51's stub text (it names the instance "model")
             value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
         self.loop.call_soon_threadsafe(_settle, fut, value)
@@ -415,26 +440,46 @@ class ModelWorker:
                 out.append(InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1]))
                 continue
             resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version, id=p.request.id)
-            for t in refs:
-                resp.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-                if t.nbytes == 0:  # an empty tensor
-                    resp.raw_output_contents.append(b"")
-                    continue
-                assert region is not None
-                resp.raw_output_contents.append(bytes(region.view(t.offset, t.nbytes)))
+            classes = {name: k for name, k in p.outputs if k}
+            room = MAX_CLASSIFIED
+            try:
+                for t in refs:
+                    data = b"" if t.nbytes == 0 else bytes(cast(Region, region).view(t.offset, t.nbytes))
+                    room -= self._add_output(resp, t.name, t.datatype, t.shape, data, classes.get(t.name, 0), room)
+            except InferError as exc:  # this request's own
+                out.append(exc)
+                continue
             out.append(resp.SerializeToString())
         return out
 
-    def _stream_item(self, err: tuple[str, str] | None, outs: list, final: bool) -> tuple[bytes | None, bool] | InferError:
+    def _stream_item(self, err: tuple[str, str] | None, outs: list, final: bool,
+                     classes: Mapping[str, int] | None) -> tuple[bytes | None, bool] | InferError:
         if err is not None:
             return InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1])
         if not outs and final:
             return None, True  # Triton's empty final response
         resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version)
+        room = MAX_CLASSIFIED
         for name, datatype, shape, data in outs:
+            room -= self._add_output(resp, name, datatype, shape, data, classes.get(name, 0) if classes else 0, room)
+        return resp.SerializeToString(), final
+
+    def _add_output(self, resp: pb.ModelInferResponse, name: str, datatype: str, shape: Sequence[int], data: bytes,
+                    k: int, room: int) -> int:
+        """One output into ``resp``: as it is, or classified with ``k`` within ``room`` entries, as
+        Triton classifies any backend's (services/base/classification.py). The entries it took."""
+        if not k:
             resp.outputs.add(name=name, datatype=datatype, shape=shape)
             resp.raw_output_contents.append(data)
-        return resp.SerializeToString(), final
+            return 0
+        check_classifiable(datatype)  # (before its bytes are read as that type)
+        arr = np.frombuffer(data, dtype=datatypes.carrier_dtype(datatype)).reshape(shape)
+        batched = self.spec.tensors is not None and self.spec.tensors.max_batch_size > 0
+        labels = self.encoder.labels.get(name, ()) if self.encoder is not None else ()
+        part = classify(arr, k, datatype, labels, batched, room, f"model '{self.spec.model}' output '{name}'")
+        resp.outputs.add(name=name, datatype="BYTES", shape=part.shape)
+        resp.raw_output_contents.append(datatypes.serialize_bytes(part.reshape(-1).tolist()))
+        return int(part.size)
 
     def _died(self, status: str) -> None:
         """The worker process ended (event loop)."""
@@ -452,6 +497,7 @@ class ModelWorker:
         for sink in self._streams.values():
             sink(err)
         self._streams.clear()
+        self._stream_classes.clear()
         self._inputs.close()  # a restarted worker gets new regions
         self._outputs.close()
         self.failures += 1

@@ -49,6 +49,7 @@ class PythonModelVersion(ModelVersion):
         self._closing = False
         for w in workers:
             w.on_death = self._on_death
+            w.encoder = self.encoder  # (its classification labels)
 
     def busy(self) -> bool:
         return bool(self._streams) or super().busy()  # a decoupled request's responses still coming

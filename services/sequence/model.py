@@ -266,12 +266,16 @@ class SequenceModelVersion(ModelVersion):
                 if r.sequence is not None and self.states:
                     r.sequence.state = state
                 if not r.request.future.done():
+                    if isinstance(body, InferError):  # this request's own (its classification)
+                        stats.record_failure(end_ns - r.request.arrival_ns, "BACKEND")
+                        r.request.future.set_exception(body)
+                        continue
                     stats.record_success(end_ns - r.request.arrival_ns, start_ns - r.request.arrival_ns)
                     r.request.future.set_result(body)
 
     # ---- compute (worker thread) -----------------------------------------------------
     def _run_rows(self, instance: RuntimeInstance, rows: Sequence[BatchRow]
-                  ) -> tuple[list[bytes], list[dict[str, np.ndarray] | None], tuple[int, int, int]]:
+                  ) -> tuple[list[bytes | InferError], list[dict[str, np.ndarray] | None], tuple[int, int, int]]:
         first = next(cast(Pending, r.request.payload) for r in rows if r.request is not None)
         payloads = [cast(Pending, r.request.payload) if r.request is not None else _filler(first) for r in rows]
         batched = self.max_batch_size > 0

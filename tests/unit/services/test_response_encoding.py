@@ -11,6 +11,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.protocol import datatypes
 from meshserve.server.core import NO_HOP
+from services.base.classification import MAX_CLASSIFIED, classify
 from services.base.serialization import ResponseEncoder, scatter
 from services.base.validation import ModelTensors, Pending, prepare
 
@@ -35,7 +36,8 @@ def _reference(encoder: ResponseEncoder, payloads: list[Pending], produced: dict
                 part = part.reshape(spec.dims)
             datatype = spec.datatype
             if k:
-                part, datatype = encoder._classify(part, k, spec, batched), "BYTES"
+                part = classify(part, k, datatype, encoder.labels.get(out_name, ()), batched, MAX_CLASSIFIED, "")
+                datatype = "BYTES"
             tensor = resp.outputs.add(name=out_name, datatype=datatype)
             tensor.shape.extend(part.shape)
             if datatype == "BYTES":
