@@ -136,6 +136,12 @@ def render_generate_response(response: pb.ModelInferResponse, request: pb.ModelI
     return json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def render_generate_answer(raw: bytes | bytearray, request: bytes) -> bytes:
+    """``render_generate_response`` of the serialized answer ``raw`` for the serialized request
+    ``request`` (http_codec.rendering_request's): run by the body worker for a large answer."""
+    return render_generate_response(pb.ModelInferResponse.FromString(bytes(raw)), pb.ModelInferRequest.FromString(request))
+
+
 def sse_event(data: bytes) -> bytes:
     """A server-sent event carrying one JSON object."""
     return b"data: " + data + b"\n\n"

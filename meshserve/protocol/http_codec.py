@@ -1427,6 +1427,63 @@ def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> t
     }
 
 
+def json_output_bytes(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> int:
+    """The bytes of the answer's outputs that ``_render`` writes as JSON (their raw bytes, or
+    their typed contents' size): what its rendering costs (~10 bytes of text and an element's
+    formatting each), where the outputs that go out binary cost a copy."""
+    default_binary = _param_flag(request.parameters, BINARY_DATA_OUTPUT, False)
+    requested = {o.name: o for o in request.outputs}
+    raws = response.raw_output_contents
+    total = 0
+    for i, out in enumerate(response.outputs):
+        if out.parameters and SHM_REGION in out.parameters:
+            continue
+        req_out = requested.get(out.name)
+        binary = _param_flag(req_out.parameters, BINARY_DATA, default_binary) if req_out is not None else default_binary
+        if not binary:
+            total += len(raws[i]) if i < len(raws) else out.contents.ByteSize()
+    return total
+
+
+def all_binary(request: pb.ModelInferRequest) -> bool:
+    """Does the request ask every output it gets in binary (no JSON to write)?"""
+    default = _param_flag(request.parameters, BINARY_DATA_OUTPUT, False)
+    if not request.outputs:  # (every output of the model: the default's)
+        return default
+    return all(_param_flag(o.parameters, BINARY_DATA, default) for o in request.outputs)
+
+
+def rendering_request(request: pb.ModelInferRequest) -> bytes:
+    """What ``render_answer`` needs of the request (its names, id, parameters and requested
+    outputs; not its inputs), serialized."""
+    kept = pb.ModelInferRequest(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    for key, value in request.parameters.items():
+        kept.parameters[key].CopyFrom(value)
+    kept.outputs.extend(request.outputs)
+    return kept.SerializeToString()
+
+
+_RENDERED_HEAD = struct.Struct("<I")
+
+
+def render_answer(raw: bytes | bytearray, request: bytes) -> bytes:
+    """``render_infer_response`` of the serialized answer ``raw`` for the serialized request
+    ``request`` (``rendering_request``'s), as one buffer: its headers' JSON (length first), then
+    its body. Run by the body worker for an answer with much to write as JSON
+    (meshserve/server/http_frontend.py); ``rendered_answer`` reads it back."""
+    body, headers = render_infer_response(pb.ModelInferResponse.FromString(bytes(raw)),
+                                          pb.ModelInferRequest.FromString(request))
+    head = orjson.dumps(headers)
+    return b"".join((_RENDERED_HEAD.pack(len(head)), head, body))
+
+
+def rendered_answer(packed: bytes | bytearray) -> tuple[bytes, dict[str, str]]:
+    """``render_answer``'s buffer as (body, headers)."""
+    (n,) = _RENDERED_HEAD.unpack_from(packed)
+    at = _RENDERED_HEAD.size
+    return bytes(memoryview(packed)[at + n:]), orjson.loads(bytes(packed[at:at + n]))
+
+
 def _check_raw_size(where: str, datatype: str, shape: list[int], data: bytes) -> None:
     if not datatypes.is_valid(datatype):
         raise InferError.internal(f"{where} has unknown datatype '{datatype}'")

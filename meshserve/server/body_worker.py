@@ -8,7 +8,8 @@ that runs the same `http_codec` function and sends back its result; the event lo
 on a pipe. Smaller bodies, the common case, are decoded in place as before. A gRPC ModelInferRequest over
 1 MiB made of other fields than raw tensors (meshserve/protocol/infer_checks.py:heavy) is parsed
 here too (http_codec.parse_grpc_infer_request): protobuf's parse costs up to ~40 ms per MiB of
-small fields.
+small fields. Large answers to write as JSON are rendered here too (an infer answer with much to
+write as JSON, a generate answer: meshserve/server/http_frontend.py), in the same lines.
 
 Measured on a 63.7 MiB JSON infer body (3.3 M FP32 values; docs/security.md): inline, the
 loop stalled ~700 ms; offloaded, concurrent small requests saw at worst 8-12 ms (baseline 4 ms).
@@ -95,6 +96,9 @@ FUNCTIONS: dict[str, tuple[Callable[..., Any], Callable[[Any], Any], Callable[[A
         (http_codec.parse_cuda_shm_register, _same, _same),
         (generate_codec.parse_generate_request, pb.ModelInferRequest.SerializeToString,
          pb.ModelInferRequest.FromString),
+        # (answers, not bodies: meshserve/server/http_frontend.py renders large ones here)
+        (http_codec.render_answer, _same, http_codec.rendered_answer),
+        (generate_codec.render_generate_answer, _same, bytes),
     )
 }
 _FRAME = struct.Struct("<QQ")  # request: header length, body length; reply: length, flags

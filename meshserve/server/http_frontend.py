@@ -21,12 +21,13 @@ import asyncio
 import json
 import logging
 from functools import partialmethod
-from typing import Any
+from typing import Any, cast
 
+from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol import generate_codec, http_codec, wire
 from meshserve.protocol.errors import Code, InferError, internal_error
 from meshserve.repository.names import check_version
-from meshserve.server import admission, body_worker, http1, observe, shm, tls
+from meshserve.server import admission, body_worker, deflate, http1, observe, shm, tls
 from meshserve.server.access import HTTP_ROUTES, Grant, Op, Rule
 from meshserve.server.core import InferResult, RequestContext, V2Core
 from meshserve.server.http1 import Answer, Request, Stream
@@ -87,6 +88,28 @@ async def _decode(request: Request, fn: Any, chunks: list[bytes], *args: Any, si
     if who is None:
         return await body_worker.worker().call(fn.__name__, chunks, *args)
     return await body_worker.worker().call(fn.__name__, chunks, *args, tenant=who[0], share=who[1])
+
+
+def _route_arm(message: pb.ModelInferResponse, headers: dict[str, str]) -> None:
+    """The gateway's A/B route of an answer (its parameter) as the header clients read."""
+    if message.parameters:
+        arm = message.parameters.get(wire.ROUTE_ARM_PARAMETER)
+        if arm is not None:
+            headers[wire.ROUTE_ARM_HEADER] = arm.string_param
+
+
+async def _generate_body(request: Request, result: InferResult, infer_request: pb.ModelInferRequest) -> bytes:
+    """One generate answer's JSON: in place, or for a large answer (every output is written as
+    JSON: ~2 s of this loop for 8 million floats) in the body worker, in the line of the
+    request's tenant (docs/security.md, "Session 23: answers written as JSON")."""
+    held = result.held_raw
+    if (len(held) if held is not None else result.message().ByteSize()) <= body_worker.OFFLOAD_BYTES:
+        return generate_codec.render_generate_response(result.message(), infer_request)
+    args = (result.serialized(), http_codec.rendering_request(infer_request))
+    who = request.caller()
+    worker = body_worker.worker()
+    return cast(bytes, await (worker.call("render_generate_answer", *args) if who is None else
+                              worker.call("render_generate_answer", *args, tenant=who[0], share=who[1])))
 
 
 class HttpFrontend:
@@ -245,25 +268,48 @@ class HttpFrontend:
         finally:
             request.cancel_on_loss = False
         held = result.held_raw  # (a gateway's answer as its service sent it: rendered from its bytes)
-        rendered = http_codec.render_infer_raw(held, infer_request, plan) \
-            if held is not None and plan is not None else None
-        if rendered is not None:  # (bytes with no parameters: no A/B arm below)
-            out_body, headers = rendered
+        if (len(held) if held is not None else result.message().ByteSize()) > body_worker.OFFLOAD_BYTES \
+                and not http_codec.all_binary(infer_request) \
+                and http_codec.json_output_bytes(result.message(), infer_request) > body_worker.OFFLOAD_BYTES:
+            out_body, headers = await self._render_off_loop(request, result, infer_request)
         else:
-            message = result.message()
-            out_body, headers = http_codec.render_infer_response(message, infer_request, plan)
-            if message.parameters:
-                arm = message.parameters.get(wire.ROUTE_ARM_PARAMETER)  # the gateway's A/B routes
-                if arm is not None:
-                    headers[wire.ROUTE_ARM_HEADER] = arm.string_param
+            rendered = http_codec.render_infer_raw(held, infer_request, plan) \
+                if held is not None and plan is not None else None
+            if rendered is not None:  # (bytes with no parameters: no A/B arm below)
+                out_body, headers = rendered
+            else:
+                message = result.message()
+                out_body, headers = http_codec.render_infer_response(message, infer_request, plan)
+                _route_arm(message, headers)
         if span is not None:
             headers["traceparent"] = span.traceparent()
         accept = lower.get("accept-encoding") if single else request.header("accept-encoding")
         if accept:
-            out_body, encoding = http_codec.encode_body(out_body, accept)
+            if len(out_body) <= deflate.INLINE_BYTES:
+                out_body, encoding = http_codec.encode_body(out_body, accept)
+            else:  # off this loop, in the line of the request's tenant (meshserve/server/deflate.py)
+                who = request.caller()
+                out_body, encoding = await deflate.deflater().encode(
+                    out_body, accept, *(() if who is None else (who[0], who[1])))
             if encoding:
                 headers["Content-Encoding"] = encoding
         return Answer(out_body, headers)
+
+    @staticmethod
+    async def _render_off_loop(request: Request, result: InferResult, infer_request: pb.ModelInferRequest
+                               ) -> tuple[bytes, dict[str, str]]:
+        """An answer with much to write as JSON (an element is ~10 bytes of text and a number's
+        formatting, in C calls that hold the GIL: 15 million floats held a front door's loop
+        for 1.3-2 s), rendered by the body worker, in the line of the request's tenant
+        (docs/security.md, "Session 23: answers written as JSON")."""
+        args = (result.serialized(), http_codec.rendering_request(infer_request))
+        who = request.caller()
+        worker = body_worker.worker()
+        rendered = await (worker.call("render_answer", *args) if who is None else
+                          worker.call("render_answer", *args, tenant=who[0], share=who[1]))
+        out_body, headers = rendered
+        _route_arm(result.message(), headers)
+        return out_body, headers
 
     async def generate(self, request: Request, p: Params, grant: Grant) -> Answer | Stream:
         return await self._generate(request, p["m"], p["v"], False)
@@ -290,7 +336,7 @@ class HttpFrontend:
         # the model's work stops when the connection is lost (the answers' generator is
         # closed: the core stops the request)
         work: asyncio.Future[Answer | Stream] = asyncio.ensure_future(
-            self._generate_one(answers, infer_request) if not stream
+            self._generate_one(request, answers, infer_request) if not stream
             else self._generate_events(request, answers, infer_request))
         lost = request.lost()
         try:
@@ -316,7 +362,7 @@ class HttpFrontend:
             async for result, _final in answers:
                 if result is None:
                     continue
-                event = generate_codec.sse_event(generate_codec.render_generate_response(result.message(), infer_request))
+                event = generate_codec.sse_event(await _generate_body(request, result, infer_request))
                 if events is None:
                     events = await request.stream(200, dict(_EVENTS))
                 await events.write(event)
@@ -330,14 +376,14 @@ class HttpFrontend:
         return events
 
     @staticmethod
-    async def _generate_one(answers: Any, infer_request: Any) -> Answer:
+    async def _generate_one(request: Request, answers: Any, infer_request: Any) -> Answer:
         results = []
         async for result, _final in answers:
             if result is not None:
                 results.append(result)
         if len(results) != 1:
             raise InferError.invalid(generate_codec.NOT_ONE_RESPONSE)
-        return Answer(generate_codec.render_generate_response(results[0].message(), infer_request), dict(_JSON_TYPE))
+        return Answer(await _generate_body(request, results[0], infer_request), dict(_JSON_TYPE))
 
     async def trace_setting(self, request: Request, p: Params, grant: Grant) -> Answer:
         """GET/POST /v2[/models/{m}]/trace/setting (the trace extension)."""

@@ -440,6 +440,31 @@ def test_a_large_request_of_typed_contents_is_read_off_the_loop_and_answered(dt:
         assert "malformed ModelInferRequest" in (err.value.details() or "")
 
 
+def test_large_answers_made_off_the_loop_come_whole(target: dict[str, str]) -> None:
+    """Answers with much to write as JSON (infer and generate: rendered by the body worker) and
+    large answers compressed for their client (tritonclient's response_compression_algorithm: on
+    the deflate threads) come whole and exact (tests/adversarial/test_large_answers.py: they
+    leave the event loop to the others)."""
+    x = np.random.default_rng(5).standard_normal((1, 100_000)).astype(np.float32)  # 400 KB, ~1 MB as JSON
+    with httpclient.InferenceServerClient(target["http"]) as c:
+        for binary, compression in [(False, None), (False, "gzip"), (True, "deflate"), (True, "gzip")]:
+            inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            res = c.infer("identity_fp32", [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)],
+                          response_compression_algorithm=compression)
+            assert np.array_equal(res.as_numpy("OUTPUT0"), x), (binary, compression)
+    body = json.dumps({"INPUT0": x[0].tolist()}).encode()
+    for path in ("generate", "generate_stream"):
+        req = urllib.request.Request(f"http://{target['http']}/v2/models/identity_fp32/{path}", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read()
+        if path == "generate_stream":
+            assert text.startswith(b"data: ") and text.endswith(b"\n\n") and text.count(b"data: ") == 1
+            text = text[len(b"data: "):-2]
+        got = np.array(json.loads(text)["OUTPUT0"], dtype=np.float32)
+        assert np.array_equal(got, x[0]), path
+
+
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
     try:
