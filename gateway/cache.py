@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.auth import CALLER
 from gateway.quotas.memory import MemoryQuotaStore
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -57,6 +58,28 @@ ENTRY_OVERHEAD = 128  # bytes counted per entry beyond its key and answer (the d
 _IGNORED_PARAMETERS = frozenset({BINARY_DATA_OUTPUT, "timeout", "priority",
                                  wire.EMPTY_FINAL_REQUEST_PARAMETER})
 _SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+
+
+def tenant_scope(tenant: str) -> bytes:
+    """What a key of ``tenant``'s begins with, with tenants (``CacheStage.scoped``): one tenant's
+    answers are never another's hit, so a tenant cannot learn from a hit's speed what another sent
+    (docs/security.md, "Session 23: the response cache by tenant"). "" is the anonymous callers'."""
+    return b"\x01" + tenant.encode() + b"\x00"
+
+
+def _owner(key: bytes) -> bytes | None:
+    """The scope of the tenant whose key this is (None: a gateway without tenants)."""
+    if key[:1] != b"\x01":
+        return None
+    end = key.find(b"\x00", 1)
+    return key[:end + 1] if end > 0 else None
+
+
+def caller_scope() -> bytes:
+    """``tenant_scope`` of the request being served (``gateway/auth.py:CALLER``, which ``Admit``
+    sets before this stage runs)."""
+    who = CALLER.get()
+    return tenant_scope("" if who is None else who[0])
 _SHM = wire.SHM_REGION
 _clock = time.perf_counter_ns  # (Triton's lookup and insertion durations)
 # CacheStage.named's facts: (served config, (model, version), the key's prefix, cached, counts row,
@@ -341,7 +364,12 @@ class LocalCache:
     """LRU over serialized answers within ``size`` bytes (keys, answers and ``ENTRY_OVERHEAD``
     per entry); one process's. An entry is a tuple (model, answer: the serialized
     ModelInferResponse with its id cleared, the config it was computed under: another one, a
-    reload, is a miss, its size): a tuple costs a tenth of an object's ``__init__`` per miss."""
+    reload, is a miss, its size): a tuple costs a tenth of an object's ``__init__`` per miss.
+
+    With tenants (keys that begin with their tenant's ``tenant_scope``) a tenant holds at most its
+    share of ``size`` (the tenants file's ``share``, from ``CALLER``): past it, its own oldest
+    entries make room, not another tenant's (``owned``, ``owners``: its bytes and its keys in the
+    order they were kept)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -351,6 +379,9 @@ class LocalCache:
         self.generations: dict[str, int] = {}  # a model's, once invalidated (0 before)
         self.invalidations = 0  # every model's (a lead that saw none since it began stores without a look-up)
         self.evictions = 0
+        self.scoped = False  # (gateway/core.py: with tenants, as CacheStage.scoped)
+        self.owned: dict[bytes, int] = {}  # a tenant's bytes (its scope: tenant_scope)
+        self.owners: dict[bytes, dict[bytes, None]] = {}  # a tenant's keys, oldest kept first
 
     def get(self, key: bytes, config: mc.ModelConfig, model: str = "") -> bytes | None:
         entry = self.entries.get(key)
@@ -370,16 +401,39 @@ class LocalCache:
         entries = self.entries
         if key in entries:
             self._drop(key)
+        owner = _owner(key) if self.scoped else None
+        if owner is not None:  # (a tenant's: its own oldest make room past its share)
+            who = CALLER.get()
+            cap = int(self.size * (who[1] if who is not None else 1.0))
+            if size > cap:
+                return False
+            keys = self.owners.setdefault(owner, {})
+            while self.owned.get(owner, 0) + size > cap and keys:
+                self._drop(next(iter(keys)))
+                self.evictions += 1
         if self.used + size > self.size:
             while self.used + size > self.size and entries:
                 self._drop(next(iter(entries)))
                 self.evictions += 1
         entries[key] = (model, answer, config, size)
         self.used += size
+        if owner is not None:
+            self.owned[owner] = self.owned.get(owner, 0) + size
+            self.owners.setdefault(owner, {})[key] = None
         return True
 
     def _drop(self, key: bytes) -> None:
-        self.used -= self.entries.pop(key)[3]
+        size = self.entries.pop(key)[3]
+        self.used -= size
+        owner = _owner(key) if self.scoped else None
+        if owner is not None:
+            left = self.owned[owner] - size
+            keys = self.owners[owner]
+            del keys[key]
+            if keys:
+                self.owned[owner] = left
+            else:  # (a tenant with nothing kept holds no row)
+                del self.owned[owner], self.owners[owner]
 
     def generation(self, model: str) -> int:
         """The model's generation (``put`` keeps an answer only if it has not changed since)."""
@@ -573,6 +627,9 @@ class CacheStage:
         # the pipeline's Forward when it is this stage's next (gateway/pipeline.py:assemble): a
         # miss hands it the name and version read already (no upb reads there)
         self.forward: Any = None
+        # with tenants (gateway/core.py sets it): every key begins with its caller's tenant
+        # (caller_scope), the front door's index keys too
+        self.scoped = False
 
     def _cacheable(self, request: pb.ModelInferRequest, sequence: str | None
                    ) -> tuple[mc.ModelConfig, tuple[str, str], bool] | None:
@@ -597,6 +654,13 @@ class CacheStage:
         if self._is_route is not None and self._is_route(name):
             return None
         return config, (name, version), not asked and not params
+
+    def _scoped(self, key: bytes) -> bytes:
+        """``key`` as the caller's tenant's (``scoped``): its scope first, for this process's
+        LocalCache (which reads a tenant's share from it); a 16-byte digest of both for the
+        workers' store and Redis, which hold 16-byte keys (a longer one would be cut there)."""
+        scoped = caller_scope() + key
+        return scoped if self._exact else hashlib.blake2b(scoped, digest_size=16).digest()
 
     def _enabled(self, config: mc.ModelConfig) -> bool:
         """Whether a config's requests are looked up, worked out once per config (held by its id
@@ -634,10 +698,14 @@ class CacheStage:
                     else material_key(material, self._exact)  # (material_key, inline)
             else:
                 key = raw_key(raw, model[1], self._exact)
+            if key is not None and self.scoped:
+                key = self._scoped(key)
         if key is None:
             key = request_key(request, model[1], self._exact)
             if key is None:
                 return self.next.infer(request, ctx, sequence)
+            if self.scoped:
+                key = self._scoped(key)
         return self._found(key, model, config, request, ctx, sequence, raw)
 
     def named(self, request: pb.ModelInferRequest, ctx: RequestContext, name: str, asked: str,
@@ -664,7 +732,7 @@ class CacheStage:
             # a miss's usual request: the served config the facts were worked out under, a model
             # this process's LocalCache keeps, and bytes with neither a version nor an id after the
             # name (the id is left out of the key: such a request takes the scan)
-            if facts is not None and facts[0] is config and (prefix := facts[5]) is not None \
+            if facts is not None and facts[0] is config and (prefix := facts[5]) is not None and not self.scoped \
                     and 16 < (n := len(raw)) <= facts[6] and (i := raw[1] + 2) < n and raw[i] > 0x1A:
                 return self._lead(prefix + raw, facts, request, ctx, outcomes)
             return self._slow(request, ctx, name, asked, outcomes, config)
@@ -700,6 +768,8 @@ class CacheStage:
             material = facts[2] + raw
             key = material if self._exact and 16 < len(material) <= EXACT_KEY_MAX \
                 else material_key(material, self._exact)
+        if self.scoped:
+            key = self._scoped(key)
         if self._entries is None or facts[4] is None:
             return self._other(self._found(key, model, config, request, ctx, None, raw), name, ctx, outcomes)
         return self._lead(key, facts, request, ctx, outcomes, rid, asked)
@@ -739,8 +809,9 @@ class CacheStage:
         front = self.front
         if front is not None and raw is not None and key in front.local.entries and ctx.protocol == "grpc" \
                 and len(raw) <= FRONT_RAW_MAX and (keyed := front_key(raw)) is not None:
+            fkey = caller_scope() + keyed[0] if self.scoped else keyed[0]
             return self._cached(key, model, config, request, ctx.time_remaining, None,
-                                (keyed[0], keyed[1], request.model_version), ctx, sequence)
+                                (fkey, keyed[1], request.model_version), ctx, sequence)
         return self._cached(key, model, config, request, ctx.time_remaining, None, None, ctx, sequence)
 
     async def _lead(self, key: bytes, facts: NamedFacts, request: pb.ModelInferRequest, ctx: RequestContext,
@@ -788,7 +859,8 @@ class CacheStage:
             size = len(key) + len(answer) + ENTRY_OVERHEAD
             if invalidations != local.invalidations:
                 answer = None  # a model was invalidated meanwhile (perhaps this one): not kept, the waiters ask again
-            elif local.used + size <= local.size and size <= local.max_entry and key not in entries:  # type: ignore[operator]
+            elif not self.scoped and local.used + size <= local.size and size <= local.max_entry \
+                    and key not in entries:  # type: ignore[operator]
                 entries[key] = (name, answer, facts[0], size)  # type: ignore[index]  # (LocalCache.put's usual case)
                 local.used += size
             else:  # (evictions, an answer too large, a key stored meanwhile)
@@ -814,6 +886,8 @@ class CacheStage:
         key = None if found is None else request_key(request, found[1][1], self._exact)
         if found is None or key is None:
             return await send(request, timeout)
+        if self.scoped:  # (the ensemble's caller: CALLER, copied into the step's task)
+            key = self._scoped(key)
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def remaining() -> float | None:
@@ -1033,6 +1107,13 @@ class FrontDoor:
             if keyed is None:
                 return None
             key, rid = keyed
+        if self.admission is not None:  # (with tenants the index is by tenant: CacheStage.scoped)
+            assert context is not None  # (the gRPC front end gives it with tenants)
+            ctx = context(call, raw)
+            scope = self._scope(ctx)
+            if scope is None:
+                return None
+            key = scope + key
         found = index.get(key)
         if found is None:
             return None  # (a miss: the pipeline's path)
@@ -1056,9 +1137,7 @@ class FrontDoor:
             return None
         answer = entry[1] + rid if rid else entry[1]
         if self.admission is not None:
-            assert context is not None  # (the gRPC front end gives it with tenants)
-            admitted = self._admitted(pb.ModelInferRequest.FromString(raw), context(call, raw), row, ok, answer,
-                                      lkey, started)
+            admitted = self._admitted(pb.ModelInferRequest.FromString(raw), ctx, row, ok, answer, lkey, started)
             return _now(admitted) if self.at_once else admitted
         entries.move_to_end(lkey)
         self.request_counts[ok] += 1
@@ -1084,6 +1163,11 @@ class FrontDoor:
         key = raw_key(raw, model[1], True) if raw is not None else None
         if key is None and (key := request_key(request, model[1], True)) is None:
             return None
+        if self.admission is not None:  # (with tenants the keys are by tenant: CacheStage.scoped)
+            scope = self._scope(ctx)
+            if scope is None:
+                return None
+            key = scope + key
         entry = self.local.entries.get(key)
         if entry is None or entry[2] is not config:
             self.missed, self.missed_key, self.missed_found = request, key, found
@@ -1098,6 +1182,15 @@ class FrontDoor:
         row[0] += 1
         row[2] += time.perf_counter_ns() - started
         return answer
+
+    def _scope(self, ctx: RequestContext) -> bytes | None:
+        """``tenant_scope`` of the tenant the request's headers name (None: they name none: the
+        pipeline's path refuses it, in its words)."""
+        try:
+            tenant = self.admission.directory.get().authenticate(ctx.headers)
+        except InferError:
+            return None
+        return tenant_scope("" if tenant is None else tenant.name)
 
     async def _admitted(self, request: pb.ModelInferRequest, ctx: RequestContext, row: list[int],
                         ok: tuple[str, str], answer: bytes, lkey: bytes, started: int) -> bytes:

@@ -190,6 +190,10 @@ class GatewayCore:
                                     self._served_version,
                                     None if routes is None else lambda name: routes.lookup(name) is not None,
                                     store.counts if isinstance(store, SharedCache) else None)
+            # with tenants a tenant's keys are its own, and it holds at most its share of a LocalCache
+            self.cache.scoped = admission is not None
+            if isinstance(store, LocalCache):
+                store.scoped = self.cache.scoped
             if isinstance(store, LocalCache):
                 self.cache.front = FrontDoor(self.cache, store, self.request_counts, admission)
                 self.grpc_hit, self.http_hit = self.cache.front.grpc, self.cache.front.http

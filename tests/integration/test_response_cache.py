@@ -201,8 +201,12 @@ def test_a_hit_counts_against_the_tenants_quota(proto: str, store: str, stack: t
         assert int(stats["cache_hit"]["count"]) == 2
         assert metric(gw.http, "meshserve_gateway_requests_total", model="add_sub",
                       outcome="RESOURCE_EXHAUSTED") == 1
-        infer(proto, url, a, b, headers=ops)  # ops has quota: a hit
-        assert service_success(svc) == runs + 1
+        # ops has quota; acme's entry is acme's alone (the cache by tenant: docs/security.md,
+        # "Session 23: the response cache by tenant"): ops's first is a miss, its second a hit
+        infer(proto, url, a, b, headers=ops)
+        assert service_success(svc) == runs + 2
+        infer(proto, url, a, b, headers=ops)
+        assert service_success(svc) == runs + 2
     finally:
         gw.stop()
 
@@ -269,6 +273,63 @@ def test_a_tenant_without_the_model_gets_no_hit(proto: str, repo: Path, stack: t
         with httpclient.InferenceServerClient(gw.http) as c:
             stats = c.get_inference_statistics("add_sub", headers=ops)["model_stats"][0]["inference_stats"]
         assert int(stats["cache_hit"]["count"]) == 1
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_one_tenants_answers_are_never_another_tenants_hit(proto: str, stack: tuple[Proc, Proc],
+                                                          tmp_path: Path) -> None:
+    """With tenants a key is its tenant's (gateway/cache.py:tenant_scope): another tenant's identical
+    request is a miss, so no tenant learns from a hit's speed what another sent. Before, ops's
+    request after acme's two was answered from acme's entry (at the front door for gRPC)."""
+    svc, _ = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(tenants_yaml())
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--tenants", str(tenants)])
+    try:
+        _wait_http_ready(gw.http)
+        url = getattr(gw, proto)
+        a, b = fresh(30 if proto == "http" else 31)
+        runs = service_success(svc)
+        for key, runs_after in [("acme-key", 1), ("acme-key", 1), ("acme-key", 1),  # a miss, two hits
+                                ("ops-key", 2), ("ops-key", 2), ("acme-key", 2)]:  # ops's own miss, then its hit
+            out = infer(proto, url, a, b, headers={"x-api-key": key}).as_numpy("OUTPUT0")
+            assert np.allclose(out, a + b)
+            assert service_success(svc) == runs + runs_after, key
+        with httpclient.InferenceServerClient(gw.http) as c:
+            stats = c.get_inference_statistics("add_sub", headers={"x-api-key": "ops-key"})["model_stats"][0]
+        assert int(stats["inference_stats"]["cache_hit"]["count"]) == 4
+        assert int(stats["inference_stats"]["cache_miss"]["count"]) == 2
+    finally:
+        gw.stop()
+
+
+def test_one_tenants_flood_of_answers_leaves_another_tenants_in_the_cache(stack: tuple[Proc, Proc],
+                                                                         tmp_path: Path) -> None:
+    """A tenant holds at most its share of the cache's bytes (the tenants file's share, 0.5 here):
+    ops's 400 distinct requests (~4 times the cache) evict only its own answers, and acme's repeat
+    is still a hit. Before, one LRU for all: acme's answer was evicted by the flood."""
+    svc, _ = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(tenants_yaml())
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc,
+                "--cache-config", "local,size=65536", "--tenants", str(tenants)])
+    try:
+        _wait_http_ready(gw.http)
+        acme, ops = {"x-api-key": "acme-key"}, {"x-api-key": "ops-key"}
+        a, b = fresh(40)
+        infer("grpc", gw.grpc, a, b, headers=acme)
+        runs = service_success(svc)
+        rng = np.random.default_rng(41)
+        with grpcclient.InferenceServerClient(gw.grpc) as c:
+            for _ in range(400):
+                x, y = rng.random((1, 16), dtype=np.float32), rng.random((1, 16), dtype=np.float32)
+                c.infer("add_sub", inputs(grpcclient, x, y), headers=ops)
+        assert service_success(svc) == runs + 400
+        assert np.allclose(infer("grpc", gw.grpc, a, b, headers=acme).as_numpy("OUTPUT0"), a + b)
+        assert service_success(svc) == runs + 400  # acme's repeat: a hit
     finally:
         gw.stop()
 
@@ -556,6 +617,31 @@ def test_workers_share_the_local_cache_and_its_counts(stack: tuple[Proc, Proc]) 
             send(100 + i)
         assert service_success(svc) == runs + 1  # a miss once, on whichever worker came first
         assert {gateway_cache(gw) for _ in range(4)} == {(n - 1 + 7, 2)}
+    finally:
+        gw.stop()
+
+
+def test_workers_with_tenants_keep_each_tenants_answers_apart(stack: tuple[Proc, Proc], tmp_path: Path,
+                                                             redis_server: tuple[Any, int]) -> None:
+    """`--workers 2` with tenants: the workers' store holds 16-byte keys, so a key by tenant is a
+    digest of the tenant and the request there (gateway/cache.py:CacheStage._scoped): distinct
+    requests get their own answers, a repeat is a hit, and another tenant's identical request
+    is a miss."""
+    svc, _ = stack
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(tenants_yaml())
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", svc.grpc, *CACHE,
+                "--workers", "2", "--tenants", str(tenants), "--quota-store", f"redis://127.0.0.1:{redis_server[1]}"])
+    try:
+        _wait_http_ready(gw.http)
+        pairs = [fresh(50 + i) for i in range(12)]
+        runs = service_success(svc)
+        for key, ran in [("acme-key", 12), ("acme-key", 12), ("ops-key", 24)]:
+            for i, (a, b) in enumerate(pairs):
+                proto = ("http", "grpc")[i % 2]
+                out = infer(proto, getattr(gw, proto), a, b, headers={"x-api-key": key})
+                np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), a + b)
+            assert service_success(svc) == runs + ran, key
     finally:
         gw.stop()
 

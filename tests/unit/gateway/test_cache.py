@@ -107,6 +107,39 @@ def test_lru_within_its_bytes_and_the_entry_share() -> None:
     assert small.used <= small.size and small.evictions == 1
 
 
+def test_a_tenant_holds_at_most_its_share_of_the_cache() -> None:
+    """With tenants (keys scoped by tenant) a tenant past its share of the bytes makes room with
+    its own oldest entries: another tenant's are kept. Before, one tenant's distinct requests
+    evicted every other tenant's answers (one LRU for all)."""
+    from gateway.auth import CALLER
+    from gateway.cache import tenant_scope
+
+    config = mc.ModelConfig()
+    answer = b"x" * 100
+    per_entry = len(tenant_scope("mallory")) + 16 + len(answer) + ENTRY_OVERHEAD
+    cache = LocalCache(per_entry * 40)
+    cache.scoped = True
+
+    def put(tenant: str, i: int) -> bytes:
+        key = tenant_scope(tenant) + bytes([i]) * 16
+        token = CALLER.set((tenant, 0.5))
+        try:
+            assert cache.put(key, "m", answer, config, 0)
+        finally:
+            CALLER.reset(token)
+        return key
+
+    acme = [put("acme", i) for i in range(5)]
+    mallory = [put("mallory", i) for i in range(200)]  # far past its half
+    assert all(cache.get(k, config) == answer for k in acme)  # acme's kept
+    assert cache.owned[tenant_scope("mallory")] <= cache.size // 2
+    assert cache.get(mallory[-1], config) == answer and cache.get(mallory[0], config) is None
+    assert cache.used == sum(cache.owned.values()) <= cache.size
+    for k in acme:  # dropped entries leave no rows behind
+        cache._drop(k)
+    assert tenant_scope("acme") not in cache.owned and tenant_scope("acme") not in cache.owners
+
+
 def test_invalidate_and_a_new_config() -> None:
     config = mc.ModelConfig()
     cache = LocalCache(1 << 20)
@@ -481,7 +514,7 @@ def test_the_front_door_answers_at_once_only_where_admission_never_waits(tmp_pat
     given back); a store that waits (Redis): the awaitable, in the Task. The index's first entry
     tells the front end once (``on_first_entry``: its hook is installed then)."""
     from gateway.auth import Admission, TenantDirectory
-    from gateway.cache import _now
+    from gateway.cache import _now, tenant_scope
     from gateway.quotas.memory import MemoryQuotaStore
     from tests.integration.test_gateway_tenants import tenants_yaml
 
@@ -497,7 +530,8 @@ def test_the_front_door_answers_at_once_only_where_admission_never_waits(tmp_pat
     directory = TenantDirectory(tmp_path / "tenants.yaml")
     admission = Admission(directory, MemoryQuotaStore())
     door = FrontDoor(stage, stage.local, counts, admission)
-    door.entries = stage.front.entries
+    # (with tenants the index is by tenant: the stage's entries, as acme's and ops's stage would index them)
+    door.entries = {tenant_scope(t) + k: v for k, v in stage.front.entries.items() for t in ("acme", "ops")}
     assert door.at_once
 
     def context(key: str) -> Any:
@@ -520,7 +554,7 @@ def test_the_front_door_answers_at_once_only_where_admission_never_waits(tmp_pat
 
     waiting = FrontDoor(stage, stage.local, counts, Admission(directory, _WaitingStore()))
     assert not waiting.at_once  # its hits: awaitables, in the call's Task
-    waiting.entries = stage.front.entries
+    waiting.entries = door.entries
     pending = waiting.grpc(raw, None, context("ops-key"))
     assert pending is not None and not isinstance(pending, bytes)
     with pytest.raises(RuntimeError):  # a coroutine that would wait is never half run at once
