@@ -38,6 +38,7 @@ DEFAULT_MAX_INFLIGHT_STEPS = 256
 # step results of one streamed run waiting for it (its client reads slower than the steps answer):
 # beyond this the steps wait, and so (through the hop's bounded answers) do the decoupled models
 STREAM_EVENTS = 64
+RELABEL_SLICE = 8192  # classified entries relabelled between two turns of the loop (_relabelled: ~10-25 ms)
 
 
 @dataclass(slots=True)
@@ -142,7 +143,7 @@ class EnsembleExecutor:
             # (a failed step's task holds its error, whose traceback holds this frame: no local
             # keeps it, docs/security.md, "Session 11: error cycles")
             done = task = None  # type: ignore[assignment]
-        return _response(plan, request, tensors, wanted)
+        return await _response(plan, request, tensors, wanted)
 
     async def run_stream(self, plan: Plan, request: pb.ModelInferRequest, timeout: float | None,
                          times: StepTimes | None = None, affinity: str | None = None
@@ -195,7 +196,7 @@ class EnsembleExecutor:
                         if (not rnd.answered and rnd.lineage == plan.output_lineage
                                 and all(w in rnd.tensors for w in wanted)):
                             rnd.answered = True
-                            yield _response(plan, request, rnd.tensors, wanted)
+                            yield await _response(plan, request, rnd.tensors, wanted)
                     if not calls:
                         return
                     event = await events.get()
@@ -362,18 +363,22 @@ def _own_labelled(plan: Plan, request: pb.ModelInferRequest) -> set[str]:
             and not plan.consumers(o.name)}
 
 
-def _relabelled(plan: Plan, name: str, data: bytes) -> bytes:
+async def _relabelled(plan: Plan, name: str, data: bytes) -> bytes:
     """A classified output's "score:index[:label]" entries (the step's, with its model's labels,
     if any) with the ensemble's own labels instead. Triton's rule (core's
     model_lifecycle.cc: an ensemble's output takes the producing step's labels only when its
-    config names none of its own; which index gets a label: meshserve/repository/labels.py:label_of)."""
+    config names none of its own; which index gets a label: meshserve/repository/labels.py:label_of).
+    A Python step per entry (a response holds up to services/base/classification.py:MAX_CLASSIFIED
+    of them: 0.3-0.75 s of this loop), so the loop's other work runs every ``RELABEL_SLICE``."""
     labels = plan.labels[name]
     out = []
     try:
         entries = deserialize_bytes(data)
     except InferError:
         entries = [b""]  # (refused below: not what a step answers)
-    for entry in entries:
+    for n, entry in enumerate(entries):
+        if n and not n % RELABEL_SLICE:
+            await asyncio.sleep(0)
         score, _, rest = entry.partition(b":")
         index = rest.split(b":", 1)[0]
         if not score or not index.isdigit():
@@ -410,14 +415,14 @@ def _wanted(plan: Plan, request: pb.ModelInferRequest) -> list[str]:
     return wanted
 
 
-def _response(plan: Plan, request: pb.ModelInferRequest, tensors: dict[str, _Tensor],
-              wanted: list[str]) -> pb.ModelInferResponse:
+async def _response(plan: Plan, request: pb.ModelInferRequest, tensors: dict[str, _Tensor],
+                    wanted: list[str]) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=plan.name, model_version="1", id=request.id)
     own = _own_labelled(plan, request) if plan.labels else ()
     for name in wanted:
         t = tensors[name]
         response.outputs.add(name=name, datatype=t.datatype, shape=list(t.shape))
-        response.raw_output_contents.append(_relabelled(plan, name, t.data) if name in own else t.data)
+        response.raw_output_contents.append(await _relabelled(plan, name, t.data) if name in own else t.data)
     return response
 
 

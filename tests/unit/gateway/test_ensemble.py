@@ -3,6 +3,7 @@
 upstream (no sockets)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -236,15 +237,49 @@ def test_an_ensembles_label_file_is_read_inside_its_folder_only(tmp_path: Path) 
         read_labels(folder, config)
 
 
+def test_a_large_classification_is_relabelled_in_slices_between_which_the_loop_runs() -> None:
+    """Up to MAX_CLASSIFIED entries (a Python step each): the loop's other work runs every
+    RELABEL_SLICE of them, not after all."""
+    from gateway.ensemble.executor import RELABEL_SLICE, _relabelled
+    from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
+
+    plan = compile_plan(ensemble(), lookup, {"Y": ("a", "", "c")})
+    n = 3 * RELABEL_SLICE + 1
+    step = serialize_bytes([f"0.5:{i % 4}".encode() for i in range(n)])
+
+    async def main() -> tuple[bytes, int]:
+        ticks = 0
+        done = False
+
+        async def other() -> None:
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(other())
+        await asyncio.sleep(0)
+        before = ticks
+        out = await _relabelled(plan, "Y", step)
+        done = True
+        await task
+        return out, ticks - before
+
+    out, ticks = asyncio.run(main())
+    assert ticks >= 3  # it ran between the slices
+    got = deserialize_bytes(out)
+    assert len(got) == n and got[:4] == [b"0.5:0:a", b"0.5:1", b"0.5:2:c", b"0.5:3"]
+
+
 def test_a_steps_classification_is_relabelled_with_the_ensembles_labels() -> None:
     from gateway.ensemble.executor import _relabelled
     from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
 
     plan = compile_plan(ensemble(), lookup, {"Y": ("a", "", "c")})
     step = serialize_bytes([b"0.900000:2:two", b"0.500000:1:one", b"0.100000:3", b"-1.000000:0:zero"])
-    assert deserialize_bytes(_relabelled(plan, "Y", step)) == [b"0.900000:2:c", b"0.500000:1", b"0.100000:3",
-                                                               b"-1.000000:0:a"]
+    assert deserialize_bytes(asyncio.run(_relabelled(plan, "Y", step))) == [
+        b"0.900000:2:c", b"0.500000:1", b"0.100000:3", b"-1.000000:0:a"]
     for bad in (serialize_bytes([b"0.9"]), serialize_bytes([b"0.9:x:two"]), b"\x09\x00"):
         with pytest.raises(InferError) as err:
-            _relabelled(plan, "Y", bad)
+            asyncio.run(_relabelled(plan, "Y", bad))
         assert err.value.code == Code.INTERNAL and "ensemble 'diamond' output 'Y'" in err.value.message
