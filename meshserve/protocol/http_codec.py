@@ -320,18 +320,19 @@ def _string(value: Any, where: str) -> str:
     return value
 
 
-def _entry_name(item: Any, what: str, index: int, seen: set[str], repeated: str) -> str:
+def _entry_name(item: Any, what: str, index: int, seen: set[str] | None = None, repeated: str = "") -> str:
     """The name of entry ``index`` of a request's 'inputs' or 'outputs' (``what``: "request
-    input" or "requested output"), checked: a JSON object whose 'name' is a string not in
-    ``seen`` (then added; ``repeated``: the message for a name seen before, {} the name)."""
+    input" or "requested output"), checked: a JSON object whose 'name' is a string, with ``seen``
+    one not in it (then added; ``repeated``: the message for a name seen before, {} the name)."""
     if not isinstance(item, dict):
         raise InferError.invalid(f"{what} {index} must be a JSON object, got {_json_type(item)}")
     if "name" not in item:
         raise InferError.invalid(f"{what} {index} has no 'name'")
     name = _string(item["name"], f"{what} {index} 'name'")
-    if name in seen:
-        raise InferError.invalid(repeated.format(name))
-    seen.add(name)
+    if seen is not None:
+        if name in seen:
+            raise InferError.invalid(repeated.format(name))
+        seen.add(name)
     return name
 
 
@@ -787,11 +788,10 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
     seen: set[str] = set()
     parameters = 0
     for index, item in enumerate(outputs):
-        name = _entry_name(item, "requested output", index, seen, "output '{}' is requested more than once")
+        name = _entry_name(item, "requested output", index)
         where = f"output '{name}'"
         params = _parameters(item.get("parameters"), f"{where} 'parameters'", where)
         parameters = _counted(parameters + len(params), "parameters in its requested outputs")
-        out = req.outputs.add(name=name)
         for key, value in params.items():
             if key == BINARY_DATA and not isinstance(value, bool):
                 raise InferError.invalid(f"{where}: '{BINARY_DATA}' must be a boolean, got {_show(value)}")
@@ -799,6 +799,11 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
                     isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise InferError.invalid(
                     f"{where}: '{CLASSIFICATION}' must be a non-negative integer, got {_show(value)}")
+        if name in seen:  # named again: Triton's HTTP front end answers it once, as its first entry says
+            continue
+        seen.add(name)
+        out = req.outputs.add(name=name)
+        for key, value in params.items():
             set_parameter(out.parameters[key], value, f"{where} parameter '{key}'", fast)
     return parameters
 

@@ -207,6 +207,8 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
                 if k:
                     check_classifiable(model.outputs[o.name].datatype)
             outputs.append((o.name, k))
+        if len(outputs) > 1 and len({n for n, _ in outputs}) < len(outputs):
+            outputs = _once_each(outputs)
     rows = batch if mbs > 0 else 1
     merged = hop.merged  # client requests a gateway merged into this one
     if merged is None:
@@ -222,6 +224,18 @@ def require_single_row(pending: Pending, model: str, max_batch_size: int) -> Non
         raise InferError.invalid(
             f"inference request to model '{model}' must specify batch-size 1 due to requirements "
             f"of sequence batcher (got {pending.rows})")
+
+
+def _once_each(outputs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Requested outputs named more than once, as Triton answers them: each output once, where it
+    was first named (core keeps a set of names), classified by the first of its entries that
+    asks for classes (the gRPC front end's ``classification_map_.emplace``; Triton's HTTP front end
+    keeps only the first entry, and so does meshserve's HTTP codec)."""
+    first: dict[str, int] = {}
+    for name, k in outputs:
+        if first.get(name, 0) == 0:
+            first[name] = k
+    return list(first.items())
 
 
 def int_param(p: pb.InferParameter) -> int:

@@ -139,3 +139,24 @@ def test_a_decoupled_models_responses_are_classified_each_and_bounded(gateway: P
     assert errors[0].message().endswith(f"makes {MAX_CLASSIFIED + 1} entries, more than {MAX_CLASSIFIED} in one response")
     good = [[e.decode() for e in r.as_numpy("OUTPUT0").reshape(-1)] for r, e in answers if e is None]
     assert good == [["2.000000:1", "1.000000:2"], ["2.000000:1", "1.000000:0"]]
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http"])
+def test_an_output_requested_twice_is_answered_once_as_triton_answers(gateway: Proc, proto: str) -> None:
+    """Triton 2.51 (measured): one output; over HTTP as the first entry says (here: not
+    classified), over gRPC classified by the first entry that asks for classes. Before, an
+    ONNX model answered the output twice over gRPC, and HTTP refused the request (400)."""
+    m = MODULES[proto]
+    x = np.array([[0, 5, 3]], dtype=np.int32)
+    inp = m.InferInput("INPUT0", list(x.shape), "INT32")
+    inp.set_data_from_numpy(x)
+    with m.InferenceServerClient(getattr(gateway, proto)) as c:
+        res = c.infer("id_int32", [inp], outputs=[m.InferRequestedOutput("OUTPUT0"),
+                                                  m.InferRequestedOutput("OUTPUT0", class_count=1)])
+        response = res.get_response()
+    names = [o["name"] for o in response["outputs"]] if proto == "http" else [o.name for o in response.outputs]
+    assert names == ["OUTPUT0"]
+    if proto == "http":
+        assert res.as_numpy("OUTPUT0").tolist() == [[0, 5, 3]]
+    else:
+        assert [[e.decode() for e in r] for r in res.as_numpy("OUTPUT0")] == [["5:1"]]

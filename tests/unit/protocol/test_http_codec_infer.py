@@ -349,11 +349,22 @@ def test_error_bad_parameters() -> None:
             None, "m", match="output 'O': 'binary_data' must be a boolean")
     invalid(parse_infer_request, _json_body(base, outputs=[{"name": "O", "parameters": {"classification": -1}}]),
             None, "m", match="output 'O': 'classification' must be a non-negative integer")
-    invalid(parse_infer_request, _json_body(base, outputs=[{"name": "O"}, {"name": "O"}]), None, "m",
-            match="output 'O' is requested more than once")
+    invalid(parse_infer_request, _json_body(base, outputs=[{"name": "O"}, {"name": "O", "parameters": {
+        "binary_data": "yes"}}]), None, "m", match="output 'O': 'binary_data' must be a boolean")  # (a repeat is checked too)
     bad_size = [{"name": "X", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": "4"}}]
     invalid(parse_infer_request, _json_body(bad_size) + b"1234", len(_json_body(bad_size)), "m",
             match="input 'X': 'binary_data_size' must be a non-negative integer")
+
+
+def test_an_output_requested_twice_is_answered_once_as_its_first_entry_says() -> None:
+    """Triton 2.51's HTTP front end (measured): one output, with the first entry's binary_data and
+    classification (a later entry's are not read). It was 400 here."""
+    base = [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1]}]
+    req = parse_infer_request(_json_body(base, outputs=[
+        {"name": "O", "parameters": {"binary_data": True}}, {"name": "P"},
+        {"name": "O", "parameters": {"binary_data": False, "classification": 2}}]), None, "m")
+    assert [o.name for o in req.outputs] == ["O", "P"]
+    assert dict(req.outputs[0].parameters) == {"binary_data": pb.InferParameter(bool_param=True)}
 
 
 def test_parse_header_length() -> None:
