@@ -1022,6 +1022,12 @@ _CONTENTS_FIELD: dict[str, str] = {
 }
 
 
+# the datatype Triton names a contents field by, when it does not match the input's
+_CONTENTS_KIND = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_contents": "INT64",
+                  "uint_contents": "UINT32", "uint64_contents": "UINT64", "fp32_contents": "FP32",
+                  "fp64_contents": "FP64", "bytes_contents": "BYTES"}
+
+
 def typed_to_bytes(t: pb.ModelInferRequest.InferInputTensor, model: str) -> bytes:
     """An input's typed InferTensorContents (KServe SDK, hand-written stubs) as raw little-endian
     bytes (BYTES: length-prefixed), as raw_input_contents would carry them."""
@@ -1030,6 +1036,12 @@ def typed_to_bytes(t: pb.ModelInferRequest.InferInputTensor, model: str) -> byte
         raise InferError.invalid(
             f"input '{t.name}' for model '{model}': datatype {t.datatype} cannot travel in typed "
             "contents; use raw_input_contents")
+    for descriptor, _ in t.contents.ListFields():  # (the fields that hold values)
+        if descriptor.name != field_name:  # Triton's check and words (grpc/infer_handler.cc)
+            kind = _CONTENTS_KIND[descriptor.name]
+            raise InferError.invalid(
+                f"unexpected explicit tensor data for input tensor '{t.name}' for model '{model}' of type "
+                f"'{kind}', expected datatype '{t.datatype}'")
     values = getattr(t.contents, field_name)
     if t.datatype == "BYTES":
         return datatypes.serialize_bytes(values)

@@ -372,6 +372,26 @@ def test_stream_answers_each_request_and_a_malformed_message_ends_the_stream_wit
         assert "deserializing" in (err.value.details() or "")
 
 
+def test_typed_contents_of_another_kind_than_the_datatype_are_refused_in_tritons_words(target: dict[str, str]) -> None:
+    """An FP32 input whose values travel in int_contents: Triton 2.51's INVALID_ARGUMENT text
+    (measured; grpc/infer_handler.cc). It was "needs 64 bytes, got 0" (the contents read as empty)."""
+    import grpc
+
+    from meshserve._proto import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="add_sub")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="FP32", shape=[1, 16]).contents.int_contents.extend(range(16))
+    with grpc.insecure_channel(target["grpc"]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as err:
+            call(request.SerializeToString(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == ("unexpected explicit tensor data for input tensor 'INPUT0' for model 'add_sub' "
+                                   "of type 'INT32', expected datatype 'FP32'")
+
+
 @pytest.mark.parametrize("dt", ["BYTES", "FP32"])
 def test_a_large_request_of_typed_contents_is_read_off_the_loop_and_answered(dt: str, target: dict[str, str]) -> None:
     """A gRPC request over infer_checks.HEAVY_FROM whose tensors travel in typed contents (the
