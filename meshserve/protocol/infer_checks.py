@@ -195,3 +195,20 @@ def heavy(raw: bytes) -> bool:
 
 
 _RAW_KEY = 7 << 3 | 2  # raw_input_contents (7), length-delimited
+
+
+def missing_inputs(model: str, inputs: int, required: int, got: list[str], missing: list[str]) -> InferError:
+    """Triton's refusal of a request without all of its model's required inputs (core's
+    infer_request.cc, ValidateRequestInputs; NVIDIA's L0_input_validation checks its text), without
+    its "[request id: ...]" prefix, as every error here. ``inputs``: the model's inputs, ``required``
+    how many of them are; ``got``: the request's (Triton lists them in its map's order; here in the
+    request's), ``missing``: in the config's order."""
+    def listed(names: list[str]) -> str:
+        return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+    expected = f"expected {inputs} inputs" if required == inputs else \
+        f"expected number of inputs between {required} and {inputs}"
+    return InferError.invalid(
+        f"{expected} but got {len(got)} inputs for model '{model}'. Got input(s) {listed(got)}, but missing "
+        f"required input(s) {listed(missing)}. Please provide all required input(s).")
+

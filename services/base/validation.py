@@ -22,6 +22,7 @@ from meshserve.protocol.infer_checks import (
     MAX_BYTES_ELEMENTS,
     check_bytes_elements,
     int_value,
+    missing_inputs,
     mixed_contents,
     reject_mixed_contents,
 )
@@ -186,9 +187,7 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
     if len(inputs) < len(specs):
         missing = [n for n in model.required_inputs if n not in inputs]
         if missing:
-            raise InferError.invalid(
-                f"expected {len(model.required_inputs)} inputs but got {len(inputs)} inputs for model "
-                f"'{name}'; missing {missing}")
+            raise missing_inputs(name, len(specs), len(model.required_inputs), list(inputs), missing)
     outputs = model.all_outputs
     wanted = request.outputs
     if wanted:

@@ -372,6 +372,19 @@ def test_stream_answers_each_request_and_a_malformed_message_ends_the_stream_wit
         assert "deserializing" in (err.value.details() or "")
 
 
+@pytest.mark.parametrize("proto", PROTOCOLS)
+def test_a_missing_input_is_refused_in_tritons_words(proto: str, target: dict[str, str]) -> None:
+    """Triton's text (core's ValidateRequestInputs, which NVIDIA's L0_input_validation asserts),
+    through the real tritonclient; it was "...; missing ['INPUT0']"."""
+    m = mod(proto)
+    inp = m.InferInput("INPUT1", [1, 16], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 16), np.float32))
+    with client(proto, target[proto]) as c, pytest.raises(InferenceServerException) as err:
+        c.infer("add_sub", [inp])
+    assert err.value.message() == ("expected 2 inputs but got 1 inputs for model 'add_sub'. Got input(s) ['INPUT1'], "
+                                   "but missing required input(s) ['INPUT0']. Please provide all required input(s).")
+
+
 def test_typed_contents_of_another_kind_than_the_datatype_are_refused_in_tritons_words(target: dict[str, str]) -> None:
     """An FP32 input whose values travel in int_contents: Triton 2.51's INVALID_ARGUMENT text
     (measured; grpc/infer_handler.cc). It was "needs 64 bytes, got 0" (the contents read as empty)."""

@@ -237,6 +237,29 @@ def test_an_ensembles_label_file_is_read_inside_its_folder_only(tmp_path: Path) 
         read_labels(folder, config)
 
 
+def test_an_ensembles_request_is_refused_in_tritons_words() -> None:
+    """An ensemble's request mistakes as Triton words them for any model (core's
+    ValidateRequestInputs and its input checks): the gateway checks them itself."""
+    from gateway.ensemble.executor import _inputs
+
+    plan = compile_plan(ensemble(), lookup, {})
+
+    def refused(*inputs: tuple[str, str]) -> str:
+        request = pb.ModelInferRequest(model_name="diamond")
+        for name, datatype in inputs:
+            request.inputs.add(name=name, datatype=datatype, shape=[1, 4])
+            request.raw_input_contents.append(bytes(16))
+        with pytest.raises(InferError) as err:
+            _inputs(plan, request)
+        assert err.value.code == Code.INVALID_ARG
+        return err.value.message
+
+    assert refused() == ("expected 1 inputs but got 0 inputs for model 'diamond'. Got input(s) [], but missing "
+                         "required input(s) ['X']. Please provide all required input(s).")
+    assert refused(("Y", "FP32")) == "unexpected inference input 'Y' for model 'diamond'; model inputs are ['X']"
+    assert refused(("X", "INT32")) == "inference input 'X' data-type is 'INT32', but model 'diamond' expects 'FP32'"
+
+
 def test_a_large_classification_is_relabelled_in_slices_between_which_the_loop_runs() -> None:
     """Up to MAX_CLASSIFIED entries (a Python step each): the loop's other work runs every
     RELABEL_SLICE of them, not after all."""
