@@ -146,16 +146,29 @@ def deserialize_bytes(buf: bytes | memoryview, count: int | None = None) -> list
     return out
 
 
-def bytes_element_count(buf: bytes | memoryview) -> int:
-    """Count elements of a BYTES buffer without copying them (validates the framing)."""
+def check_bytes_framing(buf: bytes | memoryview, count: int, name: str, model: str) -> None:
+    """A BYTES input's buffer holds exactly ``count`` length-prefixed elements (its shape's), walked
+    without copying them and at most one past ``count``, as Triton walks it (core's
+    infer_request.cc, ValidateBytesInputs): a buffer of millions of elements declared as one is
+    refused at the second, where counting them all held a service's event loop 1.6 s for 16 MB
+    (docs/security.md, "Session 23: BYTES framing"). The texts are Triton's (NVIDIA's
+    L0_input_validation asserts two of them); one it does not check, an element that runs past the
+    end of the buffer, is refused here."""
     mv = memoryview(buf)
     pos, end, n = 0, len(mv), 0
+    where = f"inference input '{name}' for model '{model}'"
     while pos < end:
         if pos + 4 > end:
-            raise InferError.invalid("BYTES tensor truncated: incomplete 4-byte length prefix")
+            raise InferError.invalid(
+                f"incomplete string length indicator for {where}, expecting 4 bytes but only {end - pos} bytes "
+                "available. Please make sure the string length indicator is in one buffer.")
+        n += 1
+        if n > count:
+            raise InferError.invalid(f"unexpected number of string elements {n} for {where}, expecting {count}")
         (size,) = _LEN.unpack_from(mv, pos)
         pos += 4 + size
         if pos > end:
-            raise InferError.invalid("BYTES tensor truncated: element runs past the end")
-        n += 1
-    return n
+            raise InferError.invalid(f"string element {n} of {where} runs past the end of its data "
+                                     f"({size} bytes, {end - pos + size} left)")
+    if n != count:
+        raise InferError.invalid(f"expected {count} string elements for {where}, got {n}")

@@ -168,20 +168,15 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
         if spec.element_size:
             data = raw[i] if raw else typed_to_bytes(t, name)
             expected = count * spec.element_size
-            if len(data) != expected:
-                raise InferError.invalid(
-                    f"input '{t.name}' for model '{name}': shape {list(shape)} of {spec.datatype} needs "
-                    f"{expected} bytes, got {len(data)}")
+            if len(data) != expected:  # (Triton's words: NVIDIA's L0_input_validation asserts them)
+                raise InferError.invalid(f"input byte size mismatch for input '{t.name}' for model '{name}'. "
+                                         f"Expected {expected}, got {len(data)}")
         else:  # BYTES: bounded by the shape before any element is walked (infer_checks.MAX_BYTES_ELEMENTS)
             strings += count
             if strings > MAX_BYTES_ELEMENTS:
                 check_bytes_elements(strings, f"input '{t.name}' for model '{name}'")
             data = raw[i] if raw else typed_to_bytes(t, name)
-            got = datatypes.bytes_element_count(data)
-            if got != count:
-                raise InferError.invalid(
-                    f"input '{t.name}' for model '{name}': shape {list(shape)} needs {count} BYTES "
-                    f"elements, got {got}")
+            datatypes.check_bytes_framing(data, count, t.name, name)
         inputs[tname] = InputData(spec, shape, data)
         sig.append(() if tname in model.ragged else (inner if mbs > 0 else shape))
     if len(inputs) < len(specs):
