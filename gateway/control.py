@@ -13,7 +13,7 @@ from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.errors import Code, InferError
 from meshserve.repository import layout
 from meshserve.repository.errors import ConfigError
-from meshserve.repository.names import check_file_path, check_model_name
+from meshserve.repository.names import check_file_path, check_load_name, check_model_name
 from meshserve.server.core import RequestContext
 from meshserve.server.repository_control import FILES_NEED_CONFIG, ControlPolicy, poll_failed
 
@@ -69,7 +69,7 @@ class ModelControl:
         """Triton's explicit-mode load across the mesh: the model's kind comes from the load's
         `config` override, else from the replicas whose repository holds it (each service lists
         every model directory of its kind); every healthy replica of that kind loads it."""
-        check_model_name(name)  # the access table made sure the caller is an admin (with tenants)
+        check_load_name(name)  # the access table made sure the caller is an admin (with tenants)
         self.policy.check("load", name, parameters, ctx.peer, self.tenants)
         files = [k[len("file:"):] for k in parameters if k.startswith("file:")]
         for rel in files:

@@ -377,6 +377,13 @@ def _cmd_up(args: argparse.Namespace) -> None:
         if e.error:
             print(f"meshserve up: model '{e.name}' has a problem and will not load: {e.error}", flush=True)
     services_here = _service_kinds()
+    if not needed:
+        # An empty repository (or ensembles only): Triton starts on it, and models copied in later
+        # are loaded through the repository API. A service of every kind this build can run, so
+        # that any of them can be (a model of a kind not started here could not be).
+        needed = [k for k in services_here if _missing_runtime(k) is None]
+        print(f"meshserve up: {repo} holds no model yet: starting a service of every kind this build runs "
+              f"({', '.join(needed)}), so that models copied in later can be loaded", flush=True)
     runnable = [k for k in needed if k in services_here and _missing_runtime(k) is None]
     for k in needed:
         if k not in runnable:

@@ -62,6 +62,23 @@ def check_model_name(name: str, what: str = "model name") -> str:
     return name
 
 
+_TRIMMED = " \t\n\v\f\r"  # (boost::trim's whitespace in the C locale)
+
+
+def check_load_name(name: str) -> str:
+    """A model name a load request gives: Triton's checks and words first (core's
+    model_repository_manager.cc, ValidateModelName, on load only; NVIDIA's L0_input_validation
+    asserts them), the rule named after them: empty once trimmed of whitespace, or ".." or a '/'
+    in it once trimmed; then ``check_model_name``'s rule."""
+    trimmed = name.strip(_TRIMMED)
+    if not trimmed:
+        _invalid(f"Model name cannot be empty. Please enter a valid name to deploy. ({NAME_RULE})")
+    if trimmed == ".." or "/" in trimmed:
+        _invalid(f"invalid model name {_shown(name)}, model name must not contain path traversal characters "
+                 f"({NAME_RULE})")
+    return check_model_name(name)
+
+
 def _why(name: str) -> str:
     if not name:
         return "it is empty"

@@ -23,7 +23,7 @@ from meshserve.protocol.errors import InferError, model_not_found
 from meshserve.repository import kinds, layout
 from meshserve.repository.config import ConfigError, load_model_config, parse_config_json
 from meshserve.repository.labels import read_labels
-from meshserve.repository.names import check_model_name, check_version, model_file_path
+from meshserve.repository.names import check_load_name, check_model_name, check_version, model_file_path
 from meshserve.server import admission, connections
 from meshserve.server.access import ALL, Grant, Op
 from meshserve.server.core import (
@@ -728,7 +728,7 @@ class ServiceCore:
     def _check_control(self, action: str, name: str, parameters: dict[str, pb.ModelRepositoryParameter],
                        ctx: RequestContext) -> None:
         """A load or unload may go ahead: a valid name, the control API on, the caller allowed."""
-        check_model_name(name)
+        (check_load_name if action == "load" else check_model_name)(name)
         refused = self.control.api_error()
         if refused:
             raise InferError.unsupported(refused)

@@ -122,3 +122,32 @@ def test_config_file_names_stay_inside_the_model_directory(tmp_path: Path) -> No
         with pytest.raises(ConfigError) as err:
             load_model_config(model, override_json=override)
         assert field in str(err.value) and "not a file name inside the model directory" in str(err.value)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("", "Model name cannot be empty. Please enter a valid name to deploy."),
+    (" \t\n\r\f\v ", "Model name cannot be empty. Please enter a valid name to deploy."),
+    ("..", "invalid model name '..', model name must not contain path traversal characters"),
+    (" ..", "invalid model name ' ..', model name must not contain path traversal characters"),
+    ("a/../b", "invalid model name 'a/../b', model name must not contain path traversal characters"),
+    ("model/", "invalid model name 'model/', model name must not contain path traversal characters"),
+])
+def test_a_load_refuses_names_in_tritons_words(name: str, message: str) -> None:
+    """Triton's checks of a loaded model's name (core's ValidateModelName; NVIDIA's
+    L0_input_validation ModelNameValidationTest asserts them), before meshserve's own rule."""
+    from meshserve.repository.names import check_load_name
+
+    from meshserve.repository.names import NAME_RULE
+
+    with pytest.raises(InferError) as err:
+        check_load_name(name)
+    assert err.value.message == f"{message} ({NAME_RULE})"
+
+
+def test_a_load_takes_names_triton_takes_and_the_rule_allows() -> None:
+    from meshserve.repository.names import check_load_name
+
+    for name in ("model123", "model.version1", "...", "..my_model", "model..1"):
+        assert check_load_name(name) == name
+    with pytest.raises(InferError):
+        check_load_name("a\\b")  # (meshserve's own rule: one path component on every platform)
