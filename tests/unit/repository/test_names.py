@@ -135,9 +135,7 @@ def test_config_file_names_stay_inside_the_model_directory(tmp_path: Path) -> No
 def test_a_load_refuses_names_in_tritons_words(name: str, message: str) -> None:
     """Triton's checks of a loaded model's name (core's ValidateModelName; NVIDIA's
     L0_input_validation ModelNameValidationTest asserts them), before meshserve's own rule."""
-    from meshserve.repository.names import check_load_name
-
-    from meshserve.repository.names import NAME_RULE
+    from meshserve.repository.names import NAME_RULE, check_load_name
 
     with pytest.raises(InferError) as err:
         check_load_name(name)
