@@ -84,10 +84,16 @@ async def _decode(request: Request, fn: Any, chunks: list[bytes], *args: Any, si
     request's tenant (with tenants: one tenant's large bodies hold at most its share of the workers)."""
     if _inline(chunks, size):
         return fn(_joined(chunks), *args)
+    return await _in_worker(request, fn.__name__, chunks, *args)
+
+
+async def _in_worker(request: Request, fn_name: str, body: Any, *args: Any) -> Any:
+    """The body worker's ``fn_name(body, *args)``, in the line of the request's tenant (with
+    tenants: one tenant's large bodies and answers hold at most its share of the workers)."""
     who = request.caller()
     if who is None:
-        return await body_worker.worker().call(fn.__name__, chunks, *args)
-    return await body_worker.worker().call(fn.__name__, chunks, *args, tenant=who[0], share=who[1])
+        return await body_worker.worker().call(fn_name, body, *args)
+    return await body_worker.worker().call(fn_name, body, *args, tenant=who[0], share=who[1])
 
 
 def _route_arm(message: pb.ModelInferResponse, headers: dict[str, str]) -> None:
@@ -105,11 +111,8 @@ async def _generate_body(request: Request, result: InferResult, infer_request: p
     held = result.held_raw
     if (len(held) if held is not None else result.message().ByteSize()) <= body_worker.OFFLOAD_BYTES:
         return generate_codec.render_generate_response(result.message(), infer_request)
-    args = (result.serialized(), http_codec.rendering_request(infer_request))
-    who = request.caller()
-    worker = body_worker.worker()
-    return cast(bytes, await (worker.call("render_generate_answer", *args) if who is None else
-                              worker.call("render_generate_answer", *args, tenant=who[0], share=who[1])))
+    return cast(bytes, await _in_worker(request, "render_generate_answer", result.serialized(),
+                                        http_codec.rendering_request(infer_request)))
 
 
 class HttpFrontend:
@@ -302,12 +305,8 @@ class HttpFrontend:
         formatting, in C calls that hold the GIL: 15 million floats held a front door's loop
         for 1.3-2 s), rendered by the body worker, in the line of the request's tenant
         (docs/security.md, "Session 23: answers written as JSON")."""
-        args = (result.serialized(), http_codec.rendering_request(infer_request))
-        who = request.caller()
-        worker = body_worker.worker()
-        rendered = await (worker.call("render_answer", *args) if who is None else
-                          worker.call("render_answer", *args, tenant=who[0], share=who[1]))
-        out_body, headers = rendered
+        out_body, headers = await _in_worker(request, "render_answer", result.serialized(),
+                                             http_codec.rendering_request(infer_request))
         _route_arm(result.message(), headers)
         return out_body, headers
 
