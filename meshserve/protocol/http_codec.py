@@ -369,9 +369,9 @@ def parse_infer_request(
     total = len(view)
     if header_length is None:
         header = view
-    elif header_length == 0:
+    elif header_length == 0:  # (the front doors read these with the model's config: raw_binary_request)
         raise InferError.invalid(
-            f"raw binary requests ({HEADER_LENGTH}: 0) are not supported by meshserve; "
+            f"a raw binary request ({HEADER_LENGTH}: 0) needs its model's configuration; "
             "send a JSON header describing the input followed by its binary data")
     elif header_length < 0 or header_length > total:
         raise InferError.invalid(
@@ -1442,6 +1442,44 @@ def _render(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> t
         HEADER_LENGTH: str(len(header)),
         "Content-Type": BINARY_CONTENT_TYPE,
     }
+
+
+def raw_binary_request(body: bytes, config: mc.ModelConfig, name: str, version: str) -> pb.ModelInferRequest:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``: the whole body is the
+    one input of a one-input model, every output answered binary), its input's name, datatype and
+    shape taken from the model's ``config`` as Triton's core takes them (infer_request.cc,
+    Normalize): batch 1 for a batching model, the one variable-sized dimension (if any) from the
+    body's size, a BYTES input only of shape [1] (its one element the whole body). Its refusals are
+    Triton's words; NVIDIA's qa/L0_http asserts them."""
+    if len(config.input) != 1:
+        raise InferError.invalid(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                                 f"{len(config.input)} inputs in '{name}' model configuration")
+    spec = config.input[0]
+    shape = [1] if config.max_batch_size != 0 else []
+    dynamic = -1
+    count = 1
+    for dim in spec.dims:
+        if dim == -1:
+            if dynamic != -1:
+                raise InferError.invalid(f"The shape of the raw input '{spec.name}' can not be deduced because there "
+                                         "are more than one variable-sized dimension")
+            dynamic = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    datatype = datatypes.config_to_wire(spec.data_type)
+    if datatype == "BYTES":
+        if dynamic != -1 or count != 1:
+            raise InferError.invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+        body = struct.pack("<I", len(body)) + body  # (Triton's convention: the element's length first)
+    elif dynamic != -1:
+        size = datatypes.element_size(datatype)
+        shape[dynamic] = len(body) // count // size if count and size else 0
+    request = pb.ModelInferRequest(model_name=name, model_version=version)
+    request.inputs.add(name=spec.name, datatype=datatype, shape=shape)
+    request.raw_input_contents.append(body)
+    request.parameters[BINARY_DATA_OUTPUT].bool_param = True
+    return request
 
 
 def json_output_bytes(response: pb.ModelInferResponse, request: pb.ModelInferRequest) -> int:

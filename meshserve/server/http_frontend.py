@@ -242,7 +242,10 @@ class HttpFrontend:
         raw: bytes | None = None  # the request serialized, when the codec made it so (a gateway forwards it)
         nbytes = sum(map(len, body))
         # _decode's first case without its coroutine (and _inline, _joined in line): every request's path
-        if (nbytes if header_length is None else header_length) <= body_worker.OFFLOAD_BYTES:
+        if header_length == 0:  # Triton's raw binary request: the input's metadata from the model's config
+            config = (await self.core.model_config(name, version)).config
+            infer_request = http_codec.raw_binary_request(_joined(body), config, name, version)
+        elif (nbytes if header_length is None else header_length) <= body_worker.OFFLOAD_BYTES:
             infer_request, plan, raw = http_codec.parse_infer(body[0] if len(body) == 1 else b"".join(body),
                                                               header_length, name, version,
                                                               self.forwards and self.forwarded(name))

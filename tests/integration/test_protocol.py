@@ -498,6 +498,30 @@ def test_large_answers_made_off_the_loop_come_whole(target: dict[str, str]) -> N
         assert np.array_equal(got, x[0]), path
 
 
+def test_a_raw_binary_request_is_read_with_its_models_config(target: dict[str, str]) -> None:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0, the body the one input's
+    bytes): batch 1, the variable dimension from the body's size, every output binary; a model of
+    more inputs or a BYTES input of more than one element refused in Triton's words (NVIDIA's
+    qa/L0_http asserts them). It was refused as unsupported."""
+    x = np.arange(8, dtype=np.float32)
+    raw = {"Inference-Header-Content-Length": "0"}
+    req = urllib.request.Request(f"http://{target['http']}/v2/models/identity_fp32/infer", data=x.tobytes(),
+                                 headers=raw, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        n = int(r.headers["Inference-Header-Content-Length"])
+        body = r.read()
+    header = json.loads(body[:n])
+    assert header["outputs"] == [{"name": "OUTPUT0", "datatype": "FP32", "shape": [1, 8],
+                                  "parameters": {"binary_data_size": 32}}]
+    assert body[n:] == x.tobytes()
+    status, err = _post(f"http://{target['http']}/v2/models/add_sub/infer", x.tobytes(), raw)
+    assert status == 400 and err["error"] == ("Raw request must only have 1 input (found 1) to be deduced but got 2 "
+                                              "inputs in 'add_sub' model configuration"), err
+    status, err = _post(f"http://{target['http']}/v2/models/identity_bytes/infer", b"427", raw)
+    assert status == 400 and err["error"] == ("For BYTE datatype raw input 'INPUT0', the model must have input "
+                                              "shape [1]"), err
+
+
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST")
     try:

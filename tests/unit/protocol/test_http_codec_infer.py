@@ -258,7 +258,7 @@ def test_error_binary_extra_and_truncated_bytes() -> None:
     invalid(parse_infer_request, json_only + b"junk", len(json_only), "m", match="no input has a 'binary_data_size'")
     invalid(parse_infer_request, body, None, "m", match="failed to parse")  # header missing: not JSON
     invalid(parse_infer_request, body, len(body) + 1, "m", match="has only")
-    invalid(parse_infer_request, body, 0, "m", match="raw binary requests")
+    invalid(parse_infer_request, body, 0, "m", match="a raw binary request")  # (the front doors read those with the config)
 
 
 def test_error_binary_input_without_header() -> None:
@@ -592,3 +592,35 @@ def test_json_data_decoded_past_decoded_max_is_too_large(monkeypatch: pytest.Mon
             http_codec.parse_infer_request(past, None, "m")
         assert err.value.code == Code.TOO_LARGE
         assert err.value.message.endswith("the request's tensors decode to more than 1000 bytes (--max-request-bytes)")
+
+
+def test_a_raw_binary_request_takes_its_input_from_the_config() -> None:
+    """http_codec.raw_binary_request: Triton's core rules (infer_request.cc, Normalize) and words."""
+    from google.protobuf import text_format
+
+    from meshserve._proto import model_config_pb2 as mc
+    from meshserve.protocol.http_codec import raw_binary_request
+
+    def config(text: str) -> mc.ModelConfig:
+        return text_format.Parse(text, mc.ModelConfig())
+
+    batched = config('max_batch_size: 8 input [ { name: "X" data_type: TYPE_FP16 dims: [ 3, -1 ] } ]')
+    req = raw_binary_request(bytes(24), batched, "m", "2")
+    assert (req.model_name, req.model_version, req.inputs[0].name, req.inputs[0].datatype) == ("m", "2", "X", "FP16")
+    assert list(req.inputs[0].shape) == [1, 3, 4] and req.raw_input_contents[0] == bytes(24)
+    assert req.parameters["binary_data_output"].bool_param
+    fixed = config('input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]')
+    assert list(raw_binary_request(bytes(8), fixed, "m", "").inputs[0].shape) == [2]  # (no batch dimension)
+    one = config('input [ { name: "S" data_type: TYPE_STRING dims: [ 1 ] } ]')
+    assert raw_binary_request(b"427", one, "m", "").raw_input_contents[0] == b"\x03\x00\x00\x00427"
+    for text, message in [
+        ('input [ { name: "S" data_type: TYPE_STRING dims: [ -1 ] } ]',
+         "For BYTE datatype raw input 'S', the model must have input shape [1]"),
+        ('input [ { name: "X" data_type: TYPE_FP32 dims: [ -1, -1 ] } ]',
+         "The shape of the raw input 'X' can not be deduced because there are more than one variable-sized dimension"),
+        ('input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 1 ] } ]',
+         "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'm' model configuration"),
+    ]:
+        with pytest.raises(InferError) as err:
+            raw_binary_request(b"1234", config(text), "m", "")
+        assert err.value.message == message
