@@ -663,7 +663,7 @@ def _infer_request(doc: Any, view: memoryview, header_length: int | None, json_e
     seen: set[str] = set()
     raw = req.raw_input_contents
     for index, item in enumerate(inputs):
-        name = _entry_name(item, "request input", index, seen, "input '{}' appears more than once in the request")
+        name = _entry_name(item, "request input", index, seen, "input '{}' already exists in request")  # (Triton's words)
         where = f"input '{name}'"
         datatype, shape = _parse_tensor_spec(item, where)
 
@@ -788,10 +788,12 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
     seen: set[str] = set()
     parameters = 0
     for index, item in enumerate(outputs):
-        name = _entry_name(item, "requested output", index)
+        # (a name twice: Triton's words since its core refuses it, 2026-04; 2.51 answered it once)
+        name = _entry_name(item, "requested output", index, seen, "output '{}' already exists in request")
         where = f"output '{name}'"
         params = _parameters(item.get("parameters"), f"{where} 'parameters'", where)
         parameters = _counted(parameters + len(params), "parameters in its requested outputs")
+        out = req.outputs.add(name=name)
         for key, value in params.items():
             if key == BINARY_DATA and not isinstance(value, bool):
                 raise InferError.invalid(f"{where}: '{BINARY_DATA}' must be a boolean, got {_show(value)}")
@@ -799,11 +801,6 @@ def _parse_requested_outputs(req: pb.ModelInferRequest, outputs: Any, fast: bool
                     isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise InferError.invalid(
                     f"{where}: '{CLASSIFICATION}' must be a non-negative integer, got {_show(value)}")
-        if name in seen:  # named again: Triton's HTTP front end answers it once, as its first entry says
-            continue
-        seen.add(name)
-        out = req.outputs.add(name=name)
-        for key, value in params.items():
             set_parameter(out.parameters[key], value, f"{where} parameter '{key}'", fast)
     return parameters
 

@@ -142,21 +142,17 @@ def test_a_decoupled_models_responses_are_classified_each_and_bounded(gateway: P
 
 
 @pytest.mark.parametrize("proto", ["grpc", "http"])
-def test_an_output_requested_twice_is_answered_once_as_triton_answers(gateway: Proc, proto: str) -> None:
-    """Triton 2.51 (measured): one output; over HTTP as the first entry says (here: not
-    classified), over gRPC classified by the first entry that asks for classes. Before, an
-    ONNX model answered the output twice over gRPC, and HTTP refused the request (400)."""
+def test_an_output_requested_twice_is_refused_in_tritons_words(gateway: Proc, proto: str) -> None:
+    """Triton's core refuses it since 2026-04 ("output 'OUTPUT0' already exists in request",
+    NVIDIA's qa/L0_http asserts it; 2.51 answered it once). Before, an ONNX model answered the
+    output twice over gRPC, and HTTP refused it in other words."""
     m = MODULES[proto]
     x = np.array([[0, 5, 3]], dtype=np.int32)
     inp = m.InferInput("INPUT0", list(x.shape), "INT32")
     inp.set_data_from_numpy(x)
-    with m.InferenceServerClient(getattr(gateway, proto)) as c:
-        res = c.infer("id_int32", [inp], outputs=[m.InferRequestedOutput("OUTPUT0"),
-                                                  m.InferRequestedOutput("OUTPUT0", class_count=1)])
-        response = res.get_response()
-    names = [o["name"] for o in response["outputs"]] if proto == "http" else [o.name for o in response.outputs]
-    assert names == ["OUTPUT0"]
-    if proto == "http":
-        assert res.as_numpy("OUTPUT0").tolist() == [[0, 5, 3]]
-    else:
-        assert [[e.decode() for e in r] for r in res.as_numpy("OUTPUT0")] == [["5:1"]]
+    with m.InferenceServerClient(getattr(gateway, proto)) as c, pytest.raises(InferenceServerException) as err:
+        c.infer("id_int32", [inp], outputs=[m.InferRequestedOutput("OUTPUT0"),
+                                            m.InferRequestedOutput("OUTPUT0", class_count=1)])
+    assert err.value.status() == ("StatusCode.INVALID_ARGUMENT" if proto == "grpc" else "400")
+    assert err.value.message() == "output 'OUTPUT0' already exists in request"
+
