@@ -194,7 +194,6 @@ class GatewayCore:
             self.cache.scoped = admission is not None
             if isinstance(store, LocalCache):
                 store.scoped = self.cache.scoped
-            if isinstance(store, LocalCache):
                 self.cache.front = FrontDoor(self.cache, store, self.request_counts, admission)
                 self.grpc_hit, self.http_hit = self.cache.front.grpc, self.cache.front.http
                 if self.cache.front.at_once:  # its gRPC hits answered before the call's Task (grpc_frontend.register)

@@ -23,7 +23,7 @@ from gateway.ensemble.plan import Plan, Step
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve.protocol.datatypes import deserialize_bytes, serialize_bytes
 from meshserve.protocol.errors import Code, InferError
-from meshserve.protocol.infer_checks import missing_inputs
+from meshserve.protocol.infer_checks import datatype_mismatch, missing_inputs, unexpected_input
 from meshserve.repository.labels import label_of
 from meshserve.server.admission import tenant_cap
 from meshserve.server.slots import Slots
@@ -434,12 +434,10 @@ def _inputs(plan: Plan, request: pb.ModelInferRequest) -> dict[str, _Tensor]:
     tensors: dict[str, _Tensor] = {}
     for t, raw in zip(request.inputs, request.raw_input_contents, strict=True):
         spec = plan.inputs.get(t.name)
-        if spec is None:  # (Triton's words, as a service's; the inputs named after them)
-            raise InferError.invalid(f"unexpected inference input '{t.name}' for model '{plan.name}'; "
-                                     f"model inputs are {sorted(plan.inputs)}")
+        if spec is None:  # (Triton's words, as a service's)
+            raise unexpected_input(t.name, plan.name, plan.inputs)
         if t.datatype != spec.datatype:
-            raise InferError.invalid(f"inference input '{t.name}' data-type is '{t.datatype}', but model "
-                                     f"'{plan.name}' expects '{spec.datatype}'")
+            raise datatype_mismatch(t.name, t.datatype, plan.name, spec.datatype)
         tensors[t.name] = _Tensor(t.datatype, tuple(t.shape), raw)
     if len(tensors) < len(plan.inputs):  # (an ensemble's inputs are all required)
         missing = [n for n in plan.inputs if n not in tensors]

@@ -320,19 +320,18 @@ def _string(value: Any, where: str) -> str:
     return value
 
 
-def _entry_name(item: Any, what: str, index: int, seen: set[str] | None = None, repeated: str = "") -> str:
+def _entry_name(item: Any, what: str, index: int, seen: set[str], repeated: str) -> str:
     """The name of entry ``index`` of a request's 'inputs' or 'outputs' (``what``: "request
-    input" or "requested output"), checked: a JSON object whose 'name' is a string, with ``seen``
-    one not in it (then added; ``repeated``: the message for a name seen before, {} the name)."""
+    input" or "requested output"), checked: a JSON object whose 'name' is a string not in
+    ``seen`` (then added; ``repeated``: the message for a name seen before, {} the name)."""
     if not isinstance(item, dict):
         raise InferError.invalid(f"{what} {index} must be a JSON object, got {_json_type(item)}")
     if "name" not in item:
         raise InferError.invalid(f"{what} {index} has no 'name'")
     name = _string(item["name"], f"{what} {index} 'name'")
-    if seen is not None:
-        if name in seen:
-            raise InferError.invalid(repeated.format(name))
-        seen.add(name)
+    if name in seen:
+        raise InferError.invalid(repeated.format(name))
+    seen.add(name)
     return name
 
 
@@ -1468,7 +1467,7 @@ def raw_binary_request(body: bytes, config: mc.ModelConfig, name: str, version: 
     if datatype == "BYTES":
         if dynamic != -1 or count != 1:
             raise InferError.invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
-        body = struct.pack("<I", len(body)) + body  # (Triton's convention: the element's length first)
+        body = datatypes.serialize_bytes([body])  # (one element: its length first, Triton's convention)
     elif dynamic != -1:
         size = datatypes.element_size(datatype)
         shape[dynamic] = len(body) // count // size if count and size else 0

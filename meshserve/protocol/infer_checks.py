@@ -1,6 +1,8 @@
 """Checks every front door applies to a parsed ModelInferRequest before it goes anywhere."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from google.protobuf.message import Message
 
 from meshserve._proto import grpc_service_pb2 as pb
@@ -211,4 +213,18 @@ def missing_inputs(model: str, inputs: int, required: int, got: list[str], missi
     return InferError.invalid(
         f"{expected} but got {len(got)} inputs for model '{model}'. Got input(s) {listed(got)}, but missing "
         f"required input(s) {listed(missing)}. Please provide all required input(s).")
+
+
+def unexpected_input(name: str, model: str, inputs: Iterable[str]) -> InferError:
+    """Triton's refusal of an input its model does not have, the model's inputs named after it
+    (the services' ``prepare`` and the gateway's ensembles)."""
+    return InferError.invalid(f"unexpected inference input '{name}' for model '{model}'; "
+                              f"model inputs are {sorted(inputs)}")
+
+
+def datatype_mismatch(name: str, datatype: str, model: str, expected: str) -> InferError:
+    """Triton's refusal of an input of another datatype than its model's (the services'
+    ``prepare`` and the gateway's ensembles)."""
+    return InferError.invalid(f"inference input '{name}' data-type is '{datatype}', but model '{model}' "
+                              f"expects '{expected}'")
 

@@ -21,10 +21,12 @@ from meshserve.protocol.http_codec import typed_to_bytes
 from meshserve.protocol.infer_checks import (
     MAX_BYTES_ELEMENTS,
     check_bytes_elements,
+    datatype_mismatch,
     int_value,
     missing_inputs,
     mixed_contents,
     reject_mixed_contents,
+    unexpected_input,
 )
 from meshserve.telemetry import tracing
 from meshserve.telemetry.spans import Span
@@ -132,15 +134,11 @@ def prepare(model: ModelTensors, request: pb.ModelInferRequest, hop: Hop) -> Pen
         tname = t.name  # (each read of a upb field makes a new str)
         spec = specs.get(tname)
         if spec is None:
-            raise InferError.invalid(
-                f"unexpected inference input '{t.name}' for model '{name}'; "
-                f"model inputs are {sorted(specs)}")
+            raise unexpected_input(t.name, name, specs)
         if tname in inputs:
             raise InferError.invalid(f"input '{t.name}' already exists in request")  # (Triton's words)
         if t.datatype != spec.datatype:
-            raise InferError.invalid(
-                f"inference input '{t.name}' data-type is '{t.datatype}', but model '{name}' "
-                f"expects '{spec.datatype}'")
+            raise datatype_mismatch(t.name, t.datatype, name, spec.datatype)
         shape = tuple(t.shape[:])  # (a slice is a list: no IndexError)
         if mbs > 0:
             inner = shape[1:]
