@@ -507,7 +507,7 @@ class Forward:
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                ) -> Answers:
         """Marked as streamed, never merged: every answer of the service as it arrives."""
-        return self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence)
+        return self.upstream.stream(request, ctx.raw, ctx.time_remaining(), sequence, ctx.stream)
 
     def facts(self, config: mc.ModelConfig) -> tuple[mc.ModelConfig, ModelShape | None, bool]:
         """(config, what the merge check needs or None when its requests never merge, decoupled),

@@ -455,7 +455,13 @@ def _cmd_up(args: argparse.Namespace) -> None:
         http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
         scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
         metrics_at = f"{host}:{gateway.ports['metrics']}" if "metrics" in gateway.ports else f"{host}:{http}"
-        model = next((e.name for e in entries if e.kind in runnable and not e.error), "add_sub")
+        servable = [e.name for e in entries if e.kind in runnable and not e.error]
+        model = next(iter(servable), "add_sub")
+        # an infer to try where the repository has the bundled example's add_sub (its inputs are known)
+        try_infer = "" if "add_sub" not in servable else (
+            f"\n  curl -s -X POST {scheme}://{host}:{http}/v2/models/add_sub/infer -d "
+            f"""'{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},"""
+            f"""{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'""")
         mesh_note = "; models load on first use: `meshserve placement` shows where" \
             if args.model_control_mode == "lazy" else ""
         print(f"""
@@ -464,8 +470,7 @@ meshserve is up ({len(services)} service process(es) + gateway{mesh_note}).
   gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
   Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
 Try:
-  curl -s {scheme}://{host}:{http}/v2/models/{model}
-  curl -s -X POST {scheme}://{host}:{http}/v2/models/add_sub/infer -d '{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'
+  curl -s {scheme}://{host}:{http}/v2/models/{model}{try_infer}
 Press Ctrl-C to stop.""", flush=True)
         while not stopping.is_set():
             for c in children:

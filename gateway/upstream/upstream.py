@@ -185,12 +185,15 @@ class Upstream:
                                lambda r: r.streams.infer(body, request.id, timeout))
 
     def stream(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-               affinity: str | None = None) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
+               affinity: str | None = None, client_stream: str | None = None
+               ) -> AsyncGenerator[tuple[pb.ModelInferResponse | None, bool], None]:
         """Forward a request of a client's streaming call (never merged): every answer of the
         service as it arrives, (response or None for an empty final one, final). Leaving early
-        (the client went away) tells the service to stop the request. (An async generator:
-        interpreted, in streamed.py, so that this module compiles: docs/perf/native.md.)"""
-        return streamed.answers(self, request, raw, timeout, affinity)
+        (the client went away) tells the service to stop the request. ``client_stream``: the
+        client's call it came on (RequestContext.stream), whose requests share a hop stream.
+        (An async generator: interpreted, in streamed.py, so that this module compiles:
+        docs/perf/native.md.)"""
+        return streamed.answers(self, request, raw, timeout, affinity, client_stream)
 
     async def send_merged(self, request: pb.ModelInferRequest, timeout: float | None,
                           members: Sequence[traced.Member]) -> pb.ModelInferResponse:

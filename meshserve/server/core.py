@@ -95,6 +95,10 @@ class RequestContext:
     nbytes: int = 0  # the request's size on the wire when `raw` is None (an HTTP body): admission counts it
     hop: Hop = NO_HOP  # set by the front door (observe.infer) from the request's hop parameters
     peer: str | None = None  # the connection's address, set for repository control (load/unload) only
+    # the client's stream (gRPC ModelStreamInfer: one key per call, else None): a gateway sends one
+    # stream's streamed requests over one hop stream, so that they reach the service in the order the
+    # client sent them, as they reach Triton's scheduler (gateway/upstream/streamed.py)
+    stream: str | None = None
 
     def time_remaining(self) -> float | None:
         if self.deadline is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -48,6 +49,7 @@ _STREAM = hop.STREAM
 _CANCEL = hop.CANCEL
 _FINAL = wire.FINAL_RESPONSE_PARAMETER
 _FINAL_TRUE = wire.bool_parameter_entry(_FINAL, True)
+_STREAM_KEYS = itertools.count(1)  # one per ModelStreamInfer call (RequestContext.stream)
 _FINAL_FALSE = wire.bool_parameter_entry(_FINAL, False)
 
 
@@ -477,6 +479,7 @@ class InferenceServicer:
         by_id: dict[str, asyncio.Task[None]] = {}
         core = self.core
         base = _context(call)
+        stream_key = f"c{next(_STREAM_KEYS)}"  # (RequestContext.stream)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         backlog = asyncio.Semaphore(STREAM_BACKLOG)
         queued = [0]  # bytes of streamed answers queued, not yet written: at most --max-stream-backlog-bytes
@@ -505,6 +508,7 @@ class InferenceServicer:
                         by_id.pop(hop_id, None)
                     raise refused
                 ctx = RequestContext("grpc", base.headers, base.deadline, raw)  # (positional: see _context)
+                ctx.stream = stream_key
                 if raw is None:
                     ctx.nbytes = cost // 2  # (the worker's message: admission counts the bytes that came)
                 elif len(raw) > infer_checks.COUNT_FROM:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -52,6 +53,12 @@ from services.python.ipc import (
 )
 
 log = logging.getLogger("meshserve.python")
+
+# Every worker is started from this one thread, which lives as long as the service: a worker's
+# PR_SET_PDEATHSIG (services/python/worker.py) fires when the *thread* that started it ends, not
+# the service. Started from a load thread, every worker was killed (SIGKILL, no finalize()) the
+# moment the service shut its load pool down at stop, before it asked them to finalize.
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="meshserve-spawn")
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the worker imports services.python from here
 # request parameters that are protocol, not the model's: Triton leaves its own out of parameters()
@@ -166,9 +173,10 @@ class ModelWorker:
         try:
             # a session and process group of its own: signals to the service's group are the
             # service's alone, and the worker's group (whatever the model starts) is killed with it
-            proc = subprocess.Popen([sys.executable, "-m", "services.python.worker", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-m", "services.python.worker",
+                                                      str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                   start_new_session=True).result()
         except BaseException:
             ours.close()
             raise

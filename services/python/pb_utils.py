@@ -85,12 +85,26 @@ def get_model_dir() -> str:
 _model_dir = ""  # set by the worker (services/python/worker.py) before it loads model.py
 
 
+_STUB_TYPES: dict[np.dtype, int] = {}
+
+
+def _stub_type(dtype: np.dtype) -> int:
+    """The datatype of a Tensor made from an array of ``dtype``, as the stub maps it (its C++
+    ``numpy_to_triton_type``, python_backend src/pb_stub_utils.cc), which unlike the module's
+    ``numpy_to_triton_type`` takes a fixed-width bytes array (``S6``) as BYTES. Any other dtype
+    (``U``, complex, a record) is refused in the stub's words when the Tensor is made."""
+    enum = _STUB_TYPES.get(dtype)
+    if enum is None:
+        enum = 13 if dtype.type == np.bytes_ else numpy_to_triton_type(dtype)
+        if enum is None:
+            raise TritonModelException("NumPy dtype is not supported.")
+        _STUB_TYPES[dtype] = enum
+    return enum
+
+
 def wire_datatype(arr: np.ndarray) -> str:
     """The v2 datatype name of a numpy array (BYTES for object / bytes arrays)."""
-    enum = numpy_to_triton_type(arr.dtype)
-    if enum is None:
-        raise TritonModelException(f"Tensor dtype {arr.dtype} is not supported by the Python backend")
-    return _WIRE[enum - 1]
+    return _WIRE[_stub_type(arr.dtype) - 1]
 
 
 def wire_to_numpy(datatype: str) -> Any:
@@ -284,10 +298,9 @@ class Tensor:
         if name == "":
             raise TritonModelException("Tensor name cannot be an empty string.")
         arr = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
-        if arr.dtype.type == np.str_ or arr.dtype == np.void:
-            raise TritonModelException("Tensor dtype used for numpy_array is not support by Python backend. "
-                                       "Please use np.object_ instead.")
-        if triton_dtype is not None:
+        if triton_dtype is None:
+            _stub_type(arr.dtype)  # refused here, as the stub refuses it
+        else:
             want = triton_to_numpy_type(triton_dtype)
             if want is not None and arr.dtype != want:
                 arr = arr.view(want)
@@ -307,7 +320,7 @@ class Tensor:
     def triton_dtype(self) -> int | None:
         if self._bf16:
             return TRITONSERVER_TYPE_BF16
-        return numpy_to_triton_type(self._array.dtype)
+        return _stub_type(self._array.dtype)
 
     def shape(self) -> list[int]:
         return list(self._array.shape)

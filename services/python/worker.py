@@ -135,6 +135,10 @@ class Worker:
         handler = logging.StreamHandler()  # (stderr; control characters in a message escaped)
         handler.setFormatter(TextFormatter(f"%(asctime)s %(levelname)s [{self.instance}] %(name)s: %(message)s"))
         logging.basicConfig(level=opts.get("log_level", "INFO"), handlers=[handler])
+        # The model's own pb_utils.Logger lines at INFO and above show whatever the service's level,
+        # as Triton shows them by default (its --log-info); VERBOSE ones only at DEBUG (--log-verbose).
+        model_log = logging.getLogger(pb_utils.Logger._log.name)
+        model_log.setLevel(min(logging.getLogger().level, logging.INFO))
         pb_utils._install(self)
         module = load_model_module(Path(opts["model_py"]), opts["args"]["model_name"])
         self.model = module.TritonPythonModel()
@@ -232,9 +236,9 @@ class Worker:
             responses = self._maybe_await(self.model.execute(requests))
             if self.decoupled:
                 if responses is not None:
-                    raise pb_utils.TritonModelException(
-                        "the execute() of a decoupled model must return None (its responses go through "
-                        "the response sender)")
+                    raise pb_utils.TritonModelException(  # (the stub's words)
+                        f"Python model '{self.instance}' is using the decoupled mode and the execute function "
+                        "must return None.")
                 self.send(("done", batch_id, None, None, time.perf_counter_ns() - t0))
                 return
             region, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
@@ -249,7 +253,7 @@ class Worker:
     def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any) -> tuple[Region | None, list[ResponseMeta]]:
         """Write the responses' outputs into the output region; their metadata for the service."""
         if not isinstance(responses, list):
-            raise pb_utils.TritonModelException(f"Expected a list in the execute return, got {type(responses).__name__}")
+            raise pb_utils.TritonModelException(f"Expected a list in the execute return, found type '{type(responses)}'.")
         if len(responses) != len(requests):
             raise pb_utils.TritonModelException(
                 f"Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
@@ -259,8 +263,8 @@ class Worker:
         for req, resp in zip(requests, responses, strict=True):
             if not isinstance(resp, pb_utils.InferenceResponse):
                 raise pb_utils.TritonModelException(
-                    f"Expected an InferenceResponse object in the execute function return list, found "
-                    f"type '{type(resp).__name__}'")
+                    f"Expected an 'InferenceResponse' object in the execute function return list, found "
+                    f"type '{type(resp)}'.")
             err = resp.error()
             if err is not None:
                 staged.append(((pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), []))

@@ -1,7 +1,8 @@
-"""Health endpoints with a JSON body, --server-name, and the KServe Python SDK's clients
+"""Health endpoints as Triton answers them (and with a JSON body for clients that read one), --server-name, and the KServe Python SDK's clients
 (`kserve.InferenceRESTClient` / `InferenceGRPCClient`) against a real gateway."""
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
@@ -13,7 +14,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.adversarial.support import raw_http
 from tests.conftest import Proc, Stack, _wait_http_ready, start
 
 
@@ -27,17 +27,41 @@ def triton_named(stack: Stack) -> Iterator[Proc]:
     g.stop()
 
 
-def test_health_answers_json_and_503_when_not(stack: Stack) -> None:
+def _probe(hostport: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+    """GET PATH as curl sends it (no Content-Type, Accept */*): (status, body, Content-Type)."""
+    host, port = hostport.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", path, headers={"Accept": "*/*", "User-Agent": "curl/8.5.0", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, r.read(), r.getheader("Content-Type") or ""
+    finally:
+        conn.close()
+
+
+JSON = {"Accept": "application/json"}
+KSERVE = {"User-Agent": "python-httpx/0.28.1"}  # the KServe SDK's InferenceRESTClient (Accept */*)
+
+
+def test_health_answers_as_triton_and_json_to_clients_that_read_it(stack: Stack) -> None:
+    """Triton's health answer is its status, 200 or 400, with an empty body: NVIDIA's QA waits for
+    ``curl -s -w %{http_code}`` to print exactly 200 (qa/common/util.sh). A client that reads a body
+    (Accept: application/json, the KServe SDK) gets {"ready": true} with the same status."""
     for hostport in (stack.gateway.http, stack.service.http):
         for probe in ("live", "ready"):
-            status, body = raw_http(hostport, "GET", f"/v2/health/{probe}", {})
-            assert (status, json.loads(body)) == (200, {probe: True}), (hostport, probe, body)
-    # a gateway whose only upstream is not there: live, not ready
+            path = f"/v2/health/{probe}"
+            assert _probe(hostport, path) == (200, b"", "text/plain"), (hostport, probe)
+            for headers in (JSON, KSERVE):
+                status, body, ctype = _probe(hostport, path, headers)
+                assert (status, json.loads(body), ctype) == (200, {probe: True}, "application/json"), (hostport, headers)
+    # a gateway whose only upstream is not there: live, not ready (Triton: 400, "4xx is false")
     lonely = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", "127.0.0.1:9"])
     try:
-        assert [json.loads(raw_http(lonely.http, "GET", "/v2/health/live", {})[1])] == [{"live": True}]
-        status, body = raw_http(lonely.http, "GET", "/v2/health/ready", {})
-        assert (status, json.loads(body)) == (503, {"ready": False})
+        assert _probe(lonely.http, "/v2/health/live") == (200, b"", "text/plain")
+        assert _probe(lonely.http, "/v2/health/ready") == (400, b"", "text/plain")
+        for headers in (JSON, KSERVE):
+            status, body, _ = _probe(lonely.http, "/v2/health/ready", headers)
+            assert (status, json.loads(body)) == (400, {"ready": False})
         with httpclient.InferenceServerClient(lonely.http) as c:
             assert c.is_server_live() and not c.is_server_ready()
         with grpcclient.InferenceServerClient(lonely.grpc) as g:

@@ -243,6 +243,24 @@ def test_this_file_covers_the_worker_names() -> None:
 Mesh = Served  # the python service (``service``) on the repository below, and a gateway in front
 
 
+# answers a fixed-width bytes array (np.bytes_, 'S6'), as NVIDIA's qa/python_models/string_fixed
+FIXED_BYTES = python_models.model_source(
+    'responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([b"123456", b"7"], '
+    'dtype=np.bytes_))]))')
+
+
+# what execute() must not return: a decoupled model's list (NVIDIA's decoupled_return_response_error),
+# anything but a list from another model
+RETURNS_LIST = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+"""
+RETURNS_DICT = RETURNS_LIST.replace("return [pb_utils.InferenceResponse([]) for _ in requests]", "return {}")
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     repo = tmp_path_factory.mktemp("python_api")
@@ -260,6 +278,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     for name in ("api_bf16", "api_bf16_echo"):
         python_models.write(repo, name, BF16, python_models.config(
             name, [("X", "TYPE_BF16", "2")], [("Y", "TYPE_BF16", "2")] + OUT_JSON))
+    python_models.write(repo, "api_fixed_bytes", FIXED_BYTES, python_models.config(
+        "api_fixed_bytes", IN_X, [("OUT", "TYPE_STRING", "-1")]))
+    python_models.write(repo, "api_returns_list", RETURNS_LIST, python_models.config(
+        "api_returns_list", IN_X, y, extra="model_transaction_policy { decoupled: true }\n"))
+    python_models.write(repo, "api_returns_dict", RETURNS_DICT, python_models.config("api_returns_dict", IN_X, y))
     python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
     gateway_grpc = free_port()  # known before the gateway starts: the service's BLS calls go to it
     with served("python", repo, ["--model-control-mode", "explicit", "--load-model", "*",
@@ -434,6 +457,32 @@ def test_model_control_from_a_model(mesh: Mesh) -> None:
                           "and file contents")
     assert control[7].startswith("error: Failed to load model: Failed to process the request for model "
                                  "'api_probe_0', message: ") and "api_never_there" in control[7]
+
+
+@pytest.mark.parametrize("client", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_a_fixed_width_bytes_array_answers_as_bytes(mesh: Mesh, client: Any) -> None:
+    inp = client.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    with client.InferenceServerClient(mesh.gateway.grpc if client is grpcclient else mesh.gateway.http) as c:
+        out = c.infer("api_fixed_bytes", [inp]).as_numpy("OUT")
+    assert out.tolist() == [b"123456", b"7"]
+
+
+def test_what_execute_must_not_return_is_refused_in_the_stubs_words(mesh: Mesh) -> None:
+    inp = grpcclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    got: list[Any] = []
+    with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
+        c.start_stream(callback=lambda result, error: got.append(error))
+        c.async_stream_infer("api_returns_list", [inp])
+        eventually(lambda: got, timeout=20, what="the decoupled model's answer")
+        c.stop_stream()
+        assert isinstance(got[0], InferenceServerException)
+        assert ("Python model 'api_returns_list_0' is using the decoupled mode and the execute function must "
+                "return None.") in got[0].message()
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("api_returns_dict", [inp])
+    assert "Expected a list in the execute return, found type '<class 'dict'>'." in err.value.message()
 
 
 def test_logger_lines_reach_the_service_log(mesh: Mesh) -> None:

@@ -14,6 +14,7 @@ can finish first; `repeat_int32` (decoupled: one response per element of IN); `d
 `pair_add` (S = A + B)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import urllib.request
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -260,3 +262,66 @@ def test_a_decoupled_request_that_ends_counts_once_as_a_success(mesh: Mesh) -> N
                       enable_empty_final_response=True))
     assert got[2].get_response().parameters["triton_final_response"].bool_param
     eventually(lambda: _model_stats(mesh, "repeat_int32") == (success + 1, fail, canceled), what="one success")
+
+
+# A decoupled model that batches (Triton's decoupled_execute_error, qa/L0_backend_python/decoupled,
+# relies on this): each request answers OUT = [its place in the batch execute() got, its IN].
+BATCH_PLACE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for place, request in enumerate(requests):
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            out = np.array([[place, int(x.reshape(-1)[0])]], dtype=np.int32)
+            request.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]),
+                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_one_streams_decoupled_requests_reach_the_model_in_the_order_sent(tmp_path: Any) -> None:
+    """Requests on one stream to a decoupled model that batches are one batch, in the order the
+    client sent them, as in Triton (whose stream hands its requests to the scheduler one after the
+    other; NVIDIA's qa/L0_backend_python decoupled_execute_error test relies on it). Through a fresh
+    gateway whose first hop stream is open (another client's streamed request opened it), the
+    gateway spread one client stream's requests round robin over its two hop streams: read in one
+    go, the first opened the second hop stream and waited for it, the next went out at once on the
+    open one and reached the batch first (3 runs of 4 on the code before)."""
+    python_models.write(tmp_path, "repeat_int32", python_models.REPEAT_INT32, python_models.REPEAT_CONFIG.lstrip())
+    python_models.write(tmp_path, "batch_place", BATCH_PLACE, python_models.config(
+        "batch_place", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "2")], max_batch_size=8,
+        extra="model_transaction_policy { decoupled: true }\n"
+              "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 3000000 }\n"))
+    with service_and_gateway("python", ["--repository", str(tmp_path)]) as (_, gateway):
+        got: queue.Queue[Any] = queue.Queue()
+        with grpcclient.InferenceServerClient(gateway.grpc) as first:
+            first.start_stream(callback=lambda result, error: got.put(error or result))
+            first.async_stream_infer("repeat_int32", _repeat([7]), enable_empty_final_response=True)
+            assert [got.get(timeout=30).get_response().parameters["triton_final_response"].bool_param
+                    for _ in range(2)] == [False, True]
+            first.stop_stream()
+        # four requests written at once (as tritonclient's stream sends quick ones)
+        answers = asyncio.run(_in_one_write(gateway.grpc, "batch_place", (10, 20, 30, 40)))
+    assert not [a for a in answers if a.error_message], answers
+    places = sorted(_out(a) for a in answers)
+    assert places == [[0, 10], [1, 20], [2, 30], [3, 40]]
+
+
+def _out(answer: Any) -> list[int]:
+    return np.frombuffer(answer.infer_response.raw_output_contents[0], np.int32).tolist()
+
+
+async def _in_one_write(target: str, model: str, values: tuple[int, ...]) -> list[Any]:
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    requests = []
+    for value in values:
+        r = service_pb2.ModelInferRequest(model_name=model, id=str(value))
+        r.inputs.add(name="IN", datatype="INT32", shape=[1, 1])
+        r.raw_input_contents.append(np.array([[value]], np.int32).tobytes())
+        requests.append(r)
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests))
+        return [await call.read() for _ in values]

@@ -241,6 +241,15 @@ def b_tensor() -> None:
     _raises(lambda: pb_utils.Tensor.from_dlpack("X", 5),
             "Provided tensor is not supported. Tensor must be a DLPack capsule         or have `__dlpack__` and "
             "`__dlpack_device__` attributes")
+    # the stub's own dtype rule (pb_stub_utils.cc): a fixed-width bytes array is BYTES (NVIDIA's
+    # qa/python_models/string and string_fixed answer np.bytes_ arrays); anything else it has no
+    # type for is refused when the Tensor is made, in its words
+    fixed = pb_utils.Tensor("F", np.array([b"123456", b"7"], dtype=np.bytes_))
+    assert fixed.triton_dtype() == 13 and fixed.as_numpy().dtype == np.dtype("S6")
+    assert pb_utils.wire_datatype(fixed.as_numpy()) == "BYTES"
+    assert pb_utils.numpy_to_triton_type(np.dtype("S6")) is None  # (the module's function, as Triton's)
+    for refused in (np.array(["text"]), np.zeros(2, dtype=np.complex64), np.zeros(1, dtype="V4")):
+        _raises(lambda refused=refused: pb_utils.Tensor("X", refused), "NumPy dtype is not supported.")
 
 
 class _CudaArray:
