@@ -707,13 +707,16 @@ class InferenceRequest:
 def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
     """``execute()``'s return with the responses a non-decoupled model sent through its requests'
     response senders put in (where it returned None, or None for those requests), as Triton's stub
-    accepts both paths."""
+    accepts both paths. A request answered through its sender keeps that answer, as in Triton,
+    where the sent response went out at once and ended the request (a response returned for it
+    too is dropped: its sender is closed)."""
     if responses is None:
         if not requests or all(r._sent_response is None for r in requests):
             return responses
         responses = [None] * len(requests)
     if isinstance(responses, list) and len(responses) == len(requests):
-        return [r._sent_response if resp is None else resp for r, resp in zip(requests, responses, strict=True)]
+        return [resp if r._sent_response is None else r._sent_response
+                for r, resp in zip(requests, responses, strict=True)]
     return responses
 
 

@@ -15,7 +15,9 @@ runs the model's ``auto_complete_config`` on it and prints the result (services/
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import ctypes
+import functools
 import importlib.util
 import json
 import logging
@@ -186,17 +188,51 @@ class Worker:
             self._live.difference_update(keys)
             self._cancelled.difference_update(keys)
 
-    def _maybe_await(self, value: Any) -> Any:
-        """Run a coroutine (``async def execute``/``initialize``) to completion on the worker's loop."""
+    def _maybe_await(self, value: Any, background: list[pb_utils.InferenceRequest] | None = None) -> Any:
+        """Run a coroutine (``async def execute``/``initialize``) on the worker's event loop and wait
+        for its result; with ``background`` (a decoupled model's async execute: its requests) do not
+        wait, as Triton's stub runs it: the next batch may start while it runs."""
         if not isinstance(value, _MAYBE_COROUTINE):
             return value
         import asyncio  # (only for a model that needs it: ~15% of a worker's start, docs/perf/suite-time.md)
 
         if not asyncio.iscoroutine(value):
             return value
+        future = asyncio.run_coroutine_threadsafe(value, self._event_loop())
+        if background is not None:
+            future.add_done_callback(functools.partial(self._background_done, background))
+            return None
+        return future.result()
+
+    def _event_loop(self) -> Any:
+        """The worker's event loop, running for good on a thread of its own from its first use, as
+        Triton's stub keeps its loop: what a coroutine leaves behind (``asyncio.create_task`` in
+        an async execute, to answer after it returned) goes on running between batches; a loop
+        run only while each execute() ran froze such a task until the next batch. It is also the
+        main thread's loop (``asyncio.get_event_loop()`` in a model's synchronous code)."""
         if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(value)
+            import asyncio
+
+            loop = self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            threading.Thread(target=loop.run_forever, name="worker-event-loop", daemon=True).start()
+        return self._loop
+
+    def _background_done(self, requests: list[pb_utils.InferenceRequest], future: Any) -> None:
+        """A decoupled model's async execute ended (on the loop's thread). What it raised is logged,
+        as the stub logs it, and ends each of its requests it had not ended with that error (Triton
+        leaves them open; here every request ends)."""
+        exc = None if future.cancelled() else future.exception()
+        if exc is None:
+            return
+        text = describe(exc)
+        log.error("the async execute() of %s raised: %s", self.instance, text)
+        for request in requests:
+            sender = request.get_response_sender()
+            if not sender._closed:
+                with contextlib.suppress(Exception):
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(text)),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # ---- execute -----------------------------------------------------------------------
     def _requests(self, where: tuple[int, int, int] | None, metas: list[RequestMeta]) -> list[pb_utils.InferenceRequest]:
@@ -231,9 +267,10 @@ class Worker:
     def _execute(self, msg: tuple) -> None:
         _, batch_id, where, metas = msg
         t0 = time.perf_counter_ns()
+        requests: list[pb_utils.InferenceRequest] = []
         try:
             requests = self._requests(where, metas)
-            responses = self._maybe_await(self.model.execute(requests))
+            responses = self._maybe_await(self.model.execute(requests), requests if self.decoupled else None)
             if self.decoupled:
                 if responses is not None:
                     raise pb_utils.TritonModelException(  # (the stub's words)
@@ -243,12 +280,30 @@ class Worker:
                 return
             region, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
         except BaseException as exc:
-            self._finished([m[0] for m in metas])  # (the service ends a failed decoupled request too)
-            self.send(("failed", batch_id, describe(exc)))
-            return
+            packed = None if self.decoupled else self._pack_sent(requests, exc)
+            if packed is None:
+                self._finished([m[0] for m in metas])  # (the service ends a failed decoupled request too)
+                self.send(("failed", batch_id, describe(exc)))
+                return
+            region, results = packed
         self._finished([m[0] for m in metas])
         ref, fd = region_ref(region) if region is not None else (None, -1)
         self.send(("done", batch_id, ref, results, time.perf_counter_ns() - t0), fd)
+
+    def _pack_sent(self, requests: list[pb_utils.InferenceRequest], exc: BaseException
+                   ) -> tuple[Region | None, list[ResponseMeta]] | None:
+        """A non-decoupled model's execute() raised after some of its requests were answered through
+        their response senders (a second send raises, as NVIDIA's response_sender QA model does):
+        as in Triton, where a sent response goes out at once and ends its request, those requests
+        keep their answer and only the others fail. None when no request was answered."""
+        if not any(r._sent_response is not None for r in requests):
+            return None
+        text = f"Failed to process the request(s) for model '{self.instance}', message: {describe(exc)}"
+        try:
+            return self._pack(requests, [r._sent_response or pb_utils.InferenceResponse(error=pb_utils.TritonError(text))
+                                         for r in requests])
+        except BaseException:
+            return None
 
     def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any) -> tuple[Region | None, list[ResponseMeta]]:
         """Write the responses' outputs into the output region; their metadata for the service."""

@@ -11,6 +11,7 @@ The list of names covered here is tests/unit/services/test_python_api_names.py:W
 from __future__ import annotations
 
 import json
+import queue
 from collections.abc import Iterator
 from typing import Any
 
@@ -261,6 +262,52 @@ class TritonPythonModel:
 RETURNS_DICT = RETURNS_LIST.replace("return [pb_utils.InferenceResponse([]) for _ in requests]", "return {}")
 
 
+# a decoupled async execute that answers after it returned, from a task it left on the loop (NVIDIA's
+# response_sender_async model); X = 0: the execute coroutine itself raises, after an await
+ASYNC_LATER = """
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.tasks = set()
+
+    async def execute(self, requests):
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            if x[0] == 0:
+                await asyncio.sleep(0.1)
+                raise ValueError("no answer for zero")
+            task = asyncio.create_task(self.later(r.get_response_sender(), x))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return None
+
+    async def later(self, sender, x):
+        await asyncio.sleep(0.2)
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 3)]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+# answers through its sender, then raises (a second send, in NVIDIA's response_sender model) or returns
+# another response for the same request (X = 2): the sent answer stands, as in Triton
+SENT_THEN_RAISED = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            r.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 10)]))
+        if x[0] == 2:
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 0)]) for _ in requests]
+        r.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))  # raises
+        return None
+"""
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     repo = tmp_path_factory.mktemp("python_api")
@@ -283,6 +330,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     python_models.write(repo, "api_returns_list", RETURNS_LIST, python_models.config(
         "api_returns_list", IN_X, y, extra="model_transaction_policy { decoupled: true }\n"))
     python_models.write(repo, "api_returns_dict", RETURNS_DICT, python_models.config("api_returns_dict", IN_X, y))
+    python_models.write(repo, "api_async_later", ASYNC_LATER, python_models.config(
+        "api_async_later", IN_X, y, extra="model_transaction_policy { decoupled: true }\n"))
+    python_models.write(repo, "api_sent_then_raised", SENT_THEN_RAISED, python_models.config(
+        "api_sent_then_raised", IN_X, y))
     python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
     gateway_grpc = free_port()  # known before the gateway starts: the service's BLS calls go to it
     with served("python", repo, ["--model-control-mode", "explicit", "--load-model", "*",
@@ -483,6 +534,33 @@ def test_what_execute_must_not_return_is_refused_in_the_stubs_words(mesh: Mesh) 
         with pytest.raises(InferenceServerException) as err:
             c.infer("api_returns_dict", [inp])
     assert "Expected a list in the execute return, found type '<class 'dict'>'." in err.value.message()
+
+
+def test_an_async_decoupled_execute_answers_from_what_it_left_on_the_loop(mesh: Mesh) -> None:
+    """Triton's stub keeps its event loop running between batches and does not wait for a decoupled
+    model's async execute: a task it leaves answers later; an execute that raises ends its requests
+    with that error (the worker ran the loop only while execute() ran: the task froze, the call hung)."""
+    got: queue.Queue[Any] = queue.Queue()
+    with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
+        c.start_stream(callback=lambda result, error: got.put(error or result))
+        for x in (4.0, 0.0):
+            inp = grpcclient.InferInput("X", [1], "FP32")
+            inp.set_data_from_numpy(np.array([x], dtype=np.float32))
+            c.async_stream_infer("api_async_later", [inp], request_id=str(x))
+        answers = [got.get(timeout=20) for _ in range(2)]
+        c.stop_stream()
+    ok = [a for a in answers if not isinstance(a, InferenceServerException)]
+    failed = [a for a in answers if isinstance(a, InferenceServerException)]
+    assert [a.as_numpy("Y").tolist() for a in ok] == [[12.0]]
+    assert len(failed) == 1 and "no answer for zero" in failed[0].message()
+
+
+@pytest.mark.parametrize("x", [1.0, 2.0], ids=["then-raised", "then-returned"])
+def test_a_response_sent_before_execute_failed_or_returned_stands(mesh: Mesh, x: float) -> None:
+    inp = grpcclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.array([x], dtype=np.float32))
+    with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
+        assert c.infer("api_sent_then_raised", [inp]).as_numpy("Y").tolist() == [x * 10]
 
 
 def test_logger_lines_reach_the_service_log(mesh: Mesh) -> None:
