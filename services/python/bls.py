@@ -24,7 +24,7 @@ import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import grpc_service_pb2_grpc as pb_grpc
-from meshserve.protocol import http_codec
+from meshserve.protocol import http_codec, wire
 from meshserve.protocol.errors import InferError
 from services.python import pb_utils
 
@@ -89,8 +89,11 @@ def from_proto(resp: pb.ModelInferResponse) -> pb_utils.InferenceResponse:
         else:
             arr = np.frombuffer(raw, dtype=pb_utils.wire_to_numpy(out.datatype)).copy()
         tensors.append(pb_utils.wire_tensor(out.name, out.datatype, arr.reshape(list(out.shape))))
-    params = {k: getattr(v, v.WhichOneof("parameter_choice") or "string_param") for k, v in resp.parameters.items()}
-    return pb_utils.InferenceResponse(output_tensors=tensors, parameters=params)
+    # (triton_final_response is the gRPC stream's mark, not the callee's: Triton's BLS response has none)
+    params = {k: getattr(v, v.WhichOneof("parameter_choice") or "string_param") for k, v in resp.parameters.items()
+              if k != wire.FINAL_RESPONSE_PARAMETER}
+    # (as JSON: the callee's parameters as they came, a double one too, past the model-facing check)
+    return pb_utils.InferenceResponse(output_tensors=tensors, parameters=json.dumps(params))
 
 
 def _error(code: grpc.StatusCode | None, message: str, model: str = "") -> pb_utils.InferenceResponse:

@@ -32,7 +32,7 @@ from typing import cast
 import numpy as np
 
 from meshserve._proto import grpc_service_pb2 as pb
-from meshserve.protocol import datatypes
+from meshserve.protocol import datatypes, http_codec
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.hop import NO_HOP, PRIVATE_PREFIX
 from meshserve.protocol.infer_checks import int_value
@@ -407,13 +407,13 @@ class ModelWorker:
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "resp":
-            _, key, err, outs, flags = msg
+            _, key, err, outs, flags, params = msg
             final = bool(flags & 1)
             sink = self._streams.pop(key, None) if final else self._streams.get(key)
             classes = self._stream_classes.pop(key, None) if final else self._stream_classes.get(key)
             if sink is not None:
                 try:
-                    item = self._stream_item(err, outs, final, classes)
+                    item = self._stream_item(err, outs, final, classes, params)
                 except InferError as exc:  # a classification past its bound: the request ends with it
                     item = exc
                     self.loop.call_soon_threadsafe(self.cancel, key)  # (its model is told; the rest dropped)
@@ -443,7 +443,7 @@ class ModelWorker:
     def _encode(self, payloads: Sequence[Pending], ref: RegionRef | None, results: list) -> list[bytes | InferError]:
         region = self._outputs.get(ref[0], ref[1], -1) if ref is not None else None
         out: list[bytes | InferError] = []
-        for p, (err, refs) in zip(payloads, results, strict=True):
+        for p, (err, refs, params) in zip(payloads, results, strict=True):
             if err is not None:
                 out.append(InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1]))
                 continue
@@ -454,6 +454,8 @@ class ModelWorker:
                 for t in refs:
                     data = b"" if t.nbytes == 0 else bytes(cast(Region, region).view(t.offset, t.nbytes))
                     room -= self._add_output(resp, t.name, t.datatype, t.shape, data, classes.get(t.name, 0), room)
+                if params is not None:
+                    _set_parameters(resp, params)
             except InferError as exc:  # this request's own
                 out.append(exc)
                 continue
@@ -461,15 +463,17 @@ class ModelWorker:
         return out
 
     def _stream_item(self, err: tuple[str, str] | None, outs: list, final: bool,
-                     classes: Mapping[str, int] | None) -> tuple[bytes | None, bool] | InferError:
+                     classes: Mapping[str, int] | None, params: str | None) -> tuple[bytes | None, bool] | InferError:
         if err is not None:
             return InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1])
-        if not outs and final:
+        if not outs and final and params is None:
             return None, True  # Triton's empty final response
         resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version)
         room = MAX_CLASSIFIED
         for name, datatype, shape, data in outs:
             room -= self._add_output(resp, name, datatype, shape, data, classes.get(name, 0) if classes else 0, room)
+        if params is not None:
+            _set_parameters(resp, params)
         return resp.SerializeToString(), final
 
     def _add_output(self, resp: pb.ModelInferResponse, name: str, datatype: str, shape: Sequence[int], data: bytes,
@@ -515,6 +519,14 @@ class ModelWorker:
     def restart_delay(self) -> float:
         """Backoff before the next start: 0.5 s doubling per consecutive death, at most 30 s."""
         return min(30.0, 0.5 * 2 ** max(0, self.failures - 1))
+
+
+def _set_parameters(resp: pb.ModelInferResponse, params: str) -> None:
+    """A python model's response parameters (pb_utils.InferenceResponse(parameters=...): JSON of
+    bool/int/str values, as the stub checks them) onto the response, as Triton's backend sets them
+    (an int past 64 bits: this request's INVALID_ARG)."""
+    for key, value in json.loads(params).items():
+        http_codec.set_parameter(resp.parameters[key], value, f"response parameter '{key}'")
 
 
 def _settle(fut: asyncio.Future[object], value: object) -> None:

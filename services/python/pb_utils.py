@@ -500,7 +500,7 @@ class InferenceResponse:
             raise TritonModelException('"output_tensors" must be a list of pb_utils.Tensor objects.')
         self._outputs = list(output_tensors)
         self._error = error
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._parameters = parameters if isinstance(parameters, str) else _response_parameters(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs
@@ -588,6 +588,22 @@ class ResponseIterator:
 def response_iterator(items: Iterator[InferenceResponse], on_close: Callable[[], None]) -> ResponseIterator:
     """A decoupled BLS call's responses; ``on_close`` ends the call when the caller stops early."""
     return ResponseIterator(items, on_close)
+
+
+def _response_parameters(parameters: dict | None) -> str:
+    """A response's parameters as JSON, checked as the stub checks them (``PyParametersToJSON``):
+    keys str, values bool/int/str, in its words. (A str is taken as JSON already: a BLS response's.)"""
+    if parameters is None:
+        return "{}"
+    if not isinstance(parameters, dict):  # (pybind11's cast, in the stub's words but for its mangled type name)
+        raise TritonModelException(f"Expect dict, got {type(parameters)}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str)):
+            raise TritonModelException(
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}")
+    return json.dumps(parameters)
 
 
 def _check_parameters(parameters: Any) -> str:

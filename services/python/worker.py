@@ -53,7 +53,8 @@ _MAYBE_COROUTINE = (types.CoroutineType, types.GeneratorType, collections.abc.Co
 # (key, request_id, correlation_id, flags, timeout (µs), parameters JSON, requested output names, inputs)
 RequestMeta = tuple[int, str, "int | str", int, int, str, list[str], list[TensorRef]]
 # a response: (error (code name, message) or None, outputs)
-ResponseMeta = tuple["tuple[str, str] | None", list[TensorRef]]
+# (error, outputs, parameters: the response's JSON, None when it has none)
+ResponseMeta = tuple["tuple[str, str] | None", list[TensorRef], "str | None"]
 
 
 # meshserve's own modules (the worker, pb_utils, BLS): their frames are not the model's, and a
@@ -313,7 +314,7 @@ class Worker:
             raise pb_utils.TritonModelException(
                 f"Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
                 f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(responses)}")
-        staged: list[tuple[tuple[str, str] | None, list[tuple[str, str, tuple[int, ...], Any]]]] = []
+        staged: list[tuple[tuple[str, str] | None, list[tuple[str, str, tuple[int, ...], Any]], str | None]] = []
         total = 0
         for req, resp in zip(requests, responses, strict=True):
             if not isinstance(resp, pb_utils.InferenceResponse):
@@ -322,7 +323,7 @@ class Worker:
                     f"type '{type(resp)}'.")
             err = resp.error()
             if err is not None:
-                staged.append(((pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), []))
+                staged.append(((pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), [], None))
                 continue
             wanted = req.requested_output_names()
             outs = []
@@ -332,11 +333,11 @@ class Worker:
                 arr, datatype, data = tensor_bytes(t)
                 outs.append((t.name(), datatype, tuple(arr.shape), data))
                 total += aligned(data.nbytes)
-            staged.append((None, outs))
+            staged.append((None, outs, _parameters_of(resp)))
         region = self._outputs.ensure(total) if total else None
         offset = 0
         results: list[ResponseMeta] = []
-        for err_pair, outs in staged:
+        for err_pair, outs, params in staged:
             refs = []
             for name, datatype, shape, data in outs:
                 if data.nbytes:  # (an empty tensor has no bytes to write)
@@ -344,7 +345,7 @@ class Worker:
                     region.write(offset, data)
                 refs.append(TensorRef(name, datatype, shape, offset, data.nbytes))
                 offset += aligned(data.nbytes)
-            results.append((err_pair, refs))
+            results.append((err_pair, refs, params))
         return region, results
 
     # ---- pb_utils.WorkerRuntime ----------------------------------------------------------
@@ -358,17 +359,17 @@ class Worker:
         elif key not in self._live:
             return  # a response after the request ended: no one reads it
         if response is None:
-            self.send(("resp", key, None, [], flags))
+            self.send(("resp", key, None, [], flags, None))
             return
         err = response.error()
         if err is not None:
-            self.send(("resp", key, (pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), [], flags))
+            self.send(("resp", key, (pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), [], flags, None))
             return
         outs = []
         for t in response.output_tensors():
             arr, datatype, data = tensor_bytes(t)
             outs.append((t.name(), datatype, tuple(arr.shape), data.tobytes()))
-        self.send(("resp", key, None, outs, flags))
+        self.send(("resp", key, None, outs, flags, _parameters_of(response)))
 
     def is_cancelled(self, key: int) -> bool:
         """True once the request's client went away, and for a request that has ended."""
@@ -384,6 +385,12 @@ class Worker:
             from services.python.bls import BlsClient  # grpc only once a model makes a BLS call
             self._bls = BlsClient(self._bls_target)
         return self._bls
+
+
+def _parameters_of(response: pb_utils.InferenceResponse) -> str | None:
+    """A response's parameters (JSON) for the service; None for none, the common case."""
+    params = response.parameters()
+    return None if not params or params == "{}" else params
 
 
 def tensor_bytes(t: pb_utils.Tensor) -> tuple[np.ndarray, str, np.ndarray]:

@@ -308,6 +308,26 @@ class TritonPythonModel:
 """
 
 
+# response parameters (NVIDIA's qa/python_models/response_parameters): X = 1 sets three, X = 2 a float
+# (the stub refuses it: the model answers the refusal's text as its error)
+RESP_PARAMS = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            params = {"tag": "t", "n": 3, "ok": True} if x[0] == 1 else {"f": 0.5}
+            try:
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)], parameters=params))
+            except pb_utils.TritonModelException as exc:
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+        return out
+"""
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     repo = tmp_path_factory.mktemp("python_api")
@@ -334,6 +354,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         "api_async_later", IN_X, y, extra="model_transaction_policy { decoupled: true }\n"))
     python_models.write(repo, "api_sent_then_raised", SENT_THEN_RAISED, python_models.config(
         "api_sent_then_raised", IN_X, y))
+    python_models.write(repo, "api_resp_params", RESP_PARAMS, python_models.config("api_resp_params", IN_X, y))
     python_models.write(repo, "api_torch", TORCH, python_models.config("api_torch", IN_X, y + [("Z", "TYPE_FP32", "1")]))
     gateway_grpc = free_port()  # known before the gateway starts: the service's BLS calls go to it
     with served("python", repo, ["--model-control-mode", "explicit", "--load-model", "*",
@@ -561,6 +582,23 @@ def test_a_response_sent_before_execute_failed_or_returned_stands(mesh: Mesh, x:
     inp.set_data_from_numpy(np.array([x], dtype=np.float32))
     with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
         assert c.infer("api_sent_then_raised", [inp]).as_numpy("Y").tolist() == [x * 10]
+
+
+@pytest.mark.parametrize("client", [grpcclient, httpclient], ids=["grpc", "http"])
+def test_response_parameters_reach_the_client(mesh: Mesh, client: Any) -> None:
+    inp = client.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    with client.InferenceServerClient(mesh.gateway.grpc if client is grpcclient else mesh.gateway.http) as c:
+        result = c.infer("api_resp_params", [inp])
+        inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("api_resp_params", [inp])
+    if client is grpcclient:
+        params = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in result.get_response().parameters.items()}
+    else:
+        params = result.get_response()["parameters"]
+    assert params == {"tag": "t", "n": 3, "ok": True}
+    assert "Expect parameters values to have type bool/int/str, found type <class 'float'>" in err.value.message()
 
 
 def test_logger_lines_reach_the_service_log(mesh: Mesh) -> None:

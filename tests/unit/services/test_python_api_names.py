@@ -278,6 +278,16 @@ def b_response() -> None:
     bad = pb_utils.InferenceResponse(error=pb_utils.TritonError("no", pb_utils.TritonError.INVALID_ARG))
     assert bad.has_error() and bad.error() is not None and bad.error().message() == "no"  # type: ignore[union-attr]
     _raises(lambda: pb_utils.InferenceResponse([None]), "Output tensor for inference response should not be empty.")
+    # parameters, checked as the stub's PyParametersToJSON checks them (NVIDIA's response_parameters QA)
+    assert json.loads(pb_utils.InferenceResponse([t], parameters={"a": "1", "c": 3, "d": False}).parameters()) == {
+        "a": "1", "c": 3, "d": False}
+    assert pb_utils.InferenceResponse([t]).parameters() == "{}"
+    _raises(lambda: pb_utils.InferenceResponse([t], parameters={1: "x"}),
+            "Expect parameters keys to have type str, found type <class 'int'>")
+    for value, kind in ((0.5, "float"), (None, "NoneType"), (["v"], "list"), ({"k": 1}, "dict")):
+        _raises(lambda value=value: pb_utils.InferenceResponse([t], parameters={"k": value}),
+                f"Expect parameters values to have type bool/int/str, found type <class '{kind}'>")
+    _raises(lambda: pb_utils.InferenceResponse([t], parameters=[]), "Expect dict, got <class 'list'>")
 
 
 def b_sender_rules() -> None:
