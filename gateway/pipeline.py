@@ -460,7 +460,8 @@ class Forward:
             if idle:
                 crowded = coalescer.crowded
                 if name not in crowded:  # idle, one request at a time: nothing to merge with, no merge check
-                    return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol)
+                    return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol,
+                                       True, ctx.stream)
                 # the first request of a wave (the last one was merged): it waits for this pass's
                 # flush with the rest of its wave (one hop message); a wave of one forgets it
                 crowded.discard(name)
@@ -471,12 +472,12 @@ class Forward:
                 if found is not None:  # a sampled request may be merged too
                     return coalescer.submit(found[0], request, raw, found[1], shape, timeout, name, outcomes,
                                             ctx.protocol, idle)
-            return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, idle)
-        return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, False)
+            return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, idle, ctx.stream)
+        return self._alone(request, name, version, raw, timeout, sequence, outcomes, ctx.protocol, False, ctx.stream)
 
     async def _alone(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
                      timeout: float | None, sequence: str | None, outcomes: Outcomes | None, protocol: str,
-                     alone: bool = True) -> InferResult:
+                     alone: bool = True, order: str | None = None) -> InferResult:
         """``Coalescer.send_alone`` (``alone``: requests arriving meanwhile see the model busy;
         else just sent), without a frame of its own; counted by ``outcomes`` (see ``named``)."""
         busy = self.coalescer.busy
@@ -484,7 +485,7 @@ class Forward:
             busy[name] = busy.get(name, 0) + 1
         try:
             # (InferResult's message positionally: a call with keywords costs ~1.2k instructions more)
-            result = InferResult(await self._send(request, name, version, raw, timeout, sequence))
+            result = InferResult(await self._send(request, name, version, raw, timeout, sequence, order))
         except InferError as exc:
             if outcomes is None:
                 raise
@@ -497,12 +498,13 @@ class Forward:
         return result
 
     def _send(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
-              timeout: float | None, sequence: str | None) -> Coroutine[Any, Any, pb.ModelInferResponse]:
+              timeout: float | None, sequence: str | None, order: str | None = None
+              ) -> Coroutine[Any, Any, pb.ModelInferResponse]:
         """``Upstream.send``; a client's bytes with tracing off go straight to ``Upstream.infer``
-        with the name and version read already."""
+        with the name and version read already (``order``: the client stream, Upstream.infer)."""
         if raw is None or tracing.enabled:
-            return self.upstream.send(request, raw, timeout, sequence)
-        return self.upstream.infer(name, version, request.id, raw, timeout, sequence)
+            return self.upstream.send(request, raw, timeout, sequence, order)
+        return self.upstream.infer(name, version, request.id, raw, timeout, sequence, order)
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                ) -> Answers:

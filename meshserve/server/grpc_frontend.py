@@ -578,6 +578,11 @@ class InferenceServicer:
                     _drop_frames(exc)
                     exc = internal_error(exc)
                 _drop_frames(exc)
+                if grpc_error_mode:  # the call ends with the first error's status (Triton's triton_grpc_error)
+                    if not failed:
+                        failed.append((exc.grpc_status.value[0], exc.message))
+                    out.put_nowait(None)
+                    return
                 err = pb.ModelStreamInferResponse(
                     error_message=exc.message,
                     infer_response=pb.ModelInferResponse(
@@ -601,6 +606,9 @@ class InferenceServicer:
                         waiter.set_result(None)
 
         from_gateway = hop.from_gateway(base.headers)  # (this call is a gateway's hop: never in a gateway)
+        # Triton's gRPC error mode (the client's metadata triton_grpc_error: true): a request's error
+        # ends the call with its status and message instead of travelling in band, and nothing follows
+        grpc_error_mode = not from_gateway and base.headers.get("triton_grpc_error") == "true"
         budget = held_budget(from_gateway)
         # whether a client's request is for a decoupled model (its answers are not held in order);
         # a core that cannot tell serves none

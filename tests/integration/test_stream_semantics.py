@@ -264,37 +264,47 @@ def test_a_decoupled_request_that_ends_counts_once_as_a_success(mesh: Mesh) -> N
     eventually(lambda: _model_stats(mesh, "repeat_int32") == (success + 1, fail, canceled), what="one success")
 
 
-# A decoupled model that batches (Triton's decoupled_execute_error, qa/L0_backend_python/decoupled,
-# relies on this): each request answers OUT = [its place in the batch execute() got, its IN].
+# A model that batches (NVIDIA's qa/L0_backend_python decoupled_execute_error and lifecycle execute_error
+# rely on this): each request answers OUT = [its place in the batch execute() got, its IN]; decoupled
+# through its response sender, else returned.
 BATCH_PLACE = '''
+import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+
     def execute(self, requests):
+        answers = []
         for place, request in enumerate(requests):
             x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-            out = np.array([[place, int(x.reshape(-1)[0])]], dtype=np.int32)
-            request.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]),
-                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        return None
+            out = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([[place, int(x.reshape(-1)[0])]],
+                                                                              dtype=np.int32))])
+            if self.decoupled:
+                request.get_response_sender().send(out, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            answers.append(out)
+        return None if self.decoupled else answers
 '''
 
 
-def test_one_streams_decoupled_requests_reach_the_model_in_the_order_sent(tmp_path: Any) -> None:
-    """Requests on one stream to a decoupled model that batches are one batch, in the order the
+@pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "not-decoupled"])
+def test_one_streams_requests_reach_the_model_in_the_order_sent(tmp_path: Any, decoupled: bool) -> None:
+    """Requests on one stream to a model that batches are one batch, in the order the
     client sent them, as in Triton (whose stream hands its requests to the scheduler one after the
     other; NVIDIA's qa/L0_backend_python decoupled_execute_error test relies on it). Through a fresh
     gateway whose first hop stream is open (another client's streamed request opened it), the
     gateway spread one client stream's requests round robin over its two hop streams: read in one
     go, the first opened the second hop stream and waited for it, the next went out at once on the
-    open one and reached the batch first (3 runs of 4 on the code before)."""
+    open one and reached the batch first (3 runs of 4 on the code before; a model that is not
+    decoupled went by the unary path, whose hop stream was chosen the same way)."""
     python_models.write(tmp_path, "repeat_int32", python_models.REPEAT_INT32, python_models.REPEAT_CONFIG.lstrip())
     python_models.write(tmp_path, "batch_place", BATCH_PLACE, python_models.config(
         "batch_place", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "2")], max_batch_size=8,
-        extra="model_transaction_policy { decoupled: true }\n"
-              "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 3000000 }\n"))
+        extra=("model_transaction_policy { decoupled: true }\n" if decoupled else "")
+              + "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 3000000 }\n"))
     with service_and_gateway("python", ["--repository", str(tmp_path)]) as (_, gateway):
         got: queue.Queue[Any] = queue.Queue()
         with grpcclient.InferenceServerClient(gateway.grpc) as first:
@@ -325,3 +335,35 @@ async def _in_one_write(target: str, model: str, values: tuple[int, ...]) -> lis
     async with grpc.aio.insecure_channel(target) as channel:
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests))
         return [await call.read() for _ in values]
+
+
+@pytest.mark.parametrize("where", ["gateway", "service"])
+def test_tritons_grpc_error_mode_ends_the_stream_with_the_errors_status(mesh: Mesh, where: str) -> None:
+    """With the client's metadata ``triton_grpc_error: true`` (Triton's gRPC error mode, NVIDIA's
+    qa/L0_backend_python/lifecycle), a request's error ends the call with its gRPC status, and no
+    later answer comes; without it the error travels in band (no status) and the call goes on."""
+    target = mesh.gateway.grpc if where == "gateway" else mesh.service.grpc
+    for mode in (True, False):
+        got: queue.Queue[Any] = queue.Queue()
+        client = grpcclient.InferenceServerClient(target)
+        client.start_stream(callback=lambda result, error, got=got: got.put(error or result),
+                            headers={"triton_grpc_error": "true"} if mode else None)
+        try:
+            client.async_stream_infer("double", [_input("X", [2])])
+            assert got.get(timeout=20).as_numpy("Y").tolist() == [4]
+            client.async_stream_infer("no_such_model", [_input("X", [2])])
+            error = got.get(timeout=20)
+            assert isinstance(error, InferenceServerException)
+            assert "no_such_model" in error.message()
+            if mode:
+                assert str(error.status()) == "StatusCode.NOT_FOUND"
+                with pytest.raises(InferenceServerException, match="no longer in valid state"):
+                    client.async_stream_infer("double", [_input("X", [3])])  # (tritonclient: the call ended)
+                assert got.empty()
+            else:
+                assert error.status() is None
+                client.async_stream_infer("double", [_input("X", [3])])
+                assert got.get(timeout=20).as_numpy("Y").tolist() == [6]
+        finally:
+            client.stop_stream()
+            client.close()
