@@ -68,6 +68,7 @@ class TritonPythonModel:
 
 PROBE = '''
 import json
+import sys
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -96,7 +97,8 @@ class TritonPythonModel:
             facts = {"request_id": r.request_id(), "correlation_id": r.correlation_id(), "flags": r.flags(),
                      "timeout": r.timeout(), "parameters": json.loads(r.parameters()),
                      "requested": sorted(r.requested_output_names()), "trace": r.trace().get_context(),
-                     "cancelled": r.is_cancelled(), "model_dir": self.dir, "init_bls": self.init_bls}
+                     "cancelled": r.is_cancelled(), "model_dir": self.dir, "init_bls": self.init_bls,
+                     "argv": sys.argv}
             pb_utils.Logger.log_warn(f"api_probe: warn {x}")
             pb_utils.Logger.log_error(f"api_probe: error {x}")
             pb_utils.Logger.log(f"api_probe: log {x}", pb_utils.Logger.LogLevel.INFO)
@@ -380,6 +382,7 @@ def test_a_received_request_and_bls_from_it(mesh: Mesh, direct: bool) -> None:
     assert facts["parameters"] == {"tag": "t1", "n": 3}
     assert facts["requested"] == ["OUT"]  # the client named OUT only
     assert facts["model_dir"] == str(mesh.repo / "api_probe" / "1")
+    assert facts["argv"] == [""]  # an embedded interpreter's, as in Triton's stub (unittest.main() reads it)
     assert facts["init_bls"] == "error: BLS is only supported during the 'execute' function."
     assert facts["echo"] == [4.0]  # exec(): api_echo through the gateway
     # an unknown model: the response's error, with Triton's prefix; NOT_FOUND here (Triton 2.51: INTERNAL)
