@@ -147,5 +147,6 @@ class ModelStats:
             out.append(("load_duration", labels, self.load_duration_s))
         reasons = self.fail_reasons
         for reason in (*FAILURE_REASONS, *(r for r in reasons if r not in FAILURE_REASONS)):
-            out.append(("request_failure", {**labels, "reason": reason}, reasons.get(reason, 0)))
+            # (labels in name order, as Triton's prometheus-cpp writes them: model, reason, version)
+            out.append(("request_failure", dict(sorted({**labels, "reason": reason}.items())), reasons.get(reason, 0)))
         return out

@@ -295,6 +295,9 @@ class Tensor:
     _bf16 = False
 
     def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None):
+        _typed(name, str, "name")
+        if numpy_array is None:  # (pybind11's TypeError: the stub takes a numpy array)
+            raise TypeError("Tensor(): numpy_array must be a numpy array, not None")
         if name == "":
             raise TritonModelException("Tensor name cannot be an empty string.")
         arr = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
@@ -488,10 +491,10 @@ def _stub_error(prefix: str, message: str) -> TritonModelException:
 class InferenceResponse:
     """Output tensors, or an error, for one request."""
 
-    def __init__(self, output_tensors: list[Tensor] | tuple[Tensor, ...] | None = None,
+    def __init__(self, output_tensors: list[Tensor] | tuple[Tensor, ...] = (),
                  error: TritonError | None = None, parameters: dict | str | None = None):
-        if output_tensors is None:
-            output_tensors = []
+        if output_tensors is None:  # (given as None: pybind11's TypeError; the default is a list)
+            raise TypeError("InferenceResponse(): output_tensors must be a list of pb_utils.Tensor, not None")
         if not isinstance(output_tensors, (list, tuple)):
             raise TritonModelException('"output_tensors" must be a list.')
         if any(t is None for t in output_tensors):
@@ -621,16 +624,34 @@ def _check_parameters(parameters: Any) -> str:
     return json.dumps(parameters)
 
 
+def _typed(value: Any, kind: type, name: str) -> None:
+    """An argument of a pybind11-bound call that is not of its type (None included: the stub's
+    arguments are ``none(false)``): pybind11's TypeError, as NVIDIA's argument_validation QA expects."""
+    if not isinstance(value, kind):
+        raise TypeError(f"incompatible argument '{name}': expected {kind.__name__}, got {type(value).__name__}")
+
+
 class InferenceRequest:
     """A request: one of those ``execute`` receives, or one a model builds to call another model
     (BLS: ``InferenceRequest(model_name=..., requested_output_names=[...], inputs=[...]).exec()``)."""
 
-    def __init__(self, request_id: str = "", correlation_id: int | str = 0, inputs: list[Tensor] | None = None,
-                 requested_output_names: list[str] | None = None, model_name: str = "", model_version: int = -1,
+    def __init__(self, request_id: str = "", correlation_id: int | str = 0, inputs: list[Tensor] | None = (),  # type: ignore[assignment]
+                 requested_output_names: list[str] | None = (), model_name: str = "", model_version: int = -1,  # type: ignore[assignment]
                  flags: int = 0, timeout: int = 0, preferred_memory: PreferredMemory | None = None,
                  trace: InferenceTrace | None = None, parameters: dict | str | None = None):
-        inputs = list(inputs) if inputs else []
-        names = requested_output_names or ()
+        _typed(request_id, str, "request_id")
+        _typed(model_name, str, "model_name")
+        _typed(model_version, int, "model_version")
+        _typed(flags, int, "flags")
+        _typed(timeout, int, "timeout")
+        if correlation_id is None:  # (pybind11's TypeError for None; another type: the stub's text below)
+            raise TypeError("InferenceRequest(): correlation_id cannot be None")
+        if inputs is None or requested_output_names is None:  # (given as None: pybind11's TypeError)
+            raise TypeError("InferenceRequest(): inputs and requested_output_names must be lists")
+        inputs = list(inputs)
+        names = list(requested_output_names)
+        if any(not isinstance(n, str) for n in names):
+            raise TypeError("InferenceRequest(): requested_output_names must be a list of str")
         if None in inputs:
             raise TritonModelException(f"Input tensor for request with id '{request_id}' and model name "
                                        f"'{model_name}' should not be empty.")
@@ -807,7 +828,10 @@ class Logger:
     VERBOSE = _LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: int = _LogLevel.INFO) -> None:
+    def log(message: str, level: _LogLevel = _LogLevel.INFO) -> None:
+        # (pybind11's TypeErrors: the message a str, the level a LogLevel, not an int nor None)
+        _typed(message, str, "message")
+        _typed(level, _LogLevel, "level")
         Logger._log.log(_PY_LEVEL.get(int(level), logging.INFO), "%s", message, stacklevel=3)
 
     @staticmethod

@@ -61,7 +61,7 @@ def test_replica_facts_from_an_exposition() -> None:
         'meshserve_model_memory_bytes{model="a",version="2"} 50',
         'nv_inference_pending_request_count{model="a",version="1"} 3',
         'nv_inference_request_success{model="a",version="1"} 7',
-        'nv_inference_request_failure{model="a",version="1",reason="REJECTED"} 1',
+        'nv_inference_request_failure{model="a",reason="REJECTED",version="1"} 1',
         'meshserve_model_evictions_total{model="b"} 2', 'meshserve_model_loads_total{model="b"} 4',
         'nv_inference_count{model="a",version="1"} 99', "garbage line {", ""])
     facts = ReplicaFacts.parse(text)

@@ -262,6 +262,34 @@ class _CudaArray:
         return (2, 0)
 
 
+def b_argument_types() -> None:
+    """pybind11's TypeErrors where the stub's bindings take another type (None included), as
+    NVIDIA's qa/L0_backend_python/argument_validation model asserts them; its other cases are the
+    stub's own TritonModelException texts."""
+    t = [pb_utils.Tensor("INPUT0", np.asarray([1, 2], dtype=np.int32))]
+    ok = {"inputs": t, "model_name": "m", "requested_output_names": ["o"]}
+    for bad in ({"inputs": None}, {"model_name": None}, {"requested_output_names": [None]},
+                {"requested_output_names": None}, {"correlation_id": None}, {"request_id": None},
+                {"model_version": None}, {"flags": None}):
+        with pytest.raises(TypeError):
+            pb_utils.InferenceRequest(**{**ok, **bad})  # type: ignore[arg-type]
+    _raises(lambda: pb_utils.InferenceRequest(**{**ok, "inputs": [None]}),  # type: ignore[arg-type]
+            "Input tensor for request with id '' and model name 'm' should not be empty.")
+    assert pb_utils.InferenceRequest(**{**ok, "correlation_id": "id-5"}).correlation_id() == "id-5"
+    assert pb_utils.InferenceRequest(requested_output_names=[], inputs=[], model_name="m").correlation_id() == 0
+    with pytest.raises(TypeError):
+        pb_utils.InferenceResponse(output_tensors=None)  # type: ignore[arg-type]
+    assert pb_utils.InferenceResponse(output_tensors=[]).output_tensors() == []
+    for name, array in ((None, np.zeros(1)), ("OUTPUT0", None), ("", None)):
+        with pytest.raises(TypeError):
+            pb_utils.Tensor(name, array)  # type: ignore[arg-type]
+    for call in (lambda: pb_utils.Logger.log("x", None), lambda: pb_utils.Logger.log("x", 1),
+                 lambda: pb_utils.Logger.log_info(None), lambda: pb_utils.Logger.log_warn(None),
+                 lambda: pb_utils.Logger.log_error(None), lambda: pb_utils.Logger.log_verbose(None)):
+        with pytest.raises(TypeError):
+            call()  # type: ignore[no-untyped-call]
+
+
 def b_gpu_paths_on_a_cpu_box() -> None:
     """GPU-only paths: where no GPU is available, Triton's own CPU-build text (never AttributeError)."""
     if pb_utils._gpu_available():
@@ -414,6 +442,7 @@ BEHAVIOUR: list[tuple[tuple[str, ...], Callable[..., None]]] = [
     ((), b_exec_outside_worker),
     (("Tensor", *[f"Tensor.{m}" for m in CLASS_MEMBERS["Tensor"]]), b_tensor),
     ((), b_gpu_paths_on_a_cpu_box),
+    ((), b_argument_types),
     (("InferenceResponse", "InferenceResponse.output_tensors", "InferenceResponse.has_error",
       "InferenceResponse.error"), b_response),
     ((), b_sender_rules),

@@ -99,3 +99,15 @@ def test_record_successes_counts_as_record_success_per_member() -> None:
     for a, b in ((one.request_hist, batch.request_hist), (one.queue_hist, batch.queue_hist)):
         assert (a.counts, a.sum, a.count) == (b.counts, b.sum, b.count)
         assert a.count == 5
+
+
+def test_failure_lines_name_their_labels_in_tritons_order() -> None:
+    """Triton (prometheus-cpp) writes a sample's labels in name order; NVIDIA's QA matches the line
+    whole: nv_inference_request_failure{model="m",reason="BACKEND",version="1"} (lifecycle_test.py)."""
+    from meshserve.telemetry.model_stats import ModelStats
+
+    stats = ModelStats("m", "1")
+    stats.record_failure(1000, "BACKEND")
+    text = metrics.render(stats.samples({"model": "m", "version": "1"}), metrics.MODEL_FAMILIES).decode()
+    assert 'nv_inference_request_failure{model="m",reason="BACKEND",version="1"} 1\n' in text
+    assert 'nv_inference_request_success{model="m",version="1"} 0\n' in text
