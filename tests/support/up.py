@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from load.bench.procs import HOP_KEY_ENV, ROOT, Endpoints
 from tests.support import leftovers
@@ -54,6 +56,7 @@ class Up(Endpoints):
     scheme: str = "http"
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     killed: dict[int, str] = field(default_factory=dict)  # what ``stop`` had to kill (a leak)
+    copy: Any = None  # a file every line of output goes to as well (``tee``)
 
     @property
     def pid(self) -> int:
@@ -62,6 +65,14 @@ class Up(Endpoints):
     @property
     def metrics(self) -> str:
         return f"127.0.0.1:{self.ports['metrics']}"
+
+    def tee(self, path: Path) -> None:
+        """From now on each line of `up`'s output goes to ``path`` as well (what it wrote so far
+        first): a test that reads a server's log file (NVIDIA's QA) reads it there."""
+        out = path.open("a", encoding="utf-8")
+        out.write("".join(self.lines))
+        out.flush()
+        self.copy = out
 
     def log(self, lines: int = 80) -> str:
         """The last ``lines`` lines of `up`'s output (its children's included)."""
@@ -121,6 +132,9 @@ def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = No
         assert proc.stdout is not None
         for line in proc.stdout:
             up.lines.append(line)
+            if (copy := up.copy) is not None:
+                copy.write(line)
+                copy.flush()
             if not ready.is_set():
                 banner.append(line)
                 if BANNER_END in line:

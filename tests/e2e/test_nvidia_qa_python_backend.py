@@ -1,0 +1,187 @@
+"""NVIDIA's own QA tests of the Python backend (triton-inference-server/server
+qa/L0_backend_python), run unchanged as subprocesses against `meshserve up` serving the models each
+subtest's test.sh copies from qa/python_models, on the ports the tests hard-code (8000-8002).
+
+What each run covers, and what is left out and why (each a difference docs/python-backend.md or
+docs/observability.md names, or a GPU the machine lacks):
+
+- ``python_test.py`` (the main suite: datatypes, strings of fixed width, BF16, optional inputs,
+  init args, async infer, torch): all but ``test_growth_error`` (a 1 GiB request: meshserve refuses
+  it at --max-request-bytes, 413, before any shared-memory pool could grow) and
+  ``test_async_infer`` (it matches ``nv_inference_request_success{model=...,version="1"}`` as text:
+  the gateway's federated /metrics labels each sample with its ``replica``);
+- ``decoupled``: all but ``test_decoupled_bls`` (its model moves tensors to CUDA);
+- ``response_sender``: all but the two cases where a model that is not decoupled answers from a
+  thread after ``execute()`` returned (``*_one_response_post_return``, ``*_multiple_requests``);
+- ``lifecycle``: all but ``test_infer_pymodel_error`` (the federated /metrics text, as above);
+- ``parameters``, ``argument_validation``, ``async_execute``: whole.
+
+TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
+regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
+as on NVIDIA's Jetson runs.
+
+The QA folder is not in this tree: point MESHSERVE_NVIDIA_QA at the ``qa`` folder of a server
+snapshot holding ``L0_backend_python``, ``python_models`` and ``common`` (docs/nvidia-examples.md);
+without it the tests are skipped. Nothing here needs the network.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.support.up import meshserve_up
+
+ENV = "MESHSERVE_NVIDIA_QA"
+QA = Path(os.environ[ENV]) if os.environ.get(ENV) else None
+PORTS = ("--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002")  # (the tests' own)
+
+pytestmark = pytest.mark.skipif(QA is None or not (QA / "L0_backend_python").is_dir(),
+                                reason=f"{ENV} is not set to a qa folder with L0_backend_python (NVIDIA's server "
+                                "repository; docs/nvidia-examples.md says how to get it)")
+
+
+def _model(repo: Path, name: str, src: str | None = None, *, files: Sequence[str] = ("model.py",),
+           rename: dict[str, str] | None = None, append: str = "", main: str = "model.py") -> None:
+    """As test.sh does: qa/python_models/SRC's files into REPO/NAME/1 (``main`` as model.py), its
+    config.pbtxt with ``name`` set to NAME, the ``rename`` replacements and ``append`` added."""
+    assert QA is not None
+    source = QA / "python_models" / (src or name)
+    (repo / name / "1").mkdir(parents=True)
+    for f in files:
+        shutil.copy(source / f, repo / name / "1" / ("model.py" if f == main else f))
+    lines = [f'name: "{name}"' if line.startswith("name:") else line
+             for line in (source / "config.pbtxt").read_text().splitlines()]
+    text = "\n".join(lines) + "\n"
+    for old, new in (rename or {}).items():
+        text = text.replace(old, new)
+    (repo / name / "config.pbtxt").write_text(text + append)
+
+
+def _run(folder: Path, test_file: str, deselect: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+    """NVIDIA's ``test_file`` with pytest, from its own folder (as test.sh runs it), every test but
+    ``deselect``; it must pass."""
+    assert QA is not None
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", test_file]
+    for name in deselect:
+        args += ["--deselect", f"{test_file}::{name}"]
+    run_env = {**os.environ, "TEST_JETSON": "1", "PYTHONPATH": str(QA / "common"), **(env or {})}
+    done = subprocess.run(args, cwd=folder, capture_output=True, text=True, timeout=600, env=run_env)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def _qa(tmp_path: Path, name: str) -> Path:
+    """A copy of qa/L0_backend_python (its tests, not models or logs) under ``tmp_path``, and the
+    subtest folder ``name`` in it: the tests write beside themselves (reports, the server's log)."""
+    assert QA is not None
+    copy = tmp_path / "L0_backend_python"
+    if not copy.exists():
+        shutil.copytree(QA / "L0_backend_python", copy, ignore=shutil.ignore_patterns("models", "*.log"))
+    return copy / name
+
+
+def test_python_test(tmp_path: Path) -> None:
+    # init_args checks its model_repository against $TRITON_DIR/qa/L0_backend_python/models/init_args
+    repo = tmp_path / "qa" / "L0_backend_python" / "models"
+    _model(repo, "identity_fp32")
+    _model(repo, "identity_bf16")
+    for name, kind, extra in (("identity_uint8", "TYPE_UINT8", "dynamic_batching { preferred_batch_size: [8], "
+                               "max_queue_delay_microseconds: 12000000 }\n"),
+                              ("identity_uint32", "TYPE_UINT32", ""), ("identity_bool", "TYPE_BOOL", "")):
+        _model(repo, name, "identity_fp32", rename={"TYPE_FP32": kind}, append=extra)
+    text = (repo / "identity_uint8" / "config.pbtxt").read_text()
+    (repo / "identity_uint8" / "config.pbtxt").write_text(
+        "\n".join("max_batch_size: 8" if line.startswith("max_batch_size:") else line for line in text.splitlines()))
+    _model(repo, "identity_uint8_nobatch", "identity_fp32", rename={"TYPE_FP32": "TYPE_UINT8"})
+    text = (repo / "identity_uint8_nobatch" / "config.pbtxt").read_text()
+    (repo / "identity_uint8_nobatch" / "config.pbtxt").write_text(
+        "\n".join(line for line in text.splitlines() if not line.startswith("max_batch_size:")) + "\n")
+    _model(repo, "default_model_name", "identity_fp32", append='default_model_filename: "mymodel.py"\n')
+    (repo / "default_model_name" / "1" / "model.py").rename(repo / "default_model_name" / "1" / "mymodel.py")
+    for name in ("pytorch_fp32_fp32", "delayed_model", "init_args", "optional", "non_contiguous", "string",
+                 "string_fixed", "dlpack_identity"):
+        _model(repo, name)
+    with meshserve_up("--repository", str(repo), *PORTS, timeout=240, env={"TRITON_DIR": str(tmp_path)}):
+        _run(_qa(tmp_path, ""), "python_test.py", ["PythonTest::test_growth_error", "PythonTest::test_async_infer"])
+
+
+def test_decoupled(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(QA / "L0_backend_python" / "decoupled" / "models", repo)  # type: ignore[operator]
+    _model(repo, "identity_fp32")
+    _model(repo, "execute_cancel", append="model_transaction_policy { decoupled: True }\n")
+    _model(repo, "response_sender_until_cancelled")
+    _model(repo, "dlpack_add_sub")
+    _run_with(repo, _qa(tmp_path, "decoupled"), "decoupled_test.py", ["DecoupledTest::test_decoupled_bls"],
+              log="decoupled_server.log")
+
+
+def test_response_sender(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    decoupled = "model_transaction_policy { decoupled: True }\n"
+    batching = "dynamic_batching { max_queue_delay_microseconds: 500000 }\n"
+    for name, main, extra in (
+            ("response_sender", "model.py", ""), ("response_sender_decoupled", "model.py", decoupled),
+            ("response_sender_async", "model_async.py", ""),
+            ("response_sender_decoupled_async", "model_async.py", decoupled),
+            ("response_sender_batching", "model.py", batching),
+            ("response_sender_decoupled_batching", "model.py", decoupled + batching),
+            ("response_sender_async_batching", "model_async.py", batching),
+            ("response_sender_decoupled_async_batching", "model_async.py", decoupled + batching)):
+        _model(repo, name, "response_sender", files=("model_common.py", main), main=main, append=extra)
+    _run_with(repo, _qa(tmp_path, "response_sender"), "response_sender_test.py",
+              ["ResponseSenderTest::test_non_decoupled_one_response_post_return",
+               "ResponseSenderTest::test_non_decoupled_multiple_requests"])
+
+
+def test_lifecycle(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    for name in ("error_code", "execute_cancel", "decoupled_grpc_error", "execute_return_error"):
+        _model(repo, name)
+    for name, pause in (("execute_error", 12000000), ("execute_grpc_error", 1200000)):
+        _model(repo, name, append=f"dynamic_batching {{ preferred_batch_size: [8], max_queue_delay_microseconds: "
+                                  f"{pause} }}\n")
+        text = (repo / name / "config.pbtxt").read_text()
+        (repo / name / "config.pbtxt").write_text(
+            "\n".join("max_batch_size: 8" if line.startswith("max_batch_size:") else line
+                      for line in text.splitlines()) + "\n")
+    _model(repo, "wrong_model", rename={"TYPE_FP32": "TYPE_UINT32"})
+    _run_with(repo, _qa(tmp_path, "lifecycle"), "lifecycle_test.py", ["LifecycleTest::test_infer_pymodel_error"],
+              log="lifecycle_server.log")
+
+
+def test_parameters(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    for name in ("response_parameters", "response_parameters_decoupled", "response_parameters_bls"):
+        _model(repo, name)
+    _run_with(repo, _qa(tmp_path, "parameters"), "response_parameters_test.py")
+
+
+def test_argument_validation(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    shutil.copytree(QA / "L0_backend_python" / "argument_validation" / "models", repo)  # type: ignore[operator]
+    _run_with(repo, _qa(tmp_path, "argument_validation"), "../test_infer_shm_leak.py",
+              env={"MODEL_NAME": "argument_validation"})
+
+
+def test_async_execute(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    for name in ("async_execute_decouple", "async_execute_decouple_bls"):
+        _model(repo, name)
+    _run_with(repo, _qa(tmp_path, "async_execute"), "concurrency_test.py",
+              env={"SERVER_LOG": "concurrency_test.server.log"}, log="concurrency_test.server.log")
+
+
+def _run_with(repo: Path, folder: Path, test_file: str, deselect: Sequence[str] = (),
+              env: dict[str, str] | None = None, log: str = "") -> None:
+    """`meshserve up` on ``repo`` while ``_run`` runs; ``log``: the file in ``folder`` the test reads
+    the server's log from (test.sh's $SERVER_LOG), written as `up` writes it."""
+    with meshserve_up("--repository", str(repo), *PORTS, timeout=240) as up:
+        if log:
+            up.tee(folder / log)
+        _run(folder, test_file, deselect, env)
