@@ -20,7 +20,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -635,8 +635,8 @@ class InferenceRequest:
     """A request: one of those ``execute`` receives, or one a model builds to call another model
     (BLS: ``InferenceRequest(model_name=..., requested_output_names=[...], inputs=[...]).exec()``)."""
 
-    def __init__(self, request_id: str = "", correlation_id: int | str = 0, inputs: list[Tensor] | None = (),  # type: ignore[assignment]
-                 requested_output_names: list[str] | None = (), model_name: str = "", model_version: int = -1,  # type: ignore[assignment]
+    def __init__(self, request_id: str = "", correlation_id: int | str = 0, inputs: Sequence[Tensor] | None = (),
+                 requested_output_names: Sequence[str] | None = (), model_name: str = "", model_version: int = -1,
                  flags: int = 0, timeout: int = 0, preferred_memory: PreferredMemory | None = None,
                  trace: InferenceTrace | None = None, parameters: dict | str | None = None):
         _typed(request_id, str, "request_id")
