@@ -262,6 +262,7 @@ class Triton:
                 f"--metrics-port={metrics}", "--allow-gpu-metrics=false", "--log-verbose=0",
                 f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
         self.log = work / "tritonserver.log"
+        self._shm_before = _stub_regions()
         # the shell joins the cgroup, then becomes tritonserver: every stub it starts is inside
         # (its own process group: stop() waits out the python stubs it starts too, procs.stop_process)
         self.proc = procs.spawn(["sh", "-c", 'echo $$ > "$CGROUP_PROCS" && exec "$@"', "sh", *argv],
@@ -301,6 +302,15 @@ class Triton:
 
     def stop(self) -> None:
         procs.stop_process(self.proc, signal.SIGTERM, timeout=30)
+        # a stub or a tritonserver the cap killed leaves its shared-memory region in /dev/shm (1 MiB
+        # each, for good): the regions that came while it ran go with it
+        for region in _stub_regions() - self._shm_before:
+            region.unlink(missing_ok=True)
+
+
+def _stub_regions() -> set[Path]:
+    """The python backend's shared-memory regions (``/dev/shm/triton_python_backend_shm_region_*``)."""
+    return set(Path("/dev/shm").glob("triton_python_backend_shm_region_*"))
 
 
 def reason(outcome: str) -> str:

@@ -85,8 +85,10 @@ def test_triton_serves_the_set_when_the_cap_has_room(small_repo: tuple[Path, lis
 def test_triton_runs_out_of_memory_when_the_cap_holds_a_few(small_repo: tuple[Path, list[str]],
                                                             tmp_path: Path) -> None:
     repo, names = small_repo
+    before = mesh_triton._stub_regions()
     # tritonserver (~35 MiB) and about two python stubs (~33 MiB each charged) fit
     r = _run(repo, names, 110 << 20, tmp_path)
+    assert mesh_triton._stub_regions() == before  # (the killed stubs' /dev/shm regions went with them)
     assert str(r["outcome"]).startswith("out of memory"), r["outcome"]
     if r["server_alive_after_loads"]:  # a stub was killed, not the server: its model's requests fail
         assert r["failed"] > 0 and any("Stub process" in why for why in r["failures"]), r["failures"]  # type: ignore[attr-defined]
