@@ -477,7 +477,7 @@ class Forward:
 
     async def _alone(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
                      timeout: float | None, sequence: str | None, outcomes: Outcomes | None, protocol: str,
-                     alone: bool = True, order: str | None = None) -> InferResult:
+                     alone: bool = True, client_stream: str | None = None) -> InferResult:
         """``Coalescer.send_alone`` (``alone``: requests arriving meanwhile see the model busy;
         else just sent), without a frame of its own; counted by ``outcomes`` (see ``named``)."""
         busy = self.coalescer.busy
@@ -485,7 +485,7 @@ class Forward:
             busy[name] = busy.get(name, 0) + 1
         try:
             # (InferResult's message positionally: a call with keywords costs ~1.2k instructions more)
-            result = InferResult(await self._send(request, name, version, raw, timeout, sequence, order))
+            result = InferResult(await self._send(request, name, version, raw, timeout, sequence, client_stream))
         except InferError as exc:
             if outcomes is None:
                 raise
@@ -498,13 +498,13 @@ class Forward:
         return result
 
     def _send(self, request: pb.ModelInferRequest, name: str, version: str, raw: bytes | None,
-              timeout: float | None, sequence: str | None, order: str | None = None
+              timeout: float | None, sequence: str | None, client_stream: str | None = None
               ) -> Coroutine[Any, Any, pb.ModelInferResponse]:
         """``Upstream.send``; a client's bytes with tracing off go straight to ``Upstream.infer``
-        with the name and version read already (``order``: the client stream, Upstream.infer)."""
+        with the name and version read already (``client_stream``: Upstream.infer's)."""
         if raw is None or tracing.enabled:
-            return self.upstream.send(request, raw, timeout, sequence, order)
-        return self.upstream.infer(name, version, request.id, raw, timeout, sequence, order)
+            return self.upstream.send(request, raw, timeout, sequence, client_stream)
+        return self.upstream.infer(name, version, request.id, raw, timeout, sequence, client_stream)
 
     def stream(self, request: pb.ModelInferRequest, ctx: RequestContext, sequence: str | None
                ) -> Answers:

@@ -28,12 +28,12 @@ async def answers(upstream: Upstream, request: pb.ModelInferRequest, raw: bytes 
     earlier one, even while it opens), so a decoupled model's batch holds them in the client's
     order, as Triton's scheduler gets them; round robin over the hop streams put two requests
     on two streams, one still opening, and the second ran first. A sequence keeps its own key."""
-    order = affinity if affinity is not None else client_stream
+    hop_key = affinity if affinity is not None else client_stream
     body = hop.with_stream(raw if raw is not None else request.SerializeToString())
     if tracing.enabled and (span := tracing.current_var.get()) is not None:
         body = tracing.inject_parameters(body, span)  # the service's span is this request's child
     answers = await upstream.call(request.model_name, request.model_version,
-                                  lambda r: r.streams.open(body, request.id, timeout, order), affinity)
+                                  lambda r: r.streams.open(body, request.id, timeout, hop_key), affinity)
     try:
         while True:
             response, final = await answers.next()

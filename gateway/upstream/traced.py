@@ -52,7 +52,7 @@ class _Call:
 
 
 async def send(upstream: Upstream, request: pb.ModelInferRequest, body: bytes, timeout: float | None,
-               affinity: str | None, parent: Span, order: str | None = None) -> pb.ModelInferResponse:
+               affinity: str | None, parent: Span, client_stream: str | None = None) -> pb.ModelInferResponse:
     """Upstream.send for a sampled request: ``upstream.call`` chooses the replica (and retries);
     ``parent`` is the sampled gateway request span."""
     name, version = request.model_name, request.model_version
@@ -65,7 +65,7 @@ async def send(upstream: Upstream, request: pb.ModelInferRequest, body: bytes, t
         calls = [_Call(parent, upstream_span.span_id, started, None)]
         started = decided  # a retry's route span starts where this attempt's decision ended
         return await _forward_under(calls, decided, request, replica, tracing.inject_parameters(body, upstream_span),
-                                    timeout, affinity if affinity is not None else order)
+                                    timeout, affinity if affinity is not None else client_stream)
 
     return await upstream.call(name, version, attempt, affinity)
 

@@ -102,23 +102,24 @@ class Upstream:
         return err, retry
 
     def send(self, request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-             affinity: str | None = None, order: str | None = None) -> Coroutine[Any, Any, pb.ModelInferResponse]:
+             affinity: str | None = None, client_stream: str | None = None
+             ) -> Coroutine[Any, Any, pb.ModelInferResponse]:
         """Forward one infer request (``raw``: its bytes as the client sent them, if they still
         name its model); ``affinity``: its sequence's key (routing.table.sequence_affinity);
-        ``order``: the client stream it came on (RequestContext.stream; see ``infer``). The
+        ``client_stream``: the client's call it came on (RequestContext.stream; see ``infer``). The
         returned awaitable is ``call``'s (or the traced variant's) coroutine: no frame of its own."""
         body = raw if raw is not None else request.SerializeToString()
         if tracing.enabled and (span := tracing.current_var.get()) is not None:
-            return traced.send(self, request, body, timeout, affinity, span, order)
-        return self.infer(request.model_name, request.model_version, request.id, body, timeout, affinity, order)
+            return traced.send(self, request, body, timeout, affinity, span, client_stream)
+        return self.infer(request.model_name, request.model_version, request.id, body, timeout, affinity, client_stream)
 
     async def infer(self, name: str, version: str, client_id: str, body: bytes, timeout: float | None,
-                    affinity: str | None = None, order: str | None = None) -> pb.ModelInferResponse:
+                    affinity: str | None = None, client_stream: str | None = None) -> pb.ModelInferResponse:
         """An untraced infer request's bytes to a replica of (name, version): ``call`` with
         ``StreamPool.infer`` as its ``fn``, written out as one coroutine (every request's path:
         no closure, no frame of ``call``'s and ``finish``'s each); the same replica choice,
-        retries and counts. ``order``: the client stream the request came on (None for a unary
-        call): a stream's requests share the replica's hop stream, so they reach a batch in the
+        retries and counts. ``client_stream``: the client's call the request came on (None for a
+        unary call): a stream's requests share the replica's hop stream, so they reach a batch in the
         order sent (streamed.py says why); the replica is chosen as for any request."""
         table = self.discovery.table  # (as call)
         replicas = list((table.lookup(name) if name in table else await self.routes(name)).replicas_for(version))
@@ -128,7 +129,7 @@ class Upstream:
             generation = replica.generation
             try:
                 pool = replica.streams
-                stream, fut, t0 = pool.start(body, timeout, affinity if affinity is not None else order,
+                stream, fut, t0 = pool.start(body, timeout, affinity if affinity is not None else client_stream,
                                              client_id)  # (NotSent: another replica)
                 try:
                     msg = await fut

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 from load.bench.procs import HOP_KEY_ENV, ROOT, Endpoints
 from tests.support import leftovers
@@ -56,7 +56,7 @@ class Up(Endpoints):
     scheme: str = "http"
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     killed: dict[int, str] = field(default_factory=dict)  # what ``stop`` had to kill (a leak)
-    copy: Any = None  # a file every line of output goes to as well (``tee``)
+    copy: TextIO | None = None  # a file every line of output goes to as well (``tee``; closed at its end)
 
     @property
     def pid(self) -> int:
@@ -139,6 +139,8 @@ def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = No
                 banner.append(line)
                 if BANNER_END in line:
                     ready.set()
+        if up.copy is not None:  # (the output ended: the pump, its only writer, closes it)
+            up.copy.close()
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

@@ -139,7 +139,7 @@ async def test_without_policies_each_way_forward_sends_counts_a_request_once(pro
     sent: list[int] = []
 
     async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                   affinity: str | None = None, order: str | None = None) -> pb.ModelInferResponse:
+                   affinity: str | None = None, client_stream: str | None = None) -> pb.ModelInferResponse:
         sent.append(request.inputs[0].shape[0])
         await gate.wait()
         if isinstance(answer[0], InferError):
@@ -208,7 +208,7 @@ async def test_without_policies_each_way_forward_sends_counts_a_request_once(pro
 def _answering(answer: list[Any]) -> Any:
     """An ``Upstream.send`` that raises ``answer[0]`` when it is an InferError, else answers."""
     async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                   affinity: str | None = None, order: str | None = None) -> pb.ModelInferResponse:
+                   affinity: str | None = None, client_stream: str | None = None) -> pb.ModelInferResponse:
         if isinstance(answer[0], InferError):
             raise answer[0]
         return pb.ModelInferResponse(model_name="add_sub", id=request.id)
@@ -332,7 +332,7 @@ async def test_with_the_cache_past_turns_each_path_counts_a_request_once(protoco
     sent: list[int] = []
 
     async def send(request: pb.ModelInferRequest, raw: bytes | None, timeout: float | None,
-                   affinity: str | None = None, order: str | None = None) -> pb.ModelInferResponse:
+                   affinity: str | None = None, client_stream: str | None = None) -> pb.ModelInferResponse:
         if raw is not None:  # (a merged request's contents are in its body)
             request = pb.ModelInferRequest.FromString(raw)
         sent.append(request.inputs[0].shape[0])
@@ -345,7 +345,7 @@ async def test_with_the_cache_past_turns_each_path_counts_a_request_once(protoco
         return out
 
     def infer(name: str, version: str, rid: str, raw: bytes, timeout: float | None,
-              affinity: str | None = None, order: str | None = None) -> Any:  # (a client's bytes, sent alone)
+              affinity: str | None = None, client_stream: str | None = None) -> Any:  # (a client's bytes, sent alone)
         return send(pb.ModelInferRequest.FromString(raw), raw, timeout, affinity)
 
     core.upstream.send = send  # type: ignore[method-assign]  # the service is not under test here
