@@ -563,10 +563,14 @@ class ServiceCore:
         if name not in self.models:
             check_model_name(name)  # an invalid name is a client error, not "not ready"
         try:
-            self._resolve(name, version)
-            return True
+            mv = self._resolve(name, version)
         except InferError:
             return False
+        why = await mv.runtime_ready()
+        if why is not None:  # (Triton's verbose line, its words)
+            log.debug("Model '%s' version %s is not ready: %s", name, mv.version_str, why)
+            return False
+        return True
 
     async def model_metadata(self, name: str, version: str) -> pb.ModelMetadataResponse:
         mv = self._resolve(name, version)

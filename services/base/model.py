@@ -121,6 +121,12 @@ class ModelVersion:
         """When a request last ran on this version (its load, before any did): the eviction order."""
         return max(self.stats.last_inference_ms, self.loaded_ms)
 
+    async def runtime_ready(self) -> str | None:
+        """Beyond being loaded: None when the version's instances can serve, else why not (the
+        python backend's workers and their ``is_ready()``: PythonModelVersion). A runtime held in
+        this process is ready while it is loaded."""
+        return None
+
     def busy(self) -> bool:
         """Requests in flight (queued, executing, or awaiting their answer) or a live sequence:
         an eviction never unloads a busy version."""

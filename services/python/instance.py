@@ -86,6 +86,11 @@ class WorkerSpec:
     tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
 
 
+# how long a readiness check waits for the model's is_ready() (the python backend's
+# kUserModelReadinessTimeoutMs): past it the model is reported not ready for that check
+READY_CHECK_TIMEOUT_S = 5.0
+
+
 def request_key() -> int:
     """A new request's key on the worker socket: a process-wide counter, so a key is never reused
     (an ``id()`` is, once its object is gone: a stale cancel for it would hit a later request)."""
@@ -141,6 +146,10 @@ class ModelWorker:
         self._stream_classes: dict[int, dict[str, int]] = {}  # a streamed request's classified outputs, if any
         self._running: set[int] = set()  # keys of the requests in the batch execute() is running
         self._metric_requests: dict[int, asyncio.Future[object]] = {}
+        # the model's is_ready(), when it defines one (the worker says so once it initialized), and
+        # the one check in flight (its ask id and future (ready, error)): at most one at a time
+        self.has_is_ready = False
+        self._ready_check: tuple[int, asyncio.Future[object]] | None = None
         self._stopping = False
         # the model version's response encoder, for its outputs' classification labels (which the
         # load sets after the instances are made: services/base/core.py); PythonModelVersion sets it
@@ -364,6 +373,43 @@ class ModelWorker:
         finally:
             self._metric_requests.pop(ask, None)
 
+    async def check_ready(self) -> str | None:
+        """None when the instance is ready, else why not (Triton's TRITONBACKEND_ModelInstanceReady
+        of the python backend, its texts): a worker that is down is not ready; a model with
+        ``is_ready()`` is asked, at most once at a time per instance (a check asked for while one
+        runs waits for that one's answer), for at most READY_CHECK_TIMEOUT_S. A check that outlives
+        the wait stays in flight until the worker answers (the next caller waits for it), so a
+        slow ``is_ready()`` never piles up calls in the worker."""
+        if not self.alive:
+            return f"Stub process '{self.name}' is not healthy."
+        if not self.has_is_ready:
+            return None
+        joined = self._ready_check is not None
+        if self._ready_check is None:
+            ask = next(self._ids)
+            self._ready_check = (ask, self.loop.create_future())
+            try:
+                self._send(("is_ready", ask))
+            except OSError:
+                self._ready_check = None
+                return "Stub process is not healthy while waiting for user-defined is_ready() response"
+        check = self._ready_check[1]
+        try:
+            ready, error = cast(tuple[bool, 'str | None'], await asyncio.wait_for(asyncio.shield(check),
+                                                                              READY_CHECK_TIMEOUT_S))
+        except TimeoutError:
+            return ("Timed out waiting for in-flight is_ready() response" if joined
+                    else "Timed out waiting for user-defined is_ready() response")
+        if error is not None:
+            return error
+        return None if ready else f"Model '{self.name}' is not ready (user-defined check failed)."
+
+    def _ready_answered(self, ask: int, ready: bool, error: str | None) -> None:
+        """The worker's answer to a readiness check (event loop)."""
+        if self._ready_check is not None and self._ready_check[0] == ask:
+            _settle(self._ready_check[1], (ready, error))
+            self._ready_check = None
+
     # ---- the reader thread ---------------------------------------------------------------
     def _read(self, process: _Process) -> None:
         """Take the worker's messages until its socket ends (the watcher ends it when the process
@@ -383,6 +429,7 @@ class ModelWorker:
                 break
             if kind == "ready":
                 serving = True
+                self.has_is_ready = bool(msg[2])
                 self.alive, self.reason = True, ""
                 process.init.put(msg)
                 continue
@@ -423,6 +470,11 @@ class ModelWorker:
             asked = self._metric_requests.pop(msg[1], None)
             if asked is not None:
                 self.loop.call_soon_threadsafe(_settle, asked, msg[2])
+            return
+        if kind == "is_ready":
+            _, ask, ready, error = msg
+            self.loop.call_soon_threadsafe(self._ready_answered, ask, bool(ready),
+                                           None if error is None else str(error))
             return
         entry = self._pending.pop(msg[1], None)
         if entry is None:
@@ -496,6 +548,10 @@ class ModelWorker:
     def _died(self, status: str) -> None:
         """The worker process ended (event loop)."""
         self.alive = False
+        if self._ready_check is not None:
+            _settle(self._ready_check[1], (False, "Stub process is not healthy while waiting for user-defined "
+                                                  "is_ready() response"))
+            self._ready_check = None
         if self._stopping:
             return
         self.reason = self.reason or status

@@ -51,6 +51,13 @@ class PythonModelVersion(ModelVersion):
             w.on_death = self._on_death
             w.encoder = self.encoder  # (its classification labels)
 
+    async def runtime_ready(self) -> str | None:
+        """As Triton's model readiness: every instance must be ready (its worker up, and its
+        ``is_ready()`` true when the model defines one; the instances are asked together); the
+        first instance's reason that is not."""
+        reasons = await asyncio.gather(*(w.check_ready() for w in self.workers))
+        return next((r for r in reasons if r is not None), None)
+
     def busy(self) -> bool:
         return bool(self._streams) or super().busy()  # a decoupled request's responses still coming
 

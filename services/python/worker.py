@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -104,6 +105,7 @@ class Worker:
         self.decoupled = False
         self.instance = ""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
         self._bls: Any = None
         self._bls_target = ""
 
@@ -120,7 +122,12 @@ class Worker:
             self.send(("init_error", describe(exc)))
             return
         pb_utils._serving = True  # BLS from initialize()/finalize() is refused, as Triton's stub does
-        self.send(("ready", os.getpid()))
+        # (whether the model defines is_ready(): without it the service asks nothing, as the stub
+        # caches hasattr(model, "is_ready") once after initialize())
+        has_is_ready = hasattr(self.model, "is_ready")
+        if has_is_ready and inspect.iscoroutinefunction(self.model.is_ready):
+            self._event_loop()  # (made here, on the main thread, whose loop it also is)
+        self.send(("ready", os.getpid(), has_is_ready))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         try:
             while True:
@@ -181,8 +188,29 @@ class Worker:
                         self._cancelled.add(msg[1])
             elif kind == "metrics":  # answered here, also while execute() runs
                 self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
+            elif kind == "is_ready":  # on a thread of its own, also while execute() runs
+                threading.Thread(target=self._is_ready, args=(msg[1],), name="worker-is-ready",
+                                 daemon=True).start()
             else:
                 self._inbox.put(msg)
+
+    def _is_ready(self, ask: int) -> None:
+        """The model's ``is_ready()`` (sync or ``async def``), answered as ``(ready, error)``. The
+        service asks at most once at a time per instance (services/python/instance.py), so one
+        thread here at most; a check that outlives the service's 5 s wait still ends here and
+        answers, as the stub's does. What it raises, or a result that is not a bool, is an error
+        with the stub's text: the model is not ready."""
+        ready, error = False, None
+        try:
+            result = self._maybe_await(self.model.is_ready())
+            if isinstance(result, bool):  # (a Python bool only, as pybind11's isinstance<bool_>)
+                ready = result
+            else:
+                error = "is_ready() must return a boolean value"
+        except BaseException as exc:  # the model's own code: anything can come out of it
+            error = describe(exc)
+        with contextlib.suppress(OSError):
+            self.send(("is_ready", ask, ready, error))
 
     def _finished(self, keys: list[int]) -> None:
         with self._requests_lock:
@@ -211,13 +239,15 @@ class Worker:
         an async execute, to answer after it returned) goes on running between batches; a loop
         run only while each execute() ran froze such a task until the next batch. It is also the
         main thread's loop (``asyncio.get_event_loop()`` in a model's synchronous code)."""
-        if self._loop is None:
-            import asyncio
+        with self._loop_lock:  # (an async is_ready() may ask from its own thread)
+            if self._loop is None:
+                import asyncio
 
-            loop = self._loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            threading.Thread(target=loop.run_forever, name="worker-event-loop", daemon=True).start()
-        return self._loop
+                loop = self._loop = asyncio.new_event_loop()
+                if threading.current_thread() is threading.main_thread():
+                    asyncio.set_event_loop(loop)
+                threading.Thread(target=loop.run_forever, name="worker-event-loop", daemon=True).start()
+            return self._loop
 
     def _background_done(self, requests: list[pb_utils.InferenceRequest], future: Any) -> None:
         """A decoupled model's async execute ended (on the loop's thread). What it raised is logged,

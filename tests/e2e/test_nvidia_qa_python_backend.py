@@ -14,6 +14,9 @@ docs/observability.md names, or a GPU the machine lacks):
 - ``response_sender``: all but the two cases where a model that is not decoupled answers from a
   thread after ``execute()`` returned (``*_one_response_post_return``, ``*_multiple_requests``);
 - ``lifecycle``: all but ``test_infer_pymodel_error`` (the federated /metrics text, as above);
+- ``model_readiness``: the user-defined ``is_ready()`` suite whole, and the initial readiness check;
+  not test.sh's kill of the stub then ``test_model_not_ready`` (meshserve restarts a dead worker,
+  Triton leaves the model not ready);
 - ``parameters``, ``argument_validation``, ``async_execute``: whole.
 
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
@@ -175,6 +178,39 @@ def test_async_execute(tmp_path: Path) -> None:
         _model(repo, name)
     _run_with(repo, _qa(tmp_path, "async_execute"), "concurrency_test.py",
               env={"SERVER_LOG": "concurrency_test.server.log"}, log="concurrency_test.server.log")
+
+
+def test_model_readiness(tmp_path: Path) -> None:
+    """The user-defined ``is_ready()`` models, as test.sh makes them: readiness_model.py with its
+    config parameters (true, false, exception, non_boolean, an 8 s delay past the 5 s bound),
+    the coroutine one and the decoupled one; then identity_fp32's readiness check."""
+    assert QA is not None
+    repo = tmp_path / "models"
+    _model(repo, "identity_fp32")
+    models = QA / "L0_backend_python" / "model_readiness" / "test_models"
+    for name, value, delay in (("is_ready_fn_returns_true", "true", "0.1"),
+                               ("is_ready_fn_returns_false", "false", "0.1"),
+                               ("is_ready_fn_raises_error", "exception", "0.1"),
+                               ("is_ready_fn_returns_non_boolean", "non_boolean", "0.1"),
+                               ("is_ready_fn_timeout", "true", "8"),
+                               ("is_ready_fn_coroutine_returns_true", "coroutine", "0.1")):
+        (repo / name / "1").mkdir(parents=True)
+        source = "readiness_coroutine_model.py" if value == "coroutine" else "readiness_model.py"
+        shutil.copy(models / source, repo / name / "1" / "model.py")
+        text = "\n".join(f'name: "{name}"' if line.startswith("name:") else line
+                         for line in (repo / "identity_fp32" / "config.pbtxt").read_text().splitlines())
+        (repo / name / "config.pbtxt").write_text(
+            text + f'\nparameters: {{\n  key: "READINESS_FN_RETURN_VALUE"\n  value: {{ string_value: "{value}" }}\n}}\n'
+            f'parameters: {{\n  key: "READINESS_FN_DELAY_SECS"\n  value: {{ string_value: "{delay}" }}\n}}\n')
+    shutil.copytree(models / "is_ready_fn_returns_true_decoupled", repo / "is_ready_fn_returns_true_decoupled")
+    (repo / "is_ready_fn_returns_true_decoupled" / "1").mkdir()
+    (repo / "is_ready_fn_returns_true_decoupled" / "model.py").rename(
+        repo / "is_ready_fn_returns_true_decoupled" / "1" / "model.py")
+    # (TestModelReadiness::test_model_not_ready follows test.sh's kill of the stub: meshserve restarts
+    # a dead worker (with backoff) where Triton leaves the model not ready; the not-ready window is
+    # tests/integration/test_python_backend.py::test_a_killed_worker_is_not_ready_until_it_is_back)
+    _run_with(repo, _qa(tmp_path, "model_readiness"), "test_model_readiness.py",
+              ["TestModelReadiness::test_model_not_ready"])
 
 
 def _run_with(repo: Path, folder: Path, test_file: str, deselect: Sequence[str] = (),

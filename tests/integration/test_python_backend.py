@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class Mesh:
     onnx: Proc
     gateway: Proc
     repo: Path
+    gate: Path  # what the model 'gated' answers to is_ready() (python_models.GATED)
 
 
 
@@ -52,6 +54,11 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     python_models.write(repo, "faulty_init", python_models.FAULTY_INIT, python_models.config(
         "faulty_init", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
         extra="instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
+    gate = tmp_path_factory.mktemp("gate") / "word"
+    gate.write_text("true")
+    python_models.write(repo, "gated", python_models.GATED, python_models.config(
+        "gated", [("X", "TYPE_FP32", "1")], [("PID", "TYPE_INT64", "1")],
+        extra=f'parameters {{ key: "GATE" value: {{ string_value: "{gate}" }} }}\n'))
     ens = tmp_path_factory.mktemp("python_ensembles")
     for name, text in (("mixed_pipeline", python_models.MIXED_ENSEMBLE),
                        ("mixed_all_kinds", python_models.MIXED_ALL_KINDS)):
@@ -73,7 +80,7 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         procs.append(start(["gateway", "--grpc-port", str(gateway_grpc), "--http-port", "0", "--repository", str(ens),
                             "--upstream", procs[0].grpc, "--upstream", procs[1].grpc, "--upstream", procs[2].grpc]))
         _wait_http_ready(procs[3].http)
-        yield Mesh(procs[0], procs[1], procs[3], repo)
+        yield Mesh(procs[0], procs[1], procs[3], repo, gate)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -359,6 +366,71 @@ def test_instances_are_processes_and_a_killed_one_comes_back(mesh: Mesh) -> None
                what="the killed worker replaced")
     for _ in range(4):
         add_sub("http", mesh.gateway.http)
+
+
+def _gated_ready(mesh: Mesh) -> tuple[bool, bool]:
+    """'gated' model readiness through the gateway, over HTTP and over gRPC."""
+    with httpclient.InferenceServerClient(mesh.gateway.http) as h, \
+            grpcclient.InferenceServerClient(mesh.gateway.grpc) as g:
+        return h.is_model_ready("gated"), g.is_model_ready("gated")
+
+
+def _gated_pid(mesh: Mesh, proto: str = "http") -> int:
+    m = MODULES[proto]
+    inp = m.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    with m.InferenceServerClient(getattr(mesh.gateway, proto)) as c:
+        return int(c.infer("gated", [inp]).as_numpy("PID")[0])
+
+
+def test_the_models_is_ready_decides_model_readiness_and_inference_goes_on(mesh: Mesh) -> None:
+    """TritonPythonModel.is_ready() (the python backend's user-defined readiness): asked at each
+    readiness check, over both protocols, through the gateway; False, an exception, or a result
+    that is not a bool make the model not ready; a returned coroutine is awaited. Inference is
+    not gated by it (as in Triton: readiness is what orchestrators route by)."""
+    cases = [("true", (True, True)), ("false", (False, False)), ("raise", (False, False)),
+             ("none", (False, False)), ("async", (True, True))]
+    try:
+        for word, expected in cases:
+            mesh.gate.write_text(word)
+            assert _gated_ready(mesh) == expected, word
+            assert _gated_pid(mesh, "http") == _gated_pid(mesh, "grpc") > 0, word
+    finally:
+        mesh.gate.write_text("true")
+    # still a healthy mesh after the failing checks
+    assert _gated_ready(mesh) == (True, True)
+
+
+def test_a_slow_is_ready_times_out_once_and_a_later_check_shares_it(mesh: Mesh) -> None:
+    """An is_ready() slower than the 5 s bound: that check says not ready when the bound passes,
+    inference goes on meanwhile, and a check that comes while it still runs waits for it (one
+    call in the model, not two) and takes its answer."""
+    calls = mesh.gate.with_name(mesh.gate.name + ".calls")
+    calls.unlink(missing_ok=True)
+    mesh.gate.write_text("sleep 7")
+    try:
+        with httpclient.InferenceServerClient(mesh.gateway.http, network_timeout=30) as h:
+            t0 = time.monotonic()
+            assert h.is_model_ready("gated") is False
+            assert time.monotonic() - t0 >= 4.9  # it waited for the bound, not less
+        assert _gated_pid(mesh) > 0  # served while is_ready() still runs
+        with grpcclient.InferenceServerClient(mesh.gateway.grpc) as g:
+            assert g.is_model_ready("gated") is True  # the same check's answer, once it came
+        assert calls.read_text().splitlines() == ["check"]
+    finally:
+        mesh.gate.write_text("true")
+
+
+def test_a_killed_worker_is_not_ready_until_it_is_back(mesh: Mesh) -> None:
+    """A model whose worker died is not ready (Triton: "Stub process '<instance>' is not
+    healthy."), and ready again once the service restarted it."""
+    mesh.gate.write_text("true")
+    victim = _gated_pid(mesh)
+    os.kill(victim, signal.SIGKILL)
+    eventually(lambda: _gated_ready(mesh) == (False, False), timeout=30, interval=0.01,
+               what="'gated' not ready while its worker is down")
+    eventually(lambda: _gated_ready(mesh) == (True, True), timeout=30, what="'gated' ready again")
+    assert _gated_pid(mesh) != victim
 
 
 @pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")

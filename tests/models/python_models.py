@@ -234,6 +234,49 @@ class TritonPythonModel:
         os.kill(os.getpid(), signal.SIGKILL)
 '''
 
+# Its readiness is what the file named by its GATE parameter says, read at each check: "true",
+# "false", "raise" (is_ready() raises), "none" (returns None), "async" (returns a coroutine that
+# ends True), "sleep S" (True after S seconds). Each check appends a line to GATE.calls. It answers
+# its worker's pid.
+GATED = '''
+import asyncio
+import json
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.gate = json.loads(args["model_config"])["parameters"]["GATE"]["string_value"]
+
+    def is_ready(self):
+        with open(self.gate + ".calls", "a") as calls:
+            calls.write("check\\n")
+        with open(self.gate) as f:
+            word = f.read().strip()
+        if word.startswith("sleep "):
+            time.sleep(float(word.split()[1]))
+            return True
+        if word == "async":
+            return self.later()
+        if word == "raise":
+            raise RuntimeError("the feature store is unreachable")
+        if word == "none":
+            return None
+        return word == "true"
+
+    async def later(self):
+        await asyncio.sleep(0)
+        return True
+
+    def execute(self, requests):
+        pid = np.array([os.getpid()], dtype=np.int64)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", pid)]) for _ in requests]
+'''
+
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
 WAIT_FOR_CANCEL = with_helpers('''
 import time
