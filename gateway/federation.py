@@ -11,27 +11,45 @@ from gateway.upstream.upstream import Upstream
 from meshserve.telemetry import metrics
 
 log = logging.getLogger("meshserve.gateway")
-# One scrape of the services serves every /metrics request of this long (and concurrent requests
-# share one), so /metrics callers cannot multiply calls to the services.
-FEDERATION_REUSE_S = 0.5
+# Every /metrics answer comes from a scrape of the services that began after its request
+# arrived (a metric a model made just before is in it: NVIDIA's custom_metrics QA model reads the
+# server's /metrics right after making one); requests that come while a scrape runs share the next
+# one, which begins when that one ends and at least FEDERATION_SPACING_S after it began. So
+# /metrics callers cannot multiply calls to the services: one scrape at a time, one waiting, at
+# most 1/FEDERATION_SPACING_S a second. (Before: one scrape's answer reused for 0.5 s, so a family
+# a model made within 0.5 s of the last scrape was missing.)
+FEDERATION_SPACING_S = 0.25
 FEDERATION_TIMEOUT_S = 5.0
 
 
 class Federation:
     def __init__(self, upstream: Upstream):
         self.upstream = upstream
-        self._scrape: asyncio.Future[list[metrics.Federated]] | None = None
-        self._scraped_at = 0.0
+        self._next: asyncio.Future[list[metrics.Federated]] | None = None  # the scrape not yet begun
+        self._last: asyncio.Future[list[metrics.Federated]] | None = None  # the latest scrape (begun or not)
+        self._began_at = -FEDERATION_SPACING_S
         self.up: dict[str, int] = {}  # replica -> 1 if its metrics were in the last scrape (federated_up)
 
     async def families(self) -> list[metrics.Federated]:
-        """The healthy replicas' metric families, each sample labelled ``replica``; one scrape of
-        the services at a time, reused for FEDERATION_REUSE_S."""
-        now = time.monotonic()
-        if self._scrape is None or (self._scrape.done() and now - self._scraped_at > FEDERATION_REUSE_S):
-            self._scraped_at = now
-            self._scrape = asyncio.ensure_future(self._scrape_replicas())
-        return await asyncio.shield(self._scrape)
+        """The healthy replicas' metric families, each sample labelled ``replica``, from a scrape
+        that begins after this call (shared with the calls waiting for the same one)."""
+        scrape = self._next
+        if scrape is None:
+            scrape = self._next = self._last = asyncio.ensure_future(self._scrape_after(self._last))
+        return await asyncio.shield(scrape)
+
+    async def _scrape_after(self, previous: asyncio.Future[list[metrics.Federated]] | None
+                            ) -> list[metrics.Federated]:
+        """Wait for ``previous`` to end and the spacing, then begin: callers from now on wait for
+        the scrape after this one."""
+        if previous is not None:
+            await asyncio.wait([previous])
+        delay = self._began_at + FEDERATION_SPACING_S - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self._began_at = time.monotonic()
+        self._next = None
+        return await self._scrape_replicas()
 
     async def _scrape_replicas(self) -> list[metrics.Federated]:
         healthy = self.upstream.healthy()

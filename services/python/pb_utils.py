@@ -864,12 +864,20 @@ COUNTER = MetricKind.COUNTER
 GAUGE = MetricKind.GAUGE
 HISTOGRAM = MetricKind.HISTOGRAM
 
-# every metric of this worker by (family name, labels); the service collects them at each scrape
-# of /metrics and merges the instances' (services/python/core.py:PythonServiceCore.metrics_text).
-# As in Triton, a metric stays until the worker ends (dropping the Metric object does not remove it).
-_METRICS: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
-_FAMILIES: dict[str, MetricKind] = {}  # this worker's families: one kind per name, as Prometheus'
-_metrics_lock = threading.Lock()
+# Every metric of this worker by (family name, labels): its values, shared by every Metric made
+# for them (the same family name and labels: the same Prometheus metric, as in Triton's core); the
+# service collects them at each scrape of /metrics and merges the instances'
+# (services/python/core.py:PythonServiceCore.metrics_text). As in Triton, a metric lives while a
+# MetricFamily object that made it lives (the stub's family holds its metrics; dropping the Metric
+# object alone removes nothing): when the last such family object is deleted, its Metric objects
+# fail every operation and the metric leaves /metrics.
+_CELLS: dict[tuple[str, tuple[tuple[str, str], ...]], _Cell] = {}
+# this worker's families: one kind per name, and the description first given, for the worker's life
+# (Triton's core never takes a family out of its Prometheus registry: a later MetricFamily of the
+# name gets the first one's description, and another kind is refused)
+_FAMILIES: dict[str, tuple[MetricKind, str]] = {}
+# (reentrant: a MetricFamily's __del__ takes it, and may run wherever the collector runs)
+_metrics_lock = threading.RLock()
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _KIND_NAME = {0: "COUNTER", 1: "GAUGE", 2: "HISTOGRAM"}
@@ -883,15 +891,16 @@ class MetricFamily:
     HISTOGRAM = MetricKind.HISTOGRAM
 
     def __init__(self, name: str, description: str, kind: MetricKind):
+        self._metrics: list[Metric] = []  # (first: __del__ reads it, also after a refused __init__)
         if name is None or description is None or kind not in (COUNTER, GAUGE, HISTOGRAM):
             raise TypeError("MetricFamily(name: str, description: str, kind: MetricKind)")
         if not _METRIC_NAME.fullmatch(name) or name.startswith("__"):
             raise _stub_error("Error when creating MetricFamily", "Invalid metric name")
         with _metrics_lock:
-            have = _FAMILIES.setdefault(name, MetricKind(kind))
-        if have != kind:
+            have = _FAMILIES.setdefault(name, (MetricKind(kind), description))
+        if have[0] != kind:
             raise _stub_error("Error when creating MetricFamily", "Family name already exists with different type")
-        self.name, self.description, self.kind = name, description, MetricKind(kind)
+        self.name, self.description, self.kind = name, have[1], MetricKind(kind)
 
     def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:
         if labels is not None and not isinstance(labels, dict):
@@ -913,63 +922,107 @@ class MetricFamily:
             raise _stub_error("Error when creating Metric", "Bucket Boundaries must be strictly sorted")
         key = (self.name, tuple(sorted((labels or {}).items())))
         with _metrics_lock:
-            metric = _METRICS.get(key)
-            if metric is None:  # the same family and labels: the same metric (its first buckets)
-                metric = _METRICS[key] = Metric(self, labels, bounds)
-            return metric
+            cell = _CELLS.get(key)
+            if cell is None:  # the same family and labels: the same metric (its first buckets)
+                cell = _CELLS[key] = _Cell(key, self.kind, bounds)
+            cell.refs += 1
+            metric = Metric(cell)
+            self._metrics.append(metric)
+        return metric
+
+    def __del__(self) -> None:
+        """The stub's ~MetricFamily: every Metric it made is cleared (its operations fail from now
+        on), and a metric no live family holds leaves /metrics."""
+        with _metrics_lock:
+            for metric in self._metrics:
+                metric._clear()
+            self._metrics.clear()
+
+
+class _Cell:
+    """One metric's values (a histogram's value is its sum), shared by its Metric objects; ``refs``:
+    how many of them are not cleared."""
+
+    __slots__ = ("buckets", "count", "counts", "key", "kind", "refs", "updated", "value")
+
+    def __init__(self, key: tuple[str, tuple[tuple[str, str], ...]], kind: MetricKind, buckets: list[float] | None):
+        self.key = key
+        self.kind = kind
+        self.value = 0.0
+        self.updated = 0.0  # time.monotonic() of the last change: a gauge shows the latest set
+        self.buckets = tuple(buckets or ())
+        self.counts = [0] * len(self.buckets)  # per bucket, not cumulative
+        self.count = 0
+        self.refs = 0
 
 
 class Metric:
-    """One labelled counter, gauge or histogram; the same family and labels give the same metric."""
+    """One labelled counter, gauge or histogram (made by ``MetricFamily.Metric``); the same family
+    and labels give the same metric. It holds no reference to its family, as the stub's does not:
+    once the family object is deleted every operation fails, in the stub's words."""
 
-    def __init__(self, family: MetricFamily, labels: dict[str, str] | None = None,
-                 buckets: list[float] | None = None):
-        self._family = family
-        self._labels = dict(labels or {})
-        self._value = 0.0
-        self._updated = 0.0  # time.monotonic() of the last change: a gauge shows the latest set
-        self._buckets = tuple(buckets or ())
-        self._counts = [0] * len(self._buckets)  # per bucket, not cumulative
-        self._count = 0
+    def __init__(self, cell: _Cell):
+        self._cell: _Cell | None = cell
+        self._kind = cell.kind
+
+    def _clear(self) -> None:
+        cell, self._cell = self._cell, None
+        if cell is not None:
+            cell.refs -= 1
+            if cell.refs == 0 and _CELLS.get(cell.key) is cell:
+                del _CELLS[cell.key]
+
+    def _live(self, what: str) -> _Cell:
+        """Its values; once its family object is deleted, the stub's error (checked before anything
+        is sent, so without the request's "Failed to process" part: measured on Triton 2.51)."""
+        cell = self._cell
+        if cell is None:
+            raise TritonModelException(
+                f"{what}: Invalid metric operation as the corresponding 'MetricFamily' has been deleted. The "
+                "'MetricFamily' object should be deleted AFTER its corresponding 'Metric' objects have been deleted.")
+        return cell
 
     def _refuse(self, what: str, op: str) -> TritonModelException:
-        return _stub_error(what, f"TRITONSERVER_METRIC_KIND_{_KIND_NAME[self._family.kind]} does not support {op}")
+        return _stub_error(what, f"TRITONSERVER_METRIC_KIND_{_KIND_NAME[self._kind]} does not support {op}")
 
     def increment(self, value: float) -> None:
-        kind = self._family.kind
-        if kind == HISTOGRAM:
+        cell = self._live("Failed to increment metric value")
+        if self._kind == HISTOGRAM:
             raise self._refuse("Failed to increment metric value", "Increment")
-        if kind == COUNTER and value < 0:
+        if self._kind == COUNTER and value < 0:
             raise _stub_error("Failed to increment metric value", "TRITONSERVER_METRIC_KIND_COUNTER can only be "
                               "incremented monotonically by non-negative values.")
         with _metrics_lock:
-            self._value += value
-            self._updated = time.monotonic()
+            cell.value += value
+            cell.updated = time.monotonic()
 
     def set(self, value: float) -> None:
-        if self._family.kind != GAUGE:
+        cell = self._live("Failed to set metric value")
+        if self._kind != GAUGE:
             raise self._refuse("Failed to set metric value", "Set")
         with _metrics_lock:
-            self._value = value
-            self._updated = time.monotonic()
+            cell.value = value
+            cell.updated = time.monotonic()
 
     def observe(self, value: float) -> None:
-        if self._family.kind != HISTOGRAM:
+        cell = self._live("Failed to observe metric value")
+        if self._kind != HISTOGRAM:
             raise self._refuse("Failed to observe metric value", "Observe")
         value = float(value)
         with _metrics_lock:
-            for i, bound in enumerate(self._buckets):
+            for i, bound in enumerate(cell.buckets):
                 if value <= bound:
-                    self._counts[i] += 1
+                    cell.counts[i] += 1
                     break
-            self._count += 1
-            self._value += value  # the sum
-            self._updated = time.monotonic()
+            cell.count += 1
+            cell.value += value  # the sum
+            cell.updated = time.monotonic()
 
     def value(self) -> float:
-        if self._family.kind == HISTOGRAM:
+        cell = self._live("Failed to get metric value")
+        if self._kind == HISTOGRAM:
             raise self._refuse("Failed to get metric value", "Value")
-        return self._value
+        return cell.value
 
 
 # a snapshot row: (name, description, kind, labels, value (a histogram's sum), last change,
@@ -981,9 +1034,9 @@ MetricRow = tuple[str, str, int, tuple[tuple[str, str], ...], float, float,
 def metrics_snapshot() -> list[MetricRow]:
     """Every metric of this worker (the service renders them: services/python/core.py)."""
     with _metrics_lock:
-        return [(m._family.name, m._family.description, int(m._family.kind), labels, m._value, m._updated,
-                 (m._buckets, tuple(m._counts), m._count) if m._family.kind == HISTOGRAM else None)
-                for (_, labels), m in _METRICS.items()]
+        return [(name, _FAMILIES[name][1], int(c.kind), labels, c.value, c.updated,
+                 (c.buckets, tuple(c.counts), c.count) if c.kind == HISTOGRAM else None)
+                for (name, labels), c in _CELLS.items()]
 
 
 # ----------------------------------------------------------------------------- auto-complete

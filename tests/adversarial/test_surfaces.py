@@ -207,7 +207,7 @@ def test_a_flood_through_ensembles_shadows_and_federation(full: Mesh, surface: s
     """The ensemble's steps and the shadow copies are the gateway's own calls to the services:
     another tenant's flood of them must leave the good client alone too (bounds: its share of
     --max-inflight, --ensemble-max-inflight-steps, 64 shadow copies in flight, one federated
-    scrape per 0.5 s)."""
+    scrape at a time, at most one per 0.25 s)."""
     verdict = under_attack(full, full.gateway, surface, _flooding(full, FULL_FLOODS[surface])).judge(
         expect_refusal=False)
     print(verdict.summary())

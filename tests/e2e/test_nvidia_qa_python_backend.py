@@ -17,7 +17,7 @@ docs/observability.md names, or a GPU the machine lacks):
 - ``model_readiness``: the user-defined ``is_ready()`` suite whole, and the initial readiness check;
   not test.sh's kill of the stub then ``test_model_not_ready`` (meshserve restarts a dead worker,
   Triton leaves the model not ready);
-- ``parameters``, ``argument_validation``, ``async_execute``: whole.
+- ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``: whole.
 
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
 regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
@@ -170,6 +170,15 @@ def test_argument_validation(tmp_path: Path) -> None:
     shutil.copytree(QA / "L0_backend_python" / "argument_validation" / "models", repo)  # type: ignore[operator]
     _run_with(repo, _qa(tmp_path, "argument_validation"), "../test_infer_shm_leak.py",
               env={"MODEL_NAME": "argument_validation"})
+
+
+def test_custom_metrics(tmp_path: Path) -> None:
+    """The model makes, changes and reads back its metrics inside execute(), checking each against
+    the server's /metrics text at localhost:8002 (the gateway's, federated)."""
+    repo = tmp_path / "models"
+    _model(repo, "custom_metrics")
+    _run_with(repo, _qa(tmp_path, "custom_metrics"), "../test_infer_shm_leak.py",
+              env={"MODEL_NAME": "custom_metrics"})
 
 
 def test_async_execute(tmp_path: Path) -> None:

@@ -301,10 +301,13 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         labels = {"model": args["model_name"]}
-        self.requests = pb_utils.MetricFamily("counted_requests", "requests counted by the model",
-                                              pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
-        self.last = pb_utils.MetricFamily("counted_last_input", "the last input seen",
-                                          pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+        # (the families are kept: a metric lives while its MetricFamily object does, as in Triton)
+        self.families = [pb_utils.MetricFamily("counted_requests", "requests counted by the model",
+                                               pb_utils.MetricFamily.COUNTER),
+                         pb_utils.MetricFamily("counted_last_input", "the last input seen",
+                                               pb_utils.MetricFamily.GAUGE)]
+        self.requests = self.families[0].Metric(labels=labels)
+        self.last = self.families[1].Metric(labels=labels)
 
     def execute(self, requests):
         out = []

@@ -353,10 +353,12 @@ def b_metric_kinds() -> None:
 
 
 def b_metrics() -> None:
-    counter = pb_utils.MetricFamily("names_counter", "c", pb_utils.MetricFamily.COUNTER).Metric(labels={"a": "b"})
+    counters = pb_utils.MetricFamily("names_counter", "c", pb_utils.MetricFamily.COUNTER)
+    counter = counters.Metric(labels={"a": "b"})
     counter.increment(2.5)
     assert counter.value() == 2.5
-    gauge = pb_utils.MetricFamily("names_gauge", "g", pb_utils.MetricFamily.GAUGE).Metric()
+    gauges = pb_utils.MetricFamily("names_gauge", "g", pb_utils.MetricFamily.GAUGE)
+    gauge = gauges.Metric()
     gauge.set(4)
     gauge.increment(-6)  # a gauge goes down too
     assert gauge.value() == -2
@@ -374,7 +376,8 @@ def b_histogram_unit() -> None:
     h = fam.Metric(labels={"m": "x"}, buckets=[1.0, 2.5])
     for v in (0.5, 1.0, 2.0, 9.0):
         h.observe(v)
-    assert fam.Metric(labels={"m": "x"}, buckets=[7.0]) is h  # the same labels: the same histogram
+    again = fam.Metric(labels={"m": "x"}, buckets=[7.0])  # the same labels: the same histogram (its buckets)
+    again.observe(0.1)
     _raises(lambda: h.value(), "Failed to get metric value: Failed to process the request for model '', message: "
                                "TRITONSERVER_METRIC_KIND_HISTOGRAM does not support Value")
     _raises(lambda: h.increment(1), "TRITONSERVER_METRIC_KIND_HISTOGRAM does not support Increment")
@@ -384,9 +387,9 @@ def b_histogram_unit() -> None:
     _raises(lambda: fam.Metric(labels={}, buckets=[2.0, 1.0]), "Bucket Boundaries must be strictly sorted")
     mine = [row for row in pb_utils.metrics_snapshot() if row[0] == "names_hist"]
     text = render_custom_metrics(mine).decode().splitlines()
-    assert text == ["# HELP names_hist h", "# TYPE names_hist histogram", 'names_hist_count{m="x"} 4',
-                    'names_hist_sum{m="x"} 12.5', 'names_hist_bucket{m="x",le="1"} 2',
-                    'names_hist_bucket{m="x",le="2.5"} 3', 'names_hist_bucket{m="x",le="+Inf"} 4']
+    assert text == ["# HELP names_hist h", "# TYPE names_hist histogram", 'names_hist_count{m="x"} 5',
+                    'names_hist_sum{m="x"} 12.6', 'names_hist_bucket{m="x",le="1"} 3',
+                    'names_hist_bucket{m="x",le="2.5"} 4', 'names_hist_bucket{m="x",le="+Inf"} 5']
 
 
 def b_metric_family() -> None:
@@ -402,6 +405,42 @@ def b_metric_family() -> None:
     _raises(lambda: fam.Metric(labels={"a": "b"}, buckets=[1.0]), "Failed to create metric. Unexpected buckets found.")
     _raises(lambda: fam.Metric(labels={"a": 1}), "attempt to access JSON non-string as string")  # type: ignore
     _raises(lambda: fam.Metric(labels={"a-b": "1"}), "Invalid label name")
+
+
+def b_metric_lifetime() -> None:
+    """As the stub and Triton's core: a family name keeps its first description and its kind; a
+    metric lives while a MetricFamily object that made it does (dropping the Metric object removes
+    nothing); once the last one is deleted, its Metric objects fail every operation, in the stub's
+    words, and the metric leaves the snapshot (/metrics). Each point measured on Triton 2.51 with
+    a probe model (session 25)."""
+    def rows(name: str) -> list:
+        return [row for row in pb_utils.metrics_snapshot() if row[0] == name]
+
+    first = pb_utils.MetricFamily("names_life", "first description", pb_utils.MetricFamily.GAUGE)
+    second = pb_utils.MetricFamily("names_life", "second description", pb_utils.MetricFamily.GAUGE)
+    assert second.description == "first description"
+    a, b = first.Metric(labels={"k": "v"}), second.Metric(labels={"k": "v"})
+    a.set(3)
+    assert b.value() == 3  # one metric
+    del first
+    with pytest.raises(pb_utils.TritonModelException, match="^Failed to set metric value: Invalid metric operation "
+                                                             "as the corresponding 'MetricFamily' has been deleted"):
+        a.set(1)
+    assert b.value() == 3 and [(r[1], r[3], r[4]) for r in rows("names_life")] == \
+        [("first description", (("k", "v"),), 3.0)]
+    kept = second.Metric()
+    del kept  # the family holds it
+    assert len(rows("names_life")) == 2
+    del second
+    for op, what in ((lambda: b.value(), "get"), (lambda: b.set(2), "set"), (lambda: b.increment(1), "increment")):
+        _raises(op, f"Failed to {what} metric value: Invalid metric operation as the corresponding 'MetricFamily' "
+                    "has been deleted. The 'MetricFamily' object should be deleted AFTER its corresponding 'Metric' "
+                    "objects have been deleted.")
+    assert rows("names_life") == []
+    again = pb_utils.MetricFamily("names_life", "third", pb_utils.MetricFamily.GAUGE)
+    assert again.description == "first description" and again.Metric(labels={"k": "v"}).value() == 0
+    _raises(lambda: pb_utils.MetricFamily("names_life", "", pb_utils.MetricFamily.COUNTER),
+            "Family name already exists with different type")
 
 
 def b_model_config() -> None:
@@ -455,6 +494,7 @@ BEHAVIOUR: list[tuple[tuple[str, ...], Callable[..., None]]] = [
     (("Metric", "Metric.increment", "Metric.set", "Metric.value"), b_metrics),
     ((), b_histogram_unit),
     (("MetricFamily", "MetricFamily.Metric"), b_metric_family),
+    ((), b_metric_lifetime),
     (("ModelConfig", *[f"ModelConfig.{m}" for m in CLASS_MEMBERS["ModelConfig"]]), b_model_config),
 ]
 
@@ -478,17 +518,22 @@ def test_custom_metrics_text_is_what_triton_2_51_wrote() -> None:
     counter = pb_utils.MetricFamily("t251_counter", "a counter", pb_utils.MetricFamily.COUNTER)
     counter.Metric(labels={"model": "probe"}).increment(1234567.125)
     counter.Metric(labels={"model": "dropped"}).increment(5)
-    gauge = pb_utils.MetricFamily("t251_gauge", "a gauge", pb_utils.MetricFamily.GAUGE).Metric(labels={"model": "probe"})
+    # (every family kept while its metrics are read: a metric lives while its MetricFamily object
+    # does, on Triton as here: b_metric_lifetime)
+    gauges = pb_utils.MetricFamily("t251_gauge", "a gauge", pb_utils.MetricFamily.GAUGE)
+    gauge = gauges.Metric(labels={"model": "probe"})
     gauge.set(0.1)
     gauge.increment(-2)
-    hist = pb_utils.MetricFamily("t251_hist", "a histogram", pb_utils.MetricFamily.HISTOGRAM).Metric(
-        labels={"model": "probe", "b": "x"}, buckets=[0.5, 1, 2.5])
+    hists = pb_utils.MetricFamily("t251_hist", "a histogram", pb_utils.MetricFamily.HISTOGRAM)
+    hist = hists.Metric(labels={"model": "probe", "b": "x"}, buckets=[0.5, 1, 2.5])
     for v in (0.1, 1.0, 2.0, 3.0, 1234567.125):
         hist.observe(v)
-    pb_utils.MetricFamily("t251_empty", "no metric", pb_utils.MetricFamily.COUNTER)  # not shown
-    pb_utils.MetricFamily("t251_bare", "d", pb_utils.MetricFamily.COUNTER).Metric()
+    empty = pb_utils.MetricFamily("t251_empty", "no metric", pb_utils.MetricFamily.COUNTER)  # not shown
+    bare = pb_utils.MetricFamily("t251_bare", "d", pb_utils.MetricFamily.COUNTER)
+    bare.Metric()
     rows = [r for r in pb_utils.metrics_snapshot() if r[0].startswith("t251_")]
     got = render_custom_metrics(sorted(rows, key=lambda r: (r[0], r[3]))).decode()
+    del counter, gauges, hists, empty, bare
     assert got == """\
 # HELP t251_bare d
 # TYPE t251_bare counter

@@ -79,9 +79,9 @@ def test_model_config_auto_complete_rules() -> None:
 def test_metrics_and_their_merge_across_instances() -> None:
     fam = pb_utils.MetricFamily("unit_requests", "help", pb_utils.MetricFamily.COUNTER)
     m = fam.Metric(labels={"k": "v"})
-    assert fam.Metric(labels={"k": "v"}) is m  # same family and labels: the same metric
+    other = fam.Metric(labels={"k": "v"})  # same family and labels: the same metric (another object, as the stub's)
     m.increment(2)
-    assert m.value() == 2
+    assert m.value() == other.value() == 2
     with pytest.raises(pb_utils.TritonModelException):
         m.increment(-1)
     with pytest.raises(pb_utils.TritonModelException):
