@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import itertools
 import json
 import logging
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,11 @@ class ModelWorker:
         # the model's is_ready(), when it defines one (the worker says so once it initialized), and
         # the one check in flight (its ask id and future (ready, error)): at most one at a time
         self.has_is_ready = False
+        # a non-decoupled request execute() left open (its response sender answers it later): its
+        # key -> the future of its answer and the request (the reader adds them at "done", the loop
+        # ends them), and the timer that ends one never answered
+        self._deferred: dict[int, tuple[asyncio.Future[object], Pending]] = {}
+        self._deferred_timers: dict[int, asyncio.TimerHandle] = {}
         self._ready_check: tuple[int, asyncio.Future[object]] | None = None
         self._stopping = False
         # the model version's response encoder, for its outputs' classification labels (which the
@@ -455,6 +461,12 @@ class ModelWorker:
         kind = msg[0]
         if kind == "resp":
             _, key, err, outs, flags, params = msg
+            deferred = self._deferred.pop(key, None)
+            if deferred is not None:  # a non-decoupled request's answer after execute() returned
+                self._streams.pop(key, None)
+                fut, p = deferred
+                self.loop.call_soon_threadsafe(self._answer_late, key, fut, self._response(p, err, outs, params))
+                return
             final = bool(flags & 1)
             sink = self._streams.pop(key, None) if final else self._streams.get(key)
             classes = self._stream_classes.pop(key, None) if final else self._stream_classes.get(key)
@@ -483,7 +495,7 @@ class ModelWorker:
         value: object
         if kind == "done":
             _, _, ref, results, elapsed_ns = msg
-            value = (None if results is None else self._encode(payloads, ref, results), elapsed_ns)
+            value = (None if results is None else self._encode(payloads, keys, ref, results), elapsed_ns)
         else:  # "failed": execute() raised: a decoupled request ends with that error (model.py)
             for key in keys:
                 self._streams.pop(key, None)
@@ -492,27 +504,72 @@ class ModelWorker:
             value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
         self.loop.call_soon_threadsafe(_settle, fut, value)
 
-    def _encode(self, payloads: Sequence[Pending], ref: RegionRef | None, results: list) -> list[bytes | InferError]:
+    def _encode(self, payloads: Sequence[Pending], keys: Sequence[int], ref: RegionRef | None, results: list
+                ) -> list[bytes | InferError | asyncio.Future[object]]:
+        """A finished batch's answers (reader thread): each request's response or error, or, for a
+        request execute() left open (None: deferred), the future of its answer, which its sender's
+        final flag brings (``_answer_late``). A batch with a deferred request retires the input
+        region: the worker may still read that request's inputs in place."""
         region = self._outputs.get(ref[0], ref[1], -1) if ref is not None else None
-        out: list[bytes | InferError] = []
-        for p, (err, refs, params) in zip(payloads, results, strict=True):
-            if err is not None:
-                out.append(InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1]))
+        out: list[bytes | InferError | asyncio.Future[object]] = []
+        for p, key, result in zip(payloads, keys, results, strict=True):
+            if result is None:
+                fut: asyncio.Future[object] = self.loop.create_future()
+                self._deferred[key] = (fut, p)
+                self._streams[key] = functools.partial(_settle, fut)  # (the worker's death, a cancel)
+                self._inputs.retire()
+                out.append(fut)
                 continue
-            resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version, id=p.request.id)
-            classes = {name: k for name, k in p.outputs if k}
-            room = MAX_CLASSIFIED
-            try:
-                for t in refs:
-                    data = b"" if t.nbytes == 0 else bytes(cast(Region, region).view(t.offset, t.nbytes))
-                    room -= self._add_output(resp, t.name, t.datatype, t.shape, data, classes.get(t.name, 0), room)
-                if params is not None:
-                    _set_parameters(resp, params)
-            except InferError as exc:  # this request's own
-                out.append(exc)
-                continue
-            out.append(resp.SerializeToString())
+            err, refs, params = result
+            out.append(self._response(p, err, ((t.name, t.datatype, t.shape,
+                                                b"" if t.nbytes == 0 else bytes(cast(Region, region).view(t.offset, t.nbytes)))
+                                               for t in refs), params))
         return out
+
+    def _response(self, p: Pending, err: tuple[str, str] | None, outs: Iterable[tuple[str, str, Sequence[int], bytes]],
+                  params: str | None) -> bytes | InferError:
+        """One request's serialized response (its outputs classified as it asked) or its error."""
+        if err is not None:
+            return InferError(Code[err[0]] if err[0] in Code.__members__ else Code.INTERNAL, err[1])
+        resp = pb.ModelInferResponse(model_name=self.spec.model, model_version=self.spec.version, id=p.request.id)
+        wanted = {name: k for name, k in p.outputs}
+        room = MAX_CLASSIFIED
+        try:
+            for name, datatype, shape, data in outs:
+                if name in wanted:  # (the worker's batch path filters already; a sender's answer here)
+                    room -= self._add_output(resp, name, datatype, shape, data, wanted[name], room)
+            if params is not None:
+                _set_parameters(resp, params)
+        except InferError as exc:  # this request's own
+            return exc
+        return resp.SerializeToString()
+
+    def watch_deferred(self, key: int) -> None:
+        """Bound a deferred request's wait for its answer (event loop): the model's execute timeout
+        (``execute_timeout_seconds`` / --python-execute-timeout; 0: none), counted from the
+        batch's end. Past it the request fails and the worker forgets it (``is_cancelled()``
+        true, a later answer dropped); the worker is not killed: nothing runs for it."""
+        timeout = self.spec.execute_timeout_s
+        if timeout and key in self._deferred:
+            self._deferred_timers[key] = self.loop.call_later(timeout, self._deferred_expired, key, timeout)
+
+    def _deferred_expired(self, key: int, timeout: float) -> None:
+        self._deferred_timers.pop(key, None)
+        entry = self._deferred.pop(key, None)
+        self._streams.pop(key, None)
+        if entry is not None:
+            _settle(entry[0], InferError.internal(
+                f"Failed to process the request(s) for model '{self.name}', message: execute() returned without a "
+                f"response for the request and its response sender sent none within {timeout:g} s"))
+        if self.alive:
+            with contextlib.suppress(OSError):
+                self._send(("end", key))
+
+    def _answer_late(self, key: int, fut: asyncio.Future[object], value: bytes | InferError) -> None:
+        timer = self._deferred_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        _settle(fut, value)
 
     def _stream_item(self, err: tuple[str, str] | None, outs: list, final: bool,
                      classes: Mapping[str, int] | None, params: str | None) -> tuple[bytes | None, bool] | InferError:
@@ -552,8 +609,17 @@ class ModelWorker:
             _settle(self._ready_check[1], (False, "Stub process is not healthy while waiting for user-defined "
                                                   "is_ready() response"))
             self._ready_check = None
-        if self._stopping:
+        for timer in self._deferred_timers.values():
+            timer.cancel()
+        self._deferred_timers.clear()
+        if self._stopping:  # (unloaded, or the service stops): a deferred request gets no answer now
+            for key, (fut, _) in self._deferred.items():
+                self._streams.pop(key, None)
+                _settle(fut, InferError.unavailable(f"model instance '{self.name}' stopped before the request "
+                                                    "was answered"))
+            self._deferred.clear()
             return
+        self._deferred.clear()  # (their futures are in _streams: they fail below with the rest)
         self.reason = self.reason or status
         if self.reason != status:
             self.reason = f"{self.reason} ({status})"

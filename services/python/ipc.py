@@ -159,6 +159,13 @@ class RegionWriter(_CurrentRegion):
         return region
 
 
+    def retire(self) -> None:
+        """Stop writing into the current region: the next ``ensure`` makes a new one. (A batch
+        whose requests stay open after execute() returned: the worker may still read their
+        inputs in place, so they are not overwritten; its mapping there lives with its views.)"""
+        self.close()
+
+
 class RegionReader(_CurrentRegion):
     """The reading side: the writer's current region, mapped from the descriptor that came with
     the first message naming it."""

@@ -247,6 +247,7 @@ class PythonModelVersion(ModelVersion):
                     q.future.set_exception(failure)
             return
         stats.record_batch(sum(q.rows for q in batch), sum(q.payload.requests for q in batch), 0, infer_ns, 0)
+        late: list[tuple[QueuedRequest[Pending], asyncio.Future[object]]] = []
         for i, q in enumerate(batch):
             if q.future.done():
                 continue
@@ -254,12 +255,36 @@ class PythonModelVersion(ModelVersion):
                 q.future.set_result(None)  # (a decoupled request's execute() returned: no answer)
                 continue
             body = out[i] if out is not None else None
+            if isinstance(body, asyncio.Future):  # execute() left it open: its sender answers it later
+                worker.watch_deferred(keys[i])
+                late.append((q, body))
+                continue
             if isinstance(body, InferError):
                 stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
                 q.future.set_exception(body)
                 continue
             stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
             q.future.set_result(body)
+        if late:
+            # (the instance is released already: the next batch runs meanwhile; each wait is bounded
+            # by ModelWorker.watch_deferred, the worker's death and the model's unload)
+            await asyncio.wait([fut for _, fut in late])
+            for q, fut in late:
+                self._answered_late(q, start_ns, fut)
+            late.clear()
+
+    def _answered_late(self, q: QueuedRequest[Pending], start_ns: int, answer: asyncio.Future[object]) -> None:
+        """A deferred request's answer came (or its wait ran out, or its worker died)."""
+        if q.future.done():  # (its client went away meanwhile: counted by ModelVersion._result)
+            return
+        end_ns = time.monotonic_ns()
+        error = answer.exception()
+        if error is not None:
+            self.stats.record_failure(end_ns - q.arrival_ns, "BACKEND", q.payload.requests)
+            q.future.set_exception(error)
+            return
+        self.stats.record_success(end_ns - q.arrival_ns, start_ns - q.arrival_ns, q.payload.requests)
+        q.future.set_result(answer.result())
 
     # ---- restarts ----------------------------------------------------------------------
     def _on_death(self, worker: ModelWorker) -> None:

@@ -550,9 +550,18 @@ class InferenceResponseSender:
                 self._sent += 1
             if flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL:
                 self._closed = True
+            # a non-decoupled model's one response: the worker answers the request with it when
+            # execute() returns; once it returned (the request deferred: collect_responses), it goes
+            # out now (Triton 2.51 sends it now too, and ends the call at the final flag)
+            deliver = None
+            if not self._decoupled and self._request is not None and response is not None:
+                self._request._sent_response = response
+                if self._request._deferred:
+                    deliver = response
         if not self._decoupled:
-            if response is not None and self._request is not None:
-                self._request._sent_response = response  # the worker answers the request with it
+            if deliver is not None:
+                assert _runtime is not None
+                _runtime.send_response(self._key, deliver, TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         assert _runtime is not None
         _runtime.send_response(self._key, response, flags)
@@ -675,6 +684,8 @@ class InferenceRequest:
         self._decoupled = False
         self._sender: InferenceResponseSender | None = None
         self._sent_response: InferenceResponse | None = None  # a non-decoupled model's, sent by the sender
+        # a non-decoupled request execute() returned without answering, whose sender answers it later
+        self._deferred = False
 
     @property
     def model_name(self) -> str:
@@ -744,17 +755,35 @@ class InferenceRequest:
 def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
     """``execute()``'s return with the responses a non-decoupled model sent through its requests'
     response senders put in (where it returned None, or None for those requests), as Triton's stub
-    accepts both paths. A request answered through its sender keeps that answer, as in Triton,
-    where the sent response went out at once and ended the request (a response returned for it
-    too is dropped: its sender is closed)."""
+    accepts both paths. A request answered through its sender keeps that answer, as its client
+    received it first on Triton (which then fails the call when execute() returned another one for
+    it, "expected a single response, got 2", measured on 2.51). A request with no answer whose
+    response sender the model took is *deferred*: it stays open, and its sender answers it after
+    execute() returned, from a thread or a task (Triton 2.51; NVIDIA's response_sender QA models);
+    its place in the returned list is None. A request with neither is left as returned (the
+    worker's checks refuse a None there, as before: nothing could ever answer it)."""
     if responses is None:
-        if not requests or all(r._sent_response is None for r in requests):
+        if not requests or all(r._sender is None for r in requests):
             return responses
         responses = [None] * len(requests)
-    if isinstance(responses, list) and len(responses) == len(requests):
-        return [resp if r._sent_response is None else r._sent_response
-                for r, resp in zip(requests, responses, strict=True)]
-    return responses
+    if not isinstance(responses, list) or len(responses) != len(requests):
+        return responses
+    out = []
+    for r, resp in zip(requests, responses, strict=True):
+        sender = r._sender
+        if sender is not None and not r._decoupled:
+            with sender._lock:
+                if r._sent_response is not None:
+                    resp = r._sent_response
+                elif resp is None:
+                    r._deferred = True  # (from here on its final flag sends the answer)
+        out.append(resp)
+    return out
+
+
+def deferred(request: InferenceRequest) -> bool:
+    """Whether ``request`` stays open after execute() returned, answered later by its sender."""
+    return request._deferred
 
 
 # ----------------------------------------------------------------------------- model control

@@ -106,6 +106,9 @@ class Worker:
         self.instance = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+        # a non-decoupled batch's request keys while it runs: a deferred request's answer given before
+        # the batch's "done" went out waits here (the service learns of the deferral from "done")
+        self._held: dict[int, list[tuple]] = {}
         self._bls: Any = None
         self._bls_target = ""
 
@@ -186,6 +189,8 @@ class Worker:
                 with self._requests_lock:
                     if msg[1] in self._live:
                         self._cancelled.add(msg[1])
+            elif kind == "end":  # a deferred request the service ended (its wait ran out): no answer now
+                self._finished([msg[1]])
             elif kind == "metrics":  # answered here, also while execute() runs
                 self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
             elif kind == "is_ready":  # on a thread of its own, also while execute() runs
@@ -299,6 +304,9 @@ class Worker:
         _, batch_id, where, metas = msg
         t0 = time.perf_counter_ns()
         requests: list[pb_utils.InferenceRequest] = []
+        if not self.decoupled:
+            with self._requests_lock:
+                self._held.update((m[0], []) for m in metas)
         try:
             requests = self._requests(where, metas)
             responses = self._maybe_await(self.model.execute(requests), requests if self.decoupled else None)
@@ -309,20 +317,41 @@ class Worker:
                         "must return None.")
                 self.send(("done", batch_id, None, None, time.perf_counter_ns() - t0))
                 return
-            region, results = self._pack(requests, pb_utils.collect_responses(requests, responses))
+            responses = pb_utils.collect_responses(requests, responses)
+            region, results = self._pack(requests, responses)
         except BaseException as exc:
             packed = None if self.decoupled else self._pack_sent(requests, exc)
             if packed is None:
                 self._finished([m[0] for m in metas])  # (the service ends a failed decoupled request too)
-                self.send(("failed", batch_id, describe(exc)))
+                try:
+                    self.send(("failed", batch_id, describe(exc)))
+                finally:
+                    self._release_held(metas)
                 return
             region, results = packed
-        self._finished([m[0] for m in metas])
+        # (a deferred request stays live until its sender's final flag, or the service ends it)
+        self._finished([r._key for r in requests if not pb_utils.deferred(r)] if len(requests) == len(metas)
+                       else [m[0] for m in metas])
         ref, fd = region_ref(region) if region is not None else (None, -1)
-        self.send(("done", batch_id, ref, results, time.perf_counter_ns() - t0), fd)
+        try:
+            self.send(("done", batch_id, ref, results, time.perf_counter_ns() - t0), fd)
+        finally:
+            self._release_held(metas)
+
+    def _release_held(self, metas: list[RequestMeta]) -> None:
+        """The batch's "done" (or "failed") is out: the answers its deferred requests' senders gave
+        meanwhile go now, after it (the service learns a request is deferred from "done")."""
+        if self.decoupled:
+            return
+        with self._requests_lock:
+            held = [self._held.pop(m[0], None) for m in metas]
+        for messages in held:
+            for message in messages or ():
+                with contextlib.suppress(OSError):
+                    self.send(message)
 
     def _pack_sent(self, requests: list[pb_utils.InferenceRequest], exc: BaseException
-                   ) -> tuple[Region | None, list[ResponseMeta]] | None:
+                   ) -> tuple[Region | None, list[ResponseMeta | None]] | None:
         """A non-decoupled model's execute() raised after some of its requests were answered through
         their response senders (a second send raises, as NVIDIA's response_sender QA model does):
         as in Triton, where a sent response goes out at once and ends its request, those requests
@@ -336,7 +365,8 @@ class Worker:
         except BaseException:
             return None
 
-    def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any) -> tuple[Region | None, list[ResponseMeta]]:
+    def _pack(self, requests: list[pb_utils.InferenceRequest], responses: Any
+              ) -> tuple[Region | None, list[ResponseMeta | None]]:
         """Write the responses' outputs into the output region; their metadata for the service."""
         if not isinstance(responses, list):
             raise pb_utils.TritonModelException(f"Expected a list in the execute return, found type '{type(responses)}'.")
@@ -344,9 +374,12 @@ class Worker:
             raise pb_utils.TritonModelException(
                 f"Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
                 f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(responses)}")
-        staged: list[tuple[tuple[str, str] | None, list[tuple[str, str, tuple[int, ...], Any]], str | None]] = []
+        staged: list[tuple[tuple[str, str] | None, list[tuple[str, str, tuple[int, ...], Any]], str | None] | None] = []
         total = 0
         for req, resp in zip(requests, responses, strict=True):
+            if resp is None and pb_utils.deferred(req):
+                staged.append(None)  # its sender answers it after execute() returned
+                continue
             if not isinstance(resp, pb_utils.InferenceResponse):
                 raise pb_utils.TritonModelException(
                     f"Expected an 'InferenceResponse' object in the execute function return list, found "
@@ -366,8 +399,12 @@ class Worker:
             staged.append((None, outs, _parameters_of(resp)))
         region = self._outputs.ensure(total) if total else None
         offset = 0
-        results: list[ResponseMeta] = []
-        for err_pair, outs, params in staged:
+        results: list[ResponseMeta | None] = []
+        for entry in staged:
+            if entry is None:
+                results.append(None)
+                continue
+            err_pair, outs, params = entry
             refs = []
             for name, datatype, shape, data in outs:
                 if data.nbytes:  # (an empty tensor has no bytes to write)
@@ -388,18 +425,23 @@ class Worker:
                 self._cancelled.discard(key)
         elif key not in self._live:
             return  # a response after the request ended: no one reads it
+        message: tuple
         if response is None:
-            self.send(("resp", key, None, [], flags, None))
-            return
-        err = response.error()
-        if err is not None:
-            self.send(("resp", key, (pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), [], flags, None))
-            return
-        outs = []
-        for t in response.output_tensors():
-            arr, datatype, data = tensor_bytes(t)
-            outs.append((t.name(), datatype, tuple(arr.shape), data.tobytes()))
-        self.send(("resp", key, None, outs, flags, _parameters_of(response)))
+            message = ("resp", key, None, [], flags, None)
+        elif (err := response.error()) is not None:
+            message = ("resp", key, (pb_utils.CODE_NAMES.get(err.code(), "INTERNAL"), err.message()), [], flags, None)
+        else:
+            outs = []
+            for t in response.output_tensors():
+                arr, datatype, data = tensor_bytes(t)
+                outs.append((t.name(), datatype, tuple(arr.shape), data.tobytes()))
+            message = ("resp", key, None, outs, flags, _parameters_of(response))
+        with self._requests_lock:
+            held = self._held.get(key)
+            if held is not None:  # its batch's "done" is not out yet: after it (_release_held)
+                held.append(message)
+                return
+        self.send(message)
 
     def is_cancelled(self, key: int) -> bool:
         """True once the request's client went away, and for a request that has ended."""

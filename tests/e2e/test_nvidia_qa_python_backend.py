@@ -11,13 +11,12 @@ docs/observability.md names, or a GPU the machine lacks):
   ``test_async_infer`` (it matches ``nv_inference_request_success{model=...,version="1"}`` as text:
   the gateway's federated /metrics labels each sample with its ``replica``);
 - ``decoupled``: all but ``test_decoupled_bls`` (its model moves tensors to CUDA);
-- ``response_sender``: all but the two cases where a model that is not decoupled answers from a
-  thread after ``execute()`` returned (``*_one_response_post_return``, ``*_multiple_requests``);
 - ``lifecycle``: all but ``test_infer_pymodel_error`` (the federated /metrics text, as above);
 - ``model_readiness``: the user-defined ``is_ready()`` suite whole, and the initial readiness check;
   not test.sh's kill of the stub then ``test_model_not_ready`` (meshserve restarts a dead worker,
   Triton leaves the model not ready);
-- ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``: whole.
+- ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``:
+  whole.
 
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
 regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
@@ -137,9 +136,7 @@ def test_response_sender(tmp_path: Path) -> None:
             ("response_sender_async_batching", "model_async.py", batching),
             ("response_sender_decoupled_async_batching", "model_async.py", decoupled + batching)):
         _model(repo, name, "response_sender", files=("model_common.py", main), main=main, append=extra)
-    _run_with(repo, _qa(tmp_path, "response_sender"), "response_sender_test.py",
-              ["ResponseSenderTest::test_non_decoupled_one_response_post_return",
-               "ResponseSenderTest::test_non_decoupled_multiple_requests"])
+    _run_with(repo, _qa(tmp_path, "response_sender"), "response_sender_test.py")
 
 
 def test_lifecycle(tmp_path: Path) -> None:

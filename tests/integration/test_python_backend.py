@@ -4,6 +4,7 @@ an ensemble mixing python and onnx steps, and perf_analyzer."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import csv
 import os
 import signal
@@ -59,6 +60,9 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     python_models.write(repo, "gated", python_models.GATED, python_models.config(
         "gated", [("X", "TYPE_FP32", "1")], [("PID", "TYPE_INT64", "1")],
         extra=f'parameters {{ key: "GATE" value: {{ string_value: "{gate}" }} }}\n'))
+    python_models.write(repo, "late_answer", python_models.LATE_ANSWER, python_models.config(
+        "late_answer", [("X", "TYPE_FP32", "2")], [("Y", "TYPE_FP32", "2")],
+        extra='parameters { key: "execute_timeout_seconds" value: { string_value: "2" } }\n'))
     ens = tmp_path_factory.mktemp("python_ensembles")
     for name, text in (("mixed_pipeline", python_models.MIXED_ENSEMBLE),
                        ("mixed_all_kinds", python_models.MIXED_ALL_KINDS)):
@@ -431,6 +435,42 @@ def test_a_killed_worker_is_not_ready_until_it_is_back(mesh: Mesh) -> None:
                what="'gated' not ready while its worker is down")
     eventually(lambda: _gated_ready(mesh) == (True, True), timeout=30, what="'gated' ready again")
     assert _gated_pid(mesh) != victim
+
+
+def _late(proto: str, mesh: Mesh, x: list[float]) -> np.ndarray:
+    m = MODULES[proto]
+    inp = m.InferInput("X", [2], "FP32")
+    inp.set_data_from_numpy(np.array(x, dtype=np.float32))
+    with m.InferenceServerClient(getattr(mesh.gateway, proto)) as c:
+        return c.infer("late_answer", [inp]).as_numpy("Y")
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_model_that_is_not_decoupled_answers_after_execute_returned(proto: str, mesh: Mesh) -> None:
+    """execute() returns None for a request and a thread answers it later through its response
+    sender (Triton 2.51, NVIDIA's response_sender QA models): the client gets that answer. The
+    instance serves the next requests meanwhile, and each late answer reads its own request's
+    inputs (the region they came in is not written over by the requests that ran since)."""
+    assert _late(proto, mesh, [0, 3]).tolist() == [0, 6]
+    values = [[1, float(v)] for v in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda x: _late(proto, mesh, x).tolist(), values))
+    assert got == [[2, 2 * v] for _, v in values]
+
+
+def test_a_request_execute_left_open_and_never_answered_ends_with_an_error(mesh: Mesh) -> None:
+    """Triton leaves such a request open until its client gives up; here it ends at the model's
+    execute timeout (2 s for late_answer) with the instance's error, and the instance, never
+    killed for it, serves on."""
+    with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
+        inp = grpcclient.InferInput("X", [2], "FP32")
+        inp.set_data_from_numpy(np.array([2, 0], dtype=np.float32))
+        with pytest.raises(InferenceServerException) as err:
+            c.infer("late_answer", [inp], client_timeout=30)
+    assert err.value.status() == "StatusCode.INTERNAL", err.value
+    assert "execute() returned without a response for the request and its response sender sent none within 2 s" \
+        in (err.value.message() or "")
+    assert _late("grpc", mesh, [1, 5]).tolist() == [2, 10]
 
 
 @pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")

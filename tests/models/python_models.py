@@ -277,6 +277,36 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", pid)]) for _ in requests]
 '''
 
+# Not decoupled, answers X[0] == 0 at once; X[0] == 1 from a thread after execute() returned (its
+# response sender, the input read then: 2 * X); X[0] == 2 never (execute() returns None for it).
+LATE_ANSWER = '''
+import threading
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+            if x[0] == 0:
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
+                continue
+            sender = r.get_response_sender()
+            if x[0] == 1:
+                threading.Thread(target=self.later, args=(r, sender), daemon=True).start()
+            out.append(None)
+        return out
+
+    def later(self, request, sender):
+        time.sleep(0.2)  # the point: after execute() returned, other requests' batches ran meanwhile
+        x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
 WAIT_FOR_CANCEL = with_helpers('''
 import time
