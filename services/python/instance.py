@@ -40,6 +40,7 @@ from meshserve.protocol.infer_checks import int_value
 from services.base import memory
 from services.base.classification import MAX_CLASSIFIED, check_classifiable, classify
 from services.base.runtime import RuntimeLoadError
+from services.base.scheduling.request import SequenceControl
 from services.base.serialization import ResponseEncoder
 from services.base.validation import ModelTensors, Pending, prepare
 from services.python.ipc import (
@@ -85,6 +86,18 @@ class WorkerSpec:
     load_timeout_s: float
     log_level: str = "INFO"
     tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
+
+
+# a batch's outcome (ModelWorker.execute): each request's answer (bytes, its error, the future of an
+# answer its sender gives later, None: none here), the ns execute() took, the keys rescheduled
+Executed = tuple["list[bytes | InferError | asyncio.Future[object] | None] | None", int, frozenset[int]]
+
+
+@dataclass(frozen=True)
+class IterativeControl(SequenceControl):
+    """A request's place in an iterative sequence (``sequence_batching { iterative_sequence: true }``):
+    its model sees this correlation id and these flags (Triton's IterativeSequencer: an id of its
+    own and START for a request without one; no START once rescheduled)."""
 
 
 # how long a readiness check waits for the model's is_ready() (the python backend's
@@ -271,9 +284,10 @@ class ModelWorker:
                 pass
 
     async def execute(self, payloads: Sequence[Pending], keys: Sequence[int],
-                      sinks: Mapping[int, StreamSink] | None = None) -> tuple[list[bytes | InferError] | None, int]:
+                      sinks: Mapping[int, StreamSink] | None = None) -> Executed:
         """Run one batch: every request's serialized response or error (None for a decoupled
-        model, whose responses go to ``sinks``), and the ns execute() took in the worker."""
+        model, whose responses go to ``sinks``; a future for a request answered later: _encode),
+        the ns execute() took in the worker, and the keys of the requests the model rescheduled."""
         if not self.alive:
             raise InferError.unavailable(self.down_message())
         total = sum(aligned(len(item.data)) for p in payloads for item in p.inputs.values())
@@ -290,6 +304,9 @@ class ModelWorker:
                 refs.append(TensorRef(name, item.spec.datatype, item.shape, offset, size))
                 offset += aligned(size)
             params, corrid, flags, timeout_us = _parameters(p.request)
+            if isinstance(p.sequence, IterativeControl):  # (its id may be the service's; a rescheduled pass: no START)
+                corrid, flags = p.sequence.corrid, (SEQUENCE_START if p.sequence.start else 0) | (
+                    SEQUENCE_END if p.sequence.end else 0)
             wanted = [name for name, _ in p.outputs]  # all the model's outputs when the request names none
             request_id = p.request.id if p.request_id is None else p.request_id  # (the client's, behind a gateway)
             metas.append((key, request_id, corrid, flags, timeout_us, params, wanted, refs))
@@ -343,7 +360,7 @@ class ModelWorker:
         assert self.spec.tensors is not None, "a worker that runs warmup requests knows the model's tensors"
         pending = prepare(self.spec.tensors, request, NO_HOP)
         timeout = self.spec.execute_timeout_s or None
-        out, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [request_key()]), self.loop).result(timeout)
+        out, _, _ = asyncio.run_coroutine_threadsafe(self.execute([pending], [request_key()]), self.loop).result(timeout)
         answer = out[0] if out else None
         if isinstance(answer, InferError):
             # raised from a local, the error's traceback would hold this frame and the frame the
@@ -494,8 +511,10 @@ class ModelWorker:
         fut, payloads, keys = entry
         value: object
         if kind == "done":
-            _, _, ref, results, elapsed_ns = msg
-            value = (None if results is None else self._encode(payloads, keys, ref, results), elapsed_ns)
+            _, _, ref, results, elapsed_ns, again = msg
+            rescheduled = frozenset(again)
+            value = (None if results is None else self._encode(payloads, keys, ref, results, rescheduled),
+                     elapsed_ns, rescheduled)
         else:  # "failed": execute() raised: a decoupled request ends with that error (model.py)
             for key in keys:
                 self._streams.pop(key, None)
@@ -504,15 +523,18 @@ class ModelWorker:
             value = InferError.internal(f"Failed to process the request(s) for model '{self.name}', message: {msg[2]}")
         self.loop.call_soon_threadsafe(_settle, fut, value)
 
-    def _encode(self, payloads: Sequence[Pending], keys: Sequence[int], ref: RegionRef | None, results: list
-                ) -> list[bytes | InferError | asyncio.Future[object]]:
+    def _encode(self, payloads: Sequence[Pending], keys: Sequence[int], ref: RegionRef | None, results: list,
+                rescheduled: frozenset[int]) -> list[bytes | InferError | asyncio.Future[object] | None]:
         """A finished batch's answers (reader thread): each request's response or error, or, for a
         request execute() left open (None: deferred), the future of its answer, which its sender's
         final flag brings (``_answer_late``). A batch with a deferred request retires the input
         region: the worker may still read that request's inputs in place."""
         region = self._outputs.get(ref[0], ref[1], -1) if ref is not None else None
-        out: list[bytes | InferError | asyncio.Future[object]] = []
+        out: list[bytes | InferError | asyncio.Future[object] | None] = []
         for p, key, result in zip(payloads, keys, results, strict=True):
+            if key in rescheduled:  # it runs again (its model released it so): no answer yet
+                out.append(None)
+                continue
             if result is None:
                 fut: asyncio.Future[object] = self.loop.create_future()
                 self._deferred[key] = (fut, p)

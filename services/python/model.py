@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
+from typing import Any, cast
 
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -24,14 +26,17 @@ from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.hop import NO_HOP, Hop
 from meshserve.telemetry import tracing
 from services.base.model import ModelVersion
-from services.base.scheduling.request import QueuedRequest, Scheduler
+from services.base.scheduling.request import QueuedRequest, Scheduler, SequenceControl
 from services.base.scheduling.sequence import SequenceBatch, SequenceBatcher
 from services.base.validation import Pending, require_single_row
-from services.python.instance import ModelWorker, StreamSink, request_key
+from services.python.instance import IterativeControl, ModelWorker, StreamSink, request_key
 from services.python.sequence_io import SequenceIO
 from services.sequence.model import policy_from_config, sequence_control
 
 log = logging.getLogger("meshserve.python")
+# the correlation ids an iterative sequence's requests without one get (Triton's counts from 1; here
+# from 2**62, clear of the ids clients usually pick)
+_ITERATIVE_IDS = itertools.count(1 << 62)
 
 
 class PythonModelVersion(ModelVersion):
@@ -73,10 +78,25 @@ class PythonModelVersion(ModelVersion):
     def sequential(self) -> bool:
         return isinstance(self.scheduler, SequenceBatcher)
 
+    @property
+    def iterative(self) -> bool:
+        """``sequence_batching { iterative_sequence: true }``: the model may reschedule a request."""
+        return self.config.HasField("sequence_batching") and self.config.sequence_batching.iterative_sequence
+
     def prepare(self, request: pb.ModelInferRequest, hop: Hop = NO_HOP) -> Pending:
         """ModelVersion's validation; a sequence model's request also needs its correlation id
-        and flags, and one row."""
-        control = sequence_control(request, self.name) if self.config.HasField("sequence_batching") else None
+        and flags, and one row. An iterative sequence's request without one is a sequence of its
+        own, with an id of the service's and START (Triton's IterativeSequencer)."""
+        control: SequenceControl | None = None
+        if self.iterative:
+            params = request.parameters
+            given = "sequence_id" in params and getattr(
+                params["sequence_id"], params["sequence_id"].WhichOneof("parameter_choice") or "int64_param") not in (0, "")
+            control = sequence_control(request, self.name) if given else \
+                SequenceControl(next(_ITERATIVE_IDS), True, False)
+            control = IterativeControl(control.corrid, control.start, control.end)
+        elif self.config.HasField("sequence_batching"):
+            control = sequence_control(request, self.name)
         pending = super().prepare(request, hop)
         if hop.gateway:  # the request's id is the hop's key: the client's is the hop's (none: "")
             pending.request_id = hop.request_id or ""
@@ -194,7 +214,7 @@ class PythonModelVersion(ModelVersion):
 
     async def _run(self, worker: ModelWorker, batch: list[QueuedRequest[Pending]],
                    release: Callable[[], None] | None,
-                   answered: Callable[[list[bytes | InferError]], None] | None = None) -> None:
+                   answered: Callable[[list[Any]], None] | None = None) -> None:
         """Run ``batch`` on ``worker`` (``release`` once it ran; ``answered`` sees the answers
         first); resolve every member's future."""
         start_ns = time.monotonic_ns()
@@ -217,11 +237,12 @@ class PythonModelVersion(ModelVersion):
             q.future.add_done_callback(functools.partial(_cancel_if_cancelled, worker, key))
             if q.deadline_ns is not None:
                 timers.append(loop.call_later(max(0.0, (q.deadline_ns - start_ns) / 1e9), worker.cancel, key))
-        out: list[bytes | InferError] | None = None
+        out: list[bytes | InferError | asyncio.Future[object] | None] | None = None
+        rescheduled: frozenset[int] = frozenset()
         failure: InferError | None = None
         infer_ns = 0
         try:
-            out, infer_ns = await worker.execute([q.payload for q in batch], keys, sinks)
+            out, infer_ns, rescheduled = await worker.execute([q.payload for q in batch], keys, sinks)
             if answered is not None and out is not None:
                 answered(out)
         except InferError as exc:
@@ -239,6 +260,10 @@ class PythonModelVersion(ModelVersion):
         await asyncio.sleep(0)
         stats = self.stats
         # (a decoupled request is counted by infer_stream when it ends: sinks holds their keys)
+        if self.iterative:  # a request released without RESCHEDULE ends its sequence (Triton's)
+            for q, key in zip(batch, keys, strict=True):
+                if key not in rescheduled and q.sequence is not None:
+                    cast(SequenceBatcher[Pending], self.scheduler).finish(q.sequence.corrid)
         if failure is not None:
             for q, key in zip(batch, keys, strict=True):
                 if not q.future.done():  # (a cancelled one is counted by ModelVersion._result)
@@ -250,6 +275,9 @@ class PythonModelVersion(ModelVersion):
         late: list[tuple[QueuedRequest[Pending], asyncio.Future[object]]] = []
         for i, q in enumerate(batch):
             if q.future.done():
+                continue
+            if keys[i] in rescheduled:
+                self._reschedule(q)
                 continue
             if sinks and keys[i] in sinks:
                 q.future.set_result(None)  # (a decoupled request's execute() returned: no answer)
@@ -272,6 +300,27 @@ class PythonModelVersion(ModelVersion):
             for q, fut in late:
                 self._answered_late(q, start_ns, fut)
             late.clear()
+
+    def _reschedule(self, q: QueuedRequest[Pending]) -> None:
+        """The model released ``q`` with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: queued again
+        behind its sequence (an iterative one: the same instance, its next pass without START),
+        its future and, when decoupled, its stream kept; in a model that is not iterative, the
+        request fails in Triton's words."""
+        control = q.sequence
+        if not self.iterative or control is None:
+            q.future.set_exception(InferError.internal(
+                "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not "
+                "configured to handle such a flag."))
+            return
+        again = IterativeControl(control.corrid, False, False)
+        q.sequence = q.payload.sequence = again
+        q.requeued = True
+        try:
+            cast(SequenceBatcher[Pending], self.scheduler).enqueue(q)
+        except Exception as exc:  # (the model is stopping)
+            q.requeued = False
+            q.future.set_exception(InferError.unavailable(f"model '{self.name}': request rescheduled as the "
+                                                          f"model stopped: {exc}"))
 
     def _answered_late(self, q: QueuedRequest[Pending], start_ns: int, answer: asyncio.Future[object]) -> None:
         """A deferred request's answer came (or its wait ran out, or its worker died)."""

@@ -686,6 +686,7 @@ class InferenceRequest:
         self._sent_response: InferenceResponse | None = None  # a non-decoupled model's, sent by the sender
         # a non-decoupled request execute() returned without answering, whose sender answers it later
         self._deferred = False
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @property
     def model_name(self) -> str:
@@ -732,9 +733,10 @@ class InferenceRequest:
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:
-        if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
-            raise TritonModelException("request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not "
-                                       "supported by meshserve's python service")
+        """How the request is released when execute() returns: TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+        runs it again in a later batch (a model with ``sequence_batching { iterative_sequence:
+        true }``: services/python/model.py), as the stub's (any int is taken, as there)."""
+        self._release_flags = int(flags)
 
     def exec(self, decoupled: bool = False) -> Any:
         """Run the request on the model it names, through the mesh (the gateway's gRPC address the
@@ -771,7 +773,11 @@ def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
     out = []
     for r, resp in zip(requests, responses, strict=True):
         sender = r._sender
-        if sender is not None and not r._decoupled:
+        if rescheduled(r):
+            if resp is not None:  # (the stub's words, its spelling)
+                raise TritonModelException("Expected a None object in the execute function return list for "
+                                           f"reschduled request, found type '{type(resp)}'.")
+        elif sender is not None and not r._decoupled:
             with sender._lock:
                 if r._sent_response is not None:
                     resp = r._sent_response
@@ -779,6 +785,11 @@ def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
                     r._deferred = True  # (from here on its final flag sends the answer)
         out.append(resp)
     return out
+
+
+def rescheduled(request: InferenceRequest) -> bool:
+    """Whether the model released ``request`` to run again (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)."""
+    return bool(request._release_flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
 
 
 def deferred(request: InferenceRequest) -> bool:

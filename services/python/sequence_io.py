@@ -108,7 +108,7 @@ class SequenceIO:
             on = c.kind == _Kind.CONTROL_SEQUENCE_READY  # (a python model gets real requests only)
         return np.array([c.false_true[1 if on else 0]], dtype=c.dtype)
 
-    def keep_states(self, rows: Sequence[BatchRow], out: list[bytes | InferError]) -> None:
+    def keep_states(self, rows: Sequence[BatchRow], out: list[Any]) -> None:
         """Take each answered request's next state out of its response (``out``, in the real
         rows' order; answers are rewritten without the state outputs the client did not ask for)."""
         if not self.states:

@@ -315,11 +315,14 @@ class Worker:
                     raise pb_utils.TritonModelException(  # (the stub's words)
                         f"Python model '{self.instance}' is using the decoupled mode and the execute function "
                         "must return None.")
-                self.send(("done", batch_id, None, None, time.perf_counter_ns() - t0))
+                self.send(("done", batch_id, None, None, time.perf_counter_ns() - t0,
+                           [r._key for r in requests if pb_utils.rescheduled(r)]))
                 return
             responses = pb_utils.collect_responses(requests, responses)
             region, results = self._pack(requests, responses)
+            again = [r._key for r in requests if pb_utils.rescheduled(r)]  # (they run again: not ended)
         except BaseException as exc:
+            again = []
             packed = None if self.decoupled else self._pack_sent(requests, exc)
             if packed is None:
                 self._finished([m[0] for m in metas])  # (the service ends a failed decoupled request too)
@@ -334,7 +337,7 @@ class Worker:
                        else [m[0] for m in metas])
         ref, fd = region_ref(region) if region is not None else (None, -1)
         try:
-            self.send(("done", batch_id, ref, results, time.perf_counter_ns() - t0), fd)
+            self.send(("done", batch_id, ref, results, time.perf_counter_ns() - t0, again), fd)
         finally:
             self._release_held(metas)
 
@@ -377,8 +380,8 @@ class Worker:
         staged: list[tuple[tuple[str, str] | None, list[tuple[str, str, tuple[int, ...], Any]], str | None] | None] = []
         total = 0
         for req, resp in zip(requests, responses, strict=True):
-            if resp is None and pb_utils.deferred(req):
-                staged.append(None)  # its sender answers it after execute() returned
+            if resp is None and (pb_utils.deferred(req) or pb_utils.rescheduled(req)):
+                staged.append(None)  # its sender answers it after execute() returned, or it runs again
                 continue
             if not isinstance(resp, pb_utils.InferenceResponse):
                 raise pb_utils.TritonModelException(

@@ -15,8 +15,8 @@ docs/observability.md names, or a GPU the machine lacks):
 - ``model_readiness``: the user-defined ``is_ready()`` suite whole, and the initial readiness check;
   not test.sh's kill of the stub then ``test_model_not_ready`` (meshserve restarts a dead worker,
   Triton leaves the model not ready);
-- ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``:
-  whole.
+- ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``,
+  ``request_rescheduling``: whole.
 
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
 regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
@@ -167,6 +167,20 @@ def test_argument_validation(tmp_path: Path) -> None:
     shutil.copytree(QA / "L0_backend_python" / "argument_validation" / "models", repo)  # type: ignore[operator]
     _run_with(repo, _qa(tmp_path, "argument_validation"), "../test_infer_shm_leak.py",
               env={"MODEL_NAME": "argument_validation"})
+
+
+def test_request_rescheduling(tmp_path: Path) -> None:
+    """Requests a model releases with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE run again (iterative
+    sequence batching): through BLS (its model unloads and loads them by model control) and from
+    a gRPC client, decoupled and not, and a model that returns a response for one is refused."""
+    repo = tmp_path / "models"
+    for name in ("bls_request_rescheduling", "request_rescheduling_addsub", "iterative_sequence", "wrong_return_type"):
+        _model(repo, name)
+    folder = _qa(tmp_path, "request_rescheduling")
+    # (test.sh's --model-control-mode=explicit --load-model=*: `up`'s default, every model loaded)
+    with meshserve_up("--repository", str(repo), *PORTS, timeout=240):
+        _run(folder, "../test_infer_shm_leak.py", env={"MODEL_NAME": "bls_request_rescheduling"})
+        _run(folder, "grpc_endpoint_test.py")
 
 
 def test_custom_metrics(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import csv
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -63,6 +64,17 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     python_models.write(repo, "late_answer", python_models.LATE_ANSWER, python_models.config(
         "late_answer", [("X", "TYPE_FP32", "2")], [("Y", "TYPE_FP32", "2")],
         extra='parameters { key: "execute_timeout_seconds" value: { string_value: "2" } }\n'))
+    iterative = "sequence_batching { iterative_sequence: true max_sequence_idle_microseconds: 60000000 }\n"
+    python_models.write(repo, "iterate", python_models.ITERATE, python_models.config(
+        "iterate", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1"), ("PID", "TYPE_INT64", "1"),
+                                                 ("FLAGS", "TYPE_INT32", "1"), ("CORRID", "TYPE_UINT64", "1")],
+        extra="model_transaction_policy { decoupled: true }\n" + iterative
+              + "instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
+    once = [("Y", "TYPE_FP32", "1"), ("PASSES", "TYPE_INT32", "1")]
+    python_models.write(repo, "reschedule_once", python_models.RESCHEDULE_ONCE, python_models.config(
+        "reschedule_once", [("X", "TYPE_FP32", "1")], once, extra=iterative))
+    python_models.write(repo, "reschedule_plain", python_models.RESCHEDULE_ONCE, python_models.config(
+        "reschedule_plain", [("X", "TYPE_FP32", "1")], once))
     ens = tmp_path_factory.mktemp("python_ensembles")
     for name, text in (("mixed_pipeline", python_models.MIXED_ENSEMBLE),
                        ("mixed_all_kinds", python_models.MIXED_ALL_KINDS)):
@@ -471,6 +483,69 @@ def test_a_request_execute_left_open_and_never_answered_ends_with_an_error(mesh:
     assert "execute() returned without a response for the request and its response sender sent none within 2 s" \
         in (err.value.message() or "")
     assert _late("grpc", mesh, [1, 5]).tolist() == [2, 10]
+
+
+def test_an_iterative_sequence_reschedules_a_request_on_its_instance_until_it_is_done(mesh: Mesh) -> None:
+    """sequence_batching { iterative_sequence: true }: the model releases a request with
+    TRITONSERVER_REQUEST_RELEASE_RESCHEDULE and it runs again in a later batch, on the same
+    instance (its state is there), with an id of the service's (no sequence_id sent) and START on
+    its first pass only (Triton's IterativeSequencer). Four streams at once over two instances,
+    through the gateway: each gets its three responses, then the final."""
+    def one_stream(_: int) -> list[tuple[int, int, int, int]]:
+        got: queue.Queue = queue.Queue()
+        with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
+            c.start_stream(callback=lambda result, error: got.put(error or result))
+            inp = grpcclient.InferInput("IN", [1], "INT32")
+            inp.set_data_from_numpy(np.array([3], dtype=np.int32))
+            c.async_stream_infer("iterate", [inp], enable_empty_final_response=True)
+            rows = []
+            while True:
+                item = got.get(timeout=30)
+                assert not isinstance(item, InferenceServerException), item
+                if item.get_response().parameters["triton_final_response"].bool_param and \
+                        not item.get_response().outputs:
+                    break
+                rows.append(tuple(int(item.as_numpy(n)[0]) for n in ("OUT", "PID", "FLAGS", "CORRID")))
+                if item.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            c.stop_stream()
+        return rows
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = list(pool.map(one_stream, range(4)))
+    for rows in streams:
+        assert [r[0] for r in rows] == [2, 1, 0], rows
+        assert len({r[1] for r in rows}) == 1, rows  # one instance
+        assert [r[2] for r in rows] == [1, 0, 0], rows  # START on the first pass
+        assert len({r[3] for r in rows}) == 1 and rows[0][3] != 0, rows
+    assert len({rows[0][3] for rows in streams}) == 4  # a sequence each
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_rescheduled_request_that_is_not_decoupled_gets_its_later_answer(proto: str, mesh: Mesh) -> None:
+    """Not decoupled: None in the request's place, then its answer on the next pass. Each request
+    ends its sequence (the model's single sequence slot is free at once for the next one; the
+    idle bound is 60 s)."""
+    m = MODULES[proto]
+    url = getattr(mesh.gateway, proto)
+    # (a 20 s bound on each call: a sequence left open would hold the slot for 60 s)
+    with (grpcclient.InferenceServerClient(url) if proto == "grpc" else
+          httpclient.InferenceServerClient(url, network_timeout=20)) as c:
+        for x in range(5):
+            inp = m.InferInput("X", [1], "FP32")
+            inp.set_data_from_numpy(np.array([x], dtype=np.float32))
+            kwargs = {"client_timeout": 20} if proto == "grpc" else {}
+            result = c.infer("reschedule_once", [inp], **kwargs)
+            assert result.as_numpy("Y").tolist() == [2 * x] and result.as_numpy("PASSES").tolist() == [2]
+
+
+def test_rescheduling_in_a_model_that_is_not_iterative_is_refused_in_tritons_words(mesh: Mesh) -> None:
+    inp = httpclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.array([1], dtype=np.float32))
+    with httpclient.InferenceServerClient(mesh.gateway.http) as c, pytest.raises(InferenceServerException) as err:
+        c.infer("reschedule_plain", [inp])
+    assert "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not configured " \
+           "to handle such a flag." in str(err.value)
 
 
 @pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")

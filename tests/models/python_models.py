@@ -307,6 +307,63 @@ class TritonPythonModel:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 '''
 
+# Iterative sequence models (sequence_batching { iterative_sequence: true }): each execution of a
+# request sends one response (decoupled: the count left, the worker's pid, the request's flags and
+# correlation id) and reschedules it until IN[0] passes ran (Triton's iterative_sequence example).
+ITERATE = '''
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    left = {}
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            key = request.correlation_id()
+            left = self.left.get(key, int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])) - 1
+            out = [pb_utils.Tensor("OUT", np.array([left], np.int32)),
+                   pb_utils.Tensor("PID", np.array([os.getpid()], np.int64)),
+                   pb_utils.Tensor("FLAGS", np.array([request.flags()], np.int32)),
+                   pb_utils.Tensor("CORRID", np.array([key], np.uint64))]
+            if left > 0:
+                self.left[key] = left
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+                sender.send(pb_utils.InferenceResponse(out))
+                continue
+            self.left.pop(key, None)
+            sender.send(pb_utils.InferenceResponse(out), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+# Not decoupled: the first pass of each request is rescheduled (None in its place), the second
+# answers 2 * X and how many passes it took.
+RESCHEDULE_ONCE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    passes = {}
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            key = request.correlation_id()
+            self.passes[key] = self.passes.get(key, 0) + 1
+            if self.passes[key] == 1:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+                out.append(None)
+                continue
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            passes = np.array([self.passes.pop(key)], np.int32)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2), pb_utils.Tensor("PASSES", passes)]))
+        return out
+'''
+
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
 WAIT_FOR_CANCEL = with_helpers('''
 import time

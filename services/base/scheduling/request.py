@@ -42,6 +42,9 @@ class QueuedRequest(Generic[P]):
     waited_ns: int = 0
     sequence: SequenceControl | None = None  # the request's sequence (sequence batching only)
     members: int = 1  # client requests it carries (a gateway's coalescer merges several into one)
+    # queued again by its model while its batch ran (an iterative sequence's request rescheduled,
+    # services/python/model.py): the batch's end leaves its future alone
+    requeued: bool = False
 
     def done(self) -> bool:
         """True once the result, an error, or a cancellation is set."""

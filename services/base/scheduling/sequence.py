@@ -250,6 +250,18 @@ class SequenceBatcher(Generic[P]):
         self._queued += 1
         self._pump()
 
+    def finish(self, corrid: int | str) -> None:
+        """End a sequence as its END flag would, from the model's side (an iterative sequence whose
+        request was released without rescheduling: Triton's IterativeSequencer ends it then): it
+        is released once nothing of it is queued or running."""
+        seq = self._sequences.get(_key(corrid))
+        if seq is None:
+            return
+        seq.open = False
+        if not seq.executing and not seq.queue:
+            self._release(seq)
+            self._pump()
+
     def inflight(self) -> int:
         """Requests queued or executing."""
         return self._queued + self._executing
@@ -465,8 +477,11 @@ class SequenceBatcher(Generic[P]):
             for row in batch.rows:
                 member, seq = row.request, row.sequence
                 if member is not None and not member.future.done():
-                    member.future.set_exception(InternalBatchError(
-                        f"model '{self.name}': batch finished without a result for this request"))
+                    if member.requeued:  # its model rescheduled it: it runs again in a later batch
+                        member.requeued = False
+                    else:
+                        member.future.set_exception(InternalBatchError(
+                            f"model '{self.name}': batch finished without a result for this request"))
                 if member is None or seq is None:
                     continue
                 seq.executing = False

@@ -253,3 +253,34 @@ async def test_cancelled_start_still_resets_the_state() -> None:
     ex.gate.set()
     assert (await r2.future)[1] == 1  # type: ignore[index]
     await b.stop()
+
+
+async def test_a_requeued_request_runs_again_and_finish_ends_its_sequence() -> None:
+    """An iterative sequence (services/python/model.py): the executor queues its request again
+    while the batch runs (``requeued``: the batch's end leaves its future alone) and it runs in
+    the next batch; ``finish`` then ends the sequence as END would, freeing its slot for a
+    backlogged one."""
+    passes: list[str] = []
+
+    async def execute(batch: SequenceBatch) -> None:
+        for r in batch.rows:
+            if r.request is None:
+                continue
+            passes.append(r.request.payload)
+            if len(passes) == 1:  # the first pass: again, without START
+                r.request.requeued = True
+                b.enqueue(r.request, SequenceControl(7, start=False))
+            else:
+                r.request.future.set_result(len(passes))
+                b.finish(7 if r.request.payload == "x" else 8)
+
+    b = SequenceBatcher(SequencePolicy("direct", slots_per_instance=1, instance_count=1), execute,
+                        clock=FakeClock(), name="iter")
+    first, second = request("x"), request("y")
+    b.enqueue(first, SequenceControl(7, start=True))
+    b.enqueue(second, SequenceControl(8, start=True))  # backlogged: the one slot is 7's
+    assert await first.future == 2
+    assert await second.future == 3
+    assert passes == ["x", "x", "y"]
+    assert b.inflight() == 0 and b.active_sequences() == 0
+    await b.stop()

@@ -59,7 +59,7 @@ def test_a_failed_python_warmup_request_leaves_no_cycle(tmp_path: Path) -> None:
     worker answered without its frame keeping it (the error was a local the traceback held)."""
     class Answers(ModelWorker):
         async def execute(self, payloads, keys, sinks=None):  # type: ignore[no-untyped-def]
-            return [InferError(Code.INVALID_ARG, "the model refused it")], 0
+            return [InferError(Code.INVALID_ARG, "the model refused it")], 0, frozenset()
 
     config = text_format.Parse(CONFIG % "", mc.ModelConfig())
     loop = asyncio.new_event_loop()

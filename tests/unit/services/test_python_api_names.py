@@ -126,8 +126,12 @@ def b_constants() -> None:
     assert (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END) == (1, 2)
     assert pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL == 1
     assert (pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL, pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) == (1, 2)
-    _raises(lambda: _req().set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE), "rescheduling")
-    _req().set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+    req = _req()
+    assert not pb_utils.rescheduled(req)
+    req.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)  # (run again: services/python/model.py)
+    assert pb_utils.rescheduled(req)
+    req.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+    assert not pb_utils.rescheduled(req)
 
 
 def b_datatypes() -> None:
