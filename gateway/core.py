@@ -4,6 +4,7 @@ gateway/control.py, statistics.py and federation.py; every call to a service goe
 Upstream (gateway/upstream/upstream.py)."""
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Coroutine
@@ -25,6 +26,7 @@ from gateway.statistics import statistics
 from gateway.turns import SequenceTurns
 from gateway.upstream.coalesce import Coalescer
 from gateway.upstream.pool import ReplicaPool
+from gateway.upstream.replica import grpc_error
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -87,6 +89,8 @@ GATEWAY_FAMILIES = {
 }
 
 
+log = logging.getLogger("meshserve.gateway")
+LOG_PUSH_TIMEOUT_S = 5.0  # a /v2/logging change's call to each replica (log_settings_changed)
 MAX_MODEL_LABELS = 4096  # (model, outcome) keys of the request counts before unknown names are folded
 OTHER_MODELS = "(other)"  # the label they are folded into
 
@@ -312,6 +316,28 @@ class GatewayCore:
 
     def ready(self) -> bool:
         return not self._draining and any(r.healthy for r in self.replicas)
+
+    async def log_settings_changed(self, changes: dict[str, Any]) -> None:
+        """/v2/logging changed the gateway's settings: the same changes go to every healthy
+        replica (its own lines and, in a python service, its models'), as Triton's one process
+        applies them to its models' log lines too. Best effort, each within LOG_PUSH_TIMEOUT_S: a
+        replica that does not take them keeps its own and is named in the gateway's log; one that
+        joins later starts with its own flags."""
+        request = pb.LogSettingsRequest()
+        for key, value in changes.items():
+            entry = request.settings[key]
+            if isinstance(value, bool):
+                entry.bool_param = value
+            elif isinstance(value, int):
+                entry.uint32_param = value
+            else:
+                entry.string_param = str(value)
+        healthy = self.upstream.healthy()
+        results = await self.upstream.each(healthy, lambda r: r.log_settings(request, timeout=LOG_PUSH_TIMEOUT_S))
+        for replica, result in zip(healthy, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("log settings not applied at %s: %s", replica.endpoint,
+                            grpc_error(result) or type(result).__name__)
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=self.server_name, version=SERVER_VERSION, extensions=EXTENSIONS)

@@ -62,6 +62,7 @@ class Replica:
         self.load = _typed(ch, "RepositoryModelLoad", pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse)
         self.unload = _typed(ch, "RepositoryModelUnload", pb.RepositoryModelUnloadRequest,
                              pb.RepositoryModelUnloadResponse)
+        self.log_settings = _typed(ch, "LogSettings", pb.LogSettingsRequest, pb.LogSettingsResponse)
         # the service's /metrics text over gRPC (bytes in, bytes out): --federate-metrics
         self.scrape = ch.unary_unary(f"/{METRICS_SERVICE}/Scrape")
         self.outstanding = 0

@@ -367,7 +367,7 @@ class InferenceServicer:
                 raise InferError.invalid(f"log setting '{key}' has no value")
             changes[key] = getattr(v, kind)
         response = pb.LogSettingsResponse()
-        for key, value in observe.log_setting(changes).items():
+        for key, value in (await observe.log_setting(self.core, changes)).items():
             entry = response.settings[key]
             if isinstance(value, bool):
                 entry.bool_param = value

@@ -406,7 +406,7 @@ class HttpFrontend:
         """GET/POST /v2/logging (the logging extension)."""
         changes = await _decode(request, http_codec.parse_json_object, await request.read_body(), "log settings") \
             if request.method == "POST" else None
-        return _json_response(observe.log_setting(changes))
+        return _json_response(await observe.log_setting(self.core, changes))
 
     async def placement(self, request: Request, p: Params, grant: Grant) -> Answer:
         """GET /v2/placement: where each model lives (a gateway's model mesh: docs/model-mesh.md)."""

@@ -288,18 +288,26 @@ async def trace_setting(core: V2Core, model: str, changes: Mapping[str, Sequence
         raise InferError.invalid(f"trace setting{f' of model {model!r}' if model else ''}: {exc}") from None
 
 
-def log_setting(changes: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The logging extension for both front ends: this process's log settings after ``changes``."""
+async def log_setting(core: V2Core, changes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The logging extension for both front ends: this process's log settings after ``changes``,
+    which then go where this process's models log (``core.log_settings_changed``: a gateway's
+    services, a python service's workers), as Triton's one process applies them to its models'
+    log lines too."""
     settings = log_settings.active
     if settings is None:
         raise InferError.unavailable("log settings: this process's logging was not set up by meshserve")
     try:
         if shared_settings is not None:  # a gateway worker: the settings are its siblings' too
-            return shared_settings.run(LOG, lambda: settings.update(changes) if changes else settings.current(),
-                                       bool(changes))
-        return settings.update(changes) if changes else settings.current()
+            now = shared_settings.run(LOG, lambda: settings.update(changes) if changes else settings.current(),
+                                      bool(changes))
+        else:
+            now = settings.update(changes) if changes else settings.current()
     except log_settings.SettingError as exc:
         raise InferError.invalid(str(exc)) from None
+    changed = getattr(core, "log_settings_changed", None)
+    if changes and changed is not None:
+        await changed(dict(changes))
+    return now
 
 
 # a gateway worker's (meshserve/server/workers.py): trace and log updates through any worker apply to all

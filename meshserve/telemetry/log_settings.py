@@ -11,9 +11,10 @@ Triton's settings and what each means here:
   collector or a shell redirect does that job).
 
 The starting values come from ``--log-level`` and ``--log-format``. Only a process that set up
-its logging with ``meshserve.server.process.setup_logging`` has settings to change; the settings
-are per process (the gateway's are not pushed to the services; a gateway's workers share theirs:
-meshserve/server/workers.py).
+its logging with ``meshserve.server.process.setup_logging`` has settings to change; a gateway's
+workers share theirs (meshserve/server/workers.py), and an update goes on where the process's
+models log (meshserve/server/observe.py:log_setting: a gateway's services, a python service's
+workers).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshserve.telemetry.logs import TEXT_FORMAT, TextFormatter, formatter
+from meshserve.telemetry.text_lines import TextFormatter
 
 KEYS = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
 FORMATS = ("default", "ISO8601", "json")
@@ -56,6 +57,9 @@ class LogSettings:
 
     def __init__(self, handler: logging.Handler, level: int, fmt: str):
         self.handler = handler
+        # the settings /v2/logging set, as set (what a python service hands its workers, whose own
+        # starting point differs: a model's INFO lines show whatever the service's level)
+        self.explicit: dict[str, Any] = {}
         self.severities = _Severities()
         handler.addFilter(self.severities)
         self.format = "json" if fmt == "json" else "default"
@@ -75,6 +79,7 @@ class LogSettings:
         for key, value in changes.items():
             _check(key, value)
         s = self.severities
+        self.explicit.update(changes)
         for key, value in changes.items():
             if key == "log_verbose_level":
                 s.verbose = value
@@ -92,6 +97,9 @@ class LogSettings:
 
 
 def _formatter(fmt: str) -> logging.Formatter:
+    # (logs imports tracing: not at import time, which a python-backend worker pays at its start)
+    from meshserve.telemetry.logs import TEXT_FORMAT, formatter
+
     if fmt == "ISO8601":
         iso = TextFormatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%SZ")
         iso.converter = time.gmtime

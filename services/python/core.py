@@ -59,6 +59,16 @@ class PythonServiceCore(ServiceCore):
         snapshots = await asyncio.gather(*(w.metrics() for w in workers))
         return body + render_custom_metrics([m for snap in snapshots for m in snap]), content_type
 
+    async def log_settings_changed(self, changes: dict[str, Any]) -> None:
+        """/v2/logging changed the service's settings (from a client of the service, or pushed by
+        the gateway): every worker takes the settings /v2/logging gave, so the models' log lines
+        (pb_utils.Logger) follow them as in Triton (its logging QA: verbose lines appear at
+        ``log_verbose_level`` 1, none at INFO/WARNING/ERROR once those are off)."""
+        for mv in self._all_versions():
+            if isinstance(mv, PythonModelVersion):
+                for w in mv.workers:
+                    w.log_settings()
+
     def _build_version(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         assert self._loop is not None
         name = config.name

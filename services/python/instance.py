@@ -37,6 +37,7 @@ from meshserve.protocol import datatypes, http_codec
 from meshserve.protocol.errors import Code, InferError
 from meshserve.protocol.hop import NO_HOP, PRIVATE_PREFIX
 from meshserve.protocol.infer_checks import int_value
+from meshserve.telemetry import log_settings
 from services.base import memory
 from services.base.classification import MAX_CLASSIFIED, check_classifiable, classify
 from services.base.runtime import RuntimeLoadError
@@ -218,7 +219,7 @@ class ModelWorker:
         process.reader.start()
         self._send(("init", {"model_py": str(self.spec.model_py), "args": self.spec.args, "instance": self.name,
                              "decoupled": self.spec.decoupled, "bls_target": self.spec.bls_target,
-                             "log_level": self.spec.log_level}))
+                             "log_level": self.spec.log_level, "log_settings": _log_settings_now()}))
 
     def wait_initialized(self) -> None:
         """Wait for the spawned worker's initialize(); RuntimeLoadError (worker killed) if it fails."""
@@ -262,6 +263,13 @@ class ModelWorker:
         self.alive = False
         if self._process is not None and not self._process.exited.is_set():
             _kill_group(self._process.proc.pid)
+
+    def log_settings(self) -> None:
+        """Hand the worker the service's log settings now in force (/v2/logging changed them)."""
+        settings = _log_settings_now()
+        if settings is not None and self.alive:
+            with contextlib.suppress(OSError):
+                self._send(("log", settings))
 
     def down_message(self) -> str:
         """Triton's text for a dead stub, with why and what happens next."""
@@ -663,6 +671,12 @@ class ModelWorker:
     def restart_delay(self) -> float:
         """Backoff before the next start: 0.5 s doubling per consecutive death, at most 30 s."""
         return min(30.0, 0.5 * 2 ** max(0, self.failures - 1))
+
+
+def _log_settings_now() -> dict | None:
+    """The /v2/logging settings the service was given since it started (None: none)."""
+    settings = log_settings.active
+    return dict(settings.explicit) if settings is not None and settings.explicit else None
 
 
 def _set_parameters(resp: pb.ModelInferResponse, params: str) -> None:

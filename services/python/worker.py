@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshserve.telemetry import log_settings
 from meshserve.telemetry.text_lines import TextFormatter
 from services.python import pb_utils
 from services.python.ipc import Channel, Region, RegionReader, RegionWriter, TensorRef, aligned, region_ref
@@ -152,12 +153,27 @@ class Worker:
         # as Triton shows them by default (its --log-info); VERBOSE ones only at DEBUG (--log-verbose).
         model_log = logging.getLogger(pb_utils.Logger._log.name)
         model_log.setLevel(min(logging.getLogger().level, logging.INFO))
+        # /v2/logging's severities over this worker's lines: info, warning and error on (a model's
+        # INFO lines show whatever the service's level, above), verbose as the service's level
+        self._log_settings = log_settings.LogSettings(handler, min(logging.getLogger().level, logging.INFO), "default")
+        if opts.get("log_settings"):
+            self._apply_log_settings(opts["log_settings"])
         pb_utils._install(self)
         module = load_model_module(Path(opts["model_py"]), opts["args"]["model_name"])
         self.model = module.TritonPythonModel()
         init = getattr(self.model, "initialize", None)
         if init is not None:
             self._maybe_await(init(dict(opts["args"])))
+
+    def _apply_log_settings(self, settings: dict) -> None:
+        """The service's /v2/logging settings now in force (its format aside: the worker's lines
+        keep their instance tag)."""
+        try:
+            self._log_settings.update({k: v for k, v in settings.items() if k not in ("log_file", "log_format")})
+        except log_settings.SettingError as exc:
+            log.warning("log settings from the service not applied: %s", exc)
+            return
+        logging.getLogger(pb_utils.Logger._log.name).setLevel(min(logging.getLogger().level, logging.INFO))
 
     def _finalize(self) -> None:
         pb_utils._serving = False
@@ -191,6 +207,8 @@ class Worker:
                         self._cancelled.add(msg[1])
             elif kind == "end":  # a deferred request the service ended (its wait ran out): no answer now
                 self._finished([msg[1]])
+            elif kind == "log":  # /v2/logging changed the service's settings
+                self._apply_log_settings(msg[1])
             elif kind == "metrics":  # answered here, also while execute() runs
                 self.send(("metrics", msg[1], pb_utils.metrics_snapshot()))
             elif kind == "is_ready":  # on a thread of its own, also while execute() runs

@@ -16,7 +16,7 @@ docs/observability.md names, or a GPU the machine lacks):
   not test.sh's kill of the stub then ``test_model_not_ready`` (meshserve restarts a dead worker,
   Triton leaves the model not ready);
 - ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``,
-  ``request_rescheduling``: whole.
+  ``request_rescheduling``, ``logging``: whole (``logging``: test.sh's line counts, checked here).
 
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
 regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import tritonclient.http as httpclient
 
 from tests.support.up import meshserve_up
 
@@ -181,6 +182,30 @@ def test_request_rescheduling(tmp_path: Path) -> None:
     with meshserve_up("--repository", str(repo), *PORTS, timeout=240):
         _run(folder, "../test_infer_shm_leak.py", env={"MODEL_NAME": "bls_request_rescheduling"})
         _run(folder, "grpc_endpoint_test.py")
+
+
+def test_logging(tmp_path: Path) -> None:
+    """test.sh's three servers, each serving identity_fp32_logging for logging_test.py, then the
+    model's lines counted in the server's log (its finalize() ones at the stop included): by
+    default, after /v2/logging log_verbose_level 1, and after log_info, log_warning and
+    log_error false (set at the gateway: they reach the model's worker)."""
+    repo = tmp_path / "models"
+    _model(repo, "identity_fp32_logging")
+    folder = _qa(tmp_path, "logging")
+    lines = ("Specific Msg!", "Info Msg!", "Warning Msg!", "Error Msg!", "Verbose Msg!")
+    for settings, (shown, verbose) in (({}, (4, 0)), ({"log_verbose_level": 1}, (4, 3)),
+                                       ({"log_info": False, "log_warning": False, "log_error": False}, (1, 0))):
+        server_log = folder / "logging_server.log"
+        with meshserve_up("--repository", str(repo), *PORTS, timeout=240) as up:
+            up.tee(server_log)
+            if settings:
+                with httpclient.InferenceServerClient("localhost:8000") as c:
+                    c.update_log_settings(settings)
+            _run(folder, "logging_test.py")
+            up.stop()
+        text = server_log.read_text()
+        assert [text.count(line) for line in lines] == [shown] * 4 + [verbose], (settings, text[-3000:])
+        server_log.unlink()
 
 
 def test_custom_metrics(tmp_path: Path) -> None:

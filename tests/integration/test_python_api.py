@@ -102,6 +102,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"api_probe: warn {x}")
             pb_utils.Logger.log_error(f"api_probe: error {x}")
             pb_utils.Logger.log(f"api_probe: log {x}", pb_utils.Logger.LogLevel.INFO)
+            pb_utils.Logger.log_verbose(f"api_probe: verbose {x}")
             echo = pb_utils.InferenceRequest(model_name="api_echo", requested_output_names=["Y"],
                                              inputs=[pb_utils.Tensor("X", np.array([x], dtype=np.float32))]).exec()
             facts["echo"] = echo.output_tensors()[0].as_numpy().tolist() if not echo.has_error() else echo.error().message()
@@ -617,6 +618,37 @@ def _histogram_counts(samples: dict) -> dict[str, float]:
     """api_probe's api_input_value histogram samples, by name and bucket."""
     return {n + "|" + dict(lab).get("le", ""): v for (n, lab), v in samples.items()
             if n.startswith("api_input_value") and ("model", "api_probe") in lab}
+
+
+def test_log_settings_at_the_gateway_reach_the_models_lines(mesh: Mesh) -> None:
+    """/v2/logging at the gateway goes to its services and their workers, as Triton's one process
+    applies it to its models' lines (NVIDIA's qa/L0_backend_python/logging): log_verbose_level 1
+    shows the model's verbose lines, log_info false hides its INFO lines (warnings still show)."""
+    def count(line: str) -> int:
+        return "".join(mesh.service.output).count(line)
+
+    with httpclient.InferenceServerClient(mesh.service.http) as service:
+        before = service.get_log_settings()
+    with httpclient.InferenceServerClient(mesh.gateway.http) as c:
+        try:
+            c.update_log_settings({"log_verbose_level": 0, "log_info": True})
+            start = count("api_probe: warn 2.0")
+            _probe(mesh)
+            eventually(lambda: count("api_probe: warn 2.0") == start + 1, timeout=10, what="the probe's warning")
+            verbose = count("api_probe: verbose 2.0")
+            c.update_log_settings({"log_verbose_level": 1})
+            _probe(mesh)
+            eventually(lambda: count("api_probe: verbose 2.0") == verbose + 1, timeout=10, what="its verbose line")
+            info, warn = count("api_probe: log 2.0"), count("api_probe: warn 2.0")
+            c.update_log_settings({"log_verbose_level": 0, "log_info": False})
+            _probe(mesh)
+            _probe(mesh)
+            # (the first probe's INFO line, were it written, came before the second's warning: one stream)
+            eventually(lambda: count("api_probe: warn 2.0") == warn + 2, timeout=10, what="the warnings")
+            assert count("api_probe: log 2.0") == info
+            assert count("api_probe: verbose 2.0") == verbose + 1
+        finally:
+            c.update_log_settings({k: before[k] for k in ("log_verbose_level", "log_info", "log_warning", "log_error")})
 
 
 def test_histogram_on_the_services_and_the_gateways_metrics(mesh: Mesh) -> None:
