@@ -324,14 +324,7 @@ class GatewayCore:
         replica that does not take them keeps its own and is named in the gateway's log; one that
         joins later starts with its own flags."""
         request = pb.LogSettingsRequest()
-        for key, value in changes.items():
-            entry = request.settings[key]
-            if isinstance(value, bool):
-                entry.bool_param = value
-            elif isinstance(value, int):
-                entry.uint32_param = value
-            else:
-                entry.string_param = str(value)
+        observe.fill_log_settings(request.settings, changes)
         healthy = self.upstream.healthy()
         results = await self.upstream.each(healthy, lambda r: r.log_settings(request, timeout=LOG_PUSH_TIMEOUT_S))
         for replica, result in zip(healthy, results, strict=True):

@@ -367,14 +367,7 @@ class InferenceServicer:
                 raise InferError.invalid(f"log setting '{key}' has no value")
             changes[key] = getattr(v, kind)
         response = pb.LogSettingsResponse()
-        for key, value in (await observe.log_setting(self.core, changes)).items():
-            entry = response.settings[key]
-            if isinstance(value, bool):
-                entry.bool_param = value
-            elif isinstance(value, int):
-                entry.uint32_param = value
-            else:
-                entry.string_param = value
+        observe.fill_log_settings(response.settings, await observe.log_setting(self.core, changes))
         return response
 
     async def RepositoryIndex(self, req: pb.RepositoryIndexRequest, call: Call) -> pb.RepositoryIndexResponse:

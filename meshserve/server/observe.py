@@ -310,6 +310,19 @@ async def log_setting(core: V2Core, changes: Mapping[str, Any] | None) -> dict[s
     return now
 
 
+def fill_log_settings(entries: Any, settings: Mapping[str, Any]) -> None:
+    """``settings`` into a LogSettingsRequest's or LogSettingsResponse's ``settings`` map, each
+    value in the field Triton uses for it (bool, uint32 for the verbose level, string)."""
+    for key, value in settings.items():
+        entry = entries[key]
+        if isinstance(value, bool):
+            entry.bool_param = value
+        elif isinstance(value, int):
+            entry.uint32_param = value
+        else:
+            entry.string_param = str(value)
+
+
 # a gateway worker's (meshserve/server/workers.py): trace and log updates through any worker apply to all
 shared_settings: SettingsShare | None = None
 
