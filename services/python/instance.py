@@ -265,7 +265,7 @@ class ModelWorker:
             _kill_group(self._process.proc.pid)
 
     def log_settings(self) -> None:
-        """Hand the worker the service's log settings now in force (/v2/logging changed them)."""
+        """Hand the worker the log settings /v2/logging gave the service."""
         settings = _log_settings_now()
         if settings is not None and self.alive:
             with contextlib.suppress(OSError):
@@ -534,9 +534,9 @@ class ModelWorker:
     def _encode(self, payloads: Sequence[Pending], keys: Sequence[int], ref: RegionRef | None, results: list,
                 rescheduled: frozenset[int]) -> list[bytes | InferError | asyncio.Future[object] | None]:
         """A finished batch's answers (reader thread): each request's response or error, or, for a
-        request execute() left open (None: deferred), the future of its answer, which its sender's
-        final flag brings (``_answer_late``). A batch with a deferred request retires the input
-        region: the worker may still read that request's inputs in place."""
+        request execute() left open (None: deferred), the future of the answer its sender gives
+        later (``_answer_late``), or None for a request its model rescheduled. A batch with a
+        deferred request retires the input region: the worker may still read its inputs in place."""
         region = self._outputs.get(ref[0], ref[1], -1) if ref is not None else None
         out: list[bytes | InferError | asyncio.Future[object] | None] = []
         for p, key, result in zip(payloads, keys, results, strict=True):

@@ -89,10 +89,7 @@ class PythonModelVersion(ModelVersion):
         own, with an id of the service's and START (Triton's IterativeSequencer)."""
         control: SequenceControl | None = None
         if self.iterative:
-            params = request.parameters
-            given = "sequence_id" in params and getattr(
-                params["sequence_id"], params["sequence_id"].WhichOneof("parameter_choice") or "int64_param") not in (0, "")
-            control = sequence_control(request, self.name) if given else \
+            control = sequence_control(request, self.name) if _has_sequence_id(request) else \
                 SequenceControl(next(_ITERATIVE_IDS), True, False)
             control = IterativeControl(control.corrid, control.start, control.end)
         elif self.config.HasField("sequence_batching"):
@@ -233,8 +230,11 @@ class PythonModelVersion(ModelVersion):
         # model is told (request.is_cancelled())
         loop = asyncio.get_running_loop()
         timers = []
+        watches = []  # (one per pass: a rescheduled request drops its pass's, _reschedule)
         for q, key in zip(batch, keys, strict=True):
-            q.future.add_done_callback(functools.partial(_cancel_if_cancelled, worker, key))
+            watch = functools.partial(_cancel_if_cancelled, worker, key)
+            q.future.add_done_callback(watch)
+            watches.append(watch)
             if q.deadline_ns is not None:
                 timers.append(loop.call_later(max(0.0, (q.deadline_ns - start_ns) / 1e9), worker.cancel, key))
         out: list[bytes | InferError | asyncio.Future[object] | None] | None = None
@@ -277,6 +277,7 @@ class PythonModelVersion(ModelVersion):
             if q.future.done():
                 continue
             if keys[i] in rescheduled:
+                q.future.remove_done_callback(watches[i])
                 self._reschedule(q)
                 continue
             if sinks and keys[i] in sinks:
@@ -377,6 +378,15 @@ class PythonModelVersion(ModelVersion):
     def _close_workers(self) -> None:
         for w in self.workers:
             w.close()
+
+
+def _has_sequence_id(request: pb.ModelInferRequest) -> bool:
+    """Whether the request names a sequence (a ``sequence_id`` that is not 0 or "")."""
+    if "sequence_id" not in request.parameters:
+        return False
+    p = request.parameters["sequence_id"]
+    which = p.WhichOneof("parameter_choice")
+    return which is not None and getattr(p, which) not in (0, "")
 
 
 def _forward_error(task: asyncio.Task[bytes], answers: asyncio.Queue[tuple[bytes | None, bool] | InferError]) -> None:

@@ -782,7 +782,7 @@ def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
                 if r._sent_response is not None:
                     resp = r._sent_response
                 elif resp is None:
-                    r._deferred = True  # (from here on its final flag sends the answer)
+                    r._deferred = True  # (from here on its sender's response is sent at once)
         out.append(resp)
     return out
 
