@@ -16,6 +16,7 @@ from gateway.upstream.pool import ReplicaPool
 from gateway.workers import WorkerGatewayCore, supervise
 from gateway.workers import add_arguments as add_worker_arguments
 from gateway.workers import check as check_workers
+from meshserve.repository.kinds import add_backend_directory
 from meshserve.server import limits as server_limits
 from meshserve.server import repository_control, tls
 from meshserve.server.core import add_server_name_argument
@@ -28,6 +29,7 @@ add_cache_arguments = response_cache.add_arguments  # --cache-config (also `mesh
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--http-port", type=int, default=8000)
+    add_backend_directory(ap)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="also serve Prometheus /metrics on this port (always on the HTTP port too)")

@@ -490,6 +490,7 @@ Press Ctrl-C to stop.""", flush=True)
 def _up_arguments(up: argparse.ArgumentParser) -> None:
     """`meshserve up`'s arguments (with the gateway's and the services' definitions it passes on)."""
     up.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    kinds.add_backend_directory(up)
     up.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=8001)
@@ -598,6 +599,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     chk = sub.add_parser("check-repo", help="validate a model repository and report each model")
     chk.add_argument("path", type=Path)
+    kinds.add_backend_directory(chk)
     chk.set_defaults(func=_cmd_check_repo)
 
     # load generator and tuning (load/): imported only when the subcommand runs
@@ -625,6 +627,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = build_parser(command_of(argv)).parse_args(argv)
     args.raw_argv = argv  # `meshserve gateway --workers N` starts its workers with these
+    if getattr(args, "backend_directory", None) is not None:
+        if not args.backend_directory.is_dir():
+            raise SystemExit(f"meshserve {args.command}: --backend-directory {args.backend_directory}: not a directory")
+        os.environ[kinds.BACKEND_DIR_ENV] = str(args.backend_directory.resolve())
     args.func(args)
 
 

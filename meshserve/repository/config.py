@@ -17,7 +17,7 @@ from google.protobuf import json_format, text_format
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository.errors import ConfigError
-from meshserve.repository.kinds import KINDS
+from meshserve.repository.kinds import KINDS, python_based_backend
 from meshserve.repository.names import NAME_RULE, is_valid_model_name
 from meshserve.repository.versions import available_versions, select_versions
 
@@ -198,7 +198,7 @@ def autocomplete(config: mc.ModelConfig, model_dir: str | Path,
     if not out.name:
         out.name = model_dir.name
     _autocomplete_backend(out, model_dir)
-    completer = BACKEND_COMPLETERS.get(out.backend)
+    completer = BACKEND_COMPLETERS.get("python" if python_based_backend(out.backend) is not None else out.backend)
     if completer is not None:
         return completer(out, model_dir)
     if _is_onnx(out):
@@ -500,7 +500,7 @@ def _check_platform(c: mc.ModelConfig, add: _Add) -> None:
         add("backend", "missing: set 'backend' or 'platform' (known backends: "
             f"{', '.join(sorted(KNOWN_BACKENDS))}; platforms: {', '.join(sorted(KNOWN_PLATFORMS))})")
         return
-    if backend and backend not in KNOWN_BACKENDS:
+    if backend and backend not in KNOWN_BACKENDS and python_based_backend(backend) is None:
         add("backend", f"unknown backend '{backend}' (known: {', '.join(sorted(KNOWN_BACKENDS))})")
     if platform and platform not in KNOWN_PLATFORMS:
         add("platform", f"unknown platform '{platform}' (known: {', '.join(sorted(KNOWN_PLATFORMS))})")

@@ -17,13 +17,17 @@ module the CLI imports.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 __all__ = [
+    "BACKEND_DIR_ENV",
+    "add_backend_directory",
     "EXTRA_KINDS_ENV",
     "KINDS",
     "Kind",
@@ -31,9 +35,15 @@ __all__ = [
     "kind_for",
     "kind_of_files",
     "parse_rows",
+    "python_based_backend",
 ]
 
 EXTRA_KINDS_ENV = "MESHSERVE_EXTRA_KINDS"
+# Triton's --backend-directory, for its python-based backends: a config ``backend: "X"`` that no
+# kind serves, where ``<directory>/X/model.py`` exists, is a python model whose model.py is that one
+# (`meshserve up/gateway/service --backend-directory`, which set it for the processes they start)
+BACKEND_DIR_ENV = "MESHSERVE_BACKEND_DIRECTORY"
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -158,10 +168,26 @@ def by_name(name: str) -> Kind | None:
 
 def kind_for(platform: str, backend: str, sequence: bool) -> str | None:
     """The kind that hosts a model of this platform and backend (the backend already completed from
-    the platform), with sequence batching or not; None when no kind does."""
+    the platform), with sequence batching or not; None when no kind does. A python-based backend
+    (``python_based_backend``) is the python kind's."""
     if platform in _BY_PLATFORM:
         return _BY_PLATFORM[platform]
-    return (_BY_SEQUENCE_BACKEND if sequence else _BY_BACKEND).get(backend)
+    kind = (_BY_SEQUENCE_BACKEND if sequence else _BY_BACKEND).get(backend)
+    if kind is None and python_based_backend(backend) is not None:
+        return "python"
+    return kind
+
+
+def python_based_backend(backend: str) -> Path | None:
+    """The model.py of Triton's python-based backend ``backend``: ``<backend directory>/<backend>/
+    model.py`` (BACKEND_DIR_ENV), for a backend no kind serves; None when there is none (no
+    directory set, a backend name that is no plain folder name, no such file)."""
+    root = os.environ.get(BACKEND_DIR_ENV)
+    if not root or not backend or backend in _BY_BACKEND or backend in _BY_SEQUENCE_BACKEND \
+            or not _BACKEND_NAME.fullmatch(backend):
+        return None
+    path = Path(root) / backend / "model.py"
+    return path if path.is_file() else None
 
 
 def kind_of_files(file_names: list[str] | tuple[str, ...], sequence: bool) -> str | None:
@@ -173,3 +199,12 @@ def kind_of_files(file_names: list[str] | tuple[str, ...], sequence: bool) -> st
     if len(backends) != 1:
         return None
     return kind_for("", str(backends.pop()), sequence)
+
+
+def add_backend_directory(ap: argparse.ArgumentParser) -> None:
+    """--backend-directory (`up`, `gateway`, `service`, `check-repo`): meshserve/cli.py:main hands
+    it to the processes through BACKEND_DIR_ENV, so they, and every process `up` starts, agree on
+    which backends are python-based."""
+    ap.add_argument("--backend-directory", type=Path, default=None, metavar="DIR",
+                    help="Triton's --backend-directory: a config backend X that no kind serves is a python-based "
+                         "backend when DIR/X/model.py exists (served by the python service; docs/python-backend.md)")

@@ -115,6 +115,8 @@ def model_file(entry_or_dir: ModelEntry | str | Path, config: mc.ModelConfig, ve
     base = entry_or_dir.path if isinstance(entry_or_dir, ModelEntry) else Path(entry_or_dir)
     if config.platform == ENSEMBLE_PLATFORM:
         raise ValueError(f"model '{config.name}': an ensemble has no model file")
+    if (backend_py := kinds.python_based_backend(config.backend)) is not None:
+        return backend_py  # a python-based backend's model.py serves every model of that backend
     filename = config.default_model_filename or DEFAULT_MODEL_FILENAMES.get(_backend(config), "")
     if not filename:
         raise ValueError(f"model '{config.name}': no model file name known for "

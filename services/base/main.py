@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from meshserve.repository import kinds
+from meshserve.repository.kinds import add_backend_directory
 from meshserve.server import limits as server_limits
 from meshserve.server import repository_control, tls
 from meshserve.server.core import add_server_name_argument
@@ -21,6 +22,7 @@ DEFAULT_MAX_MODEL_LOAD_BYTES = 512 << 20
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repository", required=True, type=Path, help="Triton-layout model repository")
+    add_backend_directory(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--grpc-port", type=int, default=8101, help="gRPC port (0 = pick a free one)")
     ap.add_argument("--http-port", type=int, default=None, help="also serve v2 REST on this port")

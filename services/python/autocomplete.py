@@ -21,6 +21,7 @@ from google.protobuf import json_format
 
 from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository.config import DEFAULT_MODEL_FILENAMES, ConfigError
+from meshserve.repository.kinds import python_based_backend
 from meshserve.repository.versions import available_versions
 
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -49,7 +50,9 @@ def config_json(config: mc.ModelConfig) -> str:
 
 
 def model_py(config: mc.ModelConfig, model_dir: Path) -> Path | None:
-    """The model.py of the highest version that has one."""
+    """The model.py of the highest version that has one (a python-based backend's own)."""
+    if (backend_py := python_based_backend(config.backend)) is not None:
+        return backend_py
     filename = config.default_model_filename or DEFAULT_MODEL_FILENAMES["python"]
     for version in reversed(available_versions(model_dir)):
         candidate = model_dir / str(version) / filename

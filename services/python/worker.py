@@ -72,10 +72,12 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" + (f"\n\nAt:\n{where}" if where else "")
 
 
-def load_model_module(model_py: Path, name: str) -> ModuleType:
-    """Import a model.py by path (its directory first on sys.path, as Triton's stub does)."""
+def load_model_module(model_py: Path, name: str, model_dir: str = "") -> ModuleType:
+    """Import a model.py by path (its directory first on sys.path, as Triton's stub does);
+    ``model_dir`` is what pb_utils.get_model_dir() answers (the model's version folder), by
+    default model.py's folder (a python-based backend's model.py lives in the backend's)."""
     sys.modules["triton_python_backend_utils"] = pb_utils
-    pb_utils._model_dir = str(model_py.parent)  # pb_utils.get_model_dir()
+    pb_utils._model_dir = model_dir or str(model_py.parent)  # pb_utils.get_model_dir()
     spec = importlib.util.spec_from_file_location(f"meshserve_python_model_{name}", model_py)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {model_py}")
@@ -159,7 +161,9 @@ class Worker:
         if opts.get("log_settings"):
             self._apply_log_settings(opts["log_settings"])
         pb_utils._install(self)
-        module = load_model_module(Path(opts["model_py"]), opts["args"]["model_name"])
+        args = opts["args"]
+        module = load_model_module(Path(opts["model_py"]), args["model_name"],
+                                   os.path.join(args["model_repository"], args["model_version"]))
         self.model = module.TritonPythonModel()
         init = getattr(self.model, "initialize", None)
         if init is not None:

@@ -16,7 +16,8 @@ docs/observability.md names, or a GPU the machine lacks):
   not test.sh's kill of the stub then ``test_model_not_ready`` (meshserve restarts a dead worker,
   Triton leaves the model not ready);
 - ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``,
-  ``request_rescheduling``, ``logging``: whole (``logging``: test.sh's line counts, checked here).
+  ``request_rescheduling``, ``logging``, ``python_based_backends``: whole (``logging``: test.sh's
+  line counts, checked here).
 
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
 regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
@@ -206,6 +207,30 @@ def test_logging(tmp_path: Path) -> None:
         text = server_log.read_text()
         assert [text.count(line) for line in lines] == [shown] * 4 + [verbose], (settings, text[-3000:])
         server_log.unlink()
+
+
+def test_python_based_backends(tmp_path: Path) -> None:
+    """A backend written in Python (``backend: "add_sub"``, its model.py in the backend directory,
+    each model's folder holding only its model.json): `up --backend-directory`, as test.sh lays it
+    out, beside a python model and a TorchScript one made by NVIDIA's generator; the client loads
+    each (one with a config override naming the backend)."""
+    assert QA is not None
+    backends, repo = tmp_path / "backends", tmp_path / "models"
+    (backends / "add_sub").mkdir(parents=True)
+    shutil.copy(QA / "python_models" / "python_based_backends" / "add_sub_backend" / "model.py",
+                backends / "add_sub" / "model.py")
+    for name, operation, versions in (("add", "add", (1, 2)), ("sub", "sub", (1,))):
+        for v in versions:
+            (repo / name / str(v)).mkdir(parents=True)
+            (repo / name / str(v) / "model.json").write_text(f'{{ "operation": "{operation}" }}\n')
+        (repo / name / "config.pbtxt").write_text('backend: "add_sub"\n')
+    _model(repo, "add_sub")
+    shutil.copytree(repo / "add_sub" / "1", repo / "add_sub" / "2")
+    subprocess.run([sys.executable, str(QA / "common" / "gen_qa_pytorch_model.py"), "-m", str(repo)], check=True,
+                   capture_output=True, timeout=300)
+    folder = _qa(tmp_path, "python_based_backends")
+    with meshserve_up("--repository", str(repo), "--backend-directory", str(backends), *PORTS, timeout=240):
+        _run(folder, "python_based_backends_test.py")
 
 
 def test_custom_metrics(tmp_path: Path) -> None:

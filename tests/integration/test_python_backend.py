@@ -75,6 +75,13 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "reschedule_once", [("X", "TYPE_FP32", "1")], once, extra=iterative))
     python_models.write(repo, "reschedule_plain", python_models.RESCHEDULE_ONCE, python_models.config(
         "reschedule_plain", [("X", "TYPE_FP32", "1")], once))
+    backends = tmp_path_factory.mktemp("backends")
+    (backends / "scaler").mkdir()
+    (backends / "scaler" / "model.py").write_text(python_models.SCALER_BACKEND)
+    for name, factor in (("scale3", 3), ("scale5", 5)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.json").write_text(f'{{"factor": {factor}}}')
+        (repo / name / "config.pbtxt").write_text('backend: "scaler"\n')
     ens = tmp_path_factory.mktemp("python_ensembles")
     for name, text in (("mixed_pipeline", python_models.MIXED_ENSEMBLE),
                        ("mixed_all_kinds", python_models.MIXED_ALL_KINDS)):
@@ -90,7 +97,7 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     procs: list[Proc] = []
     try:
         procs += start_all(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                            "--bls-target", f"127.0.0.1:{gateway_grpc}"],
+                            "--bls-target", f"127.0.0.1:{gateway_grpc}", "--backend-directory", str(backends)],
                            ["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"],
                            ["service", "torchscript", "--repository", str(ts_repo), "--grpc-port", "0"], timeout=120)
         procs.append(start(["gateway", "--grpc-port", str(gateway_grpc), "--http-port", "0", "--repository", str(ens),
@@ -546,6 +553,22 @@ def test_rescheduling_in_a_model_that_is_not_iterative_is_refused_in_tritons_wor
         c.infer("reschedule_plain", [inp])
     assert "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not configured " \
            "to handle such a flag." in str(err.value)
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_a_python_based_backend_serves_the_models_that_name_it(proto: str, mesh: Mesh) -> None:
+    """Triton's python-based backends: ``backend: "scaler"`` with --backend-directory holding
+    scaler/model.py; each model's folder has its model.json only (read from get_model_dir(), the
+    model's version folder), its inputs from the backend's auto_complete_config."""
+    m = MODULES[proto]
+    with m.InferenceServerClient(getattr(mesh.gateway, proto)) as c:
+        for name, factor in (("scale3", 3), ("scale5", 5)):
+            inp = m.InferInput("X", [1], "FP32")
+            inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
+            assert c.infer(name, [inp]).as_numpy("Y").tolist() == [2.0 * factor]
+        config = c.get_model_config("scale3")
+    config = config if proto == "http" else json_format.MessageToDict(config.config, preserving_proto_field_name=True)
+    assert config["backend"] == "scaler" and [i["name"] for i in config["input"]] == ["X"]
 
 
 @pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")

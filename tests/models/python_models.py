@@ -364,6 +364,32 @@ class TritonPythonModel:
         return out
 '''
 
+# A python-based backend (Triton's: backend "scaler", its model.py in the backend directory):
+# each model's folder holds only config.pbtxt and <version>/model.json, read from get_model_dir();
+# its inputs and outputs come from auto_complete_config.
+SCALER_BACKEND = '''
+import json
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [1]})
+        config.add_output({"name": "Y", "data_type": "TYPE_FP32", "dims": [1]})
+        return config
+
+    def initialize(self, args):
+        with open(os.path.join(pb_utils.get_model_dir(), "model.json")) as f:
+            self.factor = json.load(f)["factor"]
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.factor)]) for r in requests]
+'''
+
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
 WAIT_FOR_CANCEL = with_helpers('''
 import time

@@ -3,10 +3,12 @@ the tables derived from it are the ones the config pipeline always had, and extr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from meshserve.repository import config, kinds
+from meshserve._proto import model_config_pb2 as mc
+from meshserve.repository import config, kinds, layout
 from meshserve.repository.kinds import KINDS, kind_for, kind_of_files, parse_rows
 
 
@@ -82,3 +84,24 @@ def test_extra_rows_are_checked() -> None:
         parse_rows("[{")
     with pytest.raises(ValueError, match="name ..identity.. belong"):
         parse_rows(json.dumps([row, row]))  # two new rows clash too
+
+
+def test_a_python_based_backend_is_the_python_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's python-based backends: with a backend directory, ``backend: "X"`` whose
+    ``<dir>/X/model.py`` exists is a python model served by that model.py; a backend a kind serves,
+    a name that is no plain folder name, or no such file is not one."""
+    (tmp_path / "add_sub").mkdir()
+    (tmp_path / "add_sub" / "model.py").write_text("class TritonPythonModel: ...\n")
+    (tmp_path / "onnxruntime").mkdir()
+    (tmp_path / "onnxruntime" / "model.py").write_text("")
+    model = mc.ModelConfig(name="add", backend="add_sub")
+    assert kinds.python_based_backend("add_sub") is None  # no directory set
+    assert [e for e in config.config_errors(model, "config.pbtxt", "add") if e.field == "backend"]
+    monkeypatch.setenv(kinds.BACKEND_DIR_ENV, str(tmp_path))
+    assert kinds.python_based_backend("add_sub") == tmp_path / "add_sub" / "model.py"
+    assert kinds.kind_for("", "add_sub", False) == kinds.kind_for("", "add_sub", True) == "python"
+    assert kinds.kind_for("", "onnxruntime", False) == "onnx"  # a kind's own backend stays its own
+    for name in ("nothere", "..", "../add_sub", "add_sub/..", ".hidden", ""):
+        assert kinds.python_based_backend(name) is None, name
+    assert layout.model_file(tmp_path, model, 1) == tmp_path / "add_sub" / "model.py"
+    assert not [e for e in config.config_errors(model, "config.pbtxt", "add") if e.field == "backend"]
