@@ -14,6 +14,7 @@ from services.base.model import ModelVersion
 from services.base.runtime import RuntimeInstance, RuntimeLoadError, config_parameter, placements
 from services.base.validation import ModelTensors
 from services.base.warmup import run_warmup
+from services.python import execution_env as execution_env_module
 from services.python.autocomplete import config_json
 from services.python.instance import ModelWorker, WorkerSpec, become_subreaper
 from services.python.model import PythonModelVersion
@@ -72,10 +73,9 @@ class PythonServiceCore(ServiceCore):
     def _build_version(self, path: Path, config: mc.ModelConfig, version: int) -> ModelVersion:
         assert self._loop is not None
         name = config.name
-        if "EXECUTION_ENV_PATH" in config.parameters:
-            raise RuntimeLoadError(
-                f"model '{name}': parameter EXECUTION_ENV_PATH (a packed conda environment) is not supported by "
-                "meshserve's python service; install the model's packages into the service's Python environment")
+        execution_env = None
+        if (env_path := config_parameter(config, execution_env_module.PARAMETER)) is not None and env_path.strip():
+            execution_env = execution_env_module.resolve(env_path.strip(), path, name)
         timeout = self.options.execute_timeout_s
         raw = config_parameter(config, EXECUTE_TIMEOUT_PARAMETER)
         if raw is not None and raw.strip():
@@ -104,7 +104,8 @@ class PythonServiceCore(ServiceCore):
                         "model_version": str(version), "model_name": name}
                 spec = WorkerSpec(model_file, args, f"{p.group}_{index}", name, str(version),
                                   config.model_transaction_policy.decoupled, self.options.bls_target,
-                                  timeout, self.options.load_timeout_s, self.options.log_level, tensors)
+                                  timeout, self.options.load_timeout_s, self.options.log_level, tensors,
+                                  execution_env)
                 worker = ModelWorker(spec, self._loop)
                 worker.spawn()  # the instances initialize side by side
                 workers.append(worker)

@@ -44,6 +44,7 @@ from services.base.runtime import RuntimeLoadError
 from services.base.scheduling.request import SequenceControl
 from services.base.serialization import ResponseEncoder
 from services.base.validation import ModelTensors, Pending, prepare
+from services.python.execution_env import ExecutionEnv
 from services.python.ipc import (
     Channel,
     Region,
@@ -87,6 +88,7 @@ class WorkerSpec:
     load_timeout_s: float
     log_level: str = "INFO"
     tensors: ModelTensors | None = None  # the model's inputs and outputs (warmup requests are checked)
+    execution_env: ExecutionEnv | None = None  # its EXECUTION_ENV_PATH (services/python/execution_env.py)
 
 
 # a batch's outcome (ModelWorker.execute): each request's answer (bytes, its error, the future of an
@@ -197,12 +199,14 @@ class ModelWorker:
     def spawn(self) -> None:
         """Start the worker process and hand it the model (initialize() runs in it meanwhile)."""
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
+        execution_env = self.spec.execution_env
+        env = dict(os.environ) if execution_env is None else execution_env.environ(dict(os.environ))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+        python = sys.executable if execution_env is None else str(execution_env.python)
         try:
             # a session and process group of its own: signals to the service's group are the
             # service's alone, and the worker's group (whatever the model starts) is killed with it
-            proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-m", "services.python.worker",
+            proc = _SPAWNER.submit(subprocess.Popen, [python, "-m", "services.python.worker",
                                                       str(theirs.fileno())],
                                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                    start_new_session=True).result()

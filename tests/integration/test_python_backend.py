@@ -10,6 +10,8 @@ import os
 import queue
 import signal
 import subprocess
+import sys
+import tarfile
 import threading
 import time
 import warnings
@@ -44,6 +46,7 @@ class Mesh:
     gateway: Proc
     repo: Path
     gate: Path  # what the model 'gated' answers to is_ready() (python_models.GATED)
+    cache: Path  # the python service's MESHSERVE_CACHE (in_env's environment is unpacked there)
 
 
 
@@ -82,6 +85,17 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.json").write_text(f'{{"factor": {factor}}}')
         (repo / name / "config.pbtxt").write_text('backend: "scaler"\n')
+    # a model with an execution environment of its own (EXECUTION_ENV_PATH): a venv packed as
+    # conda-pack packs one, unpacked into the service's cache (a folder of this test's)
+    in_env = python_models.write(repo, "in_env", python_models.WHERE_AM_I, python_models.config(
+        "in_env", [("X", "TYPE_FP32", "1")], [("WHERE", "TYPE_STRING", "1")],
+        extra='parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tgz" } }\n'))
+    venv = tmp_path_factory.mktemp("venv") / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--copies", "--without-pip", "--system-site-packages", str(venv)],
+                   check=True, timeout=60)
+    with tarfile.open(in_env / "env.tgz", "w:gz") as tar:
+        tar.add(venv, arcname=".")
+    cache = tmp_path_factory.mktemp("cache")
     ens = tmp_path_factory.mktemp("python_ensembles")
     for name, text in (("mixed_pipeline", python_models.MIXED_ENSEMBLE),
                        ("mixed_all_kinds", python_models.MIXED_ALL_KINDS)):
@@ -96,14 +110,18 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     gateway_grpc = free_port()
     procs: list[Proc] = []
     try:
-        procs += start_all(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-                            "--bls-target", f"127.0.0.1:{gateway_grpc}", "--backend-directory", str(backends)],
-                           ["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"],
-                           ["service", "torchscript", "--repository", str(ts_repo), "--grpc-port", "0"], timeout=120)
+        os.environ["MESHSERVE_CACHE"] = str(cache)  # (the services inherit it at launch: in_env's unpacked env)
+        try:
+            procs += start_all(["service", "python", "--repository", str(repo), "--grpc-port", "0", "--http-port", "0",
+                                "--bls-target", f"127.0.0.1:{gateway_grpc}", "--backend-directory", str(backends)],
+                               ["service", "onnx", "--repository", str(model_repo), "--grpc-port", "0"],
+                               ["service", "torchscript", "--repository", str(ts_repo), "--grpc-port", "0"], timeout=120)
+        finally:
+            os.environ.pop("MESHSERVE_CACHE", None)
         procs.append(start(["gateway", "--grpc-port", str(gateway_grpc), "--http-port", "0", "--repository", str(ens),
                             "--upstream", procs[0].grpc, "--upstream", procs[1].grpc, "--upstream", procs[2].grpc]))
         _wait_http_ready(procs[3].http)
-        yield Mesh(procs[0], procs[1], procs[3], repo, gate)
+        yield Mesh(procs[0], procs[1], procs[3], repo, gate, cache)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -569,6 +587,18 @@ def test_a_python_based_backend_serves_the_models_that_name_it(proto: str, mesh:
         config = c.get_model_config("scale3")
     config = config if proto == "http" else json_format.MessageToDict(config.config, preserving_proto_field_name=True)
     assert config["backend"] == "scaler" and [i["name"] for i in config["input"]] == ["X"]
+
+
+def test_a_model_runs_in_its_execution_environment(mesh: Mesh) -> None:
+    """EXECUTION_ENV_PATH ($$TRITON_MODEL_DIRECTORY/env.tgz, a packed environment): the model's
+    worker runs that environment's python, unpacked once into the service's cache."""
+    inp = grpcclient.InferInput("X", [1], "FP32")
+    inp.set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    with grpcclient.InferenceServerClient(mesh.gateway.grpc) as c:
+        where = Path(c.infer("in_env", [inp]).as_numpy("WHERE")[0].decode())
+    unpacked = [p for p in (mesh.cache / "python-envs").iterdir() if (p / ".complete").exists()]
+    assert len(unpacked) == 1 and where == unpacked[0], (where, unpacked)
+    assert where != Path(sys.prefix)
 
 
 @pytest.mark.skipif(not PERF_ANALYZER.exists(), reason=f"perf_analyzer wrapper not found at {PERF_ANALYZER}")

@@ -390,6 +390,11 @@ class TritonPythonModel:
             "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.factor)]) for r in requests]
 '''
 
+# Answers where its python runs (sys.prefix): under EXECUTION_ENV_PATH, the environment's.
+WHERE_AM_I = model_source('''
+responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("WHERE", np.array([sys.prefix.encode()], np.object_))]))
+''', imports="import sys\n\nimport numpy as np\n")
+
 # Runs until its client goes away (request.is_cancelled()), at most 20 s, and logs which.
 WAIT_FOR_CANCEL = with_helpers('''
 import time
