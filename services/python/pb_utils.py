@@ -295,7 +295,7 @@ class Tensor:
     _bf16 = False
 
     def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None):
-        _typed(name, str, "name")
+        name = _str_arg(name, "name")
         if numpy_array is None:  # (pybind11's TypeError: the stub takes a numpy array)
             raise TypeError("Tensor(): numpy_array must be a numpy array, not None")
         if name == "":
@@ -633,6 +633,18 @@ def _check_parameters(parameters: Any) -> str:
     return json.dumps(parameters)
 
 
+def _str_arg(value: Any, name: str) -> str:
+    """A pybind11 ``std::string`` argument: a str, or bytes (bytearray) taken as its UTF-8, as
+    pybind11's string caster loads bytes too (NVIDIA's BLS example passes the model name straight
+    from a BYTES tensor: ``model_name=tensor.as_numpy()[0]``); anything else (None included) is
+    pybind11's TypeError."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    raise TypeError(f"incompatible argument '{name}': expected str, got {type(value).__name__}")
+
+
 def _typed(value: Any, kind: type, name: str) -> None:
     """An argument of a pybind11-bound call that is not of its type (None included: the stub's
     arguments are ``none(false)``): pybind11's TypeError, as NVIDIA's argument_validation QA expects."""
@@ -648,8 +660,8 @@ class InferenceRequest:
                  requested_output_names: Sequence[str] | None = (), model_name: str = "", model_version: int = -1,
                  flags: int = 0, timeout: int = 0, preferred_memory: PreferredMemory | None = None,
                  trace: InferenceTrace | None = None, parameters: dict | str | None = None):
-        _typed(request_id, str, "request_id")
-        _typed(model_name, str, "model_name")
+        request_id = _str_arg(request_id, "request_id")
+        model_name = _str_arg(model_name, "model_name")
         _typed(model_version, int, "model_version")
         _typed(flags, int, "flags")
         _typed(timeout, int, "timeout")
@@ -658,9 +670,9 @@ class InferenceRequest:
         if inputs is None or requested_output_names is None:  # (given as None: pybind11's TypeError)
             raise TypeError("InferenceRequest(): inputs and requested_output_names must be lists")
         inputs = list(inputs)
-        names = list(requested_output_names)
-        if any(not isinstance(n, str) for n in names):
+        if any(not isinstance(n, (str, bytes, bytearray)) for n in requested_output_names):
             raise TypeError("InferenceRequest(): requested_output_names must be a list of str")
+        names = [_str_arg(n, "requested_output_names") for n in requested_output_names]
         if None in inputs:
             raise TritonModelException(f"Input tensor for request with id '{request_id}' and model name "
                                        f"'{model_name}' should not be empty.")
@@ -811,6 +823,7 @@ def _control() -> Any:
 def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
     """Load (or reload) a model through the mesh's model control, with an optional config (JSON)
     and files (``{"file:1/model.onnx": bytes}``), as Triton's ``pb_utils.load_model``."""
+    model_name, config = _str_arg(model_name, "model_name"), _str_arg(config, "config")
     if files is not None and not isinstance(files, dict):
         raise TritonModelException(f"failed to load model '{model_name}', files should be a dictionary of file "
                                    "paths and file contents")
@@ -820,12 +833,14 @@ def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    model_name = _str_arg(model_name, "model_name")
     err = _control().unload(model_name, unload_dependents)
     if err:
         raise _stub_error("Failed to unload model", err)
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    model_name, model_version = _str_arg(model_name, "model_name"), _str_arg(model_version, "model_version")
     if model_version:
         try:
             version = int(model_version)
@@ -870,7 +885,7 @@ class Logger:
     @staticmethod
     def log(message: str, level: _LogLevel = _LogLevel.INFO) -> None:
         # (pybind11's TypeErrors: the message a str, the level a LogLevel, not an int nor None)
-        _typed(message, str, "message")
+        message = _str_arg(message, "message")
         _typed(level, _LogLevel, "level")
         Logger._log.log(_PY_LEVEL.get(int(level), logging.INFO), "%s", message, stacklevel=3)
 
@@ -934,6 +949,7 @@ class MetricFamily:
         self._metrics: list[Metric] = []  # (first: __del__ reads it, also after a refused __init__)
         if name is None or description is None or kind not in (COUNTER, GAUGE, HISTOGRAM):
             raise TypeError("MetricFamily(name: str, description: str, kind: MetricKind)")
+        name, description = _str_arg(name, "name"), _str_arg(description, "description")
         if not _METRIC_NAME.fullmatch(name) or name.startswith("__"):
             raise _stub_error("Error when creating MetricFamily", "Invalid metric name")
         with _metrics_lock:

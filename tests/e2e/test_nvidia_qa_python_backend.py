@@ -19,6 +19,9 @@ docs/observability.md names, or a GPU the machine lacks):
   ``request_rescheduling``, ``logging``, ``python_based_backends``: whole (``logging``: test.sh's
   line counts, checked here).
 
+With MESHSERVE_NVIDIA_PYTHON_BACKEND (a python_backend snapshot's folder holding ``examples/``),
+NVIDIA's python_backend examples run too, as qa/L0_backend_python/examples/test.sh runs them.
+
 TEST_JETSON=1 for the test processes: it turns off the probes of Triton's stub shared-memory
 regions under /dev/shm (meshserve's workers use anonymous memfd regions) and the CUDA-only tests,
 as on NVIDIA's Jetson runs.
@@ -231,6 +234,46 @@ def test_python_based_backends(tmp_path: Path) -> None:
     folder = _qa(tmp_path, "python_based_backends")
     with meshserve_up("--repository", str(repo), "--backend-directory", str(backends), *PORTS, timeout=240):
         _run(folder, "python_based_backends_test.py")
+
+
+PB_ENV = "MESHSERVE_NVIDIA_PYTHON_BACKEND"
+PYTHON_BACKEND = Path(os.environ[PB_ENV]) if os.environ.get(PB_ENV) else None
+# qa/L0_backend_python/examples/test.sh: (model, its files in examples/: model.py, config.pbtxt or
+# None for an auto-completed one), then (client, what it must print)
+EXAMPLE_MODELS = (("add_sub", "add_sub/model.py", "add_sub/config.pbtxt"),
+                  ("pytorch", "pytorch/model.py", "pytorch/config.pbtxt"),
+                  ("bls_sync", "bls/sync_model.py", "bls/sync_config.pbtxt"),
+                  ("repeat_int32", "decoupled/repeat_model.py", "decoupled/repeat_config.pbtxt"),
+                  ("square_int32", "decoupled/square_model.py", "decoupled/square_config.pbtxt"),
+                  ("bls_async", "bls/async_model.py", "bls/async_config.pbtxt"),
+                  ("nobatch_auto_complete", "auto_complete/nobatch_model.py", None),
+                  ("batch_auto_complete", "auto_complete/batch_model.py", None),
+                  ("bls_decoupled_sync", "bls_decoupled/sync_model.py", "bls_decoupled/sync_config.pbtxt"),
+                  ("bls_decoupled_async", "bls_decoupled/async_model.py", "bls_decoupled/async_config.pbtxt"),
+                  ("custom_metrics", "custom_metrics/model.py", "custom_metrics/config.pbtxt"))
+EXAMPLE_CLIENTS = ("add_sub/client.py", "pytorch/client.py", "bls/sync_client.py", "decoupled/repeat_client.py",
+                   "decoupled/square_client.py", "bls/async_client.py", "auto_complete/client.py",
+                   "bls_decoupled/sync_client.py", "bls_decoupled/async_client.py", "custom_metrics/client.py")
+
+
+@pytest.mark.skipif(PYTHON_BACKEND is None, reason=f"{PB_ENV} is not set to a python_backend snapshot with examples/")
+def test_python_backend_examples(tmp_path: Path) -> None:
+    """NVIDIA's python_backend examples, as qa/L0_backend_python/examples/test.sh runs them: each
+    example's models (test.sh's repository grows with each; here all at once), then its client,
+    unchanged, which must exit 0 and print PASS. Not run: jax (not installed here) and
+    instance_kind (a ResNet-50 it downloads)."""
+    assert PYTHON_BACKEND is not None
+    examples, repo = PYTHON_BACKEND / "examples", tmp_path / "models"
+    for name, model_py, config in EXAMPLE_MODELS:
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy(examples / model_py, repo / name / "1" / "model.py")
+        if config is not None:
+            shutil.copy(examples / config, repo / name / "config.pbtxt")
+    with meshserve_up("--repository", str(repo), *PORTS, timeout=240):
+        for client in EXAMPLE_CLIENTS:
+            done = subprocess.run([sys.executable, str(examples / client)], cwd=PYTHON_BACKEND, capture_output=True,
+                                  text=True, timeout=300)
+            assert done.returncode == 0 and "PASS" in done.stdout, (client, done.stdout[-3000:], done.stderr[-3000:])
 
 
 def test_custom_metrics(tmp_path: Path) -> None:

@@ -99,7 +99,8 @@ BATCH_PROBE = model_source('''
 ''')
 
 BLS_SYNC = model_source('''
-    model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0].decode()
+    # (bytes, as NVIDIA's bls example passes it: pybind11 takes bytes for a str argument)
+    model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0]
     # the called model batches ([-1, 16]); this one does not ([16])
     inputs = [pb_utils.Tensor(n, pb_utils.get_input_tensor_by_name(request, n).as_numpy().reshape(1, -1))
               for n in ("INPUT0", "INPUT1")]

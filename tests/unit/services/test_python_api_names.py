@@ -350,6 +350,17 @@ def b_logger(caplog: pytest.LogCaptureFixture) -> None:
     assert got == [(logging.WARNING, "at warning"), (logging.DEBUG, "verbose line")]
 
 
+def b_bytes_for_str_arguments() -> None:
+    """pybind11's std::string arguments take bytes too (NVIDIA's bls example passes a model name
+    straight from a BYTES tensor); other types stay pybind11's TypeError."""
+    req = pb_utils.InferenceRequest(model_name=b"add_sub", request_id=bytearray(b"r1"),
+                                    requested_output_names=[b"OUTPUT0"], inputs=[])
+    assert (req.model_name, req.request_id(), req.requested_output_names()) == ("add_sub", "r1", {"OUTPUT0"})
+    assert pb_utils.Tensor(b"X", np.zeros(1, np.float32)).name() == "X"
+    _raises(lambda: pb_utils.InferenceRequest(model_name=7, requested_output_names=[], inputs=[]),
+            "incompatible argument 'model_name'", TypeError)
+
+
 def b_metric_kinds() -> None:
     kind = _class("MetricKind")
     assert [int(kind.COUNTER), int(kind.GAUGE), int(kind.HISTOGRAM)] == [0, 1, 2]
@@ -499,6 +510,7 @@ BEHAVIOUR: list[tuple[tuple[str, ...], Callable[..., None]]] = [
     ((), b_histogram_unit),
     (("MetricFamily", "MetricFamily.Metric"), b_metric_family),
     ((), b_metric_lifetime),
+    ((), b_bytes_for_str_arguments),
     (("ModelConfig", *[f"ModelConfig.{m}" for m in CLASS_MEMBERS["ModelConfig"]]), b_model_config),
 ]
 
