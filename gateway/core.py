@@ -4,6 +4,7 @@ gateway/control.py, statistics.py and federation.py; every call to a service goe
 Upstream (gateway/upstream/upstream.py)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import Counter
@@ -26,7 +27,7 @@ from gateway.statistics import statistics
 from gateway.turns import SequenceTurns
 from gateway.upstream.coalesce import Coalescer
 from gateway.upstream.pool import ReplicaPool
-from gateway.upstream.replica import grpc_error
+from gateway.upstream.replica import Replica, grpc_error
 from gateway.upstream.upstream import Upstream
 from meshserve._proto import grpc_service_pb2 as pb
 from meshserve._proto import model_config_pb2 as mc
@@ -46,7 +47,7 @@ from meshserve.server.core import (
 )
 from meshserve.server.limits import ServerLimits
 from meshserve.server.repository_control import ControlPolicy
-from meshserve.telemetry import loop_lag, metrics
+from meshserve.telemetry import log_settings, loop_lag, metrics
 
 GATEWAY_FAMILIES = {
     "route_requests": metrics.Family("meshserve_gateway_route_requests_total", "counter",
@@ -140,6 +141,8 @@ class GatewayCore:
         self.pool = self.upstream.pool
         self.replicas = self.upstream.replicas  # one list, updated in place as replicas come and go
         self.discovery = self.upstream.discovery
+        self.discovery.on_join = self._replica_joined
+        self._background: set[asyncio.Task[None]] = set()  # (log settings pushed to a replica that joined)
         self._draining = False
         # (model, outcome): pipeline.Outcomes; names this gateway does not serve folded past a bound
         self.request_counts: Counter[tuple[str, str]] = RequestCounts(self._known)
@@ -321,16 +324,27 @@ class GatewayCore:
         """/v2/logging changed the gateway's settings: the same changes go to every healthy
         replica (its own lines and, in a python service, its models'), as Triton's one process
         applies them to its models' log lines too. Best effort, each within LOG_PUSH_TIMEOUT_S: a
-        replica that does not take them keeps its own and is named in the gateway's log; one that
-        joins later starts with its own flags."""
+        replica that does not take them keeps its own and is named in the gateway's log. A replica
+        that joins later (or again, restarted) gets every setting /v2/logging gave
+        (``_replica_joined``)."""
+        await self._push_log_settings(self.upstream.healthy(), changes)
+
+    async def _push_log_settings(self, replicas: list[Replica], settings: dict[str, Any]) -> None:
         request = pb.LogSettingsRequest()
-        observe.fill_log_settings(request.settings, changes)
-        healthy = self.upstream.healthy()
-        results = await self.upstream.each(healthy, lambda r: r.log_settings(request, timeout=LOG_PUSH_TIMEOUT_S))
-        for replica, result in zip(healthy, results, strict=True):
+        observe.fill_log_settings(request.settings, settings)
+        results = await self.upstream.each(replicas, lambda r: r.log_settings(request, timeout=LOG_PUSH_TIMEOUT_S))
+        for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("log settings not applied at %s: %s", replica.endpoint,
                             grpc_error(result) or type(result).__name__)
+
+    def _replica_joined(self, replica: Replica) -> None:
+        """A replica joined the pool: the log settings /v2/logging gave this gateway, if any."""
+        settings = log_settings.active
+        if settings is not None and settings.explicit:
+            task = asyncio.ensure_future(self._push_log_settings([replica], dict(settings.explicit)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=self.server_name, version=SERVER_VERSION, extensions=EXTENSIONS)

@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import grpc
@@ -64,6 +65,9 @@ class Discovery:
         # table (with no healthy replica) so requests for them get 503 naming the version, not 404.
         self._last_hosted: dict[str, list[tuple[str, int]]] = {}
         self._slow: dict[str, int] = {}  # endpoint -> probes in a row that timed out
+        # called with a replica each time it joins the pool (the gateway hands it the log settings
+        # /v2/logging gave: GatewayCore._replica_joined)
+        self.on_join: Callable[[Replica], None] | None = None
 
     async def resolve(self) -> None:
         """Re-resolve the pool's names; start a health watch on each new replica."""
@@ -99,6 +103,8 @@ class Discovery:
                 watch = self.watches.get(replica.endpoint)  # NOT_SERVING beats a probe that raced it
                 if replica.set_healthy(hosted is not None and (watch is None or watch.serving is not False)):
                     log.info("replica %s is %s", replica.endpoint, "healthy" if replica.healthy else "unhealthy")
+                    if replica.healthy and self.on_join is not None:
+                        self.on_join(replica)
                 if hosted is None:
                     hosted = self._last_hosted.get(replica.endpoint, [])
                 else:

@@ -6,6 +6,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,15 +16,26 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Proc, _wait_http_ready, start
 from tests.support import eventually
+from tests.support.net import free_port
+
+SEVERITIES = ("log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
 
 
 @pytest.fixture
 def gateway(stack) -> Iterator[Proc]:
-    """A gateway of its own (its log settings change) over the shared service, at INFO."""
+    """A gateway of its own (its log settings change) over the shared service, at INFO. Its
+    updates go on to the service (GatewayCore.log_settings_changed): the service's settings are
+    put back after the test, for the other tests that share it."""
+    with httpclient.InferenceServerClient(stack.service.http) as service:
+        before = {k: v for k, v in service.get_log_settings().items() if k in SEVERITIES}
     gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc])
-    _wait_http_ready(gw.http)
-    yield gw
-    gw.stop()
+    try:
+        _wait_http_ready(gw.http)
+        yield gw
+    finally:
+        gw.stop()
+        with httpclient.InferenceServerClient(stack.service.http) as service:
+            service.update_log_settings(before)
 
 
 def _infer(c: grpcclient.InferenceServerClient, width: int = 64) -> None:
@@ -87,3 +99,31 @@ def test_log_settings_switch_request_lines_and_formats(gateway: Proc) -> None:
         assert bad.value.code == 400 and b"JSON object" in bad.value.read()
         assert c.get_log_settings(as_json=True)["settings"]["log_warning"] == {"bool_param": False}
     http.close()
+
+
+def test_a_service_that_joins_later_gets_the_settings_the_gateway_was_given(stack, model_repo: Path) -> None:
+    """/v2/logging at a gateway goes on to its services; one that joins the pool afterwards (a
+    replica down at the update, started after it) gets the settings when the gateway finds it."""
+    port = free_port()
+    with httpclient.InferenceServerClient(stack.service.http) as service:
+        before = {k: v for k, v in service.get_log_settings().items() if k in SEVERITIES}
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
+                "--upstream", f"127.0.0.1:{port}"])
+    late = None
+    try:
+        _wait_http_ready(gw.http)
+        with httpclient.InferenceServerClient(gw.http) as http:
+            http.update_log_settings({"log_verbose_level": 1})
+        with httpclient.InferenceServerClient(stack.service.http) as service:
+            assert service.get_log_settings()["log_verbose_level"] == 1  # (the replica that was there)
+        late = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", str(port),
+                      "--http-port", "0"])
+        with httpclient.InferenceServerClient(late.http) as joined:
+            eventually(lambda: joined.get_log_settings()["log_verbose_level"] == 1, timeout=30,
+                       what="the late replica given the gateway's log settings")
+    finally:
+        if late is not None:
+            late.stop()
+        gw.stop()
+        with httpclient.InferenceServerClient(stack.service.http) as service:
+            service.update_log_settings(before)
