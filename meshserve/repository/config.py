@@ -501,7 +501,8 @@ def _check_platform(c: mc.ModelConfig, add: _Add) -> None:
             f"{', '.join(sorted(KNOWN_BACKENDS))}; platforms: {', '.join(sorted(KNOWN_PLATFORMS))})")
         return
     if backend and backend not in KNOWN_BACKENDS and python_based_backend(backend) is None:
-        add("backend", f"unknown backend '{backend}' (known: {', '.join(sorted(KNOWN_BACKENDS))})")
+        add("backend", f"unknown backend '{backend}' (known: {', '.join(sorted(KNOWN_BACKENDS))}; "
+                       f"a backend written in Python: --backend-directory DIR with DIR/{backend}/model.py)")
     if platform and platform not in KNOWN_PLATFORMS:
         add("platform", f"unknown platform '{platform}' (known: {', '.join(sorted(KNOWN_PLATFORMS))})")
     if platform == ENSEMBLE_PLATFORM:

@@ -396,7 +396,8 @@ def test_problems_lists_everything() -> None:
     """), "m")
     found = problems(config, "m")
     assert found == [
-        "field 'backend': unknown backend 'nope' (known: fil, onnxruntime, python, pytorch, tensorrt)",
+        "field 'backend': unknown backend 'nope' (known: fil, onnxruntime, python, pytorch, tensorrt; a backend "
+        "written in Python: --backend-directory DIR with DIR/nope/model.py)",
         "field 'input[0].data_type': missing",
         "field 'input[0].dims': missing",
         "field 'input[1].name': duplicate input name 'A'",
