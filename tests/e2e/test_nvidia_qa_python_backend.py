@@ -17,7 +17,9 @@ docs/observability.md names, or a GPU the machine lacks):
   Triton leaves the model not ready);
 - ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``,
   ``request_rescheduling``, ``logging``, ``python_based_backends``: whole (``logging``: test.sh's
-  line counts, checked here).
+  line counts, checked here);
+- ``bls``: its parameters part (the rest needs NVIDIA's data volume of models and CUDA); ``io``:
+  its CPU case, ``test_requested_output_default`` (the others move tensors to CUDA).
 
 With MESHSERVE_NVIDIA_PYTHON_BACKEND (a python_backend snapshot's folder holding ``examples/``),
 NVIDIA's python_backend examples run too, as qa/L0_backend_python/examples/test.sh runs them.
@@ -80,6 +82,7 @@ def _run(folder: Path, test_file: str, deselect: Sequence[str] = (), env: dict[s
     run_env = {**os.environ, "TEST_JETSON": "1", "PYTHONPATH": str(QA / "common"), **(env or {})}
     done = subprocess.run(args, cwd=folder, capture_output=True, text=True, timeout=600, env=run_env)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout, done.stdout[-2000:]  # (something ran: not every test skipped)
 
 
 def _qa(tmp_path: Path, name: str) -> Path:
@@ -274,6 +277,23 @@ def test_python_backend_examples(tmp_path: Path) -> None:
             done = subprocess.run([sys.executable, str(examples / client)], cwd=PYTHON_BACKEND, capture_output=True,
                                   text=True, timeout=300)
             assert done.returncode == 0 and "PASS" in done.stdout, (client, done.stdout[-3000:], done.stderr[-3000:])
+
+
+def test_bls_parameters(tmp_path: Path) -> None:
+    """qa/L0_backend_python/bls's parameters part: a BLS request's parameters reach the called
+    model (the rest of that subtest needs NVIDIA's data volume of models and a GPU)."""
+    repo = tmp_path / "params_models"
+    _model(repo, "bls_parameters")
+    _run_with(repo, _qa(tmp_path, "bls"), "bls_parameters_test.py")
+
+
+def test_io_requested_output(tmp_path: Path) -> None:
+    """qa/L0_backend_python/io's CPU case: a request naming one of add_sub's two outputs gets that
+    one only, one naming none gets both (its other cases move tensors to CUDA)."""
+    repo = tmp_path / "models"
+    _model(repo, "add_sub")
+    with meshserve_up("--repository", str(repo), *PORTS, timeout=240):
+        _run(_qa(tmp_path, "io"), "io_test.py::IOTest::test_requested_output_default")
 
 
 def test_custom_metrics(tmp_path: Path) -> None:
