@@ -82,7 +82,7 @@ def resolve(value: str, model_dir: Path, model: str) -> ExecutionEnv:
                                "folder, nor its conda_pack/scripts/posix/activate script")
     python = next((root / "bin" / n for n in ("python3", "python") if (root / "bin" / n).is_file()), None)
     if python is None:
-        raise RuntimeLoadError(f"{where}: no bin/python3 in the environment {root}")
+        raise RuntimeLoadError(f"{where}: the environment has no bin/python3")
     env = ExecutionEnv(root, python)
     _check(env, where)
     return env
@@ -95,7 +95,8 @@ def _check(env: ExecutionEnv, where: str) -> None:
         done = subprocess.run([str(env.python), "-c", probe], capture_output=True, text=True, timeout=60,
                               env=env.environ(dict(os.environ)), stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeLoadError(f"{where}: its python does not run: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise RuntimeLoadError(f"{where}: its python does not run: {why}") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeLoadError(f"{where}: its python cannot import numpy (the worker needs it there): {last}")
@@ -130,8 +131,9 @@ def _unpacked(archive: Path, where: str) -> Path:
                                            f"{MAX_UNPACKED_BYTES >> 30} GiB")
             try:
                 tar.extractall(scratch, members=members, filter="data")
-            except tarfile.FilterError as exc:
-                raise RuntimeLoadError(f"{where}: the archive holds a member that is not allowed: {exc}") from None
+            except tarfile.FilterError as exc:  # (its text names the cache's folder: the member only)
+                raise RuntimeLoadError(f"{where}: the archive holds a member that is not allowed "
+                                       f"({type(exc).__name__}): {exc.tarinfo.name!r}") from None
         (scratch / ".complete").touch()
         if dest.exists() and not (dest / ".complete").exists():
             shutil.rmtree(dest, ignore_errors=True)  # an unpack that did not finish (the service died)
@@ -141,8 +143,9 @@ def _unpacked(archive: Path, where: str) -> Path:
             if not (dest / ".complete").exists():
                 raise
         return dest
-    except (OSError, tarfile.TarError) as exc:
-        raise RuntimeLoadError(f"{where}: cannot unpack it: {exc}") from None
+    except (OSError, tarfile.TarError) as exc:  # (no file name: the cache's folder is not the client's to see)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise RuntimeLoadError(f"{where}: cannot unpack it: {why}") from None
     finally:
         if scratch.exists():
             shutil.rmtree(scratch, ignore_errors=True)
