@@ -18,7 +18,8 @@ docs/observability.md names, or a GPU the machine lacks):
 - ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``,
   ``request_rescheduling``, ``logging``, ``python_based_backends``: whole (``logging``: test.sh's
   line counts, checked here);
-- ``bls``: its parameters part (the rest needs NVIDIA's data volume of models and CUDA); ``io``:
+- ``bls``: its parameters, init-error and finalize-error parts (the rest needs NVIDIA's data
+  volume of models and CUDA); ``io``:
   its CPU case, ``test_requested_output_default`` (the others move tensors to CUDA).
 
 With MESHSERVE_NVIDIA_PYTHON_BACKEND (a python_backend snapshot's folder holding ``examples/``),
@@ -294,6 +295,19 @@ def test_io_requested_output(tmp_path: Path) -> None:
     _model(repo, "add_sub")
     with meshserve_up("--repository", str(repo), *PORTS, timeout=240):
         _run(_qa(tmp_path, "io"), "io_test.py::IOTest::test_requested_output_default")
+
+
+@pytest.mark.parametrize("model", ["bls_init_error", "bls_finalize_error"])
+def test_bls_outside_execute(model: str, tmp_path: Path) -> None:
+    """qa/L0_backend_python/bls's init and finalize parts: BLS from initialize() or finalize() is
+    refused with the stub's text, which the server's log shows (test.sh greps it; there the
+    server exits at a model that fails to load, here `up` serves on without it)."""
+    repo = tmp_path / "models"
+    _model(repo, model)
+    with meshserve_up("--repository", str(repo), *PORTS, timeout=240) as up:
+        up.tee(tmp_path / "server.log")
+        up.stop()
+    assert "BLS is only supported during the 'execute' function." in (tmp_path / "server.log").read_text()
 
 
 def test_custom_metrics(tmp_path: Path) -> None:
