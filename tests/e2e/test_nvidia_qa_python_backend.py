@@ -19,7 +19,7 @@ docs/observability.md names, or a GPU the machine lacks):
   ``request_rescheduling``, ``logging``, ``python_based_backends``: whole (``logging``: test.sh's
   line counts, checked here);
 - ``bls``: its parameters, init-error and finalize-error parts (the rest needs NVIDIA's data
-  volume of models and CUDA); ``io``:
+  volume of models and CUDA); ``ensemble``: its CPU case (its GPU case: CUDA); ``io``:
   its CPU case, ``test_requested_output_default`` (the others move tensors to CUDA).
 
 With MESHSERVE_NVIDIA_PYTHON_BACKEND (a python_backend snapshot's folder holding ``examples/``),
@@ -308,6 +308,20 @@ def test_bls_outside_execute(model: str, tmp_path: Path) -> None:
         up.tee(tmp_path / "server.log")
         up.stop()
     assert "BLS is only supported during the 'execute' function." in (tmp_path / "server.log").read_text()
+
+
+def test_ensemble(tmp_path: Path) -> None:
+    """qa/L0_backend_python/ensemble's CPU case: an ensemble of two python add_sub models (its GPU
+    case needs a TorchScript model on CUDA from NVIDIA's data volume)."""
+    assert QA is not None
+    repo = tmp_path / "models"
+    (repo / "ensemble" / "1").mkdir(parents=True)
+    shutil.copy(QA / "python_models" / "ensemble" / "config.pbtxt", repo / "ensemble" / "config.pbtxt")
+    for name in ("add_sub_1", "add_sub_2"):
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy(QA / "python_models" / "add_sub" / "config.pbtxt", repo / name / "config.pbtxt")
+        shutil.copy(QA / "python_models" / "add_sub" / "model.py", repo / name / "1" / "model.py")
+    _run_with(repo, _qa(tmp_path, "ensemble"), "ensemble_test.py", ["EnsembleTest::test_ensemble_gpu"])
 
 
 def test_custom_metrics(tmp_path: Path) -> None:
