@@ -89,8 +89,9 @@ class PythonModelVersion(ModelVersion):
         own, with an id of the service's and START (Triton's IterativeSequencer)."""
         control: SequenceControl | None = None
         if self.iterative:
-            control = sequence_control(request, self.name) if _has_sequence_id(request) else \
-                SequenceControl(next(_ITERATIVE_IDS), True, False)
+            control = sequence_control(request, self.name, required=False)
+            if control.corrid == 0 or control.corrid == "":
+                control = SequenceControl(next(_ITERATIVE_IDS), True, False)
             control = IterativeControl(control.corrid, control.start, control.end)
         elif self.config.HasField("sequence_batching"):
             control = sequence_control(request, self.name)
@@ -378,15 +379,6 @@ class PythonModelVersion(ModelVersion):
     def _close_workers(self) -> None:
         for w in self.workers:
             w.close()
-
-
-def _has_sequence_id(request: pb.ModelInferRequest) -> bool:
-    """Whether the request names a sequence (a ``sequence_id`` that is not 0 or "")."""
-    if "sequence_id" not in request.parameters:
-        return False
-    p = request.parameters["sequence_id"]
-    which = p.WhichOneof("parameter_choice")
-    return which is not None and getattr(p, which) not in (0, "")
 
 
 def _forward_error(task: asyncio.Task[bytes], answers: asyncio.Queue[tuple[bytes | None, bool] | InferError]) -> None:

@@ -138,8 +138,10 @@ def _flag(p: pb.InferParameter, name: str) -> bool:
     raise InferError.invalid(f"parameter '{name}' must be a boolean, got {which}")
 
 
-def sequence_control(request: pb.ModelInferRequest, model: str) -> SequenceControl:
-    """The correlation id and flags of a request (every integer oneof member is accepted)."""
+def sequence_control(request: pb.ModelInferRequest, model: str, required: bool = True) -> SequenceControl:
+    """The correlation id and flags of a request (every integer oneof member is accepted); a
+    request without one (absent, 0 or "") is refused, or with ``required`` False (an iterative
+    sequence's: services/python/model.py) its control has corrid 0."""
     params = request.parameters
     corrid: int | str = 0
     if "sequence_id" in params:
@@ -157,7 +159,7 @@ def sequence_control(request: pb.ModelInferRequest, model: str) -> SequenceContr
             raise InferError.invalid(
                 f"inference request to model '{model}': parameter 'sequence_id' must be an unsigned "
                 f"integer or a string, got {which}")
-    if corrid == 0 or corrid == "":
+    if (corrid == 0 or corrid == "") and required:
         raise InferError.invalid(
             f"inference request to model '{model}' must specify a non-zero or non-empty correlation ID")
     start = _flag(params["sequence_start"], "sequence_start") if "sequence_start" in params else False
