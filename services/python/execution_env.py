@@ -88,8 +88,17 @@ def resolve(value: str, model_dir: Path, model: str) -> ExecutionEnv:
     return env
 
 
+# the pythons that passed _check, by path and modification time: a model's auto-complete and its
+# load resolve the same environment one after the other, and each probe starts a python with numpy
+_CHECKED: set[tuple[str, int]] = set()
+
+
 def _check(env: ExecutionEnv, where: str) -> None:
-    """The environment's python runs, is recent enough for the worker, and has numpy."""
+    """The environment's python runs, is recent enough for the worker, and has numpy (once per
+    python, while it is unchanged)."""
+    key = (str(env.python), env.python.stat().st_mtime_ns)
+    if key in _CHECKED:
+        return
     probe = "import sys, numpy; print('%d.%d' % sys.version_info[:2])"
     try:
         done = subprocess.run([str(env.python), "-c", probe], capture_output=True, text=True, timeout=60,
@@ -104,6 +113,7 @@ def _check(env: ExecutionEnv, where: str) -> None:
     if (major, minor) < MIN_PYTHON:
         raise RuntimeLoadError(f"{where}: its python is {major}.{minor}; the worker needs "
                                f"{MIN_PYTHON[0]}.{MIN_PYTHON[1]} or newer")
+    _CHECKED.add(key)
 
 
 def cache_root() -> Path:
