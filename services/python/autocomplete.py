@@ -23,7 +23,7 @@ from meshserve._proto import model_config_pb2 as mc
 from meshserve.repository.config import DEFAULT_MODEL_FILENAMES, ConfigError
 from meshserve.repository.kinds import python_based_backend
 from meshserve.repository.versions import available_versions
-from services.base.runtime import RuntimeLoadError
+from services.base.runtime import RuntimeLoadError, config_parameter
 from services.python import execution_env
 
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -70,10 +70,8 @@ def complete(config: mc.ModelConfig, model_dir: Path) -> mc.ModelConfig:
     if path is None:
         return config
     stat = path.stat()
-    env_path = config.parameters[execution_env.PARAMETER].string_value.strip() \
-        if execution_env.PARAMETER in config.parameters else ""
     text = _complete(str(path), stat.st_mtime_ns, stat.st_size, config.SerializeToString(deterministic=True),
-                     str(model_dir) if env_path else "")
+                     str(model_dir))
     out = mc.ModelConfig()
     out.ParseFromString(text)
     return out
@@ -81,14 +79,14 @@ def complete(config: mc.ModelConfig, model_dir: Path) -> mc.ModelConfig:
 
 @functools.lru_cache(maxsize=256)
 def _complete(path: str, mtime_ns: int, size: int, serialized: bytes, model_dir: str) -> bytes:
-    """The model's auto_complete_config in a python of its own (in its EXECUTION_ENV_PATH's when
-    ``model_dir`` is given: the model's imports are there, as in Triton's stub)."""
+    """The model's auto_complete_config in a python of its own (its EXECUTION_ENV_PATH's when it
+    has one, ``$$TRITON_MODEL_DIRECTORY`` being ``model_dir``: the model's imports are there, as in
+    Triton's stub)."""
     config = mc.ModelConfig.FromString(serialized)
     python, env = sys.executable, dict(os.environ)
-    if model_dir:
+    if (env_path := (config_parameter(config, execution_env.PARAMETER) or "").strip()):
         try:
-            own = execution_env.resolve(config.parameters[execution_env.PARAMETER].string_value.strip(),
-                                        Path(model_dir), config.name)
+            own = execution_env.resolve(env_path, Path(model_dir), config.name)
         except RuntimeLoadError as exc:
             raise ConfigError(path, config.name, f"parameters.{execution_env.PARAMETER}", str(exc)) from None
         python, env = str(own.python), own.environ(env)

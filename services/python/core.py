@@ -74,8 +74,8 @@ class PythonServiceCore(ServiceCore):
         assert self._loop is not None
         name = config.name
         execution_env = None
-        if (env_path := config_parameter(config, execution_env_module.PARAMETER)) is not None and env_path.strip():
-            execution_env = execution_env_module.resolve(env_path.strip(), path, name)
+        if (env_path := (config_parameter(config, execution_env_module.PARAMETER) or "").strip()):
+            execution_env = execution_env_module.resolve(env_path, path, name)
         timeout = self.options.execute_timeout_s
         raw = config_parameter(config, EXECUTE_TIMEOUT_PARAMETER)
         if raw is not None and raw.strip():
