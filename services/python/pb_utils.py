@@ -777,7 +777,7 @@ def collect_responses(requests: list[InferenceRequest], responses: Any) -> Any:
     its place in the returned list is None. A request with neither is left as returned (the
     worker's checks refuse a None there, as before: nothing could ever answer it)."""
     if responses is None:
-        if not requests or all(r._sender is None for r in requests):
+        if not requests or all(r._sender is None and not rescheduled(r) for r in requests):
             return responses
         responses = [None] * len(requests)
     if not isinstance(responses, list) or len(responses) != len(requests):

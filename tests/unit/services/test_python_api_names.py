@@ -132,6 +132,11 @@ def b_constants() -> None:
     assert pb_utils.rescheduled(req)
     req.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
     assert not pb_utils.rescheduled(req)
+    # execute() may return None for a batch whose requests it rescheduled, as the stub takes it
+    req.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+    assert pb_utils.collect_responses([req], None) == [None]
+    _raises(lambda: pb_utils.collect_responses([req], [pb_utils.InferenceResponse([])]),
+            "Expected a None object in the execute function return list for reschduled request")
 
 
 def b_datatypes() -> None:
