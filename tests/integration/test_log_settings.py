@@ -1,6 +1,7 @@
 """Triton's logging extension on a gateway process, through tritonclient (HTTP and gRPC)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -21,14 +22,15 @@ from tests.support.net import free_port
 SEVERITIES = ("log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
 
 
-@pytest.fixture
-def gateway(stack) -> Iterator[Proc]:
-    """A gateway of its own (its log settings change) over the shared service, at INFO. Its
-    updates go on to the service (GatewayCore.log_settings_changed): the service's settings are
-    put back after the test, for the other tests that share it."""
+@contextlib.contextmanager
+def _gateway_over(stack, *more_upstreams: str) -> Iterator[Proc]:
+    """A gateway of its own (its log settings change) over the shared service (and
+    ``more_upstreams``). Its updates go on to the service (GatewayCore.log_settings_changed): the
+    service's settings are put back after it, for the other tests that share it."""
     with httpclient.InferenceServerClient(stack.service.http) as service:
         before = {k: v for k, v in service.get_log_settings().items() if k in SEVERITIES}
-    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc])
+    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
+                *(arg for u in more_upstreams for arg in ("--upstream", u))])
     try:
         _wait_http_ready(gw.http)
         yield gw
@@ -36,6 +38,13 @@ def gateway(stack) -> Iterator[Proc]:
         gw.stop()
         with httpclient.InferenceServerClient(stack.service.http) as service:
             service.update_log_settings(before)
+
+
+@pytest.fixture
+def gateway(stack) -> Iterator[Proc]:
+    """A gateway of its own over the shared service, at INFO (``_gateway_over``)."""
+    with _gateway_over(stack) as gw:
+        yield gw
 
 
 def _infer(c: grpcclient.InferenceServerClient, width: int = 64) -> None:
@@ -105,25 +114,16 @@ def test_a_service_that_joins_later_gets_the_settings_the_gateway_was_given(stac
     """/v2/logging at a gateway goes on to its services; one that joins the pool afterwards (a
     replica down at the update, started after it) gets the settings when the gateway finds it."""
     port = free_port()
-    with httpclient.InferenceServerClient(stack.service.http) as service:
-        before = {k: v for k, v in service.get_log_settings().items() if k in SEVERITIES}
-    gw = start(["gateway", "--grpc-port", "0", "--http-port", "0", "--upstream", stack.service.grpc,
-                "--upstream", f"127.0.0.1:{port}"])
-    late = None
-    try:
-        _wait_http_ready(gw.http)
+    with _gateway_over(stack, f"127.0.0.1:{port}") as gw:
         with httpclient.InferenceServerClient(gw.http) as http:
             http.update_log_settings({"log_verbose_level": 1})
         with httpclient.InferenceServerClient(stack.service.http) as service:
             assert service.get_log_settings()["log_verbose_level"] == 1  # (the replica that was there)
         late = start(["service", "onnx", "--repository", str(model_repo), "--grpc-port", str(port),
                       "--http-port", "0"])
-        with httpclient.InferenceServerClient(late.http) as joined:
-            eventually(lambda: joined.get_log_settings()["log_verbose_level"] == 1, timeout=30,
-                       what="the late replica given the gateway's log settings")
-    finally:
-        if late is not None:
+        try:
+            with httpclient.InferenceServerClient(late.http) as joined:
+                eventually(lambda: joined.get_log_settings()["log_verbose_level"] == 1, timeout=30,
+                           what="the late replica given the gateway's log settings")
+        finally:
             late.stop()
-        gw.stop()
-        with httpclient.InferenceServerClient(stack.service.http) as service:
-            service.update_log_settings(before)
