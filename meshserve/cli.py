@@ -29,8 +29,10 @@ from meshserve.server.process import parse_ready_line
 from meshserve.server.workers import DEFAULT_WORKERS, die_with_parent
 
 _LOAD_COMMANDS = ("load", "tune")  # load/ package, imported on use
-_COMMANDS = ("up", "gateway", "service", "hop-key", "build-trt", "placement", "check-repo", *_LOAD_COMMANDS)
+_COMMANDS = ("up", "gateway", "service", "hop-key", "build-trt", "placement", "check-repo", "tritonserver",
+             *_LOAD_COMMANDS)
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+UP_MODES = ("explicit", "none", "poll", "lazy")  # the services' three (Triton's) and the gateway's lazy
 
 
 def _service_main(kind: str) -> Callable[[argparse.Namespace], None] | None:
@@ -238,6 +240,8 @@ def _up_refusal(args: argparse.Namespace) -> str | None:
     if args.allow_model_uploads and args.tenants is None and not (args.host == "localhost" or is_loopback(args.host)):
         return (f"meshserve up: {UPLOADS_FLAG} on a non-loopback --host ({args.host}) needs --tenants (only an "
                 "admin key may then upload); without tenants anyone who reaches the port could run code here")
+    if args.load_model is not None and args.model_control_mode != "explicit":
+        return "meshserve up: Use of '--load-model' requires setting '--model-control-mode=explicit' as well."
     return None
 
 
@@ -252,15 +256,25 @@ def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--allow-remote-model-control")
     for value in args.cache_config:
         flags += ["--cache-config", value]
-    from meshserve.server import tls
+    from meshserve.server import limits, tls
 
-    return flags + _up_upload_flags(args) + tls.flags(tls.from_args(args))
+    return flags + _up_upload_flags(args) + tls.flags(tls.from_args(args)) + limits.passed_on(args)
 
 
 def _up_mesh_service_flags(args: argparse.Namespace) -> list[str]:
-    """A service's model-control and memory flags: every model at start (explicit mode, `*`), or in
-    lazy mode none (the gateway loads each on its first request; docs/model-mesh.md)."""
-    flags = ["--model-control-mode", "explicit"] + ([] if args.model_control_mode == "lazy" else ["--load-model", "*"])
+    """A service's model-control and memory flags: in explicit mode the --load-model models at start
+    (every model without it), in lazy mode none (the gateway loads each on its first request;
+    docs/model-mesh.md); none and poll are the services' own (Triton's) modes."""
+    mode = args.model_control_mode
+    if mode in ("explicit", "lazy"):
+        startup = [] if mode == "lazy" else (args.load_model if args.load_model is not None else ["*"])
+        flags = ["--model-control-mode", "explicit"] + [f for name in startup for f in ("--load-model", name)]
+    else:
+        flags = ["--model-control-mode", mode]
+        if mode == "poll" and args.repository_poll_secs is not None:
+            flags += ["--repository-poll-secs", str(args.repository_poll_secs)]
+    if args.exit_on_error:
+        flags.append("--exit-on-error")
     if args.memory_budget is not None:
         flags += ["--memory-budget", args.memory_budget]
     from services.base.main import eviction_flags
@@ -272,7 +286,8 @@ def _up_mesh_service_flags(args: argparse.Namespace) -> list[str]:
 
 def _up_mesh_gateway_flags(args: argparse.Namespace) -> list[str]:
     """The gateway's placement flags (`meshserve up --model-control-mode lazy`)."""
-    flags = ["--model-control-mode", args.model_control_mode, "--min-copies", str(args.min_copies)]
+    mode = "lazy" if args.model_control_mode == "lazy" else "explicit"  # (the gateway's: placement or not)
+    flags = ["--model-control-mode", mode, "--min-copies", str(args.min_copies)]
     return flags + [f for name in args.pin for f in ("--pin", name)]
 
 
@@ -355,6 +370,21 @@ def _in_gateway(kind: str) -> bool:
     return row is not None and row.in_gateway
 
 
+def _start_errors(args: argparse.Namespace, entries: list, runnable: list[str]) -> tuple[list[str], list[str]]:
+    """What keeps a model named for the start from loading, known before any process starts:
+    (--load-model names that are no model of the repository, in Triton's words; the models of the
+    start whose kind no service here runs). A failed load itself is the service's to report
+    (--exit-on-error)."""
+    names = {e.name for e in entries}
+    lazy = args.model_control_mode == "lazy"
+    wanted = None if lazy or args.load_model is None or "*" in args.load_model else set(args.load_model)
+    unknown = [f"failed to load '{name}', failed to poll from model repository (--load-model: no such model in "
+               f"{args.repository})" for name in sorted((wanted or set()) - names)]
+    skipped = [] if lazy else [e.name for e in entries if (not e.kind or (e.kind not in runnable and not _in_gateway(
+        e.kind))) and (wanted is None or e.name in wanted)]
+    return unknown, skipped
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from meshserve.repository import layout
 
@@ -392,6 +422,12 @@ def _cmd_up(args: argparse.Namespace) -> None:
             print(f"meshserve up: {k} models ({names}) are skipped: {why}", flush=True)
     if not runnable:
         raise SystemExit(f"meshserve up: no servable model in {repo} (run `meshserve check-repo {repo}`)")
+    unknown, skipped = _start_errors(args, entries, runnable)
+    for why in unknown:
+        print(f"meshserve up: {why}", flush=True)
+    if (unknown or skipped) and args.exit_on_error:
+        raise SystemExit("meshserve up: failed to load all models (--exit-on-error)"
+                         + (f": {', '.join(skipped)} will not load here" if skipped else ""))
 
     py = [sys.executable, "-m", "meshserve"]
     children: list[Child] = []
@@ -517,14 +553,29 @@ def _up_arguments(up: argparse.ArgumentParser) -> None:
     from meshserve.server import tls
 
     tls.add_arguments(up)  # the gateway's ports
+    from meshserve.server import limits
+
+    limits.add_arguments(up, with_tls=False)  # the gateway's limits (--max-request-bytes, ...), passed on to it
     up.add_argument("--mesh-tls", action="store_true",
                     help="the gateway-to-service hop on mutual TLS with a throwaway CA made in a run directory "
                          "(needs the cryptography package; default off: plaintext on loopback, each hop stream "
                          "signed with a throwaway --hop-key-file)")
-    up.add_argument("--model-control-mode", choices=("explicit", "lazy"), default="explicit",
-                    help="lazy: the services start with no model loaded and the gateway loads each on its first "
-                         "request on a replica it picks, evicting the least recently used under --memory-budget "
-                         "(docs/model-mesh.md); explicit (default): every model loaded at start")
+    up.add_argument("--model-control-mode", type=str.lower, choices=UP_MODES, default="explicit",
+                    help="explicit (default): the --load-model models loaded at start (without it, every model), "
+                         "then load / unload through the repository API; none: every model loaded, the API "
+                         "refused (Triton's default); poll: every model loaded, changes in the repository loaded "
+                         "every --repository-poll-secs; lazy: the services start with no model loaded and the "
+                         "gateway loads each on its first request on a replica it picks, evicting the least "
+                         "recently used under --memory-budget (docs/model-mesh.md)")
+    up.add_argument("--load-model", action="append", default=None, metavar="NAME",
+                    help="explicit mode: a model loaded at start (repeatable; '*' = every model; without it "
+                         "every model: Triton's explicit mode loads none then, as `meshserve tritonserver` does)")
+    up.add_argument("--repository-poll-secs", type=float, default=None, metavar="SECONDS",
+                    help="poll mode: seconds between the services' reads of the repository (their default 15)")
+    up.add_argument("--exit-on-error", action="store_true",
+                    help="stop the start when a model fails to load, a --load-model name is no model of the "
+                         "repository, or a model's kind has no service here (Triton's --exit-on-error, its "
+                         "default; `meshserve up`'s default: report them and serve the rest)")
     up.add_argument("--memory-budget", default=None, metavar="BYTES",
                     help="each service replica's memory budget for its models (512Mi, 2G, 80%%; the service's "
                          "default: a share of the cgroup limit or physical memory)")
@@ -602,6 +653,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     kinds.add_backend_directory(chk)
     chk.set_defaults(func=_cmd_check_repo)
 
+    from meshserve import tritonserver
+
+    tritonserver.add_parser(sub)  # Triton's command line, run as `up`
     # load generator and tuning (load/): imported only when the subcommand runs
     lg = sub.add_parser("load", help="load generator (see `meshserve load --help`)", add_help=False)
     lg.add_argument("rest", nargs=argparse.REMAINDER)
@@ -624,6 +678,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _LOAD_COMMANDS:  # own argument parsers (argparse REMAINDER drops leading flags)
         _run_load_command(argv[0], argv[1:])
+        return
+    if argv and argv[0] == "tritonserver":  # Triton's own command line (meshserve/tritonserver.py)
+        from meshserve import tritonserver
+
+        tritonserver.main(argv[1:])
         return
     args = build_parser(command_of(argv)).parse_args(argv)
     args.raw_argv = argv  # `meshserve gateway --workers N` starts its workers with these

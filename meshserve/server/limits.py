@@ -152,12 +152,14 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """One flag per ServerLimits field (e.g. --max-request-bytes), defaults from the record."""
+def add_arguments(ap: argparse.ArgumentParser, *, with_tls: bool = True) -> None:
+    """One flag per ServerLimits field (e.g. --max-request-bytes), defaults from the record; the
+    TLS flags too unless ``with_tls`` is false (`meshserve up` defines them itself)."""
     group = ap.add_argument_group("limits (docs/security.md)")
     for f in fields(ServerLimits):
         if f.name == "tls":
-            tls_flags.add_arguments(ap)
+            if with_tls:
+                tls_flags.add_arguments(ap)
             continue
         default = f.default
         group.add_argument(flag(f.name), dest=f"limit_{f.name}", type=type(default), default=default,
@@ -170,3 +172,13 @@ def from_args(args: argparse.Namespace) -> ServerLimits:
         if value < 0:
             raise SystemExit(f"{flag(name)}: must be >= 0, got {value}")
     return ServerLimits(**values, tls=tls_flags.from_args(args))
+
+
+def passed_on(args: argparse.Namespace) -> list[str]:
+    """The limit flags of ``args`` (add_arguments's, TLS aside) whose value is not the default, as
+    a command line: `meshserve up` gives them to its gateway."""
+    out: list[str] = []
+    for f in fields(ServerLimits):
+        if f.name != "tls" and getattr(args, f"limit_{f.name}") != f.default:
+            out += [flag(f.name), str(getattr(args, f"limit_{f.name}"))]
+    return out

@@ -67,6 +67,8 @@ SYSTEM, CUDA = "system", "cuda"
 REGION, BYTE_SIZE, OFFSET = wire.SHM_REGION, wire.SHM_BYTE_SIZE, wire.SHM_OFFSET
 _PARAMS = (REGION, BYTE_SIZE, OFFSET)
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+# Triton's answer to a registration while client shared memory is off (server src/common.h)
+CLIENT_SHM_DISABLED = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
 # Region names are the client's and touch no filesystem (Triton takes any string), but they are
 # kept for as long as the region lives and echoed in errors and logs: the one names rule bounds
 # them (NAME_MAX bytes, no control characters; perf_analyzer's are ~12 bytes).
@@ -163,6 +165,8 @@ class SharedMemoryRegistry:
         if byte_size <= 0:
             raise InferError.invalid(f"failed to register shared memory region '{name}': invalid args "
                                      f"(byte size {byte_size}; a region holds at least one byte)")
+        if not self.max_regions:  # registration off: Triton's --allow-client-shm=false, in its words
+            raise InferError.unsupported(f"{CLIENT_SHM_DISABLED} (meshserve: {flag('max_shm_regions')} 0)")
         if len(self._regions) >= self.max_regions:
             raise InferError.exhausted(
                 f"cannot register shared memory region '{name}': {len(self._regions)} regions are registered, "

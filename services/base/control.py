@@ -36,8 +36,8 @@ class ModelControl:
         """Why the load/unload API is refused in this mode, or None when it is allowed."""
         if self.mode == "explicit":
             return None
-        return (f"explicit model load / unload is not allowed in model control mode '{self.mode}'; "
-                "start the service with --model-control-mode explicit")
+        return ("explicit model load / unload is not allowed if polling is enabled (Triton's words in every mode but "
+                f"explicit; this one is '{self.mode}': start with --model-control-mode explicit)")
 
 
 def fingerprint(model_dir: Path) -> tuple:

@@ -164,6 +164,12 @@ class ServiceCore:
         if self.control.mode == "poll":
             self._poller = asyncio.ensure_future(self._poll_repository())
 
+    def startup_failures(self) -> list[tuple[str, str]]:
+        """(name, reason) of each model the start meant to load that has no version ready
+        (--exit-on-error); a model explicit mode left unloaded is none of them."""
+        return [(h.name, h.reason or "no version loaded") for h in self.models.values()
+                if not h.versions and h.reason != NOT_LOADED]
+
     async def _scan(self) -> list[layout.ModelEntry]:
         """Every model directory of the repository read (its config: a python model's
         auto_complete_config runs here), ``load_threads`` at once on the load threads."""

@@ -34,6 +34,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--load-model", action="append", default=[], metavar="NAME",
                     help="explicit mode: a model to load at start ('*' = all); repeatable")
     ap.add_argument("--repository-poll-secs", type=float, default=15.0, metavar="SECONDS")
+    ap.add_argument("--exit-on-error", action="store_true",
+                    help="exit (code 1, before the ready line) when a model of the start fails to load "
+                         "(Triton's --exit-on-error; default: report it in the index and serve the rest)")
     add_load_thread_argument(ap, load_threads.DEFAULT_LOAD_THREADS)
     ap.add_argument("--log-format", choices=("text", "json"), default="text",
                     help="json: one JSON object per log line (request id and trace id as keys)")
@@ -174,6 +177,11 @@ def main(kind: str, adapters: dict[str, RuntimeAdapter], args: argparse.Namespac
             except ValueError as exc:
                 raise SystemExit(f"meshserve service {kind}: {exc}") from None
         await core.start()
+        failed = core.startup_failures()
+        if failed and args.exit_on_error:
+            await core.stop(drain=False)
+            raise SystemExit(f"meshserve service {kind}: failed to load all models (--exit-on-error): "
+                             + ", ".join(f"'{name}'" for name, _ in failed) + " (the reasons: above)")
         await serve(core, name=f"{kind}-service", host=args.host, grpc_port=args.grpc_port,
                     http_port=args.http_port, metrics_port=args.metrics_port, limits=limits)
 

@@ -112,16 +112,17 @@ class Up(Endpoints):
         return self.proc.returncode
 
 
-def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> Up:
+def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None, command: str = "up") -> Up:
     """`python -m meshserve up ARGS` from the tree's root, its banner waited for (at most
     ``timeout`` s; RuntimeError with its output when it ends or hangs before it). ``env``: on
-    top of this process's environment."""
+    top of this process's environment. ``command``: another subcommand that runs `up`
+    (`tritonserver`: Triton's command line)."""
     marker = uuid.uuid4().hex
     environ = {k: v for k, v in os.environ.items() if k != HOP_KEY_ENV}
     environ.update({MARKER: marker, "PYTHONUNBUFFERED": "1", **(env or {})})
     if os.environ.get(leftovers.ENV):  # the suite run's token (scripts/test.sh): leftovers finds strays by it
         environ[leftovers.ENV] = os.environ[leftovers.ENV]
-    argv = [sys.executable, "-m", "meshserve", "up", *args]
+    argv = [sys.executable, "-m", "meshserve", command, *args]
     proc = subprocess.Popen(argv, cwd=ROOT, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     up = Up(argv, proc, marker)
@@ -146,11 +147,12 @@ def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = No
     threading.Thread(target=pump, daemon=True).start()
     if not ready.wait(timeout) or not banner or BANNER_END not in banner[-1]:
         up.stop(signal.SIGKILL, grace=5)
-        raise RuntimeError(f"meshserve up {' '.join(args)}: no banner within {timeout:g} s "
+        raise RuntimeError(f"meshserve {command} {' '.join(args)}: no banner within {timeout:g} s "
                            f"(exit code {proc.returncode}); its output:\n{up.log()}")
     up.banner = "".join(banner)
     http = re.search(r"HTTP/REST\s+(https?)://\S+?:(\d+)/v2", up.banner)
-    grpc = re.search(r"gRPC\s+\S+?:(\d+)\s", up.banner)
+    grpc = re.search(r"^  gRPC\s+\S+?:(\d+)\s", up.banner, re.M)  # (the banner's line: a service's INFO log line
+    # "serving: gRPC 127.0.0.1:PORT" may come before it)
     metrics = re.search(r"Metrics\s+https?://\S+?:(\d+)/metrics", up.banner)
     if http is None or grpc is None:
         up.stop()
@@ -163,10 +165,11 @@ def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = No
 
 
 @contextmanager
-def meshserve_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> Iterator[Up]:
+def meshserve_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None,
+                 command: str = "up") -> Iterator[Up]:
     """``start_up``, stopped at the end (``Up.stop``); on a failure inside, the tail of its
     output goes to stderr."""
-    up = start_up(*args, timeout=timeout, env=env)
+    up = start_up(*args, timeout=timeout, env=env, command=command)
     try:
         yield up
     except BaseException:

@@ -141,8 +141,9 @@ def test_register_errors_and_limits(obj: Callable[[str, bytes], str]) -> None:
     region = reg.status("", "a", shm.SYSTEM)[0]
     reg.unregister("", "", shm.SYSTEM)  # every region of tenant "" only
     assert region.fd == -1 and [r.name for r in reg.status("t2", "", shm.SYSTEM)] == ["a"]
+    # registration off (Triton's --allow-client-shm=false): its error, UNSUPPORTED, in its words
     fails(lambda: shm.SharedMemoryRegistry(ServerLimits(max_shm_regions=0)).register_system("", "a", key, 0, 1),
-          Code.RESOURCE_EXHAUSTED, "--max-shm-regions 0")
+          Code.UNSUPPORTED, f"{shm.CLIENT_SHM_DISABLED} (meshserve: --max-shm-regions 0)")
     reg.close()
 
 
