@@ -131,12 +131,15 @@ def check_version(version: str, model: str = "") -> str:
 
 def check_file_path(relative: str) -> list[str]:
     """The components of a file path a client names inside a model directory (``1/model.onnx``
-    of a ``file:1/model.onnx`` load override), each checked by the name rule; the path must be
-    relative. Pure (no filesystem): the gateway checks with it before forwarding."""
-    if not relative or relative.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", relative):
-        _invalid(f"invalid file path {relative!r}: it must be a relative path inside "
-                                 "the model directory")
-    parts = relative.split("/")
+    of a ``file:1/model.onnx`` load override), each checked by the name rule. Leading ``/`` stand
+    for the model directory, as in Triton, which joins the name to the directory (core's JoinPath
+    appends an absolute segment: ``file:/1/model.py`` is ``1/model.py``; NVIDIA's
+    qa/L0_backend_python/model_control sends it so). Pure (no filesystem): the gateway checks
+    with it before forwarding."""
+    inside = relative.lstrip("/")
+    if not inside or inside.startswith("\\") or re.match(r"^[A-Za-z]:", inside):
+        _invalid(f"invalid file path {relative!r}: it must be a path inside the model directory")
+    parts = inside.split("/")
     for part in parts:
         check_model_name(part, f"file path {relative!r} component")
     return parts

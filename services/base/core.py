@@ -661,8 +661,9 @@ class ServiceCore:
             if hosted.versions:
                 for v in sorted(hosted.versions):
                     out.models.add(name=name, version=str(v), state="READY")
-            elif not ready_only:
-                out.models.add(name=name, state=hosted.state, reason=hosted.reason)
+            elif not ready_only:  # (a reason from the start or a scan names files: no path of this host goes out)
+                out.models.add(name=name, state=hosted.state, reason=self._without_paths(hosted.reason, hosted.path,
+                                                                                         name))
         return out
 
     async def _sync_with_disk(self) -> None:
@@ -806,6 +807,9 @@ class ServiceCore:
             versions = layout.select_versions(config.version_policy, layout.available_versions(path))
         except ConfigError as exc:
             raise InferError.invalid(f"failed to load '{name}': {exc}") from None
+        if not versions:  # (Triton's words: core's model_lifecycle.cc; nothing would serve it)
+            raise InferError.invalid(f"failed to load '{name}': at least one version must be available under the "
+                                     f"version policy of model '{name}'")
         hosted = self.models.setdefault(name, HostedModel(name, path))
         if not hosted.versions:
             hosted.state, hosted.reason = "LOADING", ""

@@ -63,9 +63,25 @@ def model_py(config: mc.ModelConfig, model_dir: Path) -> Path | None:
     return None
 
 
+# Characters the python backend refuses in a stub's name (the model's, for auto-complete; an
+# instance's, to run): python_backend src/pb_utils.h INVALID_CHARS, IsValidIdentifier.
+STUB_NAME_INVALID_CHARS = frozenset(";|&$`<>()[]{}\\\"'*?~#!")
+INVALID_STUB_NAME = "Invalid stub name: contains invalid characters"
+
+
+def stub_name_ok(name: str) -> bool:
+    """Whether the python backend starts a stub named ``name`` (non-empty, none of its invalid
+    characters)."""
+    return bool(name) and not STUB_NAME_INVALID_CHARS.intersection(name)
+
+
 def complete(config: mc.ModelConfig, model_dir: Path) -> mc.ModelConfig:
     """``config`` completed by the model's ``auto_complete_config`` (unchanged when there is no
-    model.py; ConfigError when the function fails)."""
+    model.py; ConfigError when the function fails, or when the model's name is one the python
+    backend starts no stub for: its words)."""
+    name = config.name or model_dir.name
+    if not stub_name_ok(name):
+        raise ConfigError(model_dir, name, "name", INVALID_STUB_NAME)
     path = model_py(config, model_dir)
     if path is None:
         return config

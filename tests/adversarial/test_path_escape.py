@@ -128,19 +128,26 @@ def test_config_override_cannot_name_a_file_outside(mesh: Mesh, proto: str) -> N
 @pytest.mark.parametrize("proto", ["http", "grpc"])
 def test_file_override_paths_cannot_escape(mesh: Mesh, proto: str) -> None:
     """`file:<path>` load parameters (model files in the request) are written under the
-    repository only: a path that climbs out, is absolute or hides a separator is refused before
-    a byte is written, by the gateway and by the service alike."""
+    repository only: a path that climbs out or hides a separator is refused before a byte is
+    written, by the gateway and by the service alike; an absolute one is the model directory's,
+    as Triton joins it (never the root): here no version directory, so the load fails, 400."""
     config = json.dumps({"name": "dropped", "backend": "onnxruntime", "max_batch_size": 8})
     outside = mesh.outside.parent
     module = httpclient if proto == "http" else grpcclient
     for proc in (mesh.service, mesh.gateway):
         with module.InferenceServerClient(getattr(proc, proto)) as c:
-            for rel in ("../../../outside/dropped.onnx", "1/../../../../outside/dropped.onnx", f"{outside}/dropped.onnx",
-                        "1/..\\..\\dropped.onnx", "1/dropped\x00.onnx"):
+            for rel in ("../../../outside/dropped.onnx", "1/../../../../outside/dropped.onnx",
+                        "1/..\\..\\dropped.onnx", "1/dropped\x00.onnx", "/../outside/dropped.onnx"):
                 with pytest.raises(InferenceServerException) as err:
                     c.load_model("dropped", config=config, files={f"file:{rel}": b"x"})
                 assert str(err.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), (proc.argv, rel, err.value)
                 assert "file path" in (err.value.message() or ""), err.value
+            with pytest.raises(InferenceServerException) as err:
+                c.load_model("dropped", config=config, files={f"file:{outside}/dropped.onnx": b"x"})
+            assert str(err.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), (proc.argv, err.value)
+            assert "at least one version must be available under the version policy of model 'dropped'" in \
+                (err.value.message() or ""), err.value
+            assert not c.is_model_ready("dropped")
     assert not list(outside.rglob("dropped*"))
     assert not list(outside.parent.rglob("dropped*.onnx"))
 

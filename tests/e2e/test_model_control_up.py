@@ -151,7 +151,7 @@ def test_load_with_file_overrides(up: Up) -> None:
         inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
         inp.set_data_from_numpy(v)
         assert c.infer("scale_files", [inp]).as_numpy("OUTPUT0").tolist() == [[1.0] * 4]
-        for bad in ("../../evil.onnx", "1/../../../evil.onnx", "/tmp/evil.onnx", "1/./evil.onnx", "1\\..\\evil"):
+        for bad in ("../../evil.onnx", "1/../../../evil.onnx", "/../evil.onnx", "1/./evil.onnx", "1\\..\\evil"):
             with pytest.raises(InferenceServerException) as err:
                 c.load_model("scale_files", config=json.dumps(config), files={f"file:{bad}": b"evil"})
             assert err.value.status() == "400", (bad, err.value.message())

@@ -18,6 +18,9 @@ docs/observability.md names, or a GPU the machine lacks):
 - ``response_sender``, ``parameters``, ``argument_validation``, ``async_execute``, ``custom_metrics``,
   ``request_rescheduling``, ``logging``, ``python_based_backends``: whole (``logging``: test.sh's
   line counts, checked here);
+- ``model_control``: under its own command line (`meshserve tritonserver`), all but
+  ``test_invalid_character_model_names`` (one of its names has a '\\', which meshserve's name rule
+  refuses for every backend in its own words);
 - ``bls``: its parameters, init-error and finalize-error parts (the rest needs NVIDIA's data
   volume of models and CUDA); ``ensemble``: its CPU case (its GPU case: CUDA); ``io``:
   its CPU case, ``test_requested_output_default`` (the others move tensors to CUDA).
@@ -238,6 +241,34 @@ def test_python_based_backends(tmp_path: Path) -> None:
     folder = _qa(tmp_path, "python_based_backends")
     with meshserve_up("--repository", str(repo), "--backend-directory", str(backends), *PORTS, timeout=240):
         _run(folder, "python_based_backends_test.py")
+
+
+def test_model_control(tmp_path: Path) -> None:
+    """test.sh's server with its own command line (`meshserve tritonserver` and its SERVER_ARGS:
+    explicit mode, no --load-model, so nothing loaded at start), ExplicitModelTest loading and
+    unloading a python model and an ensemble over it; then ModelIDValidationTest, whose load
+    requests carry the model's code (`file:/1/model.py` parameters): Triton takes them in explicit
+    mode, meshserve only with --allow-model-uploads, so it runs against `meshserve up` with it
+    (loopback). Its valid names load; of its invalid ones, all but ``model\\test`` get the stub's
+    "Invalid stub name" (meshserve's one name rule refuses '\\' in every model name, for every
+    backend, in its own words: test_invalid_character_model_names is left out for that one name)."""
+    repo = tmp_path / "models"
+    _model(repo, "identity_fp32")
+    (repo / "simple_identity_fp32" / "1").mkdir(parents=True)
+    shutil.copy(QA / "python_models" / "simple_identity_fp32" / "config.pbtxt",  # type: ignore[operator]
+                repo / "simple_identity_fp32" / "config.pbtxt")
+    folder = _qa(tmp_path, "model_control")
+    backends = tmp_path / "backends"  # (test.sh's ${BACKEND_DIR}: Triton's install has one)
+    backends.mkdir()
+    server_args = (f"--model-repository={repo}", "--model-control-mode=explicit", f"--backend-directory={backends}",
+                   "--log-verbose=1")
+    loopback = ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1")
+    with meshserve_up(*server_args, *loopback, timeout=240, command="tritonserver"):
+        _run(folder, "model_control_test.py", ["ModelIDValidationTest::test_invalid_character_model_names",
+                                               "ModelIDValidationTest::test_valid_model_names"])
+    with meshserve_up("--repository", str(repo), "--allow-model-uploads", *PORTS, timeout=240):
+        _run(folder, "model_control_test.py", ["ExplicitModelTest::test_model_reload",  # (run above)
+                                               "ModelIDValidationTest::test_invalid_character_model_names"])
 
 
 PB_ENV = "MESHSERVE_NVIDIA_PYTHON_BACKEND"

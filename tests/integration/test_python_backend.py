@@ -59,6 +59,8 @@ def mesh(model_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     python_models.write(repo, "faulty_init", python_models.FAULTY_INIT, python_models.config(
         "faulty_init", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")],
         extra="instance_group [ { count: 2 kind: KIND_CPU } ]\n"))
+    python_models.write(repo, "stub;name", python_models.FAULTY_INIT, python_models.config(
+        "stub;name", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))  # (a name Triton's stub refuses)
     gate = tmp_path_factory.mktemp("gate") / "word"
     gate.write_text("true")
     python_models.write(repo, "gated", python_models.GATED, python_models.config(
@@ -254,8 +256,14 @@ def test_a_model_that_fails_to_initialize_or_complete_is_unavailable_with_its_re
     init = index["faulty_init"]
     assert init["state"] == "UNAVAILABLE"
     assert "initialize() of instance 'faulty_init_0_0' failed: RuntimeError: the weights are missing" in init["reason"]
-    assert "faulty_init/1/model.py(6): initialize" in init["reason"], init
+    assert "\n  1/model.py(6): initialize" in init["reason"], init  # (the model directory's path: not sent)
     assert index["py_add_sub"]["state"] == "READY"
+    # a name with a character the python backend refuses in a stub's name (";|&$`<>()[]{}\\\"'*?~#!"):
+    # its words, before any of the model's code runs; the reason names no path of this host
+    stub = index["stub;name"]
+    assert stub["state"] == "UNAVAILABLE" and "Invalid stub name: contains invalid characters" in stub["reason"], stub
+    assert str(mesh.repo) not in stub["reason"], stub
+    assert all(str(mesh.repo) not in m.get("reason", "") for m in index.values()), index
 
 
 @pytest.mark.parametrize("proto", ["http", "grpc"])

@@ -90,12 +90,15 @@ def test_model_file_path_stays_inside(tmp_path: Path) -> None:
     (model / "1").mkdir(parents=True)
     (tmp_path / "outside").mkdir()
     assert model_file_path(model, "1/model.onnx") == (model / "1" / "model.onnx").resolve()
-    for bad in ["", "/etc/passwd", "../outside/x", "1/../../outside", "1//x", "1/./x", "C:/x", "\\x", "1\\x",
-                "1/x\x00"]:
+    # a leading '/' is the model directory, as Triton joins it (core's JoinPath): never the root
+    assert model_file_path(model, "/1/model.py") == (model / "1" / "model.py").resolve()
+    assert model_file_path(model, "//etc/passwd") == (model / "etc" / "passwd").resolve()
+    for bad in ["", "/", "/../outside/x", "../outside/x", "1/../../outside", "1//x", "1/./x", "C:/x", "/C:/x",
+                "\\x", "1\\x", "1/x\x00"]:
         with pytest.raises(InferError) as err:
             model_file_path(model, bad)
         assert err.value.code is Code.INVALID_ARG and repr(bad) in err.value.message, bad
-    for bad in ["", "/etc/passwd", "../x", "1/../../x", "1\\x", "1/./x"]:  # the same rule without a filesystem
+    for bad in ["", "/../x", "../x", "1/../../x", "1\\x", "1/./x"]:  # the same rule without a filesystem
         with pytest.raises(InferError):
             check_file_path(bad)
     assert check_file_path("1/model.onnx") == ["1", "model.onnx"]

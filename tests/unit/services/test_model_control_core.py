@@ -124,11 +124,23 @@ async def test_file_overrides_load_from_a_fresh_directory_and_are_removed(core: 
     assert not list((repo / OVERRIDES_DIR).iterdir())
 
 
-@pytest.mark.parametrize("bad", ["../evil", "1/../../evil", "/evil", "1/./evil", "1\\evil", ""])
+@pytest.mark.parametrize("bad", ["../evil", "1/../../evil", "/../evil", "1/./evil", "1\\evil", ""])
 async def test_file_override_paths_stay_inside(core: ServiceCore, bad: str) -> None:
     with pytest.raises(InferError) as err:
         await core._load("m", _load_params("m", {bad: b"1"}))
     assert err.value.code is Code.INVALID_ARG and "file path" in err.value.message
+    assert not list(core.repository.parent.rglob("evil"))
+    assert not (core.repository / OVERRIDES_DIR).exists() or not list((core.repository / OVERRIDES_DIR).iterdir())
+
+
+async def test_an_absolute_file_path_is_the_model_directorys(core: ServiceCore) -> None:
+    """As Triton joins it: ``file:/evil`` is the model directory's ``evil`` (never the root's);
+    no version directory then, so the load fails in Triton's words and nothing is left."""
+    with pytest.raises(InferError) as err:
+        await core._load("m", _load_params("m", {"/evil": b"1"}))
+    assert err.value.code is Code.INVALID_ARG
+    assert err.value.message == "failed to load 'm': at least one version must be available under the version " \
+                                "policy of model 'm'"
     assert not list(core.repository.parent.rglob("evil"))
     assert not (core.repository / OVERRIDES_DIR).exists() or not list((core.repository / OVERRIDES_DIR).iterdir())
 
