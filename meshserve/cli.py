@@ -684,7 +684,11 @@ def main(argv: list[str] | None = None) -> None:
 
         tritonserver.main(argv[1:])
         return
-    args = build_parser(command_of(argv)).parse_args(argv)
+    run_parsed(build_parser(command_of(argv)).parse_args(argv), argv)
+
+
+def run_parsed(args: argparse.Namespace, argv: list[str]) -> None:
+    """Run the subcommand ``args`` (parsed from ``argv``) names."""
     args.raw_argv = argv  # `meshserve gateway --workers N` starts its workers with these
     if getattr(args, "backend_directory", None) is not None:
         if not args.backend_directory.is_dir():

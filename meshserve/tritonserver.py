@@ -385,10 +385,16 @@ def translate(argv: list[str]) -> Translation:
                              "Please provide one or the other.")
     if cache_size is not None:
         caches.append(f"local,size={cache_size}")
-    hosts = set(address.values()) or {"0.0.0.0"}
+    # Triton's defaults: HTTP and gRPC on every address, metrics on the HTTP address
+    address.setdefault("http-address", "0.0.0.0")
+    address.setdefault("grpc-address", "0.0.0.0")
+    address.setdefault("metrics-address", address["http-address"])
+    hosts = set(address.values())
     if len(hosts) > 1:
         raise TritonArgError("--http-address, --grpc-address, --metrics-address: not supported by meshserve: the "
-                             f"gateway listens on one address, got {', '.join(f'--{k}={v}' for k, v in address.items())}")
+                             "gateway listens on one address, here "
+                             + ", ".join(f"--{k}={v}" for k, v in sorted(address.items()))
+                             + " (with Triton's defaults: give the same address to each)")
     level = "DEBUG" if log_verbose > 0 else next(
         (lvl for key, lvl in (("log-info", "INFO"), ("log-warning", "WARNING"), ("log-error", "ERROR"))
          if log_on[key]), "CRITICAL")
@@ -460,13 +466,13 @@ def main(argv: list[str]) -> None:
         print(f"{PROG}: {note}", file=sys.stderr, flush=True)
     from meshserve import cli
 
-    args = cli.build_parser("up").parse_args(["up", *t.up_argv])
-    args.load_model = t.load_models
-    args.raw_argv = ["up", *t.up_argv]
+    argv = ["up", *t.up_argv]
+    args = cli.build_parser("up").parse_args(argv)
+    args.load_model = t.load_models  # (explicit mode without --load-model: none, which up's flags cannot say)
     print(f"{PROG}: running `meshserve up {' '.join(t.up_argv)}`"
           + (f" with {', '.join(t.load_models) or 'no model'} loaded at start" if t.load_models is not None else ""),
           file=sys.stderr, flush=True)
-    args.func(args)
+    cli.run_parsed(args, argv)
 
 
 def _output_to(path: str) -> None:

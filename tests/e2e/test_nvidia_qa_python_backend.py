@@ -53,6 +53,8 @@ from tests.support.up import meshserve_up
 ENV = "MESHSERVE_NVIDIA_QA"
 QA = Path(os.environ[ENV]) if os.environ.get(ENV) else None
 PORTS = ("--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002")  # (the tests' own)
+# `meshserve tritonserver` (test.sh's own SERVER_ARGS) on loopback: Triton's ports, its default address narrowed
+LOOPBACK = ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1")
 
 pytestmark = pytest.mark.skipif(QA is None or not (QA / "L0_backend_python").is_dir(),
                                 reason=f"{ENV} is not set to a qa folder with L0_backend_python (NVIDIA's server "
@@ -221,9 +223,10 @@ def test_logging(tmp_path: Path) -> None:
 
 def test_python_based_backends(tmp_path: Path) -> None:
     """A backend written in Python (``backend: "add_sub"``, its model.py in the backend directory,
-    each model's folder holding only its model.json): `up --backend-directory`, as test.sh lays it
-    out, beside a python model and a TorchScript one made by NVIDIA's generator; the client loads
-    each (one with a config override naming the backend)."""
+    each model's folder holding only its model.json): `meshserve tritonserver` with test.sh's own
+    command line, the repository as test.sh lays it out, beside a python model and a TorchScript
+    one made by NVIDIA's generator; the client loads each (one with a config override naming the
+    backend)."""
     assert QA is not None
     backends, repo = tmp_path / "backends", tmp_path / "models"
     (backends / "add_sub").mkdir(parents=True)
@@ -239,7 +242,9 @@ def test_python_based_backends(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(QA / "common" / "gen_qa_pytorch_model.py"), "-m", str(repo)], check=True,
                    capture_output=True, timeout=300)
     folder = _qa(tmp_path, "python_based_backends")
-    with meshserve_up("--repository", str(repo), "--backend-directory", str(backends), *PORTS, timeout=240):
+    # test.sh's SERVER_ARGS, as they are (explicit mode, nothing loaded at start: the test loads each)
+    with meshserve_up(f"--model-repository={repo}", f"--backend-directory={backends}", "--model-control-mode=explicit",
+                      "--log-verbose=1", *LOOPBACK, timeout=240, command="tritonserver"):
         _run(folder, "python_based_backends_test.py")
 
 
@@ -262,8 +267,7 @@ def test_model_control(tmp_path: Path) -> None:
     backends.mkdir()
     server_args = (f"--model-repository={repo}", "--model-control-mode=explicit", f"--backend-directory={backends}",
                    "--log-verbose=1")
-    loopback = ("--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1")
-    with meshserve_up(*server_args, *loopback, timeout=240, command="tritonserver"):
+    with meshserve_up(*server_args, *LOOPBACK, timeout=240, command="tritonserver"):
         _run(folder, "model_control_test.py", ["ModelIDValidationTest::test_invalid_character_model_names",
                                                "ModelIDValidationTest::test_valid_model_names"])
     with meshserve_up("--repository", str(repo), "--allow-model-uploads", *PORTS, timeout=240):

@@ -118,6 +118,10 @@ def test_values_are_read_as_triton_reads_them() -> None:
     assert _up_args(["--log-verbose=true"]).log_level == "DEBUG"  # ParseIntBoolOption
 
 
+def test_the_metrics_address_is_the_http_addresss_by_default() -> None:
+    assert _up_args(["--http-address=10.0.0.1", "--grpc-address=10.0.0.1"]).host == "10.0.0.1"
+
+
 def test_triton_defaults_become_up_flags() -> None:
     args = _up_args([])
     assert (args.repository.as_posix(), args.host, args.server_name, args.model_control_mode, args.log_level,
@@ -172,6 +176,8 @@ def test_command_lines_triton_refuses_after_parsing() -> None:
                        (["--response-cache-byte-size=1", "--cache-config=local,size=2"],
                         "Error: Incompatible flags --response-cache-byte-size and --cache-config both provided."),
                        (["--http-address=127.0.0.1", "--grpc-address=0.0.0.0"], "listens on one address"),
+                       (["--http-address=127.0.0.1"], "--grpc-address=0.0.0.0, --http-address=127.0.0.1, "
+                                                      "--metrics-address=127.0.0.1 (with Triton's defaults"),
                        (["--cache-config=size=1"], "No cache specified. --cache-config option format is")]:
         with pytest.raises(TritonArgError) as err:
             translate((["--model-repository=/a"] if argv else []) + argv)
