@@ -161,6 +161,7 @@ class GatewayCore:
             admission.sequence_replica = self.sequence_replica
         # --metrics-auth: /metrics (model and tenant names, every tenant's counts) for admins only
         self.metrics_auth = metrics_auth
+        self.serves_metrics = True  # --allow-metrics (false: /metrics is 404 on the HTTP port)
         # --federate-metrics: /metrics carries the services' nv_* families too (label replica)
         self.federate_metrics = federate_metrics
         self.federation = Federation(self.upstream)

@@ -47,6 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "them in the gateway only while N full batches (max_batch_size rows per instance) "
                          "per replica are in flight (0 = never merge)")
     add_tenant_arguments(ap)
+    add_front_door_arguments(ap)
     response_cache.add_arguments(ap)
     ap.add_argument("--federate-metrics", action="store_true",
                     help="/metrics also carries the services' Triton nv_* families (read from each healthy "
@@ -70,6 +71,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     repository_control.add_arguments(ap)
     server_limits.add_arguments(ap)
     tls.add_upstream_arguments(ap)
+
+
+def add_front_door_arguments(ap: argparse.ArgumentParser) -> None:
+    """Triton's --allow-http and --allow-metrics: flags of `meshserve gateway` and `meshserve up`."""
+    ap.add_argument("--allow-http", type=tls.bool_argument, nargs="?", const=True, default=True, metavar="BOOL",
+                    help="serve HTTP/REST (default true; false: gRPC only, as Triton's flag)")
+    ap.add_argument("--allow-metrics", type=tls.bool_argument, nargs="?", const=True, default=True, metavar="BOOL",
+                    help="serve /metrics (default true; false: neither the metrics port nor /metrics on the HTTP "
+                         "port, as Triton's flag)")
+
+
+def front_door_flags(args: argparse.Namespace) -> list[str]:
+    """add_front_door_arguments's flags of ``args`` that are not their defaults, as a command line."""
+    return [f"--{name}=false" for name, on in (("allow-http", args.allow_http), ("allow-metrics", args.allow_metrics))
+            if not on]
 
 
 def add_tenant_arguments(ap: argparse.ArgumentParser) -> None:
@@ -148,12 +164,14 @@ def main(args: argparse.Namespace) -> None:
                     control=repository_control.ControlPolicy.from_args(args), cache=cache,
                     cache_share=(worker.state.directory, worker.index) if worker is not None else None,
                     placement=placement)
+        core.serves_metrics = args.allow_metrics  # (/metrics on the HTTP port: 404 when off)
         if isinstance(core, WorkerGatewayCore) and worker is not None:
             core.worker = worker
             worker.metrics.local = core.local_metrics_text
         await core.start()
-        await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                    metrics_port=args.metrics_port, limits=limits, worker=worker)
+        await serve(core, name="gateway", host=args.host, grpc_port=args.grpc_port,
+                    http_port=args.http_port if args.allow_http else None,
+                    metrics_port=args.metrics_port if args.allow_metrics else None, limits=limits, worker=worker)
 
     run(amain())
 

@@ -256,9 +256,11 @@ def _up_gateway_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--allow-remote-model-control")
     for value in args.cache_config:
         flags += ["--cache-config", value]
+    from gateway.main import front_door_flags
     from meshserve.server import limits, tls
 
-    return flags + _up_upload_flags(args) + tls.flags(tls.from_args(args)) + limits.passed_on(args)
+    return (flags + _up_upload_flags(args) + tls.flags(tls.from_args(args)) + limits.passed_on(args)
+            + front_door_flags(args))
 
 
 def _up_mesh_service_flags(args: argparse.Namespace) -> list[str]:
@@ -385,6 +387,33 @@ def _start_errors(args: argparse.Namespace, entries: list, runnable: list[str]) 
     return unknown, skipped
 
 
+def _banner(args: argparse.Namespace, ports: dict[str, int], n_services: int, servable: list[str]) -> str:
+    """What `meshserve up` prints once every process is ready: the gateway's endpoints (the HTTP
+    and metrics lines only where they are served: --allow-http, --allow-metrics) and a request to try."""
+    host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
+    http = ports.get("http")
+    scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
+    metrics_at = f"{host}:{ports['metrics']}" if "metrics" in ports else f"{host}:{http}"
+    model = next(iter(servable), "add_sub")
+    lines = [f"meshserve is up ({n_services} service process(es) + gateway"
+             + ("; models load on first use: `meshserve placement` shows where" if args.model_control_mode == "lazy"
+                else "") + ")."]
+    if http is not None:
+        lines.append(f"  HTTP/REST  {scheme}://{host}:{http}/v2          (health: /v2/health/ready)")
+    lines.append(f"  gRPC       {host}:{ports['grpc']}                 (inference.GRPCInferenceService)")
+    if args.allow_metrics and ("metrics" in ports or http is not None):
+        lines.append(f"  Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, "
+                     "by replica)")
+    if http is not None:
+        lines += ["Try:", f"  curl -s {scheme}://{host}:{http}/v2/models/{model}"]
+        if "add_sub" in servable:  # an infer to try where the repository has the example's add_sub (inputs known)
+            data = ",".join(["1"] * 16), ",".join(["2"] * 16)
+            lines.append(f"  curl -s -X POST {scheme}://{host}:{http}/v2/models/add_sub/infer -d "
+                         f"""'{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{data[0]}]}},"""
+                         f"""{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{data[1]}]}}]}}'""")
+    return "\n" + "\n".join(lines) + "\nPress Ctrl-C to stop."
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from meshserve.repository import layout
 
@@ -487,27 +516,8 @@ def _cmd_up(args: argparse.Namespace) -> None:
         gateway.wait_ready(args.timeout)
         if reserved is not None:
             reserved.close()  # the gateway listens on it now
-        host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
-        http, grpc_port = gateway.ports["http"], gateway.ports["grpc"]
-        scheme = "https" if args.tls_http_use_ssl or args.tls_http_mutual else "http"  # (--http-use-ssl)
-        metrics_at = f"{host}:{gateway.ports['metrics']}" if "metrics" in gateway.ports else f"{host}:{http}"
-        servable = [e.name for e in entries if e.kind in runnable and not e.error]
-        model = next(iter(servable), "add_sub")
-        # an infer to try where the repository has the bundled example's add_sub (its inputs are known)
-        try_infer = "" if "add_sub" not in servable else (
-            f"\n  curl -s -X POST {scheme}://{host}:{http}/v2/models/add_sub/infer -d "
-            f"""'{{"inputs":[{{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":[{",".join(["1"] * 16)}]}},"""
-            f"""{{"name":"INPUT1","shape":[1,16],"datatype":"FP32","data":[{",".join(["2"] * 16)}]}}]}}'""")
-        mesh_note = "; models load on first use: `meshserve placement` shows where" \
-            if args.model_control_mode == "lazy" else ""
-        print(f"""
-meshserve is up ({len(services)} service process(es) + gateway{mesh_note}).
-  HTTP/REST  {scheme}://{host}:{http}/v2          (health: /v2/health/ready)
-  gRPC       {host}:{grpc_port}                 (inference.GRPCInferenceService)
-  Metrics    http://{metrics_at}/metrics     (Prometheus: Triton's nv_inference_* of every model, by replica)
-Try:
-  curl -s {scheme}://{host}:{http}/v2/models/{model}{try_infer}
-Press Ctrl-C to stop.""", flush=True)
+        print(_banner(args, gateway.ports, len(services),
+                      [e.name for e in entries if e.kind in runnable and not e.error]), flush=True)
         while not stopping.is_set():
             for c in children:
                 if c.proc.poll() is not None:
@@ -542,6 +552,9 @@ def _up_arguments(up: argparse.ArgumentParser) -> None:
     from meshserve.server import repository_control
 
     add_tenant_arguments(up)  # the gateway's own definitions: tenants, quotas, /metrics auth
+    from gateway.main import add_front_door_arguments
+
+    add_front_door_arguments(up)  # --allow-http, --allow-metrics: passed on to the gateway
     from gateway.main import add_cache_arguments
 
     add_cache_arguments(up)  # --cache-config, passed on to the gateway

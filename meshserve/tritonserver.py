@@ -86,7 +86,7 @@ FLAGS: dict[str, Flag] = {
                                         "the repository API)"),
     "model-namespacing": _r("bool", "one namespace of model names (true is refused; false is the default)"),
     "enable-peer-access": _i("bool", NO_PART.format(what="CUDA peer access between GPUs")),
-    "allow-http": _r("bool", "the gateway always serves HTTP/REST (false is refused; true is the default)"),
+    "allow-http": _m("bool", "`--allow-http` (false: the gateway serves gRPC only)"),
     "http-address": _m("str", "`--host` (the HTTP, gRPC and metrics addresses must be the same one)"),
     "http-port": _m("int", "`--http-port`"),
     "reuse-http-port": _i("bool", "the gateway's workers share its ports (`--gateway-workers`); another "
@@ -150,8 +150,8 @@ FLAGS: dict[str, Flag] = {
     "vertex-ai-port": _i("int", "no Vertex AI endpoint"),
     "vertex-ai-thread-count": _i("int", "no Vertex AI endpoint"),
     "vertex-ai-default-model": _i("str", "no Vertex AI endpoint"),
-    "allow-metrics": _r("bool", "the gateway's /metrics is always served on its HTTP port (false is refused: "
-                                "guard it with --tenants --metrics-auth)"),
+    "allow-metrics": _m("bool", "`--allow-metrics` (false: no metrics port, and /metrics on the HTTP port is "
+                                "404)"),
     "allow-gpu-metrics": _i("bool", "GPU metrics come from each service that has a GPU"),
     "allow-cpu-metrics": _i("bool", "CPU and memory metrics are always reported"),
     "metrics-address": _m("str", "`--host` (the HTTP, gRPC and metrics addresses must be the same one)"),
@@ -309,7 +309,7 @@ def translate(argv: list[str]) -> Translation:
         if flag.fate == "refused":
             if name in ("model-namespacing", "allow-sagemaker", "allow-vertex-ai") and parsed is False:
                 continue
-            if name in ("allow-http", "allow-grpc", "allow-metrics") and parsed is True:
+            if name == "allow-grpc" and parsed is True:
                 continue
             raise TritonArgError(f"--{name}: not supported by meshserve: {flag.note}")
         if flag.fate == "ignored":
@@ -368,6 +368,8 @@ def translate(argv: list[str]) -> Translation:
             caches.append(str(value))
         elif name == "response-cache-byte-size":
             cache_size = _int(parsed)
+        elif name in ("allow-http", "allow-metrics"):
+            up.append(f"--{name}={'true' if parsed else 'false'}")
         elif name == "allow-client-shm":
             allow_shm = bool(parsed)
         else:  # a mapped option without a rule above: a bug in this table

@@ -199,6 +199,8 @@ class HttpFrontend:
         return _health(request, "ready", self.core.ready())
 
     async def metrics(self, request: Request, p: Params, grant: Grant) -> Answer:
+        if not getattr(self.core, "serves_metrics", True):  # (a gateway with --allow-metrics=false)
+            raise InferError.not_found("metrics are off on this server (--allow-metrics=false)")
         body, ctype = await self.core.metrics_text()
         return Answer(body, {"Content-Type": ctype})
 

@@ -73,7 +73,8 @@ class TlsSettings:
     hop_key_file: str | None = None  # the hop's shared key (--hop-key-file; configure_hop), never its bytes
 
 
-def _bool(text: str) -> bool:
+def bool_argument(text: str) -> bool:
+    """A flag's true or false (Triton's words for them, any case; yes and no too)."""
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -86,9 +87,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The TLS flags of both ports: `--grpc-use-ssl` (Triton's form `--grpc-use-ssl=true` too) ..."""
     group = ap.add_argument_group("TLS (docs/security.md, \"TLS and mutual TLS\")")
     for proto, name in (("grpc", "gRPC"), ("http", "HTTP")):
-        group.add_argument(f"--{proto}-use-ssl", dest=f"tls_{proto}_use_ssl", type=_bool, nargs="?", const=True,
+        group.add_argument(f"--{proto}-use-ssl", dest=f"tls_{proto}_use_ssl", type=bool_argument, nargs="?", const=True,
                            default=False, metavar="BOOL", help=f"serve {name} over TLS (default false)")
-        group.add_argument(f"--{proto}-use-ssl-mutual", dest=f"tls_{proto}_mutual", type=_bool, nargs="?",
+        group.add_argument(f"--{proto}-use-ssl-mutual", dest=f"tls_{proto}_mutual", type=bool_argument, nargs="?",
                            const=True, default=False, metavar="BOOL",
                            help=f"{name}: require a client certificate signed by --{proto}-root-cert "
                                 f"(implies --{proto}-use-ssl; default false)")
@@ -565,7 +566,7 @@ UPSTREAM = UpstreamTls()
 def add_upstream_arguments(ap: argparse.ArgumentParser) -> None:
     """The gateway's flags for TLS on its hop to the services."""
     group = ap.add_argument_group("TLS to the services (docs/security.md, \"TLS and mutual TLS\")")
-    group.add_argument("--upstream-use-ssl", dest="tls_upstream_use_ssl", type=_bool, nargs="?", const=True,
+    group.add_argument("--upstream-use-ssl", dest="tls_upstream_use_ssl", type=bool_argument, nargs="?", const=True,
                        default=False, metavar="BOOL", help="connect to the services over TLS (default false)")
     group.add_argument("--upstream-root-cert", dest="tls_upstream_root", default=None, metavar="PEM",
                        help="the CA the services' certificates must chain to (default: the system's)")

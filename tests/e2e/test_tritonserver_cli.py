@@ -6,8 +6,11 @@ default true) and --log-file, and a refused flag stopping before anything starts
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 from meshserve import examples
 from tests.conftest import ROOT
 from tests.support import eventually
+from tests.support.net import free_port
 from tests.support.up import Up, meshserve_up
 
 LOOPBACK = ("--http-address=127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address=127.0.0.1",
@@ -182,3 +186,29 @@ def test_a_refused_command_line_stops_before_anything_starts(repo: Path, flags: 
     assert run.returncode == 1
     assert says in run.stderr, run.stderr
     assert "meshserve up: starting" not in run.stdout + run.stderr
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_http_and_metrics_off(tritonserver) -> None:  # type: ignore[no-untyped-def]
+    """--allow-http=false: gRPC only, no HTTP port; --allow-metrics=false: no metrics port, and
+    /metrics on the HTTP port is 404 (Triton's flags, honoured)."""
+    http_port, metrics_port = free_port(), free_port()
+    ports = (f"--http-port={http_port}", f"--metrics-port={metrics_port}")
+    with tritonserver("--allow-http=false", "--allow-metrics=false", *ports) as up:
+        assert "http" not in up.ports and "HTTP/REST" not in up.banner and "Metrics" not in up.banner
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{up.ports['grpc']}")
+        _add_sub(grpc)
+        grpc.close()
+        assert _refused(http_port) and _refused(metrics_port)
+    with tritonserver("--allow-metrics=false") as up:
+        with urllib.request.urlopen(f"http://127.0.0.1:{up.ports['http']}/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{up.ports['http']}/metrics", timeout=10)
+        assert err.value.code == 404 and b"--allow-metrics=false" in err.value.read()
+        assert "metrics" not in up.ports

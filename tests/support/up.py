@@ -154,11 +154,13 @@ def start_up(*args: str, timeout: float = 180.0, env: dict[str, str] | None = No
     grpc = re.search(r"^  gRPC\s+\S+?:(\d+)\s", up.banner, re.M)  # (the banner's line: a service's INFO log line
     # "serving: gRPC 127.0.0.1:PORT" may come before it)
     metrics = re.search(r"Metrics\s+https?://\S+?:(\d+)/metrics", up.banner)
-    if http is None or grpc is None:
+    if grpc is None:  # (no HTTP line: a gateway with --allow-http=false)
         up.stop()
         raise RuntimeError(f"meshserve up: no ports in its banner:\n{up.banner}")
-    up.scheme = http.group(1)
-    up.ports = {"http": int(http.group(2)), "grpc": int(grpc.group(1))}
+    up.ports = {"grpc": int(grpc.group(1))}
+    if http is not None:
+        up.scheme = http.group(1)
+        up.ports["http"] = int(http.group(2))
     if metrics is not None:
         up.ports["metrics"] = int(metrics.group(1))
     return up

@@ -39,11 +39,11 @@ trace-rate:int trace-count:int trace-log-frequency:int
 """.split()
 
 # a value each refused option is refused with (the others of its kind are Triton's defaults)
-REFUSING = {"model-config-name": "alt", "model-namespacing": "true", "allow-http": "false",
+REFUSING = {"model-config-name": "alt", "model-namespacing": "true",
             "http-header-forward-pattern": "x-.*", "http-restricted-api": "model-repository:k=v",
             "allow-grpc": "false", "grpc-header-forward-pattern": "x-.*",
             "grpc-restricted-protocol": "model-repository:k=v", "allow-sagemaker": "true",
-            "allow-vertex-ai": "true", "allow-metrics": "false"}
+            "allow-vertex-ai": "true"}
 VALUE = {"none": None, "str": "x", "int": "3", "bool": "true", "float": "1.5"}
 
 
@@ -80,8 +80,8 @@ def test_a_refused_option_stops_the_start_naming_it(name: str) -> None:
 
 
 def test_refused_options_at_their_default_are_taken() -> None:
-    t = translate(["--model-repository=/m", "--allow-http=true", "--allow-grpc=1", "--allow-metrics=on",
-                   "--model-namespacing=false", "--allow-sagemaker=off", "--allow-vertex-ai=0"])
+    t = translate(["--model-repository=/m", "--allow-grpc=1", "--model-namespacing=false", "--allow-sagemaker=off",
+                   "--allow-vertex-ai=0"])
     assert t.notes == []
     assert {n for n, f in FLAGS.items() if f.fate == "refused"} == set(REFUSING)
 
@@ -154,7 +154,8 @@ def test_mapped_options_become_up_flags_up_accepts() -> None:
     used = {a.split("=")[0][2:] for a in argv if a.startswith("--")} | {"model-repository", "help",
                                                                        "repository-poll-secs", "log-verbose",
                                                                        "log-warning", "log-error",
-                                                                       "response-cache-byte-size", "grpc-use-ssl"}
+                                                                       "response-cache-byte-size", "grpc-use-ssl",
+                                                                       "allow-http", "allow-metrics"}
     assert every_mapped <= used | {"load-model"}  # each mapped option is exercised here or below
 
 
@@ -162,6 +163,9 @@ def test_the_rest_of_the_mapped_options() -> None:
     assert _up_args(["--model-control-mode=POLL", "--repository-poll-secs=3"]).repository_poll_secs == 3
     assert _up_args(["--response-cache-byte-size=4096"]).cache_config == ["local,size=4096"]
     assert _up_args(["--grpc-use-ssl=1"]).tls_grpc_use_ssl
+    on = _up_args(["--allow-http=on", "--allow-metrics=1"])
+    off = _up_args(["--allow-http=false", "--allow-metrics=OFF"])
+    assert (on.allow_http, on.allow_metrics, off.allow_http, off.allow_metrics) == (True, True, False, False)
     assert _up_args(["--log-info=0", "--log-warning=0"]).log_level == "ERROR"
     assert _up_args(["--log-info=0", "--log-warning=0", "--log-error=0"]).log_level == "CRITICAL"
     assert translate(["--help"]).show_help
