@@ -30,10 +30,10 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from meshserve import examples
 from tests.adversarial.harness import ADMIN_KEY, KEY, TENANTS, RssSampler, rss
 from tests.conftest import ROOT, Proc, service_and_gateway
 from tests.support import up as up_helper
+from tests.support.models import example_models
 from tests.support.net import free_port as _free_port
 
 MiB = 1 << 20
@@ -122,10 +122,7 @@ class Up:
 @contextmanager
 def meshserve_up(root: Path, *flags: str) -> Iterator[Up]:
     """`meshserve up` on a repository of add_sub (onnx) and add_sub_bls (python), with ``flags``."""
-    repo = root / "repo"
-    for name in ("add_sub", "add_sub_bls"):
-        shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
-    examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
+    repo = example_models(root / "repo", "add_sub", "add_sub_bls")
     http_port, grpc_port = _free_port(), _free_port()
     with up_helper.meshserve_up("--metrics-port", "0", "--repository", str(repo), "--http-port", str(http_port),
                                 "--grpc-port", str(grpc_port), *flags) as up:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,10 +22,10 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from gateway.auth import hash_key
-from meshserve import examples
 from tests.conftest import ROOT
 from tests.models import python_models as pm
 from tests.support import eventually
+from tests.support.models import example_models
 from tests.support.up import meshserve_up
 
 APP_KEY = "app-key-3f9c1e"  # the client tenant: add_sub_bls and bls_decoupled, not what they call
@@ -43,11 +42,7 @@ def _tenants(path: Path, bls_models: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = tmp_path_factory.mktemp("bls") / "repo"
-    repo.mkdir()
-    for name in ("add_sub", "add_sub_bls"):
-        shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
-    examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
+    repo = example_models(tmp_path_factory.mktemp("bls") / "repo", "add_sub", "add_sub_bls")
     pm.write(repo, "square_int32", pm.SQUARE_INT32, pm.SQUARE_CONFIG.lstrip())
     pm.write(repo, "bls_decoupled", pm.BLS_DECOUPLED, pm.config(
         "bls_decoupled", [("IN", "TYPE_INT32", "1")], [("SUM", "TYPE_INT32", "1"), ("COUNT", "TYPE_INT32", "1")]))

@@ -17,8 +17,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from meshserve import examples
-from tests.conftest import ROOT
 from tests.support import eventually, models
 from tests.support.net import free_port as _free_port
 from tests.support.up import meshserve_up
@@ -36,11 +34,7 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    repo = tmp_path_factory.mktemp("up") / "repo"
-    repo.mkdir()
-    for name in ("add_sub", "scale"):
-        shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
-    examples.ensure(repo, progress=lambda _: None, only={"add_sub", "scale"})
+    repo = models.example_models(tmp_path_factory.mktemp("up") / "repo", "add_sub", "scale")
     http_port, grpc_port = _free_port(), _free_port()
     with meshserve_up("--metrics-port", "0", "--repository", str(repo), "--http-port", str(http_port),
                       "--grpc-port", str(grpc_port), "--allow-model-uploads",  # the `file:` override tests upload on purpose

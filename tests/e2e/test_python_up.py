@@ -7,16 +7,14 @@ default level, as Triton shows them by default; VERBOSE ones do not."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from meshserve import examples
-from tests.conftest import ROOT
 from tests.models import python_models as pm
+from tests.support.models import example_models
 from tests.support.up import meshserve_up
 from tests.support.waiting import eventually
 
@@ -48,10 +46,7 @@ def _workers(pid: int) -> list[int]:
 
 
 def test_up_runs_python_models_and_their_bls_calls(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copytree(ROOT / "examples" / "model_repository" / "add_sub", repo / "add_sub")
-    examples.ensure(repo, progress=lambda _: None, only={"add_sub"})
+    repo = example_models(tmp_path / "repo", "add_sub")
     pm.write(repo, "bls_sync", pm.BLS_SYNC, pm.config("bls_sync", [*pm.PAIR_IN, ("MODEL_NAME", "TYPE_STRING", "1")],
                                                       pm.PAIR_OUT))
     pm.write(repo, "greets", GREETS, pm.config("greets", [("X", "TYPE_FP32", "1")], [("Y", "TYPE_FP32", "1")]))

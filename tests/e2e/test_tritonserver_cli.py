@@ -20,33 +20,21 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from meshserve import examples
 from tests.conftest import ROOT
+from tests.models import python_models as pm
 from tests.support import eventually
+from tests.support.models import example_models
 from tests.support.net import free_port
 from tests.support.up import Up, meshserve_up
 
 LOOPBACK = ("--http-address=127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address=127.0.0.1",
             "--http-port=0", "--grpc-port=0", "--metrics-port=0")
-BAD_INIT = '''
-class TritonPythonModel:
-    def initialize(self, args):
-        raise RuntimeError("no weights here")
-
-    def execute(self, requests):
-        return []
-'''
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """add_sub and scale (onnx) of the example repository, their files generated."""
-    repo = tmp_path_factory.mktemp("tritonserver") / "repo"
-    repo.mkdir()
-    for name in ("add_sub", "scale"):
-        shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
-    examples.ensure(repo, progress=lambda _: None, only={"add_sub", "scale"})
-    return repo
+    return example_models(tmp_path_factory.mktemp("tritonserver") / "repo", "add_sub", "scale")
 
 
 def _copy(repo: Path, tmp_path: Path, *names: str) -> Path:
@@ -149,26 +137,22 @@ def test_poll_mode_serves_a_model_copied_in(tritonserver, repo: Path, tmp_path: 
 def test_exit_on_error_is_the_default_and_false_serves_the_rest(tritonserver, repo: Path,  # type: ignore[no-untyped-def]
                                                                 tmp_path: Path) -> None:
     own = _copy(repo, tmp_path, "add_sub")
-    bad = own / "bad_init"
-    (bad / "1").mkdir(parents=True)
-    (bad / "config.pbtxt").write_text('name: "bad_init"\nbackend: "python"\n'
-                                      'input [{ name: "IN" data_type: TYPE_FP32 dims: [1] }]\n'
-                                      'output [{ name: "OUT" data_type: TYPE_FP32 dims: [1] }]\n')
-    (bad / "1" / "model.py").write_text(BAD_INIT)
+    pm.write(own, "bad_init", pm.FAULTY_INIT, pm.config("bad_init", [("IN", "TYPE_FP32", "1")],
+                                                        [("OUT", "TYPE_FP32", "1")]))
     log = tmp_path / "server.log"
     run = subprocess.run([sys.executable, "-m", "meshserve", "tritonserver", f"--model-repository={own}", *LOOPBACK,
                           f"--log-file={log}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     text = log.read_text()
     assert run.returncode == 1, (run.returncode, text)
     assert run.stdout == "" and run.stderr == ""  # --log-file: every process's output went to the file
-    assert "initialize() of instance 'bad_init_0' failed: RuntimeError: no weights here" in text
+    assert "initialize() of instance 'bad_init_0' failed: RuntimeError: the weights are missing" in text
     assert "failed to load all models (--exit-on-error): 'bad_init'" in text
     assert "python service exited with code 1 before it was ready" in text
     with tritonserver("--exit-on-error=false", repository=own) as up:
         http, _ = _clients(up)
         index = {m["name"]: m for m in http.get_model_repository_index()}
         assert index["add_sub"]["state"] == "READY"
-        assert index["bad_init"]["state"] == "UNAVAILABLE" and "no weights here" in index["bad_init"]["reason"]
+        assert index["bad_init"]["state"] == "UNAVAILABLE" and "the weights are missing" in index["bad_init"]["reason"]
         http.close()
 
 

@@ -18,15 +18,11 @@ from tritonclient.utils import InferenceServerException
 from meshserve import examples
 from tests.conftest import Proc, start
 from tests.support import eventually
+from tests.support.models import example_models
 
 
 def _repo(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for name in ("add_sub", "scale"):
-        shutil.copytree(Path(__file__).resolve().parents[2] / "examples" / "model_repository" / name, root / name,
-                        dirs_exist_ok=True)
-    examples.ensure(root, progress=lambda _: None, only={"add_sub", "scale"})
-    return root
+    return example_models(root, "add_sub", "scale")
 
 
 @pytest.fixture()

@@ -9,16 +9,31 @@ configs, is the business of its recipe (``tests/models/generate.py``, ``tests/mo
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from meshserve import examples
 from meshserve.examples import add_sub, mlp, onnx_model, save_onnx, scale
 
-__all__ = ["add_sub", "ensemble_config", "fixed_add", "identity", "mlp", "onnx_model", "pair_config", "save_onnx",
+__all__ = ["add_sub", "ensemble_config", "example_models", "fixed_add", "identity", "mlp", "onnx_model", "pair_config", "save_onnx",
            "scale", "small_mlp", "step", "torch_add_sub", "torch_affine_export", "write"]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_repository"
+
+
+def example_models(repo: Path, *names: str) -> Path:
+    """``repo`` (made when missing) holding the example repository's models ``names`` (config,
+    code), their model files generated as `meshserve up` generates them (``examples.ensure``)."""
+    repo.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copytree(EXAMPLES / name, repo / name, dirs_exist_ok=True)
+    examples.ensure(repo, progress=lambda _: None, only=set(names))
+    return repo
+
 
 # what ``write`` takes for one version: an ONNX model, or a function that writes the file at a path
 Model = Any
