@@ -296,7 +296,6 @@ def translate(argv: list[str]) -> Translation:
     log_file: str | None = None
     cache_size: int | None = None
     caches: list[str] = []
-    ignored_seen: set[str] = set()
     allow_shm = False  # Triton's default since 2026-04 (server #8721)
     for name, value in pairs:
         flag = FLAGS[name]
@@ -313,9 +312,9 @@ def translate(argv: list[str]) -> Translation:
                 continue
             raise TritonArgError(f"--{name}: not supported by meshserve: {flag.note}")
         if flag.fate == "ignored":
-            if name not in ignored_seen:
-                ignored_seen.add(name)
-                notes.append(f"--{name} has no effect here: {flag.note}")
+            note = f"--{name} has no effect here: {flag.note}"
+            if note not in notes:  # (once per option, however often it is given)
+                notes.append(note)
             continue
         if name in ("model-store", "model-repository"):
             if value not in repositories:
@@ -342,7 +341,7 @@ def translate(argv: list[str]) -> Translation:
             if _int(parsed) <= 0:
                 raise _bad(name, "Error: --http-max-input-size must be greater than 0.")
             up += ["--max-request-bytes", str(parsed)]
-        elif name in ("grpc-use-ssl", "grpc-use-ssl-mutual"):
+        elif name in ("grpc-use-ssl", "grpc-use-ssl-mutual", "allow-http", "allow-metrics"):  # up's own, by name
             up.append(f"--{name}={'true' if parsed else 'false'}")
         elif name in ("grpc-server-cert", "grpc-server-key", "grpc-root-cert", "backend-directory"):
             up += [f"--{name}", str(value)]
@@ -368,8 +367,6 @@ def translate(argv: list[str]) -> Translation:
             caches.append(str(value))
         elif name == "response-cache-byte-size":
             cache_size = _int(parsed)
-        elif name in ("allow-http", "allow-metrics"):
-            up.append(f"--{name}={'true' if parsed else 'false'}")
         elif name == "allow-client-shm":
             allow_shm = bool(parsed)
         else:  # a mapped option without a rule above: a bug in this table
